@@ -1,0 +1,207 @@
+//! What the client sees (SPEC §3): OpenAI-shaped refusals that SDKs parse
+//! and back off from, and the `X-RateLimit-*` headers of admitted requests.
+
+use serde_json::json;
+
+use crate::bucket::Quota;
+
+/// Why a request was refused; `code()` is the `x-sluice-reason` value and
+/// the `error.code` of the body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    UserRateLimit,
+    ModelRateLimit,
+    RouteRateLimit,
+    RequestTooLarge,
+    InvalidRequest,
+    Unauthenticated,
+}
+
+impl Reason {
+    pub fn code(self) -> &'static str {
+        match self {
+            Reason::UserRateLimit => "user_rate_limit",
+            Reason::ModelRateLimit => "model_rate_limit",
+            Reason::RouteRateLimit => "route_rate_limit",
+            Reason::RequestTooLarge => "request_too_large",
+            Reason::InvalidRequest => "invalid_request",
+            Reason::Unauthenticated => "unauthenticated",
+        }
+    }
+
+    fn status(self) -> u32 {
+        match self {
+            Reason::UserRateLimit | Reason::ModelRateLimit | Reason::RouteRateLimit => 429,
+            Reason::RequestTooLarge => 413,
+            Reason::InvalidRequest => 400,
+            Reason::Unauthenticated => 401,
+        }
+    }
+
+    fn error_type(self) -> &'static str {
+        match self {
+            Reason::UserRateLimit | Reason::ModelRateLimit | Reason::RouteRateLimit => {
+                "rate_limit_exceeded"
+            }
+            Reason::RequestTooLarge | Reason::InvalidRequest => "invalid_request_error",
+            Reason::Unauthenticated => "authentication_error",
+        }
+    }
+}
+
+/// A local reply: status, headers and JSON body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u32,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Details of a refusal by a bucket.
+#[derive(Debug, Clone)]
+pub struct Limited<'a> {
+    pub reason: Reason,
+    pub quota: Quota,
+    pub retry_after_ms: u64,
+    pub tier: &'a str,
+    /// Human name of the bucket, e.g. `tier free: requests`.
+    pub bucket: &'a str,
+    /// The limit as written, e.g. `10/min`.
+    pub limit_text: &'a str,
+}
+
+/// 429 for a bucket that does not fit.
+pub fn limited(l: &Limited, now_ms: u64) -> Reply {
+    let retry_after = ceil_secs(l.retry_after_ms).max(1);
+    let message = format!(
+        "Rate limit reached for {} ({}). Try again in {} s.",
+        l.bucket, l.limit_text, retry_after
+    );
+    let body = json!({"error": {
+        "message": message,
+        "type": l.reason.error_type(),
+        "code": l.reason.code(),
+        "param": null,
+        "sluice": {
+            "limit": l.quota.limit,
+            "remaining": l.quota.remaining,
+            "reset_at": rfc3339(now_ms + retry_after * 1000),
+            "retry_after_seconds": retry_after,
+            "tier": l.tier,
+            "bucket": l.bucket,
+        }
+    }});
+    let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
+    headers.extend(rate_limit_headers(&l.quota));
+    reply(l.reason, headers, &body)
+}
+
+/// A refusal that is not about a bucket (400, 401, 413).
+pub fn rejected(reason: Reason, message: &str, param: Option<&str>) -> Reply {
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.code(),
+        "param": param,
+    }});
+    reply(reason, Vec::new(), &body)
+}
+
+fn reply(reason: Reason, mut headers: Vec<(String, String)>, body: &serde_json::Value) -> Reply {
+    headers.push(("content-type".into(), "application/json".into()));
+    headers.push(("x-sluice-reason".into(), reason.code().into()));
+    Reply { status: reason.status(), headers, body: body.to_string().into_bytes() }
+}
+
+/// `X-RateLimit-*` of one bucket; `Reset` is seconds until it is full.
+pub fn rate_limit_headers(q: &Quota) -> Vec<(String, String)> {
+    vec![
+        ("x-ratelimit-limit".into(), q.limit.to_string()),
+        ("x-ratelimit-remaining".into(), q.remaining.to_string()),
+        ("x-ratelimit-reset".into(), ceil_secs(q.reset_ms).to_string()),
+    ]
+}
+
+fn ceil_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// Milliseconds since the epoch as `2026-11-30T00:00:00Z`. Hand-written
+/// (days-to-civil) to keep a date crate out of the wasm binary.
+pub fn rfc3339(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_795_996_800_000), "2026-11-30T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400_000 + 3_661_000), "2000-02-29T01:01:01Z");
+    }
+
+    #[test]
+    fn a_429_carries_the_whole_contract() {
+        let quota = Quota { limit: 10, remaining: 0, reset_ms: 60_000 };
+        let l = Limited {
+            reason: Reason::UserRateLimit,
+            quota,
+            retry_after_ms: 5_500,
+            tier: "free",
+            bucket: "tier free: requests",
+            limit_text: "10/min",
+        };
+        let r = limited(&l, 1_795_996_800_000);
+        assert_eq!(r.status, 429);
+        assert_eq!(r.header("Retry-After"), Some("6"));
+        assert_eq!(r.header("X-RateLimit-Limit"), Some("10"));
+        assert_eq!(r.header("X-RateLimit-Remaining"), Some("0"));
+        assert_eq!(r.header("X-RateLimit-Reset"), Some("60"));
+        assert_eq!(r.header("x-sluice-reason"), Some("user_rate_limit"));
+        let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(body["error"]["type"], "rate_limit_exceeded");
+        assert_eq!(body["error"]["code"], "user_rate_limit");
+        assert_eq!(body["error"]["param"], serde_json::Value::Null);
+        assert_eq!(body["error"]["sluice"]["retry_after_seconds"], 6);
+        assert_eq!(body["error"]["sluice"]["reset_at"], "2026-11-30T00:00:06Z");
+        assert_eq!(body["error"]["sluice"]["tier"], "free");
+    }
+
+    #[test]
+    fn other_refusals() {
+        let r = rejected(Reason::RequestTooLarge, "too big", None);
+        assert_eq!(r.status, 413);
+        let r = rejected(Reason::InvalidRequest, "`model` is required", Some("model"));
+        assert_eq!(r.status, 400);
+        let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(body["error"]["param"], "model");
+    }
+}

@@ -1,0 +1,41 @@
+//! Metric names. Labels ride inside the name (`_decision=admit;` …) and
+//! Envoy's `stats_tags` (shipped in every `envoy/` config) turn them into
+//! Prometheus labels; see ENVOY-FACTS.
+
+use crate::engine::Labels;
+
+/// `sluice_requests_total{decision, reason, tier, model}`.
+pub fn requests_total(l: &Labels) -> String {
+    format!(
+        "sluice_requests_total_decision={};.reason={};.tier={};.model={};",
+        l.decision, l.reason, l.tier, l.model
+    )
+}
+
+/// Compare-and-swap attempts lost to another worker and retried.
+pub const CAS_RETRIES: &str = "sluice_cas_retries_total";
+/// Requests refused because every CAS attempt on a bucket was lost.
+pub const CAS_EXHAUSTED: &str = "sluice_cas_exhausted_total";
+/// Requests counted in a rule's shared overflow bucket (slot table full).
+pub const BUCKET_OVERFLOW: &str = "sluice_bucket_overflow_total";
+/// Policies refused at load.
+pub const CONFIG_REJECTED: &str = "sluice_config_rejected_total";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_encoding_matches_the_shipped_stats_tags() {
+        let l = Labels {
+            decision: "admit",
+            reason: "none",
+            tier: "free".into(),
+            model: "llama3.1:8b".into(),
+        };
+        assert_eq!(
+            requests_total(&l),
+            "sluice_requests_total_decision=admit;.reason=none;.tier=free;.model=llama3.1:8b;"
+        );
+    }
+}
