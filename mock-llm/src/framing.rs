@@ -1,0 +1,156 @@
+//! Wire framing of streamed answers (SSE events, NDJSON lines) and the paced
+//! body that sends them, with the chunk-delay and reset knobs applied.
+
+use std::collections::VecDeque;
+use std::io;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use futures_util::stream;
+use serde_json::Value;
+
+use crate::metrics::RequestTimer;
+
+/// The OpenAI stream terminator.
+pub const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// One SSE event carrying JSON: `data: {...}\n\n`.
+pub fn sse_data(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// One named SSE event, as the Responses API sends: `event: x\ndata: {...}\n\n`.
+pub fn sse_event(event: &str, v: &Value) -> Bytes {
+    Bytes::from(format!("event: {event}\ndata: {v}\n\n"))
+}
+
+/// One NDJSON line, as Ollama streams: `{...}\n`.
+pub fn ndjson_line(v: &Value) -> Bytes {
+    Bytes::from(format!("{v}\n"))
+}
+
+/// Minimum pause before a reset, so what was sent reaches the socket.
+const RESET_GRACE: Duration = Duration::from_millis(5);
+
+/// How the frames of a body are sent.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Pacing {
+    /// Pause before every frame but the first.
+    pub chunk_delay: Duration,
+    /// Send this many frames, then fail the body so the server aborts the
+    /// connection (HTTP/1.1: no terminating chunk; HTTP/2: RST_STREAM). When
+    /// there are fewer frames, all are sent and the end is still an abort.
+    pub reset_after: Option<usize>,
+}
+
+struct State {
+    frames: VecDeque<Bytes>,
+    sent: usize,
+    pacing: Pacing,
+    timer: RequestTimer,
+    done: bool,
+}
+
+/// A body that sends `frames` one by one. The first frame marks time to first
+/// token; the last one, sent without a reset, marks the request complete.
+pub fn paced_body(frames: Vec<Bytes>, pacing: Pacing, timer: RequestTimer) -> Body {
+    let state = State {
+        frames: frames.into(),
+        sent: 0,
+        pacing,
+        timer,
+        done: false,
+    };
+    Body::from_stream(stream::unfold(state, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        if let Some(n) = s.pacing.reset_after {
+            if s.sent >= n || s.frames.is_empty() {
+                s.done = true;
+                // Pause first: the server flushes what it has buffered (the
+                // head and the frames so far) only when the body is pending;
+                // failing at once would drop them along with the connection.
+                tokio::time::sleep(s.pacing.chunk_delay.max(RESET_GRACE)).await;
+                let err =
+                    io::Error::new(io::ErrorKind::ConnectionReset, "x-mock-reset-after-chunks");
+                return Some((Err(err), s));
+            }
+        }
+        let frame = match s.frames.pop_front() {
+            Some(frame) => frame,
+            None => {
+                s.timer.finish();
+                return None;
+            }
+        };
+        if s.sent > 0 && !s.pacing.chunk_delay.is_zero() {
+            tokio::time::sleep(s.pacing.chunk_delay).await;
+        }
+        s.sent += 1;
+        s.timer.first_token();
+        if s.frames.is_empty() && s.pacing.reset_after.is_none() {
+            s.timer.finish();
+        }
+        Some((Ok(frame), s))
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use futures_util::StreamExt;
+    use serde_json::json;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    #[test]
+    fn sse_and_ndjson_framing() {
+        let v = json!({"a": 1});
+        assert_eq!(sse_data(&v), Bytes::from_static(b"data: {\"a\":1}\n\n"));
+        assert_eq!(
+            sse_event("response.completed", &v),
+            Bytes::from_static(b"event: response.completed\ndata: {\"a\":1}\n\n")
+        );
+        assert_eq!(ndjson_line(&v), Bytes::from_static(b"{\"a\":1}\n"));
+        // A JSON string with a newline stays on one line.
+        let multi = json!({"t": "x\ny"});
+        assert_eq!(
+            ndjson_line(&multi).iter().filter(|b| **b == b'\n').count(),
+            1
+        );
+        assert_eq!(sse_data(&multi).iter().filter(|b| **b == b'\n').count(), 2);
+    }
+
+    async fn collect(frames: usize, reset_after: Option<usize>) -> (usize, bool) {
+        let metrics = Arc::new(Metrics::new("m".into()));
+        let frames = (0..frames).map(|i| Bytes::from(i.to_string())).collect();
+        let pacing = Pacing {
+            reset_after,
+            ..Pacing::default()
+        };
+        let mut body =
+            paced_body(frames, pacing, metrics.start_request(Instant::now())).into_data_stream();
+        let (mut ok, mut failed) = (0, false);
+        while let Some(item) = body.next().await {
+            match item {
+                Ok(_) => ok += 1,
+                Err(_) => failed = true,
+            }
+        }
+        (ok, failed)
+    }
+
+    #[tokio::test]
+    async fn sends_all_frames_then_ends() {
+        assert_eq!(collect(3, None).await, (3, false));
+    }
+
+    #[tokio::test]
+    async fn reset_cuts_the_body_after_n_frames() {
+        assert_eq!(collect(5, Some(2)).await, (2, true));
+        assert_eq!(collect(5, Some(0)).await, (0, true));
+        assert_eq!(collect(2, Some(9)).await, (2, true));
+    }
+}

@@ -1,0 +1,28 @@
+//! mock-llm: a fake OpenAI- and Ollama-compatible inference server for the
+//! sluice demo and for integration tests that drive a real Envoy.
+//!
+//! Answers are deterministic (see [`tokens`] for the token rule) and bent
+//! per request by the knobs in [`knobs`]. `/admin/stats` shows what reached
+//! the server; `/metrics` speaks vLLM's Prometheus names.
+
+pub mod framing;
+pub mod generate;
+pub mod knobs;
+pub mod metrics;
+pub mod stats;
+pub mod tokens;
+pub mod usage;
+
+mod ollama;
+mod openai;
+mod server;
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+pub use server::{app, serve, Config, DEFAULT_MODEL};
+
+/// Locks a mutex; a panic elsewhere leaves plain counters usable, so a
+/// poisoned lock is taken over rather than propagated.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}

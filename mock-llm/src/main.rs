@@ -1,0 +1,73 @@
+//! `mock-llm --listen 127.0.0.1:8000 --name primary`
+//!
+//! Prints `mock-llm listening on ADDR` (the bound address, so `--listen
+//! 127.0.0.1:0` works) once on stdout, then serves until Ctrl-C or SIGTERM.
+
+use std::io::Write as _;
+
+use anyhow::Context as _;
+use clap::Parser;
+use tokio::net::TcpListener;
+
+#[derive(Debug, Parser)]
+#[command(version, about = "Fake OpenAI- and Ollama-compatible inference server")]
+struct Cli {
+    /// Address to listen on; port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: String,
+    /// Sent back as `x-mock-name` on every response.
+    #[arg(long, default_value = "mock-llm")]
+    name: String,
+    /// Model listed by /v1/models and /api/ps and used as the metrics label.
+    #[arg(long, default_value = mock_llm::DEFAULT_MODEL)]
+    model: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let app = mock_llm::app(mock_llm::Config {
+        name: cli.name,
+        model: cli.model,
+    })?;
+    let listener = TcpListener::bind(&cli.listen)
+        .await
+        .with_context(|| format!("binding {}", cli.listen))?;
+    let addr = listener.local_addr().context("reading the bound address")?;
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "mock-llm listening on {addr}").context("writing to stdout")?;
+        out.flush().context("flushing stdout")?;
+    }
+    mock_llm::serve(listener, app, shutdown_signal()).await
+}
+
+/// Resolves on Ctrl-C or SIGTERM. If a handler cannot be installed, that
+/// signal is simply not awaited (the process still dies by default action).
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            eprintln!("mock-llm: cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                eprintln!("mock-llm: cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

@@ -1,0 +1,300 @@
+//! OpenAI-compatible answers: chat completions, completions, embeddings,
+//! Responses API, model list.
+
+use axum::body::Bytes;
+use serde_json::{json, Map, Value};
+
+use crate::framing::{sse_data, sse_event, SSE_DONE};
+use crate::generate::{piece, Generation, Reply, SSE};
+use crate::tokens::output_text;
+use crate::usage;
+
+/// Sets `usage` on an object, or leaves it out when the knob says `missing`.
+fn with_usage(mut v: Value, usage: Option<Value>) -> Value {
+    if let (Some(obj), Some(u)) = (v.as_object_mut(), usage) {
+        obj.insert("usage".into(), u);
+    }
+    v
+}
+
+/// Closes an OpenAI SSE stream: the usage chunk when asked for (and not
+/// knocked out by the knob), then `[DONE]`.
+fn finish_sse(frames: &mut Vec<Bytes>, g: &Generation, base: &Value) {
+    if g.include_usage {
+        if let Some(u) = usage::openai(g.usage, g.input_tokens, g.output_tokens) {
+            let mut chunk = base.clone();
+            chunk["choices"] = json!([]);
+            chunk["usage"] = u;
+            frames.push(sse_data(&chunk));
+        }
+    }
+    frames.push(Bytes::from_static(SSE_DONE));
+}
+
+pub fn chat_completion(g: &Generation) -> Reply {
+    let id = format!("chatcmpl-mock-{}", g.id);
+    if !g.stream {
+        let v = json!({
+            "id": id, "object": "chat.completion", "created": g.created, "model": g.model,
+            "system_fingerprint": "mock",
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": output_text(g.output_tokens)},
+                "logprobs": null,
+                "finish_reason": g.finish_reason,
+            }],
+        });
+        return Reply::Json(with_usage(
+            v,
+            usage::openai(g.usage, g.input_tokens, g.output_tokens),
+        ));
+    }
+
+    let mut base = json!({
+        "id": id, "object": "chat.completion.chunk", "created": g.created, "model": g.model,
+        "system_fingerprint": "mock",
+    });
+    if g.include_usage {
+        // OpenAI marks every chunk but the last with `"usage": null`.
+        base["usage"] = Value::Null;
+    }
+    let chunk = |delta: Value, finish: Value| {
+        let mut c = base.clone();
+        c["choices"] =
+            json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]);
+        sse_data(&c)
+    };
+    let mut frames = vec![chunk(
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+    )];
+    frames.extend((0..g.output_tokens).map(|i| chunk(json!({"content": piece(i)}), Value::Null)));
+    frames.push(chunk(json!({}), json!(g.finish_reason)));
+    finish_sse(&mut frames, g, &base);
+    Reply::Stream {
+        content_type: SSE,
+        frames,
+    }
+}
+
+pub fn completion(g: &Generation) -> Reply {
+    let id = format!("cmpl-mock-{}", g.id);
+    let base =
+        json!({"id": id, "object": "text_completion", "created": g.created, "model": g.model});
+    let choice = |text: String, finish: Value| {
+        let mut c = base.clone();
+        c["choices"] =
+            json!([{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}]);
+        c
+    };
+    if !g.stream {
+        let v = choice(output_text(g.output_tokens), json!(g.finish_reason));
+        return Reply::Json(with_usage(
+            v,
+            usage::openai(g.usage, g.input_tokens, g.output_tokens),
+        ));
+    }
+    let mut frames: Vec<Bytes> = (0..g.output_tokens)
+        .map(|i| sse_data(&choice(piece(i), Value::Null)))
+        .collect();
+    frames.push(sse_data(&choice(String::new(), json!(g.finish_reason))));
+    finish_sse(&mut frames, g, &base);
+    Reply::Stream {
+        content_type: SSE,
+        frames,
+    }
+}
+
+/// One small deterministic vector per input.
+pub fn embeddings(g: &Generation) -> Reply {
+    let inputs = match g.body.get("input") {
+        // An array of strings, or of token-id arrays, is a batch; a flat
+        // token-id array is one input.
+        Some(Value::Array(items)) if items.iter().all(|i| i.is_string() || i.is_array()) => {
+            items.len().max(1)
+        }
+        _ => 1,
+    };
+    let data: Vec<Value> = (0..inputs)
+        .map(|i| {
+            let vector: Vec<f64> = (0..8).map(|d| ((i + d) % 8) as f64 / 8.0).collect();
+            json!({"object": "embedding", "index": i, "embedding": vector})
+        })
+        .collect();
+    let v = json!({"object": "list", "data": data, "model": g.model});
+    Reply::Json(with_usage(v, usage::embeddings(g.usage, g.input_tokens)))
+}
+
+/// Responses API. Streams as named events ending in `response.completed`,
+/// which carries the usage (no `[DONE]`, as the real API).
+pub fn response(g: &Generation) -> Reply {
+    let id = format!("resp_mock_{}", g.id);
+    let item_id = format!("msg_mock_{}", g.id);
+    let text = output_text(g.output_tokens);
+    let mut full = json!({
+        "id": id, "object": "response", "created_at": g.created, "status": "completed",
+        "model": g.model,
+        "output": [{
+            "type": "message", "id": item_id, "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }],
+    });
+    if let Some(limit) = g.body.get("max_output_tokens") {
+        full["max_output_tokens"] = limit.clone();
+    }
+    let full = with_usage(
+        full,
+        usage::responses(g.usage, g.input_tokens, g.output_tokens),
+    );
+    if !g.stream {
+        return Reply::Json(full);
+    }
+
+    let mut seq = 0u64;
+    let mut event = |name: &str, mut data: Map<String, Value>| {
+        data.insert("type".into(), json!(name));
+        data.insert("sequence_number".into(), json!(seq));
+        seq += 1;
+        sse_event(name, &Value::Object(data))
+    };
+    let obj = |v: Value| match v {
+        Value::Object(m) => m,
+        _ => Map::new(),
+    };
+    let mut created = full.clone();
+    created["status"] = json!("in_progress");
+    created["output"] = json!([]);
+    if let Some(m) = created.as_object_mut() {
+        m.remove("usage");
+    }
+    let mut frames = vec![event("response.created", obj(json!({"response": created})))];
+    for i in 0..g.output_tokens {
+        frames.push(event(
+            "response.output_text.delta",
+            obj(json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": piece(i)})),
+        ));
+    }
+    frames.push(event(
+        "response.output_text.done",
+        obj(json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text})),
+    ));
+    frames.push(event("response.completed", obj(json!({"response": full}))));
+    Reply::Stream {
+        content_type: SSE,
+        frames,
+    }
+}
+
+pub fn models(model: &str) -> Value {
+    json!({"object": "list", "data": [
+        {"id": model, "object": "model", "created": 0, "owned_by": "mock-llm"}
+    ]})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::knobs::UsageMode;
+
+    fn generation(body: &Value, stream: bool, include_usage: bool) -> Generation<'_> {
+        Generation {
+            id: 1,
+            created: 0,
+            created_at: "1970-01-01T00:00:00Z".into(),
+            model: "m",
+            body,
+            input_tokens: 5,
+            output_tokens: 3,
+            finish_reason: "stop",
+            usage: UsageMode::Normal,
+            stream,
+            include_usage,
+        }
+    }
+
+    fn frames(reply: Reply) -> Vec<String> {
+        match reply {
+            Reply::Stream { frames, .. } => frames
+                .iter()
+                .map(|f| String::from_utf8_lossy(f).into_owned())
+                .collect(),
+            Reply::Json(v) => panic!("expected a stream, got {v}"),
+        }
+    }
+
+    fn data(frame: &str) -> Value {
+        let json = frame
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap_or_default();
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn chat_stream_has_role_tokens_finish_usage_done() {
+        let body = json!({});
+        let f = frames(chat_completion(&generation(&body, true, true)));
+        assert_eq!(f.len(), 1 + 3 + 1 + 1 + 1);
+        assert!(f
+            .iter()
+            .all(|fr| fr.starts_with("data: ") && fr.ends_with("\n\n")));
+        assert_eq!(data(&f[0])["choices"][0]["delta"]["role"], "assistant");
+        let text: String = f[1..4]
+            .iter()
+            .map(|fr| {
+                data(fr)["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        assert_eq!(text, "tok0 tok1 tok2");
+        assert_eq!(data(&f[4])["choices"][0]["finish_reason"], "stop");
+        let usage = data(&f[5]);
+        assert_eq!(usage["choices"], json!([]));
+        assert_eq!(usage["usage"]["total_tokens"], 8);
+        assert_eq!(f[6], "data: [DONE]\n\n");
+    }
+
+    #[test]
+    fn chat_stream_without_include_usage_has_no_usage_chunk() {
+        let body = json!({});
+        let f = frames(chat_completion(&generation(&body, true, false)));
+        assert_eq!(f.len(), 1 + 3 + 1 + 1);
+        assert!(f.iter().all(|fr| !fr.contains("usage")));
+    }
+
+    #[test]
+    fn missing_usage_drops_the_usage_chunk_but_keeps_done() {
+        let body = json!({});
+        let mut g = generation(&body, true, true);
+        g.usage = UsageMode::Missing;
+        let f = frames(chat_completion(&g));
+        assert_eq!(f.last().map(String::as_str), Some("data: [DONE]\n\n"));
+        assert!(f.iter().all(|fr| !fr.contains("\"choices\":[]")));
+    }
+
+    #[test]
+    fn responses_stream_ends_with_completed_usage() {
+        let body = json!({});
+        let f = frames(response(&generation(&body, true, false)));
+        let last = f.last().unwrap();
+        assert!(last.starts_with("event: response.completed\n"));
+        assert_eq!(data(last)["response"]["usage"]["output_tokens"], 3);
+        assert_eq!(data(last)["response"]["usage"]["input_tokens"], 5);
+    }
+
+    #[test]
+    fn non_stream_chat_has_usage() {
+        let body = json!({});
+        let Reply::Json(v) = chat_completion(&generation(&body, false, false)) else {
+            panic!("expected json");
+        };
+        assert_eq!(v["model"], "m");
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8})
+        );
+        assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 tok2");
+    }
+}

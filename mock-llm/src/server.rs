@@ -1,0 +1,537 @@
+//! Routes and the path every request takes: record it, read the knobs, wait,
+//! maybe fail on purpose, parse, generate, send (paced).
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{middleware, Json, Router};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+use crate::framing::{paced_body, Pacing};
+use crate::generate::{Api, Generation, Reply};
+use crate::knobs::Knobs;
+use crate::metrics::{GaugeUpdate, Metrics};
+use crate::stats::Stats;
+use crate::{lock, ollama, openai, tokens};
+
+/// The model answered for when a request names none.
+pub const DEFAULT_MODEL: &str = "mock-model";
+
+/// Bodies above this are refused with 413; the filter caps far lower.
+const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+const X_MOCK_NAME: HeaderName = HeaderName::from_static("x-mock-name");
+const X_MOCK_MODEL: HeaderName = HeaderName::from_static("x-mock-model");
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Sent as `x-mock-name` on every response, to tell upstreams apart.
+    pub name: String,
+    /// Listed by `/v1/models` and `/api/ps`, used as the `model_name` metric
+    /// label, and answered for when a request names no model.
+    pub model: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            name: "mock-llm".into(),
+            model: DEFAULT_MODEL.into(),
+        }
+    }
+}
+
+struct AppState {
+    name: HeaderValue,
+    model: String,
+    stats: Mutex<Stats>,
+    metrics: Arc<Metrics>,
+    next_id: AtomicU64,
+}
+
+type Shared = Arc<AppState>;
+
+/// The whole server as a router, for `serve` or for in-process tests.
+pub fn app(config: Config) -> anyhow::Result<Router> {
+    let name = HeaderValue::from_str(&config.name)
+        .with_context(|| format!("--name {:?} is not a valid header value", config.name))?;
+    let state: Shared = Arc::new(AppState {
+        name,
+        metrics: Arc::new(Metrics::new(config.model.clone())),
+        model: config.model,
+        stats: Mutex::default(),
+        next_id: AtomicU64::new(1),
+    });
+    let infer_route =
+        |api: Api| post(move |State(s): State<Shared>, req: Request| infer(s, api, req));
+    Ok(Router::new()
+        .route("/v1/chat/completions", infer_route(Api::ChatCompletions))
+        .route("/v1/completions", infer_route(Api::Completions))
+        .route("/v1/embeddings", infer_route(Api::Embeddings))
+        .route("/v1/responses", infer_route(Api::Responses))
+        .route("/api/generate", infer_route(Api::OllamaGenerate))
+        .route("/api/chat", infer_route(Api::OllamaChat))
+        .route(
+            "/v1/models",
+            get(|State(s): State<Shared>, req: Request| listing(s, req, openai::models)),
+        )
+        .route(
+            "/api/ps",
+            get(|State(s): State<Shared>, req: Request| listing(s, req, ollama::ps)),
+        )
+        .route("/metrics", get(metrics))
+        .route("/admin/metrics", post(set_metrics))
+        .route("/admin/stats", get(stats))
+        .route("/admin/reset", post(reset))
+        .fallback(not_found)
+        .layer(middleware::map_response_with_state(
+            state.clone(),
+            stamp_name,
+        ))
+        .with_state(state))
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving HTTP")
+}
+
+async fn stamp_name(State(s): State<Shared>, mut res: Response) -> Response {
+    res.headers_mut().insert(X_MOCK_NAME, s.name.clone());
+    res
+}
+
+/// An OpenAI-shaped error answer.
+fn error(status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Response {
+    let body =
+        json!({"error": {"message": message.into(), "type": kind, "param": null, "code": code}});
+    (status, Json(body)).into_response()
+}
+
+fn invalid_request(message: impl Into<String>) -> Response {
+    error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_request",
+        message,
+    )
+}
+
+/// A request as it arrived, already counted in the stats.
+struct Arrival {
+    started: Instant,
+    knobs: Result<Knobs, String>,
+    /// `Null` for an empty body; `Err` for a body that is not JSON.
+    body: Result<Value, String>,
+}
+
+impl Arrival {
+    async fn read(s: &AppState, req: Request) -> Result<Self, Response> {
+        let started = Instant::now();
+        let (parts, body) = req.into_parts();
+        let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES)
+            .await
+            .map_err(|e| {
+                error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "request_too_large",
+                    format!("could not read the request body: {e}"),
+                )
+            })?;
+        let body = if bytes.is_empty() {
+            Ok(Value::Null)
+        } else {
+            serde_json::from_slice::<Value>(&bytes)
+                .map_err(|e| format!("request body is not valid JSON: {e}"))
+        };
+        let query: std::collections::HashMap<String, String> =
+            serde_urlencoded::from_str(parts.uri.query().unwrap_or_default()).unwrap_or_default();
+        lock(&s.stats).record(
+            &parts.method,
+            parts.uri.path(),
+            parts.uri.query(),
+            &parts.headers,
+            body.clone().unwrap_or(Value::Null),
+        );
+        Ok(Arrival {
+            started,
+            knobs: Knobs::parse(&parts.headers, &query).map_err(|e| e.0),
+            body,
+        })
+    }
+
+    /// Applies the knobs that come before any answer: a bad knob is a 400,
+    /// then the latency, then an injected error status.
+    async fn gate(&self) -> Result<&Knobs, Response> {
+        let knobs = self
+            .knobs
+            .as_ref()
+            .map_err(|e| invalid_request(e.clone()))?;
+        if !knobs.latency.is_zero() {
+            tokio::time::sleep(knobs.latency).await;
+        }
+        if let Some(status) = knobs.status {
+            let (kind, code) = match status {
+                StatusCode::TOO_MANY_REQUESTS => ("requests", "rate_limit_exceeded"),
+                s if s.is_server_error() => ("server_error", "mock_injected_error"),
+                _ => ("invalid_request_error", "mock_injected_error"),
+            };
+            let message = format!("mock-llm answered {status} as asked by x-mock-status");
+            return Err(error(status, kind, code, message));
+        }
+        Ok(knobs)
+    }
+
+    /// The model the request names, if any.
+    fn model(&self) -> Option<&str> {
+        self.body.as_ref().ok()?.get("model")?.as_str()
+    }
+
+    /// Adds `Retry-After` (knob) and `x-mock-model` (the model seen).
+    fn decorate(&self, mut res: Response, model: Option<&str>) -> Response {
+        let headers = res.headers_mut();
+        if let Ok(Knobs {
+            retry_after: Some(v),
+            ..
+        }) = &self.knobs
+        {
+            headers.insert(RETRY_AFTER, v.clone());
+        }
+        if let Some(v) = model.and_then(|m| HeaderValue::from_str(m).ok()) {
+            headers.insert(X_MOCK_MODEL, v);
+        }
+        res
+    }
+}
+
+/// Every inference endpoint: chat, completions, embeddings, responses, Ollama.
+async fn infer(s: Shared, api: Api, req: Request) -> Response {
+    let arrival = match Arrival::read(&s, req).await {
+        Ok(a) => a,
+        Err(res) => return res,
+    };
+    let model = arrival.model().unwrap_or(&s.model).to_owned();
+    // Counts as running from here, through the latency, until the body ends.
+    let mut timer = s.metrics.start_request(arrival.started);
+    let knobs = match arrival.gate().await {
+        Ok(k) => k,
+        Err(res) => return arrival.decorate(res, Some(&model)),
+    };
+    let body = match &arrival.body {
+        Ok(b @ Value::Object(_)) => b,
+        Ok(_) => {
+            return arrival.decorate(invalid_request("request body must be a JSON object"), None)
+        }
+        Err(e) => return arrival.decorate(invalid_request(e.clone()), None),
+    };
+
+    let (output_tokens, limited) = tokens::output_tokens(body, knobs.output_tokens);
+    let now = SystemTime::now();
+    let g = Generation {
+        id: s.next_id.fetch_add(1, Ordering::Relaxed),
+        created: now
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        created_at: humantime::format_rfc3339_millis(now).to_string(),
+        model: &model,
+        body,
+        input_tokens: tokens::input_tokens(body),
+        output_tokens,
+        finish_reason: if limited { "length" } else { "stop" },
+        usage: knobs.usage,
+        stream: api.wants_stream(body),
+        include_usage: body
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            == Some(true),
+    };
+    let reply = match api {
+        Api::ChatCompletions => openai::chat_completion(&g),
+        Api::Completions => openai::completion(&g),
+        Api::Embeddings => openai::embeddings(&g),
+        Api::Responses => openai::response(&g),
+        Api::OllamaGenerate => ollama::generate(&g),
+        Api::OllamaChat => ollama::chat(&g),
+    };
+
+    let pacing = Pacing {
+        chunk_delay: knobs.chunk_delay,
+        reset_after: knobs.reset_after_chunks,
+    };
+    let res = match reply {
+        // A JSON answer with the reset knob is one chunk that may be cut.
+        Reply::Json(v) if pacing.reset_after.is_some() => (
+            [(CONTENT_TYPE, "application/json")],
+            paced_body(vec![Bytes::from(v.to_string())], pacing, timer),
+        )
+            .into_response(),
+        Reply::Json(v) => {
+            timer.finish();
+            Json(v).into_response()
+        }
+        Reply::Stream {
+            content_type,
+            frames,
+        } => (
+            [(CONTENT_TYPE, content_type), (CACHE_CONTROL, "no-cache")],
+            paced_body(frames, pacing, timer),
+        )
+            .into_response(),
+    };
+    arrival.decorate(res, Some(&model))
+}
+
+/// `GET /v1/models`, `GET /api/ps`: counted and subject to the knobs.
+async fn listing(s: Shared, req: Request, answer: fn(&str) -> Value) -> Response {
+    let arrival = match Arrival::read(&s, req).await {
+        Ok(a) => a,
+        Err(res) => return res,
+    };
+    let res = match arrival.gate().await {
+        Ok(_) => Json(answer(&s.model)).into_response(),
+        Err(res) => res,
+    };
+    arrival.decorate(res, None)
+}
+
+async fn not_found(State(s): State<Shared>, req: Request) -> Response {
+    let path = req.uri().path().to_owned();
+    if let Err(res) = Arrival::read(&s, req).await {
+        return res;
+    }
+    error(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "unknown_url",
+        format!("mock-llm has no endpoint {path}"),
+    )
+}
+
+async fn metrics(State(s): State<Shared>) -> Response {
+    (
+        [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+/// `POST /admin/metrics`: sets the gauges named in the body.
+async fn set_metrics(State(s): State<Shared>, body: Bytes) -> Response {
+    let update: GaugeUpdate = match serde_json::from_slice(&body) {
+        Ok(u) => u,
+        Err(e) => return invalid_request(format!("/admin/metrics: {e}")),
+    };
+    if let Err(e) = update.validate() {
+        return invalid_request(format!("/admin/metrics: {e}"));
+    }
+    s.metrics.apply(&update);
+    Json(json!({"ok": true})).into_response()
+}
+
+async fn stats(State(s): State<Shared>) -> Response {
+    match serde_json::to_value(&*lock(&s.stats)) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "internal",
+            e.to_string(),
+        ),
+    }
+}
+
+/// `POST /admin/reset`: request counts, last request, gauges and histograms
+/// all back to a fresh start.
+async fn reset(State(s): State<Shared>) -> Response {
+    *lock(&s.stats) = Stats::default();
+    s.metrics.reset();
+    Json(json!({"ok": true})).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request as HttpRequest;
+    use tower::ServiceExt as _;
+
+    async fn call(
+        app: &mut Router,
+        req: HttpRequest<Body>,
+    ) -> (StatusCode, axum::http::HeaderMap, Bytes) {
+        let res = app.clone().oneshot(req).await.unwrap();
+        let (parts, body) = res.into_parts();
+        (
+            parts.status,
+            parts.headers,
+            axum::body::to_bytes(body, usize::MAX).await.unwrap(),
+        )
+    }
+
+    fn post_json(path: &str, body: &str) -> HttpRequest<Body> {
+        HttpRequest::post(path)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_owned()))
+            .unwrap()
+    }
+
+    fn app_named(name: &str) -> Router {
+        app(Config {
+            name: name.into(),
+            model: "served".into(),
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn chat_echoes_model_and_counts_tokens() {
+        let mut app = app_named("primary");
+        let (status, headers, body) = call(
+            &mut app,
+            post_json(
+                "/v1/chat/completions",
+                r#"{"model":"cheap","max_tokens":4,"messages":[{"role":"user","content":"12345678"}]}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers["x-mock-name"], "primary");
+        assert_eq!(headers["x-mock-model"], "cheap");
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["model"], "cheap");
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6})
+        );
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+
+    #[tokio::test]
+    async fn invalid_json_is_400_openai_shaped_and_still_counted() {
+        let mut app = app_named("p");
+        let (status, headers, body) = call(&mut app, post_json("/v1/completions", "{nope")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(headers["x-mock-name"], "p");
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        let req = HttpRequest::get("/admin/stats")
+            .body(Body::empty())
+            .unwrap();
+        let (_, _, body) = call(&mut app, req).await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["requests_total"], 1);
+        assert_eq!(v["by_path"]["/v1/completions"], 1);
+        assert_eq!(v["last_request"]["body"], Value::Null);
+    }
+
+    #[tokio::test]
+    async fn status_knob_from_query_with_retry_after_header() {
+        let mut app = app_named("p");
+        let req = HttpRequest::post("/v1/chat/completions?x-mock-status=429")
+            .header("x-mock-retry-after", "3")
+            .body(Body::from(r#"{"model":"m","messages":[]}"#))
+            .unwrap();
+        let (status, headers, body) = call(&mut app, req).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(headers["retry-after"], "3");
+        assert_eq!(headers["x-mock-model"], "m");
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    }
+
+    #[tokio::test]
+    async fn ollama_streams_by_default() {
+        let mut app = app_named("p");
+        let (status, headers, body) = call(
+            &mut app,
+            post_json("/api/generate", r#"{"model":"llama3","prompt":"hi"}"#),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers["content-type"], "application/x-ndjson");
+        let last: Value = serde_json::from_slice(
+            body.split(|b| *b == b'\n')
+                .rfind(|l| !l.is_empty())
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(last["done"], true);
+        assert_eq!(last["eval_count"], 16);
+        assert_eq!(last["prompt_eval_count"], 1);
+    }
+
+    #[tokio::test]
+    async fn admin_metrics_sets_gauges_and_reset_clears_everything() {
+        let mut app = app_named("p");
+        let (status, _, _) = call(
+            &mut app,
+            post_json(
+                "/admin/metrics",
+                r#"{"num_requests_waiting": 12, "kv_cache_usage_perc": 0.95}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, _, _) = call(&mut app, post_json("/admin/metrics", r#"{"bogus": 1}"#)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        call(
+            &mut app,
+            post_json("/v1/embeddings", r#"{"input":["a","b"]}"#),
+        )
+        .await;
+        let get = || HttpRequest::get("/metrics").body(Body::empty()).unwrap();
+        let (_, _, text) = call(&mut app, get()).await;
+        let text = String::from_utf8_lossy(&text).into_owned();
+        assert!(text.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"served\"} 12.0"));
+        assert!(text.contains(
+            "vllm:e2e_request_latency_seconds_count{engine=\"0\",model_name=\"served\"} 1.0"
+        ));
+        call(&mut app, post_json("/admin/reset", "")).await;
+        let (_, _, text) = call(&mut app, get()).await;
+        let text = String::from_utf8_lossy(&text).into_owned();
+        assert!(text.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"served\"} 0.0"));
+        let req = HttpRequest::get("/admin/stats")
+            .body(Body::empty())
+            .unwrap();
+        let (_, _, body) = call(&mut app, req).await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["requests_total"], 0);
+    }
+
+    #[tokio::test]
+    async fn unknown_path_is_counted_404() {
+        let mut app = app_named("p");
+        let req = HttpRequest::get("/nope").body(Body::empty()).unwrap();
+        let (status, headers, _) = call(&mut app, req).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(headers["x-mock-name"], "p");
+    }
+
+    #[test]
+    fn bad_name_is_refused() {
+        assert!(app(Config {
+            name: "bad\nname".into(),
+            model: "m".into()
+        })
+        .is_err());
+    }
+}

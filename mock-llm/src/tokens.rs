@@ -1,0 +1,177 @@
+//! The deterministic token rule, so tests can predict every count.
+//!
+//! * **Input tokens** = `ceil(chars / 4)` over all text in the request, at
+//!   least 1. Characters are Unicode scalar values, summed over every text
+//!   field before rounding. Text is read from:
+//!   `messages[].content` (a string, or an array of parts whose `text` is read),
+//!   `prompt` (a string or an array of strings), `input` (a string, an array of
+//!   strings, or an array of Responses-API items whose `content` is a string or
+//!   parts with `text`), `system` (Ollama) and `instructions` (Responses API).
+//!   Token-id arrays and every other field (tools, schemas, options) are ignored.
+//! * **Output tokens** = the `x-mock-output-tokens` knob when given (not
+//!   capped by the request); else the request's limit (`max_tokens`, `max_completion_tokens`,
+//!   `max_output_tokens`, `options.num_predict`; negative means unlimited)
+//!   capped at [`DEFAULT_OUTPUT_TOKENS`]; else [`DEFAULT_OUTPUT_TOKENS`].
+//! * **Output text** = that many words `tok0 tok1 …`, one token per word.
+
+use serde_json::Value;
+
+/// Output length when neither the knob nor the request asks for less.
+pub const DEFAULT_OUTPUT_TOKENS: u64 = 16;
+
+/// Input tokens of a parsed request body: `ceil(chars / 4)`, at least 1.
+pub fn input_tokens(body: &Value) -> u64 {
+    let mut chars = 0u64;
+    for key in ["messages", "prompt", "input", "system", "instructions"] {
+        if let Some(v) = body.get(key) {
+            chars += text_chars(v);
+        }
+    }
+    chars.div_ceil(4).max(1)
+}
+
+/// Characters of text in a content value: a string, an array of strings or
+/// parts, or a message/item object with `content` or `text`.
+fn text_chars(v: &Value) -> u64 {
+    match v {
+        Value::String(s) => s.chars().count() as u64,
+        Value::Array(items) => items.iter().map(text_chars).sum(),
+        Value::Object(map) => ["content", "text"]
+            .iter()
+            .filter_map(|k| map.get(*k))
+            .map(text_chars)
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// The output limit the request itself asks for, if any.
+pub fn requested_output_limit(body: &Value) -> Option<u64> {
+    let candidates = [
+        body.get("max_tokens"),
+        body.get("max_completion_tokens"),
+        body.get("max_output_tokens"),
+        body.get("options").and_then(|o| o.get("num_predict")),
+    ];
+    // Ollama uses -1 (and -2) for "no limit"; a negative limit is no limit here.
+    candidates
+        .into_iter()
+        .flatten()
+        .find_map(|v| v.as_i64())
+        .and_then(|n| u64::try_from(n).ok())
+}
+
+/// How many tokens to generate, and whether the request's limit cut it short
+/// (which makes the finish reason `length`).
+pub fn output_tokens(body: &Value, knob: Option<u64>) -> (u64, bool) {
+    if let Some(n) = knob {
+        return (n, false);
+    }
+    match requested_output_limit(body) {
+        Some(limit) if limit <= DEFAULT_OUTPUT_TOKENS => (limit, true),
+        _ => (DEFAULT_OUTPUT_TOKENS, false),
+    }
+}
+
+/// The words of the output, one token each: `tok0`, `tok1`, …
+pub fn output_word(i: u64) -> String {
+    format!("tok{i}")
+}
+
+/// The full output text: `tok0 tok1 … tok{n-1}`.
+pub fn output_text(n: u64) -> String {
+    (0..n).map(output_word).collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn input_is_ceil_of_chars_over_four_with_minimum_one() {
+        assert_eq!(input_tokens(&json!({})), 1);
+        assert_eq!(input_tokens(&json!({"prompt": ""})), 1);
+        assert_eq!(input_tokens(&json!({"prompt": "abcd"})), 1);
+        assert_eq!(input_tokens(&json!({"prompt": "abcde"})), 2);
+        assert_eq!(input_tokens(&json!({"prompt": "a".repeat(400)})), 100);
+    }
+
+    #[test]
+    fn chars_are_summed_across_fields_before_rounding() {
+        // 2 + 3 + 3 = 8 chars -> 2 tokens (per-field rounding would give 3).
+        let body = json!({"messages": [
+            {"role": "system", "content": "ab"},
+            {"role": "user", "content": [{"type": "text", "text": "cde"},
+                                         {"type": "image_url", "image_url": {"url": "x"}}]},
+            {"role": "user", "content": "fgh"}
+        ]});
+        assert_eq!(input_tokens(&body), 2);
+    }
+
+    #[test]
+    fn counts_unicode_scalars_not_bytes() {
+        assert_eq!(input_tokens(&json!({"prompt": "ééééé"})), 2);
+    }
+
+    #[test]
+    fn reads_prompt_arrays_responses_input_and_ollama_system() {
+        assert_eq!(input_tokens(&json!({"prompt": ["abcd", "efgh"]})), 2);
+        assert_eq!(input_tokens(&json!({"input": "abcdefgh"})), 2);
+        let responses = json!({"instructions": "abcd", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "efgh"}]},
+            {"role": "user", "content": "ijkl"}
+        ]});
+        assert_eq!(input_tokens(&responses), 3);
+        assert_eq!(
+            input_tokens(&json!({"system": "abcd", "prompt": "efgh"})),
+            2
+        );
+        // Token-id input carries no text.
+        assert_eq!(input_tokens(&json!({"input": [1, 2, 3, 4, 5, 6]})), 1);
+    }
+
+    #[test]
+    fn ignores_fields_that_are_not_text_content() {
+        let body = json!({"model": "a-very-long-model-name", "prompt": "abcd",
+                          "tools": [{"type": "function", "function": {"name": "xxxxxxxx"}}]});
+        assert_eq!(input_tokens(&body), 1);
+    }
+
+    #[test]
+    fn output_follows_knob_then_limit_then_default() {
+        assert_eq!(output_tokens(&json!({}), None), (16, false));
+        assert_eq!(output_tokens(&json!({"max_tokens": 5}), None), (5, true));
+        assert_eq!(
+            output_tokens(&json!({"max_completion_tokens": 3}), None),
+            (3, true)
+        );
+        assert_eq!(
+            output_tokens(&json!({"max_output_tokens": 7}), None),
+            (7, true)
+        );
+        assert_eq!(
+            output_tokens(&json!({"options": {"num_predict": 2}}), None),
+            (2, true)
+        );
+        assert_eq!(
+            output_tokens(&json!({"max_tokens": 500}), None),
+            (16, false)
+        );
+        assert_eq!(
+            output_tokens(&json!({"options": {"num_predict": -1}}), None),
+            (16, false)
+        );
+        // The knob wins and is not capped.
+        assert_eq!(
+            output_tokens(&json!({"max_tokens": 5}), Some(40)),
+            (40, false)
+        );
+    }
+
+    #[test]
+    fn output_text_is_one_word_per_token() {
+        assert_eq!(output_text(0), "");
+        assert_eq!(output_text(3), "tok0 tok1 tok2");
+    }
+}
