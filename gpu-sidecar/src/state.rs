@@ -1,0 +1,194 @@
+//! The state the sidecar publishes to the filter: kill switch and breakers,
+//! versioned so the filter's long poll can ask "anything newer than N?".
+//!
+//! One [`StateStore`] owns it in a `tokio::sync::watch` channel: writers go
+//! through [`StateStore::update`], which bumps the version only on a real
+//! change; readers either take the [`StateStore::current`] snapshot or wait
+//! with [`StateStore::next_after`].
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use serde::{Serialize, Serializer};
+use tokio::sync::watch;
+
+/// What `GET /v1/state` returns.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SidecarState {
+    /// Starts at 1; +1 on every change.
+    pub version: u64,
+    pub kill_switch: KillSwitch,
+    /// Breakers that are not plainly closed; empty when all is healthy.
+    pub breakers: Vec<Breaker>,
+    /// When `version` last changed, as RFC 3339.
+    #[serde(serialize_with = "rfc3339")]
+    pub updated_at: SystemTime,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct KillSwitch {
+    pub active: bool,
+    pub reason: Option<String>,
+}
+
+/// One breaker's verdict for a scope (a backend or a model route).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Breaker {
+    pub scope: String,
+    pub state: BreakerState,
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BreakerState {
+    Closed,
+    Open,
+    HalfOpen,
+}
+
+fn rfc3339<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&humantime::format_rfc3339_seconds(*t))
+}
+
+impl SidecarState {
+    /// Version 1: kill switch off, no breakers.
+    pub fn initial(now: SystemTime) -> Self {
+        SidecarState {
+            version: 1,
+            kill_switch: KillSwitch::default(),
+            breakers: Vec::new(),
+            updated_at: now,
+        }
+    }
+
+    /// Equal apart from version and timestamp.
+    fn same_content(&self, other: &SidecarState) -> bool {
+        self.kill_switch == other.kill_switch && self.breakers == other.breakers
+    }
+}
+
+/// The single owner of the published state. Cheap to clone; all clones share
+/// one channel.
+#[derive(Debug, Clone)]
+pub struct StateStore {
+    tx: Arc<watch::Sender<Arc<SidecarState>>>,
+}
+
+impl StateStore {
+    pub fn new(now: SystemTime) -> Self {
+        let (tx, _) = watch::channel(Arc::new(SidecarState::initial(now)));
+        StateStore { tx: Arc::new(tx) }
+    }
+
+    /// The state as of now.
+    pub fn current(&self) -> Arc<SidecarState> {
+        self.tx.borrow().clone()
+    }
+
+    /// Applies `change`. Only a real change bumps the version, stamps
+    /// `updated_at` with `now` and wakes waiting pollers; returns whether it did.
+    pub fn update(&self, now: SystemTime, change: impl FnOnce(&mut SidecarState)) -> bool {
+        self.tx.send_if_modified(|state| {
+            let mut next = SidecarState::clone(state);
+            change(&mut next);
+            if next.same_content(state) {
+                return false;
+            }
+            next.version = state.version + 1;
+            next.updated_at = now;
+            *state = Arc::new(next);
+            true
+        })
+    }
+
+    /// The long poll: the current state at once if its version is not
+    /// `since`; otherwise the next state, or the current one when `wait`
+    /// passes without a change.
+    pub async fn next_after(&self, since: u64, wait: Duration) -> Arc<SidecarState> {
+        let mut rx = self.tx.subscribe();
+        let current = rx.borrow_and_update().clone();
+        if current.version != since {
+            return current;
+        }
+        // `changed` fails only when the sender is gone, and `self` holds it.
+        let _ = tokio::time::timeout(wait, rx.changed()).await;
+        let latest = rx.borrow().clone();
+        latest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    #[test]
+    fn starts_healthy_at_version_one() {
+        let store = StateStore::new(t(0));
+        let v = serde_json::to_value(&*store.current()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "version": 1,
+                "kill_switch": {"active": false, "reason": null},
+                "breakers": [],
+                "updated_at": "1970-01-01T00:00:00Z",
+            })
+        );
+    }
+
+    #[test]
+    fn only_real_changes_bump_the_version() {
+        let store = StateStore::new(t(0));
+        assert!(!store.update(t(5), |s| s.kill_switch.active = false));
+        assert_eq!(store.current().version, 1);
+        assert_eq!(store.current().updated_at, t(0));
+        assert!(store.update(t(7), |s| {
+            s.kill_switch = KillSwitch {
+                active: true,
+                reason: Some("drill".into()),
+            }
+        }));
+        let now = store.current();
+        assert_eq!(now.version, 2);
+        assert_eq!(now.updated_at, t(7));
+        assert!(now.kill_switch.active);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn next_after_answers_at_once_for_an_old_version() {
+        let store = StateStore::new(t(0));
+        let start = tokio::time::Instant::now();
+        assert_eq!(
+            store.next_after(0, Duration::from_secs(30)).await.version,
+            1
+        );
+        assert_eq!(start.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn next_after_wakes_on_change() {
+        let store = StateStore::new(t(0));
+        let writer = store.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            writer.update(t(2), |s| s.kill_switch.active = true);
+        });
+        let start = tokio::time::Instant::now();
+        let state = store.next_after(1, Duration::from_secs(30)).await;
+        assert_eq!(state.version, 2);
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn next_after_times_out_with_the_current_state() {
+        let store = StateStore::new(t(0));
+        let start = tokio::time::Instant::now();
+        assert_eq!(store.next_after(1, Duration::from_secs(5)).await.version, 1);
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+    }
+}
