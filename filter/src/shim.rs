@@ -106,7 +106,7 @@ impl RootContext for Root {
             Ok(created) => log(
                 LogLevel::Info,
                 &format!(
-                    "sluice: policy loaded: {} tiers, {} models, {} routes, {} buckets ({} new shared-data keys)",
+                    "policy loaded: {} tiers, {} models, {} routes, {} buckets ({} new shared-data keys)",
                     engine.policy.tiers.len(),
                     engine.policy.models.len(),
                     engine.policy.routes.len(),
@@ -115,7 +115,7 @@ impl RootContext for Root {
                 ),
             ),
             Err(err) => {
-                log(LogLevel::Error, &format!("sluice: cannot create shared-data keys: {err}"));
+                log(LogLevel::Error, &format!("cannot create shared-data keys: {err}"));
                 return false;
             }
         }
