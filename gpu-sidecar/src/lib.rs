@@ -6,6 +6,7 @@
 //! kill-switch admin will write into the same [`state::StateStore`].
 
 pub mod api;
+pub mod check_config;
 pub mod state;
 
 use std::future::Future;

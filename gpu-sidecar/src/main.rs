@@ -26,6 +26,12 @@ struct Cli {
 enum Command {
     /// Serve the state API (`/v1/state`, `/healthz`) for the Envoy filter.
     Serve(ServeArgs),
+    /// Validate a sluice policy offline: a policy file (YAML or JSON) or an
+    /// Envoy config that embeds one. Exit status 1 names the bad field.
+    CheckConfig {
+        /// The file to check.
+        file: std::path::PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -38,6 +44,20 @@ struct ServeArgs {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Serve(args) => serve(args),
+        Command::CheckConfig { file } => {
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            match sluice_sidecar::check_config::check(&text) {
+                Ok(summary) => {
+                    println!("{}: ok: {summary}", file.display());
+                    Ok(())
+                }
+                Err(message) => {
+                    eprintln!("{}: {message}", file.display());
+                    std::process::exit(1);
+                }
+            }
+        }
     }
 }
 

