@@ -119,7 +119,11 @@ pub fn rejected(reason: Reason, message: &str, param: Option<&str>) -> Reply {
 fn reply(reason: Reason, mut headers: Vec<(String, String)>, body: &serde_json::Value) -> Reply {
     headers.push(("content-type".into(), "application/json".into()));
     headers.push(("x-sluice-reason".into(), reason.code().into()));
-    Reply { status: reason.status(), headers, body: body.to_string().into_bytes() }
+    Reply {
+        status: reason.status(),
+        headers,
+        body: body.to_string().into_bytes(),
+    }
 }
 
 /// `X-RateLimit-*` of one bucket; `Reset` is seconds until it is full.
@@ -127,7 +131,10 @@ pub fn rate_limit_headers(q: &Quota) -> Vec<(String, String)> {
     vec![
         ("x-ratelimit-limit".into(), q.limit.to_string()),
         ("x-ratelimit-remaining".into(), q.remaining.to_string()),
-        ("x-ratelimit-reset".into(), ceil_secs(q.reset_ms).to_string()),
+        (
+            "x-ratelimit-reset".into(),
+            ceil_secs(q.reset_ms).to_string(),
+        ),
     ]
 }
 
@@ -170,7 +177,11 @@ mod tests {
 
     #[test]
     fn a_429_carries_the_whole_contract() {
-        let quota = Quota { limit: 10, remaining: 0, reset_ms: 60_000 };
+        let quota = Quota {
+            limit: 10,
+            remaining: 0,
+            reset_ms: 60_000,
+        };
         let l = Limited {
             reason: Reason::UserRateLimit,
             quota,

@@ -60,7 +60,11 @@ impl BucketState {
             w.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
             u64::from_le_bytes(w)
         };
-        Some(BucketState { owner: word(0), used: word(1), updated_ms: word(2) })
+        Some(BucketState {
+            owner: word(0),
+            used: word(1),
+            updated_ms: word(2),
+        })
     }
 
     /// The state at `now_ms`, with the refill since the last update applied.
@@ -98,20 +102,29 @@ impl BucketState {
         let capacity = limit.capacity().saturating_mul(SCALE);
         let wanted = now.used.saturating_add(amount.saturating_mul(SCALE));
         if wanted <= capacity {
-            return Ok(BucketState { used: wanted, ..now });
+            return Ok(BucketState {
+                used: wanted,
+                ..now
+            });
         }
         let retry_after_ms = if amount > limit.capacity() {
             drain_ms(now.used, limit)
         } else {
             drain_ms(wanted - capacity, limit)
         };
-        Err(Shortfall { quota: now.quota(limit), retry_after_ms })
+        Err(Shortfall {
+            quota: now.quota(limit),
+            retry_after_ms,
+        })
     }
 
     /// Returns `amount` units taken earlier (never below empty).
     pub fn give_back(self, amount: u64, limit: &Limit, now_ms: u64) -> BucketState {
         let now = self.at(limit, now_ms);
-        BucketState { used: now.used.saturating_sub(amount.saturating_mul(SCALE)), ..now }
+        BucketState {
+            used: now.used.saturating_sub(amount.saturating_mul(SCALE)),
+            ..now
+        }
     }
 }
 
@@ -129,7 +142,10 @@ mod tests {
     use proptest::prelude::*;
 
     fn limit(amount: u64, period_ms: u64, burst: u64) -> Limit {
-        Limit { rate: Rate { amount, period_ms }, burst }
+        Limit {
+            rate: Rate { amount, period_ms },
+            burst,
+        }
     }
 
     #[test]
@@ -137,7 +153,9 @@ mod tests {
         let l = limit(10, 60_000, 10);
         let mut s = BucketState::default();
         for i in 0..10 {
-            s = s.take(1, &l, 1_000).unwrap_or_else(|_| panic!("take {i} refused"));
+            s = s
+                .take(1, &l, 1_000)
+                .unwrap_or_else(|_| panic!("take {i} refused"));
         }
         let refused = s.take(1, &l, 1_000).unwrap_err();
         assert_eq!(refused.quota.remaining, 0);
@@ -148,7 +166,11 @@ mod tests {
     #[test]
     fn refill_is_proportional_to_time() {
         let l = limit(10, 60_000, 10);
-        let s = BucketState { owner: 1, used: 10 * SCALE, updated_ms: 0 };
+        let s = BucketState {
+            owner: 1,
+            used: 10 * SCALE,
+            updated_ms: 0,
+        };
         assert_eq!(s.at(&l, 6_000).quota(&l).remaining, 1);
         assert_eq!(s.at(&l, 30_000).quota(&l).remaining, 5);
         assert_eq!(s.at(&l, 600_000).used, 0, "never below empty");
@@ -170,7 +192,11 @@ mod tests {
     #[test]
     fn clock_stepping_back_refills_nothing() {
         let l = limit(10, 60_000, 10);
-        let s = BucketState { owner: 1, used: 5 * SCALE, updated_ms: 10_000 };
+        let s = BucketState {
+            owner: 1,
+            used: 5 * SCALE,
+            updated_ms: 10_000,
+        };
         let back = s.at(&l, 1_000);
         assert_eq!(back.used, 5 * SCALE);
         assert_eq!(back.updated_ms, 10_000);
@@ -186,7 +212,11 @@ mod tests {
 
     #[test]
     fn encoding_round_trips() {
-        let s = BucketState { owner: 7, used: 123_456_789, updated_ms: 1_700_000_000_000 };
+        let s = BucketState {
+            owner: 7,
+            used: 123_456_789,
+            updated_ms: 1_700_000_000_000,
+        };
         assert_eq!(BucketState::decode(&s.encode()), Some(s));
         assert_eq!(BucketState::decode(b"short"), None);
     }

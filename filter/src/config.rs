@@ -21,7 +21,10 @@ pub struct ConfigError {
 
 impl ConfigError {
     fn at(path: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError { path: path.into(), message: message.into() }
+        ConfigError {
+            path: path.into(),
+            message: message.into(),
+        }
     }
 }
 
@@ -174,7 +177,9 @@ pub struct RequestConfig {
 
 impl Default for RequestConfig {
     fn default() -> Self {
-        RequestConfig { max_body_bytes: default_max_body() }
+        RequestConfig {
+            max_body_bytes: default_max_body(),
+        }
     }
 }
 
@@ -243,13 +248,16 @@ impl<'de> Deserialize<'de> for Limit {
 
             fn visit_str<E: de::Error>(self, text: &str) -> Result<Limit, E> {
                 let rate = parse_rate(text, &["requests", "request"]).map_err(E::custom)?;
-                Ok(Limit { rate, burst: rate.amount })
+                Ok(Limit {
+                    rate,
+                    burst: rate.amount,
+                })
             }
 
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Limit, A::Error> {
                 let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                let rate = parse_rate(&full.rate, &["requests", "request"])
-                    .map_err(de::Error::custom)?;
+                let rate =
+                    parse_rate(&full.rate, &["requests", "request"]).map_err(de::Error::custom)?;
                 let burst = full.burst.unwrap_or(rate.amount);
                 if burst == 0 {
                     return Err(de::Error::custom("burst must be at least 1"));
@@ -325,7 +333,10 @@ impl Policy {
         }
         let id = &self.identity;
         if id.sources.is_empty() {
-            return Err(ConfigError::at("identity.sources", "list at least one source"));
+            return Err(ConfigError::at(
+                "identity.sources",
+                "list at least one source",
+            ));
         }
         for (i, source) in id.sources.iter().enumerate() {
             let missing = match source {
@@ -361,7 +372,10 @@ impl Policy {
                 }
             }
             if keys.header.trim().is_empty() {
-                return Err(ConfigError::at("identity.api_key.header", "must not be empty"));
+                return Err(ConfigError::at(
+                    "identity.api_key.header",
+                    "must not be empty",
+                ));
             }
         }
         for (i, route) in self.routes.iter().enumerate() {
@@ -399,7 +413,10 @@ impl Policy {
             ));
         }
         if self.state.cas_max_retries == 0 {
-            return Err(ConfigError::at("state.cas_max_retries", "must be at least 1"));
+            return Err(ConfigError::at(
+                "state.cas_max_retries",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }
@@ -480,7 +497,10 @@ mod tests {
 
         let mut v = minimal();
         v["identity"] = json!({"sources": ["api_key"]});
-        assert_eq!(Policy::from_value(v).unwrap_err().path, "identity.sources[0]");
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "identity.sources[0]"
+        );
 
         let mut v = minimal();
         v["identity"] = json!({"sources": ["api_key"],

@@ -56,7 +56,11 @@ impl Engine {
     pub fn new(policy: Policy) -> Engine {
         let mut buckets = Vec::new();
         let mut add = |id: String, name: String, limit: Limit, scope, reason| {
-            buckets.push(Bucket { rule: Rule { id, limit, scope }, reason, name });
+            buckets.push(Bucket {
+                rule: Rule { id, limit, scope },
+                reason,
+                name,
+            });
             buckets.len() - 1
         };
         let tier_bucket = policy
@@ -121,12 +125,14 @@ impl Engine {
     /// Step 1: who is calling. A refusal (unknown API key) is a verdict.
     pub fn identify(&self, req: &dyn RequestView) -> Result<Identity, Box<Verdict>> {
         self.resolver.resolve(req).map_err(|_| {
-            let reply = answer::rejected(
+            let reply =
+                answer::rejected(Reason::Unauthenticated, "The API key is not valid.", None);
+            Box::new(self.refused(
+                reply,
                 Reason::Unauthenticated,
-                "The API key is not valid.",
+                &self.policy.default_tier,
                 None,
-            );
-            Box::new(self.refused(reply, Reason::Unauthenticated, &self.policy.default_tier, None))
+            ))
         })
     }
 
@@ -144,13 +150,18 @@ impl Engine {
     }
 
     /// Step 2: what the body asks for (APIs sluice does not read give none).
-    pub fn demand(&self, identity: &Identity, api: Api, body: &[u8]) -> Result<Option<Demand>, Verdict> {
+    pub fn demand(
+        &self,
+        identity: &Identity,
+        api: Api,
+        body: &[u8],
+    ) -> Result<Option<Demand>, Box<Verdict>> {
         if !api.reads_body() {
             return Ok(None);
         }
         request::parse_body(api, body).map(Some).map_err(|bad| {
             let reply = answer::rejected(Reason::InvalidRequest, &bad.message, bad.param);
-            self.refused(reply, Reason::InvalidRequest, &identity.tier, None)
+            Box::new(self.refused(reply, Reason::InvalidRequest, &identity.tier, None))
         })
     }
 
@@ -179,7 +190,10 @@ impl Engine {
             .collect();
         let claims: Vec<Claim> = applying
             .iter()
-            .map(|&i| Claim { rule: &self.buckets[i].rule, amount: 1 })
+            .map(|&i| Claim {
+                rule: &self.buckets[i].rule,
+                amount: 1,
+            })
             .collect();
         let reserver = Reserver {
             store,
@@ -214,7 +228,11 @@ impl Engine {
                     Refusal::Contended { index } | Refusal::Host { index, .. } => {
                         effort.exhausted = true;
                         let limit = claims[index].rule.limit;
-                        let quota = Quota { limit: limit.capacity(), remaining: 0, reset_ms: 1_000 };
+                        let quota = Quota {
+                            limit: limit.capacity(),
+                            remaining: 0,
+                            reset_ms: 1_000,
+                        };
                         (index, quota, 1_000)
                     }
                 };
@@ -301,7 +319,11 @@ mod tests {
     }
 
     fn demand(model: &str) -> Demand {
-        Demand { model: Some(model.into()), stream: false, max_output: None }
+        Demand {
+            model: Some(model.into()),
+            stream: false,
+            max_output: None,
+        }
     }
 
     #[test]
@@ -310,10 +332,14 @@ mod tests {
         let store = MemStore::default();
         prepare(&store, &e.rules(), e.policy.state.principal_slots).unwrap();
         let id = e.identify(&Caller("10.0.0.1:1234")).unwrap();
-        let results: Vec<Verdict> =
-            (0..12).map(|_| e.admit(&store, &id, "/v1/models", None, 1_000)).collect();
+        let results: Vec<Verdict> = (0..12)
+            .map(|_| e.admit(&store, &id, "/v1/models", None, 1_000))
+            .collect();
         assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 10);
-        assert_eq!(results[0].response_headers[1], ("x-ratelimit-remaining".into(), "9".into()));
+        assert_eq!(
+            results[0].response_headers[1],
+            ("x-ratelimit-remaining".into(), "9".into())
+        );
         let refused = results[11].reply.as_ref().unwrap();
         assert_eq!(refused.status, 429);
         assert_eq!(refused.header("x-sluice-reason"), Some("user_rate_limit"));
@@ -326,14 +352,25 @@ mod tests {
         let store = MemStore::default();
         prepare(&store, &e.rules(), e.policy.state.principal_slots).unwrap();
         for i in 0..3 {
-            let id = e.identify(&Caller(["1.1.1.1:1", "2.2.2.2:1", "3.3.3.3:1"][i])).unwrap();
-            assert!(e.admit(&store, &id, "/v1/chat/completions", Some(&demand("big")), 0).reply.is_none());
+            let id = e
+                .identify(&Caller(["1.1.1.1:1", "2.2.2.2:1", "3.3.3.3:1"][i]))
+                .unwrap();
+            assert!(e
+                .admit(&store, &id, "/v1/chat/completions", Some(&demand("big")), 0)
+                .reply
+                .is_none());
         }
         let id = e.identify(&Caller("4.4.4.4:1")).unwrap();
         let v = e.admit(&store, &id, "/v1/chat/completions", Some(&demand("big")), 0);
         assert_eq!(v.labels.reason, "model_rate_limit");
         assert_eq!(v.labels.model, "big");
-        let v = e.admit(&store, &id, "/v1/chat/completions", Some(&demand("gpt-made-up")), 0);
+        let v = e.admit(
+            &store,
+            &id,
+            "/v1/chat/completions",
+            Some(&demand("gpt-made-up")),
+            0,
+        );
         assert!(v.reply.is_none());
         assert_eq!(v.labels.model, "other");
     }

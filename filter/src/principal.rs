@@ -88,7 +88,8 @@ impl Resolver {
         let cfg = &self.config;
         Ok(match source {
             IdentitySource::Jwt => cfg.jwt.as_ref().and_then(|jwt| {
-                let claim = |name: &str| req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, name);
+                let claim =
+                    |name: &str| req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, name);
                 let subject = claim(&jwt.principal_claim).filter(|s| !s.is_empty())?;
                 let tier = jwt.tier_claim.as_deref().and_then(claim);
                 Some((format!("jwt:{subject}"), tier))
@@ -137,7 +138,12 @@ impl Resolver {
             .filter(|t| self.tiers.iter().any(|known| known == t))
             .unwrap_or_else(|| self.default_tier.clone());
         let hash = principal_hash(&principal);
-        Identity { principal, hash, tier, source }
+        Identity {
+            principal,
+            hash,
+            tier,
+            source,
+        }
     }
 }
 
@@ -159,7 +165,9 @@ fn strip_port(addr: &str) -> &str {
         return rest.split(']').next().unwrap_or(rest);
     }
     match addr.rsplit_once(':') {
-        Some((host, port)) if !host.contains(':') && port.chars().all(|c| c.is_ascii_digit()) => host,
+        Some((host, port)) if !host.contains(':') && port.chars().all(|c| c.is_ascii_digit()) => {
+            host
+        }
         _ => addr,
     }
 }
@@ -200,8 +208,14 @@ mod tests {
 
     fn req(headers: &[(&str, &str)], claims: &[(&str, &str)], addr: &str) -> Req {
         Req {
-            headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            claims: claims.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            claims: claims
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             addr: Some(addr.to_string()),
         }
     }
@@ -214,23 +228,42 @@ mod tests {
             "api_key": {"keys": {"k-pro": "pro"}},
         }));
         let id = r
-            .resolve(&req(&[("x-api-key", "k-pro")], &[("sub", "alice"), ("tier", "enterprise")], "10.0.0.1:5"))
+            .resolve(&req(
+                &[("x-api-key", "k-pro")],
+                &[("sub", "alice"), ("tier", "enterprise")],
+                "10.0.0.1:5",
+            ))
             .unwrap();
-        assert_eq!((id.principal.as_str(), id.tier.as_str()), ("jwt:alice", "enterprise"));
-        let id = r.resolve(&req(&[("x-api-key", "k-pro")], &[], "10.0.0.1:5")).unwrap();
+        assert_eq!(
+            (id.principal.as_str(), id.tier.as_str()),
+            ("jwt:alice", "enterprise")
+        );
+        let id = r
+            .resolve(&req(&[("x-api-key", "k-pro")], &[], "10.0.0.1:5"))
+            .unwrap();
         assert_eq!(id.tier, "pro");
         assert!(id.principal.starts_with("key:") && !id.principal.contains("k-pro"));
         let id = r.resolve(&req(&[], &[], "10.0.0.1:5")).unwrap();
-        assert_eq!((id.principal.as_str(), id.tier.as_str()), ("ip:10.0.0.1", "free"));
+        assert_eq!(
+            (id.principal.as_str(), id.tier.as_str()),
+            ("ip:10.0.0.1", "free")
+        );
     }
 
     #[test]
     fn untrusted_identity_headers_are_ignored() {
         let r = resolver(json!({"sources": ["client_address"]}));
         let id = r
-            .resolve(&req(&[("x-sluice-user", "ceo"), ("x-sluice-tier", "enterprise")], &[], "127.0.0.1:9"))
+            .resolve(&req(
+                &[("x-sluice-user", "ceo"), ("x-sluice-tier", "enterprise")],
+                &[],
+                "127.0.0.1:9",
+            ))
             .unwrap();
-        assert_eq!((id.principal.as_str(), id.tier.as_str()), ("ip:127.0.0.1", "free"));
+        assert_eq!(
+            (id.principal.as_str(), id.tier.as_str()),
+            ("ip:127.0.0.1", "free")
+        );
     }
 
     #[test]
@@ -239,20 +272,36 @@ mod tests {
             "sources": ["trusted_header", "client_address"],
             "trusted_header": {"principal": "x-auth-user", "tier": "x-auth-tier"},
         }));
-        let id = r.resolve(&req(&[("x-auth-user", "bob"), ("x-auth-tier", "platinum")], &[], "1.1.1.1:1")).unwrap();
-        assert_eq!((id.principal.as_str(), id.tier.as_str()), ("header:bob", "free"));
+        let id = r
+            .resolve(&req(
+                &[("x-auth-user", "bob"), ("x-auth-tier", "platinum")],
+                &[],
+                "1.1.1.1:1",
+            ))
+            .unwrap();
+        assert_eq!(
+            (id.principal.as_str(), id.tier.as_str()),
+            ("header:bob", "free")
+        );
     }
 
     #[test]
     fn unknown_keys_are_rejected_unless_allowed() {
         let r = resolver(json!({"sources": ["api_key"], "api_key": {"keys": {"good": "pro"}}}));
-        assert_eq!(r.resolve(&req(&[("x-api-key", "made-up")], &[], "1.1.1.1:1")), Err(UnknownApiKey));
+        assert_eq!(
+            r.resolve(&req(&[("x-api-key", "made-up")], &[], "1.1.1.1:1")),
+            Err(UnknownApiKey)
+        );
         let r = resolver(json!({"sources": ["api_key"],
             "api_key": {"header": "authorization", "unknown_keys": "default_tier",
                         "keys": {format!("sha256:{}", sha256_hex(b"good")): "pro"}}}));
-        let id = r.resolve(&req(&[("authorization", "Bearer good")], &[], "1.1.1.1:1")).unwrap();
+        let id = r
+            .resolve(&req(&[("authorization", "Bearer good")], &[], "1.1.1.1:1"))
+            .unwrap();
         assert_eq!(id.tier, "pro");
-        let id = r.resolve(&req(&[("authorization", "Bearer other")], &[], "1.1.1.1:1")).unwrap();
+        let id = r
+            .resolve(&req(&[("authorization", "Bearer other")], &[], "1.1.1.1:1"))
+            .unwrap();
         assert_eq!(id.tier, "free");
     }
 

@@ -61,7 +61,10 @@ mod tests {
         inner.insert("burst".to_string(), pv(Kind::NumberValue(15.0)));
         inner.insert("ratio".to_string(), pv(Kind::NumberValue(0.5)));
         let mut fields = BTreeMap::new();
-        fields.insert("limit".to_string(), pv(Kind::StructValue(Struct { fields: inner })));
+        fields.insert(
+            "limit".to_string(),
+            pv(Kind::StructValue(Struct { fields: inner })),
+        );
         fields.insert(
             "list".to_string(),
             pv(Kind::ListValue(ListValue {

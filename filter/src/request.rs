@@ -63,7 +63,10 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
     let mut fields = match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => map,
         Ok(_) => {
-            return Err(BadBody { message: "request body must be a JSON object".into(), param: None })
+            return Err(BadBody {
+                message: "request body must be a JSON object".into(),
+                param: None,
+            })
         }
         Err(e) => {
             return Err(BadBody {
@@ -76,24 +79,36 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
     let model = match field("model") {
         Some(Value::String(m)) if !m.trim().is_empty() => m,
         Some(Value::String(_)) | None => {
-            return Err(BadBody { message: "`model` is required".into(), param: Some("model") })
+            return Err(BadBody {
+                message: "`model` is required".into(),
+                param: Some("model"),
+            })
         }
         Some(_) => {
-            return Err(BadBody { message: "`model` must be a string".into(), param: Some("model") })
+            return Err(BadBody {
+                message: "`model` must be a string".into(),
+                param: Some("model"),
+            })
         }
     };
     let stream = match field("stream") {
         None | Some(Value::Null) => api.is_ollama(), // Ollama streams unless told not to
         Some(Value::Bool(b)) => b,
         Some(_) => {
-            return Err(BadBody { message: "`stream` must be a boolean".into(), param: Some("stream") })
+            return Err(BadBody {
+                message: "`stream` must be a boolean".into(),
+                param: Some("stream"),
+            })
         }
     };
     let num_predict = match field("options") {
         None | Some(Value::Null) => None,
         Some(Value::Object(mut o)) => o.remove("num_predict"),
         Some(_) => {
-            return Err(BadBody { message: "`options` must be an object".into(), param: Some("options") })
+            return Err(BadBody {
+                message: "`options` must be an object".into(),
+                param: Some("options"),
+            })
         }
     };
     let mut max_output = None;
@@ -106,7 +121,8 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
         match value {
             None | Some(Value::Null) => {}
             // Ollama's "no limit" values.
-            Some(Value::Number(n)) if param == "options.num_predict" && n.as_i64().is_some_and(|v| v < 0) => {}
+            Some(Value::Number(n))
+                if param == "options.num_predict" && n.as_i64().is_some_and(|v| v < 0) => {}
             Some(Value::Number(n)) if n.as_u64().is_some() => {
                 let v = n.as_u64().unwrap_or(0);
                 max_output = Some(max_output.map_or(v, |m: u64| m.min(v)));
@@ -119,7 +135,11 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
             }
         }
     }
-    Ok(Demand { model: Some(model), stream, max_output })
+    Ok(Demand {
+        model: Some(model),
+        stream,
+        max_output,
+    })
 }
 
 #[cfg(test)]
@@ -128,7 +148,10 @@ mod tests {
 
     #[test]
     fn classifies_known_endpoints() {
-        assert_eq!(Api::classify("POST", "/v1/chat/completions?x=1"), Api::OpenAiChat);
+        assert_eq!(
+            Api::classify("POST", "/v1/chat/completions?x=1"),
+            Api::OpenAiChat
+        );
         assert_eq!(Api::classify("POST", "/api/generate"), Api::OllamaGenerate);
         assert_eq!(Api::classify("GET", "/v1/chat/completions"), Api::Other);
         assert_eq!(Api::classify("POST", "/v1/models"), Api::Other);
@@ -141,12 +164,38 @@ mod tests {
             br#"{"model":"llama3.1:8b","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":64}"#,
         )
         .unwrap();
-        assert_eq!(d, Demand { model: Some("llama3.1:8b".into()), stream: true, max_output: Some(64) });
-        let d = parse_body(Api::OllamaChat, br#"{"model":"mistral:7b","options":{"num_predict":20}}"#).unwrap();
-        assert_eq!(d, Demand { model: Some("mistral:7b".into()), stream: true, max_output: Some(20) });
-        let d = parse_body(Api::OllamaGenerate, br#"{"model":"m","stream":false,"options":{"num_predict":-1}}"#).unwrap();
+        assert_eq!(
+            d,
+            Demand {
+                model: Some("llama3.1:8b".into()),
+                stream: true,
+                max_output: Some(64)
+            }
+        );
+        let d = parse_body(
+            Api::OllamaChat,
+            br#"{"model":"mistral:7b","options":{"num_predict":20}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            d,
+            Demand {
+                model: Some("mistral:7b".into()),
+                stream: true,
+                max_output: Some(20)
+            }
+        );
+        let d = parse_body(
+            Api::OllamaGenerate,
+            br#"{"model":"m","stream":false,"options":{"num_predict":-1}}"#,
+        )
+        .unwrap();
         assert_eq!((d.stream, d.max_output), (false, None));
-        let d = parse_body(Api::OpenAiChat, br#"{"model":"m","max_tokens":100,"max_completion_tokens":50}"#).unwrap();
+        let d = parse_body(
+            Api::OpenAiChat,
+            br#"{"model":"m","max_tokens":100,"max_completion_tokens":50}"#,
+        )
+        .unwrap();
         assert_eq!(d.max_output, Some(50), "the stricter of two limits");
     }
 

@@ -188,7 +188,9 @@ impl Reserver<'_> {
     pub fn release(&self, held: &[Held], now_ms: u64, effort: &mut Effort) {
         for h in held.iter().rev() {
             for _ in 0..self.max_retries {
-                let Some((bytes, cas)) = self.store.get(&h.key) else { break };
+                let Some((bytes, cas)) = self.store.get(&h.key) else {
+                    break;
+                };
                 let state = BucketState::decode(&bytes).unwrap_or_default();
                 if h.owner != 0 && state.owner != h.owner {
                     break;
@@ -216,7 +218,10 @@ impl Reserver<'_> {
                 effort.cas_retries += 1;
             }
             let at = self.locate(claim.rule, principal, now_ms, effort);
-            let next = at.state.take(claim.amount, limit, now_ms).map_err(TakeError::Full)?;
+            let next = at
+                .state
+                .take(claim.amount, limit, now_ms)
+                .map_err(TakeError::Full)?;
             match self.store.set(&at.key, &next.encode(), at.cas) {
                 Ok(()) => {
                     let held = Held {
@@ -242,23 +247,42 @@ impl Reserver<'_> {
         };
         if rule.scope == Scope::Global {
             let (key, state, cas) = read(global_key(rule));
-            return Located { key, state, cas, owner: 0 };
+            return Located {
+                key,
+                state,
+                cas,
+                owner: 0,
+            };
         }
         let owner = principal.max(GLOBAL_OWNER + 1);
-        let fresh = BucketState { owner, used: 0, updated_ms: now_ms };
+        let fresh = BucketState {
+            owner,
+            used: 0,
+            updated_ms: now_ms,
+        };
         let slots = self.slots.max(1);
         let home = (owner % slots as u64) as u32;
         let mut candidate: Option<Located> = None;
         for probe in 0..PROBES.min(slots) {
             let (key, state, cas) = read(slot_key(rule, (home + probe) % slots));
             if state.owner == owner {
-                return Located { key, state, cas, owner };
+                return Located {
+                    key,
+                    state,
+                    cas,
+                    owner,
+                };
             }
             // A never-used slot ends the chain: the principal would hold it
             // or an earlier one if it had a bucket.
             let end_of_chain = state.owner == 0;
             if candidate.is_none() && (end_of_chain || state.is_idle(&rule.limit, now_ms)) {
-                candidate = Some(Located { key, state: fresh, cas, owner });
+                candidate = Some(Located {
+                    key,
+                    state: fresh,
+                    cas,
+                    owner,
+                });
             }
             if end_of_chain {
                 break;
@@ -267,7 +291,12 @@ impl Reserver<'_> {
         candidate.unwrap_or_else(|| {
             effort.overflowed = true;
             let (key, state, cas) = read(overflow_key(rule));
-            Located { key, state, cas, owner: 0 }
+            Located {
+                key,
+                state,
+                cas,
+                owner: 0,
+            }
         })
     }
 }
@@ -289,25 +318,46 @@ mod tests {
     fn rule(id: &str, amount: u64, scope: Scope) -> Rule {
         Rule {
             id: id.into(),
-            limit: Limit { rate: Rate { amount, period_ms: 60_000 }, burst: amount },
+            limit: Limit {
+                rate: Rate {
+                    amount,
+                    period_ms: 60_000,
+                },
+                burst: amount,
+            },
             scope,
         }
     }
 
     fn reserver(store: &MemStore) -> Reserver<'_> {
-        Reserver { store, slots: 16, max_retries: 64 }
+        Reserver {
+            store,
+            slots: 16,
+            max_retries: 64,
+        }
     }
 
     #[test]
     fn prepare_bounds_the_key_set() {
         let store = MemStore::default();
-        let rules = [rule("tier/free", 10, Scope::PerPrincipal), rule("model/m", 5, Scope::Global)];
+        let rules = [
+            rule("tier/free", 10, Scope::PerPrincipal),
+            rule("model/m", 5, Scope::Global),
+        ];
         assert_eq!(prepare(&store, &rules, 16).unwrap(), 16 + 1 + 1);
         assert_eq!(prepare(&store, &rules, 16).unwrap(), 0, "idempotent");
         // Ten thousand principals later the key set is unchanged.
         let r = reserver(&store);
         for p in 0..10_000u64 {
-            let _ = r.reserve(&[Claim { rule: &rules[0], amount: 1 }], p * 7919 + 3, 0, &mut Effort::default());
+            let _ = r.reserve(
+                &[Claim {
+                    rule: &rules[0],
+                    amount: 1,
+                }],
+                p * 7919 + 3,
+                0,
+                &mut Effort::default(),
+            );
         }
         assert_eq!(store.len(), 18);
     }
@@ -319,14 +369,26 @@ mod tests {
         let model = rule("model/big", 2, Scope::Global);
         prepare(&store, &[user.clone(), model.clone()], 16).unwrap();
         let r = reserver(&store);
-        let claims = [Claim { rule: &user, amount: 1 }, Claim { rule: &model, amount: 1 }];
+        let claims = [
+            Claim {
+                rule: &user,
+                amount: 1,
+            },
+            Claim {
+                rule: &model,
+                amount: 1,
+            },
+        ];
         let mut e = Effort::default();
         assert!(r.reserve(&claims, 42, 0, &mut e).is_ok());
         assert!(r.reserve(&claims, 42, 0, &mut e).is_ok());
         let refused = r.reserve(&claims, 42, 0, &mut e).unwrap_err();
         assert!(matches!(refused, Refusal::Full { index: 1, .. }));
         // The user bucket got its unit back: 8 left, not 7.
-        let only_user = [Claim { rule: &user, amount: 1 }];
+        let only_user = [Claim {
+            rule: &user,
+            amount: 1,
+        }];
         let res = r.reserve(&only_user, 42, 0, &mut e).unwrap();
         assert_eq!(res.tightest.unwrap().1.remaining, 7);
     }
@@ -336,8 +398,15 @@ mod tests {
         let store = MemStore::default();
         let user = rule("tier/free", 2, Scope::PerPrincipal);
         prepare(&store, std::slice::from_ref(&user), 1).unwrap();
-        let r = Reserver { store: &store, slots: 1, max_retries: 8 };
-        let c = [Claim { rule: &user, amount: 1 }];
+        let r = Reserver {
+            store: &store,
+            slots: 1,
+            max_retries: 8,
+        };
+        let c = [Claim {
+            rule: &user,
+            amount: 1,
+        }];
         let mut e = Effort::default();
         assert!(r.reserve(&c, 100, 0, &mut e).is_ok());
         assert!(!e.overflowed);
@@ -362,11 +431,25 @@ mod tests {
                 let (store, model, user, admitted) =
                     (store.clone(), model.clone(), user.clone(), admitted.clone());
                 std::thread::spawn(move || {
-                    let r = Reserver { store: store.as_ref(), slots: 64, max_retries: 1_000 };
+                    let r = Reserver {
+                        store: store.as_ref(),
+                        slots: 64,
+                        max_retries: 1_000,
+                    };
                     for i in 0..25u64 {
-                        let claims =
-                            [Claim { rule: &user, amount: 1 }, Claim { rule: &model, amount: 1 }];
-                        if r.reserve(&claims, t * 100 + i, 0, &mut Effort::default()).is_ok() {
+                        let claims = [
+                            Claim {
+                                rule: &user,
+                                amount: 1,
+                            },
+                            Claim {
+                                rule: &model,
+                                amount: 1,
+                            },
+                        ];
+                        if r.reserve(&claims, t * 100 + i, 0, &mut Effort::default())
+                            .is_ok()
+                        {
                             admitted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         }
                     }
@@ -399,11 +482,21 @@ mod tests {
 
     #[test]
     fn contention_is_retried_counted_and_never_admits_blindly() {
-        let store = Contended { inner: MemStore::default(), fail: 0.into() };
+        let store = Contended {
+            inner: MemStore::default(),
+            fail: 0.into(),
+        };
         let model = rule("model/m", 5, Scope::Global);
         prepare(&store.inner, std::slice::from_ref(&model), 1).unwrap();
-        let r = Reserver { store: &store, slots: 1, max_retries: 4 };
-        let c = [Claim { rule: &model, amount: 1 }];
+        let r = Reserver {
+            store: &store,
+            slots: 1,
+            max_retries: 4,
+        };
+        let c = [Claim {
+            rule: &model,
+            amount: 1,
+        }];
         store.fail.set(3);
         let mut e = Effort::default();
         assert!(r.reserve(&c, 1, 0, &mut e).is_ok());

@@ -77,7 +77,10 @@ impl Metrics {
         self.add(&metrics::requests_total(&verdict.labels), 1);
         self.add(metrics::CAS_RETRIES, i64::from(verdict.effort.cas_retries));
         self.add(metrics::CAS_EXHAUSTED, i64::from(verdict.effort.exhausted));
-        self.add(metrics::BUCKET_OVERFLOW, i64::from(verdict.effort.overflowed));
+        self.add(
+            metrics::BUCKET_OVERFLOW,
+            i64::from(verdict.effort.overflowed),
+        );
     }
 }
 
@@ -158,7 +161,9 @@ impl RequestView for HostRequest {
     }
 
     fn client_address(&self) -> Option<String> {
-        let bytes = hostcalls::get_property(vec!["source", "address"]).ok().flatten()?;
+        let bytes = hostcalls::get_property(vec!["source", "address"])
+            .ok()
+            .flatten()?;
         String::from_utf8(bytes).ok()
     }
 }
@@ -187,8 +192,11 @@ impl Http {
         self.metrics.record(&verdict);
         match verdict.reply {
             Some(reply) => {
-                let headers: Vec<(&str, &str)> =
-                    reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                let headers: Vec<(&str, &str)> = reply
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.as_str(), v.as_str()))
+                    .collect();
                 self.send_http_response(reply.status, headers, Some(&reply.body));
                 Action::Pause
             }
@@ -206,10 +214,12 @@ impl Http {
         };
         let demand = match self.engine.demand(&identity, self.api, body) {
             Ok(demand) => demand,
-            Err(verdict) => return self.finish(verdict),
+            Err(verdict) => return self.finish(*verdict),
         };
         let now = self.now_ms();
-        let verdict = self.engine.admit(&HostStore, &identity, &self.path, demand.as_ref(), now);
+        let verdict = self
+            .engine
+            .admit(&HostStore, &identity, &self.path, demand.as_ref(), now);
         self.finish(verdict)
     }
 }

@@ -32,8 +32,13 @@ pub struct Duration(pub u64);
 impl fmt::Display for Duration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ms = self.0;
-        for (unit, size) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
-            if ms >= size && ms % size == 0 {
+        for (unit, size) in [
+            ("d", 86_400_000),
+            ("h", 3_600_000),
+            ("m", 60_000),
+            ("s", 1_000),
+        ] {
+            if ms >= size && ms.is_multiple_of(size) {
                 return write!(f, "{}{}", ms / size, unit);
             }
         }
@@ -132,9 +137,7 @@ fn parse_count(text: &str) -> Result<u64, String> {
     if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
         return Err(format!("`{text}` is not a whole number"));
     }
-    digits
-        .parse()
-        .map_err(|_| format!("`{text}` is too large"))
+    digits.parse().map_err(|_| format!("`{text}` is too large"))
 }
 
 #[cfg(test)]
@@ -145,33 +148,56 @@ mod tests {
     fn rates_read_like_prose() {
         assert_eq!(
             parse_rate("10/min", &[]),
-            Ok(Rate { amount: 10, period_ms: 60_000 })
+            Ok(Rate {
+                amount: 10,
+                period_ms: 60_000
+            })
         );
         assert_eq!(
             parse_rate("5/s", &[]),
-            Ok(Rate { amount: 5, period_ms: 1_000 })
+            Ok(Rate {
+                amount: 5,
+                period_ms: 1_000
+            })
         );
         assert_eq!(
             parse_rate("5,000 tokens/day", &["tokens"]),
-            Ok(Rate { amount: 5000, period_ms: 86_400_000 })
+            Ok(Rate {
+                amount: 5000,
+                period_ms: 86_400_000
+            })
         );
         assert_eq!(
             parse_rate("100/30s", &[]),
-            Ok(Rate { amount: 100, period_ms: 30_000 })
+            Ok(Rate {
+                amount: 100,
+                period_ms: 30_000
+            })
         );
         assert_eq!(
             parse_rate(" 300 / minute ", &[]),
-            Ok(Rate { amount: 300, period_ms: 60_000 })
+            Ok(Rate {
+                amount: 300,
+                period_ms: 60_000
+            })
         );
     }
 
     #[test]
     fn bad_rates_say_why() {
         assert!(parse_rate("10", &[]).unwrap_err().contains("not a rate"));
-        assert!(parse_rate("ten/min", &[]).unwrap_err().contains("whole number"));
-        assert!(parse_rate("10/fortnight", &[]).unwrap_err().contains("duration"));
-        assert!(parse_rate("10 apples/min", &["tokens"]).unwrap_err().contains("apples"));
-        assert!(parse_rate("10/0s", &[]).unwrap_err().contains("longer than zero"));
+        assert!(parse_rate("ten/min", &[])
+            .unwrap_err()
+            .contains("whole number"));
+        assert!(parse_rate("10/fortnight", &[])
+            .unwrap_err()
+            .contains("duration"));
+        assert!(parse_rate("10 apples/min", &["tokens"])
+            .unwrap_err()
+            .contains("apples"));
+        assert!(parse_rate("10/0s", &[])
+            .unwrap_err()
+            .contains("longer than zero"));
         assert!(parse_rate("-1/min", &[]).is_err());
     }
 
@@ -189,8 +215,22 @@ mod tests {
 
     #[test]
     fn display_round_trips() {
-        assert_eq!(Rate { amount: 10, period_ms: 60_000 }.to_string(), "10/min");
-        assert_eq!(Rate { amount: 1, period_ms: 30_000 }.to_string(), "1/30s");
+        assert_eq!(
+            Rate {
+                amount: 10,
+                period_ms: 60_000
+            }
+            .to_string(),
+            "10/min"
+        );
+        assert_eq!(
+            Rate {
+                amount: 1,
+                period_ms: 30_000
+            }
+            .to_string(),
+            "1/30s"
+        );
         assert_eq!(Duration(1500).to_string(), "1500ms");
     }
 }

@@ -91,7 +91,10 @@ mod tests {
         let text = "default_tier: free\ntiers:\n  free: {requets: 10/min}\n";
         let err = check(text).unwrap_err();
         assert!(err.contains("tiers.free.requets"), "{err}");
-        let text = include_str!("../../envoy/sluice.yaml").replace("pro: { requests: 60/min }", "pro: { requests: 60/fortnight }");
+        let text = include_str!("../../envoy/sluice.yaml").replace(
+            "pro: { requests: 60/min }",
+            "pro: { requests: 60/fortnight }",
+        );
         let err = check(&text).unwrap_err();
         assert!(err.contains("tiers.pro.requests"), "{err}");
     }
