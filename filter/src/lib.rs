@@ -11,6 +11,7 @@ pub mod answer;
 pub mod bucket;
 pub mod config;
 pub mod engine;
+pub mod estimate;
 pub mod metrics;
 pub mod principal;
 mod proto_struct;

@@ -1,0 +1,248 @@
+//! Demand estimate (SPEC §2.2): how many input tokens a request will cost,
+//! without a tokenizer in the wasm binary.
+//!
+//! Text is scored by character class, calibrated against BPE tokenizers of
+//! the cl100k/o200k family: a run of ASCII letters costs about one token per
+//! 4.3 letters (at least one), digits group by three, punctuation mostly
+//! stands alone, CJK and other scripts cost about a token per character.
+//! Chat framing adds a few tokens per message. What remains of the error is
+//! corrected per model by a factor learned from real usage at settlement
+//! (`Correction`), kept in shared data. `bench/` measures the accuracy.
+
+use serde_json::Value;
+
+/// Tokens of chat framing per message, and to prime the reply (OpenAI's
+/// published accounting for chat models).
+const PER_MESSAGE: f64 = 4.0;
+const REPLY_PRIMING: f64 = 3.0;
+
+/// Estimated tokens of one text, by character class.
+pub fn text_tokens(text: &str) -> f64 {
+    let mut tokens = 0.0;
+    let mut letters = 0u32; // current run of ASCII letters
+    let mut digits = 0u32;
+    let mut spaces = 0u32; // current run of whitespace beyond one space
+    let flush_letters = |n: &mut u32, t: &mut f64| {
+        if *n > 0 {
+            *t += (*n as f64 / 4.3).max(1.0);
+            *n = 0;
+        }
+    };
+    let flush_digits = |n: &mut u32, t: &mut f64| {
+        if *n > 0 {
+            *t += (*n as f64 / 3.0).ceil();
+            *n = 0;
+        }
+    };
+    for c in text.chars() {
+        if c.is_ascii_alphabetic() {
+            flush_digits(&mut digits, &mut tokens);
+            letters += 1;
+            continue;
+        }
+        flush_letters(&mut letters, &mut tokens);
+        if c.is_ascii_digit() {
+            digits += 1;
+            continue;
+        }
+        flush_digits(&mut digits, &mut tokens);
+        if c == ' ' {
+            spaces += 1;
+            // A single space rides with the next word; longer runs
+            // (indentation) cost about a token per four.
+            if spaces > 1 && spaces % 4 == 1 {
+                tokens += 1.0;
+            }
+            continue;
+        }
+        spaces = 0;
+        tokens += match c {
+            '\n' | '\t' | '\r' => 0.5,
+            c if c.is_ascii_punctuation() => 0.75,
+            c if c.is_ascii() => 0.5,
+            c if is_cjk(c) => 1.1,
+            // Accented Latin letters and other alphabets split words.
+            c if c.is_alphabetic() => 0.6,
+            _ => 1.5, // symbols, emoji
+        };
+    }
+    flush_letters(&mut letters, &mut tokens);
+    flush_digits(&mut digits, &mut tokens);
+    tokens
+}
+
+fn is_cjk(c: char) -> bool {
+    matches!(c as u32,
+        0x3040..=0x30FF      // Hiragana, Katakana
+        | 0x3400..=0x4DBF    // CJK Extension A
+        | 0x4E00..=0x9FFF    // CJK Unified Ideographs
+        | 0xAC00..=0xD7AF    // Hangul syllables
+        | 0xF900..=0xFAFF    // CJK Compatibility Ideographs
+        | 0xFF00..=0xFFEF) // full-width forms
+}
+
+/// Estimated input tokens of a parsed request body, before correction:
+/// chat messages (string or multi-part content), system prompts, tools and
+/// their schemas, `response_format` schemas, prompts and Ollama fields.
+pub fn input_tokens(body: &Value) -> f64 {
+    let Some(obj) = body.as_object() else { return 0.0 };
+    let mut tokens = 0.0;
+    if let Some(messages) = obj.get("messages").and_then(Value::as_array) {
+        for m in messages {
+            tokens += PER_MESSAGE;
+            if let Some(m) = m.as_object() {
+                for (key, v) in m {
+                    tokens += match key.as_str() {
+                        "content" => content_tokens(v),
+                        "role" | "name" | "tool_call_id" => v.as_str().map_or(0.0, text_tokens),
+                        // Assistant tool calls, images' detail, etc.
+                        _ => json_tokens(v),
+                    };
+                }
+            }
+        }
+        tokens += REPLY_PRIMING;
+    }
+    for key in ["prompt", "input", "system", "instructions", "suffix"] {
+        if let Some(v) = obj.get(key) {
+            tokens += content_tokens(v);
+        }
+    }
+    for key in ["tools", "functions", "response_format", "format", "text"] {
+        if let Some(v) = obj.get(key) {
+            tokens += json_tokens(v);
+        }
+    }
+    tokens
+}
+
+/// A content value: a string, a list of parts (`{"type":"text","text":…}`,
+/// Responses-API items), or anything else scored as JSON.
+fn content_tokens(v: &Value) -> f64 {
+    match v {
+        Value::String(s) => text_tokens(s),
+        Value::Array(items) => items.iter().map(content_tokens).sum(),
+        Value::Object(part) => {
+            if let Some(text) = part.get("text").and_then(Value::as_str) {
+                return text_tokens(text) + 1.0;
+            }
+            if let Some(content) = part.get("content") {
+                return content_tokens(content) + PER_MESSAGE;
+            }
+            if part.contains_key("image_url") || part.get("type").and_then(Value::as_str) == Some("image_url") {
+                return 85.0; // a low-detail image tile
+            }
+            json_tokens(v)
+        }
+        Value::Number(_) => 1.0, // token ids in a prompt array
+        _ => 0.0,
+    }
+}
+
+/// A JSON value as the model sees it: its compact text.
+fn json_tokens(v: &Value) -> f64 {
+    match v {
+        Value::Null => 0.0,
+        Value::String(s) => text_tokens(s),
+        other => text_tokens(&other.to_string()),
+    }
+}
+
+/// The learned per-model ratio actual ÷ estimated input tokens, in
+/// thousandths, bounded to [0.5, 2.0] so one odd response cannot run away
+/// with it. Moves 1/8 of the way to each new sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Correction(pub u32);
+
+impl Default for Correction {
+    fn default() -> Self {
+        Correction(1000)
+    }
+}
+
+impl Correction {
+    pub const MIN: u32 = 500;
+    pub const MAX: u32 = 2000;
+
+    pub fn apply(self, raw: f64) -> u64 {
+        (raw * self.0 as f64 / 1000.0).ceil().max(1.0) as u64
+    }
+
+    /// Learns from one settled request; `None` when the sample is unusable.
+    pub fn learn(self, raw_estimate: f64, actual: u64) -> Option<Correction> {
+        if raw_estimate < 8.0 || actual == 0 {
+            return None; // too small to say anything
+        }
+        let sample = (actual as f64 / raw_estimate * 1000.0).clamp(Self::MIN as f64, Self::MAX as f64);
+        let gap = sample.round() as i64 - self.0 as i64;
+        // An eighth of the gap, at least one step, so it converges exactly.
+        let step = if gap == 0 { 0 } else { (gap / 8).abs().max(1) * gap.signum() };
+        let next = (self.0 as i64 + step).clamp(Self::MIN as i64, Self::MAX as i64);
+        Some(Correction(next as u32))
+    }
+
+    pub fn encode(self) -> [u8; 4] {
+        self.0.to_le_bytes()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Correction {
+        match <[u8; 4]>::try_from(bytes) {
+            Ok(b) => Correction(u32::from_le_bytes(b).clamp(Self::MIN, Self::MAX)),
+            Err(_) => Correction::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn english_is_about_four_characters_a_token() {
+        let t = text_tokens("The quick brown fox jumps over the lazy dog.");
+        assert!((9.0..=13.0).contains(&t), "{t}");
+    }
+
+    #[test]
+    fn cjk_costs_about_a_token_a_character() {
+        let t = text_tokens("今日は良い天気ですね");
+        assert!((9.0..=13.0).contains(&t), "{t}");
+    }
+
+    #[test]
+    fn numbers_group_by_three() {
+        assert_eq!(text_tokens("1234567"), 3.0);
+    }
+
+    #[test]
+    fn chat_bodies_count_every_part() {
+        let plain = input_tokens(&json!({"messages": [{"role": "user", "content": "hello there"}]}));
+        let parts = input_tokens(&json!({"messages": [{"role": "user",
+            "content": [{"type": "text", "text": "hello there"}]}]}));
+        assert!(plain >= 8.0 && parts >= plain, "{plain} {parts}");
+        let with_tools = input_tokens(&json!({"messages": [{"role": "user", "content": "hello there"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}));
+        assert!(with_tools > plain + 10.0);
+        let ollama = input_tokens(&json!({"model": "m", "prompt": "hello there", "system": "be brief"}));
+        assert!(ollama > 3.0);
+    }
+
+    #[test]
+    fn correction_learns_within_bounds() {
+        let mut c = Correction::default();
+        for _ in 0..100 {
+            c = c.learn(100.0, 130).unwrap();
+        }
+        assert_eq!(c.0, 1300);
+        for _ in 0..100 {
+            c = c.learn(100.0, 10_000).unwrap();
+        }
+        assert_eq!(c.0, Correction::MAX);
+        assert_eq!(c.learn(2.0, 100), None);
+        assert_eq!(Correction::decode(&Correction(1200).encode()), Correction(1200));
+        assert_eq!(Correction::decode(b"xx"), Correction::default());
+        assert_eq!(Correction(1500).apply(10.0), 15);
+    }
+}
