@@ -6,7 +6,7 @@
 //! 7 used of 12 after the reload. Amounts are kept in millionths of a unit so
 //! a slow refill (10/min) still drains smoothly at millisecond resolution.
 
-use crate::config::Limit;
+use crate::config::{Limit, Window};
 
 /// Millionths of a unit per unit.
 pub const SCALE: u64 = 1_000_000;
@@ -70,6 +70,18 @@ impl BucketState {
     /// The state at `now_ms`, with the refill since the last update applied.
     /// A clock that steps back refills nothing.
     pub fn at(self, limit: &Limit, now_ms: u64) -> BucketState {
+        if let Some(window) = limit.window {
+            // Fixed window: `updated_ms` is the start of the window counted.
+            let start = window_start(window, now_ms);
+            if start > self.updated_ms {
+                return BucketState {
+                    owner: self.owner,
+                    used: 0,
+                    updated_ms: start,
+                };
+            }
+            return self;
+        }
         let elapsed = now_ms.saturating_sub(self.updated_ms);
         let refill = (elapsed as u128 * limit.rate.amount as u128 * SCALE as u128
             / limit.rate.period_ms as u128)
@@ -87,12 +99,17 @@ impl BucketState {
         self.at(limit, now_ms).used == 0
     }
 
-    pub fn quota(&self, limit: &Limit) -> Quota {
+    /// The quota at `now_ms` (the state must be brought to `now_ms`).
+    pub fn quota(&self, limit: &Limit, now_ms: u64) -> Quota {
         let capacity = limit.capacity().saturating_mul(SCALE);
+        let reset_ms = match limit.window {
+            Some(window) => next_window(window, now_ms).saturating_sub(now_ms),
+            None => drain_ms(self.used, limit),
+        };
         Quota {
             limit: limit.capacity(),
             remaining: capacity.saturating_sub(self.used) / SCALE,
-            reset_ms: drain_ms(self.used, limit),
+            reset_ms,
         }
     }
 
@@ -107,25 +124,94 @@ impl BucketState {
                 ..now
             });
         }
-        let retry_after_ms = if amount > limit.capacity() {
+        let quota = now.quota(limit, now_ms);
+        let retry_after_ms = if limit.window.is_some() {
+            quota.reset_ms
+        } else if amount > limit.capacity() {
             drain_ms(now.used, limit)
         } else {
             drain_ms(wanted - capacity, limit)
         };
         Err(Shortfall {
-            quota: now.quota(limit),
+            quota,
             retry_after_ms,
         })
     }
 
-    /// Returns `amount` units taken earlier (never below empty).
-    pub fn give_back(self, amount: u64, limit: &Limit, now_ms: u64) -> BucketState {
+    /// Returns `amount` units taken at `taken_ms` (never below empty). A
+    /// fixed window that has rolled over since owes nothing back.
+    pub fn give_back(self, amount: u64, limit: &Limit, taken_ms: u64, now_ms: u64) -> BucketState {
         let now = self.at(limit, now_ms);
+        if let Some(window) = limit.window {
+            if window_start(window, taken_ms) != window_start(window, now_ms) {
+                return now;
+            }
+        }
         BucketState {
             used: now.used.saturating_sub(amount.saturating_mul(SCALE)),
             ..now
         }
     }
+
+    /// Charges `amount` units whether or not they fit: settlement of usage
+    /// that already happened. The bucket may go over its capacity (a debt
+    /// that blocks admission until it drains); admission never does.
+    pub fn charge(self, amount: u64, limit: &Limit, now_ms: u64) -> BucketState {
+        let now = self.at(limit, now_ms);
+        BucketState {
+            used: now.used.saturating_add(amount.saturating_mul(SCALE)),
+            ..now
+        }
+    }
+}
+
+const DAY_MS: u64 = 86_400_000;
+
+/// Start of the UTC day or month holding `ms`.
+pub fn window_start(window: Window, ms: u64) -> u64 {
+    let day = ms / DAY_MS;
+    match window {
+        Window::Day => day * DAY_MS,
+        Window::Month => {
+            let (y, m, _) = civil_from_days(day as i64);
+            days_from_civil(y, m, 1) as u64 * DAY_MS
+        }
+    }
+}
+
+/// Start of the window after the one holding `ms`.
+pub fn next_window(window: Window, ms: u64) -> u64 {
+    match window {
+        Window::Day => window_start(window, ms) + DAY_MS,
+        Window::Month => {
+            let (y, m, _) = civil_from_days((ms / DAY_MS) as i64);
+            let (y, m) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
+            days_from_civil(y, m, 1) as u64 * DAY_MS
+        }
+    }
+}
+
+/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian.
+pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(month <= 2), month, day)
+}
+
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m as i64 + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
 }
 
 /// Milliseconds for the bucket to drain `used` millionths, rounded up.
@@ -145,6 +231,7 @@ mod tests {
         Limit {
             rate: Rate { amount, period_ms },
             burst,
+            window: None,
         }
     }
 
@@ -171,8 +258,8 @@ mod tests {
             used: 10 * SCALE,
             updated_ms: 0,
         };
-        assert_eq!(s.at(&l, 6_000).quota(&l).remaining, 1);
-        assert_eq!(s.at(&l, 30_000).quota(&l).remaining, 5);
+        assert_eq!(s.at(&l, 6_000).quota(&l, 0).remaining, 1);
+        assert_eq!(s.at(&l, 30_000).quota(&l, 0).remaining, 5);
         assert_eq!(s.at(&l, 600_000).used, 0, "never below empty");
         assert!(s.is_idle(&l, 60_000));
         assert!(!s.is_idle(&l, 59_999));
@@ -211,6 +298,47 @@ mod tests {
     }
 
     #[test]
+    fn fixed_windows_reset_on_the_utc_calendar() {
+        let nov_30_noon = 1_795_996_800_000 + 12 * 3_600_000;
+        let dec_1 = 1_795_996_800_000 + 86_400_000;
+        let day = Limit::windowed(100, Window::Day);
+        let s = BucketState::default().take(100, &day, nov_30_noon).unwrap();
+        let refused = s.take(1, &day, nov_30_noon).unwrap_err();
+        assert_eq!(refused.retry_after_ms, 12 * 3_600_000, "until 00:00 UTC");
+        assert!(s.take(100, &day, dec_1).is_ok(), "a new day, a new budget");
+        // A reservation from yesterday gives nothing back to today.
+        let today = s.charge(0, &day, dec_1).take(10, &day, dec_1).unwrap();
+        assert_eq!(
+            today.give_back(100, &day, nov_30_noon, dec_1).used,
+            10 * SCALE
+        );
+
+        let month = Limit::windowed(5, Window::Month);
+        assert_eq!(window_start(Window::Month, nov_30_noon), 1_793_491_200_000); // 2026-11-01
+        assert_eq!(next_window(Window::Month, nov_30_noon), dec_1);
+        assert_eq!(
+            next_window(Window::Month, 1_798_675_200_000 + 5),
+            1_798_761_600_000
+        ); // Dec 31 → Jan 1
+        let s = BucketState::default().take(5, &month, nov_30_noon).unwrap();
+        assert!(s.take(1, &month, dec_1 - 1).is_err());
+        assert!(s.take(1, &month, dec_1).is_ok());
+    }
+
+    #[test]
+    fn charge_settles_beyond_capacity_and_blocks_until_drained() {
+        let l = limit(10, 60_000, 10);
+        let s = BucketState::default()
+            .take(8, &l, 0)
+            .unwrap()
+            .charge(5, &l, 0);
+        assert_eq!(s.used, 13 * SCALE);
+        assert_eq!(s.quota(&l, 0).remaining, 0);
+        assert!(s.take(1, &l, 0).is_err());
+        assert!(s.take(1, &l, 24_000).is_ok());
+    }
+
+    #[test]
     fn encoding_round_trips() {
         let s = BucketState {
             owner: 7,
@@ -244,8 +372,8 @@ mod tests {
                     },
                     1 => {
                         let before = s.at(&l, now).used;
-                        s = s.give_back(n, &l, now);
-                        returned += ((before - s.used) / SCALE) as u128;
+                        s = s.give_back(n, &l, now, now);
+                        returned += (before - s.used).div_ceil(SCALE) as u128;
                     }
                     _ => now += dt,
                 }
@@ -264,7 +392,7 @@ mod tests {
             let l = limit(10, 60_000, 20);
             let s = BucketState { owner: 1, used: used * SCALE, updated_ms: now };
             if let Ok(taken) = s.take(n, &l, now) {
-                prop_assert_eq!(taken.give_back(n, &l, now), s);
+                prop_assert_eq!(taken.give_back(n, &l, now, now), s);
             }
         }
     }

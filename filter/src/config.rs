@@ -43,6 +43,8 @@ pub struct Policy {
     #[serde(default)]
     pub request: RequestConfig,
     #[serde(default)]
+    pub defaults: Defaults,
+    #[serde(default)]
     pub state: StateConfig,
 }
 
@@ -144,18 +146,97 @@ pub enum UnknownKeys {
     DefaultTier,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+/// Limits per caller of a tier. Token amounts count input + output unless
+/// the name says otherwise.
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TierConfig {
-    /// Requests per principal of this tier.
+    /// Requests per caller.
     pub requests: Option<Limit>,
+    /// Total tokens per caller, a token bucket (`20000/min`).
+    pub tokens: Option<Limit>,
+    pub input_tokens: Option<Limit>,
+    pub output_tokens: Option<Limit>,
+    /// Tokens per UTC day (resets 00:00 UTC).
+    pub daily_tokens: Option<Budget>,
+    /// Tokens per UTC calendar month (resets the 1st, 00:00 UTC).
+    pub monthly_tokens: Option<Budget>,
+    /// Spend per UTC day, in the currency of the model prices.
+    pub daily_spend: Option<Budget>,
+    pub monthly_spend: Option<Budget>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Requests to this model, all callers together.
+    pub requests: Option<Limit>,
+    /// Total tokens to this model, all callers together.
+    pub tokens: Option<Limit>,
+    /// Output reserved (and written into the request as its maximum) when
+    /// the client sets none. Default: `defaults.max_output_tokens`.
+    pub default_max_output: Option<u64>,
+    /// Where a request goes when its caller is over a soft cap.
+    pub downshift_to: Option<String>,
+    /// Price per 1,000 tokens.
+    pub price: Option<Price>,
+    /// Virtual cost of a self-hosted model: GPU cost per hour ÷ throughput.
+    pub gpu: Option<GpuCost>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    pub input_per_1k: f64,
+    pub output_per_1k: f64,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuCost {
+    pub cost_per_hour: f64,
+    pub tokens_per_second: f64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ModelConfig {
-    /// Requests to this model, all principals together.
-    pub requests: Option<Limit>,
+pub struct Defaults {
+    /// Output reserved when neither the request nor the model says.
+    #[serde(default = "default_max_output")]
+    pub max_output_tokens: u64,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults {
+            max_output_tokens: default_max_output(),
+        }
+    }
+}
+
+fn default_max_output() -> u64 {
+    1024
+}
+
+/// Hard caps refuse (429); soft caps let the request go on, downshifted to
+/// the model's cheaper model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    #[default]
+    Hard,
+    Soft,
+}
+
+/// A fixed-window budget: `5000`, `"5,000 tokens"`, or
+/// `{limit: 50000, mode: soft, alert_at: 80%}`. For spend, `limit` is in
+/// currency (`12.50`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Budget {
+    pub limit: f64,
+    pub mode: Mode,
+    /// Alert when use crosses this fraction, in thousandths.
+    pub alert_at_permille: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -215,18 +296,162 @@ fn default_cas_retries() -> u32 {
 }
 
 /// A token bucket: refills at `rate`, holds at most `burst` (default: the
-/// rate's amount). Written `10/min` or `{rate: 10/min, burst: 15}`.
+/// rate's amount). Written `10/min` or `{rate: 10/min, burst: 15}`. With a
+/// `window`, a fixed window instead: `burst` units per calendar window,
+/// all back at the window's start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limit {
     pub rate: Rate,
     pub burst: u64,
+    pub window: Option<Window>,
+}
+
+/// Calendar windows, in UTC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Window {
+    Day,
+    Month,
 }
 
 impl Limit {
     pub fn capacity(&self) -> u64 {
         self.burst
     }
+
+    /// A fixed window of `amount` per `window`.
+    pub fn windowed(amount: u64, window: Window) -> Limit {
+        let period_ms = match window {
+            Window::Day => 86_400_000,
+            Window::Month => 30 * 86_400_000,
+        };
+        Limit {
+            rate: Rate { amount, period_ms },
+            burst: amount,
+            window: Some(window),
+        }
+    }
+
+    /// As written in a policy: `10/min`, `5000/day (UTC)`.
+    pub fn describe(&self) -> String {
+        match self.window {
+            None => self.rate.to_string(),
+            Some(Window::Day) => format!("{} per UTC day", self.burst),
+            Some(Window::Month) => format!("{} per UTC month", self.burst),
+        }
+    }
 }
+
+impl<'de> Deserialize<'de> for Budget {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct BudgetVisitor;
+
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Full {
+            limit: serde_json::Value,
+            #[serde(default)]
+            mode: Mode,
+            alert_at: Option<serde_json::Value>,
+        }
+
+        fn amount<E: de::Error>(v: &serde_json::Value) -> Result<f64, E> {
+            match v {
+                serde_json::Value::Number(n) => n.as_f64().ok_or_else(|| E::custom("not a number")),
+                serde_json::Value::String(s) => {
+                    let cleaned: String = s
+                        .trim()
+                        .trim_end_matches("tokens")
+                        .trim_end_matches("token")
+                        .chars()
+                        .filter(|c| *c != ',' && *c != '_')
+                        .collect();
+                    cleaned
+                        .trim()
+                        .parse::<f64>()
+                        .map_err(|_| E::custom(format!("`{s}` is not an amount")))
+                }
+                _ => Err(E::custom("expected an amount like `5000` or `12.50`")),
+            }
+            .and_then(|a| {
+                if a.is_finite() && a > 0.0 {
+                    Ok(a)
+                } else {
+                    Err(E::custom("the limit must be greater than zero"))
+                }
+            })
+        }
+
+        fn percent<E: de::Error>(v: &serde_json::Value) -> Result<u32, E> {
+            let fraction = match v {
+                serde_json::Value::Number(n) => {
+                    n.as_f64().map(|f| if f > 1.0 { f / 100.0 } else { f })
+                }
+                serde_json::Value::String(s) => s
+                    .trim()
+                    .strip_suffix('%')
+                    .and_then(|p| p.trim().parse::<f64>().ok())
+                    .map(|p| p / 100.0),
+                _ => None,
+            };
+            match fraction {
+                Some(f) if f > 0.0 && f <= 1.0 => Ok((f * 1000.0).round() as u32),
+                _ => Err(E::custom(
+                    "alert_at must be a percentage like `80%` (or 0.8)",
+                )),
+            }
+        }
+
+        impl<'de> Visitor<'de> for BudgetVisitor {
+            type Value = Budget;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(
+                    "an amount like `5000` or a map `{limit: 5000, mode: soft, alert_at: 80%}`",
+                )
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Budget, E> {
+                self.visit_f64(v as f64)
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Budget, E> {
+                self.visit_f64(v as f64)
+            }
+
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Budget, E> {
+                let limit = amount(&serde_json::json!(v))?;
+                Ok(Budget {
+                    limit,
+                    mode: Mode::Hard,
+                    alert_at_permille: None,
+                })
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Budget, E> {
+                let limit = amount(&serde_json::Value::String(v.into()))?;
+                Ok(Budget {
+                    limit,
+                    mode: Mode::Hard,
+                    alert_at_permille: None,
+                })
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Budget, A::Error> {
+                let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(Budget {
+                    limit: amount(&full.limit)?,
+                    mode: full.mode,
+                    alert_at_permille: full.alert_at.as_ref().map(percent).transpose()?,
+                })
+            }
+        }
+
+        deserializer.deserialize_any(BudgetVisitor)
+    }
+}
+
+/// Unit words a rate may name (`5000 tokens/min`).
+const UNITS: &[&str] = &["requests", "request", "tokens", "token"];
 
 impl<'de> Deserialize<'de> for Limit {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -247,22 +472,26 @@ impl<'de> Deserialize<'de> for Limit {
             }
 
             fn visit_str<E: de::Error>(self, text: &str) -> Result<Limit, E> {
-                let rate = parse_rate(text, &["requests", "request"]).map_err(E::custom)?;
+                let rate = parse_rate(text, UNITS).map_err(E::custom)?;
                 Ok(Limit {
                     rate,
                     burst: rate.amount,
+                    window: None,
                 })
             }
 
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Limit, A::Error> {
                 let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                let rate =
-                    parse_rate(&full.rate, &["requests", "request"]).map_err(de::Error::custom)?;
+                let rate = parse_rate(&full.rate, UNITS).map_err(de::Error::custom)?;
                 let burst = full.burst.unwrap_or(rate.amount);
                 if burst == 0 {
                     return Err(de::Error::custom("burst must be at least 1"));
                 }
-                Ok(Limit { rate, burst })
+                Ok(Limit {
+                    rate,
+                    burst,
+                    window: None,
+                })
             }
         }
 
@@ -406,6 +635,59 @@ impl Policy {
                 ));
             }
         }
+        for (name, model) in &self.models {
+            if let Some(target) = &model.downshift_to {
+                if !self.models.contains_key(target) || target == name {
+                    return Err(ConfigError::at(
+                        format!("models.{name}.downshift_to"),
+                        format!("`{target}` must be another model listed under `models`"),
+                    ));
+                }
+            }
+            if model.default_max_output == Some(0) {
+                return Err(ConfigError::at(
+                    format!("models.{name}.default_max_output"),
+                    "must be at least 1",
+                ));
+            }
+            if let Some(p) = model.price {
+                if !(p.input_per_1k >= 0.0 && p.output_per_1k >= 0.0) {
+                    return Err(ConfigError::at(
+                        format!("models.{name}.price"),
+                        "prices must not be negative",
+                    ));
+                }
+            }
+            if let Some(g) = model.gpu {
+                if !(g.cost_per_hour >= 0.0 && g.tokens_per_second > 0.0) {
+                    return Err(ConfigError::at(
+                        format!("models.{name}.gpu"),
+                        "cost_per_hour must not be negative and tokens_per_second must be positive",
+                    ));
+                }
+            }
+        }
+        for (tier, t) in &self.tiers {
+            for (field, budget) in [
+                ("daily_tokens", t.daily_tokens),
+                ("monthly_tokens", t.monthly_tokens),
+            ] {
+                if let Some(b) = budget {
+                    if b.limit.fract() != 0.0 {
+                        return Err(ConfigError::at(
+                            format!("tiers.{tier}.{field}.limit"),
+                            "a token budget is a whole number",
+                        ));
+                    }
+                }
+            }
+        }
+        if self.defaults.max_output_tokens == 0 {
+            return Err(ConfigError::at(
+                "defaults.max_output_tokens",
+                "must be at least 1",
+            ));
+        }
         if self.state.principal_slots == 0 || self.state.principal_slots > 1 << 20 {
             return Err(ConfigError::at(
                 "state.principal_slots",
@@ -508,6 +790,50 @@ mod tests {
         let err = Policy::from_value(v).unwrap_err();
         assert!(err.path.starts_with("identity.api_key.keys."));
         assert!(!err.to_string().contains("secret-123"), "never echo a key");
+    }
+
+    #[test]
+    fn token_budgets_and_models() {
+        let mut v = minimal();
+        v["tiers"]["free"]["daily_tokens"] = json!(5000);
+        v["tiers"]["free"]["monthly_tokens"] = json!("1,000,000 tokens");
+        v["tiers"]["free"]["daily_spend"] =
+            json!({"limit": 2.5, "mode": "soft", "alert_at": "80%"});
+        v["tiers"]["free"]["tokens"] = json!("20000 tokens/min");
+        v["models"] = json!({"big": {"downshift_to": "small", "price": {"input_per_1k": 0.5, "output_per_1k": 1.5}},
+                             "small": {"gpu": {"cost_per_hour": 4.0, "tokens_per_second": 2000}}});
+        let p = Policy::from_value(v).unwrap();
+        let free = &p.tiers["free"];
+        assert_eq!(free.daily_tokens.unwrap().limit, 5000.0);
+        assert_eq!(free.monthly_tokens.unwrap().limit, 1_000_000.0);
+        let spend = free.daily_spend.unwrap();
+        assert_eq!(
+            (spend.limit, spend.mode, spend.alert_at_permille),
+            (2.5, Mode::Soft, Some(800))
+        );
+        assert_eq!(free.tokens.unwrap().capacity(), 20_000);
+
+        let mut v = minimal();
+        v["models"] = json!({"big": {"downshift_to": "nowhere"}});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "models.big.downshift_to"
+        );
+        let mut v = minimal();
+        v["tiers"]["free"]["daily_tokens"] = json!({"limit": 10, "mode": "sometimes"});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "tiers.free.daily_tokens.mode"
+        );
+        let mut v = minimal();
+        v["tiers"]["free"]["daily_tokens"] = json!({"limit": 10, "alert_at": "180%"});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "tiers.free.daily_tokens"
+        );
+        let mut v = minimal();
+        v["tiers"]["free"]["daily_tokens"] = json!(-3);
+        assert!(Policy::from_value(v).is_err());
     }
 
     #[test]
