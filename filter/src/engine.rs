@@ -190,10 +190,7 @@ impl Engine {
             .collect();
         let claims: Vec<Claim> = applying
             .iter()
-            .map(|&i| Claim {
-                rule: &self.buckets[i].rule,
-                amount: 1,
-            })
+            .map(|&i| Claim::hard(&self.buckets[i].rule, 1))
             .collect();
         let reserver = Reserver {
             store,

@@ -15,6 +15,7 @@ pub mod estimate;
 pub mod metrics;
 pub mod principal;
 mod proto_struct;
+pub mod reconcile;
 pub mod request;
 pub mod reservation;
 pub mod store;

@@ -57,6 +57,19 @@ pub struct Rule {
 pub struct Claim<'a> {
     pub rule: &'a Rule,
     pub amount: u64,
+    /// A soft cap never refuses: past it the units are charged anyway and
+    /// the reservation says so (`over_soft`).
+    pub soft: bool,
+}
+
+impl<'a> Claim<'a> {
+    pub fn hard(rule: &'a Rule, amount: u64) -> Claim<'a> {
+        Claim {
+            rule,
+            amount,
+            soft: false,
+        }
+    }
 }
 
 /// Units held in one bucket, enough to give them back later.
@@ -73,9 +86,14 @@ pub struct Held {
 /// What a successful reservation holds, and the tightest bucket's quota.
 #[derive(Debug, Clone, Default)]
 pub struct Reservation {
+    /// One per claim, in claim order.
     pub held: Vec<Held>,
-    /// Index into the claims of the bucket with the least left.
+    /// The quota of each claim's bucket after the take, in claim order.
+    pub quotas: Vec<Quota>,
+    /// Index into the claims of the bucket with the smallest share left.
     pub tightest: Option<(usize, Quota)>,
+    /// Indexes of soft claims that were past their cap.
+    pub over_soft: Vec<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,15 +176,22 @@ impl Reserver<'_> {
         let mut reservation = Reservation::default();
         for (index, claim) in claims.iter().enumerate() {
             match self.take(claim, principal, now_ms, effort) {
-                Ok((held, quota)) => {
+                Ok((held, quota, over)) => {
                     reservation.held.push(held);
-                    let tighter = match reservation.tightest {
-                        None => true,
-                        Some((_, q)) => {
-                            (quota.remaining, std::cmp::Reverse(quota.reset_ms))
-                                < (q.remaining, std::cmp::Reverse(q.reset_ms))
-                        }
-                    };
+                    reservation.quotas.push(quota);
+                    if over {
+                        reservation.over_soft.push(index);
+                    }
+                    // Compare shares left: remaining/limit, cross-multiplied.
+                    let tighter = reservation.tightest.is_none_or(|(_, q)| {
+                        (
+                            quota.remaining as u128 * q.limit as u128,
+                            std::cmp::Reverse(quota.reset_ms),
+                        ) < (
+                            q.remaining as u128 * quota.limit as u128,
+                            std::cmp::Reverse(q.reset_ms),
+                        )
+                    });
                     if tighter {
                         reservation.tightest = Some((index, quota));
                     }
@@ -221,23 +246,32 @@ impl Reserver<'_> {
         }
     }
 
+    /// What a claim's bucket holds now, without taking anything.
+    pub fn peek(&self, claim: &Claim, principal: u64, now_ms: u64) -> Quota {
+        let at = self.locate(claim.rule, principal, now_ms, &mut Effort::default());
+        at.state
+            .at(&claim.rule.limit, now_ms)
+            .quota(&claim.rule.limit, now_ms)
+    }
+
     fn take(
         &self,
         claim: &Claim,
         principal: u64,
         now_ms: u64,
         effort: &mut Effort,
-    ) -> Result<(Held, Quota), TakeError> {
+    ) -> Result<(Held, Quota, bool), TakeError> {
         let limit = &claim.rule.limit;
         for attempt in 0..self.max_retries {
             if attempt > 0 {
                 effort.cas_retries += 1;
             }
             let at = self.locate(claim.rule, principal, now_ms, effort);
-            let next = at
-                .state
-                .take(claim.amount, limit, now_ms)
-                .map_err(TakeError::Full)?;
+            let (next, over) = match at.state.take(claim.amount, limit, now_ms) {
+                Ok(next) => (next, false),
+                Err(_) if claim.soft => (at.state.charge(claim.amount, limit, now_ms), true),
+                Err(shortfall) => return Err(TakeError::Full(shortfall)),
+            };
             match self.store.set(&at.key, &next.encode(), at.cas) {
                 Ok(()) => {
                     let held = Held {
@@ -247,7 +281,7 @@ impl Reserver<'_> {
                         limit: *limit,
                         taken_ms: now_ms,
                     };
-                    return Ok((held, next.quota(limit, now_ms)));
+                    return Ok((held, next.quota(limit, now_ms), over));
                 }
                 Err(StoreError::CasMismatch) => continue,
                 Err(StoreError::Host(message)) => return Err(TakeError::Host(message)),
@@ -368,10 +402,7 @@ mod tests {
         let r = reserver(&store);
         for p in 0..10_000u64 {
             let _ = r.reserve(
-                &[Claim {
-                    rule: &rules[0],
-                    amount: 1,
-                }],
+                &[Claim::hard(&rules[0], 1)],
                 p * 7919 + 3,
                 0,
                 &mut Effort::default(),
@@ -387,26 +418,14 @@ mod tests {
         let model = rule("model/big", 2, Scope::Global);
         prepare(&store, &[user.clone(), model.clone()], 16).unwrap();
         let r = reserver(&store);
-        let claims = [
-            Claim {
-                rule: &user,
-                amount: 1,
-            },
-            Claim {
-                rule: &model,
-                amount: 1,
-            },
-        ];
+        let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
         let mut e = Effort::default();
         assert!(r.reserve(&claims, 42, 0, &mut e).is_ok());
         assert!(r.reserve(&claims, 42, 0, &mut e).is_ok());
         let refused = r.reserve(&claims, 42, 0, &mut e).unwrap_err();
         assert!(matches!(refused, Refusal::Full { index: 1, .. }));
         // The user bucket got its unit back: 8 left, not 7.
-        let only_user = [Claim {
-            rule: &user,
-            amount: 1,
-        }];
+        let only_user = [Claim::hard(&user, 1)];
         let res = r.reserve(&only_user, 42, 0, &mut e).unwrap();
         assert_eq!(res.tightest.unwrap().1.remaining, 7);
     }
@@ -421,10 +440,7 @@ mod tests {
             slots: 1,
             max_retries: 8,
         };
-        let c = [Claim {
-            rule: &user,
-            amount: 1,
-        }];
+        let c = [Claim::hard(&user, 1)];
         let mut e = Effort::default();
         assert!(r.reserve(&c, 100, 0, &mut e).is_ok());
         assert!(!e.overflowed);
@@ -455,16 +471,7 @@ mod tests {
                         max_retries: 1_000,
                     };
                     for i in 0..25u64 {
-                        let claims = [
-                            Claim {
-                                rule: &user,
-                                amount: 1,
-                            },
-                            Claim {
-                                rule: &model,
-                                amount: 1,
-                            },
-                        ];
+                        let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
                         if r.reserve(&claims, t * 100 + i, 0, &mut Effort::default())
                             .is_ok()
                         {
@@ -511,10 +518,7 @@ mod tests {
             slots: 1,
             max_retries: 4,
         };
-        let c = [Claim {
-            rule: &model,
-            amount: 1,
-        }];
+        let c = [Claim::hard(&model, 1)];
         store.fail.set(3);
         let mut e = Effort::default();
         assert!(r.reserve(&c, 1, 0, &mut e).is_ok());
@@ -535,25 +539,16 @@ mod tests {
             max_retries: 8,
         };
         let mut e = Effort::default();
-        let c = [Claim {
-            rule: &tokens,
-            amount: 500,
-        }];
+        let c = [Claim::hard(&tokens, 500)];
         let a = r.reserve(&c, 9, 0, &mut e).unwrap();
         let b = r.reserve(&c, 9, 0, &mut e).unwrap();
         assert!(r.reserve(&c, 9, 0, &mut e).is_err(), "1000 reserved");
         r.settle(&a.held[0], 120, 0, &mut e);
         r.settle(&b.held[0], 600, 0, &mut e);
         // 720 really used: 280 left.
-        let probe = [Claim {
-            rule: &tokens,
-            amount: 280,
-        }];
+        let probe = [Claim::hard(&tokens, 280)];
         assert!(r.reserve(&probe, 9, 0, &mut e).is_ok());
-        let one = [Claim {
-            rule: &tokens,
-            amount: 1,
-        }];
+        let one = [Claim::hard(&tokens, 1)];
         assert!(r.reserve(&one, 9, 0, &mut e).is_err());
     }
 
@@ -577,7 +572,7 @@ mod tests {
                 key.map_or(0, |b| b.used)
             };
             for (reserve, actual) in ops {
-                let c = [Claim { rule: &tokens, amount: reserve }];
+                let c = [Claim::hard(&tokens, reserve)];
                 let before = used();
                 match r.reserve(&c, 5, 0, &mut Effort::default()) {
                     Ok(res) => {
@@ -612,7 +607,7 @@ mod tests {
             let model = rule("model/m", 10, Scope::Global);
             prepare(&store, &[user.clone(), model.clone()], 4).unwrap();
             let r = Reserver { store: &store, slots: 4, max_retries: 8 };
-            let claims = [Claim { rule: &user, amount: 1 }, Claim { rule: &model, amount: 1 }];
+            let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
             let mut held: Vec<(u64, Vec<Held>)> = Vec::new();
             for (p, release) in ops {
                 if release {

@@ -1,0 +1,467 @@
+//! Reconcile (SPEC §2.7): what a response really cost.
+//!
+//! One table says where each API puts its usage; one meter reads a response
+//! as it streams (JSON, SSE split at any byte, Ollama NDJSON), counts the
+//! output it carries, finds the usage, removes the usage chunk sluice asked
+//! for on the client's behalf, and ends a stream that runs past its
+//! allowance with an OpenAI-shaped error event.
+
+use serde_json::Value;
+
+/// Where input and output token counts live, per API shape. The first path
+/// that holds a number wins.
+const INPUT_PATHS: &[&[&str]] = &[
+    &["usage", "prompt_tokens"], // OpenAI chat, completions, embeddings
+    &["usage", "input_tokens"],  // OpenAI Responses API
+    &["response", "usage", "input_tokens"], // Responses API stream: response.completed
+    &["prompt_eval_count"],      // Ollama
+];
+const OUTPUT_PATHS: &[&[&str]] = &[
+    &["usage", "completion_tokens"],
+    &["usage", "output_tokens"],
+    &["response", "usage", "output_tokens"],
+    &["eval_count"],
+];
+
+/// Counts above this are not believed (a misbehaving upstream, not a model).
+const MAX_BELIEVABLE: u64 = 100_000_000;
+
+/// Usage reported by the upstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input: u64,
+    pub output: u64,
+}
+
+/// What a JSON object says about usage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// No usage fields at all.
+    Nothing,
+    /// Usage fields that are not sane counts (strings, negative, enormous).
+    Invalid,
+    Usage(Usage),
+}
+
+fn at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |v, key| v.get(key))
+}
+
+fn count(v: &Value, paths: &[&[&str]]) -> Found {
+    for path in paths {
+        match at(v, path) {
+            None | Some(Value::Null) => continue,
+            Some(n) => {
+                return match n.as_u64() {
+                    Some(n) if n <= MAX_BELIEVABLE => Found::Usage(Usage {
+                        input: n,
+                        output: n,
+                    }),
+                    _ => Found::Invalid,
+                }
+            }
+        }
+    }
+    Found::Nothing
+}
+
+/// Reads the usage of one response object (a JSON body or one stream event).
+pub fn usage_in(v: &Value) -> Found {
+    match (count(v, INPUT_PATHS), count(v, OUTPUT_PATHS)) {
+        (Found::Invalid, _) | (_, Found::Invalid) => Found::Invalid,
+        (Found::Usage(i), Found::Usage(o)) => Found::Usage(Usage {
+            input: i.input,
+            output: o.output,
+        }),
+        // Embeddings report input only.
+        (Found::Usage(i), Found::Nothing) => Found::Usage(Usage {
+            input: i.input,
+            output: 0,
+        }),
+        (Found::Nothing, Found::Usage(_)) => Found::Invalid,
+        (Found::Nothing, Found::Nothing) => {
+            if v.get("usage").is_some_and(|u| !u.is_null()) {
+                Found::Invalid
+            } else {
+                Found::Nothing
+            }
+        }
+    }
+}
+
+/// Does this stream event carry generated text? OpenAI streams send about
+/// one token per event, so each such event counts as one output token.
+fn carries_output(v: &Value) -> bool {
+    let non_empty = |v: Option<&Value>| v.and_then(Value::as_str).is_some_and(|s| !s.is_empty());
+    if let Some(choices) = v.get("choices").and_then(Value::as_array) {
+        return choices.iter().any(|c| {
+            non_empty(at(c, &["delta", "content"]))
+                || non_empty(c.get("text"))
+                || non_empty(at(c, &["delta", "reasoning_content"]))
+                || at(c, &["delta", "tool_calls"]).is_some_and(|t| !t.is_null())
+        });
+    }
+    // Responses API delta events; Ollama lines.
+    non_empty(v.get("delta"))
+        || non_empty(at(v, &["message", "content"]))
+        || non_empty(v.get("response"))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// One JSON document, read whole at the end.
+    Json,
+    /// Server-sent events (`data: {...}` blocks).
+    Sse,
+    /// One JSON object per line (Ollama).
+    Ndjson,
+}
+
+impl Format {
+    pub fn detect(content_type: Option<&str>, ollama_stream: bool) -> Format {
+        let ct = content_type.unwrap_or("").to_ascii_lowercase();
+        if ct.contains("text/event-stream") {
+            Format::Sse
+        } else if ct.contains("ndjson") || (ollama_stream && !ct.contains("application/json")) {
+            Format::Ndjson
+        } else {
+            Format::Json
+        }
+    }
+}
+
+/// Largest JSON body kept for reading its usage.
+const MAX_JSON_BODY: usize = 8 << 20;
+
+/// Reads a response as it passes and decides what the client gets.
+#[derive(Debug)]
+pub struct Meter {
+    format: Format,
+    /// Bytes of an incomplete event or line, held until it completes.
+    pending: Vec<u8>,
+    /// Output events seen (SSE/NDJSON).
+    pub output_events: u64,
+    pub found: Found,
+    /// Drop the usage-only chunk (sluice asked for it, the client did not).
+    strip_usage: bool,
+    /// End the stream once this many output events went by.
+    allowance: Option<u64>,
+    /// The stream was ended early by sluice.
+    pub cut: bool,
+}
+
+/// The OpenAI-shaped error event that ends a stream past its budget.
+pub const MIDSTREAM_CODE: &str = "budget_exhausted_midstream";
+
+impl Meter {
+    pub fn new(format: Format, strip_usage: bool, allowance: Option<u64>) -> Meter {
+        Meter {
+            format,
+            pending: Vec::new(),
+            output_events: 0,
+            found: Found::Nothing,
+            strip_usage,
+            allowance,
+            cut: false,
+        }
+    }
+
+    /// Feeds one chunk of the body; returns what to send the client in its
+    /// place (`None`: send the chunk unchanged).
+    pub fn feed(&mut self, chunk: &[u8], end: bool) -> Option<Vec<u8>> {
+        match self.format {
+            Format::Json => {
+                if self.pending.len() + chunk.len() <= MAX_JSON_BODY {
+                    self.pending.extend_from_slice(chunk);
+                }
+                if end {
+                    self.found = serde_json::from_slice::<Value>(&self.pending)
+                        .map(|v| usage_in(&v))
+                        .unwrap_or(Found::Nothing);
+                    self.pending.clear();
+                }
+                None
+            }
+            Format::Sse | Format::Ndjson => Some(self.feed_stream(chunk, end)),
+        }
+    }
+
+    fn feed_stream(&mut self, chunk: &[u8], end: bool) -> Vec<u8> {
+        if self.cut {
+            return Vec::new();
+        }
+        self.pending.extend_from_slice(chunk);
+        let mut out = Vec::with_capacity(self.pending.len());
+        let separator: &[u8] = if self.format == Format::Sse {
+            b"\n\n"
+        } else {
+            b"\n"
+        };
+        let mut start = 0;
+        while let Some(pos) = find(&self.pending[start..], separator) {
+            let stop = start + pos + separator.len();
+            let event = self.pending[start..stop].to_vec();
+            start = stop;
+            if self.event(&event, &mut out) {
+                self.pending.clear();
+                return out;
+            }
+        }
+        self.pending.drain(..start);
+        if end && !self.pending.is_empty() {
+            let rest = std::mem::take(&mut self.pending);
+            self.event(&rest, &mut out);
+        }
+        out
+    }
+
+    /// Handles one complete event or line; true when the stream was cut.
+    fn event(&mut self, raw: &[u8], out: &mut Vec<u8>) -> bool {
+        let json = match self.format {
+            Format::Sse => sse_data(raw),
+            _ => Some(trim(raw)),
+        };
+        let value = json
+            .filter(|d| !d.is_empty() && *d != b"[DONE]")
+            .and_then(|d| serde_json::from_slice::<Value>(d).ok());
+        let mut keep = true;
+        if let Some(v) = &value {
+            match usage_in(v) {
+                Found::Nothing => {}
+                found => {
+                    if !matches!(self.found, Found::Usage(_)) {
+                        self.found = found;
+                    }
+                    let usage_only = v
+                        .get("choices")
+                        .and_then(Value::as_array)
+                        .is_some_and(|c| c.is_empty());
+                    if self.strip_usage && usage_only {
+                        keep = false;
+                    }
+                }
+            }
+            if carries_output(v) {
+                self.output_events += 1;
+            }
+        }
+        if keep {
+            out.extend_from_slice(raw);
+        }
+        if self.allowance.is_some_and(|a| self.output_events >= a)
+            && !self.cut
+            && !self.done_in(value.as_ref())
+        {
+            self.cut = true;
+            out.extend_from_slice(&self.cut_message());
+            return true;
+        }
+        false
+    }
+
+    /// A final Ollama line or the usage event: nothing more will come.
+    fn done_in(&self, v: Option<&Value>) -> bool {
+        v.is_some_and(|v| {
+            v.get("done").and_then(Value::as_bool) == Some(true) || usage_in(v) != Found::Nothing
+        })
+    }
+
+    fn cut_message(&self) -> Vec<u8> {
+        let error = serde_json::json!({"error": {
+            "message": "The budget for this request ran out during the response; the stream was ended.",
+            "type": "rate_limit_exceeded",
+            "code": MIDSTREAM_CODE,
+            "param": null,
+        }});
+        match self.format {
+            Format::Sse => format!("data: {error}\n\ndata: [DONE]\n\n").into_bytes(),
+            _ => {
+                let mut line = error;
+                line["done"] = Value::Bool(true);
+                format!("{line}\n").into_bytes()
+            }
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+fn trim(b: &[u8]) -> &[u8] {
+    let start = b
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(b.len());
+    let end = b
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &b[start..end]
+}
+
+/// The `data:` payload of one SSE event (multi-line data joined is not
+/// needed by any LLM API; the first data line is taken).
+fn sse_data(event: &[u8]) -> Option<&[u8]> {
+    event
+        .split(|c| *c == b'\n')
+        .find_map(|line| line.strip_prefix(b"data:"))
+        .map(trim)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn usage_table_covers_every_shape() {
+        let openai =
+            json!({"usage": {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}});
+        assert_eq!(
+            usage_in(&openai),
+            Found::Usage(Usage {
+                input: 12,
+                output: 30
+            })
+        );
+        let responses = json!({"usage": {"input_tokens": 5, "output_tokens": 7}});
+        assert_eq!(
+            usage_in(&responses),
+            Found::Usage(Usage {
+                input: 5,
+                output: 7
+            })
+        );
+        let completed = json!({"type": "response.completed", "response": {"usage": {"input_tokens": 1, "output_tokens": 2}}});
+        assert_eq!(
+            usage_in(&completed),
+            Found::Usage(Usage {
+                input: 1,
+                output: 2
+            })
+        );
+        let ollama = json!({"done": true, "prompt_eval_count": 9, "eval_count": 4});
+        assert_eq!(
+            usage_in(&ollama),
+            Found::Usage(Usage {
+                input: 9,
+                output: 4
+            })
+        );
+        let embeddings = json!({"usage": {"prompt_tokens": 3, "total_tokens": 3}});
+        assert_eq!(
+            usage_in(&embeddings),
+            Found::Usage(Usage {
+                input: 3,
+                output: 0
+            })
+        );
+        assert_eq!(usage_in(&json!({"choices": []})), Found::Nothing);
+    }
+
+    #[test]
+    fn garbage_usage_is_invalid_not_trusted() {
+        for bad in [
+            json!({"usage": {"prompt_tokens": "12", "completion_tokens": 3}}),
+            json!({"usage": {"prompt_tokens": -1, "completion_tokens": 3}}),
+            json!({"usage": {"prompt_tokens": 1e15, "completion_tokens": 3}}),
+            json!({"usage": {"prompt_tokens": 5, "completion_tokens": 1_000_000_000_000u64}}),
+            json!({"usage": "lots"}),
+            json!({"usage": {}}),
+        ] {
+            assert_eq!(usage_in(&bad), Found::Invalid, "{bad}");
+        }
+    }
+
+    fn sse(events: &[Value], done: bool) -> Vec<u8> {
+        let mut s: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+        if done {
+            s.push_str("data: [DONE]\n\n");
+        }
+        s.into_bytes()
+    }
+
+    fn chunk(text: &str) -> Value {
+        json!({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]})
+    }
+
+    #[test]
+    fn sse_split_at_every_byte_reads_the_same() {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}});
+        let body = sse(&[chunk("a"), chunk(" b"), chunk(" c"), usage], true);
+        for split in 1..body.len() {
+            let mut m = Meter::new(Format::Sse, false, None);
+            let mut out = m.feed(&body[..split], false).unwrap();
+            out.extend(m.feed(&body[split..], true).unwrap());
+            assert_eq!(out, body, "split at {split}");
+            assert_eq!(m.output_events, 3);
+            assert_eq!(
+                m.found,
+                Found::Usage(Usage {
+                    input: 4,
+                    output: 3
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn the_usage_chunk_sluice_asked_for_is_removed() {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}});
+        let body = sse(&[chunk("a"), usage], true);
+        let mut m = Meter::new(Format::Sse, true, None);
+        let out = m.feed(&body, true).unwrap();
+        assert_eq!(out, sse(&[chunk("a")], true));
+        assert!(matches!(m.found, Found::Usage(_)));
+    }
+
+    #[test]
+    fn a_stream_past_its_allowance_ends_with_an_error_event() {
+        let body = sse(&[chunk("a"), chunk("b"), chunk("c"), chunk("d")], true);
+        let mut m = Meter::new(Format::Sse, false, Some(2));
+        let mut out = m.feed(&body[..10], false).unwrap();
+        out.extend(m.feed(&body[10..], false).unwrap());
+        out.extend(m.feed(b"data: more\n\n", true).unwrap());
+        let text = String::from_utf8(out).unwrap();
+        assert!(m.cut);
+        assert_eq!(m.output_events, 2);
+        assert_eq!(text.matches("delta").count(), 2);
+        assert!(text.contains(MIDSTREAM_CODE));
+        assert!(text.ends_with("data: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn ollama_lines_and_json_bodies() {
+        let lines = b"{\"message\":{\"content\":\"a\"},\"done\":false}\n{\"message\":{\"content\":\"b\"},\"done\":false}\n{\"done\":true,\"prompt_eval_count\":7,\"eval_count\":2}\n";
+        let mut m = Meter::new(Format::Ndjson, false, None);
+        let out = m.feed(&lines[..20], false).unwrap();
+        let out2 = m.feed(&lines[20..], true).unwrap();
+        assert_eq!([out, out2].concat(), lines.to_vec());
+        assert_eq!(
+            (m.output_events, m.found),
+            (
+                2,
+                Found::Usage(Usage {
+                    input: 7,
+                    output: 2
+                })
+            )
+        );
+
+        let body = br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+        let mut m = Meter::new(Format::Json, false, None);
+        assert_eq!(m.feed(&body[..9], false), None);
+        assert_eq!(m.feed(&body[9..], true), None);
+        assert_eq!(
+            m.found,
+            Found::Usage(Usage {
+                input: 3,
+                output: 1
+            })
+        );
+        let mut m = Meter::new(Format::Json, false, None);
+        m.feed(b"not json", true);
+        assert_eq!(m.found, Found::Nothing);
+    }
+}
