@@ -731,6 +731,14 @@ impl Envoy {
             if admin.is_some() && envoy.is_ready() {
                 return Ok(envoy);
             }
+            // Envoy keeps running without a listener it rejected (e.g. the
+            // wasm plugin refused its policy): say so now, not at the deadline.
+            if admin.is_some() && envoy.listeners_rejected() {
+                return Err(format!(
+                    "Envoy rejected its listeners at start:\n{}",
+                    envoy.log()
+                ));
+            }
             if Instant::now() >= deadline {
                 return Err(format!(
                     "Envoy not ready after {STARTUP_TIMEOUT:?}:\n{}",
@@ -739,6 +747,16 @@ impl Envoy {
             }
             thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    fn listeners_rejected(&self) -> bool {
+        let url =
+            self.admin_url("/stats?format=json&filter=^listener_manager\\.lds\\.update_rejected$");
+        request("GET", &url, &[], None)
+            .ok()
+            .and_then(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
+            .and_then(|v| v["stats"][0]["value"].as_u64())
+            .is_some_and(|n| n > 0)
     }
 
     fn is_ready(&self) -> bool {
@@ -1129,6 +1147,205 @@ fn with_json_content_type<'a>(headers: &[(&'a str, &'a str)]) -> Vec<(&'a str, &
     all
 }
 
+// ---------------------------------------------------------------------------
+// A sluice stack: mock-llm behind Envoy with the filter
+// ---------------------------------------------------------------------------
+
+/// A small, valid OpenAI chat body for `model`.
+pub fn chat_body(model: &str) -> serde_json::Value {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+    })
+}
+
+/// The shipped Envoy config pointed at `upstream` (ports and paths only;
+/// the policy is the shipped demo policy until a test edits it).
+pub fn shipped_config_for(upstream: &MockLlm) -> EnvoyConfig {
+    let mut cfg = EnvoyConfig::load_shipped();
+    cfg.set_cluster_addr("llm_upstream", upstream.addr());
+    cfg
+}
+
+/// `mock-llm` behind a real Envoy running the sluice filter.
+pub struct Stack {
+    /// Declared first so Envoy stops before its upstream does.
+    pub envoy: Envoy,
+    pub upstream: MockLlm,
+    /// The config Envoy was started with (edit a clone to reload).
+    pub config: EnvoyConfig,
+}
+
+impl Stack {
+    /// Starts mock-llm and Envoy (2 workers) with the shipped config after
+    /// `edit` (usually a policy change).
+    pub fn start(edit: impl FnOnce(&mut EnvoyConfig)) -> Stack {
+        Stack::start_with(2, edit)
+    }
+
+    /// Like [`Stack::start`] with `concurrency` Envoy worker threads.
+    pub fn start_with(concurrency: u32, edit: impl FnOnce(&mut EnvoyConfig)) -> Stack {
+        let upstream = MockLlm::start("primary");
+        let mut config = shipped_config_for(&upstream);
+        edit(&mut config);
+        let envoy = Envoy::start(&config, concurrency);
+        Stack {
+            envoy,
+            upstream,
+            config,
+        }
+    }
+
+    /// `POST /v1/chat/completions` with [`chat_body`]`(model)`.
+    pub fn chat(&self, model: &str, headers: &[(&str, &str)]) -> Response {
+        post_json(
+            &self.envoy.url("/v1/chat/completions"),
+            headers,
+            &chat_body(model),
+        )
+    }
+
+    /// How many requests reached mock-llm (`requests_total` of its stats).
+    pub fn upstream_requests(&self) -> u64 {
+        let stats = self.upstream.stats();
+        stats["requests_total"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("mock-llm stats without requests_total: {stats}"))
+    }
+}
+
+/// Sends `head` (request line and headers, without the blank line) and then
+/// `body` in HTTP/1.1 chunks of `chunk` bytes over a fresh connection to
+/// `addr`, and reads the answer. Envoy may answer (and close) before the
+/// whole body is sent: write errors are then ignored and the answer read.
+pub fn post_chunked(addr: SocketAddr, head: &str, body: &[u8], chunk: usize) -> Response {
+    use std::io::{Read as _, Write as _};
+    let mut stream = TcpStream::connect(addr).expect("connect to Envoy");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("set read timeout");
+    let mut writer = stream.try_clone().expect("clone the socket");
+    let head = format!("{head}\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n");
+    let body = body.to_vec();
+    let sender = thread::spawn(move || -> io::Result<()> {
+        writer.write_all(head.as_bytes())?;
+        for part in body.chunks(chunk.max(1)) {
+            writer.write_all(format!("{:x}\r\n", part.len()).as_bytes())?;
+            writer.write_all(part)?;
+            writer.write_all(b"\r\n")?;
+        }
+        writer.write_all(b"0\r\n\r\n")
+    });
+    // Read until the answer is complete rather than until the connection
+    // closes: after an early answer Envoy lingers before closing.
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    let outcome = loop {
+        if http1_response_complete(&raw) {
+            break Ok(());
+        }
+        match stream.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(e),
+        }
+    };
+    // Unblocks the sender if Envoy stopped reading the body.
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let _ = sender.join();
+    if raw.is_empty() {
+        panic!("no answer to a chunked request: {outcome:?}");
+    }
+    parse_http1_response(&raw)
+}
+
+/// Whether `raw` holds a whole response with a content-length or chunked
+/// body (a close-delimited one is complete only at EOF).
+fn http1_response_complete(raw: &[u8]) -> bool {
+    let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return false;
+    };
+    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    let body = &raw[split + 4..];
+    let value = |name: &str| {
+        head.split("\r\n")
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':').map(str::trim))
+            .map(str::to_string)
+    };
+    if let Some(len) = value("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        return body.len() >= len;
+    }
+    if value("transfer-encoding").is_some_and(|v| v == "chunked") {
+        return body.ends_with(b"0\r\n\r\n");
+    }
+    false
+}
+
+/// Parses a whole HTTP/1.1 response (content-length, chunked or
+/// close-delimited body).
+fn parse_http1_response(raw: &[u8]) -> Response {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no header end in {:?}", String::from_utf8_lossy(raw)));
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line in {head:?}"));
+    let mut headers = reqwest::header::HeaderMap::new();
+    for line in lines {
+        if let Some((k, v)) = line.split_once(':') {
+            if let (Ok(k), Ok(v)) = (
+                reqwest::header::HeaderName::from_bytes(k.trim().as_bytes()),
+                reqwest::header::HeaderValue::from_str(v.trim()),
+            ) {
+                headers.append(k, v);
+            }
+        }
+    }
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers
+        .get("transfer-encoding")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
+    if chunked {
+        let mut out = Vec::new();
+        let mut rest = &body[..];
+        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+            let size = usize::from_str_radix(
+                String::from_utf8_lossy(&rest[..eol])
+                    .split(';')
+                    .next()
+                    .unwrap_or("0")
+                    .trim(),
+                16,
+            )
+            .unwrap_or(0);
+            if size == 0 || rest.len() < eol + 2 + size {
+                break;
+            }
+            out.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
+            rest = &rest[(eol + 4 + size).min(rest.len())..];
+        }
+        body = out;
+    } else if let Some(len) = headers
+        .get("content-length")
+        .and_then(|v| v.to_str().ok()?.trim().parse::<usize>().ok())
+    {
+        body.truncate(len);
+    }
+    Response {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1161,6 +1378,23 @@ mod tests {
             Some(4.0)
         );
         assert_eq!(v("plain", &[]), Some(7.0));
+    }
+
+    #[test]
+    fn raw_http1_responses_are_framed_and_parsed() {
+        let sized = b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 4\r\nx-a: b\r\n\r\nbody";
+        assert!(!http1_response_complete(&sized[..sized.len() - 1]));
+        assert!(http1_response_complete(sized));
+        let r = parse_http1_response(sized);
+        assert_eq!(
+            (r.status, r.body.as_str(), r.header("x-a")),
+            (413, "body", Some("b"))
+        );
+
+        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+        assert!(!http1_response_complete(&chunked[..chunked.len() - 2]));
+        assert!(http1_response_complete(chunked));
+        assert_eq!(parse_http1_response(chunked).body, "abcde");
     }
 
     #[test]

@@ -1,0 +1,115 @@
+//! Bodies sluice cannot accept (SPEC §2.2, §3): over the size cap → 413,
+//! not JSON or without a model → 400. None of them reaches the upstream.
+
+use serde_json::json;
+use serde_yaml::Value;
+use sluice_tests::{post_chunked, request, Response, Stack};
+
+const MODEL: &str = "llama3.1:8b";
+const CAP: usize = 64 * 1024;
+
+fn stack() -> Stack {
+    Stack::start(|cfg| {
+        cfg.policy_mut()["request"]["max_body_bytes"] = Value::from("64KiB");
+    })
+}
+
+/// A valid chat body of about `size` bytes.
+fn chat_of_size(size: usize) -> Vec<u8> {
+    let body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x".repeat(size.saturating_sub(80))}],
+    });
+    body.to_string().into_bytes()
+}
+
+fn post_raw(stack: &Stack, body: &[u8]) -> Response {
+    request(
+        "POST",
+        &stack.envoy.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        Some(body.to_vec()),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+fn chunked(stack: &Stack, body: &[u8]) -> Response {
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json",
+        stack.envoy.addr()
+    );
+    post_chunked(stack.envoy.addr(), &head, body, 8 * 1024)
+}
+
+fn assert_rejected(resp: &Response, status: u16, code: &str, param: Option<&str>) {
+    assert_eq!(resp.status, status, "{resp:?}");
+    assert_eq!(resp.header("x-sluice-reason"), Some(code), "{resp:?}");
+    assert!(
+        resp.header("content-type")
+            .is_some_and(|v| v.starts_with("application/json")),
+        "{resp:?}"
+    );
+    let body = resp.json();
+    assert_eq!(body["error"]["code"], code, "{body}");
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+    match param {
+        Some(p) => assert_eq!(body["error"]["param"], p, "{body}"),
+        None => assert!(body["error"]["param"].is_null(), "{body}"),
+    }
+}
+
+#[test]
+fn oversized_bodies_get_413_with_and_without_content_length() {
+    let stack = stack();
+
+    // Just under the cap goes through, sized and chunked alike.
+    let fits = chat_of_size(CAP - 1024);
+    assert!(fits.len() < CAP);
+    assert_eq!(post_raw(&stack, &fits).status, 200);
+    let resp = chunked(&stack, &fits);
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert_eq!(stack.upstream_requests(), 2);
+
+    let big = chat_of_size(CAP + 16 * 1024);
+    assert!(big.len() > CAP);
+    let resp = post_raw(&stack, &big);
+    assert_rejected(&resp, 413, "request_too_large", None);
+    // Without a declared length sluice counts the bytes as they arrive.
+    let resp = chunked(&stack, &big);
+    assert_rejected(&resp, 413, "request_too_large", None);
+    // Far over the cap, still sluice's answer rather than Envoy's buffer limit.
+    let resp = chunked(&stack, &chat_of_size(4 * CAP));
+    assert_rejected(&resp, 413, "request_too_large", None);
+
+    assert_eq!(stack.upstream_requests(), 2, "{}", stack.upstream.stats());
+}
+
+#[test]
+fn bodies_that_are_not_a_request_get_400() {
+    let stack = stack();
+
+    let resp = post_raw(&stack, b"{\"model\": \"llama3.1:8b\", \"messages\": [");
+    assert_rejected(&resp, 400, "invalid_request", None);
+    let resp = post_raw(&stack, b"not json at all");
+    assert_rejected(&resp, 400, "invalid_request", None);
+    let resp = chunked(&stack, b"{\"model\": ");
+    assert_rejected(&resp, 400, "invalid_request", None);
+
+    let no_model = json!({"messages": [{"role": "user", "content": "hello"}]});
+    let resp = post_raw(&stack, no_model.to_string().as_bytes());
+    assert_rejected(&resp, 400, "invalid_request", Some("model"));
+    let resp = chunked(&stack, no_model.to_string().as_bytes());
+    assert_rejected(&resp, 400, "invalid_request", Some("model"));
+
+    assert_eq!(stack.upstream_requests(), 0, "{}", stack.upstream.stats());
+    // The caller's bucket was not charged for bodies it could not send.
+    let resp = stack.chat(MODEL, &[]);
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert_eq!(resp.header("x-ratelimit-remaining"), Some("9"), "{resp:?}");
+}
