@@ -12,6 +12,10 @@ pub enum Reason {
     UserRateLimit,
     ModelRateLimit,
     RouteRateLimit,
+    TokenRateLimit,
+    DailyBudgetExceeded,
+    MonthlyBudgetExceeded,
+    SpendCapExceeded,
     RequestTooLarge,
     InvalidRequest,
     Unauthenticated,
@@ -23,6 +27,10 @@ impl Reason {
             Reason::UserRateLimit => "user_rate_limit",
             Reason::ModelRateLimit => "model_rate_limit",
             Reason::RouteRateLimit => "route_rate_limit",
+            Reason::TokenRateLimit => "token_rate_limit",
+            Reason::DailyBudgetExceeded => "daily_budget_exceeded",
+            Reason::MonthlyBudgetExceeded => "monthly_budget_exceeded",
+            Reason::SpendCapExceeded => "spend_cap_exceeded",
             Reason::RequestTooLarge => "request_too_large",
             Reason::InvalidRequest => "invalid_request",
             Reason::Unauthenticated => "unauthenticated",
@@ -31,7 +39,13 @@ impl Reason {
 
     fn status(self) -> u32 {
         match self {
-            Reason::UserRateLimit | Reason::ModelRateLimit | Reason::RouteRateLimit => 429,
+            Reason::UserRateLimit
+            | Reason::ModelRateLimit
+            | Reason::RouteRateLimit
+            | Reason::TokenRateLimit
+            | Reason::DailyBudgetExceeded
+            | Reason::MonthlyBudgetExceeded
+            | Reason::SpendCapExceeded => 429,
             Reason::RequestTooLarge => 413,
             Reason::InvalidRequest => 400,
             Reason::Unauthenticated => 401,
@@ -40,9 +54,14 @@ impl Reason {
 
     fn error_type(self) -> &'static str {
         match self {
-            Reason::UserRateLimit | Reason::ModelRateLimit | Reason::RouteRateLimit => {
-                "rate_limit_exceeded"
-            }
+            Reason::UserRateLimit
+            | Reason::ModelRateLimit
+            | Reason::RouteRateLimit
+            | Reason::TokenRateLimit => "rate_limit_exceeded",
+            // OpenAI's code for an exhausted plan: SDKs do not retry it.
+            Reason::DailyBudgetExceeded
+            | Reason::MonthlyBudgetExceeded
+            | Reason::SpendCapExceeded => "insufficient_quota",
             Reason::RequestTooLarge | Reason::InvalidRequest => "invalid_request_error",
             Reason::Unauthenticated => "authentication_error",
         }

@@ -187,15 +187,47 @@ pub struct ModelConfig {
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Price {
+    #[serde(deserialize_with = "de_number")]
     pub input_per_1k: f64,
+    #[serde(deserialize_with = "de_number")]
     pub output_per_1k: f64,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GpuCost {
+    #[serde(deserialize_with = "de_number")]
     pub cost_per_hour: f64,
+    #[serde(deserialize_with = "de_number")]
     pub tokens_per_second: f64,
+}
+
+/// A number, also when a YAML tool quoted it (`"4.0"`).
+fn de_number<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+    struct NumberVisitor;
+    impl Visitor<'_> for NumberVisitor {
+        type Value = f64;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a number")
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<f64, E> {
+            Ok(v)
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<f64, E> {
+            Ok(v as f64)
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<f64, E> {
+            Ok(v as f64)
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<f64, E> {
+            v.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|n| n.is_finite())
+                .ok_or_else(|| E::custom(format!("`{v}` is not a number")))
+        }
+    }
+    deserializer.deserialize_any(NumberVisitor)
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -1,16 +1,20 @@
-//! The request path, top to bottom: identity → demand → admission → answer.
-//! Pure: the proxy-wasm shim feeds it what Envoy knows and applies what it
-//! decides.
+//! The request path, top to bottom: identity → demand → admission (with
+//! rewrite) → answer, and after the response, reconcile. Pure: the
+//! proxy-wasm shim feeds it what Envoy knows and applies what it decides.
 
 use std::collections::HashMap;
 
+use serde_json::Value;
+
 use crate::answer::{self, Limited, Reason, Reply};
 use crate::bucket::Quota;
-use crate::config::{Limit, Policy};
+use crate::config::{Budget, Limit, Mode, Policy, Window};
+use crate::estimate::{self, Correction};
 use crate::principal::{Identity, RequestView, Resolver};
+use crate::reconcile::Found;
 use crate::request::{self, Api, Demand};
 use crate::reservation::{Claim, Effort, Held, Refusal, Reserver, Rule, Scope};
-use crate::store::SharedStore;
+use crate::store::{SharedStore, StoreError};
 
 /// Metric labels of one decision. Bounded: tiers and models come from the
 /// policy (`other` for unlisted models), reasons from a fixed set.
@@ -29,71 +33,271 @@ pub struct Verdict {
     pub reply: Option<Reply>,
     /// Headers to add to the upstream's response when admitted.
     pub response_headers: Vec<(String, String)>,
+    /// The request body to send upstream instead of the client's.
+    pub body: Option<Vec<u8>>,
     pub labels: Labels,
     pub effort: Effort,
-    /// Units held, for settlement after the response.
-    pub held: Vec<Held>,
+    /// What was reserved, to settle after the response.
+    pub plan: Option<Plan>,
+    /// Budget alert thresholds crossed by this request.
+    pub alerts: Vec<String>,
+    /// `downshift` when a soft cap rewrote the model.
+    pub degraded: Option<&'static str>,
+}
+
+/// What a bucket counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Meter {
+    Requests,
+    /// Input + output tokens.
+    Tokens,
+    InputTokens,
+    OutputTokens,
+    /// Micro-currency.
+    Spend,
+}
+
+impl Meter {
+    fn amount(self, input: u64, output: u64, pricing: Pricing) -> u64 {
+        match self {
+            Meter::Requests => 1,
+            Meter::Tokens => input + output,
+            Meter::InputTokens => input,
+            Meter::OutputTokens => output,
+            Meter::Spend => pricing.cost(input, output),
+        }
+    }
+}
+
+/// Price of a model in micro-currency per 1,000 tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pricing {
+    pub input_per_1k: u64,
+    pub output_per_1k: u64,
+}
+
+impl Pricing {
+    /// Micro-currency for a request, rounded up.
+    pub fn cost(self, input: u64, output: u64) -> u64 {
+        let micro_k =
+            input as u128 * self.input_per_1k as u128 + output as u128 * self.output_per_1k as u128;
+        micro_k.div_ceil(1000).min(u64::MAX as u128) as u64
+    }
 }
 
 /// A bucket definition with what answers need to say about it.
 struct Bucket {
     rule: Rule,
     reason: Reason,
-    /// `tier free: requests`
+    /// `tier free: requests per caller`
     name: String,
+    meter: Meter,
+    soft: bool,
+    alert_permille: Option<u32>,
+}
+
+/// Everything admission reserved for one request, kept until its response
+/// is settled.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub held: Vec<Held>,
+    pub meters: Vec<Meter>,
+    pub api: Api,
+    /// The model sent upstream (after any downshift).
+    pub model: Option<String>,
+    pub input_raw: f64,
+    pub input_estimate: u64,
+    /// Output reserved, and the most the upstream was asked for.
+    pub max_output: u64,
+    pub stream: bool,
+    /// sluice asked for the usage chunk; the client did not.
+    pub strip_usage: bool,
+    pub pricing: Pricing,
+}
+
+impl Plan {
+    /// Does this plan hold any token or spend units to settle?
+    pub fn settles(&self) -> bool {
+        self.meters.iter().any(|m| *m != Meter::Requests)
+    }
+}
+
+/// How a response was settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    pub input: u64,
+    pub output: u64,
+    /// The counts came from the upstream's usage (not the estimate).
+    pub from_usage: bool,
+    /// The upstream sent usage sluice could not believe.
+    pub invalid_usage: bool,
+    pub cost: u64,
+}
+
+/// A parsed request body and its raw input estimate.
+#[derive(Debug, Clone)]
+pub struct Asked {
+    pub demand: Demand,
+    pub body: Value,
+    pub input_raw: f64,
 }
 
 pub struct Engine {
     pub policy: Policy,
     resolver: Resolver,
     buckets: Vec<Bucket>,
-    tier_bucket: HashMap<String, usize>,
-    model_bucket: HashMap<String, usize>,
-    route_bucket: Vec<(String, usize)>,
+    tier_buckets: HashMap<String, Vec<usize>>,
+    model_buckets: HashMap<String, Vec<usize>>,
+    route_buckets: Vec<(String, usize)>,
+    pricing: HashMap<String, Pricing>,
 }
+
+const CORRECTION_KEY: &str = "sluice:v1:estimate/";
+
+/// Below this many output tokens a lowered request is refused instead: an
+/// answer cut to a handful of tokens is worth less than a clear 429.
+pub const MIN_LOWERED_OUTPUT: u64 = 16;
 
 impl Engine {
     pub fn new(policy: Policy) -> Engine {
         let mut buckets = Vec::new();
-        let mut add = |id: String, name: String, limit: Limit, scope, reason| {
+        let mut tier_buckets: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut model_buckets: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut add = |id: String,
+                       name: String,
+                       limit: Limit,
+                       scope,
+                       reason,
+                       meter,
+                       budget: Option<Budget>| {
             buckets.push(Bucket {
                 rule: Rule { id, limit, scope },
                 reason,
                 name,
+                meter,
+                soft: budget.is_some_and(|b| b.mode == Mode::Soft),
+                alert_permille: budget.and_then(|b| b.alert_at_permille),
             });
             buckets.len() - 1
         };
-        let tier_bucket = policy
-            .tiers
-            .iter()
-            .filter_map(|(tier, cfg)| {
-                let limit = cfg.requests?;
-                let i = add(
-                    format!("tier/{tier}/requests"),
-                    format!("tier {tier}: requests per caller"),
-                    limit,
-                    Scope::PerPrincipal,
+        for (tier, t) in &policy.tiers {
+            let per = Scope::PerPrincipal;
+            let rates = [
+                (
+                    "requests",
+                    t.requests,
+                    Meter::Requests,
                     Reason::UserRateLimit,
-                );
-                Some((tier.clone(), i))
-            })
-            .collect();
-        let model_bucket = policy
-            .models
-            .iter()
-            .filter_map(|(model, cfg)| {
-                let limit = cfg.requests?;
-                let i = add(
-                    format!("model/{model}/requests"),
-                    format!("model {model}: requests"),
-                    limit,
-                    Scope::Global,
+                ),
+                ("tokens", t.tokens, Meter::Tokens, Reason::TokenRateLimit),
+                (
+                    "input_tokens",
+                    t.input_tokens,
+                    Meter::InputTokens,
+                    Reason::TokenRateLimit,
+                ),
+                (
+                    "output_tokens",
+                    t.output_tokens,
+                    Meter::OutputTokens,
+                    Reason::TokenRateLimit,
+                ),
+            ];
+            let mut mine = Vec::new();
+            for (what, limit, meter, reason) in rates {
+                if let Some(limit) = limit {
+                    let name = format!("tier {tier}: {} per caller", what.replace('_', " "));
+                    mine.push(add(
+                        format!("tier/{tier}/{what}"),
+                        name,
+                        limit,
+                        per,
+                        reason,
+                        meter,
+                        None,
+                    ));
+                }
+            }
+            let budgets = [
+                (
+                    "daily_tokens",
+                    t.daily_tokens,
+                    Window::Day,
+                    Meter::Tokens,
+                    Reason::DailyBudgetExceeded,
+                ),
+                (
+                    "monthly_tokens",
+                    t.monthly_tokens,
+                    Window::Month,
+                    Meter::Tokens,
+                    Reason::MonthlyBudgetExceeded,
+                ),
+                (
+                    "daily_spend",
+                    t.daily_spend,
+                    Window::Day,
+                    Meter::Spend,
+                    Reason::SpendCapExceeded,
+                ),
+                (
+                    "monthly_spend",
+                    t.monthly_spend,
+                    Window::Month,
+                    Meter::Spend,
+                    Reason::SpendCapExceeded,
+                ),
+            ];
+            for (what, budget, window, meter, reason) in budgets {
+                if let Some(b) = budget {
+                    let units = if meter == Meter::Spend {
+                        (b.limit * 1e6).round() as u64
+                    } else {
+                        b.limit as u64
+                    };
+                    let name = format!("tier {tier}: {} per caller", what.replace('_', " "));
+                    let limit = Limit::windowed(units.max(1), window);
+                    mine.push(add(
+                        format!("tier/{tier}/{what}"),
+                        name,
+                        limit,
+                        per,
+                        reason,
+                        meter,
+                        Some(b),
+                    ));
+                }
+            }
+            tier_buckets.insert(tier.clone(), mine);
+        }
+        for (model, m) in &policy.models {
+            let rates = [
+                (
+                    "requests",
+                    m.requests,
+                    Meter::Requests,
                     Reason::ModelRateLimit,
-                );
-                Some((model.clone(), i))
-            })
-            .collect();
-        let route_bucket = policy
+                ),
+                ("tokens", m.tokens, Meter::Tokens, Reason::TokenRateLimit),
+            ];
+            let mut mine = Vec::new();
+            for (what, limit, meter, reason) in rates {
+                if let Some(limit) = limit {
+                    let name = format!("model {model}: {what}");
+                    mine.push(add(
+                        format!("model/{model}/{what}"),
+                        name,
+                        limit,
+                        Scope::Global,
+                        reason,
+                        meter,
+                        None,
+                    ));
+                }
+            }
+            model_buckets.insert(model.clone(), mine);
+        }
+        let route_buckets = policy
             .routes
             .iter()
             .map(|route| {
@@ -103,17 +307,44 @@ impl Engine {
                     route.requests,
                     Scope::Global,
                     Reason::RouteRateLimit,
+                    Meter::Requests,
+                    None,
                 );
                 (route.path_prefix.clone(), i)
+            })
+            .collect();
+        let pricing = policy
+            .models
+            .iter()
+            .map(|(name, m)| {
+                let micro = |per_1k: f64| (per_1k * 1e6).round().max(0.0) as u64;
+                let p = match (m.price, m.gpu) {
+                    (Some(p), _) => Pricing {
+                        input_per_1k: micro(p.input_per_1k),
+                        output_per_1k: micro(p.output_per_1k),
+                    },
+                    (None, Some(g)) => {
+                        // GPU cost per hour over the tokens it serves per hour.
+                        let per_1k =
+                            micro(g.cost_per_hour * 1000.0 / (g.tokens_per_second * 3600.0));
+                        Pricing {
+                            input_per_1k: per_1k,
+                            output_per_1k: per_1k,
+                        }
+                    }
+                    (None, None) => Pricing::default(),
+                };
+                (name.clone(), p)
             })
             .collect();
         Engine {
             resolver: Resolver::new(&policy),
             policy,
             buckets,
-            tier_bucket,
-            model_bucket,
-            route_bucket,
+            tier_buckets,
+            model_buckets,
+            route_buckets,
+            pricing,
         }
     }
 
@@ -155,68 +386,136 @@ impl Engine {
         identity: &Identity,
         api: Api,
         body: &[u8],
-    ) -> Result<Option<Demand>, Box<Verdict>> {
+    ) -> Result<Option<Asked>, Box<Verdict>> {
         if !api.reads_body() {
             return Ok(None);
         }
-        request::parse_body(api, body).map(Some).map_err(|bad| {
-            let reply = answer::rejected(Reason::InvalidRequest, &bad.message, bad.param);
-            Box::new(self.refused(reply, Reason::InvalidRequest, &identity.tier, None))
-        })
+        match request::parse_body(api, body) {
+            Ok((demand, body)) => {
+                let input_raw = estimate::input_tokens(&body);
+                Ok(Some(Asked {
+                    demand,
+                    body,
+                    input_raw,
+                }))
+            }
+            Err(bad) => {
+                let reply = answer::rejected(Reason::InvalidRequest, &bad.message, bad.param);
+                Err(Box::new(self.refused(
+                    reply,
+                    Reason::InvalidRequest,
+                    &identity.tier,
+                    None,
+                )))
+            }
+        }
     }
 
-    /// Step 3: reserve every bucket that applies, all or nothing.
+    /// Step 3: reserve every bucket that applies, all or nothing; lower the
+    /// output a hard token budget cannot cover; downshift over a soft cap.
     pub fn admit(
         &self,
         store: &dyn SharedStore,
         identity: &Identity,
+        api: Api,
         path: &str,
-        demand: Option<&Demand>,
+        asked: Option<&Asked>,
         now_ms: u64,
     ) -> Verdict {
-        let model = demand.and_then(|d| d.model.as_deref());
-        let applying: Vec<usize> = self
-            .tier_bucket
-            .get(&identity.tier)
-            .into_iter()
-            .chain(model.and_then(|m| self.model_bucket.get(m)))
-            .copied()
-            .chain(
-                self.route_bucket
-                    .iter()
-                    .filter(|(prefix, _)| path.starts_with(prefix.as_str()))
-                    .map(|(_, i)| *i),
-            )
-            .collect();
-        let claims: Vec<Claim> = applying
-            .iter()
-            .map(|&i| Claim::hard(&self.buckets[i].rule, 1))
-            .collect();
         let reserver = Reserver {
             store,
             slots: self.policy.state.principal_slots,
             max_retries: self.policy.state.cas_max_retries,
         };
+        let requested_model = asked.and_then(|a| a.demand.model.clone());
+        let mut model = requested_model.clone();
+        let input_raw = asked.map_or(0.0, |a| a.input_raw);
+        let input = match (asked, &model) {
+            (Some(_), Some(m)) => self.correction(store, m).apply(input_raw),
+            (Some(_), None) => Correction::default().apply(input_raw),
+            (None, _) => 0,
+        };
+        let produces_output = asked.is_some() && api != Api::OpenAiEmbeddings;
+        let requested_out = asked.and_then(|a| a.demand.max_output);
+        let mut output = if produces_output {
+            requested_out.unwrap_or_else(|| self.default_output(model.as_deref()))
+        } else {
+            0
+        };
+
+        // Over a soft cap: go on, with the model's cheaper model.
+        let mut degraded = None;
+        if asked.is_some() {
+            let pricing = self.pricing_of(model.as_deref());
+            let over_soft = self
+                .applying(&identity.tier, model.as_deref(), path)
+                .iter()
+                .any(|&i| {
+                    let b = &self.buckets[i];
+                    b.soft && {
+                        let claim = Claim::hard(&b.rule, b.meter.amount(input, output, pricing));
+                        reserver.peek(&claim, identity.hash, now_ms).remaining < claim.amount
+                    }
+                });
+            let target = model
+                .as_ref()
+                .and_then(|m| self.policy.models.get(m))
+                .and_then(|m| m.downshift_to.clone());
+            if let (true, Some(target)) = (over_soft, target) {
+                model = Some(target);
+                degraded = Some("downshift");
+            }
+        }
+
         let mut effort = Effort::default();
-        let outcome = reserver.reserve(&claims, identity.hash, now_ms, &mut effort);
+        let pricing = self.pricing_of(model.as_deref());
+        let applying = self.applying(&identity.tier, model.as_deref(), path);
+        let mut lowered = false;
+        let outcome = loop {
+            let claims: Vec<Claim> = applying
+                .iter()
+                .map(|&i| {
+                    let b = &self.buckets[i];
+                    Claim {
+                        rule: &b.rule,
+                        amount: b.meter.amount(input, output, pricing),
+                        soft: b.soft,
+                    }
+                })
+                .filter(|c| c.amount > 0)
+                .collect();
+            let ids: Vec<String> = claims.iter().map(|c| c.rule.id.clone()).collect();
+            match reserver.reserve(&claims, identity.hash, now_ms, &mut effort) {
+                Ok(reservation) => break Ok((reservation, ids)),
+                Err(Refusal::Full { index, shortfall }) if produces_output => {
+                    // No overshoot: ask the model for only what the budget
+                    // still covers, if that is anything at all.
+                    let b = self.bucket_by_id(&claims[index].rule.id);
+                    let room = shortfall.quota.remaining;
+                    let allowed = match b.map(|b| b.meter) {
+                        Some(Meter::Tokens) => room.saturating_sub(input),
+                        Some(Meter::OutputTokens) => room,
+                        _ => 0,
+                    };
+                    if allowed >= MIN_LOWERED_OUTPUT && allowed < output {
+                        output = allowed;
+                        lowered = true;
+                        continue;
+                    }
+                    break Err((Refusal::Full { index, shortfall }, ids));
+                }
+                Err(refusal) => break Err((refusal, ids)),
+            }
+        };
         let labels = |decision, reason: &'static str| Labels {
             decision,
             reason,
             tier: identity.tier.clone(),
-            model: self.model_label(model),
+            model: self.model_label(model.as_deref()),
         };
-        match outcome {
-            Ok(reservation) => Verdict {
-                reply: None,
-                response_headers: reservation
-                    .tightest
-                    .map(|(_, q)| answer::rate_limit_headers(&q))
-                    .unwrap_or_default(),
-                labels: labels("admit", "none"),
-                effort,
-                held: reservation.held,
-            },
-            Err(refusal) => {
+        let (reservation, ids) = match outcome {
+            Ok(ok) => ok,
+            Err((refusal, ids)) => {
                 let (index, quota, retry_after_ms) = match refusal {
                     Refusal::Full { index, shortfall } => {
                         (index, shortfall.quota, shortfall.retry_after_ms)
@@ -224,17 +523,29 @@ impl Engine {
                     // Lost every CAS race: refuse by that bucket, briefly.
                     Refusal::Contended { index } | Refusal::Host { index, .. } => {
                         effort.exhausted = true;
-                        let limit = claims[index].rule.limit;
-                        let quota = Quota {
-                            limit: limit.capacity(),
-                            remaining: 0,
-                            reset_ms: 1_000,
-                        };
-                        (index, quota, 1_000)
+                        let limit = self
+                            .bucket_by_id(&ids[index])
+                            .map_or(1, |b| b.rule.limit.capacity());
+                        (
+                            index,
+                            Quota {
+                                limit,
+                                remaining: 0,
+                                reset_ms: 1_000,
+                            },
+                            1_000,
+                        )
                     }
                 };
-                let bucket = &self.buckets[applying[index]];
-                let limit_text = bucket.rule.limit.rate.to_string();
+                let Some(bucket) = self.bucket_by_id(&ids[index]) else {
+                    return self.refused(
+                        answer::rejected(Reason::InvalidRequest, "internal", None),
+                        Reason::InvalidRequest,
+                        &identity.tier,
+                        None,
+                    );
+                };
+                let limit_text = bucket.rule.limit.describe();
                 let reply = answer::limited(
                     &Limited {
                         reason: bucket.reason,
@@ -246,14 +557,249 @@ impl Engine {
                     },
                     now_ms,
                 );
-                Verdict {
+                return Verdict {
                     reply: Some(reply),
                     response_headers: Vec::new(),
+                    body: None,
                     labels: labels("refuse", bucket.reason.code()),
                     effort,
-                    held: Vec::new(),
+                    plan: None,
+                    alerts: Vec::new(),
+                    degraded: None,
+                };
+            }
+        };
+
+        // Admitted. Headers: the tightest request bucket as X-RateLimit-*,
+        // the tightest token bucket as X-RateLimit-*-Tokens (OpenAI's names).
+        let meters: Vec<Meter> = ids
+            .iter()
+            .filter_map(|id| self.bucket_by_id(id))
+            .map(|b| b.meter)
+            .collect();
+        let tightest = |want: fn(Meter) -> bool| {
+            reservation
+                .quotas
+                .iter()
+                .zip(&meters)
+                .filter(|(_, m)| want(**m))
+                .map(|(q, _)| *q)
+                .min_by_key(|q| {
+                    (
+                        q.remaining as u128 * 1_000_000 / q.limit.max(1) as u128,
+                        std::cmp::Reverse(q.reset_ms),
+                    )
+                })
+        };
+        let mut headers = Vec::new();
+        if let Some(q) = tightest(|m| m == Meter::Requests).or(reservation.tightest.map(|(_, q)| q))
+        {
+            headers.extend(answer::rate_limit_headers(&q));
+        }
+        if let Some(q) =
+            tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
+        {
+            headers.extend(
+                answer::rate_limit_headers(&q)
+                    .into_iter()
+                    .map(|(n, v)| (format!("{n}-tokens"), v)),
+            );
+        }
+        let mut alerts = Vec::new();
+        for ((q, id), _) in reservation.quotas.iter().zip(&ids).zip(&meters) {
+            let Some(b) = self.bucket_by_id(id) else {
+                continue;
+            };
+            if let Some(alert) = b.alert_permille {
+                let used_permille =
+                    1000 - (q.remaining as u128 * 1000 / q.limit.max(1) as u128) as u32;
+                if used_permille >= alert {
+                    alerts.push(format!("{}: {}% used", b.name, used_permille / 10));
                 }
             }
+        }
+        if !alerts.is_empty() {
+            headers.push(("x-sluice-budget-alert".into(), alerts.join("; ")));
+        }
+        if let Some(kind) = degraded {
+            headers.push(("x-sluice-degraded".into(), kind.into()));
+        }
+
+        // Rewrite the body: the served model, the output reserved, and a
+        // request for the usage chunk of a stream.
+        let mut body = None;
+        let mut strip_usage = false;
+        if let Some(asked) = asked {
+            let mut json = asked.body.clone();
+            let mut changed = false;
+            if model != requested_model {
+                if let Some(m) = &model {
+                    json["model"] = Value::String(m.clone());
+                    changed = true;
+                }
+            }
+            if produces_output && (lowered || requested_out.is_none()) {
+                set_max_output(api, &mut json, output);
+                changed = true;
+            }
+            let wants_usage = matches!(api, Api::OpenAiChat | Api::OpenAiCompletions)
+                && asked.demand.stream
+                && json
+                    .pointer("/stream_options/include_usage")
+                    .and_then(Value::as_bool)
+                    != Some(true);
+            if wants_usage {
+                if !json.get("stream_options").is_some_and(Value::is_object) {
+                    json["stream_options"] = Value::Object(Default::default());
+                }
+                json["stream_options"]["include_usage"] = Value::Bool(true);
+                strip_usage = true;
+                changed = true;
+            }
+            if changed {
+                body = Some(json.to_string().into_bytes());
+            }
+        }
+        let plan = asked.map(|a| Plan {
+            held: reservation.held.clone(),
+            meters: meters.clone(),
+            api,
+            model: model.clone(),
+            input_raw,
+            input_estimate: input,
+            max_output: output,
+            stream: a.demand.stream,
+            strip_usage,
+            pricing,
+        });
+        Verdict {
+            reply: None,
+            response_headers: headers,
+            body,
+            labels: labels("admit", "none"),
+            effort,
+            plan,
+            alerts,
+            degraded,
+        }
+    }
+
+    /// Step 5: replace the reservation with what the response really cost.
+    /// Usage from the upstream wins; without (believable) usage, the input
+    /// estimate and the output counted in the stream. An upstream error
+    /// costs nothing.
+    pub fn settle(
+        &self,
+        store: &dyn SharedStore,
+        plan: &Plan,
+        found: Found,
+        output_counted: u64,
+        upstream_ok: bool,
+        now_ms: u64,
+    ) -> (Settled, Effort) {
+        let (input, output, from_usage) = match found {
+            Found::Usage(u) => (u.input, u.output, true),
+            _ if !upstream_ok => (0, 0, false),
+            _ => (plan.input_estimate, output_counted, false),
+        };
+        let reserver = Reserver {
+            store,
+            slots: self.policy.state.principal_slots,
+            max_retries: self.policy.state.cas_max_retries,
+        };
+        let mut effort = Effort::default();
+        for (held, meter) in plan.held.iter().zip(&plan.meters) {
+            if *meter != Meter::Requests {
+                reserver.settle(
+                    held,
+                    meter.amount(input, output, plan.pricing),
+                    now_ms,
+                    &mut effort,
+                );
+            }
+        }
+        if from_usage && input > 0 {
+            if let Some(model) = &plan.model {
+                self.learn(store, model, plan.input_raw, input);
+            }
+        }
+        let settled = Settled {
+            input,
+            output,
+            from_usage,
+            invalid_usage: found == Found::Invalid,
+            cost: plan.pricing.cost(input, output),
+        };
+        (settled, effort)
+    }
+
+    /// Indexes of the buckets that apply to a request, in the order they
+    /// are taken (the first that refuses decides the answer).
+    fn applying(&self, tier: &str, model: Option<&str>, path: &str) -> Vec<usize> {
+        let none = Vec::new();
+        self.tier_buckets
+            .get(tier)
+            .unwrap_or(&none)
+            .iter()
+            .chain(
+                model
+                    .and_then(|m| self.model_buckets.get(m))
+                    .unwrap_or(&none),
+            )
+            .copied()
+            .chain(
+                self.route_buckets
+                    .iter()
+                    .filter(|(prefix, _)| path.starts_with(prefix.as_str()))
+                    .map(|(_, i)| *i),
+            )
+            .collect()
+    }
+
+    fn bucket_by_id(&self, id: &str) -> Option<&Bucket> {
+        self.buckets.iter().find(|b| b.rule.id == id)
+    }
+
+    fn default_output(&self, model: Option<&str>) -> u64 {
+        model
+            .and_then(|m| self.policy.models.get(m))
+            .and_then(|m| m.default_max_output)
+            .unwrap_or(self.policy.defaults.max_output_tokens)
+    }
+
+    fn pricing_of(&self, model: Option<&str>) -> Pricing {
+        model
+            .and_then(|m| self.pricing.get(m))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// The learned estimate correction of a configured model (others: 1.0).
+    fn correction(&self, store: &dyn SharedStore, model: &str) -> Correction {
+        if !self.policy.models.contains_key(model) {
+            return Correction::default();
+        }
+        store
+            .get(&format!("{CORRECTION_KEY}{model}"))
+            .map_or(Correction::default(), |(bytes, _)| {
+                Correction::decode(&bytes)
+            })
+    }
+
+    /// One compare-and-swap: a sample lost to a concurrent writer is simply
+    /// dropped, the next one will do.
+    fn learn(&self, store: &dyn SharedStore, model: &str, raw: f64, actual: u64) {
+        if !self.policy.models.contains_key(model) {
+            return;
+        }
+        let key = format!("{CORRECTION_KEY}{model}");
+        let (current, cas) = store
+            .get(&key)
+            .map_or((Correction::default(), 0), |(b, cas)| {
+                (Correction::decode(&b), cas)
+            });
+        if let Some(next) = current.learn(raw, actual) {
+            let _: Result<(), StoreError> = store.set(&key, &next.encode(), cas);
         }
     }
 
@@ -271,6 +817,7 @@ impl Engine {
         Verdict {
             reply: Some(reply),
             response_headers: Vec::new(),
+            body: None,
             labels: Labels {
                 decision: "refuse",
                 reason: reason.code(),
@@ -278,14 +825,39 @@ impl Engine {
                 model: self.model_label(model),
             },
             effort: Effort::default(),
-            held: Vec::new(),
+            plan: None,
+            alerts: Vec::new(),
+            degraded: None,
         }
+    }
+}
+
+/// Writes the output limit where each API reads it.
+fn set_max_output(api: Api, json: &mut Value, max: u64) {
+    match api {
+        Api::OpenAiChat
+            if json
+                .get("max_completion_tokens")
+                .is_some_and(|v| !v.is_null()) =>
+        {
+            json["max_completion_tokens"] = max.into();
+        }
+        Api::OpenAiChat | Api::OpenAiCompletions => json["max_tokens"] = max.into(),
+        Api::OpenAiResponses => json["max_output_tokens"] = max.into(),
+        Api::OllamaGenerate | Api::OllamaChat => {
+            if !json.get("options").is_some_and(Value::is_object) {
+                json["options"] = Value::Object(Default::default());
+            }
+            json["options"]["num_predict"] = max.into();
+        }
+        Api::OpenAiEmbeddings | Api::Other => {}
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconcile::Usage;
     use crate::reservation::prepare;
     use crate::store::MemStore;
     use serde_json::json;
@@ -303,34 +875,39 @@ mod tests {
         }
     }
 
-    fn engine() -> Engine {
-        Engine::new(
-            Policy::from_value(json!({
-                "default_tier": "free",
-                "tiers": {"free": {"requests": "10/min"}},
-                "models": {"big": {"requests": "3/min"}},
-                "routes": [{"name": "chat", "path_prefix": "/v1/chat/", "requests": "100/s"}],
-            }))
-            .unwrap(),
-        )
+    fn engine_with(policy: Value) -> (Engine, MemStore) {
+        let e = Engine::new(Policy::from_value(policy).unwrap());
+        let store = MemStore::default();
+        prepare(&store, &e.rules(), e.policy.state.principal_slots).unwrap();
+        (e, store)
     }
 
-    fn demand(model: &str) -> Demand {
-        Demand {
-            model: Some(model.into()),
-            stream: false,
-            max_output: None,
-        }
+    fn engine() -> (Engine, MemStore) {
+        engine_with(json!({
+            "default_tier": "free",
+            "tiers": {"free": {"requests": "10/min"}},
+            "models": {"big": {"requests": "3/min"}},
+            "routes": [{"name": "chat", "path_prefix": "/v1/chat/", "requests": "100/s"}],
+        }))
+    }
+
+    fn asked(e: &Engine, body: Value) -> Asked {
+        let id = e.identify(&Caller("9.9.9.9:1")).unwrap();
+        e.demand(&id, Api::OpenAiChat, body.to_string().as_bytes())
+            .unwrap()
+            .unwrap()
+    }
+
+    fn chat(model: &str, max_tokens: u64) -> Value {
+        json!({"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]})
     }
 
     #[test]
     fn free_tier_gets_ten_then_a_full_429() {
-        let e = engine();
-        let store = MemStore::default();
-        prepare(&store, &e.rules(), e.policy.state.principal_slots).unwrap();
+        let (e, store) = engine();
         let id = e.identify(&Caller("10.0.0.1:1234")).unwrap();
         let results: Vec<Verdict> = (0..12)
-            .map(|_| e.admit(&store, &id, "/v1/models", None, 1_000))
+            .map(|_| e.admit(&store, &id, Api::Other, "/v1/models", None, 1_000))
             .collect();
         assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 10);
         assert_eq!(
@@ -345,30 +922,301 @@ mod tests {
 
     #[test]
     fn model_limit_applies_across_callers_and_labels_are_bounded() {
-        let e = engine();
-        let store = MemStore::default();
-        prepare(&store, &e.rules(), e.policy.state.principal_slots).unwrap();
-        for i in 0..3 {
-            let id = e
-                .identify(&Caller(["1.1.1.1:1", "2.2.2.2:1", "3.3.3.3:1"][i]))
-                .unwrap();
+        let (e, store) = engine();
+        let big = asked(&e, chat("big", 10));
+        for caller in ["1.1.1.1:1", "2.2.2.2:1", "3.3.3.3:1"] {
+            let id = e.identify(&Caller(caller)).unwrap();
             assert!(e
-                .admit(&store, &id, "/v1/chat/completions", Some(&demand("big")), 0)
+                .admit(
+                    &store,
+                    &id,
+                    Api::OpenAiChat,
+                    "/v1/chat/completions",
+                    Some(&big),
+                    0
+                )
                 .reply
                 .is_none());
         }
         let id = e.identify(&Caller("4.4.4.4:1")).unwrap();
-        let v = e.admit(&store, &id, "/v1/chat/completions", Some(&demand("big")), 0);
-        assert_eq!(v.labels.reason, "model_rate_limit");
-        assert_eq!(v.labels.model, "big");
         let v = e.admit(
             &store,
             &id,
+            Api::OpenAiChat,
             "/v1/chat/completions",
-            Some(&demand("gpt-made-up")),
+            Some(&big),
+            0,
+        );
+        assert_eq!(v.labels.reason, "model_rate_limit");
+        assert_eq!(v.labels.model, "big");
+        let other = asked(&e, chat("gpt-made-up", 10));
+        let v = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&other),
             0,
         );
         assert!(v.reply.is_none());
         assert_eq!(v.labels.model, "other");
+    }
+
+    #[test]
+    fn token_budget_admits_exactly_what_fits_and_settles_to_usage() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_tokens": 10_000}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("m", 490));
+        let mut plans = Vec::new();
+        for _ in 0..30 {
+            let v = e.admit(
+                &store,
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&a),
+                0,
+            );
+            if let Some(plan) = v.plan.filter(|_| v.reply.is_none()) {
+                plans.push(plan);
+            }
+        }
+        let each = plans[0].input_estimate + 490;
+        let full = plans.iter().filter(|p| p.max_output == 490).count() as u64;
+        assert_eq!(full, 10_000 / each, "reserved {each} each");
+        // What was left is given to one more request, with its output
+        // lowered to fit: never a token over the budget.
+        let reserved: u64 = plans.iter().map(|p| p.input_estimate + p.max_output).sum();
+        assert!(
+            reserved <= 10_000 && 10_000 - reserved < MIN_LOWERED_OUTPUT + each,
+            "{reserved}"
+        );
+        // The real usage is smaller: settling frees room for more.
+        for p in &plans {
+            let usage = Found::Usage(Usage {
+                input: 10,
+                output: 90,
+            });
+            let (s, _) = e.settle(&store, p, usage, 0, true, 0);
+            assert_eq!((s.input, s.output, s.from_usage), (10, 90, true));
+        }
+        let v = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        assert!(v.reply.is_none());
+    }
+
+    #[test]
+    fn output_is_lowered_to_what_a_hard_budget_covers() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_tokens": 1_000}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("m", 800));
+        let first = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        assert!(
+            first.reply.is_none() && first.body.is_none(),
+            "fits as asked"
+        );
+        let second = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        assert!(second.reply.is_none());
+        let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        let lowered = body["max_tokens"].as_u64().unwrap();
+        let plan = second.plan.unwrap();
+        assert_eq!(lowered, plan.max_output);
+        assert_eq!(
+            first.plan.unwrap().input_estimate * 2 + 800 + lowered,
+            1_000
+        );
+        let third = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        assert_eq!(third.labels.reason, "daily_budget_exceeded");
+        let reply = third.reply.unwrap();
+        let json: Value = serde_json::from_slice(&reply.body).unwrap();
+        assert_eq!(json["error"]["code"], "daily_budget_exceeded");
+        assert!(json["error"]["sluice"]["reset_at"]
+            .as_str()
+            .unwrap()
+            .ends_with("T00:00:00Z"));
+    }
+
+    #[test]
+    fn soft_cap_downshifts_and_alerts() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "pro",
+            "tiers": {"pro": {"daily_tokens": {"limit": 1_000, "mode": "soft", "alert_at": "50%"}}},
+            "models": {"big": {"downshift_to": "small"}, "small": {}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("big", 600));
+        let first = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        assert_eq!(first.degraded, None);
+        assert_eq!(first.alerts.len(), 1, "{:?}", first.alerts);
+        let second = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        assert!(second.reply.is_none(), "soft caps never refuse");
+        assert_eq!(second.degraded, Some("downshift"));
+        let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        assert_eq!(body["model"], "small");
+        assert!(second
+            .response_headers
+            .contains(&("x-sluice-degraded".into(), "downshift".into())));
+    }
+
+    #[test]
+    fn spend_caps_price_input_and_output() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_spend": 0.1}},
+            "models": {"paid": {"price": {"input_per_1k": 1.0, "output_per_1k": 2.0}}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("paid", 4));
+        let v = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        let plan = v.plan.unwrap();
+        let cost = plan.pricing.cost(plan.input_estimate, 4);
+        assert_eq!(cost, plan.input_estimate * 1000 + 8000);
+        let a = asked(&e, chat("paid", 5000));
+        let v = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        assert_eq!(v.labels.reason, "spend_cap_exceeded");
+    }
+
+    #[test]
+    fn streams_ask_for_usage_and_missing_usage_settles_from_the_estimate() {
+        let (e, store) =
+            engine_with(json!({"default_tier": "t", "tiers": {"t": {"tokens": "10000/min"}}}));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let mut body = chat("m", 50);
+        body["stream"] = json!(true);
+        let a = asked(&e, body);
+        let v = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            0,
+        );
+        let rewritten: Value = serde_json::from_slice(&v.body.unwrap()).unwrap();
+        assert_eq!(rewritten["stream_options"]["include_usage"], true);
+        let plan = v.plan.unwrap();
+        assert!(plan.strip_usage);
+        let (s, _) = e.settle(&store, &plan, Found::Invalid, 7, true, 0);
+        assert_eq!(
+            (s.input, s.output, s.from_usage, s.invalid_usage),
+            (plan.input_estimate, 7, false, true)
+        );
+        let (s, _) = e.settle(&store, &plan, Found::Nothing, 0, false, 0);
+        assert_eq!(
+            (s.input, s.output),
+            (0, 0),
+            "an upstream error costs nothing"
+        );
+    }
+
+    #[test]
+    fn usage_teaches_the_estimate() {
+        let (e, store) =
+            engine_with(json!({"default_tier": "t", "tiers": {"t": {}}, "models": {"m": {}}}));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let long = "word ".repeat(200);
+        let a = asked(
+            &e,
+            json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": long}]}),
+        );
+        let before = e
+            .admit(
+                &store,
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&a),
+                0,
+            )
+            .plan
+            .unwrap();
+        for _ in 0..50 {
+            let truth = (before.input_raw * 1.5) as u64;
+            e.settle(
+                &store,
+                &before,
+                Found::Usage(Usage {
+                    input: truth,
+                    output: 1,
+                }),
+                0,
+                true,
+                0,
+            );
+        }
+        let after = e
+            .admit(
+                &store,
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&a),
+                0,
+            )
+            .plan
+            .unwrap();
+        let ratio = after.input_estimate as f64 / before.input_estimate as f64;
+        assert!((1.4..1.6).contains(&ratio), "{ratio}");
     }
 }

@@ -85,7 +85,9 @@ fn is_cjk(c: char) -> bool {
 /// chat messages (string or multi-part content), system prompts, tools and
 /// their schemas, `response_format` schemas, prompts and Ollama fields.
 pub fn input_tokens(body: &Value) -> f64 {
-    let Some(obj) = body.as_object() else { return 0.0 };
+    let Some(obj) = body.as_object() else {
+        return 0.0;
+    };
     let mut tokens = 0.0;
     if let Some(messages) = obj.get("messages").and_then(Value::as_array) {
         for m in messages {
@@ -129,7 +131,9 @@ fn content_tokens(v: &Value) -> f64 {
             if let Some(content) = part.get("content") {
                 return content_tokens(content) + PER_MESSAGE;
             }
-            if part.contains_key("image_url") || part.get("type").and_then(Value::as_str) == Some("image_url") {
+            if part.contains_key("image_url")
+                || part.get("type").and_then(Value::as_str) == Some("image_url")
+            {
                 return 85.0; // a low-detail image tile
             }
             json_tokens(v)
@@ -173,10 +177,15 @@ impl Correction {
         if raw_estimate < 8.0 || actual == 0 {
             return None; // too small to say anything
         }
-        let sample = (actual as f64 / raw_estimate * 1000.0).clamp(Self::MIN as f64, Self::MAX as f64);
+        let sample =
+            (actual as f64 / raw_estimate * 1000.0).clamp(Self::MIN as f64, Self::MAX as f64);
         let gap = sample.round() as i64 - self.0 as i64;
         // An eighth of the gap, at least one step, so it converges exactly.
-        let step = if gap == 0 { 0 } else { (gap / 8).abs().max(1) * gap.signum() };
+        let step = if gap == 0 {
+            0
+        } else {
+            (gap / 8).abs().max(1) * gap.signum()
+        };
         let next = (self.0 as i64 + step).clamp(Self::MIN as i64, Self::MAX as i64);
         Some(Correction(next as u32))
     }
@@ -217,15 +226,19 @@ mod tests {
 
     #[test]
     fn chat_bodies_count_every_part() {
-        let plain = input_tokens(&json!({"messages": [{"role": "user", "content": "hello there"}]}));
+        let plain =
+            input_tokens(&json!({"messages": [{"role": "user", "content": "hello there"}]}));
         let parts = input_tokens(&json!({"messages": [{"role": "user",
             "content": [{"type": "text", "text": "hello there"}]}]}));
         assert!(plain >= 8.0 && parts >= plain, "{plain} {parts}");
-        let with_tools = input_tokens(&json!({"messages": [{"role": "user", "content": "hello there"}],
+        let with_tools = input_tokens(
+            &json!({"messages": [{"role": "user", "content": "hello there"}],
             "tools": [{"type": "function", "function": {"name": "get_weather",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}));
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}),
+        );
         assert!(with_tools > plain + 10.0);
-        let ollama = input_tokens(&json!({"model": "m", "prompt": "hello there", "system": "be brief"}));
+        let ollama =
+            input_tokens(&json!({"model": "m", "prompt": "hello there", "system": "be brief"}));
         assert!(ollama > 3.0);
     }
 
@@ -241,7 +254,10 @@ mod tests {
         }
         assert_eq!(c.0, Correction::MAX);
         assert_eq!(c.learn(2.0, 100), None);
-        assert_eq!(Correction::decode(&Correction(1200).encode()), Correction(1200));
+        assert_eq!(
+            Correction::decode(&Correction(1200).encode()),
+            Correction(1200)
+        );
         assert_eq!(Correction::decode(b"xx"), Correction::default());
         assert_eq!(Correction(1500).apply(10.0), 15);
     }

@@ -18,6 +18,26 @@ pub const CAS_RETRIES: &str = "sluice_cas_retries_total";
 pub const CAS_EXHAUSTED: &str = "sluice_cas_exhausted_total";
 /// Requests counted in a rule's shared overflow bucket (slot table full).
 pub const BUCKET_OVERFLOW: &str = "sluice_bucket_overflow_total";
+/// Requests holding a token or spend reservation not yet settled (gauge).
+pub const RESERVATIONS_OUTSTANDING: &str = "sluice_reservations_outstanding";
+/// The metrics above that are gauges; every other is a counter.
+pub const GAUGES: &[&str] = &[RESERVATIONS_OUTSTANDING];
+/// Settled tokens (from usage, or the estimate when usage is missing).
+pub const INPUT_TOKENS: &str = "sluice_input_tokens_total";
+pub const OUTPUT_TOKENS: &str = "sluice_output_tokens_total";
+/// Settled cost, micro-currency.
+pub const SPEND_MICROS: &str = "sluice_spend_micros_total";
+/// Responses whose usage fields could not be believed (settled from the
+/// estimate).
+pub const USAGE_INVALID: &str = "sluice_usage_invalid_total";
+/// Successful responses without usage (settled from the estimate).
+pub const USAGE_MISSING: &str = "sluice_usage_missing_total";
+/// Streams ended by sluice because they ran past their budget.
+pub const STREAM_CUT: &str = "sluice_stream_cut_total";
+/// Requests downshifted over a soft cap.
+pub const DEGRADED: &str = "sluice_degraded_total";
+/// Requests that crossed a budget's alert threshold.
+pub const BUDGET_ALERTS: &str = "sluice_budget_alerts_total";
 /// Policies refused at load.
 pub const CONFIG_REJECTED: &str = "sluice_config_rejected_total";
 

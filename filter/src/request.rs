@@ -59,8 +59,11 @@ pub struct BadBody {
     pub param: Option<&'static str>,
 }
 
-pub fn parse_body(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
-    let mut fields = match serde_json::from_slice::<Value>(body) {
+/// Parses a request body: what admission needs, and the JSON itself (for
+/// the estimate and for rewriting).
+pub fn parse_body(api: Api, body: &[u8]) -> Result<(Demand, Value), BadBody> {
+    let value = serde_json::from_slice::<Value>(body);
+    let fields = match &value {
         Ok(Value::Object(map)) => map,
         Ok(_) => {
             return Err(BadBody {
@@ -75,7 +78,7 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
             })
         }
     };
-    let mut field = |name: &str| fields.remove(name);
+    let field = |name: &str| fields.get(name).cloned();
     let model = match field("model") {
         Some(Value::String(m)) if !m.trim().is_empty() => m,
         Some(Value::String(_)) | None => {
@@ -103,7 +106,7 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
     };
     let num_predict = match field("options") {
         None | Some(Value::Null) => None,
-        Some(Value::Object(mut o)) => o.remove("num_predict"),
+        Some(Value::Object(o)) => o.get("num_predict").cloned(),
         Some(_) => {
             return Err(BadBody {
                 message: "`options` must be an object".into(),
@@ -135,16 +138,21 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
             }
         }
     }
-    Ok(Demand {
+    let demand = Demand {
         model: Some(model),
         stream,
         max_output,
-    })
+    };
+    Ok((demand, value.unwrap_or_default()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn demand_of(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
+        parse_body(api, body).map(|(d, _)| d)
+    }
 
     #[test]
     fn classifies_known_endpoints() {
@@ -159,7 +167,7 @@ mod tests {
 
     #[test]
     fn reads_openai_and_ollama_bodies() {
-        let d = parse_body(
+        let d = demand_of(
             Api::OpenAiChat,
             br#"{"model":"llama3.1:8b","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":64}"#,
         )
@@ -172,7 +180,7 @@ mod tests {
                 max_output: Some(64)
             }
         );
-        let d = parse_body(
+        let d = demand_of(
             Api::OllamaChat,
             br#"{"model":"mistral:7b","options":{"num_predict":20}}"#,
         )
@@ -185,13 +193,13 @@ mod tests {
                 max_output: Some(20)
             }
         );
-        let d = parse_body(
+        let d = demand_of(
             Api::OllamaGenerate,
             br#"{"model":"m","stream":false,"options":{"num_predict":-1}}"#,
         )
         .unwrap();
         assert_eq!((d.stream, d.max_output), (false, None));
-        let d = parse_body(
+        let d = demand_of(
             Api::OpenAiChat,
             br#"{"model":"m","max_tokens":100,"max_completion_tokens":50}"#,
         )
@@ -201,17 +209,17 @@ mod tests {
 
     #[test]
     fn bad_bodies_name_the_problem() {
-        let e = parse_body(Api::OpenAiChat, b"{not json").unwrap_err();
+        let e = demand_of(Api::OpenAiChat, b"{not json").unwrap_err();
         assert!(e.message.contains("not valid JSON"));
-        let e = parse_body(Api::OpenAiChat, b"[1,2]").unwrap_err();
+        let e = demand_of(Api::OpenAiChat, b"[1,2]").unwrap_err();
         assert!(e.message.contains("JSON object"));
-        let e = parse_body(Api::OpenAiChat, br#"{"messages":[]}"#).unwrap_err();
+        let e = demand_of(Api::OpenAiChat, br#"{"messages":[]}"#).unwrap_err();
         assert_eq!(e.param, Some("model"));
-        let e = parse_body(Api::OpenAiChat, br#"{"model":"m","stream":"yes"}"#).unwrap_err();
+        let e = demand_of(Api::OpenAiChat, br#"{"model":"m","stream":"yes"}"#).unwrap_err();
         assert_eq!(e.param, Some("stream"));
-        let e = parse_body(Api::OpenAiChat, br#"{"model":"m","max_tokens":-5}"#).unwrap_err();
+        let e = demand_of(Api::OpenAiChat, br#"{"model":"m","max_tokens":-5}"#).unwrap_err();
         assert_eq!(e.param, Some("max_tokens"));
-        let e = parse_body(Api::OpenAiChat, br#"{"model":"m","max_tokens":1.5}"#).unwrap_err();
+        let e = demand_of(Api::OpenAiChat, br#"{"model":"m","max_tokens":1.5}"#).unwrap_err();
         assert_eq!(e.param, Some("max_tokens"));
     }
 }

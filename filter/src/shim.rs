@@ -11,9 +11,10 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType, Status};
 
 use crate::config::Policy;
-use crate::engine::{Engine, Verdict};
+use crate::engine::{Engine, Plan, Verdict};
 use crate::metrics;
 use crate::principal::{Identity, RequestView};
+use crate::reconcile::{Format, Found, Meter};
 use crate::request::Api;
 use crate::reservation::prepare;
 use crate::store::{SharedStore, StoreError};
@@ -64,7 +65,7 @@ impl Metrics {
             let mut ids = self.ids.borrow_mut();
             match ids.get(name) {
                 Some(id) => *id,
-                None => match hostcalls::define_metric(MetricType::Counter, name) {
+                None => match hostcalls::define_metric(metric_type(name), name) {
                     Ok(id) => *ids.entry(name.to_string()).or_insert(id),
                     Err(_) => return,
                 },
@@ -81,6 +82,19 @@ impl Metrics {
             metrics::BUCKET_OVERFLOW,
             i64::from(verdict.effort.overflowed),
         );
+        self.add(metrics::DEGRADED, i64::from(verdict.degraded.is_some()));
+        self.add(
+            metrics::BUDGET_ALERTS,
+            i64::from(!verdict.alerts.is_empty()),
+        );
+    }
+}
+
+fn metric_type(name: &str) -> MetricType {
+    if metrics::GAUGES.contains(&name) {
+        MetricType::Gauge
+    } else {
+        MetricType::Counter
     }
 }
 
@@ -136,6 +150,9 @@ impl RootContext for Root {
             path: String::new(),
             response_headers: Vec::new(),
             decided: false,
+            plan: None,
+            meter: None,
+            status: 0,
         }))
     }
 
@@ -176,6 +193,11 @@ struct Http {
     path: String,
     response_headers: Vec<(String, String)>,
     decided: bool,
+    /// What admission reserved, until it is settled.
+    plan: Option<Plan>,
+    /// Reads the response as it passes.
+    meter: Option<Meter>,
+    status: u32,
 }
 
 impl Http {
@@ -202,6 +224,10 @@ impl Http {
             }
             None => {
                 self.response_headers = verdict.response_headers;
+                if let Some(plan) = verdict.plan.filter(Plan::settles) {
+                    self.metrics.add(metrics::RESERVATIONS_OUTSTANDING, 1);
+                    self.plan = Some(plan);
+                }
                 Action::Continue
             }
         }
@@ -212,15 +238,52 @@ impl Http {
         let Some(identity) = self.identity.clone() else {
             return Action::Continue;
         };
-        let demand = match self.engine.demand(&identity, self.api, body) {
-            Ok(demand) => demand,
+        let asked = match self.engine.demand(&identity, self.api, body) {
+            Ok(asked) => asked,
             Err(verdict) => return self.finish(*verdict),
         };
         let now = self.now_ms();
-        let verdict = self
-            .engine
-            .admit(&HostStore, &identity, &self.path, demand.as_ref(), now);
+        let mut verdict = self.engine.admit(
+            &HostStore,
+            &identity,
+            self.api,
+            &self.path,
+            asked.as_ref(),
+            now,
+        );
+        if let Some(new_body) = verdict.body.take() {
+            // The upstream gets the rewritten request (model, max output,
+            // usage in streams); its length changes with it.
+            self.set_http_request_body(0, body.len(), &new_body);
+            self.set_http_request_header("content-length", Some(&new_body.len().to_string()));
+        }
         self.finish(verdict)
+    }
+
+    /// Replaces the reservation with the real cost; runs once per request.
+    fn settle(&mut self) {
+        let Some(plan) = self.plan.take() else { return };
+        let (found, counted, cut) = match &self.meter {
+            Some(m) => (m.found, m.output_events, m.cut),
+            None => (Found::Nothing, 0, false),
+        };
+        let upstream_ok = self.status == 0 || self.status < 400;
+        let now = self.now_ms();
+        let (settled, effort) =
+            self.engine
+                .settle(&HostStore, &plan, found, counted, upstream_ok, now);
+        let m = &self.metrics;
+        m.add(metrics::RESERVATIONS_OUTSTANDING, -1);
+        m.add(metrics::CAS_RETRIES, i64::from(effort.cas_retries));
+        m.add(metrics::INPUT_TOKENS, settled.input as i64);
+        m.add(metrics::OUTPUT_TOKENS, settled.output as i64);
+        m.add(metrics::SPEND_MICROS, settled.cost as i64);
+        m.add(metrics::USAGE_INVALID, i64::from(settled.invalid_usage));
+        m.add(
+            metrics::USAGE_MISSING,
+            i64::from(!settled.from_usage && upstream_ok),
+        );
+        m.add(metrics::STREAM_CUT, i64::from(cut));
     }
 }
 
@@ -266,9 +329,51 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.status = self
+            .get_http_response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
         for (name, value) in std::mem::take(&mut self.response_headers) {
             self.set_http_response_header(&name, Some(&value));
         }
+        if let Some(plan) = &self.plan {
+            let content_type = self.get_http_response_header("content-type");
+            let ollama = matches!(plan.api, Api::OllamaChat | Api::OllamaGenerate);
+            let format = Format::detect(content_type.as_deref(), plan.stream && ollama);
+            // A stream may run past its allowance only if the upstream
+            // ignores the max output it was given; then sluice ends it.
+            let allowance = plan.stream.then_some(plan.max_output);
+            if format != Format::Json {
+                // sluice may change the stream's length.
+                self.set_http_response_header("content-length", None);
+            }
+            self.meter = Some(Meter::new(format, plan.strip_usage, allowance));
+        }
         Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.meter.is_none() {
+            return Action::Continue;
+        }
+        let chunk = self
+            .get_http_response_body(0, body_size)
+            .unwrap_or_default();
+        let out = self
+            .meter
+            .as_mut()
+            .and_then(|m| m.feed(&chunk, end_of_stream));
+        if let Some(out) = out.filter(|out| *out != chunk) {
+            self.set_http_response_body(0, body_size, &out);
+        }
+        if end_of_stream {
+            self.settle();
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        // Client gone, upstream reset or timeout: settle from what was seen.
+        self.settle();
     }
 }
