@@ -9,7 +9,7 @@ WASM          := target/wasm32-wasip1/release/sluice_filter.wasm
 CARGO         ?= cargo
 PYTHON        ?= python3
 
-.PHONY: all tools build test unit integration demo lint fmt clean
+.PHONY: all tools build test demo lint fmt clean bench-core
 
 all: build
 
@@ -42,6 +42,10 @@ test: build
 ## demo: mock-llm :8000, sidecar :9911, Envoy :10000 (admin :9901); Ctrl-C stops all
 demo: build
 	./scripts/demo.sh
+
+## bench-core: criterion micro-benchmarks of the policy core (admission, estimate, SSE)
+bench-core:
+	$(CARGO) bench -p sluice-filter --bench core
 
 ## lint: what CI-quality commits pass
 lint:

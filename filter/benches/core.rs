@@ -1,0 +1,137 @@
+//! Micro-benchmarks of the policy core (run: `make bench-core` or
+//! `cargo bench -p sluice-filter --bench core`). The store is the in-process
+//! `MemStore` (a mutex-guarded map, like Envoy's shared data), so these
+//! figures are the core's own cost without the wasm runtime.
+#![allow(clippy::expect_used)]
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use serde_json::json;
+use sluice_filter::config::Policy;
+use sluice_filter::engine::Engine;
+use sluice_filter::principal::RequestView;
+use sluice_filter::reconcile::{Format, Meter};
+use sluice_filter::request::Api;
+use sluice_filter::reservation::prepare;
+use sluice_filter::store::MemStore;
+
+struct Caller(String);
+impl RequestView for Caller {
+    fn header(&self, name: &str) -> Option<String> {
+        (name == "x-api-key").then(|| "bench-key".to_string())
+    }
+    fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
+        None
+    }
+    fn client_address(&self) -> Option<String> {
+        Some(self.0.clone())
+    }
+}
+
+fn engine(policy: serde_json::Value) -> (Engine, MemStore) {
+    let engine = Engine::new(Policy::from_value(policy).expect("bench policy"));
+    let store = MemStore::default();
+    prepare(&store, &engine.rules(), engine.policy.state.principal_slots).expect("prepare");
+    (engine, store)
+}
+
+fn chat_body(bytes: usize) -> Vec<u8> {
+    let sentence = "The quick brown fox jumps over the lazy dog, again and again. ";
+    let text: String = sentence.repeat(bytes / sentence.len() + 1)[..bytes].to_string();
+    json!({"model": "llama3.1:8b", "max_tokens": 256,
+           "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]})
+    .to_string()
+    .into_bytes()
+}
+
+fn admission(c: &mut Criterion) {
+    let mut group = c.benchmark_group("admission");
+    // Header-only policy: identity + one request bucket.
+    let (e, store) = engine(json!({
+        "default_tier": "free",
+        "identity": {"sources": ["api_key", "client_address"],
+                     "api_key": {"keys": {"bench-key": "pro"}}},
+        "tiers": {"free": {"requests": "1000000000/s"}, "pro": {"requests": "1000000000/s"}},
+    }));
+    let id = e.identify(&Caller("10.0.0.1:1".into())).expect("identity");
+    group.bench_function("identify", |b| b.iter(|| e.identify(black_box(&Caller("10.0.0.1:1".into())))));
+    group.bench_function("request_bucket", |b| {
+        b.iter(|| e.admit(&store, &id, Api::Other, "/v1/models", None, black_box(1_000)))
+    });
+
+    // Full policy: request + token buckets, a daily budget, a model bucket,
+    // a 2 KB chat body, then settlement from usage.
+    let (e, store) = engine(json!({
+        "default_tier": "pro",
+        "identity": {"sources": ["api_key"], "api_key": {"keys": {"bench-key": "pro"}}},
+        "tiers": {"pro": {"requests": "1000000000/s", "tokens": "1000000000000/s",
+                          "daily_tokens": 1_000_000_000_000u64}},
+        "models": {"llama3.1:8b": {"requests": "1000000000/s", "price": {"input_per_1k": 0.1, "output_per_1k": 0.2}}},
+    }));
+    let id = e.identify(&Caller("10.0.0.1:1".into())).expect("identity");
+    let body = chat_body(2048);
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("full_2kb_parse_estimate_reserve_settle", |b| {
+        b.iter(|| {
+            let asked = e.demand(&id, Api::OpenAiChat, black_box(&body)).ok().flatten();
+            let v = e.admit(&store, &id, Api::OpenAiChat, "/v1/chat/completions", asked.as_ref(), 1_000);
+            if let Some(plan) = v.plan {
+                let usage = sluice_filter::reconcile::Found::Usage(sluice_filter::reconcile::Usage { input: 500, output: 100 });
+                e.settle(&store, &plan, usage, 0, true, 1_000);
+            }
+        })
+    });
+    let asked = e.demand(&id, Api::OpenAiChat, &body).ok().flatten();
+    group.bench_function("reserve_and_settle_only", |b| {
+        b.iter(|| {
+            let v = e.admit(&store, &id, Api::OpenAiChat, "/v1/chat/completions", asked.as_ref(), 1_000);
+            if let Some(plan) = v.plan {
+                e.settle(&store, &plan, sluice_filter::reconcile::Found::Nothing, 10, true, 1_000);
+            }
+        })
+    });
+    group.finish();
+}
+
+fn estimate(c: &mut Criterion) {
+    let mut group = c.benchmark_group("estimate");
+    for kb in [1usize, 16, 256] {
+        let body = chat_body(kb * 1024);
+        let value: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::new("input_tokens", format!("{kb}KB")), &value, |b, v| {
+            b.iter(|| sluice_filter::estimate::input_tokens(black_box(v)))
+        });
+    }
+    group.finish();
+}
+
+fn sse(c: &mut Criterion) {
+    let mut group = c.benchmark_group("sse_usage");
+    let mut stream = String::new();
+    let mut n = 0;
+    while stream.len() < 1 << 20 {
+        stream.push_str(&format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\" tok{n}\"}}}}]}}\n\n"
+        ));
+        n += 1;
+    }
+    stream.push_str("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":5}}\n\ndata: [DONE]\n\n");
+    let bytes = stream.into_bytes();
+    group.throughput(Throughput::Bytes(bytes.len() as u64));
+    group.bench_function("meter_1MB_in_16KB_chunks", |b| {
+        b.iter(|| {
+            let mut m = Meter::new(Format::Sse, true, None);
+            for chunk in bytes.chunks(16 * 1024) {
+                black_box(m.feed(chunk, false));
+            }
+            black_box(m.feed(&[], true));
+            m.found
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, admission, estimate, sse);
+criterion_main!(benches);
