@@ -1,39 +1,67 @@
-//! The HTTP API the filter and people read: `/healthz`, `/v1/state`.
+//! The HTTP API: `/v1/state` (the filter's long poll), the kill switch,
+//! the simulated GPU, `/metrics`, `/healthz` and the status page at `/`.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use axum::extract::{Query, State};
-use axum::http::header::CACHE_CONTROL;
-use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, Query, State};
+use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
 use serde::Deserialize;
+use serde_json::json;
 use tokio::sync::watch;
 
+use crate::admin::{AdminToken, KillSwitchControl};
+use crate::sources::gpu::{SimHandle, Simulation};
 use crate::state::StateStore;
+use crate::telemetry::{Subscriber, Telemetry};
 
 /// How long a long poll is held when the request does not say.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 /// The longest a long poll is held, whatever the request says.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
+/// Longest kill-switch reason kept.
+pub const MAX_REASON: usize = 500;
 
+/// Everything the handlers share.
 #[derive(Debug, Clone)]
-struct Api {
-    store: StateStore,
+pub struct Api {
+    pub store: StateStore,
     /// Turns true when the server shuts down, releasing held polls.
-    closing: watch::Receiver<bool>,
+    pub closing: watch::Receiver<bool>,
+    pub telemetry: Arc<Telemetry>,
+    pub token: AdminToken,
+    /// Admin calls from other than loopback are accepted.
+    pub allow_remote: bool,
+    pub kill_switch: Arc<KillSwitchControl>,
+    /// Set when the simulated GPU source runs.
+    pub sim: Option<SimHandle>,
 }
 
-pub fn router(store: StateStore, closing: watch::Receiver<bool>) -> Router {
+pub fn router(api: Api) -> Router {
     Router::new()
+        .route("/", get(page))
         .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
         .route("/v1/state", get(state))
-        .with_state(Arc::new(Api { store, closing }))
+        .route("/v1/kill-switch", post(kill_switch))
+        .route("/v1/simulate", get(get_simulation).post(simulate))
+        .with_state(Arc::new(api))
 }
 
 async fn healthz() -> &'static str {
     "ok"
+}
+
+/// `{"error": {"code", "message"}}` with `status`.
+fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"code": code, "message": message.into()}});
+    (status, [(CACHE_CONTROL, "no-store")], Json(body)).into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -51,6 +79,7 @@ async fn state(State(api): State<Arc<Api>>, Query(q): Query<StateQuery>) -> impl
     let current = match q.since {
         None => api.store.current(),
         Some(since) => {
+            let _held = Subscriber::enter(&api.telemetry.subscribers);
             let wait = q
                 .wait
                 .map_or(DEFAULT_WAIT, Duration::from_secs)
@@ -65,6 +94,131 @@ async fn state(State(api): State<Arc<Api>>, Query(q): Query<StateQuery>) -> impl
     ([(CACHE_CONTROL, "no-store")], Json(current))
 }
 
+async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
+    let text = crate::metrics::render(
+        &api.store.current(),
+        &api.telemetry.snapshot(),
+        &api.telemetry,
+    );
+    (
+        [
+            (CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8"),
+            (CACHE_CONTROL, "no-store"),
+        ],
+        text,
+    )
+}
+
+async fn page(State(api): State<Arc<Api>>) -> impl IntoResponse {
+    let html = crate::page::render(&api.store.current(), &api.telemetry.snapshot());
+    ([(CACHE_CONTROL, "no-store")], Html(html))
+}
+
+type Peer = Option<Extension<ConnectInfo<SocketAddr>>>;
+
+/// 403 unless the client is on loopback (or remote admin is allowed). An
+/// unknown peer counts as remote.
+fn refuse_peer(api: &Api, peer: &Peer) -> Option<Response> {
+    let loopback = peer
+        .as_ref()
+        .is_some_and(|Extension(ConnectInfo(a))| a.ip().is_loopback());
+    if loopback || api.allow_remote {
+        None
+    } else {
+        Some(error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "admin calls are accepted from loopback only (admin.allow_remote is off)",
+        ))
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KillSwitchBody {
+    active: bool,
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// `POST /v1/kill-switch` `{"active": bool, "reason": "…"}` with
+/// `Authorization: Bearer <token>`.
+async fn kill_switch(
+    State(api): State<Arc<Api>>,
+    peer: Peer,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = refuse_peer(&api, &peer) {
+        return r;
+    }
+    if !api
+        .token
+        .accepts(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
+    {
+        let message = if api.token.is_set() {
+            "missing or wrong bearer token"
+        } else {
+            "no admin token is configured (admin.token_file, --admin-token-file or SLUICE_ADMIN_TOKEN)"
+        };
+        return error(StatusCode::UNAUTHORIZED, "unauthorized", message);
+    }
+    let req: KillSwitchBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("expected {{\"active\": true|false, \"reason\": \"…\"}}: {e}"),
+            )
+        }
+    };
+    let reason = req
+        .reason
+        .map(|r| r.trim().chars().take(MAX_REASON).collect::<String>())
+        .filter(|r| !r.is_empty());
+    let out = api
+        .kill_switch
+        .set(req.active, reason, SystemTime::now())
+        .await;
+    ([(CACHE_CONTROL, "no-store")], Json(out)).into_response()
+}
+
+/// `GET /v1/simulate`: what the simulated GPU source reports.
+async fn get_simulation(State(api): State<Arc<Api>>) -> Response {
+    match &api.sim {
+        Some(sim) => Json(sim.get()).into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "the simulated GPU source is not running",
+        ),
+    }
+}
+
+/// `POST /v1/simulate` `{"gpus": [{"utilization": 95, …}], "fail": false}`:
+/// sets the simulated GPUs (loopback only; tests and the demo).
+async fn simulate(State(api): State<Arc<Api>>, peer: Peer, body: Bytes) -> Response {
+    if let Some(r) = refuse_peer(&api, &peer) {
+        return r;
+    }
+    let Some(handle) = &api.sim else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "the simulated GPU source is not running (serve --simulate, or sources.gpu: simulated)",
+        );
+    };
+    let sim: Simulation = match serde_json::from_slice(&body) {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
+    };
+    match handle.set(sim) {
+        Ok(()) => Json(handle.get()).into_response(),
+        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request", e),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,6 +230,10 @@ mod tests {
 
     async fn get(app: &Router, uri: &str) -> (StatusCode, Vec<u8>) {
         let req = Request::get(uri).body(Body::empty()).unwrap();
+        send(app, req).await
+    }
+
+    async fn send(app: &Router, req: Request<Body>) -> (StatusCode, Vec<u8>) {
         let res = app.clone().oneshot(req).await.unwrap();
         let status = res.status();
         let body = axum::body::to_bytes(res.into_body(), usize::MAX)
@@ -90,11 +248,216 @@ mod tests {
         serde_json::from_slice(&body).unwrap()
     }
 
+    fn api(store: &StateStore, closing: watch::Receiver<bool>) -> Api {
+        Api {
+            store: store.clone(),
+            closing,
+            telemetry: Arc::new(Telemetry::default()),
+            token: AdminToken::new("t0ken"),
+            allow_remote: false,
+            kill_switch: Arc::new(KillSwitchControl::new(store.clone(), None, None)),
+            sim: Some(SimHandle::default()),
+        }
+    }
+
     fn setup() -> (StateStore, watch::Sender<bool>, Router) {
         let store = StateStore::new(SystemTime::now());
         let (tx, rx) = watch::channel(false);
-        let app = router(store.clone(), rx);
+        let app = router(api(&store, rx));
         (store, tx, app)
+    }
+
+    fn post_from(uri: &str, from: &str, token: Option<&str>, body: &str) -> Request<Body> {
+        let mut req = Request::post(uri);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let mut req = req.body(Body::from(body.to_string())).unwrap();
+        let addr: SocketAddr = from.parse().unwrap();
+        req.extensions_mut().insert(ConnectInfo(addr));
+        req
+    }
+
+    fn json_of(body: &[u8]) -> Value {
+        serde_json::from_slice(body).unwrap()
+    }
+
+    #[tokio::test]
+    async fn kill_switch_needs_the_token() {
+        let (store, _closing, app) = setup();
+        let on = r#"{"active": true, "reason": "drill"}"#;
+        let local = "127.0.0.1:5000";
+        for token in [None, Some("wrong"), Some("t0ke"), Some("t0ken ")] {
+            let (status, body) = send(&app, post_from("/v1/kill-switch", local, token, on)).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{token:?}");
+            assert_eq!(json_of(&body)["error"]["code"], "unauthorized");
+        }
+        assert!(!store.current().kill_switch.active);
+        let (status, body) =
+            send(&app, post_from("/v1/kill-switch", local, Some("t0ken"), on)).await;
+        assert_eq!(status, StatusCode::OK);
+        let v = json_of(&body);
+        assert_eq!(v["kill_switch"]["active"], true);
+        assert_eq!(v["persisted"], false);
+        let st = get_state(&app, "/v1/state").await;
+        assert_eq!(st["kill_switch"]["active"], true);
+        assert_eq!(st["kill_switch"]["reason"], "drill");
+        assert!(st["kill_switch"]["since"].is_string());
+        assert_eq!(st["version"], 2);
+    }
+
+    #[tokio::test]
+    async fn kill_switch_is_loopback_only_by_default() {
+        let (_, _closing, app) = setup();
+        let on = r#"{"active": true}"#;
+        let (status, body) = send(
+            &app,
+            post_from("/v1/kill-switch", "10.1.2.3:5000", Some("t0ken"), on),
+        )
+        .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        assert_eq!(json_of(&body)["error"]["code"], "forbidden");
+        let (status, _) = send(
+            &app,
+            post_from("/v1/kill-switch", "[::1]:5000", Some("t0ken"), on),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        // Remote allowed by config.
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let app = router(Api {
+            allow_remote: true,
+            ..api(&store, rx)
+        });
+        let (status, _) = send(
+            &app,
+            post_from("/v1/kill-switch", "10.1.2.3:5000", Some("t0ken"), on),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn kill_switch_bad_bodies_are_400() {
+        let (_, _closing, app) = setup();
+        for body in [
+            "",
+            "{",
+            r#"{"active": "yes"}"#,
+            r#"{"active": true, "why": "x"}"#,
+        ] {
+            let (status, b) = send(
+                &app,
+                post_from("/v1/kill-switch", "127.0.0.1:1", Some("t0ken"), body),
+            )
+            .await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(json_of(&b)["error"]["code"], "invalid_request");
+        }
+    }
+
+    #[tokio::test]
+    async fn no_token_configured_refuses_everyone() {
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let app = router(Api {
+            token: AdminToken::default(),
+            ..api(&store, rx)
+        });
+        let (status, body) = send(
+            &app,
+            post_from(
+                "/v1/kill-switch",
+                "127.0.0.1:1",
+                Some(""),
+                r#"{"active":true}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert!(String::from_utf8_lossy(&body).contains("no admin token"));
+    }
+
+    #[tokio::test]
+    async fn simulate_sets_the_gpus() {
+        let (_, _closing, app) = setup();
+        let body = r#"{"gpus":[{"utilization":95}]}"#;
+        let (status, b) = send(&app, post_from("/v1/simulate", "127.0.0.1:1", None, body)).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(json_of(&b)["gpus"][0]["utilization"], 95.0);
+        let (status, b) = get(&app, "/v1/simulate").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(json_of(&b)["gpus"][0]["utilization"], 95.0);
+        let bad = r#"{"gpus":[{"utilization":101}]}"#;
+        let (status, _) = send(&app, post_from("/v1/simulate", "127.0.0.1:1", None, bad)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let (status, _) = send(&app, post_from("/v1/simulate", "192.168.0.9:1", None, body)).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+    }
+
+    #[tokio::test]
+    async fn simulate_is_404_without_the_simulated_source() {
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let app = router(Api {
+            sim: None,
+            ..api(&store, rx)
+        });
+        let (status, _) = send(
+            &app,
+            post_from("/v1/simulate", "127.0.0.1:1", None, r#"{"gpus":[]}"#),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn metrics_and_page() {
+        let (_, _closing, app) = setup();
+        let (status, body) = get(&app, "/metrics").await;
+        assert_eq!(status, StatusCode::OK);
+        let text = String::from_utf8(body).unwrap();
+        assert!(
+            text.contains("sluice_sidecar_kill_switch_active 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sluice_sidecar_long_poll_subscribers 0"),
+            "{text}"
+        );
+        let (status, body) = get(&app, "/").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(String::from_utf8(body)
+            .unwrap()
+            .contains("<h2>Kill switch</h2>"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn held_polls_are_counted() {
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let api = api(&store, rx);
+        let telemetry = api.telemetry.clone();
+        let app = router(api);
+        let poll = tokio::spawn({
+            let app = app.clone();
+            async move { get_state(&app, "/v1/state?since=1&wait=10").await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            telemetry
+                .subscribers
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        poll.await.unwrap();
+        assert_eq!(
+            telemetry
+                .subscribers
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
     }
 
     #[tokio::test]
@@ -113,9 +476,10 @@ mod tests {
         assert_eq!(v["version"], 1);
         assert_eq!(
             v["kill_switch"],
-            serde_json::json!({"active": false, "reason": null})
+            serde_json::json!({"active": false, "reason": null, "since": null})
         );
         assert_eq!(v["breakers"], serde_json::json!([]));
+        assert_eq!(v["stale"], false);
         let at = v["updated_at"].as_str().unwrap();
         assert!(humantime::parse_rfc3339(at).is_ok(), "{at}");
     }

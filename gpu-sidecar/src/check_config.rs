@@ -91,10 +91,9 @@ mod tests {
         let text = "default_tier: free\ntiers:\n  free: {requets: 10/min}\n";
         let err = check(text).unwrap_err();
         assert!(err.contains("tiers.free.requets"), "{err}");
-        let text = include_str!("../../envoy/sluice.yaml").replace(
-            "pro: { requests: 60/min }",
-            "pro: { requests: 60/fortnight }",
-        );
+        let shipped = include_str!("../../envoy/sluice.yaml");
+        assert_eq!(shipped.matches("requests: 60/min").count(), 1, "the pro tier's rate");
+        let text = shipped.replace("requests: 60/min", "requests: 60/fortnight");
         let err = check(&text).unwrap_err();
         assert!(err.contains("tiers.pro.requests"), "{err}");
     }

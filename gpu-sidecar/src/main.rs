@@ -1,14 +1,17 @@
-//! `sluice-sidecar serve --listen 127.0.0.1:9911`
+//! `sluice-sidecar serve [--config FILE] [--listen ADDR] [--simulate]
+//! [--admin-token-file FILE] [--state-file FILE]`
 //!
 //! `serve` prints `sluice-sidecar listening on ADDR` (the bound address, so
-//! port 0 works) once on stdout, then serves until Ctrl-C or SIGTERM.
+//! port 0 works) once on stdout, then serves until Ctrl-C or SIGTERM. Logs
+//! go to stderr.
 
 use std::io::Write as _;
-use std::time::SystemTime;
+use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use sluice_sidecar::state::StateStore;
+use sluice_sidecar::admin::AdminToken;
+use sluice_sidecar::config::Config;
 use tokio::net::TcpListener;
 
 #[derive(Debug, Parser)]
@@ -24,8 +27,15 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve the state API (`/v1/state`, `/healthz`) for the Envoy filter.
+    /// Watch GPUs and backends and serve the state API for the Envoy filter
+    /// (`/v1/state`, `/v1/kill-switch`, `/metrics`, `/healthz`, `/`).
     Serve(ServeArgs),
+    /// Validate a sidecar config file (YAML) offline. Exit status 1 names
+    /// the bad field.
+    CheckSidecarConfig {
+        /// The file to check.
+        file: PathBuf,
+    },
     /// Validate a sluice policy offline: a policy file (YAML or JSON) or an
     /// Envoy config that embeds one. Exit status 1 names the bad field.
     CheckConfig {
@@ -36,14 +46,44 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct ServeArgs {
-    /// Address to listen on; port 0 picks a free port.
-    #[arg(long, default_value = "127.0.0.1:9911")]
-    listen: String,
+    /// The sidecar config (YAML); without it, the defaults.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Address to listen on (default: the config's `listen`,
+    /// 127.0.0.1:9911); port 0 picks a free port.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Use the simulated GPU source (set with `POST /v1/simulate`).
+    #[arg(long)]
+    simulate: bool,
+    /// File holding the admin bearer token (else the config's
+    /// `admin.token_file`, else `SLUICE_ADMIN_TOKEN`).
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
+    /// Where the kill switch is kept across restarts (overrides the
+    /// config's `state_file`).
+    #[arg(long)]
+    state_file: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Serve(args) => serve(args),
+        Command::CheckSidecarConfig { file } => {
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            match Config::from_yaml(&text).and_then(|c| c.scope_plans()) {
+                Ok(plans) => {
+                    let scopes: Vec<_> = plans.iter().map(|p| p.scope.as_str()).collect();
+                    println!("{}: ok: scopes {}", file.display(), scopes.join(", "));
+                    Ok(())
+                }
+                Err(e) => {
+                    eprintln!("{}: {e}", file.display());
+                    std::process::exit(1);
+                }
+            }
+        }
         Command::CheckConfig { file } => {
             let text = std::fs::read_to_string(&file)
                 .with_context(|| format!("reading {}", file.display()))?;
@@ -63,17 +103,42 @@ fn main() -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let store = StateStore::new(SystemTime::now());
-    let listener = TcpListener::bind(&args.listen)
+    let mut config = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            Config::from_yaml(&text).with_context(|| format!("in {}", path.display()))?
+        }
+        None => Config::default(),
+    };
+    if let Some(listen) = args.listen {
+        config.listen = listen;
+    }
+    if let Some(state_file) = args.state_file {
+        config.state_file = Some(state_file);
+    }
+    let token_file = args
+        .admin_token_file
+        .or_else(|| config.admin.token_file.clone());
+    let token = AdminToken::load(
+        token_file.as_deref(),
+        std::env::var("SLUICE_ADMIN_TOKEN").ok(),
+    )?;
+    let listener = TcpListener::bind(&config.listen)
         .await
-        .with_context(|| format!("binding {}", args.listen))?;
+        .with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "sluice-sidecar listening on {addr}").context("writing to stdout")?;
         out.flush().context("flushing stdout")?;
     }
-    sluice_sidecar::serve(listener, store, shutdown_signal()).await
+    let opts = sluice_sidecar::Options {
+        config,
+        simulate: args.simulate,
+        token,
+    };
+    sluice_sidecar::serve(listener, opts, shutdown_signal()).await
 }
 
 /// Resolves on Ctrl-C or SIGTERM. If a handler cannot be installed, that

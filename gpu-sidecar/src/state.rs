@@ -9,37 +9,54 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Serialize, Serializer};
 use tokio::sync::watch;
 
 /// What `GET /v1/state` returns.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SidecarState {
-    /// Starts at 1; +1 on every change.
+    /// +1 on every change. Starts at 1 in tests; `serve` starts it at the
+    /// start time in Unix milliseconds, so a restarted sidecar never answers
+    /// a version a filter already holds from the previous run.
     pub version: u64,
     pub kill_switch: KillSwitch,
-    /// Breakers that are not plainly closed; empty when all is healthy.
+    /// Breakers that are not plainly closed (open or half-open), in scope
+    /// order; empty when all is healthy.
     pub breakers: Vec<Breaker>,
     /// When `version` last changed, as RFC 3339.
     #[serde(serialize_with = "rfc3339")]
     pub updated_at: SystemTime,
+    /// Some scope has had no fresh data for `stale_after` (and follows the
+    /// stale-data policy: by default its breaker is closed).
+    pub stale: bool,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KillSwitch {
     pub active: bool,
     pub reason: Option<String>,
+    /// When it was last turned on or off; null if never.
+    #[serde(with = "rfc3339_opt")]
+    pub since: Option<SystemTime>,
 }
 
-/// One breaker's verdict for a scope (a backend or a model route).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One breaker's verdict for a scope (`backend:NAME` or `model:NAME`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Breaker {
     pub scope: String,
     pub state: BreakerState,
+    /// The share of requests the filter may let through now: the configured
+    /// trickle when half-open, 0 when open.
+    pub half_open_fraction: f64,
+    /// What refused clients are told to wait.
+    pub retry_after_seconds: u64,
     pub reason: Option<String>,
+    /// When it entered this state.
+    #[serde(serialize_with = "rfc3339")]
+    pub since: SystemTime,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BreakerState {
     Closed,
@@ -47,8 +64,46 @@ pub enum BreakerState {
     HalfOpen,
 }
 
+impl BreakerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+
+    /// The `/metrics` value: 0 closed, 1 half-open, 2 open.
+    pub fn gauge(self) -> u8 {
+        match self {
+            BreakerState::Closed => 0,
+            BreakerState::HalfOpen => 1,
+            BreakerState::Open => 2,
+        }
+    }
+}
+
 fn rfc3339<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(&humantime::format_rfc3339_seconds(*t))
+}
+
+mod rfc3339_opt {
+    use std::time::SystemTime;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &Option<SystemTime>, s: S) -> Result<S::Ok, S::Error> {
+        match t {
+            Some(t) => s.collect_str(&humantime::format_rfc3339_seconds(*t)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SystemTime>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|text| humantime::parse_rfc3339(&text).map_err(serde::de::Error::custom))
+            .transpose()
+    }
 }
 
 impl SidecarState {
@@ -59,12 +114,15 @@ impl SidecarState {
             kill_switch: KillSwitch::default(),
             breakers: Vec::new(),
             updated_at: now,
+            stale: false,
         }
     }
 
     /// Equal apart from version and timestamp.
     fn same_content(&self, other: &SidecarState) -> bool {
-        self.kill_switch == other.kill_switch && self.breakers == other.breakers
+        self.kill_switch == other.kill_switch
+            && self.breakers == other.breakers
+            && self.stale == other.stale
     }
 }
 
@@ -77,7 +135,13 @@ pub struct StateStore {
 
 impl StateStore {
     pub fn new(now: SystemTime) -> Self {
-        let (tx, _) = watch::channel(Arc::new(SidecarState::initial(now)));
+        StateStore::starting(SidecarState::initial(now))
+    }
+
+    /// Starts from `state` (e.g. with the kill switch read back from the
+    /// state file, and a first version no earlier run can have reached).
+    pub fn starting(state: SidecarState) -> Self {
+        let (tx, _) = watch::channel(Arc::new(state));
         StateStore { tx: Arc::new(tx) }
     }
 
@@ -134,9 +198,10 @@ mod tests {
             v,
             serde_json::json!({
                 "version": 1,
-                "kill_switch": {"active": false, "reason": null},
+                "kill_switch": {"active": false, "reason": null, "since": null},
                 "breakers": [],
                 "updated_at": "1970-01-01T00:00:00Z",
+                "stale": false,
             })
         );
     }
@@ -151,6 +216,7 @@ mod tests {
             s.kill_switch = KillSwitch {
                 active: true,
                 reason: Some("drill".into()),
+                since: Some(t(7)),
             }
         }));
         let now = store.current();

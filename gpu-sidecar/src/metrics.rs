@@ -1,0 +1,371 @@
+//! `GET /metrics`: Prometheus text rendered from the telemetry snapshot and
+//! the published state. Written by hand on purpose: every value already
+//! lives in the snapshot, so a registry crate would only mirror it.
+
+use std::fmt::Write as _;
+
+use crate::breaker::Metric;
+use crate::state::SidecarState;
+use crate::telemetry::{Snapshot, Telemetry};
+
+/// The exposition, `text/plain; version=0.0.4`.
+pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String {
+    let mut out = Exposition::default();
+
+    out.family(
+        "sluice_sidecar_gpu_source_info",
+        "gauge",
+        "The GPU source in use (nvml, simulated, none).",
+    );
+    out.sample(
+        "sluice_sidecar_gpu_source_info",
+        &[("source", snap.gpu_source.unwrap_or("none"))],
+        1.0,
+    );
+    out.family(
+        "sluice_sidecar_nvml_available",
+        "gauge",
+        "1 when NVML was loaded.",
+    );
+    out.sample(
+        "sluice_sidecar_nvml_available",
+        &[],
+        f64::from(u8::from(snap.nvml_available)),
+    );
+
+    let gpu_families: [(&str, &str, GpuField); 5] = [
+        (
+            "sluice_sidecar_gpu_utilization_percent",
+            "GPU busy time, percent.",
+            |g| Some(g.utilization),
+        ),
+        (
+            "sluice_sidecar_gpu_memory_used_bytes",
+            "GPU memory used.",
+            |g| Some(g.memory_used_mb * 1048576.0),
+        ),
+        (
+            "sluice_sidecar_gpu_memory_total_bytes",
+            "GPU memory in all.",
+            |g| Some(g.memory_total_mb * 1048576.0),
+        ),
+        (
+            "sluice_sidecar_gpu_temperature_celsius",
+            "GPU temperature.",
+            |g| g.temperature_c,
+        ),
+        ("sluice_sidecar_gpu_power_watts", "GPU power draw.", |g| {
+            g.power_w
+        }),
+    ];
+    for (name, help, get) in gpu_families {
+        out.family(name, "gauge", help);
+        for g in &snap.gpus {
+            if let Some(v) = get(g) {
+                let index = g.index.to_string();
+                out.sample(name, &[("gpu", &index), ("name", &g.name)], v);
+            }
+        }
+    }
+
+    out.family(
+        "sluice_sidecar_backend_up",
+        "gauge",
+        "1 when the backend's last poll succeeded.",
+    );
+    for b in &snap.backends {
+        out.sample(
+            "sluice_sidecar_backend_up",
+            &[("backend", &b.name), ("kind", b.kind)],
+            f64::from(u8::from(b.up)),
+        );
+    }
+    let gauges = [
+        (
+            "sluice_sidecar_vllm_requests_waiting",
+            "vllm:num_requests_waiting of the backend.",
+            Metric::VllmWaiting,
+        ),
+        (
+            "sluice_sidecar_vllm_requests_running",
+            "vllm:num_requests_running of the backend.",
+            Metric::VllmRunning,
+        ),
+        (
+            "sluice_sidecar_vllm_kv_cache_usage_ratio",
+            "vLLM KV-cache usage, 0-1.",
+            Metric::KvCache,
+        ),
+    ];
+    for (name, help, metric) in gauges {
+        out.family(name, "gauge", help);
+        for b in &snap.backends {
+            if let Some(v) = b.value(metric) {
+                out.sample(name, &[("backend", &b.name)], v);
+            }
+        }
+    }
+    let quantiles = [
+        (
+            "sluice_sidecar_vllm_ttft_seconds",
+            "Recent time to first token (vLLM histogram deltas).",
+            Metric::TtftP50,
+            Metric::TtftP99,
+        ),
+        (
+            "sluice_sidecar_vllm_e2e_latency_seconds",
+            "Recent end-to-end latency (vLLM histogram deltas).",
+            Metric::E2eP50,
+            Metric::E2eP99,
+        ),
+    ];
+    for (name, help, p50, p99) in quantiles {
+        out.family(name, "gauge", help);
+        for b in &snap.backends {
+            for (q, m) in [("0.5", p50), ("0.99", p99)] {
+                if let Some(v) = b.value(m) {
+                    out.sample(name, &[("backend", &b.name), ("quantile", q)], v);
+                }
+            }
+        }
+    }
+
+    out.family(
+        "sluice_sidecar_breaker_state",
+        "gauge",
+        "Breaker per scope: 0 closed, 1 half-open, 2 open.",
+    );
+    for v in &snap.breakers {
+        out.sample(
+            "sluice_sidecar_breaker_state",
+            &[("scope", &v.scope)],
+            f64::from(v.state.gauge()),
+        );
+    }
+    out.family(
+        "sluice_sidecar_breaker_transitions_total",
+        "counter",
+        "Breaker state changes by scope and new state.",
+    );
+    for ((scope, to), n) in &snap.transitions {
+        out.sample(
+            "sluice_sidecar_breaker_transitions_total",
+            &[("scope", scope), ("to", to)],
+            *n as f64,
+        );
+    }
+    out.family(
+        "sluice_sidecar_scope_stale",
+        "gauge",
+        "1 when no source of the scope answered within stale_after.",
+    );
+    for v in &snap.breakers {
+        out.sample(
+            "sluice_sidecar_scope_stale",
+            &[("scope", &v.scope)],
+            f64::from(u8::from(v.stale)),
+        );
+    }
+    out.family(
+        "sluice_sidecar_stale",
+        "gauge",
+        "1 when some scope is stale (the `stale` of /v1/state).",
+    );
+    out.sample(
+        "sluice_sidecar_stale",
+        &[],
+        f64::from(u8::from(state.stale)),
+    );
+
+    out.family(
+        "sluice_sidecar_kill_switch_active",
+        "gauge",
+        "1 when the kill switch is on.",
+    );
+    out.sample(
+        "sluice_sidecar_kill_switch_active",
+        &[],
+        f64::from(u8::from(state.kill_switch.active)),
+    );
+    out.family(
+        "sluice_sidecar_state_version",
+        "gauge",
+        "Version of the published state.",
+    );
+    out.sample("sluice_sidecar_state_version", &[], state.version as f64);
+    out.family(
+        "sluice_sidecar_long_poll_subscribers",
+        "gauge",
+        "Long polls of /v1/state being held.",
+    );
+    out.sample(
+        "sluice_sidecar_long_poll_subscribers",
+        &[],
+        tel.subscribers.load(std::sync::atomic::Ordering::Relaxed) as f64,
+    );
+
+    out.family(
+        "sluice_sidecar_scrape_errors_total",
+        "counter",
+        "Failed reads by source (gpu or a backend's name).",
+    );
+    for (source, n) in &snap.scrape_errors {
+        out.sample(
+            "sluice_sidecar_scrape_errors_total",
+            &[("source", source)],
+            *n as f64,
+        );
+    }
+    let alerts = [
+        (
+            "sluice_sidecar_alerts_sent_total",
+            "Webhook posts that succeeded.",
+            &tel.alerts_sent,
+        ),
+        (
+            "sluice_sidecar_alerts_failed_total",
+            "Webhook posts that failed.",
+            &tel.alerts_failed,
+        ),
+        (
+            "sluice_sidecar_alerts_suppressed_total",
+            "Changes not alerted: within the flap window of the previous change.",
+            &tel.alerts_suppressed,
+        ),
+        (
+            "sluice_sidecar_alerts_dropped_total",
+            "Alert events dropped: queue full.",
+            &tel.alerts_dropped,
+        ),
+    ];
+    for (name, help, counter) in alerts {
+        out.family(name, "counter", help);
+        out.sample(name, &[], Telemetry::get(counter) as f64);
+    }
+    out.text
+}
+
+type GpuField = fn(&crate::sources::GpuReading) -> Option<f64>;
+
+#[derive(Default)]
+struct Exposition {
+    text: String,
+}
+
+impl Exposition {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        // Writing to a String cannot fail.
+        let _ = writeln!(self.text, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+        self.text.push_str(name);
+        if !labels.is_empty() {
+            self.text.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.text.push(',');
+                }
+                let _ = write!(self.text, "{k}=\"{}\"", escape(v));
+            }
+            self.text.push('}');
+        }
+        let _ = writeln!(self.text, " {}", number(value));
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn number(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else {
+        format!("{v}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::breaker::View;
+    use crate::sources::prom;
+    use crate::sources::GpuReading;
+    use crate::state::BreakerState;
+    use crate::telemetry::BackendStatus;
+    use std::time::SystemTime;
+
+    #[test]
+    fn renders_everything_and_parses_back() {
+        let mut snap = Snapshot {
+            gpu_source: Some("simulated"),
+            ..Snapshot::default()
+        };
+        snap.gpus.push(GpuReading {
+            index: 0,
+            name: "H200 \"x\"".into(),
+            utilization: 95.0,
+            memory_used_mb: 1.0,
+            memory_total_mb: 2.0,
+            temperature_c: Some(50.0),
+            power_w: None,
+        });
+        snap.backends.push(BackendStatus {
+            name: "vllm-a".into(),
+            kind: "vllm",
+            up: true,
+            samples: vec![(Metric::VllmWaiting, 60.0), (Metric::TtftP99, 1.5)],
+            models: vec![],
+            error: None,
+        });
+        snap.breakers.push(View {
+            scope: "model:llama3.1:70b".into(),
+            state: BreakerState::Open,
+            reason: None,
+            since: SystemTime::UNIX_EPOCH,
+            stale: false,
+            values: vec![],
+        });
+        snap.scrape_errors.insert("gpu".into(), 3);
+        let mut state = SidecarState::initial(SystemTime::UNIX_EPOCH);
+        state.kill_switch.active = true;
+        let text = render(&state, &snap, &Telemetry::default());
+        let samples = prom::parse(&text);
+        let find = |name: &str| {
+            samples
+                .iter()
+                .find(|s| s.name == name)
+                .unwrap_or_else(|| panic!("{name} in\n{text}"))
+        };
+        assert_eq!(
+            find("sluice_sidecar_gpu_utilization_percent").label("name"),
+            Some("H200 \"x\"")
+        );
+        assert_eq!(
+            find("sluice_sidecar_gpu_memory_total_bytes").value,
+            2.0 * 1048576.0
+        );
+        assert_eq!(find("sluice_sidecar_vllm_requests_waiting").value, 60.0);
+        assert_eq!(
+            find("sluice_sidecar_vllm_ttft_seconds").label("quantile"),
+            Some("0.99")
+        );
+        let b = find("sluice_sidecar_breaker_state");
+        assert_eq!(
+            (b.label("scope"), b.value),
+            (Some("model:llama3.1:70b"), 2.0)
+        );
+        assert_eq!(find("sluice_sidecar_kill_switch_active").value, 1.0);
+        assert_eq!(find("sluice_sidecar_scrape_errors_total").value, 3.0);
+        assert_eq!(find("sluice_sidecar_long_poll_subscribers").value, 0.0);
+        assert!(
+            !text.contains("sluice_sidecar_gpu_power_watts{"),
+            "no power reported"
+        );
+    }
+}
