@@ -92,7 +92,11 @@ mod tests {
         let err = check(text).unwrap_err();
         assert!(err.contains("tiers.free.requets"), "{err}");
         let shipped = include_str!("../../envoy/sluice.yaml");
-        assert_eq!(shipped.matches("requests: 60/min").count(), 1, "the pro tier's rate");
+        assert_eq!(
+            shipped.matches("requests: 60/min").count(),
+            1,
+            "the pro tier's rate"
+        );
         let text = shipped.replace("requests: 60/min", "requests: 60/fortnight");
         let err = check(&text).unwrap_err();
         assert!(err.contains("tiers.pro.requests"), "{err}");

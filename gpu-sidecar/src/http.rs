@@ -8,7 +8,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, Limited};
 use hyper::header::{CONTENT_TYPE, HOST};
-use hyper::{Method, Request, Uri};
+pub use hyper::Method;
+use hyper::{Request, Uri};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
@@ -76,32 +77,42 @@ impl Target {
 
 /// `GET`; the body of a 2xx answer, else [`HttpError::Status`].
 pub async fn get(target: &Target, timeout: Duration) -> Result<Bytes, HttpError> {
-    exchange(target, Method::GET, None, timeout).await
+    ok(request(target, Method::GET, &[], None, timeout).await?)
 }
 
 /// `POST` a JSON body; Ok on a 2xx answer.
 pub async fn post_json(target: &Target, body: Vec<u8>, timeout: Duration) -> Result<(), HttpError> {
-    exchange(target, Method::POST, Some(body), timeout)
+    ok(request(target, Method::POST, &[], Some(body), timeout).await?).map(|_| ())
+}
+
+fn ok((status, body): (u16, Bytes)) -> Result<Bytes, HttpError> {
+    if (200..300).contains(&status) {
+        Ok(body)
+    } else {
+        Err(HttpError::Status(status))
+    }
+}
+
+/// Any request; the status and body whatever the status. A body is sent as
+/// JSON.
+pub async fn request(
+    target: &Target,
+    method: Method,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+    timeout: Duration,
+) -> Result<(u16, Bytes), HttpError> {
+    tokio::time::timeout(timeout, exchange(target, method, headers, body))
         .await
-        .map(|_| ())
+        .map_err(|_| HttpError::Timeout(timeout))?
 }
 
 async fn exchange(
     target: &Target,
     method: Method,
+    headers: &[(&str, &str)],
     body: Option<Vec<u8>>,
-    timeout: Duration,
-) -> Result<Bytes, HttpError> {
-    tokio::time::timeout(timeout, exchange_untimed(target, method, body))
-        .await
-        .map_err(|_| HttpError::Timeout(timeout))?
-}
-
-async fn exchange_untimed(
-    target: &Target,
-    method: Method,
-    body: Option<Vec<u8>>,
-) -> Result<Bytes, HttpError> {
+) -> Result<(u16, Bytes), HttpError> {
     let stream = TcpStream::connect(&target.authority)
         .await
         .map_err(|e| HttpError::Connect(target.authority.clone(), e))?;
@@ -118,6 +129,9 @@ async fn exchange_untimed(
     if body.is_some() {
         req = req.header(CONTENT_TYPE, "application/json");
     }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
     let req = req.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
     let res = sender.send_request(req).await?;
     let status = res.status();
@@ -126,10 +140,7 @@ async fn exchange_untimed(
         .await
         .map_err(|e| HttpError::Body(e.to_string()))?
         .to_bytes();
-    if !status.is_success() {
-        return Err(HttpError::Status(status.as_u16()));
-    }
-    Ok(body)
+    Ok((status.as_u16(), body))
 }
 
 #[cfg(test)]
