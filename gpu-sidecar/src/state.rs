@@ -19,13 +19,13 @@ pub struct SidecarState {
     /// start time in Unix milliseconds, so a restarted sidecar never answers
     /// a version a filter already holds from the previous run.
     pub version: u64,
+    /// When `version` last changed, as RFC 3339.
+    #[serde(serialize_with = "rfc3339")]
+    pub updated_at: SystemTime,
     pub kill_switch: KillSwitch,
     /// Breakers that are not plainly closed (open or half-open), in scope
     /// order; empty when all is healthy.
     pub breakers: Vec<Breaker>,
-    /// When `version` last changed, as RFC 3339.
-    #[serde(serialize_with = "rfc3339")]
-    pub updated_at: SystemTime,
     /// Some scope has had no fresh data for `stale_after` (and follows the
     /// stale-data policy: by default its breaker is closed).
     pub stale: bool,
