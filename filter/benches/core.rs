@@ -55,9 +55,20 @@ fn admission(c: &mut Criterion) {
         "tiers": {"free": {"requests": "1000000000/s"}, "pro": {"requests": "1000000000/s"}},
     }));
     let id = e.identify(&Caller("10.0.0.1:1".into())).expect("identity");
-    group.bench_function("identify", |b| b.iter(|| e.identify(black_box(&Caller("10.0.0.1:1".into())))));
+    group.bench_function("identify", |b| {
+        b.iter(|| e.identify(black_box(&Caller("10.0.0.1:1".into()))))
+    });
     group.bench_function("request_bucket", |b| {
-        b.iter(|| e.admit(&store, &id, Api::Other, "/v1/models", None, black_box(1_000)))
+        b.iter(|| {
+            e.admit(
+                &store,
+                &id,
+                Api::Other,
+                "/v1/models",
+                None,
+                black_box(1_000),
+            )
+        })
     });
 
     // Full policy: request + token buckets, a daily budget, a model bucket,
@@ -74,10 +85,24 @@ fn admission(c: &mut Criterion) {
     group.throughput(Throughput::Elements(1));
     group.bench_function("full_2kb_parse_estimate_reserve_settle", |b| {
         b.iter(|| {
-            let asked = e.demand(&id, Api::OpenAiChat, black_box(&body)).ok().flatten();
-            let v = e.admit(&store, &id, Api::OpenAiChat, "/v1/chat/completions", asked.as_ref(), 1_000);
+            let asked = e
+                .demand(&id, Api::OpenAiChat, black_box(&body))
+                .ok()
+                .flatten();
+            let v = e.admit(
+                &store,
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                asked.as_ref(),
+                1_000,
+            );
             if let Some(plan) = v.plan {
-                let usage = sluice_filter::reconcile::Found::Usage(sluice_filter::reconcile::Usage { input: 500, output: 100 });
+                let usage =
+                    sluice_filter::reconcile::Found::Usage(sluice_filter::reconcile::Usage {
+                        input: 500,
+                        output: 100,
+                    });
                 e.settle(&store, &plan, usage, 0, true, 1_000);
             }
         })
@@ -85,9 +110,23 @@ fn admission(c: &mut Criterion) {
     let asked = e.demand(&id, Api::OpenAiChat, &body).ok().flatten();
     group.bench_function("reserve_and_settle_only", |b| {
         b.iter(|| {
-            let v = e.admit(&store, &id, Api::OpenAiChat, "/v1/chat/completions", asked.as_ref(), 1_000);
+            let v = e.admit(
+                &store,
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                asked.as_ref(),
+                1_000,
+            );
             if let Some(plan) = v.plan {
-                e.settle(&store, &plan, sluice_filter::reconcile::Found::Nothing, 10, true, 1_000);
+                e.settle(
+                    &store,
+                    &plan,
+                    sluice_filter::reconcile::Found::Nothing,
+                    10,
+                    true,
+                    1_000,
+                );
             }
         })
     });
@@ -100,9 +139,11 @@ fn estimate(c: &mut Criterion) {
         let body = chat_body(kb * 1024);
         let value: serde_json::Value = serde_json::from_slice(&body).expect("json");
         group.throughput(Throughput::Bytes(body.len() as u64));
-        group.bench_with_input(BenchmarkId::new("input_tokens", format!("{kb}KB")), &value, |b, v| {
-            b.iter(|| sluice_filter::estimate::input_tokens(black_box(v)))
-        });
+        group.bench_with_input(
+            BenchmarkId::new("input_tokens", format!("{kb}KB")),
+            &value,
+            |b, v| b.iter(|| sluice_filter::estimate::input_tokens(black_box(v))),
+        );
     }
     group.finish();
 }

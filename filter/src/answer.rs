@@ -16,6 +16,9 @@ pub enum Reason {
     DailyBudgetExceeded,
     MonthlyBudgetExceeded,
     SpendCapExceeded,
+    GpuOverloaded,
+    UpstreamUnhealthy,
+    UpstreamPaused,
     RequestTooLarge,
     InvalidRequest,
     Unauthenticated,
@@ -31,6 +34,9 @@ impl Reason {
             Reason::DailyBudgetExceeded => "daily_budget_exceeded",
             Reason::MonthlyBudgetExceeded => "monthly_budget_exceeded",
             Reason::SpendCapExceeded => "spend_cap_exceeded",
+            Reason::GpuOverloaded => "gpu_overloaded",
+            Reason::UpstreamUnhealthy => "upstream_unhealthy",
+            Reason::UpstreamPaused => "upstream_paused",
             Reason::RequestTooLarge => "request_too_large",
             Reason::InvalidRequest => "invalid_request",
             Reason::Unauthenticated => "unauthenticated",
@@ -46,6 +52,7 @@ impl Reason {
             | Reason::DailyBudgetExceeded
             | Reason::MonthlyBudgetExceeded
             | Reason::SpendCapExceeded => 429,
+            Reason::GpuOverloaded | Reason::UpstreamUnhealthy | Reason::UpstreamPaused => 503,
             Reason::RequestTooLarge => 413,
             Reason::InvalidRequest => 400,
             Reason::Unauthenticated => 401,
@@ -64,6 +71,9 @@ impl Reason {
             | Reason::SpendCapExceeded => "insufficient_quota",
             Reason::RequestTooLarge | Reason::InvalidRequest => "invalid_request_error",
             Reason::Unauthenticated => "authentication_error",
+            Reason::GpuOverloaded | Reason::UpstreamUnhealthy | Reason::UpstreamPaused => {
+                "service_unavailable"
+            }
         }
     }
 }
@@ -142,6 +152,89 @@ fn reply(reason: Reason, mut headers: Vec<(String, String)>, body: &serde_json::
         status: reason.status(),
         headers,
         body: body.to_string().into_bytes(),
+    }
+}
+
+/// 503: the backend cannot take the request now.
+pub fn unavailable(reason: Reason, why: &str, retry_after_s: u64) -> Reply {
+    let body = json!({"error": {
+        "message": format!("The model is not taking requests right now ({why}). Try again in {retry_after_s} s."),
+        "type": reason.error_type(),
+        "code": reason.code(),
+        "param": null,
+        "sluice": {"retry_after_seconds": retry_after_s},
+    }});
+    reply(
+        reason,
+        vec![("retry-after".into(), retry_after_s.to_string())],
+        &body,
+    )
+}
+
+/// A canned answer in the shape of the API asked (`x-sluice-degraded:
+/// static`), so clients parse it like any completion.
+pub fn static_answer(
+    api: crate::request::Api,
+    model: &str,
+    text: &str,
+    stream: bool,
+    now_ms: u64,
+) -> Reply {
+    use crate::request::Api;
+    let created = now_ms / 1000;
+    let id = format!("sluice-static-{now_ms}");
+    let usage = json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0});
+    let (content_type, body) = match (api, stream) {
+        (Api::OpenAiChat, false) => ("application/json", json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop", "logprobs": null}],
+            "usage": usage,
+        }).to_string()),
+        (Api::OpenAiChat, true) => {
+            let chunk = |delta: serde_json::Value, finish: serde_json::Value| json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
+            });
+            ("text/event-stream", format!(
+                "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+                chunk(json!({"role": "assistant", "content": text}), serde_json::Value::Null),
+                chunk(json!({}), json!("stop")),
+            ))
+        }
+        (Api::OpenAiCompletions, false) => ("application/json", json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": null}],
+            "usage": usage,
+        }).to_string()),
+        (Api::OpenAiCompletions, true) => ("text/event-stream", format!(
+            "data: {}\n\ndata: [DONE]\n\n",
+            json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": null}]}),
+        )),
+        (Api::OpenAiResponses, _) => ("application/json", json!({
+            "id": id, "object": "response", "created_at": created, "model": model, "status": "completed",
+            "output": [{"type": "message", "id": format!("msg-{id}"), "status": "completed", "role": "assistant",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
+        }).to_string()),
+        (Api::OllamaChat, _) => ("application/x-ndjson", format!("{}\n", json!({
+            "model": model, "created_at": rfc3339(now_ms), "message": {"role": "assistant", "content": text},
+            "done": true, "done_reason": "stop",
+        }))),
+        (Api::OllamaGenerate, _) => ("application/x-ndjson", format!("{}\n", json!({
+            "model": model, "created_at": rfc3339(now_ms), "response": text, "done": true, "done_reason": "stop",
+        }))),
+        (Api::OpenAiEmbeddings | Api::Other, _) => {
+            return unavailable(Reason::UpstreamUnhealthy, "no upstream can serve it", 30);
+        }
+    };
+    Reply {
+        status: 200,
+        headers: vec![
+            ("content-type".into(), content_type.into()),
+            ("x-sluice-degraded".into(), "static".into()),
+        ],
+        body: body.into_bytes(),
     }
 }
 

@@ -46,6 +46,148 @@ pub struct Policy {
     pub defaults: Defaults,
     #[serde(default)]
     pub state: StateConfig,
+    /// Where the GPU sidecar is; absent: no sidecar, no breakers.
+    pub sidecar: Option<SidecarConfig>,
+    /// How the kill switch reroutes; absent: the kill switch serves the
+    /// static fallback.
+    pub fallback: Option<FallbackConfig>,
+    #[serde(default)]
+    pub protection: ProtectionConfig,
+    pub static_fallback: Option<StaticFallback>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SidecarConfig {
+    /// The Envoy cluster of the sidecar.
+    pub cluster: String,
+    /// `:authority` of the poll; default: the cluster name.
+    pub authority: Option<String>,
+    /// How long the sidecar may hold a long poll.
+    #[serde(default = "default_poll_wait", deserialize_with = "de_duration")]
+    pub poll_wait_ms: u64,
+    /// How long the last state counts when the sidecar is unreachable.
+    #[serde(default = "default_stale_after", deserialize_with = "de_duration")]
+    pub stale_after_ms: u64,
+    #[serde(default)]
+    pub on_stale: crate::health::OnStale,
+    /// `Retry-After` of a `gpu_overloaded` 503 when the sidecar gives none.
+    #[serde(default = "default_breaker_retry", deserialize_with = "de_duration")]
+    pub retry_after_ms: u64,
+}
+
+fn default_poll_wait() -> u64 {
+    30_000
+}
+fn default_stale_after() -> u64 {
+    60_000
+}
+fn default_breaker_retry() -> u64 {
+    30_000
+}
+
+/// The kill switch sets `header: value` on the request and refreshes the
+/// route, so a route matching that header sends it to the fallback cluster
+/// (whose credentials Envoy injects). Clients cannot set the header: sluice
+/// removes it from every request.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FallbackConfig {
+    #[serde(default = "default_fallback_header")]
+    pub header: String,
+    #[serde(default = "default_fallback_value")]
+    pub value: String,
+    /// Provider name in `x-sluice-provider`.
+    #[serde(default = "default_fallback_value")]
+    pub provider: String,
+}
+
+fn default_fallback_header() -> String {
+    "x-sluice-upstream".into()
+}
+fn default_fallback_value() -> String {
+    "fallback".into()
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProtectionConfig {
+    /// Upstream failures in a row (5xx, reset, timeout) that open the
+    /// route's error breaker.
+    #[serde(default = "default_failures")]
+    pub failures_to_open: u32,
+    #[serde(default = "default_cooldown", deserialize_with = "de_duration")]
+    pub cooldown_ms: u64,
+    /// Each reopening multiplies the cooldown by this.
+    #[serde(default = "default_backoff")]
+    pub backoff: u32,
+    #[serde(default = "default_max_cooldown", deserialize_with = "de_duration")]
+    pub max_cooldown_ms: u64,
+    /// Added at random to an upstream's `Retry-After` pause.
+    #[serde(default = "default_jitter", deserialize_with = "de_duration")]
+    pub pause_jitter_ms: u64,
+}
+
+impl Default for ProtectionConfig {
+    fn default() -> Self {
+        ProtectionConfig {
+            failures_to_open: default_failures(),
+            cooldown_ms: default_cooldown(),
+            backoff: default_backoff(),
+            max_cooldown_ms: default_max_cooldown(),
+            pause_jitter_ms: default_jitter(),
+        }
+    }
+}
+
+fn default_failures() -> u32 {
+    3
+}
+fn default_cooldown() -> u64 {
+    60_000
+}
+fn default_backoff() -> u32 {
+    2
+}
+fn default_max_cooldown() -> u64 {
+    600_000
+}
+fn default_jitter() -> u64 {
+    1_000
+}
+
+/// Canned answers when nothing upstream can serve a request.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticFallback {
+    /// Also when the primary is out (open breaker, error breaker), not only
+    /// under a kill switch without a fallback provider.
+    #[serde(default = "default_true")]
+    pub when_primary_out: bool,
+    /// Normalized prompt (lower case, words) → answer.
+    #[serde(default)]
+    pub answers: BTreeMap<String, String>,
+    /// The answer to anything else.
+    #[serde(default = "default_static_message")]
+    pub message: String,
+}
+
+impl StaticFallback {
+    pub fn default_message() -> String {
+        default_static_message()
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_static_message() -> String {
+    "The assistant is temporarily unavailable. Please try again in a few minutes.".into()
+}
+
+fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    crate::units::parse_duration(&text).map_err(de::Error::custom)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -178,10 +320,17 @@ pub struct ModelConfig {
     pub default_max_output: Option<u64>,
     /// Where a request goes when its caller is over a soft cap.
     pub downshift_to: Option<String>,
+    /// The sidecar scope `backend:<name>` whose breaker guards this model.
+    #[serde(default = "default_backend")]
+    pub backend: String,
     /// Price per 1,000 tokens.
     pub price: Option<Price>,
     /// Virtual cost of a self-hosted model: GPU cost per hour ÷ throughput.
     pub gpu: Option<GpuCost>,
+}
+
+pub fn default_backend() -> String {
+    "local".into()
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -713,6 +862,28 @@ impl Policy {
                     }
                 }
             }
+        }
+        if let Some(sc) = &self.sidecar {
+            if sc.cluster.trim().is_empty() {
+                return Err(ConfigError::at(
+                    "sidecar.cluster",
+                    "must name an Envoy cluster",
+                ));
+            }
+        }
+        if let Some(f) = &self.fallback {
+            if f.header.is_empty() || f.header.chars().any(|c| c.is_ascii_uppercase() || c == ':') {
+                return Err(ConfigError::at(
+                    "fallback.header",
+                    "must be a lower-case header name",
+                ));
+            }
+        }
+        if self.protection.failures_to_open == 0 || self.protection.backoff == 0 {
+            return Err(ConfigError::at(
+                "protection",
+                "failures_to_open and backoff must be at least 1",
+            ));
         }
         if self.defaults.max_output_tokens == 0 {
             return Err(ConfigError::at(

@@ -1,5 +1,6 @@
-//! The request path, top to bottom: identity → demand → admission (with
-//! rewrite) → answer, and after the response, reconcile. Pure: the
+//! The request path, top to bottom: identity → demand → route (health,
+//! kill switch) → admission (with rewrite) → answer, and after the
+//! response, reconcile. Pure: the
 //! proxy-wasm shim feeds it what Envoy knows and applies what it decides.
 
 use std::collections::HashMap;
@@ -10,6 +11,7 @@ use crate::answer::{self, Limited, Reason, Reply};
 use crate::bucket::Quota;
 use crate::config::{Budget, Limit, Mode, Policy, Window};
 use crate::estimate::{self, Correction};
+use crate::health::{self, OnStale, Route, Seen, Situation, Upstream};
 use crate::principal::{Identity, RequestView, Resolver};
 use crate::reconcile::Found;
 use crate::request::{self, Api, Demand};
@@ -94,6 +96,18 @@ struct Bucket {
     meter: Meter,
     soft: bool,
     alert_permille: Option<u32>,
+}
+
+/// Where a request that passed identity and parsing goes (step 4).
+#[derive(Debug)]
+pub enum Routed {
+    Primary,
+    /// Kill switch: to the fallback provider.
+    Fallback,
+    /// The error breaker's half-open probe.
+    Probe,
+    /// Answered here: a 503, or the static fallback.
+    Answered(Box<Verdict>),
 }
 
 /// Everything admission reserved for one request, kept until its response
@@ -411,7 +425,97 @@ impl Engine {
         }
     }
 
-    /// Step 3: reserve every bucket that applies, all or nothing; lower the
+    /// Step 3: where the request may go, given the sidecar's state and the
+    /// upstream's recent answers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
+        &self,
+        seen: &Seen,
+        upstream: Upstream,
+        identity: &Identity,
+        api: Api,
+        asked: Option<&Asked>,
+        now_ms: u64,
+        dice: u32,
+    ) -> Routed {
+        let model = asked.and_then(|a| a.demand.model.as_deref());
+        let backend = model
+            .and_then(|m| self.policy.models.get(m))
+            .map_or("local", |m| m.backend.as_str());
+        let sidecar = self.policy.sidecar.as_ref();
+        let situation = Situation {
+            seen,
+            stale_after_ms: sidecar.map_or(u64::MAX, |s| s.stale_after_ms),
+            on_stale: sidecar.map_or(OnStale::FailOpen, |s| s.on_stale),
+            model,
+            backend,
+            upstream,
+            has_fallback: self.policy.fallback.is_some(),
+            static_when_out: self
+                .policy
+                .static_fallback
+                .as_ref()
+                .is_some_and(|s| s.when_primary_out),
+            default_retry_after_s: sidecar.map_or(30, |s| s.retry_after_ms / 1000),
+            now_ms,
+            dice,
+        };
+        let labels = |decision, reason: &'static str| Labels {
+            decision,
+            reason,
+            tier: identity.tier.clone(),
+            model: self.model_label(model),
+        };
+        match health::route(&situation) {
+            Route::Primary => Routed::Primary,
+            Route::Fallback => Routed::Fallback,
+            Route::Probe => Routed::Probe,
+            Route::Static => {
+                let text = self.static_text(asked.map(|a| &a.body));
+                let stream = asked.is_some_and(|a| a.demand.stream);
+                let reply = answer::static_answer(
+                    api,
+                    model.unwrap_or("sluice-static"),
+                    &text,
+                    stream,
+                    now_ms,
+                );
+                let mut verdict =
+                    self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
+                verdict.labels = labels("degrade", "static");
+                verdict.degraded = Some("static");
+                Routed::Answered(Box::new(verdict))
+            }
+            Route::Refuse {
+                code,
+                retry_after_s,
+                why,
+            } => {
+                let reason = match code {
+                    "gpu_overloaded" => Reason::GpuOverloaded,
+                    "upstream_paused" => Reason::UpstreamPaused,
+                    _ => Reason::UpstreamUnhealthy,
+                };
+                let reply = answer::unavailable(reason, &why, retry_after_s);
+                Routed::Answered(Box::new(self.refused(reply, reason, &identity.tier, model)))
+            }
+        }
+    }
+
+    /// The canned answer for a body's last user prompt, else the message.
+    fn static_text(&self, body: Option<&Value>) -> String {
+        let Some(cfg) = &self.policy.static_fallback else {
+            return crate::config::StaticFallback::default_message();
+        };
+        let prompt = body.map(prompt_text).unwrap_or_default();
+        let key = health::normalize_prompt(&prompt);
+        cfg.answers
+            .iter()
+            .find(|(k, _)| health::normalize_prompt(k) == key)
+            .map_or_else(|| cfg.message.clone(), |(_, v)| v.clone())
+    }
+
+    /// Step 4: reserve every bucket that applies, all or nothing; lower the
     /// output a hard token budget cannot cover; downshift over a soft cap.
     pub fn admit(
         &self,
@@ -830,6 +934,33 @@ impl Engine {
             degraded: None,
         }
     }
+}
+
+/// The last user prompt of a request, as text.
+fn prompt_text(body: &Value) -> String {
+    let text_of = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str).or(p.as_str()))
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    };
+    if let Some(messages) = body.get("messages").and_then(Value::as_array) {
+        if let Some(last) = messages
+            .iter()
+            .rev()
+            .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+        {
+            return last.get("content").map(text_of).unwrap_or_default();
+        }
+    }
+    ["prompt", "input"]
+        .iter()
+        .find_map(|k| body.get(*k))
+        .map(text_of)
+        .unwrap_or_default()
 }
 
 /// Writes the output limit where each API reads it.

@@ -12,6 +12,7 @@ pub mod bucket;
 pub mod config;
 pub mod engine;
 pub mod estimate;
+pub mod health;
 pub mod metrics;
 pub mod principal;
 mod proto_struct;
