@@ -81,19 +81,19 @@ pub struct SimGpu {
     #[serde(default)]
     pub utilization: f64,
     /// Default 8192.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_used_mb: Option<f64>,
     /// Default 81920.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_total_mb: Option<f64>,
     /// Default 35.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature_c: Option<f64>,
     /// Default 80.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub power_w: Option<f64>,
     /// Default `Simulated GPU`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
 }
 
