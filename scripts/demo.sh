@@ -9,7 +9,7 @@ envoy_bin=${ENVOY_BIN:-$(.venv/bin/python -c 'import envoy; print(envoy.get_envo
 logs=target/demo
 mkdir -p "$logs"
 
-for port in 8000 9911 10000 9901; do
+for port in 8000 8001 9911 10000 9901; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
     echo "demo: 127.0.0.1:$port is already in use; stop what holds it (an earlier demo?) and retry" >&2
     exit 1
@@ -28,7 +28,11 @@ trap stop EXIT INT TERM
 
 target/release/mock-llm --listen 127.0.0.1:8000 --name primary >"$logs/mock-llm.log" 2>&1 &
 pids+=($!)
-target/release/sluice-sidecar serve --listen 127.0.0.1:9911 >"$logs/sidecar.log" 2>&1 &
+target/release/mock-llm --listen 127.0.0.1:8001 --name fallback >"$logs/mock-llm-fallback.log" 2>&1 &
+pids+=($!)
+export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-demo-admin-token}
+target/release/sluice-sidecar serve --listen 127.0.0.1:9911 --simulate \
+  --state-file "$logs/sidecar-state.json" >"$logs/sidecar.log" 2>&1 &
 pids+=($!)
 "$envoy_bin" -c envoy/sluice.yaml --disable-hot-restart -l info >"$logs/envoy.log" 2>&1 &
 pids+=($!)
@@ -43,12 +47,17 @@ for _ in $(seq 1 150); do
 done
 [ -n "$ready" ] || { echo "demo: Envoy did not become ready; see $logs/envoy.log" >&2; exit 1; }
 
-cat <<'TXT'
+cat <<TXT
 
 sluice demo is up.
   Envoy + sluice   http://127.0.0.1:10000   (admin http://127.0.0.1:9901)
-  mock-llm         http://127.0.0.1:8000
-  sidecar          http://127.0.0.1:9911/v1/state
+  mock-llm         http://127.0.0.1:8000    (primary)
+  mock-llm         http://127.0.0.1:8001    (fallback provider)
+  sidecar          http://127.0.0.1:9911/   (status page; state at /v1/state)
+  admin token      $SLUICE_ADMIN_TOKEN
+TXT
+cat <<'TXT'
+
 Policy (envoy/sluice.yaml): tiers free 10/min, pro 60/min, enterprise 300/min;
 models llama3.1:70b 5/min, llama3.1:8b 200/min, mistral:7b 150/min;
 anonymous callers are `free` by client address.
@@ -75,8 +84,18 @@ Try:
   curl -sN http://127.0.0.1:10000/api/chat -H 'x-api-key: demo-pro-key' \
     -d '{"model":"mistral:7b","messages":[{"role":"user","content":"hi"}]}'
 
+  # a hot GPU (simulated): the breaker opens after 30 s, then 503 gpu_overloaded
+  curl -s http://127.0.0.1:9911/v1/simulate -d '{"gpus":[{"utilization":97}]}'
+
+  # pull the kill switch: answers now come from the fallback provider
+  curl -s http://127.0.0.1:9911/v1/kill-switch -H "authorization: Bearer $SLUICE_ADMIN_TOKEN" \
+    -d '{"active": true, "reason": "demo"}'
+  curl -si http://127.0.0.1:10000/v1/chat/completions -H 'x-api-key: demo-pro-key' \
+    -d '{"model":"llama3.1:8b","messages":[]}' | grep -i -E 'x-sluice|x-mock-name'
+
   # metrics
   curl -s http://127.0.0.1:9901/stats/prometheus | grep sluice_
+  curl -s http://127.0.0.1:9911/metrics | grep sluice_sidecar_
 
 Logs: target/demo/. Press Ctrl-C to stop.
 TXT

@@ -64,15 +64,27 @@ pub struct SidecarConfig {
     /// `:authority` of the poll; default: the cluster name.
     pub authority: Option<String>,
     /// How long the sidecar may hold a long poll.
-    #[serde(default = "default_poll_wait", deserialize_with = "de_duration")]
+    #[serde(
+        default = "default_poll_wait",
+        deserialize_with = "de_duration",
+        rename = "poll_wait"
+    )]
     pub poll_wait_ms: u64,
     /// How long the last state counts when the sidecar is unreachable.
-    #[serde(default = "default_stale_after", deserialize_with = "de_duration")]
+    #[serde(
+        default = "default_stale_after",
+        deserialize_with = "de_duration",
+        rename = "stale_after"
+    )]
     pub stale_after_ms: u64,
     #[serde(default)]
     pub on_stale: crate::health::OnStale,
     /// `Retry-After` of a `gpu_overloaded` 503 when the sidecar gives none.
-    #[serde(default = "default_breaker_retry", deserialize_with = "de_duration")]
+    #[serde(
+        default = "default_breaker_retry",
+        deserialize_with = "de_duration",
+        rename = "retry_after"
+    )]
     pub retry_after_ms: u64,
 }
 
@@ -116,15 +128,27 @@ pub struct ProtectionConfig {
     /// route's error breaker.
     #[serde(default = "default_failures")]
     pub failures_to_open: u32,
-    #[serde(default = "default_cooldown", deserialize_with = "de_duration")]
+    #[serde(
+        default = "default_cooldown",
+        deserialize_with = "de_duration",
+        rename = "cooldown"
+    )]
     pub cooldown_ms: u64,
     /// Each reopening multiplies the cooldown by this.
     #[serde(default = "default_backoff")]
     pub backoff: u32,
-    #[serde(default = "default_max_cooldown", deserialize_with = "de_duration")]
+    #[serde(
+        default = "default_max_cooldown",
+        deserialize_with = "de_duration",
+        rename = "max_cooldown"
+    )]
     pub max_cooldown_ms: u64,
     /// Added at random to an upstream's `Retry-After` pause.
-    #[serde(default = "default_jitter", deserialize_with = "de_duration")]
+    #[serde(
+        default = "default_jitter",
+        deserialize_with = "de_duration",
+        rename = "pause_jitter"
+    )]
     pub pause_jitter_ms: u64,
 }
 

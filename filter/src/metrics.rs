@@ -38,6 +38,13 @@ pub const STREAM_CUT: &str = "sluice_stream_cut_total";
 pub const DEGRADED: &str = "sluice_degraded_total";
 /// Requests that crossed a budget's alert threshold.
 pub const BUDGET_ALERTS: &str = "sluice_budget_alerts_total";
+/// Long polls of the sidecar answered, and failed.
+pub const SIDECAR_POLLS: &str = "sluice_sidecar_polls_total";
+pub const SIDECAR_POLL_ERRORS: &str = "sluice_sidecar_poll_errors_total";
+/// Requests sent to the fallback provider by the kill switch.
+pub const REROUTED: &str = "sluice_rerouted_total";
+/// Times a route's error breaker opened.
+pub const ERROR_BREAKER_OPENED: &str = "sluice_error_breaker_opened_total";
 /// Policies refused at load.
 pub const CONFIG_REJECTED: &str = "sluice_config_rejected_total";
 

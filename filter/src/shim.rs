@@ -1,17 +1,18 @@
 //! The proxy-wasm adapter: hands Envoy's view of a request to the
 //! [`Engine`] and applies its verdict. No policy is decided here.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType, Status};
 
 use crate::config::Policy;
-use crate::engine::{Engine, Plan, Verdict};
+use crate::engine::{Engine, Plan, Routed, Verdict};
+use crate::health::{self, Protection, Seen, Upstream};
 use crate::metrics;
 use crate::principal::{Identity, RequestView};
 use crate::reconcile::{Format, Found, Meter};
@@ -22,7 +23,14 @@ use crate::store::{SharedStore, StoreError};
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root { engine: None, metrics: Rc::new(Metrics::default()) })
+        Box::new(Root {
+            engine: None,
+            metrics: Rc::new(Metrics::default()),
+            shared: Rc::new(Shared::default()),
+            id: 0,
+            poll: None,
+            retry_at_ms: 0,
+        })
     });
 }}
 
@@ -98,12 +106,158 @@ fn metric_type(name: &str) -> MetricType {
     }
 }
 
+/// Per-VM state the HTTP contexts share: the decoded sidecar state (kept
+/// until the shared-data entry changes) and a dice for half-open trickles.
+#[derive(Default)]
+struct Shared {
+    seen: RefCell<(u32, Rc<Seen>)>,
+    dice: Cell<u64>,
+}
+
+impl Shared {
+    /// The sidecar state in shared data, decoded again only when it changed.
+    fn seen(&self) -> Rc<Seen> {
+        let Some((bytes, cas)) = HostStore.get(SIDECAR_KEY) else {
+            return Rc::new(Seen::default());
+        };
+        let mut cached = self.seen.borrow_mut();
+        if cached.0 != cas {
+            *cached = (cas, Rc::new(health::decode_seen(&bytes)));
+        }
+        cached.1.clone()
+    }
+
+    /// Uniform in 0..1000 (xorshift; fairness, not secrecy).
+    fn roll(&self, now_ms: u64) -> u32 {
+        let mut x = self.dice.get();
+        if x == 0 {
+            x = now_ms | 1;
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.dice.set(x);
+        (x % 1000) as u32
+    }
+}
+
+/// Per model route: the upstream's pause and error breaker.
+const UPSTREAM_KEY: &str = "sluice:v1:upstream/";
+/// The sidecar state as received: written by the one VM that polls.
+const SIDECAR_KEY: &str = "sluice:v1:sidecar";
+/// Which VM polls the sidecar: owner id and lease expiry.
+const POLLER_KEY: &str = "sluice:v1:poller";
+const LEASE_MS: u64 = 3_000;
+const TICK: Duration = Duration::from_millis(250);
+
 struct Root {
     engine: Option<Rc<Engine>>,
     metrics: Rc<Metrics>,
+    shared: Rc<Shared>,
+    /// This VM's id in the poller lease.
+    id: u64,
+    /// The in-flight long poll, if any.
+    poll: Option<u32>,
+    /// After a failed poll, wait until then.
+    retry_at_ms: u64,
 }
 
-impl Context for Root {}
+impl Root {
+    fn now_ms(&self) -> u64 {
+        self.get_current_time()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    }
+
+    /// Takes or renews the poller lease: one VM in the whole Envoy polls.
+    fn hold_lease(&self, now: u64) -> bool {
+        let (bytes, cas) = HostStore.get(POLLER_KEY).unwrap_or_default();
+        let word = |i: usize| {
+            bytes
+                .get(i..i + 8)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_le_bytes)
+        };
+        let (owner, expires) = (word(0), word(8));
+        if owner != self.id && expires > now {
+            return false;
+        }
+        let mut next = self.id.to_le_bytes().to_vec();
+        next.extend_from_slice(&(now + LEASE_MS).to_le_bytes());
+        HostStore.set(POLLER_KEY, &next, cas).is_ok()
+    }
+
+    fn dispatch_poll(&mut self, now: u64) {
+        let Some(engine) = self.engine.clone() else {
+            return;
+        };
+        let Some(sidecar) = engine.policy.sidecar.as_ref() else {
+            return;
+        };
+        let since = self.shared.seen().state.as_ref().map_or(0, |s| s.version);
+        let wait_s = (sidecar.poll_wait_ms / 1000).max(1);
+        let path = format!("/v1/state?since={since}&wait={wait_s}");
+        let authority = sidecar
+            .authority
+            .clone()
+            .unwrap_or_else(|| sidecar.cluster.clone());
+        let headers = vec![
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", authority.as_str()),
+        ];
+        let timeout = Duration::from_millis(sidecar.poll_wait_ms + 5_000);
+        match self.dispatch_http_call(&sidecar.cluster, headers, None, vec![], timeout) {
+            Ok(token) => self.poll = Some(token),
+            Err(status) => {
+                self.metrics.add(metrics::SIDECAR_POLL_ERRORS, 1);
+                log(
+                    LogLevel::Warn,
+                    &format!(
+                        "cannot poll the sidecar (cluster {}): {status:?}",
+                        sidecar.cluster
+                    ),
+                );
+                self.retry_at_ms = now + 1_000;
+            }
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        if self.poll != Some(token) {
+            return;
+        }
+        self.poll = None;
+        let now = self.now_ms();
+        let status = self.get_http_call_response_header(":status");
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
+        let valid = status.as_deref() == Some("200")
+            && serde_json::from_slice::<health::SidecarState>(&body).is_ok();
+        if !valid {
+            self.metrics.add(metrics::SIDECAR_POLL_ERRORS, 1);
+            self.retry_at_ms = now + 1_000;
+            return;
+        }
+        self.metrics.add(metrics::SIDECAR_POLLS, 1);
+        // One writer (the lease holder): no CAS needed. Every answer, even
+        // an unchanged state, refreshes the receive time.
+        let _ = HostStore.set(SIDECAR_KEY, &health::encode_seen(now, &body), 0);
+        if self.hold_lease(now) {
+            self.dispatch_poll(now);
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -136,8 +290,28 @@ impl RootContext for Root {
                 return false;
             }
         }
+        if engine.policy.sidecar.is_some() {
+            let now = self.now_ms();
+            self.id = (u64::from(
+                self.get_current_time()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.subsec_nanos())
+                    .unwrap_or(0),
+            ) << 20)
+                ^ now.rotate_left(7)
+                | 1;
+            self.set_tick_period(TICK);
+        }
         self.engine = Some(Rc::new(engine));
         true
+    }
+
+    fn on_tick(&mut self) {
+        let now = self.now_ms();
+        if !self.hold_lease(now) || self.poll.is_some() || now < self.retry_at_ms {
+            return;
+        }
+        self.dispatch_poll(now);
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -145,6 +319,9 @@ impl RootContext for Root {
         Some(Box::new(Http {
             engine,
             metrics: self.metrics.clone(),
+            shared: self.shared.clone(),
+            watch_upstream: false,
+            upstream_key: String::new(),
             identity: None,
             api: Api::Other,
             path: String::new(),
@@ -188,6 +365,11 @@ impl RequestView for HostRequest {
 struct Http {
     engine: Rc<Engine>,
     metrics: Rc<Metrics>,
+    shared: Rc<Shared>,
+    /// The request went to the primary upstream: its answer feeds the
+    /// route's pause and error breaker.
+    watch_upstream: bool,
+    upstream_key: String,
     identity: Option<Identity>,
     api: Api,
     path: String,
@@ -243,6 +425,47 @@ impl Http {
             Err(verdict) => return self.finish(*verdict),
         };
         let now = self.now_ms();
+        let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
+        self.upstream_key = format!("{UPSTREAM_KEY}{}", self.engine.model_label(model));
+        let (upstream, upstream_cas) = match HostStore.get(&self.upstream_key) {
+            Some((bytes, cas)) => (Upstream::decode(&bytes), cas),
+            None => (Upstream::default(), 0),
+        };
+        let seen = self.shared.seen();
+        let dice = self.shared.roll(now);
+        let engine = self.engine.clone();
+        let route = |upstream| {
+            engine.route(
+                &seen,
+                upstream,
+                &identity,
+                self.api,
+                asked.as_ref(),
+                now,
+                dice,
+            )
+        };
+        let fallback = match route(upstream) {
+            Routed::Answered(verdict) => return self.finish(*verdict),
+            Routed::Fallback => true,
+            Routed::Primary => false,
+            Routed::Probe => {
+                // One probe at a time for every worker: claim it, or wait.
+                let claimed = Upstream {
+                    probe_until_ms: now + 30_000,
+                    ..upstream
+                };
+                if HostStore
+                    .set(&self.upstream_key, &claimed.encode(), upstream_cas)
+                    .is_err()
+                {
+                    if let Routed::Answered(v) = route(claimed) {
+                        return self.finish(*v);
+                    }
+                }
+                false
+            }
+        };
         let mut verdict = self.engine.admit(
             &HostStore,
             &identity,
@@ -251,6 +474,13 @@ impl Http {
             asked.as_ref(),
             now,
         );
+        if verdict.reply.is_none() {
+            if fallback {
+                self.reroute(&mut verdict);
+            } else {
+                self.watch_upstream = true;
+            }
+        }
         if let Some(new_body) = verdict.body.take() {
             // The upstream gets the rewritten request (model, max output,
             // usage in streams); its length changes with it.
@@ -258,6 +488,62 @@ impl Http {
             self.set_http_request_header("content-length", Some(&new_body.len().to_string()));
         }
         self.finish(verdict)
+    }
+
+    /// Kill switch: the request goes to the fallback route (header + route
+    /// cache refresh); Envoy's route injects the fallback's credentials.
+    fn reroute(&mut self, verdict: &mut Verdict) {
+        let Some(fb) = self.engine.policy.fallback.clone() else {
+            return;
+        };
+        self.set_http_request_header(&fb.header, Some(&fb.value));
+        if let Err(status) = hostcalls::call_foreign_function("clear_route_cache", Some(&[])) {
+            log(
+                LogLevel::Warn,
+                &format!("clear_route_cache failed: {status:?}"),
+            );
+        }
+        verdict
+            .response_headers
+            .push(("x-sluice-provider".into(), fb.provider.clone()));
+        verdict
+            .response_headers
+            .push(("x-sluice-kill-switch".into(), "1".into()));
+        self.metrics.add(metrics::REROUTED, 1);
+    }
+
+    /// Feeds the upstream's answer to the route's pause and error breaker.
+    fn observe_upstream(&self, status: u32) {
+        let p = &self.engine.policy.protection;
+        let protection = Protection {
+            failures_to_open: p.failures_to_open,
+            cooldown_ms: p.cooldown_ms,
+            backoff: p.backoff,
+            max_cooldown_ms: p.max_cooldown_ms,
+            max_jitter_ms: p.pause_jitter_ms,
+        };
+        let now = self.now_ms();
+        let retry_after = self
+            .get_http_response_header("retry-after")
+            .and_then(|v| health::parse_retry_after(&v))
+            .map(|ms| ms + self.shared.roll(now) as u64 * p.pause_jitter_ms / 1000);
+        for _ in 0..8 {
+            let (current, cas) = match HostStore.get(&self.upstream_key) {
+                Some((bytes, cas)) => (Upstream::decode(&bytes), cas),
+                None => (Upstream::default(), 0),
+            };
+            let next = current.observe(&protection, status, retry_after, now);
+            if next == current
+                || HostStore
+                    .set(&self.upstream_key, &next.encode(), cas)
+                    .is_ok()
+            {
+                if next.open_until_ms > current.open_until_ms {
+                    self.metrics.add(metrics::ERROR_BREAKER_OPENED, 1);
+                }
+                return;
+            }
+        }
     }
 
     /// Replaces the reservation with the real cost; runs once per request.
@@ -291,6 +577,10 @@ impl Context for Http {}
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if let Some(fb) = &self.engine.policy.fallback {
+            // Only sluice may choose the fallback route.
+            self.set_http_request_header(&fb.header, None);
+        }
         self.path = self.get_http_request_header(":path").unwrap_or_default();
         let method = self.get_http_request_header(":method").unwrap_or_default();
         self.api = Api::classify(&method, &self.path);
@@ -335,6 +625,9 @@ impl HttpContext for Http {
             .unwrap_or(0);
         for (name, value) in std::mem::take(&mut self.response_headers) {
             self.set_http_response_header(&name, Some(&value));
+        }
+        if std::mem::take(&mut self.watch_upstream) {
+            self.observe_upstream(self.status);
         }
         if let Some(plan) = &self.plan {
             let content_type = self.get_http_response_header("content-type");
