@@ -8,6 +8,8 @@
 
 use serde_json::Value;
 
+use crate::estimate::text_tokens;
+
 /// Where input and output token counts live, per API shape. The first path
 /// that holds a number wins.
 const INPUT_PATHS: &[&[&str]] = &[
@@ -107,6 +109,44 @@ fn carries_output(v: &Value) -> bool {
         || non_empty(v.get("response"))
 }
 
+/// Output tokens of a whole (not streamed) answer, estimated from its text
+/// like input is: what an answer without believable usage is charged.
+fn answer_tokens(v: &Value) -> u64 {
+    let text = |v: Option<&Value>| v.and_then(Value::as_str).map_or(0.0, text_tokens);
+    let json = |v: Option<&Value>| {
+        v.filter(|v| !v.is_null())
+            .map_or(0.0, |v| text_tokens(&v.to_string()))
+    };
+    let mut tokens = text(v.get("response")) + text(at(v, &["message", "content"])); // Ollama
+    for c in v
+        .get("choices")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        tokens += text(at(c, &["message", "content"]))
+            + text(at(c, &["message", "reasoning_content"]))
+            + json(at(c, &["message", "tool_calls"]))
+            + text(c.get("text"));
+    }
+    for item in v
+        .get("output")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        for part in item
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            tokens += text(part.get("text")); // Responses API
+        }
+    }
+    tokens.ceil() as u64
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
     /// One JSON document, read whole at the end.
@@ -139,7 +179,8 @@ pub struct Meter {
     format: Format,
     /// Bytes of an incomplete event or line, held until it completes.
     pending: Vec<u8>,
-    /// Output events seen (SSE/NDJSON).
+    /// Output counted: events seen (SSE/NDJSON), or the estimated tokens of
+    /// a JSON answer without believable usage.
     pub output_events: u64,
     pub found: Found,
     /// Drop the usage-only chunk (sluice asked for it, the client did not).
@@ -175,9 +216,12 @@ impl Meter {
                     self.pending.extend_from_slice(chunk);
                 }
                 if end {
-                    self.found = serde_json::from_slice::<Value>(&self.pending)
-                        .map(|v| usage_in(&v))
-                        .unwrap_or(Found::Nothing);
+                    if let Ok(v) = serde_json::from_slice::<Value>(&self.pending) {
+                        self.found = usage_in(&v);
+                        if !matches!(self.found, Found::Usage(_)) {
+                            self.output_events = answer_tokens(&v);
+                        }
+                    }
                     self.pending.clear();
                 }
                 None
@@ -226,6 +270,17 @@ impl Meter {
             .and_then(|d| serde_json::from_slice::<Value>(d).ok());
         let mut keep = true;
         if let Some(v) = &value {
+            if carries_output(v) {
+                if self.allowance.is_some_and(|a| self.output_events >= a) {
+                    // Output past what was reserved: end the stream here.
+                    // (A stream that stops at its allowance passes whole,
+                    // with its finish and usage chunks.)
+                    self.cut = true;
+                    out.extend_from_slice(&self.cut_message());
+                    return true;
+                }
+                self.output_events += 1;
+            }
             match usage_in(v) {
                 Found::Nothing => {}
                 found => {
@@ -241,29 +296,11 @@ impl Meter {
                     }
                 }
             }
-            if carries_output(v) {
-                self.output_events += 1;
-            }
         }
         if keep {
             out.extend_from_slice(raw);
         }
-        if self.allowance.is_some_and(|a| self.output_events >= a)
-            && !self.cut
-            && !self.done_in(value.as_ref())
-        {
-            self.cut = true;
-            out.extend_from_slice(&self.cut_message());
-            return true;
-        }
         false
-    }
-
-    /// A final Ollama line or the usage event: nothing more will come.
-    fn done_in(&self, v: Option<&Value>) -> bool {
-        v.is_some_and(|v| {
-            v.get("done").and_then(Value::as_bool) == Some(true) || usage_in(v) != Found::Nothing
-        })
     }
 
     fn cut_message(&self) -> Vec<u8> {
@@ -429,6 +466,34 @@ mod tests {
         assert_eq!(text.matches("delta").count(), 2);
         assert!(text.contains(MIDSTREAM_CODE));
         assert!(text.ends_with("data: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn a_stream_that_uses_exactly_its_allowance_is_not_cut() {
+        let finish = json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]});
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}});
+        let body = sse(&[chunk("a"), chunk("b"), finish, usage], true);
+        let mut m = Meter::new(Format::Sse, false, Some(2));
+        assert_eq!(m.feed(&body, true).unwrap(), body);
+        assert!(!m.cut);
+        assert_eq!(m.output_events, 2);
+        assert!(matches!(m.found, Found::Usage(_)));
+    }
+
+    #[test]
+    fn a_json_answer_without_usage_counts_its_text() {
+        let body = json!({"choices": [{"message": {"content": "hello there world"}}]});
+        let mut m = Meter::new(Format::Json, false, None);
+        m.feed(body.to_string().as_bytes(), true);
+        assert_eq!(m.found, Found::Nothing);
+        assert_eq!(
+            m.output_events,
+            text_tokens("hello there world").ceil() as u64
+        );
+        let body = json!({"response": "hi", "done": true, "prompt_eval_count": "x"});
+        let mut m = Meter::new(Format::Json, false, None);
+        m.feed(body.to_string().as_bytes(), true);
+        assert_eq!((m.found, m.output_events), (Found::Invalid, 1));
     }
 
     #[test]
