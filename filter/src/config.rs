@@ -54,6 +54,22 @@ pub struct Policy {
     #[serde(default)]
     pub protection: ProtectionConfig,
     pub static_fallback: Option<StaticFallback>,
+    #[serde(default)]
+    pub audit: AuditConfig,
+}
+
+/// The per-request audit fields Envoy's access log reads from filter state
+/// (`%FILTER_STATE(wasm.sluice_…:PLAIN)%`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditConfig {
+    /// Mixed into the principal's hash so the log cannot be joined with
+    /// other data by hashing known addresses or keys. Set your own.
+    #[serde(default)]
+    pub salt: String,
+    /// Also record the SHA-256 of the request and response bodies.
+    #[serde(default)]
+    pub hash_bodies: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -43,8 +43,11 @@ pub struct Verdict {
     pub plan: Option<Plan>,
     /// Budget alert thresholds crossed by this request.
     pub alerts: Vec<String>,
-    /// `downshift` when a soft cap rewrote the model.
+    /// `downshift` when a soft cap rewrote the model, `static` for the
+    /// static fallback.
     pub degraded: Option<&'static str>,
+    /// The rule id of the bucket that refused (`tier/free/requests`).
+    pub bucket: Option<String>,
 }
 
 /// What a bucket counts.
@@ -670,6 +673,7 @@ impl Engine {
                     plan: None,
                     alerts: Vec::new(),
                     degraded: None,
+                    bucket: Some(bucket.rule.id.clone()),
                 };
             }
         };
@@ -785,6 +789,7 @@ impl Engine {
             plan,
             alerts,
             degraded,
+            bucket: None,
         }
     }
 
@@ -932,7 +937,15 @@ impl Engine {
             plan: None,
             alerts: Vec::new(),
             degraded: None,
+            bucket: None,
         }
+    }
+
+    /// The principal as the audit log shows it: a salted SHA-256, never the
+    /// raw key, address or subject.
+    pub fn audit_principal(&self, identity: &Identity) -> String {
+        let salted = format!("{}\n{}", self.policy.audit.salt, identity.principal);
+        crate::principal::sha256_hex(salted.as_bytes())[..32].to_string()
     }
 }
 

@@ -12,6 +12,38 @@ pub fn requests_total(l: &Labels) -> String {
     )
 }
 
+/// `sluice_tokens_total{direction, kind, tier, model}`: `direction` is
+/// `input` or `output`; `kind` is `estimated` (what admission reserved) or
+/// `actual` (what settlement charged).
+pub fn tokens_total(direction: &str, kind: &str, tier: &str, model: &str) -> String {
+    format!("sluice_tokens_total_direction={direction};.kind={kind};.tier={tier};.model={model};")
+}
+
+/// `sluice_refusals_total{bucket}`: which bucket refused (its rule id, e.g.
+/// `tier/free/requests`; bounded by the policy).
+pub fn refusals_total(bucket: &str) -> String {
+    format!("sluice_refusals_total_bucket={bucket};")
+}
+
+/// `sluice_degraded_total{kind, tier, model}`: `downshift` or `static`.
+pub fn degraded_total(kind: &str, tier: &str, model: &str) -> String {
+    format!("sluice_degraded_total_kind={kind};.tier={tier};.model={model};")
+}
+
+/// Histograms in milliseconds, per model: time to the first response body
+/// byte, and to the end of the response. Bucket bounds come from the
+/// `histogram_bucket_settings` shipped in `envoy/` (10 ms … 120 s).
+pub fn ttft_ms(model: &str) -> String {
+    format!("sluice_ttft_milliseconds_model={model};")
+}
+pub fn e2e_ms(model: &str) -> String {
+    format!("sluice_e2e_milliseconds_model={model};")
+}
+
+/// The sidecar state as the filter sees it (gauges, set by the polling VM).
+pub const KILL_SWITCH: &str = "sluice_kill_switch_active";
+pub const BREAKERS_OPEN: &str = "sluice_breakers_open";
+
 /// Compare-and-swap attempts lost to another worker and retried.
 pub const CAS_RETRIES: &str = "sluice_cas_retries_total";
 /// Requests refused because every CAS attempt on a bucket was lost.
@@ -21,7 +53,12 @@ pub const BUCKET_OVERFLOW: &str = "sluice_bucket_overflow_total";
 /// Requests holding a token or spend reservation not yet settled (gauge).
 pub const RESERVATIONS_OUTSTANDING: &str = "sluice_reservations_outstanding";
 /// The metrics above that are gauges; every other is a counter.
-pub const GAUGES: &[&str] = &[RESERVATIONS_OUTSTANDING];
+pub const GAUGES: &[&str] = &[
+    RESERVATIONS_OUTSTANDING,
+    KILL_SWITCH,
+    BREAKERS_OPEN,
+    GLOBAL_BREAKER,
+];
 /// Settled tokens (from usage, or the estimate when usage is missing).
 pub const INPUT_TOKENS: &str = "sluice_input_tokens_total";
 pub const OUTPUT_TOKENS: &str = "sluice_output_tokens_total";
@@ -34,8 +71,6 @@ pub const USAGE_INVALID: &str = "sluice_usage_invalid_total";
 pub const USAGE_MISSING: &str = "sluice_usage_missing_total";
 /// Streams ended by sluice because they ran past their budget.
 pub const STREAM_CUT: &str = "sluice_stream_cut_total";
-/// Requests downshifted over a soft cap.
-pub const DEGRADED: &str = "sluice_degraded_total";
 /// Requests that crossed a budget's alert threshold.
 pub const BUDGET_ALERTS: &str = "sluice_budget_alerts_total";
 /// Long polls of the sidecar answered, and failed.
@@ -45,6 +80,10 @@ pub const SIDECAR_POLL_ERRORS: &str = "sluice_sidecar_poll_errors_total";
 pub const REROUTED: &str = "sluice_rerouted_total";
 /// Times a route's error breaker opened.
 pub const ERROR_BREAKER_OPENED: &str = "sluice_error_breaker_opened_total";
+/// Minutes in which tokens/min across all callers surged past the baseline.
+pub const USAGE_SURGES: &str = "sluice_usage_surge_total";
+/// The global spend breaker is open (gauge).
+pub const GLOBAL_BREAKER: &str = "sluice_global_breaker_open";
 /// Policies refused at load.
 pub const CONFIG_REJECTED: &str = "sluice_config_rejected_total";
 

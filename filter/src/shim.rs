@@ -34,6 +34,12 @@ proxy_wasm::main! {{
     });
 }}
 
+/// One audit field in filter state, read by Envoy's access log as
+/// `%FILTER_STATE(wasm.<name>:PLAIN)%`.
+fn audit(name: &str, value: &str) {
+    let _ = hostcalls::set_property(vec![name], Some(value.as_bytes()));
+}
+
 fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
@@ -83,18 +89,60 @@ impl Metrics {
     }
 
     fn record(&self, verdict: &Verdict) {
-        self.add(&metrics::requests_total(&verdict.labels), 1);
+        let l = &verdict.labels;
+        self.add(&metrics::requests_total(l), 1);
         self.add(metrics::CAS_RETRIES, i64::from(verdict.effort.cas_retries));
         self.add(metrics::CAS_EXHAUSTED, i64::from(verdict.effort.exhausted));
         self.add(
             metrics::BUCKET_OVERFLOW,
             i64::from(verdict.effort.overflowed),
         );
-        self.add(metrics::DEGRADED, i64::from(verdict.degraded.is_some()));
         self.add(
             metrics::BUDGET_ALERTS,
             i64::from(!verdict.alerts.is_empty()),
         );
+        if let Some(bucket) = &verdict.bucket {
+            self.add(&metrics::refusals_total(bucket), 1);
+        }
+        if let Some(kind) = verdict.degraded {
+            self.add(&metrics::degraded_total(kind, &l.tier, &l.model), 1);
+        }
+        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+            let tokens =
+                |direction| metrics::tokens_total(direction, "estimated", &l.tier, &l.model);
+            self.add(&tokens("input"), plan.input_estimate as i64);
+            self.add(&tokens("output"), plan.max_output as i64);
+        }
+    }
+
+    /// Records one value in a histogram.
+    fn observe(&self, name: &str, value: u64) {
+        let id = {
+            let mut ids = self.ids.borrow_mut();
+            match ids.get(name) {
+                Some(id) => *id,
+                None => match hostcalls::define_metric(MetricType::Histogram, name) {
+                    Ok(id) => *ids.entry(name.to_string()).or_insert(id),
+                    Err(_) => return,
+                },
+            }
+        };
+        let _ = hostcalls::record_metric(id, value);
+    }
+
+    /// Sets a gauge to a value.
+    fn set(&self, name: &str, value: u64) {
+        let id = {
+            let mut ids = self.ids.borrow_mut();
+            match ids.get(name) {
+                Some(id) => *id,
+                None => match hostcalls::define_metric(MetricType::Gauge, name) {
+                    Ok(id) => *ids.entry(name.to_string()).or_insert(id),
+                    Err(_) => return,
+                },
+            }
+        };
+        let _ = hostcalls::record_metric(id, value);
     }
 }
 
@@ -250,6 +298,12 @@ impl Context for Root {
             return;
         }
         self.metrics.add(metrics::SIDECAR_POLLS, 1);
+        if let Ok(state) = serde_json::from_slice::<health::SidecarState>(&body) {
+            self.metrics
+                .set(metrics::KILL_SWITCH, u64::from(state.kill_switch.active));
+            let open = state.breakers.iter().filter(|b| b.state == "open").count();
+            self.metrics.set(metrics::BREAKERS_OPEN, open as u64);
+        }
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
         let _ = HostStore.set(SIDECAR_KEY, &health::encode_seen(now, &body), 0);
@@ -330,6 +384,10 @@ impl RootContext for Root {
             plan: None,
             meter: None,
             status: 0,
+            started_ms: 0,
+            first_byte: false,
+            labels: None,
+            response_hash: None,
         }))
     }
 
@@ -380,6 +438,13 @@ struct Http {
     /// Reads the response as it passes.
     meter: Option<Meter>,
     status: u32,
+    /// When the request arrived; whether its first response byte left.
+    started_ms: u64,
+    first_byte: bool,
+    /// Tier and model labels of the decision, for later metrics.
+    labels: Option<(String, String)>,
+    /// SHA-256 of the response body, when the audit asks for it.
+    response_hash: Option<sha2::Sha256>,
 }
 
 impl Http {
@@ -394,6 +459,27 @@ impl Http {
     fn finish(&mut self, verdict: Verdict) -> Action {
         self.decided = true;
         self.metrics.record(&verdict);
+        let l = &verdict.labels;
+        self.labels = Some((l.tier.clone(), l.model.clone()));
+        audit("sluice_decision", l.decision);
+        audit("sluice_reason", l.reason);
+        audit("sluice_tier", &l.tier);
+        if let Some(identity) = &self.identity {
+            audit("sluice_principal", &self.engine.audit_principal(identity));
+        }
+        if let Some(bucket) = &verdict.bucket {
+            audit("sluice_bucket", bucket);
+        }
+        if let Some(kind) = verdict.degraded {
+            audit("sluice_degraded", kind);
+        }
+        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+            audit("sluice_model_served", plan.model.as_deref().unwrap_or(""));
+            audit(
+                "sluice_tokens_estimated",
+                &(plan.input_estimate + plan.max_output).to_string(),
+            );
+        }
         match verdict.reply {
             Some(reply) => {
                 let headers: Vec<(&str, &str)> = reply
@@ -426,6 +512,11 @@ impl Http {
         };
         let now = self.now_ms();
         let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
+        audit("sluice_model_requested", model.unwrap_or(""));
+        if self.engine.policy.audit.hash_bodies {
+            audit("sluice_request_sha256", &crate::principal::sha256_hex(body));
+            self.response_hash = Some(sha2::Digest::new());
+        }
         self.upstream_key = format!("{UPSTREAM_KEY}{}", self.engine.model_label(model));
         let (upstream, upstream_cas) = match HostStore.get(&self.upstream_key) {
             Some((bytes, cas)) => (Upstream::decode(&bytes), cas),
@@ -561,8 +652,28 @@ impl Http {
         let m = &self.metrics;
         m.add(metrics::RESERVATIONS_OUTSTANDING, -1);
         m.add(metrics::CAS_RETRIES, i64::from(effort.cas_retries));
+        let (tier, model) = self.labels.clone().unwrap_or_default();
+        m.add(
+            &metrics::tokens_total("input", "actual", &tier, &model),
+            settled.input as i64,
+        );
+        m.add(
+            &metrics::tokens_total("output", "actual", &tier, &model),
+            settled.output as i64,
+        );
         m.add(metrics::INPUT_TOKENS, settled.input as i64);
         m.add(metrics::OUTPUT_TOKENS, settled.output as i64);
+        audit("sluice_tokens_input", &settled.input.to_string());
+        audit("sluice_tokens_output", &settled.output.to_string());
+        audit("sluice_cost_micros", &settled.cost.to_string());
+        audit(
+            "sluice_usage_source",
+            if settled.from_usage {
+                "upstream"
+            } else {
+                "estimate"
+            },
+        );
         m.add(metrics::SPEND_MICROS, settled.cost as i64);
         m.add(metrics::USAGE_INVALID, i64::from(settled.invalid_usage));
         m.add(
@@ -577,6 +688,7 @@ impl Context for Http {}
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.started_ms = self.now_ms();
         if let Some(fb) = &self.engine.policy.fallback {
             // Only sluice may choose the fallback route.
             self.set_http_request_header(&fb.header, None);
@@ -646,12 +758,31 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.meter.is_none() {
+        if !self.first_byte && body_size > 0 && self.labels.is_some() {
+            self.first_byte = true;
+            let ttft = self.now_ms().saturating_sub(self.started_ms);
+            let model = self
+                .labels
+                .as_ref()
+                .map(|(_, m)| m.clone())
+                .unwrap_or_default();
+            self.metrics.observe(&metrics::ttft_ms(&model), ttft);
+            audit("sluice_ttft_ms", &ttft.to_string());
+        }
+        if self.meter.is_none() && self.response_hash.is_none() {
             return Action::Continue;
         }
         let chunk = self
             .get_http_response_body(0, body_size)
             .unwrap_or_default();
+        if let Some(hash) = self.response_hash.as_mut() {
+            sha2::Digest::update(hash, &chunk);
+            if end_of_stream {
+                let digest = sha2::Digest::finalize(hash.clone());
+                let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+                audit("sluice_response_sha256", &hex);
+            }
+        }
         let out = self
             .meter
             .as_mut()
@@ -668,5 +799,9 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle();
+        if let Some((_, model)) = self.labels.as_ref().filter(|_| self.status != 0) {
+            let elapsed = self.now_ms().saturating_sub(self.started_ms);
+            self.metrics.observe(&metrics::e2e_ms(model), elapsed);
+        }
     }
 }

@@ -255,7 +255,11 @@ impl Announced {
         let dir = temp_dir(&format!("sluice-{bin}-"));
         let log = dir.path().join("out.log");
         let mut cmd = Command::new(program);
-        cmd.args(args).current_dir(dir.path());
+        // A developer's shell may export the demo's admin token: a test's
+        // sidecar gets only the token the test gives it.
+        cmd.args(args)
+            .current_dir(dir.path())
+            .env_remove("SLUICE_ADMIN_TOKEN");
         let mut guard =
             spawn_logged(&bin, &mut cmd, &log).map_err(|e| format!("spawning {bin}: {e}"))?;
         let prefix = format!("{banner} listening on ");
@@ -350,9 +354,14 @@ impl Sidecar {
         Sidecar::start_with_args(&[])
     }
 
-    /// Like [`Sidecar::start`], with extra arguments after `serve`.
+    /// Like [`Sidecar::start`], with extra arguments after `serve`. A
+    /// `--listen ADDR` among them replaces the default (e.g. to restart a
+    /// sidecar on the address Envoy's cluster points at).
     pub fn start_with_args(extra: &[&str]) -> Sidecar {
-        let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
+        let mut args = vec!["serve"];
+        if !extra.contains(&"--listen") {
+            args.extend_from_slice(&["--listen", "127.0.0.1:0"]);
+        }
         args.extend_from_slice(extra);
         match Announced::start(&bin_path("sluice-sidecar"), "sluice-sidecar", &args) {
             Ok(proc) => Sidecar { proc },
@@ -559,6 +568,9 @@ impl EnvoyConfig {
     fn render(&self, listener_port: u16, lds_path: &Path) -> (Value, Value) {
         let mut root = self.root.clone();
         absolutize_filenames(&mut root, &repo_root());
+        if let Some(dir) = lds_path.parent() {
+            relocate_access_logs(&mut root, dir);
+        }
 
         let statics = at(&mut root, &["static_resources"])
             .as_mapping_mut()
@@ -630,6 +642,38 @@ fn absolutize_filenames(v: &mut Value, base: &Path) {
     }
 }
 
+/// Access logs with a relative `path` (the shipped audit log,
+/// `target/demo/audit.jsonl`) are written into the Envoy's own temp dir
+/// instead, under the same file name.
+fn relocate_access_logs(v: &mut Value, dir: &Path) {
+    match v {
+        Value::Mapping(m) => {
+            let is_file_log = m
+                .get("@type")
+                .and_then(Value::as_str)
+                .is_some_and(|t| t.ends_with("FileAccessLog"));
+            for (k, val) in m.iter_mut() {
+                if is_file_log && k.as_str() == Some("path") {
+                    if let Value::String(s) = val {
+                        let path = Path::new(s.as_str());
+                        if path.is_relative() {
+                            let name = path
+                                .file_name()
+                                .map_or("access.log".into(), |n| n.to_os_string());
+                            *s = dir.join(name).display().to_string();
+                        }
+                    }
+                    continue;
+                }
+                relocate_access_logs(val, dir);
+            }
+        }
+        Value::Sequence(s) => s.iter_mut().for_each(|x| relocate_access_logs(x, dir)),
+        Value::Tagged(t) => relocate_access_logs(&mut t.value, dir),
+        _ => {}
+    }
+}
+
 fn to_yaml(v: &Value) -> String {
     serde_yaml::to_string(v).expect("serialize YAML")
 }
@@ -640,6 +684,40 @@ fn write_atomically(path: &Path, text: &str) -> io::Result<()> {
     let tmp = path.with_extension("yaml.tmp");
     fs::write(&tmp, text)?;
     fs::rename(&tmp, path)
+}
+
+/// A loopback address that refuses every connection, for the clusters a
+/// test does not run (the sidecar, the fallback provider): the shipped
+/// config points them at a developer's demo on 9911/8001, which a test must
+/// never talk to. A TCP socket is bound to it and never listens, for the
+/// life of the test process, so connections get a reset and no other
+/// process can take the port meanwhile.
+pub fn closed_addr() -> SocketAddr {
+    static ADDR: OnceLock<SocketAddr> = OnceLock::new();
+    *ADDR.get_or_init(|| {
+        // SAFETY: plain socket(2)/bind(2)/getsockname(2) on a socket we own;
+        // the descriptor is deliberately kept open until the process exits.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", io::Error::last_os_error());
+            let mut sa: libc::sockaddr_in = std::mem::zeroed();
+            sa.sin_family = libc::AF_INET as libc::sa_family_t;
+            sa.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            sa.sin_port = 0;
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let rc = libc::bind(fd, (&sa as *const libc::sockaddr_in).cast(), len);
+            assert!(rc == 0, "bind: {}", io::Error::last_os_error());
+            let mut got: libc::sockaddr_in = std::mem::zeroed();
+            let mut got_len = len;
+            let rc = libc::getsockname(
+                fd,
+                (&mut got as *mut libc::sockaddr_in).cast(),
+                &mut got_len,
+            );
+            assert!(rc == 0, "getsockname: {}", io::Error::last_os_error());
+            SocketAddr::from(([127, 0, 0, 1], u16::from_be(got.sin_port)))
+        }
+    })
 }
 
 fn free_port() -> u16 {
@@ -782,6 +860,18 @@ impl Envoy {
     /// `http://<listener><path>`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.listener)
+    }
+
+    /// The audit log the shipped access log writes (`audit.jsonl` in this
+    /// Envoy's temp dir), one JSON value per line.
+    pub fn audit_log(&self) -> Vec<serde_json::Value> {
+        let text = fs::read_to_string(self.dir().join("audit.jsonl")).unwrap_or_default();
+        text.lines()
+            .map(|l| {
+                serde_json::from_str(l)
+                    .unwrap_or_else(|e| panic!("audit line is not JSON ({e}): {l}"))
+            })
+            .collect()
     }
 
     /// `http://<admin><path>`.
@@ -1161,10 +1251,14 @@ pub fn chat_body(model: &str) -> serde_json::Value {
 }
 
 /// The shipped Envoy config pointed at `upstream` (ports and paths only;
-/// the policy is the shipped demo policy until a test edits it).
+/// the policy is the shipped demo policy until a test edits it). The
+/// sidecar and fallback clusters point at [`closed_addr`] until the test
+/// points them at processes of its own (`set_cluster_addr`).
 pub fn shipped_config_for(upstream: &MockLlm) -> EnvoyConfig {
     let mut cfg = EnvoyConfig::load_shipped();
     cfg.set_cluster_addr("llm_upstream", upstream.addr());
+    cfg.set_cluster_addr("llm_fallback", closed_addr());
+    cfg.set_cluster_addr("sluice_sidecar", closed_addr());
     cfg
 }
 
@@ -1438,6 +1532,27 @@ mod tests {
         let text = to_yaml(&lds);
         let wasm = repo_root().join("target/wasm32-wasip1/release/sluice_filter.wasm");
         assert!(text.contains(&wasm.display().to_string()), "{text}");
+    }
+
+    #[test]
+    fn closed_addr_refuses_connections_and_cannot_be_taken() {
+        let addr = closed_addr();
+        assert_eq!(addr, closed_addr());
+        let err = TcpStream::connect_timeout(&addr, Duration::from_secs(1))
+            .expect_err("nothing listens on the closed address");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+        assert!(TcpListener::bind(addr).is_err(), "{addr} is held");
+    }
+
+    #[test]
+    fn shipped_config_for_never_points_at_the_demo_ports() {
+        let upstream = MockLlm::start("primary");
+        let mut cfg = shipped_config_for(&upstream);
+        for cluster in ["sluice_sidecar", "llm_fallback"] {
+            let port = &cfg.cluster_mut(cluster)["load_assignment"]["endpoints"][0]["lb_endpoints"]
+                [0]["endpoint"]["address"]["socket_address"]["port_value"];
+            assert_eq!(port, &Value::from(closed_addr().port()), "{cluster}");
+        }
     }
 
     #[test]
