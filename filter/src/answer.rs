@@ -19,6 +19,7 @@ pub enum Reason {
     GpuOverloaded,
     UpstreamUnhealthy,
     UpstreamPaused,
+    GlobalBreakerOpen,
     RequestTooLarge,
     InvalidRequest,
     Unauthenticated,
@@ -37,6 +38,7 @@ impl Reason {
             Reason::GpuOverloaded => "gpu_overloaded",
             Reason::UpstreamUnhealthy => "upstream_unhealthy",
             Reason::UpstreamPaused => "upstream_paused",
+            Reason::GlobalBreakerOpen => "global_breaker_open",
             Reason::RequestTooLarge => "request_too_large",
             Reason::InvalidRequest => "invalid_request",
             Reason::Unauthenticated => "unauthenticated",
@@ -52,7 +54,10 @@ impl Reason {
             | Reason::DailyBudgetExceeded
             | Reason::MonthlyBudgetExceeded
             | Reason::SpendCapExceeded => 429,
-            Reason::GpuOverloaded | Reason::UpstreamUnhealthy | Reason::UpstreamPaused => 503,
+            Reason::GpuOverloaded
+            | Reason::UpstreamUnhealthy
+            | Reason::UpstreamPaused
+            | Reason::GlobalBreakerOpen => 503,
             Reason::RequestTooLarge => 413,
             Reason::InvalidRequest => 400,
             Reason::Unauthenticated => 401,
@@ -71,9 +76,10 @@ impl Reason {
             | Reason::SpendCapExceeded => "insufficient_quota",
             Reason::RequestTooLarge | Reason::InvalidRequest => "invalid_request_error",
             Reason::Unauthenticated => "authentication_error",
-            Reason::GpuOverloaded | Reason::UpstreamUnhealthy | Reason::UpstreamPaused => {
-                "service_unavailable"
-            }
+            Reason::GpuOverloaded
+            | Reason::UpstreamUnhealthy
+            | Reason::UpstreamPaused
+            | Reason::GlobalBreakerOpen => "service_unavailable",
         }
     }
 }

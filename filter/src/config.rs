@@ -56,6 +56,31 @@ pub struct Policy {
     pub static_fallback: Option<StaticFallback>,
     #[serde(default)]
     pub audit: AuditConfig,
+    pub anomaly: Option<AnomalyConfig>,
+}
+
+/// Consumption across all callers.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnomalyConfig {
+    /// Tokens this minute above this multiple of the trailing average count
+    /// as a surge (`sluice_usage_surge_total`).
+    #[serde(default = "default_surge_ratio", deserialize_with = "de_number")]
+    pub surge_ratio: f64,
+    /// Minutes the trailing average looks back over.
+    #[serde(default = "default_baseline_minutes")]
+    pub baseline_minutes: u32,
+    /// Spend in the last hour (model prices' currency) at which the global
+    /// breaker refuses new requests (503 `global_breaker_open`) until the
+    /// hour slides under it again (or the ceiling is raised).
+    pub max_spend_per_hour: Option<Budget>,
+}
+
+fn default_surge_ratio() -> f64 {
+    1.5
+}
+fn default_baseline_minutes() -> u32 {
+    15
 }
 
 /// The per-request audit fields Envoy's access log reads from filter state
@@ -910,6 +935,14 @@ impl Policy {
                     "must name an Envoy cluster",
                 ));
             }
+            // A quiet sidecar answers a poll once a second at the most:
+            // a shorter window would call a healthy sidecar stale.
+            if sc.stale_after_ms < 2_000 {
+                return Err(ConfigError::at(
+                    "sidecar.stale_after",
+                    "must be at least 2s (the long poll is held up to half of it, 1s at least)",
+                ));
+            }
         }
         if let Some(f) = &self.fallback {
             if f.header.is_empty() || f.header.chars().any(|c| c.is_ascii_uppercase() || c == ':') {
@@ -924,6 +957,18 @@ impl Policy {
                 "protection",
                 "failures_to_open and backoff must be at least 1",
             ));
+        }
+        if let Some(a) = &self.anomaly {
+            if a.surge_ratio.is_nan()
+                || a.surge_ratio <= 1.0
+                || a.baseline_minutes == 0
+                || a.baseline_minutes > 59
+            {
+                return Err(ConfigError::at(
+                    "anomaly",
+                    "surge_ratio must be above 1 and baseline_minutes between 1 and 59",
+                ));
+            }
         }
         if self.defaults.max_output_tokens == 0 {
             return Err(ConfigError::at(
@@ -1033,6 +1078,23 @@ mod tests {
         let err = Policy::from_value(v).unwrap_err();
         assert!(err.path.starts_with("identity.api_key.keys."));
         assert!(!err.to_string().contains("secret-123"), "never echo a key");
+
+        let mut v = minimal();
+        v["sidecar"] = json!({"cluster": "sc", "stale_after": "1500ms"});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "sidecar.stale_after"
+        );
+        let mut v = minimal();
+        v["sidecar"] = json!({"cluster": "sc", "stale_after": "2s"});
+        assert_eq!(
+            Policy::from_value(v)
+                .unwrap()
+                .sidecar
+                .unwrap()
+                .stale_after_ms,
+            2_000
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
+use crate::anomaly::UsageRing;
 use crate::answer::{self, Limited, Reason, Reply};
 use crate::bucket::Quota;
 use crate::config::{Budget, Limit, Mode, Policy, Window};
@@ -149,6 +150,10 @@ pub struct Settled {
     /// The upstream sent usage sluice could not believe.
     pub invalid_usage: bool,
     pub cost: u64,
+    /// This request's minute is a consumption surge (first time flagged).
+    pub surge: bool,
+    /// The global spend breaker is open after this request.
+    pub global_open: bool,
 }
 
 /// A parsed request body and its raw input estimate.
@@ -170,6 +175,8 @@ pub struct Engine {
 }
 
 const CORRECTION_KEY: &str = "sluice:v1:estimate/";
+/// The global per-minute usage ring (one key).
+const USAGE_KEY: &str = "sluice:v1:usage";
 
 /// Below this many output tokens a lowered request is refused instead: an
 /// answer cut to a handful of tokens is worth less than a clear 429.
@@ -529,6 +536,9 @@ impl Engine {
         asked: Option<&Asked>,
         now_ms: u64,
     ) -> Verdict {
+        if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
+            return verdict;
+        }
         let reserver = Reserver {
             store,
             slots: self.policy.state.principal_slots,
@@ -832,14 +842,78 @@ impl Engine {
                 self.learn(store, model, plan.input_raw, input);
             }
         }
+        let cost = plan.pricing.cost(input, output);
+        let (surge, global_open) = self.record_usage(store, input + output, cost, now_ms);
         let settled = Settled {
             input,
             output,
             from_usage,
             invalid_usage: found == Found::Invalid,
-            cost: plan.pricing.cost(input, output),
+            cost,
+            surge,
+            global_open,
         };
         (settled, effort)
+    }
+
+    /// 503 `global_breaker_open` while the last hour's spend, all callers
+    /// together, is at the ceiling.
+    fn global_breaker(
+        &self,
+        store: &dyn SharedStore,
+        identity: &Identity,
+        asked: Option<&Asked>,
+        now_ms: u64,
+    ) -> Option<Verdict> {
+        let a = self.policy.anomaly.as_ref()?;
+        let ceiling = (a.max_spend_per_hour?.limit * 1e6).round() as u64;
+        let (bytes, _) = store.get(USAGE_KEY)?;
+        let reading = UsageRing::decode(&bytes).read(a.baseline_minutes as usize, now_ms);
+        if reading.spend_last_hour < ceiling {
+            return None;
+        }
+        // The oldest minute leaves the window within a minute.
+        let retry_after_s = 60 - (now_ms / 1000) % 60;
+        let why = format!(
+            "spend in the last hour reached the {:.2} ceiling",
+            ceiling as f64 / 1e6
+        );
+        let reply = answer::unavailable(Reason::GlobalBreakerOpen, &why, retry_after_s);
+        let model = asked.and_then(|a| a.demand.model.as_deref());
+        Some(self.refused(reply, Reason::GlobalBreakerOpen, &identity.tier, model))
+    }
+
+    /// Adds a settled request to the global per-minute ring; says whether
+    /// its minute is a new surge and whether the spend ceiling is reached.
+    fn record_usage(
+        &self,
+        store: &dyn SharedStore,
+        tokens: u64,
+        cost: u64,
+        now_ms: u64,
+    ) -> (bool, bool) {
+        let Some(a) = &self.policy.anomaly else {
+            return (false, false);
+        };
+        for _ in 0..self.policy.state.cas_max_retries {
+            let (bytes, cas) = store.get(USAGE_KEY).unwrap_or_default();
+            let mut ring = UsageRing::decode(&bytes);
+            ring.add(tokens, cost, now_ms);
+            let reading = ring.read(a.baseline_minutes as usize, now_ms);
+            let minute = now_ms / 60_000;
+            let surge = reading.baseline > 0
+                && reading.tokens_this_minute as f64 > reading.baseline as f64 * a.surge_ratio
+                && ring.surge_flagged != minute;
+            if surge {
+                ring.surge_flagged = minute;
+            }
+            let ceiling = a.max_spend_per_hour.map(|b| (b.limit * 1e6).round() as u64);
+            let open = ceiling.is_some_and(|c| reading.spend_last_hour >= c);
+            if store.set(USAGE_KEY, &ring.encode(), cas).is_ok() {
+                return (surge, open);
+            }
+        }
+        (false, false)
     }
 
     /// Indexes of the buckets that apply to a request, in the order they
@@ -1312,6 +1386,51 @@ mod tests {
             (0, 0),
             "an upstream error costs nothing"
         );
+    }
+
+    #[test]
+    fn the_global_breaker_opens_at_the_spend_ceiling() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {}},
+            "models": {"paid": {"price": {"input_per_1k": 1.0, "output_per_1k": 1.0}}},
+            "anomaly": {"max_spend_per_hour": 0.05},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("paid", 10));
+        let mut opened = false;
+        for _ in 0..10 {
+            let v = e.admit(
+                &store,
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&a),
+                0,
+            );
+            if let Some(reply) = &v.reply {
+                assert_eq!(v.labels.reason, "global_breaker_open");
+                assert_eq!(reply.status, 503);
+                opened = true;
+                break;
+            }
+            let usage = Found::Usage(Usage {
+                input: 10_000,
+                output: 0,
+            });
+            e.settle(&store, &v.plan.unwrap(), usage, 0, true, 0);
+        }
+        assert!(opened, "0.05 spent after 5 requests of 0.01");
+        // An hour later the window has slid past it.
+        let v = e.admit(
+            &store,
+            &id,
+            Api::OpenAiChat,
+            "/v1/chat/completions",
+            Some(&a),
+            3_600_000,
+        );
+        assert!(v.reply.is_none());
     }
 
     #[test]

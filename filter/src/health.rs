@@ -274,6 +274,15 @@ pub fn route(s: &Situation) -> Route {
     Route::Primary
 }
 
+/// Seconds the sidecar may hold one long poll: `poll_wait`, but at most
+/// half of `stale_after`, and at least 1 (the sidecar counts in seconds).
+/// Only an answer refreshes the state's receive time, so a poll held past
+/// `stale_after` would make a healthy sidecar whose state does not change
+/// look dead, and its open breakers would be ignored (fail open).
+pub fn poll_wait_s(poll_wait_ms: u64, stale_after_ms: u64) -> u64 {
+    (poll_wait_ms.min(stale_after_ms / 2) / 1000).max(1)
+}
+
 /// `Retry-After` as seconds or an HTTP date we cannot parse (then `None`).
 pub fn parse_retry_after(value: &str) -> Option<u64> {
     value.trim().parse::<u64>().ok().map(|s| s.min(3600) * 1000)
@@ -425,6 +434,20 @@ mod tests {
         let healed = u.observe(&p, 200, None, 60_000);
         assert_eq!(route(&situation(&none, healed, 60_001, 0)), Route::Primary);
         assert_eq!(Upstream::decode(&again.encode()), again);
+    }
+
+    #[test]
+    fn a_held_poll_is_answered_well_within_stale_after() {
+        // Defaults: 30 s poll, 60 s staleness.
+        assert_eq!(poll_wait_s(30_000, 60_000), 30);
+        // A short staleness window shortens the poll instead of going stale
+        // while the sidecar is healthy and quiet.
+        assert_eq!(poll_wait_s(30_000, 2_000), 1);
+        assert_eq!(poll_wait_s(30_000, 10_000), 5);
+        assert_eq!(poll_wait_s(500, 60_000), 1);
+        for stale_after in [2_000, 3_000, 10_000, 61_000] {
+            assert!(poll_wait_s(30_000, stale_after) * 1000 * 2 <= stale_after);
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! wasm32.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod anomaly;
 pub mod answer;
 pub mod bucket;
 pub mod config;

@@ -104,6 +104,9 @@ impl Metrics {
         if let Some(bucket) = &verdict.bucket {
             self.add(&metrics::refusals_total(bucket), 1);
         }
+        if l.reason == "global_breaker_open" {
+            self.set(metrics::GLOBAL_BREAKER, 1);
+        }
         if let Some(kind) = verdict.degraded {
             self.add(&metrics::degraded_total(kind, &l.tier, &l.model), 1);
         }
@@ -244,7 +247,7 @@ impl Root {
             return;
         };
         let since = self.shared.seen().state.as_ref().map_or(0, |s| s.version);
-        let wait_s = (sidecar.poll_wait_ms / 1000).max(1);
+        let wait_s = health::poll_wait_s(sidecar.poll_wait_ms, sidecar.stale_after_ms);
         let path = format!("/v1/state?since={since}&wait={wait_s}");
         let authority = sidecar
             .authority
@@ -255,7 +258,7 @@ impl Root {
             (":path", path.as_str()),
             (":authority", authority.as_str()),
         ];
-        let timeout = Duration::from_millis(sidecar.poll_wait_ms + 5_000);
+        let timeout = Duration::from_millis(wait_s * 1000 + 5_000);
         match self.dispatch_http_call(&sidecar.cluster, headers, None, vec![], timeout) {
             Ok(token) => self.poll = Some(token),
             Err(status) => {
@@ -460,7 +463,10 @@ impl Http {
         self.decided = true;
         self.metrics.record(&verdict);
         let l = &verdict.labels;
-        self.labels = Some((l.tier.clone(), l.model.clone()));
+        if verdict.reply.is_none() {
+            // Latency and token metrics describe requests that went upstream.
+            self.labels = Some((l.tier.clone(), l.model.clone()));
+        }
         audit("sluice_decision", l.decision);
         audit("sluice_reason", l.reason);
         audit("sluice_tier", &l.tier);
@@ -663,6 +669,10 @@ impl Http {
         );
         m.add(metrics::INPUT_TOKENS, settled.input as i64);
         m.add(metrics::OUTPUT_TOKENS, settled.output as i64);
+        m.add(metrics::USAGE_SURGES, i64::from(settled.surge));
+        if self.engine.policy.anomaly.is_some() {
+            m.set(metrics::GLOBAL_BREAKER, u64::from(settled.global_open));
+        }
         audit("sluice_tokens_input", &settled.input.to_string());
         audit("sluice_tokens_output", &settled.output.to_string());
         audit("sluice_cost_micros", &settled.cost.to_string());
