@@ -260,20 +260,11 @@ fn ceil_secs(ms: u64) -> u64 {
     ms.div_ceil(1000)
 }
 
-/// Milliseconds since the epoch as `2026-11-30T00:00:00Z`. Hand-written
-/// (days-to-civil) to keep a date crate out of the wasm binary.
+/// Milliseconds since the epoch as `2026-11-30T00:00:00Z`.
 pub fn rfc3339(ms: u64) -> String {
     let secs = ms / 1000;
     let (days, rem) = (secs / 86_400, secs % 86_400);
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = crate::bucket::civil_from_days(days as i64);
     format!(
         "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
         rem / 3600,
