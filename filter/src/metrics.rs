@@ -59,9 +59,6 @@ pub const GAUGES: &[&str] = &[
     BREAKERS_OPEN,
     GLOBAL_BREAKER,
 ];
-/// Settled tokens (from usage, or the estimate when usage is missing).
-pub const INPUT_TOKENS: &str = "sluice_input_tokens_total";
-pub const OUTPUT_TOKENS: &str = "sluice_output_tokens_total";
 /// Settled cost, micro-currency.
 pub const SPEND_MICROS: &str = "sluice_spend_micros_total";
 /// Responses whose usage fields could not be believed (settled from the

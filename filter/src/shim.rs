@@ -667,8 +667,6 @@ impl Http {
             &metrics::tokens_total("output", "actual", &tier, &model),
             settled.output as i64,
         );
-        m.add(metrics::INPUT_TOKENS, settled.input as i64);
-        m.add(metrics::OUTPUT_TOKENS, settled.output as i64);
         m.add(metrics::USAGE_SURGES, i64::from(settled.surge));
         if self.engine.policy.anomaly.is_some() {
             m.set(metrics::GLOBAL_BREAKER, u64::from(settled.global_open));

@@ -87,9 +87,18 @@ fn metric(stack: &Stack, name: &str) -> u64 {
     stack.envoy.metric(name, &[]).unwrap_or(0.0) as u64
 }
 
+/// Tokens settled so far in one direction, all tiers and models.
+fn settled(stack: &Stack, direction: &str) -> u64 {
+    let labels = [("direction", direction), ("kind", "actual")];
+    stack
+        .envoy
+        .metric("sluice_tokens_total", &labels)
+        .unwrap_or(0.0) as u64
+}
+
 /// Tokens settled so far (input + output), from the filter's counters.
 fn charged(stack: &Stack) -> u64 {
-    metric(stack, "sluice_input_tokens_total") + metric(stack, "sluice_output_tokens_total")
+    settled(stack, "input") + settled(stack, "output")
 }
 
 fn outstanding(stack: &Stack) -> Option<f64> {
@@ -693,7 +702,7 @@ fn the_upstream_gets_the_reserved_max_output_and_a_usage_chunk_the_client_does_n
     // A stream without include_usage: sluice asks for the usage chunk and
     // keeps it from the client.
     let missing_before = metric(&stack, "sluice_usage_missing_total");
-    let output_before = metric(&stack, "sluice_output_tokens_total");
+    let output_before = settled(&stack, "output");
     let resp = post_json(&url, &[], &chat(PROMPT, None, true));
     assert_eq!(resp.status, 200, "{resp:?}");
     let upstream = upstream_body(&stack);
@@ -713,10 +722,7 @@ fn the_upstream_gets_the_reserved_max_output_and_a_usage_chunk_the_client_does_n
     assert_eq!(sse_payloads(&resp.body).last(), Some(&"[DONE]"));
     // …and settles from it.
     assert_eq!(metric(&stack, "sluice_usage_missing_total"), missing_before);
-    assert_eq!(
-        metric(&stack, "sluice_output_tokens_total") - output_before,
-        16
-    );
+    assert_eq!(settled(&stack, "output") - output_before, 16);
 
     // A client that asked for the usage chunk gets it.
     let mut body = chat(PROMPT, Some(5), true);
