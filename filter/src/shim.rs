@@ -192,6 +192,8 @@ impl Shared {
     }
 }
 
+/// The routing header the kill switch sets (see `FallbackConfig`).
+const DEFAULT_FALLBACK_HEADER: &str = "x-sluice-upstream";
 /// Per model route: the upstream's pause and error breaker.
 const UPSTREAM_KEY: &str = "sluice:v1:upstream/";
 /// The sidecar state as received: written by the one VM that polls.
@@ -697,10 +699,15 @@ impl Context for Http {}
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.started_ms = self.now_ms();
-        if let Some(fb) = &self.engine.policy.fallback {
-            // Only sluice may choose the fallback route.
-            self.set_http_request_header(&fb.header, None);
-        }
+        // Only sluice may choose the fallback route, also when the policy
+        // has no `fallback` section but the Envoy routes still match it.
+        let header = self
+            .engine
+            .policy
+            .fallback
+            .as_ref()
+            .map(|f| f.header.clone());
+        self.set_http_request_header(header.as_deref().unwrap_or(DEFAULT_FALLBACK_HEADER), None);
         self.path = self.get_http_request_header(":path").unwrap_or_default();
         let method = self.get_http_request_header(":method").unwrap_or_default();
         self.api = Api::classify(&method, &self.path);
