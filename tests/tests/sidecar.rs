@@ -1,0 +1,945 @@
+//! The GPU sidecar in the data path, against a real Envoy (SPEC §2.4, §2.8,
+//! §5; issue 4): breakers pushed into Envoy by long poll and how fast they
+//! land, the stale-data policy, the kill switch and its failover provider,
+//! admin authentication, upstream pushback (`Retry-After` pause, error
+//! breaker with half-open probes) and the static fallback.
+//!
+//! Every sidecar here runs on the simulated GPU with short sustain times;
+//! every Envoy points its `sluice_sidecar` and `llm_fallback` clusters at
+//! processes of the test (or at the harness's closed address), never at a
+//! developer's demo.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use serde_json::{json, Value as Json};
+use serde_yaml::Value;
+use sluice_tests::{
+    async_client, chat_body, get, post_json, post_json_async, prometheus_value, repo_root, request,
+    runtime, wait_for, EnvoyConfig, MockLlm, Response, Sidecar, Stack,
+};
+
+const MODEL: &str = "llama3.1:8b";
+const OTHER_MODEL: &str = "mistral:7b";
+const TOKEN: &str = "sidecar-test-admin-token";
+/// The sidecar's scope when it has no backends: every model's default.
+const SCOPE: &str = "backend:local";
+/// `retry_after` of the test sidecar's breakers.
+const BREAKER_RETRY_AFTER: u64 = 7;
+/// The shipped policy's canned answer for "What is sluice?" and its message.
+const CANNED: &str = "sluice is admission control for LLM traffic, built into Envoy.";
+const DEFAULT_MESSAGE: &str =
+    "The assistant is temporarily unavailable. Please try again in a few minutes.";
+
+// ---------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------
+
+/// A sidecar on the simulated GPU with its own admin token, state file and
+/// config (one GPU rule with the given sustain times, scope `backend:local`).
+struct TestSidecar {
+    sidecar: Sidecar,
+    dir: tempfile::TempDir,
+}
+
+impl TestSidecar {
+    fn start(open_for: &str, close_after: &str) -> TestSidecar {
+        let dir = tempfile::Builder::new()
+            .prefix("sluice-sidecar-test-")
+            .tempdir()
+            .expect("temp dir");
+        fs::write(dir.path().join("token"), format!("{TOKEN}\n")).expect("token file");
+        let config = format!(
+            "scrape_interval: 50ms\n\
+             sources: {{ gpu: simulated }}\n\
+             rules:\n  - {{ metric: gpu_utilization, open_at: 90, close_below: 80, \
+             open_for: {open_for}, close_after: {close_after} }}\n\
+             breaker: {{ half_open_fraction: 0.5, half_open_for: 1s, \
+             retry_after: {BREAKER_RETRY_AFTER}s }}\n"
+        );
+        fs::write(dir.path().join("sidecar.yaml"), config).expect("sidecar config");
+        let sidecar = TestSidecar::spawn(dir.path(), None);
+        TestSidecar { sidecar, dir }
+    }
+
+    fn spawn(dir: &Path, listen: Option<SocketAddr>) -> Sidecar {
+        let path = |name: &str| dir.join(name).display().to_string();
+        let (config, token, state) = (path("sidecar.yaml"), path("token"), path("state.json"));
+        let listen = listen.map(|a| a.to_string());
+        let mut args = vec![
+            "--simulate",
+            "--config",
+            &config,
+            "--admin-token-file",
+            &token,
+            "--state-file",
+            &state,
+        ];
+        if let Some(listen) = &listen {
+            args.extend_from_slice(&["--listen", listen]);
+        }
+        Sidecar::start_with_args(&args)
+    }
+
+    /// Kills the sidecar and starts a new one on the same address with the
+    /// same state file.
+    fn restart(&mut self) {
+        let addr = self.sidecar.addr();
+        self.sidecar.process().kill();
+        self.sidecar = TestSidecar::spawn(self.dir.path(), Some(addr));
+        assert_eq!(self.sidecar.addr(), addr);
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.sidecar.addr()
+    }
+
+    fn state(&self) -> Json {
+        get(&self.sidecar.url("/v1/state"), &[]).ok().json()
+    }
+
+    /// `open` / `half_open` of the scope's breaker; `None` when closed.
+    fn breaker(&self) -> Option<String> {
+        let state = self.state();
+        state["breakers"]
+            .as_array()
+            .expect("breakers is a list")
+            .iter()
+            .find(|b| b["scope"] == SCOPE)
+            .map(|b| b["state"].as_str().expect("breaker state").to_string())
+    }
+
+    fn simulate(&self, utilization: f64) {
+        post_json(
+            &self.sidecar.url("/v1/simulate"),
+            &[],
+            &json!({"gpus": [{"utilization": utilization}]}),
+        )
+        .ok();
+    }
+
+    fn kill_switch_with(&self, authorization: Option<&str>, active: bool) -> Response {
+        let headers: Vec<(&str, &str)> = authorization
+            .map(|a| ("authorization", a))
+            .into_iter()
+            .collect();
+        post_json(
+            &self.sidecar.url("/v1/kill-switch"),
+            &headers,
+            &json!({"active": active, "reason": "sluice integration test"}),
+        )
+    }
+
+    fn kill_switch(&self, active: bool) -> Json {
+        let answer = self
+            .kill_switch_with(Some(&format!("Bearer {TOKEN}")), active)
+            .ok()
+            .json();
+        assert_eq!(answer["kill_switch"]["active"], active, "{answer}");
+        answer
+    }
+
+    /// Long polls held right now (an Envoy that has its state and waits for
+    /// the next one holds one).
+    fn subscribers(&self) -> f64 {
+        let text = get(&self.sidecar.url("/metrics"), &[]).ok().body;
+        prometheus_value(&text, "sluice_sidecar_long_poll_subscribers", &[]).unwrap_or(0.0)
+    }
+
+    /// Waits until Envoy has received the current state and polls for the next.
+    fn wait_for_envoy(&self) {
+        assert!(
+            wait_for(Duration::from_secs(10), || self.subscribers() >= 1.0),
+            "Envoy never long-polled the sidecar:\n{}",
+            self.sidecar.log()
+        );
+    }
+}
+
+/// The shipped policy with limits no test here reaches, short error-breaker
+/// cooldown and pause jitter, and the sidecar and fallback clusters pointed
+/// at the test's processes (else at the harness's closed address).
+fn test_policy(cfg: &mut EnvoyConfig, sidecar: Option<SocketAddr>, fallback: Option<SocketAddr>) {
+    if let Some(addr) = sidecar {
+        cfg.set_cluster_addr("sluice_sidecar", addr);
+    }
+    if let Some(addr) = fallback {
+        cfg.set_cluster_addr("llm_fallback", addr);
+    }
+    let p = cfg.policy_mut();
+    let unlimited = || serde_yaml::from_str::<Value>("{requests: 100000/min}").expect("yaml");
+    for tier in ["free", "pro", "enterprise"] {
+        p["tiers"][tier] = unlimited();
+    }
+    for model in [MODEL, OTHER_MODEL] {
+        p["models"][model]["requests"] = Value::from("100000/min");
+    }
+    p["protection"]["cooldown"] = Value::from("1s");
+    p["protection"]["pause_jitter"] = Value::from("200ms");
+}
+
+fn chat_with(stack: &Stack, prompt: &str, stream: bool) -> Response {
+    let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                          "max_tokens": 8});
+    if stream {
+        body["stream"] = true.into();
+    }
+    post_json(&stack.envoy.url("/v1/chat/completions"), &[], &body)
+}
+
+fn int_header(r: &Response, name: &str) -> u64 {
+    r.header(name)
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no integer `{name}` header in {r:?}"))
+}
+
+/// A 503 refusal in the OpenAI error shape with `code` and `Retry-After`;
+/// returns the `Retry-After` seconds.
+fn assert_refused(r: &Response, code: &str) -> u64 {
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.header("x-sluice-reason"), Some(code), "{r:?}");
+    assert!(
+        r.header("content-type")
+            .is_some_and(|v| v.starts_with("application/json")),
+        "{r:?}"
+    );
+    assert!(
+        r.header("x-mock-name").is_none(),
+        "came from upstream: {r:?}"
+    );
+    let retry_after = int_header(r, "retry-after");
+    assert!(retry_after >= 1, "{r:?}");
+    let body = r.json();
+    let error = &body["error"];
+    assert_eq!(error["code"], code, "{body}");
+    assert!(
+        error["type"].as_str().is_some_and(|t| !t.is_empty()),
+        "{body}"
+    );
+    assert!(
+        error["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+    assert!(error["param"].is_null(), "{body}");
+    assert_eq!(
+        error["sluice"]["retry_after_seconds"], retry_after,
+        "{body}"
+    );
+    retry_after
+}
+
+fn served_by(r: &Response) -> Option<&str> {
+    r.header("x-mock-name")
+}
+
+/// A response that came from the fallback provider through the kill switch.
+fn assert_rerouted(r: &Response) {
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(served_by(r), Some("fallback"), "{r:?}");
+    assert_eq!(r.header("x-sluice-provider"), Some("fallback"), "{r:?}");
+    assert_eq!(r.header("x-sluice-kill-switch"), Some("1"), "{r:?}");
+}
+
+fn assert_primary(r: &Response) {
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(served_by(r), Some("primary"), "{r:?}");
+    assert!(r.header("x-sluice-provider").is_none(), "{r:?}");
+    assert!(r.header("x-sluice-kill-switch").is_none(), "{r:?}");
+}
+
+fn requests_total(mock: &MockLlm) -> u64 {
+    mock.stats()["requests_total"]
+        .as_u64()
+        .expect("requests_total")
+}
+
+fn last_request_headers(mock: &MockLlm) -> Json {
+    mock.stats()["last_request"]["headers"].clone()
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+// The shapes the OpenAI Rust clients (async-openai's
+// CreateChatCompletionResponse / CreateChatCompletionStreamResponse)
+// require: a body missing a required field or with an unknown role or
+// finish reason does not parse.
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Role {
+    Assistant,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+enum FinishReason {
+    Stop,
+    Length,
+    ToolCalls,
+    ContentFilter,
+    FunctionCall,
+}
+
+#[derive(Debug, Deserialize)]
+struct Usage {
+    #[allow(dead_code)]
+    prompt_tokens: u32,
+    #[allow(dead_code)]
+    completion_tokens: u32,
+    #[allow(dead_code)]
+    total_tokens: u32,
+}
+
+#[derive(Debug, Deserialize)]
+struct Message {
+    #[allow(dead_code)]
+    role: Role,
+    content: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Choice {
+    index: u32,
+    message: Message,
+    finish_reason: Option<FinishReason>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatCompletion {
+    id: String,
+    object: String,
+    #[allow(dead_code)]
+    created: u32,
+    model: String,
+    choices: Vec<Choice>,
+    #[allow(dead_code)]
+    usage: Option<Usage>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Delta {
+    #[allow(dead_code)]
+    role: Option<Role>,
+    content: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChunkChoice {
+    index: u32,
+    delta: Delta,
+    finish_reason: Option<FinishReason>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatCompletionChunk {
+    id: String,
+    object: String,
+    #[allow(dead_code)]
+    created: u32,
+    model: String,
+    choices: Vec<ChunkChoice>,
+}
+
+/// A static answer: 200, `x-sluice-degraded: static`, an OpenAI
+/// chat.completion whose content is `text`.
+fn assert_static(r: &Response, text: &str) {
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-sluice-degraded"), Some("static"), "{r:?}");
+    assert!(served_by(r).is_none(), "came from upstream: {r:?}");
+    assert!(
+        r.header("content-type")
+            .is_some_and(|v| v.starts_with("application/json")),
+        "{r:?}"
+    );
+    let c: ChatCompletion = serde_json::from_str(&r.body)
+        .unwrap_or_else(|e| panic!("not an OpenAI chat.completion ({e}): {}", r.body));
+    assert_eq!(c.object, "chat.completion");
+    assert!(!c.id.is_empty());
+    assert_eq!(c.model, MODEL);
+    assert_eq!(c.choices.len(), 1, "{}", r.body);
+    assert_eq!(c.choices[0].index, 0);
+    assert_eq!(c.choices[0].message.content.as_deref(), Some(text));
+    assert_eq!(c.choices[0].finish_reason, Some(FinishReason::Stop));
+}
+
+/// A static stream: SSE `data:` chunks of chat.completion.chunk, then
+/// `data: [DONE]`; the deltas spell `text`.
+fn assert_static_stream(r: &Response, text: &str) {
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-sluice-degraded"), Some("static"), "{r:?}");
+    assert!(
+        r.header("content-type")
+            .is_some_and(|v| v.starts_with("text/event-stream")),
+        "{r:?}"
+    );
+    let events: Vec<&str> = r
+        .body
+        .split("\n\n")
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect();
+    let (done, chunks) = events.split_last().expect("at least one event");
+    assert_eq!(*done, "data: [DONE]", "{}", r.body);
+    assert!(!chunks.is_empty(), "{}", r.body);
+    let mut content = String::new();
+    let mut finish = None;
+    for event in chunks {
+        let data = event
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("not an SSE data event: {event:?}"));
+        let chunk: ChatCompletionChunk = serde_json::from_str(data)
+            .unwrap_or_else(|e| panic!("not a chat.completion.chunk ({e}): {data}"));
+        assert_eq!(chunk.object, "chat.completion.chunk");
+        assert!(!chunk.id.is_empty());
+        assert_eq!(chunk.model, MODEL);
+        for choice in chunk.choices {
+            assert_eq!(choice.index, 0);
+            content.push_str(choice.delta.content.as_deref().unwrap_or(""));
+            if choice.finish_reason.is_some() {
+                finish = choice.finish_reason;
+            }
+        }
+    }
+    assert_eq!(content, text);
+    assert_eq!(finish, Some(FinishReason::Stop));
+}
+
+// ---------------------------------------------------------------------------
+// GPU breakers
+// ---------------------------------------------------------------------------
+
+#[test]
+fn gpu_breaker_refuses_past_the_sustain_time_and_admits_after_hysteresis() {
+    let sc = TestSidecar::start("1s", "1s");
+    let stack = Stack::start(|cfg| test_policy(cfg, Some(sc.addr()), None));
+    sc.wait_for_envoy();
+    assert_primary(&stack.chat(MODEL, &[]));
+
+    // 95 %: nothing changes before the sustain time, then 503 gpu_overloaded.
+    sc.simulate(95.0);
+    let hot = Instant::now();
+    assert_primary(&stack.chat(MODEL, &[]));
+    let mut refused = None;
+    let opened = wait_for(Duration::from_secs(10), || {
+        let r = stack.chat(MODEL, &[]);
+        if r.status == 200 {
+            return false;
+        }
+        refused = Some(r);
+        true
+    });
+    assert!(opened, "the breaker never reached Envoy: {:?}", sc.state());
+    let opened_after = hot.elapsed();
+    assert!(
+        opened_after >= Duration::from_millis(950),
+        "refused {opened_after:?} after 95 %, before open_for (1 s)"
+    );
+    let refused = refused.expect("a refusal");
+    let retry_after = assert_refused(&refused, "gpu_overloaded");
+    assert_eq!(retry_after, BREAKER_RETRY_AFTER, "{refused:?}");
+    let state = sc.state();
+    let breaker = &state["breakers"][0];
+    assert_eq!(
+        (&breaker["scope"], &breaker["state"]),
+        (&Json::from(SCOPE), &Json::from("open")),
+        "{state}"
+    );
+    assert!(
+        breaker["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("gpu_utilization")),
+        "{state}"
+    );
+
+    // Every model is on backend `local`; none reaches the upstream now.
+    let reached = stack.upstream_requests();
+    for model in [MODEL, OTHER_MODEL, MODEL, OTHER_MODEL] {
+        assert_refused(&stack.chat(model, &[]), "gpu_overloaded");
+    }
+    assert_eq!(stack.upstream_requests(), reached);
+
+    // 70 %: still open right after (hysteresis), half-open after
+    // close_after (a share gets through), closed after half_open_for.
+    sc.simulate(70.0);
+    let cool = Instant::now();
+    assert_refused(&stack.chat(MODEL, &[]), "gpu_overloaded");
+    let mut states = BTreeSet::new();
+    let (mut half_open_admitted, mut half_open_refused) = (0, 0);
+    let closed = wait_for(Duration::from_secs(15), || {
+        let state = sc.breaker();
+        let r = stack.chat(MODEL, &[]);
+        if state.as_deref() == Some("half_open") {
+            if r.status == 200 {
+                half_open_admitted += 1;
+            } else {
+                assert_refused(&r, "gpu_overloaded");
+                half_open_refused += 1;
+            }
+        }
+        states.extend(state.clone());
+        state.is_none()
+    });
+    assert!(closed, "the breaker did not close: {:?}", sc.state());
+    let closed_after = cool.elapsed();
+    assert!(states.contains("half_open"), "{states:?}");
+    assert!(
+        closed_after >= Duration::from_millis(1900),
+        "closed {closed_after:?} after 70 %: before close_after + half_open_for"
+    );
+    assert!(
+        half_open_admitted > 0 && half_open_refused > 0,
+        "half-open at 0.5 let {half_open_admitted} through and refused {half_open_refused}"
+    );
+    // Closed: everything flows again.
+    assert!(wait_for(Duration::from_secs(5), || stack
+        .chat(MODEL, &[])
+        .status
+        == 200));
+    for _ in 0..10 {
+        assert_primary(&stack.chat(MODEL, &[]));
+    }
+}
+
+#[test]
+fn kill_switch_reaches_envoy_in_well_under_100_ms() {
+    let fallback = MockLlm::start("fallback");
+    let sc = TestSidecar::start("30s", "10s");
+    let stack = Stack::start(|cfg| test_policy(cfg, Some(sc.addr()), Some(fallback.addr())));
+    sc.wait_for_envoy();
+    assert_primary(&stack.chat(MODEL, &[]));
+
+    // From the admin call (sent, and answered: the change is published)
+    // to the first answer from the other provider, back on a fresh
+    // connection.
+    let (mut from_call, mut from_commit) = (Vec::new(), Vec::new());
+    for toggle in 0..50 {
+        let on = toggle % 2 == 0;
+        let sent = Instant::now();
+        sc.kill_switch(on);
+        let committed = Instant::now();
+        let deadline = sent + Duration::from_secs(5);
+        loop {
+            let r = stack.chat(MODEL, &[]);
+            let rerouted = r.header("x-sluice-kill-switch") == Some("1");
+            if rerouted {
+                assert_rerouted(&r);
+            } else {
+                assert_primary(&r);
+            }
+            if rerouted == on {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "toggle {toggle}: the kill switch did not reach Envoy within 5 s"
+            );
+        }
+        let done = Instant::now();
+        from_call.push((done - sent).as_secs_f64() * 1000.0);
+        from_commit.push((done - committed).as_secs_f64() * 1000.0);
+    }
+    from_call.sort_by(f64::total_cmp);
+    from_commit.sort_by(f64::total_cmp);
+    let report = format!(
+        "kill switch → Envoy rerouting, {} toggles, 2 workers (ms):\n\
+         from the admin call:   p50 {:.1}  p99 {:.1}  max {:.1}\n\
+         from the call's answer: p50 {:.1}  p99 {:.1}  max {:.1}\n",
+        from_call.len(),
+        percentile(&from_call, 50.0),
+        percentile(&from_call, 99.0),
+        from_call[from_call.len() - 1],
+        percentile(&from_commit, 50.0),
+        percentile(&from_commit, 99.0),
+        from_commit[from_commit.len() - 1],
+    );
+    eprintln!("{report}");
+    let out = repo_root().join("target/reaction-times.txt");
+    fs::write(&out, &report).unwrap_or_else(|e| panic!("writing {}: {e}", out.display()));
+    assert!(
+        percentile(&from_call, 50.0) < 100.0,
+        "p50 not under 100 ms:\n{report}"
+    );
+    assert!(
+        percentile(&from_call, 99.0) < 1000.0,
+        "p99 not under a second (SPEC §5):\n{report}"
+    );
+}
+
+#[test]
+fn a_dead_sidecar_fails_open_after_the_staleness_window() {
+    let mut sc = TestSidecar::start("200ms", "10s");
+    let stack = Stack::start(|cfg| {
+        test_policy(cfg, Some(sc.addr()), None);
+        cfg.policy_mut()["sidecar"]["stale_after"] = Value::from("2s");
+    });
+    sc.wait_for_envoy();
+    sc.simulate(95.0);
+    assert!(
+        wait_for(Duration::from_secs(10), || stack.chat(MODEL, &[]).status
+            == 503),
+        "the breaker never reached Envoy: {:?}",
+        sc.state()
+    );
+
+    // A live sidecar whose state does not change stays fresh: the open
+    // breaker holds well past stale_after.
+    let held = Instant::now();
+    while held.elapsed() < Duration::from_millis(3500) {
+        assert_refused(&stack.chat(MODEL, &[]), "gpu_overloaded");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Killed: the last state (an open breaker) holds for a while, then
+    // requests flow again.
+    sc.sidecar.process().kill();
+    let killed = Instant::now();
+    assert_refused(&stack.chat(MODEL, &[]), "gpu_overloaded");
+    assert!(
+        wait_for(Duration::from_secs(10), || stack.chat(MODEL, &[]).status
+            == 200),
+        "still refusing 10 s after the sidecar died"
+    );
+    let open_after = killed.elapsed();
+    assert!(
+        open_after <= Duration::from_millis(3500),
+        "failed open {open_after:?} after the sidecar died (stale_after 2 s)"
+    );
+    for _ in 0..5 {
+        assert_primary(&stack.chat(MODEL, &[]));
+    }
+    let errors = stack
+        .envoy
+        .metric("sluice_sidecar_poll_errors_total", &[])
+        .unwrap_or(0.0);
+    assert!(errors >= 1.0, "failed polls are metered");
+}
+
+// ---------------------------------------------------------------------------
+// Kill switch
+// ---------------------------------------------------------------------------
+
+#[test]
+fn kill_switch_reroutes_to_the_fallback_and_survives_a_sidecar_restart() {
+    let fallback = MockLlm::start("fallback");
+    let mut sc = TestSidecar::start("30s", "10s");
+    let stack = Stack::start(|cfg| test_policy(cfg, Some(sc.addr()), Some(fallback.addr())));
+    sc.wait_for_envoy();
+    let key = ("x-api-key", "demo-pro-key");
+    let forged = ("x-sluice-upstream", "fallback");
+
+    // Off: a client cannot pick the fallback (and its credentials) itself.
+    let r = stack.chat(MODEL, &[key, forged]);
+    assert_primary(&r);
+    assert_eq!(requests_total(&fallback), 0);
+    let seen = last_request_headers(&stack.upstream);
+    assert!(seen.get("x-sluice-upstream").is_none(), "{seen}");
+
+    // On: the fallback provider answers, with Envoy's credentials.
+    let answer = sc.kill_switch(true);
+    assert_eq!(answer["persisted"], true, "{answer}");
+    assert!(wait_for(Duration::from_secs(5), || served_by(
+        &stack.chat(MODEL, &[key])
+    ) == Some("fallback")));
+    let primary_before = stack.upstream_requests();
+    for _ in 0..4 {
+        assert_rerouted(&stack.chat(MODEL, &[key]));
+    }
+    assert_eq!(stack.upstream_requests(), primary_before);
+    let seen = last_request_headers(&fallback);
+    assert_eq!(
+        seen["authorization"], "Bearer demo-fallback-credential",
+        "{seen}"
+    );
+    assert!(seen.get("x-api-key").is_none(), "client key leaked: {seen}");
+    assert!(seen.get("x-sluice-upstream").is_none(), "{seen}");
+
+    // Restarted with the same state file: still on, and Envoy (polling the
+    // new sidecar) still reroutes.
+    sc.restart();
+    let state = sc.state();
+    assert_eq!(state["kill_switch"]["active"], true, "{state}");
+    assert_eq!(
+        state["kill_switch"]["reason"], "sluice integration test",
+        "{state}"
+    );
+    sc.wait_for_envoy();
+    for _ in 0..4 {
+        assert_rerouted(&stack.chat(MODEL, &[key]));
+    }
+
+    // Off, through the restarted sidecar: back to the primary.
+    sc.kill_switch(false);
+    assert!(wait_for(Duration::from_secs(5), || served_by(
+        &stack.chat(MODEL, &[key])
+    ) == Some("primary")));
+    let fallback_before = requests_total(&fallback);
+    for _ in 0..4 {
+        assert_primary(&stack.chat(MODEL, &[key]));
+        assert_primary(&stack.chat(MODEL, &[key, forged]));
+    }
+    assert_eq!(requests_total(&fallback), fallback_before);
+}
+
+#[test]
+fn admin_calls_without_the_right_token_get_401() {
+    let sc = TestSidecar::start("30s", "10s");
+    let version = sc.state()["version"].clone();
+    let wrong = [
+        None,
+        Some("Bearer not-the-token".to_string()),
+        Some(format!("Bearer {TOKEN}x")),
+        Some(format!("Bearer {}", &TOKEN[..TOKEN.len() - 1])),
+        Some("Bearer ".to_string()),
+        Some(format!("Basic {TOKEN}")),
+        Some(TOKEN.to_string()),
+    ];
+    for auth in &wrong {
+        let r = sc.kill_switch_with(auth.as_deref(), true);
+        assert_eq!(r.status, 401, "{auth:?}: {r:?}");
+        assert_eq!(r.json()["error"]["code"], "unauthorized", "{r:?}");
+        assert!(!r.body.contains(TOKEN), "the answer shows the token: {r:?}");
+    }
+    let state = sc.state();
+    assert_eq!(state["kill_switch"]["active"], false, "{state}");
+    assert_eq!(
+        state["version"], version,
+        "a refused call changed the state"
+    );
+    assert!(
+        !sc.dir.path().join("state.json").exists(),
+        "a refused call wrote the state file"
+    );
+    sc.kill_switch(true);
+    assert_eq!(sc.state()["kill_switch"]["active"], true);
+
+    // No token configured at all: every admin call is refused.
+    let bare = Sidecar::start_with_args(&["--simulate"]);
+    let r = post_json(
+        &bare.url("/v1/kill-switch"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        &json!({"active": true}),
+    );
+    assert_eq!(r.status, 401, "{r:?}");
+    let r = request("GET", &bare.url("/v1/state"), &[], None).expect("state");
+    assert_eq!(r.json()["kill_switch"]["active"], false);
+}
+
+// ---------------------------------------------------------------------------
+// Upstream pushback
+// ---------------------------------------------------------------------------
+
+#[test]
+fn upstream_retry_after_pauses_the_route_for_every_worker() {
+    const WORKERS: u32 = 4;
+    let stack = Stack::start_with(WORKERS, |cfg| test_policy(cfg, None, None));
+    let listener = stack.envoy.addr();
+    let per_worker = |i: u32| {
+        stack
+            .envoy
+            .counter_value(&format!(
+                "listener.{}_{}.worker_{i}.downstream_cx_total",
+                listener.ip(),
+                listener.port()
+            ))
+            .unwrap_or_else(|| panic!("no connection counter for worker {i}"))
+    };
+    let before: Vec<u64> = (0..WORKERS).map(per_worker).collect();
+
+    let sent = Instant::now();
+    let r = stack.chat(
+        MODEL,
+        &[("x-mock-status", "503"), ("x-mock-retry-after", "5")],
+    );
+    assert_eq!((r.status, served_by(&r)), (503, Some("primary")), "{r:?}");
+    assert_eq!(r.header("retry-after"), Some("5"), "{r:?}");
+    let reached = stack.upstream_requests();
+
+    // Until 5 s after the 503: every request for that model, on fresh
+    // connections spread over every worker, is refused at Envoy.
+    let url = stack.envoy.url("/v1/chat/completions");
+    let mut refused = 0;
+    runtime().block_on(async {
+        let client = async_client();
+        let mut first = true;
+        while sent.elapsed() < Duration::from_millis(4900) {
+            let tasks: Vec<_> = (0..8)
+                .map(|_| {
+                    let (client, url) = (client.clone(), url.clone());
+                    tokio::spawn(async move {
+                        post_json_async(&client, &url, &[], &chat_body(MODEL)).await
+                    })
+                })
+                .collect();
+            let mut answers = Vec::new();
+            for t in tasks {
+                answers.push(t.await.expect("task").expect("request"));
+            }
+            // The pause lasts at least until 5 s after the 503 was sent.
+            let left_ms = 5000u64.saturating_sub(sent.elapsed().as_millis() as u64);
+            for r in &answers {
+                let retry_after = assert_refused(r, "upstream_paused");
+                assert!(
+                    retry_after * 1000 >= left_ms,
+                    "Retry-After {retry_after} with {left_ms} ms of pause left"
+                );
+                if first {
+                    assert!(retry_after >= 4, "{r:?}");
+                }
+                refused += 1;
+            }
+            first = false;
+        }
+    });
+    assert_eq!(
+        stack.upstream_requests(),
+        reached,
+        "a paused request got through"
+    );
+    let after: Vec<u64> = (0..WORKERS).map(per_worker).collect();
+    for i in 0..WORKERS as usize {
+        assert!(
+            after[i] > before[i],
+            "worker {i} served none of the {refused} refused requests: {before:?} → {after:?}"
+        );
+    }
+    // Only that model's route is paused.
+    assert_primary(&stack.chat(OTHER_MODEL, &[]));
+    assert_eq!(stack.upstream_requests(), reached + 1);
+
+    // Then it flows again (5 s + at most 200 ms of jitter).
+    assert!(wait_for(Duration::from_secs(5), || stack
+        .chat(MODEL, &[])
+        .status
+        == 200));
+    assert!(sent.elapsed() >= Duration::from_secs(5));
+    assert_primary(&stack.chat(MODEL, &[]));
+}
+
+#[test]
+fn consecutive_500s_open_the_error_breaker_and_a_probe_closes_it() {
+    let stack = Stack::start(|cfg| test_policy(cfg, None, None));
+    let fail = [("x-mock-status", "500")];
+    assert_primary(&stack.chat(MODEL, &[]));
+    for _ in 0..3 {
+        let r = stack.chat(MODEL, &fail);
+        assert_eq!((r.status, served_by(&r)), (500, Some("primary")), "{r:?}");
+    }
+    let opened = Instant::now();
+    let reached = stack.upstream_requests();
+    let r = stack.chat(MODEL, &[]);
+    assert_eq!(assert_refused(&r, "upstream_unhealthy"), 1, "{r:?}");
+    assert_refused(&stack.chat(MODEL, &[]), "upstream_unhealthy");
+    assert_eq!(stack.upstream_requests(), reached);
+    // Per model route: another model still flows.
+    assert_primary(&stack.chat(OTHER_MODEL, &[]));
+    let reached = reached + 1;
+
+    // After the 1 s cooldown one probe goes through; it fails, and the
+    // breaker reopens for twice as long.
+    let mut probe = None;
+    assert!(wait_for(Duration::from_secs(5), || {
+        let r = stack.chat(MODEL, &fail);
+        if r.status == 503 && r.header("x-sluice-reason") == Some("upstream_unhealthy") {
+            return false;
+        }
+        probe = Some(r);
+        true
+    }));
+    let probed_after = opened.elapsed();
+    let probe = probe.expect("a probe");
+    assert_eq!((probe.status, served_by(&probe)), (500, Some("primary")));
+    assert!(
+        probed_after >= Duration::from_millis(950),
+        "probed {probed_after:?} after opening, before the 1 s cooldown"
+    );
+    assert_eq!(stack.upstream_requests(), reached + 1, "exactly one probe");
+    let reopened = Instant::now();
+    let r = stack.chat(MODEL, &[]);
+    assert_eq!(assert_refused(&r, "upstream_unhealthy"), 2, "{r:?}");
+
+    // After the 2 s cooldown a good probe closes the breaker.
+    assert!(wait_for(Duration::from_secs(6), || stack
+        .chat(MODEL, &[])
+        .status
+        == 200));
+    assert!(
+        reopened.elapsed() >= Duration::from_millis(1900),
+        "closed {:?} after reopening, before the doubled cooldown",
+        reopened.elapsed()
+    );
+    for _ in 0..5 {
+        assert_primary(&stack.chat(MODEL, &[]));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Static fallback
+// ---------------------------------------------------------------------------
+
+#[test]
+fn static_fallback_answers_in_the_openai_shape_when_nothing_can_serve() {
+    // The fallback route stays in the Envoy config (it is the shipped one);
+    // only the policy has no fallback provider.
+    let fallback = MockLlm::start("fallback");
+    let sc = TestSidecar::start("200ms", "10s");
+    let stack = Stack::start(|cfg| {
+        test_policy(cfg, Some(sc.addr()), Some(fallback.addr()));
+        let p = cfg.policy_mut();
+        p["static_fallback"]["when_primary_out"] = Value::from(true);
+        p.as_mapping_mut()
+            .expect("policy is a map")
+            .remove("fallback")
+            .expect("the shipped policy has a fallback section");
+    });
+    sc.wait_for_envoy();
+    assert_primary(&stack.chat(MODEL, &[]));
+    // Without a fallback section, a client still cannot pick that route
+    // (and the credentials Envoy injects there).
+    assert_primary(&stack.chat(MODEL, &[("x-sluice-upstream", "fallback")]));
+    assert_eq!(requests_total(&fallback), 0);
+    let is_static = || {
+        chat_with(&stack, "What is sluice?", false).header("x-sluice-degraded") == Some("static")
+    };
+    let all_static = || {
+        assert_static(&chat_with(&stack, "What is sluice?", false), CANNED);
+        assert_static(&chat_with(&stack, "  what IS sluice ", false), CANNED);
+        assert_static(&chat_with(&stack, "Tell me a joke", false), DEFAULT_MESSAGE);
+        assert_static_stream(&chat_with(&stack, "What is sluice?", true), CANNED);
+        assert_static_stream(&chat_with(&stack, "Tell me a joke", true), DEFAULT_MESSAGE);
+    };
+
+    // Kill switch without a fallback provider: the static answer.
+    sc.kill_switch(true);
+    assert!(wait_for(Duration::from_secs(5), is_static));
+    let reached = stack.upstream_requests();
+    all_static();
+    assert_eq!(
+        stack.upstream_requests(),
+        reached,
+        "a static answer reached the upstream"
+    );
+    sc.kill_switch(false);
+    assert!(wait_for(Duration::from_secs(5), || stack
+        .chat(MODEL, &[])
+        .status
+        == 200));
+
+    // An open GPU breaker with when_primary_out: the static answer too.
+    sc.simulate(95.0);
+    assert!(wait_for(Duration::from_secs(10), is_static));
+    let reached = stack.upstream_requests();
+    all_static();
+    assert_eq!(
+        stack.upstream_requests(),
+        reached,
+        "a static answer reached the upstream"
+    );
+    assert_eq!(requests_total(&fallback), 0);
+}
