@@ -71,7 +71,12 @@ impl AdminToken {
         let (Some(want), Some(header)) = (&self.0, authorization) else {
             return false;
         };
-        let Some(given) = header.strip_prefix(b"Bearer ") else {
+        // The scheme is case-insensitive (RFC 9110 §11.1).
+        let Some(given) = header
+            .get(..7)
+            .filter(|scheme| scheme.eq_ignore_ascii_case(b"Bearer "))
+            .map(|_| &header[7..])
+        else {
             return false;
         };
         // Constant time over the contents; only the length can show.
@@ -234,9 +239,9 @@ mod tests {
     fn token_checks() {
         let t = AdminToken::new("s3cret");
         assert!(t.accepts(Some(b"Bearer s3cret")));
+        assert!(t.accepts(Some(b"bearer s3cret")));
         assert!(!t.accepts(Some(b"Bearer s3cret ")));
         assert!(!t.accepts(Some(b"Bearer s3cre")));
-        assert!(!t.accepts(Some(b"bearer s3cret")));
         assert!(!t.accepts(Some(b"s3cret")));
         assert!(!t.accepts(None));
         assert!(!AdminToken::default().accepts(Some(b"Bearer ")));
