@@ -545,51 +545,52 @@ impl Engine {
             max_retries: self.policy.state.cas_max_retries,
         };
         let requested_model = asked.and_then(|a| a.demand.model.clone());
-        let mut model = requested_model.clone();
         let input_raw = asked.map_or(0.0, |a| a.input_raw);
-        let input = match (asked, &model) {
+        let input = match (asked, &requested_model) {
             (Some(_), Some(m)) => self.correction(store, m).apply(input_raw),
             (Some(_), None) => Correction::default().apply(input_raw),
             (None, _) => 0,
         };
         let produces_output = asked.is_some() && api != Api::OpenAiEmbeddings;
         let requested_out = asked.and_then(|a| a.demand.max_output);
-        let mut output = if produces_output {
-            requested_out.unwrap_or_else(|| self.default_output(model.as_deref()))
-        } else {
-            0
+        let mut output = match (produces_output, requested_out) {
+            (false, _) => 0,
+            (true, Some(max)) => max,
+            (true, None) => self.default_output(requested_model.as_deref()),
+        };
+        let downshift = asked.and_then(|_| {
+            self.downshift(
+                &reserver,
+                identity,
+                requested_model.as_deref(),
+                path,
+                input,
+                output,
+                now_ms,
+            )
+        });
+        let model = downshift.clone().or(requested_model.clone());
+        let degraded = downshift.is_some().then_some("downshift");
+        let labels = |decision, reason: &'static str| Labels {
+            decision,
+            reason,
+            tier: identity.tier.clone(),
+            model: self.model_label(model.as_deref()),
         };
 
-        // Over a soft cap: go on, with the model's cheaper model.
-        let mut degraded = None;
-        if asked.is_some() {
-            let pricing = self.pricing_of(model.as_deref());
-            let over_soft = self
-                .applying(&identity.tier, model.as_deref(), path)
-                .iter()
-                .any(|&i| {
-                    let b = &self.buckets[i];
-                    b.soft && {
-                        let claim = Claim::hard(&b.rule, b.meter.amount(input, output, pricing));
-                        reserver.peek(&claim, identity.hash, now_ms).remaining < claim.amount
-                    }
-                });
-            let target = model
-                .as_ref()
-                .and_then(|m| self.policy.models.get(m))
-                .and_then(|m| m.downshift_to.clone());
-            if let (true, Some(target)) = (over_soft, target) {
-                model = Some(target);
-                degraded = Some("downshift");
-            }
-        }
-
+        // Reserve; when a hard token budget cannot cover the maximum output,
+        // ask the model for only what it still covers (no overshoot).
         let mut effort = Effort::default();
         let pricing = self.pricing_of(model.as_deref());
         let applying = self.applying(&identity.tier, model.as_deref(), path);
         let mut lowered = false;
-        let outcome = loop {
-            let claims: Vec<Claim> = applying
+        let (reservation, taken) = loop {
+            let taken: Vec<usize> = applying
+                .iter()
+                .copied()
+                .filter(|&i| self.buckets[i].meter.amount(input, output, pricing) > 0)
+                .collect();
+            let claims: Vec<Claim> = taken
                 .iter()
                 .map(|&i| {
                     let b = &self.buckets[i];
@@ -599,19 +600,14 @@ impl Engine {
                         soft: b.soft,
                     }
                 })
-                .filter(|c| c.amount > 0)
                 .collect();
-            let ids: Vec<String> = claims.iter().map(|c| c.rule.id.clone()).collect();
             match reserver.reserve(&claims, identity.hash, now_ms, &mut effort) {
-                Ok(reservation) => break Ok((reservation, ids)),
+                Ok(reservation) => break (reservation, taken),
                 Err(Refusal::Full { index, shortfall }) if produces_output => {
-                    // No overshoot: ask the model for only what the budget
-                    // still covers, if that is anything at all.
-                    let b = self.bucket_by_id(&claims[index].rule.id);
                     let room = shortfall.quota.remaining;
-                    let allowed = match b.map(|b| b.meter) {
-                        Some(Meter::Tokens) => room.saturating_sub(input),
-                        Some(Meter::OutputTokens) => room,
+                    let allowed = match self.buckets[taken[index]].meter {
+                        Meter::Tokens => room.saturating_sub(input),
+                        Meter::OutputTokens => room,
                         _ => 0,
                     };
                     if allowed >= MIN_LOWERED_OUTPUT && allowed < output {
@@ -619,168 +615,31 @@ impl Engine {
                         lowered = true;
                         continue;
                     }
-                    break Err((Refusal::Full { index, shortfall }, ids));
+                    let refusal = Refusal::Full { index, shortfall };
+                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms);
                 }
-                Err(refusal) => break Err((refusal, ids)),
-            }
-        };
-        let labels = |decision, reason: &'static str| Labels {
-            decision,
-            reason,
-            tier: identity.tier.clone(),
-            model: self.model_label(model.as_deref()),
-        };
-        let (reservation, ids) = match outcome {
-            Ok(ok) => ok,
-            Err((refusal, ids)) => {
-                let (index, quota, retry_after_ms) = match refusal {
-                    Refusal::Full { index, shortfall } => {
-                        (index, shortfall.quota, shortfall.retry_after_ms)
-                    }
-                    // Lost every CAS race: refuse by that bucket, briefly.
-                    Refusal::Contended { index } | Refusal::Host { index, .. } => {
-                        effort.exhausted = true;
-                        let limit = self
-                            .bucket_by_id(&ids[index])
-                            .map_or(1, |b| b.rule.limit.capacity());
-                        (
-                            index,
-                            Quota {
-                                limit,
-                                remaining: 0,
-                                reset_ms: 1_000,
-                            },
-                            1_000,
-                        )
-                    }
-                };
-                let Some(bucket) = self.bucket_by_id(&ids[index]) else {
-                    return self.refused(
-                        answer::rejected(Reason::InvalidRequest, "internal", None),
-                        Reason::InvalidRequest,
-                        &identity.tier,
-                        None,
-                    );
-                };
-                let limit_text = bucket.rule.limit.describe();
-                let reply = answer::limited(
-                    &Limited {
-                        reason: bucket.reason,
-                        quota,
-                        retry_after_ms,
-                        tier: &identity.tier,
-                        bucket: &bucket.name,
-                        limit_text: &limit_text,
-                    },
-                    now_ms,
-                );
-                return Verdict {
-                    reply: Some(reply),
-                    response_headers: Vec::new(),
-                    body: None,
-                    labels: labels("refuse", bucket.reason.code()),
-                    effort,
-                    plan: None,
-                    alerts: Vec::new(),
-                    degraded: None,
-                    bucket: Some(bucket.rule.id.clone()),
-                };
+                Err(refusal) => {
+                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms)
+                }
             }
         };
 
-        // Admitted. Headers: the tightest request bucket as X-RateLimit-*,
-        // the tightest token bucket as X-RateLimit-*-Tokens (OpenAI's names).
-        let meters: Vec<Meter> = ids
-            .iter()
-            .filter_map(|id| self.bucket_by_id(id))
-            .map(|b| b.meter)
-            .collect();
-        let tightest = |want: fn(Meter) -> bool| {
-            reservation
-                .quotas
-                .iter()
-                .zip(&meters)
-                .filter(|(_, m)| want(**m))
-                .map(|(q, _)| *q)
-                .min_by_key(|q| {
-                    (
-                        q.remaining as u128 * 1_000_000 / q.limit.max(1) as u128,
-                        std::cmp::Reverse(q.reset_ms),
-                    )
-                })
-        };
-        let mut headers = Vec::new();
-        if let Some(q) = tightest(|m| m == Meter::Requests).or(reservation.tightest.map(|(_, q)| q))
-        {
-            headers.extend(answer::rate_limit_headers(&q));
-        }
-        if let Some(q) =
-            tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
-        {
-            headers.extend(
-                answer::rate_limit_headers(&q)
-                    .into_iter()
-                    .map(|(n, v)| (format!("{n}-tokens"), v)),
-            );
-        }
-        let mut alerts = Vec::new();
-        for ((q, id), _) in reservation.quotas.iter().zip(&ids).zip(&meters) {
-            let Some(b) = self.bucket_by_id(id) else {
-                continue;
-            };
-            if let Some(alert) = b.alert_permille {
-                let used_permille =
-                    1000 - (q.remaining as u128 * 1000 / q.limit.max(1) as u128) as u32;
-                if used_permille >= alert {
-                    alerts.push(format!("{}: {}% used", b.name, used_permille / 10));
-                }
-            }
-        }
-        if !alerts.is_empty() {
-            headers.push(("x-sluice-budget-alert".into(), alerts.join("; ")));
-        }
+        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
+        let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
         if let Some(kind) = degraded {
             headers.push(("x-sluice-degraded".into(), kind.into()));
         }
-
-        // Rewrite the body: the served model, the output reserved, and a
-        // request for the usage chunk of a stream.
-        let mut body = None;
-        let mut strip_usage = false;
-        if let Some(asked) = asked {
-            let mut json = asked.body.clone();
-            let mut changed = false;
-            if model != requested_model {
-                if let Some(m) = &model {
-                    json["model"] = Value::String(m.clone());
-                    changed = true;
-                }
+        let (body, strip_usage) = match asked {
+            Some(asked) => {
+                let new_output =
+                    (produces_output && (lowered || requested_out.is_none())).then_some(output);
+                rewrite(api, asked, downshift.as_deref(), new_output)
             }
-            if produces_output && (lowered || requested_out.is_none()) {
-                set_max_output(api, &mut json, output);
-                changed = true;
-            }
-            let wants_usage = matches!(api, Api::OpenAiChat | Api::OpenAiCompletions)
-                && asked.demand.stream
-                && json
-                    .pointer("/stream_options/include_usage")
-                    .and_then(Value::as_bool)
-                    != Some(true);
-            if wants_usage {
-                if !json.get("stream_options").is_some_and(Value::is_object) {
-                    json["stream_options"] = Value::Object(Default::default());
-                }
-                json["stream_options"]["include_usage"] = Value::Bool(true);
-                strip_usage = true;
-                changed = true;
-            }
-            if changed {
-                body = Some(json.to_string().into_bytes());
-            }
-        }
+            None => (None, false),
+        };
         let plan = asked.map(|a| Plan {
-            held: reservation.held.clone(),
-            meters: meters.clone(),
+            held: reservation.held,
+            meters,
             api,
             model: model.clone(),
             input_raw,
@@ -801,6 +660,138 @@ impl Engine {
             degraded,
             bucket: None,
         }
+    }
+
+    /// Over a soft cap, the model's cheaper model (`downshift_to`), if it
+    /// has one. A peek, not a reservation: soft caps tolerate the race.
+    #[allow(clippy::too_many_arguments)]
+    fn downshift(
+        &self,
+        reserver: &Reserver,
+        identity: &Identity,
+        model: Option<&str>,
+        path: &str,
+        input: u64,
+        output: u64,
+        now_ms: u64,
+    ) -> Option<String> {
+        let target = self.policy.models.get(model?)?.downshift_to.clone()?;
+        let pricing = self.pricing_of(model);
+        let over_soft = self.applying(&identity.tier, model, path).iter().any(|&i| {
+            let b = &self.buckets[i];
+            b.soft && {
+                let claim = Claim::hard(&b.rule, b.meter.amount(input, output, pricing));
+                reserver.peek(&claim, identity.hash, now_ms).remaining < claim.amount
+            }
+        });
+        over_soft.then_some(target)
+    }
+
+    /// The 429 of the bucket that refused (`taken[index]`).
+    fn refusal(
+        &self,
+        refusal: Refusal,
+        taken: &[usize],
+        identity: &Identity,
+        labels: impl Fn(&'static str, &'static str) -> Labels,
+        mut effort: Effort,
+        now_ms: u64,
+    ) -> Verdict {
+        let (index, quota, retry_after_ms) = match refusal {
+            Refusal::Full { index, shortfall } => {
+                (index, shortfall.quota, shortfall.retry_after_ms)
+            }
+            // Lost every CAS race: refuse by that bucket, briefly.
+            Refusal::Contended { index } | Refusal::Host { index, .. } => {
+                effort.exhausted = true;
+                let limit = self.buckets[taken[index]].rule.limit.capacity();
+                (
+                    index,
+                    Quota {
+                        limit,
+                        remaining: 0,
+                        reset_ms: 1_000,
+                    },
+                    1_000,
+                )
+            }
+        };
+        let bucket = &self.buckets[taken[index]];
+        let limit_text = bucket.rule.limit.describe();
+        let reply = answer::limited(
+            &Limited {
+                reason: bucket.reason,
+                quota,
+                retry_after_ms,
+                tier: &identity.tier,
+                bucket: &bucket.name,
+                limit_text: &limit_text,
+            },
+            now_ms,
+        );
+        Verdict {
+            reply: Some(reply),
+            response_headers: Vec::new(),
+            body: None,
+            labels: labels("refuse", bucket.reason.code()),
+            effort,
+            plan: None,
+            alerts: Vec::new(),
+            degraded: None,
+            bucket: Some(bucket.rule.id.clone()),
+        }
+    }
+
+    /// Headers of an admitted request: the tightest request bucket as
+    /// `X-RateLimit-*`, the tightest token bucket as `X-RateLimit-*-Tokens`
+    /// (OpenAI's names), and budget alerts past their threshold.
+    fn admitted_headers(
+        &self,
+        quotas: &[Quota],
+        taken: &[usize],
+    ) -> (Vec<(String, String)>, Vec<String>) {
+        let share_left = |q: &Quota| {
+            (
+                q.remaining as u128 * 1_000_000 / q.limit.max(1) as u128,
+                std::cmp::Reverse(q.reset_ms),
+            )
+        };
+        let tightest = |want: fn(Meter) -> bool| {
+            quotas
+                .iter()
+                .zip(taken)
+                .filter(|(_, &i)| want(self.buckets[i].meter))
+                .map(|(q, _)| *q)
+                .min_by_key(share_left)
+        };
+        let mut headers = Vec::new();
+        if let Some(q) = tightest(|m| m == Meter::Requests).or_else(|| tightest(|_| true)) {
+            headers.extend(answer::rate_limit_headers(&q));
+        }
+        if let Some(q) =
+            tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
+        {
+            headers.extend(
+                answer::rate_limit_headers(&q)
+                    .into_iter()
+                    .map(|(n, v)| (format!("{n}-tokens"), v)),
+            );
+        }
+        let mut alerts = Vec::new();
+        for (q, &i) in quotas.iter().zip(taken) {
+            let b = &self.buckets[i];
+            if let Some(alert) = b.alert_permille {
+                let used_permille =
+                    1000 - (q.remaining as u128 * 1000 / q.limit.max(1) as u128) as u32;
+                if used_permille >= alert {
+                    alerts.push(format!("{}: {}% used", b.name, used_permille / 10));
+                }
+            }
+        }
+        if !alerts.is_empty() {
+            headers.push(("x-sluice-budget-alert".into(), alerts.join("; ")));
+        }
+        (headers, alerts)
     }
 
     /// Step 5: replace the reservation with what the response really cost.
@@ -939,10 +930,6 @@ impl Engine {
             .collect()
     }
 
-    fn bucket_by_id(&self, id: &str) -> Option<&Bucket> {
-        self.buckets.iter().find(|b| b.rule.id == id)
-    }
-
     fn default_output(&self, model: Option<&str>) -> u64 {
         model
             .and_then(|m| self.policy.models.get(m))
@@ -1048,6 +1035,41 @@ fn prompt_text(body: &Value) -> String {
         .find_map(|k| body.get(*k))
         .map(text_of)
         .unwrap_or_default()
+}
+
+/// The body the upstream gets: the served model (downshift), the output
+/// reserved (`new_output`), and, for streams, a request for the usage chunk
+/// (which the client then does not see: the second value).
+fn rewrite(
+    api: Api,
+    asked: &Asked,
+    model: Option<&str>,
+    new_output: Option<u64>,
+) -> (Option<Vec<u8>>, bool) {
+    let mut json = asked.body.clone();
+    let mut changed = false;
+    if let Some(m) = model {
+        json["model"] = Value::String(m.to_string());
+        changed = true;
+    }
+    if let Some(max) = new_output {
+        set_max_output(api, &mut json, max);
+        changed = true;
+    }
+    let wants_usage = matches!(api, Api::OpenAiChat | Api::OpenAiCompletions)
+        && asked.demand.stream
+        && json
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            != Some(true);
+    if wants_usage {
+        if !json.get("stream_options").is_some_and(Value::is_object) {
+            json["stream_options"] = Value::Object(Default::default());
+        }
+        json["stream_options"]["include_usage"] = Value::Bool(true);
+        changed = true;
+    }
+    (changed.then(|| json.to_string().into_bytes()), wants_usage)
 }
 
 /// Writes the output limit where each API reads it.
