@@ -39,6 +39,25 @@ test: build
 	$(CARGO) test --workspace --exclude sluice-tests
 	$(CARGO) test -p sluice-tests -- --test-threads=2
 
+## check-rules: `promtool check rules` on envoy/prometheus-rules.yaml. promtool
+## comes from Debian's `prometheus` package, unpacked (apt-get download +
+## dpkg -x, no install: no prometheus service is started, nothing lands
+## outside target/) into target/promtool/. One on PATH, or PROMTOOL=…, wins.
+PROMTOOL_DIR := target/promtool
+PROMTOOL     ?= $(or $(shell command -v promtool 2>/dev/null),$(PROMTOOL_DIR)/promtool)
+
+.PHONY: check-rules
+check-rules:
+	@if [ ! -x "$(PROMTOOL)" ]; then \
+	  echo "promtool: unpacking Debian's prometheus package into $(PROMTOOL_DIR)/"; \
+	  rm -rf $(PROMTOOL_DIR) && mkdir -p $(PROMTOOL_DIR)/deb && cd $(PROMTOOL_DIR)/deb && \
+	  { apt-get download prometheus 2>/dev/null || { apt-get update && apt-get download prometheus; }; } && \
+	  dpkg -x prometheus_*.deb x && mv x/usr/bin/promtool ../promtool && cd .. && rm -rf deb; \
+	fi
+	$(PROMTOOL) check rules envoy/prometheus-rules.yaml
+
+test: check-rules
+
 ## demo: mock-llm :8000, sidecar :9911, Envoy :10000 (admin :9901); Ctrl-C stops all
 demo: build
 	./scripts/demo.sh

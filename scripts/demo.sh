@@ -55,6 +55,13 @@ sluice demo is up.
   mock-llm         http://127.0.0.1:8001    (fallback provider)
   sidecar          http://127.0.0.1:9911/   (status page; state at /v1/state)
   admin token      $SLUICE_ADMIN_TOKEN
+
+Observability:
+  metrics          http://127.0.0.1:9901/stats/prometheus   (sluice_*, from Envoy)
+                   http://127.0.0.1:9911/metrics            (sluice_sidecar_*)
+  audit log        $logs/audit.jsonl   (one JSON line per request; Envoy writes it
+                   every 10 s, or now: curl -s -X POST http://127.0.0.1:9901/reopen_logs)
+  alerts           envoy/prometheus-rules.yaml   dashboard: envoy/grafana-dashboard.json
 TXT
 cat <<'TXT'
 
@@ -96,6 +103,9 @@ Try:
   # metrics
   curl -s http://127.0.0.1:9901/stats/prometheus | grep sluice_
   curl -s http://127.0.0.1:9911/metrics | grep sluice_sidecar_
+
+  # the audit trail (flush it first; no key, JWT or prompt is in it)
+  curl -s -X POST http://127.0.0.1:9901/reopen_logs >/dev/null; tail -n 3 target/demo/audit.jsonl
 
 Logs: target/demo/. Press Ctrl-C to stop.
 TXT

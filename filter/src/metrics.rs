@@ -84,9 +84,44 @@ pub const GLOBAL_BREAKER: &str = "sluice_global_breaker_open";
 /// Policies refused at load.
 pub const CONFIG_REJECTED: &str = "sluice_config_rejected_total";
 
+/// Every metric with a fixed name: defined at 0 when a policy loads, so
+/// each exists (and its first increment is a visible change) before
+/// anything happens.
+pub const FIXED: &[&str] = &[
+    KILL_SWITCH,
+    BREAKERS_OPEN,
+    CAS_RETRIES,
+    CAS_EXHAUSTED,
+    BUCKET_OVERFLOW,
+    RESERVATIONS_OUTSTANDING,
+    SPEND_MICROS,
+    USAGE_INVALID,
+    USAGE_MISSING,
+    STREAM_CUT,
+    BUDGET_ALERTS,
+    SIDECAR_POLLS,
+    SIDECAR_POLL_ERRORS,
+    REROUTED,
+    ERROR_BREAKER_OPENED,
+    USAGE_SURGES,
+    GLOBAL_BREAKER,
+    CONFIG_REJECTED,
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_gauge_is_a_fixed_name_and_fixed_names_are_unique() {
+        for gauge in GAUGES {
+            assert!(FIXED.contains(gauge), "{gauge}");
+        }
+        let mut names = FIXED.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), FIXED.len());
+    }
 
     #[test]
     fn label_encoding_matches_the_shipped_stats_tags() {

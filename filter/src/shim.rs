@@ -71,21 +71,38 @@ struct Metrics {
 }
 
 impl Metrics {
+    /// The metric's id, defined on first use (at 0).
+    fn id(&self, name: &str, kind: MetricType) -> Option<u32> {
+        let mut ids = self.ids.borrow_mut();
+        if let Some(id) = ids.get(name) {
+            return Some(*id);
+        }
+        let id = hostcalls::define_metric(kind, name).ok()?;
+        ids.insert(name.to_string(), id);
+        Some(id)
+    }
+
+    /// Defines the metrics alerts and dashboards read, at 0, before
+    /// anything happens: a counter that first appears at 1 hides that
+    /// first increment from Prometheus' `rate()`/`increase()` (the first
+    /// surge, reroute or refusal by a bucket would never alert), and a
+    /// gauge that is absent reads as "no data" rather than 0.
+    fn define_known(&self, engine: &Engine) {
+        for name in metrics::FIXED {
+            self.id(name, metric_type(name));
+        }
+        for rule in engine.rules() {
+            self.id(&metrics::refusals_total(&rule.id), MetricType::Counter);
+        }
+    }
+
     fn add(&self, name: &str, by: i64) {
         if by == 0 {
             return;
         }
-        let id = {
-            let mut ids = self.ids.borrow_mut();
-            match ids.get(name) {
-                Some(id) => *id,
-                None => match hostcalls::define_metric(metric_type(name), name) {
-                    Ok(id) => *ids.entry(name.to_string()).or_insert(id),
-                    Err(_) => return,
-                },
-            }
-        };
-        let _ = hostcalls::increment_metric(id, by);
+        if let Some(id) = self.id(name, metric_type(name)) {
+            let _ = hostcalls::increment_metric(id, by);
+        }
     }
 
     fn record(&self, verdict: &Verdict) {
@@ -120,32 +137,16 @@ impl Metrics {
 
     /// Records one value in a histogram.
     fn observe(&self, name: &str, value: u64) {
-        let id = {
-            let mut ids = self.ids.borrow_mut();
-            match ids.get(name) {
-                Some(id) => *id,
-                None => match hostcalls::define_metric(MetricType::Histogram, name) {
-                    Ok(id) => *ids.entry(name.to_string()).or_insert(id),
-                    Err(_) => return,
-                },
-            }
-        };
-        let _ = hostcalls::record_metric(id, value);
+        if let Some(id) = self.id(name, MetricType::Histogram) {
+            let _ = hostcalls::record_metric(id, value);
+        }
     }
 
     /// Sets a gauge to a value.
     fn set(&self, name: &str, value: u64) {
-        let id = {
-            let mut ids = self.ids.borrow_mut();
-            match ids.get(name) {
-                Some(id) => *id,
-                None => match hostcalls::define_metric(MetricType::Gauge, name) {
-                    Ok(id) => *ids.entry(name.to_string()).or_insert(id),
-                    Err(_) => return,
-                },
-            }
-        };
-        let _ = hostcalls::record_metric(id, value);
+        if let Some(id) = self.id(name, MetricType::Gauge) {
+            let _ = hostcalls::record_metric(id, value);
+        }
     }
 }
 
@@ -331,6 +332,7 @@ impl RootContext for Root {
             }
         };
         let engine = Engine::new(policy);
+        self.metrics.define_known(&engine);
         let rules = engine.rules();
         match prepare(&HostStore, &rules, engine.policy.state.principal_slots) {
             Ok(created) => log(
@@ -468,6 +470,12 @@ impl Http {
         if verdict.reply.is_none() {
             // Latency and token metrics describe requests that went upstream.
             self.labels = Some((l.tier.clone(), l.model.clone()));
+            if self.engine.policy.anomaly.is_some() {
+                // Admission passed the global breaker: it is closed now
+                // (else the gauge would stay at 1 after the hour's window
+                // let spend fall under the ceiling, until a settlement).
+                self.metrics.set(metrics::GLOBAL_BREAKER, 0);
+            }
         }
         audit("sluice_decision", l.decision);
         audit("sluice_reason", l.reason);
