@@ -90,6 +90,14 @@ impl Monitor {
         let polls = join_all(self.backends.iter_mut().map(|b| b.poll(now.mono))).await;
 
         let snap = &mut self.snapshot;
+        // Every source's error counter exists from the first round, at 0, so
+        // the first error shows in rate()/increase().
+        if gpus.is_some() {
+            snap.scrape_errors.entry("gpu".into()).or_default();
+        }
+        for status in &snap.backends {
+            snap.scrape_errors.entry(status.name.clone()).or_default();
+        }
         match &gpus {
             Some(Ok(g)) => {
                 if snap.gpu_error.take().is_some() {
