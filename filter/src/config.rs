@@ -54,8 +54,8 @@ pub struct Policy {
     #[serde(default)]
     pub protection: ProtectionConfig,
     pub static_fallback: Option<StaticFallback>,
-    #[serde(default)]
-    pub audit: AuditConfig,
+    /// Absent: no audit fields are written (they cost a host call each).
+    pub audit: Option<AuditConfig>,
     pub anomaly: Option<AnomalyConfig>,
 }
 

@@ -1005,7 +1005,8 @@ impl Engine {
     /// The principal as the audit log shows it: a salted SHA-256, never the
     /// raw key, address or subject.
     pub fn audit_principal(&self, identity: &Identity) -> String {
-        let salted = format!("{}\n{}", self.policy.audit.salt, identity.principal);
+        let salt = self.policy.audit.as_ref().map_or("", |a| a.salt.as_str());
+        let salted = format!("{salt}\n{}", identity.principal);
         crate::principal::sha256_hex(salted.as_bytes())[..32].to_string()
     }
 }

@@ -34,12 +34,6 @@ proxy_wasm::main! {{
     });
 }}
 
-/// One audit field in filter state, read by Envoy's access log as
-/// `%FILTER_STATE(wasm.<name>:PLAIN)%`.
-fn audit(name: &str, value: &str) {
-    let _ = hostcalls::set_property(vec![name], Some(value.as_bytes()));
-}
-
 fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
@@ -455,6 +449,14 @@ struct Http {
 }
 
 impl Http {
+    /// One audit field in filter state, read by Envoy's access log as
+    /// `%FILTER_STATE(wasm.<name>:PLAIN)%`; only with an `audit` policy.
+    fn audit(&self, name: &str, value: &str) {
+        if self.engine.policy.audit.is_some() {
+            let _ = hostcalls::set_property(vec![name], Some(value.as_bytes()));
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.get_current_time()
             .duration_since(UNIX_EPOCH)
@@ -477,25 +479,7 @@ impl Http {
                 self.metrics.set(metrics::GLOBAL_BREAKER, 0);
             }
         }
-        audit("sluice_decision", l.decision);
-        audit("sluice_reason", l.reason);
-        audit("sluice_tier", &l.tier);
-        if let Some(identity) = &self.identity {
-            audit("sluice_principal", &self.engine.audit_principal(identity));
-        }
-        if let Some(bucket) = &verdict.bucket {
-            audit("sluice_bucket", bucket);
-        }
-        if let Some(kind) = verdict.degraded {
-            audit("sluice_degraded", kind);
-        }
-        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
-            audit("sluice_model_served", plan.model.as_deref().unwrap_or(""));
-            audit(
-                "sluice_tokens_estimated",
-                &(plan.input_estimate + plan.max_output).to_string(),
-            );
-        }
+        self.audit_decision(&verdict);
         match verdict.reply {
             Some(reply) => {
                 let headers: Vec<(&str, &str)> = reply
@@ -517,6 +501,31 @@ impl Http {
         }
     }
 
+    /// The decision's audit fields (nothing without an `audit` policy).
+    fn audit_decision(&self, verdict: &Verdict) {
+        if self.engine.policy.audit.is_none() {
+            return;
+        }
+        let l = &verdict.labels;
+        self.audit("sluice_decision", l.decision);
+        self.audit("sluice_reason", l.reason);
+        self.audit("sluice_tier", &l.tier);
+        if let Some(identity) = &self.identity {
+            self.audit("sluice_principal", &self.engine.audit_principal(identity));
+        }
+        if let Some(bucket) = &verdict.bucket {
+            self.audit("sluice_bucket", bucket);
+        }
+        if let Some(kind) = verdict.degraded {
+            self.audit("sluice_degraded", kind);
+        }
+        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+            self.audit("sluice_model_served", plan.model.as_deref().unwrap_or(""));
+            let reserved = plan.input_estimate + plan.max_output;
+            self.audit("sluice_tokens_estimated", &reserved.to_string());
+        }
+    }
+
     /// Admission once everything the policy needs is known.
     fn decide(&mut self, body: &[u8]) -> Action {
         let Some(identity) = self.identity.clone() else {
@@ -528,9 +537,15 @@ impl Http {
         };
         let now = self.now_ms();
         let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
-        audit("sluice_model_requested", model.unwrap_or(""));
-        if self.engine.policy.audit.hash_bodies {
-            audit("sluice_request_sha256", &crate::principal::sha256_hex(body));
+        self.audit("sluice_model_requested", model.unwrap_or(""));
+        if self
+            .engine
+            .policy
+            .audit
+            .as_ref()
+            .is_some_and(|a| a.hash_bodies)
+        {
+            self.audit("sluice_request_sha256", &crate::principal::sha256_hex(body));
             self.response_hash = Some(sha2::Digest::new());
         }
         self.upstream_key = format!("{UPSTREAM_KEY}{}", self.engine.model_label(model));
@@ -681,10 +696,10 @@ impl Http {
         if self.engine.policy.anomaly.is_some() {
             m.set(metrics::GLOBAL_BREAKER, u64::from(settled.global_open));
         }
-        audit("sluice_tokens_input", &settled.input.to_string());
-        audit("sluice_tokens_output", &settled.output.to_string());
-        audit("sluice_cost_micros", &settled.cost.to_string());
-        audit(
+        self.audit("sluice_tokens_input", &settled.input.to_string());
+        self.audit("sluice_tokens_output", &settled.output.to_string());
+        self.audit("sluice_cost_micros", &settled.cost.to_string());
+        self.audit(
             "sluice_usage_source",
             if settled.from_usage {
                 "upstream"
@@ -790,7 +805,7 @@ impl HttpContext for Http {
                 .map(|(_, m)| m.clone())
                 .unwrap_or_default();
             self.metrics.observe(&metrics::ttft_ms(&model), ttft);
-            audit("sluice_ttft_ms", &ttft.to_string());
+            self.audit("sluice_ttft_ms", &ttft.to_string());
         }
         if self.meter.is_none() && self.response_hash.is_none() {
             return Action::Continue;
@@ -803,7 +818,7 @@ impl HttpContext for Http {
             if end_of_stream {
                 let digest = sha2::Digest::finalize(hash.clone());
                 let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-                audit("sluice_response_sha256", &hex);
+                self.audit("sluice_response_sha256", &hex);
             }
         }
         let out = self
