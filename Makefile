@@ -66,6 +66,14 @@ demo: build
 bench-core:
 	$(CARGO) bench -p sluice-filter --bench core
 
+## bench: overhead vs bare Envoy, local_ratelimit and LiteLLM, exactness, criterion
+## → BENCHMARKS.md (minutes). BENCH_SMOKE=1: seconds, target/bench/smoke.md
+## (checks the scripts, not figures). BENCH_ARGS: more bench/run.py flags.
+.PHONY: bench
+bench: build
+	SLUICE_BENCH_COMMAND="make bench$(if $(BENCH_SMOKE), BENCH_SMOKE=1)$(if $(BENCH_ARGS), BENCH_ARGS='$(BENCH_ARGS)')" \
+	  $(PYTHON) bench/run.py $(if $(BENCH_SMOKE),--smoke,--install-litellm --profile) $(BENCH_ARGS)
+
 ## lint: what CI-quality commits pass
 lint:
 	$(CARGO) fmt --all -- --check
