@@ -132,6 +132,9 @@ impl Upstream {
         retry_after_ms: Option<u64>,
         now_ms: u64,
     ) -> Upstream {
+        if self.paused_until_ms <= now_ms {
+            self.paused_until_ms = 0; // a pause that ended leaves no trace
+        }
         if let (429 | 503, Some(wait)) = (status, retry_after_ms) {
             self.paused_until_ms = self.paused_until_ms.max(now_ms + wait);
         }

@@ -152,11 +152,14 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// FNV-1a, 64 bits: stable across builds (slots survive an upgrade) and
+/// cheap on every request. It only places buckets: a crafted collision can
+/// at worst share a slot chain or the overflow bucket, which refuses early,
+/// never admits more.
 fn principal_hash(principal: &str) -> u64 {
-    let digest = Sha256::digest(principal.as_bytes());
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&digest[..8]);
-    u64::from_le_bytes(word)
+    principal.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// `1.2.3.4:5678` → `1.2.3.4`, `[::1]:5678` → `::1`.

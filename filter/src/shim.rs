@@ -376,6 +376,7 @@ impl RootContext for Root {
             metrics: self.metrics.clone(),
             shared: self.shared.clone(),
             watch_upstream: false,
+            upstream_dirty: false,
             upstream_key: String::new(),
             identity: None,
             api: Api::Other,
@@ -428,6 +429,8 @@ struct Http {
     /// The request went to the primary upstream: its answer feeds the
     /// route's pause and error breaker.
     watch_upstream: bool,
+    /// The route's upstream record was not blank when the request started.
+    upstream_dirty: bool,
     upstream_key: String,
     identity: Option<Identity>,
     api: Api,
@@ -535,7 +538,8 @@ impl Http {
             Ok(asked) => asked,
             Err(verdict) => return self.finish(*verdict),
         };
-        let now = self.now_ms();
+        // Admission time is arrival time (one clock read per request).
+        let now = self.started_ms;
         let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
         self.audit("sluice_model_requested", model.unwrap_or(""));
         if self
@@ -553,7 +557,12 @@ impl Http {
             Some((bytes, cas)) => (Upstream::decode(&bytes), cas),
             None => (Upstream::default(), 0),
         };
-        let seen = self.shared.seen();
+        self.upstream_dirty = upstream != Upstream::default();
+        let seen = if self.engine.policy.sidecar.is_some() {
+            self.shared.seen()
+        } else {
+            Rc::new(Seen::default())
+        };
         let dice = self.shared.roll(now);
         let engine = self.engine.clone();
         let route = |upstream| {
@@ -738,9 +747,12 @@ impl HttpContext for Http {
             Ok(identity) => identity,
             Err(verdict) => return self.finish(*verdict),
         };
-        let declared = self
-            .get_http_request_header("content-length")
-            .and_then(|v| v.trim().parse::<u64>().ok());
+        let declared = if self.api.reads_body() {
+            self.get_http_request_header("content-length")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        } else {
+            None
+        };
         if let Some(verdict) = declared.and_then(|len| self.engine.too_large(&identity, len)) {
             return self.finish(verdict);
         }
@@ -776,7 +788,11 @@ impl HttpContext for Http {
         for (name, value) in std::mem::take(&mut self.response_headers) {
             self.set_http_response_header(&name, Some(&value));
         }
-        if std::mem::take(&mut self.watch_upstream) {
+        // A good answer on a route with nothing recorded changes nothing:
+        // skip the shared-data round trip.
+        let eventful =
+            self.status >= 500 || self.status == 429 || self.status == 0 || self.upstream_dirty;
+        if std::mem::take(&mut self.watch_upstream) && eventful {
             self.observe_upstream(self.status);
         }
         if let Some(plan) = &self.plan {
