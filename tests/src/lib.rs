@@ -1575,3 +1575,64 @@ mod tests {
         assert_eq!(cfg.http_filters_mut().len(), 2);
     }
 }
+
+/// HS256 JWTs for tests that go through Envoy's real `jwt_authn`: a key
+/// made for the run (never a fixed one), its JWKS, and signed tokens.
+pub mod jwt {
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    use base64::Engine as _;
+    use hmac::{Hmac, Mac};
+    use serde_json::json;
+    use sha2::Sha256;
+
+    /// Base64url without padding, as JWTs use.
+    pub fn b64(bytes: &[u8]) -> String {
+        URL_SAFE_NO_PAD.encode(bytes)
+    }
+
+    /// A 64-byte HS256 key unique to this run.
+    pub fn fresh_key() -> Vec<u8> {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_nanos();
+        let seed = format!("sluice-test-{nanos}-{}", std::process::id());
+        let mut key = Vec::with_capacity(64);
+        for round in 0u8..2 {
+            let mut mac = <Hmac<Sha256>>::new_from_slice(seed.as_bytes()).expect("any key size");
+            mac.update(&[round]);
+            key.extend_from_slice(&mac.finalize().into_bytes());
+        }
+        key
+    }
+
+    /// The JWKS holding `key` (kid `k1`), for `EnvoyConfig::set_jwks_inline`.
+    pub fn jwks(key: &[u8]) -> String {
+        json!({"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1", "k": b64(key)}]}).to_string()
+    }
+
+    /// Claims of the demo issuer for `sub` in `tier`, valid for an hour.
+    pub fn claims(sub: &str, tier: &str) -> serde_json::Value {
+        let exp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_secs()
+            + 3600;
+        json!({"iss": "sluice-demo", "sub": sub, "tier": tier, "exp": exp})
+    }
+
+    /// A compact HS256 JWT with `claims`, signed with `key`.
+    pub fn mint(key: &[u8], claims: &serde_json::Value) -> String {
+        let header = json!({"alg": "HS256", "typ": "JWT", "kid": "k1"});
+        let signing_input = format!(
+            "{}.{}",
+            b64(header.to_string().as_bytes()),
+            b64(claims.to_string().as_bytes())
+        );
+        let mut mac = <Hmac<Sha256>>::new_from_slice(key).expect("any key size");
+        mac.update(signing_input.as_bytes());
+        format!("{signing_input}.{}", b64(&mac.finalize().into_bytes()))
+    }
+}

@@ -2,62 +2,10 @@
 //! never believed, and tiers claimed in a JWT count only once Envoy's own
 //! `jwt_authn` has verified the token.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use base64::Engine as _;
-use hmac::{Hmac, Mac};
-use serde_json::json;
-use sha2::Sha256;
+use sluice_tests::jwt::{b64, claims, fresh_key, jwks, mint};
 use sluice_tests::Stack;
 
 const MODEL: &str = "llama3.1:8b";
-
-fn b64(bytes: &[u8]) -> String {
-    URL_SAFE_NO_PAD.encode(bytes)
-}
-
-/// An HS256 key made for this test run, never a fixed one.
-fn fresh_key() -> Vec<u8> {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_nanos();
-    let seed = format!("sluice-test-{nanos}-{}", std::process::id());
-    let mut key = Vec::with_capacity(64);
-    for round in 0u8..2 {
-        let mut mac = <Hmac<Sha256>>::new_from_slice(seed.as_bytes()).expect("any key size");
-        mac.update(&[round]);
-        key.extend_from_slice(&mac.finalize().into_bytes());
-    }
-    key
-}
-
-fn jwks(key: &[u8]) -> String {
-    json!({"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1", "k": b64(key)}]}).to_string()
-}
-
-/// A compact HS256 JWT with `claims`, signed with `key`.
-fn mint(key: &[u8], claims: &serde_json::Value) -> String {
-    let header = json!({"alg": "HS256", "typ": "JWT", "kid": "k1"});
-    let signing_input = format!(
-        "{}.{}",
-        b64(header.to_string().as_bytes()),
-        b64(claims.to_string().as_bytes())
-    );
-    let mut mac = <Hmac<Sha256>>::new_from_slice(key).expect("any key size");
-    mac.update(signing_input.as_bytes());
-    format!("{signing_input}.{}", b64(&mac.finalize().into_bytes()))
-}
-
-fn claims(sub: &str, tier: &str) -> serde_json::Value {
-    let exp = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs()
-        + 3600;
-    json!({"iss": "sluice-demo", "sub": sub, "tier": tier, "exp": exp})
-}
 
 #[test]
 fn forged_identity_headers_are_ignored() {

@@ -11,12 +11,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use base64::Engine as _;
-use hmac::{Hmac, Mac};
 use serde_json::{json, Value as Json};
 use serde_yaml::Value;
 use sha2::{Digest, Sha256};
+use sluice_tests::jwt::{self, fresh_key, jwks};
 use sluice_tests::{
     closed_addr, get, post_json, prometheus_value, repo_root, request, wait_for, EnvoyConfig,
     MockLlm, Response, Sidecar, Stack,
@@ -38,10 +36,6 @@ fn nanos() -> u128 {
         .as_nanos()
 }
 
-fn b64(bytes: &[u8]) -> String {
-    URL_SAFE_NO_PAD.encode(bytes)
-}
-
 fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
         .iter()
@@ -49,39 +43,9 @@ fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-/// An HS256 key made for this run (as tests/tests/identity.rs does).
-fn fresh_key() -> Vec<u8> {
-    let seed = format!("sluice-observability-{}-{}", nanos(), std::process::id());
-    let mut key = Vec::with_capacity(64);
-    for round in 0u8..2 {
-        let mut mac = <Hmac<Sha256>>::new_from_slice(seed.as_bytes()).expect("any key size");
-        mac.update(&[round]);
-        key.extend_from_slice(&mac.finalize().into_bytes());
-    }
-    key
-}
-
-fn jwks(key: &[u8]) -> String {
-    json!({"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1", "k": b64(key)}]}).to_string()
-}
-
 /// A compact HS256 JWT for `sub` in `tier`, issued by the demo issuer.
 fn mint(key: &[u8], sub: &str, tier: &str) -> String {
-    let exp = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs()
-        + 3600;
-    let claims = json!({"iss": "sluice-demo", "sub": sub, "tier": tier, "exp": exp});
-    let header = json!({"alg": "HS256", "typ": "JWT", "kid": "k1"});
-    let signing_input = format!(
-        "{}.{}",
-        b64(header.to_string().as_bytes()),
-        b64(claims.to_string().as_bytes())
-    );
-    let mut mac = <Hmac<Sha256>>::new_from_slice(key).expect("any key size");
-    mac.update(signing_input.as_bytes());
-    format!("{signing_input}.{}", b64(&mac.finalize().into_bytes()))
+    jwt::mint(key, &jwt::claims(sub, tier))
 }
 
 fn chat_body(model: &str, content: &str, max_tokens: u64, stream: bool) -> Json {
