@@ -30,6 +30,7 @@ proxy_wasm::main! {{
             id: 0,
             poll: None,
             retry_at_ms: 0,
+            sidecar_failing: false,
         })
     });
 }}
@@ -208,6 +209,8 @@ struct Root {
     poll: Option<u32>,
     /// After a failed poll, wait until then.
     retry_at_ms: u64,
+    /// The last poll failed (logged once per outage).
+    sidecar_failing: bool,
 }
 
 impl Root {
@@ -290,20 +293,38 @@ impl Context for Root {
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
-        let valid = status.as_deref() == Some("200")
-            && serde_json::from_slice::<health::SidecarState>(&body).is_ok();
-        if !valid {
-            self.metrics.add(metrics::SIDECAR_POLL_ERRORS, 1);
-            self.retry_at_ms = now + 1_000;
-            return;
+        let state = match (
+            status.as_deref(),
+            serde_json::from_slice::<health::SidecarState>(&body),
+        ) {
+            (Some("200"), Ok(state)) => state,
+            (status, parsed) => {
+                self.metrics.add(metrics::SIDECAR_POLL_ERRORS, 1);
+                self.retry_at_ms = now + 1_000;
+                if !self.sidecar_failing {
+                    // Said once per outage, not once per retry.
+                    self.sidecar_failing = true;
+                    let why = match (status, parsed) {
+                        (Some("200"), Err(e)) => format!("unreadable state: {e}"),
+                        (Some(code), _) => format!("status {code}"),
+                        (None, _) => "no answer".into(),
+                    };
+                    log(
+                        LogLevel::Warn,
+                        &format!("sidecar unreachable ({why}); keeping its last state for stale_after, then the on_stale policy"),
+                    );
+                }
+                return;
+            }
+        };
+        if std::mem::take(&mut self.sidecar_failing) {
+            log(LogLevel::Info, "sidecar reachable again");
         }
         self.metrics.add(metrics::SIDECAR_POLLS, 1);
-        if let Ok(state) = serde_json::from_slice::<health::SidecarState>(&body) {
-            self.metrics
-                .set(metrics::KILL_SWITCH, u64::from(state.kill_switch.active));
-            let open = state.breakers.iter().filter(|b| b.state == "open").count();
-            self.metrics.set(metrics::BREAKERS_OPEN, open as u64);
-        }
+        self.metrics
+            .set(metrics::KILL_SWITCH, u64::from(state.kill_switch.active));
+        let open = state.breakers.iter().filter(|b| b.state == "open").count();
+        self.metrics.set(metrics::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
         let _ = HostStore.set(SIDECAR_KEY, &health::encode_seen(now, &body), 0);

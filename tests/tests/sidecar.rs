@@ -619,6 +619,12 @@ fn a_dead_sidecar_fails_open_after_the_staleness_window() {
         .metric("sluice_sidecar_poll_errors_total", &[])
         .unwrap_or(0.0);
     assert!(errors >= 1.0, "failed polls are metered");
+    let log = stack.envoy.log();
+    assert_eq!(
+        log.matches("sidecar unreachable").count(),
+        1,
+        "the outage is logged, once"
+    );
 }
 
 // ---------------------------------------------------------------------------
