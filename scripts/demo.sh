@@ -24,7 +24,8 @@ stop() {
   kill "${pids[@]}" 2>/dev/null || true
   wait "${pids[@]}" 2>/dev/null || true
 }
-trap stop EXIT INT TERM
+trap stop EXIT
+trap 'stop; exit 0' INT TERM
 
 target/release/mock-llm --listen 127.0.0.1:8000 --name primary >"$logs/mock-llm.log" 2>&1 &
 pids+=($!)
@@ -63,9 +64,11 @@ Observability:
                    every 10 s, or now: curl -s -X POST http://127.0.0.1:9901/reopen_logs)
   alerts           envoy/prometheus-rules.yaml   dashboard: envoy/grafana-dashboard.json
 TXT
-cat <<'TXT'
+sed "s|@ADMIN_TOKEN@|$SLUICE_ADMIN_TOKEN|" <<'TXT'
 
 Policy (envoy/sluice.yaml): tiers free 10/min, pro 60/min, enterprise 300/min;
+tokens per day: free 5,000 (hard: 429), pro 50,000 (soft: llama3.1:70b is
+downshifted to llama3.1:8b), enterprise 500,000 (alert at 80 %);
 models llama3.1:70b 5/min, llama3.1:8b 200/min, mistral:7b 150/min;
 anonymous callers are `free` by client address.
 
@@ -95,7 +98,7 @@ Try:
   curl -s http://127.0.0.1:9911/v1/simulate -d '{"gpus":[{"utilization":97}]}'
 
   # pull the kill switch: answers now come from the fallback provider
-  curl -s http://127.0.0.1:9911/v1/kill-switch -H "authorization: Bearer $SLUICE_ADMIN_TOKEN" \
+  curl -s http://127.0.0.1:9911/v1/kill-switch -H 'authorization: Bearer @ADMIN_TOKEN@' \
     -d '{"active": true, "reason": "demo"}'
   curl -si http://127.0.0.1:10000/v1/chat/completions -H 'x-api-key: demo-pro-key' \
     -d '{"model":"llama3.1:8b","messages":[]}' | grep -i -E 'x-sluice|x-mock-name'
