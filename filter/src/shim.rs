@@ -562,7 +562,9 @@ impl Http {
         // Admission time is arrival time (one clock read per request).
         let now = self.started_ms;
         let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
-        self.audit("sluice_model_requested", model.unwrap_or(""));
+        if let Some(model) = model {
+            self.audit("sluice_model_requested", model);
+        }
         if self
             .engine
             .policy
@@ -833,7 +835,9 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !self.first_byte && body_size > 0 && self.labels.is_some() {
+        // Latency histograms describe model calls (the LLM APIs), not
+        // `/v1/models` and the like.
+        if !self.first_byte && body_size > 0 && self.labels.is_some() && self.api.reads_body() {
             self.first_byte = true;
             let ttft = self.now_ms().saturating_sub(self.started_ms);
             let model = self
@@ -874,7 +878,11 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle();
-        if let Some((_, model)) = self.labels.as_ref().filter(|_| self.status != 0) {
+        if let Some((_, model)) = self
+            .labels
+            .as_ref()
+            .filter(|_| self.status != 0 && self.api.reads_body())
+        {
             let elapsed = self.now_ms().saturating_sub(self.started_ms);
             self.metrics.observe(&metrics::e2e_ms(model), elapsed);
         }
