@@ -1576,6 +1576,38 @@ mod tests {
     }
 }
 
+/// Seconds since the Unix epoch of `YYYY-MM-DDTHH:MM:SSZ`; `None` if the
+/// text is not exactly that shape.
+pub fn parse_rfc3339_utc(text: &str) -> Option<u64> {
+    let b = text.as_bytes();
+    let shape_ok = b.len() == 20
+        && b.iter().enumerate().all(|(i, c)| match i {
+            4 | 7 => *c == b'-',
+            10 => *c == b'T',
+            13 | 16 => *c == b':',
+            19 => *c == b'Z',
+            _ => c.is_ascii_digit(),
+        });
+    if !shape_ok {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| text[r].parse::<i64>().ok();
+    let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (hh, mm, ss) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&m) || !(1..=31).contains(&d) || hh > 23 || mm > 59 || ss > 60 {
+        return None;
+    }
+    // Days from civil (Howard Hinnant).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    u64::try_from(days * 86_400 + hh * 3600 + mm * 60 + ss).ok()
+}
+
 /// HS256 JWTs for tests that go through Envoy's real `jwt_authn`: a key
 /// made for the run (never a fixed one), its JWKS, and signed tokens.
 pub mod jwt {

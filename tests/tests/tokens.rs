@@ -173,32 +173,6 @@ fn now_secs() -> u64 {
         .as_secs()
 }
 
-/// Seconds since the Unix epoch of `YYYY-MM-DDTHH:MM:SSZ`.
-fn parse_utc(text: &str) -> Option<u64> {
-    let b = text.as_bytes();
-    let shape = b.len() == 20
-        && b.iter().enumerate().all(|(i, c)| match i {
-            4 | 7 => *c == b'-',
-            10 => *c == b'T',
-            13 | 16 => *c == b':',
-            19 => *c == b'Z',
-            _ => c.is_ascii_digit(),
-        });
-    if !shape {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| text[r].parse::<i64>().ok();
-    let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hh, mm, ss) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * ((m + 9) % 12) + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    u64::try_from(days * 86_400 + hh * 3600 + mm * 60 + ss).ok()
-}
-
 /// A 429 by `reason` in SPEC §3's shape; returns `error.sluice`.
 fn assert_refused(resp: &Response, reason: &str) -> Json {
     assert_eq!(resp.status, 429, "{resp:?}");
@@ -220,7 +194,8 @@ fn assert_refused(resp: &Response, reason: &str) -> Json {
 fn assert_daily_budget_refusal(resp: &Response) -> Json {
     let sluice = assert_refused(resp, "daily_budget_exceeded");
     let reset_at = sluice["reset_at"].as_str().unwrap_or_default();
-    let reset = parse_utc(reset_at).unwrap_or_else(|| panic!("reset_at {reset_at:?}"));
+    let reset = sluice_tests::parse_rfc3339_utc(reset_at)
+        .unwrap_or_else(|| panic!("reset_at {reset_at:?}"));
     let now = now_secs();
     assert!(
         reset.is_multiple_of(86_400) && reset > now.saturating_sub(2) && reset <= now + 86_400,
