@@ -1047,30 +1047,30 @@ fn rewrite(
     model: Option<&str>,
     new_output: Option<u64>,
 ) -> (Option<Vec<u8>>, bool) {
-    let mut json = asked.body.clone();
-    let mut changed = false;
-    if let Some(m) = model {
-        json["model"] = Value::String(m.to_string());
-        changed = true;
-    }
-    if let Some(max) = new_output {
-        set_max_output(api, &mut json, max);
-        changed = true;
-    }
     let wants_usage = matches!(api, Api::OpenAiChat | Api::OpenAiCompletions)
         && asked.demand.stream
-        && json
+        && asked
+            .body
             .pointer("/stream_options/include_usage")
             .and_then(Value::as_bool)
             != Some(true);
+    if model.is_none() && new_output.is_none() && !wants_usage {
+        return (None, false); // the client's body goes up as it came
+    }
+    let mut json = asked.body.clone();
+    if let Some(m) = model {
+        json["model"] = Value::String(m.to_string());
+    }
+    if let Some(max) = new_output {
+        set_max_output(api, &mut json, max);
+    }
     if wants_usage {
         if !json.get("stream_options").is_some_and(Value::is_object) {
             json["stream_options"] = Value::Object(Default::default());
         }
         json["stream_options"]["include_usage"] = Value::Bool(true);
-        changed = true;
     }
-    (changed.then(|| json.to_string().into_bytes()), wants_usage)
+    (Some(json.to_string().into_bytes()), wants_usage)
 }
 
 /// Writes the output limit where each API reads it.

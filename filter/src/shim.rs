@@ -858,7 +858,7 @@ impl HttpContext for Http {
             sha2::Digest::update(hash, &chunk);
             if end_of_stream {
                 let digest = sha2::Digest::finalize(hash.clone());
-                let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+                let hex = crate::principal::hex(&digest);
                 self.audit("sluice_response_sha256", &hex);
             }
         }
