@@ -16,6 +16,16 @@ pub enum Api {
     Other,
 }
 
+/// The LLM APIs by canonical path.
+const ROUTES: [(&str, Api); 6] = [
+    ("/v1/chat/completions", Api::OpenAiChat),
+    ("/v1/completions", Api::OpenAiCompletions),
+    ("/v1/embeddings", Api::OpenAiEmbeddings),
+    ("/v1/responses", Api::OpenAiResponses),
+    ("/api/generate", Api::OllamaGenerate),
+    ("/api/chat", Api::OllamaChat),
+];
+
 impl Api {
     /// Classifies by method and canonical path (see [`canonical_path`]).
     pub fn classify(method: &str, path: &str) -> Api {
@@ -23,15 +33,12 @@ impl Api {
             return Api::Other;
         }
         let canonical = canonical_path(path).unwrap_or_default();
-        match canonical.as_str() {
-            "/v1/chat/completions" => Api::OpenAiChat,
-            "/v1/completions" => Api::OpenAiCompletions,
-            "/v1/embeddings" => Api::OpenAiEmbeddings,
-            "/v1/responses" => Api::OpenAiResponses,
-            "/api/generate" => Api::OllamaGenerate,
-            "/api/chat" => Api::OllamaChat,
-            _ => Api::Other,
-        }
+        // Also under a prefix (`/openai/v1/chat/completions`): a route that
+        // rewrites the prefix away runs after sluice, in Envoy's router.
+        ROUTES
+            .iter()
+            .find(|(route, _)| canonical.ends_with(route))
+            .map_or(Api::Other, |(_, api)| *api)
     }
 
     pub fn reads_body(self) -> bool {
@@ -499,6 +506,16 @@ mod tests {
         }
         assert_eq!(Api::classify("post", "/api/%63hat"), Api::OllamaChat);
         assert_eq!(Api::classify("POST", "/v1/chat/completions%"), Api::Other);
+        assert_eq!(
+            Api::classify("POST", "/openai/v1/chat/completions"),
+            Api::OpenAiChat
+        );
+        assert_eq!(
+            Api::classify("POST", "/ollama/api/generate"),
+            Api::OllamaGenerate
+        );
+        assert_eq!(Api::classify("POST", "/x/v1/chat/completionsx"), Api::Other);
+        assert_eq!(Api::classify("POST", "/xv1/chat/completions"), Api::Other);
     }
 
     #[test]
