@@ -13,7 +13,6 @@ use sluice_filter::engine::Engine;
 use sluice_filter::principal::RequestView;
 use sluice_filter::reconcile::{Format, Meter};
 use sluice_filter::request::Api;
-use sluice_filter::reservation::prepare;
 use sluice_filter::store::MemStore;
 
 struct Caller(String);
@@ -32,7 +31,7 @@ impl RequestView for Caller {
 fn engine(policy: serde_json::Value) -> (Engine, MemStore) {
     let engine = Engine::new(Policy::from_value(policy).expect("bench policy"));
     let store = MemStore::default();
-    prepare(&store, &engine.rules(), engine.policy.state.principal_slots).expect("prepare");
+    engine.prepare(&store).expect("prepare");
     (engine, store)
 }
 
