@@ -1148,6 +1148,43 @@ mod tests {
     }
 
     #[test]
+    fn slot_settings_and_anonymous_totals_are_checked() {
+        let mut v = minimal();
+        v["tiers"]["free"]["anonymous_total"] =
+            json!({"requests": "600/min", "daily_tokens": 100_000});
+        let p = Policy::from_value(v).unwrap();
+        let total = p.tiers["free"].anonymous_total.as_deref().unwrap();
+        assert_eq!(total.requests.unwrap().capacity(), 600);
+        assert_eq!((p.state.sketch_width, p.state.slot_hold_ms), (2048, 60_000));
+        let mut v = minimal();
+        v["tiers"]["free"]["anonymous_total"] = json!({"reqests": "600/min"});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "tiers.free.anonymous_total.reqests"
+        );
+        let mut v = minimal();
+        v["tiers"]["free"]["anonymous_total"] = json!({"anonymous_total": {}});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "tiers.free.anonymous_total.anonymous_total"
+        );
+        let mut v = minimal();
+        v["tiers"]["free"]["anonymous_total"] = json!({"daily_tokens": 10.5});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "tiers.free.anonymous_total.daily_tokens.limit"
+        );
+        for (field, value) in [("sketch_width", json!(8)), ("slot_hold", json!("10ms"))] {
+            let mut v = minimal();
+            v["state"] = json!({ field: value });
+            assert_eq!(
+                Policy::from_value(v).unwrap_err().path,
+                format!("state.{field}")
+            );
+        }
+    }
+
+    #[test]
     fn token_budgets_and_models() {
         let mut v = minimal();
         v["tiers"]["free"]["daily_tokens"] = json!(5000);

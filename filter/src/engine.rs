@@ -1577,6 +1577,80 @@ mod tests {
         assert!(v.reply.is_none());
     }
 
+    struct Keyed(&'static str, &'static str);
+    impl RequestView for Keyed {
+        fn header(&self, name: &str) -> Option<String> {
+            (name == "x-api-key" && !self.0.is_empty()).then(|| self.0.to_string())
+        }
+        fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
+            None
+        }
+        fn client_address(&self) -> Option<String> {
+            Some(self.1.into())
+        }
+    }
+
+    #[test]
+    fn a_flood_leaves_declared_keys_alone_and_new_callers_get_capacity_exhausted() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "identity": {"sources": ["api_key", "client_address"],
+                         "api_key": {"keys": {"k-free": "free"}}},
+            "tiers": {"free": {"requests": "10/min", "daily_tokens": 5_000,
+                               "anonymous_total": {"requests": "1000/min"}}},
+            "state": {"principal_slots": 8},
+        }));
+        let declared = e.identify(&Keyed("k-free", "1.1.1.1:1")).unwrap();
+        assert!(declared.declared);
+        let admit = |id: &Identity| e.admit(&store, id, Api::Other, "/v1/models", None, 1_000);
+        for i in 0..600u32 {
+            let addr: &'static str = format!("10.0.{}.{}:1", i / 250, i % 250).leak();
+            admit(&e.identify(&Keyed("", addr)).unwrap());
+        }
+        let late = e.identify(&Keyed("", "192.168.1.1:1")).unwrap();
+        assert!(!late.declared);
+        let v = admit(&late);
+        assert_eq!(v.labels.reason, "capacity_exhausted");
+        assert!(v.effort.no_slot);
+        let reply = v.reply.unwrap();
+        assert_eq!(
+            (reply.status, reply.header("retry-after")),
+            (429, Some("6"))
+        );
+        let admitted = (0..10).filter(|_| admit(&declared).reply.is_none()).count();
+        assert_eq!(admitted, 10, "the declared key keeps all of its capacity");
+    }
+
+    #[test]
+    fn the_anonymous_total_binds_undeclared_callers_only() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "identity": {"sources": ["api_key", "client_address"],
+                         "api_key": {"keys": {"k-free": "free"}}},
+            "tiers": {"free": {"requests": "10/min", "anonymous_total": {"requests": "5/min"}}},
+        }));
+        let admit = |id: &Identity| e.admit(&store, id, Api::Other, "/v1/models", None, 0);
+        let results: Vec<Verdict> = (0..8u8)
+            .map(|i| {
+                admit(
+                    &e.identify(&Keyed("", format!("10.0.0.{i}:1").leak()))
+                        .unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 5);
+        assert_eq!(results[7].labels.reason, "anonymous_limit");
+        assert_eq!(
+            results[7].bucket.as_deref(),
+            Some("tier/free/anonymous/requests")
+        );
+        let declared = e.identify(&Keyed("k-free", "10.0.0.1:1")).unwrap();
+        assert!(
+            admit(&declared).reply.is_none(),
+            "declared keys are outside it"
+        );
+    }
+
     #[test]
     fn usage_teaches_the_estimate() {
         let (e, store) =

@@ -1005,7 +1005,160 @@ mod tests {
         assert!(r.reserve(&one, by(9), 0, &mut e).is_err());
     }
 
+    fn day_budget(id: &str, amount: u64) -> Rule {
+        Rule {
+            id: id.into(),
+            limit: Limit::windowed(amount, crate::config::Window::Day),
+            scope: Scope::PerPrincipal,
+        }
+    }
+
+    /// Admissions of the declared caller `key:d` and of the hashed caller 7
+    /// (active: it took one before), 10 tries each, with `flood` distinct
+    /// new callers (one request each) in between.
+    fn admissions_under_flood(flood: &[u64]) -> (usize, usize) {
+        let store = MemStore::default();
+        let user = rule("tier/free/requests", 10, Scope::PerPrincipal);
+        let prepared = vec![(user.clone(), vec!["key:d".to_string()])];
+        prepare(&store, &prepared, &layout(8)).unwrap();
+        let r = reserver(&store, 8);
+        let c = [Claim::hard(&user, 1)];
+        let declared = Caller {
+            hash: 99,
+            declared: Some("key:d"),
+        };
+        let mut e = Effort::default();
+        assert!(r.reserve(&c, by(7), 0, &mut e).is_ok());
+        for &p in flood {
+            let _ = r.reserve(&c, by(p), 1, &mut e);
+        }
+        let mut got = (0, 0);
+        for i in 0..10 {
+            got.0 += usize::from(r.reserve(&c, declared, 2 + i, &mut e).is_ok());
+            got.1 += usize::from(r.reserve(&c, by(7), 2 + i, &mut e).is_ok());
+        }
+        (got.0, got.1)
+    }
+
+    #[test]
+    fn a_flood_takes_neither_declared_nor_active_capacity() {
+        let flood: Vec<u64> = (0..6_000u64).map(|p| p * 7919 + 1_000).collect();
+        // Without a flood: 10 of 10 for the declared key, 9 more for 7.
+        assert_eq!(admissions_under_flood(&[]), (10, 9));
+        assert_eq!(admissions_under_flood(&flood), (10, 9));
+    }
+
+    #[test]
+    fn a_full_table_refuses_new_callers_with_no_slot_not_a_budget() {
+        let store = MemStore::default();
+        let budget = day_budget("tier/free/daily_tokens", 5_000);
+        prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(8)).unwrap();
+        let r = reserver(&store, 8);
+        let c = [Claim::hard(&budget, 10)];
+        let mut e = Effort::default();
+        for p in 0..200u64 {
+            let _ = r.reserve(&c, by(p * 8), 0, &mut e);
+        }
+        // Every slot of a fresh caller's chain is active (touched now).
+        let refused = r.reserve(&c, by(5_000_000), 1_000, &mut e).unwrap_err();
+        assert_eq!(
+            refused,
+            Refusal::NoSlot {
+                index: 0,
+                retry_after_ms: 59_000
+            }
+        );
+        // After `slot_hold` the oldest goes to the new caller, seeded from
+        // the sketch (it never called: nothing, up to sketch collisions).
+        let res = r.reserve(&c, by(5_000_000), 61_000, &mut e).unwrap();
+        assert!(res.quotas[0].remaining <= 4_990);
+    }
+
+    #[test]
+    fn an_evicted_budget_is_remembered_by_the_sketch() {
+        let store = MemStore::default();
+        let budget = day_budget("tier/free/daily_tokens", 100);
+        prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(1)).unwrap();
+        let r = reserver(&store, 1);
+        let mut e = Effort::default();
+        let take = |amount, p: u64, t: u64, e: &mut Effort| {
+            r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), t, e)
+        };
+        let held = take(60, 1, 0, &mut e).unwrap();
+        assert!(matches!(
+            take(1, 2, 1_000, &mut e),
+            Err(Refusal::NoSlot { .. })
+        ));
+        // Caller 1 went quiet: caller 2 takes the slot.
+        assert!(take(1, 2, 61_000, &mut e).is_ok());
+        // Caller 1's request settles late, over its reservation: the charge
+        // follows it (into the sketch), it is not dropped with the slot.
+        r.settle(&held.held[0], 90, 62_000, &mut e);
+        // Caller 1 gets the slot back later: 90 used, 10 left, not 100.
+        assert!(matches!(
+            take(11, 1, 200_000, &mut e),
+            Err(Refusal::Full { .. })
+        ));
+        assert!(take(10, 1, 200_000, &mut e).is_ok());
+    }
+
     proptest! {
+        /// Random takes, settlements (under or over the reservation) and
+        /// clock steps on a one-slot table with a narrow sketch, so callers
+        /// keep evicting each other: no take ever lets a caller's real use
+        /// of the day pass its budget.
+        #[test]
+        fn eviction_never_lets_a_budget_be_exceeded(
+            ops in prop::collection::vec((0u64..6, 1u64..40, 0u8..3, 0u64..90_000), 1..200)
+        ) {
+            let store = MemStore::default();
+            let budget = day_budget("tier/t/daily_tokens", 100);
+            prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(2)).unwrap();
+            let r = Reserver {
+                store: &store,
+                layout: Layout { slots: 2, sketch_width: 64, hold_ms: 1_000 },
+                max_retries: 8,
+            };
+            let mut now = 0u64;
+            // Per caller: real use (settled actuals + pending reservations).
+            let mut used = [0u64; 6];
+            let mut pending: Vec<(u64, Held, u64)> = Vec::new();
+            for (p, amount, action, step) in ops {
+                now += step;
+                prop_assume!(now < 86_400_000);
+                match action {
+                    0 | 1 => {
+                        if let Ok(res) = r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), now, &mut Effort::default()) {
+                            prop_assert!(used[p as usize] + amount <= 100, "caller {} had {} and got {}", p, used[p as usize], amount);
+                            used[p as usize] += amount;
+                            let held = res.held.into_iter().next().unwrap();
+                            pending.push((p, held, amount));
+                        }
+                    }
+                    _ => {
+                        if !pending.is_empty() {
+                            let (q, held, reserved) = pending.remove(0);
+                            // Actual use from nothing to twice the reservation.
+                            let actual = amount * reserved / 20;
+                            r.settle(&held, actual, now, &mut Effort::default());
+                            used[q as usize] = used[q as usize] - reserved + actual;
+                        }
+                    }
+                }
+            }
+        }
+
+        /// Whatever the flood's identities, a declared caller and an active
+        /// one get exactly what they get without it.
+        #[test]
+        fn no_flood_changes_declared_or_active_admissions(
+            flood in prop::collection::vec(any::<u64>(), 0..400)
+        ) {
+            // (Caller 7 itself in the flood would be its own request.)
+            let flood: Vec<u64> = flood.into_iter().filter(|&p| p != 7).collect();
+            prop_assert_eq!(admissions_under_flood(&flood), (10, 9));
+        }
+
         /// Reserve/settle sequences: admission never takes a bucket over its
         /// capacity nor below empty, and once everything is settled the
         /// bucket holds exactly the sum of actual usage.
