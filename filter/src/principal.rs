@@ -185,7 +185,7 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// FNV-1a, 64 bits: stable across builds (slots survive an upgrade) and
 /// cheap on every request. It only places buckets: a crafted collision can
-/// at worst share a slot chain or the overflow bucket, which refuses early,
+/// at worst share a slot chain or budget-sketch cells, which refuses early,
 /// never admits more.
 fn principal_hash(principal: &str) -> u64 {
     principal.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
