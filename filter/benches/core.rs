@@ -13,7 +13,6 @@ use sluice_filter::engine::Engine;
 use sluice_filter::principal::RequestView;
 use sluice_filter::reconcile::{Format, Meter};
 use sluice_filter::request::Api;
-use sluice_filter::reservation::prepare;
 use sluice_filter::store::MemStore;
 
 struct Caller(String);
@@ -32,7 +31,7 @@ impl RequestView for Caller {
 fn engine(policy: serde_json::Value) -> (Engine, MemStore) {
     let engine = Engine::new(Policy::from_value(policy).expect("bench policy"));
     let store = MemStore::default();
-    prepare(&store, &engine.rules(), engine.policy.state.principal_slots).expect("prepare");
+    engine.prepare(&store).expect("prepare");
     (engine, store)
 }
 
@@ -109,6 +108,39 @@ fn admission(c: &mut Criterion) {
     });
     let asked = e.demand(&id, Api::OpenAiChat, &body).ok().flatten();
     group.bench_function("reserve_and_settle_only", |b| {
+        b.iter(|| {
+            let v = e.admit(
+                &store,
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                asked.as_ref(),
+                1_000,
+            );
+            if let Some(plan) = v.plan {
+                e.settle(
+                    &store,
+                    &plan,
+                    sluice_filter::reconcile::Found::Nothing,
+                    10,
+                    true,
+                    1_000,
+                );
+            }
+        })
+    });
+
+    // The same for a caller without a declared key: a hashed slot, and the
+    // daily budget's count-min sketch updated on take and settle.
+    let (e, store) = engine(json!({
+        "default_tier": "pro",
+        "tiers": {"pro": {"requests": "1000000000/s", "tokens": "1000000000000/s",
+                          "daily_tokens": 1_000_000_000_000u64}},
+        "models": {"llama3.1:8b": {"requests": "1000000000/s", "price": {"input_per_1k": 0.1, "output_per_1k": 0.2}}},
+    }));
+    let id = e.identify(&Caller("10.0.0.1:1".into())).expect("identity");
+    let asked = e.demand(&id, Api::OpenAiChat, &body).ok().flatten();
+    group.bench_function("reserve_and_settle_only_hashed", |b| {
         b.iter(|| {
             let v = e.admit(
                 &store,

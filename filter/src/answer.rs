@@ -16,6 +16,10 @@ pub enum Reason {
     DailyBudgetExceeded,
     MonthlyBudgetExceeded,
     SpendCapExceeded,
+    /// A tier's `anonymous_total`: all undeclared callers together.
+    AnonymousLimit,
+    /// No per-caller slot is free for a caller without a declared key.
+    CapacityExhausted,
     GpuOverloaded,
     UpstreamUnhealthy,
     UpstreamPaused,
@@ -35,6 +39,8 @@ impl Reason {
             Reason::DailyBudgetExceeded => "daily_budget_exceeded",
             Reason::MonthlyBudgetExceeded => "monthly_budget_exceeded",
             Reason::SpendCapExceeded => "spend_cap_exceeded",
+            Reason::AnonymousLimit => "anonymous_limit",
+            Reason::CapacityExhausted => "capacity_exhausted",
             Reason::GpuOverloaded => "gpu_overloaded",
             Reason::UpstreamUnhealthy => "upstream_unhealthy",
             Reason::UpstreamPaused => "upstream_paused",
@@ -53,7 +59,9 @@ impl Reason {
             | Reason::TokenRateLimit
             | Reason::DailyBudgetExceeded
             | Reason::MonthlyBudgetExceeded
-            | Reason::SpendCapExceeded => 429,
+            | Reason::SpendCapExceeded
+            | Reason::AnonymousLimit
+            | Reason::CapacityExhausted => 429,
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
             | Reason::UpstreamPaused
@@ -69,7 +77,9 @@ impl Reason {
             Reason::UserRateLimit
             | Reason::ModelRateLimit
             | Reason::RouteRateLimit
-            | Reason::TokenRateLimit => "rate_limit_exceeded",
+            | Reason::TokenRateLimit
+            | Reason::AnonymousLimit
+            | Reason::CapacityExhausted => "rate_limit_exceeded",
             // OpenAI's code for an exhausted plan: SDKs do not retry it.
             Reason::DailyBudgetExceeded
             | Reason::MonthlyBudgetExceeded
@@ -138,6 +148,35 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
     let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
     headers.extend(rate_limit_headers(&l.quota));
     reply(l.reason, headers, &body)
+}
+
+/// 429 `capacity_exhausted`: every per-caller slot this caller could use
+/// is held by another active caller. Says so plainly, and when one frees.
+pub fn capacity_exhausted(retry_after_ms: u64, tier: &str, bucket: &str, now_ms: u64) -> Reply {
+    let reason = Reason::CapacityExhausted;
+    let retry_after = ceil_secs(retry_after_ms).max(1);
+    let message = format!(
+        "sluice is tracking as many callers as it can for {bucket}; \
+         none of its slots is free for you. Try again in {retry_after} s, \
+         or call with an API key declared in the policy."
+    );
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.code(),
+        "param": null,
+        "sluice": {
+            "reset_at": rfc3339(now_ms + retry_after * 1000),
+            "retry_after_seconds": retry_after,
+            "tier": tier,
+            "bucket": bucket,
+        }
+    }});
+    reply(
+        reason,
+        vec![("retry-after".into(), retry_after.to_string())],
+        &body,
+    )
 }
 
 /// A refusal that is not about a bucket (400, 401, 413).

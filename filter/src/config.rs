@@ -371,6 +371,12 @@ pub struct TierConfig {
     /// Spend per UTC day, in the currency of the model prices.
     pub daily_spend: Option<Budget>,
     pub monthly_spend: Option<Budget>,
+    /// Limits on all callers of this tier together whose API key is not
+    /// declared under `identity.api_key.keys` (JWT subjects, trusted
+    /// headers, addresses, undeclared keys): the same fields as above,
+    /// counted once for all of them (`anonymous_total: {requests: 600/min}`).
+    /// A flood of new identities takes at most this.
+    pub anonymous_total: Option<Box<TierConfig>>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -540,6 +546,19 @@ pub struct StateConfig {
     /// Compare-and-swap attempts on one bucket before the request is refused.
     #[serde(default = "default_cas_retries")]
     pub cas_max_retries: u32,
+    /// Cells per row of the count-min sketch that remembers what callers
+    /// without a slot were charged against a daily/monthly budget.
+    #[serde(default = "default_sketch_width")]
+    pub sketch_width: u32,
+    /// A budget slot untouched this long may go to another caller (its
+    /// charges stay in the sketch); touched more recently, it is active and
+    /// never taken.
+    #[serde(
+        default = "default_slot_hold",
+        deserialize_with = "de_duration",
+        rename = "slot_hold"
+    )]
+    pub slot_hold_ms: u64,
 }
 
 impl Default for StateConfig {
@@ -547,8 +566,17 @@ impl Default for StateConfig {
         StateConfig {
             principal_slots: default_slots(),
             cas_max_retries: default_cas_retries(),
+            sketch_width: default_sketch_width(),
+            slot_hold_ms: default_slot_hold(),
         }
     }
+}
+
+fn default_sketch_width() -> u32 {
+    2048
+}
+fn default_slot_hold() -> u64 {
+    60_000
 }
 
 fn default_slots() -> u32 {
@@ -950,16 +978,29 @@ impl Policy {
             }
         }
         for (tier, t) in &self.tiers {
-            for (field, budget) in [
-                ("daily_tokens", t.daily_tokens),
-                ("monthly_tokens", t.monthly_tokens),
-            ] {
-                if let Some(b) = budget {
-                    if b.limit.fract() != 0.0 {
-                        return Err(ConfigError::at(
-                            format!("tiers.{tier}.{field}.limit"),
-                            "a token budget is a whole number",
-                        ));
+            let total = t.anonymous_total.as_deref();
+            if total.is_some_and(|a| a.anonymous_total.is_some()) {
+                return Err(ConfigError::at(
+                    format!("tiers.{tier}.anonymous_total.anonymous_total"),
+                    "an anonymous total has no anonymous total of its own",
+                ));
+            }
+            for (prefix, limits) in [(format!("tiers.{tier}"), Some(t))]
+                .into_iter()
+                .chain(total.map(|a| (format!("tiers.{tier}.anonymous_total"), Some(a))))
+            {
+                let Some(limits) = limits else { continue };
+                for (field, budget) in [
+                    ("daily_tokens", limits.daily_tokens),
+                    ("monthly_tokens", limits.monthly_tokens),
+                ] {
+                    if let Some(b) = budget {
+                        if b.limit.fract() != 0.0 {
+                            return Err(ConfigError::at(
+                                format!("{prefix}.{field}.limit"),
+                                "a token budget is a whole number",
+                            ));
+                        }
                     }
                 }
             }
@@ -1029,6 +1070,15 @@ impl Policy {
                 "state.principal_slots",
                 "must be between 1 and 1048576",
             ));
+        }
+        if !(64..=1 << 20).contains(&self.state.sketch_width) {
+            return Err(ConfigError::at(
+                "state.sketch_width",
+                "must be between 64 and 1048576",
+            ));
+        }
+        if self.state.slot_hold_ms < 1_000 {
+            return Err(ConfigError::at("state.slot_hold", "must be at least 1s"));
         }
         if self.state.cas_max_retries == 0 {
             return Err(ConfigError::at(
@@ -1143,6 +1193,43 @@ mod tests {
                 .stale_after_ms,
             2_000
         );
+    }
+
+    #[test]
+    fn slot_settings_and_anonymous_totals_are_checked() {
+        let mut v = minimal();
+        v["tiers"]["free"]["anonymous_total"] =
+            json!({"requests": "600/min", "daily_tokens": 100_000});
+        let p = Policy::from_value(v).unwrap();
+        let total = p.tiers["free"].anonymous_total.as_deref().unwrap();
+        assert_eq!(total.requests.unwrap().capacity(), 600);
+        assert_eq!((p.state.sketch_width, p.state.slot_hold_ms), (2048, 60_000));
+        let mut v = minimal();
+        v["tiers"]["free"]["anonymous_total"] = json!({"reqests": "600/min"});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "tiers.free.anonymous_total.reqests"
+        );
+        let mut v = minimal();
+        v["tiers"]["free"]["anonymous_total"] = json!({"anonymous_total": {}});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "tiers.free.anonymous_total.anonymous_total"
+        );
+        let mut v = minimal();
+        v["tiers"]["free"]["anonymous_total"] = json!({"daily_tokens": 10.5});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "tiers.free.anonymous_total.daily_tokens.limit"
+        );
+        for (field, value) in [("sketch_width", json!(8)), ("slot_hold", json!("10ms"))] {
+            let mut v = minimal();
+            v["state"] = json!({ field: value });
+            assert_eq!(
+                Policy::from_value(v).unwrap_err().path,
+                format!("state.{field}")
+            );
+        }
     }
 
     #[test]

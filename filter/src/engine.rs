@@ -16,7 +16,9 @@ use crate::health::{self, OnStale, Route, Seen, Situation, Upstream};
 use crate::principal::{Identity, RequestView, Resolver};
 use crate::reconcile::Found;
 use crate::request::{self, Api, Demand};
-use crate::reservation::{Claim, Effort, Held, Refusal, Reserver, Rule, Scope};
+use crate::reservation::{
+    prepare, Caller, Claim, Effort, Held, Layout, Refusal, Reserver, Rule, Scope,
+};
 use crate::store::{SharedStore, StoreError};
 
 /// Metric labels of one decision. Bounded: tiers and models come from the
@@ -94,6 +96,10 @@ impl Pricing {
 /// A bucket definition with what answers need to say about it.
 struct Bucket {
     rule: Rule,
+    /// The tier of a per-caller bucket (its declared keys get their own).
+    tier: Option<String>,
+    /// Counts every undeclared caller of the tier together.
+    anonymous: bool,
     reason: Reason,
     /// `tier free: requests per caller`
     name: String,
@@ -197,6 +203,8 @@ impl Engine {
                        budget: Option<Budget>| {
             buckets.push(Bucket {
                 rule: Rule { id, limit, scope },
+                tier: None,
+                anonymous: false,
                 reason,
                 name,
                 meter,
@@ -206,92 +214,37 @@ impl Engine {
             buckets.len() - 1
         };
         for (tier, t) in &policy.tiers {
-            let per = Scope::PerPrincipal;
-            let rates = [
-                (
-                    "requests",
-                    t.requests,
-                    Meter::Requests,
-                    Reason::UserRateLimit,
-                ),
-                ("tokens", t.tokens, Meter::Tokens, Reason::TokenRateLimit),
-                (
-                    "input_tokens",
-                    t.input_tokens,
-                    Meter::InputTokens,
-                    Reason::TokenRateLimit,
-                ),
-                (
-                    "output_tokens",
-                    t.output_tokens,
-                    Meter::OutputTokens,
-                    Reason::TokenRateLimit,
-                ),
-            ];
+            // The tier's shared total for undeclared callers comes first: a
+            // flood refused there never reaches the per-caller slots.
             let mut mine = Vec::new();
-            for (what, limit, meter, reason) in rates {
-                if let Some(limit) = limit {
-                    let name = format!("tier {tier}: {} per caller", what.replace('_', " "));
-                    mine.push(add(
-                        format!("tier/{tier}/{what}"),
-                        name,
-                        limit,
-                        per,
-                        reason,
-                        meter,
-                        None,
-                    ));
+            if let Some(total) = &t.anonymous_total {
+                for l in tier_limits(total) {
+                    let i = add(
+                        format!("tier/{tier}/anonymous/{}", l.what),
+                        format!(
+                            "tier {tier}: {}, all callers without a declared key",
+                            l.what.replace('_', " ")
+                        ),
+                        l.limit,
+                        Scope::Global,
+                        Reason::AnonymousLimit,
+                        l.meter,
+                        l.budget,
+                    );
+                    mine.push(i);
                 }
             }
-            let budgets = [
-                (
-                    "daily_tokens",
-                    t.daily_tokens,
-                    Window::Day,
-                    Meter::Tokens,
-                    Reason::DailyBudgetExceeded,
-                ),
-                (
-                    "monthly_tokens",
-                    t.monthly_tokens,
-                    Window::Month,
-                    Meter::Tokens,
-                    Reason::MonthlyBudgetExceeded,
-                ),
-                (
-                    "daily_spend",
-                    t.daily_spend,
-                    Window::Day,
-                    Meter::Spend,
-                    Reason::SpendCapExceeded,
-                ),
-                (
-                    "monthly_spend",
-                    t.monthly_spend,
-                    Window::Month,
-                    Meter::Spend,
-                    Reason::SpendCapExceeded,
-                ),
-            ];
-            for (what, budget, window, meter, reason) in budgets {
-                if let Some(b) = budget {
-                    let units = if meter == Meter::Spend {
-                        (b.limit * 1e6).round() as u64
-                    } else {
-                        b.limit as u64
-                    };
-                    let name = format!("tier {tier}: {} per caller", what.replace('_', " "));
-                    let limit = Limit::windowed(units.max(1), window);
-                    mine.push(add(
-                        format!("tier/{tier}/{what}"),
-                        name,
-                        limit,
-                        per,
-                        reason,
-                        meter,
-                        Some(b),
-                    ));
-                }
+            for l in tier_limits(t) {
+                let i = add(
+                    format!("tier/{tier}/{}", l.what),
+                    format!("tier {tier}: {} per caller", l.what.replace('_', " ")),
+                    l.limit,
+                    Scope::PerPrincipal,
+                    l.reason,
+                    l.meter,
+                    l.budget,
+                );
+                mine.push(i);
             }
             tier_buckets.insert(tier.clone(), mine);
         }
@@ -342,6 +295,15 @@ impl Engine {
                 (prefix, i)
             })
             .collect();
+        for (tier, list) in &tier_buckets {
+            for &i in list {
+                if buckets[i].rule.scope == Scope::Global {
+                    buckets[i].anonymous = true;
+                } else {
+                    buckets[i].tier = Some(tier.clone());
+                }
+            }
+        }
         let pricing = policy
             .models
             .iter()
@@ -377,9 +339,46 @@ impl Engine {
         }
     }
 
-    /// Every bucket the policy defines, to create their keys up front.
+    /// Every bucket the policy defines.
     pub fn rules(&self) -> Vec<Rule> {
         self.buckets.iter().map(|b| b.rule.clone()).collect()
+    }
+
+    /// Creates every shared-data key the policy can use (a bounded set:
+    /// see `reservation`), with dedicated keys for each declared API key
+    /// in its tier's per-caller buckets. Returns how many were new.
+    pub fn prepare(&self, store: &dyn SharedStore) -> Result<usize, StoreError> {
+        let declared = self.resolver.declared();
+        let rules: Vec<(Rule, Vec<String>)> = self
+            .buckets
+            .iter()
+            .map(|b| {
+                let mine = declared
+                    .iter()
+                    .filter(|(_, tier)| Some(tier) == b.tier.as_ref())
+                    .map(|(principal, _)| principal.clone())
+                    .collect();
+                (b.rule.clone(), mine)
+            })
+            .collect();
+        prepare(store, &rules, &self.layout())
+    }
+
+    fn layout(&self) -> Layout {
+        let s = &self.policy.state;
+        Layout {
+            slots: s.principal_slots,
+            sketch_width: s.sketch_width,
+            hold_ms: s.slot_hold_ms,
+        }
+    }
+
+    fn reserver<'a>(&self, store: &'a dyn SharedStore) -> Reserver<'a> {
+        Reserver {
+            store,
+            layout: self.layout(),
+            max_retries: self.policy.state.cas_max_retries,
+        }
     }
 
     /// Step 1: who is calling. A refusal (unknown API key) is a verdict.
@@ -556,11 +555,7 @@ impl Engine {
         if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
             return verdict;
         }
-        let reserver = Reserver {
-            store,
-            slots: self.policy.state.principal_slots,
-            max_retries: self.policy.state.cas_max_retries,
-        };
+        let reserver = self.reserver(store);
         let requested_model = asked.and_then(|a| a.demand.model.clone());
         let input_raw = asked.map_or(0.0, |a| a.input_raw);
         let input = match (asked, &requested_model) {
@@ -604,7 +599,7 @@ impl Engine {
         // ask the model for only what it still covers (no overshoot).
         let mut effort = Effort::default();
         let pricing = self.pricing_of(model.as_deref());
-        let applying = self.applying(&identity.tier, model.as_deref(), path);
+        let applying = self.applying(identity, model.as_deref(), path);
         let mut lowered = false;
         let (reservation, taken) = loop {
             let taken: Vec<usize> = applying
@@ -623,7 +618,7 @@ impl Engine {
                     }
                 })
                 .collect();
-            match reserver.reserve(&claims, identity.hash, now_ms, &mut effort) {
+            match reserver.reserve(&claims, caller(identity), now_ms, &mut effort) {
                 Ok(reservation) => break (reservation, taken),
                 Err(Refusal::Full { index, shortfall }) if produces_output => {
                     let room = shortfall.quota.remaining;
@@ -701,11 +696,11 @@ impl Engine {
     ) -> Option<String> {
         let target = self.policy.models.get(model?)?.downshift_to.clone()?;
         let pricing = self.pricing_of(model);
-        let over_soft = self.applying(&identity.tier, model, path).iter().any(|&i| {
+        let over_soft = self.applying(identity, model, path).iter().any(|&i| {
             let b = &self.buckets[i];
             b.soft && {
                 let claim = Claim::hard(&b.rule, b.meter.amount(input, output, pricing));
-                reserver.peek(&claim, identity.hash, now_ms).remaining < claim.amount
+                reserver.peek(&claim, caller(identity), now_ms).remaining < claim.amount
             }
         });
         over_soft.then_some(target)
@@ -722,6 +717,30 @@ impl Engine {
         now_ms: u64,
     ) -> Verdict {
         let (index, quota, retry_after_ms) = match refusal {
+            Refusal::NoSlot {
+                index,
+                retry_after_ms,
+            } => {
+                let bucket = &self.buckets[taken[index]];
+                let reason = Reason::CapacityExhausted;
+                let reply = answer::capacity_exhausted(
+                    retry_after_ms,
+                    &identity.tier,
+                    &bucket.name,
+                    now_ms,
+                );
+                return Verdict {
+                    reply: Some(reply),
+                    response_headers: Vec::new(),
+                    body: None,
+                    labels: labels("refuse", reason.code()),
+                    effort,
+                    plan: None,
+                    alerts: Vec::new(),
+                    degraded: None,
+                    bucket: Some(bucket.rule.id.clone()),
+                };
+            }
             Refusal::Full { index, shortfall } => {
                 (index, shortfall.quota, shortfall.retry_after_ms)
             }
@@ -836,11 +855,7 @@ impl Engine {
             _ if !upstream_ok => (0, 0, false),
             _ => (plan.input_estimate, output_counted, false),
         };
-        let reserver = Reserver {
-            store,
-            slots: self.policy.state.principal_slots,
-            max_retries: self.policy.state.cas_max_retries,
-        };
+        let reserver = self.reserver(store);
         let mut effort = Effort::default();
         for (held, meter) in plan.held.iter().zip(&plan.meters) {
             if *meter != Meter::Requests {
@@ -933,12 +948,13 @@ impl Engine {
 
     /// Indexes of the buckets that apply to a request, in the order they
     /// are taken (the first that refuses decides the answer).
-    fn applying(&self, tier: &str, model: Option<&str>, path: &str) -> Vec<usize> {
+    fn applying(&self, identity: &Identity, model: Option<&str>, path: &str) -> Vec<usize> {
         let none = Vec::new();
         self.tier_buckets
-            .get(tier)
+            .get(&identity.tier)
             .unwrap_or(&none)
             .iter()
+            .filter(|&&i| !(identity.declared && self.buckets[i].anonymous))
             .chain(
                 model
                     .and_then(|m| self.model_buckets.get(m))
@@ -1044,6 +1060,112 @@ impl Engine {
     }
 }
 
+/// Who takes from the buckets: declared API keys by name (they have
+/// dedicated keys), everyone else by hash.
+fn caller(identity: &Identity) -> Caller<'_> {
+    Caller {
+        hash: identity.hash,
+        declared: identity.declared.then_some(identity.principal.as_str()),
+    }
+}
+
+/// One limit of a tier's (or its anonymous total's) configuration.
+struct TierLimit {
+    what: &'static str,
+    limit: Limit,
+    meter: Meter,
+    reason: Reason,
+    budget: Option<Budget>,
+}
+
+/// The limits a `TierConfig` sets, in the order they are taken.
+fn tier_limits(t: &crate::config::TierConfig) -> Vec<TierLimit> {
+    let rates = [
+        (
+            "requests",
+            t.requests,
+            Meter::Requests,
+            Reason::UserRateLimit,
+        ),
+        ("tokens", t.tokens, Meter::Tokens, Reason::TokenRateLimit),
+        (
+            "input_tokens",
+            t.input_tokens,
+            Meter::InputTokens,
+            Reason::TokenRateLimit,
+        ),
+        (
+            "output_tokens",
+            t.output_tokens,
+            Meter::OutputTokens,
+            Reason::TokenRateLimit,
+        ),
+    ];
+    let budgets = [
+        (
+            "daily_tokens",
+            t.daily_tokens,
+            Window::Day,
+            Meter::Tokens,
+            Reason::DailyBudgetExceeded,
+        ),
+        (
+            "monthly_tokens",
+            t.monthly_tokens,
+            Window::Month,
+            Meter::Tokens,
+            Reason::MonthlyBudgetExceeded,
+        ),
+        (
+            "daily_spend",
+            t.daily_spend,
+            Window::Day,
+            Meter::Spend,
+            Reason::SpendCapExceeded,
+        ),
+        (
+            "monthly_spend",
+            t.monthly_spend,
+            Window::Month,
+            Meter::Spend,
+            Reason::SpendCapExceeded,
+        ),
+    ];
+    let mut out: Vec<TierLimit> = rates
+        .into_iter()
+        .filter_map(|(what, limit, meter, reason)| {
+            limit.map(|limit| TierLimit {
+                what,
+                limit,
+                meter,
+                reason,
+                budget: None,
+            })
+        })
+        .collect();
+    out.extend(
+        budgets
+            .into_iter()
+            .filter_map(|(what, budget, window, meter, reason)| {
+                budget.map(|b| {
+                    let units = if meter == Meter::Spend {
+                        (b.limit * 1e6).round() as u64
+                    } else {
+                        b.limit as u64
+                    };
+                    TierLimit {
+                        what,
+                        limit: Limit::windowed(units.max(1), window),
+                        meter,
+                        reason,
+                        budget: Some(b),
+                    }
+                })
+            }),
+    );
+    out
+}
+
 /// The last user prompt of a request, as text.
 fn prompt_text(body: &Value) -> String {
     let text_of = |v: &Value| match v {
@@ -1132,7 +1254,6 @@ fn set_max_output(api: Api, json: &mut Value, max: u64) {
 mod tests {
     use super::*;
     use crate::reconcile::Usage;
-    use crate::reservation::prepare;
     use crate::store::MemStore;
     use serde_json::json;
 
@@ -1152,7 +1273,7 @@ mod tests {
     fn engine_with(policy: Value) -> (Engine, MemStore) {
         let e = Engine::new(Policy::from_value(policy).unwrap());
         let store = MemStore::default();
-        prepare(&store, &e.rules(), e.policy.state.principal_slots).unwrap();
+        e.prepare(&store).unwrap();
         (e, store)
     }
 
@@ -1487,6 +1608,80 @@ mod tests {
             3_600_000,
         );
         assert!(v.reply.is_none());
+    }
+
+    struct Keyed(&'static str, &'static str);
+    impl RequestView for Keyed {
+        fn header(&self, name: &str) -> Option<String> {
+            (name == "x-api-key" && !self.0.is_empty()).then(|| self.0.to_string())
+        }
+        fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
+            None
+        }
+        fn client_address(&self) -> Option<String> {
+            Some(self.1.into())
+        }
+    }
+
+    #[test]
+    fn a_flood_leaves_declared_keys_alone_and_new_callers_get_capacity_exhausted() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "identity": {"sources": ["api_key", "client_address"],
+                         "api_key": {"keys": {"k-free": "free"}}},
+            "tiers": {"free": {"requests": "10/min", "daily_tokens": 5_000,
+                               "anonymous_total": {"requests": "1000/min"}}},
+            "state": {"principal_slots": 8},
+        }));
+        let declared = e.identify(&Keyed("k-free", "1.1.1.1:1")).unwrap();
+        assert!(declared.declared);
+        let admit = |id: &Identity| e.admit(&store, id, Api::Other, "/v1/models", None, 1_000);
+        for i in 0..600u32 {
+            let addr: &'static str = format!("10.0.{}.{}:1", i / 250, i % 250).leak();
+            admit(&e.identify(&Keyed("", addr)).unwrap());
+        }
+        let late = e.identify(&Keyed("", "192.168.1.1:1")).unwrap();
+        assert!(!late.declared);
+        let v = admit(&late);
+        assert_eq!(v.labels.reason, "capacity_exhausted");
+        assert!(v.effort.no_slot);
+        let reply = v.reply.unwrap();
+        assert_eq!(
+            (reply.status, reply.header("retry-after")),
+            (429, Some("6"))
+        );
+        let admitted = (0..10).filter(|_| admit(&declared).reply.is_none()).count();
+        assert_eq!(admitted, 10, "the declared key keeps all of its capacity");
+    }
+
+    #[test]
+    fn the_anonymous_total_binds_undeclared_callers_only() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "identity": {"sources": ["api_key", "client_address"],
+                         "api_key": {"keys": {"k-free": "free"}}},
+            "tiers": {"free": {"requests": "10/min", "anonymous_total": {"requests": "5/min"}}},
+        }));
+        let admit = |id: &Identity| e.admit(&store, id, Api::Other, "/v1/models", None, 0);
+        let results: Vec<Verdict> = (0..8u8)
+            .map(|i| {
+                admit(
+                    &e.identify(&Keyed("", format!("10.0.0.{i}:1").leak()))
+                        .unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 5);
+        assert_eq!(results[7].labels.reason, "anonymous_limit");
+        assert_eq!(
+            results[7].bucket.as_deref(),
+            Some("tier/free/anonymous/requests")
+        );
+        let declared = e.identify(&Keyed("k-free", "10.0.0.1:1")).unwrap();
+        assert!(
+            admit(&declared).reply.is_none(),
+            "declared keys are outside it"
+        );
     }
 
     #[test]

@@ -48,8 +48,9 @@ pub const BREAKERS_OPEN: &str = "sluice_breakers_open";
 pub const CAS_RETRIES: &str = "sluice_cas_retries_total";
 /// Requests refused because every CAS attempt on a bucket was lost.
 pub const CAS_EXHAUSTED: &str = "sluice_cas_exhausted_total";
-/// Requests counted in a rule's shared overflow bucket (slot table full).
-pub const BUCKET_OVERFLOW: &str = "sluice_bucket_overflow_total";
+/// Requests refused 429 `capacity_exhausted`: every per-caller slot the
+/// caller could use was held by an active caller.
+pub const CAPACITY_EXHAUSTED: &str = "sluice_capacity_exhausted_total";
 /// Requests holding a token or spend reservation not yet settled (gauge).
 pub const RESERVATIONS_OUTSTANDING: &str = "sluice_reservations_outstanding";
 /// The metrics above that are gauges; every other is a counter.
@@ -92,7 +93,7 @@ pub const FIXED: &[&str] = &[
     BREAKERS_OPEN,
     CAS_RETRIES,
     CAS_EXHAUSTED,
-    BUCKET_OVERFLOW,
+    CAPACITY_EXHAUSTED,
     RESERVATIONS_OUTSTANDING,
     SPEND_MICROS,
     USAGE_INVALID,

@@ -6,7 +6,7 @@
 //! the connection's address are believed: any other identity or tier header a
 //! client sends is never read.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use sha2::{Digest, Sha256};
 
@@ -32,6 +32,9 @@ pub struct Identity {
     pub hash: u64,
     pub tier: String,
     pub source: Option<IdentitySource>,
+    /// An API key declared in the policy: it has dedicated buckets and is
+    /// outside its tier's `anonymous_total`.
+    pub declared: bool,
 }
 
 /// The caller presented an API key the policy does not know.
@@ -46,6 +49,8 @@ pub struct Resolver {
     tiers: Vec<String>,
     /// SHA-256 (hex) of each configured key → tier.
     key_tiers: HashMap<String, String>,
+    /// The principal names of those keys.
+    declared_principals: HashSet<String>,
 }
 
 impl Resolver {
@@ -62,8 +67,10 @@ impl Resolver {
                 };
                 (hash, tier.clone())
             })
-            .collect();
+            .collect::<HashMap<String, String>>();
+        let declared_principals = key_tiers.keys().map(|h| key_principal(h)).collect();
         Resolver {
+            declared_principals,
             config: policy.identity.clone(),
             default_tier: policy.default_tier.clone(),
             tiers: policy.tiers.keys().cloned().collect(),
@@ -71,10 +78,24 @@ impl Resolver {
         }
     }
 
+    /// `(principal, tier)` of every API key the policy declares, as
+    /// [`Resolver::resolve`] names them: their dedicated keys are created
+    /// when the policy loads.
+    pub fn declared(&self) -> Vec<(String, String)> {
+        self.key_tiers
+            .iter()
+            .map(|(hash, tier)| (key_principal(hash), tier.clone()))
+            .collect()
+    }
+
     pub fn resolve(&self, req: &dyn RequestView) -> Result<Identity, UnknownApiKey> {
         for source in &self.config.sources {
             if let Some((principal, tier)) = self.try_source(*source, req)? {
-                return Ok(self.identity(principal, tier, Some(*source)));
+                let mut id = self.identity(principal, tier, Some(*source));
+                // Only a key found in the policy's map: its tier came from it.
+                id.declared = *source == IdentitySource::ApiKey
+                    && self.declared_principals.contains(&id.principal);
+                return Ok(id);
             }
         }
         Ok(self.identity("anonymous".into(), None, None))
@@ -117,7 +138,7 @@ impl Resolver {
                             if tier.is_none() && k.unknown_keys == UnknownKeys::Reject {
                                 return Err(UnknownApiKey);
                             }
-                            Some((format!("key:{}", &hash[..16]), tier))
+                            Some((key_principal(&hash), tier))
                         }
                     }
                 }
@@ -143,8 +164,14 @@ impl Resolver {
             hash,
             tier,
             source,
+            declared: false,
         }
     }
+}
+
+/// How an API key is named as a principal: a prefix of its SHA-256.
+fn key_principal(hash: &str) -> String {
+    format!("key:{}", hash.get(..16).unwrap_or(hash))
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -158,7 +185,7 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// FNV-1a, 64 bits: stable across builds (slots survive an upgrade) and
 /// cheap on every request. It only places buckets: a crafted collision can
-/// at worst share a slot chain or the overflow bucket, which refuses early,
+/// at worst share a slot chain or budget-sketch cells, which refuses early,
 /// never admits more.
 fn principal_hash(principal: &str) -> u64 {
     principal.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {

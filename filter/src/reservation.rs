@@ -3,17 +3,38 @@
 //! worker sees one exact count.
 //!
 //! Key set. Envoy never frees a shared-data key, so the key set is fixed by
-//! the policy, not by traffic: a global rule (per model, per route) is one
-//! key; a per-principal rule (per tier) is `principal_slots` keys plus one
-//! overflow key, created up front by [`prepare`]. A principal hashes to a
-//! slot and probes up to [`PROBES`] slots from there (open addressing). A
-//! slot whose bucket has drained completely is idle: handing it to another
-//! principal loses nothing, because a fresh bucket is an empty one. When all
-//! probed slots belong to principals with something in use, the table is
-//! full for that principal: it is counted in the rule's overflow bucket,
-//! shared by every principal that overflowed (conservative: it can refuse
-//! early, never admit more than one principal's limit), and the request is
-//! flagged so the `sluice_bucket_overflow_total` metric shows it.
+//! the policy, not by traffic, and every key is created up front by
+//! [`prepare`]. A global rule (per model, per route, a tier's anonymous
+//! total) is one key. A per-principal rule (per tier) has:
+//! - one *dedicated* key per API key declared in the policy for that tier:
+//!   declared callers never compete for anything;
+//! - `principal_slots` *hashed* slots shared by every other caller (JWT
+//!   subjects, trusted headers, addresses, undeclared keys): a caller hashes
+//!   to a slot and probes up to [`PROBES`] slots from there;
+//! - for calendar budgets (daily/monthly), a count-min sketch of the
+//!   window's charges by hashed callers: [`SKETCH_DEPTH`] rows of
+//!   `sketch_width` cells, one key each.
+//!
+//! Who may take a hashed slot. A slot whose bucket has drained is idle:
+//! handing it over loses nothing. A budget slot is also handed over when
+//! its owner has not touched it for `slot_hold` (then it is not active):
+//! what it was charged this window stays in the sketch, and a caller who
+//! gets a slot starts from its sketch estimate, which never under-counts
+//! (every take and charge is added to the sketch, every give-back taken
+//! off it after the slot). So eviction can refuse a caller early, never
+//! let it past a hard budget. A slot in use (a rate bucket not drained, a
+//! budget touched within `slot_hold`) is never taken: a flood of new
+//! identities cannot take an active caller's capacity. When every probed
+//! slot is in use the caller is refused with [`Refusal::NoSlot`]
+//! (429 `capacity_exhausted`, counted), with the time until a probed slot
+//! frees as its Retry-After; never a misleading budget refusal.
+//!
+//! Bounds. Keys per per-principal rule: `principal_slots` + declared keys
+//! of the tier, + `SKETCH_DEPTH × sketch_width` for calendar budgets. The
+//! sketch over-counts a caller by at most `e/sketch_width` of everything
+//! hashed callers were charged on that rule this window, with probability
+//! at least `1 − e^−SKETCH_DEPTH` (≈ 98 %); a tier's `anonymous_total`
+//! bounds that total.
 //!
 //! Contention. A CAS mismatch means another worker changed the bucket since
 //! we read it; we re-read and retry, up to `cas_max_retries` times (every
@@ -26,12 +47,15 @@
 //! answer. Between the take and the give-back a concurrent request may see
 //! those units in use and be refused: the error is on the safe side.
 
-use crate::bucket::{BucketState, Quota, Shortfall};
+use crate::bucket::{window_start, BucketState, Quota, Shortfall, SCALE};
 use crate::config::Limit;
 use crate::store::{SharedStore, StoreError};
 
 /// Slots probed from a principal's home slot.
 pub const PROBES: u32 = 8;
+/// Rows of a budget's count-min sketch: the chance that every row
+/// over-counts by more than the bound is `e^−4`.
+pub const SKETCH_DEPTH: u32 = 4;
 const KEY_PREFIX: &str = "sluice:v1:";
 const GLOBAL_OWNER: u64 = 1;
 
@@ -50,6 +74,32 @@ pub struct Rule {
     pub id: String,
     pub limit: Limit,
     pub scope: Scope,
+}
+
+/// How the per-principal tables are sized (from `state` in the policy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub slots: u32,
+    pub sketch_width: u32,
+    /// A budget slot untouched this long may go to another caller.
+    pub hold_ms: u64,
+}
+
+/// Who takes: the principal's hash, and its name when the policy declares
+/// it (an API key listed in the policy), which gives it dedicated keys.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller<'a> {
+    pub hash: u64,
+    pub declared: Option<&'a str>,
+}
+
+impl Caller<'_> {
+    pub fn hashed(hash: u64) -> Caller<'static> {
+        Caller {
+            hash,
+            declared: None,
+        }
+    }
 }
 
 /// A bucket to take from for one request.
@@ -72,10 +122,22 @@ impl<'a> Claim<'a> {
     }
 }
 
+/// Where a bucket lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    Global,
+    /// A declared caller's own key.
+    Dedicated,
+    /// A slot of the hashed table (may change hands).
+    Hashed,
+}
+
 /// Units held in one bucket, enough to give them back later.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
     pub key: String,
+    pub rule: String,
+    pub placement: Placement,
     /// Principal hash that owns the slot, or 0 for shared buckets.
     pub owner: u64,
     pub amount: u64,
@@ -100,6 +162,8 @@ pub struct Reservation {
 pub enum Refusal {
     /// Claim `index` does not fit.
     Full { index: usize, shortfall: Shortfall },
+    /// Claim `index` found every probed slot in use by other callers.
+    NoSlot { index: usize, retry_after_ms: u64 },
     /// Claim `index` lost every compare-and-swap attempt.
     Contended { index: usize },
     /// The host refused a write.
@@ -110,32 +174,45 @@ pub enum Refusal {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Effort {
     pub cas_retries: u32,
-    pub overflowed: bool,
+    /// Refused because the hashed table had no slot for the caller.
+    pub no_slot: bool,
     /// Every CAS attempt on some bucket was lost.
     pub exhausted: bool,
 }
 
 pub struct Reserver<'a> {
     pub store: &'a dyn SharedStore,
-    pub slots: u32,
+    pub layout: Layout,
     pub max_retries: u32,
 }
 
 /// Creates every key a rule can use, empty, unless it exists: the hot path
 /// then only ever updates keys under CAS (Envoy ignores CAS on a missing
-/// key, so creating keys there could lose a concurrent count).
-pub fn prepare(store: &dyn SharedStore, rules: &[Rule], slots: u32) -> Result<usize, StoreError> {
+/// key, so creating keys there could lose a concurrent count). Each rule
+/// comes with the declared principals that get dedicated keys in it.
+pub fn prepare(
+    store: &dyn SharedStore,
+    rules: &[(Rule, Vec<String>)],
+    layout: &Layout,
+) -> Result<usize, StoreError> {
     let empty = BucketState::default().encode();
     let mut created = 0;
-    for rule in rules {
-        let keys: Box<dyn Iterator<Item = String>> = match rule.scope {
-            Scope::Global => Box::new(std::iter::once(global_key(rule))),
-            Scope::PerPrincipal => Box::new(
-                (0..slots)
-                    .map(|s| slot_key(rule, s))
-                    .chain(std::iter::once(overflow_key(rule))),
-            ),
-        };
+    for (rule, declared) in rules {
+        let mut keys: Vec<String> = Vec::new();
+        match rule.scope {
+            Scope::Global => keys.push(global_key(&rule.id)),
+            Scope::PerPrincipal => {
+                keys.extend((0..layout.slots).map(|s| slot_key(&rule.id, s)));
+                keys.extend(declared.iter().map(|p| dedicated_key(&rule.id, p)));
+                if rule.limit.window.is_some() {
+                    for row in 0..SKETCH_DEPTH {
+                        keys.extend(
+                            (0..layout.sketch_width).map(|col| cell_key(&rule.id, row, col)),
+                        );
+                    }
+                }
+            }
+        }
         for key in keys {
             if store.get(&key).is_none() {
                 store.set(&key, &empty, 0)?;
@@ -146,14 +223,69 @@ pub fn prepare(store: &dyn SharedStore, rules: &[Rule], slots: u32) -> Result<us
     Ok(created)
 }
 
-fn global_key(rule: &Rule) -> String {
-    format!("{KEY_PREFIX}{}", rule.id)
+fn global_key(rule: &str) -> String {
+    format!("{KEY_PREFIX}{rule}")
 }
-fn slot_key(rule: &Rule, slot: u32) -> String {
-    format!("{KEY_PREFIX}{}:{slot}", rule.id)
+fn slot_key(rule: &str, slot: u32) -> String {
+    format!("{KEY_PREFIX}{rule}:{slot}")
 }
-fn overflow_key(rule: &Rule) -> String {
-    format!("{KEY_PREFIX}{}:overflow", rule.id)
+fn dedicated_key(rule: &str, principal: &str) -> String {
+    format!("{KEY_PREFIX}{rule}:declared:{principal}")
+}
+fn cell_key(rule: &str, row: u32, col: u32) -> String {
+    format!("{KEY_PREFIX}{rule}:sketch:{row}:{col}")
+}
+
+/// A hashed slot: the bucket and when its owner last took or settled.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Slot {
+    state: BucketState,
+    touched_ms: u64,
+}
+
+impl Slot {
+    fn decode(bytes: &[u8]) -> Slot {
+        let state = BucketState::decode(bytes.get(..24).unwrap_or_default()).unwrap_or_default();
+        let touched_ms = bytes
+            .get(24..32)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(state.updated_ms, u64::from_le_bytes);
+        Slot { state, touched_ms }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut out = self.state.encode().to_vec();
+        out.extend_from_slice(&self.touched_ms.to_le_bytes());
+        out
+    }
+}
+
+/// One sketch cell: millionths charged in the window starting at `window`.
+fn decode_cell(bytes: &[u8]) -> (u64, u64) {
+    let word = |i: usize| {
+        bytes
+            .get(i..i + 8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    (word(0), word(8))
+}
+
+fn encode_cell(window: u64, used: u64) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&window.to_le_bytes());
+    out[8..].copy_from_slice(&used.to_le_bytes());
+    out
+}
+
+/// Column of `principal` in sketch row `row`: an independent mix per row
+/// (SplitMix64's finalizer over the principal hash and the row).
+fn column(principal: u64, row: u32, width: u32) -> u32 {
+    let mut z = principal ^ (u64::from(row) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z % u64::from(width.max(1))) as u32
 }
 
 /// Where a claim's bucket lives right now.
@@ -162,20 +294,21 @@ struct Located {
     state: BucketState,
     cas: u32,
     owner: u64,
+    placement: Placement,
 }
 
 impl Reserver<'_> {
-    /// Takes every claim or none. `principal` is the caller's hash.
+    /// Takes every claim or none.
     pub fn reserve(
         &self,
         claims: &[Claim],
-        principal: u64,
+        caller: Caller,
         now_ms: u64,
         effort: &mut Effort,
     ) -> Result<Reservation, Refusal> {
         let mut reservation = Reservation::default();
         for (index, claim) in claims.iter().enumerate() {
-            match self.take(claim, principal, now_ms, effort) {
+            match self.take(claim, caller, now_ms, effort) {
                 Ok((held, quota, over)) => {
                     reservation.held.push(held);
                     reservation.quotas.push(quota);
@@ -200,6 +333,13 @@ impl Reserver<'_> {
                     self.release(&reservation.held, now_ms, effort);
                     return Err(match refusal {
                         TakeError::Full(shortfall) => Refusal::Full { index, shortfall },
+                        TakeError::NoSlot(retry_after_ms) => {
+                            effort.no_slot = true;
+                            Refusal::NoSlot {
+                                index,
+                                retry_after_ms,
+                            }
+                        }
                         TakeError::Contended => Refusal::Contended { index },
                         TakeError::Host(message) => Refusal::Host { index, message },
                     });
@@ -223,33 +363,118 @@ impl Reserver<'_> {
         if actual == h.amount {
             return;
         }
-        for _ in 0..self.max_retries {
-            let Some((bytes, cas)) = self.store.get(&h.key) else {
-                return;
-            };
-            let state = BucketState::decode(&bytes).unwrap_or_default();
-            if h.owner != 0 && state.owner != h.owner {
-                // The slot drained and went to another principal: nothing of
-                // ours is left there to give back or charge.
-                return;
-            }
-            let next = if actual < h.amount {
-                state.give_back(h.amount - actual, &h.limit, h.taken_ms, now_ms)
+        self.settle_bucket(h, actual, now_ms, effort);
+        if h.placement == Placement::Hashed && h.limit.window.is_some() {
+            // After the slot: a give-back leaves the sketch ahead meanwhile,
+            // never behind.
+            let delta = actual.abs_diff(h.amount);
+            if actual > h.amount {
+                self.sketch_add(&h.rule, h.owner, delta, &h.limit, now_ms, effort);
             } else {
-                state.charge(actual - h.amount, &h.limit, now_ms)
-            };
-            match self.store.set(&h.key, &next.encode(), cas) {
-                Ok(()) => return,
-                Err(StoreError::CasMismatch) => effort.cas_retries += 1,
-                Err(StoreError::Host(_)) => return,
+                self.sketch_sub(&h.rule, h.owner, delta, &h.limit, h.taken_ms, now_ms);
             }
         }
     }
 
+    /// The bucket part of [`Self::settle`].
+    fn settle_bucket(&self, h: &Held, actual: u64, now_ms: u64, effort: &mut Effort) {
+        let charge = actual > h.amount;
+        let delta = actual.abs_diff(h.amount);
+        let apply = |state: BucketState| {
+            if charge {
+                state.charge(delta, &h.limit, now_ms)
+            } else {
+                state.give_back(delta, &h.limit, h.taken_ms, now_ms)
+            }
+        };
+        if h.placement != Placement::Hashed {
+            self.update(&h.key, effort, |bytes| {
+                let state = BucketState::decode(bytes).unwrap_or_default();
+                Some(apply(state).encode().to_vec())
+            });
+            return;
+        }
+        let mine = |bytes: &[u8]| {
+            let slot = Slot::decode(bytes);
+            (slot.state.owner == h.owner).then(|| {
+                Slot {
+                    state: apply(slot.state),
+                    touched_ms: slot.touched_ms.max(now_ms),
+                }
+                .encode()
+            })
+        };
+        if self.update(&h.key, effort, mine) != Update::Declined {
+            return;
+        }
+        // The slot changed hands since the take (it drained, or a budget
+        // slot went untouched): settle where the caller lives now, and take
+        // a slot for a charge rather than forget it.
+        let rule = Rule {
+            id: h.rule.clone(),
+            limit: h.limit,
+            scope: Scope::PerPrincipal,
+        };
+        let found = if charge {
+            self.locate(&rule, Caller::hashed(h.owner), now_ms)
+                .ok()
+                .map(|at| at.key)
+        } else {
+            self.owned(&rule, h.owner, now_ms)
+        };
+        let Some(key) = found else {
+            return;
+        };
+        self.update(&key, effort, |bytes| {
+            let slot = Slot::decode(bytes);
+            let state = if slot.state.owner == h.owner {
+                slot.state
+            } else if self.takeable(&slot, &h.limit, now_ms) {
+                self.seed(&rule, h.owner, now_ms)
+            } else {
+                return None;
+            };
+            Some(
+                Slot {
+                    state: apply(state),
+                    touched_ms: now_ms,
+                }
+                .encode(),
+            )
+        });
+    }
+
+    /// Read-modify-write of one key under CAS; `f` returns `None` to leave
+    /// the value as it is.
+    fn update(
+        &self,
+        key: &str,
+        effort: &mut Effort,
+        f: impl Fn(&[u8]) -> Option<Vec<u8>>,
+    ) -> Update {
+        for _ in 0..self.max_retries {
+            let Some((bytes, cas)) = self.store.get(key) else {
+                return Update::Declined;
+            };
+            let Some(next) = f(&bytes) else {
+                return Update::Declined;
+            };
+            match self.store.set(key, &next, cas) {
+                Ok(()) => return Update::Written,
+                Err(StoreError::CasMismatch) => effort.cas_retries += 1,
+                Err(StoreError::Host(_)) => return Update::Failed,
+            }
+        }
+        Update::Failed
+    }
+
     /// What a claim's bucket holds now, without taking anything.
-    pub fn peek(&self, claim: &Claim, principal: u64, now_ms: u64) -> Quota {
-        let at = self.locate(claim.rule, principal, now_ms, &mut Effort::default());
-        at.state
+    pub fn peek(&self, claim: &Claim, caller: Caller, now_ms: u64) -> Quota {
+        let state = match self.locate(claim.rule, caller, now_ms) {
+            Ok(at) => at.state,
+            Err(_) => self.seed(claim.rule, caller.hash, now_ms),
+        };
+        state
             .at(&claim.rule.limit, now_ms)
             .quota(&claim.rule.limit, now_ms)
     }
@@ -257,7 +482,7 @@ impl Reserver<'_> {
     fn take(
         &self,
         claim: &Claim,
-        principal: u64,
+        caller: Caller,
         now_ms: u64,
         effort: &mut Effort,
     ) -> Result<(Held, Quota, bool), TakeError> {
@@ -266,21 +491,49 @@ impl Reserver<'_> {
             if attempt > 0 {
                 effort.cas_retries += 1;
             }
-            let at = self.locate(claim.rule, principal, now_ms, effort);
+            let at = self
+                .locate(claim.rule, caller, now_ms)
+                .map_err(TakeError::NoSlot)?;
             let (next, over) = match at.state.take(claim.amount, limit, now_ms) {
                 Ok(next) => (next, false),
                 Err(_) if claim.soft => (at.state.charge(claim.amount, limit, now_ms), true),
                 Err(shortfall) => return Err(TakeError::Full(shortfall)),
             };
-            match self.store.set(&at.key, &next.encode(), at.cas) {
+            let bytes = match at.placement {
+                Placement::Hashed => Slot {
+                    state: next,
+                    touched_ms: now_ms,
+                }
+                .encode(),
+                _ => next.encode().to_vec(),
+            };
+            match self.store.set(&at.key, &bytes, at.cas) {
                 Ok(()) => {
                     let held = Held {
                         key: at.key,
+                        rule: claim.rule.id.clone(),
+                        placement: at.placement,
                         owner: at.owner,
                         amount: claim.amount,
                         limit: *limit,
                         taken_ms: now_ms,
                     };
+                    // After the slot (just touched, so nobody takes it
+                    // meanwhile): the sketch never lags a budget's count.
+                    if at.placement == Placement::Hashed
+                        && limit.window.is_some()
+                        && !self.sketch_add(
+                            &claim.rule.id,
+                            at.owner,
+                            claim.amount,
+                            limit,
+                            now_ms,
+                            effort,
+                        )
+                    {
+                        self.settle_bucket(&held, 0, now_ms, effort);
+                        return Err(TakeError::Contended);
+                    }
                     return Ok((held, next.quota(limit, now_ms), over));
                 }
                 Err(StoreError::CasMismatch) => continue,
@@ -290,70 +543,229 @@ impl Reserver<'_> {
         Err(TakeError::Contended)
     }
 
-    fn locate(&self, rule: &Rule, principal: u64, now_ms: u64, effort: &mut Effort) -> Located {
-        let read = |key: String| {
-            let (bytes, cas) = self.store.get(&key).unwrap_or_default();
-            let state = BucketState::decode(&bytes).unwrap_or_default();
-            (key, state, cas)
-        };
+    /// The bucket for `caller` under `rule`: the global key, its dedicated
+    /// key, its hashed slot, or a slot it may take (seeded from the sketch).
+    /// `Err`: every probed slot is in use; the value is when one frees.
+    fn locate(&self, rule: &Rule, caller: Caller, now_ms: u64) -> Result<Located, u64> {
+        let read = |key: &str| self.store.get(key);
         if rule.scope == Scope::Global {
-            let (key, state, cas) = read(global_key(rule));
-            return Located {
+            let key = global_key(&rule.id);
+            let (bytes, cas) = read(&key).unwrap_or_default();
+            return Ok(Located {
                 key,
-                state,
+                state: BucketState::decode(&bytes).unwrap_or_default(),
                 cas,
                 owner: 0,
-            };
+                placement: Placement::Global,
+            });
         }
-        let owner = principal.max(GLOBAL_OWNER + 1);
-        let fresh = BucketState {
-            owner,
-            used: 0,
-            updated_ms: now_ms,
-        };
-        let slots = self.slots.max(1);
-        let home = (owner % slots as u64) as u32;
-        let mut candidate: Option<Located> = None;
-        for probe in 0..PROBES.min(slots) {
-            let (key, state, cas) = read(slot_key(rule, (home + probe) % slots));
-            if state.owner == owner {
-                return Located {
+        let owner = caller.hash.max(GLOBAL_OWNER + 1);
+        if let Some(name) = caller.declared {
+            let key = dedicated_key(&rule.id, name);
+            // A declared caller whose key was not prepared (a tier it does
+            // not belong to) is placed like anyone else.
+            if let Some((bytes, cas)) = read(&key) {
+                return Ok(Located {
                     key,
-                    state,
+                    state: BucketState::decode(&bytes).unwrap_or_default(),
                     cas,
                     owner,
-                };
+                    placement: Placement::Dedicated,
+                });
+            }
+        }
+        let slots = self.layout.slots.max(1);
+        let home = (owner % slots as u64) as u32;
+        // (key, cas, touched) of the best slot to take: a free one first,
+        // else the one untouched longest.
+        let mut best: Option<(String, u32, bool, u64)> = None;
+        let mut frees_in = u64::MAX;
+        for probe in 0..PROBES.min(slots) {
+            let key = slot_key(&rule.id, (home + probe) % slots);
+            let (bytes, cas) = read(&key).unwrap_or_default();
+            let slot = Slot::decode(&bytes);
+            if slot.state.owner == owner {
+                return Ok(Located {
+                    key,
+                    state: slot.state,
+                    cas,
+                    owner,
+                    placement: Placement::Hashed,
+                });
             }
             // A never-used slot ends the chain: the principal would hold it
             // or an earlier one if it had a bucket.
-            let end_of_chain = state.owner == 0;
-            if candidate.is_none() && (end_of_chain || state.is_idle(&rule.limit, now_ms)) {
-                candidate = Some(Located {
-                    key,
-                    state: fresh,
-                    cas,
-                    owner,
-                });
+            let end_of_chain = slot.state.owner == 0;
+            let free = end_of_chain || slot.state.is_idle(&rule.limit, now_ms);
+            if free || self.takeable(&slot, &rule.limit, now_ms) {
+                let better = match &best {
+                    None => true,
+                    Some((_, _, best_free, best_touched)) => {
+                        !best_free && (free || slot.touched_ms < *best_touched)
+                    }
+                };
+                if better {
+                    best = Some((key, cas, free, slot.touched_ms));
+                }
+            } else {
+                frees_in = frees_in.min(self.frees_in(&slot, &rule.limit, now_ms));
             }
             if end_of_chain {
                 break;
             }
         }
-        candidate.unwrap_or_else(|| {
-            effort.overflowed = true;
-            let (key, state, cas) = read(overflow_key(rule));
-            Located {
+        match best {
+            Some((key, cas, _, _)) => Ok(Located {
                 key,
-                state,
+                state: self.seed(rule, owner, now_ms),
                 cas,
-                owner: 0,
-            }
-        })
+                owner,
+                placement: Placement::Hashed,
+            }),
+            None => Err(frees_in),
+        }
     }
+
+    /// The key of the slot `owner` holds under `rule`, if any.
+    fn owned(&self, rule: &Rule, owner: u64, now_ms: u64) -> Option<String> {
+        self.locate(rule, Caller::hashed(owner), now_ms)
+            .ok()
+            .filter(|at| at.state.owner == owner)
+            .map(|at| at.key)
+    }
+
+    /// May another caller take this slot? Drained, or a budget slot whose
+    /// owner has not touched it for `hold_ms` (its charges are in the
+    /// sketch).
+    fn takeable(&self, slot: &Slot, limit: &Limit, now_ms: u64) -> bool {
+        slot.state.owner == 0
+            || slot.state.is_idle(limit, now_ms)
+            || (limit.window.is_some()
+                && slot.touched_ms.saturating_add(self.layout.hold_ms) <= now_ms)
+    }
+
+    /// Milliseconds until a slot in use may be taken.
+    fn frees_in(&self, slot: &Slot, limit: &Limit, now_ms: u64) -> u64 {
+        let state = slot.state.at(limit, now_ms);
+        match limit.window {
+            Some(_) => slot
+                .touched_ms
+                .saturating_add(self.layout.hold_ms)
+                .saturating_sub(now_ms),
+            None => state.quota(limit, now_ms).reset_ms,
+        }
+    }
+
+    /// A fresh bucket for `owner`: empty for a rate, and for a budget what
+    /// the sketch says it was charged this window (never less than the
+    /// truth).
+    fn seed(&self, rule: &Rule, owner: u64, now_ms: u64) -> BucketState {
+        let used = match rule.limit.window {
+            Some(window) => {
+                let start = window_start(window, now_ms);
+                (0..SKETCH_DEPTH)
+                    .map(|row| {
+                        let key =
+                            cell_key(&rule.id, row, column(owner, row, self.layout.sketch_width));
+                        let (bytes, _) = self.store.get(&key).unwrap_or_default();
+                        let (window, used) = decode_cell(&bytes);
+                        if window == start {
+                            used
+                        } else {
+                            0
+                        }
+                    })
+                    .min()
+                    .unwrap_or(0)
+            }
+            None => 0,
+        };
+        BucketState {
+            owner,
+            used,
+            updated_ms: now_ms,
+        }
+    }
+
+    /// Adds `amount` units to `owner`'s cells. `false`: a cell could not be
+    /// written, and what was added is taken off again.
+    fn sketch_add(
+        &self,
+        rule: &str,
+        owner: u64,
+        amount: u64,
+        limit: &Limit,
+        now_ms: u64,
+        effort: &mut Effort,
+    ) -> bool {
+        let Some(window) = limit.window else {
+            return true;
+        };
+        let start = window_start(window, now_ms);
+        let scaled = amount.saturating_mul(SCALE);
+        for row in 0..SKETCH_DEPTH {
+            let key = cell_key(rule, row, column(owner, row, self.layout.sketch_width));
+            let added = self.update(&key, effort, |bytes| {
+                let (w, used) = decode_cell(bytes);
+                let used = if w == start { used } else { 0 };
+                Some(encode_cell(start, used.saturating_add(scaled)).to_vec())
+            });
+            if added != Update::Written {
+                for undo in 0..row {
+                    let key = cell_key(rule, undo, column(owner, undo, self.layout.sketch_width));
+                    self.cell_sub(&key, start, scaled);
+                }
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Takes `amount` units taken at `taken_ms` off `owner`'s cells (a
+    /// window that has rolled over since owes nothing). Best effort: a
+    /// write lost leaves an over-count, the safe side.
+    fn sketch_sub(
+        &self,
+        rule: &str,
+        owner: u64,
+        amount: u64,
+        limit: &Limit,
+        taken_ms: u64,
+        now_ms: u64,
+    ) {
+        let Some(window) = limit.window else {
+            return;
+        };
+        let start = window_start(window, now_ms);
+        if window_start(window, taken_ms) != start {
+            return;
+        }
+        for row in 0..SKETCH_DEPTH {
+            let key = cell_key(rule, row, column(owner, row, self.layout.sketch_width));
+            self.cell_sub(&key, start, amount.saturating_mul(SCALE));
+        }
+    }
+
+    fn cell_sub(&self, key: &str, start: u64, scaled: u64) {
+        self.update(key, &mut Effort::default(), |bytes| {
+            let (w, used) = decode_cell(bytes);
+            (w == start).then(|| encode_cell(start, used.saturating_sub(scaled)).to_vec())
+        });
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Update {
+    Written,
+    /// The key is missing, or its value was not ours to change.
+    Declined,
+    /// Every attempt lost, or the host refused.
+    Failed,
 }
 
 enum TakeError {
     Full(Shortfall),
+    NoSlot(u64),
     Contended,
     Host(String),
 }
@@ -381,12 +793,28 @@ mod tests {
         }
     }
 
-    fn reserver(store: &MemStore) -> Reserver<'_> {
+    fn layout(slots: u32) -> Layout {
+        Layout {
+            slots,
+            sketch_width: 64,
+            hold_ms: 60_000,
+        }
+    }
+
+    fn reserver(store: &dyn SharedStore, slots: u32) -> Reserver<'_> {
         Reserver {
             store,
-            slots: 16,
+            layout: layout(slots),
             max_retries: 64,
         }
+    }
+
+    fn plain(rules: &[Rule]) -> Vec<(Rule, Vec<String>)> {
+        rules.iter().map(|r| (r.clone(), Vec::new())).collect()
+    }
+
+    fn by(p: u64) -> Caller<'static> {
+        Caller::hashed(p)
     }
 
     #[test]
@@ -396,19 +824,26 @@ mod tests {
             rule("tier/free", 10, Scope::PerPrincipal),
             rule("model/m", 5, Scope::Global),
         ];
-        assert_eq!(prepare(&store, &rules, 16).unwrap(), 16 + 1 + 1);
-        assert_eq!(prepare(&store, &rules, 16).unwrap(), 0, "idempotent");
+        assert_eq!(
+            prepare(&store, &plain(&rules), &layout(16)).unwrap(),
+            16 + 1
+        );
+        assert_eq!(
+            prepare(&store, &plain(&rules), &layout(16)).unwrap(),
+            0,
+            "idempotent"
+        );
         // Ten thousand principals later the key set is unchanged.
-        let r = reserver(&store);
+        let r = reserver(&store, 16);
         for p in 0..10_000u64 {
             let _ = r.reserve(
                 &[Claim::hard(&rules[0], 1)],
-                p * 7919 + 3,
+                by(p * 7919 + 3),
                 0,
                 &mut Effort::default(),
             );
         }
-        assert_eq!(store.len(), 18);
+        assert_eq!(store.len(), 17);
     }
 
     #[test]
@@ -416,17 +851,17 @@ mod tests {
         let store = MemStore::default();
         let user = rule("tier/free", 10, Scope::PerPrincipal);
         let model = rule("model/big", 2, Scope::Global);
-        prepare(&store, &[user.clone(), model.clone()], 16).unwrap();
-        let r = reserver(&store);
+        prepare(&store, &plain(&[user.clone(), model.clone()]), &layout(16)).unwrap();
+        let r = reserver(&store, 16);
         let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
         let mut e = Effort::default();
-        assert!(r.reserve(&claims, 42, 0, &mut e).is_ok());
-        assert!(r.reserve(&claims, 42, 0, &mut e).is_ok());
-        let refused = r.reserve(&claims, 42, 0, &mut e).unwrap_err();
+        assert!(r.reserve(&claims, by(42), 0, &mut e).is_ok());
+        assert!(r.reserve(&claims, by(42), 0, &mut e).is_ok());
+        let refused = r.reserve(&claims, by(42), 0, &mut e).unwrap_err();
         assert!(matches!(refused, Refusal::Full { index: 1, .. }));
         // The user bucket got its unit back: 8 left, not 7.
         let only_user = [Claim::hard(&user, 1)];
-        let res = r.reserve(&only_user, 42, 0, &mut e).unwrap();
+        let res = r.reserve(&only_user, by(42), 0, &mut e).unwrap();
         assert_eq!(res.tightest.unwrap().1.remaining, 7);
     }
 
@@ -434,23 +869,31 @@ mod tests {
     fn principals_are_isolated_and_slots_are_reused_when_idle() {
         let store = MemStore::default();
         let user = rule("tier/free", 2, Scope::PerPrincipal);
-        prepare(&store, std::slice::from_ref(&user), 1).unwrap();
+        prepare(&store, &plain(std::slice::from_ref(&user)), &layout(1)).unwrap();
         let r = Reserver {
             store: &store,
-            slots: 1,
+            layout: layout(1),
             max_retries: 8,
         };
         let c = [Claim::hard(&user, 1)];
         let mut e = Effort::default();
-        assert!(r.reserve(&c, 100, 0, &mut e).is_ok());
-        assert!(!e.overflowed);
-        // Principal 200 finds the only slot busy: it overflows, alone there.
-        assert!(r.reserve(&c, 200, 0, &mut e).is_ok());
-        assert!(e.overflowed);
+        assert!(r.reserve(&c, by(100), 0, &mut e).is_ok());
+        assert!(!e.no_slot);
+        // Principal 200 finds the only slot in use: refused, told when the
+        // slot drains (one unit of 2/min: 30 s), never counted elsewhere.
+        let refused = r.reserve(&c, by(200), 0, &mut e).unwrap_err();
+        assert_eq!(
+            refused,
+            Refusal::NoSlot {
+                index: 0,
+                retry_after_ms: 30_000
+            }
+        );
+        assert!(e.no_slot);
         // Once principal 100's bucket drained, 200 may take its slot.
         let mut e = Effort::default();
-        assert!(r.reserve(&c, 200, 60_000, &mut e).is_ok());
-        assert!(!e.overflowed);
+        assert!(r.reserve(&c, by(200), 30_000, &mut e).is_ok());
+        assert!(!e.no_slot);
     }
 
     #[test]
@@ -458,7 +901,12 @@ mod tests {
         let store = Arc::new(MemStore::default());
         let model = Arc::new(rule("model/m", 50, Scope::Global));
         let user = Arc::new(rule("tier/t", 1_000, Scope::PerPrincipal));
-        prepare(store.as_ref(), &[(*model).clone(), (*user).clone()], 64).unwrap();
+        prepare(
+            store.as_ref(),
+            &plain(&[(*model).clone(), (*user).clone()]),
+            &layout(64),
+        )
+        .unwrap();
         let admitted = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let threads: Vec<_> = (0..8)
             .map(|t| {
@@ -467,12 +915,12 @@ mod tests {
                 std::thread::spawn(move || {
                     let r = Reserver {
                         store: store.as_ref(),
-                        slots: 64,
+                        layout: layout(64),
                         max_retries: 1_000,
                     };
                     for i in 0..25u64 {
                         let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
-                        if r.reserve(&claims, t * 100 + i, 0, &mut Effort::default())
+                        if r.reserve(&claims, by(t * 100 + i), 0, &mut Effort::default())
                             .is_ok()
                         {
                             admitted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -512,19 +960,24 @@ mod tests {
             fail: 0.into(),
         };
         let model = rule("model/m", 5, Scope::Global);
-        prepare(&store.inner, std::slice::from_ref(&model), 1).unwrap();
+        prepare(
+            &store.inner,
+            &plain(std::slice::from_ref(&model)),
+            &layout(1),
+        )
+        .unwrap();
         let r = Reserver {
             store: &store,
-            slots: 1,
+            layout: layout(1),
             max_retries: 4,
         };
         let c = [Claim::hard(&model, 1)];
         store.fail.set(3);
         let mut e = Effort::default();
-        assert!(r.reserve(&c, 1, 0, &mut e).is_ok());
+        assert!(r.reserve(&c, by(1), 0, &mut e).is_ok());
         assert_eq!(e.cas_retries, 3);
         store.fail.set(4);
-        let refused = r.reserve(&c, 1, 0, &mut Effort::default()).unwrap_err();
+        let refused = r.reserve(&c, by(1), 0, &mut Effort::default()).unwrap_err();
         assert_eq!(refused, Refusal::Contended { index: 0 });
     }
 
@@ -532,27 +985,180 @@ mod tests {
     fn settlement_gives_back_or_charges_the_difference() {
         let store = MemStore::default();
         let tokens = rule("tier/t/tokens", 1_000, Scope::PerPrincipal);
-        prepare(&store, std::slice::from_ref(&tokens), 4).unwrap();
+        prepare(&store, &plain(std::slice::from_ref(&tokens)), &layout(4)).unwrap();
         let r = Reserver {
             store: &store,
-            slots: 4,
+            layout: layout(4),
             max_retries: 8,
         };
         let mut e = Effort::default();
         let c = [Claim::hard(&tokens, 500)];
-        let a = r.reserve(&c, 9, 0, &mut e).unwrap();
-        let b = r.reserve(&c, 9, 0, &mut e).unwrap();
-        assert!(r.reserve(&c, 9, 0, &mut e).is_err(), "1000 reserved");
+        let a = r.reserve(&c, by(9), 0, &mut e).unwrap();
+        let b = r.reserve(&c, by(9), 0, &mut e).unwrap();
+        assert!(r.reserve(&c, by(9), 0, &mut e).is_err(), "1000 reserved");
         r.settle(&a.held[0], 120, 0, &mut e);
         r.settle(&b.held[0], 600, 0, &mut e);
         // 720 really used: 280 left.
         let probe = [Claim::hard(&tokens, 280)];
-        assert!(r.reserve(&probe, 9, 0, &mut e).is_ok());
+        assert!(r.reserve(&probe, by(9), 0, &mut e).is_ok());
         let one = [Claim::hard(&tokens, 1)];
-        assert!(r.reserve(&one, 9, 0, &mut e).is_err());
+        assert!(r.reserve(&one, by(9), 0, &mut e).is_err());
+    }
+
+    fn day_budget(id: &str, amount: u64) -> Rule {
+        Rule {
+            id: id.into(),
+            limit: Limit::windowed(amount, crate::config::Window::Day),
+            scope: Scope::PerPrincipal,
+        }
+    }
+
+    /// Admissions of the declared caller `key:d` and of the hashed caller 7
+    /// (active: it took one before), 10 tries each, with `flood` distinct
+    /// new callers (one request each) in between.
+    fn admissions_under_flood(flood: &[u64]) -> (usize, usize) {
+        let store = MemStore::default();
+        let user = rule("tier/free/requests", 10, Scope::PerPrincipal);
+        let prepared = vec![(user.clone(), vec!["key:d".to_string()])];
+        prepare(&store, &prepared, &layout(8)).unwrap();
+        let r = reserver(&store, 8);
+        let c = [Claim::hard(&user, 1)];
+        let declared = Caller {
+            hash: 99,
+            declared: Some("key:d"),
+        };
+        let mut e = Effort::default();
+        assert!(r.reserve(&c, by(7), 0, &mut e).is_ok());
+        for &p in flood {
+            let _ = r.reserve(&c, by(p), 1, &mut e);
+        }
+        let mut got = (0, 0);
+        for i in 0..10 {
+            got.0 += usize::from(r.reserve(&c, declared, 2 + i, &mut e).is_ok());
+            got.1 += usize::from(r.reserve(&c, by(7), 2 + i, &mut e).is_ok());
+        }
+        (got.0, got.1)
+    }
+
+    #[test]
+    fn a_flood_takes_neither_declared_nor_active_capacity() {
+        let flood: Vec<u64> = (0..6_000u64).map(|p| p * 7919 + 1_000).collect();
+        // Without a flood: 10 of 10 for the declared key, 9 more for 7.
+        assert_eq!(admissions_under_flood(&[]), (10, 9));
+        assert_eq!(admissions_under_flood(&flood), (10, 9));
+    }
+
+    #[test]
+    fn a_full_table_refuses_new_callers_with_no_slot_not_a_budget() {
+        let store = MemStore::default();
+        let budget = day_budget("tier/free/daily_tokens", 5_000);
+        prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(8)).unwrap();
+        let r = reserver(&store, 8);
+        let c = [Claim::hard(&budget, 10)];
+        let mut e = Effort::default();
+        for p in 0..200u64 {
+            let _ = r.reserve(&c, by(p * 8), 0, &mut e);
+        }
+        // Every slot of a fresh caller's chain is active (touched now).
+        let refused = r.reserve(&c, by(5_000_000), 1_000, &mut e).unwrap_err();
+        assert_eq!(
+            refused,
+            Refusal::NoSlot {
+                index: 0,
+                retry_after_ms: 59_000
+            }
+        );
+        // After `slot_hold` the oldest goes to the new caller, seeded from
+        // the sketch (it never called: nothing, up to sketch collisions).
+        let res = r.reserve(&c, by(5_000_000), 61_000, &mut e).unwrap();
+        assert!(res.quotas[0].remaining <= 4_990);
+    }
+
+    #[test]
+    fn an_evicted_budget_is_remembered_by_the_sketch() {
+        let store = MemStore::default();
+        let budget = day_budget("tier/free/daily_tokens", 100);
+        prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(1)).unwrap();
+        let r = reserver(&store, 1);
+        let mut e = Effort::default();
+        let take = |amount, p: u64, t: u64, e: &mut Effort| {
+            r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), t, e)
+        };
+        let held = take(60, 1, 0, &mut e).unwrap();
+        assert!(matches!(
+            take(1, 2, 1_000, &mut e),
+            Err(Refusal::NoSlot { .. })
+        ));
+        // Caller 1 went quiet: caller 2 takes the slot.
+        assert!(take(1, 2, 61_000, &mut e).is_ok());
+        // Caller 1's request settles late, over its reservation: the charge
+        // follows it (into the sketch), it is not dropped with the slot.
+        r.settle(&held.held[0], 90, 62_000, &mut e);
+        // Caller 1 gets the slot back later: 90 used, 10 left, not 100.
+        assert!(matches!(
+            take(11, 1, 200_000, &mut e),
+            Err(Refusal::Full { .. })
+        ));
+        assert!(take(10, 1, 200_000, &mut e).is_ok());
     }
 
     proptest! {
+        /// Random takes, settlements (under or over the reservation) and
+        /// clock steps on a one-slot table with a narrow sketch, so callers
+        /// keep evicting each other: no take ever lets a caller's real use
+        /// of the day pass its budget.
+        #[test]
+        fn eviction_never_lets_a_budget_be_exceeded(
+            ops in prop::collection::vec((0u64..6, 1u64..40, 0u8..3, 0u64..90_000), 1..200)
+        ) {
+            let store = MemStore::default();
+            let budget = day_budget("tier/t/daily_tokens", 100);
+            prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(2)).unwrap();
+            let r = Reserver {
+                store: &store,
+                layout: Layout { slots: 2, sketch_width: 64, hold_ms: 1_000 },
+                max_retries: 8,
+            };
+            let mut now = 0u64;
+            // Per caller: real use (settled actuals + pending reservations).
+            let mut used = [0u64; 6];
+            let mut pending: Vec<(u64, Held, u64)> = Vec::new();
+            for (p, amount, action, step) in ops {
+                now += step;
+                prop_assume!(now < 86_400_000);
+                match action {
+                    0 | 1 => {
+                        if let Ok(res) = r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), now, &mut Effort::default()) {
+                            prop_assert!(used[p as usize] + amount <= 100, "caller {} had {} and got {}", p, used[p as usize], amount);
+                            used[p as usize] += amount;
+                            let held = res.held.into_iter().next().unwrap();
+                            pending.push((p, held, amount));
+                        }
+                    }
+                    _ => {
+                        if !pending.is_empty() {
+                            let (q, held, reserved) = pending.remove(0);
+                            // Actual use from nothing to twice the reservation.
+                            let actual = amount * reserved / 20;
+                            r.settle(&held, actual, now, &mut Effort::default());
+                            used[q as usize] = used[q as usize] - reserved + actual;
+                        }
+                    }
+                }
+            }
+        }
+
+        /// Whatever the flood's identities, a declared caller and an active
+        /// one get exactly what they get without it.
+        #[test]
+        fn no_flood_changes_declared_or_active_admissions(
+            flood in prop::collection::vec(any::<u64>(), 0..400)
+        ) {
+            // (Caller 7 itself in the flood would be its own request.)
+            let flood: Vec<u64> = flood.into_iter().filter(|&p| p != 7).collect();
+            prop_assert_eq!(admissions_under_flood(&flood), (10, 9));
+        }
+
         /// Reserve/settle sequences: admission never takes a bucket over its
         /// capacity nor below empty, and once everything is settled the
         /// bucket holds exactly the sum of actual usage.
@@ -562,19 +1168,19 @@ mod tests {
         ) {
             let store = MemStore::default();
             let tokens = rule("tier/t/tokens", 10_000, Scope::PerPrincipal);
-            prepare(&store, std::slice::from_ref(&tokens), 2).unwrap();
-            let r = Reserver { store: &store, slots: 2, max_retries: 8 };
+            prepare(&store, &plain(std::slice::from_ref(&tokens)), &layout(2)).unwrap();
+            let r = Reserver { store: &store, layout: layout(2), max_retries: 8 };
             let mut actual_total = 0u64;
             let mut pending = Vec::new();
             let used = || {
                 let key = (0..2).map(|s| format!("sluice:v1:tier/t/tokens:{s}"))
-                    .find_map(|k| store.get(&k).and_then(|(b, _)| BucketState::decode(&b)).filter(|b| b.owner != 0));
+                    .find_map(|k| store.get(&k).map(|(b, _)| Slot::decode(&b).state).filter(|b| b.owner != 0));
                 key.map_or(0, |b| b.used)
             };
             for (reserve, actual) in ops {
                 let c = [Claim::hard(&tokens, reserve)];
                 let before = used();
-                match r.reserve(&c, 5, 0, &mut Effort::default()) {
+                match r.reserve(&c, by(5), 0, &mut Effort::default()) {
                     Ok(res) => {
                         prop_assert!(used() <= 10_000 * crate::bucket::SCALE || before > 10_000 * crate::bucket::SCALE);
                         pending.push((res.held, actual.min(reserve)));
@@ -605,8 +1211,8 @@ mod tests {
             let store = MemStore::default();
             let user = rule("tier/t", 3, Scope::PerPrincipal);
             let model = rule("model/m", 10, Scope::Global);
-            prepare(&store, &[user.clone(), model.clone()], 4).unwrap();
-            let r = Reserver { store: &store, slots: 4, max_retries: 8 };
+            prepare(&store, &plain(&[user.clone(), model.clone()]), &layout(4)).unwrap();
+            let r = Reserver { store: &store, layout: layout(4), max_retries: 8 };
             let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
             let mut held: Vec<(u64, Vec<Held>)> = Vec::new();
             for (p, release) in ops {
@@ -615,7 +1221,7 @@ mod tests {
                         let (_, h) = held.remove(pos);
                         r.release(&h, 0, &mut Effort::default());
                     }
-                } else if let Ok(res) = r.reserve(&claims, p, 0, &mut Effort::default()) {
+                } else if let Ok(res) = r.reserve(&claims, by(p), 0, &mut Effort::default()) {
                     held.push((p, res.held));
                 }
                 let per_model = held.len();

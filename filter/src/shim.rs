@@ -17,7 +17,6 @@ use crate::metrics;
 use crate::principal::{Identity, RequestView};
 use crate::reconcile::{Format, Found, Meter};
 use crate::request::Api;
-use crate::reservation::prepare;
 use crate::store::{SharedStore, StoreError};
 
 proxy_wasm::main! {{
@@ -106,8 +105,8 @@ impl Metrics {
         self.add(metrics::CAS_RETRIES, i64::from(verdict.effort.cas_retries));
         self.add(metrics::CAS_EXHAUSTED, i64::from(verdict.effort.exhausted));
         self.add(
-            metrics::BUCKET_OVERFLOW,
-            i64::from(verdict.effort.overflowed),
+            metrics::CAPACITY_EXHAUSTED,
+            i64::from(verdict.effort.no_slot),
         );
         self.add(
             metrics::BUDGET_ALERTS,
@@ -351,7 +350,7 @@ impl RootContext for Root {
         let engine = Engine::new(policy);
         self.metrics.define_known(&engine);
         let rules = engine.rules();
-        match prepare(&HostStore, &rules, engine.policy.state.principal_slots) {
+        match engine.prepare(&HostStore) {
             Ok(created) => log(
                 LogLevel::Info,
                 &format!(
