@@ -17,8 +17,9 @@
 //!   Any other token is an API key (`api_key.bearer`, on by default).
 //! - The key header (`x-api-key`) carries an API key.
 //! - A request presents one credential: two different ones (a bearer key
-//!   and another `x-api-key`, or a JWT and an `x-api-key`) are refused, so
-//!   no component downstream can read the other one than sluice did.
+//!   and another `x-api-key`, or a JWT and an `x-api-key`), or a credential
+//!   header given twice, are refused, so that nothing after sluice (the
+//!   upstream with pass-through keys) can read another one than sluice did.
 //! - A credential header that is present but empty is refused, not taken as
 //!   "no credential".
 
@@ -30,8 +31,13 @@ use crate::config::{IdentityConfig, IdentitySource, Policy, UnknownKeys};
 
 /// What the identity step may read of a request.
 pub trait RequestView {
-    /// A request header, by lower-case name.
+    /// A request header, by lower-case name (the first, if repeated).
     fn header(&self, name: &str) -> Option<String>;
+    /// How many times the header appears. Asked only of credential headers
+    /// that are present, to refuse a repeated one.
+    fn header_count(&self, name: &str) -> usize {
+        usize::from(self.header(name).is_some())
+    }
     /// A claim of the JWT payload `jwt_authn` stored at
     /// `metadata[namespace][payload_key]`.
     fn jwt_claim(&self, namespace: &str, payload_key: &str, claim: &str) -> Option<String>;
@@ -73,7 +79,7 @@ impl Refusal {
                 "The bearer token is a JWT that could not be verified (or names no subject)."
             }
             Refusal::ConflictingCredentials => {
-                "The request carries two different credentials (Authorization and the API key header); send one."
+                "The request carries more than one credential (Authorization, the API key header, or one of them twice); send one."
             }
             Refusal::EmptyCredential => "The credential header is empty.",
         }
@@ -136,8 +142,14 @@ impl Resolver {
         let key_cfg = self.config.api_key.as_ref();
         let is_auth = |name: &str| name.eq_ignore_ascii_case("authorization");
         let bearer_keys = key_cfg.is_some_and(|k| k.bearer || is_auth(&k.header));
+        // Envoy hands sluice the first of repeated headers; the upstream may
+        // read another.
+        let once = |name: &str| match req.header(name) {
+            Some(_) if req.header_count(name) > 1 => Err(Refusal::ConflictingCredentials),
+            value => Ok(value),
+        };
         let header_key = match key_cfg {
-            Some(k) if !is_auth(&k.header) => match req.header(&k.header) {
+            Some(k) if !is_auth(&k.header) => match once(&k.header)? {
                 None => None,
                 Some(v) if v.trim().is_empty() => return Err(Refusal::EmptyCredential),
                 Some(v) => Some(v.trim().to_string()),
@@ -148,9 +160,9 @@ impl Resolver {
         // otherwise (e.g. `Basic`, or no JWT or bearer key configured) it is
         // left to whatever reads it after sluice.
         let reads_bearer = bearer_keys || self.config.jwt.is_some();
-        let bearer = match req.header("authorization") {
-            Some(v) if reads_bearer => bearer_token(&v)?,
-            _ => None,
+        let bearer = match reads_bearer {
+            true => once("authorization")?.map_or(Ok(None), |v| bearer_token(&v))?,
+            false => None,
         };
         let mut bearer_key = None;
         if let Some(token) = bearer {
@@ -296,12 +308,18 @@ mod tests {
     #[derive(Default)]
     struct Req {
         headers: HashMap<String, String>,
+        /// Headers that appear a second time.
+        repeated: Vec<String>,
         claims: HashMap<String, String>,
         addr: Option<String>,
     }
     impl RequestView for Req {
         fn header(&self, name: &str) -> Option<String> {
             self.headers.get(name).cloned()
+        }
+        fn header_count(&self, name: &str) -> usize {
+            usize::from(self.headers.contains_key(name))
+                + self.repeated.iter().filter(|r| *r == name).count()
         }
         fn jwt_claim(&self, ns: &str, key: &str, claim: &str) -> Option<String> {
             assert_eq!((ns, key), ("envoy.filters.http.jwt_authn", "jwt_payload"));
@@ -333,6 +351,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             addr: Some(addr.to_string()),
+            repeated: Vec::new(),
         }
     }
 
@@ -496,6 +515,20 @@ mod tests {
             both("Bearer made-up", "k-pro"),
             Err(Refusal::ConflictingCredentials)
         );
+        // One credential header twice, even with one value.
+        for name in ["authorization", "x-api-key"] {
+            let mut twice = req(
+                &[("authorization", "Bearer k-pro"), ("x-api-key", "k-pro")],
+                &[],
+                "1.1.1.1:1",
+            );
+            twice.repeated.push(name.into());
+            assert_eq!(
+                r.resolve(&twice),
+                Err(Refusal::ConflictingCredentials),
+                "{name}"
+            );
+        }
         // A verified JWT and a key: still two credentials.
         assert_eq!(
             who(

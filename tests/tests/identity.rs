@@ -242,6 +242,17 @@ fn bearer_api_keys_and_jwts_share_the_authorization_header() {
         ],
         // A verified JWT and a key: two credentials.
         &[("authorization", &alice), ("x-api-key", "demo-free-key")],
+        // A credential header twice (Envoy gives sluice the first; the
+        // upstream might read the other), even with one value.
+        &[
+            ("x-api-key", "demo-free-key"),
+            ("x-api-key", "demo-enterprise-key"),
+        ],
+        &[("x-api-key", "demo-pro-key"), ("x-api-key", "demo-pro-key")],
+        &[
+            ("authorization", "Bearer demo-free-key"),
+            ("authorization", "Bearer demo-enterprise-key"),
+        ],
         // Empty credentials are not "no credential".
         &[("authorization", "Bearer")],
         &[("authorization", "Bearer   ")],
@@ -272,4 +283,50 @@ fn bearer_api_keys_and_jwts_share_the_authorization_header() {
         &[],
     );
     assert_eq!(tier_of(&resp).0.as_deref(), Some("10"));
+}
+
+/// Bytes 0x80–0xFF in a header value pass Envoy's codec. proxy-wasm's
+/// string getters unwrap UTF-8, so one such byte in `x-api-key` used to
+/// panic the VM of a worker: every later request on it got 503, and as many
+/// requests as workers took sluice down. Now such a credential is a bad one.
+#[test]
+fn non_utf8_credentials_are_refused_without_killing_the_vm() {
+    use std::io::{Read, Write};
+    let stack = Stack::start(|_| {});
+    let raw = |header: &[u8]| {
+        let mut req = b"GET /v1/models HTTP/1.1\r\nhost: sluice\r\nconnection: close\r\n".to_vec();
+        req.extend_from_slice(header);
+        req.extend_from_slice(b"\r\n\r\n");
+        let mut conn = std::net::TcpStream::connect(stack.envoy.addr()).unwrap();
+        conn.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        conn.write_all(&req).unwrap();
+        let mut answer = Vec::new();
+        let _ = conn.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let bad: [&[u8]; 3] = [
+        b"x-api-key: demo-pro-key\xff",
+        b"authorization: Bearer demo-\xffpro-key",
+        b"authorization: Bearer \xc3\x28.\xff.x",
+    ];
+    // More of each than Envoy has workers.
+    for header in bad.iter().cycle().take(9) {
+        let answer = raw(header);
+        assert!(
+            answer.starts_with("HTTP/1.1 401") && answer.contains("invalid_api_key"),
+            "{answer}\n{}",
+            stack.envoy.log()
+        );
+    }
+    for _ in 0..4 {
+        let answer = raw(b"x-api-key: demo-pro-key");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    assert!(
+        !stack.envoy.log().contains("panicked"),
+        "{}",
+        stack.envoy.log()
+    );
+    assert_eq!(stack.upstream_requests(), 4);
 }
