@@ -284,6 +284,18 @@ pub fn rfc3339(ms: u64) -> String {
     )
 }
 
+/// `text` cut to at most `max` bytes, at a character boundary.
+pub fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -334,5 +346,13 @@ mod tests {
         assert_eq!(r.status, 400);
         let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
         assert_eq!(body["error"]["param"], "model");
+    }
+
+    #[test]
+    fn truncate_keeps_whole_characters() {
+        assert_eq!(truncate("abc", 5), "abc");
+        assert_eq!(truncate("abcdef", 3), "abc");
+        assert_eq!(truncate("aé", 2), "a");
+        assert_eq!(truncate("", 0), "");
     }
 }

@@ -388,6 +388,9 @@ pub struct ModelConfig {
     /// Output reserved (and written into the request as its maximum) when
     /// the client sets none. Default: `defaults.max_output_tokens`.
     pub default_max_output: Option<u64>,
+    /// The most output one completion of this model may ask for (its
+    /// context window, say); more is a 400. Default: `request.max_output`.
+    pub max_output: Option<u64>,
     /// Where a request goes when its caller is over a soft cap.
     pub downshift_to: Option<String>,
     /// The sidecar scope `backend:<name>` whose breaker guards this model.
@@ -505,14 +508,28 @@ pub struct RequestConfig {
     /// Bodies above this get 413 (`1MiB`, `512KiB` or bytes).
     #[serde(default = "default_max_body", deserialize_with = "de_size")]
     pub max_body_bytes: u64,
+    /// The most output tokens one completion may ask for, any model (a
+    /// model's own `max_output` may be lower). Above it: 400 naming the
+    /// field. Bounds every reservation, so no client number can wrap it.
+    #[serde(default = "default_output_cap")]
+    pub max_output: u64,
 }
 
 impl Default for RequestConfig {
     fn default() -> Self {
         RequestConfig {
             max_body_bytes: default_max_body(),
+            max_output: default_output_cap(),
         }
     }
+}
+
+/// The highest `request.max_output` accepted: with at most 128 choices and
+/// a body-bounded input, every reservation stays far from `u64::MAX`.
+pub const MAX_OUTPUT_CAP: u64 = 1 << 32;
+
+fn default_output_cap() -> u64 {
+    1 << 20
 }
 
 fn default_max_body() -> u64 {
@@ -895,6 +912,25 @@ impl Policy {
                     ));
                 }
             }
+            if model
+                .max_output
+                .is_some_and(|m| m == 0 || m > self.request.max_output)
+            {
+                return Err(ConfigError::at(
+                    format!("models.{name}.max_output"),
+                    format!(
+                        "must be between 1 and request.max_output ({})",
+                        self.request.max_output
+                    ),
+                ));
+            }
+            let cap = model.max_output.unwrap_or(self.request.max_output);
+            if model.default_max_output.is_some_and(|d| d > cap) {
+                return Err(ConfigError::at(
+                    format!("models.{name}.default_max_output"),
+                    format!("must not be above the model's output cap ({cap})"),
+                ));
+            }
             if model.default_max_output == Some(0) {
                 return Err(ConfigError::at(
                     format!("models.{name}.default_max_output"),
@@ -974,6 +1010,18 @@ impl Policy {
                     "surge_ratio must be above 1 and baseline_minutes between 1 and 59",
                 ));
             }
+        }
+        if self.request.max_output == 0 || self.request.max_output > MAX_OUTPUT_CAP {
+            return Err(ConfigError::at(
+                "request.max_output",
+                format!("must be between 1 and {MAX_OUTPUT_CAP}"),
+            ));
+        }
+        if self.defaults.max_output_tokens > self.request.max_output {
+            return Err(ConfigError::at(
+                "defaults.max_output_tokens",
+                "must not be above request.max_output",
+            ));
         }
         if self.defaults.max_output_tokens == 0 {
             return Err(ConfigError::at(

@@ -67,7 +67,7 @@ impl Meter {
     fn amount(self, input: u64, output: u64, pricing: Pricing) -> u64 {
         match self {
             Meter::Requests => 1,
-            Meter::Tokens => input + output,
+            Meter::Tokens => input.saturating_add(output),
             Meter::InputTokens => input,
             Meter::OutputTokens => output,
             Meter::Spend => pricing.cost(input, output),
@@ -125,7 +125,8 @@ pub struct Plan {
     pub model: Option<String>,
     pub input_raw: f64,
     pub input_estimate: u64,
-    /// Output reserved, and the most the upstream was asked for.
+    /// Output reserved: the most the upstream may produce, every choice
+    /// (`n`, `best_of`) together.
     pub max_output: u64,
     pub stream: bool,
     /// sluice asked for the usage chunk; the client did not.
@@ -334,7 +335,11 @@ impl Engine {
                     Meter::Requests,
                     None,
                 );
-                (route.path_prefix.clone(), i)
+                // Matched against the canonical path (see `canonical_path`),
+                // so the prefix is compared in that form too.
+                let prefix = request::canonical_path(&route.path_prefix)
+                    .unwrap_or_else(|_| route.path_prefix.to_ascii_lowercase());
+                (prefix, i)
             })
             .collect();
         let pricing = policy
@@ -390,6 +395,16 @@ impl Engine {
         })
     }
 
+    /// 400 for a path that reads differently decoded once or twice.
+    pub fn ambiguous_path(&self, identity: &Identity) -> Verdict {
+        let reply = answer::rejected(
+            Reason::InvalidRequest,
+            "The request path is ambiguous (an escape that decodes to another escape or to a control character).",
+            None,
+        );
+        self.refused(reply, Reason::InvalidRequest, &identity.tier, None)
+    }
+
     /// The body cap, checked against a declared or an accumulated size.
     pub fn too_large(&self, identity: &Identity, size: u64) -> Option<Verdict> {
         let cap = self.policy.request.max_body_bytes;
@@ -413,7 +428,8 @@ impl Engine {
         if !api.reads_body() {
             return Ok(None);
         }
-        match request::parse_body(api, body) {
+        let cap = |model: &str| self.output_cap(model);
+        match request::parse_body(api, body, &cap) {
             Ok((demand, body)) => {
                 let input_raw = estimate::input_tokens(&body);
                 Ok(Some(Asked {
@@ -423,7 +439,8 @@ impl Engine {
                 }))
             }
             Err(bad) => {
-                let reply = answer::rejected(Reason::InvalidRequest, &bad.message, bad.param);
+                let reply =
+                    answer::rejected(Reason::InvalidRequest, &bad.message, bad.param.as_deref());
                 Err(Box::new(self.refused(
                     reply,
                     Reason::InvalidRequest,
@@ -552,11 +569,16 @@ impl Engine {
         };
         let produces_output = asked.is_some() && api != Api::OpenAiEmbeddings;
         let requested_out = asked.and_then(|a| a.demand.max_output);
-        let mut output = match (produces_output, requested_out) {
+        // Each choice (`n`, `best_of`) may produce the maximum: the output
+        // reserved is the maximum times the choices. Both are capped at
+        // parse time, so the product cannot wrap (saturating all the same).
+        let choices = asked.map_or(1, |a| a.demand.choices.max(1));
+        let mut per_choice = match (produces_output, requested_out) {
             (false, _) => 0,
             (true, Some(max)) => max,
             (true, None) => self.default_output(requested_model.as_deref()),
         };
+        let mut output = per_choice.saturating_mul(choices);
         let downshift = asked.and_then(|_| {
             self.downshift(
                 &reserver,
@@ -609,8 +631,10 @@ impl Engine {
                         Meter::OutputTokens => room,
                         _ => 0,
                     };
-                    if allowed >= MIN_LOWERED_OUTPUT && allowed < output {
-                        output = allowed;
+                    let allowed_per_choice = allowed / choices;
+                    if allowed_per_choice >= MIN_LOWERED_OUTPUT && allowed_per_choice < per_choice {
+                        per_choice = allowed_per_choice;
+                        output = per_choice.saturating_mul(choices);
                         lowered = true;
                         continue;
                     }
@@ -631,7 +655,7 @@ impl Engine {
         let (body, strip_usage) = match asked {
             Some(asked) => {
                 let new_output =
-                    (produces_output && (lowered || requested_out.is_none())).then_some(output);
+                    (produces_output && (lowered || requested_out.is_none())).then_some(per_choice);
                 rewrite(api, asked, downshift.as_deref(), new_output)
             }
             None => (None, false),
@@ -927,6 +951,15 @@ impl Engine {
                     .map(|(_, i)| *i),
             )
             .collect()
+    }
+
+    /// The most output one choice of `model` may ask for.
+    fn output_cap(&self, model: &str) -> u64 {
+        self.policy
+            .models
+            .get(model)
+            .and_then(|m| m.max_output)
+            .unwrap_or(self.policy.request.max_output)
     }
 
     fn default_output(&self, model: Option<&str>) -> u64 {
@@ -1503,5 +1536,73 @@ mod tests {
             .unwrap();
         let ratio = after.input_estimate as f64 / before.input_estimate as f64;
         assert!((1.4..1.6).contains(&ratio), "{ratio}");
+    }
+
+    #[test]
+    fn every_choice_is_reserved_and_lowered_per_choice() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_tokens": 1_000}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let admit = |body: Value| {
+            let a = asked(&e, body);
+            e.admit(
+                &store,
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&a),
+                0,
+            )
+        };
+        let mut body = chat("m", 200);
+        body["n"] = json!(4);
+        let first = admit(body.clone());
+        let plan = first.plan.unwrap();
+        assert_eq!(plan.max_output, 800, "4 choices × 200");
+        assert!(
+            first.body.is_none(),
+            "fits as asked: the body goes up untouched"
+        );
+        // 1,000 − 800 − input left: 4 choices of 200 do not fit any more;
+        // each choice is lowered so that all four fit.
+        let second = admit(body.clone());
+        let plan2 = second.plan.unwrap();
+        let sent: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        let per_choice = sent["max_tokens"].as_u64().unwrap();
+        assert!(
+            (MIN_LOWERED_OUTPUT..200).contains(&per_choice),
+            "{per_choice}"
+        );
+        assert_eq!(plan2.max_output, per_choice * 4);
+        assert!(plan.input_estimate + 800 + plan2.input_estimate + plan2.max_output <= 1_000);
+        // `best_of` counts the same way; past what the budget covers: 429.
+        let mut greedy = chat("m", 100);
+        greedy["best_of"] = json!(128);
+        let refused = admit(greedy);
+        assert_eq!(refused.reply.unwrap().status, 429);
+    }
+
+    #[test]
+    fn the_output_cap_is_the_models_or_the_gateways() {
+        let (e, _) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"requests": "10/min"}},
+            "models": {"small": {"max_output": 4096}},
+            "request": {"max_output": 100_000},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let refused = |body: Value| {
+            e.demand(&id, Api::OpenAiChat, body.to_string().as_bytes())
+                .err()
+                .map(|v| serde_json::from_slice::<Value>(&v.reply.unwrap().body).unwrap())
+        };
+        let err = refused(chat("small", 4097)).unwrap();
+        assert_eq!(err["error"]["param"], "max_tokens");
+        assert!(refused(chat("small", 4096)).is_none());
+        assert!(refused(chat("other", 100_000)).is_none());
+        let err = refused(json!({"model": "other", "max_tokens": u64::MAX})).unwrap();
+        assert_eq!(err["error"]["param"], "max_tokens");
     }
 }

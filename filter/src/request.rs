@@ -16,22 +16,29 @@ pub enum Api {
     Other,
 }
 
+/// The LLM APIs by canonical path.
+const ROUTES: [(&str, Api); 6] = [
+    ("/v1/chat/completions", Api::OpenAiChat),
+    ("/v1/completions", Api::OpenAiCompletions),
+    ("/v1/embeddings", Api::OpenAiEmbeddings),
+    ("/v1/responses", Api::OpenAiResponses),
+    ("/api/generate", Api::OllamaGenerate),
+    ("/api/chat", Api::OllamaChat),
+];
+
 impl Api {
-    /// Classifies by method and path (query string ignored).
+    /// Classifies by method and canonical path (see [`canonical_path`]).
     pub fn classify(method: &str, path: &str) -> Api {
         if !method.eq_ignore_ascii_case("POST") {
             return Api::Other;
         }
-        let path = path.split(['?', '#']).next().unwrap_or(path);
-        match path.trim_end_matches('/') {
-            "/v1/chat/completions" => Api::OpenAiChat,
-            "/v1/completions" => Api::OpenAiCompletions,
-            "/v1/embeddings" => Api::OpenAiEmbeddings,
-            "/v1/responses" => Api::OpenAiResponses,
-            "/api/generate" => Api::OllamaGenerate,
-            "/api/chat" => Api::OllamaChat,
-            _ => Api::Other,
-        }
+        let canonical = canonical_path(path).unwrap_or_default();
+        // Also under a prefix (`/openai/v1/chat/completions`): a route that
+        // rewrites the prefix away runs after sluice, in Envoy's router.
+        ROUTES
+            .iter()
+            .find(|(route, _)| canonical.ends_with(route))
+            .map_or(Api::Other, |(_, api)| *api)
     }
 
     pub fn reads_body(self) -> bool {
@@ -43,76 +50,181 @@ impl Api {
     }
 }
 
+/// A path whose meaning depends on how many times it is decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AmbiguousPath;
+
+/// The path as the most lenient upstream would route it, so that every
+/// spelling an upstream may decode to an LLM API is classified as that API:
+/// query and fragment cut; percent-escapes decoded once; `\` read as `/`;
+/// empty and `.` segments dropped, `..` resolved; ASCII lower-cased; no
+/// trailing slash. Classifying a spelling the upstream would not serve as an
+/// LLM call costs only a reservation; the reverse would be a bypass.
+///
+/// Refused as ambiguous: an escape that decodes to a control character, and
+/// a path that still holds an escape after one decoding (`%2563`), which a
+/// server that decodes twice reads differently from one that decodes once.
+pub fn canonical_path(path: &str) -> Result<String, AmbiguousPath> {
+    let raw = path.split(['?', '#']).next().unwrap_or(path).as_bytes();
+    let mut decoded = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        match (raw[i], escape_at(raw, i)) {
+            (b'%', Some(byte)) => {
+                if byte.is_ascii_control() {
+                    return Err(AmbiguousPath);
+                }
+                decoded.push(byte);
+                i += 3;
+            }
+            (byte, _) => {
+                decoded.push(byte);
+                i += 1;
+            }
+        }
+    }
+    if (0..decoded.len()).any(|i| decoded[i] == b'%' && escape_at(&decoded, i).is_some()) {
+        return Err(AmbiguousPath);
+    }
+    let text = String::from_utf8_lossy(&decoded).replace('\\', "/");
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in text.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    Ok(format!("/{}", segments.join("/")).to_ascii_lowercase())
+}
+
+/// The byte a `%XX` escape at `i` stands for.
+fn escape_at(bytes: &[u8], i: usize) -> Option<u8> {
+    if bytes.get(i) != Some(&b'%') {
+        return None;
+    }
+    let hex = bytes.get(i + 1..i + 3)?;
+    // Two hex digits exactly (`from_str_radix` alone would take `%+1`).
+    if !hex.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()
+}
+
 /// The parts of a request body admission needs.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Demand {
     pub model: Option<String>,
     pub stream: bool,
-    /// Requested maximum output tokens, if the client set one.
+    /// Requested maximum output tokens per choice, if the client set one.
     pub max_output: Option<u64>,
+    /// How many completions the upstream generates (`n`, `best_of`): each
+    /// may produce the maximum output. At least 1.
+    pub choices: u64,
+}
+
+impl Default for Demand {
+    fn default() -> Self {
+        Demand {
+            model: None,
+            stream: false,
+            max_output: None,
+            choices: 1,
+        }
+    }
 }
 
 /// A body sluice cannot accept: the message and the offending field.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BadBody {
     pub message: String,
-    pub param: Option<&'static str>,
+    pub param: Option<String>,
 }
+
+impl BadBody {
+    fn at(param: &str, message: impl Into<String>) -> BadBody {
+        BadBody {
+            message: message.into(),
+            param: Some(param.to_string()),
+        }
+    }
+}
+
+/// Longest model name accepted. Real names are a few dozen bytes; the name
+/// is copied into audit lines, metrics lookups and upstream bodies, so an
+/// unbounded one is a cheap way to hurt all of them.
+pub const MAX_MODEL_BYTES: usize = 256;
+
+/// The most completions one request may ask for (OpenAI's own cap on `n`).
+pub const MAX_CHOICES: u64 = 128;
 
 /// Parses a request body: what admission needs, and the JSON itself (for
 /// the estimate and for rewriting).
-pub fn parse_body(api: Api, body: &[u8]) -> Result<(Demand, Value), BadBody> {
-    let value = serde_json::from_slice::<Value>(body);
-    let fields = match &value {
-        Ok(Value::Object(map)) => map,
-        Ok(_) => {
-            return Err(BadBody {
-                message: "request body must be a JSON object".into(),
-                param: None,
-            })
-        }
+///
+/// A body with a duplicate key anywhere is refused: parsers disagree on
+/// which of two `model`s (or `max_tokens`, or `messages`) wins, so sluice
+/// could decide on one value while the upstream acts on the other.
+///
+/// `output_cap` is the most output one choice may ask for, by model: a
+/// larger maximum is refused, never wrapped or silently trusted.
+pub fn parse_body(
+    api: Api,
+    body: &[u8],
+    output_cap: &dyn Fn(&str) -> u64,
+) -> Result<(Demand, Value), BadBody> {
+    let value = match serde_json::from_slice::<Strict>(body) {
+        Ok(Strict(value)) => value,
         Err(e) => {
+            let text = e.to_string();
+            if let Some(key) = duplicate_key(&text) {
+                // The key is the client's text: keep the answer short.
+                let key: String = key.chars().take(64).collect();
+                return Err(BadBody::at(
+                    &key,
+                    format!("request body has the key `{key}` more than once"),
+                ));
+            }
             return Err(BadBody {
-                message: format!("request body is not valid JSON: {e}"),
+                message: format!("request body is not valid JSON: {text}"),
                 param: None,
-            })
+            });
         }
     };
-    let field = |name: &str| fields.get(name).cloned();
+    let Value::Object(fields) = &value else {
+        return Err(BadBody {
+            message: "request body must be a JSON object".into(),
+            param: None,
+        });
+    };
+    let field = |name: &str| fields.get(name);
     let model = match field("model") {
-        Some(Value::String(m)) if !m.trim().is_empty() => m,
-        Some(Value::String(_)) | None => {
-            return Err(BadBody {
-                message: "`model` is required".into(),
-                param: Some("model"),
-            })
+        Some(Value::String(m)) if m.len() > MAX_MODEL_BYTES => {
+            return Err(BadBody::at(
+                "model",
+                format!("`model` is longer than {MAX_MODEL_BYTES} bytes"),
+            ))
         }
-        Some(_) => {
-            return Err(BadBody {
-                message: "`model` must be a string".into(),
-                param: Some("model"),
-            })
+        Some(Value::String(m)) if m.chars().any(char::is_control) => {
+            return Err(BadBody::at(
+                "model",
+                "`model` must not contain control characters",
+            ))
         }
+        Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
+        Some(Value::String(_)) | None => return Err(BadBody::at("model", "`model` is required")),
+        Some(_) => return Err(BadBody::at("model", "`model` must be a string")),
     };
     let stream = match field("stream") {
         None | Some(Value::Null) => api.is_ollama(), // Ollama streams unless told not to
-        Some(Value::Bool(b)) => b,
-        Some(_) => {
-            return Err(BadBody {
-                message: "`stream` must be a boolean".into(),
-                param: Some("stream"),
-            })
-        }
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(BadBody::at("stream", "`stream` must be a boolean")),
     };
     let num_predict = match field("options") {
         None | Some(Value::Null) => None,
-        Some(Value::Object(o)) => o.get("num_predict").cloned(),
-        Some(_) => {
-            return Err(BadBody {
-                message: "`options` must be an object".into(),
-                param: Some("options"),
-            })
-        }
+        Some(Value::Object(o)) => o.get("num_predict"),
+        Some(_) => return Err(BadBody::at("options", "`options` must be an object")),
     };
     let mut max_output = None;
     for (param, value) in [
@@ -127,14 +239,40 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<(Demand, Value), BadBody> {
             Some(Value::Number(n))
                 if param == "options.num_predict" && n.as_i64().is_some_and(|v| v < 0) => {}
             Some(Value::Number(n)) if n.as_u64().is_some() => {
-                let v = n.as_u64().unwrap_or(0);
+                let v = n.as_u64().unwrap_or(u64::MAX);
+                let cap = output_cap(&model);
+                if v > cap {
+                    return Err(BadBody::at(
+                        param,
+                        format!("`{param}` is {v}, above the {cap} output tokens allowed for this model"),
+                    ));
+                }
                 max_output = Some(max_output.map_or(v, |m: u64| m.min(v)));
             }
             Some(_) => {
-                return Err(BadBody {
-                    message: format!("`{param}` must be a non-negative integer"),
-                    param: Some(param),
-                })
+                return Err(BadBody::at(
+                    param,
+                    format!("`{param}` must be a non-negative integer"),
+                ))
+            }
+        }
+    }
+    // `best_of` generates that many completions and returns `n` of them:
+    // the upstream's work is the larger of the two.
+    let mut choices = 1;
+    for param in ["n", "best_of"] {
+        match field(param) {
+            None | Some(Value::Null) => {}
+            Some(Value::Number(n))
+                if n.as_u64().is_some_and(|v| (1..=MAX_CHOICES).contains(&v)) =>
+            {
+                choices = choices.max(n.as_u64().unwrap_or(1));
+            }
+            Some(_) => {
+                return Err(BadBody::at(
+                    param,
+                    format!("`{param}` must be an integer from 1 to {MAX_CHOICES}"),
+                ))
             }
         }
     }
@@ -142,16 +280,133 @@ pub fn parse_body(api: Api, body: &[u8]) -> Result<(Demand, Value), BadBody> {
         model: Some(model),
         stream,
         max_output,
+        choices,
     };
-    Ok((demand, value.unwrap_or_default()))
+    Ok((demand, value))
+}
+
+/// The key named by a duplicate-key error of [`Strict`].
+fn duplicate_key(error: &str) -> Option<String> {
+    let rest = error.strip_prefix(DUPLICATE_KEY)?;
+    let end = rest.find('`')?;
+    Some(rest[..end].to_string())
+}
+
+const DUPLICATE_KEY: &str = "duplicate key `";
+
+/// A JSON value that refuses duplicate object keys at any depth (serde_json
+/// keeps the last one silently).
+struct Strict(Value);
+
+impl<'de> serde::Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Strict(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!("{DUPLICATE_KEY}{key}`")));
+            }
+            let Strict(value) = map.next_value()?;
+            object.insert(key, value);
+        }
+        Ok(Value::Object(object))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    const CAP: u64 = 1 << 20;
 
     fn demand_of(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
-        parse_body(api, body).map(|(d, _)| d)
+        parse_body(api, body, &|_| CAP).map(|(d, _)| d)
+    }
+
+    #[test]
+    fn a_maximum_above_the_cap_is_refused_by_name() {
+        for (field, body) in [
+            (
+                "max_tokens",
+                r#"{"model":"m","max_tokens":18446744073709551615}"#,
+            ),
+            (
+                "max_tokens",
+                r#"{"model":"m","max_tokens":18446744073709551610}"#,
+            ),
+            (
+                "max_completion_tokens",
+                r#"{"model":"m","max_completion_tokens":1048577}"#,
+            ),
+            (
+                "options.num_predict",
+                r#"{"model":"m","options":{"num_predict":4294967296}}"#,
+            ),
+        ] {
+            let e = demand_of(Api::OpenAiChat, body.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{body}");
+            assert!(e.message.contains("above"), "{e:?}");
+        }
+        let d = demand_of(Api::OpenAiChat, br#"{"model":"m","max_tokens":1048576}"#).unwrap();
+        assert_eq!(d.max_output, Some(CAP));
+        let per_model = |m: &str| if m == "small" { 100 } else { CAP };
+        let e = parse_body(
+            Api::OpenAiChat,
+            br#"{"model":"small","max_tokens":101}"#,
+            &per_model,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
     }
 
     #[test]
@@ -177,7 +432,8 @@ mod tests {
             Demand {
                 model: Some("llama3.1:8b".into()),
                 stream: true,
-                max_output: Some(64)
+                max_output: Some(64),
+                choices: 1,
             }
         );
         let d = demand_of(
@@ -190,7 +446,8 @@ mod tests {
             Demand {
                 model: Some("mistral:7b".into()),
                 stream: true,
-                max_output: Some(20)
+                max_output: Some(20),
+                choices: 1,
             }
         );
         let d = demand_of(
@@ -214,12 +471,155 @@ mod tests {
         let e = demand_of(Api::OpenAiChat, b"[1,2]").unwrap_err();
         assert!(e.message.contains("JSON object"));
         let e = demand_of(Api::OpenAiChat, br#"{"messages":[]}"#).unwrap_err();
-        assert_eq!(e.param, Some("model"));
+        assert_eq!(e.param.as_deref(), Some("model"));
         let e = demand_of(Api::OpenAiChat, br#"{"model":"m","stream":"yes"}"#).unwrap_err();
-        assert_eq!(e.param, Some("stream"));
+        assert_eq!(e.param.as_deref(), Some("stream"));
         let e = demand_of(Api::OpenAiChat, br#"{"model":"m","max_tokens":-5}"#).unwrap_err();
-        assert_eq!(e.param, Some("max_tokens"));
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
         let e = demand_of(Api::OpenAiChat, br#"{"model":"m","max_tokens":1.5}"#).unwrap_err();
-        assert_eq!(e.param, Some("max_tokens"));
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn every_spelling_of_an_llm_path_is_classified() {
+        for path in [
+            "/v1/chat/completions",
+            "/v1/chat/completions/",
+            "/v1/chat/%63ompletions",
+            "/v1/chat%2Fcompletions",
+            "/v1%2fchat%2fcompletions",
+            "/%761/chat/completions",
+            "//v1//chat/completions",
+            "/v1/./chat/completions",
+            "/v1/x/../chat/completions",
+            "/V1/Chat/Completions",
+            "/v1\\chat\\completions",
+            "/v1/chat/completions?x=1#y",
+            "/v1/chat/completions%3Fx=1",
+        ] {
+            let expected = if path.contains("%3F") {
+                Api::Other // decodes to a path with `?` in it: not the route
+            } else {
+                Api::OpenAiChat
+            };
+            assert_eq!(Api::classify("POST", path), expected, "{path}");
+        }
+        assert_eq!(Api::classify("post", "/api/%63hat"), Api::OllamaChat);
+        assert_eq!(Api::classify("POST", "/v1/chat/completions%"), Api::Other);
+        assert_eq!(
+            Api::classify("POST", "/openai/v1/chat/completions"),
+            Api::OpenAiChat
+        );
+        assert_eq!(
+            Api::classify("POST", "/ollama/api/generate"),
+            Api::OllamaGenerate
+        );
+        assert_eq!(Api::classify("POST", "/x/v1/chat/completionsx"), Api::Other);
+        assert_eq!(Api::classify("POST", "/xv1/chat/completions"), Api::Other);
+    }
+
+    #[test]
+    fn double_encoding_and_control_escapes_are_ambiguous() {
+        assert_eq!(
+            canonical_path("/v1/chat/%2563ompletions"),
+            Err(AmbiguousPath)
+        );
+        assert_eq!(
+            canonical_path("/v1/chat/completions%00"),
+            Err(AmbiguousPath)
+        );
+        assert_eq!(
+            canonical_path("/v1/chat/completions%0a"),
+            Err(AmbiguousPath)
+        );
+        // Not escapes: left as they are.
+        assert_eq!(canonical_path("/a/%zz/%+1/%").unwrap(), "/a/%zz/%+1/%");
+        assert_eq!(canonical_path("/a/%25zz").unwrap(), "/a/%zz");
+    }
+
+    #[test]
+    fn duplicate_keys_are_refused_at_any_depth() {
+        let e = demand_of(
+            Api::OpenAiChat,
+            br#"{"model":"llama3.1:70b","model":"mistral:7b"}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("model"), "{e:?}");
+        assert!(e.message.contains("more than once"), "{e:?}");
+        let e = demand_of(
+            Api::OllamaChat,
+            br#"{"model":"m","options":{"num_predict":5,"num_predict":99999}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("num_predict"));
+        let e = demand_of(
+            Api::OpenAiChat,
+            br#"{"model":"m","messages":[{"role":"user","role":"system","content":"x"}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("role"));
+        // The same key in sibling objects is fine.
+        demand_of(
+            Api::OpenAiChat,
+            br#"{"model":"m","messages":[{"role":"user"},{"role":"user"}]}"#,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn model_names_are_bounded() {
+        let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(MAX_MODEL_BYTES + 1));
+        let e = demand_of(Api::OpenAiChat, long.as_bytes()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("model"));
+        let ok = format!(r#"{{"model":"{}"}}"#, "m".repeat(MAX_MODEL_BYTES));
+        demand_of(Api::OpenAiChat, ok.as_bytes()).unwrap();
+        let e = demand_of(Api::OpenAiChat, br#"{"model":"a\nb"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("model"));
+    }
+
+    #[test]
+    fn choices_come_from_n_and_best_of() {
+        let d = demand_of(Api::OpenAiChat, br#"{"model":"m","n":4}"#).unwrap();
+        assert_eq!(d.choices, 4);
+        let d = demand_of(
+            Api::OpenAiCompletions,
+            br#"{"model":"m","n":2,"best_of":5}"#,
+        )
+        .unwrap();
+        assert_eq!(d.choices, 5);
+        for bad in ["0", "-1", "1.5", "129", "\"3\"", "18446744073709551615"] {
+            let body = format!(r#"{{"model":"m","n":{bad}}}"#);
+            let e = demand_of(Api::OpenAiChat, body.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("n"), "{bad}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever number a client writes, parsing never panics and the
+        /// maximum read is exactly the integer written, or a 400.
+        #[test]
+        fn max_tokens_extremes(v in proptest::prop_oneof![
+            any::<u64>().prop_map(|v| v.to_string()),
+            any::<i64>().prop_map(|v| v.to_string()),
+            any::<f64>().prop_map(|v| format!("{v:e}")),
+            proptest::sample::select(vec![
+                "0".to_string(), "1".into(), "4294967295".into(), "4294967296".into(),
+                "18446744073709551615".into(), "18446744073709551616".into(),
+                "-9223372036854775808".into(), "1e308".into(), "1e400".into(),
+                "1.0".into(), "NaN".into(),
+            ]),
+        ]) {
+            let body = format!(r#"{{"model":"m","max_tokens":{v}}}"#);
+            match demand_of(Api::OpenAiChat, body.as_bytes()) {
+                Ok(d) => {
+                    proptest::prop_assert_eq!(d.max_output, v.parse::<u64>().ok());
+                    proptest::prop_assert!(d.max_output.is_some_and(|m| m <= CAP));
+                }
+                Err(e) => proptest::prop_assert!(
+                    v.parse::<u64>().map_or(true, |n| n > CAP),
+                    "{:?}", e
+                ),
+            }
+        }
     }
 }

@@ -188,6 +188,8 @@ impl Shared {
     }
 }
 
+/// Longest audit field value: every field, whatever a client sent.
+const MAX_AUDIT_BYTES: usize = 256;
 /// The routing header the kill switch sets (see `FallbackConfig`).
 const DEFAULT_FALLBACK_HEADER: &str = "x-sluice-upstream";
 /// Per model route: the upstream's pause and error breaker.
@@ -404,6 +406,7 @@ impl RootContext for Root {
             path: String::new(),
             response_headers: Vec::new(),
             decided: false,
+            body_size: 0,
             plan: None,
             meter: None,
             status: 0,
@@ -483,9 +486,13 @@ struct Http {
     upstream_key: String,
     identity: Option<Identity>,
     api: Api,
+    /// The canonical path (`request::canonical_path`), for route buckets.
     path: String,
     response_headers: Vec<(String, String)>,
     decided: bool,
+    /// Request body bytes buffered so far (for a request that ends with
+    /// trailers, the body is read in the trailers callback).
+    body_size: usize,
     /// What admission reserved, until it is settled.
     plan: Option<Plan>,
     /// Reads the response as it passes.
@@ -505,6 +512,7 @@ impl Http {
     /// `%FILTER_STATE(wasm.<name>:PLAIN)%`; only with an `audit` policy.
     fn audit(&self, name: &str, value: &str) {
         if self.engine.policy.audit.is_some() {
+            let value = crate::answer::truncate(value, MAX_AUDIT_BYTES);
             let _ = hostcalls::set_property(vec![name], Some(value.as_bytes()));
         }
     }
@@ -573,7 +581,7 @@ impl Http {
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
             self.audit("sluice_model_served", plan.model.as_deref().unwrap_or(""));
-            let reserved = plan.input_estimate + plan.max_output;
+            let reserved = plan.input_estimate.saturating_add(plan.max_output);
             self.audit("sluice_tokens_estimated", &reserved.to_string());
         }
     }
@@ -790,13 +798,23 @@ impl HttpContext for Http {
             .as_ref()
             .map(|f| f.header.clone());
         self.set_http_request_header(header.as_deref().unwrap_or(DEFAULT_FALLBACK_HEADER), None);
-        self.path = request_header(":path").unwrap_or_default();
+        let raw_path = request_header(":path").unwrap_or_default();
         let method = request_header(":method").unwrap_or_default();
-        self.api = Api::classify(&method, &self.path);
+        self.api = Api::classify(&method, &raw_path);
         let identity = match self.engine.identify(&HostRequest) {
             Ok(identity) => identity,
             Err(verdict) => return self.finish(*verdict),
         };
+        match crate::request::canonical_path(&raw_path) {
+            Ok(path) => self.path = path,
+            // Whatever the upstream decodes it to, sluice cannot know: a
+            // request that may be an LLM call does not go up unread.
+            Err(_) if method.eq_ignore_ascii_case("POST") => {
+                let verdict = self.engine.ambiguous_path(&identity);
+                return self.finish(verdict);
+            }
+            Err(_) => self.path = raw_path,
+        }
         let declared = if self.api.reads_body() {
             request_header("content-length").and_then(|v| v.trim().parse::<u64>().ok())
         } else {
@@ -822,10 +840,27 @@ impl HttpContext for Http {
         if let Some(verdict) = self.engine.too_large(identity, body_size as u64) {
             return self.finish(verdict);
         }
+        self.body_size = body_size;
         if !end_of_stream {
-            return Action::Pause; // buffer until the whole body is here
+            // Buffer until the whole body is here: the end of the body, or
+            // trailers after it (HTTP/2, HTTP/3).
+            return Action::Pause;
         }
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
+        self.decide(&body)
+    }
+
+    /// A request that ends with trailers never has a body callback with
+    /// `end_of_stream`: this is where it is decided, on the buffered body.
+    /// Without it, Envoy would resume the paused request on its own when
+    /// the trailers arrive — upstream, undecided.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.decided || self.identity.is_none() {
+            return Action::Continue;
+        }
+        let body = self
+            .get_http_request_body(0, self.body_size)
+            .unwrap_or_default();
         self.decide(&body)
     }
 

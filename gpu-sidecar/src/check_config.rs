@@ -22,8 +22,45 @@ pub fn check(text: &str) -> Result<String, String> {
         let policy = policy_value(policy).map_err(|e| format!("{at}: {e}"))?;
         let policy = Policy::from_value(policy).map_err(|e| format!("{at}: {e}"))?;
         lines.push(format!("{at}: {}", summary(&policy)));
+        if let Some(warning) = buffer_warning(&doc, &at, &policy) {
+            lines.push(warning);
+        }
     }
     Ok(lines.join("; "))
+}
+
+/// Room the buffer needs above `request.max_body_bytes`: sluice may rewrite
+/// the body (model, max output, `stream_options`) and make it longer.
+pub const BUFFER_HEADROOM: u64 = 64 * 1024;
+
+/// Envoy's default `per_connection_buffer_limit_bytes`.
+const ENVOY_DEFAULT_BUFFER: u64 = 1 << 20;
+
+/// A warning when the listener that holds the policy at `at` buffers no
+/// more than the body cap: a body just under the cap would be admitted and
+/// then refused with 413 by Envoy once sluice's rewrite made it longer.
+fn buffer_warning(doc: &Value, at: &str, policy: &Policy) -> Option<String> {
+    let listeners = doc.pointer("/static_resources/listeners")?.as_array()?;
+    let (i, listener) = listeners
+        .iter()
+        .enumerate()
+        .find(|(i, _)| at.starts_with(&format!(".static_resources.listeners[{i}]")))?;
+    let limit = listener
+        .get("per_connection_buffer_limit_bytes")
+        .and_then(|v| v.as_u64().or_else(|| v.as_str()?.parse().ok()))
+        .unwrap_or(ENVOY_DEFAULT_BUFFER);
+    let needed = policy
+        .request
+        .max_body_bytes
+        .saturating_add(BUFFER_HEADROOM);
+    (limit < needed).then(|| {
+        format!(
+            "warning: static_resources.listeners[{i}].per_connection_buffer_limit_bytes is {limit}, \
+             not above request.max_body_bytes ({}) + {BUFFER_HEADROOM}: Envoy answers 413 to a body \
+             near the cap once sluice rewrites it; set it to at least {needed}",
+            policy.request.max_body_bytes
+        )
+    })
 }
 
 fn summary(p: &Policy) -> String {
@@ -100,6 +137,29 @@ mod tests {
         let text = shipped.replace("requests: 60/min", "requests: 60/fortnight");
         let err = check(&text).unwrap_err();
         assert!(err.contains("tiers.pro.requests"), "{err}");
+    }
+
+    #[test]
+    fn a_buffer_without_headroom_is_warned_about() {
+        let shipped = include_str!("../../envoy/sluice.yaml");
+        assert!(!check(shipped).unwrap().contains("warning"));
+        let limit = "per_connection_buffer_limit_bytes: 1114112";
+        assert_eq!(
+            shipped.matches(limit).count(),
+            1,
+            "the shipped listener's limit"
+        );
+        let tight = shipped.replace(limit, "per_connection_buffer_limit_bytes: 1048576");
+        let summary = check(&tight).unwrap();
+        assert!(
+            summary.contains(
+                "warning: static_resources.listeners[0].per_connection_buffer_limit_bytes"
+            ),
+            "{summary}"
+        );
+        // Envoy's default (1 MiB) is the cap itself: warned about too.
+        let default = shipped.replace(limit, "");
+        assert!(check(&default).unwrap().contains("warning"));
     }
 
     #[test]

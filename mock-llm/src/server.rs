@@ -107,10 +107,57 @@ pub async fn serve(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    axum::serve(listener, app)
+    // Like uvicorn (vLLM's server), decode the path before routing, so
+    // `/v1/chat/%63ompletions` is served as chat: tests show sluice does not
+    // let such spellings through unread.
+    let app = tower::util::MapRequest::new(app, decode_path);
+    axum::serve(listener, axum::ServiceExt::into_make_service(app))
         .with_graceful_shutdown(shutdown)
         .await
         .context("serving HTTP")
+}
+
+/// The request with its path percent-decoded (once); left as it is when the
+/// decoded path would not be a valid URI path.
+fn decode_path(mut req: Request) -> Request {
+    let raw = req.uri().path();
+    if !raw.contains('%') {
+        return req;
+    }
+    let bytes = raw.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .filter(|h| h.iter().all(u8::is_ascii_hexdigit));
+        match (bytes[i], hex) {
+            (b'%', Some(h)) => {
+                let text = std::str::from_utf8(h).unwrap_or("00");
+                decoded.push(u8::from_str_radix(text, 16).unwrap_or(0));
+                i += 3;
+            }
+            (b, _) => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    let Ok(path) = String::from_utf8(decoded) else {
+        return req;
+    };
+    let path_and_query = match req.uri().query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path,
+    };
+    let mut parts = req.uri().clone().into_parts();
+    if let Ok(pq) = path_and_query.parse() {
+        parts.path_and_query = Some(pq);
+        if let Ok(uri) = axum::http::Uri::from_parts(parts) {
+            *req.uri_mut() = uri;
+        }
+    }
+    req
 }
 
 async fn stamp_name(State(s): State<Shared>, mut res: Response) -> Response {
