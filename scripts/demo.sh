@@ -16,6 +16,30 @@ for port in 8000 8001 9911 10000 9901; do
   fi
 done
 
+# The shipped JWKS is a placeholder nobody holds the key of. This run gets a
+# signing key of its own (target/demo/, never committed) and a copy of the
+# config that points at it; the key dies with the run's files.
+python=${PYTHON:-python3}
+demo_jwt=$("$python" - "$logs/jwks.json" <<'PY'
+import base64, hashlib, hmac, json, os, secrets, sys, time
+b64 = lambda raw: base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+key = secrets.token_bytes(32)
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+with os.fdopen(fd, "w") as f:
+    json.dump({"keys": [{"kty": "oct", "alg": "HS256", "kid": "demo-run", "k": b64(key)}]}, f)
+part = lambda obj: b64(json.dumps(obj, separators=(",", ":")).encode())
+claims = {"iss": "sluice-demo", "sub": "demo-user", "tier": "enterprise", "exp": int(time.time()) + 86400}
+signing_input = part({"alg": "HS256", "typ": "JWT", "kid": "demo-run"}) + "." + part(claims)
+sig = hmac.new(key, signing_input.encode(), hashlib.sha256).digest()
+print(signing_input + "." + b64(sig))
+PY
+)
+sed 's|filename: envoy/placeholder-jwks.json|filename: '"$logs"'/jwks.json|' envoy/sluice.yaml >"$logs/sluice.yaml"
+grep -q "filename: $logs/jwks.json" "$logs/sluice.yaml" || {
+  echo "demo: envoy/sluice.yaml no longer names envoy/placeholder-jwks.json; cannot give it the demo key" >&2
+  exit 1
+}
+
 pids=()
 stop() {
   trap - EXIT INT TERM
@@ -35,7 +59,7 @@ export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-demo-admin-token}
 target/release/sluice-sidecar serve --listen 127.0.0.1:9911 --simulate \
   --state-file "$logs/sidecar-state.json" >"$logs/sidecar.log" 2>&1 &
 pids+=($!)
-"$envoy_bin" -c envoy/sluice.yaml --disable-hot-restart -l info >"$logs/envoy.log" 2>&1 &
+"$envoy_bin" -c "$logs/sluice.yaml" --disable-hot-restart -l info >"$logs/envoy.log" 2>&1 &
 pids+=($!)
 
 ready=""
@@ -64,7 +88,7 @@ Observability:
                    every 10 s, or now: curl -s -X POST http://127.0.0.1:9901/reopen_logs)
   alerts           envoy/prometheus-rules.yaml   dashboard: envoy/grafana-dashboard.json
 TXT
-sed "s|@ADMIN_TOKEN@|$SLUICE_ADMIN_TOKEN|" <<'TXT'
+sed -e "s|@ADMIN_TOKEN@|$SLUICE_ADMIN_TOKEN|" -e "s|@DEMO_JWT@|$demo_jwt|" <<'TXT'
 
 Policy (envoy/sluice.yaml): tiers free 10/min, pro 60/min, enterprise 300/min;
 tokens per day: free 5,000 (hard: 429), pro 50,000 (soft: llama3.1:70b is
@@ -78,9 +102,16 @@ Try:
     -H 'content-type: application/json' \
     -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"hello"}]}'
 
-  # the same as a pro caller (demo-free-key, demo-pro-key, demo-enterprise-key)
+  # the same as a pro caller (demo-free-key, demo-pro-key, demo-enterprise-key),
+  # the key in x-api-key or as a Bearer token, as the OpenAI SDKs send it
   curl -si http://127.0.0.1:10000/v1/chat/completions -H 'x-api-key: demo-pro-key' \
     -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"hello"}]}'
+  python3 -c 'import openai; print(openai.OpenAI(base_url="http://127.0.0.1:10000/v1",
+    api_key="demo-pro-key").chat.completions.create(model="llama3.1:8b",
+    messages=[{"role": "user", "content": "hello"}]).choices[0].message.content)'
+
+  # a JWT (enterprise tier), signed with a key made for this run only
+  curl -si http://127.0.0.1:10000/v1/models -H 'authorization: Bearer @DEMO_JWT@'
 
   # run into the free tier's limit and read the 429
   for i in $(seq 12); do curl -s -o /dev/null -w '%{http_code} ' \

@@ -6,7 +6,7 @@ use serde_json::json;
 use crate::bucket::Quota;
 
 /// Why a request was refused; `code()` is the `x-sluice-reason` value and
-/// the `error.code` of the body.
+/// (but for `body_code`'s exceptions) the `error.code` of the body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reason {
     UserRateLimit,
@@ -51,6 +51,15 @@ impl Reason {
         }
     }
 
+    /// `error.code` of the body: the `x-sluice-reason` code, except where
+    /// SDKs know OpenAI's own (a 401 is `invalid_api_key` there).
+    fn body_code(self) -> &'static str {
+        match self {
+            Reason::Unauthenticated => "invalid_api_key",
+            other => other.code(),
+        }
+    }
+
     fn status(self) -> u32 {
         match self {
             Reason::UserRateLimit
@@ -84,8 +93,10 @@ impl Reason {
             Reason::DailyBudgetExceeded
             | Reason::MonthlyBudgetExceeded
             | Reason::SpendCapExceeded => "insufficient_quota",
-            Reason::RequestTooLarge | Reason::InvalidRequest => "invalid_request_error",
-            Reason::Unauthenticated => "authentication_error",
+            // OpenAI answers a bad key with this type, code invalid_api_key.
+            Reason::RequestTooLarge | Reason::InvalidRequest | Reason::Unauthenticated => {
+                "invalid_request_error"
+            }
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
             | Reason::UpstreamPaused
@@ -134,7 +145,7 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
     let body = json!({"error": {
         "message": message,
         "type": l.reason.error_type(),
-        "code": l.reason.code(),
+        "code": l.reason.body_code(),
         "param": null,
         "sluice": {
             "limit": l.quota.limit,
@@ -184,7 +195,7 @@ pub fn rejected(reason: Reason, message: &str, param: Option<&str>) -> Reply {
     let body = json!({"error": {
         "message": message,
         "type": reason.error_type(),
-        "code": reason.code(),
+        "code": reason.body_code(),
         "param": param,
     }});
     reply(reason, Vec::new(), &body)
@@ -205,7 +216,7 @@ pub fn unavailable(reason: Reason, why: &str, retry_after_s: u64) -> Reply {
     let body = json!({"error": {
         "message": format!("The model is not taking requests right now ({why}). Try again in {retry_after_s} s."),
         "type": reason.error_type(),
-        "code": reason.code(),
+        "code": reason.body_code(),
         "param": null,
         "sluice": {"retry_after_seconds": retry_after_s},
     }});

@@ -329,6 +329,11 @@ pub struct ApiKeyConfig {
     /// Header carrying the key; `authorization` reads a `Bearer` token.
     #[serde(default = "default_api_key_header")]
     pub header: String,
+    /// Also take the key from `Authorization: Bearer <key>`, as every
+    /// OpenAI SDK sends it. A bearer token shaped like a JWT is never looked
+    /// up as a key: it counts only once `jwt_authn` has verified it.
+    #[serde(default = "default_true")]
+    pub bearer: bool,
     /// Key → tier. A key may be written raw or as `sha256:<hex>`; either way
     /// only its hash is kept in memory.
     #[serde(default)]

@@ -383,9 +383,8 @@ impl Engine {
 
     /// Step 1: who is calling. A refusal (unknown API key) is a verdict.
     pub fn identify(&self, req: &dyn RequestView) -> Result<Identity, Box<Verdict>> {
-        self.resolver.resolve(req).map_err(|_| {
-            let reply =
-                answer::rejected(Reason::Unauthenticated, "The API key is not valid.", None);
+        self.resolver.resolve(req).map_err(|refusal| {
+            let reply = answer::rejected(Reason::Unauthenticated, refusal.message(), None);
             Box::new(self.refused(
                 reply,
                 Reason::Unauthenticated,

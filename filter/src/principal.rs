@@ -5,6 +5,23 @@
 //! metadata), headers the policy names as trusted, configured API keys and
 //! the connection's address are believed: any other identity or tier header a
 //! client sends is never read.
+//!
+//! Before any source, the credentials a request presents are read once
+//! ([`Resolver::presented`]), so that the rules of the front door hold
+//! whatever the order of sources:
+//! - `Authorization: Bearer <token>` (scheme in any case) carries either a
+//!   JWT or an API key. A token with a `.` is a JWT (Envoy's `jwt_authn`
+//!   tries every such token as one); it counts only if `jwt_authn` verified
+//!   it, i.e. its principal claim is in the metadata, and is refused
+//!   otherwise — never read for claims, never downgraded to a key lookup.
+//!   Any other token is an API key (`api_key.bearer`, on by default).
+//! - The key header (`x-api-key`) carries an API key.
+//! - A request presents one credential: two different ones (a bearer key
+//!   and another `x-api-key`, or a JWT and an `x-api-key`), or a credential
+//!   header given twice, are refused, so that nothing after sluice (the
+//!   upstream with pass-through keys) can read another one than sluice did.
+//! - A credential header that is present but empty is refused, not taken as
+//!   "no credential".
 
 use std::collections::{HashMap, HashSet};
 
@@ -14,8 +31,13 @@ use crate::config::{IdentityConfig, IdentitySource, Policy, UnknownKeys};
 
 /// What the identity step may read of a request.
 pub trait RequestView {
-    /// A request header, by lower-case name.
+    /// A request header, by lower-case name (the first, if repeated).
     fn header(&self, name: &str) -> Option<String>;
+    /// How many times the header appears. Asked only of credential headers
+    /// that are present, to refuse a repeated one.
+    fn header_count(&self, name: &str) -> usize {
+        usize::from(self.header(name).is_some())
+    }
     /// A claim of the JWT payload `jwt_authn` stored at
     /// `metadata[namespace][payload_key]`.
     fn jwt_claim(&self, namespace: &str, payload_key: &str, claim: &str) -> Option<String>;
@@ -37,9 +59,42 @@ pub struct Identity {
     pub declared: bool,
 }
 
-/// The caller presented an API key the policy does not know.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnknownApiKey;
+/// Why the front door refused a request (401 `invalid_api_key`). The
+/// messages never echo what the client sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// An API key the policy does not know (`unknown_keys: reject`).
+    UnknownKey,
+    /// A bearer JWT that `jwt_authn` did not verify, or that names no
+    /// principal.
+    UnverifiedJwt,
+    /// Two different credentials in one request.
+    ConflictingCredentials,
+    /// A credential header with nothing in it.
+    EmptyCredential,
+}
+
+impl Refusal {
+    pub fn message(self) -> &'static str {
+        match self {
+            Refusal::UnknownKey => "The API key is not valid.",
+            Refusal::UnverifiedJwt => {
+                "The bearer token is a JWT that could not be verified (or names no subject)."
+            }
+            Refusal::ConflictingCredentials => {
+                "The request carries more than one credential (Authorization, the API key header, or one of them twice); send one."
+            }
+            Refusal::EmptyCredential => "The credential header is empty.",
+        }
+    }
+}
+
+/// The credentials a request presents, read once before the sources.
+#[derive(Debug, Default)]
+struct Presented {
+    /// The API key, from `Authorization: Bearer` or the key header.
+    key: Option<String>,
+}
 
 /// The identity part of a policy, ready for the hot path.
 #[derive(Debug, Clone)]
@@ -88,9 +143,10 @@ impl Resolver {
             .collect()
     }
 
-    pub fn resolve(&self, req: &dyn RequestView) -> Result<Identity, UnknownApiKey> {
+    pub fn resolve(&self, req: &dyn RequestView) -> Result<Identity, Refusal> {
+        let presented = self.presented(req)?;
         for source in &self.config.sources {
-            if let Some((principal, tier)) = self.try_source(*source, req)? {
+            if let Some((principal, tier)) = self.try_source(*source, req, &presented)? {
                 let mut id = self.identity(principal, tier, Some(*source));
                 // Only a key found in the policy's map: its tier came from it.
                 id.declared = *source == IdentitySource::ApiKey
@@ -101,18 +157,81 @@ impl Resolver {
         Ok(self.identity("anonymous".into(), None, None))
     }
 
+    /// Reads and checks the request's credentials (the rules are in the
+    /// module comment).
+    fn presented(&self, req: &dyn RequestView) -> Result<Presented, Refusal> {
+        let key_cfg = self.config.api_key.as_ref();
+        let is_auth = |name: &str| name.eq_ignore_ascii_case("authorization");
+        let bearer_keys = key_cfg.is_some_and(|k| k.bearer || is_auth(&k.header));
+        // Envoy hands sluice the first of repeated headers; the upstream may
+        // read another.
+        let once = |name: &str| match req.header(name) {
+            Some(_) if req.header_count(name) > 1 => Err(Refusal::ConflictingCredentials),
+            value => Ok(value),
+        };
+        let header_key = match key_cfg {
+            Some(k) if !is_auth(&k.header) => match once(&k.header)? {
+                None => None,
+                Some(v) if v.trim().is_empty() => return Err(Refusal::EmptyCredential),
+                Some(v) => Some(v.trim().to_string()),
+            },
+            _ => None,
+        };
+        // Authorization is sluice's only when it may hold a JWT or a key;
+        // otherwise (e.g. `Basic`, or no JWT or bearer key configured) it is
+        // left to whatever reads it after sluice.
+        let reads_bearer = bearer_keys || self.config.jwt.is_some();
+        let bearer = match reads_bearer {
+            true => once("authorization")?.map_or(Ok(None), |v| bearer_token(&v))?,
+            false => None,
+        };
+        let mut bearer_key = None;
+        if let Some(token) = bearer {
+            let looks_jwt = token.contains('.');
+            let known = self.key_tiers.contains_key(&sha256_hex(token.as_bytes()));
+            if bearer_keys && (known || !looks_jwt) {
+                bearer_key = Some(token);
+            } else if looks_jwt {
+                if self.jwt_subject(req).is_none() {
+                    return Err(Refusal::UnverifiedJwt);
+                }
+                if header_key.is_some() {
+                    return Err(Refusal::ConflictingCredentials);
+                }
+            }
+            // Else bearer keys are off and this is no JWT: not sluice's.
+        }
+        let key = match (bearer_key, header_key) {
+            (Some(a), Some(b)) if a != b => return Err(Refusal::ConflictingCredentials),
+            (a, b) => a.or(b),
+        };
+        Ok(Presented { key })
+    }
+
+    /// The principal claim of a JWT `jwt_authn` verified, if any.
+    fn jwt_subject(&self, req: &dyn RequestView) -> Option<String> {
+        let jwt = self.config.jwt.as_ref()?;
+        req.jwt_claim(
+            &jwt.metadata_namespace,
+            &jwt.payload_key,
+            &jwt.principal_claim,
+        )
+        .filter(|s| !s.is_empty())
+    }
+
     fn try_source(
         &self,
         source: IdentitySource,
         req: &dyn RequestView,
-    ) -> Result<Option<(String, Option<String>)>, UnknownApiKey> {
+        presented: &Presented,
+    ) -> Result<Option<(String, Option<String>)>, Refusal> {
         let cfg = &self.config;
         Ok(match source {
             IdentitySource::Jwt => cfg.jwt.as_ref().and_then(|jwt| {
-                let claim =
-                    |name: &str| req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, name);
-                let subject = claim(&jwt.principal_claim).filter(|s| !s.is_empty())?;
-                let tier = jwt.tier_claim.as_deref().and_then(claim);
+                let subject = self.jwt_subject(req)?;
+                let tier = jwt.tier_claim.as_deref().and_then(|name| {
+                    req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, name)
+                });
                 Some((format!("jwt:{subject}"), tier))
             }),
             IdentitySource::TrustedHeader => cfg.trusted_header.as_ref().and_then(|h| {
@@ -120,28 +239,16 @@ impl Resolver {
                 let tier = h.tier.as_deref().and_then(|name| req.header(name));
                 Some((format!("header:{who}"), tier))
             }),
-            IdentitySource::ApiKey => match cfg.api_key.as_ref() {
-                None => None,
-                Some(k) => {
-                    let raw = req.header(&k.header).map(|v| {
-                        if k.header == "authorization" {
-                            v.strip_prefix("Bearer ").unwrap_or(&v).trim().to_string()
-                        } else {
-                            v.trim().to_string()
-                        }
-                    });
-                    match raw.filter(|v| !v.is_empty()) {
-                        None => None,
-                        Some(raw) => {
-                            let hash = sha256_hex(raw.as_bytes());
-                            let tier = self.key_tiers.get(&hash).cloned();
-                            if tier.is_none() && k.unknown_keys == UnknownKeys::Reject {
-                                return Err(UnknownApiKey);
-                            }
-                            Some((key_principal(&hash), tier))
-                        }
+            IdentitySource::ApiKey => match (cfg.api_key.as_ref(), presented.key.as_ref()) {
+                (Some(k), Some(raw)) => {
+                    let hash = sha256_hex(raw.as_bytes());
+                    let tier = self.key_tiers.get(&hash).cloned();
+                    if tier.is_none() && k.unknown_keys == UnknownKeys::Reject {
+                        return Err(Refusal::UnknownKey);
                     }
+                    Some((key_principal(&hash), tier))
                 }
+                _ => None,
             },
             IdentitySource::ClientAddress => req
                 .client_address()
@@ -172,6 +279,20 @@ impl Resolver {
 /// How an API key is named as a principal: a prefix of its SHA-256.
 fn key_principal(hash: &str) -> String {
     format!("key:{}", hash.get(..16).unwrap_or(hash))
+}
+
+/// The token of `Bearer <token>`, the scheme in any case (RFC 9110 §11.1);
+/// `None` for another scheme, a refusal for a bearer with no token.
+fn bearer_token(value: &str) -> Result<Option<String>, Refusal> {
+    let value = value.trim();
+    let (scheme, token) = value.split_once([' ', '\t']).unwrap_or((value, ""));
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return Ok(None);
+    }
+    match token.trim() {
+        "" => Err(Refusal::EmptyCredential),
+        token => Ok(Some(token.to_string())),
+    }
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -214,12 +335,18 @@ mod tests {
     #[derive(Default)]
     struct Req {
         headers: HashMap<String, String>,
+        /// Headers that appear a second time.
+        repeated: Vec<String>,
         claims: HashMap<String, String>,
         addr: Option<String>,
     }
     impl RequestView for Req {
         fn header(&self, name: &str) -> Option<String> {
             self.headers.get(name).cloned()
+        }
+        fn header_count(&self, name: &str) -> usize {
+            usize::from(self.headers.contains_key(name))
+                + self.repeated.iter().filter(|r| *r == name).count()
         }
         fn jwt_claim(&self, ns: &str, key: &str, claim: &str) -> Option<String> {
             assert_eq!((ns, key), ("envoy.filters.http.jwt_authn", "jwt_payload"));
@@ -251,6 +378,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             addr: Some(addr.to_string()),
+            repeated: Vec::new(),
         }
     }
 
@@ -324,7 +452,7 @@ mod tests {
         let r = resolver(json!({"sources": ["api_key"], "api_key": {"keys": {"good": "pro"}}}));
         assert_eq!(
             r.resolve(&req(&[("x-api-key", "made-up")], &[], "1.1.1.1:1")),
-            Err(UnknownApiKey)
+            Err(Refusal::UnknownKey)
         );
         let r = resolver(json!({"sources": ["api_key"],
             "api_key": {"header": "authorization", "unknown_keys": "default_tier",
@@ -337,6 +465,163 @@ mod tests {
             .resolve(&req(&[("authorization", "Bearer other")], &[], "1.1.1.1:1"))
             .unwrap();
         assert_eq!(id.tier, "free");
+    }
+
+    /// The shipped identity section: JWT, then API key, then address.
+    fn front_door() -> Resolver {
+        resolver(json!({
+            "sources": ["jwt", "api_key", "client_address"],
+            "jwt": {"tier_claim": "tier"},
+            "api_key": {"keys": {"k-free": "free", "k-pro": "pro"}},
+        }))
+    }
+
+    fn who(
+        r: &Resolver,
+        headers: &[(&str, &str)],
+        claims: &[(&str, &str)],
+    ) -> Result<(String, String), Refusal> {
+        r.resolve(&req(headers, claims, "10.0.0.9:1"))
+            .map(|id| (id.principal, id.tier))
+    }
+
+    #[test]
+    fn bearer_keys_are_api_keys_in_any_case_of_the_scheme() {
+        let r = front_door();
+        for auth in [
+            "Bearer k-pro",
+            "bearer k-pro",
+            "BEARER  k-pro ",
+            "Bearer\tk-pro",
+        ] {
+            let (principal, tier) = who(&r, &[("authorization", auth)], &[]).unwrap();
+            assert_eq!(tier, "pro", "{auth:?}");
+            assert!(principal.starts_with("key:") && !principal.contains("k-pro"));
+        }
+        // The same key in either place is the same principal.
+        assert_eq!(
+            who(&r, &[("authorization", "Bearer k-pro")], &[]),
+            who(&r, &[("x-api-key", "k-pro")], &[])
+        );
+        assert_eq!(
+            who(&r, &[("authorization", "Bearer made-up")], &[]),
+            Err(Refusal::UnknownKey)
+        );
+        // Another scheme is not sluice's (it may be the upstream's).
+        let (principal, _) = who(&r, &[("authorization", "Basic a2V5OnB3")], &[]).unwrap();
+        assert_eq!(principal, "ip:10.0.0.9");
+    }
+
+    #[test]
+    fn empty_credentials_are_refused_not_ignored() {
+        let r = front_door();
+        for headers in [
+            &[("authorization", "Bearer")][..],
+            &[("authorization", "Bearer   ")],
+            &[("x-api-key", "")],
+            &[("x-api-key", "  ")],
+        ] {
+            assert_eq!(
+                who(&r, headers, &[]),
+                Err(Refusal::EmptyCredential),
+                "{headers:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn two_different_credentials_are_refused() {
+        let r = front_door();
+        let both = |a: &str, b: &str| who(&r, &[("authorization", a), ("x-api-key", b)], &[]);
+        assert_eq!(both("Bearer k-pro", "k-pro").unwrap().1, "pro");
+        assert_eq!(
+            both("Bearer k-free", "k-pro"),
+            Err(Refusal::ConflictingCredentials)
+        );
+        assert_eq!(
+            both("Bearer made-up", "k-pro"),
+            Err(Refusal::ConflictingCredentials)
+        );
+        // One credential header twice, even with one value.
+        for name in ["authorization", "x-api-key"] {
+            let mut twice = req(
+                &[("authorization", "Bearer k-pro"), ("x-api-key", "k-pro")],
+                &[],
+                "1.1.1.1:1",
+            );
+            twice.repeated.push(name.into());
+            assert_eq!(
+                r.resolve(&twice),
+                Err(Refusal::ConflictingCredentials),
+                "{name}"
+            );
+        }
+        // A verified JWT and a key: still two credentials.
+        assert_eq!(
+            who(
+                &r,
+                &[("authorization", "Bearer h.p.s"), ("x-api-key", "k-pro")],
+                &[("sub", "alice")]
+            ),
+            Err(Refusal::ConflictingCredentials)
+        );
+    }
+
+    #[test]
+    fn a_bearer_jwt_counts_only_when_verified() {
+        let r = front_door();
+        let jwt = [("authorization", "Bearer eyJh.eyJz.c2ln")];
+        // jwt_authn verified it: its claims, and only those.
+        assert_eq!(
+            who(&r, &jwt, &[("sub", "alice"), ("tier", "pro")]),
+            Ok(("jwt:alice".into(), "pro".into()))
+        );
+        // Not verified (no metadata), or verified but with no subject.
+        assert_eq!(who(&r, &jwt, &[]), Err(Refusal::UnverifiedJwt));
+        assert_eq!(
+            who(&r, &jwt, &[("tier", "pro")]),
+            Err(Refusal::UnverifiedJwt)
+        );
+        // Anything with a dot is a JWT to jwt_authn: never a key lookup,
+        // even where unknown keys would get the default tier.
+        let lenient = resolver(json!({
+            "sources": ["api_key", "client_address"],
+            "api_key": {"unknown_keys": "default_tier"},
+        }));
+        assert_eq!(
+            who(&lenient, &[("authorization", "Bearer not.a-key")], &[]),
+            Err(Refusal::UnverifiedJwt)
+        );
+        assert_eq!(
+            who(&lenient, &[("authorization", "Bearer other")], &[])
+                .unwrap()
+                .1,
+            "free"
+        );
+        // A configured key that happens to hold dots is still that key.
+        let dotted = resolver(json!({
+            "sources": ["api_key"], "api_key": {"keys": {"k.pro.1": "pro"}},
+        }));
+        assert_eq!(
+            who(&dotted, &[("authorization", "Bearer k.pro.1")], &[])
+                .unwrap()
+                .1,
+            "pro"
+        );
+    }
+
+    #[test]
+    fn bearer_lookup_can_be_turned_off() {
+        let r = resolver(json!({
+            "sources": ["api_key", "client_address"],
+            "api_key": {"bearer": false, "keys": {"k-pro": "pro"}},
+        }));
+        // Authorization is left alone: neither a key nor a refusal.
+        for auth in ["Bearer k-pro", "Bearer a.b.c", "Bearer"] {
+            let (principal, tier) = who(&r, &[("authorization", auth)], &[]).unwrap();
+            assert_eq!((principal.as_str(), tier.as_str()), ("ip:10.0.0.9", "free"));
+        }
+        assert_eq!(who(&r, &[("x-api-key", "k-pro")], &[]).unwrap().1, "pro");
     }
 
     #[test]

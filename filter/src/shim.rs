@@ -8,7 +8,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType, Status};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MapType, MetricType, Status};
 
 use crate::config::Policy;
 use crate::engine::{Engine, Plan, Routed, Verdict};
@@ -421,14 +421,42 @@ impl RootContext for Root {
     }
 }
 
+/// A header as text. Envoy lets bytes 0x80–0xFF through in values, and the
+/// SDK's string getters (`get_map_value`, `get_http_request_header`, …)
+/// unwrap UTF-8 and so kill the VM on one such byte from a client: read
+/// bytes and replace what is not UTF-8.
+fn header_text(map: MapType, name: &str) -> Option<String> {
+    let bytes = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn request_header(name: &str) -> Option<String> {
+    header_text(MapType::HttpRequestHeaders, name)
+}
+
+fn response_header(name: &str) -> Option<String> {
+    header_text(MapType::HttpResponseHeaders, name)
+}
+
 /// The request as Envoy holds it, read on demand.
 struct HostRequest;
 
 impl RequestView for HostRequest {
     fn header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(proxy_wasm::types::MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
+        request_header(name)
+    }
+
+    fn header_count(&self, name: &str) -> usize {
+        // Bytes again (see `header_text`); names are tokens, always ASCII.
+        // A host error counts as repeated: the credential is refused.
+        hostcalls::get_map_bytes(MapType::HttpRequestHeaders)
+            .map(|headers| {
+                headers
+                    .iter()
+                    .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                    .count()
+            })
+            .unwrap_or(usize::MAX)
     }
 
     fn jwt_claim(&self, namespace: &str, payload_key: &str, claim: &str) -> Option<String> {
@@ -684,8 +712,7 @@ impl Http {
             max_jitter_ms: p.pause_jitter_ms,
         };
         let now = self.now_ms();
-        let retry_after = self
-            .get_http_response_header("retry-after")
+        let retry_after = response_header("retry-after")
             .and_then(|v| health::parse_retry_after(&v))
             .map(|ms| ms + self.shared.roll(now) as u64 * p.pause_jitter_ms / 1000);
         for _ in 0..8 {
@@ -770,8 +797,8 @@ impl HttpContext for Http {
             .as_ref()
             .map(|f| f.header.clone());
         self.set_http_request_header(header.as_deref().unwrap_or(DEFAULT_FALLBACK_HEADER), None);
-        let raw_path = self.get_http_request_header(":path").unwrap_or_default();
-        let method = self.get_http_request_header(":method").unwrap_or_default();
+        let raw_path = request_header(":path").unwrap_or_default();
+        let method = request_header(":method").unwrap_or_default();
         self.api = Api::classify(&method, &raw_path);
         let identity = match self.engine.identify(&HostRequest) {
             Ok(identity) => identity,
@@ -788,8 +815,7 @@ impl HttpContext for Http {
             Err(_) => self.path = raw_path,
         }
         let declared = if self.api.reads_body() {
-            self.get_http_request_header("content-length")
-                .and_then(|v| v.trim().parse::<u64>().ok())
+            request_header("content-length").and_then(|v| v.trim().parse::<u64>().ok())
         } else {
             None
         };
@@ -838,8 +864,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        self.status = self
-            .get_http_response_header(":status")
+        self.status = response_header(":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
         for (name, value) in std::mem::take(&mut self.response_headers) {
@@ -853,7 +878,7 @@ impl HttpContext for Http {
             self.observe_upstream(self.status);
         }
         if let Some(plan) = &self.plan {
-            let content_type = self.get_http_response_header("content-type");
+            let content_type = response_header("content-type");
             let ollama = matches!(plan.api, Api::OllamaChat | Api::OllamaGenerate);
             let format = Format::detect(content_type.as_deref(), plan.stream && ollama);
             // A stream may run past its allowance only if the upstream

@@ -1624,19 +1624,14 @@ pub mod jwt {
         URL_SAFE_NO_PAD.encode(bytes)
     }
 
-    /// A 64-byte HS256 key unique to this run.
+    /// A 64-byte HS256 key from the OS's randomness, made for this run: no
+    /// signing key is ever kept in the repository.
     pub fn fresh_key() -> Vec<u8> {
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock after 1970")
-            .as_nanos();
-        let seed = format!("sluice-test-{nanos}-{}", std::process::id());
-        let mut key = Vec::with_capacity(64);
-        for round in 0u8..2 {
-            let mut mac = <Hmac<Sha256>>::new_from_slice(seed.as_bytes()).expect("any key size");
-            mac.update(&[round]);
-            key.extend_from_slice(&mac.finalize().into_bytes());
-        }
+        use std::io::Read as _;
+        let mut key = vec![0u8; 64];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut key))
+            .expect("read /dev/urandom");
         key
     }
 

@@ -201,6 +201,13 @@ fn inline_jwks_is_enforced_by_jwt_authn() {
             "y": "4Etl6SRW2YiLUrN5vfvVHuhp7x8PxltmWWlbbM4IFyM"}]})
         .to_string(),
     );
+    // The shipped rule lets failed tokens on to sluice (removed here); make
+    // jwt_authn itself refuse them, as the previous shipped rule did.
+    let jwt = cfg.http_filter_mut("envoy.filters.http.jwt_authn");
+    jwt["typed_config"]["rules"][0]["requires"] = serde_yaml::from_str(
+        "requires_any: {requirements: [{provider_name: demo}, {allow_missing: {}}]}",
+    )
+    .unwrap();
     let envoy = Envoy::start(&cfg, 1);
     // No token: allowed through (allow_missing); a bad token: 401.
     assert_eq!(get(&envoy.url("/"), &[]).status, 200);

@@ -3,7 +3,7 @@
 //! `jwt_authn` has verified the token.
 
 use sluice_tests::jwt::{b64, claims, fresh_key, jwks, mint};
-use sluice_tests::Stack;
+use sluice_tests::{Response, Stack};
 
 const MODEL: &str = "llama3.1:8b";
 
@@ -77,18 +77,16 @@ fn jwt_tier_is_honoured_only_when_jwt_authn_verified_it() {
     assert_eq!(resp.header("x-ratelimit-limit"), Some("10"), "{resp:?}");
     assert_eq!(resp.header("x-ratelimit-remaining"), Some("9"), "{resp:?}");
 
-    // A token signed with another key never reaches sluice: jwt_authn says 401.
+    // A token signed with another key: jwt_authn does not verify it, and
+    // sluice refuses a bearer JWT without verified claims.
     let forged = bearer(&mint(&fresh_key(), &claims("mallory", "enterprise")));
-    let resp = stack.chat(MODEL, &[("authorization", &forged)]);
-    assert_eq!(resp.status, 401, "{resp:?}");
-    assert_eq!(resp.header("x-sluice-reason"), None, "{resp:?}");
+    assert_invalid_api_key(&stack.chat(MODEL, &[("authorization", &forged)]));
     // Nor does bob's real signature over a payload he rewrote.
     let bob_token = mint(&key, &claims("bob", "platinum"));
     let parts: Vec<&str> = bob_token.split('.').collect();
     let promoted = claims("bob", "enterprise").to_string();
     let tampered = format!("{}.{}.{}", parts[0], b64(promoted.as_bytes()), parts[2]);
-    let resp = stack.chat(MODEL, &[("authorization", &bearer(&tampered))]);
-    assert_eq!(resp.status, 401, "{resp:?}");
+    assert_invalid_api_key(&stack.chat(MODEL, &[("authorization", &bearer(&tampered))]));
 
     let before = stack.upstream_requests();
     // bob (free by default) uses up his own 10; the anonymous caller from the
@@ -117,13 +115,218 @@ fn jwt_tier_is_honoured_only_when_jwt_authn_verified_it() {
 fn unknown_api_key_gets_401_and_never_reaches_the_upstream() {
     let stack = Stack::start(|_| {});
     let resp = stack.chat(MODEL, &[("x-api-key", "made-up-key")]);
-    assert_eq!(resp.status, 401, "{resp:?}");
-    assert_eq!(resp.header("x-sluice-reason"), Some("unauthenticated"));
-    let body = resp.json();
-    assert_eq!(body["error"]["code"], "unauthenticated", "{body}");
+    assert_invalid_api_key(&resp);
     assert!(
         !resp.body.contains("made-up-key"),
-        "the answer echoes the key: {body}"
+        "the answer echoes the key: {}",
+        resp.body
     );
     assert_eq!(stack.upstream_requests(), 0);
+}
+
+/// A 401 as OpenAI sends it (SDKs raise `AuthenticationError`), from sluice
+/// (`x-sluice-reason`), never Envoy's text/plain.
+fn assert_invalid_api_key(resp: &Response) {
+    assert_eq!(resp.status, 401, "{resp:?}");
+    assert_eq!(
+        resp.header("content-type"),
+        Some("application/json"),
+        "{resp:?}"
+    );
+    assert_eq!(resp.header("x-sluice-reason"), Some("unauthenticated"));
+    let body = resp.json();
+    let error = &body["error"];
+    assert_eq!(error["code"], "invalid_api_key", "{body}");
+    assert_eq!(error["type"], "invalid_request_error", "{body}");
+    assert!(error["param"].is_null(), "{body}");
+    assert!(
+        error["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+}
+
+/// The OpenAI SDKs send `Authorization: Bearer <key>`: the shipped config
+/// takes an API key there as in `x-api-key`, a verified JWT there by its
+/// claims, and refuses (401 JSON) everything else that claims to be one.
+#[test]
+fn bearer_api_keys_and_jwts_share_the_authorization_header() {
+    let key = fresh_key();
+    let stack = Stack::start(|cfg| cfg.set_jwks_inline(jwks(&key)));
+    let models =
+        |headers: &[(&str, &str)]| sluice_tests::get(&stack.envoy.url("/v1/models"), headers);
+    let tier_of = |resp: &Response| {
+        assert_eq!(resp.status, 200, "{resp:?}\n{}", stack.envoy.log());
+        (
+            resp.header("x-ratelimit-limit").map(str::to_string),
+            resp.header("x-ratelimit-remaining").map(str::to_string),
+        )
+    };
+    let some = |a: &str, b: &str| (Some(a.to_string()), Some(b.to_string()));
+
+    // One pro key, three spellings, one principal (pro: 60/min).
+    let resp = stack.chat(MODEL, &[("authorization", "Bearer demo-pro-key")]);
+    assert_eq!(tier_of(&resp), some("60", "59"));
+    assert_eq!(
+        tier_of(&models(&[("authorization", "bearer demo-pro-key")])),
+        some("60", "58")
+    );
+    assert_eq!(
+        tier_of(&models(&[("x-api-key", "demo-pro-key")])),
+        some("60", "57")
+    );
+    // The same key in both places is one credential.
+    let both = [
+        ("authorization", "Bearer demo-pro-key"),
+        ("x-api-key", "demo-pro-key"),
+    ];
+    assert_eq!(tier_of(&models(&both)), some("60", "56"));
+    // x-api-key alone, another tier (free: 10/min).
+    assert_eq!(
+        tier_of(&models(&[("x-api-key", "demo-free-key")])),
+        some("10", "9")
+    );
+
+    // A verified JWT: its own tier (enterprise: 300/min).
+    let alice = format!("Bearer {}", mint(&key, &claims("alice", "enterprise")));
+    assert_eq!(
+        tier_of(&models(&[("authorization", &alice)])),
+        some("300", "299")
+    );
+    // `bearer` is common enough for the shipped jwt_authn to read it too;
+    // a rarer spelling is not verified by Envoy, so sluice refuses it.
+    let lower = alice.replacen("Bearer", "bearer", 1);
+    assert_eq!(
+        tier_of(&models(&[("authorization", &lower)])),
+        some("300", "298")
+    );
+    let upper = alice.replacen("Bearer", "BEARER", 1);
+    assert_invalid_api_key(&models(&[("authorization", &upper)]));
+
+    let before = stack.upstream_requests();
+    let expired = {
+        let mut c = claims("alice", "enterprise");
+        c["exp"] = serde_json::json!(1_000_000_000);
+        format!("Bearer {}", mint(&key, &c))
+    };
+    let other_key = format!(
+        "Bearer {}",
+        mint(&fresh_key(), &claims("eve", "enterprise"))
+    );
+    let refused: &[&[(&str, &str)]] = &[
+        // An unknown bearer key; a made-up one with the OpenAI prefix.
+        &[("authorization", "Bearer demo-platinum-key")],
+        &[("authorization", "Bearer sk-proj-0123456789abcdef")],
+        // Garbage in the shape of a JWT, and things jwt_authn tries as one.
+        &[("authorization", "Bearer abc.def.ghi")],
+        &[(
+            "authorization",
+            "Bearer eyJhbGciOiJub25lIn0.eyJzdWIiOiJldmUiLCJ0aWVyIjoiZW50ZXJwcmlzZSJ9.",
+        )],
+        &[("authorization", "Bearer demo-pro-key.x")],
+        // Signed by another key; expired.
+        &[("authorization", &other_key)],
+        &[("authorization", &expired)],
+        // A bad JWT is not rescued by a good key beside it.
+        &[
+            ("authorization", &other_key),
+            ("x-api-key", "demo-enterprise-key"),
+        ],
+        // Two different keys, whichever is the good one.
+        &[
+            ("authorization", "Bearer demo-free-key"),
+            ("x-api-key", "demo-enterprise-key"),
+        ],
+        &[
+            ("authorization", "Bearer demo-enterprise-key"),
+            ("x-api-key", "made-up"),
+        ],
+        // A verified JWT and a key: two credentials.
+        &[("authorization", &alice), ("x-api-key", "demo-free-key")],
+        // A credential header twice (Envoy gives sluice the first; the
+        // upstream might read the other), even with one value.
+        &[
+            ("x-api-key", "demo-free-key"),
+            ("x-api-key", "demo-enterprise-key"),
+        ],
+        &[("x-api-key", "demo-pro-key"), ("x-api-key", "demo-pro-key")],
+        &[
+            ("authorization", "Bearer demo-free-key"),
+            ("authorization", "Bearer demo-enterprise-key"),
+        ],
+        // Empty credentials are not "no credential".
+        &[("authorization", "Bearer")],
+        &[("authorization", "Bearer   ")],
+    ];
+    for headers in refused {
+        let resp = stack.chat(MODEL, headers);
+        assert_invalid_api_key(&resp);
+        for (_, value) in headers.iter() {
+            let token = value.trim_start_matches("Bearer").trim();
+            assert!(
+                token.is_empty() || !resp.body.contains(token),
+                "the answer echoes a credential: {}",
+                resp.body
+            );
+        }
+    }
+    assert_eq!(
+        stack.upstream_requests(),
+        before,
+        "a refused request went upstream"
+    );
+
+    // A JWT anywhere but the Authorization header is not read at all: the
+    // caller is anonymous (free, by address), however valid the token.
+    let token = mint(&key, &claims("alice", "enterprise"));
+    let resp = sluice_tests::get(
+        &stack.envoy.url(&format!("/v1/models?access_token={token}")),
+        &[],
+    );
+    assert_eq!(tier_of(&resp).0.as_deref(), Some("10"));
+}
+
+/// Bytes 0x80–0xFF in a header value pass Envoy's codec. proxy-wasm's
+/// string getters unwrap UTF-8, so one such byte in `x-api-key` used to
+/// panic the VM of a worker: every later request on it got 503, and as many
+/// requests as workers took sluice down. Now such a credential is a bad one.
+#[test]
+fn non_utf8_credentials_are_refused_without_killing_the_vm() {
+    use std::io::{Read, Write};
+    let stack = Stack::start(|_| {});
+    let raw = |header: &[u8]| {
+        let mut req = b"GET /v1/models HTTP/1.1\r\nhost: sluice\r\nconnection: close\r\n".to_vec();
+        req.extend_from_slice(header);
+        req.extend_from_slice(b"\r\n\r\n");
+        let mut conn = std::net::TcpStream::connect(stack.envoy.addr()).unwrap();
+        conn.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        conn.write_all(&req).unwrap();
+        let mut answer = Vec::new();
+        let _ = conn.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let bad: [&[u8]; 3] = [
+        b"x-api-key: demo-pro-key\xff",
+        b"authorization: Bearer demo-\xffpro-key",
+        b"authorization: Bearer \xc3\x28.\xff.x",
+    ];
+    // More of each than Envoy has workers.
+    for header in bad.iter().cycle().take(9) {
+        let answer = raw(header);
+        assert!(
+            answer.starts_with("HTTP/1.1 401") && answer.contains("invalid_api_key"),
+            "{answer}\n{}",
+            stack.envoy.log()
+        );
+    }
+    for _ in 0..4 {
+        let answer = raw(b"x-api-key: demo-pro-key");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    assert!(
+        !stack.envoy.log().contains("panicked"),
+        "{}",
+        stack.envoy.log()
+    );
+    assert_eq!(stack.upstream_requests(), 4);
 }

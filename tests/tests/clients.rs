@@ -1,0 +1,100 @@
+//! Real clients at the front door (issue 9, item 11): the pinned `openai`
+//! Python SDK and `ollama` Python client, run by tests/clients/clients.py
+//! against the shipped config in a real Envoy with mock-llm behind it. The
+//! script checks what a client sees (sync, async, streams with and without
+//! `stream_options.include_usage`, the SDK's retry on 429 after
+//! `Retry-After`, Ollama chat/generate, refusals as the clients' own errors).
+//!
+//! `make test` installs the clients (`make clients`) and sets
+//! `SLUICE_REQUIRE_CLIENTS=1`, so the test runs there; run by hand without
+//! them, it says so and skips. `SLUICE_CLIENTS_PYTHON` picks another Python.
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_yaml::Value;
+use sluice_tests::{repo_root, wait_for, ChildGuard, Stack};
+
+/// A Python that imports both clients, or why there is none.
+fn clients_python() -> Result<PathBuf, String> {
+    let python = std::env::var_os("SLUICE_CLIENTS_PYTHON")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".venv/bin/python"));
+    let probe = Command::new(&python)
+        .args(["-c", "import openai, ollama"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    match probe {
+        Ok(status) if status.success() => Ok(python),
+        _ => Err(format!(
+            "{} cannot import openai and ollama; run `make clients` (make test does)",
+            python.display()
+        )),
+    }
+}
+
+#[test]
+fn openai_and_ollama_clients_work_through_sluice() {
+    let python = match clients_python() {
+        Ok(python) => python,
+        Err(why) if std::env::var_os("SLUICE_REQUIRE_CLIENTS").is_none() => {
+            eprintln!("SKIPPED openai_and_ollama_clients_work_through_sluice: {why}");
+            return;
+        }
+        Err(why) => panic!("{why}"),
+    };
+    let stack = Stack::start(|cfg| {
+        // A tier that admits one request per 2 s: the second call of the
+        // retry check gets 429 with Retry-After, and the SDK waits it out.
+        let policy = cfg.policy_mut();
+        policy["tiers"]["trickle"] = serde_yaml::from_str("{requests: 1/2s}").unwrap();
+        policy["identity"]["api_key"]["keys"]["clients-trickle-key"] = Value::from("trickle");
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("clients.log");
+    let out = fs::File::create(&log).unwrap();
+    let mut child = ChildGuard::spawn(
+        "clients.py",
+        Command::new(&python)
+            .arg(repo_root().join("tests/clients/clients.py"))
+            .arg(stack.envoy.url(""))
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out),
+    )
+    .unwrap();
+    let finished = wait_for(Duration::from_secs(60), || child.try_wait().is_some());
+    let status = child.kill();
+    let output = fs::read_to_string(&log).unwrap_or_default();
+    eprintln!("{output}");
+    assert!(finished, "clients.py still running after 60 s:\n{output}");
+    assert!(
+        status.success() && output.lines().any(|l| l == "ALL OK"),
+        "clients.py failed ({status}):\n{output}\n--- envoy ---\n{}",
+        stack.envoy.log()
+    );
+    for check in [
+        "openai_sync_chat",
+        "openai_unknown_key",
+        "openai_async_chat",
+        "openai_stream_without_usage",
+        "openai_stream_with_usage",
+        "openai_retry_after",
+        "ollama_chat",
+        "ollama_generate",
+        "ollama_refusal",
+    ] {
+        assert!(
+            output
+                .lines()
+                .any(|l| l.starts_with(&format!("ok {check}"))),
+            "{check} did not run:\n{output}"
+        );
+    }
+}
