@@ -1129,6 +1129,40 @@ mod tests {
     }
 
     #[test]
+    fn protection_defaults_and_bad_values_name_the_field() {
+        let p = Policy::from_value(minimal()).unwrap().protection;
+        assert_eq!((p.min_callers, p.max_pause_ms), (2, 300_000));
+        assert_eq!(p.credentials, Credentials::PassThrough);
+        assert_eq!((p.credential_slots, p.unlisted_slots), (4096, 64));
+        for (field, value) in [
+            ("min_callers", json!(0)),
+            ("min_callers", json!(9)),
+            ("credential_slots", json!(0)),
+            ("unlisted_slots", json!(5000)),
+            ("failure_window", json!("0s")),
+            ("credential_headers", json!(["Authorization"])),
+        ] {
+            let mut v = minimal();
+            v["protection"] = json!({ field: value });
+            let err = Policy::from_value(v).unwrap_err();
+            assert!(
+                err.path.starts_with(&format!("protection.{field}")),
+                "{err}"
+            );
+        }
+        let mut v = minimal();
+        v["protection"] = json!({"credentials": "shared"});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "protection.credentials"
+        );
+        let mut v = minimal();
+        v["models"] = json!({"m": {"credentials": "injected"}});
+        let p = Policy::from_value(v).unwrap();
+        assert_eq!(p.models["m"].credentials, Some(Credentials::Injected));
+    }
+
+    #[test]
     fn unknown_field_is_named_with_its_path() {
         let mut v = minimal();
         v["tiers"]["free"]["requets"] = json!("5/min");

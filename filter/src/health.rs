@@ -717,6 +717,7 @@ pub fn parse_retry_after(value: &str, now_ms: u64) -> Option<u64> {
         });
         return Some(seconds.saturating_mul(1000));
     }
+    // httpdate (hyper's) reads the three date forms RFC 9110 allows.
     let at = httpdate::parse_http_date(value).ok()?;
     let at_ms = at
         .duration_since(std::time::UNIX_EPOCH)
@@ -1131,6 +1132,38 @@ mod tests {
             "Wed, 32 Oct 2015 07:28:00 GMT",
         ] {
             assert_eq!(parse_retry_after(bad, now), None, "{bad:?}");
+        }
+        // The last representable dates parse (no panic in the VM).
+        for edge in [
+            "Fri, 31 Dec 9999 23:59:59 GMT",
+            "Mon, 31 Feb 9999 23:59:59 GMT",
+            "Fri Dec 31 23:59:59 9999",
+        ] {
+            let _ = parse_retry_after(edge, now);
+            let _ = parse_retry_after(edge, 0);
+            let _ = parse_retry_after(edge, u64::MAX);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn retry_after_never_panics(value in "\\PC{0,40}", now in proptest::num::u64::ANY) {
+            let _ = parse_retry_after(&value, now);
+        }
+
+        #[test]
+        fn date_shaped_retry_after_never_panics(
+            day in 0u32..40, month in 0usize..13, year in 0u32..10000,
+            h in 0u32..30, m in 0u32..70, sec in 0u32..70,
+        ) {
+            const MONTHS: [&str; 13] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul",
+                                        "Aug", "Sep", "Oct", "Nov", "Dec", "Foo"];
+            let mon = MONTHS[month];
+            let v = format!("Sun, {day:02} {mon} {year:04} {h:02}:{m:02}:{sec:02} GMT");
+            let _ = parse_retry_after(&v, 0);
+            let yy = year % 100;
+            let v = format!("Sunday, {day:02}-{mon}-{yy:02} {h:02}:{m:02}:{sec:02} GMT");
+            let _ = parse_retry_after(&v, 0);
         }
     }
 
