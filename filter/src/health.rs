@@ -496,6 +496,11 @@ pub struct Answer {
     pub pause_ms: Option<u64>,
     /// The probe claim the request held.
     pub lease: Option<u64>,
+    /// The answer came from the upstream (Envoy's `response.code_details`
+    /// is `via_upstream`), not from Envoy or a filter after sluice. Only an
+    /// upstream's answer can close the breaker or pause anyone; a failure
+    /// counts either way (a connect failure is Envoy's own 503).
+    pub from_upstream: bool,
 }
 
 /// What recording an answer did.
@@ -517,10 +522,13 @@ pub fn record(
     now_ms: u64,
 ) -> Recorded {
     let mut out = Recorded::default();
-    let pause = answer.pause_ms.and_then(|wait| {
-        let scope = pause_scope(answer.status, pb.credentials)?;
-        Some((scope, now_ms.saturating_add(wait)))
-    });
+    let pause = answer
+        .pause_ms
+        .filter(|_| answer.from_upstream)
+        .and_then(|wait| {
+            let scope = pause_scope(answer.status, pb.credentials)?;
+            Some((scope, now_ms.saturating_add(wait)))
+        });
     // A pass-through route always has a credential; without one the pause
     // has nobody to apply to but everyone, which a 429 must not do.
     let pause = match (pause, &pb.credential) {
@@ -550,8 +558,20 @@ pub fn record(
         (other, _) => other,
     };
     out.paused = pause.map(|(scope, _)| scope);
+    let failed = answer.status == 0 || answer.status >= 500;
     let updated = update_record(store, &pb.route_key, |u| {
-        let mut next = u.observe(p, answer.status, pb.caller, answer.lease, now_ms);
+        let mut next = if failed || answer.from_upstream {
+            u.observe(p, answer.status, pb.caller, answer.lease, now_ms)
+        } else if answer.lease.is_some_and(|l| l == u.probe_until_ms) {
+            // Answered locally after its claim: the probe learned nothing,
+            // the next request may probe.
+            Upstream {
+                probe_until_ms: 0,
+                ..u
+            }
+        } else {
+            u
+        };
         match pause {
             Some((PauseScope::Route, until)) => {
                 next.paused_until_ms = next.paused_until_ms.max(until);
@@ -957,6 +977,7 @@ mod tests {
             status: 500,
             pause_ms: None,
             lease: Some(lease),
+            from_upstream: true,
         };
         let r = record(&store, &pb(A), &p, failed, 60_010);
         assert!(!r.breaker_opened);
@@ -988,9 +1009,66 @@ mod tests {
             status: 200,
             pause_ms: None,
             lease: Some(lease),
+            from_upstream: true,
         };
         record(&store, &pb(A), &p, ok, 180_040);
         assert!(read(&store, key).0.is_blank());
+    }
+
+    #[test]
+    fn only_the_upstreams_own_answers_close_the_breaker_or_pause() {
+        let store = crate::store::MemStore::default();
+        let p = protection();
+        let key = "k";
+        let open = Upstream {
+            open_until_ms: 10,
+            cooldown_ms: 10,
+            ..Upstream::default()
+        };
+        store.set(key, &open.encode(), 0).unwrap();
+        let pb = Pushback {
+            route_key: key.into(),
+            credential: None,
+            credentials: Credentials::Injected,
+            caller: A,
+            record: Upstream::default(),
+            credential_paused_until_ms: 0,
+        };
+        // Envoy itself answered the probe (a 413 after the claim, a later
+        // filter's 429): the breaker stays open, the probe is free again,
+        // and nobody is paused.
+        let lease = claim_probe(&store, key, A, 20).unwrap();
+        let local = Answer {
+            status: 429,
+            pause_ms: Some(60_000),
+            lease: Some(lease),
+            from_upstream: false,
+        };
+        let r = record(&store, &pb, &p, local, 21);
+        assert_eq!(r.paused, None);
+        let u = read(&store, key).0;
+        assert_eq!(
+            (u.open_until_ms, u.probe_until_ms, u.paused_until_ms),
+            (10, 0, 0)
+        );
+        // Envoy's 503 for an upstream it cannot reach is a failure.
+        let lease = claim_probe(&store, key, A, 22).unwrap();
+        let unreachable = Answer {
+            status: 503,
+            pause_ms: None,
+            ..local
+        };
+        record(
+            &store,
+            &pb,
+            &p,
+            Answer {
+                lease: Some(lease),
+                ..unreachable
+            },
+            23,
+        );
+        assert_eq!(read(&store, key).0.barred, A);
     }
 
     #[test]
@@ -1029,6 +1107,7 @@ mod tests {
             status: 429,
             pause_ms: pause_ms(3_600_000, &p, 0),
             lease: None,
+            from_upstream: true,
         };
         let r = record(&store, &mine, &p, answer, 1_000);
         assert_eq!(r.paused, Some(PauseScope::Credential));

@@ -153,14 +153,15 @@ impl Engine {
         (refused, None)
     }
 
-    /// On the upstream's answer: feed the route's record (and a credential
-    /// pause). `dice` in 0..1000 draws the pause jitter.
+    /// On the answer: feed the route's record (and a credential pause).
+    /// `dice` in 0..1000 draws the pause jitter.
     #[allow(clippy::too_many_arguments)]
     pub fn observe_upstream(
         &self,
         store: &dyn SharedStore,
         pb: &Pushback,
         status: u32,
+        from_upstream: bool,
         retry_after: Option<&str>,
         lease: Option<u64>,
         dice: u32,
@@ -174,6 +175,7 @@ impl Engine {
             status,
             pause_ms,
             lease,
+            from_upstream,
         };
         health::record(store, pb, &p, answer, now_ms)
     }
@@ -331,7 +333,7 @@ mod tests {
         // Two callers break gpt-a; gpt-b still flows.
         for (req, t) in [(&ALICE, 0), (&BOB, 1), (&ALICE, 2)] {
             let pb = pushback(&e, &store, "gpt-a", req, t);
-            e.observe_upstream(&store, &pb, 500, None, None, 0, t);
+            e.observe_upstream(&store, &pb, 500, true, None, None, 0, t);
         }
         let pb = pushback(&e, &store, "gpt-a", &ALICE, 3);
         assert_eq!(
@@ -356,7 +358,7 @@ mod tests {
         let (e, store) = engine_with(json!({}));
         let pb = pushback(&e, &store, "big", &ALICE, 1_000);
         assert_eq!(pb.credentials, Credentials::PassThrough);
-        let r = e.observe_upstream(&store, &pb, 429, Some("3600"), None, 0, 1_000);
+        let r = e.observe_upstream(&store, &pb, 429, true, Some("3600"), None, 0, 1_000);
         assert_eq!(r.paused, Some(health::PauseScope::Credential));
 
         let mine = pushback(&e, &store, "big", &ALICE, 2_000);
@@ -406,7 +408,7 @@ mod tests {
             (pb.credentials, pb.credential.is_none()),
             (Credentials::Injected, true)
         );
-        e.observe_upstream(&store, &pb, 429, Some("10"), None, 0, 0);
+        e.observe_upstream(&store, &pb, 429, true, Some("10"), None, 0, 0);
         let bob = pushback(&e, &store, "big", &BOB, 1_000);
         assert_eq!(
             code(&routed(&e, &bob, &BOB, "big", 1_000)),

@@ -662,10 +662,15 @@ impl Http {
         let now = self.now_ms();
         let retry_after = self.get_http_response_header("retry-after");
         let dice = self.shared.roll(now);
+        let from_upstream = hostcalls::get_property(vec!["response", "code_details"])
+            .ok()
+            .flatten()
+            .is_some_and(|d| d == b"via_upstream");
         let recorded = self.engine.observe_upstream(
             &HostStore,
             pushback,
             status,
+            from_upstream,
             retry_after.as_deref(),
             lease,
             dice,
