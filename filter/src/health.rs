@@ -1,7 +1,27 @@
 //! Health and routing (SPEC §2.4, §2.8): where a request may go given what
 //! the sidecar reports (GPU breakers, kill switch) and what the upstream
 //! itself said lately (failures, `Retry-After`). Pure: state comes in as
-//! values, time as `now_ms`, chance as a number in 0..1000.
+//! values or through the [`SharedStore`] trait, time as `now_ms`, chance as
+//! a number in 0..1000.
+//!
+//! Upstream pushback record (one per model route, fixed size). Invariants:
+//! - The error breaker opens only on `failures_to_open` failures in a row,
+//!   within `failure_window`, from `min_callers` distinct callers (their
+//!   32-bit fingerprints, at most [`MAX_CALLERS`] kept; two callers that
+//!   share a fingerprint count as one, which only opens the breaker later).
+//! - While it is open, one probe at a time, claimed by compare-and-swap
+//!   after admission, for at most [`PROBE_LEASE_MS`]. A failed probe reopens
+//!   the breaker (cooldown × backoff) only once probes of `min_callers`
+//!   callers failed; a caller whose probe failed waits a cooldown first.
+//! - A route pause and a credential pause each last at most `max_pause`
+//!   plus jitter. A credential's pause lives in a hashed slot holding its
+//!   64-bit fingerprint: it never applies to another credential; a newer
+//!   pause may displace it (that credential then reaches the upstream and
+//!   gets its 429 again).
+//! - Contention: every change goes through one CAS loop (`cas_update`);
+//!   after `CAS_TRIES` lost races the change is dropped and counted
+//!   (`sluice_upstream_unrecorded_total`). This state is advisory: losing a
+//!   write never admits or charges anyone.
 
 use serde::Deserialize;
 
