@@ -8,6 +8,7 @@ use std::fmt;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
+pub use crate::health::Credentials;
 use crate::units::{parse_rate, parse_size, Rate};
 
 /// A policy that could not be loaded: where, and why.
@@ -232,8 +233,6 @@ pub struct ProtectionConfig {
     #[serde(default = "default_unlisted_slots")]
     pub unlisted_slots: u32,
 }
-
-pub use crate::health::Credentials;
 
 impl Default for ProtectionConfig {
     fn default() -> Self {

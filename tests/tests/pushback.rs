@@ -168,7 +168,9 @@ fn open_and_cool_down(stack: &Stack) {
         assert_failed_upstream(&chat(stack, MODEL, key, &FAIL), 500);
     }
     assert_refused(&chat(stack, MODEL, ENTERPRISE, &[]), "upstream_unhealthy");
-    std::thread::sleep(Duration::from_millis(1100)); // the cooldown itself
+    // Waits out a configured duration, not a condition: any request sent
+    // meanwhile could become the probe this test is about.
+    std::thread::sleep(Duration::from_millis(1100));
 }
 
 #[test]
