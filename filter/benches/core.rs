@@ -106,6 +106,12 @@ fn admission(c: &mut Criterion) {
             }
         })
     });
+    // Arrival on a pass-through route: the route's record and the
+    // credential's fingerprint (no pause active: one read).
+    let caller = Caller("10.0.0.1:1".into());
+    group.bench_function("pushback_pass_through", |b| {
+        b.iter(|| e.pushback(&store, Some("llama3.1:8b"), &caller, &id, black_box(1_000)))
+    });
     let asked = e.demand(&id, Api::OpenAiChat, &body).ok().flatten();
     group.bench_function("reserve_and_settle_only", |b| {
         b.iter(|| {

@@ -8,6 +8,7 @@ use std::fmt;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
+pub use crate::health::Credentials;
 use crate::units::{parse_rate, parse_size, Rate};
 
 /// A policy that could not be loaded: where, and why.
@@ -162,13 +163,27 @@ fn default_fallback_value() -> String {
     "fallback".into()
 }
 
+/// How sluice reacts to what the upstream says (SPEC §2.8, §8): pauses on
+/// `Retry-After`, the per-route error breaker. One caller cannot pause,
+/// break or probe-block a route for the others; see `health.rs`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProtectionConfig {
     /// Upstream failures in a row (5xx, reset, timeout) that open the
-    /// route's error breaker.
+    /// route's error breaker, if they come from `min_callers` callers.
     #[serde(default = "default_failures")]
     pub failures_to_open: u32,
+    /// Distinct principals whose failures it takes to open the breaker
+    /// (1 to 8): one caller's requests alone never open it.
+    #[serde(default = "default_min_callers")]
+    pub min_callers: u32,
+    /// The failures that open the breaker all fall within this window.
+    #[serde(
+        default = "default_failure_window",
+        deserialize_with = "de_duration",
+        rename = "failure_window"
+    )]
+    pub failure_window_ms: u64,
     #[serde(
         default = "default_cooldown",
         deserialize_with = "de_duration",
@@ -191,22 +206,61 @@ pub struct ProtectionConfig {
         rename = "pause_jitter"
     )]
     pub pause_jitter_ms: u64,
+    /// The longest pause an upstream's `Retry-After` can cause (before
+    /// jitter); `0s` ignores `Retry-After`.
+    #[serde(
+        default = "default_max_pause",
+        deserialize_with = "de_duration",
+        rename = "max_pause"
+    )]
+    pub max_pause_ms: u64,
+    /// Whose credential the upstream sees, for every model that does not
+    /// say: `pass_through` (the client's own `Authorization`/`x-api-key`:
+    /// a 429 pauses that credential only) or `injected` (Envoy's, one for
+    /// everyone: a 429 pauses the route).
+    #[serde(default)]
+    pub credentials: Credentials,
+    /// The request headers that carry a pass-through credential.
+    #[serde(default = "default_credential_headers")]
+    pub credential_headers: Vec<String>,
+    /// Shared-data slots holding per-credential pauses (the bound on their
+    /// key set).
+    #[serde(default = "default_credential_slots")]
+    pub credential_slots: u32,
+    /// Breaker slots shared by models the policy does not list, placed by a
+    /// hash of the name (unlisted models in one slot share a breaker and a
+    /// pause); `1` puts every unlisted model behind one breaker.
+    #[serde(default = "default_unlisted_slots")]
+    pub unlisted_slots: u32,
 }
 
 impl Default for ProtectionConfig {
     fn default() -> Self {
         ProtectionConfig {
             failures_to_open: default_failures(),
+            min_callers: default_min_callers(),
+            failure_window_ms: default_failure_window(),
             cooldown_ms: default_cooldown(),
             backoff: default_backoff(),
             max_cooldown_ms: default_max_cooldown(),
             pause_jitter_ms: default_jitter(),
+            max_pause_ms: default_max_pause(),
+            credentials: Credentials::default(),
+            credential_headers: default_credential_headers(),
+            credential_slots: default_credential_slots(),
+            unlisted_slots: default_unlisted_slots(),
         }
     }
 }
 
 fn default_failures() -> u32 {
     3
+}
+fn default_min_callers() -> u32 {
+    2
+}
+fn default_failure_window() -> u64 {
+    60_000
 }
 fn default_cooldown() -> u64 {
     60_000
@@ -219,6 +273,18 @@ fn default_max_cooldown() -> u64 {
 }
 fn default_jitter() -> u64 {
     1_000
+}
+fn default_max_pause() -> u64 {
+    300_000
+}
+fn default_credential_headers() -> Vec<String> {
+    vec!["authorization".into(), "x-api-key".into()]
+}
+fn default_credential_slots() -> u32 {
+    4096
+}
+fn default_unlisted_slots() -> u32 {
+    64
 }
 
 /// Canned answers when nothing upstream can serve a request.
@@ -406,6 +472,9 @@ pub struct ModelConfig {
     pub price: Option<Price>,
     /// Virtual cost of a self-hosted model: GPU cost per hour ÷ throughput.
     pub gpu: Option<GpuCost>,
+    /// Whose credential this model's upstream sees; default:
+    /// `protection.credentials`.
+    pub credentials: Option<Credentials>,
 }
 
 pub fn default_backend() -> String {
@@ -1034,10 +1103,43 @@ impl Policy {
                 ));
             }
         }
-        if self.protection.failures_to_open == 0 || self.protection.backoff == 0 {
+        let pr = &self.protection;
+        if pr.failures_to_open == 0 || pr.backoff == 0 {
             return Err(ConfigError::at(
                 "protection",
                 "failures_to_open and backoff must be at least 1",
+            ));
+        }
+        if pr.min_callers == 0 || pr.min_callers as usize > crate::health::MAX_CALLERS {
+            return Err(ConfigError::at(
+                "protection.min_callers",
+                format!("must be between 1 and {}", crate::health::MAX_CALLERS),
+            ));
+        }
+        if pr.failure_window_ms == 0 {
+            return Err(ConfigError::at(
+                "protection.failure_window",
+                "must be longer than 0s",
+            ));
+        }
+        if pr.credential_slots == 0 || pr.credential_slots > 1 << 16 {
+            return Err(ConfigError::at(
+                "protection.credential_slots",
+                "must be between 1 and 65536",
+            ));
+        }
+        if pr.unlisted_slots == 0 || pr.unlisted_slots > 4096 {
+            return Err(ConfigError::at(
+                "protection.unlisted_slots",
+                "must be between 1 and 4096",
+            ));
+        }
+        if let Some(i) = pr.credential_headers.iter().position(|h| {
+            h.is_empty() || h.starts_with(':') || h.chars().any(|c| c.is_ascii_uppercase())
+        }) {
+            return Err(ConfigError::at(
+                format!("protection.credential_headers[{i}]"),
+                "must be a lower-case header name",
             ));
         }
         if let Some(a) = &self.anomaly {
@@ -1126,6 +1228,40 @@ mod tests {
         assert_eq!(p.tiers["free"].requests.unwrap().capacity(), 10);
         assert_eq!(p.request.max_body_bytes, 1 << 20);
         assert_eq!(p.identity.sources, vec![IdentitySource::ClientAddress]);
+    }
+
+    #[test]
+    fn protection_defaults_and_bad_values_name_the_field() {
+        let p = Policy::from_value(minimal()).unwrap().protection;
+        assert_eq!((p.min_callers, p.max_pause_ms), (2, 300_000));
+        assert_eq!(p.credentials, Credentials::PassThrough);
+        assert_eq!((p.credential_slots, p.unlisted_slots), (4096, 64));
+        for (field, value) in [
+            ("min_callers", json!(0)),
+            ("min_callers", json!(9)),
+            ("credential_slots", json!(0)),
+            ("unlisted_slots", json!(5000)),
+            ("failure_window", json!("0s")),
+            ("credential_headers", json!(["Authorization"])),
+        ] {
+            let mut v = minimal();
+            v["protection"] = json!({ field: value });
+            let err = Policy::from_value(v).unwrap_err();
+            assert!(
+                err.path.starts_with(&format!("protection.{field}")),
+                "{err}"
+            );
+        }
+        let mut v = minimal();
+        v["protection"] = json!({"credentials": "shared"});
+        assert_eq!(
+            Policy::from_value(v).unwrap_err().path,
+            "protection.credentials"
+        );
+        let mut v = minimal();
+        v["models"] = json!({"m": {"credentials": "injected"}});
+        let p = Policy::from_value(v).unwrap();
+        assert_eq!(p.models["m"].credentials, Some(Credentials::Injected));
     }
 
     #[test]

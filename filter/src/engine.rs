@@ -12,7 +12,7 @@ use crate::answer::{self, Limited, Reason, Reply};
 use crate::bucket::Quota;
 use crate::config::{Budget, Limit, Mode, Policy, Window};
 use crate::estimate::{self, Correction};
-use crate::health::{self, OnStale, Route, Seen, Situation, Upstream};
+use crate::health::{self, OnStale, Pushback, Route, Seen, Situation};
 use crate::principal::{Identity, RequestView, Resolver};
 use crate::reconcile::Found;
 use crate::request::{self, Api, Demand};
@@ -456,7 +456,7 @@ impl Engine {
     pub fn route(
         &self,
         seen: &Seen,
-        upstream: Upstream,
+        pushback: &Pushback,
         identity: &Identity,
         api: Api,
         asked: Option<&Asked>,
@@ -474,7 +474,9 @@ impl Engine {
             on_stale: sidecar.map_or(OnStale::FailOpen, |s| s.on_stale),
             model,
             backend,
-            upstream,
+            upstream: pushback.record,
+            credential_paused_until_ms: pushback.credential_paused_until_ms,
+            caller: pushback.caller,
             has_fallback: self.policy.fallback.is_some(),
             static_when_out: self
                 .policy
@@ -885,6 +887,15 @@ impl Engine {
         (settled, effort)
     }
 
+    /// Gives back everything an admitted request reserved, when it is
+    /// answered here after all (it lost the half-open probe to another).
+    pub fn release(&self, store: &dyn SharedStore, plan: &Plan, now_ms: u64) -> Effort {
+        let mut effort = Effort::default();
+        self.reserver(store)
+            .release(&plan.held, now_ms, &mut effort);
+        effort
+    }
+
     /// 503 `global_breaker_open` while the last hour's spend, all callers
     /// together, is at the ceiling.
     fn global_breaker(
@@ -1031,7 +1042,13 @@ impl Engine {
         }
     }
 
-    fn refused(&self, reply: Reply, reason: Reason, tier: &str, model: Option<&str>) -> Verdict {
+    pub(crate) fn refused(
+        &self,
+        reply: Reply,
+        reason: Reason,
+        tier: &str,
+        model: Option<&str>,
+    ) -> Verdict {
         Verdict {
             reply: Some(reply),
             response_headers: Vec::new(),

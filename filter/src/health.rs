@@ -1,9 +1,31 @@
 //! Health and routing (SPEC §2.4, §2.8): where a request may go given what
 //! the sidecar reports (GPU breakers, kill switch) and what the upstream
 //! itself said lately (failures, `Retry-After`). Pure: state comes in as
-//! values, time as `now_ms`, chance as a number in 0..1000.
+//! values or through the [`SharedStore`] trait, time as `now_ms`, chance as
+//! a number in 0..1000.
+//!
+//! Upstream pushback record (one per model route, fixed size). Invariants:
+//! - The error breaker opens only on `failures_to_open` failures in a row,
+//!   within `failure_window`, from `min_callers` distinct callers (their
+//!   32-bit fingerprints, at most [`MAX_CALLERS`] kept; two callers that
+//!   share a fingerprint count as one, which only opens the breaker later).
+//! - While it is open, one probe at a time, claimed by compare-and-swap
+//!   after admission, for at most [`PROBE_LEASE_MS`]. A failed probe reopens
+//!   the breaker (cooldown × backoff) only once probes of `min_callers`
+//!   callers failed; a caller whose probe failed waits a cooldown first.
+//! - A route pause and a credential pause each last at most `max_pause`
+//!   plus jitter. A credential's pause lives in a hashed slot holding its
+//!   64-bit fingerprint: it never applies to another credential; a newer
+//!   pause may displace it (that credential then reaches the upstream and
+//!   gets its 429 again).
+//! - Contention: every change goes through one CAS loop (`cas_update`);
+//!   after `CAS_TRIES` lost races the change is dropped and counted
+//!   (`sluice_upstream_unrecorded_total`). This state is advisory: losing a
+//!   write never admits or charges anyone.
 
 use serde::Deserialize;
+
+use crate::store::{SharedStore, StoreError};
 
 /// The sidecar's `/v1/state`, as far as the filter needs it.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -76,92 +98,272 @@ pub fn decode_seen(bytes: &[u8]) -> Seen {
     }
 }
 
-/// What the last few responses of one model route said. Kept per model in
-/// shared data so every worker pauses and breaks together.
+/// Whose credential an upstream sees (`protection.credentials`, per model
+/// `models.<name>.credentials`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Credentials {
+    /// The client's own `Authorization`/`x-api-key` goes upstream: a 429 is
+    /// about that credential.
+    #[default]
+    PassThrough,
+    /// Envoy injects one credential for everyone: a 429 is about the route.
+    Injected,
+}
+
+/// Distinct failing callers one route record remembers; the most
+/// `protection.min_callers` may ask for.
+pub const MAX_CALLERS: usize = 8;
+/// How long a claimed half-open probe keeps other requests out, at most
+/// (a probe whose answer never comes must not block the route for good).
+pub const PROBE_LEASE_MS: u64 = 30_000;
+/// Tries of the CAS loop on a pushback record before the change is dropped.
+const CAS_TRIES: u32 = 16;
+const RECORD_LEN: usize = 7 * 8 + (2 + MAX_CALLERS) * 4;
+
+/// What the last responses of one model route said. Kept per route in
+/// shared data so every worker pauses and breaks together; fixed size,
+/// whatever the number of callers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Upstream {
-    /// Requests wait until then (an upstream `Retry-After`).
+    /// Requests wait until then (an upstream `Retry-After` about the route).
     pub paused_until_ms: u64,
-    /// Failures in a row (5xx, reset, timeout).
+    /// The latest end of a per-credential pause on this route: until then
+    /// a request looks its credential's slot up (else it skips the read).
+    pub credential_pauses_until_ms: u64,
+    /// Failures in a row (5xx, reset, timeout) since `streak_since_ms`.
     pub failures: u32,
+    pub streak_since_ms: u64,
+    /// Fingerprints of the distinct callers behind those failures (0: free)
+    /// or, while the breaker is open, behind its failed probes.
+    pub callers: [u32; MAX_CALLERS],
     /// The error breaker is open until then; after it, one probe at a time.
     pub open_until_ms: u64,
     /// The cooldown the next opening will use.
     pub cooldown_ms: u64,
-    /// A half-open probe is in flight (until this time, as a lease).
+    /// A half-open probe is in flight, until this time (its lease; the value
+    /// also names the claim, so a late answer cannot end a newer one).
     pub probe_until_ms: u64,
+    /// The caller whose probe failed last may not probe again until then.
+    pub barred: u32,
+    pub barred_until_ms: u64,
 }
 
 impl Upstream {
-    pub fn encode(&self) -> [u8; 36] {
-        let mut out = [0u8; 36];
-        out[..8].copy_from_slice(&self.paused_until_ms.to_le_bytes());
-        out[8..12].copy_from_slice(&self.failures.to_le_bytes());
-        out[12..20].copy_from_slice(&self.open_until_ms.to_le_bytes());
-        out[20..28].copy_from_slice(&self.cooldown_ms.to_le_bytes());
-        out[28..36].copy_from_slice(&self.probe_until_ms.to_le_bytes());
+    pub fn encode(&self) -> [u8; RECORD_LEN] {
+        let mut out = [0u8; RECORD_LEN];
+        let words = [
+            self.paused_until_ms,
+            self.credential_pauses_until_ms,
+            self.streak_since_ms,
+            self.open_until_ms,
+            self.cooldown_ms,
+            self.probe_until_ms,
+            self.barred_until_ms,
+        ];
+        for (i, w) in words.iter().enumerate() {
+            out[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        let halves = [self.failures, self.barred]
+            .into_iter()
+            .chain(self.callers.iter().copied());
+        for (i, h) in halves.enumerate() {
+            let at = 56 + i * 4;
+            out[at..at + 4].copy_from_slice(&h.to_le_bytes());
+        }
         out
     }
 
+    /// A value of another length (an older layout, a blank key) reads as
+    /// a clean record.
     pub fn decode(b: &[u8]) -> Upstream {
-        if b.len() != 36 {
+        if b.len() != RECORD_LEN {
             return Upstream::default();
         }
-        let u64_at = |i: usize| {
+        let word = |i: usize| {
             let mut w = [0u8; 8];
-            w.copy_from_slice(&b[i..i + 8]);
+            w.copy_from_slice(&b[i * 8..i * 8 + 8]);
             u64::from_le_bytes(w)
         };
-        let mut w = [0u8; 4];
-        w.copy_from_slice(&b[8..12]);
+        let half = |i: usize| {
+            let mut w = [0u8; 4];
+            w.copy_from_slice(&b[56 + i * 4..60 + i * 4]);
+            u32::from_le_bytes(w)
+        };
+        let mut callers = [0u32; MAX_CALLERS];
+        for (i, c) in callers.iter_mut().enumerate() {
+            *c = half(2 + i);
+        }
         Upstream {
-            paused_until_ms: u64_at(0),
-            failures: u32::from_le_bytes(w),
-            open_until_ms: u64_at(12),
-            cooldown_ms: u64_at(20),
-            probe_until_ms: u64_at(28),
+            paused_until_ms: word(0),
+            credential_pauses_until_ms: word(1),
+            streak_since_ms: word(2),
+            open_until_ms: word(3),
+            cooldown_ms: word(4),
+            probe_until_ms: word(5),
+            barred_until_ms: word(6),
+            failures: half(0),
+            barred: half(1),
+            callers,
         }
     }
 
-    /// Records a response. `retry_after_ms` is the upstream's `Retry-After`
-    /// on a 429/503 (with jitter already added).
+    pub fn is_blank(&self) -> bool {
+        *self == Upstream::default()
+    }
+
+    /// The breaker is past its cooldown, no probe is in flight, and this
+    /// caller's own probe did not just fail.
+    pub fn may_probe(&self, caller: u32, now_ms: u64) -> bool {
+        self.open_until_ms > 0
+            && self.open_until_ms <= now_ms
+            && self.probe_until_ms <= now_ms
+            && !(self.barred == caller && self.barred_until_ms > now_ms)
+    }
+
+    fn distinct_callers(&self) -> u32 {
+        self.callers.iter().filter(|c| **c != 0).count() as u32
+    }
+
+    /// Remembers a failing caller; when the set is full it already holds
+    /// more callers than `min_callers` can ask for.
+    fn add_caller(&mut self, caller: u32) {
+        if self.callers.contains(&caller) {
+            return;
+        }
+        if let Some(free) = self.callers.iter_mut().find(|c| **c == 0) {
+            *free = caller;
+        }
+    }
+
+    fn forget_streak(&mut self) {
+        self.failures = 0;
+        self.streak_since_ms = 0;
+        self.callers = [0; MAX_CALLERS];
+    }
+
+    fn open(&mut self, p: &Protection, now_ms: u64) {
+        let cooldown = if self.cooldown_ms == 0 {
+            p.cooldown_ms
+        } else {
+            self.cooldown_ms
+                .saturating_mul(u64::from(p.backoff))
+                .min(p.max_cooldown_ms)
+        };
+        self.open_until_ms = now_ms.saturating_add(cooldown).max(1);
+        self.cooldown_ms = cooldown;
+        self.forget_streak();
+    }
+
+    /// Records one upstream answer for the error breaker. `caller` is the
+    /// fingerprint of the principal that sent the request (never 0), and
+    /// `lease` the probe claim it held, if any.
     pub fn observe(
         mut self,
         p: &Protection,
         status: u32,
-        retry_after_ms: Option<u64>,
+        caller: u32,
+        lease: Option<u64>,
         now_ms: u64,
     ) -> Upstream {
+        // What has ended leaves no trace.
         if self.paused_until_ms <= now_ms {
-            self.paused_until_ms = 0; // a pause that ended leaves no trace
+            self.paused_until_ms = 0;
         }
-        if let (429 | 503, Some(wait)) = (status, retry_after_ms) {
-            self.paused_until_ms = self.paused_until_ms.max(now_ms + wait);
+        if self.credential_pauses_until_ms <= now_ms {
+            self.credential_pauses_until_ms = 0;
+        }
+        if self.barred_until_ms <= now_ms {
+            (self.barred, self.barred_until_ms) = (0, 0);
+        }
+        let caller = caller.max(1);
+        let was_probe = lease.is_some_and(|l| l == self.probe_until_ms && l > 0);
+        if was_probe {
+            self.probe_until_ms = 0;
         }
         let failed = status == 0 || status >= 500;
-        let was_probe = self.probe_until_ms > 0;
-        self.probe_until_ms = 0;
         if !failed {
-            self.failures = 0;
-            if was_probe || self.open_until_ms > 0 {
-                // A good answer after the cooldown closes the breaker.
+            // A good answer closes the breaker: the upstream serves.
+            self.forget_streak();
+            if self.open_until_ms > 0 {
                 self.open_until_ms = 0;
                 self.cooldown_ms = 0;
+                self.probe_until_ms = 0;
+                (self.barred, self.barred_until_ms) = (0, 0);
             }
             return self;
         }
-        self.failures = self.failures.saturating_add(1);
-        if self.failures >= p.failures_to_open || was_probe {
-            let cooldown = if self.cooldown_ms == 0 {
-                p.cooldown_ms
+        if self.open_until_ms > 0 {
+            if !was_probe {
+                // Requests let in before the breaker opened say nothing new.
+                return self;
+            }
+            // A failed probe reopens the breaker only once probes of
+            // `min_callers` callers failed: one caller cannot keep a route
+            // shut by failing every probe. Meanwhile it may not probe again
+            // for a cooldown, so another caller's probe goes next.
+            self.add_caller(caller);
+            if self.distinct_callers() >= p.min_callers {
+                self.open(p, now_ms);
             } else {
-                (self.cooldown_ms.saturating_mul(p.backoff as u64)).min(p.max_cooldown_ms)
-            };
-            self.open_until_ms = now_ms + cooldown;
-            self.cooldown_ms = cooldown;
-            self.failures = 0;
+                self.barred = caller;
+                self.barred_until_ms = now_ms.saturating_add(p.cooldown_ms);
+            }
+            return self;
+        }
+        let window_over = now_ms.saturating_sub(self.streak_since_ms) > p.failure_window_ms;
+        if self.failures == 0 || window_over {
+            self.forget_streak();
+            self.streak_since_ms = now_ms;
+        }
+        self.failures = self.failures.saturating_add(1);
+        self.add_caller(caller);
+        if self.failures >= p.failures_to_open && self.distinct_callers() >= p.min_callers {
+            self.open(p, now_ms);
         }
         self
+    }
+}
+
+/// One credential's pause, in a hashed slot (`sluice:v1:pause/<n>`). The
+/// slot keeps the credential's 64-bit fingerprint, so a pause never applies
+/// to a credential that merely shares the slot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CredentialPause {
+    pub fingerprint: u64,
+    pub until_ms: u64,
+}
+
+impl CredentialPause {
+    pub fn encode(&self) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        out[..8].copy_from_slice(&self.fingerprint.to_le_bytes());
+        out[8..].copy_from_slice(&self.until_ms.to_le_bytes());
+        out
+    }
+
+    pub fn decode(b: &[u8]) -> CredentialPause {
+        let word = |i: usize| {
+            b.get(i..i + 8)
+                .and_then(|w| <[u8; 8]>::try_from(w).ok())
+                .map_or(0, u64::from_le_bytes)
+        };
+        if b.len() != 16 {
+            return CredentialPause::default();
+        }
+        CredentialPause {
+            fingerprint: word(0),
+            until_ms: word(8),
+        }
+    }
+
+    /// When this credential's pause ends (0: it is not paused).
+    pub fn until_for(&self, fingerprint: u64, now_ms: u64) -> u64 {
+        if self.fingerprint == fingerprint && self.until_ms > now_ms {
+            self.until_ms
+        } else {
+            0
+        }
     }
 }
 
@@ -169,10 +371,245 @@ impl Upstream {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Protection {
     pub failures_to_open: u32,
+    pub min_callers: u32,
+    pub failure_window_ms: u64,
     pub cooldown_ms: u64,
     pub backoff: u32,
     pub max_cooldown_ms: u64,
     pub max_jitter_ms: u64,
+    pub max_pause_ms: u64,
+}
+
+/// What an upstream's `Retry-After` pauses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseScope {
+    /// Every caller of the model route.
+    Route,
+    /// Only requests sent with the same credential.
+    Credential,
+}
+
+/// Who a `Retry-After` on `status` pauses. A 503 speaks for the upstream
+/// itself. A 429 speaks for the credential the request carried: the whole
+/// route only when that credential is Envoy's, shared by everyone.
+pub fn pause_scope(status: u32, credentials: Credentials) -> Option<PauseScope> {
+    match (status, credentials) {
+        (503, _) | (429, Credentials::Injected) => Some(PauseScope::Route),
+        (429, Credentials::PassThrough) => Some(PauseScope::Credential),
+        _ => None,
+    }
+}
+
+/// The pause a `Retry-After` of `retry_after_ms` causes: at most
+/// `max_pause`, plus jitter (`dice` in 0..1000) so that the paused callers
+/// do not all come back at once. `None` when pauses are off (`max_pause: 0s`).
+pub fn pause_ms(retry_after_ms: u64, p: &Protection, dice: u32) -> Option<u64> {
+    if p.max_pause_ms == 0 {
+        return None;
+    }
+    let jitter = p.max_jitter_ms.saturating_mul(u64::from(dice.min(999))) / 1000;
+    Some(retry_after_ms.min(p.max_pause_ms).saturating_add(jitter))
+}
+
+/// Where one request's pushback state lives, and what it said when the
+/// request arrived.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pushback {
+    /// The model route's record (`sluice:v1:upstream/<route>`).
+    pub route_key: String,
+    /// Pass-through credential: its pause slot's key and fingerprint.
+    pub credential: Option<(String, u64)>,
+    pub credentials: Credentials,
+    /// The caller's fingerprint for the breaker's distinct-caller count.
+    pub caller: u32,
+    pub record: Upstream,
+    /// This credential is paused until then (0: not paused).
+    pub credential_paused_until_ms: u64,
+}
+
+/// A route's record and its CAS token (a missing key reads as clean).
+pub fn read(store: &dyn SharedStore, key: &str) -> (Upstream, u32) {
+    store.get(key).map_or((Upstream::default(), 0), |(b, cas)| {
+        (Upstream::decode(&b), cas)
+    })
+}
+
+/// The one CAS loop on pushback state: reads `key`, asks `next` for the new
+/// value (`None`: nothing to write) and writes it unless another worker
+/// wrote first, then tries again. After `CAS_TRIES` lost races (or a host
+/// error) the change is dropped and `Err` says so, for the caller to count;
+/// pushback state is advisory, a lost write never admits or charges anyone.
+fn cas_update(
+    store: &dyn SharedStore,
+    key: &str,
+    mut next: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
+) -> Result<bool, StoreError> {
+    for _ in 0..CAS_TRIES {
+        let current = store.get(key);
+        let Some(value) = next(current.as_ref().map(|(b, _)| b.as_slice())) else {
+            return Ok(false);
+        };
+        match store.set(key, &value, current.map_or(0, |(_, cas)| cas)) {
+            Ok(()) => return Ok(true),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+fn update_record(
+    store: &dyn SharedStore,
+    key: &str,
+    next: impl Fn(Upstream) -> Upstream,
+) -> Result<(Upstream, Upstream), StoreError> {
+    let mut seen = (Upstream::default(), Upstream::default());
+    cas_update(store, key, |bytes| {
+        let current = bytes.map(Upstream::decode).unwrap_or_default();
+        let updated = next(current);
+        seen = (current, updated);
+        (updated != current).then(|| updated.encode().to_vec())
+    })?;
+    Ok(seen)
+}
+
+/// Claims the half-open probe for an admitted request: returns its lease,
+/// or `None` when the probe is not (or no longer) this caller's to take.
+pub fn claim_probe(store: &dyn SharedStore, key: &str, caller: u32, now_ms: u64) -> Option<u64> {
+    let lease = now_ms.saturating_add(PROBE_LEASE_MS);
+    let (before, after) = update_record(store, key, |u| {
+        if u.may_probe(caller, now_ms) {
+            Upstream {
+                probe_until_ms: lease,
+                ..u
+            }
+        } else {
+            u
+        }
+    })
+    .ok()?;
+    (before != after).then_some(lease)
+}
+
+/// Gives a probe claim back without an answer (the client left first): the
+/// next request may probe at once.
+pub fn release_probe(store: &dyn SharedStore, key: &str, lease: u64) -> Result<(), StoreError> {
+    update_record(store, key, |u| {
+        if u.probe_until_ms == lease {
+            Upstream {
+                probe_until_ms: 0,
+                ..u
+            }
+        } else {
+            u
+        }
+    })
+    .map(|_| ())
+}
+
+/// One upstream answer, as the pushback state needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Answer {
+    pub status: u32,
+    /// The pause its `Retry-After` asks for, capped and jittered
+    /// ([`pause_ms`]); `None` without one.
+    pub pause_ms: Option<u64>,
+    /// The probe claim the request held.
+    pub lease: Option<u64>,
+    /// The answer came from the upstream (Envoy's `response.code_details`
+    /// is `via_upstream`), not from Envoy or a filter after sluice. Only an
+    /// upstream's answer can close the breaker or pause anyone; a failure
+    /// counts either way (a connect failure is Envoy's own 503).
+    pub from_upstream: bool,
+}
+
+/// What recording an answer did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Recorded {
+    pub paused: Option<PauseScope>,
+    pub breaker_opened: bool,
+    /// A write was lost to contention (or the host): counted, not retried.
+    pub dropped: bool,
+}
+
+/// Feeds one answer to the route's record and, for a pause about a
+/// credential, to that credential's slot.
+pub fn record(
+    store: &dyn SharedStore,
+    pb: &Pushback,
+    p: &Protection,
+    answer: Answer,
+    now_ms: u64,
+) -> Recorded {
+    let mut out = Recorded::default();
+    let pause = answer
+        .pause_ms
+        .filter(|_| answer.from_upstream)
+        .and_then(|wait| {
+            let scope = pause_scope(answer.status, pb.credentials)?;
+            Some((scope, now_ms.saturating_add(wait)))
+        });
+    // A pass-through route always has a credential; without one the pause
+    // has nobody to apply to but everyone, which a 429 must not do.
+    let pause = match (pause, &pb.credential) {
+        (Some((PauseScope::Credential, until)), Some((slot, fingerprint))) => {
+            // Latest wins: a pause displaced from its slot only lets that
+            // credential reach the upstream again, which answers 429 again.
+            let slot_pause = CredentialPause {
+                fingerprint: *fingerprint,
+                until_ms: until,
+            };
+            let written = cas_update(store, slot, |bytes| {
+                let current = bytes.map(CredentialPause::decode).unwrap_or_default();
+                let until = until.max(current.until_for(*fingerprint, now_ms));
+                Some(
+                    CredentialPause {
+                        until_ms: until,
+                        ..slot_pause
+                    }
+                    .encode()
+                    .to_vec(),
+                )
+            });
+            out.dropped |= written.is_err();
+            Some((PauseScope::Credential, until))
+        }
+        (Some((PauseScope::Credential, _)), None) => None,
+        (other, _) => other,
+    };
+    out.paused = pause.map(|(scope, _)| scope);
+    let failed = answer.status == 0 || answer.status >= 500;
+    let updated = update_record(store, &pb.route_key, |u| {
+        let mut next = if failed || answer.from_upstream {
+            u.observe(p, answer.status, pb.caller, answer.lease, now_ms)
+        } else if answer.lease.is_some_and(|l| l == u.probe_until_ms) {
+            // Answered locally after its claim: the probe learned nothing,
+            // the next request may probe.
+            Upstream {
+                probe_until_ms: 0,
+                ..u
+            }
+        } else {
+            u
+        };
+        match pause {
+            Some((PauseScope::Route, until)) => {
+                next.paused_until_ms = next.paused_until_ms.max(until);
+            }
+            Some((PauseScope::Credential, until)) => {
+                next.credential_pauses_until_ms = next.credential_pauses_until_ms.max(until);
+            }
+            None => {}
+        }
+        next
+    });
+    match updated {
+        Ok((before, after)) => {
+            out.breaker_opened = after.open_until_ms > before.open_until_ms;
+        }
+        Err(_) => out.dropped = true,
+    }
+    out
 }
 
 /// Where a request goes.
@@ -201,6 +638,10 @@ pub struct Situation<'a> {
     pub model: Option<&'a str>,
     pub backend: &'a str,
     pub upstream: Upstream,
+    /// The request's credential is paused until then (0: it is not).
+    pub credential_paused_until_ms: u64,
+    /// The caller's fingerprint (a caller whose probe just failed waits).
+    pub caller: u32,
     pub has_fallback: bool,
     /// Serve the static table when the primary is out (breaker, error
     /// breaker) instead of refusing.
@@ -253,26 +694,44 @@ pub fn route(s: &Situation) -> Route {
         }
     }
     let up = s.upstream;
-    if up.paused_until_ms > s.now_ms {
+    let paused = [
+        (
+            up.paused_until_ms,
+            "the upstream asked to slow down (Retry-After)",
+        ),
+        (
+            s.credential_paused_until_ms,
+            "the upstream rate-limited this credential (Retry-After)",
+        ),
+    ]
+    .into_iter()
+    .filter(|(until, _)| *until > s.now_ms)
+    .max_by_key(|(until, _)| *until);
+    if let Some((until, why)) = paused {
         return Route::Refuse {
             code: "upstream_paused",
-            retry_after_s: (up.paused_until_ms - s.now_ms).div_ceil(1000).max(1),
-            why: "the upstream asked to slow down (Retry-After)".into(),
+            retry_after_s: (until - s.now_ms).div_ceil(1000).max(1),
+            why: why.into(),
         };
     }
     if up.open_until_ms > 0 {
-        if up.open_until_ms > s.now_ms || up.probe_until_ms > s.now_ms {
-            if s.static_when_out {
-                return Route::Static;
-            }
-            let until = up.open_until_ms.max(up.probe_until_ms);
-            return Route::Refuse {
-                code: "upstream_unhealthy",
-                retry_after_s: until.saturating_sub(s.now_ms).div_ceil(1000).max(1),
-                why: "the upstream failed repeatedly; its breaker is open".into(),
-            };
+        if up.may_probe(s.caller, s.now_ms) {
+            return Route::Probe;
         }
-        return Route::Probe;
+        if s.static_when_out {
+            return Route::Static;
+        }
+        let barred = if up.barred == s.caller {
+            up.barred_until_ms
+        } else {
+            0
+        };
+        let until = up.open_until_ms.max(up.probe_until_ms).max(barred);
+        return Route::Refuse {
+            code: "upstream_unhealthy",
+            retry_after_s: until.saturating_sub(s.now_ms).div_ceil(1000).max(1),
+            why: "the upstream failed repeatedly; its breaker is open".into(),
+        };
     }
     Route::Primary
 }
@@ -286,9 +745,24 @@ pub fn poll_wait_s(poll_wait_ms: u64, stale_after_ms: u64) -> u64 {
     (poll_wait_ms.min(stale_after_ms / 2) / 1000).max(1)
 }
 
-/// `Retry-After` as seconds or an HTTP date we cannot parse (then `None`).
-pub fn parse_retry_after(value: &str) -> Option<u64> {
-    value.trim().parse::<u64>().ok().map(|s| s.min(3600) * 1000)
+/// `Retry-After` in milliseconds from `now_ms`: delta-seconds (digits,
+/// saturating: a value too big for 64 bits is simply very long) or an HTTP
+/// date (IMF-fixdate, RFC 850, asctime; one in the past is 0). Anything else
+/// is `None`. Callers cap the result (`max_pause`).
+pub fn parse_retry_after(value: &str, now_ms: u64) -> Option<u64> {
+    let value = value.trim();
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        let seconds = value.bytes().fold(0u64, |n, b| {
+            n.saturating_mul(10).saturating_add(u64::from(b - b'0'))
+        });
+        return Some(seconds.saturating_mul(1000));
+    }
+    // httpdate (hyper's) reads the three date forms RFC 9110 allows.
+    let at = httpdate::parse_http_date(value).ok()?;
+    let at_ms = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    Some(at_ms.saturating_sub(now_ms))
 }
 
 /// Canned-answer key: lower case, letters and digits, single spaces.
@@ -322,6 +796,8 @@ mod tests {
             model: Some("big"),
             backend: "local",
             upstream,
+            credential_paused_until_ms: 0,
+            caller: A,
             has_fallback: true,
             static_when_out: false,
             default_retry_after_s: 30,
@@ -391,52 +867,403 @@ mod tests {
         assert_eq!(route(&no_fallback), Route::Static);
     }
 
-    #[test]
-    fn upstream_pushback_pauses_and_breaks() {
-        let p = Protection {
+    const A: u32 = 11;
+    const B: u32 = 22;
+
+    fn protection() -> Protection {
+        Protection {
             failures_to_open: 3,
+            min_callers: 2,
+            failure_window_ms: 60_000,
             cooldown_ms: 60_000,
             backoff: 2,
             max_cooldown_ms: 600_000,
             max_jitter_ms: 0,
-        };
-        let none = Seen::default();
-        let paused = Upstream::default().observe(&p, 503, Some(5_000), 1_000);
-        let r = route(&situation(&none, paused, 2_000, 0));
-        assert!(
-            matches!(
-                r,
-                Route::Refuse {
-                    code: "upstream_paused",
-                    retry_after_s: 4,
-                    ..
-                }
-            ),
-            "{r:?}"
-        );
-        assert_eq!(route(&situation(&none, paused, 6_001, 0)), Route::Primary);
-
-        let mut u = Upstream::default();
-        for _ in 0..2 {
-            u = u.observe(&p, 500, None, 0);
+            max_pause_ms: 300_000,
         }
-        assert_eq!(route(&situation(&none, u, 0, 0)), Route::Primary);
-        u = u.observe(&p, 500, None, 0);
-        assert!(matches!(
-            route(&situation(&none, u, 1, 0)),
+    }
+
+    fn fail(u: Upstream, caller: u32, now: u64) -> Upstream {
+        u.observe(&protection(), 500, caller, None, now)
+    }
+
+    fn refused_with(r: &Route) -> Option<(&'static str, u64)> {
+        match r {
             Route::Refuse {
-                code: "upstream_unhealthy",
+                code,
+                retry_after_s,
                 ..
-            }
+            } => Some((code, *retry_after_s)),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_route_pause_refuses_until_it_ends() {
+        let none = Seen::default();
+        let paused = Upstream {
+            paused_until_ms: 6_000,
+            ..Upstream::default()
+        };
+        let r = route(&situation(&none, paused, 2_000, 0));
+        assert_eq!(refused_with(&r), Some(("upstream_paused", 4)), "{r:?}");
+        assert_eq!(route(&situation(&none, paused, 6_001, 0)), Route::Primary);
+        // A credential's pause refuses that credential only.
+        let mut mine = situation(&none, Upstream::default(), 2_000, 0);
+        mine.credential_paused_until_ms = 9_000;
+        assert_eq!(refused_with(&route(&mine)), Some(("upstream_paused", 7)));
+    }
+
+    #[test]
+    fn one_callers_failures_never_open_the_breaker() {
+        let none = Seen::default();
+        let mut u = Upstream::default();
+        for i in 0..50 {
+            u = fail(u, A, i);
+        }
+        assert_eq!(u.open_until_ms, 0);
+        assert_eq!(route(&situation(&none, u, 100, 0)), Route::Primary);
+        // A second caller's failure completes it.
+        u = fail(u, B, 100);
+        assert_eq!(u.open_until_ms, 60_100);
+        assert!(matches!(
+            refused_with(&route(&situation(&none, u, 101, 0))),
+            Some(("upstream_unhealthy", 60))
         ));
-        assert_eq!(route(&situation(&none, u, 60_000, 0)), Route::Probe);
-        // A failed probe reopens for twice as long; a good one closes.
-        u.probe_until_ms = 70_000;
-        let again = u.observe(&p, 502, None, 60_000);
-        assert_eq!((again.open_until_ms, again.cooldown_ms), (180_000, 120_000));
-        let healed = u.observe(&p, 200, None, 60_000);
-        assert_eq!(route(&situation(&none, healed, 60_001, 0)), Route::Primary);
-        assert_eq!(Upstream::decode(&again.encode()), again);
+    }
+
+    #[test]
+    fn failures_count_in_a_row_and_within_the_window() {
+        let p = protection();
+        let mut u = fail(fail(Upstream::default(), A, 0), B, 1);
+        // A good answer resets the streak.
+        u = u.observe(&p, 200, A, None, 2);
+        u = fail(u, A, 3);
+        assert_eq!((u.failures, u.open_until_ms), (1, 0));
+        // Failures spread wider than the window do not add up.
+        let mut u = fail(fail(Upstream::default(), A, 0), B, 1);
+        u = fail(u, B, 60_002);
+        assert_eq!((u.failures, u.open_until_ms), (1, 0));
+        u = fail(fail(u, A, 60_003), B, 60_004);
+        assert!(u.open_until_ms > 0);
+        // min_callers 1 is the old behaviour: three in a row from anyone.
+        let solo = Protection {
+            min_callers: 1,
+            ..p
+        };
+        let mut u = Upstream::default();
+        for t in 0..3 {
+            u = u.observe(&solo, 502, A, None, t);
+        }
+        assert_eq!(u.open_until_ms, 60_002);
+    }
+
+    #[test]
+    fn the_distinct_caller_set_is_bounded() {
+        let p = Protection {
+            failures_to_open: 100,
+            min_callers: MAX_CALLERS as u32,
+            ..protection()
+        };
+        let mut u = Upstream::default();
+        for c in 1..=50u32 {
+            u = u.observe(&p, 500, c, None, u64::from(c));
+        }
+        assert_eq!(u.distinct_callers(), MAX_CALLERS as u32);
+        assert_eq!(Upstream::decode(&u.encode()), u);
+        assert_eq!(Upstream::decode(&[1, 2, 3]), Upstream::default());
+    }
+
+    #[test]
+    fn probes_are_one_at_a_time_and_one_caller_cannot_keep_the_route_shut() {
+        let store = crate::store::MemStore::default();
+        let p = protection();
+        let key = "sluice:v1:upstream/big";
+        let opened = fail(fail(fail(Upstream::default(), A, 0), B, 1), A, 2);
+        store.set(key, &opened.encode(), 0).unwrap();
+        assert_eq!(claim_probe(&store, key, A, 1_000), None, "cooling down");
+        let lease = claim_probe(&store, key, A, 60_002).expect("probe");
+        assert_eq!(claim_probe(&store, key, B, 60_003), None, "one at a time");
+        // A's probe fails: the route stays half-open, but A must wait.
+        let pb = |caller| Pushback {
+            route_key: key.into(),
+            credential: None,
+            credentials: Credentials::PassThrough,
+            caller,
+            record: Upstream::default(),
+            credential_paused_until_ms: 0,
+        };
+        let failed = Answer {
+            status: 500,
+            pause_ms: None,
+            lease: Some(lease),
+            from_upstream: true,
+        };
+        let r = record(&store, &pb(A), &p, failed, 60_010);
+        assert!(!r.breaker_opened);
+        assert_eq!(claim_probe(&store, key, A, 60_011), None, "A is barred");
+        let none = Seen::default();
+        let barred = read(&store, key).0;
+        let mut s = situation(&none, barred, 60_011, 0);
+        assert_eq!(refused_with(&route(&s)), Some(("upstream_unhealthy", 60)));
+        s.caller = B;
+        assert_eq!(route(&s), Route::Probe);
+        // B's probe fails too: two callers agree, the breaker reopens, x2.
+        let lease = claim_probe(&store, key, B, 60_020).expect("B probes");
+        let r = record(
+            &store,
+            &pb(B),
+            &p,
+            Answer {
+                lease: Some(lease),
+                ..failed
+            },
+            60_030,
+        );
+        assert!(r.breaker_opened);
+        let u = read(&store, key).0;
+        assert_eq!((u.open_until_ms, u.cooldown_ms), (180_030, 120_000));
+        // A good probe closes it.
+        let lease = claim_probe(&store, key, A, 180_030).expect("A may probe again");
+        let ok = Answer {
+            status: 200,
+            pause_ms: None,
+            lease: Some(lease),
+            from_upstream: true,
+        };
+        record(&store, &pb(A), &p, ok, 180_040);
+        assert!(read(&store, key).0.is_blank());
+    }
+
+    #[test]
+    fn only_the_upstreams_own_answers_close_the_breaker_or_pause() {
+        let store = crate::store::MemStore::default();
+        let p = protection();
+        let key = "k";
+        let open = Upstream {
+            open_until_ms: 10,
+            cooldown_ms: 10,
+            ..Upstream::default()
+        };
+        store.set(key, &open.encode(), 0).unwrap();
+        let pb = Pushback {
+            route_key: key.into(),
+            credential: None,
+            credentials: Credentials::Injected,
+            caller: A,
+            record: Upstream::default(),
+            credential_paused_until_ms: 0,
+        };
+        // Envoy itself answered the probe (a 413 after the claim, a later
+        // filter's 429): the breaker stays open, the probe is free again,
+        // and nobody is paused.
+        let lease = claim_probe(&store, key, A, 20).unwrap();
+        let local = Answer {
+            status: 429,
+            pause_ms: Some(60_000),
+            lease: Some(lease),
+            from_upstream: false,
+        };
+        let r = record(&store, &pb, &p, local, 21);
+        assert_eq!(r.paused, None);
+        let u = read(&store, key).0;
+        assert_eq!(
+            (u.open_until_ms, u.probe_until_ms, u.paused_until_ms),
+            (10, 0, 0)
+        );
+        // Envoy's 503 for an upstream it cannot reach is a failure.
+        let lease = claim_probe(&store, key, A, 22).unwrap();
+        let unreachable = Answer {
+            status: 503,
+            pause_ms: None,
+            ..local
+        };
+        record(
+            &store,
+            &pb,
+            &p,
+            Answer {
+                lease: Some(lease),
+                ..unreachable
+            },
+            23,
+        );
+        assert_eq!(read(&store, key).0.barred, A);
+    }
+
+    #[test]
+    fn a_probe_given_back_or_expired_frees_the_route() {
+        let store = crate::store::MemStore::default();
+        let key = "k";
+        let open = Upstream {
+            open_until_ms: 10,
+            cooldown_ms: 10,
+            ..Upstream::default()
+        };
+        store.set(key, &open.encode(), 0).unwrap();
+        let lease = claim_probe(&store, key, A, 20).unwrap();
+        release_probe(&store, key, lease).unwrap();
+        let second = claim_probe(&store, key, B, 21).unwrap();
+        // The first claim's late answer cannot end the second's lease.
+        release_probe(&store, key, lease).unwrap();
+        assert_eq!(read(&store, key).0.probe_until_ms, second);
+        // A lease that ran out lets the next request probe.
+        assert!(claim_probe(&store, key, A, second + 1).is_some());
+    }
+
+    #[test]
+    fn a_429_pauses_the_credential_on_pass_through_routes_and_the_route_when_injected() {
+        let p = protection();
+        let store = crate::store::MemStore::default();
+        let mine = Pushback {
+            route_key: "r".into(),
+            credential: Some(("sluice:v1:pause/7".into(), 0xAAAA)),
+            credentials: Credentials::PassThrough,
+            caller: A,
+            record: Upstream::default(),
+            credential_paused_until_ms: 0,
+        };
+        let answer = Answer {
+            status: 429,
+            pause_ms: pause_ms(3_600_000, &p, 0),
+            lease: None,
+            from_upstream: true,
+        };
+        let r = record(&store, &mine, &p, answer, 1_000);
+        assert_eq!(r.paused, Some(PauseScope::Credential));
+        let u = read(&store, "r").0;
+        assert_eq!(u.paused_until_ms, 0, "the route is not paused");
+        assert_eq!(u.credential_pauses_until_ms, 301_000, "capped at 5 min");
+        let slot = CredentialPause::decode(&store.get("sluice:v1:pause/7").unwrap().0);
+        assert_eq!(slot.until_for(0xAAAA, 2_000), 301_000);
+        // Another credential in the same slot is not paused by it.
+        assert_eq!(slot.until_for(0xBBBB, 2_000), 0);
+        // Injected: everyone shares the credential, so the route pauses.
+        let shared = Pushback {
+            route_key: "s".into(),
+            credential: None,
+            credentials: Credentials::Injected,
+            ..mine.clone()
+        };
+        let r = record(&store, &shared, &p, answer, 1_000);
+        assert_eq!(r.paused, Some(PauseScope::Route));
+        assert_eq!(read(&store, "s").0.paused_until_ms, 301_000);
+        // A 503 speaks for the upstream: the route, whatever the credential.
+        let r = record(
+            &store,
+            &mine,
+            &p,
+            Answer {
+                status: 503,
+                ..answer
+            },
+            1_000,
+        );
+        assert_eq!(r.paused, Some(PauseScope::Route));
+        // A 429 without Retry-After pauses nothing.
+        let quiet = Pushback {
+            route_key: "q".into(),
+            ..mine
+        };
+        let r = record(
+            &store,
+            &quiet,
+            &p,
+            Answer {
+                pause_ms: None,
+                ..answer
+            },
+            1_000,
+        );
+        assert_eq!(r.paused, None);
+        assert!(read(&store, "q").0.is_blank());
+    }
+
+    #[test]
+    fn pauses_are_capped_jittered_and_can_be_turned_off() {
+        let p = Protection {
+            max_jitter_ms: 1_000,
+            ..protection()
+        };
+        assert_eq!(pause_ms(5_000, &p, 0), Some(5_000));
+        assert_eq!(pause_ms(5_000, &p, 500), Some(5_500));
+        assert_eq!(pause_ms(u64::MAX, &p, 999), Some(300_999));
+        let off = Protection {
+            max_pause_ms: 0,
+            ..p
+        };
+        assert_eq!(pause_ms(5_000, &off, 0), None);
+    }
+
+    #[test]
+    fn retry_after_reads_every_form_without_overflow() {
+        let now = 1_445_412_480_000; // Wed, 21 Oct 2015 07:28:00 GMT
+        assert_eq!(parse_retry_after(" 5 ", now), Some(5_000));
+        assert_eq!(parse_retry_after("0", now), Some(0));
+        assert_eq!(parse_retry_after("3600", now), Some(3_600_000));
+        assert_eq!(
+            parse_retry_after("18446744073709551615", now),
+            Some(u64::MAX)
+        );
+        assert_eq!(
+            parse_retry_after("99999999999999999999999999999999", now),
+            Some(u64::MAX)
+        );
+        for date in [
+            "Wed, 21 Oct 2015 07:28:30 GMT",
+            "Wednesday, 21-Oct-15 07:28:30 GMT",
+            "Wed Oct 21 07:28:30 2015",
+        ] {
+            assert_eq!(parse_retry_after(date, now), Some(30_000), "{date}");
+        }
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:00:00 GMT", now),
+            Some(0),
+            "a date in the past"
+        );
+        for bad in [
+            "",
+            "-5",
+            "1.5",
+            "5s",
+            "soon",
+            "+3",
+            "Wed, 32 Oct 2015 07:28:00 GMT",
+        ] {
+            assert_eq!(parse_retry_after(bad, now), None, "{bad:?}");
+        }
+        // The last representable dates parse (no panic in the VM).
+        for edge in [
+            "Fri, 31 Dec 9999 23:59:59 GMT",
+            "Mon, 31 Feb 9999 23:59:59 GMT",
+            "Fri Dec 31 23:59:59 9999",
+        ] {
+            let _ = parse_retry_after(edge, now);
+            let _ = parse_retry_after(edge, 0);
+            let _ = parse_retry_after(edge, u64::MAX);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn retry_after_never_panics(value in "\\PC{0,40}", now in proptest::num::u64::ANY) {
+            let _ = parse_retry_after(&value, now);
+        }
+
+        #[test]
+        fn date_shaped_retry_after_never_panics(
+            day in 0u32..40, month in 0usize..13, year in 0u32..10000,
+            h in 0u32..30, m in 0u32..70, sec in 0u32..70,
+        ) {
+            const MONTHS: [&str; 13] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul",
+                                        "Aug", "Sep", "Oct", "Nov", "Dec", "Foo"];
+            let mon = MONTHS[month];
+            let v = format!("Sun, {day:02} {mon} {year:04} {h:02}:{m:02}:{sec:02} GMT");
+            let _ = parse_retry_after(&v, 0);
+            let yy = year % 100;
+            let v = format!("Sunday, {day:02}-{mon}-{yy:02} {h:02}:{m:02}:{sec:02} GMT");
+            let _ = parse_retry_after(&v, 0);
+        }
     }
 
     #[test]
@@ -456,7 +1283,5 @@ mod tests {
     #[test]
     fn prompts_normalize() {
         assert_eq!(normalize_prompt("  What is   sluice?! "), "what is sluice");
-        assert_eq!(parse_retry_after(" 5 "), Some(5_000));
-        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), None);
     }
 }

@@ -17,6 +17,7 @@ pub mod health;
 pub mod metrics;
 pub mod principal;
 mod proto_struct;
+mod pushback;
 pub mod reconcile;
 pub mod request;
 pub mod reservation;

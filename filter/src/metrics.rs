@@ -78,6 +78,12 @@ pub const SIDECAR_POLL_ERRORS: &str = "sluice_sidecar_poll_errors_total";
 pub const REROUTED: &str = "sluice_rerouted_total";
 /// Times a route's error breaker opened.
 pub const ERROR_BREAKER_OPENED: &str = "sluice_error_breaker_opened_total";
+/// Upstream `Retry-After` pauses, by what they pause (`kind`: the whole
+/// model route, or one credential on it).
+pub const PAUSES_ROUTE: &str = "sluice_upstream_pauses_total_kind=route;";
+pub const PAUSES_CREDENTIAL: &str = "sluice_upstream_pauses_total_kind=credential;";
+/// Upstream answers whose pause or breaker update was lost to contention.
+pub const PUSHBACK_DROPPED: &str = "sluice_upstream_unrecorded_total";
 /// Minutes in which tokens/min across all callers surged past the baseline.
 pub const USAGE_SURGES: &str = "sluice_usage_surge_total";
 /// The global spend breaker is open (gauge).
@@ -104,6 +110,9 @@ pub const FIXED: &[&str] = &[
     SIDECAR_POLL_ERRORS,
     REROUTED,
     ERROR_BREAKER_OPENED,
+    PAUSES_ROUTE,
+    PAUSES_CREDENTIAL,
+    PUSHBACK_DROPPED,
     USAGE_SURGES,
     GLOBAL_BREAKER,
     CONFIG_REJECTED,

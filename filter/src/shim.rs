@@ -12,7 +12,7 @@ use proxy_wasm::types::{Action, ContextType, LogLevel, MapType, MetricType, Stat
 
 use crate::config::Policy;
 use crate::engine::{Engine, Plan, Routed, Verdict};
-use crate::health::{self, Protection, Seen, Upstream};
+use crate::health::{self, Pushback, Seen};
 use crate::metrics;
 use crate::principal::{Identity, RequestView};
 use crate::reconcile::{Format, Found, Meter};
@@ -191,8 +191,6 @@ impl Shared {
 const MAX_AUDIT_BYTES: usize = 256;
 /// The routing header the kill switch sets (see `FallbackConfig`).
 const DEFAULT_FALLBACK_HEADER: &str = "x-sluice-upstream";
-/// Per model route: the upstream's pause and error breaker.
-const UPSTREAM_KEY: &str = "sluice:v1:upstream/";
 /// The sidecar state as received: written by the one VM that polls.
 const SIDECAR_KEY: &str = "sluice:v1:sidecar";
 /// Which VM polls the sidecar: owner id and lease expiry.
@@ -398,8 +396,8 @@ impl RootContext for Root {
             metrics: self.metrics.clone(),
             shared: self.shared.clone(),
             watch_upstream: false,
-            upstream_dirty: false,
-            upstream_key: String::new(),
+            pushback: None,
+            probe_lease: None,
             identity: None,
             api: Api::Other,
             path: String::new(),
@@ -480,9 +478,10 @@ struct Http {
     /// The request went to the primary upstream: its answer feeds the
     /// route's pause and error breaker.
     watch_upstream: bool,
-    /// The route's upstream record was not blank when the request started.
-    upstream_dirty: bool,
-    upstream_key: String,
+    /// The route's pushback state as the request found it.
+    pushback: Option<Pushback>,
+    /// This request holds the route's half-open probe (its lease).
+    probe_lease: Option<u64>,
     identity: Option<Identity>,
     api: Api,
     /// The canonical path (`request::canonical_path`), for route buckets.
@@ -610,12 +609,9 @@ impl Http {
             self.audit("sluice_request_sha256", &crate::principal::sha256_hex(body));
             self.response_hash = Some(sha2::Digest::new());
         }
-        self.upstream_key = format!("{UPSTREAM_KEY}{}", self.engine.model_label(model));
-        let (upstream, upstream_cas) = match HostStore.get(&self.upstream_key) {
-            Some((bytes, cas)) => (Upstream::decode(&bytes), cas),
-            None => (Upstream::default(), 0),
-        };
-        self.upstream_dirty = upstream != Upstream::default();
+        let mut pushback = self
+            .engine
+            .pushback(&HostStore, model, &HostRequest, &identity, now);
         let seen = if self.engine.policy.sidecar.is_some() {
             self.shared.seen()
         } else {
@@ -623,37 +619,15 @@ impl Http {
         };
         let dice = self.shared.roll(now);
         let engine = self.engine.clone();
-        let route = |upstream| {
-            engine.route(
-                &seen,
-                upstream,
-                &identity,
-                self.api,
-                asked.as_ref(),
-                now,
-                dice,
-            )
+        let api = self.api;
+        let route = |pushback: &Pushback| {
+            engine.route(&seen, pushback, &identity, api, asked.as_ref(), now, dice)
         };
-        let fallback = match route(upstream) {
+        let (fallback, probe) = match route(&pushback) {
             Routed::Answered(verdict) => return self.finish(*verdict),
-            Routed::Fallback => true,
-            Routed::Primary => false,
-            Routed::Probe => {
-                // One probe at a time for every worker: claim it, or wait.
-                let claimed = Upstream {
-                    probe_until_ms: now + 30_000,
-                    ..upstream
-                };
-                if HostStore
-                    .set(&self.upstream_key, &claimed.encode(), upstream_cas)
-                    .is_err()
-                {
-                    if let Routed::Answered(v) = route(claimed) {
-                        return self.finish(*v);
-                    }
-                }
-                false
-            }
+            Routed::Fallback => (true, false),
+            Routed::Primary => (false, false),
+            Routed::Probe => (false, true),
         };
         let mut verdict = self.engine.admit(
             &HostStore,
@@ -663,6 +637,15 @@ impl Http {
             asked.as_ref(),
             now,
         );
+        if probe {
+            // Claimed only now, by an admitted request: a refused one never
+            // holds the probe.
+            let (decided, lease) =
+                engine.take_probe(&HostStore, &mut pushback, verdict, &identity, now, route);
+            verdict = decided;
+            self.probe_lease = lease;
+        }
+        self.pushback = Some(pushback);
         if verdict.reply.is_none() {
             if fallback {
                 self.reroute(&mut verdict);
@@ -702,35 +685,42 @@ impl Http {
     }
 
     /// Feeds the upstream's answer to the route's pause and error breaker.
-    fn observe_upstream(&self, status: u32) {
-        let p = &self.engine.policy.protection;
-        let protection = Protection {
-            failures_to_open: p.failures_to_open,
-            cooldown_ms: p.cooldown_ms,
-            backoff: p.backoff,
-            max_cooldown_ms: p.max_cooldown_ms,
-            max_jitter_ms: p.pause_jitter_ms,
+    fn observe_upstream(&mut self, status: u32) {
+        let lease = self.probe_lease.take();
+        let Some(pushback) = self
+            .pushback
+            .as_ref()
+            .filter(|p| p.must_record(status, lease))
+        else {
+            return;
         };
         let now = self.now_ms();
-        let retry_after = response_header("retry-after")
-            .and_then(|v| health::parse_retry_after(&v))
-            .map(|ms| ms + self.shared.roll(now) as u64 * p.pause_jitter_ms / 1000);
-        for _ in 0..8 {
-            let (current, cas) = match HostStore.get(&self.upstream_key) {
-                Some((bytes, cas)) => (Upstream::decode(&bytes), cas),
-                None => (Upstream::default(), 0),
-            };
-            let next = current.observe(&protection, status, retry_after, now);
-            if next == current
-                || HostStore
-                    .set(&self.upstream_key, &next.encode(), cas)
-                    .is_ok()
-            {
-                if next.open_until_ms > current.open_until_ms {
-                    self.metrics.add(metrics::ERROR_BREAKER_OPENED, 1);
-                }
-                return;
-            }
+        let retry_after = response_header("retry-after");
+        let dice = self.shared.roll(now);
+        let from_upstream = hostcalls::get_property(vec!["response", "code_details"])
+            .ok()
+            .flatten()
+            .is_some_and(|d| d == b"via_upstream");
+        let recorded = self.engine.observe_upstream(
+            &HostStore,
+            pushback,
+            status,
+            from_upstream,
+            retry_after.as_deref(),
+            lease,
+            dice,
+            now,
+        );
+        let m = &self.metrics;
+        m.add(
+            metrics::ERROR_BREAKER_OPENED,
+            i64::from(recorded.breaker_opened),
+        );
+        m.add(metrics::PUSHBACK_DROPPED, i64::from(recorded.dropped));
+        match recorded.paused {
+            Some(health::PauseScope::Route) => m.add(metrics::PAUSES_ROUTE, 1),
+            Some(health::PauseScope::Credential) => m.add(metrics::PAUSES_CREDENTIAL, 1),
+            None => {}
         }
     }
 
@@ -870,11 +860,7 @@ impl HttpContext for Http {
         for (name, value) in std::mem::take(&mut self.response_headers) {
             self.set_http_response_header(&name, Some(&value));
         }
-        // A good answer on a route with nothing recorded changes nothing:
-        // skip the shared-data round trip.
-        let eventful =
-            self.status >= 500 || self.status == 429 || self.status == 0 || self.upstream_dirty;
-        if std::mem::take(&mut self.watch_upstream) && eventful {
+        if std::mem::take(&mut self.watch_upstream) {
             self.observe_upstream(self.status);
         }
         if let Some(plan) = &self.plan {
@@ -937,6 +923,11 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle();
+        // A probe whose answer never came (the client left first) is given
+        // back, not left to block the route until its lease ends.
+        if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
+            let _ = health::release_probe(&HostStore, &pushback.route_key, lease);
+        }
         if let Some((_, model)) = self
             .labels
             .as_ref()

@@ -35,10 +35,14 @@ fn config(primary: SocketAddr, secondary: SocketAddr) -> EnvoyConfig {
 }
 
 fn ask(envoy: &Envoy, prompt: &str) -> Response {
+    ask_as(envoy, "demo-enterprise-key", prompt)
+}
+
+fn ask_as(envoy: &Envoy, key: &str, prompt: &str) -> Response {
     let body = serde_json::json!({"model": "llama3.1:8b", "messages": [{"role": "user", "content": prompt}]});
     post_json(
         &envoy.url("/v1/chat/completions"),
-        &[("x-api-key", "demo-enterprise-key")],
+        &[("x-api-key", key)],
         &body,
     )
 }
@@ -63,13 +67,15 @@ fn primary_then_secondary_then_static_then_back() {
         assert_eq!((r.status, served_by(&r)), (200, Some("secondary")), "{r:?}");
     }
 
-    // Both out: after a few 503s sluice's error breaker opens and clients
-    // get the static answer, OpenAI-shaped, instead of errors.
+    // Both out: after a few 503s (seen by two callers: one caller's
+    // failures alone never open it) sluice's error breaker opens and
+    // clients get the static answer, OpenAI-shaped, instead of errors.
     let secondary_addr = secondary.addr();
     drop(secondary);
     let mut statics = 0;
-    for _ in 0..8 {
-        let r = ask(&envoy, "What is sluice?");
+    for i in 0..8 {
+        let key = ["demo-enterprise-key", "demo-pro-key"][i % 2];
+        let r = ask_as(&envoy, key, "What is sluice?");
         if r.header("x-sluice-degraded") == Some("static") {
             assert_eq!(r.status, 200);
             let body = r.json();

@@ -831,10 +831,12 @@ fn upstream_retry_after_pauses_the_route_for_every_worker() {
 #[test]
 fn consecutive_500s_open_the_error_breaker_and_a_probe_closes_it() {
     let stack = Stack::start(|cfg| test_policy(cfg, None, None));
-    let fail = [("x-mock-status", "500")];
+    // Callers told apart by their demo keys: the breaker needs failures
+    // from two of them (`min_callers`), one caller's alone never open it.
+    let fail_as = |key| [("x-mock-status", "500"), ("x-api-key", key)];
     assert_primary(&stack.chat(MODEL, &[]));
-    for _ in 0..3 {
-        let r = stack.chat(MODEL, &fail);
+    for key in ["demo-pro-key", "demo-enterprise-key", "demo-pro-key"] {
+        let r = stack.chat(MODEL, &fail_as(key));
         assert_eq!((r.status, served_by(&r)), (500, Some("primary")), "{r:?}");
     }
     let opened = Instant::now();
@@ -847,11 +849,11 @@ fn consecutive_500s_open_the_error_breaker_and_a_probe_closes_it() {
     assert_primary(&stack.chat(OTHER_MODEL, &[]));
     let reached = reached + 1;
 
-    // After the 1 s cooldown one probe goes through; it fails, and the
-    // breaker reopens for twice as long.
+    // After the 1 s cooldown one probe goes through and fails; a second
+    // caller's probe fails too, and the breaker reopens for twice as long.
     let mut probe = None;
     assert!(wait_for(Duration::from_secs(5), || {
-        let r = stack.chat(MODEL, &fail);
+        let r = stack.chat(MODEL, &fail_as("demo-pro-key"));
         if r.status == 503 && r.header("x-sluice-reason") == Some("upstream_unhealthy") {
             return false;
         }
@@ -866,6 +868,8 @@ fn consecutive_500s_open_the_error_breaker_and_a_probe_closes_it() {
         "probed {probed_after:?} after opening, before the 1 s cooldown"
     );
     assert_eq!(stack.upstream_requests(), reached + 1, "exactly one probe");
+    let r = stack.chat(MODEL, &fail_as("demo-enterprise-key"));
+    assert_eq!((r.status, served_by(&r)), (500, Some("primary")), "{r:?}");
     let reopened = Instant::now();
     let r = stack.chat(MODEL, &[]);
     assert_eq!(assert_refused(&r, "upstream_unhealthy"), 2, "{r:?}");
