@@ -89,7 +89,8 @@ impl Reason {
             | Reason::TokenRateLimit
             | Reason::AnonymousLimit
             | Reason::CapacityExhausted => "rate_limit_exceeded",
-            // OpenAI's code for an exhausted plan: SDKs do not retry it.
+            // OpenAI's type for an exhausted plan (the SDKs retry any 429
+            // whatever its type: `x-should-retry` is what stops them).
             Reason::DailyBudgetExceeded
             | Reason::MonthlyBudgetExceeded
             | Reason::SpendCapExceeded => "insufficient_quota",
@@ -136,6 +137,9 @@ pub struct Limited<'a> {
 }
 
 /// 429 for a bucket that does not fit.
+/// The longest `Retry-After` the OpenAI SDKs wait out before retrying.
+const SDK_MAX_RETRY_WAIT_S: u64 = 60;
+
 pub fn limited(l: &Limited, now_ms: u64) -> Reply {
     let retry_after = ceil_secs(l.retry_after_ms).max(1);
     let message = format!(
@@ -158,6 +162,11 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
     }});
     let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
     headers.extend(rate_limit_headers(&l.quota));
+    if retry_after > SDK_MAX_RETRY_WAIT_S {
+        // The OpenAI SDKs wait out a `Retry-After` of up to a minute; past
+        // that they would retry at once, into the same refusal.
+        headers.push(("x-should-retry".into(), "false".into()));
+    }
     reply(l.reason, headers, &body)
 }
 
@@ -375,6 +384,22 @@ mod tests {
         assert_eq!(body["error"]["sluice"]["retry_after_seconds"], 6);
         assert_eq!(body["error"]["sluice"]["reset_at"], "2026-11-30T00:00:06Z");
         assert_eq!(body["error"]["sluice"]["tier"], "free");
+        assert_eq!(
+            r.header("x-should-retry"),
+            None,
+            "the SDKs wait 6 s and retry"
+        );
+        let daily = Limited {
+            reason: Reason::DailyBudgetExceeded,
+            retry_after_ms: 3_600_000,
+            ..l
+        };
+        let r = limited(&daily, 1_795_996_800_000);
+        assert_eq!(
+            r.header("x-should-retry"),
+            Some("false"),
+            "an hour: no retry"
+        );
     }
 
     #[test]
