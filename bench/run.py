@@ -89,7 +89,7 @@ FULL_POLICY = {
             "tokens": HIGH_TOKENS,
             "input_tokens": HIGH_TOKENS,
             "daily_tokens": 1_000_000_000_000,
-            "daily_spend": 1_000_000_000,
+            "daily_spend": 10_000_000,  # the most a spend bucket counts is ~18.4 M
         },
     },
     "models": {

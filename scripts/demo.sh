@@ -94,7 +94,8 @@ Policy (envoy/sluice.yaml): tiers free 10/min, pro 60/min, enterprise 300/min;
 tokens per day: free 5,000 (hard: 429), pro 50,000 (soft: llama3.1:70b is
 downshifted to llama3.1:8b), enterprise 500,000 (alert at 80 %);
 models llama3.1:70b 5/min, llama3.1:8b 200/min, mistral:7b 150/min;
-anonymous callers are `free` by client address.
+anonymous callers are `free` by client address (all of them together at most
+600/min and 2,000,000 tokens/day: tiers.free.anonymous_total).
 
 Try:
   # a chat completion as an anonymous (free) caller; the 11th in a minute gets 429
