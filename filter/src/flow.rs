@@ -816,3 +816,6 @@ impl Request {
         add(host, metrics::STREAM_CUT, i64::from(cut));
     }
 }
+
+#[cfg(test)]
+mod tests;
