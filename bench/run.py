@@ -63,7 +63,9 @@ NOTES_MARKER = "<!-- notes below are kept when bench/run.py rewrites this file -
 
 IDENTITY = {
     "sources": ["api_key", "client_address"],
-    "api_key": {"header": "x-api-key", "keys": {API_KEY: "pro"}},
+    # Every variant gets the same headers, and Authorization carries
+    # LiteLLM's master key: it is not a sluice credential here.
+    "api_key": {"header": "x-api-key", "keys": {API_KEY: "pro"}, "bearer": False},
 }
 
 # (c): who is calling, and request buckets only (tier and route).

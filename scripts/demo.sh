@@ -126,7 +126,8 @@ Try:
     -d '{"model":"mistral:7b","messages":[{"role":"user","content":"hi"}]}'
 
   # a hot GPU (simulated): the breaker opens after 30 s, then 503 gpu_overloaded
-  curl -s http://127.0.0.1:9911/v1/simulate -d '{"gpus":[{"utilization":97}]}'
+  curl -s http://127.0.0.1:9911/v1/simulate -H 'authorization: Bearer @ADMIN_TOKEN@' \
+    -d '{"gpus":[{"utilization":97}]}'
 
   # pull the kill switch: answers now come from the fallback provider
   curl -s http://127.0.0.1:9911/v1/kill-switch -H 'authorization: Bearer @ADMIN_TOKEN@' \

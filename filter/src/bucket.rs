@@ -5,11 +5,21 @@
 //! policy reload that changes the limit keeps the count: 7 used of 10 is
 //! 7 used of 12 after the reload. Amounts are kept in millionths of a unit so
 //! a slow refill (10/min) still drains smoothly at millisecond resolution.
+//!
+//! Nothing here can trap the VM: config refuses zero rates and amounts that
+//! do not fit ([`MAX_UNITS`]), and the arithmetic is still checked or
+//! saturating for any limit and clock (a zero rate refills nothing, a wait
+//! is at most [`MAX_WAIT_MS`]).
 
 use crate::config::{Limit, Window};
 
 /// Millionths of a unit per unit.
 pub const SCALE: u64 = 1_000_000;
+/// The most units a bucket can count: `used` holds millionths in a u64.
+pub const MAX_UNITS: u64 = u64::MAX / SCALE;
+/// The longest wait a bucket reports (a year and a day), whatever its rate:
+/// keeps `now + wait` and header values far from overflow.
+pub const MAX_WAIT_MS: u64 = 366 * DAY_MS;
 
 /// What one shared-data slot holds. `owner` is the hash of the principal
 /// holding a per-principal slot (0 = never used); global buckets use 1.
@@ -83,8 +93,12 @@ impl BucketState {
             return self;
         }
         let elapsed = now_ms.saturating_sub(self.updated_ms);
-        let refill = (elapsed as u128 * limit.rate.amount as u128 * SCALE as u128
-            / limit.rate.period_ms as u128)
+        // A zero period (refused by config) refills nothing rather than divide.
+        let refill = (elapsed as u128)
+            .saturating_mul(limit.rate.amount as u128)
+            .saturating_mul(SCALE as u128)
+            .checked_div(limit.rate.period_ms as u128)
+            .unwrap_or(0)
             .min(u64::MAX as u128) as u64;
         BucketState {
             owner: self.owner,
@@ -105,7 +119,8 @@ impl BucketState {
         let reset_ms = match limit.window {
             Some(window) => next_window(window, now_ms).saturating_sub(now_ms),
             None => drain_ms(self.used, limit),
-        };
+        }
+        .min(MAX_WAIT_MS);
         Quota {
             limit: limit.capacity(),
             remaining: capacity.saturating_sub(self.used) / SCALE,
@@ -130,8 +145,9 @@ impl BucketState {
         } else if amount > limit.capacity() {
             drain_ms(now.used, limit)
         } else {
-            drain_ms(wanted - capacity, limit)
-        };
+            drain_ms(wanted.saturating_sub(capacity), limit)
+        }
+        .min(MAX_WAIT_MS);
         Err(Shortfall {
             quota,
             retry_after_ms,
@@ -174,7 +190,7 @@ pub fn window_start(window: Window, ms: u64) -> u64 {
         Window::Day => day * DAY_MS,
         Window::Month => {
             let (y, m, _) = civil_from_days(day as i64);
-            days_from_civil(y, m, 1) as u64 * DAY_MS
+            (days_from_civil(y, m, 1) as u64).saturating_mul(DAY_MS)
         }
     }
 }
@@ -182,11 +198,11 @@ pub fn window_start(window: Window, ms: u64) -> u64 {
 /// Start of the window after the one holding `ms`.
 pub fn next_window(window: Window, ms: u64) -> u64 {
     match window {
-        Window::Day => window_start(window, ms) + DAY_MS,
+        Window::Day => window_start(window, ms).saturating_add(DAY_MS),
         Window::Month => {
             let (y, m, _) = civil_from_days((ms / DAY_MS) as i64);
             let (y, m) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
-            days_from_civil(y, m, 1) as u64 * DAY_MS
+            (days_from_civil(y, m, 1) as u64).saturating_mul(DAY_MS)
         }
     }
 }
@@ -214,11 +230,16 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// Milliseconds for the bucket to drain `used` millionths, rounded up.
+/// Milliseconds for the bucket to drain `used` millionths, rounded up, at
+/// most [`MAX_WAIT_MS`]. A bucket that never drains (a zero rate, refused by
+/// config) waits the most.
 fn drain_ms(used: u64, limit: &Limit) -> u64 {
     let per = limit.rate.amount as u128 * SCALE as u128;
+    if per == 0 {
+        return MAX_WAIT_MS;
+    }
     let ms = (used as u128 * limit.rate.period_ms as u128).div_ceil(per);
-    ms.min(u64::MAX as u128) as u64
+    ms.min(MAX_WAIT_MS as u128) as u64
 }
 
 #[cfg(test)]
@@ -349,6 +370,33 @@ mod tests {
         assert_eq!(BucketState::decode(b"short"), None);
     }
 
+    /// 0, 1, the top of u64 and a few ordinary values.
+    fn extreme() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            Just(0u64),
+            Just(1),
+            Just(u64::MAX),
+            Just(u64::MAX - 1),
+            Just(MAX_UNITS),
+            Just(u32::MAX as u64),
+            0u64..100_000,
+            any::<u64>(),
+        ]
+    }
+
+    #[test]
+    fn a_zero_rate_neither_traps_nor_refills() {
+        let l = limit(0, 60_000, 5);
+        let s = BucketState::default().take(5, &l, 0).unwrap();
+        let refused = s.take(1, &l, 1_000_000).unwrap_err();
+        assert_eq!(refused.retry_after_ms, MAX_WAIT_MS);
+        assert_eq!(s.at(&l, u64::MAX).used, 5 * SCALE);
+        let no_period = limit(10, 0, 10);
+        assert_eq!(s.at(&no_period, 5_000).used, 5 * SCALE);
+        let empty = limit(0, 0, 0);
+        assert!(BucketState::default().take(1, &empty, 0).is_err());
+    }
+
     proptest! {
         /// Any interleaving of takes, gives back and time steps keeps the
         /// bucket between empty and capacity, and admits no more than
@@ -383,6 +431,31 @@ mod tests {
             // plus everything that could have refilled.
             let refilled = now as u128 * amount as u128 / period as u128 + 1;
             prop_assert!(admitted <= l.capacity() as u128 + refilled + returned);
+        }
+
+        /// No limit, state or clock makes the math trap or overflow,
+        /// even ones config refuses; waits stay bounded, and a take that
+        /// succeeds fits the capacity.
+        #[test]
+        fn extremes_never_trap(
+            amount in extreme(), period in extreme(), burst in extreme(),
+            used in extreme(), updated in extreme(), now in extreme(),
+            n in extreme(), window in prop::option::of(prop_oneof![Just(Window::Day), Just(Window::Month)]),
+        ) {
+            let l = Limit { rate: Rate { amount, period_ms: period }, burst, window };
+            let s = BucketState { owner: 1, used, updated_ms: updated };
+            let at = s.at(&l, now);
+            prop_assert!(at.used <= used || window.is_some());
+            let q = at.quota(&l, now);
+            prop_assert!(q.reset_ms <= MAX_WAIT_MS);
+            prop_assert!(q.remaining <= l.capacity());
+            match s.take(n, &l, now) {
+                Ok(next) => prop_assert!(next.used <= l.capacity().saturating_mul(SCALE)),
+                Err(short) => prop_assert!(short.retry_after_ms <= MAX_WAIT_MS),
+            }
+            let _ = s.give_back(n, &l, updated, now);
+            let _ = s.charge(n, &l, now);
+            let _ = s.is_idle(&l, now);
         }
 
         #[test]

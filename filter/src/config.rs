@@ -8,6 +8,7 @@ use std::fmt;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
+use crate::bucket::{MAX_UNITS, SCALE};
 pub use crate::health::Credentials;
 use crate::units::{parse_rate, parse_size, Rate};
 
@@ -818,6 +819,34 @@ impl<'de> Deserialize<'de> for Budget {
 /// Unit words a rate may name (`5000 tokens/min`).
 const UNITS: &[&str] = &["requests", "request", "tokens", "token"];
 
+/// The longest period of a token bucket: longer ones are calendar budgets
+/// (`daily_tokens`, `monthly_tokens`).
+pub const MAX_PERIOD_MS: u64 = 366 * 86_400_000;
+
+/// A token bucket's rate: what the bucket math can divide by and count.
+/// `0/min` would be a bucket that never refills (and once trapped the VM
+/// dividing by it); an amount beyond [`MAX_UNITS`] cannot be counted.
+fn bucket_rate(text: &str) -> Result<Rate, String> {
+    let rate = parse_rate(text, UNITS)?;
+    if rate.amount == 0 {
+        return Err(format!(
+            "`{text}`: the amount must be at least 1 (a rate of zero admits nothing; \
+             remove the model or tier instead)"
+        ));
+    }
+    if rate.amount > MAX_UNITS {
+        return Err(format!(
+            "`{text}`: the amount is too large (at most {MAX_UNITS})"
+        ));
+    }
+    if rate.period_ms > MAX_PERIOD_MS {
+        return Err(format!(
+            "`{text}`: the period is longer than 366 days; use daily_tokens or monthly_tokens for calendar budgets"
+        ));
+    }
+    Ok(rate)
+}
+
 impl<'de> Deserialize<'de> for Limit {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct LimitVisitor;
@@ -837,7 +866,7 @@ impl<'de> Deserialize<'de> for Limit {
             }
 
             fn visit_str<E: de::Error>(self, text: &str) -> Result<Limit, E> {
-                let rate = parse_rate(text, UNITS).map_err(E::custom)?;
+                let rate = bucket_rate(text).map_err(E::custom)?;
                 Ok(Limit {
                     rate,
                     burst: rate.amount,
@@ -847,10 +876,15 @@ impl<'de> Deserialize<'de> for Limit {
 
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Limit, A::Error> {
                 let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                let rate = parse_rate(&full.rate, UNITS).map_err(de::Error::custom)?;
+                let rate = bucket_rate(&full.rate).map_err(de::Error::custom)?;
                 let burst = full.burst.unwrap_or(rate.amount);
                 if burst == 0 {
                     return Err(de::Error::custom("burst must be at least 1"));
+                }
+                if burst > MAX_UNITS {
+                    return Err(de::Error::custom(format!(
+                        "burst {burst} is too large (at most {MAX_UNITS})"
+                    )));
                 }
                 Ok(Limit {
                     rate,
@@ -1068,13 +1102,31 @@ impl Policy {
                     ("daily_tokens", limits.daily_tokens),
                     ("monthly_tokens", limits.monthly_tokens),
                 ] {
-                    if let Some(b) = budget {
-                        if b.limit.fract() != 0.0 {
-                            return Err(ConfigError::at(
-                                format!("{prefix}.{field}.limit"),
-                                "a token budget is a whole number",
-                            ));
-                        }
+                    let Some(b) = budget else { continue };
+                    if b.limit.fract() != 0.0 {
+                        return Err(ConfigError::at(
+                            format!("{prefix}.{field}.limit"),
+                            "a token budget is a whole number",
+                        ));
+                    }
+                    if b.limit > MAX_UNITS as f64 {
+                        return Err(ConfigError::at(
+                            format!("{prefix}.{field}.limit"),
+                            format!("too large (at most {MAX_UNITS} tokens)"),
+                        ));
+                    }
+                }
+                // Spend is counted in millionths of the currency.
+                let max_spend = (MAX_UNITS / SCALE) as f64;
+                for (field, budget) in [
+                    ("daily_spend", limits.daily_spend),
+                    ("monthly_spend", limits.monthly_spend),
+                ] {
+                    if budget.is_some_and(|b| b.limit > max_spend) {
+                        return Err(ConfigError::at(
+                            format!("{prefix}.{field}.limit"),
+                            format!("too large (at most {max_spend})"),
+                        ));
                     }
                 }
             }
@@ -1281,6 +1333,87 @@ mod tests {
         let err = Policy::from_value(v).unwrap_err();
         assert_eq!(err.path, "tiers.free.requests");
         assert!(err.message.contains("fortnight"));
+    }
+
+    #[test]
+    fn zero_and_absurd_rates_are_refused_with_their_path() {
+        let cases = [
+            (
+                json!({"tiers": {"free": {"requests": "0/min"}}}),
+                "tiers.free.requests",
+                "at least 1",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "10/min", "tokens": "0 tokens/day"}}}),
+                "tiers.free.tokens",
+                "at least 1",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": {"rate": "0/s", "burst": 5}}}}),
+                "tiers.free.requests",
+                "at least 1",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": {"rate": "5/s", "burst": 0}}}}),
+                "tiers.free.requests",
+                "burst",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "10/min", "output_tokens": "18446744073709551615/min"}}}),
+                "tiers.free.output_tokens",
+                "too large",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": {"rate": "1/s", "burst": 18446744073709551615u64}}}}),
+                "tiers.free.requests",
+                "too large",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "1/400d"}}}),
+                "tiers.free.requests",
+                "366 days",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "1/0ms"}}}),
+                "tiers.free.requests",
+                "longer than zero",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "10/min", "daily_tokens": 0}}}),
+                "tiers.free.daily_tokens",
+                "greater than zero",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "10/min", "daily_tokens": 1e30}}}),
+                "tiers.free.daily_tokens.limit",
+                "too large",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "10/min", "daily_spend": 1e12}}}),
+                "tiers.free.daily_spend.limit",
+                "too large",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "10/min"}}, "models": {"m": {"requests": "0/min"}}}),
+                "models.m.requests",
+                "at least 1",
+            ),
+            (
+                json!({"tiers": {"free": {"requests": "10/min"}}, "routes": [{"name": "r", "path_prefix": "/v1", "requests": "0/s"}]}),
+                "routes[0].requests",
+                "at least 1",
+            ),
+        ];
+        for (mut v, path, says) in cases {
+            v["default_tier"] = json!("free");
+            let err = Policy::from_value(v.clone()).unwrap_err();
+            assert_eq!(err.path, path, "{v}: {err:?}");
+            assert!(err.message.contains(says), "{v}: {err:?}");
+        }
+        // The largest countable amount still loads.
+        let mut v = minimal();
+        v["tiers"]["free"]["tokens"] = json!(format!("{MAX_UNITS} tokens/day"));
+        assert!(Policy::from_value(v).is_ok());
     }
 
     #[test]

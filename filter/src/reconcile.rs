@@ -189,6 +189,16 @@ pub struct Meter {
     allowance: Option<u64>,
     /// The stream was ended early by sluice.
     pub cut: bool,
+    /// SSE: the last event ended with a CR at the end of a chunk; an LF
+    /// starting the next chunk belongs to it (a CRLF split in two).
+    open_cr: Option<LastEvent>,
+}
+
+/// What happened to the SSE event whose CR may still get its LF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LastEvent {
+    Kept,
+    Dropped,
 }
 
 /// The OpenAI-shaped error event that ends a stream past its budget.
@@ -204,6 +214,7 @@ impl Meter {
             strip_usage,
             allowance,
             cut: false,
+            open_cr: None,
         }
     }
 
@@ -234,21 +245,42 @@ impl Meter {
         if self.cut {
             return Vec::new();
         }
+        let mut out = Vec::with_capacity(self.pending.len() + chunk.len());
+        let mut chunk = chunk;
+        if !chunk.is_empty() {
+            if let Some(last) = self.open_cr.take() {
+                if let Some(rest) = chunk.strip_prefix(b"\n") {
+                    // The LF of the previous event's CRLF: it goes (or is
+                    // dropped) with that event.
+                    if last == LastEvent::Kept {
+                        out.push(b'\n');
+                    }
+                    chunk = rest;
+                }
+            }
+        }
         self.pending.extend_from_slice(chunk);
-        let mut out = Vec::with_capacity(self.pending.len());
-        let separator: &[u8] = if self.format == Format::Sse {
-            b"\n\n"
-        } else {
-            b"\n"
-        };
         let mut start = 0;
-        while let Some(pos) = find(&self.pending[start..], separator) {
-            let stop = start + pos + separator.len();
+        loop {
+            let next = match self.format {
+                Format::Sse => sse_event_end(&self.pending[start..], end),
+                _ => find(&self.pending[start..], b"\n").map(|p| (p + 1, false)),
+            };
+            let Some((len, open_cr)) = next else { break };
+            let stop = start + len;
             let event = self.pending[start..stop].to_vec();
             start = stop;
+            let before = out.len();
             if self.event(&event, &mut out) {
                 self.pending.clear();
                 return out;
+            }
+            if open_cr {
+                self.open_cr = Some(if out.len() > before {
+                    LastEvent::Kept
+                } else {
+                    LastEvent::Dropped
+                });
             }
         }
         self.pending.drain(..start);
@@ -263,11 +295,11 @@ impl Meter {
     fn event(&mut self, raw: &[u8], out: &mut Vec<u8>) -> bool {
         let json = match self.format {
             Format::Sse => sse_data(raw),
-            _ => Some(trim(raw)),
+            _ => Some(trim(raw).to_vec()),
         };
         let value = json
-            .filter(|d| !d.is_empty() && *d != b"[DONE]")
-            .and_then(|d| serde_json::from_slice::<Value>(d).ok());
+            .filter(|d| !trim(d).is_empty() && trim(d) != b"[DONE]")
+            .and_then(|d| serde_json::from_slice::<Value>(&d).ok());
         let mut keep = true;
         if let Some(v) = &value {
             if carries_output(v) {
@@ -337,13 +369,60 @@ fn trim(b: &[u8]) -> &[u8] {
     &b[start..end]
 }
 
-/// The `data:` payload of one SSE event (multi-line data joined is not
-/// needed by any LLM API; the first data line is taken).
-fn sse_data(event: &[u8]) -> Option<&[u8]> {
+/// Where the first complete SSE event of `buf` ends: just past the line
+/// break of the blank line that ends it. Lines end with CRLF, LF or CR (the
+/// SSE spec allows all three, mixed). The bool says the event ended with a
+/// CR that is the last byte of `buf`: its LF, if any, is in the next chunk.
+/// A lone CR before the end of the stream ends a line, so a stream split
+/// between CR and LF neither stalls nor sees a blank line that is not there.
+fn sse_event_end(buf: &[u8], end: bool) -> Option<(usize, bool)> {
+    let mut line_start = 0;
+    let mut i = 0;
+    while let Some(p) = buf[i..].iter().position(|b| *b == b'\r' || *b == b'\n') {
+        let at = i + p;
+        let (next, open_cr) = match (buf[at], buf.get(at + 1)) {
+            (b'\r', Some(b'\n')) => (at + 2, false),
+            (b'\r', None) => (at + 1, !end),
+            _ => (at + 1, false),
+        };
+        if at == line_start {
+            return Some((next, open_cr));
+        }
+        line_start = next;
+        i = next;
+    }
+    None
+}
+
+/// The lines of one SSE event, whatever their line ends.
+fn sse_lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
     event
-        .split(|c| *c == b'\n')
-        .find_map(|line| line.strip_prefix(b"data:"))
-        .map(trim)
+        .split(|c| *c == b'\n' || *c == b'\r')
+        .filter(|line| !line.is_empty())
+}
+
+/// The data of one SSE event: its `data:` lines joined with LF, as a client
+/// joins them (a JSON object may be spread over several data lines).
+fn sse_data(event: &[u8]) -> Option<Vec<u8>> {
+    let mut data: Option<Vec<u8>> = None;
+    for line in sse_lines(event) {
+        let Some(value) = line.strip_prefix(b"data") else {
+            continue;
+        };
+        let value = match value {
+            [] => value,
+            [b':', rest @ ..] => rest.strip_prefix(b" ").unwrap_or(rest),
+            _ => continue, // another field, e.g. `dataset:`
+        };
+        match &mut data {
+            None => data = Some(value.to_vec()),
+            Some(d) => {
+                d.push(b'\n');
+                d.extend_from_slice(value);
+            }
+        }
+    }
+    data
 }
 
 #[cfg(test)]
@@ -441,6 +520,114 @@ mod tests {
                 })
             );
         }
+    }
+
+    /// The three line ends the SSE spec allows.
+    const NEWLINES: [&str; 3] = ["\n", "\r\n", "\r"];
+
+    /// `events` framed with `nl`: `event:` lines where given, data split
+    /// over two lines for the second event, a comment, and `[DONE]`.
+    fn framed(events: &[Value], nl: &str) -> Vec<u8> {
+        let mut s = format!(": keep-alive{nl}{nl}");
+        for (i, e) in events.iter().enumerate() {
+            let text = e.to_string();
+            if i == 1 {
+                // One JSON object over two data lines, joined by the client.
+                // Split between JSON tokens (after the first key).
+                let (a, b) = text.split_at(text.find(':').map_or(0, |i| i + 1));
+                s.push_str(&format!("event: message{nl}data: {a}{nl}data:{b}{nl}{nl}"));
+            } else {
+                s.push_str(&format!("data: {text}{nl}{nl}"));
+            }
+        }
+        s.push_str(&format!("data: [DONE]{nl}{nl}"));
+        s.into_bytes()
+    }
+
+    /// Feeds `body` cut at `cuts` (sorted positions); returns the output
+    /// and the meter.
+    fn feed_cut(
+        body: &[u8],
+        cuts: &[usize],
+        strip: bool,
+        allowance: Option<u64>,
+    ) -> (Vec<u8>, Meter) {
+        let mut m = Meter::new(Format::Sse, strip, allowance);
+        let mut out = Vec::new();
+        let mut from = 0;
+        for &c in cuts.iter().chain(std::iter::once(&body.len())) {
+            out.extend(m.feed(&body[from..c], c == body.len()).unwrap());
+            from = c;
+        }
+        (out, m)
+    }
+
+    #[test]
+    fn sse_in_lf_crlf_and_cr_reads_the_same_split_anywhere() {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}});
+        let events = [chunk("a"), chunk(" b"), chunk(" c"), usage];
+        let want = Found::Usage(Usage {
+            input: 4,
+            output: 3,
+        });
+        for nl in NEWLINES {
+            let body = framed(&events, nl);
+            let stripped = framed(&events[..3], nl);
+            for split in 0..=body.len() {
+                for strip in [false, true] {
+                    let (out, m) = feed_cut(&body, &[split], strip, None);
+                    assert_eq!(m.output_events, 3, "{nl:?} split at {split}");
+                    assert_eq!(m.found, want, "{nl:?} split at {split}");
+                    let expected = if strip { &stripped } else { &body };
+                    assert_eq!(&out, expected, "{nl:?} split at {split}, strip {strip}");
+                }
+                // Cut past its allowance the same way in every framing.
+                let (out, m) = feed_cut(&body, &[split], false, Some(2));
+                assert!(m.cut, "{nl:?} split at {split}");
+                assert_eq!(m.output_events, 2);
+                assert!(String::from_utf8_lossy(&out).contains(MIDSTREAM_CODE));
+            }
+            // And byte by byte.
+            let every: Vec<usize> = (1..body.len()).collect();
+            let (out, m) = feed_cut(&body, &every, false, None);
+            assert_eq!(
+                (out, m.output_events, m.found),
+                (body.clone(), 3, want),
+                "{nl:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_crlf_split_between_its_cr_and_lf_is_one_line_end() {
+        // "\r" | "\n\r\n": not a blank line after the first CR.
+        let body = b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\r\n\r\n";
+        let at = body.len() - 3;
+        let mut m = Meter::new(Format::Sse, false, None);
+        let first = m.feed(&body[..at], false).unwrap();
+        assert!(first.is_empty(), "event not complete yet");
+        let rest = m.feed(&body[at..], false).unwrap();
+        assert_eq!(rest, body.to_vec());
+        assert_eq!(m.output_events, 1);
+        // An event dropped at a CR takes its LF along.
+        let usage =
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\r\n\r";
+        let mut m = Meter::new(Format::Sse, true, None);
+        assert!(m.feed(usage, false).unwrap().is_empty());
+        assert_eq!(
+            m.feed(b"\ndata: [DONE]\r\n\r\n", true).unwrap(),
+            b"data: [DONE]\r\n\r\n".to_vec()
+        );
+        assert!(matches!(m.found, Found::Usage(_)));
+    }
+
+    #[test]
+    fn sse_data_lines_join_like_a_client() {
+        assert_eq!(sse_data(b"data: a\ndata: b\n\n"), Some(b"a\nb".to_vec()));
+        assert_eq!(sse_data(b"data:a\r\n\r\n"), Some(b"a".to_vec()));
+        assert_eq!(sse_data(b"event: x\rdata: {}\r\r"), Some(b"{}".to_vec()));
+        assert_eq!(sse_data(b"dataset: x\n\n"), None);
+        assert_eq!(sse_data(b": comment\n\n"), None);
     }
 
     #[test]

@@ -1,5 +1,12 @@
 //! The HTTP API: `/v1/state` (the filter's long poll), the kill switch,
-//! the simulated GPU, `/metrics`, `/healthz` and the status page at `/`.
+//! the simulated GPU (only when it runs), `/metrics`, `/healthz` and the
+//! status page at `/`.
+//!
+//! Who may do what: reads are open; every change of state (kill switch,
+//! simulated GPU) needs the admin bearer token and, unless
+//! `admin.allow_remote`, a loopback peer. Held long polls are capped
+//! (`long_poll.max_held`); the last `long_poll.reserved` slots are kept for
+//! loopback callers (the co-located Envoy) and token holders.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -7,7 +14,7 @@ use std::time::{Duration, SystemTime};
 
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Query, State};
-use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,6 +24,7 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use crate::admin::{AdminToken, KillSwitchControl};
+use crate::config::LongPollConfig;
 use crate::sources::gpu::{SimHandle, Simulation};
 use crate::state::StateStore;
 use crate::telemetry::{Subscriber, Telemetry};
@@ -27,6 +35,8 @@ pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 /// Longest kill-switch reason kept.
 pub const MAX_REASON: usize = 500;
+/// What a poll refused at the cap is told to wait, in seconds.
+pub const POLL_RETRY_AFTER_S: u64 = 2;
 
 /// Everything the handlers share.
 #[derive(Debug, Clone)]
@@ -41,17 +51,22 @@ pub struct Api {
     pub kill_switch: Arc<KillSwitchControl>,
     /// Set when the simulated GPU source runs.
     pub sim: Option<SimHandle>,
+    pub long_poll: LongPollConfig,
 }
 
 pub fn router(api: Api) -> Router {
-    Router::new()
+    let mut router = Router::new()
         .route("/", get(page))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/v1/state", get(state))
-        .route("/v1/kill-switch", post(kill_switch))
-        .route("/v1/simulate", get(get_simulation).post(simulate))
-        .with_state(Arc::new(api))
+        .route("/v1/kill-switch", post(kill_switch));
+    // A production sidecar has no way to fake its GPUs: the route exists
+    // only with the simulated source.
+    if api.sim.is_some() {
+        router = router.route("/v1/simulate", get(get_simulation).post(simulate));
+    }
+    router.with_state(Arc::new(api))
 }
 
 async fn healthz() -> &'static str {
@@ -74,24 +89,68 @@ struct StateQuery {
 
 /// `GET /v1/state[?since=V[&wait=S]]`: the state, at once unless the caller
 /// already has version `since`; then held until it changes or `wait` passes,
-/// and answered with whatever is current.
-async fn state(State(api): State<Arc<Api>>, Query(q): Query<StateQuery>) -> impl IntoResponse {
-    let current = match q.since {
-        None => api.store.current(),
-        Some(since) => {
-            let _held = Subscriber::enter(&api.telemetry.subscribers);
-            let wait = q
-                .wait
-                .map_or(DEFAULT_WAIT, Duration::from_secs)
-                .min(MAX_WAIT);
-            let mut closing = api.closing.clone();
-            tokio::select! {
-                s = api.store.next_after(since, wait) => s,
-                _ = closing.wait_for(|c| *c) => api.store.current(),
-            }
-        }
+/// and answered with whatever is current. A poll that would be held past
+/// the cap is answered 503 at once (see [`LongPollConfig`]).
+async fn state(
+    State(api): State<Arc<Api>>,
+    peer: Peer,
+    headers: HeaderMap,
+    Query(q): Query<StateQuery>,
+) -> Response {
+    let current = api.store.current();
+    let Some(since) = q.since.filter(|v| *v == current.version) else {
+        return ([(CACHE_CONTROL, "no-store")], Json(current)).into_response();
     };
-    ([(CACHE_CONTROL, "no-store")], Json(current))
+    let privileged = is_loopback(&peer)
+        || api
+            .token
+            .accepts(headers.get(AUTHORIZATION).map(|v| v.as_bytes()));
+    let limit = if privileged {
+        api.long_poll.max_held
+    } else {
+        api.long_poll.max_held - api.long_poll.reserved
+    };
+    let Some(_held) = Subscriber::try_enter(&api.telemetry, limit) else {
+        let refused = if privileged {
+            &api.telemetry.polls_refused_local
+        } else {
+            &api.telemetry.polls_refused_remote
+        };
+        Telemetry::count(refused);
+        return too_many_polls(limit);
+    };
+    let wait = q
+        .wait
+        .map_or(DEFAULT_WAIT, Duration::from_secs)
+        .min(MAX_WAIT);
+    let mut closing = api.closing.clone();
+    let current = tokio::select! {
+        s = api.store.next_after(since, wait) => s,
+        _ = closing.wait_for(|c| *c) => api.store.current(),
+    };
+    ([(CACHE_CONTROL, "no-store")], Json(current)).into_response()
+}
+
+/// 503 for a poll past the cap. The connection is closed with it, so a
+/// flood of refused pollers does not keep connections (and their buffers).
+fn too_many_polls(limit: usize) -> Response {
+    let body = json!({"error": {
+        "code": "too_many_polls",
+        "message": format!(
+            "{limit} long polls are already held; try again in {POLL_RETRY_AFTER_S} s \
+             (or poll without `since` for the state at once)"
+        ),
+    }});
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [
+            (CACHE_CONTROL, "no-store".to_string()),
+            (RETRY_AFTER, POLL_RETRY_AFTER_S.to_string()),
+            (CONNECTION, "close".to_string()),
+        ],
+        Json(body),
+    )
+        .into_response()
 }
 
 async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
@@ -116,21 +175,34 @@ async fn page(State(api): State<Arc<Api>>) -> impl IntoResponse {
 
 type Peer = Option<Extension<ConnectInfo<SocketAddr>>>;
 
-/// 403 unless the client is on loopback (or remote admin is allowed). An
-/// unknown peer counts as remote.
-fn refuse_peer(api: &Api, peer: &Peer) -> Option<Response> {
-    let loopback = peer
-        .as_ref()
-        .is_some_and(|Extension(ConnectInfo(a))| a.ip().is_loopback());
-    if loopback || api.allow_remote {
-        None
-    } else {
-        Some(error(
+/// An unknown peer counts as remote.
+fn is_loopback(peer: &Peer) -> bool {
+    peer.as_ref()
+        .is_some_and(|Extension(ConnectInfo(a))| a.ip().is_loopback())
+}
+
+/// Whether an admin call may go on: 403 unless the client is on loopback
+/// (or remote admin is allowed), 401 without the right bearer token.
+fn refuse_admin(api: &Api, peer: &Peer, headers: &HeaderMap) -> Option<Response> {
+    if !(is_loopback(peer) || api.allow_remote) {
+        return Some(error(
             StatusCode::FORBIDDEN,
             "forbidden",
             "admin calls are accepted from loopback only (admin.allow_remote is off)",
-        ))
+        ));
     }
+    if api
+        .token
+        .accepts(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
+    {
+        return None;
+    }
+    let message = if api.token.is_set() {
+        "missing or wrong bearer token"
+    } else {
+        "no admin token is configured (admin.token_file, --admin-token-file or SLUICE_ADMIN_TOKEN)"
+    };
+    Some(error(StatusCode::UNAUTHORIZED, "unauthorized", message))
 }
 
 #[derive(Debug, Deserialize)]
@@ -149,19 +221,8 @@ async fn kill_switch(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Some(r) = refuse_peer(&api, &peer) {
+    if let Some(r) = refuse_admin(&api, &peer, &headers) {
         return r;
-    }
-    if !api
-        .token
-        .accepts(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
-    {
-        let message = if api.token.is_set() {
-            "missing or wrong bearer token"
-        } else {
-            "no admin token is configured (admin.token_file, --admin-token-file or SLUICE_ADMIN_TOKEN)"
-        };
-        return error(StatusCode::UNAUTHORIZED, "unauthorized", message);
     }
     let req: KillSwitchBody = match serde_json::from_slice(&body) {
         Ok(b) => b,
@@ -196,10 +257,16 @@ async fn get_simulation(State(api): State<Arc<Api>>) -> Response {
     }
 }
 
-/// `POST /v1/simulate` `{"gpus": [{"utilization": 95, …}], "fail": false}`:
-/// sets the simulated GPUs (loopback only; tests and the demo).
-async fn simulate(State(api): State<Arc<Api>>, peer: Peer, body: Bytes) -> Response {
-    if let Some(r) = refuse_peer(&api, &peer) {
+/// `POST /v1/simulate` `{"gpus": [{"utilization": 95, …}], "fail": false}`
+/// with `Authorization: Bearer <token>`: sets the simulated GPUs (tests and
+/// the demo). Faked GPUs open and close breakers, so this is an admin call.
+async fn simulate(
+    State(api): State<Arc<Api>>,
+    peer: Peer,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = refuse_admin(&api, &peer, &headers) {
         return r;
     }
     let Some(handle) = &api.sim else {
@@ -257,6 +324,7 @@ mod tests {
             allow_remote: false,
             kill_switch: Arc::new(KillSwitchControl::new(store.clone(), None, None)),
             sim: Some(SimHandle::default()),
+            long_poll: LongPollConfig::default(),
         }
     }
 
@@ -380,36 +448,212 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn simulate_sets_the_gpus() {
+    async fn simulate_sets_the_gpus_with_the_token() {
         let (_, _closing, app) = setup();
         let body = r#"{"gpus":[{"utilization":95}]}"#;
-        let (status, b) = send(&app, post_from("/v1/simulate", "127.0.0.1:1", None, body)).await;
+        let local = "127.0.0.1:1";
+        let token = Some("t0ken");
+        let (status, b) = send(&app, post_from("/v1/simulate", local, token, body)).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(json_of(&b)["gpus"][0]["utilization"], 95.0);
         let (status, b) = get(&app, "/v1/simulate").await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(json_of(&b)["gpus"][0]["utilization"], 95.0);
         let bad = r#"{"gpus":[{"utilization":101}]}"#;
-        let (status, _) = send(&app, post_from("/v1/simulate", "127.0.0.1:1", None, bad)).await;
+        let (status, _) = send(&app, post_from("/v1/simulate", local, token, bad)).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
-        let (status, _) = send(&app, post_from("/v1/simulate", "192.168.0.9:1", None, body)).await;
+        let (status, _) = send(
+            &app,
+            post_from("/v1/simulate", "192.168.0.9:1", token, body),
+        )
+        .await;
         assert_eq!(status, StatusCode::FORBIDDEN);
     }
 
     #[tokio::test]
-    async fn simulate_is_404_without_the_simulated_source() {
+    async fn simulate_needs_the_token() {
+        let (_, _closing, app) = setup();
+        let hot = r#"{"gpus":[{"utilization":99}]}"#;
+        for token in [None, Some("wrong"), Some("t0ke"), Some("")] {
+            let (status, b) =
+                send(&app, post_from("/v1/simulate", "127.0.0.1:1", token, hot)).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{token:?}");
+            assert_eq!(json_of(&b)["error"]["code"], "unauthorized");
+        }
+        let (_, b) = get(&app, "/v1/simulate").await;
+        assert_ne!(
+            json_of(&b)["gpus"][0]["utilization"],
+            99.0,
+            "nothing changed"
+        );
+        // No token configured: nobody can fake the GPUs.
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let app = router(Api {
+            token: AdminToken::default(),
+            ..api(&store, rx)
+        });
+        let (status, _) = send(
+            &app,
+            post_from("/v1/simulate", "127.0.0.1:1", Some(""), hot),
+        )
+        .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+    }
+
+    #[tokio::test]
+    async fn simulate_does_not_exist_without_the_simulated_source() {
         let store = StateStore::new(SystemTime::now());
         let (_tx, rx) = watch::channel(false);
         let app = router(Api {
             sim: None,
             ..api(&store, rx)
         });
+        let body = r#"{"gpus":[]}"#;
+        for token in [None, Some("t0ken")] {
+            let (status, _) =
+                send(&app, post_from("/v1/simulate", "127.0.0.1:1", token, body)).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{token:?}");
+        }
+        assert_eq!(get(&app, "/v1/simulate").await.0, StatusCode::NOT_FOUND);
+    }
+
+    fn poll_from(uri: &str, from: &str, token: Option<&str>) -> Request<Body> {
+        let mut req = Request::get(uri);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let mut req = req.body(Body::empty()).unwrap();
+        req.extensions_mut()
+            .insert(ConnectInfo(from.parse::<SocketAddr>().unwrap()));
+        req
+    }
+
+    /// Holds `n` polls from `from`; returns their tasks.
+    async fn hold(
+        app: &Router,
+        n: usize,
+        from: &str,
+        since: u64,
+    ) -> Vec<tokio::task::JoinHandle<StatusCode>> {
+        let tasks = (0..n)
+            .map(|_| {
+                let app = app.clone();
+                let req = poll_from(&format!("/v1/state?since={since}&wait=60"), from, None);
+                tokio::spawn(async move { send(&app, req).await.0 })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        tasks
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn held_polls_are_capped_with_slots_kept_for_the_local_envoy() {
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let api = Api {
+            long_poll: LongPollConfig {
+                max_held: 4,
+                reserved: 1,
+            },
+            ..api(&store, rx)
+        };
+        let telemetry = api.telemetry.clone();
+        let app = router(api);
+        let remote = "10.0.0.7:4000";
+        let held = hold(&app, 3, remote, 1).await;
+        // The fourth remote poll finds only the reserved slot: 503 at once.
+        let res = app
+            .clone()
+            .oneshot(poll_from("/v1/state?since=1&wait=60", remote, None))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(res.headers()["retry-after"], "2");
+        assert_eq!(res.headers()["connection"], "close");
+        let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        assert_eq!(json_of(&body)["error"]["code"], "too_many_polls");
+        // A poll that would not be held is answered as ever.
+        assert_eq!(get_state(&app, "/v1/state").await["version"], 1);
+        assert_eq!(get_state(&app, "/v1/state?since=0").await["version"], 1);
+        // The filter's poll (loopback) takes the reserved slot…
+        let envoy = hold(&app, 1, "127.0.0.1:5000", 1).await;
+        // …and after it, loopback is refused too.
+        let (status, _) = send(&app, poll_from("/v1/state?since=1", "[::1]:1", None)).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            telemetry
+                .polls_refused_remote
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        assert_eq!(
+            telemetry
+                .polls_refused_local
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        let (_, text) = get(&app, "/metrics").await;
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.contains("sluice_sidecar_long_poll_refused_total{caller=\"remote\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sluice_sidecar_long_poll_subscribers 4"),
+            "{text}"
+        );
+        // A change releases everyone; the slots come back.
+        store.update(SystemTime::now(), |s| s.kill_switch.active = true);
+        for t in held.into_iter().chain(envoy) {
+            assert_eq!(t.await.unwrap(), StatusCode::OK);
+        }
+        assert_eq!(
+            telemetry
+                .subscribers
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+        let again = hold(&app, 3, remote, 2).await;
+        assert_eq!(
+            telemetry
+                .subscribers
+                .load(std::sync::atomic::Ordering::Relaxed),
+            3
+        );
+        store.update(SystemTime::now(), |s| s.kill_switch.active = false);
+        for t in again {
+            assert_eq!(t.await.unwrap(), StatusCode::OK);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_remote_token_holder_may_use_the_reserved_slots() {
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let app = router(Api {
+            long_poll: LongPollConfig {
+                max_held: 2,
+                reserved: 1,
+            },
+            ..api(&store, rx)
+        });
+        let remote = "10.0.0.7:4000";
+        let _held = hold(&app, 1, remote, 1).await;
         let (status, _) = send(
             &app,
-            post_from("/v1/simulate", "127.0.0.1:1", None, r#"{"gpus":[]}"#),
+            poll_from("/v1/state?since=1&wait=1", remote, Some("nope")),
         )
         .await;
-        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        let (status, _) = send(
+            &app,
+            poll_from("/v1/state?since=1&wait=1", remote, Some("t0ken")),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
     }
 
     #[tokio::test]

@@ -48,6 +48,8 @@ pub struct Config {
     /// the GPUs.
     pub scopes: Vec<ScopeConfig>,
     pub admin: AdminConfig,
+    /// How many `/v1/state` long polls may be held at once.
+    pub long_poll: LongPollConfig,
     /// Where the kill switch is kept across restarts; none: not kept.
     pub state_file: Option<PathBuf>,
     pub alerts: AlertsConfig,
@@ -64,6 +66,7 @@ impl Default for Config {
             breaker: BreakerConfig::default(),
             scopes: Vec::new(),
             admin: AdminConfig::default(),
+            long_poll: LongPollConfig::default(),
             state_file: None,
             alerts: AlertsConfig::default(),
         }
@@ -222,6 +225,28 @@ pub struct AdminConfig {
     pub token_file: Option<PathBuf>,
     /// Accept admin calls from non-loopback clients.
     pub allow_remote: bool,
+}
+
+/// Held long polls cost a connection, a task and buffers each: they are
+/// capped, and past the cap a poll is answered 503 at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LongPollConfig {
+    /// Held polls, all callers together.
+    pub max_held: usize,
+    /// Of `max_held`, the slots only loopback callers (the co-located
+    /// Envoy) and callers with the admin token may take: remote pollers
+    /// cannot starve the filter's own poll.
+    pub reserved: usize,
+}
+
+impl Default for LongPollConfig {
+    fn default() -> Self {
+        LongPollConfig {
+            max_held: 256,
+            reserved: 16,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -422,6 +447,22 @@ impl Config {
                 format!("{f} is not between 0 and 1"),
             ));
         }
+        let lp = self.long_poll;
+        if lp.max_held == 0 || lp.max_held > 1_000_000 {
+            return Err(invalid(
+                "long_poll.max_held",
+                format!("{} is not between 1 and 1000000", lp.max_held),
+            ));
+        }
+        if lp.reserved >= lp.max_held {
+            return Err(invalid(
+                "long_poll.reserved",
+                format!(
+                    "{} leaves no slot for other pollers: it must be below max_held {}",
+                    lp.reserved, lp.max_held
+                ),
+            ));
+        }
         let mut names = BTreeSet::new();
         for (list, backends) in [
             ("vllm", &self.sources.vllm),
@@ -576,5 +617,25 @@ mod tests {
         assert!(e.starts_with("breaker.half_open_fraction"), "{e}");
         let e = err("sources:\n  vllm:\n    - {name: a, url: 'http://x:1'}\n  ollama:\n    - {name: a, url: 'http://x:2'}\n");
         assert!(e.starts_with("sources.ollama[0].name"), "{e}");
+        let e = err("long_poll: {max_held: 0}\n");
+        assert!(e.starts_with("long_poll.max_held"), "{e}");
+        let e = err("long_poll: {max_held: 8, reserved: 8}\n");
+        assert!(e.starts_with("long_poll.reserved"), "{e}");
+        let e = err("long_poll: {max_held: 8, spare: 1}\n");
+        assert!(e.starts_with("long_poll"), "{e}");
+    }
+
+    #[test]
+    fn long_poll_defaults() {
+        let c = Config::from_yaml("{}").unwrap();
+        assert_eq!(
+            c.long_poll,
+            LongPollConfig {
+                max_held: 256,
+                reserved: 16
+            }
+        );
+        let c = Config::from_yaml("long_poll: {max_held: 4, reserved: 1}").unwrap();
+        assert_eq!(c.long_poll.max_held, 4);
     }
 }

@@ -15,6 +15,7 @@ pub mod breaker;
 pub mod check_config;
 pub mod config;
 pub mod http;
+pub mod memory;
 pub mod metrics;
 pub mod monitor;
 pub mod page;
@@ -162,6 +163,10 @@ pub async fn serve(
 
     let (closing_tx, closing_rx) = watch::channel(false);
     let monitor_task = tokio::spawn(monitor.run(config.scrape_interval, closing_rx.clone()));
+    tokio::spawn(memory::trim_after_bursts(
+        telemetry.clone(),
+        closing_rx.clone(),
+    ));
     let app = api::router(api::Api {
         store: store.clone(),
         closing: closing_rx,
@@ -174,6 +179,7 @@ pub async fn serve(
             Some(alerts),
         )),
         sim,
+        long_poll: config.long_poll,
     });
     let served = axum::serve(
         listener,

@@ -203,6 +203,22 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
         &[],
         tel.subscribers.load(std::sync::atomic::Ordering::Relaxed) as f64,
     );
+    out.family(
+        "sluice_sidecar_long_poll_refused_total",
+        "counter",
+        "Long polls answered 503 at the cap (long_poll.max_held), by caller: \
+         local (loopback or admin token, may use the reserved slots) or remote.",
+    );
+    for (caller, counter) in [
+        ("local", &tel.polls_refused_local),
+        ("remote", &tel.polls_refused_remote),
+    ] {
+        out.sample(
+            "sluice_sidecar_long_poll_refused_total",
+            &[("caller", caller)],
+            Telemetry::get(counter) as f64,
+        );
+    }
 
     out.family(
         "sluice_sidecar_scrape_errors_total",

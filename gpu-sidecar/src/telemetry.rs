@@ -51,6 +51,12 @@ pub struct Telemetry {
     snapshot: Mutex<Snapshot>,
     /// Long polls being held now.
     pub subscribers: AtomicI64,
+    /// The most held at once since memory was last handed back.
+    pub subscribers_peak: AtomicI64,
+    /// Long polls answered 503 because the cap was reached, by caller
+    /// class: loopback or token holders (`local`), anyone else (`remote`).
+    pub polls_refused_local: AtomicU64,
+    pub polls_refused_remote: AtomicU64,
     pub alerts_sent: AtomicU64,
     pub alerts_failed: AtomicU64,
     /// Changes not sent because they came within the flap window.
@@ -80,18 +86,70 @@ impl Telemetry {
     }
 }
 
-/// Counts a held long poll for as long as it lives.
+/// A held long poll's slot, counted for as long as it lives.
 pub struct Subscriber<'a>(&'a AtomicI64);
 
 impl<'a> Subscriber<'a> {
-    pub fn enter(gauge: &'a AtomicI64) -> Self {
-        gauge.fetch_add(1, Ordering::Relaxed);
-        Subscriber(gauge)
+    /// Takes a slot if fewer than `limit` are held. The count is the cap
+    /// itself (one atomic), so concurrent polls cannot overshoot it.
+    pub fn try_enter(tel: &'a Telemetry, limit: usize) -> Option<Self> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let before = tel
+            .subscribers
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .ok()?;
+        tel.subscribers_peak
+            .fetch_max(before + 1, Ordering::Relaxed);
+        Some(Subscriber(&tel.subscribers))
     }
 }
 
 impl Drop for Subscriber<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cap_holds_and_slots_come_back() {
+        let tel = Telemetry::default();
+        let held: Vec<_> = (0..3)
+            .filter_map(|_| Subscriber::try_enter(&tel, 3))
+            .collect();
+        assert_eq!(held.len(), 3);
+        assert!(Subscriber::try_enter(&tel, 3).is_none());
+        // A larger limit (a privileged caller) still gets in.
+        let extra = Subscriber::try_enter(&tel, 4);
+        assert!(extra.is_some());
+        assert!(Subscriber::try_enter(&tel, 4).is_none());
+        drop(held);
+        drop(extra);
+        assert_eq!(tel.subscribers.load(Ordering::Relaxed), 0);
+        assert_eq!(tel.subscribers_peak.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn concurrent_entries_never_overshoot() {
+        let tel = std::sync::Arc::new(Telemetry::default());
+        let taken = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    let mine: Vec<_> = (0..100)
+                        .filter_map(|_| Subscriber::try_enter(&tel, 50))
+                        .collect();
+                    taken.fetch_add(mine.len(), Ordering::Relaxed);
+                    assert!(tel.subscribers.load(Ordering::Relaxed) <= 50);
+                    std::mem::forget(mine);
+                });
+            }
+        });
+        assert_eq!(taken.load(Ordering::Relaxed), 50);
     }
 }

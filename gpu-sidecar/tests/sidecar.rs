@@ -372,12 +372,26 @@ rules:
 breaker: {stale_after: 1s}
 "#,
     );
-    let sc = Sidecar::start(dir.path(), &["--config", config.to_str().unwrap()], &[]);
+    let sc = Sidecar::start(
+        dir.path(),
+        &["--config", config.to_str().unwrap()],
+        &[("SLUICE_ADMIN_TOKEN", "sim-token")],
+    );
+    let auth = [("authorization", "Bearer sim-token")];
     let (status, body) = sc
         .call(
             Method::POST,
             "/v1/simulate",
             &[],
+            Some(json!({"gpus": [{"utilization": 95}]})),
+        )
+        .await;
+    assert_eq!(status, 401, "faking the GPUs is an admin call: {body}");
+    let (status, body) = sc
+        .call(
+            Method::POST,
+            "/v1/simulate",
+            &auth,
             Some(json!({"gpus": [{"utilization": 95, "memory_used_mb": 70000}]})),
         )
         .await;
@@ -406,7 +420,7 @@ breaker: {stale_after: 1s}
         .call(
             Method::POST,
             "/v1/simulate",
-            &[],
+            &auth,
             Some(json!({"gpus": [], "fail": true})),
         )
         .await;
@@ -428,7 +442,7 @@ breaker: {stale_after: 1s}
         .call(
             Method::POST,
             "/v1/simulate",
-            &[],
+            &auth,
             Some(json!({"gpus": [{"utilization": 20}]})),
         )
         .await;
@@ -463,6 +477,28 @@ async fn serves_with_no_config_at_all() {
         )
         .await;
     assert_eq!(status, 401, "no token configured: {body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_simulate_route_without_the_simulated_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write(dir.path(), "sidecar.yaml", "sources: {gpu: none}\n");
+    let sc = Sidecar::start(
+        dir.path(),
+        &["--config", config.to_str().unwrap()],
+        &[("SLUICE_ADMIN_TOKEN", "t")],
+    );
+    for auth in [&[][..], &[("authorization", "Bearer t")][..]] {
+        let (status, _) = sc
+            .call(
+                Method::POST,
+                "/v1/simulate",
+                auth,
+                Some(json!({"gpus": [{"utilization": 99}]})),
+            )
+            .await;
+        assert_eq!(status, 404);
+    }
 }
 
 #[test]

@@ -9,6 +9,7 @@ use axum::body::{Body, Bytes};
 use futures_util::stream;
 use serde_json::Value;
 
+use crate::knobs::Newline;
 use crate::metrics::RequestTimer;
 
 /// The OpenAI stream terminator.
@@ -27,6 +28,40 @@ pub fn sse_event(event: &str, v: &Value) -> Bytes {
 /// One NDJSON line, as Ollama streams: `{...}\n`.
 pub fn ndjson_line(v: &Value) -> Bytes {
     Bytes::from(format!("{v}\n"))
+}
+
+/// SSE `frames` with their line ends rewritten to `nl`. JSON escapes every
+/// newline inside a value, so each LF in a frame is a line end.
+pub fn sse_newlines(frames: Vec<Bytes>, nl: Newline) -> Vec<Bytes> {
+    let end: &[u8] = match nl {
+        Newline::Lf => return frames,
+        Newline::Cr => b"\r",
+        Newline::CrLf | Newline::CrLfSplit => b"\r\n",
+    };
+    let mut out: Vec<Vec<u8>> = frames
+        .iter()
+        .map(|f| {
+            let mut v = Vec::with_capacity(f.len() + 4);
+            for b in f.iter() {
+                match b {
+                    b'\n' => v.extend_from_slice(end),
+                    b => v.push(*b),
+                }
+            }
+            v
+        })
+        .collect();
+    if nl == Newline::CrLfSplit {
+        // Each frame but the last ends `\r\n\r\n`: its final LF opens the
+        // next frame, so every boundary falls inside a CRLF.
+        for i in 1..out.len() {
+            if out[i - 1].ends_with(b"\r\n") {
+                out[i - 1].pop();
+                out[i].insert(0, b'\n');
+            }
+        }
+    }
+    out.into_iter().map(Bytes::from).collect()
 }
 
 /// Minimum pause before a reset, so what was sent reaches the socket.
@@ -121,6 +156,33 @@ mod tests {
             1
         );
         assert_eq!(sse_data(&multi).iter().filter(|b| **b == b'\n').count(), 2);
+    }
+
+    #[test]
+    fn sse_line_ends() {
+        let frames = || {
+            vec![
+                sse_data(&json!({"a": "x\ny"})),
+                Bytes::from_static(SSE_DONE),
+            ]
+        };
+        let joined = |f: Vec<Bytes>| f.concat();
+        assert_eq!(
+            joined(sse_newlines(frames(), Newline::Lf)),
+            joined(frames())
+        );
+        assert_eq!(
+            joined(sse_newlines(frames(), Newline::CrLf)),
+            b"data: {\"a\":\"x\\ny\"}\r\n\r\ndata: [DONE]\r\n\r\n".to_vec()
+        );
+        assert_eq!(
+            joined(sse_newlines(frames(), Newline::Cr)),
+            b"data: {\"a\":\"x\\ny\"}\r\rdata: [DONE]\r\r".to_vec()
+        );
+        let split = sse_newlines(frames(), Newline::CrLfSplit);
+        assert!(split[0].ends_with(b"\r\n\r"));
+        assert!(split[1].starts_with(b"\ndata"));
+        assert_eq!(joined(split), joined(sse_newlines(frames(), Newline::CrLf)));
     }
 
     async fn collect(frames: usize, reset_after: Option<usize>) -> (usize, bool) {

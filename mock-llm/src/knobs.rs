@@ -13,6 +13,7 @@ pub const STATUS: &str = "x-mock-status";
 pub const RETRY_AFTER: &str = "x-mock-retry-after";
 pub const RESET_AFTER_CHUNKS: &str = "x-mock-reset-after-chunks";
 pub const USAGE: &str = "x-mock-usage";
+pub const SSE_NEWLINE: &str = "x-mock-sse-newline";
 
 /// Output longer than this would only exhaust the mock's memory.
 const MAX_OUTPUT_TOKENS: u64 = 1_000_000;
@@ -33,6 +34,17 @@ pub enum UsageMode {
     Huge,
 }
 
+/// The line end of streamed SSE events (the SSE spec allows all three).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Newline {
+    #[default]
+    Lf,
+    CrLf,
+    Cr,
+    /// CRLF, with every frame boundary between a CR and its LF.
+    CrLfSplit,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Knobs {
     /// Delay before the response headers.
@@ -46,6 +58,7 @@ pub struct Knobs {
     /// Reset the connection after this many stream chunks.
     pub reset_after_chunks: Option<usize>,
     pub usage: UsageMode,
+    pub sse_newline: Newline,
 }
 
 /// A knob whose value cannot be used; the message names the knob.
@@ -113,6 +126,17 @@ impl Knobs {
                 )))
             }
         };
+        let sse_newline = match get(SSE_NEWLINE)?.as_deref() {
+            None | Some("lf") => Newline::Lf,
+            Some("crlf") => Newline::CrLf,
+            Some("cr") => Newline::Cr,
+            Some("crlf-split") => Newline::CrLfSplit,
+            Some(other) => {
+                return Err(KnobError(format!(
+                    "{SSE_NEWLINE}: expected lf, crlf, cr or crlf-split, got {other:?}"
+                )))
+            }
+        };
 
         Ok(Knobs {
             latency: Duration::from_millis(number(LATENCY_MS)?.unwrap_or(0)),
@@ -122,6 +146,7 @@ impl Knobs {
             retry_after,
             reset_after_chunks,
             usage,
+            sse_newline,
         })
     }
 }
@@ -165,6 +190,7 @@ mod tests {
                 (RESET_AFTER_CHUNKS, "2"),
                 (USAGE, "huge"),
                 (CHUNK_DELAY_MS, "5"),
+                (SSE_NEWLINE, "crlf-split"),
             ],
             &[],
         )
@@ -174,6 +200,7 @@ mod tests {
         assert_eq!(k.reset_after_chunks, Some(2));
         assert_eq!(k.usage, UsageMode::Huge);
         assert_eq!(k.chunk_delay, Duration::from_millis(5));
+        assert_eq!(k.sse_newline, Newline::CrLfSplit);
     }
 
     #[test]
@@ -183,5 +210,7 @@ mod tests {
         assert!(err.0.contains(STATUS), "{}", err.0);
         let err = parse(&[], &[(USAGE, "weird")]).unwrap_err();
         assert!(err.0.contains(USAGE), "{}", err.0);
+        let err = parse(&[(SSE_NEWLINE, "nel")], &[]).unwrap_err();
+        assert!(err.0.contains(SSE_NEWLINE), "{}", err.0);
     }
 }

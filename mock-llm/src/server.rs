@@ -17,8 +17,8 @@ use axum::{middleware, Json, Router};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use crate::framing::{paced_body, Pacing};
-use crate::generate::{Api, Generation, Reply};
+use crate::framing::{paced_body, sse_newlines, Pacing};
+use crate::generate::{Api, Generation, Reply, SSE};
 use crate::knobs::Knobs;
 use crate::metrics::{GaugeUpdate, Metrics};
 use crate::stats::Stats;
@@ -340,7 +340,15 @@ async fn infer(s: Shared, api: Api, req: Request) -> Response {
             frames,
         } => (
             [(CONTENT_TYPE, content_type), (CACHE_CONTROL, "no-cache")],
-            paced_body(frames, pacing, timer),
+            paced_body(
+                if content_type == SSE {
+                    sse_newlines(frames, knobs.sse_newline)
+                } else {
+                    frames
+                },
+                pacing,
+                timer,
+            ),
         )
             .into_response(),
     };

@@ -5,7 +5,7 @@
 
 use serde_json::json;
 use serde_yaml::Value;
-use sluice_tests::{shipped_config_for, Envoy, MockLlm, Stack};
+use sluice_tests::{bin_path, shipped_config_for, Envoy, MockLlm, Stack};
 
 const MODEL: &str = "llama3.1:8b";
 
@@ -114,4 +114,60 @@ fn policy_as_a_json_string_works_like_the_struct_form() {
         Err(log) => log,
     };
     assert!(log.contains("tiers.free.requets"), "{log}");
+}
+
+/// A rate of zero once passed every check and trapped the VM (a division by
+/// zero in the bucket math) at the first request. Now it is refused at
+/// start and at reload with its field path, and `check-config` says so.
+#[test]
+fn a_zero_rate_is_refused_at_load_with_its_path() {
+    let upstream = MockLlm::start("primary");
+    let mut cfg = shipped_config_for(&upstream);
+    cfg.policy_mut()["tiers"]["free"]["requests"] = Value::from("0/min");
+    let log = match Envoy::try_start(&cfg, 1) {
+        Ok(envoy) => panic!("Envoy started with `requests: 0/min`:\n{}", envoy.log()),
+        Err(log) => log,
+    };
+    assert!(log.contains("tiers.free.requests"), "{log}");
+    assert!(log.contains("at least 1"), "{log}");
+
+    // Offline, before Envoy sees it: the same path. Siblings too.
+    let dir = tempfile::Builder::new()
+        .prefix("sluice-zero-rate-")
+        .tempdir()
+        .expect("temp dir");
+    let sibling = |edit: &dyn Fn(&mut Value)| {
+        let mut policy = shipped_config_for(&upstream);
+        edit(policy.policy_mut());
+        let file = dir.path().join("policy.yaml");
+        let text = serde_yaml::to_string(policy.policy_mut()).expect("yaml");
+        std::fs::write(&file, text).expect("policy file");
+        let out = std::process::Command::new(bin_path("sluice-sidecar"))
+            .arg("check-config")
+            .arg(&file)
+            .output()
+            .expect("running check-config");
+        assert!(!out.status.success(), "check-config accepted it");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = sibling(&|p| p["tiers"]["free"]["requests"] = Value::from("0/min"));
+    assert!(err.contains("tiers.free.requests"), "{err}");
+    let err = sibling(&|p| p["models"][MODEL]["tokens"] = Value::from("0 tokens/min"));
+    assert!(err.contains(&format!("models.{MODEL}.tokens")), "{err}");
+    let err = sibling(&|p| {
+        p["tiers"]["free"]["requests"] =
+            serde_yaml::from_str("{rate: 5/min, burst: 0}").expect("yaml")
+    });
+    assert!(err.contains("burst"), "{err}");
+
+    // At reload: refused, and the running policy keeps serving.
+    let stack = Stack::start(|_| {});
+    let mut bad = stack.config.clone();
+    bad.policy_mut()["models"][MODEL]["requests"] = Value::from("0/min");
+    let err = stack
+        .envoy
+        .reload(&bad)
+        .expect_err("Envoy accepted `requests: 0/min` on reload");
+    assert!(err.contains(&format!("models.{MODEL}.requests")), "{err}");
+    assert_eq!(statuses(&stack, 2), [200, 200]);
 }

@@ -748,7 +748,7 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
     ]);
     post_json(
         &sidecar.url("/v1/simulate"),
-        &[],
+        &[("authorization", &format!("Bearer {ADMIN_TOKEN}"))],
         &json!({"gpus": [{"utilization": 42, "memory_used_mb": 1024, "memory_total_mb": 81920,
                           "temperature_c": 55, "power_w": 300}]}),
     )

@@ -48,6 +48,16 @@ struct TestSidecar {
 
 impl TestSidecar {
     fn start(open_for: &str, close_after: &str) -> TestSidecar {
+        TestSidecar::start_with(open_for, close_after, "", None)
+    }
+
+    /// With `extra` appended to the config, listening on `listen` if given.
+    fn start_with(
+        open_for: &str,
+        close_after: &str,
+        extra: &str,
+        listen: Option<SocketAddr>,
+    ) -> TestSidecar {
         let dir = tempfile::Builder::new()
             .prefix("sluice-sidecar-test-")
             .tempdir()
@@ -59,10 +69,10 @@ impl TestSidecar {
              rules:\n  - {{ metric: gpu_utilization, open_at: 90, close_below: 80, \
              open_for: {open_for}, close_after: {close_after} }}\n\
              breaker: {{ half_open_fraction: 0.5, half_open_for: 1s, \
-             retry_after: {BREAKER_RETRY_AFTER}s }}\n"
+             retry_after: {BREAKER_RETRY_AFTER}s }}\n{extra}"
         );
         fs::write(dir.path().join("sidecar.yaml"), config).expect("sidecar config");
-        let sidecar = TestSidecar::spawn(dir.path(), None);
+        let sidecar = TestSidecar::spawn(dir.path(), listen);
         TestSidecar { sidecar, dir }
     }
 
@@ -116,7 +126,7 @@ impl TestSidecar {
     fn simulate(&self, utilization: f64) {
         post_json(
             &self.sidecar.url("/v1/simulate"),
-            &[],
+            &[("authorization", &format!("Bearer {TOKEN}"))],
             &json!({"gpus": [{"utilization": utilization}]}),
         )
         .ok();
@@ -691,6 +701,107 @@ fn kill_switch_reroutes_to_the_fallback_and_survives_a_sidecar_restart() {
         assert_primary(&stack.chat(MODEL, &[key, forged]));
     }
     assert_eq!(requests_total(&fallback), fallback_before);
+}
+
+/// An address of this machine that is not loopback (the one it would
+/// route out from), if it has one.
+fn non_loopback_ip() -> Option<std::net::IpAddr> {
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    // Connecting a UDP socket sends nothing; it only picks the route.
+    probe.connect("198.51.100.1:9").ok()?;
+    let ip = probe.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+#[test]
+fn held_polls_past_the_cap_get_503_and_envoy_keeps_its_reserved_slot() {
+    use std::io::Write as _;
+    let Some(ip) = non_loopback_ip() else {
+        eprintln!("SKIPPED: this machine has no non-loopback address to poll from");
+        return;
+    };
+    let fallback = MockLlm::start("fallback");
+    let sc = TestSidecar::start_with(
+        "30s",
+        "10s",
+        "long_poll: { max_held: 6, reserved: 1 }\n",
+        Some(SocketAddr::from(([0, 0, 0, 0], 0))),
+    );
+    let port = sc.addr().port();
+    let stack = Stack::start(|cfg| {
+        test_policy(
+            cfg,
+            Some(SocketAddr::from(([127, 0, 0, 1], port))),
+            Some(fallback.addr()),
+        );
+        // Envoy renews its poll every second: it must win a slot while
+        // the others are full, not only hold one from before.
+        cfg.policy_mut()["sidecar"]["poll_wait"] = Value::from("1s");
+    });
+    sc.wait_for_envoy();
+    let version = sc.state()["version"].as_u64().expect("version");
+    let poll = format!("/v1/state?since={version}&wait=60");
+
+    // Five remote pollers take every unreserved slot and hold them.
+    let remote: Vec<std::net::TcpStream> = (0..5)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect((ip, port))
+                .unwrap_or_else(|e| panic!("connecting to {ip}:{port}: {e}"));
+            write!(s, "GET {poll} HTTP/1.1\r\nhost: sidecar\r\n\r\n").expect("send poll");
+            s
+        })
+        .collect();
+    assert!(
+        wait_for(Duration::from_secs(5), || sc.subscribers() >= 5.0),
+        "remote polls not held: {}",
+        sc.subscribers()
+    );
+    // The sixth remote poll is refused at once, in JSON, with Retry-After.
+    let url = format!("http://{ip}:{port}/v1/state?since={version}&wait=1");
+    let r = get(&url, &[]);
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.header("retry-after"), Some("2"), "{r:?}");
+    assert_eq!(r.json()["error"]["code"], "too_many_polls", "{r:?}");
+
+    // Envoy's own poll, renewed twice meanwhile, still gets the reserved
+    // slot…
+    let polls = || {
+        stack
+            .envoy
+            .metric("sluice_sidecar_polls_total", &[])
+            .unwrap_or(0.0)
+    };
+    let errors = || {
+        stack
+            .envoy
+            .metric("sluice_sidecar_poll_errors_total", &[])
+            .unwrap_or(0.0)
+    };
+    let (before, errors_before) = (polls(), errors());
+    assert!(
+        wait_for(Duration::from_secs(5), || polls() >= before + 2.0),
+        "Envoy stopped polling"
+    );
+    assert_eq!(errors(), errors_before, "Envoy's poll was refused");
+    let metrics = get(&sc.sidecar.url("/metrics"), &[]).ok().body;
+    let refused = |caller| {
+        prometheus_value(
+            &metrics,
+            "sluice_sidecar_long_poll_refused_total",
+            &[("caller", caller)],
+        )
+    };
+    assert_eq!(refused("local"), Some(0.0), "{metrics}");
+    assert!(refused("remote") >= Some(1.0), "{metrics}");
+    // …so the kill switch reaches it while the flood holds the rest.
+    sc.kill_switch(true);
+    assert!(
+        wait_for(Duration::from_secs(3), || served_by(
+            &stack.chat(MODEL, &[])
+        ) == Some("fallback")),
+        "the kill switch did not reach Envoy"
+    );
+    drop(remote);
 }
 
 #[test]

@@ -816,3 +816,80 @@ fn crossing_alert_at_adds_the_alert_header_and_counts_it() {
     );
     assert_eq!(metric(&stack, "sluice_budget_alerts_total"), 1);
 }
+
+// ---------------------------------------------------------------------------
+// SSE line ends: CRLF and CR frame events as well as LF
+// ---------------------------------------------------------------------------
+
+/// An SSE body with CRLF or CR line ends rewritten to LF, for the helpers
+/// above (sluice's own error event may use LF in the same stream: the spec
+/// allows mixing).
+fn lf_framed(body: &str) -> String {
+    body.replace("\r\n", "\n").replace('\r', "\n")
+}
+
+#[test]
+fn streams_framed_with_crlf_or_cr_settle_from_their_usage_and_are_cut_at_their_allowance() {
+    const BUDGET: u64 = 1_000;
+    // `crlf-split` sends every CRLF that ends an event across two chunks.
+    for newline in ["crlf", "cr", "crlf-split"] {
+        let stack = Stack::start(|cfg| {
+            install(
+                cfg,
+                &policy(
+                    json!({"requests": "1000/min", "daily_tokens": BUDGET}),
+                    json!({}),
+                ),
+            )
+        });
+        let url = stack.envoy.url("/v1/chat/completions");
+        let framing = ("x-mock-sse-newline", newline);
+        let delay = ("x-mock-chunk-delay-ms", "2");
+
+        // Settled from the usage chunk sluice asked for, which the client
+        // does not see.
+        let missing_before = metric(&stack, "sluice_usage_missing_total");
+        let resp = post_json(&url, &[framing, delay], &chat(PROMPT, Some(5), true));
+        assert_eq!(resp.status, 200, "{newline}: {resp:?}");
+        let raw = &resp.body;
+        assert!(
+            raw.contains(if newline == "cr" {
+                "}\r\r"
+            } else {
+                "}\r\n\r\n"
+            }),
+            "{newline}: not framed as asked: {raw:?}"
+        );
+        let body = lf_framed(raw);
+        let events = sse_json(&body);
+        assert_eq!(content_events(&events), 5, "{newline}: {raw:?}");
+        assert!(!events.iter().any(is_usage_chunk), "{newline}: {raw:?}");
+        assert_eq!(sse_payloads(&body).last(), Some(&"[DONE]"), "{raw:?}");
+        assert_eq!(settled(&stack, "output"), 5, "{newline}");
+        assert_eq!(settled(&stack, "input"), mock_input(PROMPT), "{newline}");
+        assert_eq!(
+            metric(&stack, "sluice_usage_missing_total"),
+            missing_before,
+            "{newline}: usage not read from the stream"
+        );
+        assert_no_reservation_left(&stack);
+
+        // Past its allowance: cut with the error event, the budget charged
+        // to the token.
+        let body = chat(PROMPT, Some(5_000), true);
+        let allowance = BUDGET - charged(&stack) - estimate(&body);
+        let resp = post_json(&url, &[framing, ("x-mock-output-tokens", "3000")], &body);
+        assert_eq!(resp.status, 200, "{newline}: {resp:?}");
+        let text = lf_framed(&resp.body);
+        let events = sse_json(&text);
+        assert_eq!(
+            events.last().expect("events")["error"]["code"],
+            "budget_exhausted_midstream",
+            "{newline}"
+        );
+        assert_eq!(content_events(&events) as u64, allowance, "{newline}");
+        assert_eq!(metric(&stack, "sluice_stream_cut_total"), 1, "{newline}");
+        assert_no_reservation_left(&stack);
+        assert_eq!(charged(&stack), BUDGET, "{newline}");
+    }
+}
