@@ -691,3 +691,87 @@ fn the_global_breaker_gauge_follows_admission_and_settlement() {
     }
     assert!(opened, "{:?}", host.metrics);
 }
+
+#[test]
+fn a_repeated_credential_header_is_refused_at_the_headers() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        json!({"default_tier": "free", "tiers": {"free": {}, "pro": {}},
+               "identity": {"sources": ["api_key", "client_address"],
+                            "api_key": {"keys": {"k-pro": "pro"}}}}),
+    );
+    host.begin(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("x-api-key", "k-pro"),
+            ("x-api-key", "k-other"),
+        ],
+        b"{}",
+    );
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(&host, false), Action::Pause);
+    let reply = host.last_reply().unwrap();
+    assert!(reply.status >= 400, "{reply:?}");
+    // The refused request reads no body and is never decided again.
+    assert_eq!(req.on_request_body(&host, 2, true), Action::Continue);
+    assert_eq!(host.replies.borrow().len(), 1);
+}
+
+#[test]
+fn a_stream_past_its_allowance_is_cut_and_charged_what_it_sent() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        json!({"default_tier": "t", "tiers": {"t": {"tokens": "10000/min"}}}),
+    );
+    let mut body = chat("m", 3);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (mut req, action) = post(&poller, &host, "10.0.0.1:1", &[], &body);
+    assert_eq!(action, Action::Continue);
+    host.respond(&[
+        (":status", "200"),
+        ("content-type", "text/event-stream"),
+        ("content-length", "999"),
+    ]);
+    req.on_response_headers(&host);
+    assert_eq!(
+        host.resp_header("content-length"),
+        None,
+        "sluice may change the length"
+    );
+    let event = "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n";
+    // Events arrive over several callbacks; the upstream ignores max_tokens.
+    for _ in 0..3 {
+        let chunk = event.repeat(4);
+        *host.response_body.borrow_mut() = chunk.clone().into_bytes();
+        req.on_response_body(&host, chunk.len(), false);
+    }
+    *host.response_body.borrow_mut() = Vec::new();
+    req.on_response_body(&host, 0, true);
+    req.on_log(&host);
+    assert_eq!(host.metric(metrics::STREAM_CUT), Some(1));
+    assert_eq!(host.metric(metrics::RESERVATIONS_OUTSTANDING), Some(0));
+    let output = host
+        .metric("sluice_tokens_total_direction=output;.kind=actual;.tier=t;.model=other;")
+        .unwrap();
+    assert!(output >= 3, "charged what was sent: {output}");
+}
+
+#[test]
+fn non_model_calls_keep_no_latency_histograms() {
+    let host = MockHost::new(T0);
+    let poller = load(&host, json!({"default_tier": "t", "tiers": {"t": {}}}));
+    host.begin(&[(":method", "GET"), (":path", "/v1/models")], b"");
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(&host, true), Action::Continue);
+    host.respond(&[(":status", "200")]);
+    req.on_response_headers(&host);
+    *host.response_body.borrow_mut() = b"{\"data\":[]}".to_vec();
+    req.on_response_body(&host, 11, true);
+    req.on_log(&host);
+    assert!(host.histograms.borrow().is_empty());
+    assert_eq!(host.response_body.borrow().as_slice(), b"{\"data\":[]}");
+}
