@@ -187,10 +187,6 @@ impl Poller {
         self.filter.clone().map(Request::new)
     }
 
-    pub fn filter(&self) -> Option<&Rc<Filter>> {
-        self.filter.as_ref()
-    }
-
     pub fn tick(&mut self, host: &dyn Host) {
         let now = host.now_ms();
         // The lease is renewed on every tick, also while a long poll is in

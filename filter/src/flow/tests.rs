@@ -775,3 +775,54 @@ fn non_model_calls_keep_no_latency_histograms() {
     assert!(host.histograms.borrow().is_empty());
     assert_eq!(host.response_body.borrow().as_slice(), b"{\"data\":[]}");
 }
+
+#[test]
+fn an_unreadable_body_is_refused_400_and_a_refusal_names_its_bucket() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        json!({"default_tier": "t", "tiers": {"t": {"requests": "1/min"}}, "audit": {}}),
+    );
+    host.begin(
+        &[(":method", "POST"), (":path", "/v1/chat/completions")],
+        b"{not json",
+    );
+    host.set_prop(&["source", "address"], b"10.0.0.1:1");
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(&host, false), Action::Pause);
+    assert_eq!(req.on_request_body(&host, 9, true), Action::Pause);
+    let reply = host.last_reply().unwrap();
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.header("x-sluice-reason"), Some("invalid_request"));
+    assert_eq!(host.state("sluice_decision").as_deref(), Some("refuse"));
+    let (_, first) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
+    assert_eq!(first, Action::Continue, "a refused body took no slot");
+    let (_, second) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
+    assert_eq!(second, Action::Pause);
+    assert_eq!(
+        host.state("sluice_bucket").as_deref(),
+        Some("tier/t/requests")
+    );
+}
+
+#[test]
+fn a_failed_route_cache_refresh_is_logged_and_the_request_still_rerouted() {
+    let host = MockHost::new(T0);
+    let poller = load(&host, sidecar_policy());
+    publish(
+        &host,
+        json!({"version": 1, "kill_switch": {"active": true}}),
+    );
+    *host.route_cache_error.borrow_mut() = Some("NotFound".into());
+    let (_, action) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        host.req_header("x-sluice-upstream").as_deref(),
+        Some("backup")
+    );
+    assert!(host
+        .logs
+        .borrow()
+        .iter()
+        .any(|(l, m)| *l == LogLevel::Warn && m.contains("clear_route_cache")));
+}

@@ -54,6 +54,8 @@ pub struct MockHost {
     pub histograms: RefCell<HashMap<String, Vec<u64>>>,
     pub replies: RefCell<Vec<SentReply>>,
     pub route_cache_clears: Cell<u32>,
+    /// `Some`: clearing the route cache fails with this.
+    pub route_cache_error: RefCell<Option<String>>,
     pub logs: RefCell<Vec<(LogLevel, String)>>,
     pub tick_period_ms: Cell<Option<u64>>,
     pub callouts: RefCell<Vec<Callout>>,
@@ -227,7 +229,10 @@ impl Host for MockHost {
     fn clear_route_cache(&self) -> Result<(), String> {
         self.route_cache_clears
             .set(self.route_cache_clears.get() + 1);
-        Ok(())
+        match self.route_cache_error.borrow().clone() {
+            Some(why) => Err(why),
+            None => Ok(()),
+        }
     }
 
     fn metric_add(&self, kind: MetricKind, name: &str, by: i64) {
