@@ -154,7 +154,7 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
         "sluice": {
             "limit": l.quota.limit,
             "remaining": l.quota.remaining,
-            "reset_at": rfc3339(now_ms + retry_after * 1000),
+            "reset_at": rfc3339(now_ms.saturating_add(retry_after.saturating_mul(1000))),
             "retry_after_seconds": retry_after,
             "tier": l.tier,
             "bucket": l.bucket,
@@ -186,7 +186,7 @@ pub fn capacity_exhausted(retry_after_ms: u64, tier: &str, bucket: &str, now_ms:
         "code": reason.code(),
         "param": null,
         "sluice": {
-            "reset_at": rfc3339(now_ms + retry_after * 1000),
+            "reset_at": rfc3339(now_ms.saturating_add(retry_after.saturating_mul(1000))),
             "retry_after_seconds": retry_after,
             "tier": tier,
             "bucket": bucket,
