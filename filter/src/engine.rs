@@ -1,7 +1,7 @@
 //! The request path, top to bottom: identity → demand → route (health,
 //! kill switch) → admission (with rewrite) → answer, and after the
-//! response, reconcile. Pure: the
-//! proxy-wasm shim feeds it what Envoy knows and applies what it decides.
+//! response, reconcile. Pure: [`crate::flow`] feeds it what Envoy knows,
+//! one event at a time, and applies what it decides through the host.
 
 use std::collections::HashMap;
 

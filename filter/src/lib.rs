@@ -2,9 +2,11 @@
 //!
 //! The request path (SPEC §2) is [`engine`]: identity ([`principal`]) →
 //! demand ([`request`]) → admission ([`reservation`] over [`bucket`]s in
-//! shared data) → answer ([`answer`]). Everything but [`shim`] is pure and
-//! tested natively; [`shim`] is the thin proxy-wasm adapter, built only for
-//! wasm32.
+//! shared data) → answer ([`answer`]). [`flow`] drives it, one method per
+//! Envoy event, against the [`host::Host`] trait; everything but `shim` is
+//! tested natively (the whole path through [`host::mock::MockHost`]).
+//! `shim` only implements `Host` with proxy-wasm hostcalls and forwards
+//! callbacks; it is built only for wasm32.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod anomaly;
@@ -13,7 +15,9 @@ pub mod bucket;
 pub mod config;
 pub mod engine;
 pub mod estimate;
+pub mod flow;
 pub mod health;
+pub mod host;
 pub mod metrics;
 pub mod principal;
 mod proto_struct;

@@ -1,6 +1,6 @@
 //! Upstream pushback as the policy sets it up (SPEC §2.8, §8): which shared
 //! record a request's model route uses, whose credential a 429 is about,
-//! and the three moments the shim reports (arrival, admission, answer).
+//! and the three moments [`crate::flow`] reports (arrival, admission, answer).
 //! The record itself and its rules are in [`crate::health`].
 //!
 //! Who can pause or break what:

@@ -1,0 +1,817 @@
+//! The request path as Envoy drives it: one method per Envoy event, every
+//! decision made here against a [`Host`], so all of it runs natively
+//! against [`crate::host::mock::MockHost`].
+//!
+//! - [`Poller`] is the root context: loads the policy, and — in the one VM
+//!   holding the poller lease — long-polls the sidecar and stores its state
+//!   in shared data for every worker.
+//! - [`Request`] is one HTTP stream: request headers (kill-switch header
+//!   stripped, API, identity, canonical path, declared size) → body (size,
+//!   then the whole body at its end or at the trailers) → decision
+//!   ([`Request::decide`]: demand → pushback → route → admit → probe claim
+//!   → reroute/rewrite) → response headers (upstream answer fed to the
+//!   route's record, meter set up) → response body (first byte, meter,
+//!   settlement) → log (settle what is left, give back an unanswered
+//!   probe).
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use crate::config::Policy;
+use crate::engine::{Engine, Plan, Routed, Verdict};
+use crate::health::{self, Pushback, Seen};
+use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
+use crate::metrics;
+use crate::principal::Identity;
+use crate::reconcile::{Format, Found, Meter};
+use crate::request::Api;
+
+/// Longest audit field value: every field, whatever a client sent.
+pub const MAX_AUDIT_BYTES: usize = 256;
+/// The routing header the kill switch sets (see `FallbackConfig`).
+pub const DEFAULT_FALLBACK_HEADER: &str = "x-sluice-upstream";
+/// The sidecar state as received: written by the one VM that polls.
+pub const SIDECAR_KEY: &str = "sluice:v1:sidecar";
+/// Which VM polls the sidecar: owner id and lease expiry.
+pub const POLLER_KEY: &str = "sluice:v1:poller";
+pub const LEASE_MS: u64 = 3_000;
+pub const TICK_MS: u64 = 250;
+/// After a failed poll, wait this long before the next.
+const POLL_RETRY_MS: u64 = 1_000;
+
+fn metric_kind(name: &str) -> MetricKind {
+    if metrics::GAUGES.contains(&name) {
+        MetricKind::Gauge
+    } else {
+        MetricKind::Counter
+    }
+}
+
+/// Adds to a metric; nothing for 0 (no host call on the common path).
+fn add(host: &dyn Host, name: &str, by: i64) {
+    if by != 0 {
+        host.metric_add(metric_kind(name), name, by);
+    }
+}
+
+fn set_gauge(host: &dyn Host, name: &str, value: u64) {
+    host.metric_record(MetricKind::Gauge, name, value);
+}
+
+/// One VM's policy and what its HTTP contexts share: the decoded sidecar
+/// state (kept until the shared-data entry changes) and a dice for
+/// half-open trickles and pause jitter.
+pub struct Filter {
+    pub engine: Engine,
+    seen: RefCell<(u32, Rc<Seen>)>,
+    dice: Cell<u64>,
+}
+
+impl Filter {
+    pub fn new(engine: Engine) -> Filter {
+        Filter {
+            engine,
+            seen: RefCell::new((0, Rc::new(Seen::default()))),
+            dice: Cell::new(0),
+        }
+    }
+
+    /// The sidecar state in shared data, decoded again only when it changed.
+    fn seen(&self, host: &dyn Host) -> Rc<Seen> {
+        let Some((bytes, cas)) = host.get(SIDECAR_KEY) else {
+            return Rc::new(Seen::default());
+        };
+        let Ok(mut cached) = self.seen.try_borrow_mut() else {
+            return Rc::new(health::decode_seen(&bytes));
+        };
+        if cached.0 != cas {
+            *cached = (cas, Rc::new(health::decode_seen(&bytes)));
+        }
+        cached.1.clone()
+    }
+
+    /// Uniform in 0..1000 (xorshift; fairness, not secrecy).
+    fn roll(&self, now_ms: u64) -> u32 {
+        let mut x = self.dice.get();
+        if x == 0 {
+            x = now_ms | 1;
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.dice.set(x);
+        (x % 1000) as u32
+    }
+
+    /// Defines the metrics alerts and dashboards read, at 0, before
+    /// anything happens: a counter that first appears at 1 hides that
+    /// first increment from Prometheus' `rate()`/`increase()` (the first
+    /// surge, reroute or refusal by a bucket would never alert), and a
+    /// gauge that is absent reads as "no data" rather than 0.
+    fn define_metrics(&self, host: &dyn Host) {
+        for name in metrics::FIXED {
+            host.metric_add(metric_kind(name), name, 0);
+        }
+        for rule in self.engine.rules() {
+            host.metric_add(MetricKind::Counter, &metrics::refusals_total(&rule.id), 0);
+        }
+    }
+}
+
+/// The root context: policy load, tick, the sidecar's long poll.
+#[derive(Default)]
+pub struct Poller {
+    filter: Option<Rc<Filter>>,
+    /// This VM's id in the poller lease.
+    id: u64,
+    /// The in-flight long poll, if any.
+    poll: Option<u32>,
+    /// After a failed poll, wait until then.
+    retry_at_ms: u64,
+    /// The last poll failed (logged once per outage).
+    sidecar_failing: bool,
+}
+
+impl Poller {
+    pub fn new() -> Poller {
+        Poller::default()
+    }
+
+    /// Loads a policy. On `false` Envoy refuses the listener, and this VM
+    /// keeps its last good policy.
+    pub fn configure(&mut self, host: &dyn Host, config: &[u8]) -> bool {
+        let policy = match Policy::from_plugin_config(config) {
+            Ok(policy) => policy,
+            Err(err) => {
+                host.log(LogLevel::Error, &err.to_string());
+                add(host, metrics::CONFIG_REJECTED, 1);
+                return false;
+            }
+        };
+        let filter = Filter::new(Engine::new(policy));
+        filter.define_metrics(host);
+        let engine = &filter.engine;
+        match engine.prepare(host) {
+            Ok(created) => host.log(
+                LogLevel::Info,
+                &format!(
+                    "policy loaded: {} tiers, {} models, {} routes, {} buckets ({} new shared-data keys)",
+                    engine.policy.tiers.len(),
+                    engine.policy.models.len(),
+                    engine.policy.routes.len(),
+                    engine.rules().len(),
+                    created
+                ),
+            ),
+            Err(err) => {
+                host.log(
+                    LogLevel::Error,
+                    &format!("cannot create shared-data keys: {err}"),
+                );
+                return false;
+            }
+        }
+        if engine.policy.sidecar.is_some() {
+            // Distinct per VM: VMs start at different nanoseconds.
+            let ns = host.now_ns();
+            let (subsec, ms) = (ns % 1_000_000_000, ns / 1_000_000);
+            self.id = (subsec << 20) ^ ms.rotate_left(7) | 1;
+            host.set_tick_period_ms(TICK_MS);
+        }
+        self.filter = Some(Rc::new(filter));
+        true
+    }
+
+    /// A new HTTP stream's context; `None` before a policy loaded.
+    pub fn request(&self) -> Option<Request> {
+        self.filter.clone().map(Request::new)
+    }
+
+    pub fn tick(&mut self, host: &dyn Host) {
+        let now = host.now_ms();
+        // The lease is renewed on every tick, also while a long poll is in
+        // flight: else another VM would take it mid-poll.
+        if !self.hold_lease(host, now) || self.poll.is_some() || now < self.retry_at_ms {
+            return;
+        }
+        self.dispatch_poll(host, now);
+    }
+
+    /// Takes or renews the poller lease: one VM in the whole Envoy polls.
+    fn hold_lease(&self, host: &dyn Host, now: u64) -> bool {
+        let (bytes, cas) = host.get(POLLER_KEY).unwrap_or_default();
+        let word = |i: usize| {
+            bytes
+                .get(i..i + 8)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_le_bytes)
+        };
+        let (owner, expires) = (word(0), word(8));
+        if owner != self.id && expires > now {
+            return false;
+        }
+        let mut next = self.id.to_le_bytes().to_vec();
+        next.extend_from_slice(&(now + LEASE_MS).to_le_bytes());
+        host.set(POLLER_KEY, &next, cas).is_ok()
+    }
+
+    fn dispatch_poll(&mut self, host: &dyn Host, now: u64) {
+        let Some(filter) = self.filter.clone() else {
+            return;
+        };
+        let Some(sidecar) = filter.engine.policy.sidecar.as_ref() else {
+            return;
+        };
+        let since = filter.seen(host).state.as_ref().map_or(0, |s| s.version);
+        let wait_s = health::poll_wait_s(sidecar.poll_wait_ms, sidecar.stale_after_ms);
+        let path = format!("/v1/state?since={since}&wait={wait_s}");
+        let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
+        let headers = [
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", authority),
+        ];
+        let timeout_ms = wait_s * 1000 + 5_000;
+        match host.dispatch_call(&sidecar.cluster, &headers, timeout_ms) {
+            Ok(token) => self.poll = Some(token),
+            Err(why) => {
+                add(host, metrics::SIDECAR_POLL_ERRORS, 1);
+                host.log(
+                    LogLevel::Warn,
+                    &format!(
+                        "cannot poll the sidecar (cluster {}): {why}",
+                        sidecar.cluster
+                    ),
+                );
+                self.retry_at_ms = now + POLL_RETRY_MS;
+            }
+        }
+    }
+
+    /// The sidecar's answer: stored for every worker, then the next poll.
+    pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        if self.poll != Some(token) {
+            return;
+        }
+        self.poll = None;
+        let now = host.now_ms();
+        let status = host.call_response_header(":status");
+        let body = host.call_response_body(body_size);
+        let state = match (
+            status.as_deref(),
+            serde_json::from_slice::<health::SidecarState>(&body),
+        ) {
+            (Some("200"), Ok(state)) => state,
+            (status, parsed) => {
+                add(host, metrics::SIDECAR_POLL_ERRORS, 1);
+                self.retry_at_ms = now + POLL_RETRY_MS;
+                if !self.sidecar_failing {
+                    // Said once per outage, not once per retry.
+                    self.sidecar_failing = true;
+                    let why = match (status, parsed) {
+                        (Some("200"), Err(e)) => format!("unreadable state: {e}"),
+                        (Some(code), _) => format!("status {code}"),
+                        (None, _) => "no answer".into(),
+                    };
+                    host.log(
+                        LogLevel::Warn,
+                        &format!("sidecar unreachable ({why}); keeping its last state for stale_after, then the on_stale policy"),
+                    );
+                }
+                return;
+            }
+        };
+        if std::mem::take(&mut self.sidecar_failing) {
+            host.log(LogLevel::Info, "sidecar reachable again");
+        }
+        add(host, metrics::SIDECAR_POLLS, 1);
+        set_gauge(
+            host,
+            metrics::KILL_SWITCH,
+            u64::from(state.kill_switch.active),
+        );
+        let open = state.breakers.iter().filter(|b| b.state == "open").count();
+        set_gauge(host, metrics::BREAKERS_OPEN, open as u64);
+        // One writer (the lease holder): no CAS needed. Every answer, even
+        // an unchanged state, refreshes the receive time.
+        let _ = host.set(SIDECAR_KEY, &health::encode_seen(now, &body), 0);
+        if self.hold_lease(host, now) {
+            self.dispatch_poll(host, now);
+        }
+    }
+}
+
+/// One HTTP stream, from its request headers to its access log.
+pub struct Request {
+    filter: Rc<Filter>,
+    /// The request went to the primary upstream: its answer feeds the
+    /// route's pause and error breaker.
+    watch_upstream: bool,
+    /// The route's pushback state as the request found it.
+    pushback: Option<Pushback>,
+    /// This request holds the route's half-open probe (its lease).
+    probe_lease: Option<u64>,
+    identity: Option<Identity>,
+    api: Api,
+    /// The canonical path (`request::canonical_path`), for route buckets.
+    path: String,
+    response_headers: Vec<(String, String)>,
+    decided: bool,
+    /// Request body bytes buffered so far (for a request that ends with
+    /// trailers, the body is read in the trailers callback).
+    body_size: usize,
+    /// What admission reserved, until it is settled.
+    plan: Option<Plan>,
+    /// Reads the response as it passes.
+    meter: Option<Meter>,
+    status: u32,
+    /// When the request arrived; whether its first response byte left.
+    started_ms: u64,
+    first_byte: bool,
+    /// Tier and model labels of the decision, for later metrics.
+    labels: Option<(String, String)>,
+    /// SHA-256 of the response body, when the audit asks for it.
+    response_hash: Option<sha2::Sha256>,
+}
+
+impl Request {
+    pub fn new(filter: Rc<Filter>) -> Request {
+        Request {
+            filter,
+            watch_upstream: false,
+            pushback: None,
+            probe_lease: None,
+            identity: None,
+            api: Api::Other,
+            path: String::new(),
+            response_headers: Vec::new(),
+            decided: false,
+            body_size: 0,
+            plan: None,
+            meter: None,
+            status: 0,
+            started_ms: 0,
+            first_byte: false,
+            labels: None,
+            response_hash: None,
+        }
+    }
+
+    fn engine(&self) -> &Engine {
+        &self.filter.engine
+    }
+
+    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        self.started_ms = host.now_ms();
+        // Only sluice may choose the fallback route, also when the policy
+        // has no `fallback` section but the Envoy routes still match it.
+        let header = self.engine().policy.fallback.as_ref().map(|f| &f.header);
+        host.set_request_header(header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str), None);
+        let raw_path = host.request_header(":path").unwrap_or_default();
+        let method = host.request_header(":method").unwrap_or_default();
+        self.api = Api::classify(&method, &raw_path);
+        let identity = match self.engine().identify(&HostRequest(host)) {
+            Ok(identity) => identity,
+            Err(verdict) => return self.finish(host, *verdict),
+        };
+        match crate::request::canonical_path(&raw_path) {
+            Ok(path) => self.path = path,
+            // Whatever the upstream decodes it to, sluice cannot know: a
+            // request that may be an LLM call does not go up unread.
+            Err(_) if method.eq_ignore_ascii_case("POST") => {
+                let verdict = self.engine().ambiguous_path(&identity);
+                return self.finish(host, verdict);
+            }
+            Err(_) => self.path = raw_path,
+        }
+        let declared = if self.api.reads_body() {
+            host.request_header("content-length")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        } else {
+            None
+        };
+        if let Some(verdict) = declared.and_then(|len| self.engine().too_large(&identity, len)) {
+            return self.finish(host, verdict);
+        }
+        self.identity = Some(identity);
+        if self.api.reads_body() && !end_of_stream {
+            return Action::Pause; // wait for the body
+        }
+        self.decide(host, &[])
+    }
+
+    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        if self.decided {
+            return Action::Continue;
+        }
+        let Some(identity) = self.identity.as_ref() else {
+            return Action::Continue;
+        };
+        if let Some(verdict) = self.engine().too_large(identity, body_size as u64) {
+            return self.finish(host, verdict);
+        }
+        self.body_size = body_size;
+        if !end {
+            // Buffer until the whole body is here: the end of the body, or
+            // trailers after it (HTTP/2, HTTP/3).
+            return Action::Pause;
+        }
+        let body = host.request_body(body_size);
+        self.decide(host, &body)
+    }
+
+    /// A request that ends with trailers never has a body callback with
+    /// `end_of_stream`: this is where it is decided, on the buffered body.
+    /// Without it, Envoy would resume the paused request on its own when
+    /// the trailers arrive — upstream, undecided.
+    pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
+        if self.decided || self.identity.is_none() {
+            return Action::Continue;
+        }
+        let body = host.request_body(self.body_size);
+        self.decide(host, &body)
+    }
+
+    pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+        self.status = host
+            .response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        for (name, value) in std::mem::take(&mut self.response_headers) {
+            host.set_response_header(&name, Some(&value));
+        }
+        if std::mem::take(&mut self.watch_upstream) {
+            self.observe_upstream(host, self.status);
+        }
+        if let Some(plan) = &self.plan {
+            let content_type = host.response_header("content-type");
+            let ollama = matches!(plan.api, Api::OllamaChat | Api::OllamaGenerate);
+            let format = Format::detect(content_type.as_deref(), plan.stream && ollama);
+            // A stream may run past its allowance only if the upstream
+            // ignores the max output it was given; then sluice ends it.
+            let allowance = plan.stream.then_some(plan.max_output);
+            if format != Format::Json {
+                // sluice may change the stream's length.
+                host.set_response_header("content-length", None);
+            }
+            self.meter = Some(Meter::new(format, plan.strip_usage, allowance));
+        }
+        Action::Continue
+    }
+
+    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        // Latency histograms describe model calls (the LLM APIs), not
+        // `/v1/models` and the like.
+        if !self.first_byte && body_size > 0 && self.api.reads_body() {
+            if let Some((_, model)) = &self.labels {
+                self.first_byte = true;
+                let ttft = host.now_ms().saturating_sub(self.started_ms);
+                host.metric_record(MetricKind::Histogram, &metrics::ttft_ms(model), ttft);
+                self.audit(host, "sluice_ttft_ms", &ttft.to_string());
+            }
+        }
+        if self.meter.is_none() && self.response_hash.is_none() {
+            return Action::Continue;
+        }
+        let chunk = host.response_body(body_size);
+        if let Some(hash) = self.response_hash.as_mut() {
+            sha2::Digest::update(hash, &chunk);
+            if end {
+                let digest = sha2::Digest::finalize(hash.clone());
+                let hex = crate::principal::hex(&digest);
+                self.audit(host, "sluice_response_sha256", &hex);
+            }
+        }
+        let out = self.meter.as_mut().and_then(|m| m.feed(&chunk, end));
+        if let Some(out) = out.filter(|out| *out != chunk) {
+            host.replace_response_body(body_size, &out);
+        }
+        if end {
+            self.settle(host);
+        }
+        Action::Continue
+    }
+
+    pub fn on_log(&mut self, host: &dyn Host) {
+        // Client gone, upstream reset or timeout: settle from what was seen.
+        self.settle(host);
+        // A probe whose answer never came (the client left first) is given
+        // back, not left to block the route until its lease ends.
+        if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
+            let _ = health::release_probe(host, &pushback.route_key, lease);
+        }
+        if let Some((_, model)) = self
+            .labels
+            .as_ref()
+            .filter(|_| self.status != 0 && self.api.reads_body())
+        {
+            let elapsed = host.now_ms().saturating_sub(self.started_ms);
+            host.metric_record(MetricKind::Histogram, &metrics::e2e_ms(model), elapsed);
+        }
+    }
+
+    /// One audit field in filter state, read by Envoy's access log as
+    /// `%FILTER_STATE(wasm.<name>:PLAIN)%`; only with an `audit` policy.
+    fn audit(&self, host: &dyn Host, name: &str, value: &str) {
+        if self.engine().policy.audit.is_some() {
+            let value = crate::answer::truncate(value, MAX_AUDIT_BYTES);
+            host.set_property(name, value.as_bytes());
+        }
+    }
+
+    /// Applies a verdict: answer locally, or let the request go upstream.
+    fn finish(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
+        self.decided = true;
+        self.record(host, &verdict);
+        let l = &verdict.labels;
+        if verdict.reply.is_none() {
+            // Latency and token metrics describe requests that went upstream.
+            self.labels = Some((l.tier.clone(), l.model.clone()));
+            if self.engine().policy.anomaly.is_some() {
+                // Admission passed the global breaker: it is closed now
+                // (else the gauge would stay at 1 after the hour's window
+                // let spend fall under the ceiling, until a settlement).
+                set_gauge(host, metrics::GLOBAL_BREAKER, 0);
+            }
+        }
+        self.audit_decision(host, &verdict);
+        match verdict.reply {
+            Some(reply) => {
+                let headers: Vec<(&str, &str)> = reply
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.as_str(), v.as_str()))
+                    .collect();
+                host.send_reply(reply.status, &headers, &reply.body);
+                Action::Pause
+            }
+            None => {
+                self.response_headers = verdict.response_headers;
+                if let Some(plan) = verdict.plan.filter(Plan::settles) {
+                    add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
+                    self.plan = Some(plan);
+                }
+                Action::Continue
+            }
+        }
+    }
+
+    /// The decision's metrics.
+    fn record(&self, host: &dyn Host, verdict: &Verdict) {
+        let l = &verdict.labels;
+        add(host, &metrics::requests_total(l), 1);
+        add(
+            host,
+            metrics::CAS_RETRIES,
+            i64::from(verdict.effort.cas_retries),
+        );
+        add(
+            host,
+            metrics::CAS_EXHAUSTED,
+            i64::from(verdict.effort.exhausted),
+        );
+        add(
+            host,
+            metrics::CAPACITY_EXHAUSTED,
+            i64::from(verdict.effort.no_slot),
+        );
+        add(
+            host,
+            metrics::BUDGET_ALERTS,
+            i64::from(!verdict.alerts.is_empty()),
+        );
+        if let Some(bucket) = &verdict.bucket {
+            add(host, &metrics::refusals_total(bucket), 1);
+        }
+        if l.reason == "global_breaker_open" {
+            set_gauge(host, metrics::GLOBAL_BREAKER, 1);
+        }
+        if let Some(kind) = verdict.degraded {
+            add(host, &metrics::degraded_total(kind, &l.tier, &l.model), 1);
+        }
+        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+            let tokens =
+                |direction| metrics::tokens_total(direction, "estimated", &l.tier, &l.model);
+            add(host, &tokens("input"), plan.input_estimate as i64);
+            add(host, &tokens("output"), plan.max_output as i64);
+        }
+    }
+
+    /// The decision's audit fields (nothing without an `audit` policy).
+    fn audit_decision(&self, host: &dyn Host, verdict: &Verdict) {
+        if self.engine().policy.audit.is_none() {
+            return;
+        }
+        let l = &verdict.labels;
+        self.audit(host, "sluice_decision", l.decision);
+        self.audit(host, "sluice_reason", l.reason);
+        self.audit(host, "sluice_tier", &l.tier);
+        if let Some(identity) = &self.identity {
+            let principal = self.engine().audit_principal(identity);
+            self.audit(host, "sluice_principal", &principal);
+        }
+        if let Some(bucket) = &verdict.bucket {
+            self.audit(host, "sluice_bucket", bucket);
+        }
+        if let Some(kind) = verdict.degraded {
+            self.audit(host, "sluice_degraded", kind);
+        }
+        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+            self.audit(
+                host,
+                "sluice_model_served",
+                plan.model.as_deref().unwrap_or(""),
+            );
+            let reserved = plan.input_estimate.saturating_add(plan.max_output);
+            self.audit(host, "sluice_tokens_estimated", &reserved.to_string());
+        }
+    }
+
+    /// Admission once everything the policy needs is known.
+    fn decide(&mut self, host: &dyn Host, body: &[u8]) -> Action {
+        let Some(identity) = self.identity.clone() else {
+            return Action::Continue;
+        };
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let asked = match engine.demand(&identity, self.api, body) {
+            Ok(asked) => asked,
+            Err(verdict) => return self.finish(host, *verdict),
+        };
+        // Admission time is arrival time (one clock read per request).
+        let now = self.started_ms;
+        let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
+        if let Some(model) = model {
+            self.audit(host, "sluice_model_requested", model);
+        }
+        if engine.policy.audit.as_ref().is_some_and(|a| a.hash_bodies) {
+            self.audit(
+                host,
+                "sluice_request_sha256",
+                &crate::principal::sha256_hex(body),
+            );
+            self.response_hash = Some(sha2::Digest::new());
+        }
+        let mut pushback = engine.pushback(host, model, &HostRequest(host), &identity, now);
+        let seen = if engine.policy.sidecar.is_some() {
+            filter.seen(host)
+        } else {
+            Rc::new(Seen::default())
+        };
+        let dice = filter.roll(now);
+        let api = self.api;
+        let route = |pushback: &Pushback| {
+            engine.route(&seen, pushback, &identity, api, asked.as_ref(), now, dice)
+        };
+        let (fallback, probe) = match route(&pushback) {
+            Routed::Answered(verdict) => return self.finish(host, *verdict),
+            Routed::Fallback => (true, false),
+            Routed::Primary => (false, false),
+            Routed::Probe => (false, true),
+        };
+        let mut verdict = engine.admit(host, &identity, api, &self.path, asked.as_ref(), now);
+        if probe {
+            // Claimed only now, by an admitted request: a refused one never
+            // holds the probe.
+            let (decided, lease) =
+                engine.take_probe(host, &mut pushback, verdict, &identity, now, route);
+            verdict = decided;
+            self.probe_lease = lease;
+        }
+        self.pushback = Some(pushback);
+        if verdict.reply.is_none() {
+            if fallback {
+                self.reroute(host, &mut verdict);
+            } else {
+                self.watch_upstream = true;
+            }
+        }
+        if let Some(new_body) = verdict.body.take() {
+            // The upstream gets the rewritten request (model, max output,
+            // usage in streams); its length changes with it.
+            host.replace_request_body(body.len(), &new_body);
+            host.set_request_header("content-length", Some(&new_body.len().to_string()));
+        }
+        self.finish(host, verdict)
+    }
+
+    /// Kill switch: the request goes to the fallback route (header + route
+    /// cache refresh); Envoy's route injects the fallback's credentials.
+    fn reroute(&self, host: &dyn Host, verdict: &mut Verdict) {
+        let Some(fb) = self.engine().policy.fallback.as_ref() else {
+            return;
+        };
+        host.set_request_header(&fb.header, Some(&fb.value));
+        if let Err(why) = host.clear_route_cache() {
+            host.log(LogLevel::Warn, &format!("clear_route_cache failed: {why}"));
+        }
+        verdict
+            .response_headers
+            .push(("x-sluice-provider".into(), fb.provider.clone()));
+        verdict
+            .response_headers
+            .push(("x-sluice-kill-switch".into(), "1".into()));
+        add(host, metrics::REROUTED, 1);
+    }
+
+    /// Feeds the upstream's answer to the route's pause and error breaker.
+    fn observe_upstream(&mut self, host: &dyn Host, status: u32) {
+        let lease = self.probe_lease.take();
+        let Some(pushback) = self
+            .pushback
+            .as_ref()
+            .filter(|p| p.must_record(status, lease))
+        else {
+            return;
+        };
+        let now = host.now_ms();
+        let retry_after = host.response_header("retry-after");
+        let dice = self.filter.roll(now);
+        // Envoy's own answers (no healthy upstream, timeouts, resets) also
+        // count, but they say nothing about a credential.
+        let from_upstream = host
+            .property(&["response", "code_details"])
+            .is_some_and(|d| d == b"via_upstream");
+        let recorded = self.filter.engine.observe_upstream(
+            host,
+            pushback,
+            status,
+            from_upstream,
+            retry_after.as_deref(),
+            lease,
+            dice,
+            now,
+        );
+        add(
+            host,
+            metrics::ERROR_BREAKER_OPENED,
+            i64::from(recorded.breaker_opened),
+        );
+        add(host, metrics::PUSHBACK_DROPPED, i64::from(recorded.dropped));
+        match recorded.paused {
+            Some(health::PauseScope::Route) => add(host, metrics::PAUSES_ROUTE, 1),
+            Some(health::PauseScope::Credential) => add(host, metrics::PAUSES_CREDENTIAL, 1),
+            None => {}
+        }
+    }
+
+    /// Replaces the reservation with the real cost; runs once per request.
+    fn settle(&mut self, host: &dyn Host) {
+        let Some(plan) = self.plan.take() else { return };
+        let (found, counted, cut) = match &self.meter {
+            Some(m) => (m.found, m.output_events, m.cut),
+            None => (Found::Nothing, 0, false),
+        };
+        let upstream_ok = self.status == 0 || self.status < 400;
+        let now = host.now_ms();
+        let (settled, effort) =
+            self.filter
+                .engine
+                .settle(host, &plan, found, counted, upstream_ok, now);
+        add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
+        add(host, metrics::CAS_RETRIES, i64::from(effort.cas_retries));
+        let (tier, model) = self.labels.clone().unwrap_or_default();
+        add(
+            host,
+            &metrics::tokens_total("input", "actual", &tier, &model),
+            settled.input as i64,
+        );
+        add(
+            host,
+            &metrics::tokens_total("output", "actual", &tier, &model),
+            settled.output as i64,
+        );
+        add(host, metrics::USAGE_SURGES, i64::from(settled.surge));
+        if self.engine().policy.anomaly.is_some() {
+            set_gauge(
+                host,
+                metrics::GLOBAL_BREAKER,
+                u64::from(settled.global_open),
+            );
+        }
+        self.audit(host, "sluice_tokens_input", &settled.input.to_string());
+        self.audit(host, "sluice_tokens_output", &settled.output.to_string());
+        self.audit(host, "sluice_cost_micros", &settled.cost.to_string());
+        let source = if settled.from_usage {
+            "upstream"
+        } else {
+            "estimate"
+        };
+        self.audit(host, "sluice_usage_source", source);
+        add(host, metrics::SPEND_MICROS, settled.cost as i64);
+        add(
+            host,
+            metrics::USAGE_INVALID,
+            i64::from(settled.invalid_usage),
+        );
+        add(
+            host,
+            metrics::USAGE_MISSING,
+            i64::from(!settled.from_usage && upstream_ok),
+        );
+        add(host, metrics::STREAM_CUT, i64::from(cut));
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,116 @@
+//! Everything the request path needs from Envoy, as one small trait.
+//!
+//! The core ([`crate::flow`]) decides; a [`Host`] only carries out. The
+//! proxy-wasm shim implements it with hostcalls (one per method, nothing
+//! decided there); [`mock::MockHost`] implements it in memory, so the
+//! whole path — identity to settlement, probes, breakers, the poll lease —
+//! runs in native tests. Every method takes `&self` and no generics, so the
+//! core holds it as `&dyn Host`.
+
+use crate::principal::RequestView;
+use crate::store::SharedStore;
+
+#[cfg(not(target_arch = "wasm32"))]
+pub mod mock;
+
+/// What Envoy does with the stream after a callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    /// Hold the stream: waiting for the body, or answered locally.
+    Pause,
+}
+
+/// How Envoy aggregates a metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Info,
+    Warn,
+    Error,
+}
+
+/// Envoy as the filter sees it. Shared data (with compare-and-swap) is the
+/// [`SharedStore`] supertrait. Headers are read as text with non-UTF-8
+/// bytes replaced: a byte 0x80–0xFF from a client must never panic.
+pub trait Host: SharedStore {
+    // Request path (HTTP context).
+    /// A request header by lower-case name (the first, if repeated).
+    fn request_header(&self, name: &str) -> Option<String>;
+    /// How many times a request header appears; `usize::MAX` when the host
+    /// cannot say (a credential is then refused as repeated).
+    fn request_header_count(&self, name: &str) -> usize;
+    /// Sets (`Some`) or removes (`None`) a request header.
+    fn set_request_header(&self, name: &str, value: Option<&str>);
+    fn response_header(&self, name: &str) -> Option<String>;
+    fn set_response_header(&self, name: &str, value: Option<&str>);
+    /// The buffered request body, `size` bytes from the start.
+    fn request_body(&self, size: usize) -> Vec<u8>;
+    /// Replaces the first `size` bytes of the request body.
+    fn replace_request_body(&self, size: usize, body: &[u8]);
+    /// The response body chunk of this callback, `size` bytes.
+    fn response_body(&self, size: usize) -> Vec<u8>;
+    fn replace_response_body(&self, size: usize, body: &[u8]);
+    /// Answers the client locally; the upstream never sees the request.
+    fn send_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]);
+    /// A stream property (`["source", "address"]`, dynamic metadata …).
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
+    /// Writes filter state (the access log reads audit fields there).
+    fn set_property(&self, name: &str, value: &[u8]);
+    /// Makes Envoy pick the route again after a routing header changed.
+    fn clear_route_cache(&self) -> Result<(), String>;
+
+    // Metrics, by name; the host defines each on first use.
+    /// Adds to a counter or gauge (`by` 0 only defines it, at 0).
+    fn metric_add(&self, kind: MetricKind, name: &str, by: i64);
+    /// Sets a gauge, or records a value in a histogram.
+    fn metric_record(&self, kind: MetricKind, name: &str, value: u64);
+
+    /// Wall clock, nanoseconds since the Unix epoch.
+    fn now_ns(&self) -> u64;
+    fn now_ms(&self) -> u64 {
+        self.now_ns() / 1_000_000
+    }
+    fn log(&self, level: LogLevel, message: &str);
+
+    // Root context.
+    fn set_tick_period_ms(&self, ms: u64);
+    /// Starts an HTTP callout; its token, or why it could not start.
+    fn dispatch_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout_ms: u64,
+    ) -> Result<u32, String>;
+    /// A header of the callout answer being delivered.
+    fn call_response_header(&self, name: &str) -> Option<String>;
+    fn call_response_body(&self, size: usize) -> Vec<u8>;
+}
+
+/// The request as identity reads it, through the host.
+pub struct HostRequest<'a>(pub &'a dyn Host);
+
+impl RequestView for HostRequest<'_> {
+    fn header(&self, name: &str) -> Option<String> {
+        self.0.request_header(name)
+    }
+
+    fn header_count(&self, name: &str) -> usize {
+        self.0.request_header_count(name)
+    }
+
+    fn jwt_claim(&self, namespace: &str, payload_key: &str, claim: &str) -> Option<String> {
+        let path = ["metadata", "filter_metadata", namespace, payload_key, claim];
+        String::from_utf8(self.0.property(&path)?).ok()
+    }
+
+    fn client_address(&self) -> Option<String> {
+        String::from_utf8(self.0.property(&["source", "address"])?).ok()
+    }
+}

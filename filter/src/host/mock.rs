@@ -1,0 +1,300 @@
+//! An in-memory [`Host`] for native tests: headers, bodies, shared data
+//! with Envoy's CAS semantics ([`MemStore`]), metrics, filter state, a
+//! settable clock, and the local replies, callouts and logs it was asked
+//! for. Several mocks can share one store, as Envoy's workers do.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{Host, LogLevel, MetricKind};
+use crate::store::{MemStore, SharedStore, StoreError};
+
+/// A local reply as the host was asked to send it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentReply {
+    pub status: u32,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl SentReply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A callout as dispatched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Callout {
+    pub token: u32,
+    pub cluster: String,
+    pub headers: Vec<(String, String)>,
+    pub timeout_ms: u64,
+}
+
+#[derive(Default)]
+pub struct MockHost {
+    pub store: Arc<MemStore>,
+    pub clock_ms: Cell<u64>,
+    /// Request headers in order; repeated names allowed.
+    pub request_headers: RefCell<Vec<(String, String)>>,
+    pub response_headers: RefCell<Vec<(String, String)>>,
+    pub request_body: RefCell<Vec<u8>>,
+    /// The response chunk of the current body callback.
+    pub response_body: RefCell<Vec<u8>>,
+    pub properties: RefCell<HashMap<String, Vec<u8>>>,
+    /// Filter state written by the filter (audit fields).
+    pub filter_state: RefCell<HashMap<String, Vec<u8>>>,
+    pub metrics: RefCell<HashMap<String, (MetricKind, i64)>>,
+    /// Every value recorded in each histogram.
+    pub histograms: RefCell<HashMap<String, Vec<u64>>>,
+    pub replies: RefCell<Vec<SentReply>>,
+    pub route_cache_clears: Cell<u32>,
+    /// `Some`: clearing the route cache fails with this.
+    pub route_cache_error: RefCell<Option<String>>,
+    pub logs: RefCell<Vec<(LogLevel, String)>>,
+    pub tick_period_ms: Cell<Option<u64>>,
+    pub callouts: RefCell<Vec<Callout>>,
+    /// `Some`: the next dispatch fails with this.
+    pub dispatch_error: RefCell<Option<String>>,
+    pub call_response_headers: RefCell<Vec<(String, String)>>,
+    pub call_response_body: RefCell<Vec<u8>>,
+}
+
+fn find(list: &[(String, String)], name: &str) -> Option<String> {
+    list.iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.clone())
+}
+
+fn put(list: &mut Vec<(String, String)>, name: &str, value: Option<&str>) {
+    list.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+    if let Some(value) = value {
+        list.push((name.to_string(), value.to_string()));
+    }
+}
+
+impl MockHost {
+    /// A host over its own shared data, its clock at `now_ms`.
+    pub fn new(now_ms: u64) -> MockHost {
+        MockHost::sharing(Arc::new(MemStore::default()), now_ms)
+    }
+
+    /// Another worker: the same shared data.
+    pub fn sharing(store: Arc<MemStore>, now_ms: u64) -> MockHost {
+        let host = MockHost {
+            store,
+            ..MockHost::default()
+        };
+        host.clock_ms.set(now_ms);
+        host
+    }
+
+    pub fn advance(&self, ms: u64) {
+        self.clock_ms.set(self.clock_ms.get() + ms);
+    }
+
+    /// Starts a new request on this host: its headers and body; what the
+    /// previous request left (response, replies, filter state) is cleared.
+    pub fn begin(&self, headers: &[(&str, &str)], body: &[u8]) {
+        *self.request_headers.borrow_mut() = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        *self.request_body.borrow_mut() = body.to_vec();
+        self.response_headers.borrow_mut().clear();
+        self.response_body.borrow_mut().clear();
+        self.replies.borrow_mut().clear();
+        self.filter_state.borrow_mut().clear();
+        self.properties.borrow_mut().remove("response.code_details");
+    }
+
+    pub fn respond(&self, headers: &[(&str, &str)]) {
+        *self.response_headers.borrow_mut() = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+    }
+
+    pub fn set_prop(&self, path: &[&str], value: &[u8]) {
+        self.properties
+            .borrow_mut()
+            .insert(path.join("."), value.to_vec());
+    }
+
+    pub fn req_header(&self, name: &str) -> Option<String> {
+        find(&self.request_headers.borrow(), name)
+    }
+
+    pub fn resp_header(&self, name: &str) -> Option<String> {
+        find(&self.response_headers.borrow(), name)
+    }
+
+    pub fn metric(&self, name: &str) -> Option<i64> {
+        self.metrics.borrow().get(name).map(|(_, v)| *v)
+    }
+
+    pub fn state(&self, name: &str) -> Option<String> {
+        let state = self.filter_state.borrow();
+        Some(String::from_utf8_lossy(state.get(name)?).into_owned())
+    }
+
+    pub fn last_reply(&self) -> Option<SentReply> {
+        self.replies.borrow().last().cloned()
+    }
+}
+
+impl SharedStore for MockHost {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.store.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+        self.store.set(key, value, cas)
+    }
+}
+
+impl Host for MockHost {
+    fn request_header(&self, name: &str) -> Option<String> {
+        self.req_header(name)
+    }
+
+    fn request_header_count(&self, name: &str) -> usize {
+        self.request_headers
+            .borrow()
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .count()
+    }
+
+    fn set_request_header(&self, name: &str, value: Option<&str>) {
+        put(&mut self.request_headers.borrow_mut(), name, value);
+    }
+
+    fn response_header(&self, name: &str) -> Option<String> {
+        self.resp_header(name)
+    }
+
+    fn set_response_header(&self, name: &str, value: Option<&str>) {
+        put(&mut self.response_headers.borrow_mut(), name, value);
+    }
+
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        let body = self.request_body.borrow();
+        body[..size.min(body.len())].to_vec()
+    }
+
+    fn replace_request_body(&self, size: usize, body: &[u8]) {
+        let mut old = self.request_body.borrow_mut();
+        let size = size.min(old.len());
+        old.splice(..size, body.iter().copied());
+    }
+
+    fn response_body(&self, size: usize) -> Vec<u8> {
+        let body = self.response_body.borrow();
+        body[..size.min(body.len())].to_vec()
+    }
+
+    fn replace_response_body(&self, size: usize, body: &[u8]) {
+        let mut old = self.response_body.borrow_mut();
+        let size = size.min(old.len());
+        old.splice(..size, body.iter().copied());
+    }
+
+    fn send_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.replies.borrow_mut().push(SentReply {
+            status,
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            body: body.to_vec(),
+        });
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.properties.borrow().get(&path.join(".")).cloned()
+    }
+
+    fn set_property(&self, name: &str, value: &[u8]) {
+        self.filter_state
+            .borrow_mut()
+            .insert(name.to_string(), value.to_vec());
+    }
+
+    fn clear_route_cache(&self) -> Result<(), String> {
+        self.route_cache_clears
+            .set(self.route_cache_clears.get() + 1);
+        match self.route_cache_error.borrow().clone() {
+            Some(why) => Err(why),
+            None => Ok(()),
+        }
+    }
+
+    fn metric_add(&self, kind: MetricKind, name: &str, by: i64) {
+        let mut metrics = self.metrics.borrow_mut();
+        let entry = metrics.entry(name.to_string()).or_insert((kind, 0));
+        entry.1 += by;
+    }
+
+    fn metric_record(&self, kind: MetricKind, name: &str, value: u64) {
+        if kind == MetricKind::Histogram {
+            self.histograms
+                .borrow_mut()
+                .entry(name.to_string())
+                .or_default()
+                .push(value);
+        }
+        self.metrics
+            .borrow_mut()
+            .insert(name.to_string(), (kind, value as i64));
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.clock_ms.get() * 1_000_000
+    }
+
+    fn log(&self, level: LogLevel, message: &str) {
+        self.logs.borrow_mut().push((level, message.to_string()));
+    }
+
+    fn set_tick_period_ms(&self, ms: u64) {
+        self.tick_period_ms.set(Some(ms));
+    }
+
+    fn dispatch_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout_ms: u64,
+    ) -> Result<u32, String> {
+        if let Some(why) = self.dispatch_error.borrow_mut().take() {
+            return Err(why);
+        }
+        let mut callouts = self.callouts.borrow_mut();
+        let token = callouts.len() as u32 + 1;
+        callouts.push(Callout {
+            token,
+            cluster: cluster.to_string(),
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            timeout_ms,
+        });
+        Ok(token)
+    }
+
+    fn call_response_header(&self, name: &str) -> Option<String> {
+        find(&self.call_response_headers.borrow(), name)
+    }
+
+    fn call_response_body(&self, size: usize) -> Vec<u8> {
+        let body = self.call_response_body.borrow();
+        body[..size.min(body.len())].to_vec()
+    }
+}
