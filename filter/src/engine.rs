@@ -394,6 +394,14 @@ impl Engine {
         })
     }
 
+    /// Must this admitted request be settled after its response? When it
+    /// holds token or spend units, and whenever the global spend breaker
+    /// watches spend (else a tier with request limits only would spend
+    /// without the breaker ever seeing it).
+    pub fn settles(&self, plan: &Plan) -> bool {
+        plan.settles() || self.policy.anomaly.is_some()
+    }
+
     /// 400 for a path that reads differently decoded once or twice.
     pub fn ambiguous_path(&self, identity: &Identity) -> Verdict {
         let reply = answer::rejected(

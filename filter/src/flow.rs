@@ -547,7 +547,8 @@ impl Request {
             }
             None => {
                 self.response_headers = verdict.response_headers;
-                if let Some(plan) = verdict.plan.filter(Plan::settles) {
+                let engine = &self.filter.engine;
+                if let Some(plan) = verdict.plan.filter(|p| engine.settles(p)) {
                     add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
                     self.plan = Some(plan);
                 }

@@ -693,6 +693,37 @@ fn the_global_breaker_gauge_follows_admission_and_settlement() {
 }
 
 #[test]
+fn the_global_breaker_sees_spend_of_tiers_without_token_buckets() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        json!({"default_tier": "t", "tiers": {"t": {"requests": "1000/min"}},
+               "models": {"paid": {"price": {"input_per_1k": 1.0, "output_per_1k": 1.0}}},
+               "anomaly": {"max_spend_per_hour": 0.05}}),
+    );
+    let mut admitted = 0;
+    for i in 0..20 {
+        let addr = format!("10.0.0.{i}:1");
+        let (mut req, action) = post(&poller, &host, &addr, &[], &chat("paid", 10));
+        if action == Action::Pause {
+            let reply = host.last_reply().unwrap();
+            assert_eq!(reply.header("x-sluice-reason"), Some("global_breaker_open"));
+            break;
+        }
+        admitted += 1;
+        answer(
+            &host,
+            &mut req,
+            "200",
+            &[("content-type", "application/json")],
+            "{\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":0}}",
+        );
+    }
+    // 0.01 per request: the ceiling of 0.05 is reached after five.
+    assert_eq!(admitted, 5, "{:?}", host.metrics);
+}
+
+#[test]
 fn a_repeated_credential_header_is_refused_at_the_headers() {
     let host = MockHost::new(T0);
     let poller = load(
