@@ -97,7 +97,7 @@ FULL_POLICY = {
             "tokens": HIGH_TOKENS,
             "input_tokens": HIGH_TOKENS,
             "daily_tokens": 1_000_000_000_000,
-            "daily_spend": 1_000_000_000,
+            "daily_spend": 1_000_000,  # $ a day: never reached here (the filter caps it near 1.8e7)
         },
     },
     "models": {
