@@ -49,7 +49,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "envoy/sluice.yaml"
-WASM = ROOT / "target/wasm32-wasip1/release/sluice_filter.wasm"
+# SLUICE_WASM: measure another build of the filter (A/B runs of the hot path).
+WASM = Path(os.environ.get("SLUICE_WASM") or ROOT / "target/wasm32-wasip1/release/sluice_filter.wasm")
 MOCK_LLM = ROOT / "target/release/mock-llm"
 TOOLS_DIR = ROOT / "target/bench/tools"
 YAML2JSON_MANIFEST = ROOT / "bench/yaml2json/Cargo.toml"
