@@ -15,6 +15,7 @@
 //!   probe).
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::config::Policy;
@@ -65,6 +66,9 @@ pub struct Filter {
     pub engine: Engine,
     seen: RefCell<(u32, Rc<Seen>)>,
     dice: Cell<u64>,
+    /// Principal → its salted audit hash: a SHA-256 per request saved for
+    /// callers seen before. Bounded like the key-hash cache.
+    audit_principals: RefCell<HashMap<String, String>>,
 }
 
 impl Filter {
@@ -73,7 +77,24 @@ impl Filter {
             engine,
             seen: RefCell::new((0, Rc::new(Seen::default()))),
             dice: Cell::new(0),
+            audit_principals: RefCell::default(),
         }
+    }
+
+    /// The audit log's name of a caller (salted hash), cached per VM.
+    fn audit_principal(&self, identity: &Identity) -> String {
+        let Ok(mut cache) = self.audit_principals.try_borrow_mut() else {
+            return self.engine.audit_principal(identity);
+        };
+        if let Some(hash) = cache.get(&identity.principal) {
+            return hash.clone();
+        }
+        let hash = self.engine.audit_principal(identity);
+        if cache.len() >= crate::principal::KEY_HASH_CACHE {
+            cache.clear();
+        }
+        cache.insert(identity.principal.clone(), hash.clone());
+        hash
     }
 
     /// The sidecar state in shared data, decoded again only when it changed.
@@ -608,7 +629,7 @@ impl Request {
         self.audit(host, "sluice_reason", l.reason);
         self.audit(host, "sluice_tier", &l.tier);
         if let Some(identity) = &self.identity {
-            let principal = self.engine().audit_principal(identity);
+            let principal = self.filter.audit_principal(identity);
             self.audit(host, "sluice_principal", &principal);
         }
         if let Some(bucket) = &verdict.bucket {

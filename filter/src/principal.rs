@@ -23,6 +23,7 @@
 //! - A credential header that is present but empty is refused, not taken as
 //!   "no credential".
 
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 
 use sha2::{Digest, Sha256};
@@ -106,7 +107,16 @@ pub struct Resolver {
     key_tiers: HashMap<String, String>,
     /// The principal names of those keys.
     declared_principals: HashSet<String>,
+    /// SHA-256 (hex) of keys seen lately: a client sends the same key on
+    /// every request, and hashing it each time was a measurable part of the
+    /// request path. Bounded (see [`KEY_HASH_CACHE`]).
+    key_hashes: RefCell<HashMap<String, String>>,
 }
+
+/// Most API keys whose hash one VM remembers. When full, the cache starts
+/// over: a client sending ever new keys costs a hash per request, as without
+/// a cache, and memory stays bounded.
+pub const KEY_HASH_CACHE: usize = 1024;
 
 impl Resolver {
     pub fn new(policy: &Policy) -> Resolver {
@@ -130,6 +140,7 @@ impl Resolver {
             default_tier: policy.default_tier.clone(),
             tiers: policy.tiers.keys().cloned().collect(),
             key_tiers,
+            key_hashes: RefCell::default(),
         }
     }
 
@@ -141,6 +152,22 @@ impl Resolver {
             .iter()
             .map(|(hash, tier)| (key_principal(hash), tier.clone()))
             .collect()
+    }
+
+    /// SHA-256 (hex) of a presented key, from the cache when seen before.
+    fn key_hash(&self, key: &str) -> String {
+        let Ok(mut cache) = self.key_hashes.try_borrow_mut() else {
+            return sha256_hex(key.as_bytes());
+        };
+        if let Some(hash) = cache.get(key) {
+            return hash.clone();
+        }
+        let hash = sha256_hex(key.as_bytes());
+        if cache.len() >= KEY_HASH_CACHE {
+            cache.clear();
+        }
+        cache.insert(key.to_string(), hash.clone());
+        hash
     }
 
     pub fn resolve(&self, req: &dyn RequestView) -> Result<Identity, Refusal> {
@@ -188,7 +215,7 @@ impl Resolver {
         let mut bearer_key = None;
         if let Some(token) = bearer {
             let looks_jwt = token.contains('.');
-            let known = self.key_tiers.contains_key(&sha256_hex(token.as_bytes()));
+            let known = self.key_tiers.contains_key(&self.key_hash(&token));
             if bearer_keys && (known || !looks_jwt) {
                 bearer_key = Some(token);
             } else if looks_jwt {
@@ -241,7 +268,7 @@ impl Resolver {
             }),
             IdentitySource::ApiKey => match (cfg.api_key.as_ref(), presented.key.as_ref()) {
                 (Some(k), Some(raw)) => {
-                    let hash = sha256_hex(raw.as_bytes());
+                    let hash = self.key_hash(raw);
                     let tier = self.key_tiers.get(&hash).cloned();
                     if tier.is_none() && k.unknown_keys == UnknownKeys::Reject {
                         return Err(Refusal::UnknownKey);
@@ -301,7 +328,14 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// Lower-case hex of bytes.
 pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    // No `format!` per byte: this runs on every request.
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    out
 }
 
 /// FNV-1a, 64 bits: stable across builds (slots survive an upgrade) and
@@ -622,6 +656,29 @@ mod tests {
             assert_eq!((principal.as_str(), tier.as_str()), ("ip:10.0.0.9", "free"));
         }
         assert_eq!(who(&r, &[("x-api-key", "k-pro")], &[]).unwrap().1, "pro");
+    }
+
+    #[test]
+    fn key_hashes_are_cached_bounded_and_equal_to_sha256() {
+        let r = front_door();
+        assert_eq!(
+            hex(&[0x00, 0x0f, 0xa5, 0xff]),
+            "000fa5ff",
+            "hex is lower-case, two digits a byte"
+        );
+        let first = r.key_hash("some-key");
+        assert_eq!(first, sha256_hex(b"some-key"));
+        assert_eq!(r.key_hash("some-key"), first, "from the cache");
+        for i in 0..KEY_HASH_CACHE + 10 {
+            let key = format!("k{i}");
+            assert_eq!(r.key_hash(&key), sha256_hex(key.as_bytes()));
+        }
+        assert!(r.key_hashes.borrow().len() <= KEY_HASH_CACHE);
+        assert_eq!(
+            r.key_hash("some-key"),
+            first,
+            "after the cache started over"
+        );
     }
 
     #[test]
