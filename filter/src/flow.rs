@@ -336,6 +336,9 @@ pub struct Request {
     api: Api,
     /// The canonical path (`request::canonical_path`), for route buckets.
     path: String,
+    /// The request headers, read once (after the fallback header is
+    /// removed) for every header the path reads: one host call.
+    request_headers: Option<Vec<(String, String)>>,
     response_headers: Vec<(String, String)>,
     decided: bool,
     /// Request body bytes buffered so far (for a request that ends with
@@ -365,6 +368,7 @@ impl Request {
             identity: None,
             api: Api::Other,
             path: String::new(),
+            request_headers: None,
             response_headers: Vec::new(),
             decided: false,
             body_size: 0,
@@ -382,16 +386,26 @@ impl Request {
         &self.filter.engine
     }
 
+    /// A request header, from the snapshot of the request headers.
+    fn header(&self, host: &dyn Host, name: &str) -> Option<String> {
+        crate::principal::RequestView::header(
+            &HostRequest(host, self.request_headers.as_deref()),
+            name,
+        )
+    }
+
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         self.started_ms = host.now_ms();
         // Only sluice may choose the fallback route, also when the policy
         // has no `fallback` section but the Envoy routes still match it.
         let header = self.engine().policy.fallback.as_ref().map(|f| &f.header);
         host.set_request_header(header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str), None);
-        let raw_path = host.request_header(":path").unwrap_or_default();
-        let method = host.request_header(":method").unwrap_or_default();
+        self.request_headers = host.request_headers();
+        let raw_path = self.header(host, ":path").unwrap_or_default();
+        let method = self.header(host, ":method").unwrap_or_default();
         self.api = Api::classify(&method, &raw_path);
-        let identity = match self.engine().identify(&HostRequest(host)) {
+        let view = HostRequest(host, self.request_headers.as_deref());
+        let identity = match self.engine().identify(&view) {
             Ok(identity) => identity,
             Err(verdict) => return self.finish(host, *verdict),
         };
@@ -406,7 +420,7 @@ impl Request {
             Err(_) => self.path = raw_path,
         }
         let declared = if self.api.reads_body() {
-            host.request_header("content-length")
+            self.header(host, "content-length")
                 .and_then(|v| v.trim().parse::<u64>().ok())
         } else {
             None
@@ -674,7 +688,8 @@ impl Request {
             );
             self.response_hash = Some(sha2::Digest::new());
         }
-        let mut pushback = engine.pushback(host, model, &HostRequest(host), &identity, now);
+        let view = HostRequest(host, self.request_headers.as_deref());
+        let mut pushback = engine.pushback(host, model, &view, &identity, now);
         let seen = if engine.policy.sidecar.is_some() {
             filter.seen(host)
         } else {

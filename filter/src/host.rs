@@ -46,6 +46,9 @@ pub trait Host: SharedStore {
     /// How many times a request header appears; `usize::MAX` when the host
     /// cannot say (a credential is then refused as repeated).
     fn request_header_count(&self, name: &str) -> usize;
+    /// Every request header in order, repeats included, in one host call;
+    /// `None` when the host cannot say.
+    fn request_headers(&self) -> Option<Vec<(String, String)>>;
     /// Sets (`Some`) or removes (`None`) a request header.
     fn set_request_header(&self, name: &str, value: Option<&str>);
     fn response_header(&self, name: &str) -> Option<String>;
@@ -93,16 +96,30 @@ pub trait Host: SharedStore {
     fn call_response_body(&self, size: usize) -> Vec<u8>;
 }
 
-/// The request as identity reads it, through the host.
-pub struct HostRequest<'a>(pub &'a dyn Host);
+/// The request as identity reads it: headers from a snapshot taken once
+/// (one host call instead of one per header), or from the host when there
+/// is none; claims and address through the host.
+pub struct HostRequest<'a>(pub &'a dyn Host, pub Option<&'a [(String, String)]>);
 
 impl RequestView for HostRequest<'_> {
     fn header(&self, name: &str) -> Option<String> {
-        self.0.request_header(name)
+        match self.1 {
+            Some(headers) => headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.clone()),
+            None => self.0.request_header(name),
+        }
     }
 
     fn header_count(&self, name: &str) -> usize {
-        self.0.request_header_count(name)
+        match self.1 {
+            Some(headers) => headers
+                .iter()
+                .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                .count(),
+            None => self.0.request_header_count(name),
+        }
     }
 
     fn jwt_claim(&self, namespace: &str, payload_key: &str, claim: &str) -> Option<String> {

@@ -103,6 +103,17 @@ impl Host for WasmHost {
             .unwrap_or(usize::MAX)
     }
 
+    fn request_headers(&self) -> Option<Vec<(String, String)>> {
+        // Bytes, for the reason in `header_text`.
+        let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).ok()?;
+        Some(
+            headers
+                .into_iter()
+                .map(|(n, v)| (n, String::from_utf8_lossy(&v).into_owned()))
+                .collect(),
+        )
+    }
+
     fn set_request_header(&self, name: &str, value: Option<&str>) {
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
     }

@@ -171,6 +171,10 @@ impl Host for MockHost {
             .count()
     }
 
+    fn request_headers(&self) -> Option<Vec<(String, String)>> {
+        Some(self.request_headers.borrow().clone())
+    }
+
     fn set_request_header(&self, name: &str, value: Option<&str>) {
         put(&mut self.request_headers.borrow_mut(), name, value);
     }
