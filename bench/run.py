@@ -163,13 +163,17 @@ VARIANTS = {
     "e": f"LiteLLM proxy {LITELLM_VERSION}",
     "f": "floor: empty filter",
     "g": "floor: body-reading filter",
+    "h": "as (c), baseline build (--base-wasm)",
+    "i": "as (d), baseline build (--base-wasm)",
 }
-# Table order: each floor just above the sluice variant it bounds.
-ROW_ORDER = "abfcgde"
+# Table order: each floor just above the sluice variant it bounds, an A/B
+# baseline just above the build it is compared with.
+ROW_ORDER = "abfhcgide"
 # Which workloads each variant runs (LiteLLM answers /v1/models itself; the
 # body-reading floor is the bound for (d), which only runs the POST).
 VARIANT_WORKLOADS = {"a": ["get", "chat"], "b": ["get", "chat"], "c": ["get", "chat"],
-                     "d": ["chat"], "e": ["chat"], "f": ["get", "chat"], "g": ["chat"]}
+                     "d": ["chat"], "e": ["chat"], "f": ["get", "chat"], "g": ["chat"],
+                     "h": ["get", "chat"], "i": ["chat"]}
 # Floor variant → the plugin configuration bench/floor-filter reads.
 FLOOR_MODES = {"f": "empty", "g": "body-reading"}
 
@@ -405,7 +409,7 @@ def bench_policy(shipped, policy, access_log):
     return policy
 
 
-def envoy_config(shipped, upstream_port, filters, policy=None, access_log=True):
+def envoy_config(shipped, upstream_port, filters, policy=None, access_log=True, wasm=WASM):
     """The shipped bootstrap with ports on 0, the upstream cluster on mock-llm
     and the HTTP filters replaced: `filters` is "none", "local_ratelimit",
     "sluice" (then with `policy` swapped in; jwt_authn is removed: no JWT is
@@ -439,6 +443,8 @@ def envoy_config(shipped, upstream_port, filters, policy=None, access_log=True):
             conf["value"] = json.dumps(policy)
         else:
             conf["value"] = copy.deepcopy(policy)
+        sluice["typed_config"]["config"]["vm_config"]["code"] = {
+            "local": {"filename": str(wasm)}}
         kept.insert(kept.index(router), sluice)
         hcm["http_filters"] = kept
     elif filters.startswith("floor:"):
@@ -1246,7 +1252,7 @@ def parse_args(argv):
     p.add_argument("--variants", default="abcdefg",
                    help="letters: a bare Envoy, b local_ratelimit, c sluice header-only, "
                         "d sluice full, e LiteLLM, f floor: empty filter, g floor: "
-                        "body-reading filter")
+                        "body-reading filter, h/i: c/d with --base-wasm")
     p.add_argument("--duration", type=float, default=6)
     p.add_argument("--warmup", type=float, default=2)
     p.add_argument("--reps", type=int, default=5)
@@ -1270,6 +1276,9 @@ def parse_args(argv):
     p.add_argument("--install-litellm", action="store_true",
                    help=f"create {LITELLM_VENV.relative_to(ROOT)} with litellm[proxy]=="
                         f"{LITELLM_VERSION} if missing")
+    p.add_argument("--base-wasm", type=Path,
+                   help="variants h and i: (c) and (d) with this build of the filter, "
+                        "interleaved with the current one (A/B of a change in one run)")
     p.add_argument("--load-note", default="", help="free text on the machine's load")
     args = p.parse_args(argv)
     if args.smoke:
@@ -1284,6 +1293,8 @@ def parse_args(argv):
     if unknown:
         known = "".join(VARIANTS)
         p.error(f"--variants: no variant {', '.join(unknown)} (known: {known})")
+    if set(args.variants) & set("hi") and not (args.base_wasm and args.base_wasm.exists()):
+        p.error("--variants h, i need --base-wasm (an existing .wasm)")
     args.exact_concurrency = [int(x) for x in args.exact_concurrency.split(",") if x]
     if args.loadgen is None:
         args.loadgen = "wrk" if shutil.which("wrk") else "python"
@@ -1349,13 +1360,16 @@ def main(argv):
             else:
                 filters, policy = {"a": ("none", None), "b": ("local_ratelimit", None),
                                    "c": ("sluice", HEADER_POLICY),
-                                   "d": ("sluice", FULL_POLICY)}.get(
+                                   "d": ("sluice", FULL_POLICY),
+                                   "h": ("sluice", HEADER_POLICY),
+                                   "i": ("sluice", FULL_POLICY)}.get(
                                        key, (f"floor:{FLOOR_MODES.get(key)}", None))
                 if key in FLOOR_MODES:
                     floor_wasm()
                 if policy is not None:
                     policy = bench_policy(shipped, policy, args.access_log)
-                cfg = envoy_config(shipped, mock.port, filters, policy, args.access_log)
+                wasm = args.base_wasm if key in "hi" else WASM
+                cfg = envoy_config(shipped, mock.port, filters, policy, args.access_log, wasm)
                 server = Envoy(procs, workdir, key, cfg, args.envoy_concurrency)
             server.key = key
             for wl in VARIANT_WORKLOADS[key]:
