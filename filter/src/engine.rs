@@ -10,6 +10,7 @@ use serde_json::Value;
 use crate::anomaly::UsageRing;
 use crate::answer::{self, Limited, Reason, Reply};
 use crate::bucket::Quota;
+use crate::codec::Record;
 use crate::config::{Budget, Limit, Mode, Policy, Window};
 use crate::estimate::{self, Correction};
 use crate::health::{self, OnStale, Pushback, Route, Seen, Situation};

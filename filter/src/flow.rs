@@ -17,6 +17,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+use crate::codec::{PollLease, Record};
 use crate::config::Policy;
 use crate::engine::{Engine, Plan, Routed, Verdict};
 use crate::health::{self, Pushback, Seen};
@@ -82,10 +83,10 @@ impl Filter {
             return Rc::new(Seen::default());
         };
         let Ok(mut cached) = self.seen.try_borrow_mut() else {
-            return Rc::new(health::decode_seen(&bytes));
+            return Rc::new(crate::codec::decode_seen(&bytes));
         };
         if cached.0 != cas {
-            *cached = (cas, Rc::new(health::decode_seen(&bytes)));
+            *cached = (cas, Rc::new(crate::codec::decode_seen(&bytes)));
         }
         cached.1.clone()
     }
@@ -200,19 +201,15 @@ impl Poller {
     /// Takes or renews the poller lease: one VM in the whole Envoy polls.
     fn hold_lease(&self, host: &dyn Host, now: u64) -> bool {
         let (bytes, cas) = host.get(POLLER_KEY).unwrap_or_default();
-        let word = |i: usize| {
-            bytes
-                .get(i..i + 8)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map_or(0, u64::from_le_bytes)
-        };
-        let (owner, expires) = (word(0), word(8));
-        if owner != self.id && expires > now {
+        let lease = PollLease::decode(&bytes);
+        if lease.owner != self.id && lease.expires_ms > now {
             return false;
         }
-        let mut next = self.id.to_le_bytes().to_vec();
-        next.extend_from_slice(&(now + LEASE_MS).to_le_bytes());
-        host.set(POLLER_KEY, &next, cas).is_ok()
+        let next = PollLease {
+            owner: self.id,
+            expires_ms: now + LEASE_MS,
+        };
+        host.set(POLLER_KEY, &next.encode(), cas).is_ok()
     }
 
     fn dispatch_poll(&mut self, host: &dyn Host, now: u64) {
@@ -294,7 +291,7 @@ impl Poller {
         set_gauge(host, metrics::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
-        let _ = host.set(SIDECAR_KEY, &health::encode_seen(now, &body), 0);
+        let _ = host.set(SIDECAR_KEY, &crate::codec::encode_seen(now, &body), 0);
         if self.hold_lease(host, now) {
             self.dispatch_poll(host, now);
         }

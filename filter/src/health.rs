@@ -25,6 +25,7 @@
 
 use serde::Deserialize;
 
+use crate::codec::Record;
 use crate::store::{SharedStore, StoreError};
 
 /// The sidecar's `/v1/state`, as far as the filter needs it.
@@ -79,25 +80,6 @@ pub enum OnStale {
     FailClosed,
 }
 
-/// Shared-data encoding of a received state: receive time, then the JSON.
-pub fn encode_seen(received_ms: u64, json: &[u8]) -> Vec<u8> {
-    let mut out = received_ms.to_le_bytes().to_vec();
-    out.extend_from_slice(json);
-    out
-}
-
-pub fn decode_seen(bytes: &[u8]) -> Seen {
-    if bytes.len() < 8 {
-        return Seen::default();
-    }
-    let mut ms = [0u8; 8];
-    ms.copy_from_slice(&bytes[..8]);
-    Seen {
-        state: serde_json::from_slice(&bytes[8..]).ok(),
-        received_ms: u64::from_le_bytes(ms),
-    }
-}
-
 /// Whose credential an upstream sees (`protection.credentials`, per model
 /// `models.<name>.credentials`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -119,7 +101,6 @@ pub const MAX_CALLERS: usize = 8;
 pub const PROBE_LEASE_MS: u64 = 30_000;
 /// Tries of the CAS loop on a pushback record before the change is dropped.
 const CAS_TRIES: u32 = 16;
-const RECORD_LEN: usize = 7 * 8 + (2 + MAX_CALLERS) * 4;
 
 /// What the last responses of one model route said. Kept per route in
 /// shared data so every worker pauses and breaks together; fixed size,
@@ -150,64 +131,6 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    pub fn encode(&self) -> [u8; RECORD_LEN] {
-        let mut out = [0u8; RECORD_LEN];
-        let words = [
-            self.paused_until_ms,
-            self.credential_pauses_until_ms,
-            self.streak_since_ms,
-            self.open_until_ms,
-            self.cooldown_ms,
-            self.probe_until_ms,
-            self.barred_until_ms,
-        ];
-        for (i, w) in words.iter().enumerate() {
-            out[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
-        }
-        let halves = [self.failures, self.barred]
-            .into_iter()
-            .chain(self.callers.iter().copied());
-        for (i, h) in halves.enumerate() {
-            let at = 56 + i * 4;
-            out[at..at + 4].copy_from_slice(&h.to_le_bytes());
-        }
-        out
-    }
-
-    /// A value of another length (an older layout, a blank key) reads as
-    /// a clean record.
-    pub fn decode(b: &[u8]) -> Upstream {
-        if b.len() != RECORD_LEN {
-            return Upstream::default();
-        }
-        let word = |i: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&b[i * 8..i * 8 + 8]);
-            u64::from_le_bytes(w)
-        };
-        let half = |i: usize| {
-            let mut w = [0u8; 4];
-            w.copy_from_slice(&b[56 + i * 4..60 + i * 4]);
-            u32::from_le_bytes(w)
-        };
-        let mut callers = [0u32; MAX_CALLERS];
-        for (i, c) in callers.iter_mut().enumerate() {
-            *c = half(2 + i);
-        }
-        Upstream {
-            paused_until_ms: word(0),
-            credential_pauses_until_ms: word(1),
-            streak_since_ms: word(2),
-            open_until_ms: word(3),
-            cooldown_ms: word(4),
-            probe_until_ms: word(5),
-            barred_until_ms: word(6),
-            failures: half(0),
-            barred: half(1),
-            callers,
-        }
-    }
-
     pub fn is_blank(&self) -> bool {
         *self == Upstream::default()
     }
@@ -335,28 +258,6 @@ pub struct CredentialPause {
 }
 
 impl CredentialPause {
-    pub fn encode(&self) -> [u8; 16] {
-        let mut out = [0u8; 16];
-        out[..8].copy_from_slice(&self.fingerprint.to_le_bytes());
-        out[8..].copy_from_slice(&self.until_ms.to_le_bytes());
-        out
-    }
-
-    pub fn decode(b: &[u8]) -> CredentialPause {
-        let word = |i: usize| {
-            b.get(i..i + 8)
-                .and_then(|w| <[u8; 8]>::try_from(w).ok())
-                .map_or(0, u64::from_le_bytes)
-        };
-        if b.len() != 16 {
-            return CredentialPause::default();
-        }
-        CredentialPause {
-            fingerprint: word(0),
-            until_ms: word(8),
-        }
-    }
-
     /// When this credential's pause ends (0: it is not paused).
     pub fn until_for(&self, fingerprint: u64, now_ms: u64) -> u64 {
         if self.fingerprint == fingerprint && self.until_ms > now_ms {
@@ -468,7 +369,7 @@ fn update_record(
         let current = bytes.map(Upstream::decode).unwrap_or_default();
         let updated = next(current);
         seen = (current, updated);
-        (updated != current).then(|| updated.encode().to_vec())
+        (updated != current).then(|| updated.encode())
     })?;
     Ok(seen)
 }
@@ -567,8 +468,7 @@ pub fn record(
                         until_ms: until,
                         ..slot_pause
                     }
-                    .encode()
-                    .to_vec(),
+                    .encode(),
                 )
             });
             out.dropped |= written.is_err();
@@ -785,7 +685,7 @@ mod tests {
     use super::*;
 
     fn seen(json: &str, at: u64) -> Seen {
-        decode_seen(&encode_seen(at, json.as_bytes()))
+        crate::codec::decode_seen(&crate::codec::encode_seen(at, json.as_bytes()))
     }
 
     fn situation<'a>(seen: &'a Seen, upstream: Upstream, now_ms: u64, dice: u32) -> Situation<'a> {

@@ -23,6 +23,7 @@
 use sha2::{Digest, Sha256};
 
 use crate::answer::{self, Reason};
+use crate::codec::Record;
 use crate::engine::{Engine, Routed, Verdict};
 use crate::health::{self, Answer, Credentials, Protection, Pushback, Recorded};
 use crate::principal::{Identity, RequestView};

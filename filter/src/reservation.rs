@@ -48,6 +48,7 @@
 //! those units in use and be refused: the error is on the safe side.
 
 use crate::bucket::{window_start, BucketState, Quota, Shortfall, SCALE};
+use crate::codec::Record;
 use crate::config::Limit;
 use crate::store::{SharedStore, StoreError};
 
@@ -238,44 +239,16 @@ fn cell_key(rule: &str, row: u32, col: u32) -> String {
 
 /// A hashed slot: the bucket and when its owner last took or settled.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Slot {
-    state: BucketState,
-    touched_ms: u64,
-}
-
-impl Slot {
-    fn decode(bytes: &[u8]) -> Slot {
-        let state = BucketState::decode(bytes.get(..24).unwrap_or_default()).unwrap_or_default();
-        let touched_ms = bytes
-            .get(24..32)
-            .and_then(|b| <[u8; 8]>::try_from(b).ok())
-            .map_or(state.updated_ms, u64::from_le_bytes);
-        Slot { state, touched_ms }
-    }
-
-    fn encode(&self) -> Vec<u8> {
-        let mut out = self.state.encode().to_vec();
-        out.extend_from_slice(&self.touched_ms.to_le_bytes());
-        out
-    }
+pub(crate) struct Slot {
+    pub state: BucketState,
+    pub touched_ms: u64,
 }
 
 /// One sketch cell: millionths charged in the window starting at `window`.
-fn decode_cell(bytes: &[u8]) -> (u64, u64) {
-    let word = |i: usize| {
-        bytes
-            .get(i..i + 8)
-            .and_then(|b| <[u8; 8]>::try_from(b).ok())
-            .map_or(0, u64::from_le_bytes)
-    };
-    (word(0), word(8))
-}
-
-fn encode_cell(window: u64, used: u64) -> [u8; 16] {
-    let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&window.to_le_bytes());
-    out[8..].copy_from_slice(&used.to_le_bytes());
-    out
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SketchCell {
+    pub window: u64,
+    pub used: u64,
 }
 
 /// Column of `principal` in sketch row `row`: an independent mix per row
@@ -389,8 +362,8 @@ impl Reserver<'_> {
         };
         if h.placement != Placement::Hashed {
             self.update(&h.key, effort, |bytes| {
-                let state = BucketState::decode(bytes).unwrap_or_default();
-                Some(apply(state).encode().to_vec())
+                let state = BucketState::decode(bytes);
+                Some(apply(state).encode())
             });
             return;
         }
@@ -505,7 +478,7 @@ impl Reserver<'_> {
                     touched_ms: now_ms,
                 }
                 .encode(),
-                _ => next.encode().to_vec(),
+                _ => next.encode(),
             };
             match self.store.set(&at.key, &bytes, at.cas) {
                 Ok(()) => {
@@ -553,7 +526,7 @@ impl Reserver<'_> {
             let (bytes, cas) = read(&key).unwrap_or_default();
             return Ok(Located {
                 key,
-                state: BucketState::decode(&bytes).unwrap_or_default(),
+                state: BucketState::decode(&bytes),
                 cas,
                 owner: 0,
                 placement: Placement::Global,
@@ -567,7 +540,7 @@ impl Reserver<'_> {
             if let Some((bytes, cas)) = read(&key) {
                 return Ok(Located {
                     key,
-                    state: BucketState::decode(&bytes).unwrap_or_default(),
+                    state: BucketState::decode(&bytes),
                     cas,
                     owner,
                     placement: Placement::Dedicated,
@@ -668,9 +641,9 @@ impl Reserver<'_> {
                         let key =
                             cell_key(&rule.id, row, column(owner, row, self.layout.sketch_width));
                         let (bytes, _) = self.store.get(&key).unwrap_or_default();
-                        let (window, used) = decode_cell(&bytes);
-                        if window == start {
-                            used
+                        let cell = SketchCell::decode(&bytes);
+                        if cell.window == start {
+                            cell.used
                         } else {
                             0
                         }
@@ -706,9 +679,15 @@ impl Reserver<'_> {
         for row in 0..SKETCH_DEPTH {
             let key = cell_key(rule, row, column(owner, row, self.layout.sketch_width));
             let added = self.update(&key, effort, |bytes| {
-                let (w, used) = decode_cell(bytes);
-                let used = if w == start { used } else { 0 };
-                Some(encode_cell(start, used.saturating_add(scaled)).to_vec())
+                let cell = SketchCell::decode(bytes);
+                let used = if cell.window == start { cell.used } else { 0 };
+                Some(
+                    SketchCell {
+                        window: start,
+                        used: used.saturating_add(scaled),
+                    }
+                    .encode(),
+                )
             });
             if added != Update::Written {
                 for undo in 0..row {
@@ -748,8 +727,14 @@ impl Reserver<'_> {
 
     fn cell_sub(&self, key: &str, start: u64, scaled: u64) {
         self.update(key, &mut Effort::default(), |bytes| {
-            let (w, used) = decode_cell(bytes);
-            (w == start).then(|| encode_cell(start, used.saturating_sub(scaled)).to_vec())
+            let cell = SketchCell::decode(bytes);
+            (cell.window == start).then(|| {
+                SketchCell {
+                    window: start,
+                    used: cell.used.saturating_sub(scaled),
+                }
+                .encode()
+            })
         });
     }
 }
@@ -1230,7 +1215,7 @@ mod tests {
                     prop_assert!(held.iter().filter(|(x, _)| *x == q).count() <= 3);
                 }
                 let (bytes, _) = store.get("sluice:v1:model/m").unwrap();
-                let state = BucketState::decode(&bytes).unwrap();
+                let state = BucketState::decode(&bytes);
                 prop_assert_eq!(state.used, per_model as u64 * crate::bucket::SCALE);
             }
         }

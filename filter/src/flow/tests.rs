@@ -402,7 +402,7 @@ fn sidecar_policy() -> Value {
 }
 
 fn publish(host: &MockHost, state: Value) {
-    let bytes = health::encode_seen(host.now_ms(), state.to_string().as_bytes());
+    let bytes = crate::codec::encode_seen(host.now_ms(), state.to_string().as_bytes());
     host.set(SIDECAR_KEY, &bytes, 0).unwrap();
 }
 
@@ -519,7 +519,7 @@ fn one_root_holds_the_poll_lease_and_renews_it_while_polling() {
     pa.on_call_response(&a, 99, 10); // not our token: ignored
     assert!(b.get(SIDECAR_KEY).is_none());
     pa.on_call_response(&a, poll.token, state.to_string().len());
-    let seen = health::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
+    let seen = crate::codec::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
     assert_eq!(seen.state.unwrap().version, 9);
     assert_eq!(a.metric(metrics::KILL_SWITCH), Some(1));
     assert_eq!(a.metric(metrics::BREAKERS_OPEN), Some(1));
