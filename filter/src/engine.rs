@@ -17,10 +17,8 @@ use crate::health::{self, OnStale, Pushback, Route, Seen, Situation};
 use crate::principal::{Identity, RequestView, Resolver};
 use crate::reconcile::Found;
 use crate::request::{self, Api, Demand};
-use crate::reservation::{
-    prepare, Caller, Claim, Effort, Held, Layout, Refusal, Reserver, Rule, Scope,
-};
-use crate::store::{SharedStore, StoreError};
+use crate::reservation::{prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope};
+use crate::store::{self, Contention, SharedStore, StoreError, Updated};
 
 /// Metric labels of one decision. Bounded: tiers and models come from the
 /// policy (`other` for unlisted models), reasons from a fixed set.
@@ -42,7 +40,10 @@ pub struct Verdict {
     /// The request body to send upstream instead of the client's.
     pub body: Option<Vec<u8>>,
     pub labels: Labels,
-    pub effort: Effort,
+    /// Compare-and-swap races lost while deciding.
+    pub contention: Contention,
+    /// Refused because no per-caller slot was free (`capacity_exhausted`).
+    pub no_slot: bool,
     /// What was reserved, to settle after the response.
     pub plan: Option<Plan>,
     /// Budget alert thresholds crossed by this request.
@@ -162,6 +163,10 @@ pub struct Settled {
     pub surge: bool,
     /// The global spend breaker is open after this request.
     pub global_open: bool,
+    /// Buckets whose extra charge (usage past the reservation) could not be
+    /// written even with the settlement's larger retry bound: counted in
+    /// `sluice_cas_exhausted_total` and logged, never silently lost.
+    pub charges_unwritten: u32,
 }
 
 /// A parsed request body and its raw input estimate.
@@ -607,7 +612,7 @@ impl Engine {
 
         // Reserve; when a hard token budget cannot cover the maximum output,
         // ask the model for only what it still covers (no overshoot).
-        let mut effort = Effort::default();
+        let mut effort = Contention::default();
         let pricing = self.pricing_of(model.as_deref());
         let applying = self.applying(identity, model.as_deref(), path);
         let mut lowered = false;
@@ -683,7 +688,8 @@ impl Engine {
             response_headers: headers,
             body,
             labels: labels("admit", "none"),
-            effort,
+            contention: effort,
+            no_slot: false,
             plan,
             alerts,
             degraded,
@@ -723,7 +729,7 @@ impl Engine {
         taken: &[usize],
         identity: &Identity,
         labels: impl Fn(&'static str, &'static str) -> Labels,
-        mut effort: Effort,
+        mut effort: Contention,
         now_ms: u64,
     ) -> Verdict {
         let (index, quota, retry_after_ms) = match refusal {
@@ -744,7 +750,8 @@ impl Engine {
                     response_headers: Vec::new(),
                     body: None,
                     labels: labels("refuse", reason.code()),
-                    effort,
+                    contention: effort,
+                    no_slot: true,
                     plan: None,
                     alerts: Vec::new(),
                     degraded: None,
@@ -754,9 +761,13 @@ impl Engine {
             Refusal::Full { index, shortfall } => {
                 (index, shortfall.quota, shortfall.retry_after_ms)
             }
-            // Lost every CAS race: refuse by that bucket, briefly.
+            // Lost every CAS race (counted where it was lost) or the host
+            // refused the write (counted here): refuse by that bucket,
+            // briefly.
             Refusal::Contended { index } | Refusal::Host { index, .. } => {
-                effort.exhausted = true;
+                if matches!(refusal, Refusal::Host { .. }) {
+                    effort.cas_exhausted = effort.cas_exhausted.saturating_add(1);
+                }
                 let limit = self.buckets[taken[index]].rule.limit.capacity();
                 (
                     index,
@@ -787,7 +798,8 @@ impl Engine {
             response_headers: Vec::new(),
             body: None,
             labels: labels("refuse", bucket.reason.code()),
-            effort,
+            contention: effort,
+            no_slot: false,
             plan: None,
             alerts: Vec::new(),
             degraded: None,
@@ -859,31 +871,31 @@ impl Engine {
         output_counted: u64,
         upstream_ok: bool,
         now_ms: u64,
-    ) -> (Settled, Effort) {
+    ) -> (Settled, Contention) {
         let (input, output, from_usage) = match found {
             Found::Usage(u) => (u.input, u.output, true),
             _ if !upstream_ok => (0, 0, false),
             _ => (plan.input_estimate, output_counted, false),
         };
         let reserver = self.reserver(store);
-        let mut effort = Effort::default();
+        let mut effort = Contention::default();
+        let mut charges_unwritten = 0;
         for (held, meter) in plan.held.iter().zip(&plan.meters) {
             if *meter != Meter::Requests {
-                reserver.settle(
-                    held,
-                    meter.amount(input, output, plan.pricing),
-                    now_ms,
-                    &mut effort,
-                );
+                let actual = meter.amount(input, output, plan.pricing);
+                if !reserver.settle(held, actual, now_ms, &mut effort) && actual > held.amount {
+                    charges_unwritten += 1;
+                }
             }
         }
         if from_usage && input > 0 {
             if let Some(model) = &plan.model {
-                self.learn(store, model, plan.input_raw, input);
+                self.learn(store, model, plan.input_raw, input, &mut effort);
             }
         }
         let cost = plan.pricing.cost(input, output);
-        let (surge, global_open) = self.record_usage(store, input + output, cost, now_ms);
+        let (surge, global_open) =
+            self.record_usage(store, input + output, cost, now_ms, &mut effort);
         let settled = Settled {
             input,
             output,
@@ -892,14 +904,15 @@ impl Engine {
             cost,
             surge,
             global_open,
+            charges_unwritten,
         };
         (settled, effort)
     }
 
     /// Gives back everything an admitted request reserved, when it is
     /// answered here after all (it lost the half-open probe to another).
-    pub fn release(&self, store: &dyn SharedStore, plan: &Plan, now_ms: u64) -> Effort {
-        let mut effort = Effort::default();
+    pub fn release(&self, store: &dyn SharedStore, plan: &Plan, now_ms: u64) -> Contention {
+        let mut effort = Contention::default();
         self.reserver(store)
             .release(&plan.held, now_ms, &mut effort);
         effort
@@ -934,19 +947,23 @@ impl Engine {
 
     /// Adds a settled request to the global per-minute ring; says whether
     /// its minute is a new surge and whether the spend ceiling is reached.
+    /// Exhausted (counted): this request's usage is missing from the ring,
+    /// which only makes the surge and spend ceiling see less.
     fn record_usage(
         &self,
         store: &dyn SharedStore,
         tokens: u64,
         cost: u64,
         now_ms: u64,
+        contention: &mut Contention,
     ) -> (bool, bool) {
         let Some(a) = &self.policy.anomaly else {
             return (false, false);
         };
-        for _ in 0..self.policy.state.cas_max_retries {
-            let (bytes, cas) = store.get(USAGE_KEY).unwrap_or_default();
-            let mut ring = UsageRing::decode(&bytes);
+        let mut seen = (false, false);
+        let tries = self.policy.state.cas_max_retries;
+        let written = store::update(store, USAGE_KEY, tries, contention, |bytes| {
+            let mut ring = UsageRing::decode(bytes.unwrap_or_default());
             ring.add(tokens, cost, now_ms);
             let reading = ring.read(a.baseline_minutes as usize, now_ms);
             let minute = now_ms / 60_000;
@@ -957,12 +974,14 @@ impl Engine {
                 ring.surge_flagged = minute;
             }
             let ceiling = a.max_spend_per_hour.map(|b| (b.limit * 1e6).round() as u64);
-            let open = ceiling.is_some_and(|c| reading.spend_last_hour >= c);
-            if store.set(USAGE_KEY, &ring.encode(), cas).is_ok() {
-                return (surge, open);
-            }
+            seen = (surge, ceiling.is_some_and(|c| reading.spend_last_hour >= c));
+            Some(ring.encode())
+        });
+        if written == Updated::Written {
+            seen
+        } else {
+            (false, false)
         }
-        (false, false)
     }
 
     /// Indexes of the buckets that apply to a request, in the order they
@@ -1024,21 +1043,25 @@ impl Engine {
             })
     }
 
-    /// One compare-and-swap: a sample lost to a concurrent writer is simply
-    /// dropped, the next one will do.
-    fn learn(&self, store: &dyn SharedStore, model: &str, raw: f64, actual: u64) {
+    /// Moves the model's estimate correction towards this sample. A sample
+    /// that loses every race (counted) is dropped: the next one will do.
+    fn learn(
+        &self,
+        store: &dyn SharedStore,
+        model: &str,
+        raw: f64,
+        actual: u64,
+        contention: &mut Contention,
+    ) {
         if !self.policy.models.contains_key(model) {
             return;
         }
         let key = format!("{CORRECTION_KEY}{model}");
-        let (current, cas) = store
-            .get(&key)
-            .map_or((Correction::default(), 0), |(b, cas)| {
-                (Correction::decode(&b), cas)
-            });
-        if let Some(next) = current.learn(raw, actual) {
-            let _: Result<(), StoreError> = store.set(&key, &next.encode(), cas);
-        }
+        let tries = self.policy.state.cas_max_retries;
+        store::update(store, &key, tries, contention, |bytes| {
+            let current = bytes.map_or(Correction::default(), Correction::decode);
+            current.learn(raw, actual).map(|next| next.encode())
+        });
     }
 
     /// `model` as a metric label: configured models by name, others as
@@ -1068,7 +1091,8 @@ impl Engine {
                 tier: tier.into(),
                 model: self.model_label(model),
             },
-            effort: Effort::default(),
+            contention: Contention::default(),
+            no_slot: false,
             plan: None,
             alerts: Vec::new(),
             degraded: None,
@@ -1669,7 +1693,7 @@ mod tests {
         assert!(!late.declared);
         let v = admit(&late);
         assert_eq!(v.labels.reason, "capacity_exhausted");
-        assert!(v.effort.no_slot);
+        assert!(v.no_slot);
         let reply = v.reply.unwrap();
         assert_eq!(
             (reply.status, reply.header("retry-after")),

@@ -26,6 +26,7 @@ use crate::metrics;
 use crate::principal::Identity;
 use crate::reconcile::{Format, Found, Meter};
 use crate::request::Api;
+use crate::store::{Cas, Contention, Updated};
 
 /// Longest audit field value: every field, whatever a client sent.
 pub const MAX_AUDIT_BYTES: usize = 256;
@@ -53,6 +54,12 @@ fn add(host: &dyn Host, name: &str, by: i64) {
     if by != 0 {
         host.metric_add(metric_kind(name), name, by);
     }
+}
+
+/// Lost compare-and-swap races, and updates that lost every try.
+fn count_contention(host: &dyn Host, c: Contention) {
+    add(host, metrics::CAS_RETRIES, i64::from(c.cas_retries));
+    add(host, metrics::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
 }
 
 fn set_gauge(host: &dyn Host, name: &str, value: u64) {
@@ -200,16 +207,24 @@ impl Poller {
 
     /// Takes or renews the poller lease: one VM in the whole Envoy polls.
     fn hold_lease(&self, host: &dyn Host, now: u64) -> bool {
-        let (bytes, cas) = host.get(POLLER_KEY).unwrap_or_default();
-        let lease = PollLease::decode(&bytes);
-        if lease.owner != self.id && lease.expires_ms > now {
-            return false;
-        }
-        let next = PollLease {
-            owner: self.id,
-            expires_ms: now + LEASE_MS,
-        };
-        host.set(POLLER_KEY, &next.encode(), cas).is_ok()
+        let tries = self
+            .filter
+            .as_ref()
+            .map_or(1, |f| f.engine.policy.state.cas_max_retries);
+        let mut cas = Cas::new(host, tries);
+        let held = cas.update(POLLER_KEY, |bytes| {
+            let lease = PollLease::decode(bytes.unwrap_or_default());
+            if lease.owner != self.id && lease.expires_ms > now {
+                return None; // another VM polls
+            }
+            let next = PollLease {
+                owner: self.id,
+                expires_ms: now + LEASE_MS,
+            };
+            Some(next.encode())
+        });
+        count_contention(host, cas.contention);
+        held == Updated::Written
     }
 
     fn dispatch_poll(&mut self, host: &dyn Host, now: u64) {
@@ -495,7 +510,10 @@ impl Request {
         // A probe whose answer never came (the client left first) is given
         // back, not left to block the route until its lease ends.
         if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
-            let _ = health::release_probe(host, &pushback.route_key, lease);
+            // A release that cannot be written leaves the lease to expire.
+            let mut cas = Cas::new(host, self.engine().policy.state.cas_max_retries);
+            health::release_probe(&mut cas, &pushback.route_key, lease);
+            count_contention(host, cas.contention);
         }
         if let Some((_, model)) = self
             .labels
@@ -558,20 +576,11 @@ impl Request {
     fn record(&self, host: &dyn Host, verdict: &Verdict) {
         let l = &verdict.labels;
         add(host, &metrics::requests_total(l), 1);
-        add(
-            host,
-            metrics::CAS_RETRIES,
-            i64::from(verdict.effort.cas_retries),
-        );
-        add(
-            host,
-            metrics::CAS_EXHAUSTED,
-            i64::from(verdict.effort.exhausted),
-        );
+        count_contention(host, verdict.contention);
         add(
             host,
             metrics::CAPACITY_EXHAUSTED,
-            i64::from(verdict.effort.no_slot),
+            i64::from(verdict.no_slot),
         );
         add(
             host,
@@ -746,6 +755,7 @@ impl Request {
             i64::from(recorded.breaker_opened),
         );
         add(host, metrics::PUSHBACK_DROPPED, i64::from(recorded.dropped));
+        count_contention(host, recorded.contention);
         match recorded.paused {
             Some(health::PauseScope::Route) => add(host, metrics::PAUSES_ROUTE, 1),
             Some(health::PauseScope::Credential) => add(host, metrics::PAUSES_CREDENTIAL, 1),
@@ -767,7 +777,18 @@ impl Request {
                 .engine
                 .settle(host, &plan, found, counted, upstream_ok, now);
         add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
-        add(host, metrics::CAS_RETRIES, i64::from(effort.cas_retries));
+        count_contention(host, effort);
+        if settled.charges_unwritten > 0 {
+            // Counted in `sluice_cas_exhausted_total` too; said here so
+            // an under-charge is never silent.
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{} bucket charge(s) of a settled request could not be written (shared-data contention); the caller is under-charged by them",
+                    settled.charges_unwritten
+                ),
+            );
+        }
         let (tier, model) = self.labels.clone().unwrap_or_default();
         add(
             host,

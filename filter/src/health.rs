@@ -18,15 +18,16 @@
 //!   64-bit fingerprint: it never applies to another credential; a newer
 //!   pause may displace it (that credential then reaches the upstream and
 //!   gets its 429 again).
-//! - Contention: every change goes through one CAS loop (`cas_update`);
-//!   after `CAS_TRIES` lost races the change is dropped and counted
-//!   (`sluice_upstream_unrecorded_total`). This state is advisory: losing a
+//! - Contention: every change goes through the one CAS loop
+//!   ([`crate::store::update`], `state.cas_max_retries` tries); an
+//!   exhausted change is dropped and counted (`sluice_cas_exhausted_total`,
+//!   `sluice_upstream_unrecorded_total`). This state is advisory: losing a
 //!   write never admits or charges anyone.
 
 use serde::Deserialize;
 
 use crate::codec::Record;
-use crate::store::{SharedStore, StoreError};
+use crate::store::{Cas, SharedStore, Updated};
 
 /// The sidecar's `/v1/state`, as far as the filter needs it.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -99,8 +100,6 @@ pub const MAX_CALLERS: usize = 8;
 /// How long a claimed half-open probe keeps other requests out, at most
 /// (a probe whose answer never comes must not block the route for good).
 pub const PROBE_LEASE_MS: u64 = 30_000;
-/// Tries of the CAS loop on a pushback record before the change is dropped.
-const CAS_TRIES: u32 = 16;
 
 /// What the last responses of one model route said. Kept per route in
 /// shared data so every worker pauses and breaks together; fixed size,
@@ -335,50 +334,30 @@ pub fn read(store: &dyn SharedStore, key: &str) -> (Upstream, u32) {
     })
 }
 
-/// The one CAS loop on pushback state: reads `key`, asks `next` for the new
-/// value (`None`: nothing to write) and writes it unless another worker
-/// wrote first, then tries again. After `CAS_TRIES` lost races (or a host
-/// error) the change is dropped and `Err` says so, for the caller to count;
-/// pushback state is advisory, a lost write never admits or charges anyone.
-fn cas_update(
-    store: &dyn SharedStore,
-    key: &str,
-    mut next: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
-) -> Result<bool, StoreError> {
-    for _ in 0..CAS_TRIES {
-        let current = store.get(key);
-        let Some(value) = next(current.as_ref().map(|(b, _)| b.as_slice())) else {
-            return Ok(false);
-        };
-        match store.set(key, &value, current.map_or(0, |(_, cas)| cas)) {
-            Ok(()) => return Ok(true),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(StoreError::CasMismatch)
-}
-
+/// Applies `next` to a route's record. `None`: the change was dropped
+/// (every try lost, or the host refused), for the caller to count.
 fn update_record(
-    store: &dyn SharedStore,
+    cas: &mut Cas,
     key: &str,
     next: impl Fn(Upstream) -> Upstream,
-) -> Result<(Upstream, Upstream), StoreError> {
+) -> Option<(Upstream, Upstream)> {
     let mut seen = (Upstream::default(), Upstream::default());
-    cas_update(store, key, |bytes| {
+    match cas.update(key, |bytes| {
         let current = bytes.map(Upstream::decode).unwrap_or_default();
         let updated = next(current);
         seen = (current, updated);
         (updated != current).then(|| updated.encode())
-    })?;
-    Ok(seen)
+    }) {
+        Updated::Written | Updated::Unchanged => Some(seen),
+        Updated::Exhausted | Updated::Failed => None,
+    }
 }
 
 /// Claims the half-open probe for an admitted request: returns its lease,
 /// or `None` when the probe is not (or no longer) this caller's to take.
-pub fn claim_probe(store: &dyn SharedStore, key: &str, caller: u32, now_ms: u64) -> Option<u64> {
+pub fn claim_probe(cas: &mut Cas, key: &str, caller: u32, now_ms: u64) -> Option<u64> {
     let lease = now_ms.saturating_add(PROBE_LEASE_MS);
-    let (before, after) = update_record(store, key, |u| {
+    let (before, after) = update_record(cas, key, |u| {
         if u.may_probe(caller, now_ms) {
             Upstream {
                 probe_until_ms: lease,
@@ -387,15 +366,15 @@ pub fn claim_probe(store: &dyn SharedStore, key: &str, caller: u32, now_ms: u64)
         } else {
             u
         }
-    })
-    .ok()?;
+    })?;
     (before != after).then_some(lease)
 }
 
 /// Gives a probe claim back without an answer (the client left first): the
 /// next request may probe at once.
-pub fn release_probe(store: &dyn SharedStore, key: &str, lease: u64) -> Result<(), StoreError> {
-    update_record(store, key, |u| {
+/// `false`: the change was dropped (the lease then simply expires).
+pub fn release_probe(cas: &mut Cas, key: &str, lease: u64) -> bool {
+    update_record(cas, key, |u| {
         if u.probe_until_ms == lease {
             Upstream {
                 probe_until_ms: 0,
@@ -405,7 +384,7 @@ pub fn release_probe(store: &dyn SharedStore, key: &str, lease: u64) -> Result<(
             u
         }
     })
-    .map(|_| ())
+    .is_some()
 }
 
 /// One upstream answer, as the pushback state needs it.
@@ -431,12 +410,14 @@ pub struct Recorded {
     pub breaker_opened: bool,
     /// A write was lost to contention (or the host): counted, not retried.
     pub dropped: bool,
+    /// The races lost on the way (all of the [`Cas`] it was given).
+    pub contention: crate::store::Contention,
 }
 
 /// Feeds one answer to the route's record and, for a pause about a
 /// credential, to that credential's slot.
 pub fn record(
-    store: &dyn SharedStore,
+    cas: &mut Cas,
     pb: &Pushback,
     p: &Protection,
     answer: Answer,
@@ -460,7 +441,7 @@ pub fn record(
                 fingerprint: *fingerprint,
                 until_ms: until,
             };
-            let written = cas_update(store, slot, |bytes| {
+            let written = cas.update(slot, |bytes| {
                 let current = bytes.map(CredentialPause::decode).unwrap_or_default();
                 let until = until.max(current.until_for(*fingerprint, now_ms));
                 Some(
@@ -471,7 +452,7 @@ pub fn record(
                     .encode(),
                 )
             });
-            out.dropped |= written.is_err();
+            out.dropped |= matches!(written, Updated::Exhausted | Updated::Failed);
             Some((PauseScope::Credential, until))
         }
         (Some((PauseScope::Credential, _)), None) => None,
@@ -479,7 +460,7 @@ pub fn record(
     };
     out.paused = pause.map(|(scope, _)| scope);
     let failed = answer.status == 0 || answer.status >= 500;
-    let updated = update_record(store, &pb.route_key, |u| {
+    let updated = update_record(cas, &pb.route_key, |u| {
         let mut next = if failed || answer.from_upstream {
             u.observe(p, answer.status, pb.caller, answer.lease, now_ms)
         } else if answer.lease.is_some_and(|l| l == u.probe_until_ms) {
@@ -504,11 +485,12 @@ pub fn record(
         next
     });
     match updated {
-        Ok((before, after)) => {
+        Some((before, after)) => {
             out.breaker_opened = after.open_until_ms > before.open_until_ms;
         }
-        Err(_) => out.dropped = true,
+        None => out.dropped = true,
     }
+    out.contention = cas.contention;
     out
 }
 
@@ -881,9 +863,17 @@ mod tests {
         let key = "sluice:v1:upstream/big";
         let opened = fail(fail(fail(Upstream::default(), A, 0), B, 1), A, 2);
         store.set(key, &opened.encode(), 0).unwrap();
-        assert_eq!(claim_probe(&store, key, A, 1_000), None, "cooling down");
-        let lease = claim_probe(&store, key, A, 60_002).expect("probe");
-        assert_eq!(claim_probe(&store, key, B, 60_003), None, "one at a time");
+        assert_eq!(
+            claim_probe(&mut Cas::new(&store, 16), key, A, 1_000),
+            None,
+            "cooling down"
+        );
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 60_002).expect("probe");
+        assert_eq!(
+            claim_probe(&mut Cas::new(&store, 16), key, B, 60_003),
+            None,
+            "one at a time"
+        );
         // A's probe fails: the route stays half-open, but A must wait.
         let pb = |caller| Pushback {
             route_key: key.into(),
@@ -899,9 +889,13 @@ mod tests {
             lease: Some(lease),
             from_upstream: true,
         };
-        let r = record(&store, &pb(A), &p, failed, 60_010);
+        let r = record(&mut Cas::new(&store, 16), &pb(A), &p, failed, 60_010);
         assert!(!r.breaker_opened);
-        assert_eq!(claim_probe(&store, key, A, 60_011), None, "A is barred");
+        assert_eq!(
+            claim_probe(&mut Cas::new(&store, 16), key, A, 60_011),
+            None,
+            "A is barred"
+        );
         let none = Seen::default();
         let barred = read(&store, key).0;
         let mut s = situation(&none, barred, 60_011, 0);
@@ -909,9 +903,9 @@ mod tests {
         s.caller = B;
         assert_eq!(route(&s), Route::Probe);
         // B's probe fails too: two callers agree, the breaker reopens, x2.
-        let lease = claim_probe(&store, key, B, 60_020).expect("B probes");
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, B, 60_020).expect("B probes");
         let r = record(
-            &store,
+            &mut Cas::new(&store, 16),
             &pb(B),
             &p,
             Answer {
@@ -924,14 +918,15 @@ mod tests {
         let u = read(&store, key).0;
         assert_eq!((u.open_until_ms, u.cooldown_ms), (180_030, 120_000));
         // A good probe closes it.
-        let lease = claim_probe(&store, key, A, 180_030).expect("A may probe again");
+        let lease =
+            claim_probe(&mut Cas::new(&store, 16), key, A, 180_030).expect("A may probe again");
         let ok = Answer {
             status: 200,
             pause_ms: None,
             lease: Some(lease),
             from_upstream: true,
         };
-        record(&store, &pb(A), &p, ok, 180_040);
+        record(&mut Cas::new(&store, 16), &pb(A), &p, ok, 180_040);
         assert!(read(&store, key).0.is_blank());
     }
 
@@ -957,14 +952,14 @@ mod tests {
         // Envoy itself answered the probe (a 413 after the claim, a later
         // filter's 429): the breaker stays open, the probe is free again,
         // and nobody is paused.
-        let lease = claim_probe(&store, key, A, 20).unwrap();
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 20).unwrap();
         let local = Answer {
             status: 429,
             pause_ms: Some(60_000),
             lease: Some(lease),
             from_upstream: false,
         };
-        let r = record(&store, &pb, &p, local, 21);
+        let r = record(&mut Cas::new(&store, 16), &pb, &p, local, 21);
         assert_eq!(r.paused, None);
         let u = read(&store, key).0;
         assert_eq!(
@@ -972,14 +967,14 @@ mod tests {
             (10, 0, 0)
         );
         // Envoy's 503 for an upstream it cannot reach is a failure.
-        let lease = claim_probe(&store, key, A, 22).unwrap();
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 22).unwrap();
         let unreachable = Answer {
             status: 503,
             pause_ms: None,
             ..local
         };
         record(
-            &store,
+            &mut Cas::new(&store, 16),
             &pb,
             &p,
             Answer {
@@ -1001,14 +996,14 @@ mod tests {
             ..Upstream::default()
         };
         store.set(key, &open.encode(), 0).unwrap();
-        let lease = claim_probe(&store, key, A, 20).unwrap();
-        release_probe(&store, key, lease).unwrap();
-        let second = claim_probe(&store, key, B, 21).unwrap();
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 20).unwrap();
+        assert!(release_probe(&mut Cas::new(&store, 16), key, lease));
+        let second = claim_probe(&mut Cas::new(&store, 16), key, B, 21).unwrap();
         // The first claim's late answer cannot end the second's lease.
-        release_probe(&store, key, lease).unwrap();
+        assert!(release_probe(&mut Cas::new(&store, 16), key, lease));
         assert_eq!(read(&store, key).0.probe_until_ms, second);
         // A lease that ran out lets the next request probe.
-        assert!(claim_probe(&store, key, A, second + 1).is_some());
+        assert!(claim_probe(&mut Cas::new(&store, 16), key, A, second + 1).is_some());
     }
 
     #[test]
@@ -1029,7 +1024,7 @@ mod tests {
             lease: None,
             from_upstream: true,
         };
-        let r = record(&store, &mine, &p, answer, 1_000);
+        let r = record(&mut Cas::new(&store, 16), &mine, &p, answer, 1_000);
         assert_eq!(r.paused, Some(PauseScope::Credential));
         let u = read(&store, "r").0;
         assert_eq!(u.paused_until_ms, 0, "the route is not paused");
@@ -1045,12 +1040,12 @@ mod tests {
             credentials: Credentials::Injected,
             ..mine.clone()
         };
-        let r = record(&store, &shared, &p, answer, 1_000);
+        let r = record(&mut Cas::new(&store, 16), &shared, &p, answer, 1_000);
         assert_eq!(r.paused, Some(PauseScope::Route));
         assert_eq!(read(&store, "s").0.paused_until_ms, 301_000);
         // A 503 speaks for the upstream: the route, whatever the credential.
         let r = record(
-            &store,
+            &mut Cas::new(&store, 16),
             &mine,
             &p,
             Answer {
@@ -1066,7 +1061,7 @@ mod tests {
             ..mine
         };
         let r = record(
-            &store,
+            &mut Cas::new(&store, 16),
             &quiet,
             &p,
             Answer {

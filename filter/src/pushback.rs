@@ -27,7 +27,7 @@ use crate::codec::Record;
 use crate::engine::{Engine, Routed, Verdict};
 use crate::health::{self, Answer, Credentials, Protection, Pushback, Recorded};
 use crate::principal::{Identity, RequestView};
-use crate::store::SharedStore;
+use crate::store::{Cas, SharedStore};
 
 const UPSTREAM_KEY: &str = "sluice:v1:upstream/";
 const PAUSE_KEY: &str = "sluice:v1:pause/";
@@ -122,28 +122,36 @@ impl Engine {
         if verdict.reply.is_some() {
             return (verdict, None); // refused: it never holds the probe
         }
-        let give_back = |verdict: &Verdict| {
+        // The claim's (and a give-back's) lost races are counted with the
+        // admission's, on whichever verdict is applied.
+        let mut cas = Cas::new(store, self.policy.state.cas_max_retries);
+        cas.contention = verdict.contention;
+        let give_back = |verdict: &Verdict, cas: &mut Cas| {
             if let Some(plan) = &verdict.plan {
-                self.release(store, plan, now_ms);
+                cas.contention.add(self.release(store, plan, now_ms));
             }
         };
+        let with = |mut applied: Verdict, cas: &Cas| {
+            applied.contention = cas.contention;
+            applied
+        };
         for _ in 0..PROBE_TRIES {
-            if let Some(lease) = health::claim_probe(store, &pb.route_key, pb.caller, now_ms) {
-                return (verdict, Some(lease));
+            if let Some(lease) = health::claim_probe(&mut cas, &pb.route_key, pb.caller, now_ms) {
+                return (with(verdict, &cas), Some(lease));
             }
             pb.record = health::read(store, &pb.route_key).0;
             match reroute(pb) {
                 Routed::Probe => continue,
                 Routed::Answered(answer) => {
-                    give_back(&verdict);
-                    return (*answer, None);
+                    give_back(&verdict, &mut cas);
+                    return (with(*answer, &cas), None);
                 }
                 // The breaker closed meanwhile (the sidecar view is the
                 // same snapshot, so no kill switch can appear here).
-                Routed::Primary | Routed::Fallback => return (verdict, None),
+                Routed::Primary | Routed::Fallback => return (with(verdict, &cas), None),
             }
         }
-        give_back(&verdict);
+        give_back(&verdict, &mut cas);
         let reply = answer::unavailable(
             Reason::UpstreamUnhealthy,
             "another request is probing the upstream",
@@ -151,7 +159,7 @@ impl Engine {
         );
         let model = verdict.plan.as_ref().and_then(|p| p.model.as_deref());
         let refused = self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
-        (refused, None)
+        (with(refused, &cas), None)
     }
 
     /// On the answer: feed the route's record (and a credential pause).
@@ -178,7 +186,8 @@ impl Engine {
             lease,
             from_upstream,
         };
-        health::record(store, pb, &p, answer, now_ms)
+        let mut cas = Cas::new(store, self.policy.state.cas_max_retries);
+        health::record(&mut cas, pb, &p, answer, now_ms)
     }
 
     /// 64 bits of SHA-256 over the route and the credential headers the
@@ -454,7 +463,13 @@ mod tests {
         // Bob's request, admitted first, holds the probe.
         let bob = e.identify(&BOB).unwrap();
         let bob_pb = e.pushback(&store, Some("big"), &BOB, &bob, 20);
-        assert!(health::claim_probe(&store, &bob_pb.route_key, bob_pb.caller, 20).is_some());
+        assert!(health::claim_probe(
+            &mut Cas::new(&store, 16),
+            &bob_pb.route_key,
+            bob_pb.caller,
+            20
+        )
+        .is_some());
 
         let admit = || {
             e.admit(
