@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use serde_json::Value;
 
 use crate::anomaly::UsageRing;
-use crate::answer::{self, Limited, Reason, Reply};
+use crate::answer::{self, Decision, Degraded, Limited, Reason, Reply};
 use crate::bucket::Quota;
 use crate::codec::Record;
 use crate::config::{Budget, Limit, Mode, Policy, Window};
@@ -24,8 +24,7 @@ use crate::store::{self, Contention, SharedStore, StoreError, Updated};
 /// policy (`other` for unlisted models), reasons from a fixed set.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Labels {
-    pub decision: &'static str,
-    pub reason: &'static str,
+    pub decision: Decision,
     pub tier: String,
     pub model: String,
 }
@@ -48,9 +47,8 @@ pub struct Verdict {
     pub plan: Option<Plan>,
     /// Budget alert thresholds crossed by this request.
     pub alerts: Vec<String>,
-    /// `downshift` when a soft cap rewrote the model, `static` for the
-    /// static fallback.
-    pub degraded: Option<&'static str>,
+    /// A soft cap rewrote the model, or the static table answered.
+    pub degraded: Option<Degraded>,
     /// The rule id of the bucket that refused (`tier/free/requests`).
     pub bucket: Option<String>,
 }
@@ -501,12 +499,6 @@ impl Engine {
             now_ms,
             dice,
         };
-        let labels = |decision, reason: &'static str| Labels {
-            decision,
-            reason,
-            tier: identity.tier.clone(),
-            model: self.model_label(model),
-        };
         match health::route(&situation) {
             Route::Primary => Routed::Primary,
             Route::Fallback => Routed::Fallback,
@@ -523,20 +515,15 @@ impl Engine {
                 );
                 let mut verdict =
                     self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
-                verdict.labels = labels("degrade", "static");
-                verdict.degraded = Some("static");
+                verdict.labels.decision = Decision::Degrade(Degraded::Static);
+                verdict.degraded = Some(Degraded::Static);
                 Routed::Answered(Box::new(verdict))
             }
             Route::Refuse {
-                code,
+                reason,
                 retry_after_s,
                 why,
             } => {
-                let reason = match code {
-                    "gpu_overloaded" => Reason::GpuOverloaded,
-                    "upstream_paused" => Reason::UpstreamPaused,
-                    _ => Reason::UpstreamUnhealthy,
-                };
                 let reply = answer::unavailable(reason, &why, retry_after_s);
                 Routed::Answered(Box::new(self.refused(reply, reason, &identity.tier, model)))
             }
@@ -602,10 +589,9 @@ impl Engine {
             )
         });
         let model = downshift.clone().or(requested_model.clone());
-        let degraded = downshift.is_some().then_some("downshift");
-        let labels = |decision, reason: &'static str| Labels {
+        let degraded = downshift.is_some().then_some(Degraded::Downshift);
+        let labels = |decision| Labels {
             decision,
-            reason,
             tier: identity.tier.clone(),
             model: self.model_label(model.as_deref()),
         };
@@ -661,7 +647,7 @@ impl Engine {
         let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
         let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
         if let Some(kind) = degraded {
-            headers.push(("x-sluice-degraded".into(), kind.into()));
+            headers.push(("x-sluice-degraded".into(), kind.code().into()));
         }
         let (body, strip_usage) = match asked {
             Some(asked) => {
@@ -687,7 +673,7 @@ impl Engine {
             reply: None,
             response_headers: headers,
             body,
-            labels: labels("admit", "none"),
+            labels: labels(Decision::Admit),
             contention: effort,
             no_slot: false,
             plan,
@@ -728,7 +714,7 @@ impl Engine {
         refusal: Refusal,
         taken: &[usize],
         identity: &Identity,
-        labels: impl Fn(&'static str, &'static str) -> Labels,
+        labels: impl Fn(Decision) -> Labels,
         mut effort: Contention,
         now_ms: u64,
     ) -> Verdict {
@@ -749,7 +735,7 @@ impl Engine {
                     reply: Some(reply),
                     response_headers: Vec::new(),
                     body: None,
-                    labels: labels("refuse", reason.code()),
+                    labels: labels(Decision::Refuse(reason)),
                     contention: effort,
                     no_slot: true,
                     plan: None,
@@ -797,7 +783,7 @@ impl Engine {
             reply: Some(reply),
             response_headers: Vec::new(),
             body: None,
-            labels: labels("refuse", bucket.reason.code()),
+            labels: labels(Decision::Refuse(bucket.reason)),
             contention: effort,
             no_slot: false,
             plan: None,
@@ -1086,8 +1072,7 @@ impl Engine {
             response_headers: Vec::new(),
             body: None,
             labels: Labels {
-                decision: "refuse",
-                reason: reason.code(),
+                decision: Decision::Refuse(reason),
                 tier: tier.into(),
                 model: self.model_label(model),
             },
@@ -1361,7 +1346,7 @@ mod tests {
         let refused = results[11].reply.as_ref().unwrap();
         assert_eq!(refused.status, 429);
         assert_eq!(refused.header("x-sluice-reason"), Some("user_rate_limit"));
-        assert_eq!(results[11].labels.reason, "user_rate_limit");
+        assert_eq!(results[11].labels.decision.reason_code(), "user_rate_limit");
     }
 
     #[test]
@@ -1391,7 +1376,7 @@ mod tests {
             Some(&big),
             0,
         );
-        assert_eq!(v.labels.reason, "model_rate_limit");
+        assert_eq!(v.labels.decision.reason_code(), "model_rate_limit");
         assert_eq!(v.labels.model, "big");
         let other = asked(&e, chat("gpt-made-up", 10));
         let v = e.admit(
@@ -1503,7 +1488,7 @@ mod tests {
             Some(&a),
             0,
         );
-        assert_eq!(third.labels.reason, "daily_budget_exceeded");
+        assert_eq!(third.labels.decision.reason_code(), "daily_budget_exceeded");
         let reply = third.reply.unwrap();
         let json: Value = serde_json::from_slice(&reply.body).unwrap();
         assert_eq!(json["error"]["code"], "daily_budget_exceeded");
@@ -1541,7 +1526,7 @@ mod tests {
             0,
         );
         assert!(second.reply.is_none(), "soft caps never refuse");
-        assert_eq!(second.degraded, Some("downshift"));
+        assert_eq!(second.degraded.map(Degraded::code), Some("downshift"));
         let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
         assert_eq!(body["model"], "small");
         assert!(second
@@ -1578,7 +1563,7 @@ mod tests {
             Some(&a),
             0,
         );
-        assert_eq!(v.labels.reason, "spend_cap_exceeded");
+        assert_eq!(v.labels.decision.reason_code(), "spend_cap_exceeded");
     }
 
     #[test]
@@ -1635,7 +1620,7 @@ mod tests {
                 0,
             );
             if let Some(reply) = &v.reply {
-                assert_eq!(v.labels.reason, "global_breaker_open");
+                assert_eq!(v.labels.decision.reason_code(), "global_breaker_open");
                 assert_eq!(reply.status, 503);
                 opened = true;
                 break;
@@ -1692,7 +1677,7 @@ mod tests {
         let late = e.identify(&Keyed("", "192.168.1.1:1")).unwrap();
         assert!(!late.declared);
         let v = admit(&late);
-        assert_eq!(v.labels.reason, "capacity_exhausted");
+        assert_eq!(v.labels.decision.reason_code(), "capacity_exhausted");
         assert!(v.no_slot);
         let reply = v.reply.unwrap();
         assert_eq!(
@@ -1721,7 +1706,7 @@ mod tests {
             })
             .collect();
         assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 5);
-        assert_eq!(results[7].labels.reason, "anonymous_limit");
+        assert_eq!(results[7].labels.decision.reason_code(), "anonymous_limit");
         assert_eq!(
             results[7].bucket.as_deref(),
             Some("tier/free/anonymous/requests")

@@ -17,6 +17,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+use crate::answer::{Decision, Reason};
 use crate::codec::{PollLease, Record};
 use crate::config::Policy;
 use crate::engine::{Engine, Plan, Routed, Verdict};
@@ -590,11 +591,12 @@ impl Request {
         if let Some(bucket) = &verdict.bucket {
             add(host, &metrics::refusals_total(bucket), 1);
         }
-        if l.reason == "global_breaker_open" {
+        if l.decision == Decision::Refuse(Reason::GlobalBreakerOpen) {
             set_gauge(host, metrics::GLOBAL_BREAKER, 1);
         }
         if let Some(kind) = verdict.degraded {
-            add(host, &metrics::degraded_total(kind, &l.tier, &l.model), 1);
+            let name = metrics::degraded_total(kind.code(), &l.tier, &l.model);
+            add(host, &name, 1);
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
             let tokens =
@@ -610,8 +612,8 @@ impl Request {
             return;
         }
         let l = &verdict.labels;
-        self.audit(host, "sluice_decision", l.decision);
-        self.audit(host, "sluice_reason", l.reason);
+        self.audit(host, "sluice_decision", l.decision.code());
+        self.audit(host, "sluice_reason", l.decision.reason_code());
         self.audit(host, "sluice_tier", &l.tier);
         if let Some(identity) = &self.identity {
             let principal = self.engine().audit_principal(identity);
@@ -621,7 +623,7 @@ impl Request {
             self.audit(host, "sluice_bucket", bucket);
         }
         if let Some(kind) = verdict.degraded {
-            self.audit(host, "sluice_degraded", kind);
+            self.audit(host, "sluice_degraded", kind.code());
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
             self.audit(

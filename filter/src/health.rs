@@ -26,6 +26,7 @@
 
 use serde::Deserialize;
 
+use crate::answer::Reason;
 use crate::codec::Record;
 use crate::store::{Cas, SharedStore, Updated};
 
@@ -504,7 +505,7 @@ pub enum Route {
     Static,
     /// 503 with this code and `Retry-After`.
     Refuse {
-        code: &'static str,
+        reason: Reason,
         retry_after_s: u64,
         why: String,
     },
@@ -562,7 +563,7 @@ pub fn route(s: &Situation) -> Route {
                     return Route::Static;
                 }
                 return Route::Refuse {
-                    code: "gpu_overloaded",
+                    reason: Reason::GpuOverloaded,
                     retry_after_s: b
                         .retry_after_seconds
                         .unwrap_or(s.default_retry_after_s)
@@ -591,7 +592,7 @@ pub fn route(s: &Situation) -> Route {
     .max_by_key(|(until, _)| *until);
     if let Some((until, why)) = paused {
         return Route::Refuse {
-            code: "upstream_paused",
+            reason: Reason::UpstreamPaused,
             retry_after_s: (until - s.now_ms).div_ceil(1000).max(1),
             why: why.into(),
         };
@@ -610,7 +611,7 @@ pub fn route(s: &Situation) -> Route {
         };
         let until = up.open_until_ms.max(up.probe_until_ms).max(barred);
         return Route::Refuse {
-            code: "upstream_unhealthy",
+            reason: Reason::UpstreamUnhealthy,
             retry_after_s: until.saturating_sub(s.now_ms).div_ceil(1000).max(1),
             why: "the upstream failed repeatedly; its breaker is open".into(),
         };
@@ -700,7 +701,7 @@ mod tests {
             matches!(
                 r,
                 Route::Refuse {
-                    code: "gpu_overloaded",
+                    reason: Reason::GpuOverloaded,
                     retry_after_s: 12,
                     ..
                 }
@@ -772,10 +773,10 @@ mod tests {
     fn refused_with(r: &Route) -> Option<(&'static str, u64)> {
         match r {
             Route::Refuse {
-                code,
+                reason,
                 retry_after_s,
                 ..
-            } => Some((code, *retry_after_s)),
+            } => Some((reason.code(), *retry_after_s)),
             _ => None,
         }
     }

@@ -320,7 +320,7 @@ mod tests {
 
     fn code(r: &Routed) -> Option<&str> {
         match r {
-            Routed::Answered(v) => Some(v.labels.reason),
+            Routed::Answered(v) => Some(v.labels.decision.reason_code()),
             _ => None,
         }
     }
@@ -484,7 +484,10 @@ mod tests {
         let verdict = admit();
         assert!(verdict.reply.is_none());
         let (verdict, lease) = e.take_probe(&store, &mut pb, verdict, &id, 20, reroute);
-        assert_eq!((verdict.labels.reason, lease), ("upstream_unhealthy", None));
+        assert_eq!(
+            (verdict.labels.decision.reason_code(), lease),
+            ("upstream_unhealthy", None)
+        );
         // Its model request was given back: 3/min still admits three.
         for _ in 0..3 {
             assert!(admit().reply.is_none());
@@ -536,7 +539,10 @@ mod tests {
             )
         };
         let (verdict, lease) = e.take_probe(&store, &mut pb, refused, &id, 20, reroute);
-        assert_eq!((verdict.labels.reason, lease), ("model_rate_limit", None));
+        assert_eq!(
+            (verdict.labels.decision.reason_code(), lease),
+            ("model_rate_limit", None)
+        );
         // The probe is still there for the next admitted request.
         let bob = e.identify(&BOB).unwrap();
         let pb = e.pushback(&store, Some("big"), &BOB, &bob, 21);
