@@ -11,7 +11,7 @@ use serde_json::json;
 use sluice_filter::config::Policy;
 use sluice_filter::engine::Engine;
 use sluice_filter::principal::RequestView;
-use sluice_filter::reconcile::{Format, Meter};
+use sluice_filter::reconcile::{Format, ResponseMeter};
 use sluice_filter::request::Api;
 use sluice_filter::store::MemStore;
 
@@ -201,7 +201,7 @@ fn sse(c: &mut Criterion) {
     group.throughput(Throughput::Bytes(bytes.len() as u64));
     group.bench_function("meter_1MB_in_16KB_chunks", |b| {
         b.iter(|| {
-            let mut m = Meter::new(Format::Sse, true, None);
+            let mut m = ResponseMeter::new(Format::Sse, true, None);
             for chunk in bytes.chunks(16 * 1024) {
                 black_box(m.feed(chunk, false));
             }

@@ -25,7 +25,7 @@ use crate::health::{self, Pushback, Seen};
 use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
 use crate::metrics;
 use crate::principal::Identity;
-use crate::reconcile::{Format, Found, Meter};
+use crate::reconcile::{Format, Found, ResponseMeter};
 use crate::request::Api;
 use crate::store::{Cas, Contention, Updated};
 
@@ -336,7 +336,7 @@ pub struct Request {
     /// What admission reserved, until it is settled.
     plan: Option<Plan>,
     /// Reads the response as it passes.
-    meter: Option<Meter>,
+    meter: Option<ResponseMeter>,
     status: u32,
     /// When the request arrived; whether its first response byte left.
     started_ms: u64,
@@ -467,7 +467,7 @@ impl Request {
                 // sluice may change the stream's length.
                 host.set_response_header("content-length", None);
             }
-            self.meter = Some(Meter::new(format, plan.strip_usage, allowance));
+            self.meter = Some(ResponseMeter::new(format, plan.strip_usage, allowance));
         }
         Action::Continue
     }
