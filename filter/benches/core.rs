@@ -9,7 +9,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use serde_json::json;
 use sluice_filter::config::Policy;
-use sluice_filter::engine::Engine;
+use sluice_filter::engine::{Engine, RequestContext};
 use sluice_filter::principal::RequestView;
 use sluice_filter::reconcile::{Format, ResponseMeter};
 use sluice_filter::request::Api;
@@ -61,11 +61,13 @@ fn admission(c: &mut Criterion) {
         b.iter(|| {
             e.admit(
                 &store,
-                &id,
-                Api::Other,
-                "/v1/models",
-                None,
-                black_box(1_000),
+                &RequestContext {
+                    identity: &id,
+                    api: Api::Other,
+                    path: "/v1/models",
+                    asked: None,
+                    now_ms: black_box(1_000),
+                },
             )
         })
     });
@@ -90,11 +92,13 @@ fn admission(c: &mut Criterion) {
                 .flatten();
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                1_000,
+                &RequestContext {
+                    identity: &id,
+                    api: Api::OpenAiChat,
+                    path: "/v1/chat/completions",
+                    asked: asked.as_ref(),
+                    now_ms: 1_000,
+                },
             );
             if let Some(plan) = v.plan {
                 let usage =
@@ -117,11 +121,13 @@ fn admission(c: &mut Criterion) {
         b.iter(|| {
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                1_000,
+                &RequestContext {
+                    identity: &id,
+                    api: Api::OpenAiChat,
+                    path: "/v1/chat/completions",
+                    asked: asked.as_ref(),
+                    now_ms: 1_000,
+                },
             );
             if let Some(plan) = v.plan {
                 e.settle(
@@ -150,11 +156,13 @@ fn admission(c: &mut Criterion) {
         b.iter(|| {
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                1_000,
+                &RequestContext {
+                    identity: &id,
+                    api: Api::OpenAiChat,
+                    path: "/v1/chat/completions",
+                    asked: asked.as_ref(),
+                    now_ms: 1_000,
+                },
             );
             if let Some(plan) = v.plan {
                 e.settle(

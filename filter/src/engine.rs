@@ -67,6 +67,20 @@ pub struct Verdict {
     pub bucket: Option<String>,
 }
 
+/// One request as the steps after identity see it: passed whole instead
+/// of five loose arguments.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestContext<'a> {
+    pub identity: &'a Identity,
+    pub api: Api,
+    /// The canonical path (`request::canonical_path`): route buckets match it.
+    pub path: &'a str,
+    /// The parsed body, for the APIs sluice reads.
+    pub asked: Option<&'a Asked>,
+    /// Arrival time: every decision of the request is made as of then.
+    pub now_ms: u64,
+}
+
 /// Where a request that passed identity and parsing goes (step 4).
 #[derive(Debug)]
 pub enum Routed {
@@ -232,17 +246,21 @@ impl Engine {
 
     /// Step 3: where the request may go, given the sidecar's state and the
     /// upstream's recent answers.
-    #[allow(clippy::too_many_arguments)]
+    /// `dice` in 0..1000 draws the half-open trickle.
     pub fn route(
         &self,
+        ctx: &RequestContext,
         seen: &Seen,
         pushback: &Pushback,
-        identity: &Identity,
-        api: Api,
-        asked: Option<&Asked>,
-        now_ms: u64,
         dice: u32,
     ) -> Routed {
+        let RequestContext {
+            identity,
+            api,
+            asked,
+            now_ms,
+            ..
+        } = *ctx;
         let model = asked.and_then(|a| a.demand.model.as_deref());
         let backend = model
             .and_then(|m| self.policy.models.get(m))
@@ -345,6 +363,22 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ctx<'a>(
+        identity: &'a Identity,
+        api: Api,
+        path: &'a str,
+        asked: Option<&'a Asked>,
+        now_ms: u64,
+    ) -> RequestContext<'a> {
+        RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        }
+    }
     use crate::reconcile::Usage;
     use crate::store::MemStore;
     use serde_json::json;
@@ -394,7 +428,7 @@ mod tests {
         let (e, store) = engine();
         let id = e.identify(&Caller("10.0.0.1:1234")).unwrap();
         let results: Vec<Verdict> = (0..12)
-            .map(|_| e.admit(&store, &id, Api::Other, "/v1/models", None, 1_000))
+            .map(|_| e.admit(&store, &ctx(&id, Api::Other, "/v1/models", None, 1_000)))
             .collect();
         assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 10);
         assert_eq!(
@@ -416,11 +450,7 @@ mod tests {
             assert!(e
                 .admit(
                     &store,
-                    &id,
-                    Api::OpenAiChat,
-                    "/v1/chat/completions",
-                    Some(&big),
-                    0
+                    &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&big), 0)
                 )
                 .reply
                 .is_none());
@@ -428,22 +458,20 @@ mod tests {
         let id = e.identify(&Caller("4.4.4.4:1")).unwrap();
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&big),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&big), 0),
         );
         assert_eq!(v.labels.decision.reason_code(), "model_rate_limit");
         assert_eq!(v.labels.model, "big");
         let other = asked(&e, chat("gpt-made-up", 10));
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&other),
-            0,
+            &ctx(
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&other),
+                0,
+            ),
         );
         assert!(v.reply.is_none());
         assert_eq!(v.labels.model, "other");
@@ -461,11 +489,7 @@ mod tests {
         for _ in 0..30 {
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             );
             if let Some(plan) = v.plan.filter(|_| v.reply.is_none()) {
                 plans.push(plan);
@@ -492,11 +516,7 @@ mod tests {
         }
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(v.reply.is_none());
     }
@@ -511,11 +531,7 @@ mod tests {
         let a = asked(&e, chat("m", 800));
         let first = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(
             first.reply.is_none() && first.body.is_none(),
@@ -523,11 +539,7 @@ mod tests {
         );
         let second = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(second.reply.is_none());
         let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
@@ -540,11 +552,7 @@ mod tests {
         );
         let third = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert_eq!(third.labels.decision.reason_code(), "daily_budget_exceeded");
         let reply = third.reply.unwrap();
@@ -567,21 +575,13 @@ mod tests {
         let a = asked(&e, chat("big", 600));
         let first = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert_eq!(first.degraded, None);
         assert_eq!(first.alerts.len(), 1, "{:?}", first.alerts);
         let second = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(second.reply.is_none(), "soft caps never refuse");
         assert_eq!(second.degraded.map(Degraded::code), Some("downshift"));
@@ -603,11 +603,7 @@ mod tests {
         let a = asked(&e, chat("paid", 4));
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         let plan = v.plan.unwrap();
         let cost = plan.pricing.cost(plan.input_estimate, 4);
@@ -615,11 +611,7 @@ mod tests {
         let a = asked(&e, chat("paid", 5000));
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert_eq!(v.labels.decision.reason_code(), "spend_cap_exceeded");
     }
@@ -634,11 +626,7 @@ mod tests {
         let a = asked(&e, body);
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         let rewritten: Value = serde_json::from_slice(&v.body.unwrap()).unwrap();
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
@@ -671,11 +659,7 @@ mod tests {
         for _ in 0..10 {
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             );
             if let Some(reply) = &v.reply {
                 assert_eq!(v.labels.decision.reason_code(), "global_breaker_open");
@@ -693,11 +677,13 @@ mod tests {
         // An hour later the window has slid past it.
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            3_600_000,
+            &ctx(
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&a),
+                3_600_000,
+            ),
         );
         assert!(v.reply.is_none());
     }
@@ -727,7 +713,8 @@ mod tests {
         }));
         let declared = e.identify(&Keyed("k-free", "1.1.1.1:1")).unwrap();
         assert!(declared.declared);
-        let admit = |id: &Identity| e.admit(&store, id, Api::Other, "/v1/models", None, 1_000);
+        let admit =
+            |id: &Identity| e.admit(&store, &ctx(id, Api::Other, "/v1/models", None, 1_000));
         for i in 0..600u32 {
             let addr: &'static str = format!("10.0.{}.{}:1", i / 250, i % 250).leak();
             admit(&e.identify(&Keyed("", addr)).unwrap());
@@ -754,7 +741,7 @@ mod tests {
                          "api_key": {"keys": {"k-free": "free"}}},
             "tiers": {"free": {"requests": "10/min", "anonymous_total": {"requests": "5/min"}}},
         }));
-        let admit = |id: &Identity| e.admit(&store, id, Api::Other, "/v1/models", None, 0);
+        let admit = |id: &Identity| e.admit(&store, &ctx(id, Api::Other, "/v1/models", None, 0));
         let results: Vec<Verdict> = (0..8u8)
             .map(|i| {
                 admit(
@@ -789,11 +776,7 @@ mod tests {
         let before = e
             .admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
             .plan
             .unwrap();
@@ -814,11 +797,7 @@ mod tests {
         let after = e
             .admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
             .plan
             .unwrap();
@@ -837,11 +816,7 @@ mod tests {
             let a = asked(&e, body);
             e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
         };
         let mut body = chat("m", 200);

@@ -20,11 +20,12 @@ use std::rc::Rc;
 use crate::answer::{Decision, Reason};
 use crate::codec::{PollLease, Record};
 use crate::config::Policy;
-use crate::engine::{Engine, Plan, Routed, Verdict};
+use crate::engine::{Engine, Plan, RequestContext, Routed, Verdict};
 use crate::health::{self, Pushback, Seen};
 use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
 use crate::metrics;
 use crate::principal::Identity;
+use crate::pushback::UpstreamReply;
 use crate::reconcile::{Format, Found, ResponseMeter};
 use crate::request::Api;
 use crate::store::{Cas, Contention, Updated};
@@ -669,16 +670,21 @@ impl Request {
         };
         let dice = filter.roll(now);
         let api = self.api;
-        let route = |pushback: &Pushback| {
-            engine.route(&seen, pushback, &identity, api, asked.as_ref(), now, dice)
+        let ctx = RequestContext {
+            identity: &identity,
+            api,
+            path: &self.path,
+            asked: asked.as_ref(),
+            now_ms: now,
         };
+        let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
         let (fallback, probe) = match route(&pushback) {
             Routed::Answered(verdict) => return self.finish(host, *verdict),
             Routed::Fallback => (true, false),
             Routed::Primary => (false, false),
             Routed::Probe => (false, true),
         };
-        let mut verdict = engine.admit(host, &identity, api, &self.path, asked.as_ref(), now);
+        let mut verdict = engine.admit(host, &ctx);
         if probe {
             // Claimed only now, by an admitted request: a refused one never
             // holds the probe.
@@ -744,10 +750,12 @@ impl Request {
         let recorded = self.filter.engine.observe_upstream(
             host,
             pushback,
-            status,
-            from_upstream,
-            retry_after.as_deref(),
-            lease,
+            &UpstreamReply {
+                status,
+                from_upstream,
+                retry_after: retry_after.as_deref(),
+                lease,
+            },
             dice,
             now,
         );

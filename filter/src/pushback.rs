@@ -164,18 +164,20 @@ impl Engine {
 
     /// On the answer: feed the route's record (and a credential pause).
     /// `dice` in 0..1000 draws the pause jitter.
-    #[allow(clippy::too_many_arguments)]
     pub fn observe_upstream(
         &self,
         store: &dyn SharedStore,
         pb: &Pushback,
-        status: u32,
-        from_upstream: bool,
-        retry_after: Option<&str>,
-        lease: Option<u64>,
+        reply: &UpstreamReply,
         dice: u32,
         now_ms: u64,
     ) -> Recorded {
+        let UpstreamReply {
+            status,
+            from_upstream,
+            retry_after,
+            lease,
+        } = *reply;
         let p = self.protection();
         let pause_ms = retry_after
             .and_then(|v| health::parse_retry_after(v, now_ms))
@@ -222,6 +224,19 @@ impl Engine {
     }
 }
 
+/// What came back for a request sent upstream, as the pushback state
+/// reads it.
+#[derive(Debug, Clone, Copy)]
+pub struct UpstreamReply<'a> {
+    /// 0: no answer (reset, timeout).
+    pub status: u32,
+    /// Envoy's `response.code_details` is `via_upstream`.
+    pub from_upstream: bool,
+    pub retry_after: Option<&'a str>,
+    /// The probe claim the request held.
+    pub lease: Option<u64>,
+}
+
 impl Pushback {
     /// Whether an answer can change the record: failures, pushback, a probe
     /// answer, or any answer while something is recorded.
@@ -247,6 +262,23 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::{Asked, RequestContext};
+
+    fn ctx<'a>(
+        identity: &'a Identity,
+        api: Api,
+        path: &'a str,
+        asked: Option<&'a Asked>,
+        now_ms: u64,
+    ) -> RequestContext<'a> {
+        RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        }
+    }
     use crate::config::Policy;
     use crate::health::{Seen, Upstream};
     use crate::request::Api;
@@ -308,12 +340,9 @@ mod tests {
             .demand(&id, Api::OpenAiChat, body.to_string().as_bytes())
             .unwrap();
         e.route(
+            &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), now),
             &Seen::default(),
             pb,
-            &id,
-            Api::OpenAiChat,
-            asked.as_ref(),
-            now,
             0,
         )
     }
@@ -342,7 +371,18 @@ mod tests {
         // Two callers break gpt-a; gpt-b still flows.
         for (req, t) in [(&ALICE, 0), (&BOB, 1), (&ALICE, 2)] {
             let pb = pushback(&e, &store, "gpt-a", req, t);
-            e.observe_upstream(&store, &pb, 500, true, None, None, 0, t);
+            e.observe_upstream(
+                &store,
+                &pb,
+                &UpstreamReply {
+                    status: 500,
+                    from_upstream: true,
+                    retry_after: None,
+                    lease: None,
+                },
+                0,
+                t,
+            );
         }
         let pb = pushback(&e, &store, "gpt-a", &ALICE, 3);
         assert_eq!(
@@ -367,7 +407,18 @@ mod tests {
         let (e, store) = engine_with(json!({}));
         let pb = pushback(&e, &store, "big", &ALICE, 1_000);
         assert_eq!(pb.credentials, Credentials::PassThrough);
-        let r = e.observe_upstream(&store, &pb, 429, true, Some("3600"), None, 0, 1_000);
+        let r = e.observe_upstream(
+            &store,
+            &pb,
+            &UpstreamReply {
+                status: 429,
+                from_upstream: true,
+                retry_after: Some("3600"),
+                lease: None,
+            },
+            0,
+            1_000,
+        );
         assert_eq!(r.paused, Some(health::PauseScope::Credential));
 
         let mine = pushback(&e, &store, "big", &ALICE, 2_000);
@@ -417,7 +468,18 @@ mod tests {
             (pb.credentials, pb.credential.is_none()),
             (Credentials::Injected, true)
         );
-        e.observe_upstream(&store, &pb, 429, true, Some("10"), None, 0, 0);
+        e.observe_upstream(
+            &store,
+            &pb,
+            &UpstreamReply {
+                status: 429,
+                from_upstream: true,
+                retry_after: Some("10"),
+                lease: None,
+            },
+            0,
+            0,
+        );
         let bob = pushback(&e, &store, "big", &BOB, 1_000);
         assert_eq!(
             code(&routed(&e, &bob, &BOB, "big", 1_000)),
@@ -450,12 +512,9 @@ mod tests {
         let mut pb = e.pushback(&store, Some("big"), &ALICE, &id, 20);
         let reroute = |pb: &Pushback| {
             e.route(
+                &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), 20),
                 &Seen::default(),
                 pb,
-                &id,
-                Api::OpenAiChat,
-                asked.as_ref(),
-                20,
                 0,
             )
         };
@@ -474,11 +533,13 @@ mod tests {
         let admit = || {
             e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                20,
+                &ctx(
+                    &id,
+                    Api::OpenAiChat,
+                    "/v1/chat/completions",
+                    asked.as_ref(),
+                    20,
+                ),
             )
         };
         let verdict = admit();
@@ -514,11 +575,13 @@ mod tests {
         let admit = || {
             e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                20,
+                &ctx(
+                    &id,
+                    Api::OpenAiChat,
+                    "/v1/chat/completions",
+                    asked.as_ref(),
+                    20,
+                ),
             )
         };
         for _ in 0..3 {
@@ -529,12 +592,9 @@ mod tests {
         let mut pb = e.pushback(&store, Some("big"), &ALICE, &id, 20);
         let reroute = |pb: &Pushback| {
             e.route(
+                &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), 20),
                 &Seen::default(),
                 pb,
-                &id,
-                Api::OpenAiChat,
-                asked.as_ref(),
-                20,
                 0,
             )
         };
@@ -547,12 +607,9 @@ mod tests {
         let bob = e.identify(&BOB).unwrap();
         let pb = e.pushback(&store, Some("big"), &BOB, &bob, 21);
         let r = e.route(
+            &ctx(&bob, Api::OpenAiChat, "", asked.as_ref(), 21),
             &Seen::default(),
             &pb,
-            &bob,
-            Api::OpenAiChat,
-            asked.as_ref(),
-            21,
             0,
         );
         assert!(matches!(r, Routed::Probe));

@@ -18,15 +18,14 @@ pub(super) fn caller(identity: &Identity) -> Caller<'_> {
 impl Engine {
     /// Step 4: reserve every bucket that applies, all or nothing; lower the
     /// output a hard token budget cannot cover; downshift over a soft cap.
-    pub fn admit(
-        &self,
-        store: &dyn SharedStore,
-        identity: &Identity,
-        api: Api,
-        path: &str,
-        asked: Option<&Asked>,
-        now_ms: u64,
-    ) -> Verdict {
+    pub fn admit(&self, store: &dyn SharedStore, ctx: &RequestContext) -> Verdict {
+        let RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        } = *ctx;
         if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
             return verdict;
         }
@@ -51,15 +50,7 @@ impl Engine {
         };
         let mut output = per_choice.saturating_mul(choices);
         let downshift = asked.and_then(|_| {
-            self.downshift(
-                &reserver,
-                identity,
-                requested_model.as_deref(),
-                path,
-                input,
-                output,
-                now_ms,
-            )
+            self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
         });
         let model = downshift.clone().or(requested_model.clone());
         let degraded = downshift.is_some().then_some(Degraded::Downshift);
@@ -158,17 +149,20 @@ impl Engine {
 
     /// Over a soft cap, the model's cheaper model (`downshift_to`), if it
     /// has one. A peek, not a reservation: soft caps tolerate the race.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn downshift(
         &self,
         reserver: &Reserver,
-        identity: &Identity,
+        ctx: &RequestContext,
         model: Option<&str>,
-        path: &str,
         input: u64,
         output: u64,
-        now_ms: u64,
     ) -> Option<String> {
+        let RequestContext {
+            identity,
+            path,
+            now_ms,
+            ..
+        } = *ctx;
         let target = self.policy.models.get(model?)?.downshift_to.clone()?;
         let pricing = self.pricing_of(model);
         let over_soft = self.applying(identity, model, path).iter().any(|&i| {
