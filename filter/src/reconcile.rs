@@ -173,6 +173,16 @@ impl Format {
 /// Largest JSON body kept for reading its usage.
 const MAX_JSON_BODY: usize = 8 << 20;
 
+/// Largest unfinished stream event (SSE event or NDJSON line) held while
+/// waiting for its end. Real events are a few hundred bytes; an upstream
+/// that never ends one would otherwise grow the VM's memory without bound
+/// while the client receives nothing. Past it the stream is ended, as for
+/// a budget that ran out, and the event counts as output.
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
+
+/// The code of the error event that ends a stream whose event is too long.
+pub const OVERSIZED_CODE: &str = "upstream_event_too_large";
+
 /// Reads a response as it passes and decides what the client gets.
 #[derive(Debug)]
 pub struct ResponseMeter {
@@ -287,6 +297,15 @@ impl ResponseMeter {
         if end && !self.pending.is_empty() {
             let rest = std::mem::take(&mut self.pending);
             self.event(&rest, &mut out);
+        } else if self.pending.len() > MAX_EVENT_BYTES {
+            self.pending = Vec::new();
+            self.output_events = self.output_events.saturating_add(1);
+            self.cut = true;
+            out.extend_from_slice(&self.end_message(
+                "The upstream sent a stream event too long to read; the stream was ended.",
+                "upstream_error",
+                OVERSIZED_CODE,
+            ));
         }
         out
     }
@@ -336,10 +355,19 @@ impl ResponseMeter {
     }
 
     fn cut_message(&self) -> Vec<u8> {
+        self.end_message(
+            "The budget for this request ran out during the response; the stream was ended.",
+            "rate_limit_exceeded",
+            MIDSTREAM_CODE,
+        )
+    }
+
+    /// The error event (SSE) or line (NDJSON) that ends a stream early.
+    fn end_message(&self, message: &str, kind: &str, code: &str) -> Vec<u8> {
         let error = serde_json::json!({"error": {
-            "message": "The budget for this request ran out during the response; the stream was ended.",
-            "type": "rate_limit_exceeded",
-            "code": MIDSTREAM_CODE,
+            "message": message,
+            "type": kind,
+            "code": code,
             "param": null,
         }});
         match self.format {
@@ -715,5 +743,27 @@ mod tests {
         let mut m = ResponseMeter::new(Format::Json, false, None);
         m.feed(b"not json", true);
         assert_eq!(m.found, Found::Nothing);
+    }
+
+    #[test]
+    fn an_event_that_never_ends_is_bounded() {
+        for format in [Format::Sse, Format::Ndjson] {
+            let mut m = ResponseMeter::new(format, false, None);
+            let mut sent = Vec::new();
+            let chunk = vec![b'x'; 64 * 1024];
+            let mut fed = 0;
+            while !m.cut && fed < 4 * MAX_EVENT_BYTES {
+                sent.extend(m.feed(&chunk, false).unwrap_or_default());
+                fed += chunk.len();
+            }
+            assert!(m.cut, "{format:?}");
+            assert!(fed <= MAX_EVENT_BYTES + chunk.len(), "{format:?}: {fed}");
+            assert!(m.pending.capacity() == 0, "memory given back");
+            assert_eq!(m.output_events, 1, "the unread event counts as output");
+            let text = String::from_utf8_lossy(&sent);
+            assert!(text.contains(OVERSIZED_CODE), "{text}");
+            // Whatever follows is dropped.
+            assert_eq!(m.feed(b"data: {}\n\n", true), Some(Vec::new()));
+        }
     }
 }
