@@ -80,11 +80,23 @@ demo: build
 bench-core:
 	$(CARGO) bench -p sluice-filter --bench core
 
-## bench: overhead vs bare Envoy, local_ratelimit and LiteLLM, exactness, criterion
-## → BENCHMARKS.md (minutes). BENCH_SMOKE=1: seconds, target/bench/smoke.md
-## (checks the scripts, not figures). BENCH_ARGS: more bench/run.py flags.
+## bench: overhead vs bare Envoy, local_ratelimit, the floor filters
+## (bench/floor-filter) and LiteLLM, exactness, criterion → BENCHMARKS.md
+## (minutes). BENCH_SMOKE=1: seconds, target/bench/smoke.md (checks the
+## scripts, not figures). BENCH_ARGS: more bench/run.py flags. Installs wrk
+## (Debian package) when missing, so every machine measures with the same
+## load generator; a smoke run goes on without it (Python load generator).
 .PHONY: bench
 bench: build
+	@if ! command -v wrk >/dev/null 2>&1; then \
+	  echo "bench: wrk not found; installing it (apt-get install -y wrk)"; \
+	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q"; \
+	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
+	  $$apt install -y wrk >/dev/null 2>&1 || \
+	    { $$apt update >/dev/null && $$apt install -y wrk >/dev/null; } || \
+	    { echo "bench: installing wrk failed$(if $(BENCH_SMOKE),; the smoke run uses the Python load generator,; install it: apt-get install wrk)" >&2; \
+	      $(if $(BENCH_SMOKE),true,exit 1); }; \
+	fi
 	SLUICE_BENCH_COMMAND="make bench$(if $(BENCH_SMOKE), BENCH_SMOKE=1)$(if $(BENCH_ARGS), BENCH_ARGS='$(BENCH_ARGS)')" \
 	  $(PYTHON) bench/run.py $(if $(BENCH_SMOKE),--smoke,--install-litellm --profile) $(BENCH_ARGS)
 

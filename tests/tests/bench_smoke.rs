@@ -1,7 +1,8 @@
 //! Keeps the benchmark scripts from rotting: `bench/run.py --smoke` (what
 //! `make bench BENCH_SMOKE=1` runs) must start every Envoy variant derived
-//! from envoy/sluice.yaml, load each for a second, run the exactness burst
-//! and write its table. Figures are not checked (a smoke run measures
+//! from envoy/sluice.yaml, the floor filters (bench/floor-filter) included,
+//! load each for a second, run the exactness burst and write its tables,
+//! the comparison with the floors too. Figures are not checked (a smoke run measures
 //! nothing); the exactness result is, since it must hold under any load.
 //! LiteLLM (variant e) is left out here: it only runs when installed, and
 //! its start-up alone takes longer than this whole test should.
@@ -25,7 +26,7 @@ fn bench_smoke_mode_writes_the_table() {
     let log_file = std::fs::File::create(&log).expect("log file");
     let mut cmd = Command::new(&python);
     cmd.arg(repo_root().join("bench/run.py"))
-        .args(["--smoke", "--variants", "abcd", "--out"])
+        .args(["--smoke", "--variants", "abcdfg", "--out"])
         .arg(&out)
         .current_dir(repo_root())
         .env("ENVOY_BIN", envoy_bin())
@@ -33,7 +34,8 @@ fn bench_smoke_mode_writes_the_table() {
         .stdout(log_file.try_clone().expect("log fd"))
         .stderr(log_file);
     let mut run = ChildGuard::spawn("bench/run.py --smoke", &mut cmd).expect("spawn python3");
-    // Generous: the first run also compiles bench/yaml2json.
+    // Generous: the first run also compiles bench/yaml2json and
+    // bench/floor-filter.
     let finished = wait_for(Duration::from_secs(180), || run.try_wait().is_some());
     let output = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
@@ -55,6 +57,13 @@ fn bench_smoke_mode_writes_the_table() {
         "| (c) Envoy + sluice, header-only policy | GET",
         "| (c) Envoy + sluice, header-only policy | POST",
         "| (d) Envoy + sluice, full policy | POST",
+        "| (f) floor: empty filter | GET",
+        "| (f) floor: empty filter | POST",
+        "| (g) floor: body-reading filter | POST",
+        // The ratios against the floors, each with its goal and verdict.
+        "| (c) header-only vs (f) empty floor | GET | ",
+        "| (c) header-only vs (f) empty floor | POST 2 KB | ",
+        "| (d) full vs (g) body-reading floor | POST 2 KB | ",
     ] {
         assert!(
             md.contains(row),
@@ -65,6 +74,17 @@ fn bench_smoke_mode_writes_the_table() {
         md.contains("| variant | request | req/s ("),
         "no table header:\n{md}"
     );
+    // Each comparison with a floor states its goal and whether it is met
+    // (a smoke run's figures mean nothing, so either verdict will do).
+    for row in md
+        .lines()
+        .filter(|l| l.starts_with("| (") && l.contains(" floor | "))
+    {
+        assert!(
+            row.contains("| ≥ 0.") && (row.contains("| yes |") || row.contains("| **no** |")),
+            "floor comparison without its goal and verdict: {row}"
+        );
+    }
     // Every exactness row: admitted − C is **0**.
     let exact: Vec<&str> = md
         .lines()
