@@ -9,9 +9,9 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use serde_json::json;
 use sluice_filter::config::Policy;
-use sluice_filter::engine::Engine;
+use sluice_filter::engine::{Engine, RequestContext};
 use sluice_filter::principal::RequestView;
-use sluice_filter::reconcile::{Format, Meter};
+use sluice_filter::reconcile::{Format, ResponseMeter};
 use sluice_filter::request::Api;
 use sluice_filter::store::MemStore;
 
@@ -61,11 +61,13 @@ fn admission(c: &mut Criterion) {
         b.iter(|| {
             e.admit(
                 &store,
-                &id,
-                Api::Other,
-                "/v1/models",
-                None,
-                black_box(1_000),
+                &RequestContext {
+                    identity: &id,
+                    api: Api::Other,
+                    path: "/v1/models",
+                    asked: None,
+                    now_ms: black_box(1_000),
+                },
             )
         })
     });
@@ -90,11 +92,13 @@ fn admission(c: &mut Criterion) {
                 .flatten();
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                1_000,
+                &RequestContext {
+                    identity: &id,
+                    api: Api::OpenAiChat,
+                    path: "/v1/chat/completions",
+                    asked: asked.as_ref(),
+                    now_ms: 1_000,
+                },
             );
             if let Some(plan) = v.plan {
                 let usage =
@@ -117,11 +121,13 @@ fn admission(c: &mut Criterion) {
         b.iter(|| {
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                1_000,
+                &RequestContext {
+                    identity: &id,
+                    api: Api::OpenAiChat,
+                    path: "/v1/chat/completions",
+                    asked: asked.as_ref(),
+                    now_ms: 1_000,
+                },
             );
             if let Some(plan) = v.plan {
                 e.settle(
@@ -150,11 +156,13 @@ fn admission(c: &mut Criterion) {
         b.iter(|| {
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                1_000,
+                &RequestContext {
+                    identity: &id,
+                    api: Api::OpenAiChat,
+                    path: "/v1/chat/completions",
+                    asked: asked.as_ref(),
+                    now_ms: 1_000,
+                },
             );
             if let Some(plan) = v.plan {
                 e.settle(
@@ -201,7 +209,7 @@ fn sse(c: &mut Criterion) {
     group.throughput(Throughput::Bytes(bytes.len() as u64));
     group.bench_function("meter_1MB_in_16KB_chunks", |b| {
         b.iter(|| {
-            let mut m = Meter::new(Format::Sse, true, None);
+            let mut m = ResponseMeter::new(Format::Sse, true, None);
             for chunk in bytes.chunks(16 * 1024) {
                 black_box(m.feed(chunk, false));
             }

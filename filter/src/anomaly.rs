@@ -94,42 +94,12 @@ impl UsageRing {
             spend_last_hour: ring.spend.iter().sum(),
         }
     }
-
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(16 + MINUTES * 16);
-        out.extend_from_slice(&self.newest.to_le_bytes());
-        out.extend_from_slice(&self.surge_flagged.to_le_bytes());
-        for v in self.tokens.iter().chain(self.spend.iter()) {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out
-    }
-
-    pub fn decode(bytes: &[u8]) -> UsageRing {
-        if bytes.len() != 16 + MINUTES * 16 {
-            return UsageRing::default();
-        }
-        let word = |i: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
-            u64::from_le_bytes(w)
-        };
-        let mut ring = UsageRing {
-            newest: word(0),
-            surge_flagged: word(1),
-            ..UsageRing::default()
-        };
-        for i in 0..MINUTES {
-            ring.tokens[i] = word(2 + i);
-            ring.spend[i] = word(2 + MINUTES + i);
-        }
-        ring
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::Record;
 
     #[test]
     fn the_ring_keeps_an_hour_and_forgets_the_rest() {

@@ -5,6 +5,54 @@ use serde_json::json;
 
 use crate::bucket::Quota;
 
+/// What became of a request, as metrics and the audit log say it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Decision {
+    /// Went upstream (a downshift is an admission too).
+    Admit,
+    Refuse(Reason),
+    /// Answered here instead of upstream, not refused.
+    Degrade(Degraded),
+}
+
+impl Decision {
+    /// The `decision` label.
+    pub fn code(self) -> &'static str {
+        match self {
+            Decision::Admit => "admit",
+            Decision::Refuse(_) => "refuse",
+            Decision::Degrade(_) => "degrade",
+        }
+    }
+
+    /// The `reason` label: `none` for an admission.
+    pub fn reason_code(self) -> &'static str {
+        match self {
+            Decision::Admit => "none",
+            Decision::Refuse(reason) => reason.code(),
+            Decision::Degrade(kind) => kind.code(),
+        }
+    }
+}
+
+/// How a request was served other than as asked (`x-sluice-degraded`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Degraded {
+    /// Over a soft cap: sent to the model's cheaper model.
+    Downshift,
+    /// Answered from the static table.
+    Static,
+}
+
+impl Degraded {
+    pub fn code(self) -> &'static str {
+        match self {
+            Degraded::Downshift => "downshift",
+            Degraded::Static => "static",
+        }
+    }
+}
+
 /// Why a request was refused; `code()` is the `x-sluice-reason` value and
 /// (but for `body_code`'s exceptions) the `error.code` of the body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

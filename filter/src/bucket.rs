@@ -49,34 +49,7 @@ pub struct Shortfall {
     pub retry_after_ms: u64,
 }
 
-pub const ENCODED_LEN: usize = 24;
-
 impl BucketState {
-    pub fn encode(&self) -> [u8; ENCODED_LEN] {
-        let mut out = [0u8; ENCODED_LEN];
-        out[..8].copy_from_slice(&self.owner.to_le_bytes());
-        out[8..16].copy_from_slice(&self.used.to_le_bytes());
-        out[16..].copy_from_slice(&self.updated_ms.to_le_bytes());
-        out
-    }
-
-    /// `None` for bytes this version did not write.
-    pub fn decode(bytes: &[u8]) -> Option<BucketState> {
-        if bytes.len() != ENCODED_LEN {
-            return None;
-        }
-        let word = |i: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
-            u64::from_le_bytes(w)
-        };
-        Some(BucketState {
-            owner: word(0),
-            used: word(1),
-            updated_ms: word(2),
-        })
-    }
-
     /// The state at `now_ms`, with the refill since the last update applied.
     /// A clock that steps back refills nothing.
     pub fn at(self, limit: &Limit, now_ms: u64) -> BucketState {
@@ -245,6 +218,7 @@ fn drain_ms(used: u64, limit: &Limit) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::Record;
     use crate::units::Rate;
     use proptest::prelude::*;
 
@@ -366,8 +340,8 @@ mod tests {
             used: 123_456_789,
             updated_ms: 1_700_000_000_000,
         };
-        assert_eq!(BucketState::decode(&s.encode()), Some(s));
-        assert_eq!(BucketState::decode(b"short"), None);
+        assert_eq!(BucketState::decode(&s.encode()), s);
+        assert_eq!(BucketState::decode(b"short"), BucketState::default());
     }
 
     /// 0, 1, the top of u64 and a few ordinary values.

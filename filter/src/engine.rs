@@ -1,32 +1,44 @@
-//! The request path, top to bottom: identity → demand → route (health,
-//! kill switch) → admission (with rewrite) → answer, and after the
-//! response, reconcile. Pure: [`crate::flow`] feeds it what Envoy knows,
-//! one event at a time, and applies what it decides through the host.
+//! The request path's decisions, in the order [`crate::flow`] asks for
+//! them: identity → demand → route (health, kill switch; see
+//! [`crate::pushback`]) → admission → answer, and after the response,
+//! settlement. Pure: `flow` feeds it what Envoy knows, one event at a
+//! time, and applies what it decides through the host.
+//!
+//! One concern per file: this one holds the types the steps share and
+//! steps 1–3; [`compile`] builds the buckets and prices of a policy once,
+//! [`admit`] reserves (step 4), [`settle`] reconciles (step 5), [`rewrite`]
+//! makes the upstream's body.
 
 use std::collections::HashMap;
 
 use serde_json::Value;
 
 use crate::anomaly::UsageRing;
-use crate::answer::{self, Limited, Reason, Reply};
+use crate::answer::{self, Decision, Degraded, Limited, Reason, Reply};
 use crate::bucket::Quota;
+use crate::codec::Record;
 use crate::config::{Budget, Limit, Mode, Policy, Window};
 use crate::estimate::{self, Correction};
 use crate::health::{self, OnStale, Pushback, Route, Seen, Situation};
 use crate::principal::{Identity, RequestView, Resolver};
 use crate::reconcile::Found;
 use crate::request::{self, Api, Demand};
-use crate::reservation::{
-    prepare, Caller, Claim, Effort, Held, Layout, Refusal, Reserver, Rule, Scope,
-};
-use crate::store::{SharedStore, StoreError};
+use crate::reservation::{prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope};
+use crate::store::{self, Contention, SharedStore, StoreError, Updated};
+
+pub mod admit;
+pub mod compile;
+pub mod rewrite;
+pub mod settle;
+
+use compile::Bucket;
+pub use compile::{Meter, Pricing};
 
 /// Metric labels of one decision. Bounded: tiers and models come from the
 /// policy (`other` for unlisted models), reasons from a fixed set.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Labels {
-    pub decision: &'static str,
-    pub reason: &'static str,
+    pub decision: Decision,
     pub tier: String,
     pub model: String,
 }
@@ -41,71 +53,32 @@ pub struct Verdict {
     /// The request body to send upstream instead of the client's.
     pub body: Option<Vec<u8>>,
     pub labels: Labels,
-    pub effort: Effort,
+    /// Compare-and-swap races lost while deciding.
+    pub contention: Contention,
+    /// Refused because no per-caller slot was free (`capacity_exhausted`).
+    pub no_slot: bool,
     /// What was reserved, to settle after the response.
     pub plan: Option<Plan>,
     /// Budget alert thresholds crossed by this request.
     pub alerts: Vec<String>,
-    /// `downshift` when a soft cap rewrote the model, `static` for the
-    /// static fallback.
-    pub degraded: Option<&'static str>,
+    /// A soft cap rewrote the model, or the static table answered.
+    pub degraded: Option<Degraded>,
     /// The rule id of the bucket that refused (`tier/free/requests`).
     pub bucket: Option<String>,
 }
 
-/// What a bucket counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Meter {
-    Requests,
-    /// Input + output tokens.
-    Tokens,
-    InputTokens,
-    OutputTokens,
-    /// Micro-currency.
-    Spend,
-}
-
-impl Meter {
-    fn amount(self, input: u64, output: u64, pricing: Pricing) -> u64 {
-        match self {
-            Meter::Requests => 1,
-            Meter::Tokens => input.saturating_add(output),
-            Meter::InputTokens => input,
-            Meter::OutputTokens => output,
-            Meter::Spend => pricing.cost(input, output),
-        }
-    }
-}
-
-/// Price of a model in micro-currency per 1,000 tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Pricing {
-    pub input_per_1k: u64,
-    pub output_per_1k: u64,
-}
-
-impl Pricing {
-    /// Micro-currency for a request, rounded up.
-    pub fn cost(self, input: u64, output: u64) -> u64 {
-        let micro_k =
-            input as u128 * self.input_per_1k as u128 + output as u128 * self.output_per_1k as u128;
-        micro_k.div_ceil(1000).min(u64::MAX as u128) as u64
-    }
-}
-
-/// A bucket definition with what answers need to say about it.
-struct Bucket {
-    rule: Rule,
-    /// The tier of a per-caller bucket (its declared keys get their own).
-    tier: Option<String>,
-    /// Counts every undeclared caller of the tier together.
-    anonymous: bool,
-    reason: Reason,
-    /// `tier free: requests per caller`
-    name: String,
-    meter: Meter,
-    soft: bool,
-    alert_permille: Option<u32>,
+/// One request as the steps after identity see it: passed whole instead
+/// of five loose arguments.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestContext<'a> {
+    pub identity: &'a Identity,
+    pub api: Api,
+    /// The canonical path (`request::canonical_path`): route buckets match it.
+    pub path: &'a str,
+    /// The parsed body, for the APIs sluice reads.
+    pub asked: Option<&'a Asked>,
+    /// Arrival time: every decision of the request is made as of then.
+    pub now_ms: u64,
 }
 
 /// Where a request that passed identity and parsing goes (step 4).
@@ -161,6 +134,10 @@ pub struct Settled {
     pub surge: bool,
     /// The global spend breaker is open after this request.
     pub global_open: bool,
+    /// Buckets whose extra charge (usage past the reservation) could not be
+    /// written even with the settlement's larger retry bound: counted in
+    /// `sluice_cas_exhausted_total` and logged, never silently lost.
+    pub charges_unwritten: u32,
 }
 
 /// A parsed request body and its raw input estimate.
@@ -190,197 +167,6 @@ const USAGE_KEY: &str = "sluice:v1:usage";
 pub const MIN_LOWERED_OUTPUT: u64 = 16;
 
 impl Engine {
-    pub fn new(policy: Policy) -> Engine {
-        let mut buckets = Vec::new();
-        let mut tier_buckets: HashMap<String, Vec<usize>> = HashMap::new();
-        let mut model_buckets: HashMap<String, Vec<usize>> = HashMap::new();
-        let mut add = |id: String,
-                       name: String,
-                       limit: Limit,
-                       scope,
-                       reason,
-                       meter,
-                       budget: Option<Budget>| {
-            buckets.push(Bucket {
-                rule: Rule { id, limit, scope },
-                tier: None,
-                anonymous: false,
-                reason,
-                name,
-                meter,
-                soft: budget.is_some_and(|b| b.mode == Mode::Soft),
-                alert_permille: budget.and_then(|b| b.alert_at_permille),
-            });
-            buckets.len() - 1
-        };
-        for (tier, t) in &policy.tiers {
-            // The tier's shared total for undeclared callers comes first: a
-            // flood refused there never reaches the per-caller slots.
-            let mut mine = Vec::new();
-            if let Some(total) = &t.anonymous_total {
-                for l in tier_limits(total) {
-                    let i = add(
-                        format!("tier/{tier}/anonymous/{}", l.what),
-                        format!(
-                            "tier {tier}: {}, all callers without a declared key",
-                            l.what.replace('_', " ")
-                        ),
-                        l.limit,
-                        Scope::Global,
-                        Reason::AnonymousLimit,
-                        l.meter,
-                        l.budget,
-                    );
-                    mine.push(i);
-                }
-            }
-            for l in tier_limits(t) {
-                let i = add(
-                    format!("tier/{tier}/{}", l.what),
-                    format!("tier {tier}: {} per caller", l.what.replace('_', " ")),
-                    l.limit,
-                    Scope::PerPrincipal,
-                    l.reason,
-                    l.meter,
-                    l.budget,
-                );
-                mine.push(i);
-            }
-            tier_buckets.insert(tier.clone(), mine);
-        }
-        for (model, m) in &policy.models {
-            let rates = [
-                (
-                    "requests",
-                    m.requests,
-                    Meter::Requests,
-                    Reason::ModelRateLimit,
-                ),
-                ("tokens", m.tokens, Meter::Tokens, Reason::TokenRateLimit),
-            ];
-            let mut mine = Vec::new();
-            for (what, limit, meter, reason) in rates {
-                if let Some(limit) = limit {
-                    let name = format!("model {model}: {what}");
-                    mine.push(add(
-                        format!("model/{model}/{what}"),
-                        name,
-                        limit,
-                        Scope::Global,
-                        reason,
-                        meter,
-                        None,
-                    ));
-                }
-            }
-            model_buckets.insert(model.clone(), mine);
-        }
-        let route_buckets = policy
-            .routes
-            .iter()
-            .map(|route| {
-                let i = add(
-                    format!("route/{}/requests", route.name),
-                    format!("route {}: requests", route.name),
-                    route.requests,
-                    Scope::Global,
-                    Reason::RouteRateLimit,
-                    Meter::Requests,
-                    None,
-                );
-                // Matched against the canonical path (see `canonical_path`),
-                // so the prefix is compared in that form too.
-                let prefix = request::canonical_path(&route.path_prefix)
-                    .unwrap_or_else(|_| route.path_prefix.to_ascii_lowercase());
-                (prefix, i)
-            })
-            .collect();
-        for (tier, list) in &tier_buckets {
-            for &i in list {
-                if buckets[i].rule.scope == Scope::Global {
-                    buckets[i].anonymous = true;
-                } else {
-                    buckets[i].tier = Some(tier.clone());
-                }
-            }
-        }
-        let pricing = policy
-            .models
-            .iter()
-            .map(|(name, m)| {
-                let micro = |per_1k: f64| (per_1k * 1e6).round().max(0.0) as u64;
-                let p = match (m.price, m.gpu) {
-                    (Some(p), _) => Pricing {
-                        input_per_1k: micro(p.input_per_1k),
-                        output_per_1k: micro(p.output_per_1k),
-                    },
-                    (None, Some(g)) => {
-                        // GPU cost per hour over the tokens it serves per hour.
-                        let per_1k =
-                            micro(g.cost_per_hour * 1000.0 / (g.tokens_per_second * 3600.0));
-                        Pricing {
-                            input_per_1k: per_1k,
-                            output_per_1k: per_1k,
-                        }
-                    }
-                    (None, None) => Pricing::default(),
-                };
-                (name.clone(), p)
-            })
-            .collect();
-        Engine {
-            resolver: Resolver::new(&policy),
-            policy,
-            buckets,
-            tier_buckets,
-            model_buckets,
-            route_buckets,
-            pricing,
-        }
-    }
-
-    /// Every bucket the policy defines.
-    pub fn rules(&self) -> Vec<Rule> {
-        self.buckets.iter().map(|b| b.rule.clone()).collect()
-    }
-
-    /// Creates every shared-data key the policy can use (a bounded set:
-    /// see `reservation`), with dedicated keys for each declared API key
-    /// in its tier's per-caller buckets. Returns how many were new.
-    pub fn prepare(&self, store: &dyn SharedStore) -> Result<usize, StoreError> {
-        let declared = self.resolver.declared();
-        let rules: Vec<(Rule, Vec<String>)> = self
-            .buckets
-            .iter()
-            .map(|b| {
-                let mine = declared
-                    .iter()
-                    .filter(|(_, tier)| Some(tier) == b.tier.as_ref())
-                    .map(|(principal, _)| principal.clone())
-                    .collect();
-                (b.rule.clone(), mine)
-            })
-            .collect();
-        prepare(store, &rules, &self.layout())
-    }
-
-    fn layout(&self) -> Layout {
-        let s = &self.policy.state;
-        Layout {
-            slots: s.principal_slots,
-            sketch_width: s.sketch_width,
-            hold_ms: s.slot_hold_ms,
-        }
-    }
-
-    fn reserver<'a>(&self, store: &'a dyn SharedStore) -> Reserver<'a> {
-        Reserver {
-            store,
-            layout: self.layout(),
-            max_retries: self.policy.state.cas_max_retries,
-        }
-    }
-
     /// Step 1: who is calling. A refusal (unknown API key) is a verdict.
     pub fn identify(&self, req: &dyn RequestView) -> Result<Identity, Box<Verdict>> {
         self.resolver.resolve(req).map_err(|refusal| {
@@ -460,17 +246,21 @@ impl Engine {
 
     /// Step 3: where the request may go, given the sidecar's state and the
     /// upstream's recent answers.
-    #[allow(clippy::too_many_arguments)]
+    /// `dice` in 0..1000 draws the half-open trickle.
     pub fn route(
         &self,
+        ctx: &RequestContext,
         seen: &Seen,
         pushback: &Pushback,
-        identity: &Identity,
-        api: Api,
-        asked: Option<&Asked>,
-        now_ms: u64,
         dice: u32,
     ) -> Routed {
+        let RequestContext {
+            identity,
+            api,
+            asked,
+            now_ms,
+            ..
+        } = *ctx;
         let model = asked.and_then(|a| a.demand.model.as_deref());
         let backend = model
             .and_then(|m| self.policy.models.get(m))
@@ -495,12 +285,6 @@ impl Engine {
             now_ms,
             dice,
         };
-        let labels = |decision, reason: &'static str| Labels {
-            decision,
-            reason,
-            tier: identity.tier.clone(),
-            model: self.model_label(model),
-        };
         match health::route(&situation) {
             Route::Primary => Routed::Primary,
             Route::Fallback => Routed::Fallback,
@@ -517,526 +301,18 @@ impl Engine {
                 );
                 let mut verdict =
                     self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
-                verdict.labels = labels("degrade", "static");
-                verdict.degraded = Some("static");
+                verdict.labels.decision = Decision::Degrade(Degraded::Static);
+                verdict.degraded = Some(Degraded::Static);
                 Routed::Answered(Box::new(verdict))
             }
             Route::Refuse {
-                code,
+                reason,
                 retry_after_s,
                 why,
             } => {
-                let reason = match code {
-                    "gpu_overloaded" => Reason::GpuOverloaded,
-                    "upstream_paused" => Reason::UpstreamPaused,
-                    _ => Reason::UpstreamUnhealthy,
-                };
                 let reply = answer::unavailable(reason, &why, retry_after_s);
                 Routed::Answered(Box::new(self.refused(reply, reason, &identity.tier, model)))
             }
-        }
-    }
-
-    /// The canned answer for a body's last user prompt, else the message.
-    fn static_text(&self, body: Option<&Value>) -> String {
-        let Some(cfg) = &self.policy.static_fallback else {
-            return crate::config::StaticFallback::default_message();
-        };
-        let prompt = body.map(prompt_text).unwrap_or_default();
-        let key = health::normalize_prompt(&prompt);
-        cfg.answers
-            .iter()
-            .find(|(k, _)| health::normalize_prompt(k) == key)
-            .map_or_else(|| cfg.message.clone(), |(_, v)| v.clone())
-    }
-
-    /// Step 4: reserve every bucket that applies, all or nothing; lower the
-    /// output a hard token budget cannot cover; downshift over a soft cap.
-    pub fn admit(
-        &self,
-        store: &dyn SharedStore,
-        identity: &Identity,
-        api: Api,
-        path: &str,
-        asked: Option<&Asked>,
-        now_ms: u64,
-    ) -> Verdict {
-        if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
-            return verdict;
-        }
-        let reserver = self.reserver(store);
-        let requested_model = asked.and_then(|a| a.demand.model.clone());
-        let input_raw = asked.map_or(0.0, |a| a.input_raw);
-        let input = match (asked, &requested_model) {
-            (Some(_), Some(m)) => self.correction(store, m).apply(input_raw),
-            (Some(_), None) => Correction::default().apply(input_raw),
-            (None, _) => 0,
-        };
-        let produces_output = asked.is_some() && api != Api::OpenAiEmbeddings;
-        let requested_out = asked.and_then(|a| a.demand.max_output);
-        // Each choice (`n`, `best_of`) may produce the maximum: the output
-        // reserved is the maximum times the choices. Both are capped at
-        // parse time, so the product cannot wrap (saturating all the same).
-        let choices = asked.map_or(1, |a| a.demand.choices.max(1));
-        let mut per_choice = match (produces_output, requested_out) {
-            (false, _) => 0,
-            (true, Some(max)) => max,
-            (true, None) => self.default_output(requested_model.as_deref()),
-        };
-        let mut output = per_choice.saturating_mul(choices);
-        let downshift = asked.and_then(|_| {
-            self.downshift(
-                &reserver,
-                identity,
-                requested_model.as_deref(),
-                path,
-                input,
-                output,
-                now_ms,
-            )
-        });
-        let model = downshift.clone().or(requested_model.clone());
-        let degraded = downshift.is_some().then_some("downshift");
-        let labels = |decision, reason: &'static str| Labels {
-            decision,
-            reason,
-            tier: identity.tier.clone(),
-            model: self.model_label(model.as_deref()),
-        };
-
-        // Reserve; when a hard token budget cannot cover the maximum output,
-        // ask the model for only what it still covers (no overshoot).
-        let mut effort = Effort::default();
-        let pricing = self.pricing_of(model.as_deref());
-        let applying = self.applying(identity, model.as_deref(), path);
-        let mut lowered = false;
-        let (reservation, taken) = loop {
-            let taken: Vec<usize> = applying
-                .iter()
-                .copied()
-                .filter(|&i| self.buckets[i].meter.amount(input, output, pricing) > 0)
-                .collect();
-            let claims: Vec<Claim> = taken
-                .iter()
-                .map(|&i| {
-                    let b = &self.buckets[i];
-                    Claim {
-                        rule: &b.rule,
-                        amount: b.meter.amount(input, output, pricing),
-                        soft: b.soft,
-                    }
-                })
-                .collect();
-            match reserver.reserve(&claims, caller(identity), now_ms, &mut effort) {
-                Ok(reservation) => break (reservation, taken),
-                Err(Refusal::Full { index, shortfall }) if produces_output => {
-                    let room = shortfall.quota.remaining;
-                    let allowed = match self.buckets[taken[index]].meter {
-                        Meter::Tokens => room.saturating_sub(input),
-                        Meter::OutputTokens => room,
-                        _ => 0,
-                    };
-                    let allowed_per_choice = allowed / choices;
-                    if allowed_per_choice >= MIN_LOWERED_OUTPUT && allowed_per_choice < per_choice {
-                        per_choice = allowed_per_choice;
-                        output = per_choice.saturating_mul(choices);
-                        lowered = true;
-                        continue;
-                    }
-                    let refusal = Refusal::Full { index, shortfall };
-                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms);
-                }
-                Err(refusal) => {
-                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms)
-                }
-            }
-        };
-
-        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
-        let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
-        if let Some(kind) = degraded {
-            headers.push(("x-sluice-degraded".into(), kind.into()));
-        }
-        let (body, strip_usage) = match asked {
-            Some(asked) => {
-                let new_output =
-                    (produces_output && (lowered || requested_out.is_none())).then_some(per_choice);
-                rewrite(api, asked, downshift.as_deref(), new_output)
-            }
-            None => (None, false),
-        };
-        let plan = asked.map(|a| Plan {
-            held: reservation.held,
-            meters,
-            api,
-            model: model.clone(),
-            input_raw,
-            input_estimate: input,
-            max_output: output,
-            stream: a.demand.stream,
-            strip_usage,
-            pricing,
-        });
-        Verdict {
-            reply: None,
-            response_headers: headers,
-            body,
-            labels: labels("admit", "none"),
-            effort,
-            plan,
-            alerts,
-            degraded,
-            bucket: None,
-        }
-    }
-
-    /// Over a soft cap, the model's cheaper model (`downshift_to`), if it
-    /// has one. A peek, not a reservation: soft caps tolerate the race.
-    #[allow(clippy::too_many_arguments)]
-    fn downshift(
-        &self,
-        reserver: &Reserver,
-        identity: &Identity,
-        model: Option<&str>,
-        path: &str,
-        input: u64,
-        output: u64,
-        now_ms: u64,
-    ) -> Option<String> {
-        let target = self.policy.models.get(model?)?.downshift_to.clone()?;
-        let pricing = self.pricing_of(model);
-        let over_soft = self.applying(identity, model, path).iter().any(|&i| {
-            let b = &self.buckets[i];
-            b.soft && {
-                let claim = Claim::hard(&b.rule, b.meter.amount(input, output, pricing));
-                reserver.peek(&claim, caller(identity), now_ms).remaining < claim.amount
-            }
-        });
-        over_soft.then_some(target)
-    }
-
-    /// The 429 of the bucket that refused (`taken[index]`).
-    fn refusal(
-        &self,
-        refusal: Refusal,
-        taken: &[usize],
-        identity: &Identity,
-        labels: impl Fn(&'static str, &'static str) -> Labels,
-        mut effort: Effort,
-        now_ms: u64,
-    ) -> Verdict {
-        let (index, quota, retry_after_ms) = match refusal {
-            Refusal::NoSlot {
-                index,
-                retry_after_ms,
-            } => {
-                let bucket = &self.buckets[taken[index]];
-                let reason = Reason::CapacityExhausted;
-                let reply = answer::capacity_exhausted(
-                    retry_after_ms,
-                    &identity.tier,
-                    &bucket.name,
-                    now_ms,
-                );
-                return Verdict {
-                    reply: Some(reply),
-                    response_headers: Vec::new(),
-                    body: None,
-                    labels: labels("refuse", reason.code()),
-                    effort,
-                    plan: None,
-                    alerts: Vec::new(),
-                    degraded: None,
-                    bucket: Some(bucket.rule.id.clone()),
-                };
-            }
-            Refusal::Full { index, shortfall } => {
-                (index, shortfall.quota, shortfall.retry_after_ms)
-            }
-            // Lost every CAS race: refuse by that bucket, briefly.
-            Refusal::Contended { index } | Refusal::Host { index, .. } => {
-                effort.exhausted = true;
-                let limit = self.buckets[taken[index]].rule.limit.capacity();
-                (
-                    index,
-                    Quota {
-                        limit,
-                        remaining: 0,
-                        reset_ms: 1_000,
-                    },
-                    1_000,
-                )
-            }
-        };
-        let bucket = &self.buckets[taken[index]];
-        let limit_text = bucket.rule.limit.describe();
-        let reply = answer::limited(
-            &Limited {
-                reason: bucket.reason,
-                quota,
-                retry_after_ms,
-                tier: &identity.tier,
-                bucket: &bucket.name,
-                limit_text: &limit_text,
-            },
-            now_ms,
-        );
-        Verdict {
-            reply: Some(reply),
-            response_headers: Vec::new(),
-            body: None,
-            labels: labels("refuse", bucket.reason.code()),
-            effort,
-            plan: None,
-            alerts: Vec::new(),
-            degraded: None,
-            bucket: Some(bucket.rule.id.clone()),
-        }
-    }
-
-    /// Headers of an admitted request: the tightest request bucket as
-    /// `X-RateLimit-*`, the tightest token bucket as `X-RateLimit-*-Tokens`
-    /// (OpenAI's names), and budget alerts past their threshold.
-    fn admitted_headers(
-        &self,
-        quotas: &[Quota],
-        taken: &[usize],
-    ) -> (Vec<(String, String)>, Vec<String>) {
-        let share_left = |q: &Quota| {
-            (
-                q.remaining as u128 * 1_000_000 / q.limit.max(1) as u128,
-                std::cmp::Reverse(q.reset_ms),
-            )
-        };
-        let tightest = |want: fn(Meter) -> bool| {
-            quotas
-                .iter()
-                .zip(taken)
-                .filter(|(_, &i)| want(self.buckets[i].meter))
-                .map(|(q, _)| *q)
-                .min_by_key(share_left)
-        };
-        let mut headers = Vec::new();
-        if let Some(q) = tightest(|m| m == Meter::Requests).or_else(|| tightest(|_| true)) {
-            headers.extend(answer::rate_limit_headers(&q));
-        }
-        if let Some(q) =
-            tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
-        {
-            headers.extend(
-                answer::rate_limit_headers(&q)
-                    .into_iter()
-                    .map(|(n, v)| (format!("{n}-tokens"), v)),
-            );
-        }
-        let mut alerts = Vec::new();
-        for (q, &i) in quotas.iter().zip(taken) {
-            let b = &self.buckets[i];
-            if let Some(alert) = b.alert_permille {
-                let used_permille =
-                    1000 - (q.remaining as u128 * 1000 / q.limit.max(1) as u128) as u32;
-                if used_permille >= alert {
-                    alerts.push(format!("{}: {}% used", b.name, used_permille / 10));
-                }
-            }
-        }
-        if !alerts.is_empty() {
-            headers.push(("x-sluice-budget-alert".into(), alerts.join("; ")));
-        }
-        (headers, alerts)
-    }
-
-    /// Step 5: replace the reservation with what the response really cost.
-    /// Usage from the upstream wins; without (believable) usage, the input
-    /// estimate and the output counted in the stream. An upstream error
-    /// costs nothing.
-    pub fn settle(
-        &self,
-        store: &dyn SharedStore,
-        plan: &Plan,
-        found: Found,
-        output_counted: u64,
-        upstream_ok: bool,
-        now_ms: u64,
-    ) -> (Settled, Effort) {
-        let (input, output, from_usage) = match found {
-            Found::Usage(u) => (u.input, u.output, true),
-            _ if !upstream_ok => (0, 0, false),
-            _ => (plan.input_estimate, output_counted, false),
-        };
-        let reserver = self.reserver(store);
-        let mut effort = Effort::default();
-        for (held, meter) in plan.held.iter().zip(&plan.meters) {
-            if *meter != Meter::Requests {
-                reserver.settle(
-                    held,
-                    meter.amount(input, output, plan.pricing),
-                    now_ms,
-                    &mut effort,
-                );
-            }
-        }
-        if from_usage && input > 0 {
-            if let Some(model) = &plan.model {
-                self.learn(store, model, plan.input_raw, input);
-            }
-        }
-        let cost = plan.pricing.cost(input, output);
-        let (surge, global_open) = self.record_usage(store, input + output, cost, now_ms);
-        let settled = Settled {
-            input,
-            output,
-            from_usage,
-            invalid_usage: found == Found::Invalid,
-            cost,
-            surge,
-            global_open,
-        };
-        (settled, effort)
-    }
-
-    /// Gives back everything an admitted request reserved, when it is
-    /// answered here after all (it lost the half-open probe to another).
-    pub fn release(&self, store: &dyn SharedStore, plan: &Plan, now_ms: u64) -> Effort {
-        let mut effort = Effort::default();
-        self.reserver(store)
-            .release(&plan.held, now_ms, &mut effort);
-        effort
-    }
-
-    /// 503 `global_breaker_open` while the last hour's spend, all callers
-    /// together, is at the ceiling.
-    fn global_breaker(
-        &self,
-        store: &dyn SharedStore,
-        identity: &Identity,
-        asked: Option<&Asked>,
-        now_ms: u64,
-    ) -> Option<Verdict> {
-        let a = self.policy.anomaly.as_ref()?;
-        let ceiling = (a.max_spend_per_hour?.limit * 1e6).round() as u64;
-        let (bytes, _) = store.get(USAGE_KEY)?;
-        let reading = UsageRing::decode(&bytes).read(a.baseline_minutes as usize, now_ms);
-        if reading.spend_last_hour < ceiling {
-            return None;
-        }
-        // The oldest minute leaves the window within a minute.
-        let retry_after_s = 60 - (now_ms / 1000) % 60;
-        let why = format!(
-            "spend in the last hour reached the {:.2} ceiling",
-            ceiling as f64 / 1e6
-        );
-        let reply = answer::unavailable(Reason::GlobalBreakerOpen, &why, retry_after_s);
-        let model = asked.and_then(|a| a.demand.model.as_deref());
-        Some(self.refused(reply, Reason::GlobalBreakerOpen, &identity.tier, model))
-    }
-
-    /// Adds a settled request to the global per-minute ring; says whether
-    /// its minute is a new surge and whether the spend ceiling is reached.
-    fn record_usage(
-        &self,
-        store: &dyn SharedStore,
-        tokens: u64,
-        cost: u64,
-        now_ms: u64,
-    ) -> (bool, bool) {
-        let Some(a) = &self.policy.anomaly else {
-            return (false, false);
-        };
-        for _ in 0..self.policy.state.cas_max_retries {
-            let (bytes, cas) = store.get(USAGE_KEY).unwrap_or_default();
-            let mut ring = UsageRing::decode(&bytes);
-            ring.add(tokens, cost, now_ms);
-            let reading = ring.read(a.baseline_minutes as usize, now_ms);
-            let minute = now_ms / 60_000;
-            let surge = reading.baseline > 0
-                && reading.tokens_this_minute as f64 > reading.baseline as f64 * a.surge_ratio
-                && ring.surge_flagged != minute;
-            if surge {
-                ring.surge_flagged = minute;
-            }
-            let ceiling = a.max_spend_per_hour.map(|b| (b.limit * 1e6).round() as u64);
-            let open = ceiling.is_some_and(|c| reading.spend_last_hour >= c);
-            if store.set(USAGE_KEY, &ring.encode(), cas).is_ok() {
-                return (surge, open);
-            }
-        }
-        (false, false)
-    }
-
-    /// Indexes of the buckets that apply to a request, in the order they
-    /// are taken (the first that refuses decides the answer).
-    fn applying(&self, identity: &Identity, model: Option<&str>, path: &str) -> Vec<usize> {
-        let none = Vec::new();
-        self.tier_buckets
-            .get(&identity.tier)
-            .unwrap_or(&none)
-            .iter()
-            .filter(|&&i| !(identity.declared && self.buckets[i].anonymous))
-            .chain(
-                model
-                    .and_then(|m| self.model_buckets.get(m))
-                    .unwrap_or(&none),
-            )
-            .copied()
-            .chain(
-                self.route_buckets
-                    .iter()
-                    .filter(|(prefix, _)| path.starts_with(prefix.as_str()))
-                    .map(|(_, i)| *i),
-            )
-            .collect()
-    }
-
-    /// The most output one choice of `model` may ask for.
-    fn output_cap(&self, model: &str) -> u64 {
-        self.policy
-            .models
-            .get(model)
-            .and_then(|m| m.max_output)
-            .unwrap_or(self.policy.request.max_output)
-    }
-
-    fn default_output(&self, model: Option<&str>) -> u64 {
-        model
-            .and_then(|m| self.policy.models.get(m))
-            .and_then(|m| m.default_max_output)
-            .unwrap_or(self.policy.defaults.max_output_tokens)
-    }
-
-    fn pricing_of(&self, model: Option<&str>) -> Pricing {
-        model
-            .and_then(|m| self.pricing.get(m))
-            .copied()
-            .unwrap_or_default()
-    }
-
-    /// The learned estimate correction of a configured model (others: 1.0).
-    fn correction(&self, store: &dyn SharedStore, model: &str) -> Correction {
-        if !self.policy.models.contains_key(model) {
-            return Correction::default();
-        }
-        store
-            .get(&format!("{CORRECTION_KEY}{model}"))
-            .map_or(Correction::default(), |(bytes, _)| {
-                Correction::decode(&bytes)
-            })
-    }
-
-    /// One compare-and-swap: a sample lost to a concurrent writer is simply
-    /// dropped, the next one will do.
-    fn learn(&self, store: &dyn SharedStore, model: &str, raw: f64, actual: u64) {
-        if !self.policy.models.contains_key(model) {
-            return;
-        }
-        let key = format!("{CORRECTION_KEY}{model}");
-        let (current, cas) = store
-            .get(&key)
-            .map_or((Correction::default(), 0), |(b, cas)| {
-                (Correction::decode(&b), cas)
-            });
-        if let Some(next) = current.learn(raw, actual) {
-            let _: Result<(), StoreError> = store.set(&key, &next.encode(), cas);
         }
     }
 
@@ -1062,12 +338,12 @@ impl Engine {
             response_headers: Vec::new(),
             body: None,
             labels: Labels {
-                decision: "refuse",
-                reason: reason.code(),
+                decision: Decision::Refuse(reason),
                 tier: tier.into(),
                 model: self.model_label(model),
             },
-            effort: Effort::default(),
+            contention: Contention::default(),
+            no_slot: false,
             plan: None,
             alerts: Vec::new(),
             degraded: None,
@@ -1084,199 +360,25 @@ impl Engine {
     }
 }
 
-/// Who takes from the buckets: declared API keys by name (they have
-/// dedicated keys), everyone else by hash.
-fn caller(identity: &Identity) -> Caller<'_> {
-    Caller {
-        hash: identity.hash,
-        declared: identity.declared.then_some(identity.principal.as_str()),
-    }
-}
-
-/// One limit of a tier's (or its anonymous total's) configuration.
-struct TierLimit {
-    what: &'static str,
-    limit: Limit,
-    meter: Meter,
-    reason: Reason,
-    budget: Option<Budget>,
-}
-
-/// The limits a `TierConfig` sets, in the order they are taken.
-fn tier_limits(t: &crate::config::TierConfig) -> Vec<TierLimit> {
-    let rates = [
-        (
-            "requests",
-            t.requests,
-            Meter::Requests,
-            Reason::UserRateLimit,
-        ),
-        ("tokens", t.tokens, Meter::Tokens, Reason::TokenRateLimit),
-        (
-            "input_tokens",
-            t.input_tokens,
-            Meter::InputTokens,
-            Reason::TokenRateLimit,
-        ),
-        (
-            "output_tokens",
-            t.output_tokens,
-            Meter::OutputTokens,
-            Reason::TokenRateLimit,
-        ),
-    ];
-    let budgets = [
-        (
-            "daily_tokens",
-            t.daily_tokens,
-            Window::Day,
-            Meter::Tokens,
-            Reason::DailyBudgetExceeded,
-        ),
-        (
-            "monthly_tokens",
-            t.monthly_tokens,
-            Window::Month,
-            Meter::Tokens,
-            Reason::MonthlyBudgetExceeded,
-        ),
-        (
-            "daily_spend",
-            t.daily_spend,
-            Window::Day,
-            Meter::Spend,
-            Reason::SpendCapExceeded,
-        ),
-        (
-            "monthly_spend",
-            t.monthly_spend,
-            Window::Month,
-            Meter::Spend,
-            Reason::SpendCapExceeded,
-        ),
-    ];
-    let mut out: Vec<TierLimit> = rates
-        .into_iter()
-        .filter_map(|(what, limit, meter, reason)| {
-            limit.map(|limit| TierLimit {
-                what,
-                limit,
-                meter,
-                reason,
-                budget: None,
-            })
-        })
-        .collect();
-    out.extend(
-        budgets
-            .into_iter()
-            .filter_map(|(what, budget, window, meter, reason)| {
-                budget.map(|b| {
-                    let units = if meter == Meter::Spend {
-                        (b.limit * 1e6).round() as u64
-                    } else {
-                        b.limit as u64
-                    };
-                    TierLimit {
-                        what,
-                        limit: Limit::windowed(units.max(1), window),
-                        meter,
-                        reason,
-                        budget: Some(b),
-                    }
-                })
-            }),
-    );
-    out
-}
-
-/// The last user prompt of a request, as text.
-fn prompt_text(body: &Value) -> String {
-    let text_of = |v: &Value| match v {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str).or(p.as_str()))
-            .collect::<Vec<_>>()
-            .join(" "),
-        _ => String::new(),
-    };
-    if let Some(messages) = body.get("messages").and_then(Value::as_array) {
-        if let Some(last) = messages
-            .iter()
-            .rev()
-            .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
-        {
-            return last.get("content").map(text_of).unwrap_or_default();
-        }
-    }
-    ["prompt", "input"]
-        .iter()
-        .find_map(|k| body.get(*k))
-        .map(text_of)
-        .unwrap_or_default()
-}
-
-/// The body the upstream gets: the served model (downshift), the output
-/// reserved (`new_output`), and, for streams, a request for the usage chunk
-/// (which the client then does not see: the second value).
-fn rewrite(
-    api: Api,
-    asked: &Asked,
-    model: Option<&str>,
-    new_output: Option<u64>,
-) -> (Option<Vec<u8>>, bool) {
-    let wants_usage = matches!(api, Api::OpenAiChat | Api::OpenAiCompletions)
-        && asked.demand.stream
-        && asked
-            .body
-            .pointer("/stream_options/include_usage")
-            .and_then(Value::as_bool)
-            != Some(true);
-    if model.is_none() && new_output.is_none() && !wants_usage {
-        return (None, false); // the client's body goes up as it came
-    }
-    let mut json = asked.body.clone();
-    if let Some(m) = model {
-        json["model"] = Value::String(m.to_string());
-    }
-    if let Some(max) = new_output {
-        set_max_output(api, &mut json, max);
-    }
-    if wants_usage {
-        if !json.get("stream_options").is_some_and(Value::is_object) {
-            json["stream_options"] = Value::Object(Default::default());
-        }
-        json["stream_options"]["include_usage"] = Value::Bool(true);
-    }
-    (Some(json.to_string().into_bytes()), wants_usage)
-}
-
-/// Writes the output limit where each API reads it.
-fn set_max_output(api: Api, json: &mut Value, max: u64) {
-    match api {
-        Api::OpenAiChat
-            if json
-                .get("max_completion_tokens")
-                .is_some_and(|v| !v.is_null()) =>
-        {
-            json["max_completion_tokens"] = max.into();
-        }
-        Api::OpenAiChat | Api::OpenAiCompletions => json["max_tokens"] = max.into(),
-        Api::OpenAiResponses => json["max_output_tokens"] = max.into(),
-        Api::OllamaGenerate | Api::OllamaChat => {
-            if !json.get("options").is_some_and(Value::is_object) {
-                json["options"] = Value::Object(Default::default());
-            }
-            json["options"]["num_predict"] = max.into();
-        }
-        Api::OpenAiEmbeddings | Api::Other => {}
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ctx<'a>(
+        identity: &'a Identity,
+        api: Api,
+        path: &'a str,
+        asked: Option<&'a Asked>,
+        now_ms: u64,
+    ) -> RequestContext<'a> {
+        RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        }
+    }
     use crate::reconcile::Usage;
     use crate::store::MemStore;
     use serde_json::json;
@@ -1326,7 +428,7 @@ mod tests {
         let (e, store) = engine();
         let id = e.identify(&Caller("10.0.0.1:1234")).unwrap();
         let results: Vec<Verdict> = (0..12)
-            .map(|_| e.admit(&store, &id, Api::Other, "/v1/models", None, 1_000))
+            .map(|_| e.admit(&store, &ctx(&id, Api::Other, "/v1/models", None, 1_000)))
             .collect();
         assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 10);
         assert_eq!(
@@ -1336,7 +438,7 @@ mod tests {
         let refused = results[11].reply.as_ref().unwrap();
         assert_eq!(refused.status, 429);
         assert_eq!(refused.header("x-sluice-reason"), Some("user_rate_limit"));
-        assert_eq!(results[11].labels.reason, "user_rate_limit");
+        assert_eq!(results[11].labels.decision.reason_code(), "user_rate_limit");
     }
 
     #[test]
@@ -1348,11 +450,7 @@ mod tests {
             assert!(e
                 .admit(
                     &store,
-                    &id,
-                    Api::OpenAiChat,
-                    "/v1/chat/completions",
-                    Some(&big),
-                    0
+                    &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&big), 0)
                 )
                 .reply
                 .is_none());
@@ -1360,22 +458,20 @@ mod tests {
         let id = e.identify(&Caller("4.4.4.4:1")).unwrap();
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&big),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&big), 0),
         );
-        assert_eq!(v.labels.reason, "model_rate_limit");
+        assert_eq!(v.labels.decision.reason_code(), "model_rate_limit");
         assert_eq!(v.labels.model, "big");
         let other = asked(&e, chat("gpt-made-up", 10));
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&other),
-            0,
+            &ctx(
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&other),
+                0,
+            ),
         );
         assert!(v.reply.is_none());
         assert_eq!(v.labels.model, "other");
@@ -1393,11 +489,7 @@ mod tests {
         for _ in 0..30 {
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             );
             if let Some(plan) = v.plan.filter(|_| v.reply.is_none()) {
                 plans.push(plan);
@@ -1424,11 +516,7 @@ mod tests {
         }
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(v.reply.is_none());
     }
@@ -1443,11 +531,7 @@ mod tests {
         let a = asked(&e, chat("m", 800));
         let first = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(
             first.reply.is_none() && first.body.is_none(),
@@ -1455,11 +539,7 @@ mod tests {
         );
         let second = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(second.reply.is_none());
         let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
@@ -1472,13 +552,9 @@ mod tests {
         );
         let third = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        assert_eq!(third.labels.reason, "daily_budget_exceeded");
+        assert_eq!(third.labels.decision.reason_code(), "daily_budget_exceeded");
         let reply = third.reply.unwrap();
         let json: Value = serde_json::from_slice(&reply.body).unwrap();
         assert_eq!(json["error"]["code"], "daily_budget_exceeded");
@@ -1499,24 +575,16 @@ mod tests {
         let a = asked(&e, chat("big", 600));
         let first = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert_eq!(first.degraded, None);
         assert_eq!(first.alerts.len(), 1, "{:?}", first.alerts);
         let second = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(second.reply.is_none(), "soft caps never refuse");
-        assert_eq!(second.degraded, Some("downshift"));
+        assert_eq!(second.degraded.map(Degraded::code), Some("downshift"));
         let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
         assert_eq!(body["model"], "small");
         assert!(second
@@ -1535,11 +603,7 @@ mod tests {
         let a = asked(&e, chat("paid", 4));
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         let plan = v.plan.unwrap();
         let cost = plan.pricing.cost(plan.input_estimate, 4);
@@ -1547,13 +611,9 @@ mod tests {
         let a = asked(&e, chat("paid", 5000));
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        assert_eq!(v.labels.reason, "spend_cap_exceeded");
+        assert_eq!(v.labels.decision.reason_code(), "spend_cap_exceeded");
     }
 
     #[test]
@@ -1566,11 +626,7 @@ mod tests {
         let a = asked(&e, body);
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            0,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         let rewritten: Value = serde_json::from_slice(&v.body.unwrap()).unwrap();
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
@@ -1603,14 +659,10 @@ mod tests {
         for _ in 0..10 {
             let v = e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             );
             if let Some(reply) = &v.reply {
-                assert_eq!(v.labels.reason, "global_breaker_open");
+                assert_eq!(v.labels.decision.reason_code(), "global_breaker_open");
                 assert_eq!(reply.status, 503);
                 opened = true;
                 break;
@@ -1625,11 +677,13 @@ mod tests {
         // An hour later the window has slid past it.
         let v = e.admit(
             &store,
-            &id,
-            Api::OpenAiChat,
-            "/v1/chat/completions",
-            Some(&a),
-            3_600_000,
+            &ctx(
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&a),
+                3_600_000,
+            ),
         );
         assert!(v.reply.is_none());
     }
@@ -1659,7 +713,8 @@ mod tests {
         }));
         let declared = e.identify(&Keyed("k-free", "1.1.1.1:1")).unwrap();
         assert!(declared.declared);
-        let admit = |id: &Identity| e.admit(&store, id, Api::Other, "/v1/models", None, 1_000);
+        let admit =
+            |id: &Identity| e.admit(&store, &ctx(id, Api::Other, "/v1/models", None, 1_000));
         for i in 0..600u32 {
             let addr: &'static str = format!("10.0.{}.{}:1", i / 250, i % 250).leak();
             admit(&e.identify(&Keyed("", addr)).unwrap());
@@ -1667,8 +722,8 @@ mod tests {
         let late = e.identify(&Keyed("", "192.168.1.1:1")).unwrap();
         assert!(!late.declared);
         let v = admit(&late);
-        assert_eq!(v.labels.reason, "capacity_exhausted");
-        assert!(v.effort.no_slot);
+        assert_eq!(v.labels.decision.reason_code(), "capacity_exhausted");
+        assert!(v.no_slot);
         let reply = v.reply.unwrap();
         assert_eq!(
             (reply.status, reply.header("retry-after")),
@@ -1686,7 +741,7 @@ mod tests {
                          "api_key": {"keys": {"k-free": "free"}}},
             "tiers": {"free": {"requests": "10/min", "anonymous_total": {"requests": "5/min"}}},
         }));
-        let admit = |id: &Identity| e.admit(&store, id, Api::Other, "/v1/models", None, 0);
+        let admit = |id: &Identity| e.admit(&store, &ctx(id, Api::Other, "/v1/models", None, 0));
         let results: Vec<Verdict> = (0..8u8)
             .map(|i| {
                 admit(
@@ -1696,7 +751,7 @@ mod tests {
             })
             .collect();
         assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 5);
-        assert_eq!(results[7].labels.reason, "anonymous_limit");
+        assert_eq!(results[7].labels.decision.reason_code(), "anonymous_limit");
         assert_eq!(
             results[7].bucket.as_deref(),
             Some("tier/free/anonymous/requests")
@@ -1721,11 +776,7 @@ mod tests {
         let before = e
             .admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
             .plan
             .unwrap();
@@ -1746,11 +797,7 @@ mod tests {
         let after = e
             .admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
             .plan
             .unwrap();
@@ -1769,11 +816,7 @@ mod tests {
             let a = asked(&e, body);
             e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                Some(&a),
-                0,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
         };
         let mut body = chat("m", 200);

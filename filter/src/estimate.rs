@@ -243,22 +243,12 @@ impl Correction {
         let next = (self.0 as i64 + step).clamp(Self::MIN as i64, Self::MAX as i64);
         Some(Correction(next as u32))
     }
-
-    pub fn encode(self) -> [u8; 4] {
-        self.0.to_le_bytes()
-    }
-
-    pub fn decode(bytes: &[u8]) -> Correction {
-        match <[u8; 4]>::try_from(bytes) {
-            Ok(b) => Correction(u32::from_le_bytes(b).clamp(Self::MIN, Self::MAX)),
-            Err(_) => Correction::default(),
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::Record;
     use serde_json::json;
 
     /// The estimate as it was before the one-pass version: the oracle.

@@ -18,14 +18,18 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
+use crate::answer::{Decision, Reason};
+use crate::codec::{PollLease, Record};
 use crate::config::Policy;
-use crate::engine::{Engine, Plan, Routed, Verdict};
+use crate::engine::{Engine, Plan, RequestContext, Routed, Verdict};
 use crate::health::{self, Pushback, Seen};
 use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
 use crate::metrics;
 use crate::principal::Identity;
-use crate::reconcile::{Format, Found, Meter};
+use crate::pushback::UpstreamReply;
+use crate::reconcile::{Format, Found, ResponseMeter};
 use crate::request::Api;
+use crate::store::{Cas, Contention, Updated};
 
 /// Longest audit field value: every field, whatever a client sent.
 pub const MAX_AUDIT_BYTES: usize = 256;
@@ -53,6 +57,12 @@ fn add(host: &dyn Host, name: &str, by: i64) {
     if by != 0 {
         host.metric_add(metric_kind(name), name, by);
     }
+}
+
+/// Lost compare-and-swap races, and updates that lost every try.
+fn count_contention(host: &dyn Host, c: Contention) {
+    add(host, metrics::CAS_RETRIES, i64::from(c.cas_retries));
+    add(host, metrics::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
 }
 
 fn set_gauge(host: &dyn Host, name: &str, value: u64) {
@@ -103,10 +113,10 @@ impl Filter {
             return Rc::new(Seen::default());
         };
         let Ok(mut cached) = self.seen.try_borrow_mut() else {
-            return Rc::new(health::decode_seen(&bytes));
+            return Rc::new(crate::codec::decode_seen(&bytes));
         };
         if cached.0 != cas {
-            *cached = (cas, Rc::new(health::decode_seen(&bytes)));
+            *cached = (cas, Rc::new(crate::codec::decode_seen(&bytes)));
         }
         cached.1.clone()
     }
@@ -220,20 +230,24 @@ impl Poller {
 
     /// Takes or renews the poller lease: one VM in the whole Envoy polls.
     fn hold_lease(&self, host: &dyn Host, now: u64) -> bool {
-        let (bytes, cas) = host.get(POLLER_KEY).unwrap_or_default();
-        let word = |i: usize| {
-            bytes
-                .get(i..i + 8)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map_or(0, u64::from_le_bytes)
-        };
-        let (owner, expires) = (word(0), word(8));
-        if owner != self.id && expires > now {
-            return false;
-        }
-        let mut next = self.id.to_le_bytes().to_vec();
-        next.extend_from_slice(&(now + LEASE_MS).to_le_bytes());
-        host.set(POLLER_KEY, &next, cas).is_ok()
+        let tries = self
+            .filter
+            .as_ref()
+            .map_or(1, |f| f.engine.policy.state.cas_max_retries);
+        let mut cas = Cas::new(host, tries);
+        let held = cas.update(POLLER_KEY, |bytes| {
+            let lease = PollLease::decode(bytes.unwrap_or_default());
+            if lease.owner != self.id && lease.expires_ms > now {
+                return None; // another VM polls
+            }
+            let next = PollLease {
+                owner: self.id,
+                expires_ms: now + LEASE_MS,
+            };
+            Some(next.encode())
+        });
+        count_contention(host, cas.contention);
+        held == Updated::Written
     }
 
     fn dispatch_poll(&mut self, host: &dyn Host, now: u64) {
@@ -315,7 +329,7 @@ impl Poller {
         set_gauge(host, metrics::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
-        let _ = host.set(SIDECAR_KEY, &health::encode_seen(now, &body), 0);
+        let _ = host.set(SIDECAR_KEY, &crate::codec::encode_seen(now, &body), 0);
         if self.hold_lease(host, now) {
             self.dispatch_poll(host, now);
         }
@@ -347,7 +361,7 @@ pub struct Request {
     /// What admission reserved, until it is settled.
     plan: Option<Plan>,
     /// Reads the response as it passes.
-    meter: Option<Meter>,
+    meter: Option<ResponseMeter>,
     status: u32,
     /// When the request arrived; whether its first response byte left.
     started_ms: u64,
@@ -489,7 +503,7 @@ impl Request {
                 // sluice may change the stream's length.
                 host.set_response_header("content-length", None);
             }
-            self.meter = Some(Meter::new(format, plan.strip_usage, allowance));
+            self.meter = Some(ResponseMeter::new(format, plan.strip_usage, allowance));
         }
         Action::Continue
     }
@@ -533,7 +547,10 @@ impl Request {
         // A probe whose answer never came (the client left first) is given
         // back, not left to block the route until its lease ends.
         if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
-            let _ = health::release_probe(host, &pushback.route_key, lease);
+            // A release that cannot be written leaves the lease to expire.
+            let mut cas = Cas::new(host, self.engine().policy.state.cas_max_retries);
+            health::release_probe(&mut cas, &pushback.route_key, lease);
+            count_contention(host, cas.contention);
         }
         if let Some((_, model)) = self
             .labels
@@ -596,20 +613,11 @@ impl Request {
     fn record(&self, host: &dyn Host, verdict: &Verdict) {
         let l = &verdict.labels;
         add(host, &metrics::requests_total(l), 1);
-        add(
-            host,
-            metrics::CAS_RETRIES,
-            i64::from(verdict.effort.cas_retries),
-        );
-        add(
-            host,
-            metrics::CAS_EXHAUSTED,
-            i64::from(verdict.effort.exhausted),
-        );
+        count_contention(host, verdict.contention);
         add(
             host,
             metrics::CAPACITY_EXHAUSTED,
-            i64::from(verdict.effort.no_slot),
+            i64::from(verdict.no_slot),
         );
         add(
             host,
@@ -619,11 +627,12 @@ impl Request {
         if let Some(bucket) = &verdict.bucket {
             add(host, &metrics::refusals_total(bucket), 1);
         }
-        if l.reason == "global_breaker_open" {
+        if l.decision == Decision::Refuse(Reason::GlobalBreakerOpen) {
             set_gauge(host, metrics::GLOBAL_BREAKER, 1);
         }
         if let Some(kind) = verdict.degraded {
-            add(host, &metrics::degraded_total(kind, &l.tier, &l.model), 1);
+            let name = metrics::degraded_total(kind.code(), &l.tier, &l.model);
+            add(host, &name, 1);
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
             let tokens =
@@ -639,8 +648,8 @@ impl Request {
             return;
         }
         let l = &verdict.labels;
-        self.audit(host, "sluice_decision", l.decision);
-        self.audit(host, "sluice_reason", l.reason);
+        self.audit(host, "sluice_decision", l.decision.code());
+        self.audit(host, "sluice_reason", l.decision.reason_code());
         self.audit(host, "sluice_tier", &l.tier);
         if let Some(identity) = &self.identity {
             let principal = self.filter.audit_principal(identity);
@@ -650,7 +659,7 @@ impl Request {
             self.audit(host, "sluice_bucket", bucket);
         }
         if let Some(kind) = verdict.degraded {
-            self.audit(host, "sluice_degraded", kind);
+            self.audit(host, "sluice_degraded", kind.code());
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
             self.audit(
@@ -697,16 +706,21 @@ impl Request {
         };
         let dice = filter.roll(now);
         let api = self.api;
-        let route = |pushback: &Pushback| {
-            engine.route(&seen, pushback, &identity, api, asked.as_ref(), now, dice)
+        let ctx = RequestContext {
+            identity: &identity,
+            api,
+            path: &self.path,
+            asked: asked.as_ref(),
+            now_ms: now,
         };
+        let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
         let (fallback, probe) = match route(&pushback) {
             Routed::Answered(verdict) => return self.finish(host, *verdict),
             Routed::Fallback => (true, false),
             Routed::Primary => (false, false),
             Routed::Probe => (false, true),
         };
-        let mut verdict = engine.admit(host, &identity, api, &self.path, asked.as_ref(), now);
+        let mut verdict = engine.admit(host, &ctx);
         if probe {
             // Claimed only now, by an admitted request: a refused one never
             // holds the probe.
@@ -772,10 +786,12 @@ impl Request {
         let recorded = self.filter.engine.observe_upstream(
             host,
             pushback,
-            status,
-            from_upstream,
-            retry_after.as_deref(),
-            lease,
+            &UpstreamReply {
+                status,
+                from_upstream,
+                retry_after: retry_after.as_deref(),
+                lease,
+            },
             dice,
             now,
         );
@@ -785,6 +801,7 @@ impl Request {
             i64::from(recorded.breaker_opened),
         );
         add(host, metrics::PUSHBACK_DROPPED, i64::from(recorded.dropped));
+        count_contention(host, recorded.contention);
         match recorded.paused {
             Some(health::PauseScope::Route) => add(host, metrics::PAUSES_ROUTE, 1),
             Some(health::PauseScope::Credential) => add(host, metrics::PAUSES_CREDENTIAL, 1),
@@ -806,7 +823,18 @@ impl Request {
                 .engine
                 .settle(host, &plan, found, counted, upstream_ok, now);
         add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
-        add(host, metrics::CAS_RETRIES, i64::from(effort.cas_retries));
+        count_contention(host, effort);
+        if settled.charges_unwritten > 0 {
+            // Counted in `sluice_cas_exhausted_total` too; said here so
+            // an under-charge is never silent.
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{} bucket charge(s) of a settled request could not be written (shared-data contention); the caller is under-charged by them",
+                    settled.charges_unwritten
+                ),
+            );
+        }
         let (tier, model) = self.labels.clone().unwrap_or_default();
         add(
             host,

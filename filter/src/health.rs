@@ -18,14 +18,17 @@
 //!   64-bit fingerprint: it never applies to another credential; a newer
 //!   pause may displace it (that credential then reaches the upstream and
 //!   gets its 429 again).
-//! - Contention: every change goes through one CAS loop (`cas_update`);
-//!   after `CAS_TRIES` lost races the change is dropped and counted
-//!   (`sluice_upstream_unrecorded_total`). This state is advisory: losing a
+//! - Contention: every change goes through the one CAS loop
+//!   ([`crate::store::update`], `state.cas_max_retries` tries); an
+//!   exhausted change is dropped and counted (`sluice_cas_exhausted_total`,
+//!   `sluice_upstream_unrecorded_total`). This state is advisory: losing a
 //!   write never admits or charges anyone.
 
 use serde::Deserialize;
 
-use crate::store::{SharedStore, StoreError};
+use crate::answer::Reason;
+use crate::codec::Record;
+use crate::store::{Cas, SharedStore, Updated};
 
 /// The sidecar's `/v1/state`, as far as the filter needs it.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -79,25 +82,6 @@ pub enum OnStale {
     FailClosed,
 }
 
-/// Shared-data encoding of a received state: receive time, then the JSON.
-pub fn encode_seen(received_ms: u64, json: &[u8]) -> Vec<u8> {
-    let mut out = received_ms.to_le_bytes().to_vec();
-    out.extend_from_slice(json);
-    out
-}
-
-pub fn decode_seen(bytes: &[u8]) -> Seen {
-    if bytes.len() < 8 {
-        return Seen::default();
-    }
-    let mut ms = [0u8; 8];
-    ms.copy_from_slice(&bytes[..8]);
-    Seen {
-        state: serde_json::from_slice(&bytes[8..]).ok(),
-        received_ms: u64::from_le_bytes(ms),
-    }
-}
-
 /// Whose credential an upstream sees (`protection.credentials`, per model
 /// `models.<name>.credentials`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -117,9 +101,6 @@ pub const MAX_CALLERS: usize = 8;
 /// How long a claimed half-open probe keeps other requests out, at most
 /// (a probe whose answer never comes must not block the route for good).
 pub const PROBE_LEASE_MS: u64 = 30_000;
-/// Tries of the CAS loop on a pushback record before the change is dropped.
-const CAS_TRIES: u32 = 16;
-const RECORD_LEN: usize = 7 * 8 + (2 + MAX_CALLERS) * 4;
 
 /// What the last responses of one model route said. Kept per route in
 /// shared data so every worker pauses and breaks together; fixed size,
@@ -150,64 +131,6 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    pub fn encode(&self) -> [u8; RECORD_LEN] {
-        let mut out = [0u8; RECORD_LEN];
-        let words = [
-            self.paused_until_ms,
-            self.credential_pauses_until_ms,
-            self.streak_since_ms,
-            self.open_until_ms,
-            self.cooldown_ms,
-            self.probe_until_ms,
-            self.barred_until_ms,
-        ];
-        for (i, w) in words.iter().enumerate() {
-            out[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
-        }
-        let halves = [self.failures, self.barred]
-            .into_iter()
-            .chain(self.callers.iter().copied());
-        for (i, h) in halves.enumerate() {
-            let at = 56 + i * 4;
-            out[at..at + 4].copy_from_slice(&h.to_le_bytes());
-        }
-        out
-    }
-
-    /// A value of another length (an older layout, a blank key) reads as
-    /// a clean record.
-    pub fn decode(b: &[u8]) -> Upstream {
-        if b.len() != RECORD_LEN {
-            return Upstream::default();
-        }
-        let word = |i: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&b[i * 8..i * 8 + 8]);
-            u64::from_le_bytes(w)
-        };
-        let half = |i: usize| {
-            let mut w = [0u8; 4];
-            w.copy_from_slice(&b[56 + i * 4..60 + i * 4]);
-            u32::from_le_bytes(w)
-        };
-        let mut callers = [0u32; MAX_CALLERS];
-        for (i, c) in callers.iter_mut().enumerate() {
-            *c = half(2 + i);
-        }
-        Upstream {
-            paused_until_ms: word(0),
-            credential_pauses_until_ms: word(1),
-            streak_since_ms: word(2),
-            open_until_ms: word(3),
-            cooldown_ms: word(4),
-            probe_until_ms: word(5),
-            barred_until_ms: word(6),
-            failures: half(0),
-            barred: half(1),
-            callers,
-        }
-    }
-
     pub fn is_blank(&self) -> bool {
         *self == Upstream::default()
     }
@@ -335,28 +258,6 @@ pub struct CredentialPause {
 }
 
 impl CredentialPause {
-    pub fn encode(&self) -> [u8; 16] {
-        let mut out = [0u8; 16];
-        out[..8].copy_from_slice(&self.fingerprint.to_le_bytes());
-        out[8..].copy_from_slice(&self.until_ms.to_le_bytes());
-        out
-    }
-
-    pub fn decode(b: &[u8]) -> CredentialPause {
-        let word = |i: usize| {
-            b.get(i..i + 8)
-                .and_then(|w| <[u8; 8]>::try_from(w).ok())
-                .map_or(0, u64::from_le_bytes)
-        };
-        if b.len() != 16 {
-            return CredentialPause::default();
-        }
-        CredentialPause {
-            fingerprint: word(0),
-            until_ms: word(8),
-        }
-    }
-
     /// When this credential's pause ends (0: it is not paused).
     pub fn until_for(&self, fingerprint: u64, now_ms: u64) -> u64 {
         if self.fingerprint == fingerprint && self.until_ms > now_ms {
@@ -434,50 +335,30 @@ pub fn read(store: &dyn SharedStore, key: &str) -> (Upstream, u32) {
     })
 }
 
-/// The one CAS loop on pushback state: reads `key`, asks `next` for the new
-/// value (`None`: nothing to write) and writes it unless another worker
-/// wrote first, then tries again. After `CAS_TRIES` lost races (or a host
-/// error) the change is dropped and `Err` says so, for the caller to count;
-/// pushback state is advisory, a lost write never admits or charges anyone.
-fn cas_update(
-    store: &dyn SharedStore,
-    key: &str,
-    mut next: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
-) -> Result<bool, StoreError> {
-    for _ in 0..CAS_TRIES {
-        let current = store.get(key);
-        let Some(value) = next(current.as_ref().map(|(b, _)| b.as_slice())) else {
-            return Ok(false);
-        };
-        match store.set(key, &value, current.map_or(0, |(_, cas)| cas)) {
-            Ok(()) => return Ok(true),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(StoreError::CasMismatch)
-}
-
+/// Applies `next` to a route's record. `None`: the change was dropped
+/// (every try lost, or the host refused), for the caller to count.
 fn update_record(
-    store: &dyn SharedStore,
+    cas: &mut Cas,
     key: &str,
     next: impl Fn(Upstream) -> Upstream,
-) -> Result<(Upstream, Upstream), StoreError> {
+) -> Option<(Upstream, Upstream)> {
     let mut seen = (Upstream::default(), Upstream::default());
-    cas_update(store, key, |bytes| {
+    match cas.update(key, |bytes| {
         let current = bytes.map(Upstream::decode).unwrap_or_default();
         let updated = next(current);
         seen = (current, updated);
-        (updated != current).then(|| updated.encode().to_vec())
-    })?;
-    Ok(seen)
+        (updated != current).then(|| updated.encode())
+    }) {
+        Updated::Written | Updated::Unchanged => Some(seen),
+        Updated::Exhausted | Updated::Failed => None,
+    }
 }
 
 /// Claims the half-open probe for an admitted request: returns its lease,
 /// or `None` when the probe is not (or no longer) this caller's to take.
-pub fn claim_probe(store: &dyn SharedStore, key: &str, caller: u32, now_ms: u64) -> Option<u64> {
+pub fn claim_probe(cas: &mut Cas, key: &str, caller: u32, now_ms: u64) -> Option<u64> {
     let lease = now_ms.saturating_add(PROBE_LEASE_MS);
-    let (before, after) = update_record(store, key, |u| {
+    let (before, after) = update_record(cas, key, |u| {
         if u.may_probe(caller, now_ms) {
             Upstream {
                 probe_until_ms: lease,
@@ -486,15 +367,15 @@ pub fn claim_probe(store: &dyn SharedStore, key: &str, caller: u32, now_ms: u64)
         } else {
             u
         }
-    })
-    .ok()?;
+    })?;
     (before != after).then_some(lease)
 }
 
 /// Gives a probe claim back without an answer (the client left first): the
 /// next request may probe at once.
-pub fn release_probe(store: &dyn SharedStore, key: &str, lease: u64) -> Result<(), StoreError> {
-    update_record(store, key, |u| {
+/// `false`: the change was dropped (the lease then simply expires).
+pub fn release_probe(cas: &mut Cas, key: &str, lease: u64) -> bool {
+    update_record(cas, key, |u| {
         if u.probe_until_ms == lease {
             Upstream {
                 probe_until_ms: 0,
@@ -504,7 +385,7 @@ pub fn release_probe(store: &dyn SharedStore, key: &str, lease: u64) -> Result<(
             u
         }
     })
-    .map(|_| ())
+    .is_some()
 }
 
 /// One upstream answer, as the pushback state needs it.
@@ -530,12 +411,14 @@ pub struct Recorded {
     pub breaker_opened: bool,
     /// A write was lost to contention (or the host): counted, not retried.
     pub dropped: bool,
+    /// The races lost on the way (all of the [`Cas`] it was given).
+    pub contention: crate::store::Contention,
 }
 
 /// Feeds one answer to the route's record and, for a pause about a
 /// credential, to that credential's slot.
 pub fn record(
-    store: &dyn SharedStore,
+    cas: &mut Cas,
     pb: &Pushback,
     p: &Protection,
     answer: Answer,
@@ -559,7 +442,7 @@ pub fn record(
                 fingerprint: *fingerprint,
                 until_ms: until,
             };
-            let written = cas_update(store, slot, |bytes| {
+            let written = cas.update(slot, |bytes| {
                 let current = bytes.map(CredentialPause::decode).unwrap_or_default();
                 let until = until.max(current.until_for(*fingerprint, now_ms));
                 Some(
@@ -567,11 +450,10 @@ pub fn record(
                         until_ms: until,
                         ..slot_pause
                     }
-                    .encode()
-                    .to_vec(),
+                    .encode(),
                 )
             });
-            out.dropped |= written.is_err();
+            out.dropped |= matches!(written, Updated::Exhausted | Updated::Failed);
             Some((PauseScope::Credential, until))
         }
         (Some((PauseScope::Credential, _)), None) => None,
@@ -579,7 +461,7 @@ pub fn record(
     };
     out.paused = pause.map(|(scope, _)| scope);
     let failed = answer.status == 0 || answer.status >= 500;
-    let updated = update_record(store, &pb.route_key, |u| {
+    let updated = update_record(cas, &pb.route_key, |u| {
         let mut next = if failed || answer.from_upstream {
             u.observe(p, answer.status, pb.caller, answer.lease, now_ms)
         } else if answer.lease.is_some_and(|l| l == u.probe_until_ms) {
@@ -604,11 +486,12 @@ pub fn record(
         next
     });
     match updated {
-        Ok((before, after)) => {
+        Some((before, after)) => {
             out.breaker_opened = after.open_until_ms > before.open_until_ms;
         }
-        Err(_) => out.dropped = true,
+        None => out.dropped = true,
     }
+    out.contention = cas.contention;
     out
 }
 
@@ -622,7 +505,7 @@ pub enum Route {
     Static,
     /// 503 with this code and `Retry-After`.
     Refuse {
-        code: &'static str,
+        reason: Reason,
         retry_after_s: u64,
         why: String,
     },
@@ -680,7 +563,7 @@ pub fn route(s: &Situation) -> Route {
                     return Route::Static;
                 }
                 return Route::Refuse {
-                    code: "gpu_overloaded",
+                    reason: Reason::GpuOverloaded,
                     retry_after_s: b
                         .retry_after_seconds
                         .unwrap_or(s.default_retry_after_s)
@@ -709,7 +592,7 @@ pub fn route(s: &Situation) -> Route {
     .max_by_key(|(until, _)| *until);
     if let Some((until, why)) = paused {
         return Route::Refuse {
-            code: "upstream_paused",
+            reason: Reason::UpstreamPaused,
             retry_after_s: (until - s.now_ms).div_ceil(1000).max(1),
             why: why.into(),
         };
@@ -728,7 +611,7 @@ pub fn route(s: &Situation) -> Route {
         };
         let until = up.open_until_ms.max(up.probe_until_ms).max(barred);
         return Route::Refuse {
-            code: "upstream_unhealthy",
+            reason: Reason::UpstreamUnhealthy,
             retry_after_s: until.saturating_sub(s.now_ms).div_ceil(1000).max(1),
             why: "the upstream failed repeatedly; its breaker is open".into(),
         };
@@ -785,7 +668,7 @@ mod tests {
     use super::*;
 
     fn seen(json: &str, at: u64) -> Seen {
-        decode_seen(&encode_seen(at, json.as_bytes()))
+        crate::codec::decode_seen(&crate::codec::encode_seen(at, json.as_bytes()))
     }
 
     fn situation<'a>(seen: &'a Seen, upstream: Upstream, now_ms: u64, dice: u32) -> Situation<'a> {
@@ -818,7 +701,7 @@ mod tests {
             matches!(
                 r,
                 Route::Refuse {
-                    code: "gpu_overloaded",
+                    reason: Reason::GpuOverloaded,
                     retry_after_s: 12,
                     ..
                 }
@@ -890,10 +773,10 @@ mod tests {
     fn refused_with(r: &Route) -> Option<(&'static str, u64)> {
         match r {
             Route::Refuse {
-                code,
+                reason,
                 retry_after_s,
                 ..
-            } => Some((code, *retry_after_s)),
+            } => Some((reason.code(), *retry_after_s)),
             _ => None,
         }
     }
@@ -981,9 +864,17 @@ mod tests {
         let key = "sluice:v1:upstream/big";
         let opened = fail(fail(fail(Upstream::default(), A, 0), B, 1), A, 2);
         store.set(key, &opened.encode(), 0).unwrap();
-        assert_eq!(claim_probe(&store, key, A, 1_000), None, "cooling down");
-        let lease = claim_probe(&store, key, A, 60_002).expect("probe");
-        assert_eq!(claim_probe(&store, key, B, 60_003), None, "one at a time");
+        assert_eq!(
+            claim_probe(&mut Cas::new(&store, 16), key, A, 1_000),
+            None,
+            "cooling down"
+        );
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 60_002).expect("probe");
+        assert_eq!(
+            claim_probe(&mut Cas::new(&store, 16), key, B, 60_003),
+            None,
+            "one at a time"
+        );
         // A's probe fails: the route stays half-open, but A must wait.
         let pb = |caller| Pushback {
             route_key: key.into(),
@@ -999,9 +890,13 @@ mod tests {
             lease: Some(lease),
             from_upstream: true,
         };
-        let r = record(&store, &pb(A), &p, failed, 60_010);
+        let r = record(&mut Cas::new(&store, 16), &pb(A), &p, failed, 60_010);
         assert!(!r.breaker_opened);
-        assert_eq!(claim_probe(&store, key, A, 60_011), None, "A is barred");
+        assert_eq!(
+            claim_probe(&mut Cas::new(&store, 16), key, A, 60_011),
+            None,
+            "A is barred"
+        );
         let none = Seen::default();
         let barred = read(&store, key).0;
         let mut s = situation(&none, barred, 60_011, 0);
@@ -1009,9 +904,9 @@ mod tests {
         s.caller = B;
         assert_eq!(route(&s), Route::Probe);
         // B's probe fails too: two callers agree, the breaker reopens, x2.
-        let lease = claim_probe(&store, key, B, 60_020).expect("B probes");
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, B, 60_020).expect("B probes");
         let r = record(
-            &store,
+            &mut Cas::new(&store, 16),
             &pb(B),
             &p,
             Answer {
@@ -1024,14 +919,15 @@ mod tests {
         let u = read(&store, key).0;
         assert_eq!((u.open_until_ms, u.cooldown_ms), (180_030, 120_000));
         // A good probe closes it.
-        let lease = claim_probe(&store, key, A, 180_030).expect("A may probe again");
+        let lease =
+            claim_probe(&mut Cas::new(&store, 16), key, A, 180_030).expect("A may probe again");
         let ok = Answer {
             status: 200,
             pause_ms: None,
             lease: Some(lease),
             from_upstream: true,
         };
-        record(&store, &pb(A), &p, ok, 180_040);
+        record(&mut Cas::new(&store, 16), &pb(A), &p, ok, 180_040);
         assert!(read(&store, key).0.is_blank());
     }
 
@@ -1057,14 +953,14 @@ mod tests {
         // Envoy itself answered the probe (a 413 after the claim, a later
         // filter's 429): the breaker stays open, the probe is free again,
         // and nobody is paused.
-        let lease = claim_probe(&store, key, A, 20).unwrap();
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 20).unwrap();
         let local = Answer {
             status: 429,
             pause_ms: Some(60_000),
             lease: Some(lease),
             from_upstream: false,
         };
-        let r = record(&store, &pb, &p, local, 21);
+        let r = record(&mut Cas::new(&store, 16), &pb, &p, local, 21);
         assert_eq!(r.paused, None);
         let u = read(&store, key).0;
         assert_eq!(
@@ -1072,14 +968,14 @@ mod tests {
             (10, 0, 0)
         );
         // Envoy's 503 for an upstream it cannot reach is a failure.
-        let lease = claim_probe(&store, key, A, 22).unwrap();
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 22).unwrap();
         let unreachable = Answer {
             status: 503,
             pause_ms: None,
             ..local
         };
         record(
-            &store,
+            &mut Cas::new(&store, 16),
             &pb,
             &p,
             Answer {
@@ -1101,14 +997,14 @@ mod tests {
             ..Upstream::default()
         };
         store.set(key, &open.encode(), 0).unwrap();
-        let lease = claim_probe(&store, key, A, 20).unwrap();
-        release_probe(&store, key, lease).unwrap();
-        let second = claim_probe(&store, key, B, 21).unwrap();
+        let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 20).unwrap();
+        assert!(release_probe(&mut Cas::new(&store, 16), key, lease));
+        let second = claim_probe(&mut Cas::new(&store, 16), key, B, 21).unwrap();
         // The first claim's late answer cannot end the second's lease.
-        release_probe(&store, key, lease).unwrap();
+        assert!(release_probe(&mut Cas::new(&store, 16), key, lease));
         assert_eq!(read(&store, key).0.probe_until_ms, second);
         // A lease that ran out lets the next request probe.
-        assert!(claim_probe(&store, key, A, second + 1).is_some());
+        assert!(claim_probe(&mut Cas::new(&store, 16), key, A, second + 1).is_some());
     }
 
     #[test]
@@ -1129,7 +1025,7 @@ mod tests {
             lease: None,
             from_upstream: true,
         };
-        let r = record(&store, &mine, &p, answer, 1_000);
+        let r = record(&mut Cas::new(&store, 16), &mine, &p, answer, 1_000);
         assert_eq!(r.paused, Some(PauseScope::Credential));
         let u = read(&store, "r").0;
         assert_eq!(u.paused_until_ms, 0, "the route is not paused");
@@ -1145,12 +1041,12 @@ mod tests {
             credentials: Credentials::Injected,
             ..mine.clone()
         };
-        let r = record(&store, &shared, &p, answer, 1_000);
+        let r = record(&mut Cas::new(&store, 16), &shared, &p, answer, 1_000);
         assert_eq!(r.paused, Some(PauseScope::Route));
         assert_eq!(read(&store, "s").0.paused_until_ms, 301_000);
         // A 503 speaks for the upstream: the route, whatever the credential.
         let r = record(
-            &store,
+            &mut Cas::new(&store, 16),
             &mine,
             &p,
             Answer {
@@ -1166,7 +1062,7 @@ mod tests {
             ..mine
         };
         let r = record(
-            &store,
+            &mut Cas::new(&store, 16),
             &quiet,
             &p,
             Answer {

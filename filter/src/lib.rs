@@ -12,6 +12,7 @@
 pub mod anomaly;
 pub mod answer;
 pub mod bucket;
+pub mod codec;
 pub mod config;
 pub mod engine;
 pub mod estimate;

@@ -8,7 +8,10 @@ use crate::engine::Labels;
 pub fn requests_total(l: &Labels) -> String {
     format!(
         "sluice_requests_total_decision={};.reason={};.tier={};.model={};",
-        l.decision, l.reason, l.tier, l.model
+        l.decision.code(),
+        l.decision.reason_code(),
+        l.tier,
+        l.model
     )
 }
 
@@ -136,8 +139,7 @@ mod tests {
     #[test]
     fn label_encoding_matches_the_shipped_stats_tags() {
         let l = Labels {
-            decision: "admit",
-            reason: "none",
+            decision: crate::answer::Decision::Admit,
             tier: "free".into(),
             model: "llama3.1:8b".into(),
         };

@@ -23,10 +23,11 @@
 use sha2::{Digest, Sha256};
 
 use crate::answer::{self, Reason};
+use crate::codec::Record;
 use crate::engine::{Engine, Routed, Verdict};
 use crate::health::{self, Answer, Credentials, Protection, Pushback, Recorded};
 use crate::principal::{Identity, RequestView};
-use crate::store::SharedStore;
+use crate::store::{Cas, SharedStore};
 
 const UPSTREAM_KEY: &str = "sluice:v1:upstream/";
 const PAUSE_KEY: &str = "sluice:v1:pause/";
@@ -121,28 +122,36 @@ impl Engine {
         if verdict.reply.is_some() {
             return (verdict, None); // refused: it never holds the probe
         }
-        let give_back = |verdict: &Verdict| {
+        // The claim's (and a give-back's) lost races are counted with the
+        // admission's, on whichever verdict is applied.
+        let mut cas = Cas::new(store, self.policy.state.cas_max_retries);
+        cas.contention = verdict.contention;
+        let give_back = |verdict: &Verdict, cas: &mut Cas| {
             if let Some(plan) = &verdict.plan {
-                self.release(store, plan, now_ms);
+                cas.contention.add(self.release(store, plan, now_ms));
             }
         };
+        let with = |mut applied: Verdict, cas: &Cas| {
+            applied.contention = cas.contention;
+            applied
+        };
         for _ in 0..PROBE_TRIES {
-            if let Some(lease) = health::claim_probe(store, &pb.route_key, pb.caller, now_ms) {
-                return (verdict, Some(lease));
+            if let Some(lease) = health::claim_probe(&mut cas, &pb.route_key, pb.caller, now_ms) {
+                return (with(verdict, &cas), Some(lease));
             }
             pb.record = health::read(store, &pb.route_key).0;
             match reroute(pb) {
                 Routed::Probe => continue,
                 Routed::Answered(answer) => {
-                    give_back(&verdict);
-                    return (*answer, None);
+                    give_back(&verdict, &mut cas);
+                    return (with(*answer, &cas), None);
                 }
                 // The breaker closed meanwhile (the sidecar view is the
                 // same snapshot, so no kill switch can appear here).
-                Routed::Primary | Routed::Fallback => return (verdict, None),
+                Routed::Primary | Routed::Fallback => return (with(verdict, &cas), None),
             }
         }
-        give_back(&verdict);
+        give_back(&verdict, &mut cas);
         let reply = answer::unavailable(
             Reason::UpstreamUnhealthy,
             "another request is probing the upstream",
@@ -150,23 +159,25 @@ impl Engine {
         );
         let model = verdict.plan.as_ref().and_then(|p| p.model.as_deref());
         let refused = self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
-        (refused, None)
+        (with(refused, &cas), None)
     }
 
     /// On the answer: feed the route's record (and a credential pause).
     /// `dice` in 0..1000 draws the pause jitter.
-    #[allow(clippy::too_many_arguments)]
     pub fn observe_upstream(
         &self,
         store: &dyn SharedStore,
         pb: &Pushback,
-        status: u32,
-        from_upstream: bool,
-        retry_after: Option<&str>,
-        lease: Option<u64>,
+        reply: &UpstreamReply,
         dice: u32,
         now_ms: u64,
     ) -> Recorded {
+        let UpstreamReply {
+            status,
+            from_upstream,
+            retry_after,
+            lease,
+        } = *reply;
         let p = self.protection();
         let pause_ms = retry_after
             .and_then(|v| health::parse_retry_after(v, now_ms))
@@ -177,7 +188,8 @@ impl Engine {
             lease,
             from_upstream,
         };
-        health::record(store, pb, &p, answer, now_ms)
+        let mut cas = Cas::new(store, self.policy.state.cas_max_retries);
+        health::record(&mut cas, pb, &p, answer, now_ms)
     }
 
     /// 64 bits of SHA-256 over the route and the credential headers the
@@ -212,6 +224,19 @@ impl Engine {
     }
 }
 
+/// What came back for a request sent upstream, as the pushback state
+/// reads it.
+#[derive(Debug, Clone, Copy)]
+pub struct UpstreamReply<'a> {
+    /// 0: no answer (reset, timeout).
+    pub status: u32,
+    /// Envoy's `response.code_details` is `via_upstream`.
+    pub from_upstream: bool,
+    pub retry_after: Option<&'a str>,
+    /// The probe claim the request held.
+    pub lease: Option<u64>,
+}
+
 impl Pushback {
     /// Whether an answer can change the record: failures, pushback, a probe
     /// answer, or any answer while something is recorded.
@@ -237,6 +262,23 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::{Asked, RequestContext};
+
+    fn ctx<'a>(
+        identity: &'a Identity,
+        api: Api,
+        path: &'a str,
+        asked: Option<&'a Asked>,
+        now_ms: u64,
+    ) -> RequestContext<'a> {
+        RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        }
+    }
     use crate::config::Policy;
     use crate::health::{Seen, Upstream};
     use crate::request::Api;
@@ -298,19 +340,16 @@ mod tests {
             .demand(&id, Api::OpenAiChat, body.to_string().as_bytes())
             .unwrap();
         e.route(
+            &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), now),
             &Seen::default(),
             pb,
-            &id,
-            Api::OpenAiChat,
-            asked.as_ref(),
-            now,
             0,
         )
     }
 
     fn code(r: &Routed) -> Option<&str> {
         match r {
-            Routed::Answered(v) => Some(v.labels.reason),
+            Routed::Answered(v) => Some(v.labels.decision.reason_code()),
             _ => None,
         }
     }
@@ -332,7 +371,18 @@ mod tests {
         // Two callers break gpt-a; gpt-b still flows.
         for (req, t) in [(&ALICE, 0), (&BOB, 1), (&ALICE, 2)] {
             let pb = pushback(&e, &store, "gpt-a", req, t);
-            e.observe_upstream(&store, &pb, 500, true, None, None, 0, t);
+            e.observe_upstream(
+                &store,
+                &pb,
+                &UpstreamReply {
+                    status: 500,
+                    from_upstream: true,
+                    retry_after: None,
+                    lease: None,
+                },
+                0,
+                t,
+            );
         }
         let pb = pushback(&e, &store, "gpt-a", &ALICE, 3);
         assert_eq!(
@@ -357,7 +407,18 @@ mod tests {
         let (e, store) = engine_with(json!({}));
         let pb = pushback(&e, &store, "big", &ALICE, 1_000);
         assert_eq!(pb.credentials, Credentials::PassThrough);
-        let r = e.observe_upstream(&store, &pb, 429, true, Some("3600"), None, 0, 1_000);
+        let r = e.observe_upstream(
+            &store,
+            &pb,
+            &UpstreamReply {
+                status: 429,
+                from_upstream: true,
+                retry_after: Some("3600"),
+                lease: None,
+            },
+            0,
+            1_000,
+        );
         assert_eq!(r.paused, Some(health::PauseScope::Credential));
 
         let mine = pushback(&e, &store, "big", &ALICE, 2_000);
@@ -407,7 +468,18 @@ mod tests {
             (pb.credentials, pb.credential.is_none()),
             (Credentials::Injected, true)
         );
-        e.observe_upstream(&store, &pb, 429, true, Some("10"), None, 0, 0);
+        e.observe_upstream(
+            &store,
+            &pb,
+            &UpstreamReply {
+                status: 429,
+                from_upstream: true,
+                retry_after: Some("10"),
+                lease: None,
+            },
+            0,
+            0,
+        );
         let bob = pushback(&e, &store, "big", &BOB, 1_000);
         assert_eq!(
             code(&routed(&e, &bob, &BOB, "big", 1_000)),
@@ -440,12 +512,9 @@ mod tests {
         let mut pb = e.pushback(&store, Some("big"), &ALICE, &id, 20);
         let reroute = |pb: &Pushback| {
             e.route(
+                &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), 20),
                 &Seen::default(),
                 pb,
-                &id,
-                Api::OpenAiChat,
-                asked.as_ref(),
-                20,
                 0,
             )
         };
@@ -453,22 +522,33 @@ mod tests {
         // Bob's request, admitted first, holds the probe.
         let bob = e.identify(&BOB).unwrap();
         let bob_pb = e.pushback(&store, Some("big"), &BOB, &bob, 20);
-        assert!(health::claim_probe(&store, &bob_pb.route_key, bob_pb.caller, 20).is_some());
+        assert!(health::claim_probe(
+            &mut Cas::new(&store, 16),
+            &bob_pb.route_key,
+            bob_pb.caller,
+            20
+        )
+        .is_some());
 
         let admit = || {
             e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                20,
+                &ctx(
+                    &id,
+                    Api::OpenAiChat,
+                    "/v1/chat/completions",
+                    asked.as_ref(),
+                    20,
+                ),
             )
         };
         let verdict = admit();
         assert!(verdict.reply.is_none());
         let (verdict, lease) = e.take_probe(&store, &mut pb, verdict, &id, 20, reroute);
-        assert_eq!((verdict.labels.reason, lease), ("upstream_unhealthy", None));
+        assert_eq!(
+            (verdict.labels.decision.reason_code(), lease),
+            ("upstream_unhealthy", None)
+        );
         // Its model request was given back: 3/min still admits three.
         for _ in 0..3 {
             assert!(admit().reply.is_none());
@@ -495,11 +575,13 @@ mod tests {
         let admit = || {
             e.admit(
                 &store,
-                &id,
-                Api::OpenAiChat,
-                "/v1/chat/completions",
-                asked.as_ref(),
-                20,
+                &ctx(
+                    &id,
+                    Api::OpenAiChat,
+                    "/v1/chat/completions",
+                    asked.as_ref(),
+                    20,
+                ),
             )
         };
         for _ in 0..3 {
@@ -510,27 +592,24 @@ mod tests {
         let mut pb = e.pushback(&store, Some("big"), &ALICE, &id, 20);
         let reroute = |pb: &Pushback| {
             e.route(
+                &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), 20),
                 &Seen::default(),
                 pb,
-                &id,
-                Api::OpenAiChat,
-                asked.as_ref(),
-                20,
                 0,
             )
         };
         let (verdict, lease) = e.take_probe(&store, &mut pb, refused, &id, 20, reroute);
-        assert_eq!((verdict.labels.reason, lease), ("model_rate_limit", None));
+        assert_eq!(
+            (verdict.labels.decision.reason_code(), lease),
+            ("model_rate_limit", None)
+        );
         // The probe is still there for the next admitted request.
         let bob = e.identify(&BOB).unwrap();
         let pb = e.pushback(&store, Some("big"), &BOB, &bob, 21);
         let r = e.route(
+            &ctx(&bob, Api::OpenAiChat, "", asked.as_ref(), 21),
             &Seen::default(),
             &pb,
-            &bob,
-            Api::OpenAiChat,
-            asked.as_ref(),
-            21,
             0,
         );
         assert!(matches!(r, Routed::Probe));

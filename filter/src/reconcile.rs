@@ -185,7 +185,7 @@ pub const OVERSIZED_CODE: &str = "upstream_event_too_large";
 
 /// Reads a response as it passes and decides what the client gets.
 #[derive(Debug)]
-pub struct Meter {
+pub struct ResponseMeter {
     format: Format,
     /// Bytes of an incomplete event or line, held until it completes.
     pending: Vec<u8>,
@@ -214,9 +214,9 @@ enum LastEvent {
 /// The OpenAI-shaped error event that ends a stream past its budget.
 pub const MIDSTREAM_CODE: &str = "budget_exhausted_midstream";
 
-impl Meter {
-    pub fn new(format: Format, strip_usage: bool, allowance: Option<u64>) -> Meter {
-        Meter {
+impl ResponseMeter {
+    pub fn new(format: Format, strip_usage: bool, allowance: Option<u64>) -> ResponseMeter {
+        ResponseMeter {
             format,
             pending: Vec::new(),
             output_events: 0,
@@ -535,7 +535,7 @@ mod tests {
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}});
         let body = sse(&[chunk("a"), chunk(" b"), chunk(" c"), usage], true);
         for split in 1..body.len() {
-            let mut m = Meter::new(Format::Sse, false, None);
+            let mut m = ResponseMeter::new(Format::Sse, false, None);
             let mut out = m.feed(&body[..split], false).unwrap();
             out.extend(m.feed(&body[split..], true).unwrap());
             assert_eq!(out, body, "split at {split}");
@@ -579,8 +579,8 @@ mod tests {
         cuts: &[usize],
         strip: bool,
         allowance: Option<u64>,
-    ) -> (Vec<u8>, Meter) {
-        let mut m = Meter::new(Format::Sse, strip, allowance);
+    ) -> (Vec<u8>, ResponseMeter) {
+        let mut m = ResponseMeter::new(Format::Sse, strip, allowance);
         let mut out = Vec::new();
         let mut from = 0;
         for &c in cuts.iter().chain(std::iter::once(&body.len())) {
@@ -631,7 +631,7 @@ mod tests {
         // "\r" | "\n\r\n": not a blank line after the first CR.
         let body = b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\r\n\r\n";
         let at = body.len() - 3;
-        let mut m = Meter::new(Format::Sse, false, None);
+        let mut m = ResponseMeter::new(Format::Sse, false, None);
         let first = m.feed(&body[..at], false).unwrap();
         assert!(first.is_empty(), "event not complete yet");
         let rest = m.feed(&body[at..], false).unwrap();
@@ -640,7 +640,7 @@ mod tests {
         // An event dropped at a CR takes its LF along.
         let usage =
             b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\r\n\r";
-        let mut m = Meter::new(Format::Sse, true, None);
+        let mut m = ResponseMeter::new(Format::Sse, true, None);
         assert!(m.feed(usage, false).unwrap().is_empty());
         assert_eq!(
             m.feed(b"\ndata: [DONE]\r\n\r\n", true).unwrap(),
@@ -662,7 +662,7 @@ mod tests {
     fn the_usage_chunk_sluice_asked_for_is_removed() {
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}});
         let body = sse(&[chunk("a"), usage], true);
-        let mut m = Meter::new(Format::Sse, true, None);
+        let mut m = ResponseMeter::new(Format::Sse, true, None);
         let out = m.feed(&body, true).unwrap();
         assert_eq!(out, sse(&[chunk("a")], true));
         assert!(matches!(m.found, Found::Usage(_)));
@@ -671,7 +671,7 @@ mod tests {
     #[test]
     fn a_stream_past_its_allowance_ends_with_an_error_event() {
         let body = sse(&[chunk("a"), chunk("b"), chunk("c"), chunk("d")], true);
-        let mut m = Meter::new(Format::Sse, false, Some(2));
+        let mut m = ResponseMeter::new(Format::Sse, false, Some(2));
         let mut out = m.feed(&body[..10], false).unwrap();
         out.extend(m.feed(&body[10..], false).unwrap());
         out.extend(m.feed(b"data: more\n\n", true).unwrap());
@@ -688,7 +688,7 @@ mod tests {
         let finish = json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]});
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}});
         let body = sse(&[chunk("a"), chunk("b"), finish, usage], true);
-        let mut m = Meter::new(Format::Sse, false, Some(2));
+        let mut m = ResponseMeter::new(Format::Sse, false, Some(2));
         assert_eq!(m.feed(&body, true).unwrap(), body);
         assert!(!m.cut);
         assert_eq!(m.output_events, 2);
@@ -698,7 +698,7 @@ mod tests {
     #[test]
     fn a_json_answer_without_usage_counts_its_text() {
         let body = json!({"choices": [{"message": {"content": "hello there world"}}]});
-        let mut m = Meter::new(Format::Json, false, None);
+        let mut m = ResponseMeter::new(Format::Json, false, None);
         m.feed(body.to_string().as_bytes(), true);
         assert_eq!(m.found, Found::Nothing);
         assert_eq!(
@@ -706,7 +706,7 @@ mod tests {
             text_tokens("hello there world").ceil() as u64
         );
         let body = json!({"response": "hi", "done": true, "prompt_eval_count": "x"});
-        let mut m = Meter::new(Format::Json, false, None);
+        let mut m = ResponseMeter::new(Format::Json, false, None);
         m.feed(body.to_string().as_bytes(), true);
         assert_eq!((m.found, m.output_events), (Found::Invalid, 1));
     }
@@ -714,7 +714,7 @@ mod tests {
     #[test]
     fn ollama_lines_and_json_bodies() {
         let lines = b"{\"message\":{\"content\":\"a\"},\"done\":false}\n{\"message\":{\"content\":\"b\"},\"done\":false}\n{\"done\":true,\"prompt_eval_count\":7,\"eval_count\":2}\n";
-        let mut m = Meter::new(Format::Ndjson, false, None);
+        let mut m = ResponseMeter::new(Format::Ndjson, false, None);
         let out = m.feed(&lines[..20], false).unwrap();
         let out2 = m.feed(&lines[20..], true).unwrap();
         assert_eq!([out, out2].concat(), lines.to_vec());
@@ -730,7 +730,7 @@ mod tests {
         );
 
         let body = br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
-        let mut m = Meter::new(Format::Json, false, None);
+        let mut m = ResponseMeter::new(Format::Json, false, None);
         assert_eq!(m.feed(&body[..9], false), None);
         assert_eq!(m.feed(&body[9..], true), None);
         assert_eq!(
@@ -740,7 +740,7 @@ mod tests {
                 output: 1
             })
         );
-        let mut m = Meter::new(Format::Json, false, None);
+        let mut m = ResponseMeter::new(Format::Json, false, None);
         m.feed(b"not json", true);
         assert_eq!(m.found, Found::Nothing);
     }
@@ -748,7 +748,7 @@ mod tests {
     #[test]
     fn an_event_that_never_ends_is_bounded() {
         for format in [Format::Sse, Format::Ndjson] {
-            let mut m = Meter::new(format, false, None);
+            let mut m = ResponseMeter::new(format, false, None);
             let mut sent = Vec::new();
             let chunk = vec![b'x'; 64 * 1024];
             let mut fed = 0;

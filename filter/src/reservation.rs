@@ -39,8 +39,14 @@
 //! Contention. A CAS mismatch means another worker changed the bucket since
 //! we read it; we re-read and retry, up to `cas_max_retries` times (every
 //! mismatch means another request made progress, so exhaustion needs a
-//! sustained storm on one key). Retries are counted; on exhaustion the
-//! request is refused by that bucket, never let through unchecked.
+//! sustained storm on one key). Every loop is [`crate::store::retry`];
+//! retries and exhaustion are counted (`sluice_cas_retries_total`,
+//! `sluice_cas_exhausted_total`). On exhaustion a take refuses the request
+//! by that bucket, never lets it through unchecked. A settlement tries
+//! [`SETTLE_TRIES_FACTOR`] times as long (its usage already happened); a
+//! charge that still cannot be written is reported to the caller, which
+//! counts and logs it; a give-back that cannot be written over-counts
+//! until the bucket drains (the safe side).
 //!
 //! Partial failure. Buckets are taken one after the other; when one refuses,
 //! those already taken are given back and the refusing bucket decides the
@@ -48,8 +54,9 @@
 //! those units in use and be refused: the error is on the safe side.
 
 use crate::bucket::{window_start, BucketState, Quota, Shortfall, SCALE};
+use crate::codec::Record;
 use crate::config::Limit;
-use crate::store::{SharedStore, StoreError};
+use crate::store::{self, Attempt, Contention, SharedStore, StoreError, Updated};
 
 /// Slots probed from a principal's home slot.
 pub const PROBES: u32 = 8;
@@ -170,21 +177,16 @@ pub enum Refusal {
     Host { index: usize, message: String },
 }
 
-/// Counters a reservation reports for metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Effort {
-    pub cas_retries: u32,
-    /// Refused because the hashed table had no slot for the caller.
-    pub no_slot: bool,
-    /// Every CAS attempt on some bucket was lost.
-    pub exhausted: bool,
-}
-
 pub struct Reserver<'a> {
     pub store: &'a dyn SharedStore,
     pub layout: Layout,
+    /// Compare-and-swap attempts per bucket update (`state.cas_max_retries`).
     pub max_retries: u32,
 }
+
+/// A settlement gets this many times the usual attempts: the usage it
+/// records already happened, so giving up would under-charge the caller.
+pub const SETTLE_TRIES_FACTOR: u32 = 8;
 
 /// Creates every key a rule can use, empty, unless it exists: the hot path
 /// then only ever updates keys under CAS (Envoy ignores CAS on a missing
@@ -238,44 +240,16 @@ fn cell_key(rule: &str, row: u32, col: u32) -> String {
 
 /// A hashed slot: the bucket and when its owner last took or settled.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Slot {
-    state: BucketState,
-    touched_ms: u64,
-}
-
-impl Slot {
-    fn decode(bytes: &[u8]) -> Slot {
-        let state = BucketState::decode(bytes.get(..24).unwrap_or_default()).unwrap_or_default();
-        let touched_ms = bytes
-            .get(24..32)
-            .and_then(|b| <[u8; 8]>::try_from(b).ok())
-            .map_or(state.updated_ms, u64::from_le_bytes);
-        Slot { state, touched_ms }
-    }
-
-    fn encode(&self) -> Vec<u8> {
-        let mut out = self.state.encode().to_vec();
-        out.extend_from_slice(&self.touched_ms.to_le_bytes());
-        out
-    }
+pub(crate) struct Slot {
+    pub state: BucketState,
+    pub touched_ms: u64,
 }
 
 /// One sketch cell: millionths charged in the window starting at `window`.
-fn decode_cell(bytes: &[u8]) -> (u64, u64) {
-    let word = |i: usize| {
-        bytes
-            .get(i..i + 8)
-            .and_then(|b| <[u8; 8]>::try_from(b).ok())
-            .map_or(0, u64::from_le_bytes)
-    };
-    (word(0), word(8))
-}
-
-fn encode_cell(window: u64, used: u64) -> [u8; 16] {
-    let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&window.to_le_bytes());
-    out[8..].copy_from_slice(&used.to_le_bytes());
-    out
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SketchCell {
+    pub window: u64,
+    pub used: u64,
 }
 
 /// Column of `principal` in sketch row `row`: an independent mix per row
@@ -304,7 +278,7 @@ impl Reserver<'_> {
         claims: &[Claim],
         caller: Caller,
         now_ms: u64,
-        effort: &mut Effort,
+        effort: &mut Contention,
     ) -> Result<Reservation, Refusal> {
         let mut reservation = Reservation::default();
         for (index, claim) in claims.iter().enumerate() {
@@ -333,13 +307,10 @@ impl Reserver<'_> {
                     self.release(&reservation.held, now_ms, effort);
                     return Err(match refusal {
                         TakeError::Full(shortfall) => Refusal::Full { index, shortfall },
-                        TakeError::NoSlot(retry_after_ms) => {
-                            effort.no_slot = true;
-                            Refusal::NoSlot {
-                                index,
-                                retry_after_ms,
-                            }
-                        }
+                        TakeError::NoSlot(retry_after_ms) => Refusal::NoSlot {
+                            index,
+                            retry_after_ms,
+                        },
                         TakeError::Contended => Refusal::Contended { index },
                         TakeError::Host(message) => Refusal::Host { index, message },
                     });
@@ -350,7 +321,7 @@ impl Reserver<'_> {
     }
 
     /// Gives back what `held` took.
-    pub fn release(&self, held: &[Held], now_ms: u64, effort: &mut Effort) {
+    pub fn release(&self, held: &[Held], now_ms: u64, effort: &mut Contention) {
         for h in held.iter().rev() {
             self.settle(h, 0, now_ms, effort);
         }
@@ -358,26 +329,38 @@ impl Reserver<'_> {
 
     /// Replaces what `h` reserved with what was really used: gives back the
     /// difference, or charges the shortfall (which may take the bucket over
-    /// its capacity: the usage already happened).
-    pub fn settle(&self, h: &Held, actual: u64, now_ms: u64, effort: &mut Effort) {
+    /// its capacity: the usage already happened). Under contention it tries
+    /// [`SETTLE_TRIES_FACTOR`] times as often as a take. `false`: the
+    /// bucket could still not be written (counted in `cas_exhausted`); for a
+    /// charge the caller must say so, for a give-back the bucket merely
+    /// over-counts until it drains (the safe side).
+    pub fn settle(&self, h: &Held, actual: u64, now_ms: u64, effort: &mut Contention) -> bool {
         if actual == h.amount {
-            return;
+            return true;
         }
-        self.settle_bucket(h, actual, now_ms, effort);
-        if h.placement == Placement::Hashed && h.limit.window.is_some() {
+        let written = self.settle_bucket(h, actual, now_ms, effort);
+        if let (Placement::Hashed, Some(window)) = (h.placement, h.limit.window) {
             // After the slot: a give-back leaves the sketch ahead meanwhile,
             // never behind.
             let delta = actual.abs_diff(h.amount);
             if actual > h.amount {
-                self.sketch_add(&h.rule, h.owner, delta, &h.limit, now_ms, effort);
+                let tries = self.settle_tries();
+                let start = window_start(window, now_ms);
+                self.sketch_add(&h.rule, h.owner, delta, start, tries, effort);
             } else {
                 self.sketch_sub(&h.rule, h.owner, delta, &h.limit, h.taken_ms, now_ms);
             }
         }
+        written
     }
 
-    /// The bucket part of [`Self::settle`].
-    fn settle_bucket(&self, h: &Held, actual: u64, now_ms: u64, effort: &mut Effort) {
+    fn settle_tries(&self) -> u32 {
+        self.max_retries.saturating_mul(SETTLE_TRIES_FACTOR)
+    }
+
+    /// The bucket part of [`Self::settle`]; `false` when every write was
+    /// lost or refused.
+    fn settle_bucket(&self, h: &Held, actual: u64, now_ms: u64, effort: &mut Contention) -> bool {
         let charge = actual > h.amount;
         let delta = actual.abs_diff(h.amount);
         let apply = |state: BucketState| {
@@ -387,12 +370,13 @@ impl Reserver<'_> {
                 state.give_back(delta, &h.limit, h.taken_ms, now_ms)
             }
         };
+        let tries = self.settle_tries();
         if h.placement != Placement::Hashed {
-            self.update(&h.key, effort, |bytes| {
-                let state = BucketState::decode(bytes).unwrap_or_default();
-                Some(apply(state).encode().to_vec())
+            let written = self.update(&h.key, tries, effort, |bytes| {
+                let state = BucketState::decode(bytes);
+                Some(apply(state).encode())
             });
-            return;
+            return written != Updated::Exhausted && written != Updated::Failed;
         }
         let mine = |bytes: &[u8]| {
             let slot = Slot::decode(bytes);
@@ -404,8 +388,10 @@ impl Reserver<'_> {
                 .encode()
             })
         };
-        if self.update(&h.key, effort, mine) != Update::Declined {
-            return;
+        match self.update(&h.key, tries, effort, mine) {
+            Updated::Written => return true,
+            Updated::Exhausted | Updated::Failed => return false,
+            Updated::Unchanged => {}
         }
         // The slot changed hands since the take (it drained, or a budget
         // slot went untouched): settle where the caller lives now, and take
@@ -423,9 +409,14 @@ impl Reserver<'_> {
             self.owned(&rule, h.owner, now_ms)
         };
         let Some(key) = found else {
-            return;
+            // Nowhere to charge (every probed slot in use): the usage is
+            // lost to this bucket; counted like an exhausted write.
+            if charge {
+                effort.cas_exhausted = effort.cas_exhausted.saturating_add(1);
+            }
+            return !charge;
         };
-        self.update(&key, effort, |bytes| {
+        let written = self.update(&key, tries, effort, |bytes| {
             let slot = Slot::decode(bytes);
             let state = if slot.state.owner == h.owner {
                 slot.state
@@ -442,30 +433,24 @@ impl Reserver<'_> {
                 .encode(),
             )
         });
+        if written == Updated::Unchanged && charge {
+            // Taken by another caller between locate and write: the charge
+            // has nowhere to go, counted like an exhausted write.
+            effort.cas_exhausted = effort.cas_exhausted.saturating_add(1);
+        }
+        written == Updated::Written || (written == Updated::Unchanged && !charge)
     }
 
-    /// Read-modify-write of one key under CAS; `f` returns `None` to leave
-    /// the value as it is.
+    /// [`store::update`] on a prepared key: a missing key (not prepared,
+    /// so not ours to create on the hot path) is left alone.
     fn update(
         &self,
         key: &str,
-        effort: &mut Effort,
+        tries: u32,
+        effort: &mut Contention,
         f: impl Fn(&[u8]) -> Option<Vec<u8>>,
-    ) -> Update {
-        for _ in 0..self.max_retries {
-            let Some((bytes, cas)) = self.store.get(key) else {
-                return Update::Declined;
-            };
-            let Some(next) = f(&bytes) else {
-                return Update::Declined;
-            };
-            match self.store.set(key, &next, cas) {
-                Ok(()) => return Update::Written,
-                Err(StoreError::CasMismatch) => effort.cas_retries += 1,
-                Err(StoreError::Host(_)) => return Update::Failed,
-            }
-        }
-        Update::Failed
+    ) -> Updated {
+        store::update(self.store, key, tries, effort, |bytes| f(bytes?))
     }
 
     /// What a claim's bucket holds now, without taking anything.
@@ -484,20 +469,20 @@ impl Reserver<'_> {
         claim: &Claim,
         caller: Caller,
         now_ms: u64,
-        effort: &mut Effort,
+        effort: &mut Contention,
     ) -> Result<(Held, Quota, bool), TakeError> {
         let limit = &claim.rule.limit;
-        for attempt in 0..self.max_retries {
-            if attempt > 0 {
-                effort.cas_retries += 1;
-            }
-            let at = self
-                .locate(claim.rule, caller, now_ms)
-                .map_err(TakeError::NoSlot)?;
+        // The read spans several keys (the probed slots), so the loop is
+        // `store::retry` around locate-then-write, not a one-key update.
+        let taken = store::retry(self.max_retries, effort, || {
+            let at = match self.locate(claim.rule, caller, now_ms) {
+                Ok(at) => at,
+                Err(frees_in) => return Attempt::Done(Err(TakeError::NoSlot(frees_in))),
+            };
             let (next, over) = match at.state.take(claim.amount, limit, now_ms) {
                 Ok(next) => (next, false),
                 Err(_) if claim.soft => (at.state.charge(claim.amount, limit, now_ms), true),
-                Err(shortfall) => return Err(TakeError::Full(shortfall)),
+                Err(shortfall) => return Attempt::Done(Err(TakeError::Full(shortfall))),
             };
             let bytes = match at.placement {
                 Placement::Hashed => Slot {
@@ -505,42 +490,36 @@ impl Reserver<'_> {
                     touched_ms: now_ms,
                 }
                 .encode(),
-                _ => next.encode().to_vec(),
+                _ => next.encode(),
             };
             match self.store.set(&at.key, &bytes, at.cas) {
-                Ok(()) => {
-                    let held = Held {
-                        key: at.key,
-                        rule: claim.rule.id.clone(),
-                        placement: at.placement,
-                        owner: at.owner,
-                        amount: claim.amount,
-                        limit: *limit,
-                        taken_ms: now_ms,
-                    };
-                    // After the slot (just touched, so nobody takes it
-                    // meanwhile): the sketch never lags a budget's count.
-                    if at.placement == Placement::Hashed
-                        && limit.window.is_some()
-                        && !self.sketch_add(
-                            &claim.rule.id,
-                            at.owner,
-                            claim.amount,
-                            limit,
-                            now_ms,
-                            effort,
-                        )
-                    {
-                        self.settle_bucket(&held, 0, now_ms, effort);
-                        return Err(TakeError::Contended);
-                    }
-                    return Ok((held, next.quota(limit, now_ms), over));
-                }
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(message)) => return Err(TakeError::Host(message)),
+                Ok(()) => Attempt::Done(Ok((at, next, over))),
+                Err(StoreError::CasMismatch) => Attempt::Lost,
+                Err(StoreError::Host(message)) => Attempt::Done(Err(TakeError::Host(message))),
+            }
+        });
+        let (at, next, over) = taken.ok_or(TakeError::Contended)??;
+        let held = Held {
+            key: at.key,
+            rule: claim.rule.id.clone(),
+            placement: at.placement,
+            owner: at.owner,
+            amount: claim.amount,
+            limit: *limit,
+            taken_ms: now_ms,
+        };
+        // After the slot (just touched, so nobody takes it meanwhile): the
+        // sketch never lags a budget's count.
+        let window = limit.window.filter(|_| at.placement == Placement::Hashed);
+        if let Some(window) = window {
+            let start = window_start(window, now_ms);
+            let tries = self.max_retries;
+            if !self.sketch_add(&claim.rule.id, at.owner, claim.amount, start, tries, effort) {
+                self.settle_bucket(&held, 0, now_ms, effort);
+                return Err(TakeError::Contended);
             }
         }
-        Err(TakeError::Contended)
+        Ok((held, next.quota(limit, now_ms), over))
     }
 
     /// The bucket for `caller` under `rule`: the global key, its dedicated
@@ -553,7 +532,7 @@ impl Reserver<'_> {
             let (bytes, cas) = read(&key).unwrap_or_default();
             return Ok(Located {
                 key,
-                state: BucketState::decode(&bytes).unwrap_or_default(),
+                state: BucketState::decode(&bytes),
                 cas,
                 owner: 0,
                 placement: Placement::Global,
@@ -567,7 +546,7 @@ impl Reserver<'_> {
             if let Some((bytes, cas)) = read(&key) {
                 return Ok(Located {
                     key,
-                    state: BucketState::decode(&bytes).unwrap_or_default(),
+                    state: BucketState::decode(&bytes),
                     cas,
                     owner,
                     placement: Placement::Dedicated,
@@ -668,9 +647,9 @@ impl Reserver<'_> {
                         let key =
                             cell_key(&rule.id, row, column(owner, row, self.layout.sketch_width));
                         let (bytes, _) = self.store.get(&key).unwrap_or_default();
-                        let (window, used) = decode_cell(&bytes);
-                        if window == start {
-                            used
+                        let cell = SketchCell::decode(&bytes);
+                        if cell.window == start {
+                            cell.used
                         } else {
                             0
                         }
@@ -687,30 +666,33 @@ impl Reserver<'_> {
         }
     }
 
-    /// Adds `amount` units to `owner`'s cells. `false`: a cell could not be
-    /// written, and what was added is taken off again.
+    /// Adds `amount` units to `owner`'s cells for the window starting at
+    /// `start`. `false`: a cell could not be written, and what was added is
+    /// taken off again.
     fn sketch_add(
         &self,
         rule: &str,
         owner: u64,
         amount: u64,
-        limit: &Limit,
-        now_ms: u64,
-        effort: &mut Effort,
+        start: u64,
+        tries: u32,
+        effort: &mut Contention,
     ) -> bool {
-        let Some(window) = limit.window else {
-            return true;
-        };
-        let start = window_start(window, now_ms);
         let scaled = amount.saturating_mul(SCALE);
         for row in 0..SKETCH_DEPTH {
             let key = cell_key(rule, row, column(owner, row, self.layout.sketch_width));
-            let added = self.update(&key, effort, |bytes| {
-                let (w, used) = decode_cell(bytes);
-                let used = if w == start { used } else { 0 };
-                Some(encode_cell(start, used.saturating_add(scaled)).to_vec())
+            let added = self.update(&key, tries, effort, |bytes| {
+                let cell = SketchCell::decode(bytes);
+                let used = if cell.window == start { cell.used } else { 0 };
+                Some(
+                    SketchCell {
+                        window: start,
+                        used: used.saturating_add(scaled),
+                    }
+                    .encode(),
+                )
             });
-            if added != Update::Written {
+            if added != Updated::Written {
                 for undo in 0..row {
                     let key = cell_key(rule, undo, column(owner, undo, self.layout.sketch_width));
                     self.cell_sub(&key, start, scaled);
@@ -747,20 +729,22 @@ impl Reserver<'_> {
     }
 
     fn cell_sub(&self, key: &str, start: u64, scaled: u64) {
-        self.update(key, &mut Effort::default(), |bytes| {
-            let (w, used) = decode_cell(bytes);
-            (w == start).then(|| encode_cell(start, used.saturating_sub(scaled)).to_vec())
-        });
+        self.update(
+            key,
+            self.settle_tries(),
+            &mut Contention::default(),
+            |bytes| {
+                let cell = SketchCell::decode(bytes);
+                (cell.window == start).then(|| {
+                    SketchCell {
+                        window: start,
+                        used: cell.used.saturating_sub(scaled),
+                    }
+                    .encode()
+                })
+            },
+        );
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Update {
-    Written,
-    /// The key is missing, or its value was not ours to change.
-    Declined,
-    /// Every attempt lost, or the host refused.
-    Failed,
 }
 
 enum TakeError {
@@ -840,7 +824,7 @@ mod tests {
                 &[Claim::hard(&rules[0], 1)],
                 by(p * 7919 + 3),
                 0,
-                &mut Effort::default(),
+                &mut Contention::default(),
             );
         }
         assert_eq!(store.len(), 17);
@@ -854,7 +838,7 @@ mod tests {
         prepare(&store, &plain(&[user.clone(), model.clone()]), &layout(16)).unwrap();
         let r = reserver(&store, 16);
         let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
-        let mut e = Effort::default();
+        let mut e = Contention::default();
         assert!(r.reserve(&claims, by(42), 0, &mut e).is_ok());
         assert!(r.reserve(&claims, by(42), 0, &mut e).is_ok());
         let refused = r.reserve(&claims, by(42), 0, &mut e).unwrap_err();
@@ -876,9 +860,8 @@ mod tests {
             max_retries: 8,
         };
         let c = [Claim::hard(&user, 1)];
-        let mut e = Effort::default();
+        let mut e = Contention::default();
         assert!(r.reserve(&c, by(100), 0, &mut e).is_ok());
-        assert!(!e.no_slot);
         // Principal 200 finds the only slot in use: refused, told when the
         // slot drains (one unit of 2/min: 30 s), never counted elsewhere.
         let refused = r.reserve(&c, by(200), 0, &mut e).unwrap_err();
@@ -889,11 +872,9 @@ mod tests {
                 retry_after_ms: 30_000
             }
         );
-        assert!(e.no_slot);
         // Once principal 100's bucket drained, 200 may take its slot.
-        let mut e = Effort::default();
+        let mut e = Contention::default();
         assert!(r.reserve(&c, by(200), 30_000, &mut e).is_ok());
-        assert!(!e.no_slot);
     }
 
     #[test]
@@ -920,7 +901,7 @@ mod tests {
                     };
                     for i in 0..25u64 {
                         let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
-                        if r.reserve(&claims, by(t * 100 + i), 0, &mut Effort::default())
+                        if r.reserve(&claims, by(t * 100 + i), 0, &mut Contention::default())
                             .is_ok()
                         {
                             admitted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -973,12 +954,64 @@ mod tests {
         };
         let c = [Claim::hard(&model, 1)];
         store.fail.set(3);
-        let mut e = Effort::default();
+        let mut e = Contention::default();
         assert!(r.reserve(&c, by(1), 0, &mut e).is_ok());
         assert_eq!(e.cas_retries, 3);
         store.fail.set(4);
-        let refused = r.reserve(&c, by(1), 0, &mut Effort::default()).unwrap_err();
+        let refused = r
+            .reserve(&c, by(1), 0, &mut Contention::default())
+            .unwrap_err();
         assert_eq!(refused, Refusal::Contended { index: 0 });
+    }
+
+    #[test]
+    fn a_charge_outlasts_contention_a_take_gives_up_on_and_says_when_it_cannot() {
+        let store = Contended {
+            inner: MemStore::default(),
+            fail: 0.into(),
+        };
+        let tokens = rule("model/m/tokens", 100, Scope::Global);
+        prepare(
+            &store.inner,
+            &plain(std::slice::from_ref(&tokens)),
+            &layout(1),
+        )
+        .unwrap();
+        let r = Reserver {
+            store: &store,
+            layout: layout(1),
+            max_retries: 4,
+        };
+        let held = r
+            .reserve(
+                &[Claim::hard(&tokens, 10)],
+                by(1),
+                0,
+                &mut Contention::default(),
+            )
+            .unwrap()
+            .held;
+        // Four lost races refuse a take; a settlement keeps going.
+        store.fail.set(4 * SETTLE_TRIES_FACTOR - 1);
+        let mut e = Contention::default();
+        assert!(r.settle(&held[0], 60, 0, &mut e), "charged");
+        assert_eq!(
+            e,
+            Contention {
+                cas_retries: 4 * SETTLE_TRIES_FACTOR - 1,
+                cas_exhausted: 0
+            }
+        );
+        let used = |store: &Contended| {
+            BucketState::decode(&store.inner.get("sluice:v1:model/m/tokens").unwrap().0).used
+        };
+        assert_eq!(used(&store), 60 * SCALE);
+        // Past even that bound: not written, and the caller is told.
+        store.fail.set(4 * SETTLE_TRIES_FACTOR);
+        let mut e = Contention::default();
+        assert!(!r.settle(&held[0], 70, 0, &mut e));
+        assert_eq!(e.cas_exhausted, 1);
+        assert_eq!(used(&store), 60 * SCALE);
     }
 
     #[test]
@@ -991,7 +1024,7 @@ mod tests {
             layout: layout(4),
             max_retries: 8,
         };
-        let mut e = Effort::default();
+        let mut e = Contention::default();
         let c = [Claim::hard(&tokens, 500)];
         let a = r.reserve(&c, by(9), 0, &mut e).unwrap();
         let b = r.reserve(&c, by(9), 0, &mut e).unwrap();
@@ -1027,7 +1060,7 @@ mod tests {
             hash: 99,
             declared: Some("key:d"),
         };
-        let mut e = Effort::default();
+        let mut e = Contention::default();
         assert!(r.reserve(&c, by(7), 0, &mut e).is_ok());
         for &p in flood {
             let _ = r.reserve(&c, by(p), 1, &mut e);
@@ -1055,7 +1088,7 @@ mod tests {
         prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(8)).unwrap();
         let r = reserver(&store, 8);
         let c = [Claim::hard(&budget, 10)];
-        let mut e = Effort::default();
+        let mut e = Contention::default();
         for p in 0..200u64 {
             let _ = r.reserve(&c, by(p * 8), 0, &mut e);
         }
@@ -1080,8 +1113,8 @@ mod tests {
         let budget = day_budget("tier/free/daily_tokens", 100);
         prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(1)).unwrap();
         let r = reserver(&store, 1);
-        let mut e = Effort::default();
-        let take = |amount, p: u64, t: u64, e: &mut Effort| {
+        let mut e = Contention::default();
+        let take = |amount, p: u64, t: u64, e: &mut Contention| {
             r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), t, e)
         };
         let held = take(60, 1, 0, &mut e).unwrap();
@@ -1128,7 +1161,7 @@ mod tests {
                 prop_assume!(now < 86_400_000);
                 match action {
                     0 | 1 => {
-                        if let Ok(res) = r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), now, &mut Effort::default()) {
+                        if let Ok(res) = r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), now, &mut Contention::default()) {
                             prop_assert!(used[p as usize] + amount <= 100, "caller {} had {} and got {}", p, used[p as usize], amount);
                             used[p as usize] += amount;
                             let held = res.held.into_iter().next().unwrap();
@@ -1140,7 +1173,7 @@ mod tests {
                             let (q, held, reserved) = pending.remove(0);
                             // Actual use from nothing to twice the reservation.
                             let actual = amount * reserved / 20;
-                            r.settle(&held, actual, now, &mut Effort::default());
+                            r.settle(&held, actual, now, &mut Contention::default());
                             used[q as usize] = used[q as usize] - reserved + actual;
                         }
                     }
@@ -1180,7 +1213,7 @@ mod tests {
             for (reserve, actual) in ops {
                 let c = [Claim::hard(&tokens, reserve)];
                 let before = used();
-                match r.reserve(&c, by(5), 0, &mut Effort::default()) {
+                match r.reserve(&c, by(5), 0, &mut Contention::default()) {
                     Ok(res) => {
                         prop_assert!(used() <= 10_000 * crate::bucket::SCALE || before > 10_000 * crate::bucket::SCALE);
                         pending.push((res.held, actual.min(reserve)));
@@ -1190,12 +1223,12 @@ mod tests {
                 // Settle the oldest half the time, to interleave.
                 if pending.len() > 2 {
                     let (held, actual) = pending.remove(0);
-                    r.settle(&held[0], actual, 0, &mut Effort::default());
+                    r.settle(&held[0], actual, 0, &mut Contention::default());
                     actual_total += actual;
                 }
             }
             for (held, actual) in pending {
-                r.settle(&held[0], actual, 0, &mut Effort::default());
+                r.settle(&held[0], actual, 0, &mut Contention::default());
                 actual_total += actual;
             }
             prop_assert_eq!(used(), actual_total * crate::bucket::SCALE);
@@ -1219,9 +1252,9 @@ mod tests {
                 if release {
                     if let Some(pos) = held.iter().position(|(q, _)| *q == p) {
                         let (_, h) = held.remove(pos);
-                        r.release(&h, 0, &mut Effort::default());
+                        r.release(&h, 0, &mut Contention::default());
                     }
-                } else if let Ok(res) = r.reserve(&claims, by(p), 0, &mut Effort::default()) {
+                } else if let Ok(res) = r.reserve(&claims, by(p), 0, &mut Contention::default()) {
                     held.push((p, res.held));
                 }
                 let per_model = held.len();
@@ -1230,7 +1263,7 @@ mod tests {
                     prop_assert!(held.iter().filter(|(x, _)| *x == q).count() <= 3);
                 }
                 let (bytes, _) = store.get("sluice:v1:model/m").unwrap();
-                let state = BucketState::decode(&bytes).unwrap();
+                let state = BucketState::decode(&bytes);
                 prop_assert_eq!(state.used, per_model as u64 * crate::bucket::SCALE);
             }
         }

@@ -402,7 +402,7 @@ fn sidecar_policy() -> Value {
 }
 
 fn publish(host: &MockHost, state: Value) {
-    let bytes = health::encode_seen(host.now_ms(), state.to_string().as_bytes());
+    let bytes = crate::codec::encode_seen(host.now_ms(), state.to_string().as_bytes());
     host.set(SIDECAR_KEY, &bytes, 0).unwrap();
 }
 
@@ -519,7 +519,7 @@ fn one_root_holds_the_poll_lease_and_renews_it_while_polling() {
     pa.on_call_response(&a, 99, 10); // not our token: ignored
     assert!(b.get(SIDECAR_KEY).is_none());
     pa.on_call_response(&a, poll.token, state.to_string().len());
-    let seen = health::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
+    let seen = crate::codec::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
     assert_eq!(seen.state.unwrap().version, 9);
     assert_eq!(a.metric(metrics::KILL_SWITCH), Some(1));
     assert_eq!(a.metric(metrics::BREAKERS_OPEN), Some(1));
@@ -856,4 +856,46 @@ fn a_failed_route_cache_refresh_is_logged_and_the_request_still_rerouted() {
         .borrow()
         .iter()
         .any(|(l, m)| *l == LogLevel::Warn && m.contains("clear_route_cache")));
+}
+
+#[test]
+fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_and_logged() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        json!({"default_tier": "t", "tiers": {"t": {}},
+               "models": {"m": {"tokens": "100000/min"}},
+               "state": {"cas_max_retries": 2}}),
+    );
+    let used = || {
+        let (bytes, _) = host.get("sluice:v1:model/m/tokens").unwrap();
+        crate::bucket::BucketState::decode(&bytes).used / crate::bucket::SCALE
+    };
+    let usage = |completion: u64| {
+        format!(
+            "{{\"choices\":[],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":{completion}}}}}"
+        )
+    };
+    let json = [("content-type", "application/json")];
+    // The upstream produced far more than reserved; while it answered,
+    // other workers won 15 writes in a row (a take gives up after 2).
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
+    host.lose_writes.set(15);
+    answer(&host, &mut req, "200", &json, &usage(500));
+    assert_eq!(used(), 505, "charged in full");
+    assert_eq!(host.metric(metrics::CAS_RETRIES), Some(15));
+    assert_eq!(host.metric(metrics::CAS_EXHAUSTED), Some(0));
+    // A storm past the settlement's bound (2 × 8 tries): not written, but
+    // counted and said.
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
+    let before = used();
+    host.lose_writes.set(16);
+    answer(&host, &mut req, "200", &json, &usage(500));
+    assert_eq!(used(), before, "the bucket kept the reservation");
+    assert_eq!(host.metric(metrics::CAS_EXHAUSTED), Some(1));
+    assert!(host
+        .logs
+        .borrow()
+        .iter()
+        .any(|(level, m)| *level == LogLevel::Warn && m.contains("under-charged")));
 }

@@ -63,6 +63,9 @@ pub struct MockHost {
     pub dispatch_error: RefCell<Option<String>>,
     pub call_response_headers: RefCell<Vec<(String, String)>>,
     pub call_response_body: RefCell<Vec<u8>>,
+    /// The next this many shared-data writes lose to a phantom writer
+    /// (`CasMismatch`): a contention storm on demand.
+    pub lose_writes: Cell<u32>,
 }
 
 fn find(list: &[(String, String)], name: &str) -> Option<String> {
@@ -154,6 +157,10 @@ impl SharedStore for MockHost {
     }
 
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+        if self.lose_writes.get() > 0 {
+            self.lose_writes.set(self.lose_writes.get() - 1);
+            return Err(StoreError::CasMismatch);
+        }
         self.store.set(key, value, cas)
     }
 }

@@ -1,0 +1,353 @@
+//! Admission (step 4): the global spend breaker, then every bucket that
+//! applies, all or nothing; a lowered output where a hard token budget
+//! cannot cover the maximum; a downshift over a soft cap; the 429 of the
+//! bucket that refused, or the headers of an admission.
+
+use super::rewrite::rewrite;
+use super::*;
+
+/// Who takes from the buckets: declared API keys by name (they have
+/// dedicated keys), everyone else by hash.
+pub(super) fn caller(identity: &Identity) -> Caller<'_> {
+    Caller {
+        hash: identity.hash,
+        declared: identity.declared.then_some(identity.principal.as_str()),
+    }
+}
+
+impl Engine {
+    /// Step 4: reserve every bucket that applies, all or nothing; lower the
+    /// output a hard token budget cannot cover; downshift over a soft cap.
+    pub fn admit(&self, store: &dyn SharedStore, ctx: &RequestContext) -> Verdict {
+        let RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        } = *ctx;
+        if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
+            return verdict;
+        }
+        let reserver = self.reserver(store);
+        let requested_model = asked.and_then(|a| a.demand.model.clone());
+        let input_raw = asked.map_or(0.0, |a| a.input_raw);
+        let input = match (asked, &requested_model) {
+            (Some(_), Some(m)) => self.correction(store, m).apply(input_raw),
+            (Some(_), None) => Correction::default().apply(input_raw),
+            (None, _) => 0,
+        };
+        let produces_output = asked.is_some() && api != Api::OpenAiEmbeddings;
+        let requested_out = asked.and_then(|a| a.demand.max_output);
+        // Each choice (`n`, `best_of`) may produce the maximum: the output
+        // reserved is the maximum times the choices. Both are capped at
+        // parse time, so the product cannot wrap (saturating all the same).
+        let choices = asked.map_or(1, |a| a.demand.choices.max(1));
+        let mut per_choice = match (produces_output, requested_out) {
+            (false, _) => 0,
+            (true, Some(max)) => max,
+            (true, None) => self.default_output(requested_model.as_deref()),
+        };
+        let mut output = per_choice.saturating_mul(choices);
+        let downshift = asked.and_then(|_| {
+            self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
+        });
+        let model = downshift.clone().or(requested_model.clone());
+        let degraded = downshift.is_some().then_some(Degraded::Downshift);
+        let labels = |decision| Labels {
+            decision,
+            tier: identity.tier.clone(),
+            model: self.model_label(model.as_deref()),
+        };
+
+        // Reserve; when a hard token budget cannot cover the maximum output,
+        // ask the model for only what it still covers (no overshoot).
+        let mut effort = Contention::default();
+        let pricing = self.pricing_of(model.as_deref());
+        let applying = self.applying(identity, model.as_deref(), path);
+        let mut lowered = false;
+        let (reservation, taken) = loop {
+            let taken: Vec<usize> = applying
+                .iter()
+                .copied()
+                .filter(|&i| self.buckets[i].meter.amount(input, output, pricing) > 0)
+                .collect();
+            let claims: Vec<Claim> = taken
+                .iter()
+                .map(|&i| {
+                    let b = &self.buckets[i];
+                    Claim {
+                        rule: &b.rule,
+                        amount: b.meter.amount(input, output, pricing),
+                        soft: b.soft,
+                    }
+                })
+                .collect();
+            match reserver.reserve(&claims, caller(identity), now_ms, &mut effort) {
+                Ok(reservation) => break (reservation, taken),
+                Err(Refusal::Full { index, shortfall }) if produces_output => {
+                    let room = shortfall.quota.remaining;
+                    let allowed = match self.buckets[taken[index]].meter {
+                        Meter::Tokens => room.saturating_sub(input),
+                        Meter::OutputTokens => room,
+                        _ => 0,
+                    };
+                    let allowed_per_choice = allowed / choices;
+                    if allowed_per_choice >= MIN_LOWERED_OUTPUT && allowed_per_choice < per_choice {
+                        per_choice = allowed_per_choice;
+                        output = per_choice.saturating_mul(choices);
+                        lowered = true;
+                        continue;
+                    }
+                    let refusal = Refusal::Full { index, shortfall };
+                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms);
+                }
+                Err(refusal) => {
+                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms)
+                }
+            }
+        };
+
+        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
+        let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
+        if let Some(kind) = degraded {
+            headers.push(("x-sluice-degraded".into(), kind.code().into()));
+        }
+        let (body, strip_usage) = match asked {
+            Some(asked) => {
+                let new_output =
+                    (produces_output && (lowered || requested_out.is_none())).then_some(per_choice);
+                rewrite(api, asked, downshift.as_deref(), new_output)
+            }
+            None => (None, false),
+        };
+        let plan = asked.map(|a| Plan {
+            held: reservation.held,
+            meters,
+            api,
+            model: model.clone(),
+            input_raw,
+            input_estimate: input,
+            max_output: output,
+            stream: a.demand.stream,
+            strip_usage,
+            pricing,
+        });
+        Verdict {
+            reply: None,
+            response_headers: headers,
+            body,
+            labels: labels(Decision::Admit),
+            contention: effort,
+            no_slot: false,
+            plan,
+            alerts,
+            degraded,
+            bucket: None,
+        }
+    }
+
+    /// Over a soft cap, the model's cheaper model (`downshift_to`), if it
+    /// has one. A peek, not a reservation: soft caps tolerate the race.
+    pub(super) fn downshift(
+        &self,
+        reserver: &Reserver,
+        ctx: &RequestContext,
+        model: Option<&str>,
+        input: u64,
+        output: u64,
+    ) -> Option<String> {
+        let RequestContext {
+            identity,
+            path,
+            now_ms,
+            ..
+        } = *ctx;
+        let target = self.policy.models.get(model?)?.downshift_to.clone()?;
+        let pricing = self.pricing_of(model);
+        let over_soft = self.applying(identity, model, path).iter().any(|&i| {
+            let b = &self.buckets[i];
+            b.soft && {
+                let claim = Claim::hard(&b.rule, b.meter.amount(input, output, pricing));
+                reserver.peek(&claim, caller(identity), now_ms).remaining < claim.amount
+            }
+        });
+        over_soft.then_some(target)
+    }
+
+    /// The 429 of the bucket that refused (`taken[index]`).
+    pub(super) fn refusal(
+        &self,
+        refusal: Refusal,
+        taken: &[usize],
+        identity: &Identity,
+        labels: impl Fn(Decision) -> Labels,
+        mut effort: Contention,
+        now_ms: u64,
+    ) -> Verdict {
+        let (index, quota, retry_after_ms) = match refusal {
+            Refusal::NoSlot {
+                index,
+                retry_after_ms,
+            } => {
+                let bucket = &self.buckets[taken[index]];
+                let reason = Reason::CapacityExhausted;
+                let reply = answer::capacity_exhausted(
+                    retry_after_ms,
+                    &identity.tier,
+                    &bucket.name,
+                    now_ms,
+                );
+                return Verdict {
+                    reply: Some(reply),
+                    response_headers: Vec::new(),
+                    body: None,
+                    labels: labels(Decision::Refuse(reason)),
+                    contention: effort,
+                    no_slot: true,
+                    plan: None,
+                    alerts: Vec::new(),
+                    degraded: None,
+                    bucket: Some(bucket.rule.id.clone()),
+                };
+            }
+            Refusal::Full { index, shortfall } => {
+                (index, shortfall.quota, shortfall.retry_after_ms)
+            }
+            // Lost every CAS race (counted where it was lost) or the host
+            // refused the write (counted here): refuse by that bucket,
+            // briefly.
+            Refusal::Contended { index } | Refusal::Host { index, .. } => {
+                if matches!(refusal, Refusal::Host { .. }) {
+                    effort.cas_exhausted = effort.cas_exhausted.saturating_add(1);
+                }
+                let limit = self.buckets[taken[index]].rule.limit.capacity();
+                (
+                    index,
+                    Quota {
+                        limit,
+                        remaining: 0,
+                        reset_ms: 1_000,
+                    },
+                    1_000,
+                )
+            }
+        };
+        let bucket = &self.buckets[taken[index]];
+        let limit_text = bucket.rule.limit.describe();
+        let reply = answer::limited(
+            &Limited {
+                reason: bucket.reason,
+                quota,
+                retry_after_ms,
+                tier: &identity.tier,
+                bucket: &bucket.name,
+                limit_text: &limit_text,
+            },
+            now_ms,
+        );
+        Verdict {
+            reply: Some(reply),
+            response_headers: Vec::new(),
+            body: None,
+            labels: labels(Decision::Refuse(bucket.reason)),
+            contention: effort,
+            no_slot: false,
+            plan: None,
+            alerts: Vec::new(),
+            degraded: None,
+            bucket: Some(bucket.rule.id.clone()),
+        }
+    }
+
+    /// Headers of an admitted request: the tightest request bucket as
+    /// `X-RateLimit-*`, the tightest token bucket as `X-RateLimit-*-Tokens`
+    /// (OpenAI's names), and budget alerts past their threshold.
+    pub(super) fn admitted_headers(
+        &self,
+        quotas: &[Quota],
+        taken: &[usize],
+    ) -> (Vec<(String, String)>, Vec<String>) {
+        let share_left = |q: &Quota| {
+            (
+                q.remaining as u128 * 1_000_000 / q.limit.max(1) as u128,
+                std::cmp::Reverse(q.reset_ms),
+            )
+        };
+        let tightest = |want: fn(Meter) -> bool| {
+            quotas
+                .iter()
+                .zip(taken)
+                .filter(|(_, &i)| want(self.buckets[i].meter))
+                .map(|(q, _)| *q)
+                .min_by_key(share_left)
+        };
+        let mut headers = Vec::new();
+        if let Some(q) = tightest(|m| m == Meter::Requests).or_else(|| tightest(|_| true)) {
+            headers.extend(answer::rate_limit_headers(&q));
+        }
+        if let Some(q) =
+            tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
+        {
+            headers.extend(
+                answer::rate_limit_headers(&q)
+                    .into_iter()
+                    .map(|(n, v)| (format!("{n}-tokens"), v)),
+            );
+        }
+        let mut alerts = Vec::new();
+        for (q, &i) in quotas.iter().zip(taken) {
+            let b = &self.buckets[i];
+            if let Some(alert) = b.alert_permille {
+                let used_permille =
+                    1000 - (q.remaining as u128 * 1000 / q.limit.max(1) as u128) as u32;
+                if used_permille >= alert {
+                    alerts.push(format!("{}: {}% used", b.name, used_permille / 10));
+                }
+            }
+        }
+        if !alerts.is_empty() {
+            headers.push(("x-sluice-budget-alert".into(), alerts.join("; ")));
+        }
+        (headers, alerts)
+    }
+
+    /// 503 `global_breaker_open` while the last hour's spend, all callers
+    /// together, is at the ceiling.
+    pub(super) fn global_breaker(
+        &self,
+        store: &dyn SharedStore,
+        identity: &Identity,
+        asked: Option<&Asked>,
+        now_ms: u64,
+    ) -> Option<Verdict> {
+        let a = self.policy.anomaly.as_ref()?;
+        let ceiling = (a.max_spend_per_hour?.limit * 1e6).round() as u64;
+        let (bytes, _) = store.get(USAGE_KEY)?;
+        let reading = UsageRing::decode(&bytes).read(a.baseline_minutes as usize, now_ms);
+        if reading.spend_last_hour < ceiling {
+            return None;
+        }
+        // The oldest minute leaves the window within a minute.
+        let retry_after_s = 60 - (now_ms / 1000) % 60;
+        let why = format!(
+            "spend in the last hour reached the {:.2} ceiling",
+            ceiling as f64 / 1e6
+        );
+        let reply = answer::unavailable(Reason::GlobalBreakerOpen, &why, retry_after_s);
+        let model = asked.and_then(|a| a.demand.model.as_deref());
+        Some(self.refused(reply, Reason::GlobalBreakerOpen, &identity.tier, model))
+    }
+
+    /// The learned estimate correction of a configured model (others: 1.0).
+    pub(super) fn correction(&self, store: &dyn SharedStore, model: &str) -> Correction {
+        if !self.policy.models.contains_key(model) {
+            return Correction::default();
+        }
+        store
+            .get(&format!("{CORRECTION_KEY}{model}"))
+            .map_or(Correction::default(), |(bytes, _)| {
+                Correction::decode(&bytes)
+            })
+    }
+}

@@ -1,0 +1,402 @@
+//! Policy compilation: the buckets a policy defines (tiers, their
+//! anonymous totals, models, routes), what each counts and what a model
+//! costs, built once per policy load.
+
+use super::*;
+
+/// What a bucket counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Meter {
+    Requests,
+    /// Input + output tokens.
+    Tokens,
+    InputTokens,
+    OutputTokens,
+    /// Micro-currency.
+    Spend,
+}
+
+impl Meter {
+    pub(super) fn amount(self, input: u64, output: u64, pricing: Pricing) -> u64 {
+        match self {
+            Meter::Requests => 1,
+            Meter::Tokens => input.saturating_add(output),
+            Meter::InputTokens => input,
+            Meter::OutputTokens => output,
+            Meter::Spend => pricing.cost(input, output),
+        }
+    }
+}
+
+/// Price of a model in micro-currency per 1,000 tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pricing {
+    pub input_per_1k: u64,
+    pub output_per_1k: u64,
+}
+
+impl Pricing {
+    /// Micro-currency for a request, rounded up.
+    pub fn cost(self, input: u64, output: u64) -> u64 {
+        let micro_k =
+            input as u128 * self.input_per_1k as u128 + output as u128 * self.output_per_1k as u128;
+        micro_k.div_ceil(1000).min(u64::MAX as u128) as u64
+    }
+}
+
+/// A bucket definition with what answers need to say about it.
+pub(super) struct Bucket {
+    pub(super) rule: Rule,
+    /// The tier of a per-caller bucket (its declared keys get their own).
+    pub(super) tier: Option<String>,
+    /// Counts every undeclared caller of the tier together.
+    pub(super) anonymous: bool,
+    pub(super) reason: Reason,
+    /// `tier free: requests per caller`
+    pub(super) name: String,
+    pub(super) meter: Meter,
+    pub(super) soft: bool,
+    pub(super) alert_permille: Option<u32>,
+}
+
+/// One limit of a tier's (or its anonymous total's) configuration.
+pub(super) struct TierLimit {
+    pub(super) what: &'static str,
+    pub(super) limit: Limit,
+    pub(super) meter: Meter,
+    pub(super) reason: Reason,
+    pub(super) budget: Option<Budget>,
+}
+
+/// The limits a `TierConfig` sets, in the order they are taken.
+pub(super) fn tier_limits(t: &crate::config::TierConfig) -> Vec<TierLimit> {
+    let rates = [
+        (
+            "requests",
+            t.requests,
+            Meter::Requests,
+            Reason::UserRateLimit,
+        ),
+        ("tokens", t.tokens, Meter::Tokens, Reason::TokenRateLimit),
+        (
+            "input_tokens",
+            t.input_tokens,
+            Meter::InputTokens,
+            Reason::TokenRateLimit,
+        ),
+        (
+            "output_tokens",
+            t.output_tokens,
+            Meter::OutputTokens,
+            Reason::TokenRateLimit,
+        ),
+    ];
+    let budgets = [
+        (
+            "daily_tokens",
+            t.daily_tokens,
+            Window::Day,
+            Meter::Tokens,
+            Reason::DailyBudgetExceeded,
+        ),
+        (
+            "monthly_tokens",
+            t.monthly_tokens,
+            Window::Month,
+            Meter::Tokens,
+            Reason::MonthlyBudgetExceeded,
+        ),
+        (
+            "daily_spend",
+            t.daily_spend,
+            Window::Day,
+            Meter::Spend,
+            Reason::SpendCapExceeded,
+        ),
+        (
+            "monthly_spend",
+            t.monthly_spend,
+            Window::Month,
+            Meter::Spend,
+            Reason::SpendCapExceeded,
+        ),
+    ];
+    let mut out: Vec<TierLimit> = rates
+        .into_iter()
+        .filter_map(|(what, limit, meter, reason)| {
+            limit.map(|limit| TierLimit {
+                what,
+                limit,
+                meter,
+                reason,
+                budget: None,
+            })
+        })
+        .collect();
+    out.extend(
+        budgets
+            .into_iter()
+            .filter_map(|(what, budget, window, meter, reason)| {
+                budget.map(|b| {
+                    let units = if meter == Meter::Spend {
+                        (b.limit * 1e6).round() as u64
+                    } else {
+                        b.limit as u64
+                    };
+                    TierLimit {
+                        what,
+                        limit: Limit::windowed(units.max(1), window),
+                        meter,
+                        reason,
+                        budget: Some(b),
+                    }
+                })
+            }),
+    );
+    out
+}
+
+impl Engine {
+    pub fn new(policy: Policy) -> Engine {
+        let mut buckets = Vec::new();
+        let mut tier_buckets: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut model_buckets: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut add = |id: String,
+                       name: String,
+                       limit: Limit,
+                       scope,
+                       reason,
+                       meter,
+                       budget: Option<Budget>| {
+            buckets.push(Bucket {
+                rule: Rule { id, limit, scope },
+                tier: None,
+                anonymous: false,
+                reason,
+                name,
+                meter,
+                soft: budget.is_some_and(|b| b.mode == Mode::Soft),
+                alert_permille: budget.and_then(|b| b.alert_at_permille),
+            });
+            buckets.len() - 1
+        };
+        for (tier, t) in &policy.tiers {
+            // The tier's shared total for undeclared callers comes first: a
+            // flood refused there never reaches the per-caller slots.
+            let mut mine = Vec::new();
+            if let Some(total) = &t.anonymous_total {
+                for l in tier_limits(total) {
+                    let i = add(
+                        format!("tier/{tier}/anonymous/{}", l.what),
+                        format!(
+                            "tier {tier}: {}, all callers without a declared key",
+                            l.what.replace('_', " ")
+                        ),
+                        l.limit,
+                        Scope::Global,
+                        Reason::AnonymousLimit,
+                        l.meter,
+                        l.budget,
+                    );
+                    mine.push(i);
+                }
+            }
+            for l in tier_limits(t) {
+                let i = add(
+                    format!("tier/{tier}/{}", l.what),
+                    format!("tier {tier}: {} per caller", l.what.replace('_', " ")),
+                    l.limit,
+                    Scope::PerPrincipal,
+                    l.reason,
+                    l.meter,
+                    l.budget,
+                );
+                mine.push(i);
+            }
+            tier_buckets.insert(tier.clone(), mine);
+        }
+        for (model, m) in &policy.models {
+            let rates = [
+                (
+                    "requests",
+                    m.requests,
+                    Meter::Requests,
+                    Reason::ModelRateLimit,
+                ),
+                ("tokens", m.tokens, Meter::Tokens, Reason::TokenRateLimit),
+            ];
+            let mut mine = Vec::new();
+            for (what, limit, meter, reason) in rates {
+                if let Some(limit) = limit {
+                    let name = format!("model {model}: {what}");
+                    mine.push(add(
+                        format!("model/{model}/{what}"),
+                        name,
+                        limit,
+                        Scope::Global,
+                        reason,
+                        meter,
+                        None,
+                    ));
+                }
+            }
+            model_buckets.insert(model.clone(), mine);
+        }
+        let route_buckets = policy
+            .routes
+            .iter()
+            .map(|route| {
+                let i = add(
+                    format!("route/{}/requests", route.name),
+                    format!("route {}: requests", route.name),
+                    route.requests,
+                    Scope::Global,
+                    Reason::RouteRateLimit,
+                    Meter::Requests,
+                    None,
+                );
+                // Matched against the canonical path (see `canonical_path`),
+                // so the prefix is compared in that form too.
+                let prefix = request::canonical_path(&route.path_prefix)
+                    .unwrap_or_else(|_| route.path_prefix.to_ascii_lowercase());
+                (prefix, i)
+            })
+            .collect();
+        for (tier, list) in &tier_buckets {
+            for &i in list {
+                if buckets[i].rule.scope == Scope::Global {
+                    buckets[i].anonymous = true;
+                } else {
+                    buckets[i].tier = Some(tier.clone());
+                }
+            }
+        }
+        let pricing = policy
+            .models
+            .iter()
+            .map(|(name, m)| {
+                let micro = |per_1k: f64| (per_1k * 1e6).round().max(0.0) as u64;
+                let p = match (m.price, m.gpu) {
+                    (Some(p), _) => Pricing {
+                        input_per_1k: micro(p.input_per_1k),
+                        output_per_1k: micro(p.output_per_1k),
+                    },
+                    (None, Some(g)) => {
+                        // GPU cost per hour over the tokens it serves per hour.
+                        let per_1k =
+                            micro(g.cost_per_hour * 1000.0 / (g.tokens_per_second * 3600.0));
+                        Pricing {
+                            input_per_1k: per_1k,
+                            output_per_1k: per_1k,
+                        }
+                    }
+                    (None, None) => Pricing::default(),
+                };
+                (name.clone(), p)
+            })
+            .collect();
+        Engine {
+            resolver: Resolver::new(&policy),
+            policy,
+            buckets,
+            tier_buckets,
+            model_buckets,
+            route_buckets,
+            pricing,
+        }
+    }
+
+    /// Every bucket the policy defines.
+    pub fn rules(&self) -> Vec<Rule> {
+        self.buckets.iter().map(|b| b.rule.clone()).collect()
+    }
+
+    /// Creates every shared-data key the policy can use (a bounded set:
+    /// see `reservation`), with dedicated keys for each declared API key
+    /// in its tier's per-caller buckets. Returns how many were new.
+    pub fn prepare(&self, store: &dyn SharedStore) -> Result<usize, StoreError> {
+        let declared = self.resolver.declared();
+        let rules: Vec<(Rule, Vec<String>)> = self
+            .buckets
+            .iter()
+            .map(|b| {
+                let mine = declared
+                    .iter()
+                    .filter(|(_, tier)| Some(tier) == b.tier.as_ref())
+                    .map(|(principal, _)| principal.clone())
+                    .collect();
+                (b.rule.clone(), mine)
+            })
+            .collect();
+        prepare(store, &rules, &self.layout())
+    }
+
+    pub(super) fn layout(&self) -> Layout {
+        let s = &self.policy.state;
+        Layout {
+            slots: s.principal_slots,
+            sketch_width: s.sketch_width,
+            hold_ms: s.slot_hold_ms,
+        }
+    }
+
+    pub(super) fn reserver<'a>(&self, store: &'a dyn SharedStore) -> Reserver<'a> {
+        Reserver {
+            store,
+            layout: self.layout(),
+            max_retries: self.policy.state.cas_max_retries,
+        }
+    }
+
+    /// Indexes of the buckets that apply to a request, in the order they
+    /// are taken (the first that refuses decides the answer).
+    pub(super) fn applying(
+        &self,
+        identity: &Identity,
+        model: Option<&str>,
+        path: &str,
+    ) -> Vec<usize> {
+        let none = Vec::new();
+        self.tier_buckets
+            .get(&identity.tier)
+            .unwrap_or(&none)
+            .iter()
+            .filter(|&&i| !(identity.declared && self.buckets[i].anonymous))
+            .chain(
+                model
+                    .and_then(|m| self.model_buckets.get(m))
+                    .unwrap_or(&none),
+            )
+            .copied()
+            .chain(
+                self.route_buckets
+                    .iter()
+                    .filter(|(prefix, _)| path.starts_with(prefix.as_str()))
+                    .map(|(_, i)| *i),
+            )
+            .collect()
+    }
+
+    /// The most output one choice of `model` may ask for.
+    pub(super) fn output_cap(&self, model: &str) -> u64 {
+        self.policy
+            .models
+            .get(model)
+            .and_then(|m| m.max_output)
+            .unwrap_or(self.policy.request.max_output)
+    }
+
+    pub(super) fn default_output(&self, model: Option<&str>) -> u64 {
+        model
+            .and_then(|m| self.policy.models.get(m))
+            .and_then(|m| m.default_max_output)
+            .unwrap_or(self.policy.defaults.max_output_tokens)
+    }
+
+    pub(super) fn pricing_of(&self, model: Option<&str>) -> Pricing {
+        model
+            .and_then(|m| self.pricing.get(m))
+            .copied()
+            .unwrap_or_default()
+    }
+}

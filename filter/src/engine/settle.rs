@@ -1,0 +1,126 @@
+//! Settlement (step 5): what the response really cost replaces what was
+//! reserved; the estimate learns from real usage; the global usage ring
+//! feeds the surge warning and the spend breaker.
+
+use super::*;
+
+impl Engine {
+    /// Step 5: replace the reservation with what the response really cost.
+    /// Usage from the upstream wins; without (believable) usage, the input
+    /// estimate and the output counted in the stream. An upstream error
+    /// costs nothing.
+    pub fn settle(
+        &self,
+        store: &dyn SharedStore,
+        plan: &Plan,
+        found: Found,
+        output_counted: u64,
+        upstream_ok: bool,
+        now_ms: u64,
+    ) -> (Settled, Contention) {
+        let (input, output, from_usage) = match found {
+            Found::Usage(u) => (u.input, u.output, true),
+            _ if !upstream_ok => (0, 0, false),
+            _ => (plan.input_estimate, output_counted, false),
+        };
+        let reserver = self.reserver(store);
+        let mut effort = Contention::default();
+        let mut charges_unwritten = 0;
+        for (held, meter) in plan.held.iter().zip(&plan.meters) {
+            if *meter != Meter::Requests {
+                let actual = meter.amount(input, output, plan.pricing);
+                if !reserver.settle(held, actual, now_ms, &mut effort) && actual > held.amount {
+                    charges_unwritten += 1;
+                }
+            }
+        }
+        if from_usage && input > 0 {
+            if let Some(model) = &plan.model {
+                self.learn(store, model, plan.input_raw, input, &mut effort);
+            }
+        }
+        let cost = plan.pricing.cost(input, output);
+        let (surge, global_open) =
+            self.record_usage(store, input + output, cost, now_ms, &mut effort);
+        let settled = Settled {
+            input,
+            output,
+            from_usage,
+            invalid_usage: found == Found::Invalid,
+            cost,
+            surge,
+            global_open,
+            charges_unwritten,
+        };
+        (settled, effort)
+    }
+
+    /// Gives back everything an admitted request reserved, when it is
+    /// answered here after all (it lost the half-open probe to another).
+    pub fn release(&self, store: &dyn SharedStore, plan: &Plan, now_ms: u64) -> Contention {
+        let mut effort = Contention::default();
+        self.reserver(store)
+            .release(&plan.held, now_ms, &mut effort);
+        effort
+    }
+
+    /// Adds a settled request to the global per-minute ring; says whether
+    /// its minute is a new surge and whether the spend ceiling is reached.
+    /// Exhausted (counted): this request's usage is missing from the ring,
+    /// which only makes the surge and spend ceiling see less.
+    pub(super) fn record_usage(
+        &self,
+        store: &dyn SharedStore,
+        tokens: u64,
+        cost: u64,
+        now_ms: u64,
+        contention: &mut Contention,
+    ) -> (bool, bool) {
+        let Some(a) = &self.policy.anomaly else {
+            return (false, false);
+        };
+        let mut seen = (false, false);
+        let tries = self.policy.state.cas_max_retries;
+        let written = store::update(store, USAGE_KEY, tries, contention, |bytes| {
+            let mut ring = UsageRing::decode(bytes.unwrap_or_default());
+            ring.add(tokens, cost, now_ms);
+            let reading = ring.read(a.baseline_minutes as usize, now_ms);
+            let minute = now_ms / 60_000;
+            let surge = reading.baseline > 0
+                && reading.tokens_this_minute as f64 > reading.baseline as f64 * a.surge_ratio
+                && ring.surge_flagged != minute;
+            if surge {
+                ring.surge_flagged = minute;
+            }
+            let ceiling = a.max_spend_per_hour.map(|b| (b.limit * 1e6).round() as u64);
+            seen = (surge, ceiling.is_some_and(|c| reading.spend_last_hour >= c));
+            Some(ring.encode())
+        });
+        if written == Updated::Written {
+            seen
+        } else {
+            (false, false)
+        }
+    }
+
+    /// Moves the model's estimate correction towards this sample. A sample
+    /// that loses every race (counted) is dropped: the next one will do.
+    pub(super) fn learn(
+        &self,
+        store: &dyn SharedStore,
+        model: &str,
+        raw: f64,
+        actual: u64,
+        contention: &mut Contention,
+    ) {
+        if !self.policy.models.contains_key(model) {
+            return;
+        }
+        let key = format!("{CORRECTION_KEY}{model}");
+        let tries = self.policy.state.cas_max_retries;
+        store::update(store, &key, tries, contention, |bytes| {
+            let current = bytes.map_or(Correction::default(), Correction::decode);
+            current.learn(raw, actual).map(|next| next.encode())
+        });
+    }
+}
