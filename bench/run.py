@@ -851,8 +851,8 @@ def _middle(triple):
     return " ".join(toks[2:4]) if len(toks) >= 6 else triple
 
 
-PROFILED = [("a", "get"), ("f", "get"), ("c", "get"), ("a", "chat"), ("g", "chat"),
-            ("d", "chat")]
+PROFILED = [("a", "get"), ("f", "get"), ("h", "get"), ("c", "get"), ("a", "chat"),
+            ("g", "chat"), ("i", "chat"), ("d", "chat")]
 
 
 def perf_profile(args, workdir, port, wl, pid):
@@ -1065,6 +1065,10 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
       "the body is complete, reads the whole request body (`get_http_request_body`) "
       "and each response chunk (`get_http_response_body`), does nothing with them. "
       "The least a filter that must read the body and the usage costs.")
+    if set(args.variants) & set("hi"):
+        w(f"- (h) and (i): (c) and (d) with the filter built from another commit "
+          f"(`--base-wasm {args.base_wasm.name}`), interleaved with (c) and (d) in each "
+          "repetition: an A/B of a change in one run.")
     if ctx.get("sluice_checks"):
         w("")
         w("Checks from Envoy's `/stats/prometheus` after each sluice run: "
