@@ -417,13 +417,14 @@ impl Request {
         self.request_headers = host.request_headers();
         let raw_path = self.header(host, ":path").unwrap_or_default();
         let method = self.header(host, ":method").unwrap_or_default();
-        self.api = Api::classify(&method, &raw_path);
+        let canonical = crate::request::canonical_path(&raw_path);
+        self.api = Api::classify(&method, canonical.as_deref().unwrap_or_default());
         let view = HostRequest(host, self.request_headers.as_deref());
         let identity = match self.engine().identify(&view) {
             Ok(identity) => identity,
             Err(verdict) => return self.finish(host, *verdict),
         };
-        match crate::request::canonical_path(&raw_path) {
+        match canonical {
             Ok(path) => self.path = path,
             // Whatever the upstream decodes it to, sluice cannot know: a
             // request that may be an LLM call does not go up unread.

@@ -27,12 +27,12 @@ const ROUTES: [(&str, Api); 6] = [
 ];
 
 impl Api {
-    /// Classifies by method and canonical path (see [`canonical_path`]).
-    pub fn classify(method: &str, path: &str) -> Api {
+    /// Classifies by method and a path already in canonical form (see
+    /// [`canonical_path`], computed once per request by the caller).
+    pub fn classify(method: &str, canonical: &str) -> Api {
         if !method.eq_ignore_ascii_case("POST") {
             return Api::Other;
         }
-        let canonical = canonical_path(path).unwrap_or_default();
         // Also under a prefix (`/openai/v1/chat/completions`): a route that
         // rewrites the prefix away runs after sluice, in Envoy's router.
         ROUTES
@@ -369,6 +369,10 @@ mod tests {
 
     const CAP: u64 = 1 << 20;
 
+    fn classify_raw(method: &str, path: &str) -> Api {
+        Api::classify(method, &canonical_path(path).unwrap_or_default())
+    }
+
     fn demand_of(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
         parse_body(api, body, &|_| CAP).map(|(d, _)| d)
     }
@@ -412,12 +416,12 @@ mod tests {
     #[test]
     fn classifies_known_endpoints() {
         assert_eq!(
-            Api::classify("POST", "/v1/chat/completions?x=1"),
+            classify_raw("POST", "/v1/chat/completions?x=1"),
             Api::OpenAiChat
         );
-        assert_eq!(Api::classify("POST", "/api/generate"), Api::OllamaGenerate);
-        assert_eq!(Api::classify("GET", "/v1/chat/completions"), Api::Other);
-        assert_eq!(Api::classify("POST", "/v1/models"), Api::Other);
+        assert_eq!(classify_raw("POST", "/api/generate"), Api::OllamaGenerate);
+        assert_eq!(classify_raw("GET", "/v1/chat/completions"), Api::Other);
+        assert_eq!(classify_raw("POST", "/v1/models"), Api::Other);
     }
 
     #[test]
@@ -502,20 +506,20 @@ mod tests {
             } else {
                 Api::OpenAiChat
             };
-            assert_eq!(Api::classify("POST", path), expected, "{path}");
+            assert_eq!(classify_raw("POST", path), expected, "{path}");
         }
-        assert_eq!(Api::classify("post", "/api/%63hat"), Api::OllamaChat);
-        assert_eq!(Api::classify("POST", "/v1/chat/completions%"), Api::Other);
+        assert_eq!(classify_raw("post", "/api/%63hat"), Api::OllamaChat);
+        assert_eq!(classify_raw("POST", "/v1/chat/completions%"), Api::Other);
         assert_eq!(
-            Api::classify("POST", "/openai/v1/chat/completions"),
+            classify_raw("POST", "/openai/v1/chat/completions"),
             Api::OpenAiChat
         );
         assert_eq!(
-            Api::classify("POST", "/ollama/api/generate"),
+            classify_raw("POST", "/ollama/api/generate"),
             Api::OllamaGenerate
         );
-        assert_eq!(Api::classify("POST", "/x/v1/chat/completionsx"), Api::Other);
-        assert_eq!(Api::classify("POST", "/xv1/chat/completions"), Api::Other);
+        assert_eq!(classify_raw("POST", "/x/v1/chat/completionsx"), Api::Other);
+        assert_eq!(classify_raw("POST", "/xv1/chat/completions"), Api::Other);
     }
 
     #[test]
