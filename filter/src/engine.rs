@@ -360,25 +360,28 @@ impl Engine {
     }
 }
 
+/// A request context from its parts (tests of the engine and pushback).
+#[cfg(test)]
+pub(crate) fn ctx<'a>(
+    identity: &'a Identity,
+    api: Api,
+    path: &'a str,
+    asked: Option<&'a Asked>,
+    now_ms: u64,
+) -> RequestContext<'a> {
+    RequestContext {
+        identity,
+        api,
+        path,
+        asked,
+        now_ms,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn ctx<'a>(
-        identity: &'a Identity,
-        api: Api,
-        path: &'a str,
-        asked: Option<&'a Asked>,
-        now_ms: u64,
-    ) -> RequestContext<'a> {
-        RequestContext {
-            identity,
-            api,
-            path,
-            asked,
-            now_ms,
-        }
-    }
     use crate::reconcile::Usage;
     use crate::store::MemStore;
     use serde_json::json;

@@ -262,23 +262,8 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{Asked, RequestContext};
+    use crate::engine::ctx;
 
-    fn ctx<'a>(
-        identity: &'a Identity,
-        api: Api,
-        path: &'a str,
-        asked: Option<&'a Asked>,
-        now_ms: u64,
-    ) -> RequestContext<'a> {
-        RequestContext {
-            identity,
-            api,
-            path,
-            asked,
-            now_ms,
-        }
-    }
     use crate::config::Policy;
     use crate::health::{Seen, Upstream};
     use crate::request::Api;
