@@ -153,7 +153,8 @@ function renderGpus(h) {
   const box = $("#gpus");
   const t1 = h.now_ms, t0 = t1 - h.window_ms;
   const gap = h.sample_every_ms * 3;
-  $("#gpu-window").textContent = "(last " + Math.round(h.window_ms / 60000) + " min, one point per " + (h.sample_every_ms / 1000) + " s)";
+  const win = h.window_ms >= 120000 ? Math.round(h.window_ms / 60000) + " min" : Math.round(h.window_ms / 1000) + " s";
+  $("#gpu-window").textContent = "(last " + win + ", one point per " + (h.sample_every_ms / 1000) + " s)";
   const cards = [];
   for (const g of h.gpus) {
     const col = i => g.points.map(p => [p[0], p[i]]);

@@ -1608,6 +1608,9 @@ pub fn parse_rfc3339_utc(text: &str) -> Option<u64> {
     u64::try_from(days * 86_400 + hh * 3600 + mm * 60 + ss).ok()
 }
 
+/// Headless Chromium over WebDriver, for the operator page (`browser.rs`).
+pub mod browser;
+
 /// HS256 JWTs for tests that go through Envoy's real `jwt_authn`: a key
 /// made for the run (never a fixed one), its JWKS, and signed tokens.
 pub mod jwt {
