@@ -57,7 +57,8 @@ target/release/mock-llm --listen 127.0.0.1:8001 --name fallback >"$logs/mock-llm
 pids+=($!)
 export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-demo-admin-token}
 target/release/sluice-sidecar serve --listen 127.0.0.1:9911 --simulate \
-  --state-file "$logs/sidecar-state.json" >"$logs/sidecar.log" 2>&1 &
+  --state-file "$logs/sidecar-state.json" --envoy-admin http://127.0.0.1:9901 \
+  >"$logs/sidecar.log" 2>&1 &
 pids+=($!)
 "$envoy_bin" -c "$logs/sluice.yaml" --disable-hot-restart -l info >"$logs/envoy.log" 2>&1 &
 pids+=($!)
@@ -78,7 +79,7 @@ sluice demo is up.
   Envoy + sluice   http://127.0.0.1:10000   (admin http://127.0.0.1:9901)
   mock-llm         http://127.0.0.1:8000    (primary)
   mock-llm         http://127.0.0.1:8001    (fallback provider)
-  sidecar          http://127.0.0.1:9911/   (status page; state at /v1/state)
+  sidecar          http://127.0.0.1:9911/   (operator page: GPUs, breakers, kill switch; state at /v1/state)
   admin token      $SLUICE_ADMIN_TOKEN
 
 Observability:
