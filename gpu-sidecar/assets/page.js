@@ -169,10 +169,25 @@ function renderGpus(h) {
     cards.push(card);
   }
   if (!cards.length) cards.push(el("p", { class: "muted" }, "No GPU reading in the window."));
+  const note = $("#gpu-note");
+  note.textContent = h.gpu_error ? "GPU source failing: " + h.gpu_error : "source: " + (h.gpu_source || "none");
+  note.className = h.gpu_error ? "bad" : "muted";
   box.replaceChildren(...cards);
 }
 
-// ---- breakers, timeline, traffic -----------------------------------------
+// ---- backends, breakers, timeline, traffic --------------------------------
+
+function renderBackends(h) {
+  $("#backends-section").hidden = !h.backends.length;
+  const rows = h.backends.map(b => {
+    const signals = Object.entries(b.samples).map(([k, v]) => k + " " + num(v, 2));
+    if (b.models.length) signals.push("models " + b.models.join(", "));
+    return el("tr", { class: b.up ? "closed" : "open" },
+      el("td", {}, b.name), el("td", {}, b.kind), el("td", { class: "state" }, b.up ? "yes" : "no"),
+      el("td", {}, signals.join(", ")), el("td", {}, b.error || ""));
+  });
+  $("#backends tbody").replaceChildren(...rows);
+}
 
 function renderBreakers(h) {
   const rows = h.breakers.map(b => {
@@ -256,6 +271,7 @@ async function refresh() {
     current = h;
     renderKillSwitch(h.state.kill_switch);
     renderGpus(h);
+    renderBackends(h);
     renderBreakers(h);
     renderTimeline(h);
     renderTraffic(h);

@@ -1,6 +1,6 @@
 //! The HTTP API: `/v1/state` (the filter's long poll), the kill switch,
 //! the simulated GPU (only when it runs), `/metrics`, `/healthz` and the
-//! status page at `/`.
+//! operator page at `/` with its data at `/v1/history` ([`crate::page`]).
 //!
 //! Who may do what: reads are open; every change of state (kill switch,
 //! simulated GPU) needs the admin bearer token and, unless

@@ -553,6 +553,40 @@ mod tests {
         assert_eq!(v["state"]["kill_switch"]["active"], false);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn kill_switch_changes_reach_the_timeline() {
+        let store = StateStore::new(t(0));
+        let h = Arc::new(history(5, 60, 10));
+        let (tx, rx) = watch::channel(false);
+        let task = tokio::spawn(watch_kill_switch(store.clone(), h.clone(), rx));
+        tokio::task::yield_now().await;
+        let on = |reason: &str| KillSwitch {
+            active: true,
+            reason: Some(reason.into()),
+            since: Some(t(5000)),
+        };
+        store.update(t(5000), |s| s.kill_switch = on("drill"));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // Not a kill switch change: not on the timeline.
+        store.update(t(6000), |s| s.stale = true);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        store.update(t(7000), |s| s.kill_switch = on("still drilling"));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let _ = tx.send(true);
+        task.await.unwrap();
+        let v = doc(&h, t(8000));
+        let events = v["events"].as_array().unwrap();
+        assert_eq!(events.len(), 2, "{events:?}");
+        assert_eq!(events[0]["reason"], "still drilling");
+        assert_eq!(
+            (events[0]["from"].as_str(), events[0]["to"].as_str()),
+            (Some("on"), Some("on"))
+        );
+        assert_eq!(events[0]["at"], "1970-01-01T00:00:07Z");
+        assert_eq!(events[1]["to"], "on");
+        assert_eq!(events[1]["at"], "1970-01-01T00:00:05Z");
+    }
+
     #[test]
     fn config_checks() {
         assert!(HistoryConfig::default().check().is_ok());

@@ -5,7 +5,8 @@
 //! [`sources`] (NVML, simulated GPU, vLLM `/metrics`, Ollama `/api/ps`) →
 //! [`monitor`] (one round per scrape interval) → [`breaker`] (pure rules per
 //! scope) → [`state`] (versioned, in a watch channel) → [`api`]
-//! (`/v1/state` long poll, `/metrics`, status page). Beside it: [`admin`]
+//! (`/v1/state` long poll, `/metrics`, the operator page with [`history`]
+//! and [`traffic`]). Beside it: [`admin`]
 //! (kill switch, token, state file) and [`alerts`] (webhooks).
 
 pub mod admin;

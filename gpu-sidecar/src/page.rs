@@ -26,6 +26,7 @@ use axum::http::header::{
 };
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde_json::json;
 
 use crate::api::Api;
 
@@ -72,15 +73,47 @@ pub async fn style() -> Response {
 /// `GET /v1/history`: read-only, open like `/v1/state` (see `api.rs`).
 pub async fn history(State(api): State<Arc<Api>>) -> Response {
     let snap = api.telemetry.snapshot();
-    let body = api
+    let mut body = api
         .history
         .to_json(SystemTime::now(), &api.store.current(), &snap.breakers);
+    // What the monitor's last round saw of its sources, beside the rings.
+    let backends: Vec<_> = snap
+        .backends
+        .iter()
+        .map(|b| {
+            let samples: serde_json::Map<String, serde_json::Value> = b
+                .samples
+                .iter()
+                .filter(|(_, v)| v.is_finite())
+                .map(|(m, v)| (m.name().to_string(), json!(v)))
+                .collect();
+            json!({"name": b.name, "kind": b.kind, "up": b.up, "samples": samples,
+                   "models": b.models, "error": b.error})
+        })
+        .collect();
+    if let Some(o) = body.as_object_mut() {
+        o.insert("gpu_source".into(), json!(snap.gpu_source));
+        o.insert("gpu_error".into(), json!(snap.gpu_error));
+        o.insert("backends".into(), json!(backends));
+    }
     ([(CACHE_CONTROL, "no-store")], Json(body)).into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn every_asset_carries_the_policy() {
+        for res in [index().await, script().await, style().await] {
+            let h = res.headers();
+            assert_eq!(h[CONTENT_SECURITY_POLICY], CSP);
+            assert_eq!(h[X_FRAME_OPTIONS], "DENY");
+            assert_eq!(h[X_CONTENT_TYPE_OPTIONS], "nosniff");
+            assert_eq!(h[CACHE_CONTROL], "no-store");
+        }
+        assert!(!CSP.contains("unsafe"), "no inline script or eval");
+    }
 
     #[test]
     fn the_page_has_no_external_asset_and_no_inline_script() {

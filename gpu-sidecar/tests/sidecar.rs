@@ -253,6 +253,8 @@ breaker: {{stale_after: 2s, half_open_for: 400ms}}
         .find(|b| b["scope"] == "backend:mock")
         .unwrap_or_else(|| panic!("{history}"));
     assert_eq!(b["state"], "open");
+    assert_eq!(history["backends"][0]["name"], "mock", "{history}");
+    assert_eq!(history["backends"][0]["samples"]["vllm_waiting"], 80.0);
     let rule = b["rules"]
         .as_array()
         .unwrap()

@@ -19,10 +19,12 @@ use serde_json::{json, Value};
 
 use crate::{read_log, temp_dir, ChildGuard, STARTUP_TIMEOUT};
 
-/// The first of `names` found as a file, or on `PATH`.
+/// The file `env` names if it is set (and nothing else then), else the
+/// first of `names` found as a file or on `PATH`.
 fn find(env: &str, names: &[&str]) -> Option<PathBuf> {
     if let Some(p) = std::env::var_os(env).filter(|p| !p.is_empty()) {
-        return Some(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        return p.is_file().then_some(p);
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     names.iter().find_map(|n| {
