@@ -32,6 +32,9 @@ pub mod compile;
 pub mod rewrite;
 pub mod settle;
 
+#[cfg(test)]
+mod org_tests;
+
 use compile::Bucket;
 pub use compile::{Meter, Pricing};
 
