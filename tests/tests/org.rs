@@ -228,7 +228,7 @@ fn a_daily_budget_resets_at_midnight_of_the_configured_timezone() {
     // reset_at is the zone's midnight, written in UTC.
     let reset_at = e["sluice"]["reset_at"].as_str().expect("reset_at");
     assert!(reset_at.ends_with('Z'), "{reset_at}");
-    let reset_ms = parse_rfc3339_utc(reset_at).expect("RFC 3339");
+    let reset_ms = parse_rfc3339_utc(reset_at).expect("RFC 3339") * 1000;
     assert!(
         (midnight_ms..=midnight_ms + 1_000).contains(&reset_ms),
         "reset_at {reset_at} vs midnight {midnight_ms} in {zone}"
