@@ -53,6 +53,8 @@ pub struct Config {
     /// Where the kill switch is kept across restarts; none: not kept.
     pub state_file: Option<PathBuf>,
     pub alerts: AlertsConfig,
+    /// Redis, for the fleet (see `fleet`); none: this sidecar is no fleet agent.
+    pub fleet: Option<crate::fleet::FleetConfig>,
 }
 
 impl Default for Config {
@@ -69,6 +71,7 @@ impl Default for Config {
             long_poll: LongPollConfig::default(),
             state_file: None,
             alerts: AlertsConfig::default(),
+            fleet: None,
         }
     }
 }
@@ -515,7 +518,7 @@ impl Config {
 }
 
 /// `30s`, `1m 30s`, `250ms`.
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
     humantime::parse_duration(&text).map_err(|e| {
         serde::de::Error::custom(format!("`{text}` is not a duration like `30s`: {e}"))
