@@ -59,6 +59,9 @@ pub struct Policy {
     /// Absent: no audit fields are written (they cost a host call each).
     pub audit: Option<AuditConfig>,
     pub anomaly: Option<AnomalyConfig>,
+    /// Limits shared by every Envoy of a fleet (see `fleet`); absent: each
+    /// Envoy counts alone (the embedded default).
+    pub fleet: Option<crate::fleet::FleetConfig>,
 }
 
 /// Consumption across all callers.
@@ -317,7 +320,7 @@ fn default_static_message() -> String {
     "The assistant is temporarily unavailable. Please try again in a few minutes.".into()
 }
 
-fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+pub(crate) fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     let text = String::deserialize(deserializer)?;
     crate::units::parse_duration(&text).map_err(de::Error::custom)
 }
@@ -953,6 +956,11 @@ impl Policy {
 
     /// Rules that span fields, which serde cannot see.
     fn check(&self) -> Result<(), ConfigError> {
+        if let Some(fleet) = &self.fleet {
+            fleet
+                .check(self)
+                .map_err(|(path, why)| ConfigError::at(&path, why))?;
+        }
         if !self.tiers.contains_key(&self.default_tier) {
             return Err(ConfigError::at(
                 "default_tier",

@@ -28,6 +28,7 @@ use crate::store::{self, Contention, SharedStore, StoreError, Updated};
 
 pub mod admit;
 pub mod compile;
+pub mod fleet;
 pub mod rewrite;
 pub mod settle;
 

@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use serde_yaml::Value;
 
+pub mod fleet;
+
 /// How long a process may take to come up, and a reload to be applied.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
