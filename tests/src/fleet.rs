@@ -109,6 +109,38 @@ impl Redis {
             .sum()
     }
 
+    /// `KEYS pattern`.
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        let raw = self.command(&["KEYS", pattern]).unwrap_or_default();
+        raw.lines()
+            .skip(1)
+            .filter(|l| !l.starts_with('$'))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// `GET key` as a number (absent: `None`).
+    pub fn get_i64(&self, key: &str) -> Option<i64> {
+        let raw = self.command(&["GET", key])?;
+        raw.lines().nth(1)?.trim().parse().ok()
+    }
+
+    /// The used count of the one calendar-window bucket in Redis (the
+    /// fleet keys ending in a window end other than 0).
+    pub fn window_used(&self) -> Option<i64> {
+        let keys: Vec<String> = self
+            .keys("sluice:fleet:*")
+            .into_iter()
+            .filter(|k| {
+                !k.contains(":applied:") && !k.ends_with(":kill_switch") && !k.ends_with(":0")
+            })
+            .collect();
+        match keys.as_slice() {
+            [one] => self.get_i64(one),
+            _ => None,
+        }
+    }
+
     pub fn kill(&mut self) {
         self.guard.kill();
     }
