@@ -437,6 +437,9 @@ struct Short {
     key: String,
     /// A lease slot this caller may hold; none: strict.
     slot: Option<String>,
+    /// Units the lease still had, taken for this request: Redis is asked
+    /// only for the rest (nothing left idle in a lease that falls short).
+    have: u64,
 }
 
 /// What the fleet says about an admitted request.
@@ -622,6 +625,7 @@ impl Fleet {
             let home = (owner % u64::from(rule.slots)) as u32;
             let mut slot = None;
             let mut debited = false;
+            let mut have = 0u64;
             for p in 0..PROBES.min(rule.slots) {
                 let key = slot_key(&rule.rule.id, (home + p) % rule.slots);
                 let Some((bytes, _)) = host.get(&key) else {
@@ -629,16 +633,25 @@ impl Fleet {
                 };
                 let lease = Lease::decode(&bytes);
                 if lease.owner == owner {
+                    let mut part = 0;
                     let written = cas.update(&key, |bytes| {
                         let mut l = Lease::decode(bytes.unwrap_or_default());
-                        if !l.live(owner, window_end, now) || l.balance < amount as i64 {
+                        part = 0;
+                        if !l.live(owner, window_end, now) || l.balance <= 0 {
                             return None;
                         }
-                        l.balance -= amount as i64;
+                        // All of it when it covers the request; else what
+                        // it has, and Redis is asked for the rest.
+                        let debit = l.balance.min(amount as i64);
+                        l.balance -= debit;
                         l.last_ms = now;
+                        part = debit as u64;
                         Some(l.encode())
                     });
-                    debited = written == Updated::Written;
+                    if written == Updated::Written {
+                        debited = part == amount;
+                        have = if debited { 0 } else { part };
+                    }
                     slot = Some(key);
                     break;
                 }
@@ -664,6 +677,7 @@ impl Fleet {
                     meter,
                     key: redis_key(&h.rule, owner),
                     slot,
+                    have,
                 });
             }
         }
@@ -689,11 +703,12 @@ impl Fleet {
                             .min(rule.rule.limit.capacity())
                     }
                 };
+                let need = s.amount - s.have;
                 TakeClaim {
                     key: &s.key,
                     shape: Shape::of(&rule.rule.limit, now),
-                    need: s.amount,
-                    want,
+                    need,
+                    want: want.saturating_sub(s.have).max(need),
                 }
             })
             .collect();
@@ -758,6 +773,7 @@ impl Fleet {
                     reset_ms: retry_ms(&limit, refused.window_end, now),
                 };
                 self.give_back(engine, host, &done, now);
+                self.restore(engine, host, &short, now);
                 return Gate::Refuse {
                     rule: refused.rule.clone(),
                     quota,
@@ -771,7 +787,7 @@ impl Fleet {
         self.mark(host, true, now);
         let mut cas = Cas::new(host, Self::tries(engine));
         for (s, &grant) in short.iter().zip(&answer.grants) {
-            let surplus = grant.saturating_sub(s.amount) as i64;
+            let surplus = grant.saturating_sub(s.amount - s.have) as i64;
             let mut via = Via::Strict;
             if let Some(key) = &s.slot {
                 let ttl = self.config.lease.ttl_ms;
@@ -837,6 +853,8 @@ impl Fleet {
         identity: &Identity,
         now: u64,
     ) -> Gate {
+        // The modes cover whole requests: what the leases gave goes back.
+        self.restore(engine, host, &short, now);
         let mut charges = Vec::new();
         for s in short {
             let rule = &self.rules[&s.rule];
@@ -893,6 +911,25 @@ impl Fleet {
         }
         self.outbox(host, engine, charges);
         Gate::Pass(done)
+    }
+
+    /// Gives the units the leases had put towards `short` back to them.
+    fn restore(&self, engine: &Engine, host: &dyn Host, short: &[Short], now: u64) {
+        let claims: Vec<Claimed> = short
+            .iter()
+            .filter(|s| s.have > 0)
+            .filter_map(|s| {
+                Some(Claimed {
+                    rule: s.rule.clone(),
+                    owner: s.owner,
+                    amount: s.have,
+                    window_end: s.window_end,
+                    meter: s.meter,
+                    via: Via::Lease(s.slot.clone()?),
+                })
+            })
+            .collect();
+        self.give_back(engine, host, &claims, now);
     }
 
     /// Undoes the claims of a request refused after all.

@@ -132,25 +132,29 @@ fn a_fleet_daily_budget_never_overshoots_and_settles_what_was_served() {
         burst.iter().all(|(s, _)| *s == 200 || *s == 429),
         "{burst:?}"
     );
-    assert!(
-        admitted >= 20,
-        "at least the budget's 20 reservations at once: {admitted}"
-    );
-    // Then one at a time, round-robin, until the fleet says it is spent.
+    // Fair-share rounding leaves a little in each lease: most of the
+    // budget's 20 reservations, not all, fit at once.
+    assert!(admitted >= 10, "too few admitted at once: {admitted}");
+    // Then one at a time, round-robin, until the fleet is spent: every
+    // Envoy refuses in turn.
     let mut i = 0;
-    loop {
+    let mut refused_in_a_row = 0;
+    while refused_in_a_row < 3 {
         let (status, used) = one(&urls[i % 3], 498);
         i += 1;
         served += used;
-        if status == 429 {
-            break;
+        match status {
+            200 => refused_in_a_row = 0,
+            429 => refused_in_a_row += 1,
+            other => panic!("status {other}"),
         }
-        assert_eq!(status, 200);
         assert!(i < 2_000, "the budget never ran out");
     }
     assert!(served <= 10_000, "overshoot: served {served} of 10000");
+    // Left unserved while the leases are in use: under one reservation
+    // per Envoy (they come back after `lease.idle`).
     assert!(
-        served > 10_000 - 1_000,
+        served > 10_000 - 3 * 500,
         "stranded too much: served {served}"
     );
     // Leases come back when idle and settlements arrive in batches: what
