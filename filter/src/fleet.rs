@@ -442,6 +442,14 @@ struct Short {
     have: u64,
 }
 
+/// What a settled request really used.
+#[derive(Debug, Clone, Copy)]
+pub struct Used {
+    pub input: u64,
+    pub output: u64,
+    pub pricing: Pricing,
+}
+
 /// What the fleet says about an admitted request.
 #[derive(Debug)]
 pub enum Gate {
@@ -943,13 +951,11 @@ impl Fleet {
         engine: &Engine,
         host: &dyn Host,
         claims: &[Claimed],
-        input: u64,
-        output: u64,
-        pricing: Pricing,
+        used: Used,
         now: u64,
     ) {
         self.settle_with(engine, host, claims, now, |m| {
-            Engine::units(m, input, output, pricing)
+            Engine::units(m, used.input, used.output, used.pricing)
         });
     }
 

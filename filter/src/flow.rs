@@ -955,15 +955,12 @@ impl Request {
         count_contention(host, effort);
         if let Some(fleet) = &self.filter.fleet {
             let engine = &self.filter.engine;
-            fleet.settle(
-                engine,
-                host,
-                &claims,
-                settled.input,
-                settled.output,
-                plan.pricing,
-                now,
-            );
+            let used = crate::fleet::Used {
+                input: settled.input,
+                output: settled.output,
+                pricing: plan.pricing,
+            };
+            fleet.settle(engine, host, &claims, used, now);
         }
         if settled.charges_unwritten > 0 {
             // Counted in `sluice_cas_exhausted_total` too; said here so
