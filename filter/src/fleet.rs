@@ -132,9 +132,16 @@ pub struct LeaseConfig {
     /// who find none free take the strict path.
     #[serde(default = "default_slots")]
     pub slots: u32,
-    /// First lease asked for, beyond the request's own need.
+    /// First lease asked for, beyond the request's own need, in requests'
+    /// worth (`initial × need`).
     #[serde(default = "default_initial")]
     pub initial: u64,
+    /// Most units a lease holds beyond the request that takes it: bounds
+    /// what one Envoy can strand. 0: every bucket strict (one Redis round
+    /// trip per request, nothing held). Default: no bound but the fair
+    /// share.
+    #[serde(default)]
+    pub max: Option<u64>,
 }
 
 fn default_idle() -> u64 {
@@ -157,6 +164,7 @@ impl Default for LeaseConfig {
             ttl_ms: default_ttl(),
             slots: default_slots(),
             initial: default_initial(),
+            max: None,
         }
     }
 }
@@ -570,13 +578,25 @@ impl Fleet {
                 created += 1;
             }
         }
-        for key in [OUTBOX_KEY, STATUS_KEY] {
+        // Not empty: Envoy reads an empty value as no key, and creating
+        // again on a reload would wipe what the outbox holds.
+        let initial = [
+            (OUTBOX_KEY, b"[]".to_vec()),
+            (STATUS_KEY, Status::default().encode()),
+        ];
+        for (key, value) in initial {
             if host.get(key).is_none() {
-                host.set(key, b"", 0).map_err(|e| e.to_string())?;
+                host.set(key, &value, 0).map_err(|e| e.to_string())?;
                 created += 1;
             }
         }
-        let shares: Vec<Rule> = self.rules.values().map(|r| r.share.clone()).collect();
+        // Stand-ins only where `local_share` may need them.
+        let shares: Vec<Rule> = self
+            .rules
+            .values()
+            .filter(|r| r.mode == Unavailable::LocalShare)
+            .map(|r| r.share.clone())
+            .collect();
         created += engine
             .prepare_rules(host, &shares)
             .map_err(|e| e.to_string())?;
@@ -706,6 +726,7 @@ impl Fleet {
                         let top_up = last
                             .saturating_mul(2)
                             .max(self.config.lease.initial.saturating_mul(s.amount.max(1)));
+                        let top_up = self.config.lease.max.map_or(top_up, |m| top_up.min(m));
                         s.amount
                             .saturating_add(top_up)
                             .min(rule.rule.limit.capacity())

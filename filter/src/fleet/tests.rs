@@ -332,3 +332,28 @@ fn a_local_bucket_never_calls_the_sidecar() {
     assert_eq!(action, Action::Continue);
     assert!(host.posted.borrow().is_empty());
 }
+
+#[test]
+fn lease_max_zero_makes_every_take_exact() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(json!({"requests": "100/day"}), json!({"lease": {"max": 0}})),
+    );
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, body) = last_post(&host);
+    assert_eq!(body["claims"][0]["want"], 1);
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": true, "grants": [1], "left": [99]}),
+    );
+    let (_, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(
+        action,
+        Action::Pause,
+        "nothing held: the next one asks again"
+    );
+}
