@@ -656,26 +656,26 @@ impl Fleet {
             let mut have = 0u64;
             for p in 0..PROBES.min(rule.slots) {
                 let key = slot_key(&rule.rule.id, (home + p) % rule.slots);
-                let Some((bytes, _)) = host.get(&key) else {
-                    continue;
-                };
-                let lease = Lease::decode(&bytes);
-                if lease.owner == owner {
-                    let mut part = 0;
-                    let written = cas.update(&key, |bytes| {
-                        let mut l = Lease::decode(bytes.unwrap_or_default());
-                        part = 0;
-                        if !l.live(owner, window_end, now) || l.balance <= 0 {
-                            return None;
-                        }
-                        // All of it when it covers the request; else what
-                        // it has, and Redis is asked for the rest.
-                        let debit = l.balance.min(amount as i64);
-                        l.balance -= debit;
-                        l.last_ms = now;
-                        part = debit as u64;
-                        Some(l.encode())
-                    });
+                // One read and, when it is ours and live, one write: the
+                // same cost as a local bucket.
+                let mut seen = 0;
+                let mut part = 0;
+                let written = cas.update(&key, |bytes| {
+                    let mut l = Lease::decode(bytes.unwrap_or_default());
+                    seen = l.owner;
+                    part = 0;
+                    if !l.live(owner, window_end, now) || l.balance <= 0 {
+                        return None;
+                    }
+                    // All of it when it covers the request; else what it
+                    // has, and Redis is asked for the rest.
+                    let debit = l.balance.min(amount as i64);
+                    l.balance -= debit;
+                    l.last_ms = now;
+                    part = debit as u64;
+                    Some(l.encode())
+                });
+                if seen == owner {
                     if written == Updated::Written {
                         debited = part == amount;
                         have = if debited { 0 } else { part };
@@ -683,7 +683,7 @@ impl Fleet {
                     slot = Some(key);
                     break;
                 }
-                if slot.is_none() && lease.owner == 0 {
+                if slot.is_none() && seen == 0 {
                     slot = Some(key);
                 }
             }
