@@ -119,6 +119,9 @@ bench: build
 	fi
 	SLUICE_BENCH_COMMAND="make bench$(if $(BENCH_SMOKE), BENCH_SMOKE=1)$(if $(BENCH_ARGS), BENCH_ARGS='$(BENCH_ARGS)')" \
 	  $(PYTHON) bench/run.py $(if $(BENCH_SMOKE),--smoke,--install-litellm --profile) $(BENCH_ARGS)
+	@# The fleet section (issue 11): local vs fleet leases vs strict, Redis on loopback.
+	$(MAKE) --no-print-directory redis
+	$(PYTHON) bench/fleet.py $(if $(BENCH_SMOKE),--smoke)
 
 ## lint: what CI-quality commits pass
 lint:

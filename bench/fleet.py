@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,9 @@ def main():
         else run.run_python_load
     wl = run.WORKLOADS["chat"]
     workdir = ROOT / "target/bench/fleet"
+    # Fresh: run.Envoy reads admin.txt as soon as it exists, and a stale
+    # one from an earlier run names a dead admin.
+    shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
     procs = run.Procs()
     rows = {}

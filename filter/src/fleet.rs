@@ -600,16 +600,6 @@ impl Fleet {
         created += engine
             .prepare_rules(host, &shares)
             .map_err(|e| e.to_string())?;
-        for name in [
-            M_TAKES,
-            M_REFUSED,
-            M_UNAVAILABLE,
-            M_OUTBOX_DROPPED,
-            M_BATCHES,
-        ] {
-            host.metric_add(MetricKind::Counter, name, 0);
-        }
-        host.metric_record(MetricKind::Gauge, M_DEGRADED, 0);
         Ok(created)
     }
 
