@@ -1135,6 +1135,8 @@ impl Status {
 #[derive(Debug, Default)]
 pub struct Agent {
     inflight: Option<(u32, String, Vec<GiveItem>)>,
+    /// A top-up in flight: its token and the leases it is for.
+    topping: Option<(u32, Vec<TopUp>)>,
     /// A batch whose send failed: sent again, same id.
     unsent: Option<(String, Vec<GiveItem>)>,
     last_sweep_ms: u64,
@@ -1143,15 +1145,31 @@ pub struct Agent {
     failing: bool,
 }
 
+/// A lease being topped up ahead of need.
+#[derive(Debug, Clone)]
+struct TopUp {
+    slot: String,
+    rule: String,
+    owner: u64,
+    window_end: u64,
+}
+
+/// Most leases topped up in one call.
+const TOP_UP_MAX: usize = 64;
+
 impl Agent {
     pub fn owns(&self, token: u32) -> bool {
         self.inflight.as_ref().is_some_and(|(t, _, _)| *t == token)
+            || self.topping.as_ref().is_some_and(|(t, _)| *t == token)
     }
 
     pub fn tick(&mut self, fleet: &Fleet, engine: &Engine, host: &dyn Host, vm_id: u64, now: u64) {
         if now >= self.last_sweep_ms + SWEEP_MS {
             self.last_sweep_ms = now;
             self.sweep(fleet, engine, host, now);
+        }
+        if self.topping.is_none() && now >= self.retry_at_ms && !fleet.down(host, now) {
+            self.top_up(fleet, host, now);
         }
         if self.inflight.is_some() || now < self.retry_at_ms {
             return;
@@ -1187,9 +1205,137 @@ impl Agent {
         }
     }
 
-    /// The answer to a batch: done, or kept to be sent again (same id).
-    pub fn on_answer(&mut self, host: &dyn Host, body_size: usize, now: u64) {
-        let Some((_, id, items)) = self.inflight.take() else {
+    /// Asks for more, in the background, for the leases in use that are
+    /// down to a quarter of their last grant: the requests behind them then
+    /// find the lease filled instead of waiting for the sidecar.
+    fn top_up(&mut self, fleet: &Fleet, host: &dyn Host, now: u64) {
+        let cfg = &fleet.config.lease;
+        let mut wants = Vec::new();
+        let mut claims = Vec::new();
+        for (rule_id, key) in &fleet.lease_keys {
+            if wants.len() >= TOP_UP_MAX {
+                break;
+            }
+            let Some((bytes, _)) = host.get(key) else {
+                continue;
+            };
+            let l = Lease::decode(&bytes);
+            let Some(rule) = fleet.rules.get(rule_id) else {
+                continue;
+            };
+            let current = Shape::of(&rule.rule.limit, now);
+            let in_use = l.owner != 0 && l.last_ms + cfg.idle_ms > now && l.expires_ms > now;
+            if !in_use
+                || l.window_end != current.window_end_ms
+                || l.balance.saturating_mul(4) >= l.grant as i64
+            {
+                continue;
+            }
+            let want = cfg.max.map_or(l.grant, |m| l.grant.min(m));
+            if want == 0 {
+                continue;
+            }
+            claims.push((redis_key(rule_id, l.owner), current, want));
+            wants.push(TopUp {
+                slot: key.clone(),
+                rule: rule_id.clone(),
+                owner: l.owner,
+                window_end: l.window_end,
+            });
+        }
+        if wants.is_empty() {
+            return;
+        }
+        let body = serde_json::to_vec(&TakeRequest {
+            replicas: fleet.config.expected_replicas,
+            claims: claims
+                .iter()
+                .map(|(key, shape, want)| TakeClaim {
+                    key,
+                    shape: *shape,
+                    need: 0,
+                    want: *want,
+                })
+                .collect(),
+        })
+        .unwrap_or_default();
+        if let Ok(token) = fleet.post(host, "/v1/fleet/take", &body) {
+            metric(host, M_TAKES, 1);
+            self.topping = Some((token, wants));
+        }
+    }
+
+    /// What a top-up brought: into the leases still held, else straight
+    /// back. A top-up that failed is not undone: if Redis took the units
+    /// after all, they count as used until the bucket refills or its window
+    /// ends (the safe side).
+    fn topped_up(
+        &mut self,
+        fleet: &Fleet,
+        engine: &Engine,
+        host: &dyn Host,
+        wants: Vec<TopUp>,
+        body_size: usize,
+        now: u64,
+    ) {
+        let status = host.call_response_header(":status");
+        let body = host.call_response_body(body_size);
+        let answer = match (
+            status.as_deref(),
+            serde_json::from_slice::<TakeAnswer>(&body),
+        ) {
+            (Some("200"), Ok(a)) if a.ok && a.grants.len() == wants.len() => a,
+            _ => {
+                self.retry_at_ms = now + DOWN_RETRY_MS;
+                return;
+            }
+        };
+        let ttl = fleet.config.lease.ttl_ms;
+        let mut back = Vec::new();
+        let mut cas = Cas::new(host, Fleet::tries(engine));
+        for (w, &grant) in wants.iter().zip(&answer.grants) {
+            if grant == 0 {
+                continue;
+            }
+            let written = cas.update(&w.slot, |bytes| {
+                let mut l = Lease::decode(bytes.unwrap_or_default());
+                if l.owner != w.owner || l.window_end != w.window_end || l.expires_ms <= now {
+                    return None;
+                }
+                l.balance = l.balance.saturating_add(grant as i64);
+                l.expires_ms = now + ttl;
+                l.grant = grant;
+                Some(l.encode())
+            });
+            if written != Updated::Written {
+                if let Some(rule) = fleet.rules.get(&w.rule) {
+                    back.push(GiveItem {
+                        key: redis_key(&w.rule, w.owner),
+                        shape: Shape::with_end(&rule.rule.limit, w.window_end),
+                        delta: grant as i64,
+                    });
+                }
+            }
+        }
+        fleet.outbox(host, engine, back);
+    }
+
+    /// The answer to a call of this agent: a top-up, or a batch (done, or
+    /// kept to be sent again with the same id).
+    pub fn on_answer(
+        &mut self,
+        fleet: &Fleet,
+        engine: &Engine,
+        host: &dyn Host,
+        token: u32,
+        body_size: usize,
+        now: u64,
+    ) {
+        if let Some((_, wants)) = self.topping.take_if(|(t, _)| *t == token) {
+            self.topped_up(fleet, engine, host, wants, body_size, now);
+            return;
+        }
+        let Some((_, id, items)) = self.inflight.take_if(|(t, _, _)| *t == token) else {
             return;
         };
         let status = host.call_response_header(":status");

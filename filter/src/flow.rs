@@ -314,7 +314,13 @@ impl Poller {
     /// The sidecar's answer: stored for every worker, then the next poll.
     pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
         if self.fleet.owns(token) {
-            self.fleet.on_answer(host, body_size, host.now_ms());
+            if let Some(filter) = self.filter.clone() {
+                if let Some(fleet) = &filter.fleet {
+                    let now = host.now_ms();
+                    self.fleet
+                        .on_answer(fleet, &filter.engine, host, token, body_size, now);
+                }
+            }
             return;
         }
         if self.poll != Some(token) {

@@ -357,3 +357,44 @@ fn lease_max_zero_makes_every_take_exact() {
         "nothing held: the next one asks again"
     );
 }
+
+#[test]
+fn a_lease_in_use_is_topped_up_ahead_of_need_in_the_background() {
+    let host = MockHost::new(T0);
+    let mut poller = load(&host, policy(json!({"requests": "1000/day"}), json!({})));
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, _) = last_post(&host);
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": true, "grants": [9], "left": [991]}),
+    );
+    assert_eq!(lease_of_requests(&host).balance, 8);
+    for _ in 0..7 {
+        assert_eq!(post(&poller, &host, "10.0.0.1:1", 4).1, Action::Continue);
+    }
+    assert_eq!(
+        lease_of_requests(&host).balance,
+        1,
+        "under a quarter of the grant"
+    );
+    host.clock_ms.set(T0 + 300);
+    poller.tick(&host);
+    let (token, body) = last_post(&host);
+    assert_eq!(body["claims"][0]["need"], 0, "nobody waits for it");
+    assert_eq!(body["claims"][0]["want"], 9);
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), "200".into())];
+    let answer = json!({"ok": true, "grants": [9], "left": [982]}).to_string();
+    *host.call_response_body.borrow_mut() = answer.clone().into_bytes();
+    poller.on_call_response(&host, token, answer.len());
+    assert_eq!(lease_of_requests(&host).balance, 10);
+    let calls = host.posted.borrow().len();
+    assert_eq!(post(&poller, &host, "10.0.0.1:1", 4).1, Action::Continue);
+    assert_eq!(
+        host.posted.borrow().len(),
+        calls,
+        "served from the topped-up lease"
+    );
+}
