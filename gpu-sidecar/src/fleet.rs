@@ -19,10 +19,11 @@
 //! refund quota), and 503 `fleet_unavailable` while Redis does not answer:
 //! the filter then follows its `on_unavailable` policy.
 //!
-//! The kill switch is fleet-wide too: [`sync_kill_switch`] keeps this
-//! sidecar's switch and the one in Redis equal (a change here is written
-//! there; a newer one there is applied here and so pushed to the Envoy
-//! through the long poll).
+//! The kill switch and the breakers are fleet-wide too: [`sync_kill_switch`]
+//! keeps this sidecar's switch and the one in Redis equal (a change here is
+//! written there; a newer one there is applied here and so pushed to the
+//! Envoy through the long poll); [`sync_breakers`] publishes this sidecar's
+//! open breakers and serves every other live sidecar's.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -442,6 +443,42 @@ impl Fleet {
         Ok(raw.and_then(|r| serde_json::from_str(&r).ok()))
     }
 
+    /// Publishes this sidecar's breakers (`body`, written every time: it
+    /// doubles as liveness) and reads every sidecar's, in one round trip.
+    async fn swap_breakers(
+        &self,
+        id: &str,
+        body: &str,
+    ) -> Result<Vec<(String, String)>, FleetError> {
+        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
+        let key = format!("{PREFIX}breakers");
+        let mut pipe = redis::pipe();
+        pipe.cmd("HSET").arg(&key).arg(id).arg(body).ignore();
+        pipe.cmd("HGETALL").arg(&key);
+        let (all,): (Vec<(String, String)>,) =
+            tokio::time::timeout(self.config.timeout * 2, pipe.query_async(&mut conn))
+                .await
+                .map_err(|_| self.failed("timed out"))?
+                .map_err(|e| self.failed(e))?;
+        Ok(all)
+    }
+
+    async fn forget_breakers(&self, ids: &[String]) {
+        if ids.is_empty() {
+            return;
+        }
+        if let Ok(mut conn) = self.connection().await {
+            let _ = tokio::time::timeout(
+                self.config.timeout * 2,
+                redis::cmd("HDEL")
+                    .arg(format!("{PREFIX}breakers"))
+                    .arg(ids)
+                    .query_async::<i64>(&mut conn),
+            )
+            .await;
+        }
+    }
+
     async fn put_kill_switch(&self, value: &Shared) -> Result<(), FleetError> {
         let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
         let body = serde_json::to_string(value).map_err(|e| FleetError::Invalid(e.to_string()))?;
@@ -482,6 +519,115 @@ pub struct Shared {
     pub reason: Option<String>,
     /// Milliseconds since the epoch of the change (ties: the first wins).
     pub stamp: u64,
+}
+
+/// A breaker as published in Redis for the other sidecars.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Published {
+    scope: String,
+    state: crate::state::BreakerState,
+    half_open_fraction: f64,
+    retry_after_seconds: u64,
+    reason: Option<String>,
+    since_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Board {
+    at_ms: u64,
+    breakers: Vec<Published>,
+}
+
+/// Another sidecar's entry counts while it was written this recently.
+const BOARD_LIVE_MS: u64 = 3_000;
+/// Entries older than this are removed (a sidecar gone for good).
+const BOARD_FORGET_MS: u64 = 60_000;
+
+/// Publishes this sidecar's open and half-open breakers and merges every
+/// other live sidecar's into the state this sidecar serves (under its own
+/// for the same scope), so a breaker opened by the sidecar that watches a
+/// GPU reaches every Envoy through its own sidecar's long poll.
+pub async fn sync_breakers(
+    fleet: Arc<Fleet>,
+    store: StateStore,
+    mut closing: tokio::sync::watch::Receiver<bool>,
+) {
+    let id = format!("{:x}-{:x}", now_ms(), std::process::id());
+    let mut tick = tokio::time::interval(fleet.config.sync_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = closing.changed() => return,
+        }
+        let now = now_ms();
+        let mine: Vec<Published> = store
+            .current()
+            .breakers
+            .iter()
+            .filter(|b| !b.from_fleet)
+            .map(|b| Published {
+                scope: b.scope.clone(),
+                state: b.state,
+                half_open_fraction: b.half_open_fraction,
+                retry_after_seconds: b.retry_after_seconds,
+                reason: b.reason.clone(),
+                since_ms: b
+                    .since
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
+            })
+            .collect();
+        let body = serde_json::to_string(&Board {
+            at_ms: now,
+            breakers: mine,
+        })
+        .unwrap_or_default();
+        let Ok(all) = fleet.swap_breakers(&id, &body).await else {
+            // Redis away: keep the last merged view until the entries would
+            // have gone stale, then serve only this sidecar's own.
+            continue;
+        };
+        let mut merged: Vec<crate::state::Breaker> = Vec::new();
+        let mut gone = Vec::new();
+        for (other, raw) in all {
+            if other == id {
+                continue;
+            }
+            let Ok(board) = serde_json::from_str::<Board>(&raw) else {
+                gone.push(other);
+                continue;
+            };
+            if board.at_ms + BOARD_FORGET_MS < now {
+                gone.push(other);
+            }
+            if board.at_ms + BOARD_LIVE_MS < now {
+                continue;
+            }
+            for b in board.breakers {
+                let view = crate::state::Breaker {
+                    scope: b.scope.clone(),
+                    state: b.state,
+                    half_open_fraction: b.half_open_fraction,
+                    retry_after_seconds: b.retry_after_seconds,
+                    reason: Some(format!(
+                        "fleet: {}",
+                        b.reason.as_deref().unwrap_or("opened by another sidecar")
+                    )),
+                    since: SystemTime::UNIX_EPOCH + Duration::from_millis(b.since_ms),
+                    from_fleet: true,
+                };
+                match merged.iter_mut().find(|m| m.scope == view.scope) {
+                    Some(m) if m.state.gauge() < view.state.gauge() => *m = view,
+                    Some(_) => {}
+                    None => merged.push(view),
+                }
+            }
+        }
+        merged.sort_by(|a, b| a.scope.cmp(&b.scope));
+        store.set_fleet_breakers(SystemTime::now(), merged);
+        fleet.forget_breakers(&gone).await;
+    }
 }
 
 fn now_ms() -> u64 {

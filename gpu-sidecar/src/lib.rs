@@ -184,6 +184,11 @@ pub async fn serve(
             kill_switch.clone(),
             closing_rx.clone(),
         ));
+        tokio::spawn(fleet::sync_breakers(
+            f.clone(),
+            store.clone(),
+            closing_rx.clone(),
+        ));
     }
     let mut app = api::router(api::Api {
         store: store.clone(),

@@ -155,13 +155,14 @@ pub struct Node {
     dir: tempfile::TempDir,
 }
 
-/// A sidecar config file for `redis_url` in `dir`; returns its args.
-fn sidecar_args(dir: &std::path::Path, redis_url: &str) -> Vec<String> {
+/// A sidecar config file for `redis_url` in `dir` (with `extra` YAML
+/// appended); returns its args.
+fn sidecar_args(dir: &std::path::Path, redis_url: &str, extra: &str) -> Vec<String> {
     let config = dir.join("sidecar.yaml");
     fs::write(
         &config,
         format!(
-            "scrape_interval: 200ms\nfleet:\n  redis: {redis_url}\n  timeout: 200ms\n  sync_interval: 50ms\n"
+            "scrape_interval: 100ms\nfleet:\n  redis: {redis_url}\n  timeout: 200ms\n  sync_interval: 50ms\n{extra}"
         ),
     )
     .expect("sidecar config");
@@ -186,11 +187,24 @@ impl Node {
         policy: &Value,
         concurrency: u32,
     ) -> Node {
+        Node::start_with(redis_url, upstream, fallback, policy, concurrency, "")
+    }
+
+    /// Like [`Node::start`], with `sidecar_extra` appended to the sidecar's
+    /// config (rules, breaker …).
+    pub fn start_with(
+        redis_url: &str,
+        upstream: &MockLlm,
+        fallback: Option<&MockLlm>,
+        policy: &Value,
+        concurrency: u32,
+        sidecar_extra: &str,
+    ) -> Node {
         let dir = tempfile::Builder::new()
             .prefix("sluice-fleet-node-")
             .tempdir()
             .expect("temp dir");
-        let args = sidecar_args(dir.path(), redis_url);
+        let args = sidecar_args(dir.path(), redis_url, sidecar_extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let sidecar = Sidecar::start_with_args(&args);
         let mut config = shipped_config_for(upstream);
@@ -218,10 +232,21 @@ impl Node {
     pub fn restart_sidecar(&mut self, redis_url: &str) {
         let addr: SocketAddr = self.sidecar.addr();
         self.sidecar.process().kill();
-        let mut args = sidecar_args(self.dir.path(), redis_url);
+        let mut args = sidecar_args(self.dir.path(), redis_url, "");
         args.extend(["--listen".into(), addr.to_string()]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.sidecar = Sidecar::start_with_args(&args);
+    }
+
+    /// Sets this node's simulated GPU utilization (percent).
+    pub fn simulate(&self, utilization: f64) {
+        let auth = format!("Bearer {TOKEN}");
+        let r = crate::post_json(
+            &self.sidecar.url("/v1/simulate"),
+            &[("authorization", auth.as_str())],
+            &serde_json::json!({"gpus": [{"utilization": utilization}]}),
+        );
+        assert_eq!(r.status, 200, "simulate: {}", r.body);
     }
 
     /// `POST /v1/kill-switch` on this node's sidecar.

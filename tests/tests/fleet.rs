@@ -342,3 +342,44 @@ fn a_kill_switch_pulled_on_one_sidecar_reroutes_every_envoy_within_a_second() {
     assert!(pct(&mut on_ms, 0.99) < 1000.0, "{report}");
     assert!(pct(&mut off_ms, 0.99) < 1000.0, "{report}");
 }
+
+#[test]
+fn a_breaker_opened_by_one_sidecar_reaches_every_envoy() {
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let p = fleet_policy(
+        "tiers: { free: { requests: 1000000/day } }",
+        "fleet: { expected_replicas: 2 }",
+    );
+    // Only sidecar 1 watches "the GPU" with a fast rule.
+    let fast = "rules:\n  - { metric: gpu_utilization, open_at: 90, close_below: 80, open_for: 100ms, close_after: 100ms }\nbreaker: { half_open_fraction: 0.5, half_open_for: 200ms, retry_after: 3s }\n";
+    let watcher = Node::start_with(&redis.url(), &upstream, None, &p, 1, fast);
+    let other = Node::start(&redis.url(), &upstream, None, &p, 1);
+    let url = other.envoy.url("/v1/chat/completions");
+    let status = || one(&url, 4).0;
+    assert_eq!(status(), 200);
+    watcher.simulate(97.0);
+    assert!(
+        wait_for(Duration::from_secs(5), || status() == 503),
+        "the other Envoy never saw the breaker: {}",
+        sluice_tests::get(&other.sidecar.url("/v1/state"), &[]).body
+    );
+    let mut body = chat_body("m");
+    body["max_tokens"] = 4.into();
+    let r = sluice_tests::post_json(&url, &[], &body);
+    assert_eq!(
+        r.header("x-sluice-reason"),
+        Some("gpu_overloaded"),
+        "{}",
+        r.body
+    );
+    watcher.simulate(10.0);
+    assert!(
+        wait_for(Duration::from_secs(10), || status() == 200
+            && sluice_tests::get(&other.sidecar.url("/v1/state"), &[]).json()
+                ["breakers"]
+                .as_array()
+                .is_some_and(|b| b.is_empty())),
+        "the breaker never closed fleet-wide"
+    );
+}
