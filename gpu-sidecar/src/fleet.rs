@@ -814,3 +814,135 @@ async fn stats(
         }),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{Breaker, BreakerState};
+
+    fn breaker(scope: &str, state: BreakerState, from_fleet: bool) -> Breaker {
+        Breaker {
+            scope: scope.into(),
+            state,
+            half_open_fraction: 0.0,
+            retry_after_seconds: 5,
+            reason: None,
+            since: SystemTime::UNIX_EPOCH,
+            from_fleet,
+        }
+    }
+
+    #[test]
+    fn fleet_breakers_merge_under_local_ones_and_survive_local_rounds() {
+        let store = StateStore::new(SystemTime::UNIX_EPOCH);
+        assert!(store.set_fleet_breakers(
+            SystemTime::now(),
+            vec![
+                breaker("backend:a", BreakerState::Open, true),
+                breaker("backend:b", BreakerState::Open, true),
+            ],
+        ));
+        assert_eq!(store.current().breakers.len(), 2);
+        // A monitor round writes the local breakers: the fleet's stay, and
+        // a local one of the same scope wins.
+        store.update(SystemTime::now(), |s| {
+            s.breakers = vec![breaker("backend:a", BreakerState::HalfOpen, false)];
+        });
+        let now = store.current();
+        let scopes: Vec<(&str, BreakerState)> = now
+            .breakers
+            .iter()
+            .map(|b| (b.scope.as_str(), b.state))
+            .collect();
+        assert_eq!(
+            scopes,
+            [
+                ("backend:a", BreakerState::HalfOpen),
+                ("backend:b", BreakerState::Open)
+            ]
+        );
+        let version = now.version;
+        // Nothing new: no new version (no needless long-poll answers).
+        store.set_fleet_breakers(
+            SystemTime::now(),
+            vec![breaker("backend:b", BreakerState::Open, true)],
+        );
+        assert_eq!(store.current().version, version);
+        store.set_fleet_breakers(SystemTime::now(), Vec::new());
+        assert_eq!(store.current().breakers.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn bad_claims_are_refused_before_redis_is_asked() {
+        // Nothing listens there: a request that got as far as Redis would
+        // answer Unavailable, not Invalid.
+        let fleet = Fleet::new(FleetConfig {
+            redis: "redis://127.0.0.1:1".into(),
+            ..FleetConfig::default()
+        })
+        .unwrap();
+        let shape = Shape {
+            capacity: 10,
+            amount: 10,
+            period_ms: 1000,
+            window_end_ms: 0,
+        };
+        let claim = |key: &str, shape: Shape| TakeClaim {
+            key: key.into(),
+            shape,
+            need: 1,
+            want: 1,
+        };
+        let bad = [
+            (claim("sk-raw-api-key", shape), "claims[0].key"),
+            (
+                claim(
+                    "0123456789abcdef",
+                    Shape {
+                        capacity: 0,
+                        ..shape
+                    },
+                ),
+                "claims[0]",
+            ),
+            (
+                claim("0123456789abcdef", Shape { amount: 0, ..shape }),
+                "token bucket",
+            ),
+        ];
+        for (c, why) in bad {
+            let req = TakeRequest {
+                replicas: 1,
+                claims: vec![c],
+            };
+            match fleet.take(&req).await {
+                Err(FleetError::Invalid(m)) => assert!(m.contains(why), "{m}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        let empty = TakeRequest {
+            replicas: 1,
+            claims: Vec::new(),
+        };
+        assert!(matches!(
+            fleet.take(&empty).await,
+            Err(FleetError::Invalid(_))
+        ));
+        let give = GiveRequest {
+            id: "no spaces allowed".into(),
+            items: Vec::new(),
+        };
+        assert!(matches!(
+            fleet.give(&give).await,
+            Err(FleetError::Invalid(_))
+        ));
+        let ok = TakeRequest {
+            replicas: 1,
+            claims: vec![claim("0123456789abcdef", shape)],
+        };
+        assert!(matches!(
+            fleet.take(&ok).await,
+            Err(FleetError::Unavailable(_))
+        ));
+    }
+}
