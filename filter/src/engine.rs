@@ -66,6 +66,9 @@ pub struct Verdict {
     pub degraded: Option<Degraded>,
     /// The rule id of the bucket that refused (`tier/free/requests`).
     pub bucket: Option<String>,
+    /// What an admitted request without a body plan (a GET) took, and its
+    /// meters: the fleet covers those buckets too.
+    pub held: Option<(Vec<Held>, Vec<Meter>)>,
 }
 
 /// One request as the steps after identity see it: passed whole instead
@@ -349,6 +352,7 @@ impl Engine {
             alerts: Vec::new(),
             degraded: None,
             bucket: None,
+            held: None,
         }
     }
 

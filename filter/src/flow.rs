@@ -795,23 +795,22 @@ impl Request {
     /// waiting for the sidecar (pause), or refused fleet-wide.
     fn fleet_gate(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
         let filter = self.filter.clone();
-        let (Some(fleet), Some(plan), None, Some(identity)) = (
+        // A body request's plan, or what a GET took.
+        let held = verdict
+            .plan
+            .as_ref()
+            .map(|p| (&p.held, &p.meters))
+            .or(verdict.held.as_ref().map(|(h, m)| (h, m)));
+        let (Some(fleet), Some((held, meters)), None, Some(identity)) = (
             filter.fleet.as_ref(),
-            verdict.plan.as_ref(),
+            held,
             verdict.reply.as_ref(),
             self.identity.clone(),
         ) else {
             return self.finish(host, verdict);
         };
         let now = self.started_ms;
-        match fleet.admit(
-            &filter.engine,
-            host,
-            &plan.held,
-            &plan.meters,
-            &identity,
-            now,
-        ) {
+        match fleet.admit(&filter.engine, host, held, meters, &identity, now) {
             crate::fleet::Gate::Pass(claims) => {
                 self.fleet_claims = claims;
                 self.finish(host, verdict)
@@ -870,6 +869,9 @@ impl Request {
         let model = verdict.plan.as_ref().and_then(|p| p.model.clone());
         if let Some(plan) = &verdict.plan {
             count_contention(host, engine.release(host, plan, now));
+        }
+        if let Some((held, _)) = &verdict.held {
+            count_contention(host, engine.release_held(host, held, now));
         }
         let refusal = self.identity.as_ref().and_then(|identity| {
             engine.fleet_refusal(rule, quota, identity, model.as_deref(), now)

@@ -38,8 +38,10 @@ use crate::state::StateStore;
 
 /// Longest batch or claim list accepted in one call.
 pub const MAX_ITEMS: usize = 1024;
-/// How long a batch id is remembered (a retry comes much sooner).
-const APPLIED_TTL_MS: u64 = 86_400_000;
+/// How long a batch id is remembered. A batch is sent again only when its
+/// answer was lost, within a second of the sidecar answering again: an
+/// hour is ample, and bounds the ids kept (one per batch).
+const APPLIED_TTL_MS: u64 = 3_600_000;
 /// Keys outlive their window by this much (clock skew between Envoys).
 const KEY_GRACE_MS: u64 = 60_000;
 const PREFIX: &str = "sluice:fleet:";

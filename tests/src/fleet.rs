@@ -131,8 +131,12 @@ impl Redis {
         let keys: Vec<String> = self
             .keys("sluice:fleet:*")
             .into_iter()
+            // Bucket keys end in their window's end; 0 for token buckets.
             .filter(|k| {
-                !k.contains(":applied:") && !k.ends_with(":kill_switch") && !k.ends_with(":0")
+                k.rsplit(':')
+                    .next()
+                    .and_then(|end| end.parse::<u64>().ok())
+                    .is_some_and(|end| end > 0)
             })
             .collect();
         match keys.as_slice() {

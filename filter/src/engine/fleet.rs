@@ -71,6 +71,13 @@ impl Engine {
         effort
     }
 
+    /// Gives back what a request without a plan (a GET) took.
+    pub fn release_held(&self, store: &dyn SharedStore, held: &[Held], now_ms: u64) -> Contention {
+        let mut effort = Contention::default();
+        self.reserver(store).release(held, now_ms, &mut effort);
+        effort
+    }
+
     /// The 429 of bucket `rule_id` when the fleet refused it.
     pub fn fleet_refusal(
         &self,

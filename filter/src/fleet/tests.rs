@@ -398,3 +398,28 @@ fn a_lease_in_use_is_topped_up_ahead_of_need_in_the_background() {
         "served from the topped-up lease"
     );
 }
+
+#[test]
+fn a_request_without_a_body_is_counted_fleet_wide_too() {
+    let host = MockHost::new(T0);
+    let poller = load(&host, policy(json!({"requests": "100/day"}), json!({})));
+    host.begin(&[(":method", "GET"), (":path", "/v1/models")], b"");
+    host.set_prop(&["source", "address"], b"10.0.0.1:1");
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(&host, true), Action::Pause);
+    let (token, body) = last_post(&host);
+    assert_eq!(body["claims"][0]["need"], 1);
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": false, "refused": 0, "left": [0]}),
+    );
+    let replies = host.replies.borrow();
+    assert_eq!(replies[0].status, 429);
+    assert_eq!(
+        replies[0].header("x-sluice-reason"),
+        Some("user_rate_limit")
+    );
+}
