@@ -302,6 +302,8 @@ struct TakeClaim<'a> {
     shape: Shape,
     need: u64,
     want: u64,
+    /// A soft cap never refuses: taken past its limit too.
+    soft: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -397,6 +399,8 @@ enum Kind {
 #[derive(Debug, Clone)]
 struct FleetRule {
     rule: Rule,
+    /// A soft cap: the fleet never refuses it either.
+    soft: bool,
     mode: Unavailable,
     /// The `local_share` stand-in: `limit ÷ expected_replicas`, local.
     share: Rule,
@@ -521,6 +525,7 @@ impl Fleet {
         let replicas = config.expected_replicas.max(1);
         let mut rules = HashMap::new();
         let mut lease_keys = Vec::new();
+        let soft = engine.soft_rules();
         for rule in engine.rules() {
             if config.local.contains(&rule.id) {
                 continue;
@@ -552,6 +557,7 @@ impl Fleet {
             rules.insert(
                 rule.id.clone(),
                 FleetRule {
+                    soft: soft.contains(&rule.id),
                     rule,
                     mode,
                     share,
@@ -728,6 +734,7 @@ impl Fleet {
                     shape: Shape::of(&rule.rule.limit, now),
                     need,
                     want: want.saturating_sub(s.have).max(need),
+                    soft: rule.soft,
                 }
             })
             .collect();
@@ -877,7 +884,13 @@ impl Fleet {
         let mut charges = Vec::new();
         for s in short {
             let rule = &self.rules[&s.rule];
-            let via = match rule.mode {
+            // A soft cap never refuses, the fleet away or not.
+            let mode = if rule.soft {
+                Unavailable::FailOpen
+            } else {
+                rule.mode
+            };
+            let via = match mode {
                 Unavailable::FailOpen => Via::Open,
                 Unavailable::FailClosed => {
                     self.give_back(engine, host, &done, now);
@@ -1255,6 +1268,7 @@ impl Agent {
                     shape: *shape,
                     need: 0,
                     want: *want,
+                    soft: false,
                 })
                 .collect(),
         })

@@ -47,9 +47,10 @@ const KEY_GRACE_MS: u64 = 60_000;
 const PREFIX: &str = "sluice:fleet:";
 
 /// Takes every claim or none. KEYS: one bucket key per claim. ARGV[1]:
-/// replicas; then per claim 6 numbers: capacity, refill amount, refill
+/// replicas; then per claim 7 numbers: capacity, refill amount, refill
 /// period (ms), window end (ms since the epoch; 0 = token bucket), need,
-/// want. Answers `{1, grant…, left…}` or `{0, index, left}`.
+/// want, soft (1: a soft cap, taken even past its limit — it never
+/// refuses, the filter downshifts instead). Answers `{1, grant…, left…}` or `{0, index, left}`.
 const TAKE: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -57,7 +58,7 @@ local replicas = math.max(1, tonumber(ARGV[1]))
 local n = #KEYS
 local levels = {}
 for i = 1, n do
-  local b = 1 + (i - 1) * 6
+  local b = 1 + (i - 1) * 7
   local cap = tonumber(ARGV[b + 1])
   local amount = tonumber(ARGV[b + 2])
   local period = tonumber(ARGV[b + 3])
@@ -75,14 +76,14 @@ for i = 1, n do
     end
   end
   levels[i] = level
-  if level < need then
+  if level < need and tonumber(ARGV[b + 7]) == 0 then
     return {0, i, math.max(0, math.floor(level))}
   end
 end
 local out = {1}
 local left = {}
 for i = 1, n do
-  local b = 1 + (i - 1) * 6
+  local b = 1 + (i - 1) * 7
   local cap = tonumber(ARGV[b + 1])
   local amount = tonumber(ARGV[b + 2])
   local period = tonumber(ARGV[b + 3])
@@ -91,15 +92,15 @@ for i = 1, n do
   local want = tonumber(ARGV[b + 6])
   local share = math.floor(levels[i] / replicas)
   local grant = math.max(need, math.min(want, share))
-  grant = math.min(grant, math.floor(levels[i]))
+  grant = math.max(need, math.min(grant, math.floor(levels[i])))
   if wend > 0 then
     redis.call('INCRBY', KEYS[i], grant)
-    redis.call('PEXPIREAT', KEYS[i], wend + tonumber(ARGV[2 + n * 6]))
+    redis.call('PEXPIREAT', KEYS[i], wend + tonumber(ARGV[2 + n * 7]))
   else
     redis.call('HSET', KEYS[i], 'l', tostring(levels[i] - grant), 't', now)
     local full = 0
     if amount > 0 then full = math.ceil(cap * period / amount) end
-    redis.call('PEXPIRE', KEYS[i], full + tonumber(ARGV[2 + n * 6]))
+    redis.call('PEXPIRE', KEYS[i], full + tonumber(ARGV[2 + n * 7]))
   end
   out[#out + 1] = grant
   left[i] = math.max(0, math.floor(levels[i] - grant))
@@ -191,6 +192,9 @@ pub struct TakeClaim {
     pub shape: Shape,
     pub need: u64,
     pub want: u64,
+    /// A soft cap: taken even past its limit.
+    #[serde(default)]
+    pub soft: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -361,7 +365,8 @@ impl Fleet {
                 .arg(c.shape.period_ms)
                 .arg(c.shape.window_end_ms)
                 .arg(c.need)
-                .arg(c.want.max(c.need));
+                .arg(c.want.max(c.need))
+                .arg(u8::from(c.soft));
         }
         inv.arg(KEY_GRACE_MS);
         let raw: Vec<i64> = self.run(inv).await?;
@@ -894,6 +899,7 @@ mod tests {
             shape,
             need: 1,
             want: 1,
+            soft: false,
         };
         let bad = [
             (claim("sk-raw-api-key", shape), "claims[0].key"),

@@ -5,6 +5,15 @@
 use super::*;
 
 impl Engine {
+    /// Ids of the soft caps (they never refuse).
+    pub fn soft_rules(&self) -> Vec<String> {
+        self.buckets
+            .iter()
+            .filter(|b| b.soft)
+            .map(|b| b.rule.id.clone())
+            .collect()
+    }
+
     /// The meter's units for this usage (requests: 1).
     pub fn units(meter: Meter, input: u64, output: u64, pricing: Pricing) -> u64 {
         meter.amount(input, output, pricing)

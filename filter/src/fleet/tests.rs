@@ -423,3 +423,24 @@ fn a_request_without_a_body_is_counted_fleet_wide_too() {
         Some("user_rate_limit")
     );
 }
+
+#[test]
+fn a_soft_cap_is_taken_past_its_limit_and_never_refused_when_the_fleet_is_away() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(
+            json!({"daily_tokens": {"limit": 1000, "mode": "soft"}}),
+            json!({"on_unavailable": {"budgets": "fail_closed"}}),
+        ),
+    );
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, body) = last_post(&host);
+    assert_eq!(body["claims"][0]["soft"], true);
+    // The fleet is away: fail_closed does not apply to a soft cap.
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), "503".into())];
+    *host.call_response_body.borrow_mut() = vec![];
+    req.on_call_response(&host, token, 0);
+    assert!(host.replies.borrow().is_empty());
+    assert_eq!(host.resumed.get(), 1);
+}
