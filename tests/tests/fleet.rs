@@ -153,8 +153,10 @@ fn a_fleet_daily_budget_never_overshoots_and_settles_what_was_served() {
     assert!(served <= 10_000, "overshoot: served {served} of 10000");
     // Left unserved while the leases are in use: under one reservation
     // per Envoy (they come back after `lease.idle`).
+    // (A reservation is 498 output plus the filter's input estimate for
+    // "hello" with its message overhead: a few tokens more than 500.)
     assert!(
-        served > 10_000 - 3 * 500,
+        served > 10_000 - 3 * 520,
         "stranded too much: served {served}"
     );
     // Leases come back when idle and settlements arrive in batches: what
