@@ -43,39 +43,47 @@ YAML
 envoy_config 1
 envoy_config 2
 
-pids=()
+watched=()
+redis_pid=""
 stop() {
   trap - EXIT INT TERM
   echo
   echo "stopping sluice fleet demo..."
-  kill "${pids[@]}" 2>/dev/null || true
-  wait "${pids[@]}" 2>/dev/null || true
+  redis-cli -p $redis_port shutdown nosave >/dev/null 2>&1 || true
+  kill "${watched[@]}" $redis_pid 2>/dev/null || true
+  wait "${watched[@]}" 2>/dev/null || true
 }
 trap stop EXIT
 trap 'stop; exit 0' INT TERM
 
-redis-server --port $redis_port --bind 127.0.0.1 --save '' --appendonly no \
-  --logfile "$PWD/$logs/redis.log" &
-pids+=($!)
+start_redis() {
+  redis-server --port $redis_port --bind 127.0.0.1 --save '' --appendonly no \
+    --logfile "$PWD/$logs/redis.log" &
+  redis_pid=$!
+}
+start_redis
+# Redis may be stopped on purpose (the outage drill below): the demo ends
+# with the other processes, not with it; stop() ends whichever runs.
+watched=()
 target/release/mock-llm --listen 127.0.0.1:8000 --name primary >"$logs/mock-llm.log" 2>&1 &
-pids+=($!)
+watched+=($!)
 target/release/mock-llm --listen 127.0.0.1:8001 --name fallback >"$logs/mock-llm-fallback.log" 2>&1 &
-pids+=($!)
+watched+=($!)
 export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-demo-admin-token}
 for n in 1 2; do
   target/release/sluice-sidecar serve --listen 127.0.0.1:$((9910 + n)) --simulate \
     --config "$logs/sidecar-$n.yaml" >"$logs/sidecar-$n.log" 2>&1 &
-  pids+=($!)
+  watched+=($!)
   "$envoy_bin" -c "$logs/envoy-$n.yaml" --disable-hot-restart --base-id $((40 + n)) \
     -l info >"$logs/envoy-$n.log" 2>&1 &
-  pids+=($!)
+  watched+=($!)
 done
 
 for admin in 9901 9902; do
   ready=""
   for _ in $(seq 1 150); do
     if curl -s -m 1 "http://127.0.0.1:$admin/ready" 2>/dev/null | grep -q LIVE; then ready=1; break; fi
-    for pid in "${pids[@]}"; do
+    for pid in "${watched[@]}"; do
       kill -0 "$pid" 2>/dev/null || { echo "demo-fleet: a process exited early; see $logs/*.log" >&2; tail -n 20 "$logs"/*.log >&2; exit 1; }
     done
     sleep 0.2
@@ -114,11 +122,15 @@ Try:
     -d '{"model":"llama3.1:8b","messages":[]}' | grep -i -E 'x-sluice|x-mock-name'
 
   # Redis away: leases serve until they expire, then each Envoy enforces
-  # limit / 2 on its own (on_unavailable: local_share); logged once
-  redis-cli -p @REDIS@ shutdown nosave    # (Ctrl-C and `make demo-fleet` again to restore)
+  # limit / 2 on its own (on_unavailable: local_share); logged once per Envoy
+  redis-cli -p @REDIS@ shutdown nosave
   grep -h 'fleet:' target/demo-fleet/envoy-*.log
+  # and back (empty: no persistence here); what was admitted meanwhile is
+  # charged to it once, in batches with ids
+  redis-server --port @REDIS@ --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
+    --logfile "$PWD/target/demo-fleet/redis.log"
 
 Logs: target/demo-fleet/. Press Ctrl-C to stop.
 TXT
-wait -n "${pids[@]}" || true
+wait -n "${watched[@]}" || true
 echo "demo-fleet: a process exited; see $logs/*.log" >&2
