@@ -2,33 +2,43 @@
 //! sidecar beside each Envoy and the Redis behind them. The filter never
 //! talks to Redis: it asks its sidecar (`/v1/fleet/take`, `/v1/fleet/give`).
 //!
-//! Leases. For each fleet bucket in use, this Envoy holds a lease in
-//! shared data: units taken from the global bucket ahead of use. A request
-//! debits the lease with the same compare-and-swap as a local bucket, so
-//! it stays exact across this Envoy's workers, with no network hop. When
-//! the lease cannot cover a request, the request pauses while the sidecar
-//! takes, in one Lua script, exactly what it needs plus a top-up: the
-//! lease's last grant doubled (demand), never more than a fair share of
-//! what is left globally (`left ÷ expected_replicas`). Near the end of a
-//! bucket the fair share falls under the need, so the grant is exactly
-//! the need: the strict path. A caller that finds no lease slot free
-//! (they are a bounded table, like the local per-caller slots) always
-//! takes the strict path.
+//! Leases. For each fleet bucket in use (per caller, or global), this Envoy
+//! holds a lease in shared data: units taken from the global bucket ahead
+//! of use. A request — with a body or not — debits the lease with the same
+//! compare-and-swap as a local bucket (one read, one write), so it stays
+//! exact across this Envoy's workers, with no network hop. The VM that
+//! polls the sidecar tops up, in the background, every lease in use that
+//! is down to a quarter of its last grant. When a lease still cannot cover
+//! a request, the request pauses while the sidecar takes, in one Lua
+//! script for all its buckets, what the lease lacks plus a top-up: the
+//! last grant doubled (demand) or `initial × need` at first, at most
+//! `lease.max` beyond the need, and never more than a fair share of what
+//! is left globally (`left ÷ expected_replicas`). Near the end of a bucket
+//! the fair share falls under the need and the grant is exactly the need:
+//! the strict path. A caller who finds no lease slot free (a bounded table
+//! per bucket, like the local per-caller slots) always takes the strict
+//! path. Soft caps are taken past their limit (they never refuse).
 //!
-//! Bounds. Overshoot of a fleet bucket: 0 — every unit admitted anywhere
-//! was first taken from Redis. Stranding (units leased to one Envoy while
-//! another refuses): at most one lease per Envoy per bucket, each at most
-//! `left ÷ expected_replicas` when granted, given back after `lease.idle`
-//! without use or at `lease.ttl`; so a caller alternating between Envoys
-//! gets at least `limit × (1 − (R−1)/R²)`-ish of its limit before the
-//! leases come back, and all of it once they do.
+//! Bounds. Overshoot of a hard fleet bucket: 0 — every unit admitted
+//! anywhere was first taken from Redis (a settlement that reports more
+//! than was reserved can still charge past it, as locally). Stranding
+//! (units leased to one Envoy while another refuses): one lease per Envoy
+//! per bucket and caller, each granted at most `left ÷ expected_replicas`
+//! (and `lease.max` beyond a need); a lease falls to exact grants as the
+//! bucket empties, gives what it has to the request it cannot cover, and is
+//! given back after `lease.idle` unused or at `lease.ttl`. So while every
+//! Envoy keeps using its lease, what no Envoy can admit is under one
+//! request's need per Envoy (measured: `tests/tests/fleet.rs`); once they
+//! are idle, nothing. An Envoy that dies takes its leases with it until
+//! the bucket refills or its window ends (Redis cannot know how much of
+//! them was used).
 //!
 //! Settlement. Reserve → actual usage goes to the lease first (a lease
 //! still held takes it back or pays it); otherwise into a bounded outbox in
-//! shared data. The VM that polls the sidecar sends the outbox and the
-//! returns of idle or expired leases in batches with an id; the sidecar
-//! records the id with the batch (once), so a batch retried after a lost
-//! answer is never applied twice.
+//! shared data. The polling VM sends the outbox and the returns of idle or
+//! expired leases in batches with an id; the sidecar records the id with
+//! the batch, atomically, so a batch retried after a lost answer is never
+//! applied twice.
 //!
 //! Unavailable (the sidecar or Redis does not answer): leases already held
 //! keep serving until `lease.ttl`; past them each bucket follows
