@@ -86,6 +86,26 @@ check-rules:
 
 test: check-rules
 
+## redis: Debian's redis-server, installed when missing (the fleet tests
+## start their own on an ephemeral port; demo-fleet one on 6390)
+.PHONY: redis demo-fleet
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "redis: installing Debian's redis-server (apt-get install -y redis-server)"; \
+	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q"; \
+	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
+	  $$apt install -y redis-server >/dev/null 2>&1 || \
+	    { $$apt update >/dev/null && $$apt install -y redis-server >/dev/null; }; }
+	@# The package starts a system service on 6379; nothing here uses it.
+	@redis-server --version
+
+test: redis
+
+## demo-fleet: Redis, two Envoys :10000/:10001 (admin :9901/:9902), each with
+## its own sidecar (:9911/:9912), one set of limits; Ctrl-C stops all
+demo-fleet: build redis
+	./scripts/demo-fleet.sh
+
 ## demo: mock-llm :8000, sidecar :9911, Envoy :10000 (admin :9901); Ctrl-C stops all
 demo: build
 	./scripts/demo.sh
@@ -113,6 +133,9 @@ bench: build
 	fi
 	SLUICE_BENCH_COMMAND="make bench$(if $(BENCH_SMOKE), BENCH_SMOKE=1)$(if $(BENCH_ARGS), BENCH_ARGS='$(BENCH_ARGS)')" \
 	  $(PYTHON) bench/run.py $(if $(BENCH_SMOKE),--smoke,--install-litellm --profile) $(BENCH_ARGS)
+	@# The fleet section (issue 11): local vs fleet leases vs strict, Redis on loopback.
+	$(MAKE) --no-print-directory redis
+	$(PYTHON) bench/fleet.py $(if $(BENCH_SMOKE),--smoke)
 
 ## lint: what CI-quality commits pass
 lint:

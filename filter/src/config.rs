@@ -71,6 +71,9 @@ pub struct Policy {
     pub budgets: crate::zone::BudgetsConfig,
     /// The penalty box: callers over a threshold are blocked for a while.
     pub abuse: Option<crate::abuse::AbuseConfig>,
+    /// Limits shared by every Envoy of a fleet (see `fleet`); absent: each
+    /// Envoy counts alone (the embedded default).
+    pub fleet: Option<crate::fleet::FleetConfig>,
 }
 
 /// Consumption across all callers.
@@ -329,7 +332,7 @@ fn default_static_message() -> String {
     "The assistant is temporarily unavailable. Please try again in a few minutes.".into()
 }
 
-fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+pub(crate) fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     let text = String::deserialize(deserializer)?;
     crate::units::parse_duration(&text).map_err(de::Error::custom)
 }
@@ -1017,6 +1020,11 @@ impl Policy {
 
     /// Rules that span fields, which serde cannot see.
     fn check(&self) -> Result<(), ConfigError> {
+        if let Some(fleet) = &self.fleet {
+            fleet
+                .check(self)
+                .map_err(|(path, why)| ConfigError::at(&path, why))?;
+        }
         if !self.tiers.contains_key(&self.default_tier) {
             return Err(ConfigError::at(
                 "default_tier",

@@ -29,6 +29,7 @@ use crate::zone::Zone;
 
 pub mod admit;
 pub mod compile;
+pub mod fleet;
 pub mod rewrite;
 pub mod settle;
 
@@ -69,6 +70,9 @@ pub struct Verdict {
     pub degraded: Option<Degraded>,
     /// The rule id of the bucket that refused (`tier/free/requests`).
     pub bucket: Option<String>,
+    /// What an admitted request without a body plan (a GET) took, and its
+    /// meters: the fleet covers those buckets too.
+    pub held: Option<(Vec<Held>, Vec<Meter>)>,
 }
 
 /// One request as the steps after identity see it: passed whole instead
@@ -357,6 +361,7 @@ impl Engine {
             alerts: Vec::new(),
             degraded: None,
             bucket: None,
+            held: None,
         }
     }
 

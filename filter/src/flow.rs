@@ -79,11 +79,14 @@ pub struct Filter {
     /// Principal → its salted audit hash: a SHA-256 per request saved for
     /// callers seen before. Bounded like the key-hash cache.
     audit_principals: RefCell<HashMap<String, String>>,
+    /// Limits shared with the other Envoys (the policy's `fleet`).
+    pub fleet: Option<crate::fleet::Fleet>,
 }
 
 impl Filter {
     pub fn new(engine: Engine) -> Filter {
         Filter {
+            fleet: crate::fleet::Fleet::new(&engine),
             engine,
             seen: RefCell::new((0, Rc::new(Seen::default()))),
             dice: Cell::new(0),
@@ -161,6 +164,8 @@ pub struct Poller {
     retry_at_ms: u64,
     /// The last poll failed (logged once per outage).
     sidecar_failing: bool,
+    /// Lease returns and settlement batches to the sidecar.
+    fleet: crate::fleet::Agent,
 }
 
 impl Poller {
@@ -202,6 +207,21 @@ impl Poller {
                 return false;
             }
         }
+        if let Some(fleet) = &filter.fleet {
+            match fleet.prepare(engine, host) {
+                Ok(n) => host.log(
+                    LogLevel::Info,
+                    &format!("fleet: {n} new shared-data keys for leases"),
+                ),
+                Err(err) => {
+                    host.log(
+                        LogLevel::Error,
+                        &format!("fleet: cannot create shared-data keys: {err}"),
+                    );
+                    return false;
+                }
+            }
+        }
         if engine.policy.sidecar.is_some() {
             // Distinct per VM: VMs start at different nanoseconds.
             let ns = host.now_ns();
@@ -222,7 +242,15 @@ impl Poller {
         let now = host.now_ms();
         // The lease is renewed on every tick, also while a long poll is in
         // flight: else another VM would take it mid-poll.
-        if !self.hold_lease(host, now) || self.poll.is_some() || now < self.retry_at_ms {
+        if !self.hold_lease(host, now) {
+            return;
+        }
+        if let Some(filter) = self.filter.clone() {
+            if let Some(fleet) = &filter.fleet {
+                self.fleet.tick(fleet, &filter.engine, host, self.id, now);
+            }
+        }
+        if self.poll.is_some() || now < self.retry_at_ms {
             return;
         }
         self.dispatch_poll(host, now);
@@ -285,6 +313,16 @@ impl Poller {
 
     /// The sidecar's answer: stored for every worker, then the next poll.
     pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        if self.fleet.owns(token) {
+            if let Some(filter) = self.filter.clone() {
+                if let Some(fleet) = &filter.fleet {
+                    let now = host.now_ms();
+                    self.fleet
+                        .on_answer(fleet, &filter.engine, host, token, body_size, now);
+                }
+            }
+            return;
+        }
         if self.poll != Some(token) {
             return;
         }
@@ -370,6 +408,10 @@ pub struct Request {
     labels: Option<(String, String)>,
     /// SHA-256 of the response body, when the audit asks for it.
     response_hash: Option<sha2::Sha256>,
+    /// Paused for the fleet: the sidecar's answer decides this verdict.
+    fleet_wait: Option<(crate::fleet::Pending, Verdict)>,
+    /// What the fleet buckets hold for this request, until settled.
+    fleet_claims: Vec<crate::fleet::Claimed>,
 }
 
 impl Request {
@@ -393,6 +435,8 @@ impl Request {
             first_byte: false,
             labels: None,
             response_hash: None,
+            fleet_wait: None,
+            fleet_claims: Vec::new(),
         }
     }
 
@@ -769,7 +813,98 @@ impl Request {
             host.replace_request_body(body.len(), &new_body);
             host.set_request_header("content-length", Some(&new_body.len().to_string()));
         }
-        self.finish(host, verdict)
+        self.fleet_gate(host, verdict)
+    }
+
+    /// An admitted request's fleet buckets: covered by the leases (go on),
+    /// waiting for the sidecar (pause), or refused fleet-wide.
+    fn fleet_gate(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
+        let filter = self.filter.clone();
+        // A body request's plan, or what a GET took.
+        let held = verdict
+            .plan
+            .as_ref()
+            .map(|p| (&p.held, &p.meters))
+            .or(verdict.held.as_ref().map(|(h, m)| (h, m)));
+        let (Some(fleet), Some((held, meters)), None, Some(identity)) = (
+            filter.fleet.as_ref(),
+            held,
+            verdict.reply.as_ref(),
+            self.identity.clone(),
+        ) else {
+            return self.finish(host, verdict);
+        };
+        let now = self.started_ms;
+        match fleet.admit(&filter.engine, host, held, meters, &identity, now) {
+            crate::fleet::Gate::Pass(claims) => {
+                self.fleet_claims = claims;
+                self.finish(host, verdict)
+            }
+            crate::fleet::Gate::Wait(pending) => {
+                self.fleet_wait = Some((pending, verdict));
+                Action::Pause
+            }
+            crate::fleet::Gate::Refuse { rule, quota } => {
+                self.fleet_refuse(host, verdict, &rule, quota)
+            }
+        }
+    }
+
+    /// The sidecar's answer to a request paused for the fleet.
+    pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        let Some((pending, verdict)) = self.fleet_wait.take_if(|(p, _)| p.token == token) else {
+            return;
+        };
+        let filter = self.filter.clone();
+        let (Some(fleet), Some(identity)) = (filter.fleet.as_ref(), self.identity.clone()) else {
+            return;
+        };
+        let now = host.now_ms();
+        match fleet.answer(&filter.engine, host, pending, body_size, &identity, now) {
+            crate::fleet::Gate::Refuse { rule, quota } => {
+                self.fleet_refuse(host, verdict, &rule, quota);
+            }
+            crate::fleet::Gate::Pass(claims) => {
+                self.fleet_claims = claims;
+                if self.finish(host, verdict) == Action::Continue {
+                    host.resume_request();
+                }
+            }
+            // `answer` never waits again; should it, the request goes on
+            // covered locally rather than hang.
+            crate::fleet::Gate::Wait(_) => {
+                if self.finish(host, verdict) == Action::Continue {
+                    host.resume_request();
+                }
+            }
+        }
+    }
+
+    /// Refused fleet-wide: what the request took locally is given back and
+    /// the bucket answers 429.
+    fn fleet_refuse(
+        &mut self,
+        host: &dyn Host,
+        verdict: Verdict,
+        rule: &str,
+        quota: crate::bucket::Quota,
+    ) -> Action {
+        let engine = &self.filter.engine;
+        let now = host.now_ms();
+        let model = verdict.plan.as_ref().and_then(|p| p.model.clone());
+        if let Some(plan) = &verdict.plan {
+            count_contention(host, engine.release(host, plan, now));
+        }
+        if let Some((held, _)) = &verdict.held {
+            count_contention(host, engine.release_held(host, held, now));
+        }
+        let refusal = self.identity.as_ref().and_then(|identity| {
+            engine.fleet_refusal(rule, quota, identity, model.as_deref(), now)
+        });
+        match refusal {
+            Some(r) => self.finish(host, r),
+            None => self.finish(host, verdict),
+        }
     }
 
     /// Kill switch: the request goes to the fallback route (header + route
@@ -837,6 +972,7 @@ impl Request {
 
     /// Replaces the reservation with the real cost; runs once per request.
     fn settle(&mut self, host: &dyn Host) {
+        let claims = std::mem::take(&mut self.fleet_claims);
         let Some(plan) = self.plan.take() else { return };
         let (found, counted, cut) = match &self.meter {
             Some(m) => (m.found, m.output_events, m.cut),
@@ -850,6 +986,15 @@ impl Request {
                 .settle(host, &plan, found, counted, upstream_ok, now);
         add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
         count_contention(host, effort);
+        if let Some(fleet) = &self.filter.fleet {
+            let engine = &self.filter.engine;
+            let used = crate::fleet::Used {
+                input: settled.input,
+                output: settled.output,
+                pricing: plan.pricing,
+            };
+            fleet.settle(engine, host, &claims, used, now);
+        }
         if settled.charges_unwritten > 0 {
             // Counted in `sluice_cas_exhausted_total` too; said here so
             // an under-charge is never silent.

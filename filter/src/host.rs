@@ -91,6 +91,17 @@ pub trait Host: SharedStore {
         headers: &[(&str, &str)],
         timeout_ms: u64,
     ) -> Result<u32, String>;
+    /// Starts a callout with a body (the fleet's POSTs to the sidecar);
+    /// from an HTTP context its answer comes to that context.
+    fn dispatch_post(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u32, String>;
+    /// Lets a request the filter paused go on (after a callout answer).
+    fn resume_request(&self);
     /// A header of the callout answer being delivered.
     fn call_response_header(&self, name: &str) -> Option<String>;
     fn call_response_body(&self, size: usize) -> Vec<u8>;

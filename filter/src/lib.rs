@@ -17,6 +17,7 @@ pub mod codec;
 pub mod config;
 pub mod engine;
 pub mod estimate;
+pub mod fleet;
 pub mod flow;
 pub mod health;
 pub mod host;

@@ -76,6 +76,7 @@ pub const GAUGES: &[&str] = &[
     KILL_SWITCH,
     BREAKERS_OPEN,
     GLOBAL_BREAKER,
+    crate::fleet::M_DEGRADED,
 ];
 /// Settled cost, micro-currency.
 pub const SPEND_MICROS: &str = "sluice_spend_micros_total";
@@ -141,6 +142,13 @@ pub const FIXED: &[&str] = &[
     CONFIG_REJECTED,
     ABUSE_BLOCKS,
     ABUSE_UNTRACKED,
+    // The fleet's (`crate::fleet`), also without one: the alerts read them.
+    crate::fleet::M_TAKES,
+    crate::fleet::M_REFUSED,
+    crate::fleet::M_UNAVAILABLE,
+    crate::fleet::M_DEGRADED,
+    crate::fleet::M_OUTBOX_DROPPED,
+    crate::fleet::M_BATCHES,
 ];
 
 #[cfg(test)]

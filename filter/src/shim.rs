@@ -205,6 +205,22 @@ impl Host for WasmHost {
             .map_err(|status| format!("{status:?}"))
     }
 
+    fn dispatch_post(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u32, String> {
+        let timeout = Duration::from_millis(timeout_ms);
+        hostcalls::dispatch_http_call(cluster, headers.to_vec(), Some(body), vec![], timeout)
+            .map_err(|status| format!("{status:?}"))
+    }
+
+    fn resume_request(&self) {
+        let _ = hostcalls::resume_http_request();
+    }
+
     fn call_response_header(&self, name: &str) -> Option<String> {
         header_text(MapType::HttpCallResponseHeaders, name)
     }
@@ -260,7 +276,11 @@ struct Http {
     host: WasmHost,
 }
 
-impl Context for Http {}
+impl Context for Http {
+    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
+        self.request.on_call_response(&self.host, token, body_size);
+    }
+}
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {

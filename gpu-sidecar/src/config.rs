@@ -57,6 +57,8 @@ pub struct Config {
     pub history: crate::history::HistoryConfig,
     /// Envoy's admin, read for requests per tier (see [`crate::traffic`]).
     pub envoy_admin: Option<crate::traffic::EnvoyAdminConfig>,
+    /// Redis, for the fleet (see `fleet`); none: this sidecar is no fleet agent.
+    pub fleet: Option<crate::fleet::FleetConfig>,
 }
 
 impl Default for Config {
@@ -75,6 +77,7 @@ impl Default for Config {
             alerts: AlertsConfig::default(),
             history: Default::default(),
             envoy_admin: None,
+            fleet: None,
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod api;
 pub mod breaker;
 pub mod check_config;
 pub mod config;
+pub mod fleet;
 pub mod history;
 pub mod http;
 pub mod memory;
@@ -188,21 +189,42 @@ pub async fn serve(
         telemetry.clone(),
         closing_rx.clone(),
     ));
-    let app = api::router(api::Api {
+    let kill_switch = Arc::new(KillSwitchControl::new(
+        store.clone(),
+        config.state_file.clone(),
+        Some(alerts),
+    ));
+    let fleet = match &config.fleet {
+        Some(f) => Some(fleet::Fleet::new(f.clone())?),
+        None => None,
+    };
+    if let Some(f) = &fleet {
+        tokio::spawn(fleet::sync_kill_switch(
+            f.clone(),
+            store.clone(),
+            kill_switch.clone(),
+            closing_rx.clone(),
+        ));
+        tokio::spawn(fleet::sync_breakers(
+            f.clone(),
+            store.clone(),
+            closing_rx.clone(),
+        ));
+    }
+    let mut app = api::router(api::Api {
         store: store.clone(),
         closing: closing_rx,
         telemetry,
         token: opts.token.clone(),
         allow_remote: config.admin.allow_remote,
-        kill_switch: Arc::new(KillSwitchControl::new(
-            store,
-            config.state_file.clone(),
-            Some(alerts),
-        )),
+        kill_switch,
         sim,
         long_poll: config.long_poll,
         history,
     });
+    if let Some(f) = fleet {
+        app = app.merge(fleet::router(f));
+    }
     let served = axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

@@ -215,6 +215,7 @@ impl Monitor {
                 retry_after_seconds: policy.retry_after.as_secs().max(1),
                 reason: v.reason.clone(),
                 since: v.since,
+                from_fleet: false,
             })
             .collect();
         let stale = views.iter().any(|v| v.stale);

@@ -54,6 +54,9 @@ pub struct Breaker {
     /// When it entered this state.
     #[serde(serialize_with = "rfc3339")]
     pub since: SystemTime,
+    /// Opened by another sidecar of the fleet (see `fleet`), not here.
+    #[serde(skip)]
+    pub from_fleet: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,6 +134,9 @@ impl SidecarState {
 #[derive(Debug, Clone)]
 pub struct StateStore {
     tx: Arc<watch::Sender<Arc<SidecarState>>>,
+    /// Breakers other sidecars of the fleet hold open: merged into every
+    /// update, under the local ones of the same scope.
+    fleet_breakers: Arc<std::sync::Mutex<Vec<Breaker>>>,
 }
 
 impl StateStore {
@@ -142,7 +148,10 @@ impl StateStore {
     /// state file, and a first version no earlier run can have reached).
     pub fn starting(state: SidecarState) -> Self {
         let (tx, _) = watch::channel(Arc::new(state));
-        StateStore { tx: Arc::new(tx) }
+        StateStore {
+            tx: Arc::new(tx),
+            fleet_breakers: Arc::default(),
+        }
     }
 
     /// The state as of now.
@@ -156,6 +165,14 @@ impl StateStore {
         self.tx.send_if_modified(|state| {
             let mut next = SidecarState::clone(state);
             change(&mut next);
+            next.breakers.retain(|b| !b.from_fleet);
+            if let Ok(fleet) = self.fleet_breakers.lock() {
+                for b in fleet.iter() {
+                    if !next.breakers.iter().any(|l| l.scope == b.scope) {
+                        next.breakers.push(b.clone());
+                    }
+                }
+            }
             if next.same_content(state) {
                 return false;
             }
@@ -169,6 +186,14 @@ impl StateStore {
     /// The long poll: the current state at once if its version is not
     /// `since`; otherwise the next state, or the current one when `wait`
     /// passes without a change.
+    /// The fleet's breakers (from other sidecars) are now `breakers`.
+    pub fn set_fleet_breakers(&self, now: SystemTime, breakers: Vec<Breaker>) -> bool {
+        if let Ok(mut fleet) = self.fleet_breakers.lock() {
+            *fleet = breakers;
+        }
+        self.update(now, |_| {})
+    }
+
     pub async fn next_after(&self, since: u64, wait: Duration) -> Arc<SidecarState> {
         let mut rx = self.tx.subscribe();
         let current = rx.borrow_and_update().clone();

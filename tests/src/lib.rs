@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use serde_yaml::Value;
 
+pub mod fleet;
 pub mod org;
 
 /// How long a process may take to come up, and a reload to be applied.

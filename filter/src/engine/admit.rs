@@ -121,6 +121,9 @@ impl Engine {
             }
             None => (None, false),
         };
+        let held = asked
+            .is_none()
+            .then(|| (reservation.held.clone(), meters.clone()));
         let plan = asked.map(|a| Plan {
             held: reservation.held,
             meters,
@@ -144,6 +147,7 @@ impl Engine {
             alerts,
             degraded,
             bucket: None,
+            held,
         }
     }
 
@@ -209,6 +213,7 @@ impl Engine {
                     alerts: Vec::new(),
                     degraded: None,
                     bucket: Some(bucket.rule.id.clone()),
+                    held: None,
                 };
             }
             Refusal::Full { index, shortfall } => {
@@ -258,6 +263,7 @@ impl Engine {
             alerts: Vec::new(),
             degraded: None,
             bucket: Some(bucket.rule.id.clone()),
+            held: None,
         }
     }
 

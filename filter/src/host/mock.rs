@@ -63,6 +63,10 @@ pub struct MockHost {
     pub dispatch_error: RefCell<Option<String>>,
     pub call_response_headers: RefCell<Vec<(String, String)>>,
     pub call_response_body: RefCell<Vec<u8>>,
+    /// Bodies of the callouts dispatched with one, by token.
+    pub posted: RefCell<Vec<(u32, Vec<u8>)>>,
+    /// How often a paused request was resumed.
+    pub resumed: Cell<u32>,
     /// The next this many shared-data writes lose to a phantom writer
     /// (`CasMismatch`): a contention storm on demand.
     pub lose_writes: Cell<u32>,
@@ -298,6 +302,22 @@ impl Host for MockHost {
             timeout_ms,
         });
         Ok(token)
+    }
+
+    fn dispatch_post(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u32, String> {
+        let token = self.dispatch_call(cluster, headers, timeout_ms)?;
+        self.posted.borrow_mut().push((token, body.to_vec()));
+        Ok(token)
+    }
+
+    fn resume_request(&self) {
+        self.resumed.set(self.resumed.get() + 1);
     }
 
     fn call_response_header(&self, name: &str) -> Option<String> {

@@ -1,0 +1,118 @@
+//! What the fleet (`crate::fleet`) needs from the engine, kept in one
+//! place: the buckets' limits and kinds, a local reservation on the
+//! `local_share` stand-ins, and the 429 of a bucket refused fleet-wide.
+
+use super::*;
+
+impl Engine {
+    /// Ids of the soft caps (they never refuse).
+    pub fn soft_rules(&self) -> Vec<String> {
+        self.buckets
+            .iter()
+            .filter(|b| b.soft)
+            .map(|b| b.rule.id.clone())
+            .collect()
+    }
+
+    /// The meter's units for this usage (requests: 1).
+    pub fn units(meter: Meter, input: u64, output: u64, pricing: Pricing) -> u64 {
+        meter.amount(input, output, pricing)
+    }
+
+    /// Creates the shared-data keys of extra rules (the `local_share`
+    /// stand-ins), with this policy's per-caller layout.
+    pub fn prepare_rules(
+        &self,
+        store: &dyn SharedStore,
+        rules: &[Rule],
+    ) -> Result<usize, StoreError> {
+        let rules: Vec<(Rule, Vec<String>)> =
+            rules.iter().map(|r| (r.clone(), Vec::new())).collect();
+        prepare(store, &rules, &self.layout())
+    }
+
+    /// Takes `amount` from each rule locally, all or nothing; on refusal
+    /// the index of the rule that refused.
+    pub fn reserve_rules(
+        &self,
+        store: &dyn SharedStore,
+        claims: &[(&Rule, u64)],
+        identity: &Identity,
+        now_ms: u64,
+        effort: &mut Contention,
+    ) -> Result<Vec<Held>, (usize, Quota)> {
+        let claims: Vec<Claim> = claims
+            .iter()
+            .map(|(rule, amount)| Claim::hard(rule, *amount))
+            .collect();
+        match self
+            .reserver(store)
+            .reserve(&claims, admit::caller(identity), now_ms, effort)
+        {
+            Ok(r) => Ok(r.held),
+            Err(Refusal::Full { index, shortfall }) => Err((index, shortfall.quota)),
+            // No slot, lost every race, or the host refused: refused by
+            // that rule, briefly (never let through unchecked).
+            Err(Refusal::NoSlot { index, .. })
+            | Err(Refusal::Contended { index })
+            | Err(Refusal::Host { index, .. }) => Err((
+                index,
+                Quota {
+                    limit: claims.get(index).map_or(0, |c| c.rule.limit.capacity()),
+                    remaining: 0,
+                    reset_ms: 1_000,
+                },
+            )),
+        }
+    }
+
+    /// Settles a local hold (a `local_share` stand-in) to what was used.
+    pub fn settle_held(
+        &self,
+        store: &dyn SharedStore,
+        held: &Held,
+        actual: u64,
+        now_ms: u64,
+    ) -> Contention {
+        let mut effort = Contention::default();
+        self.reserver(store)
+            .settle(held, actual, now_ms, &mut effort);
+        effort
+    }
+
+    /// Gives back what a request without a plan (a GET) took.
+    pub fn release_held(&self, store: &dyn SharedStore, held: &[Held], now_ms: u64) -> Contention {
+        let mut effort = Contention::default();
+        self.reserver(store).release(held, now_ms, &mut effort);
+        effort
+    }
+
+    /// The 429 of bucket `rule_id` when the fleet refused it.
+    pub fn fleet_refusal(
+        &self,
+        rule_id: &str,
+        quota: Quota,
+        identity: &Identity,
+        model: Option<&str>,
+        now_ms: u64,
+    ) -> Option<Verdict> {
+        let bucket = self.buckets.iter().find(|b| b.rule.id == rule_id)?;
+        let limit_text = bucket.rule.limit.describe();
+        let retry_after_ms = quota.reset_ms.clamp(1_000, 86_400_000);
+        let reply = answer::limited(
+            &Limited {
+                reason: bucket.reason,
+                quota,
+                retry_after_ms,
+                tier: &identity.tier,
+                bucket: &bucket.name,
+                rule: &bucket.rule.id,
+                limit_text: &limit_text,
+            },
+            now_ms,
+        );
+        let mut verdict = self.refused(reply, bucket.reason, &identity.tier, model);
+        verdict.bucket = Some(bucket.rule.id.clone());
+        Some(verdict)
+    }
+}

@@ -1,0 +1,446 @@
+//! The lease logic natively, through the whole request path on the mock
+//! host; the sidecar's answers are written by hand.
+
+use serde_json::{json, Value};
+
+use super::*;
+use crate::flow::{Poller, Request};
+use crate::host::mock::MockHost;
+use crate::host::Action;
+use crate::store::SharedStore;
+
+const T0: u64 = 1_700_000_000_000;
+
+fn policy(tiers: Value, fleet: Value) -> Value {
+    json!({
+        "default_tier": "t",
+        "identity": {"sources": ["client_address"]},
+        "tiers": {"t": tiers},
+        "sidecar": {"cluster": "sc"},
+        "fleet": fleet,
+    })
+}
+
+fn load(host: &MockHost, policy: Value) -> Poller {
+    let mut poller = Poller::new();
+    assert!(
+        poller.configure(host, policy.to_string().as_bytes()),
+        "{:?}",
+        host.logs.borrow()
+    );
+    poller
+}
+
+fn post(poller: &Poller, host: &MockHost, addr: &str, max_tokens: u64) -> (Request, Action) {
+    let body = json!({"model": "m", "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hello"}]})
+    .to_string();
+    let len = body.len().to_string();
+    host.begin(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+        ],
+        body.as_bytes(),
+    );
+    host.set_prop(&["source", "address"], addr.as_bytes());
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(host, false), Action::Pause);
+    let action = req.on_request_body(host, body.len(), true);
+    (req, action)
+}
+
+/// The last POST the filter sent, as JSON.
+fn last_post(host: &MockHost) -> (u32, Value) {
+    let posted = host.posted.borrow();
+    let (token, body) = posted.last().expect("a POST to the sidecar");
+    (*token, serde_json::from_slice(body).unwrap())
+}
+
+/// The sidecar answers callout `token` with `status` and `body`.
+fn sidecar_says(host: &MockHost, req: &mut Request, token: u32, status: &str, body: Value) {
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), status.into())];
+    let bytes = body.to_string().into_bytes();
+    let len = bytes.len();
+    *host.call_response_body.borrow_mut() = bytes;
+    req.on_call_response(host, token, len);
+}
+
+fn lease(host: &MockHost, key: &str) -> Lease {
+    Lease::decode(&host.get(key).unwrap().0)
+}
+
+fn lease_of_requests(host: &MockHost) -> Lease {
+    // One caller: its lease is in one of its probed slots.
+    (0..64)
+        .map(|s| lease(host, &slot_key("tier/t/requests", s)))
+        .find(|l| l.owner != 0)
+        .unwrap_or_default()
+}
+
+fn outbox(host: &MockHost) -> Vec<GiveItem> {
+    serde_json::from_slice(&host.get(OUTBOX_KEY).unwrap().0).unwrap_or_default()
+}
+
+#[test]
+fn a_lease_is_taken_once_then_debited_locally_across_workers() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(
+            json!({"requests": "100/day"}),
+            json!({"expected_replicas": 2}),
+        ),
+    );
+    let (mut req, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Pause, "waits for the sidecar");
+    let (token, body) = last_post(&host);
+    let claim = &body["claims"][0];
+    assert_eq!(claim["need"], 1);
+    assert_eq!(claim["want"], 5, "1 + initial 4");
+    assert_eq!(body["replicas"], 2);
+    assert_eq!(
+        claim["key"].as_str().unwrap().len(),
+        32,
+        "a hash, never the caller"
+    );
+    assert!(!body.to_string().contains("10.0.0.1"));
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": true, "grants": [5], "left": [95]}),
+    );
+    assert_eq!(host.resumed.get(), 1);
+    assert!(host.replies.borrow().is_empty());
+    assert_eq!(lease_of_requests(&host).balance, 4);
+    // Another worker (same shared data) serves the next 4 from the lease,
+    // with no call.
+    let worker = MockHost::sharing(host.store.clone(), T0 + 10);
+    let calls = host.posted.borrow().len();
+    for _ in 0..4 {
+        let (_, action) = post(&poller, &worker, "10.0.0.1:1", 4);
+        assert_eq!(action, Action::Continue);
+    }
+    assert!(worker.posted.borrow().is_empty());
+    assert_eq!(host.posted.borrow().len(), calls);
+    assert_eq!(lease_of_requests(&host).balance, 0);
+    // Empty: the next one asks again, for a doubled lease.
+    let (_, action) = post(&poller, &worker, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Pause);
+    let (_, body) = last_post(&worker);
+    assert_eq!(body["claims"][0]["want"], 11, "1 + 2 x the last grant");
+}
+
+#[test]
+fn a_fleet_refusal_is_the_buckets_429_and_gives_back_what_was_taken() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(
+            json!({"requests": "100/day", "daily_tokens": 1000}),
+            json!({}),
+        ),
+    );
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, body) = last_post(&host);
+    assert_eq!(
+        body["claims"].as_array().unwrap().len(),
+        2,
+        "both buckets in one call"
+    );
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": false, "refused": 1, "left": [3]}),
+    );
+    let replies = host.replies.borrow();
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 429);
+    assert_eq!(
+        replies[0].header("x-sluice-reason"),
+        Some("daily_budget_exceeded")
+    );
+    assert_eq!(host.resumed.get(), 0, "never goes upstream");
+}
+
+#[test]
+fn settlement_goes_to_the_lease_then_unused_leases_go_back_in_batches_applied_once() {
+    let host = MockHost::new(T0);
+    let mut poller = load(
+        &host,
+        policy(
+            json!({"daily_tokens": 100000}),
+            json!({"lease": {"idle": "1s"}}),
+        ),
+    );
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 98);
+    let (token, body) = last_post(&host);
+    let need = body["claims"][0]["need"].as_u64().unwrap();
+    assert!(need > 98, "the input estimate + 98 output: {need}");
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": true, "grants": [500], "left": [99500]}),
+    );
+    let key = (0..64)
+        .map(|s| slot_key("tier/t/daily_tokens", s))
+        .find(|k| lease(&host, k).owner != 0)
+        .unwrap();
+    assert_eq!(lease(&host, &key).balance, 500 - need as i64);
+    // The upstream used 2 + 10: the rest comes back to the lease.
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    assert_eq!(req.on_response_headers(&host), Action::Continue);
+    let answer = json!({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 10, "total_tokens": 12}}).to_string();
+    *host.response_body.borrow_mut() = answer.as_bytes().to_vec();
+    req.on_response_body(&host, answer.len(), true);
+    req.on_log(&host);
+    assert_eq!(lease(&host, &key).balance, 488);
+    // Idle: the poller VM gives the lease back in a batch with an id.
+    host.clock_ms.set(T0 + 5_000);
+    poller.tick(&host);
+    assert_eq!(lease(&host, &key).owner, 0, "freed");
+    let (token, batch) = last_post(&host);
+    assert_eq!(batch["items"][0]["delta"], 488);
+    let id = batch["id"].as_str().unwrap().to_string();
+    // Its answer lost: sent again with the same id (the sidecar applies
+    // an id once).
+    *host.call_response_headers.borrow_mut() = vec![];
+    *host.call_response_body.borrow_mut() = vec![];
+    poller.on_call_response(&host, token, 0);
+    host.clock_ms.set(T0 + 6_000);
+    poller.tick(&host);
+    let (token, again) = last_post(&host);
+    assert_eq!(again["id"], id.as_str());
+    assert_eq!(again["items"], batch["items"]);
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), "200".into())];
+    poller.on_call_response(&host, token, 0);
+    host.clock_ms.set(T0 + 7_000);
+    let before = host.posted.borrow().len();
+    poller.tick(&host);
+    assert_eq!(host.posted.borrow().len(), before, "nothing left to send");
+    assert!(outbox(&host).is_empty());
+}
+
+fn outage(mode: &str) -> (MockHost, Poller) {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(
+            json!({"requests": "10/day"}),
+            json!({"expected_replicas": 2, "on_unavailable": {"requests": mode}}),
+        ),
+    );
+    (host, poller)
+}
+
+/// One request while the sidecar's cluster fails every call.
+fn during_outage(host: &MockHost, poller: &Poller) -> Option<u32> {
+    let (mut req, action) = post(poller, host, "10.0.0.1:1", 4);
+    if action == Action::Pause && host.replies.borrow().is_empty() {
+        let (token, _) = last_post(host);
+        *host.call_response_headers.borrow_mut() = vec![(":status".into(), "503".into())];
+        *host.call_response_body.borrow_mut() =
+            br#"{"error":{"code":"fleet_unavailable"}}"#.to_vec();
+        req.on_call_response(host, token, 38);
+    }
+    host.replies.borrow_mut().pop().map(|r| r.status)
+}
+
+#[test]
+fn unavailable_fail_closed_refuses_fail_open_admits_and_both_are_logged_once() {
+    let (host, poller) = outage("fail_closed");
+    for _ in 0..3 {
+        assert_eq!(during_outage(&host, &poller), Some(429));
+    }
+    let said = host
+        .logs
+        .borrow()
+        .iter()
+        .filter(|(_, m)| m.contains("does not answer"))
+        .count();
+    assert_eq!(said, 1, "logged once");
+    assert_eq!(host.metrics.borrow()[M_UNAVAILABLE].1, 1);
+
+    let (host, poller) = outage("fail_open");
+    for _ in 0..3 {
+        assert_eq!(during_outage(&host, &poller), None, "admitted");
+    }
+    let charged: i64 = outbox(&host).iter().map(|i| i.delta).sum();
+    assert_eq!(charged, -3, "charged to Redis when it answers again");
+}
+
+#[test]
+fn unavailable_local_share_is_the_limit_over_the_replicas_exactly() {
+    let (host, poller) = outage("local_share");
+    let admitted = (0..8)
+        .filter(|_| during_outage(&host, &poller).is_none())
+        .count();
+    assert_eq!(admitted, 5, "10/day over 2 replicas");
+}
+
+#[test]
+fn the_fleet_section_is_checked_with_field_paths() {
+    let bad = [
+        (json!({"expected_replicas": 0}), "fleet.expected_replicas"),
+        (json!({"local": ["tier/nope/requests"]}), "fleet.local[0]"),
+        (json!({"lease": {"slots": 0}}), "fleet.lease.slots"),
+        (
+            json!({"on_unavailable": {"requests": "maybe"}}),
+            "fleet.on_unavailable.requests",
+        ),
+        (json!({"surprise": 1}), "fleet"),
+    ];
+    for (fleet, path) in bad {
+        let p = policy(json!({"requests": "10/min"}), fleet.clone());
+        let err = crate::config::Policy::from_value(p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(path), "{fleet}: {err}");
+    }
+    let mut no_sidecar = policy(json!({"requests": "10/min"}), json!({}));
+    no_sidecar.as_object_mut().unwrap().remove("sidecar");
+    let err = crate::config::Policy::from_value(no_sidecar)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fleet"), "{err}");
+    let ok = policy(
+        json!({"requests": "10/min"}),
+        json!({"local": ["tier/t/requests"]}),
+    );
+    assert!(crate::config::Policy::from_value(ok).is_ok());
+}
+
+#[test]
+fn a_local_bucket_never_calls_the_sidecar() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(
+            json!({"requests": "10/day"}),
+            json!({"local": ["tier/t/requests"]}),
+        ),
+    );
+    let (_, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Continue);
+    assert!(host.posted.borrow().is_empty());
+}
+
+#[test]
+fn lease_max_zero_makes_every_take_exact() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(json!({"requests": "100/day"}), json!({"lease": {"max": 0}})),
+    );
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, body) = last_post(&host);
+    assert_eq!(body["claims"][0]["want"], 1);
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": true, "grants": [1], "left": [99]}),
+    );
+    let (_, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(
+        action,
+        Action::Pause,
+        "nothing held: the next one asks again"
+    );
+}
+
+#[test]
+fn a_lease_in_use_is_topped_up_ahead_of_need_in_the_background() {
+    let host = MockHost::new(T0);
+    let mut poller = load(&host, policy(json!({"requests": "1000/day"}), json!({})));
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, _) = last_post(&host);
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": true, "grants": [9], "left": [991]}),
+    );
+    assert_eq!(lease_of_requests(&host).balance, 8);
+    for _ in 0..7 {
+        assert_eq!(post(&poller, &host, "10.0.0.1:1", 4).1, Action::Continue);
+    }
+    assert_eq!(
+        lease_of_requests(&host).balance,
+        1,
+        "under a quarter of the grant"
+    );
+    host.clock_ms.set(T0 + 300);
+    poller.tick(&host);
+    let (token, body) = last_post(&host);
+    assert_eq!(body["claims"][0]["need"], 0, "nobody waits for it");
+    assert_eq!(body["claims"][0]["want"], 9);
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), "200".into())];
+    let answer = json!({"ok": true, "grants": [9], "left": [982]}).to_string();
+    *host.call_response_body.borrow_mut() = answer.clone().into_bytes();
+    poller.on_call_response(&host, token, answer.len());
+    assert_eq!(lease_of_requests(&host).balance, 10);
+    let calls = host.posted.borrow().len();
+    assert_eq!(post(&poller, &host, "10.0.0.1:1", 4).1, Action::Continue);
+    assert_eq!(
+        host.posted.borrow().len(),
+        calls,
+        "served from the topped-up lease"
+    );
+}
+
+#[test]
+fn a_request_without_a_body_is_counted_fleet_wide_too() {
+    let host = MockHost::new(T0);
+    let poller = load(&host, policy(json!({"requests": "100/day"}), json!({})));
+    host.begin(&[(":method", "GET"), (":path", "/v1/models")], b"");
+    host.set_prop(&["source", "address"], b"10.0.0.1:1");
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(&host, true), Action::Pause);
+    let (token, body) = last_post(&host);
+    assert_eq!(body["claims"][0]["need"], 1);
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": false, "refused": 0, "left": [0]}),
+    );
+    let replies = host.replies.borrow();
+    assert_eq!(replies[0].status, 429);
+    assert_eq!(
+        replies[0].header("x-sluice-reason"),
+        Some("user_rate_limit")
+    );
+}
+
+#[test]
+fn a_soft_cap_is_taken_past_its_limit_and_never_refused_when_the_fleet_is_away() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(
+            json!({"daily_tokens": {"limit": 1000, "mode": "soft"}}),
+            json!({"on_unavailable": {"budgets": "fail_closed"}}),
+        ),
+    );
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, body) = last_post(&host);
+    assert_eq!(body["claims"][0]["soft"], true);
+    // The fleet is away: fail_closed does not apply to a soft cap.
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), "503".into())];
+    *host.call_response_body.borrow_mut() = vec![];
+    req.on_call_response(&host, token, 0);
+    assert!(host.replies.borrow().is_empty());
+    assert_eq!(host.resumed.get(), 1);
+}

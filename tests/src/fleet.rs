@@ -1,0 +1,272 @@
+//! Harness for the fleet tests: a real `redis-server` on an ephemeral
+//! loopback port (no persistence), and Envoys each with its own sidecar
+//! pointed at it.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_yaml::Value;
+
+use crate::{
+    closed_addr, shipped_config_for, wait_for, ChildGuard, Envoy, EnvoyConfig, MockLlm, Sidecar,
+};
+
+/// The admin token of every fleet test sidecar.
+pub const TOKEN: &str = "fleet-test-admin-token";
+
+/// `redis-server` (Debian's package) on 127.0.0.1, killed on drop.
+pub struct Redis {
+    guard: ChildGuard,
+    pub port: u16,
+    _dir: tempfile::TempDir,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        Redis::start_on(free_port())
+    }
+
+    /// On `port` (a restart keeps the sidecars' address).
+    pub fn start_on(port: u16) -> Redis {
+        let dir = tempfile::Builder::new()
+            .prefix("sluice-redis-")
+            .tempdir()
+            .expect("temp dir");
+        let port_s = port.to_string();
+        let mut cmd = Command::new("redis-server");
+        cmd.args([
+            "--port",
+            &port_s,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            "redis.log",
+            "--dir",
+        ])
+        .arg(dir.path());
+        let guard = ChildGuard::spawn("redis-server", &mut cmd)
+            .expect("redis-server (Debian package redis-server; `make test` installs it)");
+        let redis = Redis {
+            guard,
+            port,
+            _dir: dir,
+        };
+        assert!(
+            wait_for(Duration::from_secs(10), || redis
+                .command(&["PING"])
+                .is_some_and(|r| r.contains("PONG"))),
+            "redis-server did not answer on {port}"
+        );
+        redis
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// One command over RESP; the raw answer, `None` when Redis is away.
+    pub fn command(&self, args: &[&str]) -> Option<String> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        let mut req = format!("*{}\r\n", args.len());
+        for a in args {
+            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
+        s.write_all(req.as_bytes()).ok()?;
+        let mut buf = vec![0u8; 1 << 16];
+        let mut out = Vec::new();
+        // Enough for the short answers the tests read.
+        loop {
+            let n = s.read(&mut buf).ok()?;
+            out.extend_from_slice(&buf[..n]);
+            if n == 0 || out.ends_with(b"\r\n") {
+                break;
+            }
+        }
+        Some(String::from_utf8_lossy(&out).into_owned())
+    }
+
+    /// Commands Redis ran, by name (`INFO commandstats`).
+    pub fn commands(&self) -> u64 {
+        let info = self.command(&["INFO", "commandstats"]).unwrap_or_default();
+        info.lines()
+            .filter_map(|l| l.split("calls=").nth(1))
+            .filter_map(|v| v.split(',').next()?.parse::<u64>().ok())
+            .sum()
+    }
+
+    /// `KEYS pattern`.
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        let raw = self.command(&["KEYS", pattern]).unwrap_or_default();
+        raw.lines()
+            .skip(1)
+            .filter(|l| !l.starts_with('$'))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// `GET key` as a number (absent: `None`).
+    pub fn get_i64(&self, key: &str) -> Option<i64> {
+        let raw = self.command(&["GET", key])?;
+        raw.lines().nth(1)?.trim().parse().ok()
+    }
+
+    /// The used count of the one calendar-window bucket in Redis (the
+    /// fleet keys ending in a window end other than 0).
+    pub fn window_used(&self) -> Option<i64> {
+        let keys: Vec<String> = self
+            .keys("sluice:fleet:*")
+            .into_iter()
+            // Bucket keys end in their window's end; 0 for token buckets.
+            .filter(|k| {
+                k.rsplit(':')
+                    .next()
+                    .and_then(|end| end.parse::<u64>().ok())
+                    .is_some_and(|end| end > 0)
+            })
+            .collect();
+        match keys.as_slice() {
+            [one] => self.get_i64(one),
+            _ => None,
+        }
+    }
+
+    pub fn kill(&mut self) {
+        self.guard.kill();
+    }
+}
+
+/// One Envoy of the fleet with its own sidecar.
+pub struct Node {
+    /// Declared first: Envoy stops before its sidecar.
+    pub envoy: Envoy,
+    pub sidecar: Sidecar,
+    pub config: EnvoyConfig,
+    dir: tempfile::TempDir,
+}
+
+/// A sidecar config file for `redis_url` in `dir` (with `extra` YAML
+/// appended); returns its args.
+fn sidecar_args(dir: &std::path::Path, redis_url: &str, extra: &str) -> Vec<String> {
+    let config = dir.join("sidecar.yaml");
+    fs::write(
+        &config,
+        format!(
+            "scrape_interval: 100ms\nfleet:\n  redis: {redis_url}\n  timeout: 200ms\n  sync_interval: 50ms\n{extra}"
+        ),
+    )
+    .expect("sidecar config");
+    let token = dir.join("token");
+    fs::write(&token, TOKEN).expect("token file");
+    vec![
+        "--simulate".into(),
+        "--config".into(),
+        config.display().to_string(),
+        "--admin-token-file".into(),
+        token.display().to_string(),
+    ]
+}
+
+impl Node {
+    /// A sidecar for `redis_url` and an Envoy (`concurrency` workers) with
+    /// `policy`, its upstream `upstream` and fallback `fallback`.
+    pub fn start(
+        redis_url: &str,
+        upstream: &MockLlm,
+        fallback: Option<&MockLlm>,
+        policy: &Value,
+        concurrency: u32,
+    ) -> Node {
+        Node::start_with(redis_url, upstream, fallback, policy, concurrency, "")
+    }
+
+    /// Like [`Node::start`], with `sidecar_extra` appended to the sidecar's
+    /// config (rules, breaker …).
+    pub fn start_with(
+        redis_url: &str,
+        upstream: &MockLlm,
+        fallback: Option<&MockLlm>,
+        policy: &Value,
+        concurrency: u32,
+        sidecar_extra: &str,
+    ) -> Node {
+        let dir = tempfile::Builder::new()
+            .prefix("sluice-fleet-node-")
+            .tempdir()
+            .expect("temp dir");
+        let args = sidecar_args(dir.path(), redis_url, sidecar_extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let sidecar = Sidecar::start_with_args(&args);
+        let mut config = shipped_config_for(upstream);
+        config.set_cluster_addr("sluice_sidecar", sidecar.addr());
+        config.set_cluster_addr(
+            "llm_fallback",
+            fallback.map_or_else(closed_addr, |f| f.addr()),
+        );
+        *config.policy_mut() = policy.clone();
+        let envoy = Envoy::start(&config, concurrency);
+        Node {
+            envoy,
+            sidecar,
+            config,
+            dir,
+        }
+    }
+
+    /// Kills this node's sidecar (its Envoy stays).
+    pub fn kill_sidecar(&mut self) {
+        self.sidecar.process().kill();
+    }
+
+    /// Starts the sidecar again on its address.
+    pub fn restart_sidecar(&mut self, redis_url: &str) {
+        let addr: SocketAddr = self.sidecar.addr();
+        self.sidecar.process().kill();
+        let mut args = sidecar_args(self.dir.path(), redis_url, "");
+        args.extend(["--listen".into(), addr.to_string()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.sidecar = Sidecar::start_with_args(&args);
+    }
+
+    /// Sets this node's simulated GPU utilization (percent).
+    pub fn simulate(&self, utilization: f64) {
+        let auth = format!("Bearer {TOKEN}");
+        let r = crate::post_json(
+            &self.sidecar.url("/v1/simulate"),
+            &[("authorization", auth.as_str())],
+            &serde_json::json!({"gpus": [{"utilization": utilization}]}),
+        );
+        assert_eq!(r.status, 200, "simulate: {}", r.body);
+    }
+
+    /// `POST /v1/kill-switch` on this node's sidecar.
+    pub fn kill_switch(&self, active: bool) {
+        let body = serde_json::json!({"active": active, "reason": "fleet drill"});
+        let auth = format!("Bearer {TOKEN}");
+        let r = crate::post_json(
+            &self.sidecar.url("/v1/kill-switch"),
+            &[("authorization", auth.as_str())],
+            &body,
+        );
+        assert_eq!(r.status, 200, "kill switch: {}", r.body);
+    }
+}
+
+/// A policy in YAML (as the tests write it).
+pub fn policy(yaml: &str) -> Value {
+    serde_yaml::from_str(yaml).expect("test policy YAML")
+}
