@@ -22,7 +22,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn at(path: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn at(path: impl Into<String>, message: impl Into<String>) -> Self {
         ConfigError {
             path: path.into(),
             message: message.into(),
@@ -59,6 +59,15 @@ pub struct Policy {
     /// Absent: no audit fields are written (they cost a host call each).
     pub audit: Option<AuditConfig>,
     pub anomaly: Option<AnomalyConfig>,
+    /// Workload classes: who waits for capacity and how long (see `queue`).
+    #[serde(default)]
+    pub classes: BTreeMap<String, crate::queue::ClassConfig>,
+    /// The class of callers whose tier, claim or header names none;
+    /// absent: such callers are refused at once when capacity is out.
+    pub default_class: Option<String>,
+    /// Limits per backend, all its models together.
+    #[serde(default)]
+    pub backends: BTreeMap<String, crate::queue::BackendConfig>,
 }
 
 /// Consumption across all callers.
@@ -317,7 +326,7 @@ fn default_static_message() -> String {
     "The assistant is temporarily unavailable. Please try again in a few minutes.".into()
 }
 
-fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+pub(crate) fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     let text = String::deserialize(deserializer)?;
     crate::units::parse_duration(&text).map_err(de::Error::custom)
 }
@@ -369,6 +378,8 @@ pub struct JwtConfig {
     #[serde(default = "default_principal_claim")]
     pub principal_claim: String,
     pub tier_claim: Option<String>,
+    /// A verified claim naming the caller's workload class.
+    pub class_claim: Option<String>,
 }
 
 fn default_jwt_namespace() -> String {
@@ -388,6 +399,8 @@ fn default_principal_claim() -> String {
 pub struct TrustedHeaderConfig {
     pub principal: String,
     pub tier: Option<String>,
+    /// A trusted header naming the caller's workload class.
+    pub class: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -449,6 +462,8 @@ pub struct TierConfig {
     /// counted once for all of them (`anonymous_total: {requests: 600/min}`).
     /// A flood of new identities takes at most this.
     pub anonymous_total: Option<Box<TierConfig>>,
+    /// The workload class of this tier's callers (a name under `classes`).
+    pub class: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -476,6 +491,8 @@ pub struct ModelConfig {
     /// Whose credential this model's upstream sees; default:
     /// `protection.credentials`.
     pub credentials: Option<Credentials>,
+    /// Requests in flight to this model at once, across every worker.
+    pub concurrency: Option<u32>,
 }
 
 pub fn default_backend() -> String {
@@ -1245,7 +1262,7 @@ impl Policy {
                 "must be at least 1",
             ));
         }
-        Ok(())
+        crate::queue::check(self)
     }
 }
 
