@@ -75,6 +75,13 @@ pub enum Reason {
     RequestTooLarge,
     InvalidRequest,
     Unauthenticated,
+    /// Every concurrency slot of the model (or its backend) is taken and
+    /// the caller's class does not wait.
+    ModelConcurrency,
+    /// The caller's class queue for the model is at `max_depth`.
+    QueueFull,
+    /// Waited `max_wait` without a slot.
+    QueueDeadline,
 }
 
 impl Reason {
@@ -96,6 +103,9 @@ impl Reason {
             Reason::RequestTooLarge => "request_too_large",
             Reason::InvalidRequest => "invalid_request",
             Reason::Unauthenticated => "unauthenticated",
+            Reason::ModelConcurrency => "model_concurrency",
+            Reason::QueueFull => "queue_full",
+            Reason::QueueDeadline => "queue_deadline",
         }
     }
 
@@ -118,7 +128,10 @@ impl Reason {
             | Reason::MonthlyBudgetExceeded
             | Reason::SpendCapExceeded
             | Reason::AnonymousLimit
-            | Reason::CapacityExhausted => 429,
+            | Reason::CapacityExhausted
+            | Reason::ModelConcurrency
+            | Reason::QueueFull
+            | Reason::QueueDeadline => 429,
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
             | Reason::UpstreamPaused
@@ -136,7 +149,10 @@ impl Reason {
             | Reason::RouteRateLimit
             | Reason::TokenRateLimit
             | Reason::AnonymousLimit
-            | Reason::CapacityExhausted => "rate_limit_exceeded",
+            | Reason::CapacityExhausted
+            | Reason::ModelConcurrency
+            | Reason::QueueFull
+            | Reason::QueueDeadline => "rate_limit_exceeded",
             // OpenAI's type for an exhausted plan (the SDKs retry any 429
             // whatever its type: `x-should-retry` is what stops them).
             Reason::DailyBudgetExceeded
@@ -266,6 +282,23 @@ fn reply(reason: Reason, mut headers: Vec<(String, String)>, body: &serde_json::
         headers,
         body: body.to_string().into_bytes(),
     }
+}
+
+/// 429 of the concurrency gate and its queue (`model_concurrency`,
+/// `queue_full`, `queue_deadline`), with `Retry-After`.
+pub fn queue_refusal(reason: Reason, message: &str, retry_after_s: u64) -> Reply {
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.body_code(),
+        "param": null,
+        "sluice": {"retry_after_seconds": retry_after_s},
+    }});
+    reply(
+        reason,
+        vec![("retry-after".into(), retry_after_s.to_string())],
+        &body,
+    )
 }
 
 /// 503: the backend cannot take the request now.

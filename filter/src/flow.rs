@@ -16,7 +16,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 use crate::answer::{Decision, Reason};
 use crate::codec::{PollLease, Record};
@@ -79,11 +79,19 @@ pub struct Filter {
     /// Principal → its salted audit hash: a SHA-256 per request saved for
     /// callers seen before. Bounded like the key-hash cache.
     audit_principals: RefCell<HashMap<String, String>>,
+    /// Concurrency gates and this VM's queued requests (see `waiting`).
+    gates: crate::queue::Gates,
+    waiters: RefCell<HashMap<u64, waiting::Waiter>>,
+    /// This VM's wake-up queue.
+    wake_queue: Cell<Option<u32>>,
 }
 
 impl Filter {
     pub fn new(engine: Engine) -> Filter {
         Filter {
+            gates: crate::queue::Gates::new(&engine.policy),
+            waiters: RefCell::default(),
+            wake_queue: Cell::new(None),
             engine,
             seen: RefCell::new((0, Rc::new(Seen::default()))),
             dice: Cell::new(0),
@@ -161,6 +169,8 @@ pub struct Poller {
     retry_at_ms: u64,
     /// The last poll failed (logged once per outage).
     sidecar_failing: bool,
+    /// With queues the tick is fast; the lease still moves at `TICK_MS`.
+    next_lease_ms: u64,
 }
 
 impl Poller {
@@ -202,24 +212,49 @@ impl Poller {
                 return false;
             }
         }
-        if engine.policy.sidecar.is_some() {
+        if engine.policy.sidecar.is_some() || !filter.gates.is_empty() {
             // Distinct per VM: VMs start at different nanoseconds.
             let ns = host.now_ns();
             let (subsec, ms) = (ns % 1_000_000_000, ns / 1_000_000);
-            self.id = (subsec << 20) ^ ms.rotate_left(7) | 1;
+            if self.id == 0 {
+                self.id = (subsec << 20) ^ ms.rotate_left(7) | 1;
+            }
             host.set_tick_period_ms(TICK_MS);
         }
+        waiting::configure(&filter, self.filter.as_deref(), host, self.id);
         self.filter = Some(Rc::new(filter));
         true
     }
 
     /// A new HTTP stream's context; `None` before a policy loaded.
     pub fn request(&self) -> Option<Request> {
-        self.filter.clone().map(Request::new)
+        self.request_for(0)
+    }
+
+    /// A new HTTP stream's context, with Envoy's id for it (a queued
+    /// request is resumed by id).
+    pub fn request_for(&self, context_id: u32) -> Option<Request> {
+        self.filter
+            .clone()
+            .map(|filter| Request::wrap(Stream::new(filter), context_id))
+    }
+
+    /// Messages on this VM's wake-up queue: queued requests granted a slot.
+    pub fn on_wake(&mut self, host: &dyn Host) {
+        if let Some(filter) = self.filter.clone() {
+            waiting::on_wake(&filter, host);
+        }
     }
 
     pub fn tick(&mut self, host: &dyn Host) {
         let now = host.now_ms();
+        if let Some(filter) = self.filter.clone().filter(|f| !f.gates.is_empty()) {
+            waiting::tick(&filter, host, now);
+            if now < self.next_lease_ms {
+                return;
+            }
+            self.next_lease_ms = now + TICK_MS;
+        }
         // The lease is renewed on every tick, also while a long poll is in
         // flight: else another VM would take it mid-poll.
         if !self.hold_lease(host, now) || self.poll.is_some() || now < self.retry_at_ms {
@@ -336,8 +371,60 @@ impl Poller {
     }
 }
 
-/// One HTTP stream, from its request headers to its access log.
+/// An HTTP stream as Envoy's callbacks reach it: a handle on the
+/// [`Stream`], shared with the root context while the request waits in a
+/// queue. Callbacks never nest, so a borrow always succeeds; if one did
+/// not, the callback lets the stream continue rather than panic.
 pub struct Request {
+    stream: Rc<RefCell<Stream>>,
+}
+
+impl Request {
+    fn with(&self, f: impl FnOnce(&mut Stream) -> Action) -> Action {
+        match self.stream.try_borrow_mut() {
+            Ok(mut stream) => f(&mut stream),
+            Err(_) => Action::Continue,
+        }
+    }
+
+    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        self.with(|s| s.on_request_headers(host, end_of_stream))
+    }
+
+    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        self.with(|s| s.on_request_body(host, body_size, end))
+    }
+
+    pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
+        self.with(|s| s.on_request_trailers(host))
+    }
+
+    pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+        self.with(|s| s.on_response_headers(host))
+    }
+
+    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        self.with(|s| s.on_response_body(host, body_size, end))
+    }
+
+    pub fn on_log(&mut self, host: &dyn Host) {
+        self.with(|s| {
+            s.on_log(host);
+            Action::Continue
+        });
+    }
+
+    #[cfg(test)]
+    fn audit(&self, host: &dyn Host, name: &str, value: &str) {
+        if let Ok(s) = self.stream.try_borrow() {
+            s.audit(host, name, value);
+        }
+    }
+}
+
+/// One HTTP stream, from its request headers to its access log (behind
+/// [`Request`], which the root context can also reach while it waits).
+pub struct Stream {
     filter: Rc<Filter>,
     /// The request went to the primary upstream: its answer feeds the
     /// route's pause and error breaker.
@@ -370,11 +457,22 @@ pub struct Request {
     labels: Option<(String, String)>,
     /// SHA-256 of the response body, when the audit asks for it.
     response_hash: Option<sha2::Sha256>,
+    /// Envoy's id of this stream, and the handle the root wakes it by.
+    context_id: u32,
+    me: Weak<RefCell<Stream>>,
+    /// Its concurrency slot or queue entry, and what a queued request
+    /// needs to be admitted when its turn comes.
+    gate: Option<waiting::GateState>,
+    parked: Option<waiting::Parked>,
 }
 
-impl Request {
-    pub fn new(filter: Rc<Filter>) -> Request {
-        Request {
+impl Stream {
+    pub fn new(filter: Rc<Filter>) -> Stream {
+        Stream {
+            context_id: 0,
+            me: Weak::new(),
+            gate: None,
+            parked: None,
             filter,
             watch_upstream: false,
             pushback: None,
@@ -492,6 +590,7 @@ impl Request {
         }
         if std::mem::take(&mut self.watch_upstream) {
             self.observe_upstream(host, self.status);
+            self.observe_provider_limits(host);
         }
         if let Some(plan) = &self.plan {
             let content_type = host.response_header("content-type");
@@ -538,6 +637,7 @@ impl Request {
         }
         if end {
             self.settle(host);
+            self.release_slot(host);
         }
         Action::Continue
     }
@@ -545,6 +645,8 @@ impl Request {
     pub fn on_log(&mut self, host: &dyn Host) {
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle(host);
+        // Its slot or queue entry is given back (once, whichever came first).
+        self.leave_gate(host);
         // A probe whose answer never came (the client left first) is given
         // back, not left to block the route until its lease ends.
         if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
@@ -588,6 +690,10 @@ impl Request {
             }
         }
         self.audit_decision(host, &verdict);
+        if verdict.reply.is_some() {
+            // Refused after it took a slot (a budget at dispatch).
+            self.release_slot(host);
+        }
         match verdict.reply {
             Some(reply) => {
                 let headers: Vec<(&str, &str)> = reply
@@ -600,6 +706,10 @@ impl Request {
             }
             None => {
                 self.response_headers = verdict.response_headers;
+                if let Some(waited) = self.gate.as_ref().map(|g| g.waited_ms) {
+                    self.response_headers
+                        .push(("x-sluice-queued-ms".into(), waited.to_string()));
+                }
                 let engine = &self.filter.engine;
                 if let Some(plan) = verdict.plan.filter(|p| engine.settles(p)) {
                     add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
@@ -721,6 +831,24 @@ impl Request {
             Routed::Primary => (false, false),
             Routed::Probe => (false, true),
         };
+        if !fallback && !probe {
+            // The model's concurrency gate: a slot, a place in the queue
+            // (budgets are reserved when its turn comes), or a refusal.
+            let (gated, gate) = self.pass_gate(host, &identity, model, now);
+            self.gate = gate;
+            match gated {
+                waiting::Gated::Go => {}
+                waiting::Gated::Answered(verdict) => return self.finish(host, *verdict),
+                waiting::Gated::Wait => {
+                    self.parked = Some(waiting::Parked {
+                        asked,
+                        body_len: body.len(),
+                        pushback,
+                    });
+                    return Action::Pause;
+                }
+            }
+        }
         let mut verdict = engine.admit(host, &ctx);
         if probe {
             // Claimed only now, by an admitted request: a refused one never
@@ -881,3 +1009,4 @@ impl Request {
 
 #[cfg(test)]
 mod tests;
+mod waiting;
