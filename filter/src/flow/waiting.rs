@@ -649,3 +649,6 @@ impl Request {
         Request { stream }
     }
 }
+
+#[cfg(test)]
+mod tests;
