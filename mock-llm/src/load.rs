@@ -1,0 +1,172 @@
+//! How loaded the server was: requests in flight now, the peak since the
+//! last reset, and how long it spent at each level (so a test or bench can
+//! say "never more than 4" and "at 4 for 97 % of the backlog"). Plus an
+//! optional provider-style request limit per fixed window, answered with
+//! OpenAI's `x-ratelimit-*` headers and a 429 past it.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+#[derive(Debug)]
+struct Levels {
+    level: i64,
+    peak: i64,
+    since: Instant,
+    /// Seconds spent at each in-flight level.
+    at: BTreeMap<i64, f64>,
+}
+
+#[derive(Debug)]
+pub struct Load {
+    levels: Mutex<Levels>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            levels: Mutex::new(Levels {
+                level: 0,
+                peak: 0,
+                since: Instant::now(),
+                at: BTreeMap::new(),
+            }),
+        }
+    }
+}
+
+impl Load {
+    /// One more (`+1`) or one fewer (`-1`) request in flight.
+    pub fn change(&self, by: i64) {
+        let mut l = lock(&self.levels);
+        let now = Instant::now();
+        let spent = now.duration_since(l.since).as_secs_f64();
+        let level = l.level;
+        *l.at.entry(level).or_default() += spent;
+        l.since = now;
+        l.level = (l.level + by).max(0);
+        l.peak = l.peak.max(l.level);
+    }
+
+    /// Peak and time-at-level since the last reset; in-flight requests
+    /// stay counted.
+    pub fn reset(&self) {
+        let mut l = lock(&self.levels);
+        l.peak = l.level;
+        l.since = Instant::now();
+        l.at.clear();
+    }
+
+    pub fn snapshot(&self) -> Value {
+        let l = lock(&self.levels);
+        let mut at = l.at.clone();
+        *at.entry(l.level).or_default() += l.since.elapsed().as_secs_f64();
+        let at: BTreeMap<String, f64> = at.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        json!({"in_flight": l.level, "peak_in_flight": l.peak, "seconds_at_level": at})
+    }
+
+    pub fn peak(&self) -> i64 {
+        lock(&self.levels).peak
+    }
+}
+
+/// `--ratelimit-requests N --ratelimit-window-ms W`: N requests per fixed
+/// window, like a provider's per-key limit.
+#[derive(Debug, Clone, Copy)]
+pub struct RateLimit {
+    pub requests: u64,
+    pub window: Duration,
+}
+
+#[derive(Debug)]
+pub struct Limiter {
+    limit: RateLimit,
+    window: Mutex<(Instant, u64)>,
+}
+
+/// What the limiter says about one request.
+pub struct Verdict {
+    pub allowed: bool,
+    pub remaining: u64,
+    pub reset: Duration,
+}
+
+impl Limiter {
+    pub fn new(limit: RateLimit) -> Limiter {
+        Limiter {
+            limit,
+            window: Mutex::new((Instant::now(), 0)),
+        }
+    }
+
+    pub fn take(&self) -> Verdict {
+        let mut w = lock(&self.window);
+        let now = Instant::now();
+        if now.duration_since(w.0) >= self.limit.window {
+            *w = (now, 0);
+        }
+        let allowed = w.1 < self.limit.requests;
+        if allowed {
+            w.1 += 1;
+        }
+        Verdict {
+            allowed,
+            remaining: self.limit.requests.saturating_sub(w.1),
+            reset: self.limit.window.saturating_sub(now.duration_since(w.0)),
+        }
+    }
+}
+
+/// OpenAI's spelling of a reset: `1s`, `250ms`, `6m0s`.
+pub fn reset_text(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1_000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{}s", (ms as f64 / 1000.0 * 1000.0).round() / 1000.0)
+    } else {
+        format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_and_levels() {
+        let load = Load::default();
+        load.change(1);
+        load.change(1);
+        load.change(-1);
+        assert_eq!(load.peak(), 2);
+        let s = load.snapshot();
+        assert_eq!(s["in_flight"], 1);
+        assert!(s["seconds_at_level"]["2"].as_f64().is_some());
+        load.reset();
+        assert_eq!(load.peak(), 1);
+    }
+
+    #[test]
+    fn limiter_counts_a_window() {
+        let l = Limiter::new(RateLimit {
+            requests: 2,
+            window: Duration::from_secs(60),
+        });
+        assert!(l.take().allowed);
+        let v = l.take();
+        assert!(v.allowed);
+        assert_eq!(v.remaining, 0);
+        assert!(!l.take().allowed);
+        assert_eq!(reset_text(Duration::from_millis(250)), "250ms");
+        assert_eq!(reset_text(Duration::from_millis(2_000)), "2s");
+        assert_eq!(reset_text(Duration::from_millis(1_500)), "1.5s");
+        assert_eq!(reset_text(Duration::from_secs(360)), "6m0s");
+    }
+}
