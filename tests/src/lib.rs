@@ -1610,6 +1610,8 @@ pub fn parse_rfc3339_utc(text: &str) -> Option<u64> {
 
 /// HS256 JWTs for tests that go through Envoy's real `jwt_authn`: a key
 /// made for the run (never a fixed one), its JWKS, and signed tokens.
+pub mod queue;
+
 pub mod jwt {
     use std::time::{SystemTime, UNIX_EPOCH};
 
