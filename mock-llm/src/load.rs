@@ -17,6 +17,22 @@ struct Levels {
     since: Instant,
     /// Seconds spent at each in-flight level.
     at: BTreeMap<i64, f64>,
+    /// When the last request ended, if no request started since.
+    last_end: Option<Instant>,
+    /// Refill gaps (ms): a request ended → the next one started. With a
+    /// backlog in front of the server, this is the proxy's wake-up latency
+    /// (plus its forwarding). Bounded.
+    gaps: Vec<f64>,
+}
+
+const MAX_GAPS: usize = 100_000;
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
 }
 
 #[derive(Debug)]
@@ -36,6 +52,8 @@ impl Default for Load {
                 peak: 0,
                 since: Instant::now(),
                 at: BTreeMap::new(),
+                last_end: None,
+                gaps: Vec::new(),
             }),
         }
     }
@@ -50,6 +68,15 @@ impl Load {
         let level = l.level;
         *l.at.entry(level).or_default() += spent;
         l.since = now;
+        if by > 0 {
+            if let Some(end) = l.last_end.take() {
+                if l.gaps.len() < MAX_GAPS {
+                    l.gaps.push(now.duration_since(end).as_secs_f64() * 1000.0);
+                }
+            }
+        } else {
+            l.last_end = Some(now);
+        }
         l.level = (l.level + by).max(0);
         l.peak = l.peak.max(l.level);
     }
@@ -61,6 +88,8 @@ impl Load {
         l.peak = l.level;
         l.since = Instant::now();
         l.at.clear();
+        l.gaps.clear();
+        l.last_end = None;
     }
 
     pub fn snapshot(&self) -> Value {
@@ -68,7 +97,11 @@ impl Load {
         let mut at = l.at.clone();
         *at.entry(l.level).or_default() += l.since.elapsed().as_secs_f64();
         let at: BTreeMap<String, f64> = at.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        json!({"in_flight": l.level, "peak_in_flight": l.peak, "seconds_at_level": at})
+        let mut gaps = l.gaps.clone();
+        gaps.sort_by(f64::total_cmp);
+        json!({"in_flight": l.level, "peak_in_flight": l.peak, "seconds_at_level": at,
+               "refill_gap_ms": {"count": gaps.len(), "p50": quantile(&gaps, 0.5),
+                                 "p99": quantile(&gaps, 0.99), "max": quantile(&gaps, 1.0)}})
     }
 
     pub fn peak(&self) -> i64 {
@@ -149,8 +182,11 @@ mod tests {
         let s = load.snapshot();
         assert_eq!(s["in_flight"], 1);
         assert!(s["seconds_at_level"]["2"].as_f64().is_some());
+        assert_eq!(s["refill_gap_ms"]["count"], 0);
+        load.change(1);
+        assert_eq!(load.snapshot()["refill_gap_ms"]["count"], 1);
         load.reset();
-        assert_eq!(load.peak(), 1);
+        assert_eq!(load.peak(), 2);
     }
 
     #[test]

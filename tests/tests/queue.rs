@@ -227,3 +227,46 @@ fn provider_limits_make_requests_wait_for_the_reset() {
     // Exactly 6 reached the upstream: no 429 answered, none retried.
     assert_eq!(s.upstream.stats()["requests_total"], 6);
 }
+
+/// Bench (`bench/queue.sh`): wake-up latency and upstream utilisation with
+/// a standing backlog, Envoy --concurrency 4. Not part of `make test`.
+#[test]
+#[ignore]
+fn bench_wakeup_and_utilisation() {
+    let requests: usize = std::env::var("QUEUE_BENCH_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
+    let latency: u64 = 50;
+    let s = stack(WORKERS, 4, &[]);
+    s.upstream.reset();
+    let aims = (0..requests)
+        .map(|i| Aim::new(&format!("t{}", i % 16), "batch").latency_ms(latency))
+        .collect();
+    let shots = volley(&s.envoy, aims);
+    let ok = shots.iter().filter(|s| s.status == 200).count();
+    let stats = s.upstream.stats();
+    let first = shots.iter().map(|s| s.sent).min().unwrap_or_default();
+    let last_dispatch = shots
+        .iter()
+        .map(|s| s.dispatched())
+        .max()
+        .unwrap_or_default();
+    let window = (last_dispatch - first).as_secs_f64();
+    let at4 = stats["seconds_at_level"]["4"].as_f64().unwrap_or(0.0);
+    let gaps = &stats["refill_gap_ms"];
+    println!(
+        "queue bench: {requests} requests x {latency} ms, concurrency 4, Envoy --concurrency {WORKERS}: \
+         {ok} ok, peak {} in flight; refill (slot freed -> next request at the upstream) \
+         p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms over {} refills; upstream at its limit {:.1} % \
+         of the {:.2} s backlog",
+        stats["peak_in_flight"],
+        gaps["p50"].as_f64().unwrap_or(0.0),
+        gaps["p99"].as_f64().unwrap_or(0.0),
+        gaps["max"].as_f64().unwrap_or(0.0),
+        gaps["count"],
+        100.0 * at4.min(window) / window,
+        window
+    );
+    assert_eq!(ok, requests);
+}
