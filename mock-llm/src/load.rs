@@ -17,8 +17,8 @@ struct Levels {
     since: Instant,
     /// Seconds spent at each in-flight level.
     at: BTreeMap<i64, f64>,
-    /// When the last request ended, if no request started since.
-    last_end: Option<Instant>,
+    /// Ends not yet followed by a start, oldest first (bounded).
+    ends: std::collections::VecDeque<Instant>,
     /// Refill gaps (ms): a request ended → the next one started. With a
     /// backlog in front of the server, this is the proxy's wake-up latency
     /// (plus its forwarding). Bounded.
@@ -52,7 +52,7 @@ impl Default for Load {
                 peak: 0,
                 since: Instant::now(),
                 at: BTreeMap::new(),
-                last_end: None,
+                ends: std::collections::VecDeque::new(),
                 gaps: Vec::new(),
             }),
         }
@@ -69,13 +69,17 @@ impl Load {
         *l.at.entry(level).or_default() += spent;
         l.since = now;
         if by > 0 {
-            if let Some(end) = l.last_end.take() {
+            // Each start refills the oldest slot freed before it.
+            if let Some(end) = l.ends.pop_front() {
                 if l.gaps.len() < MAX_GAPS {
                     l.gaps.push(now.duration_since(end).as_secs_f64() * 1000.0);
                 }
             }
         } else {
-            l.last_end = Some(now);
+            if l.ends.len() >= 1024 {
+                l.ends.pop_front();
+            }
+            l.ends.push_back(now);
         }
         l.level = (l.level + by).max(0);
         l.peak = l.peak.max(l.level);
@@ -89,7 +93,7 @@ impl Load {
         l.since = Instant::now();
         l.at.clear();
         l.gaps.clear();
-        l.last_end = None;
+        l.ends.clear();
     }
 
     pub fn snapshot(&self) -> Value {
