@@ -181,9 +181,9 @@ pub struct Group {
 }
 
 impl Group {
-    fn dispatchable(&self, s: &State, model: usize, saturated: bool, now_ms: u64) -> Blocked {
+    fn dispatchable(&self, s: &State, model: usize, saturated: Saturated, now_ms: u64) -> Blocked {
         let m = &s.models[model];
-        if saturated {
+        if saturated(&m.name) {
             return Blocked::Saturated;
         }
         if m.paused_until_ms > now_ms {
@@ -265,6 +265,9 @@ impl Gates {
         created
     }
 }
+
+/// Which models the sidecar reports saturated (by model or backend scope).
+pub type Saturated<'a> = &'a dyn Fn(&str) -> bool;
 
 /// Why a request cannot go now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -472,7 +475,7 @@ impl State {
 
     /// Hands free slots to waiting entries, in fair order (see the module
     /// comment); the grants leave the queue holding their slot.
-    fn pump(&mut self, g: &Group, saturated: bool, now_ms: u64, grants: &mut Vec<Grant>) {
+    fn pump(&mut self, g: &Group, saturated: Saturated, now_ms: u64, grants: &mut Vec<Grant>) {
         loop {
             let free: Vec<bool> = (0..self.models.len())
                 .map(|m| g.dispatchable(self, m, saturated, now_ms) == Blocked::Free)
@@ -611,7 +614,8 @@ pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Cha
         tries,
         |s, _| {
             let model = s.model(a.model);
-            let blocked = g.dispatchable(s, model, a.saturated, a.now_ms);
+            let arriving = |name: &str| a.saturated && name == a.model;
+            let blocked = g.dispatchable(s, model, &arriving, a.now_ms);
             let ahead = s
                 .entries
                 .iter()
@@ -680,7 +684,7 @@ pub fn release(
     g: &Group,
     tries: u32,
     model: &str,
-    saturated: bool,
+    saturated: Saturated,
     now_ms: u64,
 ) -> Changed<bool> {
     change(
@@ -725,7 +729,7 @@ pub fn pump(
     store: &dyn SharedStore,
     g: &Group,
     tries: u32,
-    saturated: bool,
+    saturated: Saturated,
     now_ms: u64,
 ) -> Changed<()> {
     change(

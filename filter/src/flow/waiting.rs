@@ -216,10 +216,17 @@ impl Filter {
         })
     }
 
-    fn backend_saturated(&self, host: &dyn Host, backend: &str, now_ms: u64) -> bool {
-        // A model-scoped saturation holds its model at arrival; the pump
-        // checks the backend scope (one flag per pump).
-        self.saturated(host, "", backend, now_ms)
+    /// The models of `backend` the sidecar reports saturated, for a pump.
+    fn saturated_models(&self, host: &dyn Host, backend: &str, now_ms: u64) -> Vec<String> {
+        let Some(group) = self.gates.group(backend) else {
+            return Vec::new();
+        };
+        group
+            .model_limits
+            .keys()
+            .filter(|m| self.saturated(host, m, backend, now_ms))
+            .cloned()
+            .collect()
     }
 
     fn tries(&self) -> u32 {
@@ -458,9 +465,10 @@ impl Stream {
             return;
         };
         let now = host.now_ms();
-        let saturated = filter.backend_saturated(host, &backend, now);
+        let saturated = filter.saturated_models(host, &backend, now);
+        let saturated = |m: &str| saturated.iter().any(|s| s == m);
         let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
-        let changed = queue::release(host, group, tries, &model, saturated, now);
+        let changed = queue::release(host, group, tries, &model, &saturated, now);
         if !changed.value {
             host.log(
                 LogLevel::Error,
@@ -613,8 +621,9 @@ pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
         let Some(group) = filter.gates.group(backend) else {
             continue;
         };
-        let saturated = filter.backend_saturated(host, backend, now);
-        let changed = queue::pump(host, group, filter.tries(), saturated, now);
+        let saturated = filter.saturated_models(host, backend, now);
+        let saturated = |m: &str| saturated.iter().any(|s| s == m);
+        let changed = queue::pump(host, group, filter.tries(), &saturated, now);
         filter.applied(host, backend, &changed);
         let Some(state) = host.get(&group.key).and_then(|(b, _)| State::decode(&b)) else {
             continue;

@@ -37,12 +37,12 @@ fn slots_then_queue_then_grants_in_order() {
         panic!("queued")
     };
     assert_eq!(deadline_ms, 10_005);
-    let done = release(&store, &g, 8, "m", false, 10);
+    let done = release(&store, &g, 8, "m", &|_| false, 10);
     assert_eq!(done.grants.len(), 1);
     assert_eq!(done.grants[0].ticket, ticket);
     assert_eq!(done.state.unwrap().inflight("m"), 2);
     // Nothing waits: a release frees the slot.
-    let done = release(&store, &g, 8, "m", false, 10);
+    let done = release(&store, &g, 8, "m", &|_| false, 10);
     assert!(done.grants.is_empty());
     assert_eq!(done.state.unwrap().inflight("m"), 1);
 }
@@ -92,7 +92,7 @@ fn withdraw_tells_queued_from_granted() {
         panic!()
     };
     assert!(withdraw(&store, &g, 8, t2).value);
-    let done = release(&store, &g, 8, "m", false, 1);
+    let done = release(&store, &g, 8, "m", &|_| false, 1);
     assert_eq!(done.grants[0].ticket, t1);
     // Granted: no longer in the queue.
     assert!(!withdraw(&store, &g, 8, t1).value);
@@ -115,7 +115,7 @@ fn round_robin_across_principals() {
     let state = |s: &MemStore| State::decode(&s.get(&g.key).unwrap().0).unwrap();
     for _ in 0..12 {
         let before = state(&store);
-        let done = release(&store, &g, 8, "m", false, 2);
+        let done = release(&store, &g, 8, "m", &|_| false, 2);
         let t = done.grants[0].ticket;
         order.push(
             before
@@ -141,7 +141,7 @@ fn weights_share_dispatches() {
     }
     let mut gold = 0;
     for _ in 0..100 {
-        let done = release(&store, &g, 8, "m", false, 1);
+        let done = release(&store, &g, 8, "m", &|_| false, 1);
         gold += usize::from(done.grants[0].class == "gold");
     }
     assert!((74..=76).contains(&gold), "{gold}");
@@ -155,8 +155,8 @@ fn paused_model_waits_for_the_reset() {
     let Entered::Queued { .. } = arrive(&store, &g, "b", 1, 0) else {
         panic!()
     };
-    assert!(pump(&store, &g, 8, false, 1_999).grants.is_empty());
-    assert_eq!(pump(&store, &g, 8, false, 2_000).grants.len(), 1);
+    assert!(pump(&store, &g, 8, &|_| false, 1_999).grants.is_empty());
+    assert_eq!(pump(&store, &g, 8, &|_| false, 2_000).grants.len(), 1);
     // A pause longer than the wait: refused at once.
     pause(&store, &g, 8, "m", 50_000);
     assert_eq!(
@@ -182,8 +182,8 @@ fn saturation_holds_the_queue() {
         enter(&store, &g, 8, &a).value,
         Entered::Queued { .. }
     ));
-    assert!(pump(&store, &g, 8, true, 1).grants.is_empty());
-    assert_eq!(pump(&store, &g, 8, false, 1).grants.len(), 1);
+    assert!(pump(&store, &g, 8, &|_| true, 1).grants.is_empty());
+    assert_eq!(pump(&store, &g, 8, &|_| false, 1).grants.len(), 1);
 }
 
 #[test]

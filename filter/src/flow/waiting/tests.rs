@@ -244,3 +244,38 @@ fn provider_limits_hold_the_queue_until_the_reset() {
     let (_c, _) = post(&p, &w, 3, &[("x-user", "c"), ("x-tier", "pro")]);
     assert!(w.last_reply().is_some());
 }
+
+/// The sidecar says the backend is saturated: batch waits (slots free or
+/// not), interactive is refused 503; saturation clears and the queue drains.
+#[test]
+fn saturation_holds_batch_and_refuses_interactive() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["sidecar"] = json!({"cluster": "sidecar"});
+    p["models"]["m"]["concurrency"] = json!(4);
+    let mut poller = load(&w, &p);
+    let state = |breakers: Value| {
+        let s = json!({"version": 2, "breakers": breakers});
+        let bytes = crate::codec::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
+        crate::store::SharedStore::set(&w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
+    };
+    state(json!([{"scope": "backend:local", "state": "saturated"}]));
+    let (_a, action) = post(&poller, &w, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Pause);
+    assert!(w.replies.borrow().is_empty(), "batch waits");
+    let (_b, _) = post(&poller, &w, 2, &[("x-user", "b"), ("x-tier", "pro")]);
+    let reply = w.last_reply().unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-sluice-reason")),
+        (503, Some("gpu_overloaded"))
+    );
+    w.advance(20);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert!(w.resumed.borrow().is_empty());
+    state(json!([]));
+    w.advance(20);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![1]);
+}
