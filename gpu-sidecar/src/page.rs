@@ -100,6 +100,7 @@ table{{border-collapse:collapse;margin-bottom:1.5em}}td,th{{border:1px solid #cc
                 BreakerState::Open => "open",
                 BreakerState::HalfOpen => "half-open",
                 BreakerState::Closed => "closed",
+                BreakerState::Saturated => "saturated",
             },
             if v.stale { " (stale)" } else { "" },
             when(Some(v.since)),
