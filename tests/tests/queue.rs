@@ -276,3 +276,79 @@ fn bench_wakeup_and_utilisation() {
     );
     assert_eq!(ok, requests);
 }
+
+/// The sidecar reports the backend saturated (vLLM's waiting queue past a
+/// threshold): batch requests wait, interactive ones are refused; when it
+/// clears the queue drains in fair order.
+#[test]
+fn saturation_holds_batch_and_refuses_interactive() {
+    use sluice_tests::{get, post_json, shipped_config_for, Envoy, MockLlm, Sidecar};
+    let upstream = MockLlm::start("primary");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("sidecar.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "scrape_interval: 50ms\n\
+             sources: {{ vllm: [{{ name: local, url: \"{}\", models: [{MODEL}] }}] }}\n\
+             rules: []\n\
+             saturation:\n  - {{ metric: vllm_waiting, open_at: 10, open_for: 0s, close_after: 0s }}\n",
+            upstream.url("")
+        ),
+    )
+    .expect("sidecar config");
+    let sidecar = Sidecar::start_with_args(&["--config", &config.display().to_string()]);
+    let mut cfg = shipped_config_for(&upstream);
+    cfg.set_cluster_addr("sluice_sidecar", sidecar.addr());
+    let mut policy = sluice_tests::queue::policy(1);
+    policy["sidecar"] = serde_json::json!({"cluster": "sluice_sidecar", "stale_after": "10s"});
+    *cfg.policy_mut() = serde_yaml::to_value(policy).expect("policy");
+    let envoy = Envoy::start(&cfg, WORKERS);
+    let gauges = |waiting: f64| {
+        post_json(
+            &upstream.url("/admin/metrics"),
+            &[],
+            &serde_json::json!({"num_requests_waiting": waiting}),
+        )
+        .ok();
+    };
+    gauges(50.0);
+    let interactive = || volley(&envoy, vec![Aim::new("i", "inter")]).remove(0);
+    assert!(
+        wait_for(Duration::from_secs(10), || interactive().status == 503),
+        "never saturated: {}\n{}",
+        get(&sidecar.url("/v1/state"), &[]).body,
+        sidecar.log()
+    );
+    let refused = interactive();
+    assert_eq!(refused.reason.as_deref(), Some("gpu_overloaded"));
+    let before = upstream.stats()["requests_total"].as_u64().unwrap_or(0);
+    // Batch: A queues 4, then B 2; nothing goes while saturated.
+    let shots = {
+        let mut aims: Vec<Aim> = (0..4)
+            .map(|_| Aim::new("A", "batch").latency_ms(20))
+            .collect();
+        aims.extend((0..2).map(|_| Aim::new("B", "batch").latency_ms(20).after_ms(100)));
+        let envoy = &envoy;
+        std::thread::scope(|scope| {
+            let handle = scope.spawn(move || volley(envoy, aims));
+            std::thread::sleep(Duration::from_millis(500));
+            assert_eq!(
+                upstream.stats()["requests_total"].as_u64().unwrap_or(0),
+                before,
+                "nothing reaches a saturated backend"
+            );
+            gauges(0.0);
+            handle.join().expect("volley")
+        })
+    };
+    assert!(shots.iter().all(|s| s.status == 200), "{shots:?}");
+    let mut order: Vec<(Duration, &str)> = shots
+        .iter()
+        .map(|s| (s.dispatched(), s.user.as_str()))
+        .collect();
+    order.sort();
+    let users: Vec<&str> = order.iter().map(|(_, u)| *u).collect();
+    // Fair order: A and B alternate while both wait.
+    assert_eq!(users[..4], ["A", "B", "A", "B"], "{users:?}");
+}
