@@ -826,6 +826,11 @@ impl Stream {
         };
         let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
         let (fallback, probe) = match route(&pushback) {
+            // A route paused by the upstream's Retry-After: a caller whose
+            // class may wait that long waits in the model's queue instead.
+            Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
+                (false, false)
+            }
             Routed::Answered(verdict) => return self.finish(host, *verdict),
             Routed::Fallback => (true, false),
             Routed::Primary => (false, false),

@@ -387,6 +387,35 @@ impl Stream {
         (Gated::Answered(Box::new(verdict)), None)
     }
 
+    /// The route is paused (upstream 503/429 with `Retry-After`, for the
+    /// whole route, never one credential's pause): the pause is written
+    /// into the model's queue so the gate decides — wait until it ends
+    /// (a class that may wait that long), or the same 503 as before.
+    /// `false`: not a route pause, or the model has no gate.
+    pub(super) fn pause_gate(
+        &self,
+        host: &dyn Host,
+        verdict: &Verdict,
+        pushback: &Pushback,
+        model: Option<&str>,
+        now: u64,
+    ) -> bool {
+        let until = pushback.record.paused_until_ms;
+        let paused =
+            verdict.labels.decision == crate::answer::Decision::Refuse(Reason::UpstreamPaused);
+        if !paused || until <= now || pushback.credential_paused_until_ms > now {
+            return false;
+        }
+        let filter = self.filter.clone();
+        let Some((backend, group)) = model.and_then(|m| filter.gates.group_of(m)) else {
+            return false;
+        };
+        let Some(model) = model else { return false };
+        let changed = queue::pause(host, group, filter.tries(), model, until);
+        filter.applied(host, backend, &changed);
+        true
+    }
+
     /// Its turn came (it holds a slot now): budgets are reserved, then it
     /// goes upstream or is answered.
     fn dispatch(&mut self, host: &dyn Host) -> Action {

@@ -279,3 +279,35 @@ fn saturation_holds_batch_and_refuses_interactive() {
     poller.on_wake(&w);
     assert_eq!(*w.resumed.borrow(), vec![1]);
 }
+
+/// The upstream paused the route (503 with Retry-After): a standard caller
+/// waits out the pause in the queue, an interactive one gets the 503.
+#[test]
+fn an_upstream_pause_is_waited_out_by_classes_that_wait() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["protection"] = json!({"pause_jitter": "0s"});
+    let mut poller = load(&w, &p);
+    let (mut a, _) = post(&poller, &w, 1, &[("x-user", "a")]);
+    w.respond(&[(":status", "503"), ("retry-after", "2")]);
+    w.set_prop(&["response", "code_details"], b"via_upstream");
+    a.on_response_headers(&w);
+    a.on_log(&w);
+    let (_b, action) = post(&poller, &w, 2, &[("x-user", "b")]);
+    assert_eq!(action, Action::Pause);
+    assert!(w.replies.borrow().is_empty(), "waits out the pause");
+    let (_c, _) = post(&poller, &w, 3, &[("x-user", "c"), ("x-tier", "pro")]);
+    let reply = w.last_reply().unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-sluice-reason")),
+        (503, Some("upstream_paused"))
+    );
+    w.advance(1_900);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert!(w.resumed.borrow().is_empty());
+    w.advance(200);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+}
