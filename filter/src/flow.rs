@@ -839,7 +839,7 @@ impl Stream {
         if !fallback && !probe {
             // The model's concurrency gate: a slot, a place in the queue
             // (budgets are reserved when its turn comes), or a refusal.
-            let (gated, gate) = self.pass_gate(host, &identity, model, now);
+            let (gated, gate) = self.pass_gate(host, &identity, model, now, now);
             self.gate = gate;
             match gated {
                 waiting::Gated::Go => {}
@@ -855,6 +855,16 @@ impl Stream {
             }
         }
         let mut verdict = engine.admit(host, &ctx);
+        if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
+            // A bucket frees up within the class's wait: the request
+            // gives its slot back and tries again then, instead of a 429.
+            self.parked = Some(waiting::Parked {
+                asked,
+                body_len: body.len(),
+                pushback,
+            });
+            return self.sleep(host, now + retry_ms);
+        }
         if probe {
             // Claimed only now, by an admitted request: a refused one never
             // holds the probe.

@@ -37,7 +37,13 @@ pub struct Waiter {
     context_id: u32,
     backend: String,
     deadline_ms: u64,
+    /// Not in the shared queue: waiting for a bucket until `deadline_ms`,
+    /// then it tries the gate again.
+    sleeping: bool,
 }
+
+/// Tickets of sleepers (local to a VM), apart from the shared queue's.
+const SLEEPER: u64 = 1 << 63;
 
 /// A request's hold on the gate.
 #[derive(Debug, Clone)]
@@ -52,6 +58,10 @@ pub struct GateState {
     /// Holds a concurrency slot.
     slot: bool,
     pub waited_ms: u64,
+    /// The longest it may wait in all, from `arrived_ms` (0: no waiting).
+    wait_ms: u64,
+    /// Sleeping for a bucket under this local ticket.
+    sleeper: Option<u64>,
 }
 
 /// What a queued request needs to be admitted when its turn comes.
@@ -258,11 +268,13 @@ impl Filter {
 impl Stream {
     /// The concurrency gate, once the route is the primary upstream.
     /// Returns the gate state the stream keeps (`None`: ungated).
+    /// `since`: when the request arrived (it may have waited already).
     pub(super) fn pass_gate(
         &self,
         host: &dyn Host,
         identity: &Identity,
         model: Option<&str>,
+        since: u64,
         now: u64,
     ) -> (Gated, Option<GateState>) {
         let filter = self.filter.clone();
@@ -292,7 +304,10 @@ impl Stream {
         let wake = filter.wake_queue.get();
         let wait = class_cfg
             .filter(|c| c.queue && wake.is_some())
-            .map(|c| (c.max_wait_ms.min(asked.unwrap_or(u64::MAX)), c.max_depth))
+            .map(|c| (c.max_wait_ms.min(asked.unwrap_or(u64::MAX)), c.max_depth));
+        let wait_ms = wait.map_or(0, |(w, _)| w);
+        let wait = wait
+            .map(|(w, depth)| (w.saturating_sub(now.saturating_sub(since)), depth))
             .filter(|(w, _)| *w > 0);
         let class_label = class.clone().unwrap_or_else(|| "none".into());
         let arrival = queue::Arrival {
@@ -310,10 +325,12 @@ impl Stream {
             backend: backend.to_string(),
             model: model.to_string(),
             class: class_label,
-            arrived_ms: now,
+            arrived_ms: since,
             ticket: None,
             slot: false,
-            waited_ms: 0,
+            waited_ms: now.saturating_sub(since),
+            wait_ms,
+            sleeper: None,
         };
         let (reason, reply) = match changed.value {
             Entered::Go => {
@@ -336,6 +353,7 @@ impl Stream {
                             context_id: self.context_id,
                             backend: backend.to_string(),
                             deadline_ms,
+                            sleeping: false,
                         },
                     );
                 }
@@ -443,6 +461,10 @@ impl Stream {
             now_ms: now,
         };
         let mut verdict = filter.engine.admit(host, &ctx);
+        if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
+            self.parked = Some(parked);
+            return self.sleep(host, now + retry_ms);
+        }
         self.pushback = Some(parked.pushback);
         if verdict.reply.is_none() {
             self.watch_upstream = true;
@@ -452,6 +474,73 @@ impl Stream {
             host.set_request_header("content-length", Some(&new_body.len().to_string()));
         }
         self.finish(host, verdict)
+    }
+
+    /// A 429 of a bucket whose `Retry-After` ends within the request's
+    /// wait: how long to sleep before trying again.
+    pub(super) fn bucket_wait(&self, verdict: &Verdict, now: u64) -> Option<u64> {
+        let g = self.gate.as_ref()?;
+        verdict.bucket.as_ref()?;
+        let reply = verdict.reply.as_ref().filter(|r| r.status == 429)?;
+        let retry_ms = reply
+            .header("retry-after")?
+            .trim()
+            .parse::<u64>()
+            .ok()?
+            .saturating_mul(1000);
+        let deadline = g.arrived_ms.saturating_add(g.wait_ms);
+        (g.wait_ms > 0
+            && now.saturating_add(retry_ms) < deadline
+            && self.filter.wake_queue.get().is_some())
+        .then_some(retry_ms)
+    }
+
+    /// Gives the slot back and waits until `until_ms` (a bucket refills),
+    /// then tries the gate again (see `retry`).
+    pub(super) fn sleep(&mut self, host: &dyn Host, until_ms: u64) -> Action {
+        self.release_slot(host);
+        let filter = self.filter.clone();
+        let ticket = SLEEPER | u64::from(self.context_id) << 20 | (until_ms & 0xF_FFFF);
+        if let Some(g) = self.gate.as_mut() {
+            g.sleeper = Some(ticket);
+            count(host, "deferred", "bucket", g);
+            if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
+                waiters.insert(
+                    ticket,
+                    Waiter {
+                        stream: self.me.clone(),
+                        context_id: self.context_id,
+                        backend: g.backend.clone(),
+                        deadline_ms: until_ms,
+                        sleeping: true,
+                    },
+                );
+            }
+        }
+        Action::Pause
+    }
+
+    /// A sleeper's time came: the gate again, with what is left of its wait.
+    fn retry(&mut self, host: &dyn Host) -> Action {
+        let (Some(identity), Some(g)) = (self.identity.clone(), self.gate.take()) else {
+            return Action::Continue;
+        };
+        let model = self
+            .parked
+            .as_ref()
+            .and_then(|p| p.asked.as_ref())
+            .and_then(|a| a.demand.model.clone());
+        let now = host.now_ms();
+        let (gated, gate) = self.pass_gate(host, &identity, model.as_deref(), g.arrived_ms, now);
+        self.gate = gate;
+        match gated {
+            Gated::Go => self.dispatch(host),
+            Gated::Wait => Action::Pause,
+            Gated::Answered(verdict) => {
+                self.parked = None;
+                self.finish(host, *verdict)
+            }
+        }
     }
 
     /// Past its deadline and still in the queue: 429 `queue_deadline`.
@@ -509,6 +598,17 @@ impl Stream {
 
     /// The stream ends: out of the queue, or its slot given back.
     pub(super) fn leave_gate(&mut self, host: &dyn Host) {
+        if let Some(sleeper) = self.gate.as_mut().and_then(|g| g.sleeper.take()) {
+            // Holds no slot and no queue entry while asleep.
+            self.parked = None;
+            if let Ok(mut waiters) = self.filter.waiters.try_borrow_mut() {
+                waiters.remove(&sleeper);
+            }
+            if let Some(g) = self.gate.clone() {
+                count(host, "abandoned", "client_gone", &g);
+            }
+            return;
+        }
         let Some(ticket) = self.gate.as_mut().and_then(|g| g.ticket.take()) else {
             self.release_slot(host);
             return;
@@ -617,6 +717,29 @@ fn expire(filter: &Filter, host: &dyn Host, ticket: u64) {
     }
 }
 
+fn wake_sleeper(filter: &Filter, host: &dyn Host, ticket: u64) {
+    let waiter = match filter.waiters.try_borrow_mut() {
+        Ok(mut waiters) => waiters.remove(&ticket),
+        Err(_) => None,
+    };
+    let Some(waiter) = waiter else { return };
+    let Some(stream) = waiter.stream.upgrade() else {
+        return;
+    };
+    let Ok(mut stream) = stream.try_borrow_mut() else {
+        return;
+    };
+    if let Some(g) = stream.gate.as_mut() {
+        g.sleeper = None;
+    }
+    if host.set_effective_context(waiter.context_id)
+        && stream.retry(host) == Action::Continue
+        && !host.resume_request()
+    {
+        host.log(LogLevel::Warn, "a deferred request could not be resumed");
+    }
+}
+
 /// Wake-up messages: each is the ticket of a granted entry of this VM.
 pub fn on_wake(filter: &Filter, host: &dyn Host) {
     let Some(queue) = filter.wake_queue.get() else {
@@ -633,9 +756,21 @@ pub fn on_wake(filter: &Filter, host: &dyn Host) {
 /// cleared) are pumped, grants whose wake-up was lost are resumed, and
 /// entries past their deadline leave the queue with 429 `queue_deadline`.
 pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
+    let due: Vec<u64> = match filter.waiters.try_borrow() {
+        Ok(w) => w
+            .iter()
+            .filter(|(_, w)| w.sleeping && w.deadline_ms <= now)
+            .map(|(t, _)| *t)
+            .collect(),
+        Err(_) => return,
+    };
+    for ticket in due {
+        wake_sleeper(filter, host, ticket);
+    }
     let mine: Vec<(u64, String, u64)> = match filter.waiters.try_borrow() {
         Ok(w) => w
             .iter()
+            .filter(|(_, w)| !w.sleeping)
             .map(|(t, w)| (*t, w.backend.clone(), w.deadline_ms))
             .collect(),
         Err(_) => return,

@@ -311,3 +311,43 @@ fn an_upstream_pause_is_waited_out_by_classes_that_wait() {
     poller.on_wake(&w);
     assert_eq!(*w.resumed.borrow(), vec![2]);
 }
+
+/// A request bucket that frees within the class's wait: the request
+/// sleeps (holding no slot) and tries again instead of a 429.
+#[test]
+fn a_bucket_that_frees_soon_is_waited_for() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["tiers"]["free"]["requests"] = json!("1/s");
+    p["tiers"]["pro"]["requests"] = json!("1/s");
+    let mut poller = load(&w, &p);
+    let (mut a, action) = post(&poller, &w, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Continue);
+    finish(&w, &mut a);
+    let (mut b, action) = post(&poller, &w, 2, &[("x-user", "a")]);
+    assert_eq!(action, Action::Pause);
+    assert!(w.replies.borrow().is_empty(), "sleeps instead of a 429");
+    assert_eq!(inflight(&w), 0, "holds no slot while asleep");
+    w.advance(500);
+    poller.tick(&w);
+    assert!(w.resumed.borrow().is_empty());
+    w.advance(500);
+    poller.tick(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+    assert_eq!(inflight(&w), 1);
+    finish(&w, &mut b);
+    assert_eq!(w.resp_header("x-sluice-queued-ms").as_deref(), Some("1000"));
+    assert_eq!(inflight(&w), 0);
+    // Interactive callers get the 429 at once.
+    let (_c, _) = post(&poller, &w, 3, &[("x-user", "p"), ("x-tier", "pro")]);
+    let (_d, _) = post(&poller, &w, 4, &[("x-user", "p"), ("x-tier", "pro")]);
+    assert_eq!(w.last_reply().unwrap().status, 429);
+    // A sleeper whose client leaves is forgotten.
+    let (_e, _) = post(&poller, &w, 5, &[("x-user", "a")]);
+    let (mut f, action) = post(&poller, &w, 6, &[("x-user", "a")]);
+    assert_eq!(action, Action::Pause);
+    f.on_log(&w);
+    w.advance(2_000);
+    poller.tick(&w);
+    assert!(!w.resumed.borrow().contains(&6));
+}
