@@ -352,3 +352,38 @@ fn saturation_holds_batch_and_refuses_interactive() {
     // Fair order: A and B alternate while both wait.
     assert_eq!(users[..4], ["A", "B", "A", "B"], "{users:?}");
 }
+
+/// A queued request is rewritten when its turn comes (max_tokens added,
+/// from the root context): the upstream gets the rewritten body.
+#[test]
+fn a_queued_request_is_rewritten_at_dispatch() {
+    let s = stack(WORKERS, 1, &[]);
+    let url = s.envoy.url("/v1/chat/completions");
+    let holder = std::thread::spawn({
+        let url = url.clone();
+        move || {
+            sluice_tests::post_json(
+                &url,
+                &[("x-user", "h"), ("x-mock-latency-ms", "300")],
+                &serde_json::json!({"model": MODEL, "max_tokens": 3, "messages": []}),
+            )
+        }
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let r = sluice_tests::post_json(
+        &url,
+        &[("x-user", "q")],
+        &serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        r.header("x-sluice-queued-ms")
+            .and_then(|v| v.parse::<u64>().ok())
+            > Some(100)
+    );
+    assert_eq!(holder.join().expect("holder").status, 200);
+    let last = &s.upstream.stats()["last_request"];
+    assert_eq!(last["headers"]["x-user"], "q");
+    assert!(last["body"]["max_tokens"].as_u64().is_some(), "{last}");
+    // (A wrong content-length would have failed the upstream's parse.)
+}
