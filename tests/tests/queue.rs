@@ -261,6 +261,16 @@ fn bench_wakeup_and_utilisation() {
     let window = (last_dispatch - first).as_secs_f64();
     let at4 = stats["seconds_at_level"]["4"].as_f64().unwrap_or(0.0);
     let gaps = &stats["refill_gap_ms"];
+    let via = |v: &str| {
+        s.envoy
+            .metric("sluice_queue_resumed_total", &[("via", v)])
+            .unwrap_or(0.0)
+    };
+    println!(
+        "resumed by wake-up message {}, by the tick {}",
+        via("message"),
+        via("tick")
+    );
     println!(
         "queue bench: {requests} requests x {latency} ms, concurrency 4, Envoy --concurrency {WORKERS}: \
          {ok} ok, peak {} in flight; refill (slot freed -> next request at the upstream) \

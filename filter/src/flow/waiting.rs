@@ -146,6 +146,13 @@ pub fn configure(filter: &Filter, previous: Option<&Filter>, host: &dyn Host, vm
         filter.wake_queue.set(queue);
     }
     host.set_tick_period_ms(QUEUE_TICK_MS);
+    for via in ["message", "tick"] {
+        host.metric_add(
+            MetricKind::Counter,
+            &format!("sluice_queue_resumed_total_via={via};"),
+            0,
+        );
+    }
     for (backend, group) in filter.gates.groups() {
         let state = host
             .get(&group.key)
@@ -678,8 +685,10 @@ impl Stream {
     }
 }
 
-/// Resumes a queued stream of this VM that holds a slot now.
-fn resume(filter: &Filter, host: &dyn Host, ticket: u64) {
+/// Resumes a queued stream of this VM that holds a slot now; `via`: the
+/// wake-up message, or the tick that found the grant (a lost or late
+/// wake-up), counted in `sluice_queue_resumed_total{via}`.
+fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
     let waiter = match filter.waiters.try_borrow_mut() {
         Ok(mut waiters) => waiters.remove(&ticket),
         Err(_) => None,
@@ -695,6 +704,11 @@ fn resume(filter: &Filter, host: &dyn Host, ticket: u64) {
     let Ok(mut stream) = stream.try_borrow_mut() else {
         return;
     };
+    host.metric_add(
+        MetricKind::Counter,
+        &format!("sluice_queue_resumed_total_via={via};"),
+        1,
+    );
     if stream.dispatch(host) == Action::Continue && !host.resume_request() {
         host.log(LogLevel::Warn, "a dispatched request could not be resumed");
     }
@@ -747,7 +761,7 @@ pub fn on_wake(filter: &Filter, host: &dyn Host) {
     };
     while let Some(message) = host.take_wake(queue) {
         if let Ok(bytes) = <[u8; 8]>::try_from(message.as_slice()) {
-            resume(filter, host, u64::from_le_bytes(bytes));
+            resume(filter, host, u64::from_le_bytes(bytes), "message");
         }
     }
 }
@@ -797,14 +811,14 @@ pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
                 continue;
             }
             if !state.entries.iter().any(|e| e.ticket == *ticket) {
-                resume(filter, host, *ticket);
+                resume(filter, host, *ticket, "tick");
             } else if *deadline <= now {
                 let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
                 let out = queue::withdraw(host, group, tries, *ticket);
                 filter.applied(host, backend, &out);
                 match out.written {
                     crate::store::Updated::Written => expire(filter, host, *ticket),
-                    crate::store::Updated::Unchanged => resume(filter, host, *ticket),
+                    crate::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
                     _ => {}
                 }
             }
