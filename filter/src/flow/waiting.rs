@@ -797,6 +797,11 @@ pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
     backends.dedup();
     for backend in backends {
         let Some(group) = filter.gates.group(backend) else {
+            // A reloaded policy no longer gates this backend: its waiters
+            // are answered rather than left to Envoy's route timeout.
+            for (ticket, _, _) in mine.iter().filter(|(_, b, _)| b == backend) {
+                expire(filter, host, *ticket);
+            }
             continue;
         };
         let saturated = filter.saturated_models(host, backend, now);
