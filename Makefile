@@ -49,9 +49,23 @@ build: tools
 	@ls -l $(WASM)
 
 ## test: every test — native unit/property tests and real-Envoy integration tests
-test: build clients
+test: build clients browser
 	$(CARGO) test --workspace --exclude sluice-tests
-	SLUICE_REQUIRE_CLIENTS=1 $(CARGO) test -p sluice-tests -- --test-threads=2
+	SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 $(CARGO) test -p sluice-tests -- --test-threads=2
+
+## browser: headless Chromium and chromedriver (Debian `chromium`,
+## `chromium-driver`) for tests/tests/operator_page.rs, installed when missing.
+.PHONY: browser
+browser:
+	@if ! command -v chromedriver >/dev/null 2>&1 || \
+	    ! { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; }; then \
+	  echo "browser: installing chromium and chromium-driver (apt-get install -y)"; \
+	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300"; \
+	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
+	  $$apt install -y chromium chromium-driver >/dev/null 2>&1 || \
+	    { $$apt update >/dev/null && $$apt install -y chromium chromium-driver >/dev/null; } || \
+	    { echo "browser: installing chromium failed; the operator page test needs it" >&2; exit 1; }; \
+	fi
 
 ## check-rules: `promtool check rules` on envoy/prometheus-rules.yaml. promtool
 ## comes from Debian's `prometheus` package, unpacked (apt-get download +

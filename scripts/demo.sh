@@ -57,7 +57,8 @@ target/release/mock-llm --listen 127.0.0.1:8001 --name fallback >"$logs/mock-llm
 pids+=($!)
 export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-demo-admin-token}
 target/release/sluice-sidecar serve --listen 127.0.0.1:9911 --simulate \
-  --state-file "$logs/sidecar-state.json" >"$logs/sidecar.log" 2>&1 &
+  --state-file "$logs/sidecar-state.json" --envoy-admin http://127.0.0.1:9901 \
+  >"$logs/sidecar.log" 2>&1 &
 pids+=($!)
 "$envoy_bin" -c "$logs/sluice.yaml" --disable-hot-restart -l info >"$logs/envoy.log" 2>&1 &
 pids+=($!)
@@ -78,7 +79,7 @@ sluice demo is up.
   Envoy + sluice   http://127.0.0.1:10000   (admin http://127.0.0.1:9901)
   mock-llm         http://127.0.0.1:8000    (primary)
   mock-llm         http://127.0.0.1:8001    (fallback provider)
-  sidecar          http://127.0.0.1:9911/   (status page; state at /v1/state)
+  sidecar          http://127.0.0.1:9911/   (operator page: GPUs, breakers, kill switch; state at /v1/state)
   admin token      $SLUICE_ADMIN_TOKEN
 
 Observability:
@@ -98,6 +99,10 @@ in flight at once; workload classes: enterprise = batch (waits up to 30 s),
 free = standard (waits up to 5 s), pro = interactive (refused at once);
 anonymous callers are `free` by client address (all of them together at most
 600/min and 2,000,000 tokens/day: tiers.free.anonymous_total).
+Team `search` (demo-search-key-1, demo-search-key-2, both pro at 60/min) has
+15/min for the whole team; org `demo` a daily spend cap. Penalty box: an
+address sending over 60 requests a minute without a declared key is blocked
+for 10 minutes (429 temporarily_blocked).
 
 Try:
   # a chat completion as an anonymous (free) caller; the 11th in a minute gets 429
@@ -124,6 +129,18 @@ Try:
   for i in $(seq 6); do curl -s -o /dev/null -w '%{http_code} ' -H 'x-api-key: demo-enterprise-key' \
     http://127.0.0.1:10000/v1/chat/completions -d '{"model":"llama3.1:70b","messages":[]}'; done; echo
 
+  # the team limit binds before the tier limit: 2 keys x 10 calls, 15 pass,
+  # then 429 team_rate_limit (bucket team/search/requests), though each key
+  # has used 10 of its own 60/min
+  for i in $(seq 10); do for k in demo-search-key-1 demo-search-key-2; do
+    curl -s -o /dev/null -w '%{http_code} ' -H "x-api-key: $k" http://127.0.0.1:10000/v1/models
+  done; done; echo
+  curl -s http://127.0.0.1:10000/v1/models -H 'x-api-key: demo-search-key-1'; echo
+  # the penalty box: 61 anonymous calls in a minute, then blocked for 10 minutes
+  # (429 temporarily_blocked, Retry-After: 600); declared keys are exempt
+  for i in $(seq 62); do curl -s -o /dev/null -w '%{http_code} ' \
+    http://127.0.0.1:10000/v1/models; done; echo
+  curl -si http://127.0.0.1:10000/v1/models | grep -i -E 'retry-after|x-sluice-reason'
   # streaming, Ollama style
   curl -sN http://127.0.0.1:10000/api/chat -H 'x-api-key: demo-pro-key' \
     -d '{"model":"mistral:7b","messages":[{"role":"user","content":"hi"}]}'

@@ -68,6 +68,14 @@ pub enum Reason {
     AnonymousLimit,
     /// No per-caller slot is free for a caller without a declared key.
     CapacityExhausted,
+    /// A team's rate (requests or tokens), all its members together.
+    TeamRateLimit,
+    /// A team's daily/monthly token or spend budget.
+    TeamBudgetExceeded,
+    OrgRateLimit,
+    OrgBudgetExceeded,
+    /// In the penalty box (`abuse`) until the block ends.
+    TemporarilyBlocked,
     GpuOverloaded,
     UpstreamUnhealthy,
     UpstreamPaused,
@@ -96,6 +104,11 @@ impl Reason {
             Reason::SpendCapExceeded => "spend_cap_exceeded",
             Reason::AnonymousLimit => "anonymous_limit",
             Reason::CapacityExhausted => "capacity_exhausted",
+            Reason::TeamRateLimit => "team_rate_limit",
+            Reason::TeamBudgetExceeded => "team_budget_exceeded",
+            Reason::OrgRateLimit => "org_rate_limit",
+            Reason::OrgBudgetExceeded => "org_budget_exceeded",
+            Reason::TemporarilyBlocked => "temporarily_blocked",
             Reason::GpuOverloaded => "gpu_overloaded",
             Reason::UpstreamUnhealthy => "upstream_unhealthy",
             Reason::UpstreamPaused => "upstream_paused",
@@ -131,7 +144,12 @@ impl Reason {
             | Reason::CapacityExhausted
             | Reason::ModelConcurrency
             | Reason::QueueFull
-            | Reason::QueueDeadline => 429,
+            | Reason::QueueDeadline
+            | Reason::TeamRateLimit
+            | Reason::TeamBudgetExceeded
+            | Reason::OrgRateLimit
+            | Reason::OrgBudgetExceeded
+            | Reason::TemporarilyBlocked => 429,
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
             | Reason::UpstreamPaused
@@ -152,12 +170,17 @@ impl Reason {
             | Reason::CapacityExhausted
             | Reason::ModelConcurrency
             | Reason::QueueFull
-            | Reason::QueueDeadline => "rate_limit_exceeded",
+            | Reason::QueueDeadline
+            | Reason::TeamRateLimit
+            | Reason::OrgRateLimit
+            | Reason::TemporarilyBlocked => "rate_limit_exceeded",
             // OpenAI's type for an exhausted plan (the SDKs retry any 429
             // whatever its type: `x-should-retry` is what stops them).
             Reason::DailyBudgetExceeded
             | Reason::MonthlyBudgetExceeded
-            | Reason::SpendCapExceeded => "insufficient_quota",
+            | Reason::SpendCapExceeded
+            | Reason::TeamBudgetExceeded
+            | Reason::OrgBudgetExceeded => "insufficient_quota",
             // OpenAI answers a bad key with this type, code invalid_api_key.
             Reason::RequestTooLarge | Reason::InvalidRequest | Reason::Unauthenticated => {
                 "invalid_request_error"
@@ -196,6 +219,8 @@ pub struct Limited<'a> {
     pub tier: &'a str,
     /// Human name of the bucket, e.g. `tier free: requests`.
     pub bucket: &'a str,
+    /// Its rule id, e.g. `team/search/requests`: the body's `bucket`.
+    pub rule: &'a str,
     /// The limit as written, e.g. `10/min`.
     pub limit_text: &'a str,
 }
@@ -221,7 +246,7 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
             "reset_at": rfc3339(now_ms.saturating_add(retry_after.saturating_mul(1000))),
             "retry_after_seconds": retry_after,
             "tier": l.tier,
-            "bucket": l.bucket,
+            "bucket": l.rule,
         }
     }});
     let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
@@ -261,6 +286,30 @@ pub fn capacity_exhausted(retry_after_ms: u64, tier: &str, bucket: &str, now_ms:
         vec![("retry-after".into(), retry_after.to_string())],
         &body,
     )
+}
+
+/// 429 `temporarily_blocked`: the caller is in the penalty box until
+/// `retry_after_ms` from now.
+pub fn temporarily_blocked(retry_after_ms: u64, now_ms: u64) -> Reply {
+    let reason = Reason::TemporarilyBlocked;
+    let retry_after = ceil_secs(retry_after_ms).max(1);
+    let message =
+        format!("Too many requests from this caller: blocked for the next {retry_after} s.");
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.code(),
+        "param": null,
+        "sluice": {
+            "reset_at": rfc3339(now_ms.saturating_add(retry_after.saturating_mul(1000))),
+            "retry_after_seconds": retry_after,
+        }
+    }});
+    let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
+    if retry_after > SDK_MAX_RETRY_WAIT_S {
+        headers.push(("x-should-retry".into(), "false".into()));
+    }
+    reply(reason, headers, &body)
 }
 
 /// A refusal that is not about a bucket (400, 401, 413).
@@ -449,6 +498,7 @@ mod tests {
             retry_after_ms: 5_500,
             tier: "free",
             bucket: "tier free: requests",
+            rule: "tier/free/requests",
             limit_text: "10/min",
         };
         let r = limited(&l, 1_795_996_800_000);

@@ -156,27 +156,27 @@ impl BucketState {
 
 const DAY_MS: u64 = 86_400_000;
 
-/// Start of the UTC day or month holding `ms`.
+/// Start of the local day or month holding `ms`, in the window's zone.
 pub fn window_start(window: Window, ms: u64) -> u64 {
     let day = ms / DAY_MS;
     match window {
-        Window::Day => day * DAY_MS,
-        Window::Month => {
+        Window::Day(zone) => zone.day_start(ms),
+        Window::Month(zone) => zone.month_start(ms).unwrap_or_else(|| {
             let (y, m, _) = civil_from_days(day as i64);
             (days_from_civil(y, m, 1) as u64).saturating_mul(DAY_MS)
-        }
+        }),
     }
 }
 
 /// Start of the window after the one holding `ms`.
 pub fn next_window(window: Window, ms: u64) -> u64 {
     match window {
-        Window::Day => window_start(window, ms).saturating_add(DAY_MS),
-        Window::Month => {
+        Window::Day(zone) => zone.next_day(ms),
+        Window::Month(zone) => zone.next_month(ms).unwrap_or_else(|| {
             let (y, m, _) = civil_from_days((ms / DAY_MS) as i64);
             let (y, m) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
             (days_from_civil(y, m, 1) as u64).saturating_mul(DAY_MS)
-        }
+        }),
     }
 }
 
@@ -296,7 +296,7 @@ mod tests {
     fn fixed_windows_reset_on_the_utc_calendar() {
         let nov_30_noon = 1_795_996_800_000 + 12 * 3_600_000;
         let dec_1 = 1_795_996_800_000 + 86_400_000;
-        let day = Limit::windowed(100, Window::Day);
+        let day = Limit::windowed(100, Window::Day(crate::zone::Zone::UTC));
         let s = BucketState::default().take(100, &day, nov_30_noon).unwrap();
         let refused = s.take(1, &day, nov_30_noon).unwrap_err();
         assert_eq!(refused.retry_after_ms, 12 * 3_600_000, "until 00:00 UTC");
@@ -308,11 +308,17 @@ mod tests {
             10 * SCALE
         );
 
-        let month = Limit::windowed(5, Window::Month);
-        assert_eq!(window_start(Window::Month, nov_30_noon), 1_793_491_200_000); // 2026-11-01
-        assert_eq!(next_window(Window::Month, nov_30_noon), dec_1);
+        let month = Limit::windowed(5, Window::Month(crate::zone::Zone::UTC));
         assert_eq!(
-            next_window(Window::Month, 1_798_675_200_000 + 5),
+            window_start(Window::Month(crate::zone::Zone::UTC), nov_30_noon),
+            1_793_491_200_000
+        ); // 2026-11-01
+        assert_eq!(
+            next_window(Window::Month(crate::zone::Zone::UTC), nov_30_noon),
+            dec_1
+        );
+        assert_eq!(
+            next_window(Window::Month(crate::zone::Zone::UTC), 1_798_675_200_000 + 5),
             1_798_761_600_000
         ); // Dec 31 → Jan 1
         let s = BucketState::default().take(5, &month, nov_30_noon).unwrap();
@@ -414,7 +420,7 @@ mod tests {
         fn extremes_never_trap(
             amount in extreme(), period in extreme(), burst in extreme(),
             used in extreme(), updated in extreme(), now in extreme(),
-            n in extreme(), window in prop::option::of(prop_oneof![Just(Window::Day), Just(Window::Month)]),
+            n in extreme(), window in prop::option::of(prop_oneof![Just(Window::Day(crate::zone::Zone::UTC)), Just(Window::Month(crate::zone::Zone::UTC))]),
         ) {
             let l = Limit { rate: Rate { amount, period_ms: period }, burst, window };
             let s = BucketState { owner: 1, used, updated_ms: updated };

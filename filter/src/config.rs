@@ -11,6 +11,7 @@ use serde::Deserialize;
 use crate::bucket::{MAX_UNITS, SCALE};
 pub use crate::health::Credentials;
 use crate::units::{parse_rate, parse_size, Rate};
+use crate::zone::Zone;
 
 /// A policy that could not be loaded: where, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -68,6 +69,17 @@ pub struct Policy {
     /// Limits per backend, all its models together.
     #[serde(default)]
     pub backends: BTreeMap<String, crate::queue::BackendConfig>,
+    /// Limits of each team, all its members together (see `hierarchy`).
+    #[serde(default)]
+    pub teams: BTreeMap<String, TierConfig>,
+    /// Limits of each organisation, all its teams and members together.
+    #[serde(default)]
+    pub orgs: BTreeMap<String, TierConfig>,
+    /// What all calendar budgets share (the timezone of their midnight).
+    #[serde(default)]
+    pub budgets: crate::zone::BudgetsConfig,
+    /// The penalty box: callers over a threshold are blocked for a while.
+    pub abuse: Option<crate::abuse::AbuseConfig>,
 }
 
 /// Consumption across all callers.
@@ -380,6 +392,10 @@ pub struct JwtConfig {
     pub tier_claim: Option<String>,
     /// A verified claim naming the caller's workload class.
     pub class_claim: Option<String>,
+    /// Claims naming the caller's team and organisation (declared under
+    /// `teams`/`orgs`; others count as none).
+    pub team_claim: Option<String>,
+    pub org_claim: Option<String>,
 }
 
 fn default_jwt_namespace() -> String {
@@ -401,6 +417,9 @@ pub struct TrustedHeaderConfig {
     pub tier: Option<String>,
     /// A trusted header naming the caller's workload class.
     pub class: Option<String>,
+    /// Headers naming the caller's team and organisation.
+    pub team: Option<String>,
+    pub org: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -414,13 +433,57 @@ pub struct ApiKeyConfig {
     /// up as a key: it counts only once `jwt_authn` has verified it.
     #[serde(default = "default_true")]
     pub bearer: bool,
-    /// Key → tier. A key may be written raw or as `sha256:<hex>`; either way
-    /// only its hash is kept in memory.
+    /// Key → tier, or `{tier, team, org}`. A key may be written raw or as
+    /// `sha256:<hex>`; either way only its hash is kept in memory.
     #[serde(default)]
-    pub keys: BTreeMap<String, String>,
+    pub keys: BTreeMap<String, KeyEntry>,
     /// What a key missing from `keys` gets.
     #[serde(default)]
     pub unknown_keys: UnknownKeys,
+}
+
+/// What a declared API key stands for: `pro`, or
+/// `{tier: pro, team: search, org: acme}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyEntry {
+    pub tier: String,
+    pub team: Option<String>,
+    pub org: Option<String>,
+}
+
+impl<'de> Deserialize<'de> for KeyEntry {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Full {
+            tier: String,
+            team: Option<String>,
+            org: Option<String>,
+        }
+        struct EntryVisitor;
+        impl<'de> Visitor<'de> for EntryVisitor {
+            type Value = KeyEntry;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a tier name or a map `{tier: pro, team: search, org: acme}`")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<KeyEntry, E> {
+                Ok(KeyEntry {
+                    tier: v.to_string(),
+                    team: None,
+                    org: None,
+                })
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<KeyEntry, A::Error> {
+                let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(KeyEntry {
+                    tier: full.tier,
+                    team: full.team,
+                    org: full.org,
+                })
+            }
+        }
+        deserializer.deserialize_any(EntryVisitor)
+    }
 }
 
 fn default_api_key_header() -> String {
@@ -689,11 +752,12 @@ pub struct Limit {
     pub window: Option<Window>,
 }
 
-/// Calendar windows, in UTC.
+/// Calendar windows, in the policy's `budgets.reset_timezone` (UTC by
+/// default): each carries its zone, so a bucket's window is self-contained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Window {
-    Day,
-    Month,
+    Day(Zone),
+    Month(Zone),
 }
 
 impl Limit {
@@ -704,8 +768,8 @@ impl Limit {
     /// A fixed window of `amount` per `window`.
     pub fn windowed(amount: u64, window: Window) -> Limit {
         let period_ms = match window {
-            Window::Day => 86_400_000,
-            Window::Month => 30 * 86_400_000,
+            Window::Day(_) => 86_400_000,
+            Window::Month(_) => 30 * 86_400_000,
         };
         Limit {
             rate: Rate { amount, period_ms },
@@ -714,12 +778,12 @@ impl Limit {
         }
     }
 
-    /// As written in a policy: `10/min`, `5000/day (UTC)`.
+    /// As written in a policy: `10/min`, `5000 per day (UTC)`.
     pub fn describe(&self) -> String {
         match self.window {
             None => self.rate.to_string(),
-            Some(Window::Day) => format!("{} per UTC day", self.burst),
-            Some(Window::Month) => format!("{} per UTC month", self.burst),
+            Some(Window::Day(z)) => format!("{} per day ({})", self.burst, z.name()),
+            Some(Window::Month(z)) => format!("{} per month ({})", self.burst, z.name()),
         }
     }
 }
@@ -1000,7 +1064,19 @@ impl Policy {
             }
         }
         if let Some(keys) = &id.api_key {
-            for (key, tier) in &keys.keys {
+            for (key, entry) in &keys.keys {
+                let tier = &entry.tier;
+                for (field, name, declared) in [
+                    ("team", &entry.team, &self.teams),
+                    ("org", &entry.org, &self.orgs),
+                ] {
+                    if let Some(name) = name.as_ref().filter(|n| !declared.contains_key(*n)) {
+                        return Err(ConfigError::at(
+                            format!("identity.api_key.keys.{}.{field}", redact_key(key)),
+                            format!("{field} `{name}` is not declared under `{field}s`"),
+                        ));
+                    }
+                }
                 if !self.tiers.contains_key(tier) {
                     return Err(ConfigError::at(
                         format!("identity.api_key.keys.{}", redact_key(key)),
@@ -1043,6 +1119,8 @@ impl Policy {
             .map(|t| (t, "tiers"))
             .chain(self.models.keys().map(|m| (m, "models")))
             .chain(self.routes.iter().map(|r| (&r.name, "routes")))
+            .chain(self.teams.keys().map(|t| (t, "teams")))
+            .chain(self.orgs.keys().map(|o| (o, "orgs")))
         {
             if name.is_empty() || name.contains(';') || name.contains('=') {
                 return Err(ConfigError::at(
@@ -1102,17 +1180,36 @@ impl Policy {
                 }
             }
         }
-        for (tier, t) in &self.tiers {
+        for (name, t) in self
+            .teams
+            .iter()
+            .map(|(n, t)| (format!("teams.{n}"), t))
+            .chain(self.orgs.iter().map(|(n, t)| (format!("orgs.{n}"), t)))
+        {
+            if t.anonymous_total.is_some() {
+                return Err(ConfigError::at(
+                    format!("{name}.anonymous_total"),
+                    "only tiers have an anonymous total (a team or org limit already counts all its members together)",
+                ));
+            }
+        }
+        let levels = self
+            .tiers
+            .iter()
+            .map(|(n, t)| (format!("tiers.{n}"), t))
+            .chain(self.teams.iter().map(|(n, t)| (format!("teams.{n}"), t)))
+            .chain(self.orgs.iter().map(|(n, t)| (format!("orgs.{n}"), t)));
+        for (level, t) in levels {
             let total = t.anonymous_total.as_deref();
             if total.is_some_and(|a| a.anonymous_total.is_some()) {
                 return Err(ConfigError::at(
-                    format!("tiers.{tier}.anonymous_total.anonymous_total"),
+                    format!("{level}.anonymous_total.anonymous_total"),
                     "an anonymous total has no anonymous total of its own",
                 ));
             }
-            for (prefix, limits) in [(format!("tiers.{tier}"), Some(t))]
+            for (prefix, limits) in [(level.clone(), Some(t))]
                 .into_iter()
-                .chain(total.map(|a| (format!("tiers.{tier}.anonymous_total"), Some(a))))
+                .chain(total.map(|a| (format!("{level}.anonymous_total"), Some(a))))
             {
                 let Some(limits) = limits else { continue };
                 for (field, budget) in [
@@ -1211,6 +1308,9 @@ impl Policy {
                 "must be a lower-case header name",
             ));
         }
+        if let Some(abuse) = &self.abuse {
+            abuse.check(self)?;
+        }
         if let Some(a) = &self.anomaly {
             if a.surge_ratio.is_nan()
                 || a.surge_ratio <= 1.0
@@ -1274,7 +1374,7 @@ fn looks_like_json(bytes: &[u8]) -> bool {
 }
 
 /// Names a configured key in an error without printing the key itself.
-fn redact_key(key: &str) -> String {
+pub(crate) fn redact_key(key: &str) -> String {
     if key.starts_with("sha256:") {
         key.chars().take(15).collect::<String>() + "…"
     } else {

@@ -25,11 +25,15 @@ use crate::reconcile::Found;
 use crate::request::{self, Api, Demand};
 use crate::reservation::{prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope};
 use crate::store::{self, Contention, SharedStore, StoreError, Updated};
+use crate::zone::Zone;
 
 pub mod admit;
 pub mod compile;
 pub mod rewrite;
 pub mod settle;
+
+#[cfg(test)]
+mod org_tests;
 
 use compile::Bucket;
 pub use compile::{Meter, Pricing};
@@ -153,9 +157,14 @@ pub struct Engine {
     resolver: Resolver,
     buckets: Vec<Bucket>,
     tier_buckets: HashMap<String, Vec<usize>>,
+    /// Buckets of each declared team and org (see `compile`).
+    team_buckets: HashMap<String, Vec<usize>>,
+    org_buckets: HashMap<String, Vec<usize>>,
     model_buckets: HashMap<String, Vec<usize>>,
     route_buckets: Vec<(String, usize)>,
     pricing: HashMap<String, Pricing>,
+    /// The penalty box, when the policy has `abuse`.
+    pub(crate) penalty: Option<crate::abuse::PenaltyBox>,
 }
 
 const CORRECTION_KEY: &str = "sluice:v1:estimate/";

@@ -522,6 +522,16 @@ impl Stream {
             Ok(identity) => identity,
             Err(verdict) => return self.finish(host, *verdict),
         };
+        let (blocked, checked) = self
+            .engine()
+            .penalty_box(host, &view, &identity, self.started_ms);
+        add(host, metrics::ABUSE_BLOCKS, i64::from(checked.started));
+        add(host, metrics::ABUSE_UNTRACKED, i64::from(checked.untracked));
+        if let Some(verdict) = blocked {
+            self.identity = Some(identity);
+            return self.finish(host, verdict);
+        }
+        count_contention(host, checked.contention);
         match canonical {
             Ok(path) => self.path = path,
             // Whatever the upstream decodes it to, sluice cannot know: a
@@ -738,6 +748,15 @@ impl Stream {
         if let Some(bucket) = &verdict.bucket {
             add(host, &metrics::refusals_total(bucket), 1);
         }
+        if let Some(id) = self
+            .identity
+            .as_ref()
+            .filter(|id| id.team.is_some() || id.org.is_some())
+        {
+            let name =
+                metrics::team_requests_total(l.decision, id.team.as_deref(), id.org.as_deref());
+            add(host, &name, 1);
+        }
         if l.decision == Decision::Refuse(Reason::GlobalBreakerOpen) {
             set_gauge(host, metrics::GLOBAL_BREAKER, 1);
         }
@@ -765,6 +784,12 @@ impl Stream {
         if let Some(identity) = &self.identity {
             let principal = self.filter.audit_principal(identity);
             self.audit(host, "sluice_principal", &principal);
+            if let Some(team) = &identity.team {
+                self.audit(host, "sluice_team", team);
+            }
+            if let Some(org) = &identity.org {
+                self.audit(host, "sluice_org", org);
+            }
         }
         if let Some(bucket) = &verdict.bucket {
             self.audit(host, "sluice_bucket", bucket);

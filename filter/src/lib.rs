@@ -9,6 +9,7 @@
 //! callbacks; it is built only for wasm32.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod abuse;
 pub mod anomaly;
 pub mod answer;
 pub mod bucket;
@@ -29,6 +30,7 @@ pub mod request;
 pub mod reservation;
 pub mod store;
 pub mod units;
+pub mod zone;
 
 #[cfg(target_arch = "wasm32")]
 mod shim;

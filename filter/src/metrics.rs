@@ -2,6 +2,7 @@
 //! Envoy's `stats_tags` (shipped in every `envoy/` config) turn them into
 //! Prometheus labels; see ENVOY-FACTS.
 
+use crate::answer::Decision;
 use crate::engine::Labels;
 
 /// `sluice_requests_total{decision, reason, tier, model}`.
@@ -12,6 +13,19 @@ pub fn requests_total(l: &Labels) -> String {
         l.decision.reason_code(),
         l.tier,
         l.model
+    )
+}
+
+/// `sluice_team_requests_total{decision, reason, team, org}`: decisions
+/// of callers in a team or an org (`none` for the level they lack).
+/// Bounded: teams and orgs are declared; never the principal.
+pub fn team_requests_total(decision: Decision, team: Option<&str>, org: Option<&str>) -> String {
+    format!(
+        "sluice_team_requests_total_decision={};.reason={};.team={};.org={};",
+        decision.code(),
+        decision.reason_code(),
+        team.unwrap_or("none"),
+        org.unwrap_or("none")
     )
 }
 
@@ -93,6 +107,12 @@ pub const USAGE_SURGES: &str = "sluice_usage_surge_total";
 pub const GLOBAL_BREAKER: &str = "sluice_global_breaker_open";
 /// Policies refused at load.
 pub const CONFIG_REJECTED: &str = "sluice_config_rejected_total";
+/// Blocks the penalty box started (each refused request is counted in
+/// `sluice_requests_total{reason="temporarily_blocked"}`).
+pub const ABUSE_BLOCKS: &str = "sluice_abuse_blocks_total";
+/// Requests the penalty box counted in its shared overflow record: every
+/// slot they could use was held by a tracked caller.
+pub const ABUSE_UNTRACKED: &str = "sluice_abuse_untracked_total";
 
 /// Every metric with a fixed name: defined at 0 when a policy loads, so
 /// each exists (and its first increment is a visible change) before
@@ -119,6 +139,8 @@ pub const FIXED: &[&str] = &[
     USAGE_SURGES,
     GLOBAL_BREAKER,
     CONFIG_REJECTED,
+    ABUSE_BLOCKS,
+    ABUSE_UNTRACKED,
 ];
 
 #[cfg(test)]

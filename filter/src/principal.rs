@@ -28,7 +28,7 @@ use std::collections::{HashMap, HashSet};
 
 use sha2::{Digest, Sha256};
 
-use crate::config::{IdentityConfig, IdentitySource, Policy, UnknownKeys};
+use crate::config::{IdentityConfig, IdentitySource, KeyEntry, Policy, UnknownKeys};
 
 /// What the identity step may read of a request.
 pub trait RequestView {
@@ -58,6 +58,30 @@ pub struct Identity {
     /// An API key declared in the policy: it has dedicated buckets and is
     /// outside its tier's `anonymous_total`.
     pub declared: bool,
+    /// The caller's team and organisation, when the key map, a verified
+    /// claim or a trusted header names one the policy declares.
+    pub team: Option<String>,
+    pub org: Option<String>,
+}
+
+/// What a source says about the caller, before it is checked against the
+/// policy.
+struct Claimed {
+    principal: String,
+    tier: Option<String>,
+    team: Option<String>,
+    org: Option<String>,
+}
+
+impl Claimed {
+    fn new(principal: String, tier: Option<String>) -> Claimed {
+        Claimed {
+            principal,
+            tier,
+            team: None,
+            org: None,
+        }
+    }
 }
 
 /// Why the front door refused a request (401 `invalid_api_key`). The
@@ -103,8 +127,10 @@ pub struct Resolver {
     config: IdentityConfig,
     default_tier: String,
     tiers: Vec<String>,
-    /// SHA-256 (hex) of each configured key → tier.
-    key_tiers: HashMap<String, String>,
+    teams: HashSet<String>,
+    orgs: HashSet<String>,
+    /// SHA-256 (hex) of each configured key → tier, team, org.
+    key_tiers: HashMap<String, KeyEntry>,
     /// The principal names of those keys.
     declared_principals: HashSet<String>,
     /// SHA-256 (hex) of keys seen lately: a client sends the same key on
@@ -132,13 +158,15 @@ impl Resolver {
                 };
                 (hash, tier.clone())
             })
-            .collect::<HashMap<String, String>>();
+            .collect::<HashMap<String, KeyEntry>>();
         let declared_principals = key_tiers.keys().map(|h| key_principal(h)).collect();
         Resolver {
             declared_principals,
             config: policy.identity.clone(),
             default_tier: policy.default_tier.clone(),
             tiers: policy.tiers.keys().cloned().collect(),
+            teams: policy.teams.keys().cloned().collect(),
+            orgs: policy.orgs.keys().cloned().collect(),
             key_tiers,
             key_hashes: RefCell::default(),
         }
@@ -150,8 +178,16 @@ impl Resolver {
     pub fn declared(&self) -> Vec<(String, String)> {
         self.key_tiers
             .iter()
-            .map(|(hash, tier)| (key_principal(hash), tier.clone()))
+            .map(|(hash, entry)| (key_principal(hash), entry.tier.clone()))
             .collect()
+    }
+
+    /// The principal an API key (raw or `sha256:<hex>`) has when presented.
+    pub fn principal_of_key(key: &str) -> String {
+        match key.strip_prefix("sha256:") {
+            Some(hex) => key_principal(&hex.to_ascii_lowercase()),
+            None => key_principal(&sha256_hex(key.as_bytes())),
+        }
     }
 
     /// SHA-256 (hex) of a presented key, from the cache when seen before.
@@ -173,15 +209,15 @@ impl Resolver {
     pub fn resolve(&self, req: &dyn RequestView) -> Result<Identity, Refusal> {
         let presented = self.presented(req)?;
         for source in &self.config.sources {
-            if let Some((principal, tier)) = self.try_source(*source, req, &presented)? {
-                let mut id = self.identity(principal, tier, Some(*source));
+            if let Some(claimed) = self.try_source(*source, req, &presented)? {
+                let mut id = self.identity(claimed, Some(*source));
                 // Only a key found in the policy's map: its tier came from it.
                 id.declared = *source == IdentitySource::ApiKey
                     && self.declared_principals.contains(&id.principal);
                 return Ok(id);
             }
         }
-        Ok(self.identity("anonymous".into(), None, None))
+        Ok(self.identity(Claimed::new("anonymous".into(), None), None))
     }
 
     /// Reads and checks the request's credentials (the rules are in the
@@ -251,47 +287,67 @@ impl Resolver {
         source: IdentitySource,
         req: &dyn RequestView,
         presented: &Presented,
-    ) -> Result<Option<(String, Option<String>)>, Refusal> {
+    ) -> Result<Option<Claimed>, Refusal> {
         let cfg = &self.config;
         Ok(match source {
             IdentitySource::Jwt => cfg.jwt.as_ref().and_then(|jwt| {
                 let subject = self.jwt_subject(req)?;
-                let tier = jwt.tier_claim.as_deref().and_then(|name| {
-                    req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, name)
-                });
-                Some((format!("jwt:{subject}"), tier))
+                let claim = |name: Option<&String>| {
+                    name.and_then(|n| req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, n))
+                };
+                Some(Claimed {
+                    principal: format!("jwt:{subject}"),
+                    tier: claim(jwt.tier_claim.as_ref()),
+                    team: claim(jwt.team_claim.as_ref()),
+                    org: claim(jwt.org_claim.as_ref()),
+                })
             }),
             IdentitySource::TrustedHeader => cfg.trusted_header.as_ref().and_then(|h| {
                 let who = req.header(&h.principal).filter(|s| !s.is_empty())?;
-                let tier = h.tier.as_deref().and_then(|name| req.header(name));
-                Some((format!("header:{who}"), tier))
+                let header = |name: Option<&String>| name.and_then(|n| req.header(n));
+                Some(Claimed {
+                    principal: format!("header:{who}"),
+                    tier: header(h.tier.as_ref()),
+                    team: header(h.team.as_ref()),
+                    org: header(h.org.as_ref()),
+                })
             }),
             IdentitySource::ApiKey => match (cfg.api_key.as_ref(), presented.key.as_ref()) {
                 (Some(k), Some(raw)) => {
                     let hash = self.key_hash(raw);
-                    let tier = self.key_tiers.get(&hash).cloned();
-                    if tier.is_none() && k.unknown_keys == UnknownKeys::Reject {
+                    let entry = self.key_tiers.get(&hash);
+                    if entry.is_none() && k.unknown_keys == UnknownKeys::Reject {
                         return Err(Refusal::UnknownKey);
                     }
-                    Some((key_principal(&hash), tier))
+                    Some(Claimed {
+                        principal: key_principal(&hash),
+                        tier: entry.map(|e| e.tier.clone()),
+                        team: entry.and_then(|e| e.team.clone()),
+                        org: entry.and_then(|e| e.org.clone()),
+                    })
                 }
                 _ => None,
             },
             IdentitySource::ClientAddress => req
                 .client_address()
-                .map(|addr| (format!("ip:{}", strip_port(&addr)), None)),
+                .map(|addr| Claimed::new(format!("ip:{}", strip_port(&addr)), None)),
         })
     }
 
-    fn identity(
-        &self,
-        principal: String,
-        tier: Option<String>,
-        source: Option<IdentitySource>,
-    ) -> Identity {
+    fn identity(&self, claimed: Claimed, source: Option<IdentitySource>) -> Identity {
+        let Claimed {
+            principal,
+            tier,
+            team,
+            org,
+        } = claimed;
         let tier = tier
             .filter(|t| self.tiers.iter().any(|known| known == t))
             .unwrap_or_else(|| self.default_tier.clone());
+        // Only declared teams and orgs have buckets: an unknown name counts
+        // as none (its members keep their tier's limits).
+        let team = team.filter(|t| self.teams.contains(t));
+        let org = org.filter(|o| self.orgs.contains(o));
         let hash = principal_hash(&principal);
         Identity {
             principal,
@@ -299,6 +355,8 @@ impl Resolver {
             tier,
             source,
             declared: false,
+            team,
+            org,
         }
     }
 }
@@ -346,6 +404,12 @@ fn principal_hash(principal: &str) -> u64 {
     principal.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// The hash of a client address as a principal (`ip:<address>`), port
+/// dropped: what the penalty box counts by.
+pub(crate) fn address_hash(addr: &str) -> u64 {
+    principal_hash(&format!("ip:{}", strip_port(addr)))
 }
 
 /// `1.2.3.4:5678` → `1.2.3.4`, `[::1]:5678` → `::1`.

@@ -1041,7 +1041,7 @@ mod tests {
     fn day_budget(id: &str, amount: u64) -> Rule {
         Rule {
             id: id.into(),
-            limit: Limit::windowed(amount, crate::config::Window::Day),
+            limit: Limit::windowed(amount, crate::config::Window::Day(crate::zone::Zone::UTC)),
             scope: Scope::PerPrincipal,
         }
     }

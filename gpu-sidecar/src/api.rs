@@ -1,6 +1,6 @@
 //! The HTTP API: `/v1/state` (the filter's long poll), the kill switch,
 //! the simulated GPU (only when it runs), `/metrics`, `/healthz` and the
-//! status page at `/`.
+//! operator page at `/` with its data at `/v1/history` ([`crate::page`]).
 //!
 //! Who may do what: reads are open; every change of state (kill switch,
 //! simulated GPU) needs the admin bearer token and, unless
@@ -16,7 +16,7 @@ use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Query, State};
 use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde::Deserialize;
@@ -25,6 +25,7 @@ use tokio::sync::watch;
 
 use crate::admin::{AdminToken, KillSwitchControl};
 use crate::config::LongPollConfig;
+use crate::history::History;
 use crate::sources::gpu::{SimHandle, Simulation};
 use crate::state::StateStore;
 use crate::telemetry::{Subscriber, Telemetry};
@@ -52,11 +53,16 @@ pub struct Api {
     /// Set when the simulated GPU source runs.
     pub sim: Option<SimHandle>,
     pub long_poll: LongPollConfig,
+    /// What the operator page draws (`/v1/history`).
+    pub history: Arc<History>,
 }
 
 pub fn router(api: Api) -> Router {
     let mut router = Router::new()
-        .route("/", get(page))
+        .route("/", get(crate::page::index))
+        .route("/page.js", get(crate::page::script))
+        .route("/page.css", get(crate::page::style))
+        .route("/v1/history", get(crate::page::history))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/v1/state", get(state))
@@ -166,11 +172,6 @@ async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
         ],
         text,
     )
-}
-
-async fn page(State(api): State<Arc<Api>>) -> impl IntoResponse {
-    let html = crate::page::render(&api.store.current(), &api.telemetry.snapshot());
-    ([(CACHE_CONTROL, "no-store")], Html(html))
 }
 
 type Peer = Option<Extension<ConnectInfo<SocketAddr>>>;
@@ -325,6 +326,7 @@ mod tests {
             kill_switch: Arc::new(KillSwitchControl::new(store.clone(), None, None)),
             sim: Some(SimHandle::default()),
             long_poll: LongPollConfig::default(),
+            history: Arc::new(History::default()),
         }
     }
 
@@ -675,6 +677,14 @@ mod tests {
         assert!(String::from_utf8(body)
             .unwrap()
             .contains("<h2>Kill switch</h2>"));
+        for path in ["/page.js", "/page.css"] {
+            assert_eq!(get(&app, path).await.0, StatusCode::OK, "{path}");
+        }
+        let (status, body) = get(&app, "/v1/history").await;
+        assert_eq!(status, StatusCode::OK);
+        let v = json_of(&body);
+        assert_eq!(v["state"]["kill_switch"]["active"], false);
+        assert_eq!(v["traffic"]["enabled"], false);
     }
 
     #[tokio::test(start_paused = true)]

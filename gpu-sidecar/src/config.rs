@@ -58,6 +58,10 @@ pub struct Config {
     /// Where the kill switch is kept across restarts; none: not kept.
     pub state_file: Option<PathBuf>,
     pub alerts: AlertsConfig,
+    /// What the operator page keeps (see [`crate::history`]).
+    pub history: crate::history::HistoryConfig,
+    /// Envoy's admin, read for requests per tier (see [`crate::traffic`]).
+    pub envoy_admin: Option<crate::traffic::EnvoyAdminConfig>,
 }
 
 impl Default for Config {
@@ -75,6 +79,8 @@ impl Default for Config {
             long_poll: LongPollConfig::default(),
             state_file: None,
             alerts: AlertsConfig::default(),
+            history: Default::default(),
+            envoy_admin: None,
         }
     }
 }
@@ -526,12 +532,16 @@ impl Config {
                 ));
             }
         }
+        self.history.check().map_err(|(at, m)| invalid(at, m))?;
+        if let Some(e) = &self.envoy_admin {
+            e.check().map_err(|(at, m)| invalid(at, m))?;
+        }
         self.scope_plans().map(|_| ())
     }
 }
 
 /// `30s`, `1m 30s`, `250ms`.
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
     humantime::parse_duration(&text).map_err(|e| {
         serde::de::Error::custom(format!("`{text}` is not a duration like `30s`: {e}"))

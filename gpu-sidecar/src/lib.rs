@@ -5,7 +5,8 @@
 //! [`sources`] (NVML, simulated GPU, vLLM `/metrics`, Ollama `/api/ps`) →
 //! [`monitor`] (one round per scrape interval) → [`breaker`] (pure rules per
 //! scope) → [`state`] (versioned, in a watch channel) → [`api`]
-//! (`/v1/state` long poll, `/metrics`, status page). Beside it: [`admin`]
+//! (`/v1/state` long poll, `/metrics`, the operator page with [`history`]
+//! and [`traffic`]). Beside it: [`admin`]
 //! (kill switch, token, state file) and [`alerts`] (webhooks).
 
 pub mod admin;
@@ -14,6 +15,7 @@ pub mod api;
 pub mod breaker;
 pub mod check_config;
 pub mod config;
+pub mod history;
 pub mod http;
 pub mod memory;
 pub mod metrics;
@@ -22,6 +24,7 @@ pub mod page;
 pub mod sources;
 pub mod state;
 pub mod telemetry;
+pub mod traffic;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -36,6 +39,7 @@ use crate::admin::{AdminToken, KillSwitchControl};
 use crate::alerts::Alerts;
 use crate::breaker::At;
 use crate::config::{BackendKind, Config, GpuMode};
+use crate::history::History;
 use crate::http::Target;
 use crate::monitor::{Monitor, Outputs};
 use crate::sources::gpu::{NvmlSource, SimHandle, SimulatedGpus};
@@ -44,6 +48,7 @@ use crate::sources::vllm::VllmSource;
 use crate::sources::{BackendSource, GpuSource};
 use crate::state::{SidecarState, StateStore};
 use crate::telemetry::Telemetry;
+use crate::traffic::Traffic;
 
 /// What `serve` runs with: the config plus what the command line adds.
 #[derive(Debug, Clone)]
@@ -118,6 +123,11 @@ pub async fn serve(
     first.kill_switch = kill_switch;
     let store = StateStore::starting(first);
     let telemetry = Arc::new(Telemetry::default());
+    let history = Arc::new(History::new(
+        config.history.clone(),
+        Traffic::new(config.envoy_admin.clone()),
+    ));
+    history.set_rules(&plans);
     let alerts = Alerts::start(config.alerts.clone(), telemetry.clone());
 
     let (gpu, sim) = gpu_source(&opts);
@@ -154,6 +164,7 @@ pub async fn serve(
             store: store.clone(),
             telemetry: telemetry.clone(),
             alerts: Some(alerts.clone()),
+            history: Some(history.clone()),
         },
         At {
             mono: Instant::now(),
@@ -164,6 +175,16 @@ pub async fn serve(
 
     let (closing_tx, closing_rx) = watch::channel(false);
     let monitor_task = tokio::spawn(monitor.run(config.scrape_interval, closing_rx.clone()));
+    tokio::spawn(history::watch_kill_switch(
+        store.clone(),
+        history.clone(),
+        closing_rx.clone(),
+    ));
+    tokio::spawn(traffic::run(
+        history.clone(),
+        config.scrape_timeout,
+        closing_rx.clone(),
+    ));
     tokio::spawn(memory::trim_after_bursts(
         telemetry.clone(),
         closing_rx.clone(),
@@ -181,6 +202,7 @@ pub async fn serve(
         )),
         sim,
         long_poll: config.long_poll,
+        history,
     });
     let served = axum::serve(
         listener,

@@ -12,6 +12,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use sluice_sidecar::admin::AdminToken;
 use sluice_sidecar::config::Config;
+use sluice_sidecar::traffic::EnvoyAdminConfig;
 use tokio::net::TcpListener;
 
 #[derive(Debug, Parser)]
@@ -64,6 +65,10 @@ struct ServeArgs {
     /// config's `state_file`).
     #[arg(long)]
     state_file: Option<PathBuf>,
+    /// Envoy's admin URL (`http://127.0.0.1:9901`), read for requests per
+    /// tier on the operator page (overrides the config's `envoy_admin.url`).
+    #[arg(long)]
+    envoy_admin: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -116,6 +121,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(state_file) = args.state_file {
         config.state_file = Some(state_file);
+    }
+    if let Some(url) = args.envoy_admin {
+        let mut admin = config
+            .envoy_admin
+            .take()
+            .unwrap_or_else(|| EnvoyAdminConfig::from_url(&url));
+        admin.url = url;
+        admin
+            .check()
+            .map_err(|(at, m)| anyhow::anyhow!("--envoy-admin ({at}): {m}"))?;
+        config.envoy_admin = Some(admin);
     }
     let token_file = args
         .admin_token_file

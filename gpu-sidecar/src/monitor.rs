@@ -12,6 +12,7 @@ use tokio::sync::watch;
 use crate::alerts::{AlertEvent, Alerts};
 use crate::breaker::{At, Engine, Policy};
 use crate::config::ScopePlan;
+use crate::history::History;
 use crate::sources::{gpu_samples, BackendSource, GpuReading, GpuSource};
 use crate::state::{Breaker, BreakerState, StateStore};
 use crate::telemetry::{BackendStatus, Snapshot, Telemetry};
@@ -21,6 +22,8 @@ pub struct Outputs {
     pub store: StateStore,
     pub telemetry: Arc<Telemetry>,
     pub alerts: Option<Alerts>,
+    /// The operator page's rings, when it runs.
+    pub history: Option<Arc<History>>,
 }
 
 pub struct Monitor {
@@ -35,6 +38,7 @@ pub struct Monitor {
     store: StateStore,
     telemetry: Arc<Telemetry>,
     alerts: Option<Alerts>,
+    history: Option<Arc<History>>,
     snapshot: Snapshot,
 }
 
@@ -51,6 +55,7 @@ impl Monitor {
             store,
             telemetry,
             alerts,
+            history,
         } = out;
         let engine = Engine::new(
             policy,
@@ -85,6 +90,7 @@ impl Monitor {
             store,
             telemetry,
             alerts,
+            history,
             snapshot,
         }
     }
@@ -134,6 +140,9 @@ impl Monitor {
                     eprintln!("sluice-sidecar: GPU source reads again");
                 }
                 snap.gpus = g.clone();
+                if let Some(h) = &self.history {
+                    h.record_gpus(now.wall, g);
+                }
             }
             Some(Err(e)) => {
                 let e = e.to_string();
@@ -213,6 +222,9 @@ impl Monitor {
                 .transitions
                 .entry((t.scope.clone(), t.to.as_str()))
                 .or_default() += 1;
+            if let Some(h) = &self.history {
+                h.record_transition(t);
+            }
             if let Some(a) = &self.alerts {
                 a.send(AlertEvent::Breaker {
                     scope: t.scope.clone(),
@@ -385,6 +397,7 @@ mod tests {
                 store: store.clone(),
                 telemetry: Arc::new(Telemetry::default()),
                 alerts: None,
+                history: None,
             },
             start,
         )
@@ -436,6 +449,7 @@ mod tests {
                 store: store.clone(),
                 telemetry: telemetry.clone(),
                 alerts: None,
+                history: None,
             },
             start,
         );

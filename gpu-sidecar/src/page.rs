@@ -1,170 +1,150 @@
-//! `GET /`: a status page for people on call. Server-rendered, no script,
-//! refreshed by a meta tag every 5 s.
+//! The operator page at `/` and its read-only data, `GET /v1/history`.
+//!
+//! The page is static (HTML, CSS and script compiled into the binary, no
+//! CDN, nothing external); its script reads `/v1/history` every few seconds
+//! and draws the charts as inline SVG. Operator text (kill switch and
+//! breaker reasons, GPU names, tiers) only ever reaches the page through
+//! `textContent`, never as markup, and the Content-Security-Policy below
+//! allows no inline script and no other origin: an injected string shows
+//! as text and cannot run.
+//!
+//! The kill switch control sends the admin token the operator types as
+//! `Authorization: Bearer` with `fetch` to the existing
+//! `POST /v1/kill-switch` (token and loopback rules unchanged) and clears
+//! the field; the page never stores it (no cookie, no web storage). A
+//! cross-site page cannot do the same: the browser sends no credential on
+//! its own, and a cross-origin request with an `Authorization` header needs
+//! a CORS preflight the sidecar never grants.
 
-use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::SystemTime;
 
-use crate::breaker::num;
-use crate::state::{BreakerState, SidecarState};
-use crate::telemetry::Snapshot;
+use axum::extract::State;
+use axum::http::header::{
+    CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE, REFERRER_POLICY, X_CONTENT_TYPE_OPTIONS,
+    X_FRAME_OPTIONS,
+};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
 
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
+use crate::api::Api;
+
+const HTML: &str = include_str!("../assets/page.html");
+const JS: &str = include_str!("../assets/page.js");
+const CSS: &str = include_str!("../assets/page.css");
+
+/// Same-origin script, style and fetches only; no frames (the control
+/// cannot be clickjacked), no forms posted anywhere, no plugins.
+pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
+connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; \
+frame-ancestors 'none'";
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (CONTENT_TYPE, content_type),
+            (CACHE_CONTROL, "no-store"),
+            (CONTENT_SECURITY_POLICY, CSP),
+            (X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (X_FRAME_OPTIONS, "DENY"),
+            (REFERRER_POLICY, "no-referrer"),
+        ],
+        body,
+    )
+        .into_response()
 }
 
-fn when(t: Option<std::time::SystemTime>) -> String {
-    t.map_or("—".into(), |t| {
-        humantime::format_rfc3339_seconds(t).to_string()
-    })
+/// `GET /`.
+pub async fn index() -> Response {
+    asset("text/html; charset=utf-8", HTML)
 }
 
-pub fn render(state: &SidecarState, snap: &Snapshot) -> String {
-    let mut h = String::new();
-    let ks = &state.kill_switch;
-    let _ = write!(
-        h,
-        "<!doctype html><html><head><meta charset=\"utf-8\"><meta http-equiv=\"refresh\" content=\"5\">\
-<title>sluice sidecar</title><style>\
-body{{font-family:system-ui,sans-serif;margin:2em;max-width:70em}}\
-table{{border-collapse:collapse;margin-bottom:1.5em}}td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:left}}\
-.open{{background:#f8d0d0}}.half_open{{background:#fbeec1}}.closed{{background:#d5f0d5}}\
-.ks-on{{background:#f8d0d0;padding:.6em;font-weight:bold}}.ks-off{{background:#d5f0d5;padding:.6em}}\
-</style></head><body><h1>sluice sidecar</h1>\
-<p>State version {} · updated {} · last round {}{}</p>",
-        state.version,
-        when(Some(state.updated_at)),
-        when(snap.last_round),
-        if state.stale { " · <b>some data is stale</b>" } else { "" }
-    );
+/// `GET /page.js`.
+pub async fn script() -> Response {
+    asset("text/javascript; charset=utf-8", JS)
+}
 
-    let _ = write!(
-        h,
-        "<h2>Kill switch</h2><p class=\"{}\">{}{} · since {}</p>",
-        if ks.active { "ks-on" } else { "ks-off" },
-        if ks.active {
-            "ON: traffic goes to the fallback"
-        } else {
-            "off"
-        },
-        ks.reason
-            .as_deref()
-            .map(|r| format!(" — {}", esc(r)))
-            .unwrap_or_default(),
-        when(ks.since)
-    );
+/// `GET /page.css`.
+pub async fn style() -> Response {
+    asset("text/css; charset=utf-8", CSS)
+}
 
-    let _ = write!(
-        h,
-        "<h2>GPUs ({})</h2>",
-        esc(snap.gpu_source.unwrap_or("no GPU source"))
-    );
-    if let Some(e) = &snap.gpu_error {
-        let _ = write!(h, "<p class=\"open\">GPU source failing: {}</p>", esc(e));
-    }
-    if snap.gpus.is_empty() {
-        h.push_str("<p>No GPU reading.</p>");
-    } else {
-        h.push_str("<table><tr><th>#</th><th>Name</th><th>Utilization</th><th>Memory</th><th>Temperature</th><th>Power</th></tr>");
-        for g in &snap.gpus {
-            let _ = write!(
-                h,
-                "<tr><td>{}</td><td>{}</td><td>{} %</td><td>{} / {} MiB ({} %)</td><td>{}</td><td>{}</td></tr>",
-                g.index,
-                esc(&g.name),
-                num(g.utilization),
-                num(g.memory_used_mb.round()),
-                num(g.memory_total_mb.round()),
-                num((g.memory_fraction() * 100.0).round()),
-                g.temperature_c.map_or("—".into(), |t| format!("{} °C", num(t))),
-                g.power_w.map_or("—".into(), |p| format!("{} W", num(p.round()))),
-            );
-        }
-        h.push_str("</table>");
-    }
-
-    h.push_str("<h2>Breakers</h2><table><tr><th>Scope</th><th>State</th><th>Since</th><th>Reason</th><th>Latest values</th></tr>");
-    for v in &snap.breakers {
-        let values: Vec<String> = v
-            .values
-            .iter()
-            .map(|(m, x)| format!("{m} {}", num(*x)))
-            .collect();
-        let _ = write!(
-            h,
-            "<tr class=\"{}\"><td>{}</td><td>{}{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            v.state.as_str(),
-            esc(&v.scope),
-            match v.state {
-                BreakerState::Open => "open",
-                BreakerState::HalfOpen => "half-open",
-                BreakerState::Closed => "closed",
-                BreakerState::Saturated => "saturated",
-            },
-            if v.stale { " (stale)" } else { "" },
-            when(Some(v.since)),
-            esc(v.reason.as_deref().unwrap_or("")),
-            esc(&values.join(", ")),
-        );
-    }
-    h.push_str("</table>");
-
-    if !snap.backends.is_empty() {
-        h.push_str("<h2>Backends</h2><table><tr><th>Name</th><th>Kind</th><th>Up</th><th>Signals</th><th>Error</th></tr>");
-        for b in &snap.backends {
-            let mut signals: Vec<String> = b
+/// `GET /v1/history`: read-only, open like `/v1/state` (see `api.rs`).
+pub async fn history(State(api): State<Arc<Api>>) -> Response {
+    let snap = api.telemetry.snapshot();
+    let mut body = api
+        .history
+        .to_json(SystemTime::now(), &api.store.current(), &snap.breakers);
+    // What the monitor's last round saw of its sources, beside the rings.
+    let backends: Vec<_> = snap
+        .backends
+        .iter()
+        .map(|b| {
+            let samples: serde_json::Map<String, serde_json::Value> = b
                 .samples
                 .iter()
-                .map(|(m, x)| format!("{m} {}", num(*x)))
+                .filter(|(_, v)| v.is_finite())
+                .map(|(m, v)| (m.name().to_string(), json!(v)))
                 .collect();
-            if !b.models.is_empty() {
-                signals.push(format!("models {}", b.models.join(", ")));
-            }
-            let _ = write!(
-                h,
-                "<tr class=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-                if b.up { "closed" } else { "open" },
-                esc(&b.name),
-                b.kind,
-                if b.up { "yes" } else { "no" },
-                esc(&signals.join(", ")),
-                esc(b.error.as_deref().unwrap_or("")),
-            );
-        }
-        h.push_str("</table>");
+            json!({"name": b.name, "kind": b.kind, "up": b.up, "samples": samples,
+                   "models": b.models, "error": b.error})
+        })
+        .collect();
+    if let Some(o) = body.as_object_mut() {
+        o.insert("gpu_source".into(), json!(snap.gpu_source));
+        o.insert("gpu_error".into(), json!(snap.gpu_error));
+        o.insert("backends".into(), json!(backends));
     }
-    h.push_str("<p><a href=\"/v1/state\">/v1/state</a> · <a href=\"/metrics\">/metrics</a> · <a href=\"/healthz\">/healthz</a></p></body></html>\n");
-    h
+    ([(CACHE_CONTROL, "no-store")], Json(body)).into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::breaker::View;
-    use std::time::SystemTime;
+
+    #[tokio::test]
+    async fn every_asset_carries_the_policy() {
+        for res in [index().await, script().await, style().await] {
+            let h = res.headers();
+            assert_eq!(h[CONTENT_SECURITY_POLICY], CSP);
+            assert_eq!(h[X_FRAME_OPTIONS], "DENY");
+            assert_eq!(h[X_CONTENT_TYPE_OPTIONS], "nosniff");
+            assert_eq!(h[CACHE_CONTROL], "no-store");
+        }
+        assert!(!CSP.contains("unsafe"), "no inline script or eval");
+    }
 
     #[test]
-    fn shows_kill_switch_and_breakers_escaped() {
-        let mut state = SidecarState::initial(SystemTime::UNIX_EPOCH);
-        state.kill_switch.active = true;
-        state.kill_switch.reason = Some("<script>x</script>".into());
-        let snap = Snapshot {
-            breakers: vec![View {
-                scope: "backend:a".into(),
-                state: BreakerState::Open,
-                reason: Some("gpu_utilization 95 >= 90 for 30s".into()),
-                since: SystemTime::UNIX_EPOCH,
-                stale: false,
-                values: vec![],
-            }],
-            ..Snapshot::default()
-        };
-        let page = render(&state, &snap);
-        assert!(page.contains("http-equiv=\"refresh\""));
-        assert!(page.contains("ON: traffic goes to the fallback"));
-        assert!(page.contains("&lt;script&gt;"));
-        assert!(!page.contains("<script>"));
-        assert!(page.contains("gpu_utilization 95 &gt;= 90 for 30s"));
+    fn the_page_has_no_external_asset_and_no_inline_script() {
+        for text in [HTML, JS, CSS] {
+            // The SVG namespace is a name, not something fetched.
+            let text = text.replace("\"http://www.w3.org/2000/svg\"", "");
+            for bad in [
+                "http://",
+                "https://",
+                "@import",
+                "url(",
+                "localStorage",
+                "sessionStorage",
+                "indexedDB",
+                "document.cookie",
+                "innerHTML",
+                "outerHTML",
+                "insertAdjacentHTML",
+                "document.write",
+                "eval(",
+            ] {
+                assert!(!text.contains(bad), "{bad} in an asset");
+            }
+        }
+        // Scripts only by src (the CSP would block inline ones anyway).
+        assert_eq!(HTML.matches("<script").count(), 1);
+        assert!(HTML.contains("<script src=\"/page.js\" defer></script>"));
+        let inline_handler = HTML
+            .split(|c: char| c.is_whitespace())
+            .any(|w| w.starts_with("on") && w.contains('='));
+        assert!(!inline_handler, "no inline event handlers");
+        assert!(HTML.contains("type=\"password\""));
     }
 }

@@ -244,10 +244,40 @@ breaker: {{stale_after: 2s, half_open_for: 400ms}}
     ] {
         assert!(metrics.contains(line), "{line} missing in\n{metrics}");
     }
-    let page = sc.text("/").await;
+    // The operator page's data: the breaker with its rule and value, and
+    // the transition on the timeline.
+    let history = sc.json("/v1/history").await;
+    let b = history["breakers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["scope"] == "backend:mock")
+        .unwrap_or_else(|| panic!("{history}"));
+    assert_eq!(b["state"], "open");
+    assert_eq!(history["backends"][0]["name"], "mock", "{history}");
+    assert_eq!(history["backends"][0]["samples"]["vllm_waiting"], 80.0);
+    let rule = b["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["metric"] == "vllm_waiting")
+        .unwrap_or_else(|| panic!("{b}"));
+    assert_eq!(
+        (rule["value"].as_f64(), rule["hot"].as_bool()),
+        (Some(80.0), Some(true))
+    );
     assert!(
-        page.contains("backend:mock") && page.contains("vllm_waiting 80 &gt;= 50"),
-        "{page}"
+        history["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["scope"] == "backend:mock"
+                && e["to"] == "open"
+                && e["reason"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("vllm_waiting 80 >= 50")),
+        "{history}"
     );
 
     // The queue drains: half-open (with the trickle), then closed.

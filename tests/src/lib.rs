@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use serde_yaml::Value;
 
+pub mod org;
+
 /// How long a process may take to come up, and a reload to be applied.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -1256,6 +1258,11 @@ pub fn chat_body(model: &str) -> serde_json::Value {
 /// points them at processes of its own (`set_cluster_addr`).
 pub fn shipped_config_for(upstream: &MockLlm) -> EnvoyConfig {
     let mut cfg = EnvoyConfig::load_shipped();
+    // Every test runs from 127.0.0.1: the shipped penalty box (60/min per
+    // address) is off unless a test turns it on (tests/tests/org.rs).
+    if let Some(policy) = cfg.policy_mut().as_mapping_mut() {
+        policy.remove("abuse");
+    }
     cfg.set_cluster_addr("llm_upstream", upstream.addr());
     cfg.set_cluster_addr("llm_fallback", closed_addr());
     cfg.set_cluster_addr("sluice_sidecar", closed_addr());
@@ -1607,6 +1614,9 @@ pub fn parse_rfc3339_utc(text: &str) -> Option<u64> {
     let days = era * 146_097 + doe - 719_468;
     u64::try_from(days * 86_400 + hh * 3600 + mm * 60 + ss).ok()
 }
+
+/// Headless Chromium over WebDriver, for the operator page (`browser.rs`).
+pub mod browser;
 
 /// HS256 JWTs for tests that go through Envoy's real `jwt_authn`: a key
 /// made for the run (never a fixed one), its JWKS, and signed tokens.

@@ -772,6 +772,9 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
     let r = send(&stack, &pro, &chat_body(BIG, "hello", 4, false));
     assert_eq!(r.header("x-sluice-degraded"), Some("downshift"), "{r:?}");
     send(&stack, &pro, &chat_body(MISTRAL, "hello", 4, true)).ok();
+    // A caller of a declared team (the team and org panels read its counter).
+    let team = [("x-api-key", "demo-search-key-1")];
+    send(&stack, &team, &chat_body(MISTRAL, "hello", 4, false)).ok();
 
     let envoy_metric = |name: &str| stack.envoy.metric(name, &[]).unwrap_or(0.0);
     assert!(

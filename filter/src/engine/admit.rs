@@ -242,6 +242,7 @@ impl Engine {
                 retry_after_ms,
                 tier: &identity.tier,
                 bucket: &bucket.name,
+                rule: &bucket.rule.id,
                 limit_text: &limit_text,
             },
             now_ms,

@@ -44,6 +44,33 @@ impl Pricing {
     }
 }
 
+/// A level of the hierarchy above the caller.
+#[derive(Debug, Clone, Copy)]
+enum Level {
+    Team,
+    Org,
+}
+
+impl Level {
+    fn prefix(self) -> &'static str {
+        match self {
+            Level::Team => "team",
+            Level::Org => "org",
+        }
+    }
+
+    /// Rates refuse as `<level>_rate_limit`, calendar budgets (tokens or
+    /// spend) as `<level>_budget_exceeded`.
+    fn reason(self, budget: bool) -> Reason {
+        match (self, budget) {
+            (Level::Team, false) => Reason::TeamRateLimit,
+            (Level::Team, true) => Reason::TeamBudgetExceeded,
+            (Level::Org, false) => Reason::OrgRateLimit,
+            (Level::Org, true) => Reason::OrgBudgetExceeded,
+        }
+    }
+}
+
 /// A bucket definition with what answers need to say about it.
 pub(super) struct Bucket {
     pub(super) rule: Rule,
@@ -69,7 +96,7 @@ pub(super) struct TierLimit {
 }
 
 /// The limits a `TierConfig` sets, in the order they are taken.
-pub(super) fn tier_limits(t: &crate::config::TierConfig) -> Vec<TierLimit> {
+pub(super) fn tier_limits(t: &crate::config::TierConfig, zone: Zone) -> Vec<TierLimit> {
     let rates = [
         (
             "requests",
@@ -95,28 +122,28 @@ pub(super) fn tier_limits(t: &crate::config::TierConfig) -> Vec<TierLimit> {
         (
             "daily_tokens",
             t.daily_tokens,
-            Window::Day,
+            Window::Day(zone),
             Meter::Tokens,
             Reason::DailyBudgetExceeded,
         ),
         (
             "monthly_tokens",
             t.monthly_tokens,
-            Window::Month,
+            Window::Month(zone),
             Meter::Tokens,
             Reason::MonthlyBudgetExceeded,
         ),
         (
             "daily_spend",
             t.daily_spend,
-            Window::Day,
+            Window::Day(zone),
             Meter::Spend,
             Reason::SpendCapExceeded,
         ),
         (
             "monthly_spend",
             t.monthly_spend,
-            Window::Month,
+            Window::Month(zone),
             Meter::Spend,
             Reason::SpendCapExceeded,
         ),
@@ -180,12 +207,13 @@ impl Engine {
             });
             buckets.len() - 1
         };
+        let zone = policy.budgets.reset_timezone;
         for (tier, t) in &policy.tiers {
             // The tier's shared total for undeclared callers comes first: a
             // flood refused there never reaches the per-caller slots.
             let mut mine = Vec::new();
             if let Some(total) = &t.anonymous_total {
-                for l in tier_limits(total) {
+                for l in tier_limits(total, zone) {
                     let i = add(
                         format!("tier/{tier}/anonymous/{}", l.what),
                         format!(
@@ -201,7 +229,7 @@ impl Engine {
                     mine.push(i);
                 }
             }
-            for l in tier_limits(t) {
+            for l in tier_limits(t, zone) {
                 let i = add(
                     format!("tier/{tier}/{}", l.what),
                     format!("tier {tier}: {} per caller", l.what.replace('_', " ")),
@@ -215,6 +243,36 @@ impl Engine {
             }
             tier_buckets.insert(tier.clone(), mine);
         }
+        // Teams and orgs: one shared bucket per limit (they are declared, so
+        // the key set stays bounded), taken after the caller's own.
+        let mut level_buckets: [HashMap<String, Vec<usize>>; 2] = Default::default();
+        for (level, configs, out) in [
+            (Level::Team, &policy.teams, 0),
+            (Level::Org, &policy.orgs, 1),
+        ] {
+            for (name, t) in configs {
+                let mine = tier_limits(t, zone)
+                    .into_iter()
+                    .map(|l| {
+                        add(
+                            format!("{}/{name}/{}", level.prefix(), l.what),
+                            format!(
+                                "{} {name}: {}, all its members together",
+                                level.prefix(),
+                                l.what.replace('_', " ")
+                            ),
+                            l.limit,
+                            Scope::Global,
+                            level.reason(l.budget.is_some()),
+                            l.meter,
+                            l.budget,
+                        )
+                    })
+                    .collect();
+                level_buckets[out].insert(name.clone(), mine);
+            }
+        }
+        let [team_buckets, org_buckets] = level_buckets;
         for (model, m) in &policy.models {
             let rates = [
                 (
@@ -295,14 +353,18 @@ impl Engine {
                 (name.clone(), p)
             })
             .collect();
+        let penalty = policy.abuse.as_ref().map(crate::abuse::PenaltyBox::new);
         Engine {
             resolver: Resolver::new(&policy),
             policy,
             buckets,
             tier_buckets,
+            team_buckets,
+            org_buckets,
             model_buckets,
             route_buckets,
             pricing,
+            penalty,
         }
     }
 
@@ -328,7 +390,11 @@ impl Engine {
                 (b.rule.clone(), mine)
             })
             .collect();
-        prepare(store, &rules, &self.layout())
+        let created = prepare(store, &rules, &self.layout())?;
+        match &self.penalty {
+            Some(pb) => Ok(created + pb.prepare(store)?),
+            None => Ok(created),
+        }
     }
 
     pub(super) fn layout(&self) -> Layout {
@@ -350,18 +416,23 @@ impl Engine {
 
     /// Indexes of the buckets that apply to a request, in the order they
     /// are taken (the first that refuses decides the answer).
-    pub(super) fn applying(
-        &self,
+    pub(super) fn applying<'a>(
+        &'a self,
         identity: &Identity,
         model: Option<&str>,
         path: &str,
     ) -> Vec<usize> {
         let none = Vec::new();
+        let level = |map: &'a HashMap<String, Vec<usize>>, name: Option<&str>| {
+            name.and_then(|n| map.get(n)).into_iter().flatten()
+        };
         self.tier_buckets
             .get(&identity.tier)
             .unwrap_or(&none)
             .iter()
             .filter(|&&i| !(identity.declared && self.buckets[i].anonymous))
+            .chain(level(&self.team_buckets, identity.team.as_deref()))
+            .chain(level(&self.org_buckets, identity.org.as_deref()))
             .chain(
                 model
                     .and_then(|m| self.model_buckets.get(m))
