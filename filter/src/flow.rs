@@ -595,12 +595,16 @@ impl Stream {
             .response_header(":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
+        if self.watch_upstream {
+            // The provider's own x-ratelimit-* headers, read before sluice
+            // adds its own (same names: they describe the caller's buckets).
+            self.observe_provider_limits(host);
+        }
         for (name, value) in std::mem::take(&mut self.response_headers) {
             host.set_response_header(&name, Some(&value));
         }
         if std::mem::take(&mut self.watch_upstream) {
             self.observe_upstream(host, self.status);
-            self.observe_provider_limits(host);
         }
         if let Some(plan) = &self.plan {
             let content_type = host.response_header("content-type");

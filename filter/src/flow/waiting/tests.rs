@@ -351,3 +351,27 @@ fn a_bucket_that_frees_soon_is_waited_for() {
     poller.tick(&w);
     assert!(!w.resumed.borrow().contains(&6));
 }
+
+/// sluice's own `x-ratelimit-*-tokens` (a caller's budget, added to the
+/// response) never pause the model for everyone: only the upstream's count.
+#[test]
+fn sluices_own_rate_limit_headers_pause_nothing() {
+    let w = MockHost::new(T0);
+    let mut poller = load(&w, &policy());
+    let (mut a, _) = post(&poller, &w, 1, &[("x-user", "a")]);
+    a.stream.borrow_mut().response_headers.extend([
+        ("x-ratelimit-remaining-tokens".to_string(), "0".to_string()),
+        ("x-ratelimit-reset-tokens".to_string(), "3600".to_string()),
+    ]);
+    w.respond(&[(":status", "200")]);
+    w.set_prop(&["response", "code_details"], b"via_upstream");
+    a.on_response_headers(&w);
+    assert_eq!(
+        w.resp_header("x-ratelimit-remaining-tokens").as_deref(),
+        Some("0")
+    );
+    a.on_log(&w);
+    let (_b, action) = post(&poller, &w, 2, &[("x-user", "b")]);
+    assert_eq!(action, Action::Continue, "not paused");
+    poller.tick(&w);
+}
