@@ -94,7 +94,9 @@ sed -e "s|@ADMIN_TOKEN@|$SLUICE_ADMIN_TOKEN|" -e "s|@DEMO_JWT@|$demo_jwt|" <<'TX
 Policy (envoy/sluice.yaml): tiers free 10/min, pro 60/min, enterprise 300/min;
 tokens per day: free 5,000 (hard: 429), pro 50,000 (soft: llama3.1:70b is
 downshifted to llama3.1:8b), enterprise 500,000 (alert at 80 %);
-models llama3.1:70b 5/min, llama3.1:8b 200/min, mistral:7b 150/min;
+models llama3.1:70b 5/min, llama3.1:8b 200/min, mistral:7b 150/min and 2
+in flight at once; workload classes: enterprise = batch (waits up to 30 s),
+free = standard (waits up to 5 s), pro = interactive (refused at once);
 anonymous callers are `free` by client address (all of them together at most
 600/min and 2,000,000 tokens/day: tiers.free.anonymous_total).
 Team `search` (demo-search-key-1, demo-search-key-2, both pro at 60/min) has
@@ -142,6 +144,17 @@ Try:
   # streaming, Ollama style
   curl -sN http://127.0.0.1:10000/api/chat -H 'x-api-key: demo-pro-key' \
     -d '{"model":"mistral:7b","messages":[{"role":"user","content":"hi"}]}'
+
+  # a queue forming: mistral:7b takes 2 requests at once; each takes 3 s here
+  # (mock-llm's x-mock-latency-ms). Enterprise (batch) callers wait their turn
+  # (x-sluice-queued-ms says how long), a pro (interactive) one is refused
+  # at once with 429 model_concurrency.
+  for i in 1 2 3 4; do curl -s -o /dev/null -w "enterprise: %{http_code} after %{time_total}s\n" \
+    -H 'x-api-key: demo-enterprise-key' -H 'x-mock-latency-ms: 3000' \
+    http://127.0.0.1:10000/v1/chat/completions -d '{"model":"mistral:7b","messages":[]}' & done
+  sleep 0.5; curl -s -o /dev/null -w "pro: %{http_code} after %{time_total}s\n" -H 'x-api-key: demo-pro-key' \
+    http://127.0.0.1:10000/v1/chat/completions -d '{"model":"mistral:7b","messages":[]}'; wait
+  curl -s http://127.0.0.1:9901/stats/prometheus | grep -E 'sluice_(queue_depth|inflight|queue_total)'
 
   # a hot GPU (simulated): the breaker opens after 30 s, then 503 gpu_overloaded
   curl -s http://127.0.0.1:9911/v1/simulate -H 'authorization: Bearer @ADMIN_TOKEN@' \

@@ -83,6 +83,13 @@ pub enum Reason {
     RequestTooLarge,
     InvalidRequest,
     Unauthenticated,
+    /// Every concurrency slot of the model (or its backend) is taken and
+    /// the caller's class does not wait.
+    ModelConcurrency,
+    /// The caller's class queue for the model is at `max_depth`.
+    QueueFull,
+    /// Waited `max_wait` without a slot.
+    QueueDeadline,
 }
 
 impl Reason {
@@ -109,6 +116,9 @@ impl Reason {
             Reason::RequestTooLarge => "request_too_large",
             Reason::InvalidRequest => "invalid_request",
             Reason::Unauthenticated => "unauthenticated",
+            Reason::ModelConcurrency => "model_concurrency",
+            Reason::QueueFull => "queue_full",
+            Reason::QueueDeadline => "queue_deadline",
         }
     }
 
@@ -132,6 +142,9 @@ impl Reason {
             | Reason::SpendCapExceeded
             | Reason::AnonymousLimit
             | Reason::CapacityExhausted
+            | Reason::ModelConcurrency
+            | Reason::QueueFull
+            | Reason::QueueDeadline
             | Reason::TeamRateLimit
             | Reason::TeamBudgetExceeded
             | Reason::OrgRateLimit
@@ -155,6 +168,9 @@ impl Reason {
             | Reason::TokenRateLimit
             | Reason::AnonymousLimit
             | Reason::CapacityExhausted
+            | Reason::ModelConcurrency
+            | Reason::QueueFull
+            | Reason::QueueDeadline
             | Reason::TeamRateLimit
             | Reason::OrgRateLimit
             | Reason::TemporarilyBlocked => "rate_limit_exceeded",
@@ -315,6 +331,23 @@ fn reply(reason: Reason, mut headers: Vec<(String, String)>, body: &serde_json::
         headers,
         body: body.to_string().into_bytes(),
     }
+}
+
+/// 429 of the concurrency gate and its queue (`model_concurrency`,
+/// `queue_full`, `queue_deadline`), with `Retry-After`.
+pub fn queue_refusal(reason: Reason, message: &str, retry_after_s: u64) -> Reply {
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.body_code(),
+        "param": null,
+        "sluice": {"retry_after_seconds": retry_after_s},
+    }});
+    reply(
+        reason,
+        vec![("retry-after".into(), retry_after_s.to_string())],
+        &body,
+    )
 }
 
 /// 503: the backend cannot take the request now.

@@ -60,6 +60,15 @@ pub struct Policy {
     /// Absent: no audit fields are written (they cost a host call each).
     pub audit: Option<AuditConfig>,
     pub anomaly: Option<AnomalyConfig>,
+    /// Workload classes: who waits for capacity and how long (see `queue`).
+    #[serde(default)]
+    pub classes: BTreeMap<String, crate::queue::ClassConfig>,
+    /// The class of callers whose tier, claim or header names none;
+    /// absent: such callers are refused at once when capacity is out.
+    pub default_class: Option<String>,
+    /// Limits per backend, all its models together.
+    #[serde(default)]
+    pub backends: BTreeMap<String, crate::queue::BackendConfig>,
     /// Limits of each team, all its members together (see `hierarchy`).
     #[serde(default)]
     pub teams: BTreeMap<String, TierConfig>,
@@ -384,6 +393,8 @@ pub struct JwtConfig {
     #[serde(default = "default_principal_claim")]
     pub principal_claim: String,
     pub tier_claim: Option<String>,
+    /// A verified claim naming the caller's workload class.
+    pub class_claim: Option<String>,
     /// Claims naming the caller's team and organisation (declared under
     /// `teams`/`orgs`; others count as none).
     pub team_claim: Option<String>,
@@ -407,6 +418,8 @@ fn default_principal_claim() -> String {
 pub struct TrustedHeaderConfig {
     pub principal: String,
     pub tier: Option<String>,
+    /// A trusted header naming the caller's workload class.
+    pub class: Option<String>,
     /// Headers naming the caller's team and organisation.
     pub team: Option<String>,
     pub org: Option<String>,
@@ -515,6 +528,8 @@ pub struct TierConfig {
     /// counted once for all of them (`anonymous_total: {requests: 600/min}`).
     /// A flood of new identities takes at most this.
     pub anonymous_total: Option<Box<TierConfig>>,
+    /// The workload class of this tier's callers (a name under `classes`).
+    pub class: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -542,6 +557,8 @@ pub struct ModelConfig {
     /// Whose credential this model's upstream sees; default:
     /// `protection.credentials`.
     pub credentials: Option<Credentials>,
+    /// Requests in flight to this model at once, across every worker.
+    pub concurrency: Option<u32>,
 }
 
 pub fn default_backend() -> String {
@@ -1353,7 +1370,7 @@ impl Policy {
                 "must be at least 1",
             ));
         }
-        Ok(())
+        crate::queue::check(self)
     }
 }
 

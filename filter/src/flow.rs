@@ -16,7 +16,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 use crate::answer::{Decision, Reason};
 use crate::codec::{PollLease, Record};
@@ -81,12 +81,20 @@ pub struct Filter {
     audit_principals: RefCell<HashMap<String, String>>,
     /// Limits shared with the other Envoys (the policy's `fleet`).
     pub fleet: Option<crate::fleet::Fleet>,
+    /// Concurrency gates and this VM's queued requests (see `waiting`).
+    gates: crate::queue::Gates,
+    waiters: RefCell<HashMap<u64, waiting::Waiter>>,
+    /// This VM's wake-up queue.
+    wake_queue: Cell<Option<u32>>,
 }
 
 impl Filter {
     pub fn new(engine: Engine) -> Filter {
         Filter {
             fleet: crate::fleet::Fleet::new(&engine),
+            gates: crate::queue::Gates::new(&engine.policy),
+            waiters: RefCell::default(),
+            wake_queue: Cell::new(None),
             engine,
             seen: RefCell::new((0, Rc::new(Seen::default()))),
             dice: Cell::new(0),
@@ -166,6 +174,8 @@ pub struct Poller {
     sidecar_failing: bool,
     /// Lease returns and settlement batches to the sidecar.
     fleet: crate::fleet::Agent,
+    /// With queues the tick is fast; the lease still moves at `TICK_MS`.
+    next_lease_ms: u64,
 }
 
 impl Poller {
@@ -222,24 +232,49 @@ impl Poller {
                 }
             }
         }
-        if engine.policy.sidecar.is_some() {
+        if engine.policy.sidecar.is_some() || !filter.gates.is_empty() {
             // Distinct per VM: VMs start at different nanoseconds.
             let ns = host.now_ns();
             let (subsec, ms) = (ns % 1_000_000_000, ns / 1_000_000);
-            self.id = (subsec << 20) ^ ms.rotate_left(7) | 1;
+            if self.id == 0 {
+                self.id = (subsec << 20) ^ ms.rotate_left(7) | 1;
+            }
             host.set_tick_period_ms(TICK_MS);
         }
+        waiting::configure(&filter, self.filter.as_deref(), host, self.id);
         self.filter = Some(Rc::new(filter));
         true
     }
 
     /// A new HTTP stream's context; `None` before a policy loaded.
     pub fn request(&self) -> Option<Request> {
-        self.filter.clone().map(Request::new)
+        self.request_for(0)
+    }
+
+    /// A new HTTP stream's context, with Envoy's id for it (a queued
+    /// request is resumed by id).
+    pub fn request_for(&self, context_id: u32) -> Option<Request> {
+        self.filter
+            .clone()
+            .map(|filter| Request::wrap(Stream::new(filter), context_id))
+    }
+
+    /// Messages on this VM's wake-up queue: queued requests granted a slot.
+    pub fn on_wake(&mut self, host: &dyn Host) {
+        if let Some(filter) = self.filter.clone() {
+            waiting::on_wake(&filter, host);
+        }
     }
 
     pub fn tick(&mut self, host: &dyn Host) {
         let now = host.now_ms();
+        if let Some(filter) = self.filter.clone().filter(|f| !f.gates.is_empty()) {
+            waiting::tick(&filter, host, now);
+            if now < self.next_lease_ms {
+                return;
+            }
+            self.next_lease_ms = now + TICK_MS;
+        }
         // The lease is renewed on every tick, also while a long poll is in
         // flight: else another VM would take it mid-poll.
         if !self.hold_lease(host, now) {
@@ -374,8 +409,68 @@ impl Poller {
     }
 }
 
-/// One HTTP stream, from its request headers to its access log.
+/// An HTTP stream as Envoy's callbacks reach it: a handle on the
+/// [`Stream`], shared with the root context while the request waits in a
+/// queue. Callbacks never nest, so a borrow always succeeds; if one did
+/// not, the callback lets the stream continue rather than panic.
 pub struct Request {
+    stream: Rc<RefCell<Stream>>,
+}
+
+impl Request {
+    fn with(&self, f: impl FnOnce(&mut Stream) -> Action) -> Action {
+        match self.stream.try_borrow_mut() {
+            Ok(mut stream) => f(&mut stream),
+            Err(_) => Action::Continue,
+        }
+    }
+
+    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        self.with(|s| s.on_request_headers(host, end_of_stream))
+    }
+
+    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        self.with(|s| s.on_request_body(host, body_size, end))
+    }
+
+    pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
+        self.with(|s| s.on_request_trailers(host))
+    }
+
+    pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+        self.with(|s| s.on_response_headers(host))
+    }
+
+    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        self.with(|s| s.on_response_body(host, body_size, end))
+    }
+
+    pub fn on_log(&mut self, host: &dyn Host) {
+        self.with(|s| {
+            s.on_log(host);
+            Action::Continue
+        });
+    }
+
+    /// The answer to a callout this stream made (the fleet's strict take).
+    pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        self.with(|s| {
+            s.on_call_response(host, token, body_size);
+            Action::Continue
+        });
+    }
+
+    #[cfg(test)]
+    fn audit(&self, host: &dyn Host, name: &str, value: &str) {
+        if let Ok(s) = self.stream.try_borrow() {
+            s.audit(host, name, value);
+        }
+    }
+}
+
+/// One HTTP stream, from its request headers to its access log (behind
+/// [`Request`], which the root context can also reach while it waits).
+pub struct Stream {
     filter: Rc<Filter>,
     /// The request went to the primary upstream: its answer feeds the
     /// route's pause and error breaker.
@@ -412,11 +507,22 @@ pub struct Request {
     fleet_wait: Option<(crate::fleet::Pending, Verdict)>,
     /// What the fleet buckets hold for this request, until settled.
     fleet_claims: Vec<crate::fleet::Claimed>,
+    /// Envoy's id of this stream, and the handle the root wakes it by.
+    context_id: u32,
+    me: Weak<RefCell<Stream>>,
+    /// Its concurrency slot or queue entry, and what a queued request
+    /// needs to be admitted when its turn comes.
+    gate: Option<waiting::GateState>,
+    parked: Option<waiting::Parked>,
 }
 
-impl Request {
-    pub fn new(filter: Rc<Filter>) -> Request {
-        Request {
+impl Stream {
+    pub fn new(filter: Rc<Filter>) -> Stream {
+        Stream {
+            context_id: 0,
+            me: Weak::new(),
+            gate: None,
+            parked: None,
             filter,
             watch_upstream: false,
             pushback: None,
@@ -541,6 +647,11 @@ impl Request {
             .response_header(":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
+        if self.watch_upstream {
+            // The provider's own x-ratelimit-* headers, read before sluice
+            // adds its own (same names: they describe the caller's buckets).
+            self.observe_provider_limits(host);
+        }
         for (name, value) in std::mem::take(&mut self.response_headers) {
             host.set_response_header(&name, Some(&value));
         }
@@ -592,6 +703,7 @@ impl Request {
         }
         if end {
             self.settle(host);
+            self.release_slot(host);
         }
         Action::Continue
     }
@@ -599,6 +711,8 @@ impl Request {
     pub fn on_log(&mut self, host: &dyn Host) {
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle(host);
+        // Its slot or queue entry is given back (once, whichever came first).
+        self.leave_gate(host);
         // A probe whose answer never came (the client left first) is given
         // back, not left to block the route until its lease ends.
         if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
@@ -642,6 +756,10 @@ impl Request {
             }
         }
         self.audit_decision(host, &verdict);
+        if verdict.reply.is_some() {
+            // Refused after it took a slot (a budget at dispatch).
+            self.release_slot(host);
+        }
         match verdict.reply {
             Some(reply) => {
                 let headers: Vec<(&str, &str)> = reply
@@ -654,6 +772,10 @@ impl Request {
             }
             None => {
                 self.response_headers = verdict.response_headers;
+                if let Some(waited) = self.gate.as_ref().map(|g| g.waited_ms) {
+                    self.response_headers
+                        .push(("x-sluice-queued-ms".into(), waited.to_string()));
+                }
                 let engine = &self.filter.engine;
                 if let Some(plan) = verdict.plan.filter(|p| engine.settles(p)) {
                     add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
@@ -785,12 +907,45 @@ impl Request {
         };
         let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
         let (fallback, probe) = match route(&pushback) {
+            // A route paused by the upstream's Retry-After: a caller whose
+            // class may wait that long waits in the model's queue instead.
+            Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
+                (false, false)
+            }
             Routed::Answered(verdict) => return self.finish(host, *verdict),
             Routed::Fallback => (true, false),
             Routed::Primary => (false, false),
             Routed::Probe => (false, true),
         };
+        if !fallback && !probe {
+            // The model's concurrency gate: a slot, a place in the queue
+            // (budgets are reserved when its turn comes), or a refusal.
+            let (gated, gate) = self.pass_gate(host, &identity, model, now, now);
+            self.gate = gate;
+            match gated {
+                waiting::Gated::Go => {}
+                waiting::Gated::Answered(verdict) => return self.finish(host, *verdict),
+                waiting::Gated::Wait => {
+                    self.parked = Some(waiting::Parked {
+                        asked,
+                        body_len: body.len(),
+                        pushback,
+                    });
+                    return Action::Pause;
+                }
+            }
+        }
         let mut verdict = engine.admit(host, &ctx);
+        if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
+            // A bucket frees up within the class's wait: the request
+            // gives its slot back and tries again then, instead of a 429.
+            self.parked = Some(waiting::Parked {
+                asked,
+                body_len: body.len(),
+                pushback,
+            });
+            return self.sleep(host, now + retry_ms);
+        }
         if probe {
             // Claimed only now, by an admitted request: a refused one never
             // holds the probe.
@@ -1051,3 +1206,4 @@ impl Request {
 
 #[cfg(test)]
 mod tests;
+mod waiting;

@@ -61,6 +61,10 @@ pub struct BreakerView {
     pub reason: Option<String>,
 }
 
+/// The sidecar's breaker state for a backend that still serves but is
+/// full (vLLM's queue or KV cache past a threshold).
+pub const SATURATED: &str = "saturated";
+
 /// The sidecar state as one worker sees it: the last one received, and when.
 #[derive(Debug, Clone, Default)]
 pub struct Seen {
@@ -553,7 +557,9 @@ pub fn route(s: &Situation) -> Route {
         let backend_scope = format!("backend:{}", s.backend);
         for b in &st.breakers {
             let applies = Some(&b.scope) == model_scope.as_ref() || b.scope == backend_scope;
-            if !applies {
+            // `saturated` is not a refusal: the concurrency gate decides
+            // (batch waits, interactive is refused), see `queue`.
+            if !applies || b.state == SATURATED {
                 continue;
             }
             let let_through =

@@ -100,11 +100,23 @@ pub trait Host: SharedStore {
         body: &[u8],
         timeout_ms: u64,
     ) -> Result<u32, String>;
-    /// Lets a request the filter paused go on (after a callout answer).
-    fn resume_request(&self);
     /// A header of the callout answer being delivered.
     fn call_response_header(&self, name: &str) -> Option<String>;
     fn call_response_body(&self, size: usize) -> Vec<u8>;
+
+    // Waking paused requests (see `queue`): one wake-up queue per worker.
+    /// Registers this worker's wake-up queue; its process-wide token.
+    fn register_wake_queue(&self, name: &str) -> Option<u32>;
+    /// Sends a message to a worker's wake-up queue (any worker's token).
+    fn wake(&self, queue: u32, message: &[u8]) -> bool;
+    /// The next message of this worker's queue.
+    fn take_wake(&self, queue: u32) -> Option<Vec<u8>>;
+    /// Makes the root context act on an HTTP stream (reply, resume).
+    fn set_effective_context(&self, context_id: u32) -> bool;
+    /// Resumes the paused request: this HTTP context's (after its callout
+    /// answered), or from the root the effective context's. `false`: the
+    /// stream is gone.
+    fn resume_request(&self) -> bool;
 }
 
 /// The request as identity reads it: headers from a snapshot taken once

@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod principal;
 mod proto_struct;
 mod pushback;
+pub mod queue;
 pub mod reconcile;
 pub mod request;
 pub mod reservation;

@@ -217,16 +217,67 @@ impl Host for WasmHost {
             .map_err(|status| format!("{status:?}"))
     }
 
-    fn resume_request(&self) {
-        let _ = hostcalls::resume_http_request();
-    }
-
     fn call_response_header(&self, name: &str) -> Option<String> {
         header_text(MapType::HttpCallResponseHeaders, name)
     }
 
     fn call_response_body(&self, size: usize) -> Vec<u8> {
         buffer(BufferType::HttpCallResponseBody, size)
+    }
+
+    fn register_wake_queue(&self, name: &str) -> Option<u32> {
+        let mut id = 0u32;
+        // SAFETY: the pointers are valid for the call; the host writes one u32.
+        let status =
+            unsafe { raw::proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) };
+        (status == raw::OK).then_some(id)
+    }
+
+    fn wake(&self, queue: u32, message: &[u8]) -> bool {
+        // SAFETY: the message outlives the call; the host copies it.
+        unsafe {
+            raw::proxy_enqueue_shared_queue(queue, message.as_ptr(), message.len()) == raw::OK
+        }
+    }
+
+    fn take_wake(&self, queue: u32) -> Option<Vec<u8>> {
+        // Empty and not-found are `Ok(None)`/`Err`; other statuses do not
+        // occur for a queue this VM registered.
+        hostcalls::dequeue_shared_queue(queue).ok().flatten()
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> bool {
+        // SAFETY: plain value call.
+        unsafe { raw::proxy_set_effective_context(context_id) == raw::OK }
+    }
+
+    fn resume_request(&self) -> bool {
+        // SAFETY: plain value call.
+        unsafe { raw::proxy_continue_stream(raw::HTTP_REQUEST) == raw::OK }
+    }
+}
+
+/// Hostcalls whose SDK wrappers panic on a status they did not expect (a
+/// stream that ended before its wake-up, say): called raw, the status read
+/// as a number, so such a status is a `false`, never a dead VM.
+#[allow(unsafe_code)]
+mod raw {
+    pub const OK: u32 = 0;
+    pub const HTTP_REQUEST: u32 = 0;
+    #[link(wasm_import_module = "env")]
+    extern "C" {
+        pub fn proxy_register_shared_queue(
+            name_data: *const u8,
+            name_size: usize,
+            return_id: *mut u32,
+        ) -> u32;
+        pub fn proxy_enqueue_shared_queue(
+            queue_id: u32,
+            value_data: *const u8,
+            value_size: usize,
+        ) -> u32;
+        pub fn proxy_set_effective_context(context_id: u32) -> u32;
+        pub fn proxy_continue_stream(stream_type: u32) -> u32;
     }
 }
 
@@ -258,8 +309,12 @@ impl RootContext for Root {
         self.poller.tick(&self.host);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let request = self.poller.request()?;
+    fn on_queue_ready(&mut self, _queue_id: u32) {
+        self.poller.on_wake(&self.host);
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let request = self.poller.request_for(context_id)?;
         Some(Box::new(Http {
             request,
             host: self.host.clone(),

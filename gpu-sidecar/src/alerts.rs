@@ -75,6 +75,7 @@ impl AlertEvent {
                     BreakerState::Open => "OPEN: traffic is refused",
                     BreakerState::HalfOpen => "HALF-OPEN: a trickle goes through",
                     BreakerState::Closed => "closed: traffic flows",
+                    BreakerState::Saturated => "SATURATED: batch waits, interactive is refused",
                 };
                 format!("sluice: breaker {scope} {word} ({reason}){tail}")
             }

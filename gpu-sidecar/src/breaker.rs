@@ -418,6 +418,8 @@ fn decide(s: &Scope, policy: &Policy, now: Instant) -> Option<(BreakerState, Str
                 Some((BreakerState::Closed, why))
             }
         }
+        // Never a breaker's own state (the monitor publishes it).
+        BreakerState::Saturated => None,
         BreakerState::HalfOpen => {
             if let Some(t) = s.tracks.iter().find(|t| t.hot()) {
                 return Some((

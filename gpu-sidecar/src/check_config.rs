@@ -25,6 +25,7 @@ pub fn check(text: &str) -> Result<String, String> {
         if let Some(warning) = buffer_warning(&doc, &at, &policy) {
             lines.push(warning);
         }
+        lines.extend(timeout_warnings(&doc, &at, &policy));
     }
     Ok(lines.join("; "))
 }
@@ -61,6 +62,78 @@ fn buffer_warning(doc: &Value, at: &str, policy: &Policy) -> Option<String> {
             policy.request.max_body_bytes
         )
     })
+}
+
+/// Envoy's route timeout when a route sets none.
+const ENVOY_DEFAULT_ROUTE_TIMEOUT_MS: u64 = 15_000;
+
+/// A warning per route of the policy's listener whose timeout is shorter
+/// than the longest `max_wait`: Envoy would answer 504 to a request still
+/// waiting its turn in sluice's queue. `0s` (no timeout) is fine.
+fn timeout_warnings(doc: &Value, at: &str, policy: &Policy) -> Vec<String> {
+    let longest = policy
+        .classes
+        .values()
+        .filter(|c| c.queue)
+        .map(|c| c.max_wait_ms)
+        .max()
+        .unwrap_or(0);
+    let listeners = doc
+        .pointer("/static_resources/listeners")
+        .and_then(Value::as_array);
+    let Some((i, listener)) = listeners.and_then(|l| {
+        l.iter()
+            .enumerate()
+            .find(|(i, _)| at.starts_with(&format!(".static_resources.listeners[{i}]")))
+    }) else {
+        return Vec::new();
+    };
+    if longest == 0 {
+        return Vec::new();
+    }
+    let mut routes = Vec::new();
+    collect_routes(listener, &mut routes);
+    routes
+        .into_iter()
+        .filter_map(|(name, timeout)| {
+            let ms = match timeout {
+                None => ENVOY_DEFAULT_ROUTE_TIMEOUT_MS,
+                Some(text) => envoy_duration_ms(&text)?,
+            };
+            (ms != 0 && ms <= longest).then(|| {
+                format!(
+                    "warning: static_resources.listeners[{i}]: route {name} has a timeout of {ms} ms, \
+                     not above the longest classes.*.max_wait ({longest} ms): Envoy answers 504 to a \
+                     request still queued; set the route timeout above it"
+                )
+            })
+        })
+        .collect()
+}
+
+/// Every route under a listener: its match (for the message) and timeout.
+fn collect_routes(v: &Value, out: &mut Vec<(String, Option<String>)>) {
+    match v {
+        Value::Object(map) => {
+            if let (Some(m), Some(route)) = (map.get("match"), map.get("route")) {
+                let timeout = route
+                    .get("timeout")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned);
+                out.push((m.to_string(), timeout));
+                return;
+            }
+            map.values().for_each(|c| collect_routes(c, out));
+        }
+        Value::Array(items) => items.iter().for_each(|c| collect_routes(c, out)),
+        _ => {}
+    }
+}
+
+/// `300s`, `1.5s` (protobuf JSON durations) in ms.
+fn envoy_duration_ms(text: &str) -> Option<u64> {
+    let secs: f64 = text.trim().strip_suffix('s')?.parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| (secs * 1000.0).round() as u64)
 }
 
 fn summary(p: &Policy) -> String {
@@ -160,6 +233,23 @@ mod tests {
         // Envoy's default (1 MiB) is the cap itself: warned about too.
         let default = shipped.replace(limit, "");
         assert!(check(&default).unwrap().contains("warning"));
+    }
+
+    #[test]
+    fn a_route_timeout_under_the_longest_wait_is_warned_about() {
+        let shipped = include_str!("../../envoy/sluice.yaml");
+        assert!(!check(shipped).unwrap().contains("timeout"));
+        assert_eq!(shipped.matches("timeout: 300s").count(), 2);
+        let short = shipped.replacen("timeout: 300s", "timeout: 20s", 1);
+        let summary = check(&short).unwrap();
+        assert!(summary.contains("has a timeout of 20000 ms"), "{summary}");
+        assert!(summary.contains("max_wait (30000 ms)"), "{summary}");
+        // No timeout at all (Envoy's default, 15 s) is warned about too.
+        let none = shipped.replace("timeout: 300s", "");
+        assert!(check(&none).unwrap().contains("timeout of 15000 ms"));
+        assert!(!check(&shipped.replace("timeout: 300s", "timeout: 0s"))
+            .unwrap()
+            .contains("timeout"));
     }
 
     #[test]

@@ -42,6 +42,11 @@ pub struct Config {
     pub sources: Sources,
     /// Rules for every scope that does not list its own.
     pub rules: Vec<RuleConfig>,
+    /// Saturation rules, for every scope (e.g. `vllm_requests_waiting`
+    /// ≥ 20): past one, the scope is reported `saturated` (beside `open`),
+    /// and sluice queues batch traffic and refuses interactive traffic
+    /// instead of refusing all. Empty: no saturation state.
+    pub saturation: Vec<RuleConfig>,
     pub breaker: BreakerConfig,
     /// Empty: one scope `backend:NAME` per backend plus `model:M` per model
     /// it lists; with no backends at all, one scope `backend:local` fed by
@@ -69,6 +74,7 @@ impl Default for Config {
             scrape_timeout: Duration::from_secs(1),
             sources: Sources::default(),
             rules: Rule::defaults().into_iter().map(RuleConfig::from).collect(),
+            saturation: Vec::new(),
             breaker: BreakerConfig::default(),
             scopes: Vec::new(),
             admin: AdminConfig::default(),
@@ -356,6 +362,15 @@ impl Config {
         }
     }
 
+    /// The saturation rules, checked.
+    pub fn saturation_rules(&self) -> Result<Vec<Rule>, ConfigError> {
+        self.saturation
+            .iter()
+            .enumerate()
+            .map(|(i, r)| r.to_rule(&format!("saturation[{i}]")))
+            .collect()
+    }
+
     /// The scopes, explicit or derived (see [`Config::scopes`]).
     pub fn scope_plans(&self) -> Result<Vec<ScopePlan>, ConfigError> {
         let rules = self
@@ -433,6 +448,7 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        self.saturation_rules()?;
         if self.scrape_interval.is_zero() {
             return Err(invalid("scrape_interval", "must be more than 0"));
         }

@@ -171,7 +171,8 @@ pub async fn serve(
             mono: Instant::now(),
             wall: now,
         },
-    );
+    )
+    .with_saturation(config.saturation_rules()?);
 
     let (closing_tx, closing_rx) = watch::channel(false);
     let monitor_task = tokio::spawn(monitor.run(config.scrape_interval, closing_rx.clone()));

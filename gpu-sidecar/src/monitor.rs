@@ -31,6 +31,10 @@ pub struct Monitor {
     backends: Vec<Box<dyn BackendSource>>,
     plans: Vec<ScopePlan>,
     engine: Engine,
+    /// The saturation rules' own engine (same scopes and samples): its
+    /// open scopes are published as `saturated` while their breaker is
+    /// closed. `None`: no saturation rules.
+    saturation: Option<Engine>,
     store: StateStore,
     telemetry: Arc<Telemetry>,
     alerts: Option<Alerts>,
@@ -82,12 +86,38 @@ impl Monitor {
             backends,
             plans,
             engine,
+            saturation: None,
             store,
             telemetry,
             alerts,
             history,
             snapshot,
         }
+    }
+
+    /// Adds saturation rules to every scope. Saturation has no half-open
+    /// trickle and fails open on stale data (a full backend that stops
+    /// answering is the breaker's business).
+    pub fn with_saturation(mut self, rules: Vec<crate::breaker::Rule>) -> Monitor {
+        if rules.is_empty() {
+            return self;
+        }
+        let policy = Policy {
+            half_open_fraction: 0.0,
+            on_stale: crate::breaker::OnStale::FailOpen,
+            ..self.engine.policy().clone()
+        };
+        let scopes = self
+            .plans
+            .iter()
+            .map(|p| (p.scope.clone(), rules.clone()))
+            .collect();
+        let start = At {
+            mono: std::time::Instant::now(),
+            wall: std::time::SystemTime::now(),
+        };
+        self.saturation = Some(Engine::new(policy, scopes, start));
+        self
     }
 
     /// One round at `now`.
@@ -162,13 +192,19 @@ impl Monitor {
                     .collect();
                 // A scope that takes no GPU is not kept fresh by them.
                 if plan.gpus.as_ref().is_none_or(|sel| !sel.is_empty()) {
-                    self.engine
-                        .observe(&plan.scope, &gpu_samples(mine), now.mono);
+                    let samples = gpu_samples(mine);
+                    self.engine.observe(&plan.scope, &samples, now.mono);
+                    if let Some(sat) = self.saturation.as_mut() {
+                        sat.observe(&plan.scope, &samples, now.mono);
+                    }
                 }
             }
             for &i in &plan.backends {
                 if let Some(Ok(r)) = polls.get(i) {
                     self.engine.observe(&plan.scope, &r.samples, now.mono);
+                    if let Some(sat) = self.saturation.as_mut() {
+                        sat.observe(&plan.scope, &r.samples, now.mono);
+                    }
                 }
             }
         }
@@ -199,9 +235,10 @@ impl Monitor {
                 });
             }
         }
+        let saturated = Self::saturation_round(self.saturation.as_mut(), now);
         let views = self.engine.views();
         let policy = self.engine.policy();
-        let breakers: Vec<Breaker> = views
+        let mut breakers: Vec<Breaker> = views
             .iter()
             .filter(|v| v.state != BreakerState::Closed)
             .map(|v| Breaker {
@@ -218,6 +255,25 @@ impl Monitor {
                 from_fleet: false,
             })
             .collect();
+        // A saturated scope whose breaker is closed: `saturated`.
+        for v in saturated {
+            if views
+                .iter()
+                .any(|b| b.scope == v.scope && b.state != BreakerState::Closed)
+            {
+                continue;
+            }
+            breakers.push(Breaker {
+                scope: v.scope.clone(),
+                state: BreakerState::Saturated,
+                half_open_fraction: 0.0,
+                retry_after_seconds: policy.retry_after.as_secs().max(1),
+                reason: v.reason.clone(),
+                since: v.since,
+                from_fleet: false,
+            });
+        }
+        breakers.sort_by(|a, b| a.scope.cmp(&b.scope));
         let stale = views.iter().any(|v| v.stale);
         self.store.update(now.wall, |s| {
             s.breakers = breakers;
@@ -226,6 +282,25 @@ impl Monitor {
         snap.breakers = views;
         snap.last_round = Some(now.wall);
         self.telemetry.replace(snap.clone());
+    }
+
+    /// Evaluates the saturation rules; the scopes saturated now.
+    fn saturation_round(saturation: Option<&mut Engine>, now: At) -> Vec<crate::breaker::View> {
+        let Some(sat) = saturation else {
+            return Vec::new();
+        };
+        for t in sat.evaluate(now) {
+            let word = if t.to == BreakerState::Closed {
+                "no longer saturated"
+            } else {
+                "saturated"
+            };
+            eprintln!("sluice-sidecar: {} {word} ({})", t.scope, t.reason);
+        }
+        sat.views()
+            .into_iter()
+            .filter(|v| v.state != BreakerState::Closed)
+            .collect()
     }
 
     /// Rounds every `interval` until `closing` turns true.
@@ -292,6 +367,55 @@ mod tests {
             }],
             fail: false,
         }
+    }
+
+    #[tokio::test]
+    async fn saturation_is_published_beside_the_breakers() {
+        let next = Arc::new(Mutex::new(Ok(vec![(Metric::VllmWaiting, 20.0)])));
+        let store = StateStore::new(SystemTime::UNIX_EPOCH);
+        let plans = vec![ScopePlan {
+            scope: "backend:fake".into(),
+            backends: vec![0],
+            gpus: Some(vec![]),
+            rules: Rule::defaults(),
+        }];
+        let start = At {
+            mono: Instant::now(),
+            wall: SystemTime::UNIX_EPOCH,
+        };
+        let rule = Rule {
+            metric: Metric::VllmWaiting,
+            open_at: 10.0,
+            close_below: 10.0,
+            open_for: Duration::ZERO,
+            close_after: Duration::ZERO,
+        };
+        let mut m = Monitor::new(
+            None,
+            vec![Box::new(Scripted { next: next.clone() })],
+            plans,
+            Policy::default(),
+            Outputs {
+                store: store.clone(),
+                telemetry: Arc::new(Telemetry::default()),
+                alerts: None,
+                history: None,
+            },
+            start,
+        )
+        .with_saturation(vec![rule]);
+        m.tick(start.plus(Duration::from_secs(1))).await;
+        m.tick(start.plus(Duration::from_secs(2))).await;
+        let state = store.current();
+        assert_eq!(state.breakers.len(), 1, "{state:?}");
+        assert_eq!(state.breakers[0].scope, "backend:fake");
+        assert_eq!(state.breakers[0].state, BreakerState::Saturated);
+        let json = serde_json::to_value(&state).unwrap();
+        assert_eq!(json["breakers"][0]["state"], "saturated");
+        *next.lock().unwrap() = Ok(vec![(Metric::VllmWaiting, 2.0)]);
+        m.tick(start.plus(Duration::from_secs(3))).await;
+        m.tick(start.plus(Duration::from_secs(4))).await;
+        assert!(store.current().breakers.is_empty());
     }
 
     #[tokio::test]

@@ -65,6 +65,9 @@ pub enum BreakerState {
     Closed,
     Open,
     HalfOpen,
+    /// Serving but full (a saturation rule: vLLM's queue or KV cache past
+    /// a threshold): sluice queues batch traffic, refuses interactive.
+    Saturated,
 }
 
 impl BreakerState {
@@ -73,6 +76,7 @@ impl BreakerState {
             BreakerState::Closed => "closed",
             BreakerState::Open => "open",
             BreakerState::HalfOpen => "half_open",
+            BreakerState::Saturated => "saturated",
         }
     }
 
@@ -82,6 +86,8 @@ impl BreakerState {
             BreakerState::Closed => 0,
             BreakerState::HalfOpen => 1,
             BreakerState::Open => 2,
+            // Not a breaker state: breakers never report it (see `Monitor`).
+            BreakerState::Saturated => 0,
         }
     }
 }

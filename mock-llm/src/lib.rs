@@ -8,6 +8,7 @@
 pub mod framing;
 pub mod generate;
 pub mod knobs;
+pub mod load;
 pub mod metrics;
 pub mod stats;
 pub mod tokens;

@@ -21,6 +21,12 @@ struct Cli {
     /// Model listed by /v1/models and /api/ps and used as the metrics label.
     #[arg(long, default_value = mock_llm::DEFAULT_MODEL)]
     model: String,
+    /// Requests allowed per `--ratelimit-window-ms`, answered with OpenAI's
+    /// `x-ratelimit-remaining-requests`/`x-ratelimit-reset-requests` (429 past it).
+    #[arg(long)]
+    ratelimit_requests: Option<u64>,
+    #[arg(long, default_value_t = 2_000)]
+    ratelimit_window_ms: u64,
 }
 
 #[tokio::main]
@@ -29,6 +35,12 @@ async fn main() -> anyhow::Result<()> {
     let app = mock_llm::app(mock_llm::Config {
         name: cli.name,
         model: cli.model,
+        ratelimit: cli
+            .ratelimit_requests
+            .map(|requests| mock_llm::load::RateLimit {
+                requests,
+                window: std::time::Duration::from_millis(cli.ratelimit_window_ms),
+            }),
     })?;
     let listener = TcpListener::bind(&cli.listen)
         .await

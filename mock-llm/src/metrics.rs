@@ -128,6 +128,8 @@ pub struct Metrics {
     ttft: Mutex<Histogram>,
     e2e: Mutex<Histogram>,
     in_flight: AtomicI64,
+    /// Peak and time at each in-flight level (`/admin/stats`).
+    pub load: crate::load::Load,
 }
 
 impl Metrics {
@@ -138,6 +140,7 @@ impl Metrics {
             ttft: Mutex::new(Histogram::new(TTFT_BUCKETS)),
             e2e: Mutex::new(Histogram::new(E2E_BUCKETS)),
             in_flight: AtomicI64::new(0),
+            load: crate::load::Load::default(),
         }
     }
 
@@ -162,11 +165,13 @@ impl Metrics {
         *lock(&self.gauges) = Gauges::default();
         *lock(&self.ttft) = Histogram::new(TTFT_BUCKETS);
         *lock(&self.e2e) = Histogram::new(E2E_BUCKETS);
+        self.load.reset();
     }
 
     /// Starts timing one served request; it counts as running until dropped.
     pub fn start_request(self: &Arc<Self>, started: Instant) -> RequestTimer {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.load.change(1);
         RequestTimer {
             metrics: Arc::clone(self),
             started,
@@ -270,6 +275,7 @@ impl RequestTimer {
 impl Drop for RequestTimer {
     fn drop(&mut self) {
         self.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.metrics.load.change(-1);
     }
 }
 

@@ -40,6 +40,8 @@ pub struct Config {
     /// Listed by `/v1/models` and `/api/ps`, used as the `model_name` metric
     /// label, and answered for when a request names no model.
     pub model: String,
+    /// A provider-style request limit (`x-ratelimit-*` headers, 429 past it).
+    pub ratelimit: Option<crate::load::RateLimit>,
 }
 
 impl Default for Config {
@@ -47,6 +49,7 @@ impl Default for Config {
         Config {
             name: "mock-llm".into(),
             model: DEFAULT_MODEL.into(),
+            ratelimit: None,
         }
     }
 }
@@ -57,6 +60,7 @@ struct AppState {
     stats: Mutex<Stats>,
     metrics: Arc<Metrics>,
     next_id: AtomicU64,
+    limiter: Option<crate::load::Limiter>,
 }
 
 type Shared = Arc<AppState>;
@@ -71,6 +75,7 @@ pub fn app(config: Config) -> anyhow::Result<Router> {
         model: config.model,
         stats: Mutex::default(),
         next_id: AtomicU64::new(1),
+        limiter: config.ratelimit.map(crate::load::Limiter::new),
     });
     let infer_route =
         |api: Api| post(move |State(s): State<Shared>, req: Request| infer(s, api, req));
@@ -282,6 +287,16 @@ async fn infer(s: Shared, api: Api, req: Request) -> Response {
         Ok(k) => k,
         Err(res) => return arrival.decorate(res, Some(&model)),
     };
+    let limited_by = s.limiter.as_ref().map(|l| l.take());
+    if let Some(v) = limited_by.as_ref().filter(|v| !v.allowed) {
+        let res = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "requests",
+            "rate_limit_exceeded",
+            String::from("mock-llm: request limit of the window reached"),
+        );
+        return ratelimit_headers(arrival.decorate(res, Some(&model)), v);
+    }
     let body = match &arrival.body {
         Ok(b @ Value::Object(_)) => b,
         Ok(_) => {
@@ -352,7 +367,23 @@ async fn infer(s: Shared, api: Api, req: Request) -> Response {
         )
             .into_response(),
     };
-    arrival.decorate(res, Some(&model))
+    let res = arrival.decorate(res, Some(&model));
+    match &limited_by {
+        Some(v) => ratelimit_headers(res, v),
+        None => res,
+    }
+}
+
+/// OpenAI's `x-ratelimit-remaining-requests` / `x-ratelimit-reset-requests`.
+fn ratelimit_headers(mut res: Response, v: &crate::load::Verdict) -> Response {
+    let h = res.headers_mut();
+    if let Ok(value) = HeaderValue::from_str(&v.remaining.to_string()) {
+        h.insert("x-ratelimit-remaining-requests", value);
+    }
+    if let Ok(value) = HeaderValue::from_str(&crate::load::reset_text(v.reset)) {
+        h.insert("x-ratelimit-reset-requests", value);
+    }
+    res
 }
 
 /// `GET /v1/models`, `GET /api/ps`: counted and subject to the knobs.
@@ -404,7 +435,13 @@ async fn set_metrics(State(s): State<Shared>, body: Bytes) -> Response {
 
 async fn stats(State(s): State<Shared>) -> Response {
     match serde_json::to_value(&*lock(&s.stats)) {
-        Ok(v) => Json(v).into_response(),
+        Ok(mut v) => {
+            if let (Some(map), Value::Object(load)) = (v.as_object_mut(), s.metrics.load.snapshot())
+            {
+                map.extend(load);
+            }
+            Json(v).into_response()
+        }
         Err(e) => error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",
@@ -451,6 +488,7 @@ mod tests {
 
     fn app_named(name: &str) -> Router {
         app(Config {
+            ratelimit: None,
             name: name.into(),
             model: "served".into(),
         })
@@ -584,6 +622,7 @@ mod tests {
     #[test]
     fn bad_name_is_refused() {
         assert!(app(Config {
+            ratelimit: None,
             name: "bad\nname".into(),
             model: "m".into()
         })

@@ -65,11 +65,23 @@ pub struct MockHost {
     pub call_response_body: RefCell<Vec<u8>>,
     /// Bodies of the callouts dispatched with one, by token.
     pub posted: RefCell<Vec<(u32, Vec<u8>)>>,
-    /// How often a paused request was resumed.
-    pub resumed: Cell<u32>,
     /// The next this many shared-data writes lose to a phantom writer
     /// (`CasMismatch`): a contention storm on demand.
     pub lose_writes: Cell<u32>,
+    /// Wake-up queues, shared like the store: name → token, token → messages.
+    pub wake_queues: Arc<std::sync::Mutex<WakeQueues>>,
+    /// The context the host acts on (`set_effective_context`).
+    pub effective_context: Cell<Option<u32>>,
+    /// Contexts resumed, in order.
+    pub resumed: RefCell<Vec<u32>>,
+    /// Replies sent while a context was effective: (context, reply).
+    pub context_replies: RefCell<Vec<(u32, SentReply)>>,
+}
+
+#[derive(Default, Debug)]
+pub struct WakeQueues {
+    pub names: HashMap<String, u32>,
+    pub messages: HashMap<u32, std::collections::VecDeque<Vec<u8>>>,
 }
 
 fn find(list: &[(String, String)], name: &str) -> Option<String> {
@@ -98,6 +110,17 @@ impl MockHost {
             ..MockHost::default()
         };
         host.clock_ms.set(now_ms);
+        host
+    }
+
+    /// Another worker: the same shared data and wake-up queues.
+    pub fn worker_of(other: &MockHost) -> MockHost {
+        let host = MockHost {
+            store: other.store.clone(),
+            wake_queues: other.wake_queues.clone(),
+            ..MockHost::default()
+        };
+        host.clock_ms.set(other.clock_ms.get());
         host
     }
 
@@ -221,14 +244,18 @@ impl Host for MockHost {
     }
 
     fn send_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
-        self.replies.borrow_mut().push(SentReply {
+        let reply = SentReply {
             status,
             headers: headers
                 .iter()
                 .map(|(n, v)| (n.to_string(), v.to_string()))
                 .collect(),
             body: body.to_vec(),
-        });
+        };
+        if let Some(id) = self.effective_context.get() {
+            self.context_replies.borrow_mut().push((id, reply.clone()));
+        }
+        self.replies.borrow_mut().push(reply);
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
@@ -316,10 +343,6 @@ impl Host for MockHost {
         Ok(token)
     }
 
-    fn resume_request(&self) {
-        self.resumed.set(self.resumed.get() + 1);
-    }
-
     fn call_response_header(&self, name: &str) -> Option<String> {
         find(&self.call_response_headers.borrow(), name)
     }
@@ -327,5 +350,48 @@ impl Host for MockHost {
     fn call_response_body(&self, size: usize) -> Vec<u8> {
         let body = self.call_response_body.borrow();
         body[..size.min(body.len())].to_vec()
+    }
+
+    fn register_wake_queue(&self, name: &str) -> Option<u32> {
+        let mut q = self.wake_queues.lock().ok()?;
+        let next = q.names.len() as u32 + 1;
+        let token = *q.names.entry(name.to_string()).or_insert(next);
+        q.messages.entry(token).or_default();
+        Some(token)
+    }
+
+    fn wake(&self, queue: u32, message: &[u8]) -> bool {
+        let Ok(mut q) = self.wake_queues.lock() else {
+            return false;
+        };
+        match q.messages.get_mut(&queue) {
+            Some(messages) => {
+                messages.push_back(message.to_vec());
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn take_wake(&self, queue: u32) -> Option<Vec<u8>> {
+        self.wake_queues
+            .lock()
+            .ok()?
+            .messages
+            .get_mut(&queue)?
+            .pop_front()
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> bool {
+        self.effective_context.set(Some(context_id));
+        true
+    }
+
+    /// The effective context set by the root, else (0) the HTTP stream
+    /// whose own callout answered.
+    fn resume_request(&self) -> bool {
+        let id = self.effective_context.get().unwrap_or(0);
+        self.resumed.borrow_mut().push(id);
+        true
     }
 }

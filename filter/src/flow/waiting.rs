@@ -1,0 +1,849 @@
+//! The request path's side of the concurrency gate ([`crate::queue`]):
+//! which class a caller is in, taking a slot or a place in the queue when
+//! the request is decided, resuming it from the root context when its
+//! turn comes (a wake-up message, or the tick as a safety net), answering
+//! `queue_deadline`, and giving the slot back exactly once.
+//!
+//! Each VM keeps its queued streams in `Filter::waiters` (ticket → stream).
+//! A slot freed on any worker is handed to the next entry in the shared
+//! queue and a message with its ticket goes to the owner's wake-up queue
+//! (one per VM: a shared queue only wakes the VM that registered it last).
+//! The owner resumes the stream with `set_effective_context` and
+//! `resume_http_request`. Who gives a granted slot back: the stream
+//! (response end or log) once it was resumed; `on_log` when the client
+//! left first (its withdrawal finds the entry gone, so it owns the slot).
+
+use std::cell::RefCell;
+use std::rc::{Rc, Weak};
+
+use super::{count_contention, Filter, Request, Stream};
+use crate::answer::{self, Reason};
+use crate::config::IdentitySource;
+use crate::engine::{Asked, RequestContext, Verdict};
+use crate::health::{Pushback, SATURATED};
+use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
+use crate::principal::{Identity, RequestView};
+use crate::queue::{self, Blocked, Changed, Entered, Grant, State};
+use crate::reservation::SETTLE_TRIES_FACTOR;
+
+/// Tick period while a policy has gates: deadlines are kept within it.
+pub const QUEUE_TICK_MS: u64 = 20;
+/// The header by which a client asks to wait less than its class would.
+pub const MAX_WAIT_HEADER: &str = "x-sluice-max-wait-ms";
+
+/// A queued stream of this VM.
+pub struct Waiter {
+    stream: Weak<RefCell<Stream>>,
+    context_id: u32,
+    backend: String,
+    deadline_ms: u64,
+    /// Not in the shared queue: waiting for a bucket until `deadline_ms`,
+    /// then it tries the gate again.
+    sleeping: bool,
+}
+
+/// Tickets of sleepers (local to a VM), apart from the shared queue's.
+const SLEEPER: u64 = 1 << 63;
+
+/// A request's hold on the gate.
+#[derive(Debug, Clone)]
+pub struct GateState {
+    backend: String,
+    model: String,
+    /// The class label (`none` without a class).
+    class: String,
+    arrived_ms: u64,
+    /// In the queue under this ticket.
+    ticket: Option<u64>,
+    /// Holds a concurrency slot.
+    slot: bool,
+    pub waited_ms: u64,
+    /// The longest it may wait in all, from `arrived_ms` (0: no waiting).
+    wait_ms: u64,
+    /// Sleeping for a bucket under this local ticket.
+    sleeper: Option<u64>,
+}
+
+/// What a queued request needs to be admitted when its turn comes.
+pub struct Parked {
+    pub asked: Option<Asked>,
+    pub body_len: usize,
+    pub pushback: Pushback,
+}
+
+pub enum Gated {
+    Go,
+    Wait,
+    Answered(Box<Verdict>),
+}
+
+// Metric names (labels ride in the name, see `metrics`).
+fn depth_gauge(model: &str, class: &str) -> String {
+    format!("sluice_queue_depth_model={model};.class={class};")
+}
+fn inflight_gauge(model: &str) -> String {
+    format!("sluice_inflight_model={model};")
+}
+fn wait_histogram(model: &str, class: &str) -> String {
+    format!("sluice_queue_wait_milliseconds_model={model};.class={class};")
+}
+/// `outcome`: dispatched (reason immediate|queued), rejected (model_concurrency,
+/// queue_full, gpu_overloaded, upstream_paused), expired, abandoned.
+fn outcome_counter(outcome: &str, reason: &str, model: &str, class: &str) -> String {
+    format!("sluice_queue_total_outcome={outcome};.reason={reason};.model={model};.class={class};")
+}
+
+fn count(host: &dyn Host, outcome: &str, reason: &str, g: &GateState) {
+    let name = outcome_counter(outcome, reason, &g.model, &g.class);
+    host.metric_add(MetricKind::Counter, &name, 1);
+}
+
+/// Gauges from the state just written: every gated model and class of the
+/// backend (a bounded set), so a gauge that went to 0 says so.
+fn publish(filter: &Filter, host: &dyn Host, backend: &str, state: &State) {
+    let Some(group) = filter.gates.group(backend) else {
+        return;
+    };
+    for model in group.model_limits.keys() {
+        let inflight = u64::from(state.inflight(model));
+        host.metric_record(MetricKind::Gauge, &inflight_gauge(model), inflight);
+        for class in class_labels(filter) {
+            let depth = state.depth(model, &class) as u64;
+            host.metric_record(MetricKind::Gauge, &depth_gauge(model, &class), depth);
+        }
+    }
+}
+
+fn class_labels(filter: &Filter) -> Vec<String> {
+    let mut labels: Vec<String> = filter.engine.policy.classes.keys().cloned().collect();
+    labels.push("none".into());
+    labels
+}
+
+/// Load: keys created, wake-up queue registered, tick made fast, gauges
+/// defined at 0, and the queued streams of the previous policy kept.
+pub fn configure(filter: &Filter, previous: Option<&Filter>, host: &dyn Host, vm_id: u64) {
+    if let Some(previous) = previous {
+        if let Ok(mut old) = previous.waiters.try_borrow_mut() {
+            if let Ok(mut new) = filter.waiters.try_borrow_mut() {
+                new.extend(old.drain());
+            }
+        }
+        filter.wake_queue.set(previous.wake_queue.get());
+    }
+    if filter.gates.is_empty() {
+        return;
+    }
+    filter.gates.prepare(host);
+    if filter.wake_queue.get().is_none() {
+        let queue = host.register_wake_queue(&format!("sluice:wake:{vm_id:x}"));
+        if queue.is_none() {
+            host.log(
+                LogLevel::Warn,
+                "cannot register a wake-up queue: requests that would wait are refused",
+            );
+        }
+        filter.wake_queue.set(queue);
+    }
+    host.set_tick_period_ms(QUEUE_TICK_MS);
+    for via in ["message", "tick"] {
+        host.metric_add(
+            MetricKind::Counter,
+            &format!("sluice_queue_resumed_total_via={via};"),
+            0,
+        );
+    }
+    for (backend, group) in filter.gates.groups() {
+        let state = host
+            .get(&group.key)
+            .and_then(|(b, _)| State::decode(&b))
+            .unwrap_or_default();
+        publish(filter, host, backend, &state);
+        for model in group.model_limits.keys() {
+            for class in class_labels(filter) {
+                host.metric_add(
+                    MetricKind::Counter,
+                    &outcome_counter("expired", "queue_deadline", model, &class),
+                    0,
+                );
+                host.metric_add(
+                    MetricKind::Counter,
+                    &outcome_counter("abandoned", "client_gone", model, &class),
+                    0,
+                );
+            }
+        }
+    }
+}
+
+/// The caller's class: a verified claim or a trusted header when the
+/// policy names one and the identity came from there, else its tier's,
+/// else `default_class`. Never from a header the policy does not trust.
+fn class_of(filter: &Filter, identity: &Identity, view: &dyn RequestView) -> Option<String> {
+    let policy = &filter.engine.policy;
+    let known = |c: String| policy.classes.contains_key(&c).then_some(c);
+    let named = match identity.source {
+        Some(IdentitySource::Jwt) => policy.identity.jwt.as_ref().and_then(|jwt| {
+            let claim = jwt.class_claim.as_ref()?;
+            view.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, claim)
+        }),
+        Some(IdentitySource::TrustedHeader) => policy
+            .identity
+            .trusted_header
+            .as_ref()
+            .and_then(|h| view.header(h.class.as_ref()?)),
+        _ => None,
+    };
+    named
+        .and_then(known)
+        .or_else(|| policy.tiers.get(&identity.tier)?.class.clone())
+        .or_else(|| policy.default_class.clone())
+}
+
+/// `x-sluice-max-wait-ms`: a whole number of milliseconds; `Err`: not one.
+fn asked_wait(view: &dyn RequestView) -> Result<Option<u64>, ()> {
+    match view.header(MAX_WAIT_HEADER) {
+        None => Ok(None),
+        Some(v) => {
+            let v = v.trim();
+            if v.is_empty() || v.len() > 12 || !v.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(());
+            }
+            v.parse().map(Some).map_err(|_| ())
+        }
+    }
+}
+
+impl Filter {
+    /// The sidecar reports the model or its backend saturated (a state it
+    /// sends beside `open`); only a fresh state counts (saturation fails open).
+    fn saturated(&self, host: &dyn Host, model: &str, backend: &str, now_ms: u64) -> bool {
+        let Some(sidecar) = self.engine.policy.sidecar.as_ref() else {
+            return false;
+        };
+        let seen = self.seen(host);
+        if now_ms.saturating_sub(seen.received_ms) > sidecar.stale_after_ms {
+            return false;
+        }
+        let (m, b) = (format!("model:{model}"), format!("backend:{backend}"));
+        seen.state.as_ref().is_some_and(|st| {
+            st.breakers
+                .iter()
+                .any(|x| x.state == SATURATED && (x.scope == m || x.scope == b))
+        })
+    }
+
+    /// The models of `backend` the sidecar reports saturated, for a pump.
+    fn saturated_models(&self, host: &dyn Host, backend: &str, now_ms: u64) -> Vec<String> {
+        let Some(group) = self.gates.group(backend) else {
+            return Vec::new();
+        };
+        group
+            .model_limits
+            .keys()
+            .filter(|m| self.saturated(host, m, backend, now_ms))
+            .cloned()
+            .collect()
+    }
+
+    fn tries(&self) -> u32 {
+        self.engine.policy.state.cas_max_retries
+    }
+
+    /// Sends each grant's ticket to its worker.
+    fn send_wakes(&self, host: &dyn Host, grants: &[Grant]) {
+        for grant in grants {
+            if !host.wake(grant.wake, &grant.ticket.to_le_bytes()) {
+                // Its owner's tick finds the grant (the safety net).
+                host.log(
+                    LogLevel::Warn,
+                    "a queued request's wake-up could not be sent",
+                );
+            }
+        }
+    }
+
+    fn applied<T>(&self, host: &dyn Host, backend: &str, changed: &Changed<T>) {
+        count_contention(host, changed.contention);
+        if let Some(state) = &changed.state {
+            publish(self, host, backend, state);
+        }
+        self.send_wakes(host, &changed.grants);
+    }
+}
+
+impl Stream {
+    /// The concurrency gate, once the route is the primary upstream.
+    /// Returns the gate state the stream keeps (`None`: ungated).
+    /// `since`: when the request arrived (it may have waited already).
+    pub(super) fn pass_gate(
+        &self,
+        host: &dyn Host,
+        identity: &Identity,
+        model: Option<&str>,
+        since: u64,
+        now: u64,
+    ) -> (Gated, Option<GateState>) {
+        let filter = self.filter.clone();
+        let Some(model) = model else {
+            return (Gated::Go, None);
+        };
+        let Some((backend, group)) = filter.gates.group_of(model) else {
+            return (Gated::Go, None);
+        };
+        let engine = &filter.engine;
+        let view = HostRequest(host, self.request_headers.as_deref());
+        let asked = match asked_wait(&view) {
+            Ok(asked) => asked,
+            Err(()) => {
+                let reply = answer::rejected(
+                    Reason::InvalidRequest,
+                    "x-sluice-max-wait-ms must be a whole number of milliseconds.",
+                    Some(MAX_WAIT_HEADER),
+                );
+                let verdict =
+                    engine.refused(reply, Reason::InvalidRequest, &identity.tier, Some(model));
+                return (Gated::Answered(Box::new(verdict)), None);
+            }
+        };
+        let class = class_of(&filter, identity, &view);
+        let class_cfg = class.as_ref().and_then(|c| engine.policy.classes.get(c));
+        let wake = filter.wake_queue.get();
+        let wait = class_cfg
+            .filter(|c| c.queue && wake.is_some())
+            .map(|c| (c.max_wait_ms.min(asked.unwrap_or(u64::MAX)), c.max_depth));
+        let wait_ms = wait.map_or(0, |(w, _)| w);
+        let wait = wait
+            .map(|(w, depth)| (w.saturating_sub(now.saturating_sub(since)), depth))
+            .filter(|(w, _)| *w > 0);
+        let class_label = class.clone().unwrap_or_else(|| "none".into());
+        let arrival = queue::Arrival {
+            model,
+            class: &class_label,
+            wait,
+            principal: identity.hash,
+            wake: wake.unwrap_or(0),
+            saturated: filter.saturated(host, model, backend, now),
+            now_ms: now,
+        };
+        let changed = queue::enter(host, group, filter.tries(), &arrival);
+        filter.applied(host, backend, &changed);
+        let mut gate = GateState {
+            backend: backend.to_string(),
+            model: model.to_string(),
+            class: class_label,
+            arrived_ms: since,
+            ticket: None,
+            slot: false,
+            waited_ms: now.saturating_sub(since),
+            wait_ms,
+            sleeper: None,
+        };
+        let (reason, reply) = match changed.value {
+            Entered::Go => {
+                gate.slot = true;
+                count(host, "dispatched", "immediate", &gate);
+                let wait = wait_histogram(&gate.model, &gate.class);
+                host.metric_record(MetricKind::Histogram, &wait, 0);
+                return (Gated::Go, Some(gate));
+            }
+            Entered::Queued {
+                ticket,
+                deadline_ms,
+            } => {
+                gate.ticket = Some(ticket);
+                if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
+                    waiters.insert(
+                        ticket,
+                        Waiter {
+                            stream: self.me.clone(),
+                            context_id: self.context_id,
+                            backend: backend.to_string(),
+                            deadline_ms,
+                            sleeping: false,
+                        },
+                    );
+                }
+                return (Gated::Wait, Some(gate));
+            }
+            Entered::Full => (
+                Reason::QueueFull,
+                answer::queue_refusal(
+                    Reason::QueueFull,
+                    &format!(
+                        "Too many requests of your class are waiting for {model}. Try again in 1 s."
+                    ),
+                    1,
+                ),
+            ),
+            Entered::Refused(Blocked::Saturated) => (
+                Reason::GpuOverloaded,
+                answer::unavailable(
+                    Reason::GpuOverloaded,
+                    "the backend is saturated",
+                    engine
+                        .policy
+                        .sidecar
+                        .as_ref()
+                        .map_or(1, |s| (s.retry_after_ms / 1000).max(1)),
+                ),
+            ),
+            Entered::Refused(Blocked::Paused(until)) => (
+                Reason::UpstreamPaused,
+                answer::unavailable(
+                    Reason::UpstreamPaused,
+                    "the provider has no capacity left until its limit resets",
+                    until.saturating_sub(now).div_ceil(1000).max(1),
+                ),
+            ),
+            Entered::Refused(_) | Entered::Contended => (
+                Reason::ModelConcurrency,
+                answer::queue_refusal(
+                    Reason::ModelConcurrency,
+                    &format!(
+                        "{model} is serving as many requests as it may at once. Try again in 1 s."
+                    ),
+                    1,
+                ),
+            ),
+        };
+        count(host, "rejected", reason.code(), &gate);
+        let verdict = engine.refused(reply, reason, &identity.tier, Some(model));
+        (Gated::Answered(Box::new(verdict)), None)
+    }
+
+    /// The route is paused (upstream 503/429 with `Retry-After`, for the
+    /// whole route, never one credential's pause): the pause is written
+    /// into the model's queue so the gate decides — wait until it ends
+    /// (a class that may wait that long), or the same 503 as before.
+    /// `false`: not a route pause, or the model has no gate.
+    pub(super) fn pause_gate(
+        &self,
+        host: &dyn Host,
+        verdict: &Verdict,
+        pushback: &Pushback,
+        model: Option<&str>,
+        now: u64,
+    ) -> bool {
+        let until = pushback.record.paused_until_ms;
+        let paused =
+            verdict.labels.decision == crate::answer::Decision::Refuse(Reason::UpstreamPaused);
+        if !paused || until <= now || pushback.credential_paused_until_ms > now {
+            return false;
+        }
+        let filter = self.filter.clone();
+        let Some((backend, group)) = model.and_then(|m| filter.gates.group_of(m)) else {
+            return false;
+        };
+        let Some(model) = model else { return false };
+        let changed = queue::pause(host, group, filter.tries(), model, until);
+        filter.applied(host, backend, &changed);
+        true
+    }
+
+    /// Its turn came (it holds a slot now): budgets are reserved, then it
+    /// goes upstream or is answered.
+    fn dispatch(&mut self, host: &dyn Host) -> Action {
+        let Some(parked) = self.parked.take() else {
+            return Action::Continue;
+        };
+        let now = host.now_ms();
+        if let Some(g) = self.gate.as_mut() {
+            g.ticket = None;
+            g.slot = true;
+            g.waited_ms = now.saturating_sub(g.arrived_ms);
+            let wait = wait_histogram(&g.model, &g.class);
+            host.metric_record(MetricKind::Histogram, &wait, g.waited_ms);
+            count(host, "dispatched", "queued", g);
+        }
+        let Some(identity) = self.identity.clone() else {
+            return Action::Continue;
+        };
+        let filter = self.filter.clone();
+        let ctx = RequestContext {
+            identity: &identity,
+            api: self.api,
+            path: &self.path,
+            asked: parked.asked.as_ref(),
+            now_ms: now,
+        };
+        let mut verdict = filter.engine.admit(host, &ctx);
+        if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
+            self.parked = Some(parked);
+            return self.sleep(host, now + retry_ms);
+        }
+        self.pushback = Some(parked.pushback);
+        if verdict.reply.is_none() {
+            self.watch_upstream = true;
+        }
+        if let Some(new_body) = verdict.body.take() {
+            host.replace_request_body(parked.body_len, &new_body);
+            host.set_request_header("content-length", Some(&new_body.len().to_string()));
+        }
+        // The fleet's buckets too, as for a request that went at once (a
+        // strict take's callout made here is the stream's: the effective
+        // context is set, so its answer comes to the stream).
+        self.fleet_gate(host, verdict)
+    }
+
+    /// A 429 of a bucket whose `Retry-After` ends within the request's
+    /// wait: how long to sleep before trying again.
+    pub(super) fn bucket_wait(&self, verdict: &Verdict, now: u64) -> Option<u64> {
+        let g = self.gate.as_ref()?;
+        verdict.bucket.as_ref()?;
+        let reply = verdict.reply.as_ref().filter(|r| r.status == 429)?;
+        let retry_ms = reply
+            .header("retry-after")?
+            .trim()
+            .parse::<u64>()
+            .ok()?
+            .saturating_mul(1000);
+        let deadline = g.arrived_ms.saturating_add(g.wait_ms);
+        (g.wait_ms > 0
+            && now.saturating_add(retry_ms) < deadline
+            && self.filter.wake_queue.get().is_some())
+        .then_some(retry_ms)
+    }
+
+    /// Gives the slot back and waits until `until_ms` (a bucket refills),
+    /// then tries the gate again (see `retry`).
+    pub(super) fn sleep(&mut self, host: &dyn Host, until_ms: u64) -> Action {
+        self.release_slot(host);
+        let filter = self.filter.clone();
+        let ticket = SLEEPER | u64::from(self.context_id) << 20 | (until_ms & 0xF_FFFF);
+        if let Some(g) = self.gate.as_mut() {
+            g.sleeper = Some(ticket);
+            count(host, "deferred", "bucket", g);
+            if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
+                waiters.insert(
+                    ticket,
+                    Waiter {
+                        stream: self.me.clone(),
+                        context_id: self.context_id,
+                        backend: g.backend.clone(),
+                        deadline_ms: until_ms,
+                        sleeping: true,
+                    },
+                );
+            }
+        }
+        Action::Pause
+    }
+
+    /// A sleeper's time came: the gate again, with what is left of its wait.
+    fn retry(&mut self, host: &dyn Host) -> Action {
+        let (Some(identity), Some(g)) = (self.identity.clone(), self.gate.take()) else {
+            return Action::Continue;
+        };
+        let model = self
+            .parked
+            .as_ref()
+            .and_then(|p| p.asked.as_ref())
+            .and_then(|a| a.demand.model.clone());
+        let now = host.now_ms();
+        let (gated, gate) = self.pass_gate(host, &identity, model.as_deref(), g.arrived_ms, now);
+        self.gate = gate;
+        match gated {
+            Gated::Go => self.dispatch(host),
+            Gated::Wait => Action::Pause,
+            Gated::Answered(verdict) => {
+                self.parked = None;
+                self.finish(host, *verdict)
+            }
+        }
+    }
+
+    /// Past its deadline and still in the queue: 429 `queue_deadline`.
+    fn expire(&mut self, host: &dyn Host) {
+        self.parked = None;
+        let Some(g) = self.gate.as_mut() else { return };
+        g.ticket = None;
+        let waited = host.now_ms().saturating_sub(g.arrived_ms);
+        count(host, "expired", "queue_deadline", g);
+        let reply = answer::queue_refusal(
+            Reason::QueueDeadline,
+            &format!(
+                "Waited {waited} ms for {} without a free slot. Try again later.",
+                g.model
+            ),
+            1,
+        );
+        let tier = self
+            .identity
+            .as_ref()
+            .map(|i| i.tier.clone())
+            .unwrap_or_default();
+        let model = g.model.clone();
+        let verdict = self
+            .filter
+            .engine
+            .refused(reply, Reason::QueueDeadline, &tier, Some(&model));
+        self.finish(host, verdict);
+    }
+
+    /// Gives the slot back, once; the next waiter gets it.
+    pub(super) fn release_slot(&mut self, host: &dyn Host) {
+        let Some(g) = self.gate.as_mut().filter(|g| g.slot) else {
+            return;
+        };
+        g.slot = false;
+        let (backend, model) = (g.backend.clone(), g.model.clone());
+        let filter = self.filter.clone();
+        let Some(group) = filter.gates.group(&backend) else {
+            return;
+        };
+        let now = host.now_ms();
+        let saturated = filter.saturated_models(host, &backend, now);
+        let saturated = |m: &str| saturated.iter().any(|s| s == m);
+        let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
+        let changed = queue::release(host, group, tries, &model, &saturated, now);
+        if !changed.value {
+            host.log(
+                LogLevel::Error,
+                &format!("a concurrency slot of {model} could not be given back (shared-data contention)"),
+            );
+        }
+        filter.applied(host, &backend, &changed);
+    }
+
+    /// The stream ends: out of the queue, or its slot given back.
+    pub(super) fn leave_gate(&mut self, host: &dyn Host) {
+        if let Some(sleeper) = self.gate.as_mut().and_then(|g| g.sleeper.take()) {
+            // Holds no slot and no queue entry while asleep.
+            self.parked = None;
+            if let Ok(mut waiters) = self.filter.waiters.try_borrow_mut() {
+                waiters.remove(&sleeper);
+            }
+            if let Some(g) = self.gate.clone() {
+                count(host, "abandoned", "client_gone", &g);
+            }
+            return;
+        }
+        let Some(ticket) = self.gate.as_mut().and_then(|g| g.ticket.take()) else {
+            self.release_slot(host);
+            return;
+        };
+        self.parked = None;
+        let filter = self.filter.clone();
+        if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
+            waiters.remove(&ticket);
+        }
+        let Some(g) = self.gate.clone() else { return };
+        let Some(group) = filter.gates.group(&g.backend) else {
+            return;
+        };
+        let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
+        let changed = queue::withdraw(host, group, tries, ticket);
+        filter.applied(host, &g.backend, &changed);
+        match changed.written {
+            crate::store::Updated::Written => count(host, "abandoned", "client_gone", &g),
+            crate::store::Updated::Unchanged => {
+                // Granted while the client left: the slot is ours to give back.
+                if let Some(g) = self.gate.as_mut() {
+                    g.slot = true;
+                }
+                count(host, "abandoned", "client_gone", &g);
+                self.release_slot(host);
+            }
+            _ => host.log(
+                LogLevel::Error,
+                "a queued request could not be withdrawn (shared-data contention)",
+            ),
+        }
+    }
+
+    /// OpenAI-style `x-ratelimit-remaining-*: 0` with `x-ratelimit-reset-*`:
+    /// the provider has nothing left until the reset, so the model's queue
+    /// waits for it instead of sending requests into 429s.
+    pub(super) fn observe_provider_limits(&mut self, host: &dyn Host) {
+        let Some(g) = self.gate.clone() else { return };
+        let filter = self.filter.clone();
+        let Some(group) = filter.gates.group(&g.backend) else {
+            return;
+        };
+        let from_upstream = host
+            .property(&["response", "code_details"])
+            .is_some_and(|d| d == b"via_upstream");
+        if !from_upstream {
+            return;
+        }
+        let now = host.now_ms();
+        let cap = filter.engine.policy.protection.max_pause_ms;
+        let reset = ["requests", "tokens"]
+            .into_iter()
+            .filter(|kind| {
+                host.response_header(&format!("x-ratelimit-remaining-{kind}"))
+                    .is_some_and(|v| v.trim() == "0")
+            })
+            .filter_map(|kind| {
+                let reset = host.response_header(&format!("x-ratelimit-reset-{kind}"))?;
+                queue::parse_reset(&reset)
+            })
+            .max();
+        if let Some(reset) = reset.filter(|r| *r > 0) {
+            let until = now.saturating_add(reset.min(cap));
+            let changed = queue::pause(host, group, filter.tries(), &g.model, until);
+            filter.applied(host, &g.backend, &changed);
+        }
+    }
+}
+
+/// Resumes a queued stream of this VM that holds a slot now; `via`: the
+/// wake-up message, or the tick that found the grant (a lost or late
+/// wake-up), counted in `sluice_queue_resumed_total{via}`.
+fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
+    let waiter = match filter.waiters.try_borrow_mut() {
+        Ok(mut waiters) => waiters.remove(&ticket),
+        Err(_) => None,
+    };
+    // Gone: its `on_log` withdrew it and gave the slot back.
+    let Some(waiter) = waiter else { return };
+    let Some(stream) = waiter.stream.upgrade() else {
+        return;
+    };
+    if !host.set_effective_context(waiter.context_id) {
+        return;
+    }
+    let Ok(mut stream) = stream.try_borrow_mut() else {
+        return;
+    };
+    host.metric_add(
+        MetricKind::Counter,
+        &format!("sluice_queue_resumed_total_via={via};"),
+        1,
+    );
+    if stream.dispatch(host) == Action::Continue && !host.resume_request() {
+        host.log(LogLevel::Warn, "a dispatched request could not be resumed");
+    }
+}
+
+fn expire(filter: &Filter, host: &dyn Host, ticket: u64) {
+    let waiter = match filter.waiters.try_borrow_mut() {
+        Ok(mut waiters) => waiters.remove(&ticket),
+        Err(_) => None,
+    };
+    let Some(waiter) = waiter else { return };
+    let Some(stream) = waiter.stream.upgrade() else {
+        return;
+    };
+    let Ok(mut stream) = stream.try_borrow_mut() else {
+        return;
+    };
+    if host.set_effective_context(waiter.context_id) {
+        stream.expire(host);
+    }
+}
+
+fn wake_sleeper(filter: &Filter, host: &dyn Host, ticket: u64) {
+    let waiter = match filter.waiters.try_borrow_mut() {
+        Ok(mut waiters) => waiters.remove(&ticket),
+        Err(_) => None,
+    };
+    let Some(waiter) = waiter else { return };
+    let Some(stream) = waiter.stream.upgrade() else {
+        return;
+    };
+    let Ok(mut stream) = stream.try_borrow_mut() else {
+        return;
+    };
+    if let Some(g) = stream.gate.as_mut() {
+        g.sleeper = None;
+    }
+    if host.set_effective_context(waiter.context_id)
+        && stream.retry(host) == Action::Continue
+        && !host.resume_request()
+    {
+        host.log(LogLevel::Warn, "a deferred request could not be resumed");
+    }
+}
+
+/// Wake-up messages: each is the ticket of a granted entry of this VM.
+pub fn on_wake(filter: &Filter, host: &dyn Host) {
+    let Some(queue) = filter.wake_queue.get() else {
+        return;
+    };
+    while let Some(message) = host.take_wake(queue) {
+        if let Ok(bytes) = <[u8; 8]>::try_from(message.as_slice()) {
+            resume(filter, host, u64::from_le_bytes(bytes), "message");
+        }
+    }
+}
+
+/// Every `QUEUE_TICK_MS`: time gates (a provider reset, saturation
+/// cleared) are pumped, grants whose wake-up was lost are resumed, and
+/// entries past their deadline leave the queue with 429 `queue_deadline`.
+pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
+    let due: Vec<u64> = match filter.waiters.try_borrow() {
+        Ok(w) => w
+            .iter()
+            .filter(|(_, w)| w.sleeping && w.deadline_ms <= now)
+            .map(|(t, _)| *t)
+            .collect(),
+        Err(_) => return,
+    };
+    for ticket in due {
+        wake_sleeper(filter, host, ticket);
+    }
+    let mine: Vec<(u64, String, u64)> = match filter.waiters.try_borrow() {
+        Ok(w) => w
+            .iter()
+            .filter(|(_, w)| !w.sleeping)
+            .map(|(t, w)| (*t, w.backend.clone(), w.deadline_ms))
+            .collect(),
+        Err(_) => return,
+    };
+    if mine.is_empty() {
+        return;
+    }
+    let mut backends: Vec<&String> = mine.iter().map(|(_, b, _)| b).collect();
+    backends.sort();
+    backends.dedup();
+    for backend in backends {
+        let Some(group) = filter.gates.group(backend) else {
+            // A reloaded policy no longer gates this backend: its waiters
+            // are answered rather than left to Envoy's route timeout.
+            for (ticket, _, _) in mine.iter().filter(|(_, b, _)| b == backend) {
+                expire(filter, host, *ticket);
+            }
+            continue;
+        };
+        let saturated = filter.saturated_models(host, backend, now);
+        let saturated = |m: &str| saturated.iter().any(|s| s == m);
+        let changed = queue::pump(host, group, filter.tries(), &saturated, now);
+        filter.applied(host, backend, &changed);
+        let Some(state) = host.get(&group.key).and_then(|(b, _)| State::decode(&b)) else {
+            continue;
+        };
+        for (ticket, b, deadline) in &mine {
+            if b != backend {
+                continue;
+            }
+            if !state.entries.iter().any(|e| e.ticket == *ticket) {
+                resume(filter, host, *ticket, "tick");
+            } else if *deadline <= now {
+                let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
+                let out = queue::withdraw(host, group, tries, *ticket);
+                filter.applied(host, backend, &out);
+                match out.written {
+                    crate::store::Updated::Written => expire(filter, host, *ticket),
+                    crate::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+impl Request {
+    pub(super) fn wrap(stream: Stream, context_id: u32) -> Request {
+        let stream = Rc::new(RefCell::new(stream));
+        if let Ok(mut s) = stream.try_borrow_mut() {
+            s.context_id = context_id;
+            s.me = Rc::downgrade(&stream);
+        }
+        Request { stream }
+    }
+}
+
+#[cfg(test)]
+mod tests;

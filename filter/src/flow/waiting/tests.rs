@@ -1,0 +1,377 @@
+//! The gate through the mock host: two workers sharing shared data and
+//! wake-up queues, as Envoy's do.
+
+use serde_json::{json, Value};
+
+use super::super::{Poller, Request};
+use crate::host::mock::MockHost;
+use crate::host::Action;
+
+const T0: u64 = 1_700_000_000_000;
+
+fn policy() -> Value {
+    json!({
+        "default_tier": "free",
+        "identity": {"sources": ["trusted_header"],
+                     "trusted_header": {"principal": "x-user", "tier": "x-tier", "class": "x-class"}},
+        "tiers": {"free": {"class": "standard"}, "pro": {"class": "interactive"}},
+        "classes": {"interactive": {"queue": false},
+                    "standard": {"max_wait": "5s", "max_depth": 2}},
+        "models": {"m": {"concurrency": 1}},
+    })
+}
+
+fn load(host: &MockHost, policy: &Value) -> Poller {
+    let mut poller = Poller::new();
+    assert!(poller.configure(host, policy.to_string().as_bytes()));
+    poller
+}
+
+fn post(poller: &Poller, host: &MockHost, ctx: u32, extra: &[(&str, &str)]) -> (Request, Action) {
+    let body = json!({"model": "m", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    let len = body.len().to_string();
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        ("content-type", "application/json"),
+        ("content-length", len.as_str()),
+    ];
+    headers.extend_from_slice(extra);
+    host.begin(&headers, body.as_bytes());
+    let mut req = poller.request_for(ctx).unwrap();
+    assert_eq!(req.on_request_headers(host, false), Action::Pause);
+    let action = req.on_request_body(host, body.len(), true);
+    (req, action)
+}
+
+fn finish(host: &MockHost, req: &mut Request) {
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    host.set_prop(&["response", "code_details"], b"via_upstream");
+    req.on_response_headers(host);
+    let body = "{\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1}}";
+    *host.response_body.borrow_mut() = body.as_bytes().to_vec();
+    req.on_response_body(host, body.len(), true);
+    req.on_log(host);
+}
+
+fn inflight(host: &MockHost) -> i64 {
+    host.metric("sluice_inflight_model=m;").unwrap_or(-1)
+}
+fn depth(host: &MockHost) -> i64 {
+    host.metric("sluice_queue_depth_model=m;.class=standard;")
+        .unwrap_or(-1)
+}
+
+#[test]
+fn a_freed_slot_wakes_the_waiter_on_another_worker() {
+    let w1 = MockHost::new(T0);
+    let w2 = MockHost::worker_of(&w1);
+    let p = policy();
+    let p1 = load(&w1, &p);
+    let mut p2 = load(&w2, &p);
+    let (mut a, action) = post(&p1, &w1, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Continue);
+    let (mut b, action) = post(&p2, &w2, 2, &[("x-user", "b")]);
+    assert_eq!(action, Action::Pause, "queued");
+    assert!(w2.replies.borrow().is_empty());
+    assert_eq!((inflight(&w2), depth(&w2)), (1, 1));
+    w1.advance(40);
+    w2.advance(40);
+    finish(&w1, &mut a);
+    // The grant went to worker 2's queue; its root resumes the stream.
+    assert!(w2.resumed.borrow().is_empty());
+    p2.on_wake(&w2);
+    assert_eq!(*w2.resumed.borrow(), vec![2]);
+    assert_eq!(w2.effective_context.get(), Some(2));
+    finish(&w2, &mut b);
+    assert_eq!(w2.resp_header("x-sluice-queued-ms").as_deref(), Some("40"));
+    assert_eq!((inflight(&w2), depth(&w2)), (0, 0));
+    assert_eq!(
+        w2.metric("sluice_queue_total_outcome=dispatched;.reason=queued;.model=m;.class=standard;"),
+        Some(1)
+    );
+}
+
+#[test]
+fn interactive_is_refused_at_once_and_a_full_queue_says_so() {
+    let w = MockHost::new(T0);
+    let p = load(&w, &policy());
+    let (_a, action) = post(&p, &w, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Continue);
+    let (_b, action) = post(&p, &w, 2, &[("x-user", "b"), ("x-tier", "pro")]);
+    assert_eq!(action, Action::Pause);
+    let reply = w.last_reply().unwrap();
+    assert_eq!(reply.status, 429);
+    assert_eq!(reply.header("x-sluice-reason"), Some("model_concurrency"));
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    let (_c, _) = post(&p, &w, 3, &[("x-user", "c")]);
+    let (_d, _) = post(&p, &w, 4, &[("x-user", "d")]);
+    assert!(w.replies.borrow().is_empty(), "two wait (max_depth 2)");
+    let (_e, _) = post(&p, &w, 5, &[("x-user", "e")]);
+    assert_eq!(
+        w.last_reply().unwrap().header("x-sluice-reason"),
+        Some("queue_full")
+    );
+    // A trusted class header moves a free caller to interactive.
+    let (_f, _) = post(&p, &w, 6, &[("x-user", "f"), ("x-class", "interactive")]);
+    assert_eq!(
+        w.last_reply().unwrap().header("x-sluice-reason"),
+        Some("model_concurrency")
+    );
+}
+
+#[test]
+fn the_deadline_answers_queue_deadline_and_the_client_may_only_shorten_it() {
+    let w = MockHost::new(T0);
+    let mut p = load(&w, &policy());
+    let (_a, _) = post(&p, &w, 1, &[("x-user", "a")]);
+    let (mut b, _) = post(
+        &p,
+        &w,
+        2,
+        &[("x-user", "b"), ("x-sluice-max-wait-ms", "300")],
+    );
+    let (mut c, _) = post(
+        &p,
+        &w,
+        3,
+        &[("x-user", "c"), ("x-sluice-max-wait-ms", "99999999")],
+    );
+    w.advance(299);
+    p.tick(&w);
+    assert!(w.context_replies.borrow().is_empty());
+    w.advance(20);
+    p.tick(&w);
+    let replies = w.context_replies.borrow().clone();
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].0, 2);
+    assert_eq!(replies[0].1.status, 429);
+    assert_eq!(
+        replies[0].1.header("x-sluice-reason"),
+        Some("queue_deadline")
+    );
+    assert!(replies[0].1.header("retry-after").is_some());
+    b.on_log(&w);
+    // c asked for more than its class allows: 5 s, not 27 h.
+    w.advance(5_000 - 319);
+    p.tick(&w);
+    assert_eq!(w.context_replies.borrow().len(), 2);
+    c.on_log(&w);
+    assert_eq!((inflight(&w), depth(&w)), (1, 0));
+    // A bad value is a 400 naming the header.
+    let (_d, _) = post(
+        &p,
+        &w,
+        4,
+        &[("x-user", "d"), ("x-sluice-max-wait-ms", "soon")],
+    );
+    let reply = w.last_reply().unwrap();
+    assert_eq!(reply.status, 400);
+    assert!(String::from_utf8_lossy(&reply.body).contains("x-sluice-max-wait-ms"));
+}
+
+#[test]
+fn a_client_that_leaves_while_queued_or_granted_leaks_nothing() {
+    let w = MockHost::new(T0);
+    let mut p = load(&w, &policy());
+    let (mut a, _) = post(&p, &w, 1, &[("x-user", "a")]);
+    let (mut b, _) = post(&p, &w, 2, &[("x-user", "b")]);
+    let (mut c, _) = post(&p, &w, 3, &[("x-user", "c")]);
+    assert_eq!(depth(&w), 2);
+    // b leaves while queued.
+    b.on_log(&w);
+    assert_eq!(depth(&w), 1);
+    // a ends: c is granted; c leaves before its wake-up is handled.
+    finish(&w, &mut a);
+    assert_eq!((inflight(&w), depth(&w)), (1, 0));
+    c.on_log(&w);
+    p.on_wake(&w);
+    assert!(w.resumed.borrow().is_empty());
+    assert_eq!((inflight(&w), depth(&w)), (0, 0));
+    assert_eq!(
+        w.metric(
+            "sluice_queue_total_outcome=abandoned;.reason=client_gone;.model=m;.class=standard;"
+        ),
+        Some(2)
+    );
+}
+
+#[test]
+fn a_lost_wake_up_is_found_by_the_tick() {
+    let w = MockHost::new(T0);
+    let mut p = load(&w, &policy());
+    let (mut a, _) = post(&p, &w, 1, &[("x-user", "a")]);
+    let (_b, _) = post(&p, &w, 2, &[("x-user", "b")]);
+    finish(&w, &mut a);
+    w.wake_queues
+        .lock()
+        .unwrap()
+        .messages
+        .values_mut()
+        .for_each(|q| q.clear());
+    p.tick(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+}
+
+#[test]
+fn provider_limits_hold_the_queue_until_the_reset() {
+    let w = MockHost::new(T0);
+    let mut p = load(&w, &policy());
+    let (mut a, _) = post(&p, &w, 1, &[("x-user", "a")]);
+    w.respond(&[
+        (":status", "200"),
+        ("x-ratelimit-remaining-requests", "0"),
+        ("x-ratelimit-reset-requests", "2s"),
+    ]);
+    w.set_prop(&["response", "code_details"], b"via_upstream");
+    a.on_response_headers(&w);
+    a.on_log(&w);
+    assert_eq!(inflight(&w), 0);
+    let (_b, action) = post(&p, &w, 2, &[("x-user", "b")]);
+    assert_eq!(action, Action::Pause);
+    assert!(w.replies.borrow().is_empty(), "waits for the reset");
+    w.advance(1_980);
+    p.tick(&w);
+    p.on_wake(&w);
+    assert!(w.resumed.borrow().is_empty());
+    w.advance(20);
+    p.tick(&w);
+    p.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+    // Interactive is told at once.
+    let (_c, _) = post(&p, &w, 3, &[("x-user", "c"), ("x-tier", "pro")]);
+    assert!(w.last_reply().is_some());
+}
+
+/// The sidecar says the backend is saturated: batch waits (slots free or
+/// not), interactive is refused 503; saturation clears and the queue drains.
+#[test]
+fn saturation_holds_batch_and_refuses_interactive() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["sidecar"] = json!({"cluster": "sidecar"});
+    p["models"]["m"]["concurrency"] = json!(4);
+    let mut poller = load(&w, &p);
+    let state = |breakers: Value| {
+        let s = json!({"version": 2, "breakers": breakers});
+        let bytes = crate::codec::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
+        crate::store::SharedStore::set(&w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
+    };
+    state(json!([{"scope": "backend:local", "state": "saturated"}]));
+    let (_a, action) = post(&poller, &w, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Pause);
+    assert!(w.replies.borrow().is_empty(), "batch waits");
+    let (_b, _) = post(&poller, &w, 2, &[("x-user", "b"), ("x-tier", "pro")]);
+    let reply = w.last_reply().unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-sluice-reason")),
+        (503, Some("gpu_overloaded"))
+    );
+    w.advance(20);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert!(w.resumed.borrow().is_empty());
+    state(json!([]));
+    w.advance(20);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![1]);
+}
+
+/// The upstream paused the route (503 with Retry-After): a standard caller
+/// waits out the pause in the queue, an interactive one gets the 503.
+#[test]
+fn an_upstream_pause_is_waited_out_by_classes_that_wait() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["protection"] = json!({"pause_jitter": "0s"});
+    let mut poller = load(&w, &p);
+    let (mut a, _) = post(&poller, &w, 1, &[("x-user", "a")]);
+    w.respond(&[(":status", "503"), ("retry-after", "2")]);
+    w.set_prop(&["response", "code_details"], b"via_upstream");
+    a.on_response_headers(&w);
+    a.on_log(&w);
+    let (_b, action) = post(&poller, &w, 2, &[("x-user", "b")]);
+    assert_eq!(action, Action::Pause);
+    assert!(w.replies.borrow().is_empty(), "waits out the pause");
+    let (_c, _) = post(&poller, &w, 3, &[("x-user", "c"), ("x-tier", "pro")]);
+    let reply = w.last_reply().unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-sluice-reason")),
+        (503, Some("upstream_paused"))
+    );
+    w.advance(1_900);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert!(w.resumed.borrow().is_empty());
+    w.advance(200);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+}
+
+/// A request bucket that frees within the class's wait: the request
+/// sleeps (holding no slot) and tries again instead of a 429.
+#[test]
+fn a_bucket_that_frees_soon_is_waited_for() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["tiers"]["free"]["requests"] = json!("1/s");
+    p["tiers"]["pro"]["requests"] = json!("1/s");
+    let mut poller = load(&w, &p);
+    let (mut a, action) = post(&poller, &w, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Continue);
+    finish(&w, &mut a);
+    let (mut b, action) = post(&poller, &w, 2, &[("x-user", "a")]);
+    assert_eq!(action, Action::Pause);
+    assert!(w.replies.borrow().is_empty(), "sleeps instead of a 429");
+    assert_eq!(inflight(&w), 0, "holds no slot while asleep");
+    w.advance(500);
+    poller.tick(&w);
+    assert!(w.resumed.borrow().is_empty());
+    w.advance(500);
+    poller.tick(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+    assert_eq!(inflight(&w), 1);
+    finish(&w, &mut b);
+    assert_eq!(w.resp_header("x-sluice-queued-ms").as_deref(), Some("1000"));
+    assert_eq!(inflight(&w), 0);
+    // Interactive callers get the 429 at once.
+    let (_c, _) = post(&poller, &w, 3, &[("x-user", "p"), ("x-tier", "pro")]);
+    let (_d, _) = post(&poller, &w, 4, &[("x-user", "p"), ("x-tier", "pro")]);
+    assert_eq!(w.last_reply().unwrap().status, 429);
+    // A sleeper whose client leaves is forgotten.
+    let (_e, _) = post(&poller, &w, 5, &[("x-user", "a")]);
+    let (mut f, action) = post(&poller, &w, 6, &[("x-user", "a")]);
+    assert_eq!(action, Action::Pause);
+    f.on_log(&w);
+    w.advance(2_000);
+    poller.tick(&w);
+    assert!(!w.resumed.borrow().contains(&6));
+}
+
+/// sluice's own `x-ratelimit-*-tokens` (a caller's budget, added to the
+/// response) never pause the model for everyone: only the upstream's count.
+#[test]
+fn sluices_own_rate_limit_headers_pause_nothing() {
+    let w = MockHost::new(T0);
+    let mut poller = load(&w, &policy());
+    let (mut a, _) = post(&poller, &w, 1, &[("x-user", "a")]);
+    a.stream.borrow_mut().response_headers.extend([
+        ("x-ratelimit-remaining-tokens".to_string(), "0".to_string()),
+        ("x-ratelimit-reset-tokens".to_string(), "3600".to_string()),
+    ]);
+    w.respond(&[(":status", "200")]);
+    w.set_prop(&["response", "code_details"], b"via_upstream");
+    a.on_response_headers(&w);
+    assert_eq!(
+        w.resp_header("x-ratelimit-remaining-tokens").as_deref(),
+        Some("0")
+    );
+    a.on_log(&w);
+    let (_b, action) = post(&poller, &w, 2, &[("x-user", "b")]);
+    assert_eq!(action, Action::Continue, "not paused");
+    poller.tick(&w);
+}

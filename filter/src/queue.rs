@@ -1,0 +1,807 @@
+//! Concurrency slots and the wait queue (SPEC §2.6): how many requests a
+//! model (and its backend) has in flight across every worker of one Envoy,
+//! and who waits, in what order, when none is free.
+//!
+//! State: one shared-data key per gated backend (`sluice:v1:queue:<backend>`,
+//! a bounded set: backends come from the policy), holding the in-flight
+//! count and provider pause of each of its models, the scheduler state of
+//! each class, and the queued entries. Every change is one compare-and-swap
+//! of that key, so a slot is taken, handed to a waiter or given back
+//! atomically with the queue it belongs to.
+//!
+//! Invariant: a slot is held by exactly one request from the moment it is
+//! counted (admitted at arrival, or *granted* to a queued entry, which
+//! leaves the queue in the same write) until that request gives it back,
+//! once. A queued entry is either in the queue (withdrawing it succeeds:
+//! it holds nothing) or was granted (withdrawing it fails: the caller owns
+//! a slot and must give it back). Nothing else holds a slot.
+//!
+//! Fair dispatch, each time a slot frees:
+//! 1. Across classes, stride scheduling: every class has a `pass`; the
+//!    class with waiting, dispatchable work and the lowest pass goes, and
+//!    its pass grows by `STRIDE / weight`. A class that starts waiting
+//!    begins at the current virtual time (the pass last served), so idle
+//!    time is no credit. Shares follow the weights exactly over any window
+//!    where classes stay backlogged, and a waiting class is served within
+//!    `ceil(sum of weights / its weight)` dispatches: no starvation.
+//! 2. Within a class, round-robin across principals: an entry's `round` is
+//!    one past the later of the class's current round and its principal's
+//!    last queued round; the lowest round goes first (ties: arrival order).
+//!    A principal with 1,000 queued requests and one with 1 alternate: the
+//!    k-th request of a principal that arrives while P principals are
+//!    backlogged in its class is served within k·P of the class's turns.
+//!
+//! Contention: a give-back (release, withdrawal) must not be lost, so it
+//! retries `SETTLE_TRIES_FACTOR` times as often as a take; a take that
+//! loses every race refuses the request (429 `model_concurrency`), counted
+//! in `sluice_cas_exhausted_total`.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::config::{ConfigError, Policy};
+use crate::store::{self, Contention, SharedStore, Updated};
+
+pub const KEY_PREFIX: &str = "sluice:v1:queue:";
+/// Stride numerator: weights up to 1,000 keep integer strides distinct.
+const STRIDE: u64 = 1 << 20;
+const VERSION: u8 = 1;
+
+fn default_true() -> bool {
+    true
+}
+fn default_depth() -> u32 {
+    1_000
+}
+fn default_weight() -> u32 {
+    1
+}
+
+/// A workload class as operators write it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassConfig {
+    /// `false`: refused at once when capacity is out (interactive).
+    #[serde(default = "default_true")]
+    pub queue: bool,
+    /// The longest a request waits before 429 `queue_deadline`.
+    #[serde(
+        default,
+        deserialize_with = "crate::config::de_duration",
+        rename = "max_wait"
+    )]
+    pub max_wait_ms: u64,
+    /// The most requests of this class waiting for one model; past it, 429
+    /// `queue_full`.
+    #[serde(default = "default_depth")]
+    pub max_depth: u32,
+    /// Share of dispatches while several classes wait.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+}
+
+/// Limits of one backend, all its models together.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    pub concurrency: Option<u32>,
+}
+
+/// The longest `max_wait` a class may have (a paused request holds an
+/// Envoy stream and its buffered body).
+pub const MAX_WAIT_CAP_MS: u64 = 3_600_000;
+
+/// Checks of `classes`, `default_class`, `tiers.*.class`, `backends` and
+/// `models.*.concurrency`.
+pub fn check(p: &Policy) -> Result<(), ConfigError> {
+    for (name, c) in &p.classes {
+        if name.is_empty() || name.contains(';') || name.contains('=') {
+            return Err(ConfigError::at(
+                format!("classes.{name}"),
+                "names must be non-empty and contain neither `;` nor `=`",
+            ));
+        }
+        if !(1..=1_000).contains(&c.weight) {
+            return Err(ConfigError::at(
+                format!("classes.{name}.weight"),
+                "must be between 1 and 1000",
+            ));
+        }
+        if c.queue && !(1..=100_000).contains(&c.max_depth) {
+            return Err(ConfigError::at(
+                format!("classes.{name}.max_depth"),
+                "must be between 1 and 100000",
+            ));
+        }
+        if c.queue && !(1..=MAX_WAIT_CAP_MS).contains(&c.max_wait_ms) {
+            return Err(ConfigError::at(
+                format!("classes.{name}.max_wait"),
+                "a class that queues needs a max_wait between 1ms and 1h",
+            ));
+        }
+    }
+    let known = |c: &String| p.classes.contains_key(c);
+    if let Some(c) = p.default_class.as_ref().filter(|c| !known(c)) {
+        return Err(ConfigError::at(
+            "default_class",
+            format!("class `{c}` is not defined under `classes`"),
+        ));
+    }
+    for (tier, t) in &p.tiers {
+        if let Some(c) = t.class.as_ref().filter(|c| !known(c)) {
+            return Err(ConfigError::at(
+                format!("tiers.{tier}.class"),
+                format!("class `{c}` is not defined under `classes`"),
+            ));
+        }
+    }
+    for (name, m) in &p.models {
+        if m.concurrency == Some(0) {
+            return Err(ConfigError::at(
+                format!("models.{name}.concurrency"),
+                "must be at least 1",
+            ));
+        }
+    }
+    for (name, b) in &p.backends {
+        if b.concurrency == Some(0) {
+            return Err(ConfigError::at(
+                format!("backends.{name}.concurrency"),
+                "must be at least 1",
+            ));
+        }
+        if !p.models.values().any(|m| &m.backend == name) {
+            return Err(ConfigError::at(
+                format!("backends.{name}"),
+                "no model under `models` names this backend",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The gates of one policy: which models wait for a slot, and under which
+/// shared-data key.
+#[derive(Debug, Clone, Default)]
+pub struct Gates {
+    /// Model → its backend, for every gated model.
+    models: BTreeMap<String, String>,
+    /// Backend → its limits and its gated models' limits.
+    groups: BTreeMap<String, Group>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Group {
+    pub key: String,
+    pub backend_limit: Option<u32>,
+    pub model_limits: BTreeMap<String, Option<u32>>,
+    /// Class → weight.
+    pub weights: BTreeMap<String, u32>,
+}
+
+impl Group {
+    fn dispatchable(&self, s: &State, model: usize, saturated: Saturated, now_ms: u64) -> Blocked {
+        let m = &s.models[model];
+        if saturated(&m.name) {
+            return Blocked::Saturated;
+        }
+        if m.paused_until_ms > now_ms {
+            return Blocked::Paused(m.paused_until_ms);
+        }
+        let limit = self.model_limits.get(&m.name).copied().flatten();
+        if limit.is_some_and(|l| m.inflight >= l) {
+            return Blocked::Slot;
+        }
+        let total: u64 = s.models.iter().map(|m| u64::from(m.inflight)).sum();
+        if self.backend_limit.is_some_and(|l| total >= u64::from(l)) {
+            return Blocked::Slot;
+        }
+        Blocked::Free
+    }
+
+    fn weight(&self, class: &str) -> u64 {
+        u64::from(self.weights.get(class).copied().unwrap_or(1).max(1))
+    }
+}
+
+impl Gates {
+    pub fn new(p: &Policy) -> Gates {
+        let mut gates = Gates::default();
+        for (name, m) in &p.models {
+            let backend_limit = p.backends.get(&m.backend).and_then(|b| b.concurrency);
+            if m.concurrency.is_none() && backend_limit.is_none() {
+                continue;
+            }
+            gates.models.insert(name.clone(), m.backend.clone());
+            let group = gates
+                .groups
+                .entry(m.backend.clone())
+                .or_insert_with(|| Group {
+                    key: format!("{KEY_PREFIX}{}", m.backend),
+                    backend_limit,
+                    model_limits: BTreeMap::new(),
+                    weights: p
+                        .classes
+                        .iter()
+                        .map(|(n, c)| (n.clone(), c.weight))
+                        .collect(),
+                });
+            group.model_limits.insert(name.clone(), m.concurrency);
+        }
+        gates
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// The group (backend) gating a model, if any.
+    pub fn group_of(&self, model: &str) -> Option<(&str, &Group)> {
+        let backend = self.models.get(model)?;
+        let group = self.groups.get(backend)?;
+        Some((backend.as_str(), group))
+    }
+
+    pub fn group(&self, backend: &str) -> Option<&Group> {
+        self.groups.get(backend)
+    }
+
+    pub fn groups(&self) -> impl Iterator<Item = (&str, &Group)> {
+        self.groups.iter().map(|(b, g)| (b.as_str(), g))
+    }
+
+    /// Creates the keys (a missing key is written unconditionally, so
+    /// keys are made at load, never on the request path); live state of a
+    /// previous policy is kept.
+    pub fn prepare(&self, store: &dyn SharedStore) -> usize {
+        let mut created = 0;
+        for group in self.groups.values() {
+            if store.get(&group.key).is_none() {
+                let _ = store.set(&group.key, &State::default().encode(), 0);
+                created += 1;
+            }
+        }
+        created
+    }
+}
+
+/// Which models the sidecar reports saturated (by model or backend scope).
+pub type Saturated<'a> = &'a dyn Fn(&str) -> bool;
+
+/// Why a request cannot go now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blocked {
+    Free,
+    /// No concurrency slot (model or backend).
+    Slot,
+    /// The sidecar reports the backend saturated.
+    Saturated,
+    /// The provider said it has nothing left until then (ms).
+    Paused(u64),
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelState {
+    pub name: String,
+    pub inflight: u32,
+    pub paused_until_ms: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClassState {
+    pub name: String,
+    pub pass: u64,
+    pub round: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub ticket: u64,
+    /// The wake-up queue of the worker that holds the paused request.
+    pub wake: u32,
+    pub model: u16,
+    pub class: u16,
+    pub principal: u64,
+    pub round: u64,
+    pub enqueued_ms: u64,
+    pub deadline_ms: u64,
+}
+
+/// One backend's slots and queue, as stored. Models and classes are kept
+/// by name, so a policy reload that reorders them changes nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct State {
+    pub models: Vec<ModelState>,
+    pub classes: Vec<ClassState>,
+    /// The pass of the class served last (stride scheduling's clock).
+    pub vtime: u64,
+    pub next_ticket: u64,
+    pub entries: Vec<Entry>,
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    fn name(&mut self) -> Option<String> {
+        let n = usize::from(self.u8()?);
+        String::from_utf8(self.take(n)?.to_vec()).ok()
+    }
+}
+
+fn put_name(out: &mut Vec<u8>, name: &str) {
+    let bytes = &name.as_bytes()[..name.len().min(255)];
+    out.push(bytes.len() as u8);
+    out.extend_from_slice(bytes);
+}
+
+impl State {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.entries.len() * 52);
+        out.push(VERSION);
+        out.extend((self.models.len() as u16).to_le_bytes());
+        for m in &self.models {
+            put_name(&mut out, &m.name);
+            out.extend(m.inflight.to_le_bytes());
+            out.extend(m.paused_until_ms.to_le_bytes());
+        }
+        out.extend((self.classes.len() as u16).to_le_bytes());
+        for c in &self.classes {
+            put_name(&mut out, &c.name);
+            out.extend(c.pass.to_le_bytes());
+            out.extend(c.round.to_le_bytes());
+        }
+        out.extend(self.vtime.to_le_bytes());
+        out.extend(self.next_ticket.to_le_bytes());
+        out.extend((self.entries.len() as u32).to_le_bytes());
+        for e in &self.entries {
+            out.extend(e.ticket.to_le_bytes());
+            out.extend(e.wake.to_le_bytes());
+            out.extend(e.model.to_le_bytes());
+            out.extend(e.class.to_le_bytes());
+            out.extend(e.principal.to_le_bytes());
+            out.extend(e.round.to_le_bytes());
+            out.extend(e.enqueued_ms.to_le_bytes());
+            out.extend(e.deadline_ms.to_le_bytes());
+        }
+        out
+    }
+
+    /// `None`: not a state this version wrote (a blank key reads as empty).
+    pub fn decode(bytes: &[u8]) -> Option<State> {
+        if bytes.is_empty() {
+            return Some(State::default());
+        }
+        let mut r = Reader(bytes);
+        if r.u8()? != VERSION {
+            return None;
+        }
+        let mut s = State::default();
+        for _ in 0..r.u16()? {
+            s.models.push(ModelState {
+                name: r.name()?,
+                inflight: r.u32()?,
+                paused_until_ms: r.u64()?,
+            });
+        }
+        for _ in 0..r.u16()? {
+            s.classes.push(ClassState {
+                name: r.name()?,
+                pass: r.u64()?,
+                round: r.u64()?,
+            });
+        }
+        s.vtime = r.u64()?;
+        s.next_ticket = r.u64()?;
+        for _ in 0..r.u32()? {
+            s.entries.push(Entry {
+                ticket: r.u64()?,
+                wake: r.u32()?,
+                model: r.u16()?,
+                class: r.u16()?,
+                principal: r.u64()?,
+                round: r.u64()?,
+                enqueued_ms: r.u64()?,
+                deadline_ms: r.u64()?,
+            });
+        }
+        Some(s)
+    }
+
+    fn model(&mut self, name: &str) -> usize {
+        if let Some(i) = self.models.iter().position(|m| m.name == name) {
+            return i;
+        }
+        self.models.push(ModelState {
+            name: name.to_string(),
+            ..ModelState::default()
+        });
+        self.models.len() - 1
+    }
+
+    fn class(&mut self, name: &str) -> usize {
+        if let Some(i) = self.classes.iter().position(|c| c.name == name) {
+            return i;
+        }
+        self.classes.push(ClassState {
+            name: name.to_string(),
+            ..ClassState::default()
+        });
+        self.classes.len() - 1
+    }
+
+    /// Requests waiting for one model in one class.
+    pub fn depth(&self, model: &str, class: &str) -> usize {
+        self.entries
+            .iter()
+            .filter(|e| {
+                self.models
+                    .get(usize::from(e.model))
+                    .is_some_and(|m| m.name == model)
+                    && self
+                        .classes
+                        .get(usize::from(e.class))
+                        .is_some_and(|c| c.name == class)
+            })
+            .count()
+    }
+
+    pub fn inflight(&self, model: &str) -> u32 {
+        self.models
+            .iter()
+            .find(|m| m.name == model)
+            .map_or(0, |m| m.inflight)
+    }
+
+    /// Hands free slots to waiting entries, in fair order (see the module
+    /// comment); the grants leave the queue holding their slot.
+    fn pump(&mut self, g: &Group, saturated: Saturated, now_ms: u64, grants: &mut Vec<Grant>) {
+        loop {
+            let free: Vec<bool> = (0..self.models.len())
+                .map(|m| g.dispatchable(self, m, saturated, now_ms) == Blocked::Free)
+                .collect();
+            // The class with the lowest pass among those with work that can go.
+            let Some(class) = self
+                .entries
+                .iter()
+                .filter(|e| free.get(usize::from(e.model)).copied().unwrap_or(false))
+                .map(|e| usize::from(e.class))
+                .min_by_key(|&c| (self.classes.get(c).map_or(u64::MAX, |c| c.pass), c))
+            else {
+                return;
+            };
+            let Some((pos, _)) = self
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| {
+                    usize::from(e.class) == class
+                        && free.get(usize::from(e.model)).copied().unwrap_or(false)
+                })
+                .min_by_key(|(_, e)| (e.round, e.ticket))
+            else {
+                return;
+            };
+            let e = self.entries.remove(pos);
+            let weight = g.weight(&self.classes[class].name);
+            let c = &mut self.classes[class];
+            self.vtime = c.pass;
+            c.pass = c.pass.saturating_add(STRIDE / weight);
+            c.round = c.round.max(e.round);
+            let m = &mut self.models[usize::from(e.model)];
+            m.inflight = m.inflight.saturating_add(1);
+            grants.push(Grant {
+                ticket: e.ticket,
+                wake: e.wake,
+                enqueued_ms: e.enqueued_ms,
+                model: m.name.clone(),
+                class: self.classes[class].name.clone(),
+            });
+        }
+    }
+}
+
+/// A queued entry handed a slot: its worker is woken with the ticket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub ticket: u64,
+    pub wake: u32,
+    pub enqueued_ms: u64,
+    pub model: String,
+    pub class: String,
+}
+
+/// What a request asks of the gate when it arrives.
+#[derive(Debug, Clone)]
+pub struct Arrival<'a> {
+    pub model: &'a str,
+    pub class: &'a str,
+    /// `Some`: it may wait this long (ms) in a queue this deep.
+    pub wait: Option<(u64, u32)>,
+    pub principal: u64,
+    /// This worker's wake-up queue.
+    pub wake: u32,
+    pub saturated: bool,
+    pub now_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entered {
+    /// Holds a slot: go.
+    Go,
+    /// Waits; the ticket comes back in a wake-up, or the deadline passes.
+    Queued { ticket: u64, deadline_ms: u64 },
+    /// May not wait (or would surely outwait its deadline).
+    Refused(Blocked),
+    /// Its class's queue for this model is full.
+    Full,
+    /// Every compare-and-swap lost.
+    Contended,
+}
+
+/// The outcome of one change, with the state written (for gauges).
+pub struct Changed<T> {
+    pub value: T,
+    /// `Exhausted`/`Failed`: nothing changed and `value` is the fallback.
+    pub written: Updated,
+    pub grants: Vec<Grant>,
+    pub state: Option<State>,
+    pub contention: Contention,
+}
+
+fn change<T: Clone>(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    mut f: impl FnMut(&mut State, &mut Vec<Grant>) -> Option<T>,
+    unchanged: T,
+) -> Changed<T> {
+    let mut contention = Contention::default();
+    let mut out: Option<(T, Vec<Grant>, State)> = None;
+    let written = store::update(store, &g.key, tries, &mut contention, |bytes| {
+        let mut state = bytes.and_then(State::decode).unwrap_or_default();
+        let mut grants = Vec::new();
+        let value = f(&mut state, &mut grants)?;
+        let encoded = state.encode();
+        out = Some((value, grants, state));
+        Some(encoded)
+    });
+    match (written, out) {
+        (Updated::Written, Some((value, grants, state))) => Changed {
+            value,
+            written,
+            grants,
+            state: Some(state),
+            contention,
+        },
+        _ => Changed {
+            value: unchanged,
+            written,
+            grants: Vec::new(),
+            state: None,
+            contention,
+        },
+    }
+}
+
+/// A request arrives for a gated model: take a slot, queue, or refuse.
+/// It goes at once only when nothing waits ahead of it (else arrivals
+/// would overtake the queue).
+pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Changed<Entered> {
+    change(
+        store,
+        g,
+        tries,
+        |s, _| {
+            let model = s.model(a.model);
+            let arriving = |name: &str| a.saturated && name == a.model;
+            let blocked = g.dispatchable(s, model, &arriving, a.now_ms);
+            let ahead = s
+                .entries
+                .iter()
+                .any(|e| usize::from(e.model) == model || g.backend_limit.is_some());
+            if blocked == Blocked::Free && !ahead {
+                s.models[model].inflight = s.models[model].inflight.saturating_add(1);
+                return Some(Entered::Go);
+            }
+            let blocked = if blocked == Blocked::Free {
+                Blocked::Slot
+            } else {
+                blocked
+            };
+            let Some((max_wait, max_depth)) = a.wait else {
+                return Some(Entered::Refused(blocked));
+            };
+            let deadline_ms = a.now_ms.saturating_add(max_wait);
+            if let Blocked::Paused(until) = blocked {
+                if until > deadline_ms {
+                    return Some(Entered::Refused(blocked));
+                }
+            }
+            let class = s.class(a.class);
+            if s.depth(a.model, a.class) >= max_depth as usize {
+                return Some(Entered::Full);
+            }
+            let waiting = s.entries.iter().any(|e| usize::from(e.class) == class);
+            let vtime = s.vtime;
+            let c = &mut s.classes[class];
+            if !waiting {
+                // No credit for idle time.
+                c.pass = c.pass.max(vtime);
+            }
+            let last = s
+                .entries
+                .iter()
+                .filter(|e| usize::from(e.class) == class && e.principal == a.principal)
+                .map(|e| e.round)
+                .max()
+                .unwrap_or(0);
+            let round = s.classes[class].round.max(last).saturating_add(1);
+            s.next_ticket = s.next_ticket.wrapping_add(1).max(1);
+            let ticket = s.next_ticket;
+            s.entries.push(Entry {
+                ticket,
+                wake: a.wake,
+                model: model as u16,
+                class: class as u16,
+                principal: a.principal,
+                round,
+                enqueued_ms: a.now_ms,
+                deadline_ms,
+            });
+            Some(Entered::Queued {
+                ticket,
+                deadline_ms,
+            })
+        },
+        Entered::Contended,
+    )
+}
+
+/// Gives a slot back and hands free slots to waiters.
+pub fn release(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    model: &str,
+    saturated: Saturated,
+    now_ms: u64,
+) -> Changed<bool> {
+    change(
+        store,
+        g,
+        tries,
+        |s, grants| {
+            let m = s.model(model);
+            s.models[m].inflight = s.models[m].inflight.saturating_sub(1);
+            s.pump(g, saturated, now_ms, grants);
+            Some(true)
+        },
+        false,
+    )
+}
+
+/// Takes an entry out of the queue (deadline, client gone). `false`: it
+/// is not there — it was granted a slot, which the caller now owns.
+pub fn withdraw(store: &dyn SharedStore, g: &Group, tries: u32, ticket: u64) -> Changed<bool> {
+    change(
+        store,
+        g,
+        tries,
+        |s, _| {
+            let pos = s.entries.iter().position(|e| e.ticket == ticket);
+            match pos {
+                Some(pos) => {
+                    s.entries.remove(pos);
+                    Some(true)
+                }
+                None => None,
+            }
+        },
+        false,
+    )
+}
+
+/// Hands free slots to waiters when something other than a release
+/// freed them (a pause ended, saturation cleared). Writes nothing when
+/// there is nothing to hand.
+pub fn pump(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    saturated: Saturated,
+    now_ms: u64,
+) -> Changed<()> {
+    change(
+        store,
+        g,
+        tries,
+        |s, grants| {
+            s.pump(g, saturated, now_ms, grants);
+            (!grants.is_empty()).then_some(())
+        },
+        (),
+    )
+}
+
+/// The provider has nothing left for `model` until `until_ms`: no waiter
+/// of it is dispatched before then.
+pub fn pause(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    model: &str,
+    until_ms: u64,
+) -> Changed<bool> {
+    change(
+        store,
+        g,
+        tries,
+        |s, _| {
+            let m = s.model(model);
+            if s.models[m].paused_until_ms >= until_ms {
+                return None;
+            }
+            s.models[m].paused_until_ms = until_ms;
+            Some(true)
+        },
+        false,
+    )
+}
+
+/// Parses an OpenAI-style reset (`1s`, `6m0s`, `20ms`, `1h2m3.5s`) or a
+/// plain number of seconds, in ms. `None`: not a duration.
+pub fn parse_reset(text: &str) -> Option<u64> {
+    let text = text.trim();
+    if text.is_empty() || text.len() > 32 {
+        return None;
+    }
+    if let Ok(secs) = text.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| (secs * 1000.0).ceil() as u64);
+    }
+    let mut total = 0f64;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let split = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .filter(|&i| i > 0)?;
+        let value: f64 = rest[..split].parse().ok()?;
+        rest = &rest[split..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ms" => 1.0,
+            "s" => 1_000.0,
+            "m" => 60_000.0,
+            "h" => 3_600_000.0,
+            _ => return None,
+        };
+        total += value * scale;
+        rest = &rest[unit_len..];
+    }
+    (total.is_finite() && total >= 0.0).then(|| total.ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,213 @@
+use super::*;
+use crate::store::MemStore;
+
+fn group(model_limit: u32, weights: &[(&str, u32)]) -> Group {
+    Group {
+        key: format!("{KEY_PREFIX}local"),
+        backend_limit: None,
+        model_limits: [("m".to_string(), Some(model_limit))].into(),
+        weights: weights.iter().map(|(n, w)| (n.to_string(), *w)).collect(),
+    }
+}
+
+fn arrive(store: &MemStore, g: &Group, class: &str, principal: u64, now: u64) -> Entered {
+    let a = Arrival {
+        model: "m",
+        class,
+        wait: Some((10_000, 1_000)),
+        principal,
+        wake: 7,
+        saturated: false,
+        now_ms: now,
+    };
+    enter(store, g, 8, &a).value
+}
+
+#[test]
+fn slots_then_queue_then_grants_in_order() {
+    let store = MemStore::default();
+    let g = group(2, &[("batch", 1)]);
+    assert_eq!(arrive(&store, &g, "batch", 1, 0), Entered::Go);
+    assert_eq!(arrive(&store, &g, "batch", 1, 0), Entered::Go);
+    let Entered::Queued {
+        ticket,
+        deadline_ms,
+    } = arrive(&store, &g, "batch", 1, 5)
+    else {
+        panic!("queued")
+    };
+    assert_eq!(deadline_ms, 10_005);
+    let done = release(&store, &g, 8, "m", &|_| false, 10);
+    assert_eq!(done.grants.len(), 1);
+    assert_eq!(done.grants[0].ticket, ticket);
+    assert_eq!(done.state.unwrap().inflight("m"), 2);
+    // Nothing waits: a release frees the slot.
+    let done = release(&store, &g, 8, "m", &|_| false, 10);
+    assert!(done.grants.is_empty());
+    assert_eq!(done.state.unwrap().inflight("m"), 1);
+}
+
+#[test]
+fn refusal_without_queue_and_full_queue() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    assert_eq!(arrive(&store, &g, "b", 1, 0), Entered::Go);
+    let a = Arrival {
+        model: "m",
+        class: "i",
+        wait: None,
+        principal: 1,
+        wake: 1,
+        saturated: false,
+        now_ms: 0,
+    };
+    assert_eq!(
+        enter(&store, &g, 8, &a).value,
+        Entered::Refused(Blocked::Slot)
+    );
+    let a = Arrival {
+        wait: Some((1000, 2)),
+        ..a
+    };
+    assert!(matches!(
+        enter(&store, &g, 8, &a).value,
+        Entered::Queued { .. }
+    ));
+    assert!(matches!(
+        enter(&store, &g, 8, &a).value,
+        Entered::Queued { .. }
+    ));
+    assert_eq!(enter(&store, &g, 8, &a).value, Entered::Full);
+}
+
+#[test]
+fn withdraw_tells_queued_from_granted() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    arrive(&store, &g, "b", 1, 0);
+    let Entered::Queued { ticket: t1, .. } = arrive(&store, &g, "b", 1, 0) else {
+        panic!()
+    };
+    let Entered::Queued { ticket: t2, .. } = arrive(&store, &g, "b", 1, 0) else {
+        panic!()
+    };
+    assert!(withdraw(&store, &g, 8, t2).value);
+    let done = release(&store, &g, 8, "m", &|_| false, 1);
+    assert_eq!(done.grants[0].ticket, t1);
+    // Granted: no longer in the queue.
+    assert!(!withdraw(&store, &g, 8, t1).value);
+    assert_eq!(done.state.unwrap().entries.len(), 0);
+}
+
+/// Principal 1 queues 100, then principal 2 queues 5: they alternate.
+#[test]
+fn round_robin_across_principals() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    arrive(&store, &g, "b", 1, 0);
+    for _ in 0..100 {
+        arrive(&store, &g, "b", 1, 0);
+    }
+    for _ in 0..5 {
+        arrive(&store, &g, "b", 2, 1);
+    }
+    let mut order = Vec::new();
+    let state = |s: &MemStore| State::decode(&s.get(&g.key).unwrap().0).unwrap();
+    for _ in 0..12 {
+        let before = state(&store);
+        let done = release(&store, &g, 8, "m", &|_| false, 2);
+        let t = done.grants[0].ticket;
+        order.push(
+            before
+                .entries
+                .iter()
+                .find(|e| e.ticket == t)
+                .unwrap()
+                .principal,
+        );
+    }
+    assert_eq!(order[..10], [1, 2, 1, 2, 1, 2, 1, 2, 1, 2]);
+    assert_eq!(order[10..], [1, 1]);
+}
+
+#[test]
+fn weights_share_dispatches() {
+    let store = MemStore::default();
+    let g = group(1, &[("gold", 3), ("lead", 1)]);
+    arrive(&store, &g, "gold", 1, 0);
+    for i in 0..200 {
+        arrive(&store, &g, "gold", 1 + i % 3, 0);
+        arrive(&store, &g, "lead", 9, 0);
+    }
+    let mut gold = 0;
+    for _ in 0..100 {
+        let done = release(&store, &g, 8, "m", &|_| false, 1);
+        gold += usize::from(done.grants[0].class == "gold");
+    }
+    assert!((74..=76).contains(&gold), "{gold}");
+}
+
+#[test]
+fn paused_model_waits_for_the_reset() {
+    let store = MemStore::default();
+    let g = group(4, &[]);
+    pause(&store, &g, 8, "m", 2_000);
+    let Entered::Queued { .. } = arrive(&store, &g, "b", 1, 0) else {
+        panic!()
+    };
+    assert!(pump(&store, &g, 8, &|_| false, 1_999).grants.is_empty());
+    assert_eq!(pump(&store, &g, 8, &|_| false, 2_000).grants.len(), 1);
+    // A pause longer than the wait: refused at once.
+    pause(&store, &g, 8, "m", 50_000);
+    assert_eq!(
+        arrive(&store, &g, "b", 1, 3_000),
+        Entered::Refused(Blocked::Paused(50_000))
+    );
+}
+
+#[test]
+fn saturation_holds_the_queue() {
+    let store = MemStore::default();
+    let g = group(4, &[]);
+    let a = Arrival {
+        model: "m",
+        class: "b",
+        wait: Some((1000, 10)),
+        principal: 1,
+        wake: 1,
+        saturated: true,
+        now_ms: 0,
+    };
+    assert!(matches!(
+        enter(&store, &g, 8, &a).value,
+        Entered::Queued { .. }
+    ));
+    assert!(pump(&store, &g, 8, &|_| true, 1).grants.is_empty());
+    assert_eq!(pump(&store, &g, 8, &|_| false, 1).grants.len(), 1);
+}
+
+#[test]
+fn codec_round_trips() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    arrive(&store, &g, "b", 1, 0);
+    arrive(&store, &g, "b", 1, 0);
+    let bytes = store.get(&g.key).unwrap().0;
+    let s = State::decode(&bytes).unwrap();
+    assert_eq!(s.encode(), bytes);
+    assert!(State::decode(&bytes[..bytes.len() - 1]).is_none());
+    assert_eq!(State::decode(&[]), Some(State::default()));
+}
+
+#[test]
+fn reset_durations() {
+    assert_eq!(parse_reset("2s"), Some(2_000));
+    assert_eq!(parse_reset("6m0s"), Some(360_000));
+    assert_eq!(parse_reset("20ms"), Some(20));
+    assert_eq!(parse_reset("1.5s"), Some(1_500));
+    assert_eq!(parse_reset("3"), Some(3_000));
+    assert_eq!(parse_reset("1h2m3s"), Some(3_723_000));
+    assert_eq!(parse_reset("soon"), None);
+    assert_eq!(parse_reset("-1"), None);
+    assert_eq!(parse_reset(""), None);
+}

@@ -1,0 +1,212 @@
+//! How loaded the server was: requests in flight now, the peak since the
+//! last reset, and how long it spent at each level (so a test or bench can
+//! say "never more than 4" and "at 4 for 97 % of the backlog"). Plus an
+//! optional provider-style request limit per fixed window, answered with
+//! OpenAI's `x-ratelimit-*` headers and a 429 past it.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+#[derive(Debug)]
+struct Levels {
+    level: i64,
+    peak: i64,
+    since: Instant,
+    /// Seconds spent at each in-flight level.
+    at: BTreeMap<i64, f64>,
+    /// Ends not yet followed by a start, oldest first (bounded).
+    ends: std::collections::VecDeque<Instant>,
+    /// Refill gaps (ms): a request ended → the next one started. With a
+    /// backlog in front of the server, this is the proxy's wake-up latency
+    /// (plus its forwarding). Bounded.
+    gaps: Vec<f64>,
+}
+
+const MAX_GAPS: usize = 100_000;
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+#[derive(Debug)]
+pub struct Load {
+    levels: Mutex<Levels>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            levels: Mutex::new(Levels {
+                level: 0,
+                peak: 0,
+                since: Instant::now(),
+                at: BTreeMap::new(),
+                ends: std::collections::VecDeque::new(),
+                gaps: Vec::new(),
+            }),
+        }
+    }
+}
+
+impl Load {
+    /// One more (`+1`) or one fewer (`-1`) request in flight.
+    pub fn change(&self, by: i64) {
+        let mut l = lock(&self.levels);
+        let now = Instant::now();
+        let spent = now.duration_since(l.since).as_secs_f64();
+        let level = l.level;
+        *l.at.entry(level).or_default() += spent;
+        l.since = now;
+        if by > 0 {
+            // Each start refills the oldest slot freed before it.
+            if let Some(end) = l.ends.pop_front() {
+                if l.gaps.len() < MAX_GAPS {
+                    l.gaps.push(now.duration_since(end).as_secs_f64() * 1000.0);
+                }
+            }
+        } else {
+            if l.ends.len() >= 1024 {
+                l.ends.pop_front();
+            }
+            l.ends.push_back(now);
+        }
+        l.level = (l.level + by).max(0);
+        l.peak = l.peak.max(l.level);
+    }
+
+    /// Peak and time-at-level since the last reset; in-flight requests
+    /// stay counted.
+    pub fn reset(&self) {
+        let mut l = lock(&self.levels);
+        l.peak = l.level;
+        l.since = Instant::now();
+        l.at.clear();
+        l.gaps.clear();
+        l.ends.clear();
+    }
+
+    pub fn snapshot(&self) -> Value {
+        let l = lock(&self.levels);
+        let mut at = l.at.clone();
+        *at.entry(l.level).or_default() += l.since.elapsed().as_secs_f64();
+        let at: BTreeMap<String, f64> = at.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let mut gaps = l.gaps.clone();
+        gaps.sort_by(f64::total_cmp);
+        json!({"in_flight": l.level, "peak_in_flight": l.peak, "seconds_at_level": at,
+               "refill_gap_ms": {"count": gaps.len(), "p50": quantile(&gaps, 0.5),
+                                 "p99": quantile(&gaps, 0.99), "max": quantile(&gaps, 1.0)}})
+    }
+
+    pub fn peak(&self) -> i64 {
+        lock(&self.levels).peak
+    }
+}
+
+/// `--ratelimit-requests N --ratelimit-window-ms W`: N requests per fixed
+/// window, like a provider's per-key limit.
+#[derive(Debug, Clone, Copy)]
+pub struct RateLimit {
+    pub requests: u64,
+    pub window: Duration,
+}
+
+#[derive(Debug)]
+pub struct Limiter {
+    limit: RateLimit,
+    window: Mutex<(Instant, u64)>,
+}
+
+/// What the limiter says about one request.
+pub struct Verdict {
+    pub allowed: bool,
+    pub remaining: u64,
+    pub reset: Duration,
+}
+
+impl Limiter {
+    pub fn new(limit: RateLimit) -> Limiter {
+        Limiter {
+            limit,
+            window: Mutex::new((Instant::now(), 0)),
+        }
+    }
+
+    pub fn take(&self) -> Verdict {
+        let mut w = lock(&self.window);
+        let now = Instant::now();
+        if now.duration_since(w.0) >= self.limit.window {
+            *w = (now, 0);
+        }
+        let allowed = w.1 < self.limit.requests;
+        if allowed {
+            w.1 += 1;
+        }
+        Verdict {
+            allowed,
+            remaining: self.limit.requests.saturating_sub(w.1),
+            reset: self.limit.window.saturating_sub(now.duration_since(w.0)),
+        }
+    }
+}
+
+/// OpenAI's spelling of a reset: `1s`, `250ms`, `6m0s`.
+pub fn reset_text(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1_000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{}s", (ms as f64 / 1000.0 * 1000.0).round() / 1000.0)
+    } else {
+        format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_and_levels() {
+        let load = Load::default();
+        load.change(1);
+        load.change(1);
+        load.change(-1);
+        assert_eq!(load.peak(), 2);
+        let s = load.snapshot();
+        assert_eq!(s["in_flight"], 1);
+        assert!(s["seconds_at_level"]["2"].as_f64().is_some());
+        assert_eq!(s["refill_gap_ms"]["count"], 0);
+        load.change(1);
+        assert_eq!(load.snapshot()["refill_gap_ms"]["count"], 1);
+        load.reset();
+        assert_eq!(load.peak(), 2);
+    }
+
+    #[test]
+    fn limiter_counts_a_window() {
+        let l = Limiter::new(RateLimit {
+            requests: 2,
+            window: Duration::from_secs(60),
+        });
+        assert!(l.take().allowed);
+        let v = l.take();
+        assert!(v.allowed);
+        assert_eq!(v.remaining, 0);
+        assert!(!l.take().allowed);
+        assert_eq!(reset_text(Duration::from_millis(250)), "250ms");
+        assert_eq!(reset_text(Duration::from_millis(2_000)), "2s");
+        assert_eq!(reset_text(Duration::from_millis(1_500)), "1.5s");
+        assert_eq!(reset_text(Duration::from_secs(360)), "6m0s");
+    }
+}
