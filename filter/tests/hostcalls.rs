@@ -12,155 +12,17 @@
 
 use std::collections::BTreeMap;
 
-use serde_json::{json, Value};
-use sluice_filter::flow::Poller;
 use sluice_filter::host::mock::MockHost;
-use sluice_filter::host::Action;
 
-const T0: u64 = 1_700_000_000_000;
-const HIGH_RATE: &str = "1000000000/s";
-const HIGH_TOKENS: &str = "1000000000000/s";
-
-fn identity() -> Value {
-    json!({"sources": ["api_key", "client_address"],
-           "api_key": {"header": "x-api-key", "keys": {"bench-key": "pro"}, "bearer": false}})
-}
-
-/// bench/run.py's HEADER_POLICY plus the shipped audit section.
-fn header_policy() -> Value {
-    json!({
-        "default_tier": "free",
-        "identity": identity(),
-        "tiers": {"free": {"requests": HIGH_RATE}, "pro": {"requests": HIGH_RATE}},
-        "routes": [{"name": "v1", "path_prefix": "/v1/", "requests": HIGH_RATE}],
-        "audit": {"salt": "demo-salt-change-me", "hash_bodies": false},
-    })
-}
-
-/// bench/run.py's FULL_POLICY plus the shipped audit section.
-fn full_policy() -> Value {
-    json!({
-        "default_tier": "free",
-        "identity": identity(),
-        "tiers": {
-            "free": {"requests": HIGH_RATE},
-            "pro": {"requests": HIGH_RATE, "tokens": HIGH_TOKENS, "input_tokens": HIGH_TOKENS,
-                    "daily_tokens": 1_000_000_000_000u64, "daily_spend": 1_000_000},
-        },
-        "models": {"bench-model": {"requests": HIGH_RATE, "tokens": HIGH_TOKENS,
-                                   "price": {"input_per_1k": 0.00015, "output_per_1k": 0.0006}}},
-        "routes": [{"name": "v1", "path_prefix": "/v1/", "requests": HIGH_RATE}],
-        "defaults": {"max_output_tokens": 512},
-        "request": {"max_body_bytes": "1MiB"},
-        "audit": {"salt": "demo-salt-change-me", "hash_bodies": false},
-    })
-}
-
-/// bench/run.py's `chat_body()`: an OpenAI chat request of 2,048 bytes.
-fn chat_body() -> Vec<u8> {
-    let sentence = "The quick brown fox jumps over the lazy dog, again and again. ";
-    let mut base = json!({"model": "bench-model", "max_tokens": 16, "stream": false,
-        "messages": [{"role": "system", "content": "You are terse."},
-                     {"role": "user", "content": ""}]});
-    let empty = base.to_string().len();
-    let text = sentence.repeat(2048 / sentence.len() + 1)[..2048 - empty].to_string();
-    base["messages"][1]["content"] = Value::String(text);
-    let body = base.to_string().into_bytes();
-    assert_eq!(body.len(), 2048);
-    body
-}
-
-#[derive(Clone, Copy)]
-enum Shape {
-    HeaderGet,
-    HeaderPost,
-    FullPost,
-}
-
-impl Shape {
-    fn label(self) -> &'static str {
-        match self {
-            Shape::HeaderGet => "(c) GET",
-            Shape::HeaderPost => "(c) POST 2 KB",
-            Shape::FullPost => "(d) POST 2 KB",
-        }
-    }
-}
-
-/// One request through every callback Envoy makes, as in the bench: the
-/// headers Envoy passes on, the body whole, mock-llm's answer.
-fn one_request(poller: &Poller, host: &MockHost, shape: Shape, body: &[u8]) {
-    let get = matches!(shape, Shape::HeaderGet);
-    let len = body.len().to_string();
-    let mut headers = vec![
-        (":authority", "127.0.0.1:10000"),
-        (
-            ":path",
-            if get {
-                "/v1/models"
-            } else {
-                "/v1/chat/completions"
-            },
-        ),
-        (":method", if get { "GET" } else { "POST" }),
-        (":scheme", "http"),
-        ("content-type", "application/json"),
-        ("x-api-key", "bench-key"),
-        ("authorization", "Bearer sk-bench-master-key"),
-        ("x-forwarded-proto", "http"),
-        ("x-request-id", "0b9e3c3e-6a8e-4a8e-9d7e-3c3e6a8e4a8e"),
-    ];
-    if !get {
-        headers.push(("content-length", &len));
-    }
-    host.begin(&headers, if get { b"" } else { body });
-    host.set_prop(&["source", "address"], b"127.0.0.1:40000");
-    let mut req = poller.request().expect("a policy is loaded");
-    if get {
-        assert_eq!(req.on_request_headers(host, true), Action::Continue);
-    } else {
-        assert_eq!(req.on_request_headers(host, false), Action::Pause);
-        assert_eq!(
-            req.on_request_body(host, body.len(), true),
-            Action::Continue
-        );
-    }
-    assert!(host.last_reply().is_none(), "{:?}", host.last_reply());
-    let answer = if get {
-        json!({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
-    } else {
-        json!({"id": "chatcmpl-1", "object": "chat.completion", "model": "bench-model",
-               "choices": [{"index": 0, "finish_reason": "stop",
-                            "message": {"role": "assistant", "content": "ok ok ok ok"}}],
-               "usage": {"prompt_tokens": 480, "completion_tokens": 16, "total_tokens": 496}})
-    }
-    .to_string();
-    let answer_len = answer.len().to_string();
-    host.respond(&[
-        (":status", "200"),
-        ("content-type", "application/json"),
-        ("content-length", &answer_len),
-    ]);
-    host.set_prop(&["response", "code_details"], b"via_upstream");
-    assert_eq!(req.on_response_headers(host), Action::Continue);
-    *host.response_body.borrow_mut() = answer.into_bytes();
-    assert_eq!(
-        req.on_response_body(host, answer_len.parse().unwrap(), true),
-        Action::Continue
-    );
-    req.on_log(host);
-}
+#[path = "../benches/shapes/mod.rs"]
+mod shapes;
+use shapes::{chat_body, one_request, Shape, T0};
 
 /// Host calls of one request of `shape`, after warm-up requests (metric
 /// definitions and per-VM caches are paid once per VM, not per request).
 fn calls_per_request(shape: Shape) -> BTreeMap<&'static str, u64> {
     let host = MockHost::new(T0);
-    let policy = match shape {
-        Shape::FullPost => full_policy(),
-        _ => header_policy(),
-    };
-    let mut poller = Poller::new();
-    assert!(poller.configure(&host, policy.to_string().as_bytes()));
+    let poller = shape.load(&host);
     let body = chat_body();
     for _ in 0..3 {
         one_request(&poller, &host, shape, &body);
@@ -179,7 +41,7 @@ fn calls_per_request(shape: Shape) -> BTreeMap<&'static str, u64> {
 }
 
 fn table() -> Vec<(Shape, BTreeMap<&'static str, u64>)> {
-    [Shape::HeaderGet, Shape::HeaderPost, Shape::FullPost]
+    Shape::ALL
         .into_iter()
         .map(|s| (s, calls_per_request(s)))
         .collect()
