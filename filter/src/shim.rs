@@ -1,7 +1,7 @@
 //! The proxy-wasm adapter: implements [`Host`] with hostcalls and forwards
 //! each Envoy callback to [`crate::flow`]. Nothing is decided here.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
@@ -25,68 +25,18 @@ proxy_wasm::main! {{
         Box::new(Root {
             poller: Poller::new(),
             host: WasmHost::default(),
-            core_ticked_ms: 0,
         })
     });
 }}
 
-/// How often this worker's counter and gauge deltas reach Envoy: on every
-/// root tick, and from a request's end when the last flush is older.
-const FLUSH_MS: u64 = 100;
-
 /// Envoy, through hostcalls. Metric ids are defined on first use, once
 /// per name per VM; the map is shared by the root and every HTTP context.
-///
-/// Counter and gauge additions are summed here per worker and written on
-/// the tick ([`WasmHost::flush`]): one `increment_metric` per metric per
-/// flush instead of one per metric per request. A gauge that is set drops
-/// its pending additions (the set wins, as it would have in order).
 #[derive(Default, Clone)]
 struct WasmHost {
     metric_ids: Rc<RefCell<HashMap<String, u32>>>,
-    pending: Rc<RefCell<Pending>>,
-    /// The tick period the core asked for (the poller's), if any: the
-    /// shim ticks at least every `FLUSH_MS` and passes the core its own.
-    core_tick_ms: Rc<Cell<Option<u64>>>,
-}
-
-#[derive(Default)]
-struct Pending {
-    /// Metric id → the sum of its additions since the last flush.
-    deltas: Vec<(u32, i64)>,
-    last_flush_ms: u64,
 }
 
 impl WasmHost {
-    /// Writes every pending addition to Envoy.
-    fn flush(&self, now_ms: u64) {
-        let Ok(mut pending) = self.pending.try_borrow_mut() else {
-            return;
-        };
-        pending.last_flush_ms = now_ms;
-        for (id, by) in pending.deltas.drain(..) {
-            if by != 0 {
-                let _ = hostcalls::increment_metric(id, by);
-            }
-        }
-    }
-
-    /// A flush at a request's end, unless one happened within `FLUSH_MS`.
-    fn flush_if_due(&self) {
-        let due = self
-            .pending
-            .try_borrow()
-            .is_ok_and(|p| !p.deltas.is_empty());
-        if !due {
-            return;
-        }
-        let now = self.now_ms();
-        let last = self.pending.try_borrow().map_or(0, |p| p.last_flush_ms);
-        if now.saturating_sub(last) >= FLUSH_MS {
-            self.flush(now);
-        }
-    }
-
     fn metric_id(&self, kind: MetricKind, name: &str) -> Option<u32> {
         let mut ids = self.metric_ids.try_borrow_mut().ok()?;
         if let Some(id) = ids.get(name) {
@@ -211,18 +161,8 @@ impl Host for WasmHost {
     }
 
     fn metric_add(&self, kind: MetricKind, name: &str, by: i64) {
-        let Some(id) = self.metric_id(kind, name) else {
-            return;
-        };
-        if by == 0 {
-            return;
-        }
-        match self.pending.try_borrow_mut() {
-            Ok(mut pending) => match pending.deltas.iter_mut().find(|(i, _)| *i == id) {
-                Some((_, sum)) => *sum = sum.saturating_add(by),
-                None => pending.deltas.push((id, by)),
-            },
-            Err(_) => {
+        if let Some(id) = self.metric_id(kind, name) {
+            if by != 0 {
                 let _ = hostcalls::increment_metric(id, by);
             }
         }
@@ -230,11 +170,6 @@ impl Host for WasmHost {
 
     fn metric_record(&self, kind: MetricKind, name: &str, value: u64) {
         if let Some(id) = self.metric_id(kind, name) {
-            if kind == MetricKind::Gauge {
-                if let Ok(mut pending) = self.pending.try_borrow_mut() {
-                    pending.deltas.retain(|(i, _)| *i != id);
-                }
-            }
             let _ = hostcalls::record_metric(id, value);
         }
     }
@@ -256,10 +191,7 @@ impl Host for WasmHost {
     }
 
     fn set_tick_period_ms(&self, ms: u64) {
-        // The shim's own tick (metric flushes) runs anyway; the core's
-        // tick is passed on at the period it asked for.
-        self.core_tick_ms.set(Some(ms));
-        let _ = hostcalls::set_tick_period(Duration::from_millis(ms.min(FLUSH_MS)));
+        let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
     }
 
     fn dispatch_call(
@@ -292,8 +224,6 @@ fn action(a: host::Action) -> Action {
 struct Root {
     poller: Poller,
     host: WasmHost,
-    /// When the core's tick last ran.
-    core_ticked_ms: u64,
 }
 
 impl Context for Root {
@@ -305,23 +235,11 @@ impl Context for Root {
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
         let config = self.get_plugin_configuration().unwrap_or_default();
-        let loaded = self.poller.configure(&self.host, &config);
-        if self.host.core_tick_ms.get().is_none() {
-            let _ = hostcalls::set_tick_period(Duration::from_millis(FLUSH_MS));
-        }
-        loaded
+        self.poller.configure(&self.host, &config)
     }
 
     fn on_tick(&mut self) {
-        let now = self.host.now_ms();
-        self.host.flush(now);
-        if let Some(period) = self.host.core_tick_ms.get() {
-            // Within half a shim tick of its period: on time, on average.
-            if now.saturating_add(FLUSH_MS / 2) >= self.core_ticked_ms.saturating_add(period) {
-                self.core_ticked_ms = now;
-                self.poller.tick(&self.host);
-            }
-        }
+        self.poller.tick(&self.host);
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -373,6 +291,5 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         self.request.on_log(&self.host);
-        self.host.flush_if_due();
     }
 }
