@@ -81,14 +81,17 @@ fn host_calls_per_request_stay_within_their_budget() {
     );
     for (shape, calls) in &rows {
         let total: u64 = calls.values().sum();
+        // Measured 16 / 27 / 67 (BENCHMARKS.md, "Hot-path diet, step 3"):
+        // a little room, so a new host call on the path is a decision.
         let bound = match shape {
-            Shape::HeaderGet => 100,
-            Shape::HeaderPost => 100,
-            Shape::FullPost => 100,
+            Shape::HeaderGet => 20,
+            Shape::HeaderPost => 32,
+            Shape::FullPost => 75,
         };
         assert!(
             total <= bound,
-            "{}: {total} host calls > {bound}",
+            "{}: {total} host calls per request, over its budget of {bound}: each \
+             is a crossing of the wasm boundary; raise the bound knowingly",
             shape.label()
         );
     }
