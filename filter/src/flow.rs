@@ -563,8 +563,20 @@ impl Stream {
         // Only sluice may choose the fallback route, also when the policy
         // has no `fallback` section but the Envoy routes still match it.
         let header = self.engine().policy.fallback.as_ref().map(|f| &f.header);
-        host.set_request_header(header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str), None);
-        self.request_headers = host.request_headers();
+        let header = header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str);
+        let mut headers = host.request_headers();
+        // Removed only when sent (a host call saved on every other
+        // request); a host that cannot list the headers removes it anyway.
+        let sent = headers
+            .as_ref()
+            .is_none_or(|all| all.iter().any(|(n, _)| n.eq_ignore_ascii_case(header)));
+        if sent {
+            host.set_request_header(header, None);
+            if let Some(all) = headers.as_mut() {
+                all.retain(|(n, _)| !n.eq_ignore_ascii_case(header));
+            }
+        }
+        self.request_headers = headers;
         let raw_path = self.header(host, ":path").unwrap_or_default();
         let method = self.header(host, ":method").unwrap_or_default();
         let canonical = crate::request::canonical_path(&raw_path);

@@ -202,26 +202,57 @@ impl Engine {
         req: &dyn RequestView,
         identity: &Identity,
     ) -> u64 {
-        let mut h = Sha256::new();
-        h.update(route_key.as_bytes());
+        // The exact bytes hashed: route, then each credential header sent.
+        let mut input = Vec::with_capacity(128);
+        input.extend_from_slice(route_key.as_bytes());
         let mut any = false;
         for name in &self.policy.protection.credential_headers {
             if let Some(value) = req.header(name) {
                 any = true;
                 for part in [b"\0".as_slice(), name.as_bytes(), b"\0", value.as_bytes()] {
-                    h.update(part);
+                    input.extend_from_slice(part);
                 }
             }
         }
         if !any {
-            h.update(b"\0\0principal\0");
-            h.update(identity.principal.as_bytes());
+            input.extend_from_slice(b"\0\0principal\0");
+            input.extend_from_slice(identity.principal.as_bytes());
         }
-        let digest = h.finalize();
-        let mut first = [0u8; 8];
-        first.copy_from_slice(&digest[..8]);
-        u64::from_le_bytes(first)
+        fingerprint_of(input)
     }
+}
+
+/// Bound of the per-VM memo of credential fingerprints.
+const FINGERPRINT_CACHE: usize = 1024;
+
+thread_local! {
+    /// Hashed bytes → fingerprint. A pure function of its key, so one memo
+    /// per thread (per VM in Envoy) is shared safely by every engine on it:
+    /// a caller's SHA-256 runs once per VM instead of on every request.
+    static FINGERPRINTS: std::cell::RefCell<std::collections::HashMap<Vec<u8>, u64>> =
+        std::cell::RefCell::default();
+}
+
+/// The first 64 bits of SHA-256 over `input`, memoised (bounded: the memo
+/// is emptied when full, as the key-hash cache is).
+fn fingerprint_of(input: Vec<u8>) -> u64 {
+    let cached = FINGERPRINTS.with(|memo| memo.try_borrow().ok()?.get(&input).copied());
+    if let Some(fingerprint) = cached {
+        return fingerprint;
+    }
+    let digest = Sha256::digest(&input);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    let fingerprint = u64::from_le_bytes(first);
+    FINGERPRINTS.with(|memo| {
+        if let Ok(mut memo) = memo.try_borrow_mut() {
+            if memo.len() >= FINGERPRINT_CACHE {
+                memo.clear();
+            }
+            memo.insert(input, fingerprint);
+        }
+    });
+    fingerprint
 }
 
 /// What came back for a request sent upstream, as the pushback state
@@ -269,6 +300,23 @@ mod tests {
     use crate::request::Api;
     use crate::store::MemStore;
     use serde_json::{json, Value};
+
+    #[test]
+    fn fingerprints_are_sha256_of_their_bytes_memoised_and_bounded() {
+        let of = |bytes: &[u8]| {
+            let digest = Sha256::digest(bytes);
+            u64::from_le_bytes(digest[..8].try_into().unwrap())
+        };
+        let input = b"sluice:v1:upstream/m\0authorization\0Bearer k".to_vec();
+        assert_eq!(fingerprint_of(input.clone()), of(&input));
+        assert_eq!(fingerprint_of(input.clone()), of(&input)); // from the memo
+        for i in 0..FINGERPRINT_CACHE + 10 {
+            let other = format!("route\0x-api-key\0{i}").into_bytes();
+            assert_eq!(fingerprint_of(other.clone()), of(&other));
+        }
+        assert!(FINGERPRINTS.with(|m| m.borrow().len()) <= FINGERPRINT_CACHE);
+        assert_eq!(fingerprint_of(input.clone()), of(&input));
+    }
 
     struct Req {
         addr: &'static str,

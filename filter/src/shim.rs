@@ -59,7 +59,14 @@ impl WasmHost {
 /// bytes and replace what is not UTF-8.
 fn header_text(map: MapType, name: &str) -> Option<String> {
     let bytes = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
-    Some(String::from_utf8_lossy(&bytes).into_owned())
+    Some(text(bytes))
+}
+
+/// Bytes as text: valid UTF-8 (nearly always) is taken as it is, without
+/// a copy; anything else has its bad bytes replaced.
+fn text(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes)
+        .unwrap_or_else(|err| String::from_utf8_lossy(err.as_bytes()).into_owned())
 }
 
 fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
@@ -106,12 +113,7 @@ impl Host for WasmHost {
     fn request_headers(&self) -> Option<Vec<(String, String)>> {
         // Bytes, for the reason in `header_text`.
         let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).ok()?;
-        Some(
-            headers
-                .into_iter()
-                .map(|(n, v)| (n, String::from_utf8_lossy(&v).into_owned()))
-                .collect(),
-        )
+        Some(headers.into_iter().map(|(n, v)| (n, text(v))).collect())
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) {

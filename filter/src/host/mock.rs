@@ -4,7 +4,7 @@
 //! for. Several mocks can share one store, as Envoy's workers do.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::{Host, LogLevel, MetricKind};
@@ -76,6 +76,9 @@ pub struct MockHost {
     pub resumed: RefCell<Vec<u32>>,
     /// Replies sent while a context was effective: (context, reply).
     pub context_replies: RefCell<Vec<(u32, SentReply)>>,
+    /// How often each [`Host`] method was called: each is one hostcall
+    /// (a crossing of the wasm boundary, strings copied) in the shim.
+    pub calls: RefCell<BTreeMap<&'static str, u64>>,
 }
 
 #[derive(Default, Debug)]
@@ -176,14 +179,25 @@ impl MockHost {
     pub fn last_reply(&self) -> Option<SentReply> {
         self.replies.borrow().last().cloned()
     }
+
+    /// Host calls by method since the last [`MockHost::take_calls`].
+    pub fn take_calls(&self) -> BTreeMap<&'static str, u64> {
+        std::mem::take(&mut self.calls.borrow_mut())
+    }
+
+    fn count(&self, method: &'static str) {
+        *self.calls.borrow_mut().entry(method).or_default() += 1;
+    }
 }
 
 impl SharedStore for MockHost {
     fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.count("get");
         self.store.get(key)
     }
 
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+        self.count("set");
         if self.lose_writes.get() > 0 {
             self.lose_writes.set(self.lose_writes.get() - 1);
             return Err(StoreError::CasMismatch);
@@ -194,10 +208,12 @@ impl SharedStore for MockHost {
 
 impl Host for MockHost {
     fn request_header(&self, name: &str) -> Option<String> {
+        self.count("request_header");
         self.req_header(name)
     }
 
     fn request_header_count(&self, name: &str) -> usize {
+        self.count("request_header_count");
         self.request_headers
             .borrow()
             .iter()
@@ -206,44 +222,53 @@ impl Host for MockHost {
     }
 
     fn request_headers(&self) -> Option<Vec<(String, String)>> {
+        self.count("request_headers");
         Some(self.request_headers.borrow().clone())
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) {
+        self.count("set_request_header");
         put(&mut self.request_headers.borrow_mut(), name, value);
     }
 
     fn response_header(&self, name: &str) -> Option<String> {
+        self.count("response_header");
         self.resp_header(name)
     }
 
     fn set_response_header(&self, name: &str, value: Option<&str>) {
+        self.count("set_response_header");
         put(&mut self.response_headers.borrow_mut(), name, value);
     }
 
     fn request_body(&self, size: usize) -> Vec<u8> {
+        self.count("request_body");
         let body = self.request_body.borrow();
         body[..size.min(body.len())].to_vec()
     }
 
     fn replace_request_body(&self, size: usize, body: &[u8]) {
+        self.count("replace_request_body");
         let mut old = self.request_body.borrow_mut();
         let size = size.min(old.len());
         old.splice(..size, body.iter().copied());
     }
 
     fn response_body(&self, size: usize) -> Vec<u8> {
+        self.count("response_body");
         let body = self.response_body.borrow();
         body[..size.min(body.len())].to_vec()
     }
 
     fn replace_response_body(&self, size: usize, body: &[u8]) {
+        self.count("replace_response_body");
         let mut old = self.response_body.borrow_mut();
         let size = size.min(old.len());
         old.splice(..size, body.iter().copied());
     }
 
     fn send_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.count("send_reply");
         let reply = SentReply {
             status,
             headers: headers
@@ -259,16 +284,19 @@ impl Host for MockHost {
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.count("property");
         self.properties.borrow().get(&path.join(".")).cloned()
     }
 
     fn set_property(&self, name: &str, value: &[u8]) {
+        self.count("set_property");
         self.filter_state
             .borrow_mut()
             .insert(name.to_string(), value.to_vec());
     }
 
     fn clear_route_cache(&self) -> Result<(), String> {
+        self.count("clear_route_cache");
         self.route_cache_clears
             .set(self.route_cache_clears.get() + 1);
         match self.route_cache_error.borrow().clone() {
@@ -278,12 +306,14 @@ impl Host for MockHost {
     }
 
     fn metric_add(&self, kind: MetricKind, name: &str, by: i64) {
+        self.count("metric_add");
         let mut metrics = self.metrics.borrow_mut();
         let entry = metrics.entry(name.to_string()).or_insert((kind, 0));
         entry.1 += by;
     }
 
     fn metric_record(&self, kind: MetricKind, name: &str, value: u64) {
+        self.count("metric_record");
         if kind == MetricKind::Histogram {
             self.histograms
                 .borrow_mut()
@@ -297,14 +327,17 @@ impl Host for MockHost {
     }
 
     fn now_ns(&self) -> u64 {
+        self.count("now_ns");
         self.clock_ms.get() * 1_000_000
     }
 
     fn log(&self, level: LogLevel, message: &str) {
+        self.count("log");
         self.logs.borrow_mut().push((level, message.to_string()));
     }
 
     fn set_tick_period_ms(&self, ms: u64) {
+        self.count("set_tick_period_ms");
         self.tick_period_ms.set(Some(ms));
     }
 
@@ -344,15 +377,18 @@ impl Host for MockHost {
     }
 
     fn call_response_header(&self, name: &str) -> Option<String> {
+        self.count("call_response_header");
         find(&self.call_response_headers.borrow(), name)
     }
 
     fn call_response_body(&self, size: usize) -> Vec<u8> {
+        self.count("call_response_body");
         let body = self.call_response_body.borrow();
         body[..size.min(body.len())].to_vec()
     }
 
     fn register_wake_queue(&self, name: &str) -> Option<u32> {
+        self.count("register_wake_queue");
         let mut q = self.wake_queues.lock().ok()?;
         let next = q.names.len() as u32 + 1;
         let token = *q.names.entry(name.to_string()).or_insert(next);
@@ -361,6 +397,7 @@ impl Host for MockHost {
     }
 
     fn wake(&self, queue: u32, message: &[u8]) -> bool {
+        self.count("wake");
         let Ok(mut q) = self.wake_queues.lock() else {
             return false;
         };
@@ -374,6 +411,7 @@ impl Host for MockHost {
     }
 
     fn take_wake(&self, queue: u32) -> Option<Vec<u8>> {
+        self.count("take_wake");
         self.wake_queues
             .lock()
             .ok()?
@@ -383,6 +421,7 @@ impl Host for MockHost {
     }
 
     fn set_effective_context(&self, context_id: u32) -> bool {
+        self.count("set_effective_context");
         self.effective_context.set(Some(context_id));
         true
     }
@@ -390,6 +429,7 @@ impl Host for MockHost {
     /// The effective context set by the root, else (0) the HTTP stream
     /// whose own callout answered.
     fn resume_request(&self) -> bool {
+        self.count("resume_request");
         let id = self.effective_context.get().unwrap_or(0);
         self.resumed.borrow_mut().push(id);
         true

@@ -1,0 +1,162 @@
+//! The three request shapes `make bench` measures (bench/run.py), driven
+//! through the whole request path on the mock host: shared by
+//! `tests/hostcalls.rs` (host calls per request) and `benches/path.rs`
+//! (native time per request).
+#![allow(dead_code)]
+
+use serde_json::{json, Value};
+use sluice_filter::flow::Poller;
+use sluice_filter::host::mock::MockHost;
+use sluice_filter::host::Action;
+
+pub const T0: u64 = 1_700_000_000_000;
+const HIGH_RATE: &str = "1000000000/s";
+const HIGH_TOKENS: &str = "1000000000000/s";
+
+fn identity() -> Value {
+    json!({"sources": ["api_key", "client_address"],
+           "api_key": {"header": "x-api-key", "keys": {"bench-key": "pro"}, "bearer": false}})
+}
+
+/// bench/run.py's HEADER_POLICY plus the shipped audit section.
+pub fn header_policy() -> Value {
+    json!({
+        "default_tier": "free",
+        "identity": identity(),
+        "tiers": {"free": {"requests": HIGH_RATE}, "pro": {"requests": HIGH_RATE}},
+        "routes": [{"name": "v1", "path_prefix": "/v1/", "requests": HIGH_RATE}],
+        "audit": {"salt": "demo-salt-change-me", "hash_bodies": false},
+    })
+}
+
+/// bench/run.py's FULL_POLICY plus the shipped audit section.
+pub fn full_policy() -> Value {
+    json!({
+        "default_tier": "free",
+        "identity": identity(),
+        "tiers": {
+            "free": {"requests": HIGH_RATE},
+            "pro": {"requests": HIGH_RATE, "tokens": HIGH_TOKENS, "input_tokens": HIGH_TOKENS,
+                    "daily_tokens": 1_000_000_000_000u64, "daily_spend": 1_000_000},
+        },
+        "models": {"bench-model": {"requests": HIGH_RATE, "tokens": HIGH_TOKENS,
+                                   "price": {"input_per_1k": 0.00015, "output_per_1k": 0.0006}}},
+        "routes": [{"name": "v1", "path_prefix": "/v1/", "requests": HIGH_RATE}],
+        "defaults": {"max_output_tokens": 512},
+        "request": {"max_body_bytes": "1MiB"},
+        "audit": {"salt": "demo-salt-change-me", "hash_bodies": false},
+    })
+}
+
+/// bench/run.py's `chat_body()`: an OpenAI chat request of 2,048 bytes.
+pub fn chat_body() -> Vec<u8> {
+    let sentence = "The quick brown fox jumps over the lazy dog, again and again. ";
+    let mut base = json!({"model": "bench-model", "max_tokens": 16, "stream": false,
+        "messages": [{"role": "system", "content": "You are terse."},
+                     {"role": "user", "content": ""}]});
+    let empty = base.to_string().len();
+    let text = sentence.repeat(2048 / sentence.len() + 1)[..2048 - empty].to_string();
+    base["messages"][1]["content"] = Value::String(text);
+    let body = base.to_string().into_bytes();
+    assert_eq!(body.len(), 2048);
+    body
+}
+
+#[derive(Clone, Copy)]
+pub enum Shape {
+    HeaderGet,
+    HeaderPost,
+    FullPost,
+}
+
+impl Shape {
+    pub fn label(self) -> &'static str {
+        match self {
+            Shape::HeaderGet => "(c) GET",
+            Shape::HeaderPost => "(c) POST 2 KB",
+            Shape::FullPost => "(d) POST 2 KB",
+        }
+    }
+}
+
+/// One request through every callback Envoy makes, as in the bench: the
+/// headers Envoy passes on, the body whole, mock-llm's answer.
+pub fn one_request(poller: &Poller, host: &MockHost, shape: Shape, body: &[u8]) {
+    let get = matches!(shape, Shape::HeaderGet);
+    let len = body.len().to_string();
+    let mut headers = vec![
+        (":authority", "127.0.0.1:10000"),
+        (
+            ":path",
+            if get {
+                "/v1/models"
+            } else {
+                "/v1/chat/completions"
+            },
+        ),
+        (":method", if get { "GET" } else { "POST" }),
+        (":scheme", "http"),
+        ("content-type", "application/json"),
+        ("x-api-key", "bench-key"),
+        ("authorization", "Bearer sk-bench-master-key"),
+        ("x-forwarded-proto", "http"),
+        ("x-request-id", "0b9e3c3e-6a8e-4a8e-9d7e-3c3e6a8e4a8e"),
+    ];
+    if !get {
+        headers.push(("content-length", &len));
+    }
+    host.begin(&headers, if get { b"" } else { body });
+    host.set_prop(&["source", "address"], b"127.0.0.1:40000");
+    let mut req = poller.request().expect("a policy is loaded");
+    if get {
+        assert_eq!(req.on_request_headers(host, true), Action::Continue);
+    } else {
+        assert_eq!(req.on_request_headers(host, false), Action::Pause);
+        assert_eq!(
+            req.on_request_body(host, body.len(), true),
+            Action::Continue
+        );
+    }
+    assert!(host.last_reply().is_none(), "{:?}", host.last_reply());
+    let answer = if get {
+        json!({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
+    } else {
+        json!({"id": "chatcmpl-1", "object": "chat.completion", "model": "bench-model",
+               "choices": [{"index": 0, "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": "ok ok ok ok"}}],
+               "usage": {"prompt_tokens": 480, "completion_tokens": 16, "total_tokens": 496}})
+    }
+    .to_string();
+    let answer_len = answer.len().to_string();
+    host.respond(&[
+        (":status", "200"),
+        ("content-type", "application/json"),
+        ("content-length", &answer_len),
+    ]);
+    host.set_prop(&["response", "code_details"], b"via_upstream");
+    assert_eq!(req.on_response_headers(host), Action::Continue);
+    *host.response_body.borrow_mut() = answer.into_bytes();
+    assert_eq!(
+        req.on_response_body(host, answer_len.parse().unwrap(), true),
+        Action::Continue
+    );
+    req.on_log(host);
+}
+
+impl Shape {
+    pub const ALL: [Shape; 3] = [Shape::HeaderGet, Shape::HeaderPost, Shape::FullPost];
+
+    pub fn policy(self) -> Value {
+        match self {
+            Shape::FullPost => full_policy(),
+            _ => header_policy(),
+        }
+    }
+
+    /// A VM with this shape's policy loaded.
+    pub fn load(self, host: &MockHost) -> Poller {
+        let mut poller = Poller::new();
+        assert!(poller.configure(host, self.policy().to_string().as_bytes()));
+        poller
+    }
+}
