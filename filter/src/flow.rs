@@ -81,6 +81,12 @@ pub struct Filter {
     audit_principals: RefCell<HashMap<String, String>>,
     /// Limits shared with the other Envoys (the policy's `fleet`).
     pub fleet: Option<crate::fleet::Fleet>,
+    /// Callouts a stream made while the root context was acting for it (a
+    /// queued request's strict fleet take, made as the root resumed it):
+    /// the SDK delivers their answers to the root, which hands each to its
+    /// stream. Token → (stream, Envoy's context id); bounded by the
+    /// requests in flight (removed on the answer or at the stream's end).
+    stream_calls: RefCell<HashMap<u32, (Weak<RefCell<Stream>>, u32)>>,
     /// Concurrency gates and this VM's queued requests (see `waiting`).
     gates: crate::queue::Gates,
     waiters: RefCell<HashMap<u64, waiting::Waiter>>,
@@ -92,6 +98,7 @@ impl Filter {
     pub fn new(engine: Engine) -> Filter {
         Filter {
             fleet: crate::fleet::Fleet::new(&engine),
+            stream_calls: RefCell::default(),
             gates: crate::queue::Gates::new(&engine.policy),
             waiters: RefCell::default(),
             wake_queue: Cell::new(None),
@@ -348,6 +355,22 @@ impl Poller {
 
     /// The sidecar's answer: stored for every worker, then the next poll.
     pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        if let Some(filter) = self.filter.clone() {
+            let call = filter
+                .stream_calls
+                .try_borrow_mut()
+                .ok()
+                .and_then(|mut calls| calls.remove(&token));
+            if let Some((stream, context_id)) = call {
+                let stream = stream.upgrade();
+                if let Some(mut stream) = stream.as_ref().and_then(|s| s.try_borrow_mut().ok()) {
+                    if host.set_effective_context(context_id) {
+                        stream.on_call_response(host, token, body_size);
+                    }
+                }
+                return;
+            }
+        }
         if self.fleet.owns(token) {
             if let Some(filter) = self.filter.clone() {
                 if let Some(fleet) = &filter.fleet {
@@ -721,6 +744,12 @@ impl Stream {
     }
 
     pub fn on_log(&mut self, host: &dyn Host) {
+        // Still waiting for the fleet: the answer has no one to go to.
+        if let Some((pending, _)) = &self.fleet_wait {
+            if let Ok(mut calls) = self.filter.stream_calls.try_borrow_mut() {
+                calls.remove(&pending.token);
+            }
+        }
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle(host);
         // Its slot or queue entry is given back (once, whichever came first).
@@ -1008,6 +1037,11 @@ impl Stream {
                 self.finish(host, verdict)
             }
             crate::fleet::Gate::Wait(pending) => {
+                // Its answer comes to this stream, or to the root when the
+                // root made the call while resuming this stream.
+                if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
+                    calls.insert(pending.token, (self.me.clone(), self.context_id));
+                }
                 self.fleet_wait = Some((pending, verdict));
                 Action::Pause
             }
@@ -1023,6 +1057,9 @@ impl Stream {
             return;
         };
         let filter = self.filter.clone();
+        if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
+            calls.remove(&token);
+        }
         let (Some(fleet), Some(identity)) = (filter.fleet.as_ref(), self.identity.clone()) else {
             return;
         };

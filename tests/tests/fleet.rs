@@ -385,3 +385,67 @@ fn a_breaker_opened_by_one_sidecar_reaches_every_envoy() {
         "the breaker never closed fleet-wide"
     );
 }
+
+/// A queued request is dispatched by the root context when a slot frees; if
+/// its fleet bucket then needs a strict take, the callout is the root's and
+/// its answer must still reach the request (else it would hang until the
+/// route timeout). `lease.max: 0` makes every take strict.
+#[test]
+fn a_queued_request_takes_its_fleet_buckets_when_its_turn_comes() {
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let p = fleet_policy(
+        "tiers: { free: { requests: 100/day, class: batch } }\n\
+         classes: { batch: { max_wait: 20s } }\n\
+         models: { m: { concurrency: 1 } }",
+        "fleet: { expected_replicas: 1, lease: { max: 0 } }",
+    );
+    let node = Node::start(&redis.url(), &upstream, None, &p, 2);
+    let url = node.envoy.url("/v1/chat/completions");
+    let started = Instant::now();
+    let outcomes: Vec<(u16, Option<String>)> = runtime().block_on(async {
+        let client = async_client();
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                let (client, url) = (client.clone(), url.clone());
+                tokio::spawn(async move {
+                    let mut body = chat_body("m");
+                    body["max_tokens"] = 4.into();
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(15),
+                        post_json_async(&client, &url, &[("x-mock-latency-ms", "200")], &body),
+                    )
+                    .await;
+                    match r {
+                        Ok(Ok(r)) => (r.status, r.header("x-sluice-queued-ms").map(str::to_owned)),
+                        _ => (0, None),
+                    }
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap_or((0, None)));
+        }
+        out
+    });
+    let elapsed = started.elapsed();
+    assert!(
+        outcomes.iter().all(|(s, _)| *s == 200),
+        "every request served (0 = hung): {outcomes:?}\n{}",
+        node.envoy.log()
+    );
+    let queued = outcomes
+        .iter()
+        .filter(|(_, q)| q.as_deref().and_then(|q| q.parse::<u64>().ok()) > Some(0))
+        .count();
+    assert!(
+        queued >= 2,
+        "some requests waited for the slot: {outcomes:?}"
+    );
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    // Every admission was taken in Redis, one strict take each.
+    let fleet = sluice_tests::get(&node.sidecar.url("/v1/fleet"), &[]).json();
+    assert_eq!(fleet["takes"].as_u64(), Some(4), "{fleet}");
+    assert_eq!(upstream.stats()["requests_total"].as_u64(), Some(4));
+}
