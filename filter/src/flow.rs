@@ -69,6 +69,9 @@ fn set_gauge(host: &dyn Host, name: &str, value: u64) {
     host.metric_record(MetricKind::Gauge, name, value);
 }
 
+/// A stream reached by the root context: its handle and Envoy's context id.
+type StreamCall = (Weak<RefCell<Stream>>, u32);
+
 /// One VM's policy and what its HTTP contexts share: the decoded sidecar
 /// state (kept until the shared-data entry changes) and a dice for
 /// half-open trickles and pause jitter.
@@ -86,7 +89,7 @@ pub struct Filter {
     /// the SDK delivers their answers to the root, which hands each to its
     /// stream. Token → (stream, Envoy's context id); bounded by the
     /// requests in flight (removed on the answer or at the stream's end).
-    stream_calls: RefCell<HashMap<u32, (Weak<RefCell<Stream>>, u32)>>,
+    stream_calls: RefCell<HashMap<u32, StreamCall>>,
     /// Concurrency gates and this VM's queued requests (see `waiting`).
     gates: crate::queue::Gates,
     waiters: RefCell<HashMap<u64, waiting::Waiter>>,
