@@ -1274,7 +1274,7 @@ impl Stream {
     }
 }
 
-mod slots;
+pub(crate) mod slots;
 #[cfg(test)]
 mod tests;
 mod waiting;

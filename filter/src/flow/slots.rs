@@ -38,6 +38,7 @@ pub const BEAT_MS: u64 = 1_000;
 /// After a failed report, wait this long before the next.
 const RETRY_MS: u64 = 500;
 pub const PATH: &str = "/v1/fleet/slots";
+/// 1 while the fleet's slots cannot be reported (gates on stand-ins).
 pub const M_DEGRADED: &str = "sluice_fleet_slots_degraded";
 
 #[derive(Debug, Serialize)]

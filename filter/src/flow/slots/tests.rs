@@ -270,3 +270,38 @@ fn fleet_local_names_a_gated_backend() {
     let host = MockHost::new(T0);
     assert!(!poller.configure(&host, p.to_string().as_bytes()));
 }
+
+#[test]
+fn a_backend_limit_and_a_model_limit_are_both_leased() {
+    let host = MockHost::new(T0);
+    let mut p = policy(json!({}));
+    p["backends"] = json!({"b": {"concurrency": 3}});
+    let mut poller = load(&host, &p);
+    become_poller(&mut poller, &host);
+    let mut held = Vec::new();
+    for ctx in 1..=3 {
+        let (r, action) = post(&poller, &host, ctx, "free");
+        assert_eq!(action, Action::Pause);
+        held.push(r);
+    }
+    host.advance(20);
+    poller.tick(&host);
+    let (token, report) = reports(&host).pop().unwrap();
+    assert_eq!(
+        report["scopes"],
+        json!([{"id": "concurrency/b", "limit": 3, "hold": 3},
+               {"id": "concurrency/b/m", "limit": 2, "hold": 2}])
+    );
+    // The backend's slots are scarcer: only one goes.
+    answer(&mut poller, &host, token, "200", json!({"grants": [1, 2]}));
+    poller.on_wake(&host);
+    assert_eq!(host.resumed.borrow().len(), 1);
+    assert_eq!((state(&host).leased, leased(&host)), (1, 2));
+    // A malformed answer counts as the sidecar away (local_share, 1 replica).
+    host.advance(20);
+    poller.tick(&host);
+    let (token, _) = reports(&host).pop().unwrap();
+    answer(&mut poller, &host, token, "200", json!({"grants": [3]}));
+    assert_eq!((state(&host).leased, leased(&host)), (3, 2));
+    assert_eq!(host.metric("sluice_fleet_slots_degraded"), Some(1));
+}
