@@ -272,6 +272,8 @@ fn bucket_exists(policy: &Policy, id: &str) -> bool {
             policy.models.contains_key(*m) && ["requests", "tokens"].contains(what)
         }
         ["route", r, "requests"] => policy.routes.iter().any(|x| x.name == *r),
+        // A gated backend whose slots stay per Envoy.
+        ["concurrency", b] => crate::queue::Gates::new(policy).group(b).is_some(),
         _ => false,
     }
 }
@@ -765,7 +767,7 @@ impl Fleet {
         }
     }
 
-    fn post(&self, host: &dyn Host, path: &str, body: &[u8]) -> Result<u32, String> {
+    pub(crate) fn post(&self, host: &dyn Host, path: &str, body: &[u8]) -> Result<u32, String> {
         let len = body.len().to_string();
         let headers = [
             (":method", "POST"),

@@ -186,6 +186,8 @@ pub struct Poller {
     fleet: crate::fleet::Agent,
     /// With queues the tick is fast; the lease still moves at `TICK_MS`.
     next_lease_ms: u64,
+    /// Fleet-wide concurrency slots (see `slots`).
+    slots: slots::Agent,
 }
 
 impl Poller {
@@ -280,6 +282,9 @@ impl Poller {
         let now = host.now_ms();
         if let Some(filter) = self.filter.clone().filter(|f| !f.gates.is_empty()) {
             waiting::tick(&filter, host, now);
+            if filter.fleet.is_some() && self.polls(host, now) {
+                self.slots.tick(&filter, host, now);
+            }
             if now < self.next_lease_ms {
                 return;
             }
@@ -299,6 +304,13 @@ impl Poller {
             return;
         }
         self.dispatch_poll(host, now);
+    }
+
+    /// This VM holds the poller lease (read only; `hold_lease` renews it).
+    fn polls(&self, host: &dyn Host, now: u64) -> bool {
+        let lease = host.get(POLLER_KEY).map(|(b, _)| b).unwrap_or_default();
+        let lease = PollLease::decode(&lease);
+        lease.owner == self.id && lease.expires_ms > now
     }
 
     /// Takes or renews the poller lease: one VM in the whole Envoy polls.
@@ -373,6 +385,12 @@ impl Poller {
                 }
                 return;
             }
+        }
+        if self.slots.owns(token) {
+            if let Some(filter) = self.filter.clone() {
+                self.slots.on_answer(&filter, host, token, body_size);
+            }
+            return;
         }
         if self.fleet.owns(token) {
             if let Some(filter) = self.filter.clone() {
@@ -1256,6 +1274,7 @@ impl Stream {
     }
 }
 
+pub(crate) mod slots;
 #[cfg(test)]
 mod tests;
 mod waiting;

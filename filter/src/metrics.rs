@@ -77,6 +77,7 @@ pub const GAUGES: &[&str] = &[
     BREAKERS_OPEN,
     GLOBAL_BREAKER,
     crate::fleet::M_DEGRADED,
+    crate::flow::slots::M_DEGRADED,
 ];
 /// Settled cost, micro-currency.
 pub const SPEND_MICROS: &str = "sluice_spend_micros_total";
@@ -149,6 +150,7 @@ pub const FIXED: &[&str] = &[
     crate::fleet::M_DEGRADED,
     crate::fleet::M_OUTBOX_DROPPED,
     crate::fleet::M_BATCHES,
+    crate::flow::slots::M_DEGRADED,
 ];
 
 #[cfg(test)]

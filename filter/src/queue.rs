@@ -178,6 +178,9 @@ pub struct Group {
     pub model_limits: BTreeMap<String, Option<u32>>,
     /// Class → weight.
     pub weights: BTreeMap<String, u32>,
+    /// Fleet-wide: this Envoy may use only the slots it leased (see
+    /// `flow::slots`), never more than the limits above.
+    pub fleet: bool,
 }
 
 impl Group {
@@ -189,12 +192,16 @@ impl Group {
         if m.paused_until_ms > now_ms {
             return Blocked::Paused(m.paused_until_ms);
         }
+        let leased = |limit: u32, lease: u32| if self.fleet { limit.min(lease) } else { limit };
         let limit = self.model_limits.get(&m.name).copied().flatten();
-        if limit.is_some_and(|l| m.inflight >= l) {
+        if limit.is_some_and(|l| m.inflight >= leased(l, m.leased)) {
             return Blocked::Slot;
         }
         let total: u64 = s.models.iter().map(|m| u64::from(m.inflight)).sum();
-        if self.backend_limit.is_some_and(|l| total >= u64::from(l)) {
+        if self
+            .backend_limit
+            .is_some_and(|l| total >= u64::from(leased(l, s.leased)))
+        {
             return Blocked::Slot;
         }
         Blocked::Free
@@ -208,6 +215,11 @@ impl Group {
 impl Gates {
     pub fn new(p: &Policy) -> Gates {
         let mut gates = Gates::default();
+        let fleet = |backend: &str| {
+            p.fleet
+                .as_ref()
+                .is_some_and(|f| !f.local.iter().any(|id| *id == slots_scope(backend, None)))
+        };
         for (name, m) in &p.models {
             let backend_limit = p.backends.get(&m.backend).and_then(|b| b.concurrency);
             if m.concurrency.is_none() && backend_limit.is_none() {
@@ -226,6 +238,7 @@ impl Gates {
                         .iter()
                         .map(|(n, c)| (n.clone(), c.weight))
                         .collect(),
+                    fleet: fleet(&m.backend),
                 });
             group.model_limits.insert(name.clone(), m.concurrency);
         }
@@ -286,6 +299,8 @@ pub struct ModelState {
     pub name: String,
     pub inflight: u32,
     pub paused_until_ms: u64,
+    /// Fleet-wide gates: the model's slots this Envoy holds in Redis.
+    pub leased: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -318,6 +333,8 @@ pub struct State {
     pub vtime: u64,
     pub next_ticket: u64,
     pub entries: Vec<Entry>,
+    /// Fleet-wide gates: the backend's slots this Envoy holds in Redis.
+    pub leased: u32,
 }
 
 struct Reader<'a>(&'a [u8]);
@@ -384,6 +401,11 @@ impl State {
             out.extend(e.enqueued_ms.to_le_bytes());
             out.extend(e.deadline_ms.to_le_bytes());
         }
+        // Leases last, so a state written before they existed still reads.
+        out.extend(self.leased.to_le_bytes());
+        for m in &self.models {
+            out.extend(m.leased.to_le_bytes());
+        }
         out
     }
 
@@ -402,6 +424,7 @@ impl State {
                 name: r.name()?,
                 inflight: r.u32()?,
                 paused_until_ms: r.u64()?,
+                leased: 0,
             });
         }
         for _ in 0..r.u16()? {
@@ -424,6 +447,12 @@ impl State {
                 enqueued_ms: r.u64()?,
                 deadline_ms: r.u64()?,
             });
+        }
+        if let Some(leased) = r.u32() {
+            s.leased = leased;
+            for m in &mut s.models {
+                m.leased = r.u32()?;
+            }
         }
         Some(s)
     }
@@ -766,6 +795,50 @@ pub fn pause(
             Some(true)
         },
         false,
+    )
+}
+
+/// The fleet scope of a backend's slots (`fleet.local` names it to keep
+/// them per Envoy), or of one of its models' slots.
+pub fn slots_scope(backend: &str, model: Option<&str>) -> String {
+    match model {
+        Some(m) => format!("concurrency/{backend}/{m}"),
+        None => format!("concurrency/{backend}"),
+    }
+}
+
+/// Sets the fleet leases of a backend (`None`: the backend's own, else a
+/// model's) with `f`, then hands what they free to waiters. `f` gets the
+/// state and answers the new leases; nothing is written when none changes.
+pub fn lease(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    saturated: Saturated,
+    now_ms: u64,
+    mut f: impl FnMut(&State) -> Vec<(Option<String>, u32)>,
+) -> Changed<()> {
+    change(
+        store,
+        g,
+        tries,
+        |s, grants| {
+            let mut changed = false;
+            for (model, n) in f(s) {
+                let slot = match model {
+                    Some(m) => {
+                        let i = s.model(&m);
+                        &mut s.models[i].leased
+                    }
+                    None => &mut s.leased,
+                };
+                changed |= *slot != n;
+                *slot = n;
+            }
+            s.pump(g, saturated, now_ms, grants);
+            (changed || !grants.is_empty()).then_some(())
+        },
+        (),
     )
 }
 

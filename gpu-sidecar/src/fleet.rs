@@ -328,7 +328,7 @@ impl Fleet {
         }
     }
 
-    async fn run<T: redis::FromRedisValue>(
+    pub(crate) async fn run<T: redis::FromRedisValue>(
         &self,
         invocation: redis::ScriptInvocation<'_>,
     ) -> Result<T, FleetError> {
@@ -707,7 +707,7 @@ pub async fn sync_kill_switch(
     }
 }
 
-/// `/v1/fleet/take`, `/v1/fleet/give` (loopback only) and `GET /v1/fleet`
+/// `/v1/fleet/take`, `/v1/fleet/give`, `/v1/fleet/slots` (loopback only) and `GET /v1/fleet`
 /// (counters).
 pub fn router(fleet: Arc<Fleet>) -> axum::Router {
     use axum::routing::{get, post};
@@ -715,12 +715,16 @@ pub fn router(fleet: Arc<Fleet>) -> axum::Router {
         .route("/v1/fleet", get(stats))
         .route("/v1/fleet/take", post(take))
         .route("/v1/fleet/give", post(give))
+        .route("/v1/fleet/slots", post(crate::slots::handle))
         .with_state(fleet)
 }
 
-type Peer = Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>;
+pub(crate) type Peer = Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>;
 
-fn reply(status: axum::http::StatusCode, body: serde_json::Value) -> axum::response::Response {
+pub(crate) fn reply(
+    status: axum::http::StatusCode,
+    body: serde_json::Value,
+) -> axum::response::Response {
     use axum::response::IntoResponse;
     (
         status,
@@ -730,7 +734,7 @@ fn reply(status: axum::http::StatusCode, body: serde_json::Value) -> axum::respo
         .into_response()
 }
 
-fn refuse(peer: &Peer) -> Option<axum::response::Response> {
+pub(crate) fn refuse(peer: &Peer) -> Option<axum::response::Response> {
     let local = peer
         .as_ref()
         .is_some_and(|axum::Extension(axum::extract::ConnectInfo(a))| a.ip().is_loopback());
@@ -743,7 +747,7 @@ fn refuse(peer: &Peer) -> Option<axum::response::Response> {
     })
 }
 
-fn failure(e: FleetError) -> axum::response::Response {
+pub(crate) fn failure(e: FleetError) -> axum::response::Response {
     use axum::http::StatusCode;
     match e {
         FleetError::Invalid(m) => reply(
@@ -757,7 +761,7 @@ fn failure(e: FleetError) -> axum::response::Response {
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, FleetError> {
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, FleetError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| FleetError::Invalid(e.to_string()))
 }

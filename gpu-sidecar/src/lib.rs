@@ -22,6 +22,7 @@ pub mod memory;
 pub mod metrics;
 pub mod monitor;
 pub mod page;
+pub mod slots;
 pub mod sources;
 pub mod state;
 pub mod telemetry;

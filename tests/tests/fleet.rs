@@ -449,3 +449,129 @@ fn a_queued_request_takes_its_fleet_buckets_when_its_turn_comes() {
     assert_eq!(fleet["takes"].as_u64(), Some(4), "{fleet}");
     assert_eq!(upstream.stats()["requests_total"].as_u64(), Some(4));
 }
+
+/// Sends `n` batch requests of `latency_ms` upstream latency, all at once,
+/// spread round-robin over `urls`; each request's status (0: no answer in
+/// 20 s).
+fn slow_burst(urls: &[String], n: usize, latency_ms: u64) -> Vec<u16> {
+    runtime().block_on(async {
+        let client = async_client();
+        let latency = latency_ms.to_string();
+        let tasks: Vec<_> = (0..n)
+            .map(|i| {
+                let (client, url, latency) = (
+                    client.clone(),
+                    urls[i % urls.len()].clone(),
+                    latency.clone(),
+                );
+                tokio::spawn(async move {
+                    let mut body = chat_body("m");
+                    body["max_tokens"] = 4.into();
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(20),
+                        post_json_async(&client, &url, &[("x-mock-latency-ms", &latency)], &body),
+                    )
+                    .await;
+                    match r {
+                        Ok(Ok(r)) => r.status,
+                        _ => 0,
+                    }
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap_or(0));
+        }
+        out
+    })
+}
+
+fn slots_policy() -> serde_yaml::Value {
+    fleet_policy(
+        "tiers: { free: { class: batch } }\n\
+         classes: { batch: { max_wait: 20s } }\n\
+         models: { m: { concurrency: 2 } }",
+        "fleet: { expected_replicas: 2 }",
+    )
+}
+
+/// The slots each Envoy holds for model `m` in Redis (holder → count).
+fn holdings(redis: &Redis) -> String {
+    redis
+        .command(&["HGETALL", "sluice:fleet:slots:concurrency/local/m"])
+        .unwrap_or_default()
+}
+
+/// `models.m.concurrency: 2` holds across two Envoys (2 workers each): the
+/// upstream never sees more than 2 in flight, every request is served, the
+/// slots move to where the queue is, and they go back to Redis when idle.
+#[test]
+fn model_concurrency_holds_across_the_fleet() {
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let p = slots_policy();
+    let a = Node::start(&redis.url(), &upstream, None, &p, 2);
+    let b = Node::start(&redis.url(), &upstream, None, &p, 2);
+    let urls = vec![
+        a.envoy.url("/v1/chat/completions"),
+        b.envoy.url("/v1/chat/completions"),
+    ];
+    let started = Instant::now();
+    let statuses = slow_burst(&urls, 16, 200);
+    let elapsed = started.elapsed();
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "{statuses:?}\n{}",
+        a.envoy.log()
+    );
+    let stats = upstream.stats();
+    assert_eq!(stats["peak_in_flight"], 2, "{stats}");
+    assert_eq!(stats["requests_total"], 16, "{stats}");
+    // 16 × 200 ms over 2 slots is 1.6 s; leases move between Envoys on
+    // 20 ms ticks. A generous bound for 2 shared cores.
+    eprintln!("16 × 200 ms over 2 fleet-wide slots: {elapsed:?}");
+    assert!(elapsed < Duration::from_secs(8), "took {elapsed:?}");
+    // Idle: both Envoys give their slots back.
+    assert!(
+        wait_for(Duration::from_secs(3), || {
+            let h = holdings(&redis);
+            h.starts_with("*0")
+        }),
+        "slots still held: {}",
+        holdings(&redis)
+    );
+}
+
+/// An Envoy killed while it holds every slot: its holding expires with its
+/// liveness (5 s) and the other Envoy's waiting request is served.
+#[test]
+fn a_killed_envoys_slots_come_back_to_the_fleet() {
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let p = slots_policy();
+    let mut a = Node::start(&redis.url(), &upstream, None, &p, 2);
+    let b = Node::start(&redis.url(), &upstream, None, &p, 2);
+    let url_a = a.envoy.url("/v1/chat/completions");
+    // Two long requests through A take both slots.
+    let hold = std::thread::spawn(move || slow_burst(&[url_a.clone(), url_a], 2, 15_000));
+    assert!(
+        wait_for(Duration::from_secs(5), || upstream.stats()["in_flight"]
+            == 2),
+        "A's requests reached the upstream: {}",
+        upstream.stats()
+    );
+    let killed = Instant::now();
+    a.envoy.process().kill();
+    let statuses = slow_burst(&[b.envoy.url("/v1/chat/completions")], 1, 10);
+    let waited = killed.elapsed();
+    assert_eq!(statuses, vec![200], "{}", b.envoy.log());
+    eprintln!("killed Envoy's slots back after {waited:?}");
+    // B waited while A's holding was live (fleet-wide slots), and no
+    // longer than its liveness (5 s) and a few ticks.
+    assert!(
+        waited > Duration::from_secs(3) && waited < Duration::from_secs(10),
+        "A's slots came back with its liveness: {waited:?}"
+    );
+    let _ = hold.join();
+}

@@ -234,7 +234,12 @@ impl Filter {
     }
 
     /// The models of `backend` the sidecar reports saturated, for a pump.
-    fn saturated_models(&self, host: &dyn Host, backend: &str, now_ms: u64) -> Vec<String> {
+    pub(super) fn saturated_models(
+        &self,
+        host: &dyn Host,
+        backend: &str,
+        now_ms: u64,
+    ) -> Vec<String> {
         let Some(group) = self.gates.group(backend) else {
             return Vec::new();
         };
@@ -246,7 +251,7 @@ impl Filter {
             .collect()
     }
 
-    fn tries(&self) -> u32 {
+    pub(super) fn tries(&self) -> u32 {
         self.engine.policy.state.cas_max_retries
     }
 
@@ -263,7 +268,7 @@ impl Filter {
         }
     }
 
-    fn applied<T>(&self, host: &dyn Host, backend: &str, changed: &Changed<T>) {
+    pub(super) fn applied<T>(&self, host: &dyn Host, backend: &str, changed: &Changed<T>) {
         count_contention(host, changed.contention);
         if let Some(state) = &changed.state {
             publish(self, host, backend, state);

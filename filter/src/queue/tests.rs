@@ -7,6 +7,7 @@ fn group(model_limit: u32, weights: &[(&str, u32)]) -> Group {
         backend_limit: None,
         model_limits: [("m".to_string(), Some(model_limit))].into(),
         weights: weights.iter().map(|(n, w)| (n.to_string(), *w)).collect(),
+        fleet: false,
     }
 }
 

@@ -1,0 +1,219 @@
+//! Concurrency slots across the fleet (SPEC §2.6, §7): how many requests a
+//! gated backend (and each of its models) has in flight, summed over every
+//! Envoy, stays within its `concurrency`.
+//!
+//! `POST /v1/fleet/slots` (loopback only): the Envoy beside this sidecar
+//! reports, per scope (`concurrency/<backend>`, `concurrency/<backend>/<model>`),
+//! the absolute number of slots it wants to hold; one Lua script grants each
+//! `min(hold, limit − what the other live Envoys hold)` and records it.
+//! Absolute reports make a retried or lost call harmless: the next report
+//! says the whole truth again. The filter lowers its own capacity *before*
+//! it reports a smaller holding and raises it only *after* a grant, so what
+//! it admits never exceeds what Redis counts as its holding.
+//!
+//! Liveness: each report renews `live:<id>` (this sidecar's id) for
+//! [`LIVE_MS`]; the filter reports at least every second while it holds
+//! anything. The holdings of an id whose key expired (its Envoy or sidecar
+//! died) are dropped by the next script that sees them, so their slots come
+//! back to the fleet within `LIVE_MS`.
+
+use std::sync::{Arc, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+use crate::fleet::{Fleet, FleetError};
+
+/// How long a report keeps this Envoy's holdings alive.
+pub const LIVE_MS: u64 = 5_000;
+/// Most scopes in one report.
+pub const MAX_SCOPES: usize = 256;
+/// Largest `limit` or `hold` accepted.
+const MAX_SLOTS: u32 = 1_000_000;
+const PREFIX: &str = "sluice:fleet:slots:";
+
+/// KEYS: one holdings hash per scope. ARGV[1]: this Envoy's id, ARGV[2]:
+/// the liveness key prefix, ARGV[3]: liveness (ms); then per scope: limit,
+/// hold. Answers the grant of each scope.
+const SLOTS: &str = r#"
+local me = ARGV[1]
+local prefix = ARGV[2]
+redis.call('SET', prefix .. me, '1', 'PX', tonumber(ARGV[3]))
+local out = {}
+for i = 1, #KEYS do
+  local limit = tonumber(ARGV[2 + i * 2])
+  local hold = tonumber(ARGV[3 + i * 2])
+  local others = 0
+  local h = redis.call('HGETALL', KEYS[i])
+  for j = 1, #h, 2 do
+    local who = h[j]
+    if who ~= me then
+      if redis.call('EXISTS', prefix .. who) == 1 then
+        others = others + tonumber(h[j + 1])
+      else
+        redis.call('HDEL', KEYS[i], who)
+      end
+    end
+  end
+  local grant = math.max(0, math.min(hold, limit - others))
+  if grant > 0 then
+    redis.call('HSET', KEYS[i], me, grant)
+  else
+    redis.call('HDEL', KEYS[i], me)
+  end
+  out[i] = grant
+end
+return out
+"#;
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scope {
+    /// `concurrency/<backend>` or `concurrency/<backend>/<model>`.
+    pub id: String,
+    /// The fleet-wide concurrency of the scope.
+    pub limit: u32,
+    /// How many slots this Envoy wants to hold (absolute).
+    pub hold: u32,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlotsRequest {
+    pub scopes: Vec<Scope>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
+pub struct SlotsAnswer {
+    /// Slots this Envoy now holds, per scope, in request order.
+    pub grants: Vec<u32>,
+}
+
+/// This sidecar's id in the holdings: distinct per process (a restarted
+/// sidecar is a new holder; the old id's slots expire with its liveness).
+pub fn holder_id() -> &'static str {
+    static ID: OnceLock<String> = OnceLock::new();
+    ID.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{:x}-{:x}", std::process::id(), nanos)
+    })
+}
+
+fn scope_ok(id: &str) -> bool {
+    id.starts_with("concurrency/") && id.len() <= 256 && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// Checks a report before Redis is asked; errors name the field.
+pub fn check(req: &SlotsRequest) -> Result<(), FleetError> {
+    if req.scopes.is_empty() || req.scopes.len() > MAX_SCOPES {
+        return Err(FleetError::Invalid(format!(
+            "scopes: 1 to {MAX_SCOPES} entries"
+        )));
+    }
+    for (i, s) in req.scopes.iter().enumerate() {
+        if !scope_ok(&s.id) {
+            return Err(FleetError::Invalid(format!(
+                "scopes[{i}].id: `concurrency/…`, printable ASCII, at most 256 bytes"
+            )));
+        }
+        if s.limit == 0 || s.limit > MAX_SLOTS || s.hold > MAX_SLOTS {
+            return Err(FleetError::Invalid(format!(
+                "scopes[{i}]: limit 1 to {MAX_SLOTS}, hold 0 to {MAX_SLOTS}"
+            )));
+        }
+    }
+    let mut ids: Vec<&str> = req.scopes.iter().map(|s| s.id.as_str()).collect();
+    ids.sort_unstable();
+    if ids.windows(2).any(|w| w[0] == w[1]) {
+        return Err(FleetError::Invalid("scopes: an id appears twice".into()));
+    }
+    Ok(())
+}
+
+/// Records this Envoy's holdings and answers its grants.
+pub async fn report(fleet: &Fleet, req: &SlotsRequest) -> Result<SlotsAnswer, FleetError> {
+    check(req)?;
+    let script = redis::Script::new(SLOTS);
+    let mut inv = script.prepare_invoke();
+    for s in &req.scopes {
+        inv.key(format!("{PREFIX}{}", s.id));
+    }
+    inv.arg(holder_id())
+        .arg(format!("{PREFIX}live:"))
+        .arg(LIVE_MS);
+    for s in &req.scopes {
+        inv.arg(s.limit).arg(s.hold);
+    }
+    let grants: Vec<u32> = fleet.run(inv).await?;
+    if grants.len() != req.scopes.len() {
+        return Err(FleetError::Unavailable(
+            "the slots script answered the wrong number of grants".into(),
+        ));
+    }
+    Ok(SlotsAnswer { grants })
+}
+
+pub async fn handle(
+    axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
+    peer: crate::fleet::Peer,
+    body: axum::body::Bytes,
+) -> axum::response::Response {
+    if let Some(r) = crate::fleet::refuse(&peer) {
+        return r;
+    }
+    let req: SlotsRequest = match crate::fleet::parse(&body) {
+        Ok(r) => r,
+        Err(e) => return crate::fleet::failure(e),
+    };
+    match report(&fleet, &req).await {
+        Ok(answer) => crate::fleet::reply(
+            axum::http::StatusCode::OK,
+            serde_json::to_value(answer).unwrap_or_default(),
+        ),
+        Err(e) => crate::fleet::failure(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scope(id: &str, limit: u32, hold: u32) -> Scope {
+        Scope {
+            id: id.into(),
+            limit,
+            hold,
+        }
+    }
+
+    #[test]
+    fn bad_reports_are_refused_with_the_field() {
+        let bad = [
+            vec![],
+            vec![scope("tier/x/requests", 2, 1)],
+            vec![scope("concurrency/a b", 2, 1)],
+            vec![scope("concurrency/a", 0, 0)],
+            vec![scope("concurrency/a", 2, MAX_SLOTS + 1)],
+            vec![scope("concurrency/a", 2, 1), scope("concurrency/a", 2, 1)],
+        ];
+        for scopes in bad {
+            assert!(
+                matches!(
+                    check(&SlotsRequest {
+                        scopes: scopes.clone()
+                    }),
+                    Err(FleetError::Invalid(_))
+                ),
+                "{scopes:?}"
+            );
+        }
+        assert!(check(&SlotsRequest {
+            scopes: vec![
+                scope("concurrency/vllm", 2, 0),
+                scope("concurrency/vllm/m", 1, 1)
+            ]
+        })
+        .is_ok());
+    }
+}
