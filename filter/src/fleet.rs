@@ -111,6 +111,11 @@ pub struct FleetConfig {
     /// `tier/free/requests`, `model/llama3/tokens`, `route/chat/requests`.
     #[serde(default)]
     pub local: Vec<String>,
+    /// Mixed into every Redis key name, so that someone who can read Redis
+    /// cannot test a known address or subject against the names. The same
+    /// secret on every Envoy of the fleet (else their keys differ).
+    #[serde(default)]
+    pub salt: String,
 }
 
 fn one() -> u64 {
@@ -500,11 +505,13 @@ fn hex(bytes: &[u8]) -> String {
     crate::principal::hex(bytes)
 }
 
-/// The Redis name of a bucket for one owner: a hash, never a raw key.
-fn redis_key(rule: &str, owner: u64) -> String {
+/// The Redis name of a bucket for one owner: a salted hash, never a raw key.
+fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
     h.update(b"sluice-fleet\0");
+    h.update(salt.as_bytes());
+    h.update(b"\0");
     h.update(rule.as_bytes());
     h.update(b"\0");
     h.update(owner.to_le_bytes());
@@ -711,7 +718,7 @@ impl Fleet {
                     amount,
                     window_end,
                     meter,
-                    key: redis_key(&h.rule, owner),
+                    key: redis_key(&self.config.salt, &h.rule, owner),
                     slot,
                     have,
                 });
@@ -1012,7 +1019,7 @@ impl Fleet {
             let used = actual(c.meter);
             let delta = c.amount as i64 - used as i64;
             let item = |delta| GiveItem {
-                key: redis_key(&c.rule, c.owner),
+                key: redis_key(&self.config.salt, &c.rule, c.owner),
                 shape: Shape::with_end(&rule.rule.limit, c.window_end),
                 delta,
             };
@@ -1260,7 +1267,11 @@ impl Agent {
             if want == 0 {
                 continue;
             }
-            claims.push((redis_key(rule_id, l.owner), current, want));
+            claims.push((
+                redis_key(&fleet.config.salt, rule_id, l.owner),
+                current,
+                want,
+            ));
             wants.push(TopUp {
                 slot: key.clone(),
                 rule: rule_id.clone(),
@@ -1336,7 +1347,7 @@ impl Agent {
             if written != Updated::Written {
                 if let Some(rule) = fleet.rules.get(&w.rule) {
                     back.push(GiveItem {
-                        key: redis_key(&w.rule, w.owner),
+                        key: redis_key(&fleet.config.salt, &w.rule, w.owner),
                         shape: Shape::with_end(&rule.rule.limit, w.window_end),
                         delta: grant as i64,
                     });
@@ -1427,7 +1438,7 @@ impl Agent {
                 if l.balance != 0 && !over {
                     if let Some(rule) = fleet.rules.get(rule_id) {
                         items.push(GiveItem {
-                            key: redis_key(rule_id, l.owner),
+                            key: redis_key(&fleet.config.salt, rule_id, l.owner),
                             shape: Shape::with_end(&rule.rule.limit, l.window_end),
                             delta: l.balance,
                         });

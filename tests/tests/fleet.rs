@@ -65,7 +65,8 @@ fn a_fleet_request_bucket_admits_exactly_its_limit_across_three_envoys() {
     let upstream = MockLlm::start("primary");
     let p = fleet_policy(
         "tiers: { free: { requests: 100/day } }",
-        "fleet: { expected_replicas: 3 }",
+        // Salted key names: the same salt on every Envoy, one count.
+        "fleet: { expected_replicas: 3, salt: fleet-test-salt }",
     );
     let nodes: Vec<Node> = (0..3)
         .map(|_| Node::start(&redis.url(), &upstream, None, &p, 2))

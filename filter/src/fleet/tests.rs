@@ -444,3 +444,18 @@ fn a_soft_cap_is_taken_past_its_limit_and_never_refused_when_the_fleet_is_away()
     assert!(host.replies.borrow().is_empty());
     assert_eq!(host.resumed.borrow().len(), 1);
 }
+
+#[test]
+fn redis_key_names_are_salted_hashes() {
+    let a = super::redis_key("", "tier/free/requests", 42);
+    let b = super::redis_key("fleet-secret", "tier/free/requests", 42);
+    let c = super::redis_key("fleet-secret", "tier/free/requests", 43);
+    assert_ne!(a, b, "the salt changes every name");
+    assert_ne!(b, c, "owners have their own names");
+    assert_eq!(
+        b,
+        super::redis_key("fleet-secret", "tier/free/requests", 42)
+    );
+    assert_eq!(b.len(), 32);
+    assert!(b.bytes().all(|x| x.is_ascii_hexdigit()));
+}
