@@ -333,9 +333,11 @@ fn reply(reason: Reason, mut headers: Vec<(String, String)>, body: &serde_json::
     }
 }
 
-/// 429 of the concurrency gate and its queue (`model_concurrency`,
-/// `queue_full`, `queue_deadline`), with `Retry-After`.
-pub fn queue_refusal(reason: Reason, message: &str, retry_after_s: u64) -> Reply {
+/// An answer that only says "not now": the reason, a sentence and
+/// `Retry-After` — the concurrency gate and its queue (429
+/// `model_concurrency`, `queue_full`, `queue_deadline`) and the 503s of a
+/// backend that cannot take the request ([`unavailable`]).
+pub fn retry_later(reason: Reason, message: &str, retry_after_s: u64) -> Reply {
     let body = json!({"error": {
         "message": message,
         "type": reason.error_type(),
@@ -352,17 +354,12 @@ pub fn queue_refusal(reason: Reason, message: &str, retry_after_s: u64) -> Reply
 
 /// 503: the backend cannot take the request now.
 pub fn unavailable(reason: Reason, why: &str, retry_after_s: u64) -> Reply {
-    let body = json!({"error": {
-        "message": format!("The model is not taking requests right now ({why}). Try again in {retry_after_s} s."),
-        "type": reason.error_type(),
-        "code": reason.body_code(),
-        "param": null,
-        "sluice": {"retry_after_seconds": retry_after_s},
-    }});
-    reply(
+    retry_later(
         reason,
-        vec![("retry-after".into(), retry_after_s.to_string())],
-        &body,
+        &format!(
+            "The model is not taking requests right now ({why}). Try again in {retry_after_s} s."
+        ),
+        retry_after_s,
     )
 }
 

@@ -373,7 +373,7 @@ impl Stream {
             }
             Entered::Full => (
                 Reason::QueueFull,
-                answer::queue_refusal(
+                answer::retry_later(
                     Reason::QueueFull,
                     &format!(
                         "Too many requests of your class are waiting for {model}. Try again in 1 s."
@@ -403,7 +403,7 @@ impl Stream {
             ),
             Entered::Refused(_) | Entered::Contended => (
                 Reason::ModelConcurrency,
-                answer::queue_refusal(
+                answer::retry_later(
                     Reason::ModelConcurrency,
                     &format!(
                         "{model} is serving as many requests as it may at once. Try again in 1 s."
@@ -565,7 +565,7 @@ impl Stream {
         g.ticket = None;
         let waited = host.now_ms().saturating_sub(g.arrived_ms);
         count(host, "expired", "queue_deadline", g);
-        let reply = answer::queue_refusal(
+        let reply = answer::retry_later(
             Reason::QueueDeadline,
             &format!(
                 "Waited {waited} ms for {} without a free slot. Try again later.",
@@ -693,17 +693,19 @@ impl Stream {
     }
 }
 
+/// The waiter of `ticket`, out of this VM's map, with its stream; `None`
+/// when gone (its `on_log` withdrew it and gave the slot back).
+fn take_waiter(filter: &Filter, ticket: u64) -> Option<(Waiter, Rc<RefCell<Stream>>)> {
+    let waiter = filter.waiters.try_borrow_mut().ok()?.remove(&ticket)?;
+    let stream = waiter.stream.upgrade()?;
+    Some((waiter, stream))
+}
+
 /// Resumes a queued stream of this VM that holds a slot now; `via`: the
 /// wake-up message, or the tick that found the grant (a lost or late
 /// wake-up), counted in `sluice_queue_resumed_total{via}`.
 fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
-    let waiter = match filter.waiters.try_borrow_mut() {
-        Ok(mut waiters) => waiters.remove(&ticket),
-        Err(_) => None,
-    };
-    // Gone: its `on_log` withdrew it and gave the slot back.
-    let Some(waiter) = waiter else { return };
-    let Some(stream) = waiter.stream.upgrade() else {
+    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
         return;
     };
     if !host.set_effective_context(waiter.context_id) {
@@ -723,12 +725,7 @@ fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
 }
 
 fn expire(filter: &Filter, host: &dyn Host, ticket: u64) {
-    let waiter = match filter.waiters.try_borrow_mut() {
-        Ok(mut waiters) => waiters.remove(&ticket),
-        Err(_) => None,
-    };
-    let Some(waiter) = waiter else { return };
-    let Some(stream) = waiter.stream.upgrade() else {
+    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
         return;
     };
     let Ok(mut stream) = stream.try_borrow_mut() else {
@@ -740,12 +737,7 @@ fn expire(filter: &Filter, host: &dyn Host, ticket: u64) {
 }
 
 fn wake_sleeper(filter: &Filter, host: &dyn Host, ticket: u64) {
-    let waiter = match filter.waiters.try_borrow_mut() {
-        Ok(mut waiters) => waiters.remove(&ticket),
-        Err(_) => None,
-    };
-    let Some(waiter) = waiter else { return };
-    let Some(stream) = waiter.stream.upgrade() else {
+    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
         return;
     };
     let Ok(mut stream) = stream.try_borrow_mut() else {
