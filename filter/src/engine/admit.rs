@@ -239,19 +239,7 @@ impl Engine {
             }
         };
         let bucket = &self.buckets[taken[index]];
-        let limit_text = bucket.rule.limit.describe();
-        let reply = answer::limited(
-            &Limited {
-                reason: bucket.reason,
-                quota,
-                retry_after_ms,
-                tier: &identity.tier,
-                bucket: &bucket.name,
-                rule: &bucket.rule.id,
-                limit_text: &limit_text,
-            },
-            now_ms,
-        );
+        let reply = Self::bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
         Verdict {
             reply: Some(reply),
             response_headers: Vec::new(),
@@ -265,6 +253,30 @@ impl Engine {
             bucket: Some(bucket.rule.id.clone()),
             held: None,
         }
+    }
+
+    /// The 429 of one bucket (its quota and wait): what admission answers,
+    /// and the fleet when Redis refuses the bucket.
+    pub(super) fn bucket_refusal(
+        bucket: &Bucket,
+        quota: Quota,
+        retry_after_ms: u64,
+        tier: &str,
+        now_ms: u64,
+    ) -> Reply {
+        let limit_text = bucket.rule.limit.describe();
+        answer::limited(
+            &Limited {
+                reason: bucket.reason,
+                quota,
+                retry_after_ms,
+                tier,
+                bucket: &bucket.name,
+                rule: &bucket.rule.id,
+                limit_text: &limit_text,
+            },
+            now_ms,
+        )
     }
 
     /// Headers of an admitted request: the tightest request bucket as

@@ -97,20 +97,8 @@ impl Engine {
         now_ms: u64,
     ) -> Option<Verdict> {
         let bucket = self.buckets.iter().find(|b| b.rule.id == rule_id)?;
-        let limit_text = bucket.rule.limit.describe();
         let retry_after_ms = quota.reset_ms.clamp(1_000, 86_400_000);
-        let reply = answer::limited(
-            &Limited {
-                reason: bucket.reason,
-                quota,
-                retry_after_ms,
-                tier: &identity.tier,
-                bucket: &bucket.name,
-                rule: &bucket.rule.id,
-                limit_text: &limit_text,
-            },
-            now_ms,
-        );
+        let reply = Self::bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
         let mut verdict = self.refused(reply, bucket.reason, &identity.tier, model);
         verdict.bucket = Some(bucket.rule.id.clone());
         Some(verdict)
