@@ -766,19 +766,27 @@ pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Fl
     serde_path_to_error::deserialize(de).map_err(|e| FleetError::Invalid(e.to_string()))
 }
 
-async fn take(
-    axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
-    peer: Peer,
-    body: axum::body::Bytes,
-) -> axum::response::Response {
-    if let Some(r) = refuse(&peer) {
+/// Every fleet endpoint that changes something: loopback callers only, a
+/// JSON body (a bad one is a 400 naming the field), then `act` on it; its
+/// answer as 200 JSON, or the failure.
+pub(crate) async fn serve<Req, Ans, Fut>(
+    peer: &Peer,
+    body: &[u8],
+    act: impl FnOnce(Req) -> Fut,
+) -> axum::response::Response
+where
+    Req: serde::de::DeserializeOwned,
+    Ans: Serialize,
+    Fut: std::future::Future<Output = Result<Ans, FleetError>>,
+{
+    if let Some(r) = refuse(peer) {
         return r;
     }
-    let req: TakeRequest = match parse(&body) {
+    let req = match parse(body) {
         Ok(r) => r,
         Err(e) => return failure(e),
     };
-    match fleet.take(&req).await {
+    match act(req).await {
         Ok(answer) => reply(
             axum::http::StatusCode::OK,
             serde_json::to_value(answer).unwrap_or_default(),
@@ -787,25 +795,27 @@ async fn take(
     }
 }
 
+async fn take(
+    axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
+    peer: Peer,
+    body: axum::body::Bytes,
+) -> axum::response::Response {
+    serve(&peer, &body, |req: TakeRequest| async move {
+        fleet.take(&req).await
+    })
+    .await
+}
+
 async fn give(
     axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
     peer: Peer,
     body: axum::body::Bytes,
 ) -> axum::response::Response {
-    if let Some(r) = refuse(&peer) {
-        return r;
-    }
-    let req: GiveRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(e) => return failure(e),
-    };
-    match fleet.give(&req).await {
-        Ok(applied) => reply(
-            axum::http::StatusCode::OK,
-            serde_json::json!({"applied": applied}),
-        ),
-        Err(e) => failure(e),
-    }
+    serve(&peer, &body, |req: GiveRequest| async move {
+        let applied = fleet.give(&req).await?;
+        Ok(serde_json::json!({ "applied": applied }))
+    })
+    .await
 }
 
 async fn stats(

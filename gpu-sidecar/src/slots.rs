@@ -159,20 +159,10 @@ pub async fn handle(
     peer: crate::fleet::Peer,
     body: axum::body::Bytes,
 ) -> axum::response::Response {
-    if let Some(r) = crate::fleet::refuse(&peer) {
-        return r;
-    }
-    let req: SlotsRequest = match crate::fleet::parse(&body) {
-        Ok(r) => r,
-        Err(e) => return crate::fleet::failure(e),
-    };
-    match report(&fleet, &req).await {
-        Ok(answer) => crate::fleet::reply(
-            axum::http::StatusCode::OK,
-            serde_json::to_value(answer).unwrap_or_default(),
-        ),
-        Err(e) => crate::fleet::failure(e),
-    }
+    crate::fleet::serve(&peer, &body, |req: SlotsRequest| async move {
+        report(&fleet, &req).await
+    })
+    .await
 }
 
 #[cfg(test)]
