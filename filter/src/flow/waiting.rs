@@ -843,4 +843,4 @@ impl Request {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

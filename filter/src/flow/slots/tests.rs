@@ -34,36 +34,10 @@ fn load(host: &MockHost, policy: &Value) -> Poller {
     poller
 }
 
-fn post(poller: &Poller, host: &MockHost, ctx: u32, tier: &str) -> (Request, Action) {
-    let body = json!({"model": "m", "max_tokens": 5,
-                      "messages": [{"role": "user", "content": "hi"}]})
-    .to_string();
-    let len = body.len().to_string();
-    host.begin(
-        &[
-            (":method", "POST"),
-            (":path", "/v1/chat/completions"),
-            ("content-type", "application/json"),
-            ("content-length", len.as_str()),
-            ("x-user", "u"),
-            ("x-tier", tier),
-        ],
-        body.as_bytes(),
-    );
-    let mut req = poller.request_for(ctx).unwrap();
-    assert_eq!(req.on_request_headers(host, false), Action::Pause);
-    let action = req.on_request_body(host, body.len(), true);
-    (req, action)
-}
+use super::super::waiting::tests::finish;
 
-fn finish(host: &MockHost, req: &mut Request) {
-    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
-    host.set_prop(&["response", "code_details"], b"via_upstream");
-    req.on_response_headers(host);
-    let body = "{\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1}}";
-    *host.response_body.borrow_mut() = body.as_bytes().to_vec();
-    req.on_response_body(host, body.len(), true);
-    req.on_log(host);
+fn post(poller: &Poller, host: &MockHost, ctx: u32, tier: &str) -> (Request, Action) {
+    super::super::waiting::tests::post(poller, host, ctx, &[("x-user", "u"), ("x-tier", tier)])
 }
 
 fn state(host: &MockHost) -> State {

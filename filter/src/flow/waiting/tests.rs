@@ -27,7 +27,14 @@ fn load(host: &MockHost, policy: &Value) -> Poller {
     poller
 }
 
-fn post(poller: &Poller, host: &MockHost, ctx: u32, extra: &[(&str, &str)]) -> (Request, Action) {
+/// A chat request on context `ctx` with `extra` headers (also used by the
+/// fleet-slot tests).
+pub(in crate::flow) fn post(
+    poller: &Poller,
+    host: &MockHost,
+    ctx: u32,
+    extra: &[(&str, &str)],
+) -> (Request, Action) {
     let body = json!({"model": "m", "max_tokens": 5,
                       "messages": [{"role": "user", "content": "hi"}]})
     .to_string();
@@ -46,7 +53,8 @@ fn post(poller: &Poller, host: &MockHost, ctx: u32, extra: &[(&str, &str)]) -> (
     (req, action)
 }
 
-fn finish(host: &MockHost, req: &mut Request) {
+/// Answers `req` 200 with usage and ends it.
+pub(in crate::flow) fn finish(host: &MockHost, req: &mut Request) {
     host.respond(&[(":status", "200"), ("content-type", "application/json")]);
     host.set_prop(&["response", "code_details"], b"via_upstream");
     req.on_response_headers(host);
