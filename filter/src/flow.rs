@@ -72,6 +72,24 @@ fn set_gauge(host: &dyn Host, name: &str, value: u64) {
 /// A stream reached by the root context: its handle and Envoy's context id.
 type StreamCall = (Weak<RefCell<Stream>>, u32);
 
+/// What every root context of one VM (one Envoy worker) shares: the policy
+/// loaded last. A reload makes a new root context in the same VM (the old
+/// one serves its draining connections meanwhile); the concurrency gate of
+/// every stream of the VM, old or new, follows the policy loaded last, so
+/// its limits govern what waits and what is in flight (see `waiting`).
+/// With two listeners of different policies in one VM, the one loaded
+/// last governs both's gates (their queue state is one per backend anyway).
+#[derive(Default)]
+pub struct Vm {
+    latest: RefCell<Weak<Filter>>,
+}
+
+impl Vm {
+    fn latest(&self) -> Option<Rc<Filter>> {
+        self.latest.try_borrow().ok()?.upgrade()
+    }
+}
+
 /// One VM's policy and what its HTTP contexts share: the decoded sidecar
 /// state (kept until the shared-data entry changes) and a dice for
 /// half-open trickles and pause jitter.
@@ -95,6 +113,10 @@ pub struct Filter {
     waiters: RefCell<HashMap<u64, waiting::Waiter>>,
     /// This VM's wake-up queue.
     wake_queue: Cell<Option<u32>>,
+    /// The VM's policy loaded last (see [`Vm`]).
+    vm: Rc<Vm>,
+    /// The sidecar state's version the queue last re-routed its waiters by.
+    seen_by_queue: Cell<u32>,
 }
 
 impl Filter {
@@ -105,11 +127,19 @@ impl Filter {
             gates: crate::queue::Gates::new(&engine.policy),
             waiters: RefCell::default(),
             wake_queue: Cell::new(None),
+            vm: Rc::default(),
+            seen_by_queue: Cell::new(0),
             engine,
             seen: RefCell::new((0, Rc::new(Seen::default()))),
             dice: Cell::new(0),
             audit_principals: RefCell::default(),
         }
+    }
+
+    /// The filter whose gates govern this one's streams: the VM's policy
+    /// loaded last, or this one.
+    fn latest(self: &Rc<Self>) -> Rc<Filter> {
+        self.vm.latest().unwrap_or_else(|| self.clone())
     }
 
     /// The audit log's name of a caller (salted hash), cached per VM.
@@ -188,11 +218,22 @@ pub struct Poller {
     next_lease_ms: u64,
     /// Fleet-wide concurrency slots (see `slots`).
     slots: slots::Agent,
+    /// What this VM's root contexts share.
+    vm: Rc<Vm>,
 }
 
 impl Poller {
     pub fn new() -> Poller {
         Poller::default()
+    }
+
+    /// A root context of a VM whose other root contexts share `vm` (the
+    /// adapter keeps one per VM).
+    pub fn in_vm(vm: Rc<Vm>) -> Poller {
+        Poller {
+            vm,
+            ..Poller::default()
+        }
     }
 
     /// Loads a policy. On `false` Envoy refuses the listener, and this VM
@@ -206,7 +247,8 @@ impl Poller {
                 return false;
             }
         };
-        let filter = Filter::new(Engine::new(policy));
+        let mut filter = Filter::new(Engine::new(policy));
+        filter.vm = self.vm.clone();
         filter.define_metrics(host);
         let engine = &filter.engine;
         match engine.prepare(host) {
@@ -253,8 +295,20 @@ impl Poller {
             }
             host.set_tick_period_ms(TICK_MS);
         }
-        waiting::configure(&filter, self.filter.as_deref(), host, self.id);
-        self.filter = Some(Rc::new(filter));
+        // The gates' previous policy: the VM's last (this root's, or the
+        // root context this reload replaces).
+        let previous = self.vm.latest().or_else(|| self.filter.clone());
+        let same_root = match (&previous, &self.filter) {
+            (Some(p), Some(own)) => Rc::ptr_eq(p, own),
+            _ => false,
+        };
+        waiting::configure(&filter, previous.as_deref(), same_root, host, self.id);
+        let filter = Rc::new(filter);
+        if let Ok(mut latest) = self.vm.latest.try_borrow_mut() {
+            *latest = Rc::downgrade(&filter);
+        }
+        waiting::after_configure(&filter, host);
+        self.filter = Some(filter);
         true
     }
 
@@ -280,7 +334,11 @@ impl Poller {
 
     pub fn tick(&mut self, host: &dyn Host) {
         let now = host.now_ms();
-        if let Some(filter) = self.filter.clone().filter(|f| !f.gates.is_empty()) {
+        if let Some(filter) = self
+            .filter
+            .clone()
+            .filter(|f| !f.gates.is_empty() || waiting::has_waiters(f))
+        {
             waiting::tick(&filter, host, now);
             if filter.fleet.is_some() && self.polls(host, now) {
                 self.slots.tick(&filter, host, now);
@@ -982,7 +1040,7 @@ impl Stream {
         if !fallback && !probe {
             // The model's concurrency gate: a slot, a place in the queue
             // (budgets are reserved when its turn comes), or a refusal.
-            let (gated, gate) = self.pass_gate(host, &identity, model, now, now);
+            let (gated, gate) = self.pass_gate(host, &identity, asked.as_ref(), now, now);
             self.gate = gate;
             match gated {
                 waiting::Gated::Go => {}
@@ -991,9 +1049,17 @@ impl Stream {
                     self.parked = Some(waiting::Parked {
                         asked,
                         body_len: body.len(),
-                        pushback,
                     });
                     return Action::Pause;
+                }
+                waiting::Gated::Sleep(until) => {
+                    // Its buckets free up within its wait: it sleeps,
+                    // holding no place, then tries the gate again.
+                    self.parked = Some(waiting::Parked {
+                        asked,
+                        body_len: body.len(),
+                    });
+                    return self.sleep(host, until);
                 }
             }
         }
@@ -1004,7 +1070,6 @@ impl Stream {
             self.parked = Some(waiting::Parked {
                 asked,
                 body_len: body.len(),
-                pushback,
             });
             return self.sleep(host, now + retry_ms);
         }

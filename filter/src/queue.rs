@@ -31,6 +31,21 @@
 //!    k-th request of a principal that arrives while P principals are
 //!    backlogged in its class is served within k·P of the class's turns.
 //!
+//! Fair places. `max_depth` counts one model's places in one class, all
+//! principals together; one principal may hold at most its class's
+//! `max_per_principal` of them (default: all). When the queue is full, a
+//! newcomer takes the place of the principal holding the most, if that
+//! one holds at least two more than the newcomer would before arriving
+//! (its newest entry, the one it would be served last, is *evicted*: it
+//! leaves the count at once and its worker answers it 429 `queue_full`).
+//! So places are shared max-min fairly and work-conserving: alone, a
+//! principal may fill the queue; with P principals asking, each can hold
+//! at least `floor(max_depth / P)` places (capped by its own
+//! `max_per_principal`), whoever came first. An evicted entry stays in the
+//! state, marked, until its worker takes it out (so "not in the queue"
+//! still means "granted"); it never counts, is never granted, and is
+//! dropped by any writer [`EVICTED_GRACE_MS`] past its deadline.
+//!
 //! Contention: a give-back (release, withdrawal) must not be lost, so it
 //! retries `SETTLE_TRIES_FACTOR` times as often as a take; a take that
 //! loses every race refuses the request (429 `model_concurrency`), counted
@@ -47,6 +62,9 @@ pub const KEY_PREFIX: &str = "sluice:v1:queue:";
 /// Stride numerator: weights up to 1,000 keep integer strides distinct.
 const STRIDE: u64 = 1 << 20;
 const VERSION: u8 = 1;
+/// An evicted entry whose worker did not take it out by its deadline plus
+/// this (a worker gone) is dropped by the next writer.
+pub const EVICTED_GRACE_MS: u64 = 60_000;
 
 fn default_true() -> bool {
     true
@@ -79,6 +97,22 @@ pub struct ClassConfig {
     /// Share of dispatches while several classes wait.
     #[serde(default = "default_weight")]
     pub weight: u32,
+    /// The most of this class's places (for one model) one principal may
+    /// hold; default `max_depth`. Whatever it is, a full queue gives a
+    /// newcomer the place of the principal holding the most (see the
+    /// module comment).
+    #[serde(default)]
+    pub max_per_principal: Option<u32>,
+}
+
+impl ClassConfig {
+    /// The most places one principal may hold (`max_per_principal`, at
+    /// most `max_depth`).
+    pub fn principal_cap(&self) -> u32 {
+        self.max_per_principal
+            .unwrap_or(self.max_depth)
+            .min(self.max_depth)
+    }
 }
 
 /// Limits of one backend, all its models together.
@@ -113,6 +147,14 @@ pub fn check(p: &Policy) -> Result<(), ConfigError> {
                 format!("classes.{name}.max_depth"),
                 "must be between 1 and 100000",
             ));
+        }
+        if let Some(cap) = c.max_per_principal {
+            if !(1..=c.max_depth).contains(&cap) {
+                return Err(ConfigError::at(
+                    format!("classes.{name}.max_per_principal"),
+                    format!("must be between 1 and max_depth ({})", c.max_depth),
+                ));
+            }
         }
         if c.queue && !(1..=MAX_WAIT_CAP_MS).contains(&c.max_wait_ms) {
             return Err(ConfigError::at(
@@ -321,6 +363,9 @@ pub struct Entry {
     pub round: u64,
     pub enqueued_ms: u64,
     pub deadline_ms: u64,
+    /// Lost its place to a newcomer (fair places): counts for nothing,
+    /// never granted; its worker answers `queue_full` and takes it out.
+    pub evicted: bool,
 }
 
 /// One backend's slots and queue, as stored. Models and classes are kept
@@ -406,6 +451,17 @@ impl State {
         for m in &self.models {
             out.extend(m.leased.to_le_bytes());
         }
+        // Evicted tickets after the leases, for the same reason.
+        let evicted: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|e| e.evicted)
+            .map(|e| e.ticket)
+            .collect();
+        out.extend((evicted.len() as u32).to_le_bytes());
+        for t in evicted {
+            out.extend(t.to_le_bytes());
+        }
         out
     }
 
@@ -446,12 +502,21 @@ impl State {
                 round: r.u64()?,
                 enqueued_ms: r.u64()?,
                 deadline_ms: r.u64()?,
+                evicted: false,
             });
         }
         if let Some(leased) = r.u32() {
             s.leased = leased;
             for m in &mut s.models {
                 m.leased = r.u32()?;
+            }
+        }
+        if !r.0.is_empty() {
+            for _ in 0..r.u32()? {
+                let ticket = r.u64()?;
+                if let Some(e) = s.entries.iter_mut().find(|e| e.ticket == ticket) {
+                    e.evicted = true;
+                }
             }
         }
         Some(s)
@@ -479,10 +544,12 @@ impl State {
         self.classes.len() - 1
     }
 
-    /// Requests waiting for one model in one class.
+    /// Requests waiting for one model in one class (evicted ones do not
+    /// count).
     pub fn depth(&self, model: &str, class: &str) -> usize {
         self.entries
             .iter()
+            .filter(|e| !e.evicted)
             .filter(|e| {
                 self.models
                     .get(usize::from(e.model))
@@ -502,9 +569,69 @@ impl State {
             .map_or(0, |m| m.inflight)
     }
 
+    /// Places one principal holds for one model in one class.
+    fn held_by(&self, model: usize, class: usize, principal: u64) -> u32 {
+        let n = self
+            .entries
+            .iter()
+            .filter(|e| {
+                !e.evicted
+                    && usize::from(e.model) == model
+                    && usize::from(e.class) == class
+                    && e.principal == principal
+            })
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// The queue (model, class) is full and a principal holding `mine`
+    /// places asks for one more: the principal holding the most gives up
+    /// its newest place when it holds at least `mine + 2` (see the module
+    /// comment). `true`: a place was freed.
+    fn evict_for(&mut self, model: usize, class: usize, mine: u32) -> bool {
+        let here = |e: &Entry| {
+            !e.evicted && usize::from(e.model) == model && usize::from(e.class) == class
+        };
+        let mut counts: BTreeMap<u64, (u32, u64)> = BTreeMap::new();
+        for e in self.entries.iter().filter(|e| here(e)) {
+            let c = counts.entry(e.principal).or_default();
+            c.0 = c.0.saturating_add(1);
+            c.1 = c.1.max(e.ticket);
+        }
+        // The most places; among equals, the one that queued last.
+        let Some((&victim, &(most, _))) = counts.iter().max_by_key(|(_, (n, last))| (*n, *last))
+        else {
+            return false;
+        };
+        if most < mine.saturating_add(2) {
+            return false;
+        }
+        let newest = self
+            .entries
+            .iter_mut()
+            .filter(|e| here(e) && e.principal == victim)
+            .max_by_key(|e| (e.round, e.ticket));
+        match newest {
+            Some(e) => {
+                e.evicted = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Was the entry of `ticket` evicted (see the module comment)?
+    pub fn evicted(&self, ticket: u64) -> bool {
+        self.entries.iter().any(|e| e.ticket == ticket && e.evicted)
+    }
+
     /// Hands free slots to waiting entries, in fair order (see the module
     /// comment); the grants leave the queue holding their slot.
     fn pump(&mut self, g: &Group, saturated: Saturated, now_ms: u64, grants: &mut Vec<Grant>) {
+        // Evicted entries whose worker never came for them.
+        self.entries.retain(|e| {
+            !(e.evicted && e.deadline_ms.saturating_add(EVICTED_GRACE_MS) < now_ms)
+        });
         loop {
             let free: Vec<bool> = (0..self.models.len())
                 .map(|m| g.dispatchable(self, m, saturated, now_ms) == Blocked::Free)
@@ -513,6 +640,7 @@ impl State {
             let Some(class) = self
                 .entries
                 .iter()
+                .filter(|e| !e.evicted)
                 .filter(|e| free.get(usize::from(e.model)).copied().unwrap_or(false))
                 .map(|e| usize::from(e.class))
                 .min_by_key(|&c| (self.classes.get(c).map_or(u64::MAX, |c| c.pass), c))
@@ -524,7 +652,8 @@ impl State {
                 .iter()
                 .enumerate()
                 .filter(|(_, e)| {
-                    usize::from(e.class) == class
+                    !e.evicted
+                        && usize::from(e.class) == class
                         && free.get(usize::from(e.model)).copied().unwrap_or(false)
                 })
                 .min_by_key(|(_, e)| (e.round, e.ticket))
@@ -567,6 +696,8 @@ pub struct Arrival<'a> {
     pub class: &'a str,
     /// `Some`: it may wait this long (ms) in a queue this deep.
     pub wait: Option<(u64, u32)>,
+    /// The most places of that queue one principal may hold (0: all).
+    pub max_per_principal: u32,
     pub principal: u64,
     /// This worker's wake-up queue.
     pub wake: u32,
@@ -582,8 +713,11 @@ pub enum Entered {
     Queued { ticket: u64, deadline_ms: u64 },
     /// May not wait (or would surely outwait its deadline).
     Refused(Blocked),
-    /// Its class's queue for this model is full.
+    /// Its class's queue for this model is full (or it holds its share).
     Full,
+    /// The check before taking a place said no (its buckets, see
+    /// [`enter_checked`]); nothing was written.
+    Declined,
     /// Every compare-and-swap lost.
     Contended,
 }
@@ -637,6 +771,21 @@ fn change<T: Clone>(
 /// It goes at once only when nothing waits ahead of it (else arrivals
 /// would overtake the queue).
 pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Changed<Entered> {
+    enter_checked(store, g, tries, a, &mut |_| true)
+}
+
+/// [`enter`], asking `may_wait` before the request takes a place in the
+/// queue (never before it goes at once): given how many places its
+/// principal already holds for this model, `false` declines
+/// ([`Entered::Declined`], nothing written, no one evicted). Called inside
+/// the compare-and-swap loop, so possibly more than once: it must only read.
+pub fn enter_checked(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    a: &Arrival,
+    may_wait: &mut dyn FnMut(u32) -> bool,
+) -> Changed<Entered> {
     change(
         store,
         g,
@@ -648,7 +797,7 @@ pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Cha
             let ahead = s
                 .entries
                 .iter()
-                .any(|e| usize::from(e.model) == model || g.backend_limit.is_some());
+                .any(|e| !e.evicted && (usize::from(e.model) == model || g.backend_limit.is_some()));
             if blocked == Blocked::Free && !ahead {
                 s.models[model].inflight = s.models[model].inflight.saturating_add(1);
                 return Some(Entered::Go);
@@ -668,10 +817,25 @@ pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Cha
                 }
             }
             let class = s.class(a.class);
-            if s.depth(a.model, a.class) >= max_depth as usize {
+            let mine = s.held_by(model, class, a.principal);
+            if !may_wait(mine) {
+                return Some(Entered::Declined);
+            }
+            let cap = if a.max_per_principal == 0 {
+                max_depth
+            } else {
+                a.max_per_principal
+            };
+            if mine >= cap {
                 return Some(Entered::Full);
             }
-            let waiting = s.entries.iter().any(|e| usize::from(e.class) == class);
+            if s.depth(a.model, a.class) >= max_depth as usize && !s.evict_for(model, class, mine) {
+                return Some(Entered::Full);
+            }
+            let waiting = s
+                .entries
+                .iter()
+                .any(|e| !e.evicted && usize::from(e.class) == class);
             let vtime = s.vtime;
             let c = &mut s.classes[class];
             if !waiting {
@@ -681,7 +845,7 @@ pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Cha
             let last = s
                 .entries
                 .iter()
-                .filter(|e| usize::from(e.class) == class && e.principal == a.principal)
+                .filter(|e| !e.evicted && usize::from(e.class) == class && e.principal == a.principal)
                 .map(|e| e.round)
                 .max()
                 .unwrap_or(0);
@@ -697,6 +861,7 @@ pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Cha
                 round,
                 enqueued_ms: a.now_ms,
                 deadline_ms,
+                evicted: false,
             });
             Some(Entered::Queued {
                 ticket,

@@ -10,7 +10,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
-use crate::flow::{Poller, Request};
+use crate::flow::{Poller, Request, Vm};
 use crate::host::{self, Host, MetricKind};
 use crate::store::{SharedStore, StoreError};
 
@@ -23,11 +23,17 @@ proxy_wasm::main! {{
     }));
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
         Box::new(Root {
-            poller: Poller::new(),
+            // Every root context of this VM (a reload makes a new one) shares it.
+            poller: VM.with(|vm| Poller::in_vm(vm.clone())),
             host: WasmHost::default(),
         })
     });
 }}
+
+thread_local! {
+    /// What the root contexts of this VM share (one VM per worker thread).
+    static VM: Rc<Vm> = Rc::default();
+}
 
 /// Envoy, through hostcalls. Metric ids are defined on first use, once
 /// per name per VM; the map is shared by the root and every HTTP context.

@@ -370,3 +370,95 @@ impl Engine {
             })
     }
 }
+
+impl Engine {
+    /// Would [`Engine::admit`] let this request through now? A peek, not a
+    /// reservation: nothing is taken, so another request may take the
+    /// units first. Advisory only: the real admission still runs when the
+    /// request is dispatched and alone decides what goes upstream. Asked
+    /// before a request takes a place in a queue, so a caller its buckets
+    /// would refuse at dispatch is refused at once (the same 429, with the
+    /// same `Retry-After`) instead of holding a place others could use.
+    ///
+    /// `queued`: the caller's requests already waiting in that queue; each
+    /// takes one unit of every request-counting bucket before this one, so
+    /// those must have `queued + 1` left.
+    ///
+    /// It errs towards letting through: soft caps never refuse, a token
+    /// budget needs only the least output admission would lower a request
+    /// to, a downshift is followed; it reads each bucket once and writes
+    /// nothing. `None`: would admit; else the refusal admission would give.
+    pub fn would_admit(
+        &self,
+        store: &dyn SharedStore,
+        ctx: &RequestContext,
+        queued: u64,
+    ) -> Option<Verdict> {
+        let RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        } = *ctx;
+        if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
+            return Some(verdict);
+        }
+        let reserver = self.reserver(store);
+        let requested = asked.and_then(|a| a.demand.model.clone());
+        let input = match (asked, &requested) {
+            (Some(a), Some(m)) => self.correction(store, m).apply(a.input_raw),
+            (Some(a), None) => Correction::default().apply(a.input_raw),
+            (None, _) => 0,
+        };
+        let produces_output = asked.is_some() && api != Api::OpenAiEmbeddings;
+        let choices = asked.map_or(1, |a| a.demand.choices.max(1));
+        let per_choice = match (produces_output, asked.and_then(|a| a.demand.max_output)) {
+            (false, _) => 0,
+            (true, Some(max)) => max,
+            (true, None) => self.default_output(requested.as_deref()),
+        };
+        let output = per_choice.saturating_mul(choices);
+        let downshift =
+            asked.and_then(|_| self.downshift(&reserver, ctx, requested.as_deref(), input, output));
+        let model = downshift.or(requested);
+        let pricing = self.pricing_of(model.as_deref());
+        // The least output admission would lower this request to.
+        let least = per_choice.min(MIN_LOWERED_OUTPUT).saturating_mul(choices);
+        let taken = self.applying(identity, model.as_deref(), path);
+        for (index, &i) in taken.iter().enumerate() {
+            let b = &self.buckets[i];
+            if b.soft || b.meter.amount(input, output, pricing) == 0 {
+                continue;
+            }
+            let mut amount = b.meter.amount(input, least, pricing);
+            if b.meter == Meter::Requests {
+                amount = amount.saturating_mul(queued.saturating_add(1));
+            }
+            let quota = reserver.peek(&Claim::hard(&b.rule, amount), caller(identity), now_ms);
+            if quota.remaining >= amount {
+                continue;
+            }
+            // When it would fit: the bucket as the quota shows it (whole
+            // units in use, so the wait is never shorter than the real one).
+            let used = quota.limit.saturating_sub(quota.remaining);
+            let seen = crate::bucket::BucketState {
+                owner: 0,
+                used: used.saturating_mul(crate::bucket::SCALE),
+                updated_ms: now_ms,
+            };
+            let Err(shortfall) = seen.take(amount, &b.rule.limit, now_ms) else {
+                continue;
+            };
+            let labels = |decision| Labels {
+                decision,
+                tier: identity.tier.clone(),
+                model: self.model_label(model.as_deref()),
+            };
+            let refusal = Refusal::Full { index, shortfall };
+            let effort = Contention::default();
+            return Some(self.refusal(refusal, &taken, identity, labels, effort, now_ms));
+        }
+        None
+    }
+}

@@ -110,7 +110,7 @@ fn demand(s: &State, model: Option<&str>) -> (u32, u32) {
     let queued = s
         .entries
         .iter()
-        .filter(|e| model.is_none() || Some(usize::from(e.model)) == index)
+        .filter(|e| !e.evicted && (model.is_none() || Some(usize::from(e.model)) == index))
         .count();
     (inflight, u32::try_from(queued).unwrap_or(u32::MAX))
 }

@@ -12,6 +12,21 @@
 //! `resume_http_request`. Who gives a granted slot back: the stream
 //! (response end or log) once it was resumed; `on_log` when the client
 //! left first (its withdrawal finds the entry gone, so it owns the slot).
+//!
+//! Before a request takes a place, its buckets are peeked
+//! ([`crate::engine::Engine::would_admit`], nothing reserved): a caller
+//! they would refuse at dispatch is refused at once, or sleeps (holding no
+//! place) for as long as its bucket says when that is within its wait.
+//! When its turn comes it is routed again, as a new request would be now
+//! (kill switch, breakers, pauses): a queued request never goes to a
+//! primary that new requests no longer go to.
+//!
+//! Reload: the gate of every stream of the VM follows the policy loaded
+//! last ([`Filter::latest`]); its waiters are handed to it, its limits
+//! pump the queue at once, and the slots of requests in flight are given
+//! back to it, so the new limits govern what waits and what is in flight.
+//! Slots live in shared data only (one count per model), so nothing is
+//! counted twice.
 
 use std::cell::RefCell;
 use std::rc::{Rc, Weak};
@@ -19,8 +34,8 @@ use std::rc::{Rc, Weak};
 use super::{count_contention, Filter, Request, Stream};
 use crate::answer::{self, Reason};
 use crate::config::IdentitySource;
-use crate::engine::{Asked, RequestContext, Verdict};
-use crate::health::{Pushback, SATURATED};
+use crate::engine::{Asked, RequestContext, Routed, Verdict};
+use crate::health::{Pushback, Seen, SATURATED};
 use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
 use crate::principal::{Identity, RequestView};
 use crate::queue::{self, Blocked, Changed, Entered, Grant, State};
@@ -68,12 +83,14 @@ pub struct GateState {
 pub struct Parked {
     pub asked: Option<Asked>,
     pub body_len: usize,
-    pub pushback: Pushback,
 }
 
 pub enum Gated {
     Go,
     Wait,
+    /// Its buckets would refuse it now but free up within its wait: it
+    /// sleeps until then (ms), holding no place.
+    Sleep(u64),
     Answered(Box<Verdict>),
 }
 
@@ -121,17 +138,31 @@ fn class_labels(filter: &Filter) -> Vec<String> {
 }
 
 /// Load: keys created, wake-up queue registered, tick made fast, gauges
-/// defined at 0, and the queued streams of the previous policy kept.
-pub fn configure(filter: &Filter, previous: Option<&Filter>, host: &dyn Host, vm_id: u64) {
+/// defined at 0, and the queued streams of the previous policy kept (of
+/// this root context, or of the one this reload replaces: `same_root`
+/// says whether its wake-up queue is this root's own).
+pub fn configure(
+    filter: &Filter,
+    previous: Option<&Filter>,
+    same_root: bool,
+    host: &dyn Host,
+    vm_id: u64,
+) {
     if let Some(previous) = previous {
         if let Ok(mut old) = previous.waiters.try_borrow_mut() {
             if let Ok(mut new) = filter.waiters.try_borrow_mut() {
                 new.extend(old.drain());
             }
         }
-        filter.wake_queue.set(previous.wake_queue.get());
+        if same_root {
+            filter.wake_queue.set(previous.wake_queue.get());
+        }
     }
     if filter.gates.is_empty() {
+        if has_waiters(filter) {
+            // Their deadlines still hold (the tick answers them).
+            host.set_tick_period_ms(QUEUE_TICK_MS);
+        }
         return;
     }
     filter.gates.prepare(host);
@@ -174,6 +205,24 @@ pub fn configure(filter: &Filter, previous: Option<&Filter>, host: &dyn Host, vm
             }
         }
     }
+}
+
+/// Once the policy is this VM's latest: its limits hand out at once what
+/// they free (a raised concurrency drains a backlog without waiting for a
+/// release).
+pub fn after_configure(filter: &Filter, host: &dyn Host) {
+    let now = host.now_ms();
+    for (backend, group) in filter.gates.groups() {
+        let saturated = filter.saturated_models(host, backend, now);
+        let saturated = |m: &str| saturated.iter().any(|s| s == m);
+        let changed = queue::pump(host, group, filter.tries(), &saturated, now);
+        filter.applied(host, backend, &changed);
+    }
+}
+
+/// Does this VM hold queued or sleeping streams under this policy?
+pub fn has_waiters(filter: &Filter) -> bool {
+    filter.waiters.try_borrow().is_ok_and(|w| !w.is_empty())
 }
 
 /// The caller's class: a verified claim or a trusted header when the
@@ -281,15 +330,19 @@ impl Stream {
     /// The concurrency gate, once the route is the primary upstream.
     /// Returns the gate state the stream keeps (`None`: ungated).
     /// `since`: when the request arrived (it may have waited already).
+    /// `asked`: its parsed body, for the peek at its buckets before it
+    /// takes a place.
     pub(super) fn pass_gate(
         &self,
         host: &dyn Host,
         identity: &Identity,
-        model: Option<&str>,
+        asked: Option<&Asked>,
         since: u64,
         now: u64,
     ) -> (Gated, Option<GateState>) {
-        let filter = self.filter.clone();
+        let model = asked.and_then(|a| a.demand.model.as_deref());
+        // The gates (limits, classes, queue) of the VM's latest policy.
+        let filter = self.filter.latest();
         let Some(model) = model else {
             return (Gated::Go, None);
         };
@@ -298,7 +351,7 @@ impl Stream {
         };
         let engine = &filter.engine;
         let view = HostRequest(host, self.request_headers.as_deref());
-        let asked = match asked_wait(&view) {
+        let asked_wait = match asked_wait(&view) {
             Ok(asked) => asked,
             Err(()) => {
                 let reply = answer::rejected(
@@ -316,7 +369,7 @@ impl Stream {
         let wake = filter.wake_queue.get();
         let wait = class_cfg
             .filter(|c| c.queue && wake.is_some())
-            .map(|c| (c.max_wait_ms.min(asked.unwrap_or(u64::MAX)), c.max_depth));
+            .map(|c| (c.max_wait_ms.min(asked_wait.unwrap_or(u64::MAX)), c.max_depth));
         let wait_ms = wait.map_or(0, |(w, _)| w);
         let wait = wait
             .map(|(w, depth)| (w.saturating_sub(now.saturating_sub(since)), depth))
@@ -326,12 +379,30 @@ impl Stream {
             model,
             class: &class_label,
             wait,
+            max_per_principal: class_cfg.map_or(0, |c| c.principal_cap()),
             principal: identity.hash,
             wake: wake.unwrap_or(0),
             saturated: filter.saturated(host, model, backend, now),
             now_ms: now,
         };
-        let changed = queue::enter(host, group, filter.tries(), &arrival);
+        // Before it takes a place: would its buckets let it through? (Its
+        // own engine's buckets: they admit it at dispatch.)
+        let mut declined: Option<Verdict> = None;
+        let ctx = RequestContext {
+            identity,
+            api: self.api,
+            path: &self.path,
+            asked,
+            now_ms: now,
+        };
+        let mut may_wait = |queued: u32| {
+            declined = self
+                .filter
+                .engine
+                .would_admit(host, &ctx, u64::from(queued));
+            declined.is_none()
+        };
+        let changed = queue::enter_checked(host, group, filter.tries(), &arrival, &mut may_wait);
         filter.applied(host, backend, &changed);
         let mut gate = GateState {
             backend: backend.to_string(),
@@ -370,6 +441,21 @@ impl Stream {
                     );
                 }
                 return (Gated::Wait, Some(gate));
+            }
+            Entered::Declined => {
+                let Some(verdict) = declined else {
+                    // Declined without a verdict cannot happen; go to
+                    // admission, which decides for itself.
+                    return (Gated::Go, None);
+                };
+                let deadline = since.saturating_add(wait_ms);
+                let sleep = bucket_retry_ms(&verdict)
+                    .filter(|retry| wait_ms > 0 && now.saturating_add(*retry) < deadline);
+                if let Some(retry) = sleep {
+                    return (Gated::Sleep(now.saturating_add(retry)), Some(gate));
+                }
+                count(host, "rejected", verdict.labels.decision.reason_code(), &gate);
+                return (Gated::Answered(Box::new(verdict)), None);
             }
             Entered::Full => (
                 Reason::QueueFull,
@@ -436,7 +522,7 @@ impl Stream {
         if !paused || until <= now || pushback.credential_paused_until_ms > now {
             return false;
         }
-        let filter = self.filter.clone();
+        let filter = self.filter.latest();
         let Some((backend, group)) = model.and_then(|m| filter.gates.group_of(m)) else {
             return false;
         };
@@ -446,16 +532,19 @@ impl Stream {
         true
     }
 
-    /// Its turn came (it holds a slot now): budgets are reserved, then it
-    /// goes upstream or is answered.
-    fn dispatch(&mut self, host: &dyn Host) -> Action {
+    /// Its turn came (it holds a slot now, or `slot` is false: it left the
+    /// queue because the world changed under it): routed again as a new
+    /// request would be now, then its budgets are reserved, then it goes
+    /// upstream (the primary or, kill switch pulled meanwhile, the
+    /// fallback) or is answered.
+    fn dispatch(&mut self, host: &dyn Host, slot: bool) -> Action {
         let Some(parked) = self.parked.take() else {
             return Action::Continue;
         };
         let now = host.now_ms();
         if let Some(g) = self.gate.as_mut() {
             g.ticket = None;
-            g.slot = true;
+            g.slot = slot;
             g.waited_ms = now.saturating_sub(g.arrived_ms);
             let wait = wait_histogram(&g.model, &g.class);
             host.metric_record(MetricKind::Histogram, &wait, g.waited_ms);
@@ -465,21 +554,51 @@ impl Stream {
             return Action::Continue;
         };
         let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let path = self.path.clone();
         let ctx = RequestContext {
             identity: &identity,
             api: self.api,
-            path: &self.path,
+            path: &path,
             asked: parked.asked.as_ref(),
             now_ms: now,
         };
-        let mut verdict = filter.engine.admit(host, &ctx);
+        let model = ctx.asked.and_then(|a| a.demand.model.as_deref());
+        let (mut pushback, seen, dice) = self.world(host, &identity, model, now);
+        let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
+        let (fallback, probe) = match route(&pushback) {
+            Routed::Primary => (false, false),
+            Routed::Probe => (false, true),
+            Routed::Fallback => {
+                // The primary's slot goes to the next waiter.
+                self.release_slot(host);
+                if let Some(g) = self.gate.as_ref() {
+                    count(host, "rerouted", "fallback", g);
+                }
+                (true, false)
+            }
+            // A 503 or the static answer, as a new request gets now (the
+            // slot is given back as the answer goes).
+            Routed::Answered(verdict) => return self.finish(host, *verdict),
+        };
+        let mut verdict = engine.admit(host, &ctx);
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
             self.parked = Some(parked);
             return self.sleep(host, now + retry_ms);
         }
-        self.pushback = Some(parked.pushback);
+        if probe {
+            let (decided, lease) =
+                engine.take_probe(host, &mut pushback, verdict, &identity, now, route);
+            verdict = decided;
+            self.probe_lease = lease;
+        }
+        self.pushback = Some(pushback);
         if verdict.reply.is_none() {
-            self.watch_upstream = true;
+            if fallback {
+                self.reroute(host, &mut verdict);
+            } else {
+                self.watch_upstream = true;
+            }
         }
         if let Some(new_body) = verdict.body.take() {
             host.replace_request_body(parked.body_len, &new_body);
@@ -491,22 +610,63 @@ impl Stream {
         self.fleet_gate(host, verdict)
     }
 
+    /// What routing reads, as of now: the route's pushback, the sidecar's
+    /// state, a dice for the half-open trickle.
+    fn world(
+        &self,
+        host: &dyn Host,
+        identity: &Identity,
+        model: Option<&str>,
+        now: u64,
+    ) -> (Pushback, Rc<Seen>, u32) {
+        let engine = &self.filter.engine;
+        let view = HostRequest(host, self.request_headers.as_deref());
+        let pushback = engine.pushback(host, model, &view, identity, now);
+        let seen = if engine.policy.sidecar.is_some() {
+            self.filter.seen(host)
+        } else {
+            Rc::new(Seen::default())
+        };
+        (pushback, seen, self.filter.roll(now))
+    }
+
+    /// A waiting request whose primary new requests no longer go to (kill
+    /// switch, an open breaker): it should leave the queue now rather
+    /// than wait for a slot it will not use.
+    fn off_primary(&self, host: &dyn Host) -> bool {
+        let (Some(identity), Some(parked)) = (self.identity.as_ref(), self.parked.as_ref()) else {
+            return false;
+        };
+        let now = host.now_ms();
+        let ctx = RequestContext {
+            identity,
+            api: self.api,
+            path: &self.path,
+            asked: parked.asked.as_ref(),
+            now_ms: now,
+        };
+        let model = ctx.asked.and_then(|a| a.demand.model.as_deref());
+        let (pushback, seen, dice) = self.world(host, identity, model, now);
+        match self.filter.engine.route(&ctx, &seen, &pushback, dice) {
+            Routed::Fallback => true,
+            // An upstream pause is the queue's to wait out; other answers
+            // (open breaker, static) are what a new request gets.
+            Routed::Answered(v) => {
+                v.labels.decision != crate::answer::Decision::Refuse(Reason::UpstreamPaused)
+            }
+            Routed::Primary | Routed::Probe => false,
+        }
+    }
+
     /// A 429 of a bucket whose `Retry-After` ends within the request's
     /// wait: how long to sleep before trying again.
     pub(super) fn bucket_wait(&self, verdict: &Verdict, now: u64) -> Option<u64> {
         let g = self.gate.as_ref()?;
-        verdict.bucket.as_ref()?;
-        let reply = verdict.reply.as_ref().filter(|r| r.status == 429)?;
-        let retry_ms = reply
-            .header("retry-after")?
-            .trim()
-            .parse::<u64>()
-            .ok()?
-            .saturating_mul(1000);
+        let retry_ms = bucket_retry_ms(verdict)?;
         let deadline = g.arrived_ms.saturating_add(g.wait_ms);
         (g.wait_ms > 0
             && now.saturating_add(retry_ms) < deadline
-            && self.filter.wake_queue.get().is_some())
+            && self.filter.latest().wake_queue.get().is_some())
         .then_some(retry_ms)
     }
 
@@ -514,7 +674,7 @@ impl Stream {
     /// then tries the gate again (see `retry`).
     pub(super) fn sleep(&mut self, host: &dyn Host, until_ms: u64) -> Action {
         self.release_slot(host);
-        let filter = self.filter.clone();
+        let filter = self.filter.latest();
         let ticket = SLEEPER | u64::from(self.context_id) << 20 | (until_ms & 0xF_FFFF);
         if let Some(g) = self.gate.as_mut() {
             g.sleeper = Some(ticket);
@@ -540,17 +700,14 @@ impl Stream {
         let (Some(identity), Some(g)) = (self.identity.clone(), self.gate.take()) else {
             return Action::Continue;
         };
-        let model = self
-            .parked
-            .as_ref()
-            .and_then(|p| p.asked.as_ref())
-            .and_then(|a| a.demand.model.clone());
         let now = host.now_ms();
-        let (gated, gate) = self.pass_gate(host, &identity, model.as_deref(), g.arrived_ms, now);
+        let asked = self.parked.as_ref().and_then(|p| p.asked.as_ref());
+        let (gated, gate) = self.pass_gate(host, &identity, asked, g.arrived_ms, now);
         self.gate = gate;
         match gated {
-            Gated::Go => self.dispatch(host),
+            Gated::Go => self.dispatch(host, true),
             Gated::Wait => Action::Pause,
+            Gated::Sleep(until) => self.sleep(host, until),
             Gated::Answered(verdict) => {
                 self.parked = None;
                 self.finish(host, *verdict)
@@ -586,14 +743,43 @@ impl Stream {
         self.finish(host, verdict);
     }
 
-    /// Gives the slot back, once; the next waiter gets it.
+    /// Its place went to a caller holding fewer (fair places): 429
+    /// `queue_full`, as if it had found the queue full.
+    fn evicted(&mut self, host: &dyn Host) {
+        self.parked = None;
+        let Some(g) = self.gate.as_mut() else { return };
+        g.ticket = None;
+        count(host, "evicted", "queue_full", g);
+        let reply = answer::retry_later(
+            Reason::QueueFull,
+            &format!(
+                "Too many of your requests are waiting for {}: this one's place went to another caller. Try again in 1 s.",
+                g.model
+            ),
+            1,
+        );
+        let tier = self
+            .identity
+            .as_ref()
+            .map(|i| i.tier.clone())
+            .unwrap_or_default();
+        let model = g.model.clone();
+        let verdict = self
+            .filter
+            .engine
+            .refused(reply, Reason::QueueFull, &tier, Some(&model));
+        self.finish(host, verdict);
+    }
+
+    /// Gives the slot back, once, to the VM's latest gates (a reloaded
+    /// policy's limits decide who gets it); the next waiter gets it.
     pub(super) fn release_slot(&mut self, host: &dyn Host) {
         let Some(g) = self.gate.as_mut().filter(|g| g.slot) else {
             return;
         };
         g.slot = false;
         let (backend, model) = (g.backend.clone(), g.model.clone());
-        let filter = self.filter.clone();
+        let filter = self.gate_filter(&backend);
         let Some(group) = filter.gates.group(&backend) else {
             return;
         };
@@ -611,14 +797,31 @@ impl Stream {
         filter.applied(host, &backend, &changed);
     }
 
+    /// The gates a slot or entry of `backend` goes back to: the latest
+    /// policy's, else (it no longer gates the backend) the ones it was
+    /// taken under, so the count is still given back.
+    fn gate_filter(&self, backend: &str) -> Rc<Filter> {
+        let latest = self.filter.latest();
+        if latest.gates.group(backend).is_some() {
+            return latest;
+        }
+        self.filter.clone()
+    }
+
     /// The stream ends: out of the queue, or its slot given back.
     pub(super) fn leave_gate(&mut self, host: &dyn Host) {
+        let latest = self.filter.latest();
+        let forget = |ticket: u64| {
+            for filter in [&latest, &self.filter] {
+                if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
+                    waiters.remove(&ticket);
+                }
+            }
+        };
         if let Some(sleeper) = self.gate.as_mut().and_then(|g| g.sleeper.take()) {
             // Holds no slot and no queue entry while asleep.
             self.parked = None;
-            if let Ok(mut waiters) = self.filter.waiters.try_borrow_mut() {
-                waiters.remove(&sleeper);
-            }
+            forget(sleeper);
             if let Some(g) = self.gate.clone() {
                 count(host, "abandoned", "client_gone", &g);
             }
@@ -629,11 +832,9 @@ impl Stream {
             return;
         };
         self.parked = None;
-        let filter = self.filter.clone();
-        if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
-            waiters.remove(&ticket);
-        }
+        forget(ticket);
         let Some(g) = self.gate.clone() else { return };
+        let filter = self.gate_filter(&g.backend);
         let Some(group) = filter.gates.group(&g.backend) else {
             return;
         };
@@ -662,7 +863,7 @@ impl Stream {
     /// waits for it instead of sending requests into 429s.
     pub(super) fn observe_provider_limits(&mut self, host: &dyn Host) {
         let Some(g) = self.gate.clone() else { return };
-        let filter = self.filter.clone();
+        let filter = self.gate_filter(&g.backend);
         let Some(group) = filter.gates.group(&g.backend) else {
             return;
         };
@@ -693,6 +894,21 @@ impl Stream {
     }
 }
 
+/// The `Retry-After` (ms) of a bucket's 429: how long until it would let
+/// the request through.
+fn bucket_retry_ms(verdict: &Verdict) -> Option<u64> {
+    verdict.bucket.as_ref()?;
+    let reply = verdict.reply.as_ref().filter(|r| r.status == 429)?;
+    Some(
+        reply
+            .header("retry-after")?
+            .trim()
+            .parse::<u64>()
+            .ok()?
+            .saturating_mul(1000),
+    )
+}
+
 /// The waiter of `ticket`, out of this VM's map, with its stream; `None`
 /// when gone (its `on_log` withdrew it and gave the slot back).
 fn take_waiter(filter: &Filter, ticket: u64) -> Option<(Waiter, Rc<RefCell<Stream>>)> {
@@ -719,7 +935,7 @@ fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
         &format!("sluice_queue_resumed_total_via={via};"),
         1,
     );
-    if stream.dispatch(host) == Action::Continue && !host.resume_request() {
+    if stream.dispatch(host, true) == Action::Continue && !host.resume_request() {
         host.log(LogLevel::Warn, "a dispatched request could not be resumed");
     }
 }
@@ -733,6 +949,36 @@ fn expire(filter: &Filter, host: &dyn Host, ticket: u64) {
     };
     if host.set_effective_context(waiter.context_id) {
         stream.expire(host);
+    }
+}
+
+/// Its place was taken by a caller holding fewer: `queue_full`.
+fn evict(filter: &Filter, host: &dyn Host, ticket: u64) {
+    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
+        return;
+    };
+    let Ok(mut stream) = stream.try_borrow_mut() else {
+        return;
+    };
+    if host.set_effective_context(waiter.context_id) {
+        stream.evicted(host);
+    }
+}
+
+/// Out of the queue without a slot (it will not use the primary's):
+/// dispatched now, routed as a new request would be.
+fn dispatch_off_primary(filter: &Filter, host: &dyn Host, ticket: u64) {
+    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
+        return;
+    };
+    let Ok(mut stream) = stream.try_borrow_mut() else {
+        return;
+    };
+    if host.set_effective_context(waiter.context_id)
+        && stream.dispatch(host, false) == Action::Continue
+        && !host.resume_request()
+    {
+        host.log(LogLevel::Warn, "a rerouted request could not be resumed");
     }
 }
 
@@ -755,21 +1001,31 @@ fn wake_sleeper(filter: &Filter, host: &dyn Host, ticket: u64) {
 }
 
 /// Wake-up messages: each is the ticket of a granted entry of this VM.
-pub fn on_wake(filter: &Filter, host: &dyn Host) {
+/// This root's queue; the waiters are the VM's latest policy's (a reload
+/// handed them over, and this root's queue may still carry their grants).
+pub fn on_wake(filter: &Rc<Filter>, host: &dyn Host) {
     let Some(queue) = filter.wake_queue.get() else {
         return;
     };
+    let latest = filter.latest();
     while let Some(message) = host.take_wake(queue) {
         if let Ok(bytes) = <[u8; 8]>::try_from(message.as_slice()) {
-            resume(filter, host, u64::from_le_bytes(bytes), "message");
+            resume(&latest, host, u64::from_le_bytes(bytes), "message");
         }
     }
 }
 
 /// Every `QUEUE_TICK_MS`: time gates (a provider reset, saturation
-/// cleared) are pumped, grants whose wake-up was lost are resumed, and
-/// entries past their deadline leave the queue with 429 `queue_deadline`.
-pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
+/// cleared) are pumped, grants whose wake-up was lost are resumed,
+/// entries past their deadline leave the queue with 429 `queue_deadline`,
+/// evicted ones with 429 `queue_full`, and, when the sidecar's state
+/// changed, those whose primary new requests no longer go to leave it to
+/// be routed again. Only the VM's latest policy's root does this (the
+/// waiters are its).
+pub fn tick(filter: &Rc<Filter>, host: &dyn Host, now: u64) {
+    if !Rc::ptr_eq(&filter.latest(), filter) {
+        return;
+    }
     let due: Vec<u64> = match filter.waiters.try_borrow() {
         Ok(w) => w
             .iter()
@@ -792,6 +1048,7 @@ pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
     if mine.is_empty() {
         return;
     }
+    reroute_changed(filter, host, &mine);
     let mut backends: Vec<&String> = mine.iter().map(|(_, b, _)| b).collect();
     backends.sort();
     backends.dedup();
@@ -817,6 +1074,15 @@ pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
             }
             if !state.entries.iter().any(|e| e.ticket == *ticket) {
                 resume(filter, host, *ticket, "tick");
+            } else if state.evicted(*ticket) {
+                let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
+                let out = queue::withdraw(host, group, tries, *ticket);
+                filter.applied(host, backend, &out);
+                match out.written {
+                    crate::store::Updated::Written => evict(filter, host, *ticket),
+                    crate::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
+                    _ => {}
+                }
             } else if *deadline <= now {
                 let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
                 let out = queue::withdraw(host, group, tries, *ticket);
@@ -827,6 +1093,53 @@ pub fn tick(filter: &Filter, host: &dyn Host, now: u64) {
                     _ => {}
                 }
             }
+        }
+    }
+}
+
+/// When the sidecar's state changed since the last look (kill switch,
+/// breakers), each waiter of this VM whose primary new requests no longer
+/// go to leaves the queue and is dispatched now (to the fallback, or
+/// answered as a new request would be). One read of the state key per
+/// tick otherwise.
+fn reroute_changed(filter: &Filter, host: &dyn Host, mine: &[(u64, String, u64)]) {
+    if filter.engine.policy.sidecar.is_none() {
+        return;
+    }
+    let version = host.get(super::SIDECAR_KEY).map_or(0, |(_, cas)| cas);
+    if filter.seen_by_queue.replace(version) == version {
+        return;
+    }
+    for (ticket, backend, _) in mine {
+        let waiter = filter
+            .waiters
+            .try_borrow()
+            .ok()
+            .and_then(|w| w.get(ticket).map(|w| (w.stream.clone(), w.context_id)));
+        let Some((stream, context_id)) = waiter else {
+            continue;
+        };
+        // Read as the stream (its headers and properties).
+        let off = host.set_effective_context(context_id)
+            && stream
+                .upgrade()
+                .and_then(|s| s.try_borrow().ok().map(|s| s.off_primary(host)))
+                .unwrap_or(false);
+        if !off {
+            continue;
+        }
+        let Some(group) = filter.gates.group(backend) else {
+            continue;
+        };
+        let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
+        let out = queue::withdraw(host, group, tries, *ticket);
+        filter.applied(host, backend, &out);
+        match out.written {
+            crate::store::Updated::Written => dispatch_off_primary(filter, host, *ticket),
+            // Granted meanwhile: it holds a slot, and its dispatch routes
+            // it again.
+            crate::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
+            _ => {}
         }
     }
 }

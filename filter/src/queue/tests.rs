@@ -16,6 +16,7 @@ fn arrive(store: &MemStore, g: &Group, class: &str, principal: u64, now: u64) ->
         model: "m",
         class,
         wait: Some((10_000, 1_000)),
+        max_per_principal: 0,
         principal,
         wake: 7,
         saturated: false,
@@ -57,6 +58,7 @@ fn refusal_without_queue_and_full_queue() {
         model: "m",
         class: "i",
         wait: None,
+        max_per_principal: 0,
         principal: 1,
         wake: 1,
         saturated: false,
@@ -68,6 +70,7 @@ fn refusal_without_queue_and_full_queue() {
     );
     let a = Arrival {
         wait: Some((1000, 2)),
+        max_per_principal: 0,
         ..a
     };
     assert!(matches!(
@@ -174,6 +177,7 @@ fn saturation_holds_the_queue() {
         model: "m",
         class: "b",
         wait: Some((1000, 10)),
+        max_per_principal: 0,
         principal: 1,
         wake: 1,
         saturated: true,
