@@ -629,9 +629,8 @@ impl State {
     /// comment); the grants leave the queue holding their slot.
     fn pump(&mut self, g: &Group, saturated: Saturated, now_ms: u64, grants: &mut Vec<Grant>) {
         // Evicted entries whose worker never came for them.
-        self.entries.retain(|e| {
-            !(e.evicted && e.deadline_ms.saturating_add(EVICTED_GRACE_MS) < now_ms)
-        });
+        self.entries
+            .retain(|e| !(e.evicted && e.deadline_ms.saturating_add(EVICTED_GRACE_MS) < now_ms));
         loop {
             let free: Vec<bool> = (0..self.models.len())
                 .map(|m| g.dispatchable(self, m, saturated, now_ms) == Blocked::Free)
@@ -786,7 +785,8 @@ pub fn enter_checked(
     a: &Arrival,
     may_wait: &mut dyn FnMut(u32) -> bool,
 ) -> Changed<Entered> {
-    change(
+    let mut declined = false;
+    let mut changed = change(
         store,
         g,
         tries,
@@ -794,10 +794,9 @@ pub fn enter_checked(
             let model = s.model(a.model);
             let arriving = |name: &str| a.saturated && name == a.model;
             let blocked = g.dispatchable(s, model, &arriving, a.now_ms);
-            let ahead = s
-                .entries
-                .iter()
-                .any(|e| !e.evicted && (usize::from(e.model) == model || g.backend_limit.is_some()));
+            let ahead = s.entries.iter().any(|e| {
+                !e.evicted && (usize::from(e.model) == model || g.backend_limit.is_some())
+            });
             if blocked == Blocked::Free && !ahead {
                 s.models[model].inflight = s.models[model].inflight.saturating_add(1);
                 return Some(Entered::Go);
@@ -818,8 +817,9 @@ pub fn enter_checked(
             }
             let class = s.class(a.class);
             let mine = s.held_by(model, class, a.principal);
-            if !may_wait(mine) {
-                return Some(Entered::Declined);
+            declined = !may_wait(mine);
+            if declined {
+                return None; // nothing to write
             }
             let cap = if a.max_per_principal == 0 {
                 max_depth
@@ -845,7 +845,9 @@ pub fn enter_checked(
             let last = s
                 .entries
                 .iter()
-                .filter(|e| !e.evicted && usize::from(e.class) == class && e.principal == a.principal)
+                .filter(|e| {
+                    !e.evicted && usize::from(e.class) == class && e.principal == a.principal
+                })
                 .map(|e| e.round)
                 .max()
                 .unwrap_or(0);
@@ -869,7 +871,11 @@ pub fn enter_checked(
             })
         },
         Entered::Contended,
-    )
+    );
+    if declined && changed.written == Updated::Unchanged {
+        changed.value = Entered::Declined;
+    }
+    changed
 }
 
 /// Gives a slot back and hands free slots to waiters.

@@ -382,7 +382,8 @@ impl Engine {
     ///
     /// `queued`: the caller's requests already waiting in that queue; each
     /// takes one unit of every request-counting bucket before this one, so
-    /// those must have `queued + 1` left.
+    /// those must have `queued + 1` left (at most their capacity: what a
+    /// bucket cannot hold at once it still serves one after the other).
     ///
     /// It errs towards letting through: soft caps never refuse, a token
     /// budget needs only the least output admission would lower a request
@@ -433,7 +434,8 @@ impl Engine {
             }
             let mut amount = b.meter.amount(input, least, pricing);
             if b.meter == Meter::Requests {
-                amount = amount.saturating_mul(queued.saturating_add(1));
+                let ahead = amount.saturating_mul(queued.saturating_add(1));
+                amount = ahead.min(b.rule.limit.capacity()).max(amount);
             }
             let quota = reserver.peek(&Claim::hard(&b.rule, amount), caller(identity), now_ms);
             if quota.remaining >= amount {

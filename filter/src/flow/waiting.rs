@@ -367,9 +367,12 @@ impl Stream {
         let class = class_of(&filter, identity, &view);
         let class_cfg = class.as_ref().and_then(|c| engine.policy.classes.get(c));
         let wake = filter.wake_queue.get();
-        let wait = class_cfg
-            .filter(|c| c.queue && wake.is_some())
-            .map(|c| (c.max_wait_ms.min(asked_wait.unwrap_or(u64::MAX)), c.max_depth));
+        let wait = class_cfg.filter(|c| c.queue && wake.is_some()).map(|c| {
+            (
+                c.max_wait_ms.min(asked_wait.unwrap_or(u64::MAX)),
+                c.max_depth,
+            )
+        });
         let wait_ms = wait.map_or(0, |(w, _)| w);
         let wait = wait
             .map(|(w, depth)| (w.saturating_sub(now.saturating_sub(since)), depth))
@@ -454,7 +457,12 @@ impl Stream {
                 if let Some(retry) = sleep {
                     return (Gated::Sleep(now.saturating_add(retry)), Some(gate));
                 }
-                count(host, "rejected", verdict.labels.decision.reason_code(), &gate);
+                count(
+                    host,
+                    "rejected",
+                    verdict.labels.decision.reason_code(),
+                    &gate,
+                );
                 return (Gated::Answered(Box::new(verdict)), None);
             }
             Entered::Full => (

@@ -216,3 +216,153 @@ fn reset_durations() {
     assert_eq!(parse_reset("-1"), None);
     assert_eq!(parse_reset(""), None);
 }
+
+fn arrive_in(store: &MemStore, g: &Group, principal: u64, depth: u32, cap: u32) -> Entered {
+    let a = Arrival {
+        model: "m",
+        class: "b",
+        wait: Some((10_000, depth)),
+        max_per_principal: cap,
+        principal,
+        wake: 7,
+        saturated: false,
+        now_ms: 0,
+    };
+    enter(store, g, 8, &a).value
+}
+
+fn state(store: &MemStore, g: &Group) -> State {
+    State::decode(&store.get(&g.key).unwrap().0).unwrap()
+}
+
+/// A full queue gives a newcomer the newest place of the principal
+/// holding the most, while that one holds two more than the newcomer; the
+/// evicted entry counts for nothing, is never granted, and withdraws.
+#[test]
+fn a_newcomer_takes_the_place_of_the_largest_holder() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    assert_eq!(arrive_in(&store, &g, 1, 4, 0), Entered::Go);
+    let tickets: Vec<u64> = (0..4)
+        .map(|_| match arrive_in(&store, &g, 1, 4, 0) {
+            Entered::Queued { ticket, .. } => ticket,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    // Alone, A may fill the queue (work-conserving).
+    assert_eq!(arrive_in(&store, &g, 1, 4, 0), Entered::Full);
+    // B: A holds 4 ≥ 0 + 2, so A's newest goes.
+    assert!(matches!(
+        arrive_in(&store, &g, 2, 4, 0),
+        Entered::Queued { .. }
+    ));
+    let s = state(&store, &g);
+    assert!(s.evicted(tickets[3]));
+    assert_eq!(s.depth("m", "b"), 4);
+    // B again: A 3, B 1 → A's newest again; then A 2, B 2: full for B.
+    assert!(matches!(
+        arrive_in(&store, &g, 2, 4, 0),
+        Entered::Queued { .. }
+    ));
+    assert!(state(&store, &g).evicted(tickets[2]));
+    assert_eq!(arrive_in(&store, &g, 2, 4, 0), Entered::Full);
+    // A third principal gets a place from A or B (each holds 2 ≥ 0 + 2).
+    assert!(matches!(
+        arrive_in(&store, &g, 3, 4, 0),
+        Entered::Queued { .. }
+    ));
+    let s = state(&store, &g);
+    assert_eq!(s.depth("m", "b"), 4);
+    assert_eq!(s.entries.iter().filter(|e| e.evicted).count(), 3);
+    // Evicted entries are never granted: the next four slots go to the
+    // four live entries.
+    let mut granted = Vec::new();
+    for _ in 0..5 {
+        granted.extend(release(&store, &g, 8, "m", &|_| false, 1).grants);
+    }
+    assert_eq!(granted.len(), 4);
+    assert!(granted
+        .iter()
+        .all(|gr| gr.ticket != tickets[3] && gr.ticket != tickets[2]));
+    // Its worker takes an evicted entry out (it holds nothing).
+    assert!(withdraw(&store, &g, 8, tickets[3]).value);
+    assert!(!state(&store, &g)
+        .entries
+        .iter()
+        .any(|e| e.ticket == tickets[3]));
+}
+
+/// `max_per_principal` caps one principal's places below `max_depth`.
+#[test]
+fn max_per_principal_caps_one_principals_places() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    assert_eq!(arrive_in(&store, &g, 1, 10, 2), Entered::Go);
+    for _ in 0..2 {
+        assert!(matches!(
+            arrive_in(&store, &g, 1, 10, 2),
+            Entered::Queued { .. }
+        ));
+    }
+    assert_eq!(arrive_in(&store, &g, 1, 10, 2), Entered::Full);
+    assert!(matches!(
+        arrive_in(&store, &g, 2, 10, 2),
+        Entered::Queued { .. }
+    ));
+}
+
+/// A declined check writes nothing and evicts no one; it is asked only
+/// for a request that would wait, with the places its principal holds.
+#[test]
+fn a_declined_check_takes_no_place_and_evicts_no_one() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    let mut asked = Vec::new();
+    let a = |principal| Arrival {
+        model: "m",
+        class: "b",
+        wait: Some((10_000, 2)),
+        max_per_principal: 0,
+        principal,
+        wake: 7,
+        saturated: false,
+        now_ms: 0,
+    };
+    let mut yes = |held: u32| {
+        asked.push(held);
+        true
+    };
+    assert_eq!(
+        enter_checked(&store, &g, 8, &a(1), &mut yes).value,
+        Entered::Go
+    );
+    for _ in 0..2 {
+        let out = enter_checked(&store, &g, 8, &a(1), &mut yes).value;
+        assert!(matches!(out, Entered::Queued { .. }));
+    }
+    assert_eq!(asked, vec![0, 1], "not asked for the one that went at once");
+    let before = store.get(&g.key).unwrap();
+    let out = enter_checked(&store, &g, 8, &a(2), &mut |_| false);
+    assert_eq!(out.value, Entered::Declined);
+    assert_eq!(store.get(&g.key).unwrap(), before, "nothing written");
+    assert!(!state(&store, &g).entries.iter().any(|e| e.evicted));
+}
+
+#[test]
+fn evictions_survive_the_codec() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    arrive_in(&store, &g, 1, 2, 0);
+    arrive_in(&store, &g, 1, 2, 0);
+    arrive_in(&store, &g, 1, 2, 0);
+    arrive_in(&store, &g, 2, 2, 0);
+    let bytes = store.get(&g.key).unwrap().0;
+    let s = State::decode(&bytes).unwrap();
+    assert_eq!(s.entries.iter().filter(|e| e.evicted).count(), 1);
+    assert_eq!(s.encode(), bytes);
+    // Past its deadline and the grace, a writer drops it.
+    let mut s2 = s.clone();
+    let mut grants = Vec::new();
+    s2.pump(&g, &|_| false, 10_000 + EVICTED_GRACE_MS + 1, &mut grants);
+    assert!(!s2.entries.iter().any(|e| e.evicted));
+}

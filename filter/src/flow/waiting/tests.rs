@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use super::super::{Poller, Request};
+use super::super::{Poller, Request, Vm};
 use crate::host::mock::MockHost;
 use crate::host::Action;
 
@@ -382,4 +382,234 @@ fn sluices_own_rate_limit_headers_pause_nothing() {
     let (_b, action) = post(&poller, &w, 2, &[("x-user", "b")]);
     assert_eq!(action, Action::Continue, "not paused");
     poller.tick(&w);
+}
+
+fn reason(host: &MockHost) -> Option<(u32, String)> {
+    let r = host.last_reply()?;
+    Some((r.status, r.header("x-sluice-reason")?.to_string()))
+}
+
+/// A caller its buckets would refuse at dispatch is refused before it
+/// takes a place (or sleeps, holding none, when they free within its
+/// wait); one with places queued needs room for all of them.
+#[test]
+fn a_caller_its_buckets_refuse_takes_no_place() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["classes"]["standard"]["max_depth"] = json!(5);
+    p["tiers"]["free"]["requests"] = json!("3/min");
+    let mut poller = load(&w, &p);
+    let (mut a1, action) = post(&poller, &w, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Continue);
+    // 2 left: a2 queues (needs 1), a3 queues (needs 2: a2's and its own).
+    let (_a2, action) = post(&poller, &w, 2, &[("x-user", "a")]);
+    assert_eq!(action, Action::Pause);
+    let (_a3, action) = post(&poller, &w, 3, &[("x-user", "a")]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(depth(&w), 2);
+    assert!(w.replies.borrow().is_empty());
+    // a4 would need 3: refused at once (the next unit frees in 20 s,
+    // past its 5 s wait), holding nothing.
+    let (_a4, _) = post(&poller, &w, 4, &[("x-user", "a")]);
+    assert_eq!(reason(&w), Some((429, "user_rate_limit".into())));
+    assert_eq!(w.last_reply().unwrap().header("retry-after"), Some("20"));
+    assert_eq!(depth(&w), 2);
+    // Another caller is not affected.
+    let (_b, action) = post(&poller, &w, 5, &[("x-user", "b")]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(depth(&w), 3);
+    finish(&w, &mut a1);
+    poller.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+
+    // A bucket that frees within the wait: it sleeps without a place.
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["tiers"]["free"]["requests"] = json!("1/s");
+    let mut poller = load(&w, &p);
+    let (_c1, action) = post(&poller, &w, 1, &[("x-user", "c")]);
+    assert_eq!(action, Action::Continue);
+    let (_c2, action) = post(&poller, &w, 2, &[("x-user", "c")]);
+    assert_eq!(action, Action::Pause, "c's second sleeps");
+    assert!(w.replies.borrow().is_empty());
+    assert_eq!(depth(&w), 0, "the sleeper holds no place");
+    // Another caller queues meanwhile; one queued request of a 1/s
+    // bucket's caller does not keep the next from queueing.
+    let (_d1, action) = post(&poller, &w, 3, &[("x-user", "d")]);
+    assert_eq!(action, Action::Pause);
+    let (_d2, action) = post(&poller, &w, 4, &[("x-user", "d")]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(depth(&w), 2);
+    w.advance(1_000);
+    poller.tick(&w);
+    // Awake, c2 finds the queue full of d's (2 ≥ 0 + 2): it takes d's
+    // newest place, and d2 is answered in the same tick.
+    assert_eq!(reason(&w), Some((429, "queue_full".into())));
+    assert_eq!(w.replies.borrow().len(), 1);
+    assert_eq!(w.effective_context.get(), Some(4));
+    let state = crate::store::SharedStore::get(&w, "sluice:v1:queue:local")
+        .unwrap()
+        .0;
+    let state = crate::queue::State::decode(&state).unwrap();
+    assert_eq!(state.entries.len(), 2, "d1 and c2: {state:?}");
+    assert!(state.entries.iter().all(|e| !e.evicted));
+}
+
+/// The largest holder's newest entry leaves for a newcomer when the queue
+/// is full; its worker answers it 429 `queue_full` and nothing leaks.
+#[test]
+fn a_full_queue_makes_room_for_a_newcomer() {
+    let w = MockHost::new(T0);
+    let mut poller = load(&w, &policy());
+    let (mut a1, _) = post(&poller, &w, 1, &[("x-user", "a")]);
+    let (_a2, _) = post(&poller, &w, 2, &[("x-user", "a")]);
+    let (_a3, _) = post(&poller, &w, 3, &[("x-user", "a")]);
+    assert_eq!(depth(&w), 2);
+    assert!(w.replies.borrow().is_empty());
+    let (_b, action) = post(&poller, &w, 4, &[("x-user", "b")]);
+    assert_eq!(action, Action::Pause, "b finds a place");
+    assert!(w.replies.borrow().is_empty());
+    assert_eq!(depth(&w), 2);
+    // a3 (a's newest) is answered on the next tick.
+    w.advance(20);
+    poller.tick(&w);
+    assert_eq!(reason(&w), Some((429, "queue_full".into())));
+    assert_eq!(w.effective_context.get(), Some(3));
+    assert_eq!(
+        w.metric("sluice_queue_total_outcome=evicted;.reason=queue_full;.model=m;.class=standard;"),
+        Some(1)
+    );
+    // b now has a place as good as a's: a third of a's is refused.
+    let (_a4, _) = post(&poller, &w, 5, &[("x-user", "a")]);
+    assert_eq!(reason(&w), Some((429, "queue_full".into())));
+    // Fair order: a2, then b; nothing left behind.
+    finish(&w, &mut a1);
+    poller.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+    let state = crate::store::SharedStore::get(&w, "sluice:v1:queue:local")
+        .unwrap()
+        .0;
+    let state = crate::queue::State::decode(&state).unwrap();
+    assert_eq!(state.entries.len(), 1, "only b waits: {state:?}");
+}
+
+fn kill_switch_policy() -> Value {
+    let mut p = policy();
+    p["classes"]["standard"]["max_depth"] = json!(5);
+    p["sidecar"] = json!({"cluster": "sidecar", "stale_after": "10s"});
+    p["fallback"] = json!({"header": "x-sluice-upstream", "value": "backup", "provider": "acme"});
+    p
+}
+
+fn kill_switch(w: &MockHost, version: u64, active: bool) {
+    let s = json!({"version": version, "kill_switch": {"active": active}, "breakers": []});
+    let bytes = crate::codec::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
+    crate::store::SharedStore::set(w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
+}
+
+/// Pulled while requests wait: a granted one is routed again at dispatch
+/// (to the fallback, giving its slot to the next), and the others leave
+/// the queue on the next tick for the fallback too; none reaches the
+/// primary, and no slot is left counted.
+#[test]
+fn the_kill_switch_reaches_queued_requests() {
+    let w = MockHost::new(T0);
+    let mut poller = load(&w, &kill_switch_policy());
+    kill_switch(&w, 1, false);
+    let (mut a, action) = post(&poller, &w, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(w.req_header("x-sluice-upstream"), None);
+    let (_b, _) = post(&poller, &w, 2, &[("x-user", "b")]);
+    let (_c, _) = post(&poller, &w, 3, &[("x-user", "c")]);
+    assert_eq!(depth(&w), 2);
+    kill_switch(&w, 2, true);
+    // a's end grants b before any tick: b is routed again at dispatch,
+    // and gives its slot to c, whose dispatch routes it the same way.
+    finish(&w, &mut a);
+    poller.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2, 3]);
+    assert_eq!(w.req_header("x-sluice-upstream").as_deref(), Some("backup"));
+    assert_eq!((inflight(&w), depth(&w)), (0, 0));
+    assert_eq!(
+        w.metric("sluice_queue_total_outcome=rerouted;.reason=fallback;.model=m;.class=standard;"),
+        Some(2)
+    );
+
+    // Pulled while nothing frees: the tick takes the waiters out.
+    let w = MockHost::new(T0);
+    let mut poller = load(&w, &kill_switch_policy());
+    kill_switch(&w, 1, false);
+    let (_a, _) = post(&poller, &w, 1, &[("x-user", "a")]);
+    let (_b, _) = post(&poller, &w, 2, &[("x-user", "b")]);
+    w.advance(20);
+    poller.tick(&w);
+    assert!(w.resumed.borrow().is_empty(), "switch off: b waits");
+    kill_switch(&w, 2, true);
+    w.advance(20);
+    poller.tick(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+    assert_eq!(w.req_header("x-sluice-upstream").as_deref(), Some("backup"));
+    assert_eq!((inflight(&w), depth(&w)), (1, 0), "a still holds its slot");
+}
+
+/// A reload makes a new root context in the same VM: the waiters of the
+/// old one are handed over, the new limit governs them at once (raised:
+/// the backlog drains at the new limit) and the slots of requests in
+/// flight are given back to the new gates (lowered: nothing new goes
+/// until in flight is under the new limit). Nothing is counted twice.
+#[test]
+fn a_reload_in_a_new_root_governs_waiting_and_in_flight_requests() {
+    let w = MockHost::new(T0);
+    let vm = std::rc::Rc::new(Vm::default());
+    let mut p = policy();
+    p["classes"]["standard"]["max_depth"] = json!(10);
+    let load_in = |concurrency: u32| {
+        w.advance(1);
+        let mut p = p.clone();
+        p["models"]["m"]["concurrency"] = json!(concurrency);
+        let mut poller = Poller::in_vm(vm.clone());
+        assert!(poller.configure(&w, p.to_string().as_bytes()));
+        poller
+    };
+    let mut old = load_in(1);
+    let mut reqs = Vec::new();
+    for ctx in 1..=5 {
+        let (req, _) = post(&old, &w, ctx, &[("x-user", &format!("u{ctx}"))]);
+        reqs.push(req);
+    }
+    assert_eq!((inflight(&w), depth(&w)), (1, 4));
+    // Raised 1 → 3: two waiters go at once, woken through the old root's
+    // wake-up queue (where their grants were sent).
+    let mut new = load_in(3);
+    old.on_wake(&w);
+    new.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2, 3]);
+    assert_eq!((inflight(&w), depth(&w)), (3, 2));
+    // Lowered 3 → 1 (a third root): requests 1-3 are in flight. Ends of
+    // requests of the older roots give their slots to the newest gates.
+    let mut newest = load_in(1);
+    for req in reqs.iter_mut().take(2) {
+        finish(&w, req);
+    }
+    old.on_wake(&w);
+    new.on_wake(&w);
+    newest.on_wake(&w);
+    w.advance(20);
+    for root in [&mut old, &mut new, &mut newest] {
+        root.tick(&w);
+    }
+    assert_eq!(*w.resumed.borrow(), vec![2, 3], "1 in flight: nothing new");
+    assert_eq!((inflight(&w), depth(&w)), (1, 2));
+    finish(&w, &mut reqs[2]);
+    old.on_wake(&w);
+    new.on_wake(&w);
+    newest.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2, 3, 4]);
+    assert_eq!((inflight(&w), depth(&w)), (1, 1));
+    // The last waiter's deadline is kept by the newest root.
+    w.advance(6_000);
+    newest.tick(&w);
+    assert_eq!(reason(&w), Some((429, "queue_deadline".into())));
+    finish(&w, &mut reqs[3]);
+    assert_eq!((inflight(&w), depth(&w)), (0, 0));
 }
