@@ -402,6 +402,9 @@ impl Sidecar {
 #[derive(Clone, Debug)]
 pub struct EnvoyConfig {
     root: Value,
+    /// `--drain-time-s` (default 1): how long the connections of a
+    /// replaced listener may finish their requests after a reload.
+    drain_time_s: Option<u32>,
 }
 
 /// Returns the value at `path`, panicking with the path when it is missing.
@@ -431,6 +434,13 @@ fn yaml(text: &str) -> Value {
 }
 
 impl EnvoyConfig {
+    /// Lets requests on the connections of a listener replaced by a reload
+    /// run this long (Envoy's `--drain-time-s`; the harness's default of 1
+    /// closes them after a second).
+    pub fn set_drain_time_s(&mut self, seconds: u32) {
+        self.drain_time_s = Some(seconds);
+    }
+
     /// Loads `<repo>/envoy/sluice.yaml`.
     pub fn load_shipped() -> EnvoyConfig {
         EnvoyConfig::load(&repo_root().join("envoy/sluice.yaml"))
@@ -442,7 +452,10 @@ impl EnvoyConfig {
             fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
         let root = serde_yaml::from_str(&text)
             .unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()));
-        EnvoyConfig { root }
+        EnvoyConfig {
+            root,
+            drain_time_s: None,
+        }
     }
 
     /// The whole bootstrap, for reading.
@@ -783,7 +796,8 @@ impl Envoy {
             .args(["-l", "info"])
             // After a reload, the old listener closes its connections at
             // once instead of over the default 600 s.
-            .args(["--drain-time-s", "1", "--drain-strategy", "immediate"]);
+            .args(["--drain-strategy", "immediate"])
+            .args(["--drain-time-s", &cfg.drain_time_s.unwrap_or(1).to_string()]);
         let log_path = d.join("envoy.log");
         let guard = spawn_logged("envoy", &mut cmd, &log_path)
             .map_err(|e| format!("spawning {}: {e}", envoy_bin().display()))?;

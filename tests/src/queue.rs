@@ -187,3 +187,25 @@ pub fn jain(xs: &[f64]) -> f64 {
     }
     sum * sum / (xs.len() as f64 * squares)
 }
+
+/// [`stack`] with another policy (the fairness tests'); requests on the
+/// connections of a listener a reload replaced may run 60 s.
+pub fn stack_with_policy(workers: u32, policy: Value, mock_args: &[&str]) -> Stack {
+    let upstream = MockLlm::start_with_args("primary", mock_args);
+    let mut config = shipped_config_for(&upstream);
+    config.set_drain_time_s(60);
+    *config.policy_mut() = serde_yaml::to_value(policy).expect("policy as YAML");
+    let envoy = Envoy::start(&config, workers);
+    Stack {
+        envoy,
+        upstream,
+        config,
+    }
+}
+
+/// The model's queue depth in a class, as Envoy's gauge says.
+pub fn depth(envoy: &Envoy, class: &str) -> f64 {
+    envoy
+        .metric("sluice_queue_depth", &[("model", MODEL), ("class", class)])
+        .unwrap_or(0.0)
+}
