@@ -72,21 +72,35 @@ fn set_gauge(host: &dyn Host, name: &str, value: u64) {
 /// A stream reached by the root context: its handle and Envoy's context id.
 type StreamCall = (Weak<RefCell<Stream>>, u32);
 
-/// What every root context of one VM (one Envoy worker) shares: the policy
-/// loaded last. A reload makes a new root context in the same VM (the old
-/// one serves its draining connections meanwhile); the concurrency gate of
-/// every stream of the VM, old or new, follows the policy loaded last, so
-/// its limits govern what waits and what is in flight (see `waiting`).
-/// With two listeners of different policies in one VM, the one loaded
-/// last governs both's gates (their queue state is one per backend anyway).
+/// What every root context of one VM (one Envoy worker) shares: its
+/// queued streams, and the policies loaded, latest last. A reload makes a
+/// new root context in the same VM (the old one serves its draining
+/// connections meanwhile); the concurrency gate of every stream of the VM,
+/// old or new, follows the latest policy still loaded, so its limits
+/// govern what waits and what is in flight (see `waiting`). With two
+/// listeners of different policies in one VM, the one loaded last governs
+/// both's gates (their queue state is one per backend anyway).
 #[derive(Default)]
 pub struct Vm {
-    latest: RefCell<Weak<Filter>>,
+    filters: RefCell<Vec<Weak<Filter>>>,
+    waiters: Waiters,
 }
 
+/// Queued and sleeping streams of one VM, by ticket.
+type Waiters = Rc<RefCell<HashMap<u64, waiting::Waiter>>>;
+
 impl Vm {
+    /// The policy loaded last whose root context still lives.
     fn latest(&self) -> Option<Rc<Filter>> {
-        self.latest.try_borrow().ok()?.upgrade()
+        let filters = self.filters.try_borrow().ok()?;
+        filters.iter().rev().find_map(Weak::upgrade)
+    }
+
+    fn loaded(&self, filter: &Rc<Filter>) {
+        if let Ok(mut filters) = self.filters.try_borrow_mut() {
+            filters.retain(|f| f.strong_count() > 0);
+            filters.push(Rc::downgrade(filter));
+        }
     }
 }
 
@@ -110,7 +124,8 @@ pub struct Filter {
     stream_calls: RefCell<HashMap<u32, StreamCall>>,
     /// Concurrency gates and this VM's queued requests (see `waiting`).
     gates: crate::queue::Gates,
-    waiters: RefCell<HashMap<u64, waiting::Waiter>>,
+    /// The VM's (see [`Vm`]).
+    waiters: Waiters,
     /// This VM's wake-up queue.
     wake_queue: Cell<Option<u32>>,
     /// The VM's policy loaded last (see [`Vm`]).
@@ -125,7 +140,7 @@ impl Filter {
             fleet: crate::fleet::Fleet::new(&engine),
             stream_calls: RefCell::default(),
             gates: crate::queue::Gates::new(&engine.policy),
-            waiters: RefCell::default(),
+            waiters: Rc::default(),
             wake_queue: Cell::new(None),
             vm: Rc::default(),
             seen_by_queue: Cell::new(0),
@@ -249,6 +264,7 @@ impl Poller {
         };
         let mut filter = Filter::new(Engine::new(policy));
         filter.vm = self.vm.clone();
+        filter.waiters = self.vm.waiters.clone();
         filter.define_metrics(host);
         let engine = &filter.engine;
         match engine.prepare(host) {
@@ -304,9 +320,7 @@ impl Poller {
         };
         waiting::configure(&filter, previous.as_deref(), same_root, host, self.id);
         let filter = Rc::new(filter);
-        if let Ok(mut latest) = self.vm.latest.try_borrow_mut() {
-            *latest = Rc::downgrade(&filter);
-        }
+        self.vm.loaded(&filter);
         waiting::after_configure(&filter, host);
         self.filter = Some(filter);
         true

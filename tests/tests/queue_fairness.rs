@@ -253,7 +253,7 @@ fn a_reload_that_raises_concurrency_drains_the_backlog_at_the_new_limit() {
             wait_for(Duration::from_secs(10), || depth(envoy, "batch") == 10.0),
             "the backlog never queued"
         );
-        assert_eq!(in_flight(&s.upstream), 2);
+        assert!(wait_for(Duration::from_secs(10), || in_flight(&s.upstream) == 2));
         *s.config.policy_mut() = serde_yaml::to_value(policy(8)).expect("policy");
         s.envoy.reload(&s.config).expect("reload accepted");
         assert!(

@@ -4,7 +4,8 @@
 //! turn comes (a wake-up message, or the tick as a safety net), answering
 //! `queue_deadline`, and giving the slot back exactly once.
 //!
-//! Each VM keeps its queued streams in `Filter::waiters` (ticket → stream).
+//! Each VM keeps its queued streams in one map (ticket → stream) that all
+//! its root contexts share (`flow::Vm`).
 //! A slot freed on any worker is handed to the next entry in the shared
 //! queue and a message with its ticket goes to the owner's wake-up queue
 //! (one per VM: a shared queue only wakes the VM that registered it last).
@@ -22,7 +23,7 @@
 //! primary that new requests no longer go to.
 //!
 //! Reload: the gate of every stream of the VM follows the policy loaded
-//! last ([`Filter::latest`]); its waiters are handed to it, its limits
+//! last ([`Filter::latest`]); its root tends the VM's waiters, its limits
 //! pump the queue at once, and the slots of requests in flight are given
 //! back to it, so the new limits govern what waits and what is in flight.
 //! Slots live in shared data only (one count per model), so nothing is
@@ -137,10 +138,9 @@ fn class_labels(filter: &Filter) -> Vec<String> {
     labels
 }
 
-/// Load: keys created, wake-up queue registered, tick made fast, gauges
-/// defined at 0, and the queued streams of the previous policy kept (of
-/// this root context, or of the one this reload replaces: `same_root`
-/// says whether its wake-up queue is this root's own).
+/// Load: keys created, wake-up queue registered (or this root's kept:
+/// `same_root`, the previous policy was this root's), tick made fast,
+/// gauges defined at 0.
 pub fn configure(
     filter: &Filter,
     previous: Option<&Filter>,
@@ -148,15 +148,10 @@ pub fn configure(
     host: &dyn Host,
     vm_id: u64,
 ) {
-    if let Some(previous) = previous {
-        if let Ok(mut old) = previous.waiters.try_borrow_mut() {
-            if let Ok(mut new) = filter.waiters.try_borrow_mut() {
-                new.extend(old.drain());
-            }
-        }
-        if same_root {
-            filter.wake_queue.set(previous.wake_queue.get());
-        }
+    // The queued streams are the VM's: they stay where they are, and the
+    // latest policy's root now tends them.
+    if let Some(previous) = previous.filter(|_| same_root) {
+        filter.wake_queue.set(previous.wake_queue.get());
     }
     if filter.gates.is_empty() {
         if has_waiters(filter) {
@@ -818,12 +813,10 @@ impl Stream {
 
     /// The stream ends: out of the queue, or its slot given back.
     pub(super) fn leave_gate(&mut self, host: &dyn Host) {
-        let latest = self.filter.latest();
+        let waiters = self.filter.waiters.clone();
         let forget = |ticket: u64| {
-            for filter in [&latest, &self.filter] {
-                if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
-                    waiters.remove(&ticket);
-                }
+            if let Ok(mut waiters) = waiters.try_borrow_mut() {
+                waiters.remove(&ticket);
             }
         };
         if let Some(sleeper) = self.gate.as_mut().and_then(|g| g.sleeper.take()) {
@@ -1009,8 +1002,8 @@ fn wake_sleeper(filter: &Filter, host: &dyn Host, ticket: u64) {
 }
 
 /// Wake-up messages: each is the ticket of a granted entry of this VM.
-/// This root's queue; the waiters are the VM's latest policy's (a reload
-/// handed them over, and this root's queue may still carry their grants).
+/// This root's queue (after a reload it may still carry grants of waiters
+/// that arrived before); the waiters are the VM's.
 pub fn on_wake(filter: &Rc<Filter>, host: &dyn Host) {
     let Some(queue) = filter.wake_queue.get() else {
         return;

@@ -613,3 +613,27 @@ fn a_reload_in_a_new_root_governs_waiting_and_in_flight_requests() {
     finish(&w, &mut reqs[3]);
     assert_eq!((inflight(&w), depth(&w)), (0, 0));
 }
+
+/// A root context that Envoy discards after loading its policy (the rest
+/// of the listener update failed) takes no waiter with it: the queued
+/// streams are the VM's, and the older root tends them again.
+#[test]
+fn a_discarded_reload_loses_no_waiter() {
+    let w = MockHost::new(T0);
+    let vm = std::rc::Rc::new(Vm::default());
+    let load_in = || {
+        w.advance(1);
+        let mut poller = Poller::in_vm(vm.clone());
+        assert!(poller.configure(&w, policy().to_string().as_bytes()));
+        poller
+    };
+    let mut old = load_in();
+    let (_a, _) = post(&old, &w, 1, &[("x-user", "a")]);
+    let (_b, action) = post(&old, &w, 2, &[("x-user", "b")]);
+    assert_eq!(action, Action::Pause);
+    drop(load_in());
+    w.advance(6_000);
+    old.tick(&w);
+    assert_eq!(reason(&w), Some((429, "queue_deadline".into())));
+    assert_eq!(depth(&w), 0);
+}
