@@ -106,7 +106,9 @@ fn wait_histogram(model: &str, class: &str) -> String {
     format!("sluice_queue_wait_milliseconds_model={model};.class={class};")
 }
 /// `outcome`: dispatched (reason immediate|queued), rejected (model_concurrency,
-/// queue_full, gpu_overloaded, upstream_paused), expired, abandoned.
+/// queue_full, gpu_overloaded, upstream_paused, or the reason of the bucket
+/// the peek found empty), expired, evicted (queue_full), rerouted
+/// (fallback), abandoned, deferred.
 fn outcome_counter(outcome: &str, reason: &str, model: &str, class: &str) -> String {
     format!("sluice_queue_total_outcome={outcome};.reason={reason};.model={model};.class={class};")
 }
@@ -192,11 +194,17 @@ pub fn configure(
                     &outcome_counter("expired", "queue_deadline", model, &class),
                     0,
                 );
-                host.metric_add(
-                    MetricKind::Counter,
-                    &outcome_counter("abandoned", "client_gone", model, &class),
-                    0,
-                );
+                for (outcome, reason) in [
+                    ("abandoned", "client_gone"),
+                    ("evicted", "queue_full"),
+                    ("rerouted", "fallback"),
+                ] {
+                    host.metric_add(
+                        MetricKind::Counter,
+                        &outcome_counter(outcome, reason, model, &class),
+                        0,
+                    );
+                }
             }
         }
     }

@@ -366,3 +366,20 @@ fn evictions_survive_the_codec() {
     s2.pump(&g, &|_| false, 10_000 + EVICTED_GRACE_MS + 1, &mut grants);
     assert!(!s2.entries.iter().any(|e| e.evicted));
 }
+
+#[test]
+fn max_per_principal_is_checked_against_max_depth() {
+    let policy = |cap: u32| {
+        serde_json::json!({
+            "default_tier": "t", "tiers": {"t": {"class": "b"}},
+            "classes": {"b": {"max_wait": "5s", "max_depth": 10, "max_per_principal": cap}},
+            "models": {"m": {"concurrency": 1}},
+        })
+    };
+    for bad in [0, 11] {
+        let err = Policy::from_value(policy(bad)).unwrap_err().to_string();
+        assert!(err.contains("classes.b.max_per_principal"), "{err}");
+    }
+    let ok = Policy::from_value(policy(3)).unwrap();
+    assert_eq!(ok.classes["b"].principal_cap(), 3);
+}
