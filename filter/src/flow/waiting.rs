@@ -578,8 +578,21 @@ impl Stream {
         let (mut pushback, seen, dice) = self.world(host, &identity, model, now);
         let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
         let (fallback, probe) = match route(&pushback) {
+            // Out of the queue without a slot, and the primary is back
+            // (the switch flipped again): through the gate once more.
+            Routed::Primary | Routed::Probe if !slot => {
+                self.parked = Some(parked);
+                return self.retry(host);
+            }
             Routed::Primary => (false, false),
             Routed::Probe => (false, true),
+            // The upstream paused the route just as its slot came: it
+            // waits the pause out in the queue like a new request would.
+            Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
+                self.release_slot(host);
+                self.parked = Some(parked);
+                return self.retry(host);
+            }
             Routed::Fallback => {
                 // The primary's slot goes to the next waiter.
                 self.release_slot(host);

@@ -637,3 +637,30 @@ fn a_discarded_reload_loses_no_waiter() {
     assert_eq!(reason(&w), Some((429, "queue_deadline".into())));
     assert_eq!(depth(&w), 0);
 }
+
+/// The upstream pauses the route just as a queued request's slot comes:
+/// routed again at dispatch, it waits the pause out in the queue instead
+/// of going to the paused upstream.
+#[test]
+fn a_pause_that_starts_while_queued_is_waited_out() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["protection"] = json!({"pause_jitter": "0s"});
+    let mut poller = load(&w, &p);
+    let (mut a, _) = post(&poller, &w, 1, &[("x-user", "a")]);
+    let (_b, action) = post(&poller, &w, 2, &[("x-user", "b")]);
+    assert_eq!(action, Action::Pause);
+    w.respond(&[(":status", "503"), ("retry-after", "2")]);
+    w.set_prop(&["response", "code_details"], b"via_upstream");
+    a.on_response_headers(&w);
+    a.on_log(&w);
+    poller.on_wake(&w);
+    assert!(w.resumed.borrow().is_empty(), "not sent into the pause");
+    assert!(w.replies.borrow().is_empty(), "waits, as it may");
+    assert_eq!((inflight(&w), depth(&w)), (0, 1));
+    w.advance(2_100);
+    poller.tick(&w);
+    poller.on_wake(&w);
+    assert_eq!(*w.resumed.borrow(), vec![2]);
+    assert_eq!(inflight(&w), 1);
+}
