@@ -13,16 +13,27 @@ use crate::estimate::text_tokens;
 /// Where input and output token counts live, per API shape. The first path
 /// that holds a number wins.
 const INPUT_PATHS: &[&[&str]] = &[
-    &["usage", "prompt_tokens"], // OpenAI chat, completions, embeddings
-    &["usage", "input_tokens"],  // OpenAI Responses API
+    &["usage", "prompt_tokens"], // OpenAI chat, completions, embeddings; vLLM score
+    &["usage", "input_tokens"],  // OpenAI Responses API, Anthropic Messages
     &["response", "usage", "input_tokens"], // Responses API stream: response.completed
-    &["prompt_eval_count"],      // Ollama
+    &["message", "usage", "input_tokens"], // Anthropic stream: message_start
+    &["prompt_eval_count"],      // Ollama (also /api/embed)
+    &["usage", "total_tokens"],  // rerank (Jina/Cohere shape): input only
 ];
 const OUTPUT_PATHS: &[&[&str]] = &[
     &["usage", "completion_tokens"],
-    &["usage", "output_tokens"],
+    &["usage", "output_tokens"], // also Anthropic's message_delta (cumulative)
     &["response", "usage", "output_tokens"],
+    &["message", "usage", "output_tokens"],
     &["eval_count"],
+];
+/// Input counted apart from `input_tokens` (Anthropic's prompt cache):
+/// added to it, so cached input is charged too.
+const EXTRA_INPUT_PATHS: &[&[&str]] = &[
+    &["usage", "cache_creation_input_tokens"],
+    &["usage", "cache_read_input_tokens"],
+    &["message", "usage", "cache_creation_input_tokens"],
+    &["message", "usage", "cache_read_input_tokens"],
 ];
 
 /// Counts above this are not believed (a misbehaving upstream, not a model).
@@ -67,9 +78,27 @@ fn count(v: &Value, paths: &[&[&str]]) -> Found {
     Found::Nothing
 }
 
+/// The input count with the extra input fields added; `Invalid` if any of
+/// them is not a sane count.
+fn input_count(v: &Value) -> Found {
+    let Found::Usage(mut base) = count(v, INPUT_PATHS) else {
+        return count(v, INPUT_PATHS);
+    };
+    for path in EXTRA_INPUT_PATHS {
+        match count(v, &[path]) {
+            Found::Nothing => {}
+            Found::Invalid => return Found::Invalid,
+            Found::Usage(extra) => {
+                base.input = base.input.saturating_add(extra.input).min(MAX_BELIEVABLE);
+            }
+        }
+    }
+    Found::Usage(base)
+}
+
 /// Reads the usage of one response object (a JSON body or one stream event).
 pub fn usage_in(v: &Value) -> Found {
-    match (count(v, INPUT_PATHS), count(v, OUTPUT_PATHS)) {
+    match (input_count(v), count(v, OUTPUT_PATHS)) {
         (Found::Invalid, _) | (_, Found::Invalid) => Found::Invalid,
         (Found::Usage(i), Found::Usage(o)) => Found::Usage(Usage {
             input: i.input,
@@ -103,8 +132,11 @@ fn carries_output(v: &Value) -> bool {
                 || at(c, &["delta", "tool_calls"]).is_some_and(|t| !t.is_null())
         });
     }
-    // Responses API delta events; Ollama lines.
+    // Responses API delta events; Anthropic content deltas; Ollama lines.
     non_empty(v.get("delta"))
+        || non_empty(at(v, &["delta", "text"]))
+        || non_empty(at(v, &["delta", "partial_json"]))
+        || non_empty(at(v, &["delta", "thinking"]))
         || non_empty(at(v, &["message", "content"]))
         || non_empty(v.get("response"))
 }
@@ -128,6 +160,15 @@ fn answer_tokens(v: &Value) -> u64 {
             + text(at(c, &["message", "reasoning_content"]))
             + json(at(c, &["message", "tool_calls"]))
             + text(c.get("text"));
+    }
+    for part in v
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        // Anthropic Messages: text blocks, tool inputs.
+        tokens += text(part.get("text")) + json(part.get("input"));
     }
     for item in v
         .get("output")
@@ -199,6 +240,9 @@ pub struct ResponseMeter {
     allowance: Option<u64>,
     /// The stream was ended early by sluice.
     pub cut: bool,
+    /// The largest input and output counts a stream's events carried.
+    stream_input: Option<u64>,
+    stream_output: Option<u64>,
     /// SSE: the last event ended with a CR at the end of a chunk; an LF
     /// starting the next chunk belongs to it (a CRLF split in two).
     open_cr: Option<LastEvent>,
@@ -224,6 +268,8 @@ impl ResponseMeter {
             strip_usage,
             allowance,
             cut: false,
+            stream_input: None,
+            stream_output: None,
             open_cr: None,
         }
     }
@@ -334,10 +380,8 @@ impl ResponseMeter {
             }
             match usage_in(v) {
                 Found::Nothing => {}
-                found => {
-                    if !matches!(self.found, Found::Usage(_)) {
-                        self.found = found;
-                    }
+                _ => {
+                    self.merge(input_count(v), count(v, OUTPUT_PATHS));
                     let usage_only = v
                         .get("choices")
                         .and_then(Value::as_array)
@@ -352,6 +396,27 @@ impl ResponseMeter {
             out.extend_from_slice(raw);
         }
         false
+    }
+
+    /// Folds one stream event's counts into the stream's usage. Counts in
+    /// a stream are cumulative (vLLM's continuous usage stats, Anthropic's
+    /// `message_start` input then `message_delta` output): the largest seen
+    /// is the total, wherever each half came from. Input never seen:
+    /// `Invalid` if anything was, as for a single object.
+    fn merge(&mut self, input: Found, output: Found) {
+        if let Found::Usage(u) = input {
+            self.stream_input = self.stream_input.max(Some(u.input));
+        }
+        if let Found::Usage(u) = output {
+            self.stream_output = self.stream_output.max(Some(u.output));
+        }
+        self.found = match self.stream_input {
+            Some(input) => Found::Usage(Usage {
+                input,
+                output: self.stream_output.unwrap_or(0),
+            }),
+            None => Found::Invalid,
+        };
     }
 
     fn cut_message(&self) -> Vec<u8> {
