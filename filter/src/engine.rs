@@ -34,6 +34,8 @@ pub mod rewrite;
 pub mod settle;
 
 #[cfg(test)]
+mod multiplier_tests;
+#[cfg(test)]
 mod org_tests;
 
 use compile::Bucket;

@@ -1307,6 +1307,8 @@ impl Stream {
     }
 }
 
+#[cfg(test)]
+mod endpoint_tests;
 pub(crate) mod slots;
 #[cfg(test)]
 mod tests;

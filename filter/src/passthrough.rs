@@ -107,10 +107,7 @@ const MAX_RULES: usize = 256;
 pub fn check(policy: &Policy) -> Result<(), (String, String)> {
     let rules = &policy.passthrough;
     if rules.len() > MAX_RULES {
-        return Err((
-            "passthrough".into(),
-            format!("at most {MAX_RULES} rules"),
-        ));
+        return Err(("passthrough".into(), format!("at most {MAX_RULES} rules")));
     }
     for (i, rule) in rules.iter().enumerate() {
         let at = |field: &str| format!("passthrough[{i}].{field}");
@@ -128,7 +125,10 @@ pub fn check(policy: &Policy) -> Result<(), (String, String)> {
             return Err((at(field), "must start with `/`".into()));
         }
         let Ok(canonical) = canonical_path(written) else {
-            return Err((at(field), "is ambiguous (see the README, \"Deny by default\")".into()));
+            return Err((
+                at(field),
+                "is ambiguous (see the README, \"Deny by default\")".into(),
+            ));
         };
         if canonical == "/" && field == "prefix" {
             return Err((
@@ -153,7 +153,11 @@ pub fn check(policy: &Policy) -> Result<(), (String, String)> {
                 ));
             }
         }
-        if let Some(model) = rule.model.as_ref().filter(|m| !policy.models.contains_key(*m)) {
+        if let Some(model) = rule
+            .model
+            .as_ref()
+            .filter(|m| !policy.models.contains_key(*m))
+        {
             return Err((
                 at("model"),
                 format!("model `{model}` is not listed under `models`"),
@@ -186,11 +190,20 @@ mod tests {
         .unwrap();
         let rules = compile(&p.passthrough);
         let find = |m: &str, path: &str| find(&rules, m, &canonical_path(path).unwrap());
-        assert_eq!(find("POST", "/v1/audio/transcriptions"), Some(Api::Passthrough(0)));
-        assert_eq!(find("POST", "/V1/audio/%74ranscriptions/"), Some(Api::Passthrough(0)));
+        assert_eq!(
+            find("POST", "/v1/audio/transcriptions"),
+            Some(Api::Passthrough(0))
+        );
+        assert_eq!(
+            find("POST", "/V1/audio/%74ranscriptions/"),
+            Some(Api::Passthrough(0))
+        );
         assert_eq!(find("PUT", "/v1/audio/transcriptions"), None);
         assert_eq!(find("POST", "/v1/audio/transcriptions/x"), None);
-        assert_eq!(find("POST", "/v1/images/generations"), Some(Api::Passthrough(1)));
+        assert_eq!(
+            find("POST", "/v1/images/generations"),
+            Some(Api::Passthrough(1))
+        );
         assert_eq!(find("put", "/v1/images"), Some(Api::Passthrough(1)));
         assert_eq!(find("POST", "/v1/imagesx"), None);
         assert_eq!(find("POST", "/v1/audio/speech"), None);

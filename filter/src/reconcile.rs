@@ -831,4 +831,118 @@ mod tests {
             assert_eq!(m.feed(b"data: {}\n\n", true), Some(Vec::new()));
         }
     }
+
+    /// Anthropic's stream as vLLM and Anthropic send it: input in
+    /// `message_start`, cumulative output in `message_delta`.
+    fn anthropic_sse(deltas: usize) -> Vec<u8> {
+        let mut out = String::new();
+        let mut event = |name: &str, data: Value| {
+            out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+        };
+        event(
+            "message_start",
+            json!({"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant",
+                   "content": [], "usage": {"input_tokens": 25, "output_tokens": 1,
+                   "cache_read_input_tokens": 5}}}),
+        );
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        );
+        for i in 0..deltas {
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                       "delta": {"type": "text_delta", "text": format!("w{i} ")}}),
+            );
+        }
+        event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        );
+        event(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                   "usage": {"output_tokens": deltas}}),
+        );
+        event("message_stop", json!({"type": "message_stop"}));
+        out.into_bytes()
+    }
+
+    #[test]
+    fn anthropic_usage_is_read_from_json_and_from_its_stream_events() {
+        let body = json!({"type": "message", "content": [{"type": "text", "text": "hi"}],
+                          "usage": {"input_tokens": 10, "output_tokens": 4,
+                                    "cache_creation_input_tokens": 3}});
+        assert_eq!(
+            usage_in(&body),
+            Found::Usage(Usage {
+                input: 13,
+                output: 4
+            })
+        );
+        let bytes = anthropic_sse(7);
+        for split in [1, 7, bytes.len()] {
+            let mut m = ResponseMeter::new(Format::Sse, false, Some(100));
+            let mut out = Vec::new();
+            let chunks: Vec<&[u8]> = bytes.chunks(split).collect();
+            for (i, c) in chunks.iter().enumerate() {
+                out.extend(m.feed(c, i + 1 == chunks.len()).unwrap());
+            }
+            assert_eq!(out, bytes, "passes whole");
+            assert_eq!(
+                m.found,
+                Found::Usage(Usage {
+                    input: 30,
+                    output: 7
+                }),
+                "split {split}"
+            );
+            assert_eq!(m.output_events, 7, "each text delta counts");
+        }
+        // Past its allowance, the stream is ended like any other.
+        let mut m = ResponseMeter::new(Format::Sse, false, Some(3));
+        m.feed(&anthropic_sse(10), true);
+        assert!(m.cut);
+    }
+
+    #[test]
+    fn cumulative_stream_usage_settles_at_its_largest_count() {
+        // vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        let events: Vec<Value> = (1..=5)
+            .map(|n| {
+                let mut c = chunk("x");
+                c["usage"] =
+                    json!({"prompt_tokens": 9, "completion_tokens": n, "total_tokens": 9 + n});
+                c
+            })
+            .collect();
+        let mut m = ResponseMeter::new(Format::Sse, false, None);
+        m.feed(&sse(&events, true), true);
+        assert_eq!(
+            m.found,
+            Found::Usage(Usage {
+                input: 9,
+                output: 5
+            })
+        );
+        // Several prompts answered: the usage is their total.
+        let several = json!({"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}],
+                             "usage": {"prompt_tokens": 8, "completion_tokens": 32, "total_tokens": 40}});
+        assert_eq!(
+            usage_in(&several),
+            Found::Usage(Usage {
+                input: 8,
+                output: 32
+            })
+        );
+        // Rerank's usage has only a total: it is input.
+        assert_eq!(
+            usage_in(&json!({"results": [], "usage": {"total_tokens": 12}})),
+            Found::Usage(Usage {
+                input: 12,
+                output: 0
+            })
+        );
+    }
 }

@@ -494,10 +494,7 @@ pub fn parse_body(
 /// Reads every multiplier of `api` from a body: (choices, prompts), each
 /// at least 1. Counts past a row's maximum, of the wrong type, or whose
 /// product passes [`MAX_COMPLETIONS`], are 400s naming the field.
-fn multiplied(
-    api: Api,
-    fields: &serde_json::Map<String, Value>,
-) -> Result<(u64, u64), BadBody> {
+fn multiplied(api: Api, fields: &serde_json::Map<String, Value>) -> Result<(u64, u64), BadBody> {
     let mut choices = 1u64;
     let mut prompts = 1u64;
     let mut prompt_field = None;
@@ -562,7 +559,10 @@ fn multiplied(
 /// flat token-id array is one; an array of strings or of token-id arrays
 /// is one per item. `None`: another shape (or an empty array).
 pub fn prompt_count(value: &Value) -> Option<u64> {
-    let token_ids = |v: &Value| v.as_array().is_some_and(|ids| ids.iter().all(Value::is_u64));
+    let token_ids = |v: &Value| {
+        v.as_array()
+            .is_some_and(|ids| ids.iter().all(Value::is_u64))
+    };
     match value {
         Value::String(_) => Some(1),
         Value::Array(items) if items.is_empty() => None,
@@ -889,6 +889,155 @@ mod tests {
             let e = demand_of(Api::OpenAiChat, body.as_bytes()).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("n"), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_multiplier_table_counts_prompts_and_refuses_absurd_values_by_name() {
+        let d = |body: &str| demand_of(Api::OpenAiCompletions, body.as_bytes());
+        assert_eq!(
+            d(r#"{"model":"m","prompt":["a","b","c"],"n":2}"#)
+                .unwrap()
+                .completions(),
+            6
+        );
+        assert_eq!(
+            d(r#"{"model":"m","prompt":[[1],[2,3]],"best_of":3,"n":1}"#)
+                .unwrap()
+                .completions(),
+            6
+        );
+        assert_eq!(
+            d(r#"{"model":"m","prompt":[1,2,3]}"#)
+                .unwrap()
+                .completions(),
+            1
+        );
+        assert_eq!(d(r#"{"model":"m","prompt":"x"}"#).unwrap().completions(), 1);
+        let many = format!(
+            r#"{{"model":"m","prompt":{}}}"#,
+            json_strings(MAX_PROMPTS + 1)
+        );
+        for (body, param) in [
+            (r#"{"model":"m","prompt":[]}"#.to_string(), "prompt"),
+            (r#"{"model":"m","prompt":[1,"a"]}"#.to_string(), "prompt"),
+            (r#"{"model":"m","prompt":[[1,-2]]}"#.to_string(), "prompt"),
+            (
+                r#"{"model":"m","prompt":{"text":"a"}}"#.to_string(),
+                "prompt",
+            ),
+            (r#"{"model":"m","prompt":7}"#.to_string(), "prompt"),
+            (many, "prompt"),
+            (
+                format!(r#"{{"model":"m","n":128,"prompt":{}}}"#, json_strings(40)),
+                "prompt",
+            ),
+            (r#"{"model":"m","best_of":0}"#.to_string(), "best_of"),
+        ] {
+            let e = d(&body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
+        }
+        // Chat has no prompt multiplier: a `prompt` there is just text.
+        let chat = demand_of(
+            Api::OpenAiChat,
+            br#"{"model":"m","prompt":["a","b"],"n":2}"#,
+        );
+        assert_eq!(chat.unwrap().completions(), 2);
+        let inputs = format!(
+            r#"{{"model":"m","input":{}}}"#,
+            json_strings(MAX_PROMPTS + 1)
+        );
+        let e = demand_of(Api::OpenAiEmbeddings, inputs.as_bytes()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("input"));
+        let e = demand_of(
+            Api::Scoring,
+            format!(
+                r#"{{"model":"m","documents":{}}}"#,
+                json_strings(MAX_PROMPTS + 1)
+            )
+            .as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("documents"));
+    }
+
+    fn json_strings(n: u64) -> String {
+        let items: Vec<String> = (0..n).map(|i| format!("\"p{i}\"")).collect();
+        format!("[{}]", items.join(","))
+    }
+
+    #[test]
+    fn every_api_of_the_issue_is_classified() {
+        for (path, api) in [
+            ("/invocations", Api::Invocations),
+            ("/v1/messages", Api::AnthropicMessages),
+            ("/api/embed", Api::OllamaEmbed),
+            ("/api/embeddings", Api::OllamaEmbed),
+            ("/v1/score", Api::Scoring),
+            ("/score", Api::Scoring),
+            ("/v1/rerank", Api::Scoring),
+            ("/rerank", Api::Scoring),
+            ("/v2/rerank", Api::Scoring),
+            ("/pooling", Api::Scoring),
+            ("/classify", Api::Scoring),
+            ("/tokenize", Api::Scoring),
+            ("/detokenize", Api::Scoring),
+            ("/v1/audio/transcriptions", Api::Other),
+            ("/v1/audio/speech", Api::Other),
+            ("/v1/images/generations", Api::Other),
+            ("/v1/messages/count_tokens", Api::Other),
+        ] {
+            assert_eq!(classify_raw("POST", path), api, "{path}");
+        }
+        assert!(!Api::Scoring.produces_output());
+        assert!(Api::AnthropicMessages.produces_output());
+    }
+
+    #[test]
+    fn path_parameters_are_the_path_or_ambiguous() {
+        for path in [
+            "/v1/chat/completions;x",
+            "/v1/chat/completions;x=1/",
+            "/v1;a/chat;b/completions;c",
+            "/v1/chat/completions%3Bjsessionid=1",
+            "/x/..;/v1/chat/completions",
+        ] {
+            assert_eq!(classify_raw("POST", path), Api::OpenAiChat, "{path}");
+        }
+        // Cut at the first `;`, it is chat; segment by segment, embeddings.
+        assert_eq!(
+            canonical_path("/v1/chat/completions;/../../embeddings"),
+            Err(AmbiguousPath)
+        );
+        assert_eq!(canonical_path("/v1/models;x").unwrap(), "/v1/models");
+    }
+
+    #[test]
+    fn invocations_resolve_by_shape_and_anthropic_needs_max_tokens() {
+        let api = |body: &str| {
+            parse_body(Api::Invocations, body.as_bytes(), &|_| CAP).map(|(d, _)| d.api)
+        };
+        assert_eq!(api(r#"{"model":"m","messages":[]}"#), Ok(Api::OpenAiChat));
+        assert_eq!(
+            api(r#"{"model":"m","prompt":"x"}"#),
+            Ok(Api::OpenAiCompletions)
+        );
+        assert_eq!(
+            api(r#"{"model":"m","input":"x"}"#),
+            Ok(Api::OpenAiEmbeddings)
+        );
+        assert!(api(r#"{"model":"m","text_1":"x"}"#).is_err());
+        let e = api(r#"{"model":"m","messages":[],"input":"x"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("input"));
+        let e = demand_of(Api::AnthropicMessages, br#"{"model":"m","messages":[]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let d = demand_of(
+            Api::AnthropicMessages,
+            br#"{"model":"m","messages":[],"max_tokens":5,"stream":true}"#,
+        )
+        .unwrap();
+        assert_eq!((d.max_output, d.stream), (Some(5), true));
+        let d = demand_of(Api::OllamaEmbed, br#"{"model":"m","input":"x"}"#).unwrap();
+        assert!(!d.stream, "embeddings never stream");
     }
 
     proptest::proptest! {
