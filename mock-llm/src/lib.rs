@@ -14,8 +14,10 @@ pub mod stats;
 pub mod tokens;
 pub mod usage;
 
+mod anthropic;
 mod ollama;
 mod openai;
+mod pooling;
 mod server;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
