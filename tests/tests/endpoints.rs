@@ -34,7 +34,9 @@ fn reason(resp: &Response) -> String {
 }
 
 fn prompts(n: usize) -> Value {
-    json!((0..n).map(|i| format!("write a poem about {i}")).collect::<Vec<_>>())
+    json!((0..n)
+        .map(|i| format!("write a poem about {i}"))
+        .collect::<Vec<_>>())
 }
 
 fn token_prompts(n: usize) -> Value {
@@ -88,7 +90,10 @@ fn prompt_arrays_cannot_overshoot_a_hard_budget() {
         }
     }
     assert!(admitted >= 2, "the budget serves a few small arrays");
-    assert!(served <= budget, "served {served} tokens on a {budget} budget");
+    assert!(
+        served <= budget,
+        "served {served} tokens on a {budget} budget"
+    );
     assert_eq!(stack.upstream_requests(), admitted);
 }
 
@@ -106,7 +111,11 @@ fn with_the_budget_spent_no_endpoint_reaches_the_upstream() {
     )
     .ok();
     assert!(total_tokens(&resp) > 300, "{resp:?}");
-    let refused = post(&stack, "/v1/chat/completions", &sluice_tests::chat_body(MODEL));
+    let refused = post(
+        &stack,
+        "/v1/chat/completions",
+        &sluice_tests::chat_body(MODEL),
+    );
     assert_eq!(reason(&refused), "daily_budget_exceeded", "{refused:?}");
     let before = stack.upstream_requests();
 
@@ -118,8 +127,16 @@ fn with_the_budget_spent_no_endpoint_reaches_the_upstream() {
             json!({"model": MODEL, "prompt": "hi", "max_tokens": 100_000}),
             "daily_budget_exceeded",
         ),
-        ("/invocations", json!({"model": MODEL, "input": "hi"}), "daily_budget_exceeded"),
-        ("/invocations", json!({"model": MODEL, "max_tokens": 100_000}), "invalid_request"),
+        (
+            "/invocations",
+            json!({"model": MODEL, "input": "hi"}),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/invocations",
+            json!({"model": MODEL, "max_tokens": 100_000}),
+            "invalid_request",
+        ),
         ("/v1/messages", chat.clone(), "daily_budget_exceeded"),
         (
             "/v1/messages",
@@ -156,33 +173,81 @@ fn with_the_budget_spent_no_endpoint_reaches_the_upstream() {
             json!({"model": MODEL, "query": "q", "documents": ["a"]}),
             "daily_budget_exceeded",
         ),
-        ("/pooling", json!({"model": MODEL, "input": "x"}), "daily_budget_exceeded"),
-        ("/classify", json!({"model": MODEL, "input": ["x"]}), "daily_budget_exceeded"),
-        ("/tokenize", json!({"model": MODEL, "prompt": "x"}), "daily_budget_exceeded"),
-        ("/detokenize", json!({"model": MODEL, "tokens": [1, 2]}), "daily_budget_exceeded"),
-        ("/api/embed", json!({"model": MODEL, "input": ["a", "b"]}), "daily_budget_exceeded"),
-        ("/api/embeddings", json!({"model": MODEL, "prompt": "a"}), "daily_budget_exceeded"),
-        ("/v1/embeddings", json!({"model": MODEL, "input": "a"}), "daily_budget_exceeded"),
+        (
+            "/pooling",
+            json!({"model": MODEL, "input": "x"}),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/classify",
+            json!({"model": MODEL, "input": ["x"]}),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/tokenize",
+            json!({"model": MODEL, "prompt": "x"}),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/detokenize",
+            json!({"model": MODEL, "tokens": [1, 2]}),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/api/embed",
+            json!({"model": MODEL, "input": ["a", "b"]}),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/api/embeddings",
+            json!({"model": MODEL, "prompt": "a"}),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": MODEL, "input": "a"}),
+            "daily_budget_exceeded",
+        ),
         (
             "/v1/completions",
             json!({"model": MODEL, "prompt": prompts(3), "max_tokens": 100_000}),
             "daily_budget_exceeded",
         ),
-        ("/v1/chat/completions;x", chat.clone(), "daily_budget_exceeded"),
-        ("/v1/chat/completions;x=1/", chat.clone(), "daily_budget_exceeded"),
-        ("/x/..;/v1/chat/completions", chat.clone(), "daily_budget_exceeded"),
+        (
+            "/v1/chat/completions;x",
+            chat.clone(),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/v1/chat/completions;x=1/",
+            chat.clone(),
+            "daily_budget_exceeded",
+        ),
+        (
+            "/x/..;/v1/chat/completions",
+            chat.clone(),
+            "daily_budget_exceeded",
+        ),
         (
             "/v1/audio/transcriptions",
             json!({"model": "whisper-1"}),
             "unknown_endpoint",
         ),
-        ("/v1/audio/speech", json!({"model": "tts-1", "input": "hi"}), "unknown_endpoint"),
+        (
+            "/v1/audio/speech",
+            json!({"model": "tts-1", "input": "hi"}),
+            "unknown_endpoint",
+        ),
         (
             "/v1/images/generations",
             json!({"model": "dall-e-3", "prompt": "a cat"}),
             "unknown_endpoint",
         ),
-        ("/v1/messages/count_tokens", chat.clone(), "unknown_endpoint"),
+        (
+            "/v1/messages/count_tokens",
+            chat.clone(),
+            "unknown_endpoint",
+        ),
     ];
     let mut wrong = Vec::new();
     for (path, body, expected) in &cases {
@@ -193,7 +258,12 @@ fn with_the_budget_spent_no_endpoint_reaches_the_upstream() {
             _ => resp.status == 429,
         };
         if !status_ok || reason(&resp) != *expected {
-            wrong.push(format!("{path}: {} {} {}", resp.status, reason(&resp), resp.body));
+            wrong.push(format!(
+                "{path}: {} {} {}",
+                resp.status,
+                reason(&resp),
+                resp.body
+            ));
         }
         if *expected == "unknown_endpoint" {
             assert_eq!(resp.json()["error"]["code"], "unknown_endpoint", "{resp:?}");
@@ -208,9 +278,17 @@ fn with_the_budget_spent_no_endpoint_reaches_the_upstream() {
     )
     .expect("GET with a body");
     if resp.status != 404 || reason(&resp) != "unknown_endpoint" {
-        wrong.push(format!("GET /v1/models with a body: {} {}", resp.status, reason(&resp)));
+        wrong.push(format!(
+            "GET /v1/models with a body: {} {}",
+            resp.status,
+            reason(&resp)
+        ));
     }
-    assert!(wrong.is_empty(), "answered otherwise:\n{}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "answered otherwise:\n{}",
+        wrong.join("\n")
+    );
     assert_eq!(
         stack.upstream_requests(),
         before,
@@ -224,8 +302,15 @@ fn with_the_budget_spent_no_endpoint_reaches_the_upstream() {
 
 /// `sluice_tokens_total{direction, kind="actual", tier="free"}`.
 fn actual(stack: &Stack, direction: &str) -> u64 {
-    let labels = [("direction", direction), ("kind", "actual"), ("tier", "free")];
-    stack.envoy.metric("sluice_tokens_total", &labels).unwrap_or(0.0) as u64
+    let labels = [
+        ("direction", direction),
+        ("kind", "actual"),
+        ("tier", "free"),
+    ];
+    stack
+        .envoy
+        .metric("sluice_tokens_total", &labels)
+        .unwrap_or(0.0) as u64
 }
 
 /// Settles a request and checks that what sluice charged is what the
@@ -246,7 +331,10 @@ fn anthropic_stream_usage(text: &str) -> (u64, u64) {
     let mut usage = (0, 0);
     for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
         let v: Value = serde_json::from_str(data).expect("SSE data is JSON");
-        if let Some(i) = v.pointer("/message/usage/input_tokens").and_then(Value::as_u64) {
+        if let Some(i) = v
+            .pointer("/message/usage/input_tokens")
+            .and_then(Value::as_u64)
+        {
             usage.0 = i;
         }
         if v["type"] == "message_delta" {
@@ -357,6 +445,9 @@ fn a_passthrough_rule_opens_a_path_with_its_own_limit() {
     assert_eq!(reason(&third), "route_rate_limit", "{third:?}");
     // Another path stays closed.
     let speech = post(&stack, "/v1/audio/speech", &body);
-    assert_eq!((speech.status, reason(&speech)), (404, "unknown_endpoint".into()));
+    assert_eq!(
+        (speech.status, reason(&speech)),
+        (404, "unknown_endpoint".into())
+    );
     assert_eq!(stack.upstream_requests(), 2);
 }
