@@ -232,8 +232,10 @@ pub struct AmbiguousPath;
 ///
 /// Path parameters (`/v1/chat/completions;x`): servers read them three
 /// ways — literally, dropped from each segment (`..;` is then `..`), or
-/// the path cut at the first `;`. The path is the reading that names an
-/// LLM API; if two readings name different APIs, it is ambiguous.
+/// the path cut at the first `;`. The path is the one without them; if two
+/// readings lead to different paths (`/a;/../b` is `/b` or `/a`), it is
+/// ambiguous, whatever the paths are (also when neither is an LLM API: a
+/// `passthrough` rule must not open one path for another).
 ///
 /// Refused as ambiguous: an escape that decodes to a control character, and
 /// a path that still holds an escape after one decoding (`%2563`), which a
@@ -264,22 +266,18 @@ pub fn canonical_path(path: &str) -> Result<String, AmbiguousPath> {
     if !text.contains(';') {
         return Ok(normalise(&text, false));
     }
+    // A literal reading that keeps a `;` names no route of a server that
+    // strips parameters; any other two readings that differ would send two
+    // servers to two places.
+    let dropped = normalise(&text, true);
     let readings = [
-        normalise(&text, true),
         normalise(text.split(';').next().unwrap_or_default(), false),
         normalise(&text, false),
     ];
-    let mut chosen: Option<(&String, Api)> = None;
-    for reading in &readings {
-        let api = Api::of_path(reading);
-        match chosen {
-            _ if api == Api::Other => {}
-            None => chosen = Some((reading, api)),
-            Some((_, first)) if first != api => return Err(AmbiguousPath),
-            Some(_) => {}
-        }
+    if readings.iter().any(|r| !r.contains(';') && *r != dropped) {
+        return Err(AmbiguousPath);
     }
-    Ok(chosen.map_or_else(|| readings[0].clone(), |(path, _)| path.clone()))
+    Ok(dropped)
 }
 
 /// Segments joined after `.`/`..`/empty ones are resolved; with
@@ -997,17 +995,23 @@ mod tests {
         for path in [
             "/v1/chat/completions;x",
             "/v1/chat/completions;x=1/",
-            "/v1;a/chat;b/completions;c",
+            "/v1/chat/completions;a;b",
             "/v1/chat/completions%3Bjsessionid=1",
-            "/x/..;/v1/chat/completions",
         ] {
             assert_eq!(classify_raw("POST", path), Api::OpenAiChat, "{path}");
         }
-        // Cut at the first `;`, it is chat; segment by segment, embeddings.
-        assert_eq!(
-            canonical_path("/v1/chat/completions;/../../embeddings"),
-            Err(AmbiguousPath)
-        );
+        for path in [
+            // Cut at the first `;`, chat; segment by segment, embeddings.
+            "/v1/chat/completions;/../../embeddings",
+            // `/` cut at the `;`, chat with `..;` read as `..`.
+            "/x/..;/v1/chat/completions",
+            "/v1;a/chat;b/completions;c",
+            // Neither is an LLM API, but a rule opening one must not open
+            // the other.
+            "/v1/images/generations;/../../audio/transcriptions",
+        ] {
+            assert_eq!(canonical_path(path), Err(AmbiguousPath), "{path}");
+        }
         assert_eq!(canonical_path("/v1/models;x").unwrap(), "/v1/models");
     }
 

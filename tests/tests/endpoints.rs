@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use serde_yaml::Value as Yaml;
-use sluice_tests::{get, post_json, request, wait_for, EnvoyConfig, Response, Stack};
+use sluice_tests::{get, post_chunked, post_json, request, wait_for, EnvoyConfig, Response, Stack};
 
 const MODEL: &str = "llama3.1:8b";
 const FREE: (&str, &str) = ("x-api-key", "demo-free-key");
@@ -431,6 +431,15 @@ fn a_passthrough_rule_opens_a_path_with_its_own_limit() {
         with_budget(5_000)(cfg);
         cfg.policy_mut()["passthrough"] =
             yaml("[{path: /v1/audio/transcriptions, methods: [POST], requests: 2/min}]");
+        // sluice's own canonical form decides (Envoy forwards as written).
+        let hcm = cfg.hcm_mut().as_mapping_mut().expect("hcm");
+        for key in [
+            "normalize_path",
+            "merge_slashes",
+            "path_with_escaped_slashes_action",
+        ] {
+            hcm.remove(key);
+        }
     });
     let body = json!({"model": "whisper-1"});
     let statuses: Vec<u16> = (0..3)
@@ -449,5 +458,29 @@ fn a_passthrough_rule_opens_a_path_with_its_own_limit() {
         (speech.status, reason(&speech)),
         (404, "unknown_endpoint".into())
     );
+    assert_eq!(stack.upstream_requests(), 2);
+    // One path for sluice, another for a server that cuts at the `;`: a
+    // rule must not open the one for the other (HTTP/1.1 as written: a
+    // client library would resolve the `..` itself).
+    for path in [
+        "/v1/images/generations;/../../audio/transcriptions",
+        "/v1/audio/transcriptions;/../../images/generations",
+    ] {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\nx-api-key: demo-free-key",
+            stack.envoy.addr()
+        );
+        let resp = post_chunked(
+            stack.envoy.addr(),
+            &head,
+            body.to_string().as_bytes(),
+            1 << 20,
+        );
+        assert_eq!(
+            (resp.status, reason(&resp)),
+            (400, "invalid_request".into()),
+            "{path}"
+        );
+    }
     assert_eq!(stack.upstream_requests(), 2);
 }
