@@ -61,7 +61,7 @@ pub enum Multiplies {
     Choices,
     /// Prompts, each answered on its own with its own choices: a string or
     /// a flat token-id array is one prompt, an array of strings or of
-    /// token-id arrays is one per item.
+    /// token-id arrays is one per item. Prompts of all such fields add up.
     Prompts,
     /// Inputs processed each on its own, none producing output
     /// (embeddings, documents to score): a string is one, an array one per
@@ -109,6 +109,9 @@ const COMPLETIONS: &[Multiplier] = &[
     // `best_of` generates that many and returns `n` of them.
     row("best_of", Multiplies::Choices, MAX_CHOICES),
     row("prompt", Multiplies::Prompts, MAX_PROMPTS),
+    // vLLM: prompts given as embeddings (base64 tensors), answered after
+    // the text prompts.
+    row("prompt_embeds", Multiplies::Prompts, MAX_PROMPTS),
 ];
 const EMBEDDINGS: &[Multiplier] = &[row("input", Multiplies::Inputs, MAX_PROMPTS)];
 const SCORING: &[Multiplier] = &[
@@ -494,7 +497,7 @@ pub fn parse_body(
 /// product passes [`MAX_COMPLETIONS`], are 400s naming the field.
 fn multiplied(api: Api, fields: &serde_json::Map<String, Value>) -> Result<(u64, u64), BadBody> {
     let mut choices = 1u64;
-    let mut prompts = 1u64;
+    let mut prompts = 0u64;
     let mut prompt_field = None;
     for m in api.multipliers() {
         let Some(value) = fields.get(m.field).filter(|v| !v.is_null()) else {
@@ -525,7 +528,13 @@ fn multiplied(api: Api, fields: &serde_json::Map<String, Value>) -> Result<(u64,
                         format!("`{field}` has {count} prompts, more than the {max} allowed"),
                     ));
                 }
-                prompts = prompts.max(count);
+                prompts = prompts.saturating_add(count);
+                if prompts > max {
+                    return Err(BadBody::at(
+                        field,
+                        format!("{prompts} prompts in all, more than the {max} allowed"),
+                    ));
+                }
                 prompt_field = Some(field);
             }
             Multiplies::Inputs | Multiplies::PairedWith(_) => {
@@ -542,6 +551,7 @@ fn multiplied(api: Api, fields: &serde_json::Map<String, Value>) -> Result<(u64,
             }
         }
     }
+    let prompts = prompts.max(1);
     let completions = prompts.saturating_mul(choices);
     if completions > MAX_COMPLETIONS {
         let field = prompt_field.unwrap_or("n");
@@ -911,6 +921,12 @@ mod tests {
             1
         );
         assert_eq!(d(r#"{"model":"m","prompt":"x"}"#).unwrap().completions(), 1);
+        let both = r#"{"model":"m","prompt":["a","b"],"prompt_embeds":["AAA=","AAA="],"n":2}"#;
+        assert_eq!(
+            d(both).unwrap().completions(),
+            8,
+            "text and embedded prompts add up"
+        );
         let many = format!(
             r#"{{"model":"m","prompt":{}}}"#,
             json_strings(MAX_PROMPTS + 1)
