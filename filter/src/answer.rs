@@ -90,6 +90,9 @@ pub enum Reason {
     QueueFull,
     /// Waited `max_wait` without a slot.
     QueueDeadline,
+    /// A request with a body (or a POST) to a path sluice does not
+    /// classify and no `passthrough` rule opens: deny by default.
+    UnknownEndpoint,
 }
 
 impl Reason {
@@ -119,6 +122,7 @@ impl Reason {
             Reason::ModelConcurrency => "model_concurrency",
             Reason::QueueFull => "queue_full",
             Reason::QueueDeadline => "queue_deadline",
+            Reason::UnknownEndpoint => "unknown_endpoint",
         }
     }
 
@@ -157,6 +161,7 @@ impl Reason {
             Reason::RequestTooLarge => 413,
             Reason::InvalidRequest => 400,
             Reason::Unauthenticated => 401,
+            Reason::UnknownEndpoint => 404,
         }
     }
 
@@ -182,9 +187,10 @@ impl Reason {
             | Reason::TeamBudgetExceeded
             | Reason::OrgBudgetExceeded => "insufficient_quota",
             // OpenAI answers a bad key with this type, code invalid_api_key.
-            Reason::RequestTooLarge | Reason::InvalidRequest | Reason::Unauthenticated => {
-                "invalid_request_error"
-            }
+            Reason::RequestTooLarge
+            | Reason::InvalidRequest
+            | Reason::Unauthenticated
+            | Reason::UnknownEndpoint => "invalid_request_error",
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
             | Reason::UpstreamPaused
@@ -416,7 +422,22 @@ pub fn static_answer(
         (Api::OllamaGenerate, _) => ("application/x-ndjson", format!("{}\n", json!({
             "model": model, "created_at": rfc3339(now_ms), "response": text, "done": true, "done_reason": "stop",
         }))),
-        (Api::OpenAiEmbeddings | Api::Other, _) => {
+        (Api::AnthropicMessages, false) => ("application/json", json!({
+            "id": id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn", "stop_sequence": null,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }).to_string()),
+        (
+            Api::OpenAiEmbeddings
+            | Api::OllamaEmbed
+            | Api::Scoring
+            | Api::AnthropicMessages
+            | Api::Invocations
+            | Api::Passthrough(_)
+            | Api::Other,
+            _,
+        ) => {
             return unavailable(Reason::UpstreamUnhealthy, "no upstream can serve it", 30);
         }
     };

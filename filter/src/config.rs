@@ -83,6 +83,11 @@ pub struct Policy {
     /// Limits shared by every Envoy of a fleet (see `fleet`); absent: each
     /// Envoy counts alone (the embedded default).
     pub fleet: Option<crate::fleet::FleetConfig>,
+    /// Paths sluice does not read that may still go upstream, each with
+    /// its own limits (see `passthrough`); every other unknown path with a
+    /// body is refused (deny by default).
+    #[serde(default)]
+    pub passthrough: Vec<crate::passthrough::PassthroughRule>,
 }
 
 /// Consumption across all callers.
@@ -1037,6 +1042,7 @@ impl Policy {
 
     /// Rules that span fields, which serde cannot see.
     fn check(&self) -> Result<(), ConfigError> {
+        crate::passthrough::check(self).map_err(|(path, why)| ConfigError::at(&path, why))?;
         if let Some(fleet) = &self.fleet {
             fleet
                 .check(self)

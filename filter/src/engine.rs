@@ -34,6 +34,8 @@ pub mod rewrite;
 pub mod settle;
 
 #[cfg(test)]
+mod multiplier_tests;
+#[cfg(test)]
 mod org_tests;
 
 use compile::Bucket;
@@ -166,6 +168,8 @@ pub struct Engine {
     org_buckets: HashMap<String, Vec<usize>>,
     model_buckets: HashMap<String, Vec<usize>>,
     route_buckets: Vec<(String, usize)>,
+    /// The policy's `passthrough` rules and the bucket of each.
+    pub(crate) passthrough: Vec<(crate::passthrough::Compiled, usize)>,
     pricing: HashMap<String, Pricing>,
     /// The penalty box, when the policy has `abuse`.
     pub(crate) penalty: Option<crate::abuse::PenaltyBox>,
@@ -211,6 +215,32 @@ impl Engine {
         self.refused(reply, Reason::InvalidRequest, &identity.tier, None)
     }
 
+    /// 404 `unknown_endpoint`: a body (or a POST) to a path sluice does
+    /// not read and no `passthrough` rule opens (deny by default).
+    pub fn unknown_endpoint(&self, identity: &Identity) -> Verdict {
+        let reply = answer::rejected(
+            Reason::UnknownEndpoint,
+            "sluice does not know this endpoint, and the policy opens it to no request with a body (see `passthrough`).",
+            None,
+        );
+        self.refused(reply, Reason::UnknownEndpoint, &identity.tier, None)
+    }
+
+    /// The API of a request to a path sluice does not classify: the
+    /// `passthrough` rule that opens it, else `Other`.
+    pub fn passthrough(&self, method: &str, canonical: &str) -> Api {
+        let rules = self.passthrough.iter().map(|(rule, _)| rule);
+        crate::passthrough::find(rules, method, canonical).unwrap_or(Api::Other)
+    }
+
+    /// The model a passthrough rule counts its requests against.
+    pub fn passthrough_model(&self, api: Api) -> Option<&str> {
+        let Api::Passthrough(i) = api else {
+            return None;
+        };
+        self.passthrough.get(usize::from(i))?.0.model.as_deref()
+    }
+
     /// The body cap, checked against a declared or an accumulated size.
     pub fn too_large(&self, identity: &Identity, size: u64) -> Option<Verdict> {
         let cap = self.policy.request.max_body_bytes;
@@ -237,7 +267,7 @@ impl Engine {
         let cap = |model: &str| self.output_cap(model);
         match request::parse_body(api, body, &cap) {
             Ok((demand, body)) => {
-                let input_raw = estimate::input_tokens(&body);
+                let input_raw = estimate::input_tokens_of(demand.api, &body);
                 Ok(Some(Asked {
                     demand,
                     body,

@@ -12,6 +12,8 @@
 
 use serde_json::Value;
 
+use crate::request::{Api, Multiplies};
+
 /// Tokens of chat framing per message, and to prime the reply (OpenAI's
 /// published accounting for chat models).
 const PER_MESSAGE: f64 = 4.0;
@@ -198,7 +200,18 @@ pub fn input_tokens(body: &Value) -> f64 {
         }
         tokens += REPLY_PRIMING;
     }
-    for key in ["prompt", "input", "system", "instructions", "suffix"] {
+    for key in [
+        "prompt",
+        "input",
+        "system",
+        "instructions",
+        "suffix",
+        // The scoring family (vLLM score, rerank) and Ollama's embed.
+        "text_1",
+        "text_2",
+        "query",
+        "documents",
+    ] {
         if let Some(v) = obj.get(key) {
             tokens += content_tokens(v);
         }
@@ -207,6 +220,27 @@ pub fn input_tokens(body: &Value) -> f64 {
         if let Some(v) = obj.get(key) {
             tokens += json_tokens(v);
         }
+    }
+    tokens
+}
+
+/// Estimated input tokens of a body of `api`: [`input_tokens`], plus each
+/// text its multiplier table says is processed once per item of another
+/// field (`text_1` with each `text_2`, the query with each document).
+pub fn input_tokens_of(api: Api, body: &Value) -> f64 {
+    let mut tokens = input_tokens(body);
+    for m in api.multipliers() {
+        let Multiplies::PairedWith(other) = m.multiplies else {
+            continue;
+        };
+        let (Some(text), Some(Value::Array(items))) = (body.get(m.field), body.get(other)) else {
+            continue;
+        };
+        if text.is_array() {
+            continue; // pairs item by item: each text is counted once
+        }
+        let again = items.len().saturating_sub(1) as f64;
+        tokens += again * content_tokens(text);
     }
     tokens
 }

@@ -696,7 +696,14 @@ impl Stream {
         let raw_path = self.header(host, ":path").unwrap_or_default();
         let method = self.header(host, ":method").unwrap_or_default();
         let canonical = crate::request::canonical_path(&raw_path);
-        self.api = Api::classify(&method, canonical.as_deref().unwrap_or_default());
+        // A body on any method is read (a lenient server may serve it);
+        // a bodyless POST is classified too (and refused if it is no API).
+        let with_body = self.carries_body(host, end_of_stream);
+        let work = with_body || method.eq_ignore_ascii_case("POST");
+        self.api = match canonical.as_deref() {
+            Ok(path) if work => Api::of_path(path),
+            _ => Api::Other,
+        };
         let view = HostRequest(host, self.request_headers.as_deref());
         let identity = match self.engine().identify(&view) {
             Ok(identity) => identity,
@@ -716,11 +723,20 @@ impl Stream {
             Ok(path) => self.path = path,
             // Whatever the upstream decodes it to, sluice cannot know: a
             // request that may be an LLM call does not go up unread.
-            Err(_) if method.eq_ignore_ascii_case("POST") => {
+            Err(_) if work => {
                 let verdict = self.engine().ambiguous_path(&identity);
                 return self.finish(host, verdict);
             }
             Err(_) => self.path = raw_path,
+        }
+        if self.api == Api::Other && work {
+            // Deny by default: work sluice cannot read goes up only through
+            // an explicit `passthrough` rule.
+            self.api = self.engine().passthrough(&method, &self.path);
+            if self.api == Api::Other {
+                let verdict = self.engine().unknown_endpoint(&identity);
+                return self.finish(host, verdict);
+            }
         }
         let declared = if self.api.reads_body() {
             self.header(host, "content-length")
@@ -736,6 +752,16 @@ impl Stream {
             return Action::Pause; // wait for the body
         }
         self.decide(host, &[])
+    }
+
+    /// Does a body follow the request headers? The stream not ending with
+    /// them (HTTP/2 DATA frames, also on a GET), a non-zero
+    /// `content-length`, or any `transfer-encoding` say so.
+    fn carries_body(&self, host: &dyn Host, end_of_stream: bool) -> bool {
+        let declared = self
+            .header(host, "content-length")
+            .is_some_and(|v| v.trim().parse::<u64>() != Ok(0));
+        !end_of_stream || declared || self.header(host, "transfer-encoding").is_some()
     }
 
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
@@ -1009,9 +1035,16 @@ impl Stream {
             Ok(asked) => asked,
             Err(verdict) => return self.finish(host, *verdict),
         };
+        if let Some(a) = &asked {
+            // An `/invocations` body's API, as its shape says.
+            self.api = a.demand.api;
+        }
         // Admission time is arrival time (one clock read per request).
         let now = self.started_ms;
-        let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
+        let model = asked
+            .as_ref()
+            .and_then(|a| a.demand.model.as_deref())
+            .or(engine.passthrough_model(self.api));
         if let Some(model) = model {
             self.audit(host, "sluice_model_requested", model);
         }
@@ -1353,6 +1386,8 @@ impl Stream {
     }
 }
 
+#[cfg(test)]
+mod endpoint_tests;
 pub(crate) mod slots;
 #[cfg(test)]
 mod tests;

@@ -22,6 +22,7 @@ pub mod flow;
 pub mod health;
 pub mod host;
 pub mod metrics;
+pub mod passthrough;
 pub mod principal;
 mod proto_struct;
 mod pushback;

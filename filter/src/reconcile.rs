@@ -13,16 +13,27 @@ use crate::estimate::text_tokens;
 /// Where input and output token counts live, per API shape. The first path
 /// that holds a number wins.
 const INPUT_PATHS: &[&[&str]] = &[
-    &["usage", "prompt_tokens"], // OpenAI chat, completions, embeddings
-    &["usage", "input_tokens"],  // OpenAI Responses API
+    &["usage", "prompt_tokens"], // OpenAI chat, completions, embeddings; vLLM score
+    &["usage", "input_tokens"],  // OpenAI Responses API, Anthropic Messages
     &["response", "usage", "input_tokens"], // Responses API stream: response.completed
-    &["prompt_eval_count"],      // Ollama
+    &["message", "usage", "input_tokens"], // Anthropic stream: message_start
+    &["prompt_eval_count"],      // Ollama (also /api/embed)
+    &["usage", "total_tokens"],  // rerank (Jina/Cohere shape): input only
 ];
 const OUTPUT_PATHS: &[&[&str]] = &[
     &["usage", "completion_tokens"],
-    &["usage", "output_tokens"],
+    &["usage", "output_tokens"], // also Anthropic's message_delta (cumulative)
     &["response", "usage", "output_tokens"],
+    &["message", "usage", "output_tokens"],
     &["eval_count"],
+];
+/// Input counted apart from `input_tokens` (Anthropic's prompt cache):
+/// added to it, so cached input is charged too.
+const EXTRA_INPUT_PATHS: &[&[&str]] = &[
+    &["usage", "cache_creation_input_tokens"],
+    &["usage", "cache_read_input_tokens"],
+    &["message", "usage", "cache_creation_input_tokens"],
+    &["message", "usage", "cache_read_input_tokens"],
 ];
 
 /// Counts above this are not believed (a misbehaving upstream, not a model).
@@ -67,9 +78,27 @@ fn count(v: &Value, paths: &[&[&str]]) -> Found {
     Found::Nothing
 }
 
+/// The input count with the extra input fields added; `Invalid` if any of
+/// them is not a sane count.
+fn input_count(v: &Value) -> Found {
+    let Found::Usage(mut base) = count(v, INPUT_PATHS) else {
+        return count(v, INPUT_PATHS);
+    };
+    for path in EXTRA_INPUT_PATHS {
+        match count(v, &[path]) {
+            Found::Nothing => {}
+            Found::Invalid => return Found::Invalid,
+            Found::Usage(extra) => {
+                base.input = base.input.saturating_add(extra.input).min(MAX_BELIEVABLE);
+            }
+        }
+    }
+    Found::Usage(base)
+}
+
 /// Reads the usage of one response object (a JSON body or one stream event).
 pub fn usage_in(v: &Value) -> Found {
-    match (count(v, INPUT_PATHS), count(v, OUTPUT_PATHS)) {
+    match (input_count(v), count(v, OUTPUT_PATHS)) {
         (Found::Invalid, _) | (_, Found::Invalid) => Found::Invalid,
         (Found::Usage(i), Found::Usage(o)) => Found::Usage(Usage {
             input: i.input,
@@ -103,8 +132,11 @@ fn carries_output(v: &Value) -> bool {
                 || at(c, &["delta", "tool_calls"]).is_some_and(|t| !t.is_null())
         });
     }
-    // Responses API delta events; Ollama lines.
+    // Responses API delta events; Anthropic content deltas; Ollama lines.
     non_empty(v.get("delta"))
+        || non_empty(at(v, &["delta", "text"]))
+        || non_empty(at(v, &["delta", "partial_json"]))
+        || non_empty(at(v, &["delta", "thinking"]))
         || non_empty(at(v, &["message", "content"]))
         || non_empty(v.get("response"))
 }
@@ -128,6 +160,15 @@ fn answer_tokens(v: &Value) -> u64 {
             + text(at(c, &["message", "reasoning_content"]))
             + json(at(c, &["message", "tool_calls"]))
             + text(c.get("text"));
+    }
+    for part in v
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        // Anthropic Messages: text blocks, tool inputs.
+        tokens += text(part.get("text")) + json(part.get("input"));
     }
     for item in v
         .get("output")
@@ -199,6 +240,9 @@ pub struct ResponseMeter {
     allowance: Option<u64>,
     /// The stream was ended early by sluice.
     pub cut: bool,
+    /// The largest input and output counts a stream's events carried.
+    stream_input: Option<u64>,
+    stream_output: Option<u64>,
     /// SSE: the last event ended with a CR at the end of a chunk; an LF
     /// starting the next chunk belongs to it (a CRLF split in two).
     open_cr: Option<LastEvent>,
@@ -224,6 +268,8 @@ impl ResponseMeter {
             strip_usage,
             allowance,
             cut: false,
+            stream_input: None,
+            stream_output: None,
             open_cr: None,
         }
     }
@@ -334,10 +380,8 @@ impl ResponseMeter {
             }
             match usage_in(v) {
                 Found::Nothing => {}
-                found => {
-                    if !matches!(self.found, Found::Usage(_)) {
-                        self.found = found;
-                    }
+                _ => {
+                    self.merge(input_count(v), count(v, OUTPUT_PATHS));
                     let usage_only = v
                         .get("choices")
                         .and_then(Value::as_array)
@@ -352,6 +396,27 @@ impl ResponseMeter {
             out.extend_from_slice(raw);
         }
         false
+    }
+
+    /// Folds one stream event's counts into the stream's usage. Counts in
+    /// a stream are cumulative (vLLM's continuous usage stats, Anthropic's
+    /// `message_start` input then `message_delta` output): the largest seen
+    /// is the total, wherever each half came from. Input never seen:
+    /// `Invalid` if anything was, as for a single object.
+    fn merge(&mut self, input: Found, output: Found) {
+        if let Found::Usage(u) = input {
+            self.stream_input = self.stream_input.max(Some(u.input));
+        }
+        if let Found::Usage(u) = output {
+            self.stream_output = self.stream_output.max(Some(u.output));
+        }
+        self.found = match self.stream_input {
+            Some(input) => Found::Usage(Usage {
+                input,
+                output: self.stream_output.unwrap_or(0),
+            }),
+            None => Found::Invalid,
+        };
     }
 
     fn cut_message(&self) -> Vec<u8> {
@@ -765,5 +830,119 @@ mod tests {
             // Whatever follows is dropped.
             assert_eq!(m.feed(b"data: {}\n\n", true), Some(Vec::new()));
         }
+    }
+
+    /// Anthropic's stream as vLLM and Anthropic send it: input in
+    /// `message_start`, cumulative output in `message_delta`.
+    fn anthropic_sse(deltas: usize) -> Vec<u8> {
+        let mut out = String::new();
+        let mut event = |name: &str, data: Value| {
+            out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+        };
+        event(
+            "message_start",
+            json!({"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant",
+                   "content": [], "usage": {"input_tokens": 25, "output_tokens": 1,
+                   "cache_read_input_tokens": 5}}}),
+        );
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        );
+        for i in 0..deltas {
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                       "delta": {"type": "text_delta", "text": format!("w{i} ")}}),
+            );
+        }
+        event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        );
+        event(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                   "usage": {"output_tokens": deltas}}),
+        );
+        event("message_stop", json!({"type": "message_stop"}));
+        out.into_bytes()
+    }
+
+    #[test]
+    fn anthropic_usage_is_read_from_json_and_from_its_stream_events() {
+        let body = json!({"type": "message", "content": [{"type": "text", "text": "hi"}],
+                          "usage": {"input_tokens": 10, "output_tokens": 4,
+                                    "cache_creation_input_tokens": 3}});
+        assert_eq!(
+            usage_in(&body),
+            Found::Usage(Usage {
+                input: 13,
+                output: 4
+            })
+        );
+        let bytes = anthropic_sse(7);
+        for split in [1, 7, bytes.len()] {
+            let mut m = ResponseMeter::new(Format::Sse, false, Some(100));
+            let mut out = Vec::new();
+            let chunks: Vec<&[u8]> = bytes.chunks(split).collect();
+            for (i, c) in chunks.iter().enumerate() {
+                out.extend(m.feed(c, i + 1 == chunks.len()).unwrap());
+            }
+            assert_eq!(out, bytes, "passes whole");
+            assert_eq!(
+                m.found,
+                Found::Usage(Usage {
+                    input: 30,
+                    output: 7
+                }),
+                "split {split}"
+            );
+            assert_eq!(m.output_events, 7, "each text delta counts");
+        }
+        // Past its allowance, the stream is ended like any other.
+        let mut m = ResponseMeter::new(Format::Sse, false, Some(3));
+        m.feed(&anthropic_sse(10), true);
+        assert!(m.cut);
+    }
+
+    #[test]
+    fn cumulative_stream_usage_settles_at_its_largest_count() {
+        // vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        let events: Vec<Value> = (1..=5)
+            .map(|n| {
+                let mut c = chunk("x");
+                c["usage"] =
+                    json!({"prompt_tokens": 9, "completion_tokens": n, "total_tokens": 9 + n});
+                c
+            })
+            .collect();
+        let mut m = ResponseMeter::new(Format::Sse, false, None);
+        m.feed(&sse(&events, true), true);
+        assert_eq!(
+            m.found,
+            Found::Usage(Usage {
+                input: 9,
+                output: 5
+            })
+        );
+        // Several prompts answered: the usage is their total.
+        let several = json!({"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}],
+                             "usage": {"prompt_tokens": 8, "completion_tokens": 32, "total_tokens": 40}});
+        assert_eq!(
+            usage_in(&several),
+            Found::Usage(Usage {
+                input: 8,
+                output: 32
+            })
+        );
+        // Rerank's usage has only a total: it is input.
+        assert_eq!(
+            usage_in(&json!({"results": [], "usage": {"total_tokens": 12}})),
+            Found::Usage(Usage {
+                input: 12,
+                output: 0
+            })
+        );
     }
 }

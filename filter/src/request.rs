@@ -1,6 +1,7 @@
 //! What a request asks for (SPEC §2.2): which API, which model, streamed or
-//! not, and how much output at most. Read from OpenAI- and Ollama-shaped
-//! bodies; only the fields sluice needs are looked at.
+//! not, how much output at most, and how many times over (the multipliers
+//! of work, one table per API). Read from OpenAI-, Anthropic-, vLLM- and
+//! Ollama-shaped bodies; only the fields sluice needs are looked at.
 
 use serde_json::Value;
 
@@ -12,27 +13,134 @@ pub enum Api {
     OpenAiResponses,
     OllamaGenerate,
     OllamaChat,
-    /// Anything else: no body is read, only the request buckets apply.
+    /// Ollama's `/api/embed` and `/api/embeddings`.
+    OllamaEmbed,
+    /// Anthropic's Messages API (`/v1/messages`), which vLLM serves too.
+    AnthropicMessages,
+    /// The scoring / pooling family (`/v1/score`, `/rerank`, `/pooling`,
+    /// `/classify`, `/tokenize`, …): input-only work.
+    Scoring,
+    /// vLLM's (SageMaker's) `/invocations`: chat, completion or embedding
+    /// by the body's shape, resolved by [`parse_body`].
+    Invocations,
+    /// Not an LLM API sluice reads, let through by the policy's
+    /// `passthrough` rule of this index: only request limits apply.
+    Passthrough(u16),
+    /// Anything else: no body is read, only the request buckets apply; with
+    /// a body (or as a POST), refused unless a `passthrough` rule opens it.
     Other,
 }
 
-/// The LLM APIs by canonical path.
-const ROUTES: [(&str, Api); 6] = [
+/// The LLM APIs by canonical path. Matched as a suffix (see
+/// [`Api::of_path`]), so `/score` also covers `/v1/score`, `/rerank`
+/// covers `/v1/rerank` and `/v2/rerank`.
+const ROUTES: [(&str, Api); 16] = [
     ("/v1/chat/completions", Api::OpenAiChat),
     ("/v1/completions", Api::OpenAiCompletions),
     ("/v1/embeddings", Api::OpenAiEmbeddings),
     ("/v1/responses", Api::OpenAiResponses),
     ("/api/generate", Api::OllamaGenerate),
     ("/api/chat", Api::OllamaChat),
+    ("/api/embed", Api::OllamaEmbed),
+    ("/api/embeddings", Api::OllamaEmbed),
+    ("/v1/messages", Api::AnthropicMessages),
+    ("/invocations", Api::Invocations),
+    ("/score", Api::Scoring),
+    ("/rerank", Api::Scoring),
+    ("/pooling", Api::Scoring),
+    ("/classify", Api::Scoring),
+    ("/tokenize", Api::Scoring),
+    ("/detokenize", Api::Scoring),
 ];
+
+/// What one field of a body multiplies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Multiplies {
+    /// Completions generated per prompt (`n`, `best_of`): an integer from 1
+    /// to the row's maximum; the largest such field counts.
+    Choices,
+    /// Prompts, each answered on its own with its own choices: a string or
+    /// a flat token-id array is one prompt, an array of strings or of
+    /// token-id arrays is one per item. Prompts of all such fields add up.
+    Prompts,
+    /// Inputs processed each on its own, none producing output
+    /// (embeddings, documents to score): a string is one, an array one per
+    /// item. Their text is all counted as input already; the count is
+    /// bounded.
+    Inputs,
+    /// A text processed once per item of the named field (a cross-encoder
+    /// scores the query with every document): its input counts that often.
+    PairedWith(&'static str),
+}
+
+/// A field of a request body that multiplies the upstream's work, and the
+/// most it may say (more is a 400 naming the field).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Multiplier {
+    pub field: &'static str,
+    pub multiplies: Multiplies,
+    pub max: u64,
+}
+
+const fn row(field: &'static str, multiplies: Multiplies, max: u64) -> Multiplier {
+    Multiplier {
+        field,
+        multiplies,
+        max,
+    }
+}
+
+/// The most completions one request may ask for (OpenAI's own cap on `n`).
+pub const MAX_CHOICES: u64 = 128;
+/// The most prompts or inputs one request may carry (OpenAI's cap on an
+/// embeddings batch).
+pub const MAX_PROMPTS: u64 = 2048;
+/// The most completions (prompts × choices) one request may ask for.
+pub const MAX_COMPLETIONS: u64 = 4096;
+
+/// Every multiplier of work, one table per API: the next one is a row.
+const CHAT: &[Multiplier] = &[
+    row("n", Multiplies::Choices, MAX_CHOICES),
+    // vLLM's chat accepts `best_of` as an extra sampling parameter.
+    row("best_of", Multiplies::Choices, MAX_CHOICES),
+];
+const COMPLETIONS: &[Multiplier] = &[
+    row("n", Multiplies::Choices, MAX_CHOICES),
+    // `best_of` generates that many and returns `n` of them.
+    row("best_of", Multiplies::Choices, MAX_CHOICES),
+    row("prompt", Multiplies::Prompts, MAX_PROMPTS),
+    // vLLM: prompts given as embeddings (base64 tensors), answered after
+    // the text prompts.
+    row("prompt_embeds", Multiplies::Prompts, MAX_PROMPTS),
+];
+const EMBEDDINGS: &[Multiplier] = &[row("input", Multiplies::Inputs, MAX_PROMPTS)];
+const SCORING: &[Multiplier] = &[
+    // vLLM `/score`: `text_1` against each of `text_2`.
+    row("text_1", Multiplies::PairedWith("text_2"), MAX_PROMPTS),
+    row("text_2", Multiplies::Inputs, MAX_PROMPTS),
+    // `/rerank`: the query against each document.
+    row("query", Multiplies::PairedWith("documents"), MAX_PROMPTS),
+    row("documents", Multiplies::Inputs, MAX_PROMPTS),
+    // `/pooling`, `/classify`, `/tokenize`.
+    row("input", Multiplies::Inputs, MAX_PROMPTS),
+    row("prompt", Multiplies::Inputs, MAX_PROMPTS),
+];
+const NONE: &[Multiplier] = &[];
 
 impl Api {
     /// Classifies by method and a path already in canonical form (see
-    /// [`canonical_path`], computed once per request by the caller).
+    /// [`canonical_path`], computed once per request by the caller): a
+    /// POST to an LLM path is that API.
     pub fn classify(method: &str, canonical: &str) -> Api {
         if !method.eq_ignore_ascii_case("POST") {
             return Api::Other;
         }
+        Api::of_path(canonical)
+    }
+
+    /// The API a canonical path names, whatever the method (a body on any
+    /// method is read: a lenient server may serve it).
+    pub fn of_path(canonical: &str) -> Api {
         // Also under a prefix (`/openai/v1/chat/completions`): a route that
         // rewrites the prefix away runs after sluice, in Envoy's router.
         ROUTES
@@ -42,15 +150,79 @@ impl Api {
     }
 
     pub fn reads_body(self) -> bool {
-        self != Api::Other
+        !matches!(self, Api::Other | Api::Passthrough(_))
+    }
+
+    /// Does the upstream generate output for this API (else output is 0)?
+    pub fn produces_output(self) -> bool {
+        matches!(
+            self,
+            Api::OpenAiChat
+                | Api::OpenAiCompletions
+                | Api::OpenAiResponses
+                | Api::OllamaGenerate
+                | Api::OllamaChat
+                | Api::AnthropicMessages
+        )
+    }
+
+    /// Every field of this API's bodies that multiplies work.
+    pub fn multipliers(self) -> &'static [Multiplier] {
+        match self {
+            Api::OpenAiChat => CHAT,
+            Api::OpenAiCompletions => COMPLETIONS,
+            Api::OpenAiEmbeddings | Api::OllamaEmbed => EMBEDDINGS,
+            Api::Scoring => SCORING,
+            // One prompt, one answer: no multiplier (yet).
+            Api::OpenAiResponses
+            | Api::OllamaGenerate
+            | Api::OllamaChat
+            | Api::AnthropicMessages
+            | Api::Invocations
+            | Api::Passthrough(_)
+            | Api::Other => NONE,
+        }
     }
 
     fn is_ollama(self) -> bool {
         matches!(self, Api::OllamaGenerate | Api::OllamaChat)
     }
+
+    /// The output limit is required (Anthropic's `max_tokens`).
+    fn requires_max_output(self) -> bool {
+        self == Api::AnthropicMessages
+    }
 }
 
-/// A path whose meaning depends on how many times it is decoded.
+/// The API of an `/invocations` body, by its shape as vLLM dispatches it:
+/// `messages` → chat, `prompt` → completion, `input` → embedding. A body
+/// with none of them, or with more than one (two servers may pick two
+/// different ones), is a 400.
+pub fn invocation_api(body: &Value) -> Result<Api, BadBody> {
+    let shapes = [
+        ("messages", Api::OpenAiChat),
+        ("prompt", Api::OpenAiCompletions),
+        ("input", Api::OpenAiEmbeddings),
+    ];
+    let present: Vec<&(&str, Api)> = shapes
+        .iter()
+        .filter(|(field, _)| body.get(field).is_some_and(|v| !v.is_null()))
+        .collect();
+    match present.as_slice() {
+        [(_, api)] => Ok(*api),
+        [] => Err(BadBody {
+            message: "an /invocations body needs `messages` (chat), `prompt` (completion) or `input` (embedding)".into(),
+            param: None,
+        }),
+        [(a, _), (b, _), ..] => Err(BadBody::at(
+            b,
+            format!("an /invocations body must not have both `{a}` and `{b}`: its API would be ambiguous"),
+        )),
+    }
+}
+
+/// A path whose meaning depends on how many times it is decoded, or on how
+/// a server reads its `;` parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AmbiguousPath;
 
@@ -60,6 +232,13 @@ pub struct AmbiguousPath;
 /// empty and `.` segments dropped, `..` resolved; ASCII lower-cased; no
 /// trailing slash. Classifying a spelling the upstream would not serve as an
 /// LLM call costs only a reservation; the reverse would be a bypass.
+///
+/// Path parameters (`/v1/chat/completions;x`): servers read them three
+/// ways — literally, dropped from each segment (`..;` is then `..`), or
+/// the path cut at the first `;`. The path is the one without them; if two
+/// readings lead to different paths (`/a;/../b` is `/b` or `/a`), it is
+/// ambiguous, whatever the paths are (also when neither is an LLM API: a
+/// `passthrough` rule must not open one path for another).
 ///
 /// Refused as ambiguous: an escape that decodes to a control character, and
 /// a path that still holds an escape after one decoding (`%2563`), which a
@@ -87,8 +266,33 @@ pub fn canonical_path(path: &str) -> Result<String, AmbiguousPath> {
         return Err(AmbiguousPath);
     }
     let text = String::from_utf8_lossy(&decoded).replace('\\', "/");
+    if !text.contains(';') {
+        return Ok(normalise(&text, false));
+    }
+    // A literal reading that keeps a `;` names no route of a server that
+    // strips parameters; any other two readings that differ would send two
+    // servers to two places.
+    let dropped = normalise(&text, true);
+    let readings = [
+        normalise(text.split(';').next().unwrap_or_default(), false),
+        normalise(&text, false),
+    ];
+    if readings.iter().any(|r| !r.contains(';') && *r != dropped) {
+        return Err(AmbiguousPath);
+    }
+    Ok(dropped)
+}
+
+/// Segments joined after `.`/`..`/empty ones are resolved; with
+/// `drop_params`, each segment's `;…` is dropped first.
+fn normalise(text: &str, drop_params: bool) -> String {
     let mut segments: Vec<&str> = Vec::new();
     for segment in text.split('/') {
+        let segment = if drop_params {
+            segment.split(';').next().unwrap_or_default()
+        } else {
+            segment
+        };
         match segment {
             "" | "." => {}
             ".." => {
@@ -97,7 +301,7 @@ pub fn canonical_path(path: &str) -> Result<String, AmbiguousPath> {
             s => segments.push(s),
         }
     }
-    Ok(format!("/{}", segments.join("/")).to_ascii_lowercase())
+    format!("/{}", segments.join("/")).to_ascii_lowercase()
 }
 
 /// The byte a `%XX` escape at `i` stands for.
@@ -116,22 +320,37 @@ fn escape_at(bytes: &[u8], i: usize) -> Option<u8> {
 /// The parts of a request body admission needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Demand {
+    /// The API the body speaks (an `/invocations` body's, resolved).
+    pub api: Api,
     pub model: Option<String>,
     pub stream: bool,
-    /// Requested maximum output tokens per choice, if the client set one.
+    /// Requested maximum output tokens per completion, if the client set one.
     pub max_output: Option<u64>,
-    /// How many completions the upstream generates (`n`, `best_of`): each
-    /// may produce the maximum output. At least 1.
+    /// How many completions the upstream generates per prompt (`n`,
+    /// `best_of`): each may produce the maximum output. At least 1.
     pub choices: u64,
+    /// How many prompts the upstream answers, each with its own choices
+    /// (`/v1/completions` with a prompt array). At least 1.
+    pub prompts: u64,
+}
+
+impl Demand {
+    /// Completions the upstream generates: prompts × choices, each of
+    /// which may produce the maximum output.
+    pub fn completions(&self) -> u64 {
+        self.prompts.max(1).saturating_mul(self.choices.max(1))
+    }
 }
 
 impl Default for Demand {
     fn default() -> Self {
         Demand {
+            api: Api::OpenAiChat,
             model: None,
             stream: false,
             max_output: None,
             choices: 1,
+            prompts: 1,
         }
     }
 }
@@ -156,9 +375,6 @@ impl BadBody {
 /// is copied into audit lines, metrics lookups and upstream bodies, so an
 /// unbounded one is a cheap way to hurt all of them.
 pub const MAX_MODEL_BYTES: usize = 256;
-
-/// The most completions one request may ask for (OpenAI's own cap on `n`).
-pub const MAX_CHOICES: u64 = 128;
 
 /// Parses a request body: what admission needs, and the JSON itself (for
 /// the estimate and for rewriting).
@@ -198,6 +414,10 @@ pub fn parse_body(
             param: None,
         });
     };
+    let api = match api {
+        Api::Invocations => invocation_api(&value)?,
+        api => api,
+    };
     let field = |name: &str| fields.get(name);
     let model = match field("model") {
         Some(Value::String(m)) if m.len() > MAX_MODEL_BYTES => {
@@ -220,7 +440,7 @@ pub fn parse_body(
         None | Some(Value::Null) => api.is_ollama(), // Ollama streams unless told not to
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(BadBody::at("stream", "`stream` must be a boolean")),
-    };
+    } && api.produces_output();
     let num_predict = match field("options") {
         None | Some(Value::Null) => None,
         Some(Value::Object(o)) => o.get("num_predict"),
@@ -257,32 +477,109 @@ pub fn parse_body(
             }
         }
     }
-    // `best_of` generates that many completions and returns `n` of them:
-    // the upstream's work is the larger of the two.
-    let mut choices = 1;
-    for param in ["n", "best_of"] {
-        match field(param) {
-            None | Some(Value::Null) => {}
-            Some(Value::Number(n))
-                if n.as_u64().is_some_and(|v| (1..=MAX_CHOICES).contains(&v)) =>
-            {
-                choices = choices.max(n.as_u64().unwrap_or(1));
-            }
-            Some(_) => {
-                return Err(BadBody::at(
-                    param,
-                    format!("`{param}` must be an integer from 1 to {MAX_CHOICES}"),
-                ))
-            }
-        }
+    if api.requires_max_output() && max_output.is_none() {
+        return Err(BadBody::at("max_tokens", "`max_tokens` is required"));
     }
+    let (choices, prompts) = multiplied(api, fields)?;
     let demand = Demand {
+        api,
         model: Some(model),
         stream,
         max_output,
         choices,
+        prompts,
     };
     Ok((demand, value))
+}
+
+/// Reads every multiplier of `api` from a body: (choices, prompts), each
+/// at least 1. Counts past a row's maximum, of the wrong type, or whose
+/// product passes [`MAX_COMPLETIONS`], are 400s naming the field.
+fn multiplied(api: Api, fields: &serde_json::Map<String, Value>) -> Result<(u64, u64), BadBody> {
+    let mut choices = 1u64;
+    let mut prompts = 0u64;
+    let mut prompt_field = None;
+    for m in api.multipliers() {
+        let Some(value) = fields.get(m.field).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let field = m.field;
+        let max = m.max;
+        match m.multiplies {
+            Multiplies::Choices => match value.as_u64() {
+                Some(v) if (1..=max).contains(&v) => choices = choices.max(v),
+                _ => {
+                    return Err(BadBody::at(
+                        field,
+                        format!("`{field}` must be an integer from 1 to {max}"),
+                    ))
+                }
+            },
+            Multiplies::Prompts => {
+                let count = prompt_count(value).ok_or_else(|| {
+                    BadBody::at(
+                        field,
+                        format!("`{field}` must be a string, an array of strings, an array of token ids or an array of token-id arrays, not empty"),
+                    )
+                })?;
+                if count > max {
+                    return Err(BadBody::at(
+                        field,
+                        format!("`{field}` has {count} prompts, more than the {max} allowed"),
+                    ));
+                }
+                prompts = prompts.saturating_add(count);
+                if prompts > max {
+                    return Err(BadBody::at(
+                        field,
+                        format!("{prompts} prompts in all, more than the {max} allowed"),
+                    ));
+                }
+                prompt_field = Some(field);
+            }
+            Multiplies::Inputs | Multiplies::PairedWith(_) => {
+                let count = match value {
+                    Value::Array(items) => items.len() as u64,
+                    _ => 1,
+                };
+                if count > max {
+                    return Err(BadBody::at(
+                        field,
+                        format!("`{field}` has {count} items, more than the {max} allowed"),
+                    ));
+                }
+            }
+        }
+    }
+    let prompts = prompts.max(1);
+    let completions = prompts.saturating_mul(choices);
+    if completions > MAX_COMPLETIONS {
+        let field = prompt_field.unwrap_or("n");
+        return Err(BadBody::at(
+            field,
+            format!("{prompts} prompts × {choices} choices is {completions} completions, more than the {MAX_COMPLETIONS} allowed"),
+        ));
+    }
+    Ok((choices, prompts))
+}
+
+/// Prompts in a `prompt` value, as OpenAI and vLLM read it: a string or a
+/// flat token-id array is one; an array of strings or of token-id arrays
+/// is one per item. `None`: another shape (or an empty array).
+pub fn prompt_count(value: &Value) -> Option<u64> {
+    let token_ids = |v: &Value| {
+        v.as_array()
+            .is_some_and(|ids| ids.iter().all(Value::is_u64))
+    };
+    match value {
+        Value::String(_) => Some(1),
+        Value::Array(items) if items.is_empty() => None,
+        Value::Array(items) if items.iter().all(Value::is_u64) => Some(1),
+        Value::Array(items) if items.iter().all(|i| i.is_string() || token_ids(i)) => {
+            Some(items.len() as u64)
+        }
+        _ => None,
+    }
 }
 
 /// The key named by a duplicate-key error of [`Strict`].
@@ -434,10 +731,12 @@ mod tests {
         assert_eq!(
             d,
             Demand {
+                api: Api::OpenAiChat,
                 model: Some("llama3.1:8b".into()),
                 stream: true,
                 max_output: Some(64),
                 choices: 1,
+                prompts: 1,
             }
         );
         let d = demand_of(
@@ -448,10 +747,12 @@ mod tests {
         assert_eq!(
             d,
             Demand {
+                api: Api::OllamaChat,
                 model: Some("mistral:7b".into()),
                 stream: true,
                 max_output: Some(20),
                 choices: 1,
+                prompts: 1,
             }
         );
         let d = demand_of(
@@ -596,6 +897,167 @@ mod tests {
             let e = demand_of(Api::OpenAiChat, body.as_bytes()).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("n"), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_multiplier_table_counts_prompts_and_refuses_absurd_values_by_name() {
+        let d = |body: &str| demand_of(Api::OpenAiCompletions, body.as_bytes());
+        assert_eq!(
+            d(r#"{"model":"m","prompt":["a","b","c"],"n":2}"#)
+                .unwrap()
+                .completions(),
+            6
+        );
+        assert_eq!(
+            d(r#"{"model":"m","prompt":[[1],[2,3]],"best_of":3,"n":1}"#)
+                .unwrap()
+                .completions(),
+            6
+        );
+        assert_eq!(
+            d(r#"{"model":"m","prompt":[1,2,3]}"#)
+                .unwrap()
+                .completions(),
+            1
+        );
+        assert_eq!(d(r#"{"model":"m","prompt":"x"}"#).unwrap().completions(), 1);
+        let both = r#"{"model":"m","prompt":["a","b"],"prompt_embeds":["AAA=","AAA="],"n":2}"#;
+        assert_eq!(
+            d(both).unwrap().completions(),
+            8,
+            "text and embedded prompts add up"
+        );
+        let many = format!(
+            r#"{{"model":"m","prompt":{}}}"#,
+            json_strings(MAX_PROMPTS + 1)
+        );
+        for (body, param) in [
+            (r#"{"model":"m","prompt":[]}"#.to_string(), "prompt"),
+            (r#"{"model":"m","prompt":[1,"a"]}"#.to_string(), "prompt"),
+            (r#"{"model":"m","prompt":[[1,-2]]}"#.to_string(), "prompt"),
+            (
+                r#"{"model":"m","prompt":{"text":"a"}}"#.to_string(),
+                "prompt",
+            ),
+            (r#"{"model":"m","prompt":7}"#.to_string(), "prompt"),
+            (many, "prompt"),
+            (
+                format!(r#"{{"model":"m","n":128,"prompt":{}}}"#, json_strings(40)),
+                "prompt",
+            ),
+            (r#"{"model":"m","best_of":0}"#.to_string(), "best_of"),
+        ] {
+            let e = d(&body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
+        }
+        // Chat has no prompt multiplier: a `prompt` there is just text.
+        let chat = demand_of(
+            Api::OpenAiChat,
+            br#"{"model":"m","prompt":["a","b"],"n":2}"#,
+        );
+        assert_eq!(chat.unwrap().completions(), 2);
+        let inputs = format!(
+            r#"{{"model":"m","input":{}}}"#,
+            json_strings(MAX_PROMPTS + 1)
+        );
+        let e = demand_of(Api::OpenAiEmbeddings, inputs.as_bytes()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("input"));
+        let e = demand_of(
+            Api::Scoring,
+            format!(
+                r#"{{"model":"m","documents":{}}}"#,
+                json_strings(MAX_PROMPTS + 1)
+            )
+            .as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("documents"));
+    }
+
+    fn json_strings(n: u64) -> String {
+        let items: Vec<String> = (0..n).map(|i| format!("\"p{i}\"")).collect();
+        format!("[{}]", items.join(","))
+    }
+
+    #[test]
+    fn every_api_of_the_issue_is_classified() {
+        for (path, api) in [
+            ("/invocations", Api::Invocations),
+            ("/v1/messages", Api::AnthropicMessages),
+            ("/api/embed", Api::OllamaEmbed),
+            ("/api/embeddings", Api::OllamaEmbed),
+            ("/v1/score", Api::Scoring),
+            ("/score", Api::Scoring),
+            ("/v1/rerank", Api::Scoring),
+            ("/rerank", Api::Scoring),
+            ("/v2/rerank", Api::Scoring),
+            ("/pooling", Api::Scoring),
+            ("/classify", Api::Scoring),
+            ("/tokenize", Api::Scoring),
+            ("/detokenize", Api::Scoring),
+            ("/v1/audio/transcriptions", Api::Other),
+            ("/v1/audio/speech", Api::Other),
+            ("/v1/images/generations", Api::Other),
+            ("/v1/messages/count_tokens", Api::Other),
+        ] {
+            assert_eq!(classify_raw("POST", path), api, "{path}");
+        }
+        assert!(!Api::Scoring.produces_output());
+        assert!(Api::AnthropicMessages.produces_output());
+    }
+
+    #[test]
+    fn path_parameters_are_the_path_or_ambiguous() {
+        for path in [
+            "/v1/chat/completions;x",
+            "/v1/chat/completions;x=1/",
+            "/v1/chat/completions;a;b",
+            "/v1/chat/completions%3Bjsessionid=1",
+        ] {
+            assert_eq!(classify_raw("POST", path), Api::OpenAiChat, "{path}");
+        }
+        for path in [
+            // Cut at the first `;`, chat; segment by segment, embeddings.
+            "/v1/chat/completions;/../../embeddings",
+            // `/` cut at the `;`, chat with `..;` read as `..`.
+            "/x/..;/v1/chat/completions",
+            "/v1;a/chat;b/completions;c",
+            // Neither is an LLM API, but a rule opening one must not open
+            // the other.
+            "/v1/images/generations;/../../audio/transcriptions",
+        ] {
+            assert_eq!(canonical_path(path), Err(AmbiguousPath), "{path}");
+        }
+        assert_eq!(canonical_path("/v1/models;x").unwrap(), "/v1/models");
+    }
+
+    #[test]
+    fn invocations_resolve_by_shape_and_anthropic_needs_max_tokens() {
+        let api = |body: &str| {
+            parse_body(Api::Invocations, body.as_bytes(), &|_| CAP).map(|(d, _)| d.api)
+        };
+        assert_eq!(api(r#"{"model":"m","messages":[]}"#), Ok(Api::OpenAiChat));
+        assert_eq!(
+            api(r#"{"model":"m","prompt":"x"}"#),
+            Ok(Api::OpenAiCompletions)
+        );
+        assert_eq!(
+            api(r#"{"model":"m","input":"x"}"#),
+            Ok(Api::OpenAiEmbeddings)
+        );
+        assert!(api(r#"{"model":"m","text_1":"x"}"#).is_err());
+        let e = api(r#"{"model":"m","messages":[],"input":"x"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("input"));
+        let e = demand_of(Api::AnthropicMessages, br#"{"model":"m","messages":[]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let d = demand_of(
+            Api::AnthropicMessages,
+            br#"{"model":"m","messages":[],"max_tokens":5,"stream":true}"#,
+        )
+        .unwrap();
+        assert_eq!((d.max_output, d.stream), (Some(5), true));
+        let d = demand_of(Api::OllamaEmbed, br#"{"model":"m","input":"x"}"#).unwrap();
+        assert!(!d.stream, "embeddings never stream");
     }
 
     proptest::proptest! {

@@ -14,17 +14,58 @@ pub enum Api {
     Responses,
     OllamaGenerate,
     OllamaChat,
+    /// Anthropic Messages (`/v1/messages`), as vLLM serves it too.
+    Messages,
+    /// Ollama `/api/embed` (`input`) and the older `/api/embeddings`
+    /// (`prompt`).
+    OllamaEmbed,
+    OllamaEmbeddings,
+    /// vLLM's scoring and pooling family.
+    Score,
+    Rerank,
+    Pooling,
+    Classify,
+    Tokenize,
+    Detokenize,
 }
 
 impl Api {
+    /// The API of an `/invocations` body, as vLLM dispatches it by shape:
+    /// `messages` → chat, `prompt` → completion, `input` → embedding.
+    pub fn of_invocation(body: &Value) -> Option<Api> {
+        let has = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+        if has("messages") {
+            Some(Api::ChatCompletions)
+        } else if has("prompt") {
+            Some(Api::Completions)
+        } else if has("input") {
+            Some(Api::Embeddings)
+        } else {
+            None
+        }
+    }
+
+    /// Does this API generate text (else its output is 0)?
+    pub fn generates(self) -> bool {
+        matches!(
+            self,
+            Api::ChatCompletions
+                | Api::Completions
+                | Api::Responses
+                | Api::OllamaGenerate
+                | Api::OllamaChat
+                | Api::Messages
+        )
+    }
+
     /// Whether the request asks for a stream. Ollama streams unless told
     /// `"stream": false`; OpenAI only when told `"stream": true`; embeddings
     /// never do.
     pub fn wants_stream(self, body: &Value) -> bool {
         let flag = body.get("stream").and_then(Value::as_bool);
         match self {
-            Api::Embeddings => false,
             Api::OllamaGenerate | Api::OllamaChat => flag != Some(false),
+            api if !api.generates() => false,
             _ => flag == Some(true),
         }
     }
@@ -50,6 +91,41 @@ pub struct Generation<'a> {
     pub stream: bool,
     /// OpenAI `stream_options.include_usage`.
     pub include_usage: bool,
+    /// Prompts answered (a `/v1/completions` prompt array), each with
+    /// `n` choices returned out of `best_of` generated. All at least 1.
+    pub prompts: u64,
+    pub n: u64,
+    pub best_of: u64,
+}
+
+impl Generation<'_> {
+    /// Completions generated: every prompt × `max(n, best_of)`; each
+    /// produces `output_tokens`, and the usage counts them all.
+    pub fn generated(&self) -> u64 {
+        self.prompts.saturating_mul(self.n.max(self.best_of))
+    }
+
+    /// Output tokens of the whole answer, every completion generated.
+    pub fn total_output(&self) -> u64 {
+        self.output_tokens.saturating_mul(self.generated())
+    }
+
+    /// Choices returned: every prompt × `n`, indexed prompt by prompt.
+    pub fn returned(&self) -> u64 {
+        self.prompts.saturating_mul(self.n)
+    }
+}
+
+/// Prompts in a completions `prompt`, as OpenAI and vLLM count them: a
+/// string or a flat token-id array is one, an array of strings or of
+/// token-id arrays one per item.
+pub fn prompt_count(body: &Value) -> u64 {
+    match body.get("prompt") {
+        Some(Value::Array(items)) if !items.iter().all(Value::is_number) => {
+            (items.len() as u64).max(1)
+        }
+        _ => 1,
+    }
 }
 
 /// A formatted answer: one JSON document, or stream frames.

@@ -1,5 +1,10 @@
 //! mock-llm: a fake OpenAI- and Ollama-compatible inference server for the
-//! sluice demo and for integration tests that drive a real Envoy.
+//! sluice demo and for integration tests that drive a real Envoy. Like vLLM
+//! it also serves `/invocations` (chat, completion or embedding by the
+//! body's shape), Anthropic's `/v1/messages` (JSON and SSE), Ollama's
+//! `/api/embed`, and the scoring family (`/v1/score`, `/rerank`,
+//! `/pooling`, `/classify`, `/tokenize`); a prompt array is answered with
+//! one choice per prompt × `n`, the usage summed over all of them.
 //!
 //! Answers are deterministic (see [`tokens`] for the token rule) and bent
 //! per request by the knobs in [`knobs`]. `/admin/stats` shows what reached
@@ -14,8 +19,10 @@ pub mod stats;
 pub mod tokens;
 pub mod usage;
 
+mod anthropic;
 mod ollama;
 mod openai;
+mod pooling;
 mod server;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};

@@ -95,6 +95,9 @@ mod tests {
             usage: UsageMode::Normal,
             stream,
             include_usage: false,
+            prompts: 1,
+            n: 1,
+            best_of: 1,
         }
     }
 

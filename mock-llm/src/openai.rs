@@ -21,7 +21,7 @@ fn with_usage(mut v: Value, usage: Option<Value>) -> Value {
 /// knocked out by the knob), then `[DONE]`.
 fn finish_sse(frames: &mut Vec<Bytes>, g: &Generation, base: &Value) {
     if g.include_usage {
-        if let Some(u) = usage::openai(g.usage, g.input_tokens, g.output_tokens) {
+        if let Some(u) = usage::openai(g.usage, g.input_tokens, g.total_output()) {
             let mut chunk = base.clone();
             chunk["choices"] = json!([]);
             chunk["usage"] = u;
@@ -34,19 +34,24 @@ fn finish_sse(frames: &mut Vec<Bytes>, g: &Generation, base: &Value) {
 pub fn chat_completion(g: &Generation) -> Reply {
     let id = format!("chatcmpl-mock-{}", g.id);
     if !g.stream {
+        let choices: Vec<Value> = (0..g.returned())
+            .map(|i| {
+                json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": output_text(g.output_tokens)},
+                    "logprobs": null,
+                    "finish_reason": g.finish_reason,
+                })
+            })
+            .collect();
         let v = json!({
             "id": id, "object": "chat.completion", "created": g.created, "model": g.model,
             "system_fingerprint": "mock",
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": output_text(g.output_tokens)},
-                "logprobs": null,
-                "finish_reason": g.finish_reason,
-            }],
+            "choices": choices,
         });
         return Reply::Json(with_usage(
             v,
-            usage::openai(g.usage, g.input_tokens, g.output_tokens),
+            usage::openai(g.usage, g.input_tokens, g.total_output()),
         ));
     }
 
@@ -58,18 +63,24 @@ pub fn chat_completion(g: &Generation) -> Reply {
         // OpenAI marks every chunk but the last with `"usage": null`.
         base["usage"] = Value::Null;
     }
-    let chunk = |delta: Value, finish: Value| {
+    let chunk = |index: u64, delta: Value, finish: Value| {
         let mut c = base.clone();
         c["choices"] =
-            json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]);
+            json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish}]);
         sse_data(&c)
     };
-    let mut frames = vec![chunk(
-        json!({"role": "assistant", "content": ""}),
-        Value::Null,
-    )];
-    frames.extend((0..g.output_tokens).map(|i| chunk(json!({"content": piece(i)}), Value::Null)));
-    frames.push(chunk(json!({}), json!(g.finish_reason)));
+    let mut frames = Vec::new();
+    for index in 0..g.returned() {
+        frames.push(chunk(
+            index,
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        ));
+        frames.extend(
+            (0..g.output_tokens).map(|i| chunk(index, json!({"content": piece(i)}), Value::Null)),
+        );
+        frames.push(chunk(index, json!({}), json!(g.finish_reason)));
+    }
     finish_sse(&mut frames, g, &base);
     Reply::Stream {
         content_type: SSE,
@@ -77,27 +88,33 @@ pub fn chat_completion(g: &Generation) -> Reply {
     }
 }
 
+/// One choice per prompt × `n`, indexed prompt by prompt, as OpenAI and
+/// vLLM answer a prompt array; the usage sums them all.
 pub fn completion(g: &Generation) -> Reply {
     let id = format!("cmpl-mock-{}", g.id);
     let base =
         json!({"id": id, "object": "text_completion", "created": g.created, "model": g.model});
-    let choice = |text: String, finish: Value| {
-        let mut c = base.clone();
-        c["choices"] =
-            json!([{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}]);
-        c
+    let choice = |index: u64, text: String, finish: Value| json!({"text": text, "index": index, "logprobs": null, "finish_reason": finish});
+    let event = |c: Value| {
+        let mut e = base.clone();
+        e["choices"] = json!([c]);
+        sse_data(&e)
     };
     if !g.stream {
-        let v = choice(output_text(g.output_tokens), json!(g.finish_reason));
+        let mut v = base.clone();
+        v["choices"] = (0..g.returned())
+            .map(|i| choice(i, output_text(g.output_tokens), json!(g.finish_reason)))
+            .collect();
         return Reply::Json(with_usage(
             v,
-            usage::openai(g.usage, g.input_tokens, g.output_tokens),
+            usage::openai(g.usage, g.input_tokens, g.total_output()),
         ));
     }
-    let mut frames: Vec<Bytes> = (0..g.output_tokens)
-        .map(|i| sse_data(&choice(piece(i), Value::Null)))
-        .collect();
-    frames.push(sse_data(&choice(String::new(), json!(g.finish_reason))));
+    let mut frames = Vec::new();
+    for index in 0..g.returned() {
+        frames.extend((0..g.output_tokens).map(|i| event(choice(index, piece(i), Value::Null))));
+        frames.push(event(choice(index, String::new(), json!(g.finish_reason))));
+    }
     finish_sse(&mut frames, g, &base);
     Reply::Stream {
         content_type: SSE,
@@ -209,6 +226,9 @@ mod tests {
             usage: UsageMode::Normal,
             stream,
             include_usage,
+            prompts: 1,
+            n: 1,
+            best_of: 1,
         }
     }
 

@@ -78,8 +78,25 @@ pub fn app(config: Config) -> anyhow::Result<Router> {
         limiter: config.ratelimit.map(crate::load::Limiter::new),
     });
     let infer_route =
-        |api: Api| post(move |State(s): State<Shared>, req: Request| infer(s, api, req));
+        |api: Api| post(move |State(s): State<Shared>, req: Request| infer(s, Some(api), req));
     Ok(Router::new()
+        // vLLM's SageMaker entry: the API is the body's shape.
+        .route(
+            "/invocations",
+            post(|State(s): State<Shared>, req: Request| infer(s, None, req)),
+        )
+        .route("/v1/messages", infer_route(Api::Messages))
+        .route("/api/embed", infer_route(Api::OllamaEmbed))
+        .route("/api/embeddings", infer_route(Api::OllamaEmbeddings))
+        .route("/v1/score", infer_route(Api::Score))
+        .route("/score", infer_route(Api::Score))
+        .route("/v1/rerank", infer_route(Api::Rerank))
+        .route("/rerank", infer_route(Api::Rerank))
+        .route("/v2/rerank", infer_route(Api::Rerank))
+        .route("/pooling", infer_route(Api::Pooling))
+        .route("/classify", infer_route(Api::Classify))
+        .route("/tokenize", infer_route(Api::Tokenize))
+        .route("/detokenize", infer_route(Api::Detokenize))
         .route("/v1/chat/completions", infer_route(Api::ChatCompletions))
         .route("/v1/completions", infer_route(Api::Completions))
         .route("/v1/embeddings", infer_route(Api::Embeddings))
@@ -274,8 +291,10 @@ impl Arrival {
     }
 }
 
-/// Every inference endpoint: chat, completions, embeddings, responses, Ollama.
-async fn infer(s: Shared, api: Api, req: Request) -> Response {
+/// Every inference endpoint: chat, completions, embeddings, responses,
+/// Anthropic messages, Ollama, the scoring family; `api: None` is
+/// `/invocations`, whose body's shape says which.
+async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
     let arrival = match Arrival::read(&s, req).await {
         Ok(a) => a,
         Err(res) => return res,
@@ -305,7 +324,27 @@ async fn infer(s: Shared, api: Api, req: Request) -> Response {
         Err(e) => return arrival.decorate(invalid_request(e.clone()), None),
     };
 
-    let (output_tokens, limited) = tokens::output_tokens(body, knobs.output_tokens);
+    let Some(api) = api.or_else(|| Api::of_invocation(body)) else {
+        return arrival.decorate(
+            invalid_request("/invocations: the body is no chat, completion or embedding request"),
+            None,
+        );
+    };
+    let (output_tokens, limited) = if api.generates() {
+        tokens::output_tokens(body, knobs.output_tokens)
+    } else {
+        (0, false)
+    };
+    // Choices: `n` returned of `best_of` generated, per prompt (chat and
+    // completions only, as upstreams do).
+    let count = |field: &str| {
+        let multiplies = matches!(api, Api::ChatCompletions | Api::Completions);
+        body.get(field)
+            .and_then(Value::as_u64)
+            .filter(|_| multiplies)
+            .unwrap_or(1)
+            .clamp(1, 128)
+    };
     let now = SystemTime::now();
     let g = Generation {
         id: s.next_id.fetch_add(1, Ordering::Relaxed),
@@ -325,6 +364,13 @@ async fn infer(s: Shared, api: Api, req: Request) -> Response {
             .pointer("/stream_options/include_usage")
             .and_then(Value::as_bool)
             == Some(true),
+        prompts: if api == Api::Completions {
+            crate::generate::prompt_count(body)
+        } else {
+            1
+        },
+        n: count("n"),
+        best_of: count("best_of"),
     };
     let reply = match api {
         Api::ChatCompletions => openai::chat_completion(&g),
@@ -333,6 +379,15 @@ async fn infer(s: Shared, api: Api, req: Request) -> Response {
         Api::Responses => openai::response(&g),
         Api::OllamaGenerate => ollama::generate(&g),
         Api::OllamaChat => ollama::chat(&g),
+        Api::Messages => crate::anthropic::message(&g),
+        Api::OllamaEmbed
+        | Api::OllamaEmbeddings
+        | Api::Score
+        | Api::Rerank
+        | Api::Pooling
+        | Api::Classify
+        | Api::Tokenize
+        | Api::Detokenize => crate::pooling::answer(api, &g),
     };
 
     let pacing = Pacing {
@@ -608,6 +663,81 @@ mod tests {
         let (_, _, body) = call(&mut app, req).await;
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["requests_total"], 0);
+    }
+
+    #[tokio::test]
+    async fn prompt_arrays_answer_every_prompt_times_n_with_usage_summed() {
+        let mut app = app_named("p");
+        let (status, _, body) = call(
+            &mut app,
+            post_json(
+                "/v1/completions",
+                r#"{"model":"m","prompt":["abcd","efgh","ijkl"],"n":2,"max_tokens":5}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["choices"].as_array().unwrap().len(), 6);
+        assert_eq!(v["usage"]["completion_tokens"], 30);
+        assert_eq!(v["usage"]["prompt_tokens"], 3);
+        let (_, _, body) = call(
+            &mut app,
+            post_json(
+                "/v1/completions",
+                r#"{"model":"m","prompt":[[1,2],[3]],"max_tokens":4}"#,
+            ),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 8);
+    }
+
+    #[tokio::test]
+    async fn invocations_dispatch_by_shape_and_new_endpoints_answer() {
+        let mut app = app_named("p");
+        let (status, _, body) = call(
+            &mut app,
+            post_json(
+                "/invocations",
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":3}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["object"], "chat.completion");
+        let (status, _, _) = call(&mut app, post_json("/invocations", r#"{"model":"m"}"#)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let (_, _, body) = call(
+            &mut app,
+            post_json(
+                "/v1/messages",
+                r#"{"model":"m","max_tokens":2,"messages":[]}"#,
+            ),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["usage"]["output_tokens"], 2);
+        let (_, _, body) = call(
+            &mut app,
+            post_json(
+                "/v1/score",
+                r#"{"model":"m","text_1":"abcd","text_2":["ab","cd"]}"#,
+            ),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["data"].as_array().unwrap().len(), 2);
+        assert_eq!(v["usage"]["prompt_tokens"], 3, "abcd twice + ab + cd");
+        let (_, _, body) = call(
+            &mut app,
+            post_json("/api/embed", r#"{"model":"m","input":["a","b"]}"#),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["embeddings"].as_array().unwrap().len(), 2);
+        assert_eq!(v["prompt_eval_count"], 1);
     }
 
     #[tokio::test]

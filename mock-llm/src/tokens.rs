@@ -22,12 +22,38 @@ pub const DEFAULT_OUTPUT_TOKENS: u64 = 16;
 /// Input tokens of a parsed request body: `ceil(chars / 4)`, at least 1.
 pub fn input_tokens(body: &Value) -> u64 {
     let mut chars = 0u64;
-    for key in ["messages", "prompt", "input", "system", "instructions"] {
+    for key in [
+        "messages",
+        "prompt",
+        "input",
+        "system",
+        "instructions",
+        // Scoring: every text once (the query once per document is added
+        // by `paired_chars`).
+        "text_1",
+        "text_2",
+        "query",
+        "documents",
+    ] {
         if let Some(v) = body.get(key) {
             chars += text_chars(v);
         }
     }
+    chars += paired_chars(body);
     chars.div_ceil(4).max(1)
+}
+
+/// A cross-encoder reads the query again with every document after the
+/// first (`text_1` with each `text_2`, `query` with each of `documents`).
+fn paired_chars(body: &Value) -> u64 {
+    [("text_1", "text_2"), ("query", "documents")]
+        .iter()
+        .filter_map(|(one, many)| {
+            let text = body.get(*one).filter(|v| v.is_string())?;
+            let n = body.get(*many)?.as_array()?.len() as u64;
+            Some(text_chars(text).saturating_mul(n.saturating_sub(1)))
+        })
+        .sum()
 }
 
 /// Characters of text in a content value: a string, an array of strings or

@@ -40,6 +40,12 @@ pub fn responses(mode: UsageMode, input: u64, output: u64) -> Option<Value> {
     }))
 }
 
+/// Anthropic Messages `usage`.
+pub fn anthropic(mode: UsageMode, input: u64, output: u64) -> Option<Value> {
+    let [i, o, _] = counts(mode, input, output)?;
+    Some(json!({"input_tokens": i, "output_tokens": o}))
+}
+
 /// Ollama's counts on the final (`done: true`) object.
 pub fn add_ollama(obj: &mut Map<String, Value>, mode: UsageMode, input: u64, output: u64) {
     if let Some([i, o, _]) = counts(mode, input, output) {

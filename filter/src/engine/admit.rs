@@ -30,19 +30,26 @@ impl Engine {
             return verdict;
         }
         let reserver = self.reserver(store);
-        let requested_model = asked.and_then(|a| a.demand.model.clone());
+        // A passthrough rule's model: its request limits apply (no body is
+        // read, so nothing else is known of the request).
+        let requested_model = asked
+            .and_then(|a| a.demand.model.clone())
+            .or_else(|| self.passthrough_model(api).map(str::to_string));
         let input_raw = asked.map_or(0.0, |a| a.input_raw);
         let input = match (asked, &requested_model) {
             (Some(_), Some(m)) => self.correction(store, m).apply(input_raw),
             (Some(_), None) => Correction::default().apply(input_raw),
             (None, _) => 0,
         };
-        let produces_output = asked.is_some() && api != Api::OpenAiEmbeddings;
+        // The API the body speaks (an `/invocations` body's, resolved).
+        let api = asked.map_or(api, |a| a.demand.api);
+        let produces_output = asked.is_some() && api.produces_output();
         let requested_out = asked.and_then(|a| a.demand.max_output);
-        // Each choice (`n`, `best_of`) may produce the maximum: the output
-        // reserved is the maximum times the choices. Both are capped at
-        // parse time, so the product cannot wrap (saturating all the same).
-        let choices = asked.map_or(1, |a| a.demand.choices.max(1));
+        // Each completion (every prompt × `n`/`best_of`, the API's
+        // multiplier table) may produce the maximum: the output reserved is
+        // the maximum times the completions. All are capped at parse time,
+        // so the product cannot wrap (saturating all the same).
+        let choices = asked.map_or(1, |a| a.demand.completions().max(1));
         let mut per_choice = match (produces_output, requested_out) {
             (false, _) => 0,
             (true, Some(max)) => max,
@@ -64,7 +71,10 @@ impl Engine {
         // ask the model for only what it still covers (no overshoot).
         let mut effort = Contention::default();
         let pricing = self.pricing_of(model.as_deref());
-        let applying = self.applying(identity, model.as_deref(), path);
+        let mut applying = self.applying(identity, model.as_deref(), path);
+        if let Api::Passthrough(n) = api {
+            applying.extend(self.passthrough.get(usize::from(n)).map(|(_, i)| *i));
+        }
         let mut lowered = false;
         let (reservation, taken) = loop {
             let taken: Vec<usize> = applying

@@ -320,6 +320,25 @@ impl Engine {
                 (prefix, i)
             })
             .collect();
+        // Each passthrough rule's own request limit, all callers together.
+        let passthrough = crate::passthrough::compile(&policy.passthrough)
+            .into_iter()
+            .zip(&policy.passthrough)
+            .enumerate()
+            .map(|(n, (rule, written))| {
+                let shown = written.path.as_ref().or(written.prefix.as_ref());
+                let i = add(
+                    format!("passthrough/{n}/requests"),
+                    format!("passthrough {}: requests", shown.map_or("", String::as_str)),
+                    written.requests,
+                    Scope::Global,
+                    Reason::RouteRateLimit,
+                    Meter::Requests,
+                    None,
+                );
+                (rule, i)
+            })
+            .collect();
         for (tier, list) in &tier_buckets {
             for &i in list {
                 if buckets[i].rule.scope == Scope::Global {
@@ -363,6 +382,7 @@ impl Engine {
             org_buckets,
             model_buckets,
             route_buckets,
+            passthrough,
             pricing,
             penalty,
         }

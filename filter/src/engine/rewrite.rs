@@ -75,7 +75,9 @@ pub(super) fn set_max_output(api: Api, json: &mut Value, max: u64) {
         {
             json["max_completion_tokens"] = max.into();
         }
-        Api::OpenAiChat | Api::OpenAiCompletions => json["max_tokens"] = max.into(),
+        Api::OpenAiChat | Api::OpenAiCompletions | Api::AnthropicMessages => {
+            json["max_tokens"] = max.into()
+        }
         Api::OpenAiResponses => json["max_output_tokens"] = max.into(),
         Api::OllamaGenerate | Api::OllamaChat => {
             if !json.get("options").is_some_and(Value::is_object) {
@@ -83,7 +85,12 @@ pub(super) fn set_max_output(api: Api, json: &mut Value, max: u64) {
             }
             json["options"]["num_predict"] = max.into();
         }
-        Api::OpenAiEmbeddings | Api::Other => {}
+        Api::OpenAiEmbeddings
+        | Api::OllamaEmbed
+        | Api::Scoring
+        | Api::Invocations
+        | Api::Passthrough(_)
+        | Api::Other => {}
     }
 }
 
