@@ -1,0 +1,776 @@
+//! Fair shares of a shared bucket (SPEC §8): a model's or a route's rate
+//! bucket is a commons that no group of callers may drain for the others.
+//!
+//! Groups. Each tier named in a bucket's `shares` is a group of that tier's
+//! *declared* callers (API keys listed in the policy); `anonymous` is every
+//! undeclared caller together (addresses, JWT subjects, trusted headers,
+//! undeclared keys: the same set as a tier's `anonymous_total`). Declared
+//! callers of a tier without a share form the unnamed rest: no guarantee,
+//! no cap, they borrow what is free.
+//!
+//! Mechanism: one bucket, guaranteed floors, one record. The bucket keeps
+//! its total (`used`, capacity C, rate r, exactly as without shares) and,
+//! in the same shared-data record, what each named group holds (`u_g`) and
+//! when it last asked. A group is *active* when it asked within the time
+//! the bucket takes to refill from empty (C ÷ r; a calendar window: the
+//! same window). With share s_g its floor is G_g = s_g × C. A request of
+//! group g for a units is admitted when, after the take,
+//! 1. the total fits: U + a ≤ C (the bucket, unchanged);
+//! 2. `anonymous` only: u_anon + a ≤ G_anon (undeclared callers together
+//!    never hold more than their share, busy or idle);
+//! 3. the take stays within g's own floor (u_g + a ≤ G_g), or else the
+//!    free room still covers every *other active* group's unmet floor:
+//!    C − U − a ≥ Σ_{h≠g active} max(0, G_h − u_h) (borrowing).
+//!
+//! Refill drains the total at r, and each group's holding in proportion to
+//! it (u_g × U′/U, rounded down, so the groups never sum past the total).
+//! It is one compare-and-swap of one key, like any global bucket, so it is
+//! exact across Envoy's workers. Why this and not per-group sub-buckets:
+//! one key keeps admission all-or-nothing and exact with the CAS every
+//! bucket already uses; floors instead of private sub-buckets make it
+//! work-conserving (a share nobody asks for is free to borrow: condition 3
+//! only reserves for active groups); proportional drain is what turns a
+//! floor of capacity into a floor of rate.
+//!
+//! Bounds. Always: U ≤ C after every admission (1), and u_anon ≤ G_anon
+//! (2). Invariant I: C − U ≥ Σ_{h active} max(0, G_h − u_h). Every
+//! admission keeps I (a take within one's floor lowers both sides by a; a
+//! borrowing take is only admitted by 3, which is I after the take);
+//! refill keeps it (the room grows by the drain, the unmet floors by at
+//! most the same). While I holds, an active group g asking a with
+//! u_g + a ≤ G_g is admitted, whatever the others send: *with share s, a
+//! tier holds up to s × C at any moment it asks for it*. Rate: a group at
+//! its floor drains at r × u_g ÷ U ≥ r × s (U ≤ C), and what drained is
+//! room under its own floor, taken back by its next request whatever the
+//! others' floors: *a tier that keeps asking is admitted at least
+//! s × r × T over any interval T, less one request per refill time C ÷ r
+//! (its floor is held in whole requests) and one more*, on top of the
+//! floor its first requests fill, whatever the others send.
+//! Work-conserving: a group alone (the others idle) may use the whole
+//! bucket (anonymous: up to its share); a floor nobody asked for within a
+//! refill time is lent. Taking back: a group that returns after idling
+//! may find its floor lent (I broken by the lent part D). From its first
+//! request (admitted or refused: a refusal marks the group active too, at
+//! most one write a second per group) nobody borrows until D is repaid,
+//! and D falls with the borrowers' drain, at least r × D ÷ C: the share
+//! comes back as the borrowed units drain, most of it within one refill
+//! time C ÷ r. Meanwhile the groups under their floors share the freed
+//! units first come: the rate bound above holds for a group whenever no
+//! other group is repaying a lent floor (with no idle floor lent, always).
+//!
+//! Cost: the record grows by 24 bytes per named group (bounded by
+//! [`MAX_GROUPS`]); no extra key, no extra write on admission, one write a
+//! second per refused group at most. Default (`defaults.shares`): when the
+//! policy declares API keys and writes no shares, every shared rate bucket
+//! caps `anonymous` at [`DEFAULT_ANONYMOUS_PERMILLE`] (50 %), so a flood
+//! of new identities leaves half of any model or route to declared keys.
+//! In fleet mode the shares hold in each Envoy's local bucket; the fleet's
+//! lease still bounds the total (see README, "Fair shares").
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+
+use crate::bucket::{next_window, window_start, BucketState, Quota, Shortfall, MAX_WAIT_MS, SCALE};
+use crate::codec::{Reader, Record, Writer};
+use crate::config::{ConfigError, Limit, Policy};
+
+/// The group of every undeclared caller in `shares`.
+pub const ANONYMOUS: &str = "anonymous";
+/// What `anonymous` may hold of a shared bucket when the policy declares
+/// API keys and writes no shares: half.
+pub const DEFAULT_ANONYMOUS_PERMILLE: u32 = 500;
+/// Most named groups in one `shares` map (and accounts read from a record).
+pub const MAX_GROUPS: usize = 64;
+/// A refused group refreshes its `seen` at most this often.
+const MARK_EVERY_MS: u64 = 1_000;
+
+/// `shares:` as written: group name → share, in thousandths (`20%` → 200).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SharesConfig(pub BTreeMap<String, u32>);
+
+impl<'de> Deserialize<'de> for SharesConfig {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SharesVisitor;
+        impl<'de> Visitor<'de> for SharesVisitor {
+            type Value = SharesConfig;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a map of tier (or `anonymous`) to a share like `20%`")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SharesConfig, A::Error> {
+                let mut out = BTreeMap::new();
+                while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
+                    let permille = parse_share(&value).ok_or_else(|| {
+                        de::Error::custom(format!(
+                            "{name}: a share must be a percentage like `20%` (or a fraction like 0.2), above 0 and at most 100%"
+                        ))
+                    })?;
+                    if out.insert(name.clone(), permille).is_some() {
+                        return Err(de::Error::custom(format!("{name}: listed twice")));
+                    }
+                }
+                Ok(SharesConfig(out))
+            }
+        }
+        deserializer.deserialize_map(SharesVisitor)
+    }
+}
+
+/// `20%`, `"12.5 %"` or a fraction `0.2` → thousandths, in (0, 1000].
+fn parse_share(v: &serde_json::Value) -> Option<u32> {
+    let fraction = match v {
+        serde_json::Value::Number(n) => n.as_f64().filter(|f| *f <= 1.0),
+        serde_json::Value::String(s) => s
+            .trim()
+            .strip_suffix('%')
+            .and_then(|p| p.trim().parse::<f64>().ok())
+            .map(|p| p / 100.0),
+        _ => None,
+    }?;
+    let permille = (fraction * 1000.0).round();
+    (fraction.is_finite() && permille >= 1.0 && permille <= 1000.0).then_some(permille as u32)
+}
+
+/// Checks every `shares` map (models, routes, `defaults.shares`): names
+/// are tiers or `anonymous`, and a map sums to at most 100 %.
+pub fn check(p: &Policy) -> Result<(), ConfigError> {
+    let mut maps: Vec<(String, &SharesConfig)> = Vec::new();
+    if let Some(s) = &p.defaults.shares {
+        maps.push(("defaults.shares".into(), s));
+    }
+    for (name, m) in &p.models {
+        if let Some(s) = &m.shares {
+            if m.requests.is_none() && m.tokens.is_none() {
+                return Err(ConfigError::at(
+                    format!("models.{name}.shares"),
+                    "the model has no `requests` or `tokens` bucket to share",
+                ));
+            }
+            maps.push((format!("models.{name}.shares"), s));
+        }
+    }
+    for (i, r) in p.routes.iter().enumerate() {
+        if let Some(s) = &r.shares {
+            maps.push((format!("routes[{i}].shares"), s));
+        }
+    }
+    for (path, shares) in maps {
+        if shares.0.len() > MAX_GROUPS {
+            return Err(ConfigError::at(
+                path,
+                format!("at most {MAX_GROUPS} groups"),
+            ));
+        }
+        for name in shares.0.keys() {
+            if name != ANONYMOUS && !p.tiers.contains_key(name) {
+                return Err(ConfigError::at(
+                    format!("{path}.{name}"),
+                    format!("`{name}` is neither a tier under `tiers` nor `{ANONYMOUS}`"),
+                ));
+            }
+        }
+        let sum: u32 = shares.0.values().sum();
+        if sum > 1000 {
+            return Err(ConfigError::at(
+                path,
+                format!("shares sum to {}.{}%, more than 100%", sum / 10, sum % 10),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The shares a bucket gets when it writes none: `defaults.shares` if
+/// written, else `anonymous: 50%` when the policy declares API keys (there
+/// is someone to protect), else none.
+pub fn default_for(p: &Policy) -> SharesConfig {
+    if let Some(s) = &p.defaults.shares {
+        return s.clone();
+    }
+    let declares = p
+        .identity
+        .api_key
+        .as_ref()
+        .is_some_and(|k| !k.keys.is_empty());
+    if declares {
+        SharesConfig(BTreeMap::from([(
+            ANONYMOUS.to_string(),
+            DEFAULT_ANONYMOUS_PERMILLE,
+        )]))
+    } else {
+        SharesConfig::default()
+    }
+}
+
+/// One named group of a compiled table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupShare {
+    pub id: u64,
+    pub name: String,
+    pub permille: u32,
+    /// `anonymous`: the share is also a ceiling.
+    pub capped: bool,
+}
+
+/// A bucket's shares, compiled once per policy load.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Table {
+    pub groups: Vec<GroupShare>,
+}
+
+/// The unnamed rest (declared callers of tiers without a share).
+pub const REST: u64 = 0;
+
+impl Table {
+    /// `None` when there is nothing to share (an empty map).
+    pub fn compile(cfg: &SharesConfig) -> Option<Table> {
+        let groups: Vec<GroupShare> = cfg
+            .0
+            .iter()
+            .take(MAX_GROUPS)
+            .map(|(name, &permille)| GroupShare {
+                id: group_id(name),
+                name: name.clone(),
+                permille,
+                capped: name == ANONYMOUS,
+            })
+            .collect();
+        (!groups.is_empty()).then_some(Table { groups })
+    }
+
+    /// The group of a caller: `anonymous` when undeclared, its tier when
+    /// declared and named, else [`REST`]. An undeclared caller counts as
+    /// `anonymous` even when `anonymous` has no share (then it is tracked
+    /// nowhere: the rest).
+    pub fn group_of(&self, tier: &str, declared: bool) -> u64 {
+        let name = if declared { tier } else { ANONYMOUS };
+        self.groups
+            .iter()
+            .find(|g| g.name == name && (declared || g.capped))
+            .map_or(REST, |g| g.id)
+    }
+}
+
+/// Stable across reloads (the record keeps accounts by it): FNV-1a of the
+/// name, never 0 ([`REST`]).
+fn group_id(name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h.max(1)
+}
+
+/// What one named group holds of a shared bucket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Account {
+    pub id: u64,
+    /// Millionths, drained with the total in proportion.
+    pub used: u64,
+    /// When the group last asked (admitted or refused).
+    pub seen_ms: u64,
+}
+
+/// A shared bucket's record: the bucket and its groups' accounts. Without
+/// accounts it is byte for byte a [`BucketState`] (24 bytes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pool {
+    pub state: BucketState,
+    pub accounts: Vec<Account>,
+}
+
+impl Pool {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(BucketState::LEN + 24 * self.accounts.len());
+        self.state.write(&mut w);
+        for a in &self.accounts {
+            w.u64(a.id).u64(a.used).u64(a.seen_ms);
+        }
+        w.into_bytes()
+    }
+
+    /// By prefix: a plain bucket reads with no accounts; a short value as
+    /// empty; at most [`MAX_GROUPS`] accounts, the rest ignored.
+    pub fn decode(bytes: &[u8]) -> Pool {
+        if bytes.len() < BucketState::LEN {
+            return Pool::default();
+        }
+        let mut r = Reader::new(bytes);
+        let state = BucketState::read(&mut r);
+        let mut accounts = Vec::new();
+        while accounts.len() < MAX_GROUPS && r.rest().len() >= 24 {
+            accounts.push(Account {
+                id: r.u64(),
+                used: r.u64(),
+                seen_ms: r.u64(),
+            });
+        }
+        Pool { state, accounts }
+    }
+
+    /// The record at `now_ms`: the bucket refilled, each account drained
+    /// in proportion, never summing past the total.
+    pub fn at(&self, limit: &Limit, now_ms: u64) -> Pool {
+        let before = self.state.used;
+        let state = self.state.at(limit, now_ms);
+        let mut accounts = self.accounts.clone();
+        if state.used < before {
+            for a in &mut accounts {
+                a.used = (a.used as u128 * state.used as u128)
+                    .checked_div(before as u128)
+                    .unwrap_or(0) as u64;
+            }
+        }
+        let mut pool = Pool { state, accounts };
+        pool.clamp();
+        pool
+    }
+
+    /// Accounts never hold more than the total (a settlement's rounding, a
+    /// garbled record): trimmed from the last.
+    fn clamp(&mut self) {
+        let mut left = self.state.used;
+        for a in &mut self.accounts {
+            a.used = a.used.min(left);
+            left -= a.used;
+        }
+    }
+
+    /// Accounts for exactly the table's groups (a reload may add or drop
+    /// some: a dropped group's units stay in the total, as the rest's).
+    fn aligned(mut self, table: &Table) -> Pool {
+        let mut accounts = Vec::with_capacity(table.groups.len());
+        for g in &table.groups {
+            let found = self.accounts.iter().find(|a| a.id == g.id).copied();
+            accounts.push(found.unwrap_or(Account {
+                id: g.id,
+                used: 0,
+                seen_ms: 0,
+            }));
+        }
+        self.accounts = accounts;
+        self.clamp();
+        self
+    }
+
+    /// Takes `amount` units for `group` if the bucket, the group's ceiling
+    /// and the others' active floors allow it (module comment).
+    pub fn take(
+        &self,
+        table: &Table,
+        group: u64,
+        amount: u64,
+        limit: &Limit,
+        now_ms: u64,
+    ) -> Result<Pool, Refused> {
+        let mut pool = self.at(limit, now_ms).aligned(table);
+        let capacity = limit.capacity().saturating_mul(SCALE);
+        let want = amount.saturating_mul(SCALE);
+        let used = pool.state.used;
+        let free = capacity.saturating_sub(used);
+        let active = |a: &Account| active(a, limit, now_ms);
+        let mine = pool
+            .accounts
+            .iter()
+            .position(|a| a.id == group && group != REST);
+        let mut room = free;
+        let mut own_drain_only = false;
+        let mut unmet_others = 0u64;
+        // Room under the caller's own floor: taken whenever the bucket has
+        // it, whatever the others' floors (condition 3 binds borrowing).
+        let mut own_floor_room = 0u64;
+        for (i, (g, a)) in table.groups.iter().zip(&pool.accounts).enumerate() {
+            let floor = floor(capacity, g.permille);
+            if Some(i) == mine {
+                own_floor_room = floor.saturating_sub(a.used);
+                if g.capped && own_floor_room < room {
+                    room = own_floor_room;
+                    own_drain_only = true;
+                }
+            } else if active(a) {
+                unmet_others = unmet_others.saturating_add(floor.saturating_sub(a.used));
+            }
+        }
+        let reserve_room = free
+            .saturating_sub(unmet_others)
+            .max(own_floor_room.min(free));
+        if reserve_room < room {
+            room = reserve_room;
+            own_drain_only = false;
+        }
+        if want <= room {
+            pool.state = BucketState {
+                used: used.saturating_add(want),
+                ..pool.state
+            };
+            if let Some(i) = mine {
+                let a = &mut pool.accounts[i];
+                a.used = a.used.saturating_add(want);
+                a.seen_ms = now_ms;
+            }
+            return Ok(pool);
+        }
+        // Refused: when, and what the caller may see. The room grows with
+        // the drain of the total (r), or of the group's own holding
+        // (r × u_g ÷ U) when its ceiling binds.
+        let quota = Quota {
+            limit: limit.capacity(),
+            remaining: room / SCALE,
+            ..pool.state.quota(limit, now_ms)
+        };
+        let need = want.saturating_sub(room);
+        let retry_after_ms = match limit.window {
+            Some(w) => next_window(w, now_ms).saturating_sub(now_ms),
+            None if want > capacity => quota.reset_ms,
+            None => {
+                let total_need = match mine.map(|i| pool.accounts[i].used) {
+                    Some(own) if own_drain_only && own > 0 => {
+                        (need as u128 * used as u128 / own as u128).min(u64::MAX as u128) as u64
+                    }
+                    _ => need,
+                };
+                crate::bucket::drain_ms(total_need, limit)
+            }
+        }
+        .min(MAX_WAIT_MS);
+        let shortfall = Shortfall {
+            quota,
+            retry_after_ms,
+        };
+        // A refused group is active all the same (its floor is no longer
+        // lent): written at most once a second.
+        let mark =
+            mine.filter(|&i| pool.accounts[i].seen_ms.saturating_add(MARK_EVERY_MS) <= now_ms);
+        let mark = mark.map(|i| {
+            let mut marked = pool.clone();
+            marked.accounts[i].seen_ms = now_ms;
+            marked
+        });
+        Err(Refused { shortfall, mark })
+    }
+
+    /// Gives back `amount` units taken at `taken_ms` by `group` (nothing
+    /// when a calendar window rolled over since).
+    pub fn give_back(
+        &self,
+        group: u64,
+        amount: u64,
+        limit: &Limit,
+        taken_ms: u64,
+        now_ms: u64,
+    ) -> Pool {
+        let mut pool = self.at(limit, now_ms);
+        let rolled = limit
+            .window
+            .is_some_and(|w| window_start(w, taken_ms) != window_start(w, now_ms));
+        pool.state = pool.state.give_back(amount, limit, taken_ms, now_ms);
+        if !rolled {
+            if let Some(a) = pool
+                .accounts
+                .iter_mut()
+                .find(|a| a.id == group && group != REST)
+            {
+                a.used = a.used.saturating_sub(amount.saturating_mul(SCALE));
+            }
+        }
+        pool.clamp();
+        pool
+    }
+
+    /// Charges `amount` units of usage that already happened to `group`
+    /// (may go past capacity, as a plain bucket's charge).
+    pub fn charge(&self, group: u64, amount: u64, limit: &Limit, now_ms: u64) -> Pool {
+        let mut pool = self.at(limit, now_ms);
+        pool.state = pool.state.charge(amount, limit, now_ms);
+        if let Some(a) = pool
+            .accounts
+            .iter_mut()
+            .find(|a| a.id == group && group != REST)
+        {
+            a.used = a.used.saturating_add(amount.saturating_mul(SCALE));
+        }
+        pool.clamp();
+        pool
+    }
+
+    /// What `group` holds now, in millionths (tests, the operator's view).
+    pub fn held_by(&self, group: u64) -> u64 {
+        self.accounts
+            .iter()
+            .find(|a| a.id == group)
+            .map_or(0, |a| a.used)
+    }
+}
+
+/// A take the shares refused, and the record to write anyway to mark the
+/// group active (`None`: nothing to write).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    pub shortfall: Shortfall,
+    pub mark: Option<Pool>,
+}
+
+/// s × C, in millionths.
+fn floor(capacity: u64, permille: u32) -> u64 {
+    (capacity as u128 * u128::from(permille) / 1000) as u64
+}
+
+/// Asked within the time the bucket refills from empty (C ÷ r, at least
+/// a second, at most a day); a calendar bucket: within the same window.
+fn active(a: &Account, limit: &Limit, now_ms: u64) -> bool {
+    if a.seen_ms == 0 {
+        return false;
+    }
+    if let Some(w) = limit.window {
+        return window_start(w, a.seen_ms) == window_start(w, now_ms);
+    }
+    let refill = crate::bucket::drain_ms(limit.capacity().saturating_mul(SCALE), limit)
+        .clamp(1_000, 86_400_000);
+    a.seen_ms.saturating_add(refill) > now_ms
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::Rate;
+    use proptest::prelude::*;
+
+    fn limit(amount: u64, period_ms: u64) -> Limit {
+        Limit {
+            rate: Rate { amount, period_ms },
+            burst: amount,
+            window: None,
+        }
+    }
+
+    fn table(shares: &[(&str, u32)]) -> Table {
+        Table::compile(&SharesConfig(
+            shares.iter().map(|(n, p)| (n.to_string(), *p)).collect(),
+        ))
+        .unwrap()
+    }
+
+    fn take(p: &mut Pool, t: &Table, g: u64, l: &Limit, now: u64) -> bool {
+        match p.take(t, g, 1, l, now) {
+            Ok(next) => {
+                *p = next;
+                true
+            }
+            Err(r) => {
+                if let Some(m) = r.mark {
+                    *p = m;
+                }
+                false
+            }
+        }
+    }
+
+    #[test]
+    fn anonymous_never_holds_more_than_its_share_and_declared_keys_find_the_rest() {
+        let l = limit(200, 60_000);
+        let t = table(&[("anonymous", 500)]);
+        let anon = t.group_of("free", false);
+        let free = t.group_of("free", true);
+        assert_eq!(free, REST);
+        let mut p = Pool::default();
+        let got = (0..6_000)
+            .filter(|_| take(&mut p, &t, anon, &l, 1_000))
+            .count();
+        assert_eq!(got, 100, "half of 200");
+        let refused = p.take(&t, anon, 1, &l, 1_000).unwrap_err();
+        assert_eq!(refused.shortfall.quota.remaining, 0);
+        // Its own holding drains at r × 100/100 here: one unit in 300 ms.
+        assert_eq!(refused.shortfall.retry_after_ms, 300);
+        let got = (0..200)
+            .filter(|_| take(&mut p, &t, free, &l, 1_000))
+            .count();
+        assert_eq!(got, 100, "the declared rest gets the other half");
+    }
+
+    #[test]
+    fn an_idle_share_is_lent_and_taken_back_as_its_owner_returns() {
+        let l = limit(100, 60_000);
+        let t = table(&[("pro", 400), ("anonymous", 200)]);
+        let pro = t.group_of("pro", true);
+        let rest = t.group_of("free", true);
+        let mut p = Pool::default();
+        // pro idle: the rest borrows everything.
+        let got = (0..150)
+            .filter(|_| take(&mut p, &t, rest, &l, 1_000))
+            .count();
+        assert_eq!(got, 100, "work-conserving");
+        // pro returns: refused (full), but now active; the rest may not
+        // take again until pro's floor (40) is back, pro gets what drains.
+        assert!(!take(&mut p, &t, pro, &l, 1_000));
+        let mut pro_got = 0;
+        let mut rest_got = 0;
+        for step in 1..=40 {
+            let now = 2_000 + step * 600; // one unit drains every 600 ms
+            rest_got += usize::from(take(&mut p, &t, rest, &l, now));
+            pro_got += usize::from(take(&mut p, &t, pro, &l, now));
+        }
+        assert_eq!(rest_got, 0, "no borrowing while pro's floor is lent");
+        assert!(pro_got >= 39, "pro took back its floor: {pro_got}");
+        // At its floor, pro keeps at least 40 % of the rate; the rest
+        // borrows what pro leaves.
+        let (mut pro_more, mut rest_more) = (0, 0);
+        for step in 1..=100 {
+            let now = 26_000 + step * 600;
+            rest_more += usize::from(take(&mut p, &t, rest, &l, now));
+            pro_more += usize::from(take(&mut p, &t, pro, &l, now));
+        }
+        assert!(pro_more >= 40, "{pro_more}");
+        assert!(rest_more > 0, "{rest_more}");
+    }
+
+    #[test]
+    fn a_refused_flood_writes_at_most_once_a_second() {
+        let l = limit(10, 60_000);
+        let t = table(&[("anonymous", 500)]);
+        let anon = t.group_of("x", false);
+        let mut p = Pool::default();
+        for _ in 0..5 {
+            take(&mut p, &t, anon, &l, 1_000);
+        }
+        assert!(p.take(&t, anon, 1, &l, 1_000).unwrap_err().mark.is_none());
+        assert!(p.take(&t, anon, 1, &l, 2_000).unwrap_err().mark.is_some());
+    }
+
+    #[test]
+    fn settlement_moves_the_group_and_the_total_together() {
+        let l = limit(1_000, 60_000);
+        let t = table(&[("pro", 500)]);
+        let pro = t.group_of("pro", true);
+        let p = Pool::default().take(&t, pro, 100, &l, 0).unwrap();
+        let p = p.give_back(pro, 60, &l, 0, 0).charge(pro, 10, &l, 0);
+        assert_eq!(p.state.used, 50 * SCALE);
+        assert_eq!(p.held_by(pro), 50 * SCALE);
+        assert_eq!(Pool::decode(&p.encode()), p);
+        let plain = BucketState::default().encode();
+        assert_eq!(
+            Pool::decode(&plain).encode(),
+            plain,
+            "a plain bucket stays plain"
+        );
+    }
+
+    #[test]
+    fn shares_parse_and_names_are_checked() {
+        assert_eq!(parse_share(&serde_json::json!("20%")), Some(200));
+        assert_eq!(parse_share(&serde_json::json!("12.5 %")), Some(125));
+        assert_eq!(parse_share(&serde_json::json!(0.3)), Some(300));
+        for bad in [
+            serde_json::json!("0%"),
+            serde_json::json!("150%"),
+            serde_json::json!(20),
+            serde_json::json!("x"),
+        ] {
+            assert_eq!(parse_share(&bad), None, "{bad}");
+        }
+    }
+
+    /// Arrivals per step of each group: `asks[g]` requests (one unit each).
+    fn run(t: &Table, ids: &[u64], l: &Limit, steps: &[(Vec<u8>, u64)]) -> (Vec<u64>, bool) {
+        let mut p = Pool::default();
+        let mut now = 1u64;
+        let mut got = vec![0u64; ids.len()];
+        let mut ok = true;
+        for (asks, dt) in steps {
+            now += dt;
+            for (g, &n) in asks.iter().enumerate() {
+                for _ in 0..n {
+                    if take(&mut p, t, ids[g], l, now) {
+                        got[g] += 1;
+                    }
+                    ok &= p.state.used <= l.capacity() * SCALE;
+                    ok &= p.accounts.iter().map(|a| a.used).sum::<u64>() <= p.state.used;
+                }
+            }
+        }
+        (got, ok)
+    }
+
+    proptest! {
+        /// Any arrivals of three named groups and the rest, any clock: the
+        /// total never passes the bucket, anonymous never its share, and
+        /// admissions never exceed capacity + refill.
+        #[test]
+        fn total_and_ceiling_always_hold(
+            cap in 1u64..200,
+            s in prop::collection::vec(1u32..400, 3),
+            steps in prop::collection::vec((prop::collection::vec(0u8..6, 4), 0u64..3_000), 1..120),
+        ) {
+            let l = limit(cap, 60_000);
+            let t = table(&[("anonymous", s[0]), ("free", s[1]), ("pro", s[2])]);
+            let ids = [t.group_of("x", false), t.group_of("free", true), t.group_of("pro", true), REST];
+            let mut p = Pool::default();
+            let mut now = 1u64;
+            let mut admitted = 0u64;
+            for (asks, dt) in &steps {
+                now += dt;
+                for (g, &n) in asks.iter().enumerate() {
+                    for _ in 0..n {
+                        admitted += u64::from(take(&mut p, &t, ids[g], &l, now));
+                        prop_assert!(p.state.used <= cap * SCALE);
+                        prop_assert!(p.held_by(ids[0]) <= floor(cap * SCALE, s[0]));
+                        prop_assert!(p.accounts.iter().map(|a| a.used).sum::<u64>() <= p.state.used);
+                    }
+                }
+            }
+            prop_assert!(admitted <= cap + (now * cap).div_ceil(60_000));
+        }
+
+        /// A tier that asks continuously (5 requests every 100 ms, more
+        /// than it can get) is admitted at least its share of the rate
+        /// over a minute, less one request, whatever the others send and
+        /// even when they ask first in every step.
+        #[test]
+        fn a_tier_asking_continuously_gets_its_share(
+            share in 50u32..700,
+            others in prop::collection::vec((0u8..20, 0u8..20), 600),
+        ) {
+            let cap = 100u64;
+            let l = limit(cap, 60_000); // one unit every 600 ms
+            let t = table(&[("pro", share), ("anonymous", 1000 - share)]);
+            let order = [t.group_of("x", false), REST, t.group_of("pro", true)];
+            // pro, then anonymous, ask first once (both active from the
+            // start: no floor is lent when they arrive), then pro asks
+            // last in every step: the worst order for it.
+            let steps: Vec<(Vec<u8>, u64)> = [(vec![0, 0, 5], 0), (vec![1, 0, 0], 0)]
+                .into_iter()
+                .chain(others.iter().map(|&(a, r)| (vec![a, r, 5], 100)))
+                .collect();
+            let (got, ok) = run(&t, &order, &l, &steps);
+            prop_assert!(ok);
+            // Its floor at once (g whole requests), then 60 s (one refill
+            // time) at r × (g − 1) ÷ C, the floor being held in whole
+            // requests less the one in flight.
+            let g = u64::from(share) * cap / 1000;
+            let floor_units = g + (g - 1);
+            prop_assert!(got[2] + 1 >= floor_units, "pro got {} of at least {}", got[2], floor_units);
+        }
+
+        /// Only one group asking: it may use the whole bucket (anonymous:
+        /// its share), whatever shares the others have.
+        #[test]
+        fn one_active_tier_uses_the_whole_bucket(
+            cap in 1u64..300,
+            s in prop::collection::vec(1u32..333, 3),
+            who in 0usize..3,
+        ) {
+            let l = limit(cap, 60_000);
+            let t = table(&[("free", s[0]), ("pro", s[1]), ("anonymous", s[2])]);
+            let ids = [t.group_of("free", true), t.group_of("pro", true), REST];
+            let mut p = Pool::default();
+            let got = (0..cap + 10).filter(|_| take(&mut p, &t, ids[who], &l, 1)).count() as u64;
+            prop_assert_eq!(got, cap);
+            let anon = t.group_of("x", false);
+            let mut p = Pool::default();
+            let got = (0..cap + 10).filter(|_| take(&mut p, &t, anon, &l, 1)).count() as u64;
+            prop_assert_eq!(got, cap * u64::from(s[2]) / 1000);
+        }
+    }
+}
