@@ -23,7 +23,8 @@
 //!    C − U − a ≥ Σ_{h≠g active} max(0, G_h − u_h) (borrowing).
 //!
 //! Refill drains the total at r, and each group's holding in proportion to
-//! it (u_g × U′/U, rounded down, so the groups never sum past the total).
+//! it (u_g × drain ÷ U, rounded down, then trimmed so the groups never sum
+//! past the total: they never lose more than the total did).
 //! It is one compare-and-swap of one key, like any global bucket, so it is
 //! exact across Envoy's workers. Why this and not per-group sub-buckets:
 //! one key keeps admission all-or-nothing and exact with the CAS every
@@ -318,10 +319,16 @@ impl Pool {
         let state = self.state.at(limit, now_ms);
         let mut accounts = self.accounts.clone();
         if state.used < before {
+            // Each account drains its part of the drain, rounded down, so
+            // the accounts together never lose more than the total did
+            // (what they lose is room under their floors; the room the
+            // total gained covers it, to the millionth: invariant I).
+            let drained = (before - state.used) as u128;
             for a in &mut accounts {
-                a.used = (a.used as u128 * state.used as u128)
+                let part = (a.used as u128 * drained)
                     .checked_div(before as u128)
                     .unwrap_or(0) as u64;
+                a.used = a.used.saturating_sub(part);
             }
         }
         let mut pool = Pool { state, accounts };
