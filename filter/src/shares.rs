@@ -679,6 +679,46 @@ mod tests {
         }
     }
 
+    #[test]
+    fn policies_name_the_field_of_a_bad_share_and_default_to_half_for_anonymous() {
+        let base = || {
+            serde_json::json!({"default_tier": "free",
+                "tiers": {"free": {}, "pro": {}},
+                "identity": {"sources": ["api_key", "client_address"],
+                             "api_key": {"keys": {"k1": "pro"}}},
+                "models": {"m": {"requests": "10/min"}},
+                "routes": [{"name": "chat", "path_prefix": "/v1/chat", "requests": "10/min"}]})
+        };
+        let err = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = base();
+            edit(&mut v);
+            Policy::from_value(v).unwrap_err()
+        };
+        let e = err(&|v| v["models"]["m"]["shares"] = serde_json::json!({"gold": "10%"}));
+        assert_eq!(e.path, "models.m.shares.gold", "{e}");
+        let e = err(&|v| {
+            v["routes"][0]["shares"] = serde_json::json!({"free": "60%", "anonymous": "50%"})
+        });
+        assert_eq!(e.path, "routes[0].shares", "{e}");
+        assert!(e.message.contains("110.0%"), "{e}");
+        let e = err(&|v| v["defaults"] = serde_json::json!({"shares": {"pro": "0%"}}));
+        assert!(e.path.starts_with("defaults"), "{e}");
+        let e = err(&|v| v["models"]["n"] = serde_json::json!({"shares": {"pro": "10%"}}));
+        assert_eq!(e.path, "models.n.shares", "{e}");
+
+        let p = Policy::from_value(base()).unwrap();
+        assert_eq!(default_for(&p).0[ANONYMOUS], DEFAULT_ANONYMOUS_PERMILLE);
+        let mut v = base();
+        v["defaults"] = serde_json::json!({"shares": {}});
+        assert!(Table::compile(&default_for(&Policy::from_value(v).unwrap())).is_none());
+        let mut v = base();
+        v["identity"] = serde_json::json!({"sources": ["client_address"]});
+        assert!(
+            default_for(&Policy::from_value(v).unwrap()).0.is_empty(),
+            "nobody to protect"
+        );
+    }
+
     /// Arrivals per step of each group: `asks[g]` requests (one unit each).
     fn run(t: &Table, ids: &[u64], l: &Limit, steps: &[(Vec<u8>, u64)]) -> (Vec<u64>, bool) {
         let mut p = Pool::default();
