@@ -9,59 +9,62 @@
 //! no cap, they borrow what is free.
 //!
 //! Mechanism: one bucket, guaranteed floors, one record. The bucket keeps
-//! its total (`used`, capacity C, rate r, exactly as without shares) and,
-//! in the same shared-data record, what each named group holds (`u_g`) and
-//! when it last asked. A group is *active* when it asked within the time
-//! the bucket takes to refill from empty (C ÷ r; a calendar window: the
-//! same window). With share s_g its floor is G_g = s_g × C. A request of
-//! group g for a units is admitted when, after the take,
+//! its total (`used` U, capacity C, rate r, exactly as without shares)
+//! and, in the same shared-data record, per named group what it holds
+//! (u_g), when it last asked, and how much of its floor is still *lent*
+//! (l_g, below). A group is *active* when it asked (admitted or refused)
+//! within the time the bucket takes to refill from empty (C ÷ r, 1 s to a
+//! day; a calendar bucket: the same window). With share s_g its floor is
+//! G_g = s_g × C, its unmet floor m_g = max(0, G_g − u_g). A request of
+//! group g for a units is admitted when
 //! 1. the total fits: U + a ≤ C (the bucket, unchanged);
 //! 2. `anonymous` only: u_anon + a ≤ G_anon (undeclared callers together
 //!    never hold more than their share, busy or idle);
-//! 3. the take stays within g's own floor (u_g + a ≤ G_g), or else the
-//!    free room still covers every *other active* group's unmet floor:
-//!    C − U − a ≥ Σ_{h≠g active} max(0, G_h − u_h) (borrowing).
+//! 3. a ≤ m_g − l_g (within its floor, less what of it is lent), or the
+//!    free room still covers every other active floor, lent parts
+//!    included: C − U − a ≥ Σ_{h≠g active} m_h (borrowing).
 //!
-//! Refill drains the total at r, and each group's holding in proportion to
-//! it (u_g × drain ÷ U, rounded down, then trimmed so the groups never sum
-//! past the total: they never lose more than the total did).
-//! It is one compare-and-swap of one key, like any global bucket, so it is
-//! exact across Envoy's workers. Why this and not per-group sub-buckets:
-//! one key keeps admission all-or-nothing and exact with the CAS every
-//! bucket already uses; floors instead of private sub-buckets make it
-//! work-conserving (a share nobody asks for is free to borrow: condition 3
-//! only reserves for active groups); proportional drain is what turns a
-//! floor of capacity into a floor of rate.
+//! Lent parts: l_g is kept equal, over the active groups, to the deficit
+//! D = max(0, Σ m_h − (C − U)): a group that returns to a floor others
+//! borrowed while it was idle takes the growth of D as its own l_g; as the
+//! borrowed units drain, D shrinks and the lent parts are repaid (in table
+//! order). Refill drains the total at r, and each group's holding in
+//! proportion (u_g × drain ÷ U, rounded down, then trimmed so the groups
+//! never sum past the total: they never lose more than the total did).
+//!
+//! Why this and not private per-group sub-buckets: one key keeps admission
+//! all-or-nothing and exact with the one compare-and-swap every global
+//! bucket already uses (exact across Envoy's workers); floors instead of
+//! private sub-buckets make it work-conserving (a share nobody asks for is
+//! free to borrow: condition 3 reserves only for active groups); the
+//! proportional drain turns a floor of capacity into a floor of rate; the
+//! lent parts make a returning owner's deficit its own, never its
+//! neighbours'.
 //!
 //! Bounds. Always: U ≤ C after every admission (1), and u_anon ≤ G_anon
-//! (2). Invariant I: C − U ≥ Σ_{h active} max(0, G_h − u_h). Every
-//! admission keeps I (a take within one's floor lowers both sides by a; a
-//! borrowing take is only admitted by 3, which is I after the take);
-//! refill keeps it (the room grows by the drain, the unmet floors by at
-//! most the same). While I holds, an active group g asking a with
-//! u_g + a ≤ G_g is admitted, whatever the others send: *with share s, a
-//! tier holds up to s × C at any moment it asks for it*. Rate: a group at
-//! its floor drains at r × u_g ÷ U ≥ r × s (U ≤ C), and what drained is
-//! room under its own floor, taken back by its next request whatever the
-//! others' floors: *a tier that keeps asking is admitted at least
-//! s × r × T over any interval T, less one request per refill time C ÷ r
-//! (its floor is held in whole requests) and one more*, on top of the
-//! floor its first requests fill, whatever the others send.
-//! Work-conserving: a group alone (the others idle) may use the whole
-//! bucket (anonymous: up to its share); a floor nobody asked for within a
-//! refill time is lent. Taking back: a group that returns after idling
-//! may find its floor lent (I broken by the lent part D). From its first
-//! request (admitted or refused: a refusal marks the group active too, at
-//! most one write a second per group) nobody borrows until D is repaid,
-//! and D falls with the borrowers' drain, at least r × D ÷ C: the share
-//! comes back as the borrowed units drain, most of it within one refill
-//! time C ÷ r. Meanwhile the groups under their floors share the freed
-//! units first come: the rate bound above holds for a group whenever no
-//! other group is repaying a lent floor (with no idle floor lent, always).
+//! (2). Invariant I′: C − U ≥ Σ_{h active} (m_h − l_h) — the free room
+//! covers every active floor not lent (property-tested). So:
+//! - *with share s, an active tier may hold s × C whenever it asks, less
+//!   what of its floor was lent when it returned and has not drained yet*;
+//!   a tier active before the others return never loses anything to them.
+//! - Rate: a tier at its floor drains at r × u_g ÷ U ≥ r × s (U ≤ C), and
+//!   what drained is room under its own floor, covered by I′: *a tier that
+//!   keeps asking is admitted at least s × r × T over any interval T, less
+//!   one request per refill time C ÷ r (its floor is held in whole
+//!   requests) and one more, whatever the others send* (property-tested).
+//! - Work-conserving: a group alone (the others idle) may use the whole
+//!   bucket (anonymous: up to its share); a floor nobody asked for within
+//!   a refill time is lent.
+//! - Taking back: from a returning tier's first request (a refusal marks
+//!   it active too, at most one write a second per group) nobody borrows
+//!   until its lent part is repaid, and the lent part falls with the
+//!   borrowers' drain, at least at r × D ÷ C (they hold at least D): the
+//!   share comes back as the borrowed units drain, most of it within one
+//!   refill time C ÷ r, all of it when the borrowers' units are gone.
 //!
-//! Cost: the record grows by 24 bytes per named group (bounded by
-//! [`MAX_GROUPS`]); no extra key, no extra write on admission, one write a
-//! second per refused group at most. Default (`defaults.shares`): when the
+//! Cost: the record grows by 32 bytes per named group (bounded by
+//! [`MAX_GROUPS`]); no extra key, no extra write on admission, at most one
+//! write a second per refused group. Default (`defaults.shares`): when the
 //! policy declares API keys and writes no shares, every shared rate bucket
 //! caps `anonymous` at [`DEFAULT_ANONYMOUS_PERMILLE`] (50 %), so a flood
 //! of new identities leaves half of any model or route to declared keys.
@@ -273,7 +276,13 @@ pub struct Account {
     pub used: u64,
     /// When the group last asked (admitted or refused).
     pub seen_ms: u64,
+    /// Millionths of its unmet floor still lent to borrowers since it
+    /// returned: repaid from the borrowers' drain only.
+    pub lent: u64,
 }
+
+/// Bytes of one account in the record.
+const ACCOUNT_LEN: usize = 32;
 
 /// A shared bucket's record: the bucket and its groups' accounts. Without
 /// accounts it is byte for byte a [`BucketState`] (24 bytes).
@@ -285,10 +294,10 @@ pub struct Pool {
 
 impl Pool {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(BucketState::LEN + 24 * self.accounts.len());
+        let mut w = Writer::with_capacity(BucketState::LEN + ACCOUNT_LEN * self.accounts.len());
         self.state.write(&mut w);
         for a in &self.accounts {
-            w.u64(a.id).u64(a.used).u64(a.seen_ms);
+            w.u64(a.id).u64(a.used).u64(a.seen_ms).u64(a.lent);
         }
         w.into_bytes()
     }
@@ -302,11 +311,12 @@ impl Pool {
         let mut r = Reader::new(bytes);
         let state = BucketState::read(&mut r);
         let mut accounts = Vec::new();
-        while accounts.len() < MAX_GROUPS && r.rest().len() >= 24 {
+        while accounts.len() < MAX_GROUPS && r.rest().len() >= ACCOUNT_LEN {
             accounts.push(Account {
                 id: r.u64(),
                 used: r.u64(),
                 seen_ms: r.u64(),
+                lent: r.u64(),
             });
         }
         Pool { state, accounts }
@@ -354,13 +364,65 @@ impl Pool {
             let found = self.accounts.iter().find(|a| a.id == g.id).copied();
             accounts.push(found.unwrap_or(Account {
                 id: g.id,
-                used: 0,
-                seen_ms: 0,
+                ..Account::default()
             }));
         }
         self.accounts = accounts;
         self.clamp();
         self
+    }
+
+    /// Keeps the lent parts equal to the deficit D = Σ unmet − free (0
+    /// when the free room covers every active floor), so that the free
+    /// room always covers what is *not* lent (invariant I′). D shrinks as
+    /// borrowed units drain: lents are repaid (in table order). D grows
+    /// when a group returns to a lent floor (the `newcomer`: the growth
+    /// is its own lent part), or by a settlement past its reservation or
+    /// a reload (then the first groups with room take it).
+    fn settle_lents(
+        &mut self,
+        floors: &[u64],
+        free: u64,
+        limit: &Limit,
+        now_ms: u64,
+        newcomer: Option<usize>,
+    ) {
+        let mut unmet_sum = 0u64;
+        for (a, &f) in self.accounts.iter_mut().zip(floors) {
+            if !active(a, limit, now_ms) {
+                a.lent = 0;
+                continue;
+            }
+            let unmet = f.saturating_sub(a.used);
+            a.lent = a.lent.min(unmet);
+            unmet_sum = unmet_sum.saturating_add(unmet);
+        }
+        let target = unmet_sum.saturating_sub(free);
+        let mut lent_sum: u64 = self.accounts.iter().map(|a| a.lent).sum();
+        if lent_sum > target {
+            for a in &mut self.accounts {
+                let cut = a.lent.min(lent_sum - target);
+                a.lent -= cut;
+                lent_sum -= cut;
+            }
+            return;
+        }
+        let order = newcomer.into_iter().chain(0..self.accounts.len());
+        for i in order {
+            if lent_sum >= target {
+                break;
+            }
+            let a = &mut self.accounts[i];
+            if !active(a, limit, now_ms) {
+                continue;
+            }
+            let add = floors[i]
+                .saturating_sub(a.used)
+                .saturating_sub(a.lent)
+                .min(target - lent_sum);
+            a.lent += add;
+            lent_sum += add;
+        }
     }
 
     /// Takes `amount` units for `group` if the bucket, the group's ceiling
@@ -378,34 +440,47 @@ impl Pool {
         let want = amount.saturating_mul(SCALE);
         let used = pool.state.used;
         let free = capacity.saturating_sub(used);
-        let active = |a: &Account| active(a, limit, now_ms);
+        let floors: Vec<u64> = table
+            .groups
+            .iter()
+            .map(|g| floor(capacity, g.permille))
+            .collect();
         let mine = pool
             .accounts
             .iter()
             .position(|a| a.id == group && group != REST);
+        // Asking makes the group active (its floor is no longer lent out
+        // to new borrowers); a return to a lent floor records the lent part.
+        let last_seen = mine.map_or(u64::MAX, |i| pool.accounts[i].seen_ms);
+        let newcomer = mine.filter(|&i| !active(&pool.accounts[i], limit, now_ms));
+        if let Some(i) = mine {
+            pool.accounts[i].seen_ms = now_ms;
+        }
+        pool.settle_lents(&floors, free, limit, now_ms, newcomer);
+
         let mut room = free;
         let mut own_drain_only = false;
+        let mut covered = 0u64;
         let mut unmet_others = 0u64;
-        // Room under the caller's own floor: taken whenever the bucket has
-        // it, whatever the others' floors (condition 3 binds borrowing).
-        let mut own_floor_room = 0u64;
-        for (i, (g, a)) in table.groups.iter().zip(&pool.accounts).enumerate() {
-            let floor = floor(capacity, g.permille);
+        for (i, a) in pool.accounts.iter().enumerate() {
+            let unmet = floors[i].saturating_sub(a.used);
             if Some(i) == mine {
-                own_floor_room = floor.saturating_sub(a.used);
-                if g.capped && own_floor_room < room {
-                    room = own_floor_room;
+                // What of its own floor is free for it (not lent).
+                covered = unmet.saturating_sub(a.lent);
+                if table.groups[i].capped && unmet < room {
+                    room = unmet;
                     own_drain_only = true;
                 }
-            } else if active(a) {
-                unmet_others = unmet_others.saturating_add(floor.saturating_sub(a.used));
+            } else if active(a, limit, now_ms) {
+                unmet_others = unmet_others.saturating_add(unmet);
             }
         }
-        let reserve_room = free
-            .saturating_sub(unmet_others)
-            .max(own_floor_room.min(free));
-        if reserve_room < room {
-            room = reserve_room;
+        // Within its unlent floor: always (I′ keeps that room free).
+        // Borrowing: only while every other active floor stays covered,
+        // lent parts included (they are owed to their owners).
+        let policy_room = covered.max(free.saturating_sub(unmet_others));
+        if policy_room < room {
+            room = policy_room;
             own_drain_only = false;
         }
         if want <= room {
@@ -416,7 +491,7 @@ impl Pool {
             if let Some(i) = mine {
                 let a = &mut pool.accounts[i];
                 a.used = a.used.saturating_add(want);
-                a.seen_ms = now_ms;
+                a.lent = a.lent.min(floors[i].saturating_sub(a.used));
             }
             return Ok(pool);
         }
@@ -449,13 +524,7 @@ impl Pool {
         };
         // A refused group is active all the same (its floor is no longer
         // lent): written at most once a second.
-        let mark =
-            mine.filter(|&i| pool.accounts[i].seen_ms.saturating_add(MARK_EVERY_MS) <= now_ms);
-        let mark = mark.map(|i| {
-            let mut marked = pool.clone();
-            marked.accounts[i].seen_ms = now_ms;
-            marked
-        });
+        let mark = (last_seen.saturating_add(MARK_EVERY_MS) <= now_ms).then_some(pool);
         Err(Refused { shortfall, mark })
     }
 
@@ -748,7 +817,7 @@ mod tests {
         fn total_and_ceiling_always_hold(
             cap in 1u64..200,
             s in prop::collection::vec(1u32..400, 3),
-            steps in prop::collection::vec((prop::collection::vec(0u8..6, 4), 0u64..3_000), 1..120),
+            steps in prop::collection::vec((prop::collection::vec(0u8..6, 4), 0u64..8_000), 1..120),
         ) {
             let l = limit(cap, 60_000);
             let t = table(&[("anonymous", s[0]), ("free", s[1]), ("pro", s[2])]);
@@ -764,6 +833,14 @@ mod tests {
                         prop_assert!(p.state.used <= cap * SCALE);
                         prop_assert!(p.held_by(ids[0]) <= floor(cap * SCALE, s[0]));
                         prop_assert!(p.accounts.iter().map(|a| a.used).sum::<u64>() <= p.state.used);
+                        // I′: the free room covers every active group's
+                        // unlent floor (what it may take at once).
+                        let free = cap * SCALE - p.state.used;
+                        let owed: u64 = t.groups.iter().zip(&p.accounts)
+                            .filter(|(_, a)| active(a, &l, now))
+                            .map(|(g, a)| floor(cap * SCALE, g.permille).saturating_sub(a.used).saturating_sub(a.lent))
+                            .sum();
+                        prop_assert!(free >= owed, "free {} owed {}", free, owed);
                     }
                 }
             }
@@ -783,11 +860,11 @@ mod tests {
             let l = limit(cap, 60_000); // one unit every 600 ms
             let t = table(&[("pro", share), ("anonymous", 1000 - share)]);
             let order = [t.group_of("x", false), REST, t.group_of("pro", true)];
-            // pro, then anonymous, ask first once (both active from the
-            // start: no floor is lent when they arrive), then pro asks
-            // last in every step: the worst order for it.
-            let steps: Vec<(Vec<u8>, u64)> = [(vec![0, 0, 5], 0), (vec![1, 0, 0], 0)]
-                .into_iter()
+            // pro asks first once (active from the start: its floor is
+            // not lent when it arrives), then last in every step, the
+            // worst order for it, while anonymous arrives whenever the
+            // strategy says (possibly to a floor the rest borrowed).
+            let steps: Vec<(Vec<u8>, u64)> = std::iter::once((vec![0, 0, 5], 0))
                 .chain(others.iter().map(|&(a, r)| (vec![a, r, 5], 100)))
                 .collect();
             let (got, ok) = run(&t, &order, &l, &steps);
