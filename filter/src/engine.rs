@@ -35,6 +35,8 @@ pub mod settle;
 
 #[cfg(test)]
 mod org_tests;
+#[cfg(test)]
+mod shares_tests;
 
 use compile::Bucket;
 pub use compile::{Meter, Pricing};

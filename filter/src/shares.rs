@@ -425,8 +425,49 @@ impl Pool {
         }
     }
 
+    /// What `group` may take now (millionths), and whether its own
+    /// ceiling is what binds: conditions 1–3 of the module comment, on a
+    /// record whose lent parts are settled.
+    fn room(
+        &self,
+        table: &Table,
+        floors: &[u64],
+        mine: Option<usize>,
+        free: u64,
+        limit: &Limit,
+        now_ms: u64,
+    ) -> (u64, bool) {
+        let mut room = free;
+        let mut own_drain_only = false;
+        let mut covered = 0u64;
+        let mut unmet_others = 0u64;
+        for (i, a) in self.accounts.iter().enumerate() {
+            let unmet = floors[i].saturating_sub(a.used);
+            if Some(i) == mine {
+                // What of its own floor is free for it (not lent).
+                covered = unmet.saturating_sub(a.lent);
+                if table.groups[i].capped && unmet < room {
+                    room = unmet;
+                    own_drain_only = true;
+                }
+            } else if active(a, limit, now_ms) {
+                unmet_others = unmet_others.saturating_add(unmet);
+            }
+        }
+        // Within its unlent floor: always (I′ keeps that room free).
+        // Borrowing: only while every other active floor stays covered,
+        // lent parts included (they are owed to their owners).
+        let policy_room = covered.max(free.saturating_sub(unmet_others));
+        if policy_room < room {
+            room = policy_room;
+            own_drain_only = false;
+        }
+        (room.min(free), own_drain_only)
+    }
+
     /// Takes `amount` units for `group` if the bucket, the group's ceiling
-    /// and the others' active floors allow it (module comment).
+    /// and the others' active floors allow it (module comment); with what
+    /// the group may still take after it (its `X-RateLimit-Remaining`).
     pub fn take(
         &self,
         table: &Table,
@@ -434,7 +475,7 @@ impl Pool {
         amount: u64,
         limit: &Limit,
         now_ms: u64,
-    ) -> Result<Pool, Refused> {
+    ) -> Result<(Pool, u64), Refused> {
         let mut pool = self.at(limit, now_ms).aligned(table);
         let capacity = limit.capacity().saturating_mul(SCALE);
         let want = amount.saturating_mul(SCALE);
@@ -458,31 +499,7 @@ impl Pool {
         }
         pool.settle_lents(&floors, free, limit, now_ms, newcomer);
 
-        let mut room = free;
-        let mut own_drain_only = false;
-        let mut covered = 0u64;
-        let mut unmet_others = 0u64;
-        for (i, a) in pool.accounts.iter().enumerate() {
-            let unmet = floors[i].saturating_sub(a.used);
-            if Some(i) == mine {
-                // What of its own floor is free for it (not lent).
-                covered = unmet.saturating_sub(a.lent);
-                if table.groups[i].capped && unmet < room {
-                    room = unmet;
-                    own_drain_only = true;
-                }
-            } else if active(a, limit, now_ms) {
-                unmet_others = unmet_others.saturating_add(unmet);
-            }
-        }
-        // Within its unlent floor: always (I′ keeps that room free).
-        // Borrowing: only while every other active floor stays covered,
-        // lent parts included (they are owed to their owners).
-        let policy_room = covered.max(free.saturating_sub(unmet_others));
-        if policy_room < room {
-            room = policy_room;
-            own_drain_only = false;
-        }
+        let (room, own_drain_only) = pool.room(table, &floors, mine, free, limit, now_ms);
         if want <= room {
             pool.state = BucketState {
                 used: used.saturating_add(want),
@@ -493,7 +510,8 @@ impl Pool {
                 a.used = a.used.saturating_add(want);
                 a.lent = a.lent.min(floors[i].saturating_sub(a.used));
             }
-            return Ok(pool);
+            let (left, _) = pool.room(table, &floors, mine, free - want, limit, now_ms);
+            return Ok((pool, left / SCALE));
         }
         // Refused: when, and what the caller may see. The room grows with
         // the drain of the total (r), or of the group's own holding
@@ -631,7 +649,7 @@ mod tests {
 
     fn take(p: &mut Pool, t: &Table, g: u64, l: &Limit, now: u64) -> bool {
         match p.take(t, g, 1, l, now) {
-            Ok(next) => {
+            Ok((next, _)) => {
                 *p = next;
                 true
             }
@@ -720,7 +738,14 @@ mod tests {
         let l = limit(1_000, 60_000);
         let t = table(&[("pro", 500)]);
         let pro = t.group_of("pro", true);
-        let p = Pool::default().take(&t, pro, 100, &l, 0).unwrap();
+        let (p, left) = Pool::default().take(&t, pro, 100, &l, 0).unwrap();
+        assert_eq!(left, 900, "alone, pro may borrow the rest");
+        let anon =
+            Table::compile(&SharesConfig(BTreeMap::from([(ANONYMOUS.into(), 500)]))).unwrap();
+        let (_, left) = Pool::default()
+            .take(&anon, anon.groups[0].id, 100, &l, 0)
+            .unwrap();
+        assert_eq!(left, 400, "anonymous: what is left of its share");
         let p = p.give_back(pro, 60, &l, 0, 0).charge(pro, 10, &l, 0);
         assert_eq!(p.state.used, 50 * SCALE);
         assert_eq!(p.held_by(pro), 50 * SCALE);
