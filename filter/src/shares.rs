@@ -134,7 +134,7 @@ fn parse_share(v: &serde_json::Value) -> Option<u32> {
         _ => None,
     }?;
     let permille = (fraction * 1000.0).round();
-    (fraction.is_finite() && permille >= 1.0 && permille <= 1000.0).then_some(permille as u32)
+    (fraction.is_finite() && (1.0..=1000.0).contains(&permille)).then_some(permille as u32)
 }
 
 /// Checks every `shares` map (models, routes, `defaults.shares`): names
