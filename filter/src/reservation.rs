@@ -570,13 +570,11 @@ impl Reserver<'_> {
             let pool = Pool::decode(&bytes);
             let (write, outcome) =
                 match pool.take(share.table, share.group, claim.amount, limit, now_ms) {
-                    Ok((next, left)) => {
-                        // What this caller's group may still take: the
-                        // client's X-RateLimit-Remaining.
-                        let quota = Quota {
-                            remaining: left,
-                            ..next.state.quota(limit, now_ms)
-                        };
+                    // An admission reports the bucket, as without shares
+                    // (the tightest bucket's X-RateLimit-*); a refusal
+                    // reports what the caller's group may take.
+                    Ok((next, _group_view)) => {
+                        let quota = next.state.quota(limit, now_ms);
                         (Some(next), Ok(quota))
                     }
                     Err(refused) => (refused.mark, Err(TakeError::Full(refused.shortfall))),

@@ -467,7 +467,7 @@ impl Pool {
 
     /// Takes `amount` units for `group` if the bucket, the group's ceiling
     /// and the others' active floors allow it (module comment); with what
-    /// the group may still take after it (its `X-RateLimit-Remaining`).
+    /// the bucket's quota as the group sees it (its `X-RateLimit-*`).
     pub fn take(
         &self,
         table: &Table,
@@ -475,7 +475,7 @@ impl Pool {
         amount: u64,
         limit: &Limit,
         now_ms: u64,
-    ) -> Result<(Pool, u64), Refused> {
+    ) -> Result<(Pool, Quota), Refused> {
         let mut pool = self.at(limit, now_ms).aligned(table);
         let capacity = limit.capacity().saturating_mul(SCALE);
         let want = amount.saturating_mul(SCALE);
@@ -500,24 +500,39 @@ impl Pool {
         pool.settle_lents(&floors, free, limit, now_ms, newcomer);
 
         let (room, own_drain_only) = pool.room(table, &floors, mine, free, limit, now_ms);
+        // What the client is told: for `anonymous` its share is its whole
+        // bucket (`X-RateLimit-Limit`), for a tier the bucket; remaining is
+        // what its group may still take.
+        let group_limit = match mine {
+            Some(i) if table.groups[i].capped => floors[i] / SCALE,
+            _ => limit.capacity(),
+        };
         if want <= room {
             pool.state = BucketState {
                 used: used.saturating_add(want),
                 ..pool.state
             };
+            let quota_now = pool.state.quota(limit, now_ms);
             if let Some(i) = mine {
                 let a = &mut pool.accounts[i];
                 a.used = a.used.saturating_add(want);
                 a.lent = a.lent.min(floors[i].saturating_sub(a.used));
             }
             let (left, _) = pool.room(table, &floors, mine, free - want, limit, now_ms);
-            return Ok((pool, left / SCALE));
+            return Ok((
+                pool,
+                Quota {
+                    limit: group_limit,
+                    remaining: left / SCALE,
+                    ..quota_now
+                },
+            ));
         }
         // Refused: when, and what the caller may see. The room grows with
         // the drain of the total (r), or of the group's own holding
         // (r × u_g ÷ U) when its ceiling binds.
         let quota = Quota {
-            limit: limit.capacity(),
+            limit: group_limit,
             remaining: room / SCALE,
             ..pool.state.quota(limit, now_ms)
         };
@@ -738,14 +753,22 @@ mod tests {
         let l = limit(1_000, 60_000);
         let t = table(&[("pro", 500)]);
         let pro = t.group_of("pro", true);
-        let (p, left) = Pool::default().take(&t, pro, 100, &l, 0).unwrap();
-        assert_eq!(left, 900, "alone, pro may borrow the rest");
+        let (p, q) = Pool::default().take(&t, pro, 100, &l, 0).unwrap();
+        assert_eq!(
+            (q.limit, q.remaining),
+            (1_000, 900),
+            "alone, pro may borrow the rest"
+        );
         let anon =
             Table::compile(&SharesConfig(BTreeMap::from([(ANONYMOUS.into(), 500)]))).unwrap();
-        let (_, left) = Pool::default()
+        let (_, q) = Pool::default()
             .take(&anon, anon.groups[0].id, 100, &l, 0)
             .unwrap();
-        assert_eq!(left, 400, "anonymous: what is left of its share");
+        assert_eq!(
+            (q.limit, q.remaining),
+            (500, 400),
+            "anonymous: its share is its bucket"
+        );
         let p = p.give_back(pro, 60, &l, 0, 0).charge(pro, 10, &l, 0);
         assert_eq!(p.state.used, 50 * SCALE);
         assert_eq!(p.held_by(pro), 50 * SCALE);

@@ -65,6 +65,11 @@ fn a_routes_bucket_caps_anonymous_keeps_pros_floor_and_says_what_is_left() {
     let refused = verdicts.iter().find_map(|v| v.reply.as_ref()).unwrap();
     assert_eq!(refused.header("x-sluice-reason"), Some("route_rate_limit"));
     assert_eq!(refused.header("x-ratelimit-remaining"), Some("0"));
+    assert_eq!(
+        refused.header("x-ratelimit-limit"),
+        Some("2"),
+        "its share is its bucket"
+    );
     // The declared free key (no share) borrows all but pro's unmet 2.
     let free: Vec<Verdict> = (0..10)
         .map(|_| admit(&e, &store, &Who(Some("k-free"), "10.0.0.2:1"), 3))
