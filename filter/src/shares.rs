@@ -14,14 +14,17 @@
 //! (u_g), when it last asked, and how much of its floor is still *lent*
 //! (l_g, below). A group is *active* when it asked (admitted or refused)
 //! within the time the bucket takes to refill from empty (C ÷ r, 1 s to a
-//! day; a calendar bucket: the same window). With share s_g its floor is
-//! G_g = s_g × C, its unmet floor m_g = max(0, G_g − u_g). A request of
-//! group g for a units is admitted when
+//! day; a calendar bucket: the same window). With share s_g a tier's floor
+//! is G_g = s_g × C, its unmet floor m_g = max(0, G_g − u_g). `anonymous`
+//! has a *ceiling* s_anon × C and no floor: its callers never hold room
+//! back from declared keys (else one anonymous request a minute would keep
+//! its share idle), they only borrow. A request of group g for a units is
+//! admitted when
 //! 1. the total fits: U + a ≤ C (the bucket, unchanged);
-//! 2. `anonymous` only: u_anon + a ≤ G_anon (undeclared callers together
-//!    never hold more than their share, busy or idle);
-//! 3. a ≤ m_g − l_g (within its floor, less what of it is lent), or the
-//!    free room still covers every other active floor, lent parts
+//! 2. `anonymous` only: u_anon + a ≤ s_anon × C (undeclared callers
+//!    together never hold more than their share, busy or idle);
+//! 3. a ≤ m_g − l_g (a tier within its floor, less what of it is lent), or
+//!    the free room still covers every active tier's floor, lent parts
 //!    included: C − U − a ≥ Σ_{h≠g active} m_h (borrowing).
 //!
 //! Lent parts: l_g is kept equal, over the active groups, to the deficit
@@ -41,9 +44,9 @@
 //! lent parts make a returning owner's deficit its own, never its
 //! neighbours'.
 //!
-//! Bounds. Always: U ≤ C after every admission (1), and u_anon ≤ G_anon
-//! (2). Invariant I′: C − U ≥ Σ_{h active} (m_h − l_h) — the free room
-//! covers every active floor not lent (property-tested). So:
+//! Bounds. Always: U ≤ C after every admission (1), and u_anon ≤
+//! s_anon × C (2). Invariant I′: C − U ≥ Σ_{h active tier} (m_h − l_h) —
+//! the free room covers every active floor not lent (property-tested). So:
 //! - *with share s, an active tier may hold s × C whenever it asks, less
 //!   what of its floor was lent when it returned and has not drained yet*;
 //!   a tier active before the others return never loses anything to them.
@@ -54,9 +57,10 @@
 //!   requests) and one more, whatever the others send* (property-tested).
 //! - Work-conserving: a group alone (the others idle) may use the whole
 //!   bucket (anonymous: up to its share); a floor nobody asked for within
-//!   a refill time is lent.
+//!   a refill time is lent. (A tier that asks once per refill time keeps
+//!   its floor reserved: floors are for the operator's declared tiers.)
 //! - Taking back: from a returning tier's first request (a refusal marks
-//!   it active too, at most one write a second per group) nobody borrows
+//!   it active too, at most one write a second per tier) nobody borrows
 //!   until its lent part is repaid, and the lent part falls with the
 //!   borrowers' drain, at least at r × D ÷ C (they hold at least D): the
 //!   share comes back as the borrowed units drain, most of it within one
@@ -64,7 +68,7 @@
 //!
 //! Cost: the record grows by 32 bytes per named group (bounded by
 //! [`MAX_GROUPS`]); no extra key, no extra write on admission, at most one
-//! write a second per refused group. Default (`defaults.shares`): when the
+//! write a second per refused tier. Default (`defaults.shares`): when the
 //! policy declares API keys and writes no shares, every shared rate bucket
 //! caps `anonymous` at [`DEFAULT_ANONYMOUS_PERMILLE`] (50 %), so a flood
 //! of new identities leaves half of any model or route to declared keys.
@@ -441,13 +445,16 @@ impl Pool {
         let mut own_drain_only = false;
         let mut covered = 0u64;
         let mut unmet_others = 0u64;
+        let capacity = limit.capacity().saturating_mul(SCALE);
         for (i, a) in self.accounts.iter().enumerate() {
             let unmet = floors[i].saturating_sub(a.used);
             if Some(i) == mine {
                 // What of its own floor is free for it (not lent).
                 covered = unmet.saturating_sub(a.lent);
-                if table.groups[i].capped && unmet < room {
-                    room = unmet;
+                let g = &table.groups[i];
+                let headroom = floor(capacity, g.permille).saturating_sub(a.used);
+                if g.capped && headroom < room {
+                    room = headroom;
                     own_drain_only = true;
                 }
             } else if active(a, limit, now_ms) {
@@ -481,10 +488,19 @@ impl Pool {
         let want = amount.saturating_mul(SCALE);
         let used = pool.state.used;
         let free = capacity.saturating_sub(used);
+        // Guaranteed floors: a tier's share. `anonymous` has none: its
+        // share is only a ceiling, so its callers never hold room back
+        // from declared keys.
         let floors: Vec<u64> = table
             .groups
             .iter()
-            .map(|g| floor(capacity, g.permille))
+            .map(|g| {
+                if g.capped {
+                    0
+                } else {
+                    floor(capacity, g.permille)
+                }
+            })
             .collect();
         let mine = pool
             .accounts
@@ -504,7 +520,7 @@ impl Pool {
         // bucket (`X-RateLimit-Limit`), for a tier the bucket; remaining is
         // what its group may still take.
         let group_limit = match mine {
-            Some(i) if table.groups[i].capped => floors[i] / SCALE,
+            Some(i) if table.groups[i].capped => floor(capacity, table.groups[i].permille) / SCALE,
             _ => limit.capacity(),
         };
         if want <= room {
@@ -557,7 +573,8 @@ impl Pool {
         };
         // A refused group is active all the same (its floor is no longer
         // lent): written at most once a second.
-        let mark = (last_seen.saturating_add(MARK_EVERY_MS) <= now_ms).then_some(pool);
+        let floored = mine.is_some_and(|i| floors[i] > 0);
+        let mark = (floored && last_seen.saturating_add(MARK_EVERY_MS) <= now_ms).then_some(pool);
         Err(Refused { shortfall, mark })
     }
 
@@ -736,7 +753,7 @@ mod tests {
     }
 
     #[test]
-    fn a_refused_flood_writes_at_most_once_a_second() {
+    fn a_refused_group_writes_at_most_once_a_second() {
         let l = limit(10, 60_000);
         let t = table(&[("anonymous", 500)]);
         let anon = t.group_of("x", false);
@@ -744,8 +761,29 @@ mod tests {
         for _ in 0..5 {
             take(&mut p, &t, anon, &l, 1_000);
         }
-        assert!(p.take(&t, anon, 1, &l, 1_000).unwrap_err().mark.is_none());
-        assert!(p.take(&t, anon, 1, &l, 2_000).unwrap_err().mark.is_some());
+        // anonymous has no floor to claim back: its refusals write nothing.
+        assert!(p.take(&t, anon, 1, &l, 2_000).unwrap_err().mark.is_none());
+        let t = table(&[("pro", 500)]);
+        let pro = t.group_of("pro", true);
+        let mut p = Pool::default();
+        for _ in 0..10 {
+            take(&mut p, &t, REST, &l, 1_000);
+        }
+        assert!(
+            p.take(&t, pro, 1, &l, 1_000).unwrap_err().mark.is_some(),
+            "returns"
+        );
+        let marked = p.take(&t, pro, 1, &l, 1_000).unwrap_err().mark.unwrap();
+        assert!(marked
+            .take(&t, pro, 1, &l, 1_500)
+            .unwrap_err()
+            .mark
+            .is_none());
+        assert!(marked
+            .take(&t, pro, 1, &l, 2_000)
+            .unwrap_err()
+            .mark
+            .is_some());
     }
 
     #[test]
@@ -885,7 +923,7 @@ mod tests {
                         // unlent floor (what it may take at once).
                         let free = cap * SCALE - p.state.used;
                         let owed: u64 = t.groups.iter().zip(&p.accounts)
-                            .filter(|(_, a)| active(a, &l, now))
+                            .filter(|(g, a)| !g.capped && active(a, &l, now))
                             .map(|(g, a)| floor(cap * SCALE, g.permille).saturating_sub(a.used).saturating_sub(a.lent))
                             .sum();
                         prop_assert!(free >= owed, "free {} owed {}", free, owed);

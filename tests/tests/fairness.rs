@@ -169,3 +169,15 @@ fn a_lone_declared_tier_uses_the_whole_bucket() {
     assert_eq!(got, BUCKET, "{reasons:?}");
     assert_eq!(reasons, vec!["model_rate_limit"; 5]);
 }
+
+/// Attacker's variant: one anonymous request keeps no room back from
+/// declared keys (anonymous has a ceiling, not a floor), so the declared
+/// rest may still use everything else.
+#[test]
+fn a_trickle_of_anonymous_requests_holds_nothing_back() {
+    let stack = start(None);
+    assert_eq!(flood(&stack, 1, 1), 1);
+    let (got, reasons) = declared(&stack, "demo-enterprise-key", BUCKET);
+    assert_eq!(got, BUCKET - 1, "{reasons:?}");
+    assert_eq!(reasons, ["model_rate_limit"]);
+}
