@@ -256,7 +256,9 @@ impl Table {
         let name = if declared { tier } else { ANONYMOUS };
         self.groups
             .iter()
-            .find(|g| g.name == name && (declared || g.capped))
+            // (A tier named `anonymous` gets no share: the name means the
+            // undeclared callers.)
+            .find(|g| g.name == name && g.capped != declared)
             .map_or(REST, |g| g.id)
     }
 }
