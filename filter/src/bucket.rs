@@ -206,7 +206,7 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
 /// Milliseconds for the bucket to drain `used` millionths, rounded up, at
 /// most [`MAX_WAIT_MS`]. A bucket that never drains (a zero rate, refused by
 /// config) waits the most.
-fn drain_ms(used: u64, limit: &Limit) -> u64 {
+pub(crate) fn drain_ms(used: u64, limit: &Limit) -> u64 {
     let per = limit.rate.amount as u128 * SCALE as u128;
     if per == 0 {
         return MAX_WAIT_MS;

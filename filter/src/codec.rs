@@ -12,6 +12,7 @@
 //! | [`BucketState`] | 24 | owner, used, updated_ms |
 //! | [`Slot`] | 32 | bucket state, touched_ms (a 24-byte prepared key reads as untouched since `updated_ms`) |
 //! | [`SketchCell`] | 16 | window, used (by prefix) |
+//! | [`Pool`](crate::shares::Pool) (a shared bucket with fair shares; coded in `shares`) | 24 + 32 × groups | bucket state, then per group: id, used, seen_ms, lent (by prefix; no groups: a plain [`BucketState`]) |
 //! | [`Upstream`] | 96 | 7 × u64 times, failures, barred, 8 × caller |
 //! | [`CredentialPause`] | 16 | fingerprint, until_ms |
 //! | [`UsageRing`] | 16 + 60 × 16 | newest, surge_flagged, tokens[60], spend[60] |

@@ -564,6 +564,9 @@ pub struct ModelConfig {
     pub credentials: Option<Credentials>,
     /// Requests in flight to this model at once, across every worker.
     pub concurrency: Option<u32>,
+    /// Fair shares of this model's buckets (`{free: 20%, anonymous: 10%}`,
+    /// see `shares`); default: `defaults.shares`.
+    pub shares: Option<crate::shares::SharesConfig>,
 }
 
 pub fn default_backend() -> String {
@@ -622,12 +625,17 @@ pub struct Defaults {
     /// Output reserved when neither the request nor the model says.
     #[serde(default = "default_max_output")]
     pub max_output_tokens: u64,
+    /// The shares of every model and route bucket that writes none;
+    /// absent: `anonymous: 50%` when the policy declares API keys (see
+    /// `shares`), `{}` turns that off.
+    pub shares: Option<crate::shares::SharesConfig>,
 }
 
 impl Default for Defaults {
     fn default() -> Self {
         Defaults {
             max_output_tokens: default_max_output(),
+            shares: None,
         }
     }
 }
@@ -664,6 +672,8 @@ pub struct RouteConfig {
     pub path_prefix: String,
     /// Requests on this route, all principals together.
     pub requests: Limit,
+    /// Fair shares of the route's bucket; default: `defaults.shares`.
+    pub shares: Option<crate::shares::SharesConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1376,6 +1386,7 @@ impl Policy {
                 "must be at least 1",
             ));
         }
+        crate::shares::check(self)?;
         crate::queue::check(self)
     }
 }

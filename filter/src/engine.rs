@@ -37,6 +37,8 @@ pub mod settle;
 mod multiplier_tests;
 #[cfg(test)]
 mod org_tests;
+#[cfg(test)]
+mod shares_tests;
 
 use compile::Bucket;
 pub use compile::{Meter, Pricing};

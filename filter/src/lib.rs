@@ -30,6 +30,7 @@ pub mod queue;
 pub mod reconcile;
 pub mod request;
 pub mod reservation;
+pub mod shares;
 pub mod store;
 pub mod units;
 pub mod zone;

@@ -56,6 +56,7 @@
 use crate::bucket::{window_start, BucketState, Quota, Shortfall, SCALE};
 use crate::codec::Record;
 use crate::config::Limit;
+use crate::shares::Pool;
 use crate::store::{self, Attempt, Contention, SharedStore, StoreError, Updated};
 
 /// Slots probed from a principal's home slot.
@@ -117,6 +118,16 @@ pub struct Claim<'a> {
     /// A soft cap never refuses: past it the units are charged anyway and
     /// the reservation says so (`over_soft`).
     pub soft: bool,
+    /// A global bucket's fair shares and the caller's group in them (see
+    /// `crate::shares`); `None`: one pool for everyone.
+    pub share: Option<Share<'a>>,
+}
+
+/// A shared bucket's shares, and the group the caller draws from.
+#[derive(Debug, Clone, Copy)]
+pub struct Share<'a> {
+    pub table: &'a crate::shares::Table,
+    pub group: u64,
 }
 
 impl<'a> Claim<'a> {
@@ -125,6 +136,7 @@ impl<'a> Claim<'a> {
             rule,
             amount,
             soft: false,
+            share: None,
         }
     }
 }
@@ -145,7 +157,8 @@ pub struct Held {
     pub key: String,
     pub rule: String,
     pub placement: Placement,
-    /// Principal hash that owns the slot, or 0 for shared buckets.
+    /// Principal hash that owns the slot; for a shared bucket the caller's
+    /// group in its shares (0: none, see `crate::shares::REST`).
     pub owner: u64,
     pub amount: u64,
     pub limit: Limit,
@@ -371,6 +384,20 @@ impl Reserver<'_> {
             }
         };
         let tries = self.settle_tries();
+        if h.placement == Placement::Global {
+            // A shared bucket may carry its groups' accounts (`shares`):
+            // the total and the group move together.
+            let written = self.update(&h.key, tries, effort, |bytes| {
+                let pool = Pool::decode(bytes);
+                let next = if charge {
+                    pool.charge(h.owner, delta, &h.limit, now_ms)
+                } else {
+                    pool.give_back(h.owner, delta, &h.limit, h.taken_ms, now_ms)
+                };
+                Some(next.encode())
+            });
+            return written != Updated::Exhausted && written != Updated::Failed;
+        }
         if h.placement != Placement::Hashed {
             let written = self.update(&h.key, tries, effort, |bytes| {
                 let state = BucketState::decode(bytes);
@@ -472,6 +499,9 @@ impl Reserver<'_> {
         effort: &mut Contention,
     ) -> Result<(Held, Quota, bool), TakeError> {
         let limit = &claim.rule.limit;
+        if let (Some(share), Scope::Global, false) = (claim.share, claim.rule.scope, claim.soft) {
+            return self.take_shared(claim, share, now_ms, effort);
+        }
         // The read spans several keys (the probed slots), so the loop is
         // `store::retry` around locate-then-write, not a one-key update.
         let taken = store::retry(self.max_retries, effort, || {
@@ -522,6 +552,59 @@ impl Reserver<'_> {
         Ok((held, next.quota(limit, now_ms), over))
     }
 
+    /// A take from a shared bucket with fair shares: the bucket and the
+    /// group's account in one record, one compare-and-swap (see
+    /// `crate::shares`). A refusal may still write, to mark the group
+    /// active (its floor is no longer lent).
+    fn take_shared(
+        &self,
+        claim: &Claim,
+        share: Share,
+        now_ms: u64,
+        effort: &mut Contention,
+    ) -> Result<(Held, Quota, bool), TakeError> {
+        let limit = &claim.rule.limit;
+        let key = global_key(&claim.rule.id);
+        let taken = store::retry(self.max_retries, effort, || {
+            let (bytes, cas) = self.store.get(&key).unwrap_or_default();
+            let pool = Pool::decode(&bytes);
+            let (write, outcome) =
+                match pool.take(share.table, share.group, claim.amount, limit, now_ms) {
+                    // An admission reports the bucket, as without shares
+                    // (the tightest bucket's X-RateLimit-*); a refusal
+                    // reports what the caller's group may take.
+                    Ok((next, _group_view)) => {
+                        let quota = next.state.quota(limit, now_ms);
+                        (Some(next), Ok(quota))
+                    }
+                    Err(refused) => (refused.mark, Err(TakeError::Full(refused.shortfall))),
+                };
+            let Some(write) = write else {
+                return Attempt::Done(outcome);
+            };
+            match self.store.set(&key, &write.encode(), cas) {
+                Ok(()) => Attempt::Done(outcome),
+                Err(StoreError::CasMismatch) => Attempt::Lost,
+                Err(StoreError::Host(message)) => match outcome {
+                    // Only the activity mark was lost: the refusal stands.
+                    Err(refused) => Attempt::Done(Err(refused)),
+                    Ok(_) => Attempt::Done(Err(TakeError::Host(message))),
+                },
+            }
+        });
+        let quota = taken.ok_or(TakeError::Contended)??;
+        let held = Held {
+            key,
+            rule: claim.rule.id.clone(),
+            placement: Placement::Global,
+            owner: share.group,
+            amount: claim.amount,
+            limit: *limit,
+            taken_ms: now_ms,
+        };
+        Ok((held, quota, false))
+    }
+
     /// The bucket for `caller` under `rule`: the global key, its dedicated
     /// key, its hashed slot, or a slot it may take (seeded from the sketch).
     /// `Err`: every probed slot is in use; the value is when one frees.
@@ -532,7 +615,8 @@ impl Reserver<'_> {
             let (bytes, cas) = read(&key).unwrap_or_default();
             return Ok(Located {
                 key,
-                state: BucketState::decode(&bytes),
+                // By prefix: the record may carry fair-share accounts.
+                state: Pool::decode(&bytes).state,
                 cas,
                 owner: 0,
                 placement: Placement::Global,

@@ -59,6 +59,12 @@ fn upstream_body(stack: &Stack) -> Value {
     stack.upstream.stats()["last_request"]["body"].clone()
 }
 
+/// `shares: {anonymous: 100%}`: these tests count an anonymous caller's
+/// admissions against the whole model bucket.
+fn all_to_anonymous() -> Yaml {
+    serde_yaml::from_str("{anonymous: 100%}").expect("shares YAML")
+}
+
 fn assert_invalid(resp: &Response, param: Option<&str>) {
     assert_eq!(resp.status, 400, "{resp:?}");
     assert_eq!(resp.header("x-sluice-reason"), Some("invalid_request"));
@@ -72,6 +78,8 @@ fn assert_invalid(resp: &Response, param: Option<&str>) {
 fn requests_that_end_with_trailers_are_decided() {
     let stack = Stack::start(|cfg| {
         cfg.policy_mut()["models"][MODEL]["requests"] = Yaml::from("3/min");
+        // Anonymous callers here may use all of it (README, "Fair shares").
+        cfg.policy_mut()["models"][MODEL]["shares"] = all_to_anonymous();
     });
     let body = chat(None).to_string();
     let results: Vec<(u16, String)> = runtime().block_on(async {
@@ -169,6 +177,7 @@ fn every_spelling_of_an_llm_path_is_admitted_as_one() {
     for envoy_normalises in [true, false] {
         let stack = Stack::start(|cfg| {
             cfg.policy_mut()["models"][MODEL]["requests"] = Yaml::from("2/min");
+            cfg.policy_mut()["models"][MODEL]["shares"] = all_to_anonymous();
             if !envoy_normalises {
                 // sluice's own canonical form, for configs without these.
                 let hcm = cfg.hcm_mut().as_mapping_mut().expect("hcm");

@@ -5,6 +5,7 @@
 
 use super::rewrite::rewrite;
 use super::*;
+use crate::reservation::Share;
 
 /// Who takes from the buckets: declared API keys by name (they have
 /// dedicated keys), everyone else by hash.
@@ -90,6 +91,10 @@ impl Engine {
                         rule: &b.rule,
                         amount: b.meter.amount(input, output, pricing),
                         soft: b.soft,
+                        share: b.shares.as_ref().map(|table| Share {
+                            table,
+                            group: table.group_of(&identity.tier, identity.declared),
+                        }),
                     }
                 })
                 .collect();

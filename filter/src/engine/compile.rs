@@ -84,6 +84,8 @@ pub(super) struct Bucket {
     pub(super) meter: Meter,
     pub(super) soft: bool,
     pub(super) alert_permille: Option<u32>,
+    /// Fair shares of a shared bucket (models, routes; see `shares`).
+    pub(super) shares: Option<crate::shares::Table>,
 }
 
 /// One limit of a tier's (or its anonymous total's) configuration.
@@ -204,10 +206,16 @@ impl Engine {
                 meter,
                 soft: budget.is_some_and(|b| b.mode == Mode::Soft),
                 alert_permille: budget.and_then(|b| b.alert_at_permille),
+                shares: None,
             });
             buckets.len() - 1
         };
         let zone = policy.budgets.reset_timezone;
+        let default_shares = crate::shares::default_for(&policy);
+        let shares_of = |written: &Option<crate::shares::SharesConfig>| {
+            crate::shares::Table::compile(written.as_ref().unwrap_or(&default_shares))
+        };
+        let mut shared: Vec<(usize, Option<crate::shares::Table>)> = Vec::new();
         for (tier, t) in &policy.tiers {
             // The tier's shared total for undeclared callers comes first: a
             // flood refused there never reaches the per-caller slots.
@@ -287,7 +295,7 @@ impl Engine {
             for (what, limit, meter, reason) in rates {
                 if let Some(limit) = limit {
                     let name = format!("model {model}: {what}");
-                    mine.push(add(
+                    let i = add(
                         format!("model/{model}/{what}"),
                         name,
                         limit,
@@ -295,7 +303,9 @@ impl Engine {
                         reason,
                         meter,
                         None,
-                    ));
+                    );
+                    shared.push((i, shares_of(&m.shares)));
+                    mine.push(i);
                 }
             }
             model_buckets.insert(model.clone(), mine);
@@ -313,6 +323,7 @@ impl Engine {
                     Meter::Requests,
                     None,
                 );
+                shared.push((i, shares_of(&route.shares)));
                 // Matched against the canonical path (see `canonical_path`),
                 // so the prefix is compared in that form too.
                 let prefix = request::canonical_path(&route.path_prefix)
@@ -336,9 +347,14 @@ impl Engine {
                     Meter::Requests,
                     None,
                 );
+                // A passthrough limit is a commons too: the default shares apply.
+                shared.push((i, shares_of(&None)));
                 (rule, i)
             })
             .collect();
+        for (i, table) in shared {
+            buckets[i].shares = table;
+        }
         for (tier, list) in &tier_buckets {
             for &i in list {
                 if buckets[i].rule.scope == Scope::Global {
