@@ -100,6 +100,16 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// The label of `sluice_auth_failures_total{reason}`.
+    pub fn code(self) -> &'static str {
+        match self {
+            Refusal::UnknownKey => "unknown_key",
+            Refusal::UnverifiedJwt => "unverified_jwt",
+            Refusal::ConflictingCredentials => "conflicting_credentials",
+            Refusal::EmptyCredential => "empty_credential",
+        }
+    }
+
     pub fn message(self) -> &'static str {
         match self {
             Refusal::UnknownKey => "The API key is not valid.",
