@@ -674,7 +674,8 @@ impl Stream {
         if let Some(verdict) = declared.and_then(|len| self.engine().too_large(&identity, len)) {
             return self.finish(host, verdict);
         }
-        if self.api.reads_body() && !end_of_stream {
+        let large = declared.is_none_or(|len| len > early::EARLY_REFUSAL_BYTES);
+        if self.api.reads_body() && !end_of_stream && large {
             // The caller's own empty bucket refuses it before its body is
             // buffered and parsed (`flow/early.rs`).
             if let Some(verdict) = self.refused_before_body(host, &identity) {

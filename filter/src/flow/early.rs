@@ -3,11 +3,19 @@
 //! buffered (the rule and why it is exact: `engine/early.rs`). Here only
 //! how long the request could wait in a queue for that bucket, which the
 //! flow knows (its class, `x-sluice-max-wait-ms`).
+//!
+//! Only bodies that are large, or of unknown length (chunked, HTTP/2
+//! without `content-length`): a small body costs less to read than the
+//! answer it gets, and reading it keeps the refusal's model label and
+//! audit fields (`sluice_model_requested`) as they were.
 
 use super::{waiting, Stream};
 use crate::engine::Verdict;
 use crate::host::{Host, HostRequest};
 use crate::principal::Identity;
+
+/// Declared bodies above this are checked before they are read.
+pub(super) const EARLY_REFUSAL_BYTES: u64 = 16 * 1024;
 
 impl Stream {
     /// `Some`: refuse now, before the body.

@@ -42,12 +42,7 @@ fn post(
     host.begin(&headers, body.as_bytes());
     host.set_prop(&["source", "address"], addr.as_bytes());
     let mut req = poller.request().unwrap();
-    let answered = host.replies.borrow().len();
     assert_eq!(req.on_request_headers(host, false), Action::Pause);
-    if host.replies.borrow().len() > answered {
-        // Refused before its body (`flow/early.rs`).
-        return (req, Action::Pause);
-    }
     let action = req.on_request_body(host, body.len(), true);
     (req, action)
 }
@@ -167,9 +162,8 @@ fn refusals_are_answered_locally_and_counted() {
     let json: Value = serde_json::from_slice(&reply.body).unwrap();
     assert!(json["error"]["message"].is_string(), "{json}");
     let reason = reply.header("x-sluice-reason").unwrap().to_string();
-    // Refused before its body: the model is not known yet.
     let refused =
-        format!("sluice_requests_total_decision=refuse;.reason={reason};.tier=t;.model=none;");
+        format!("sluice_requests_total_decision=refuse;.reason={reason};.tier=t;.model=other;");
     assert_eq!(host.metric(&refused), Some(1), "{:?}", host.metrics);
     assert_eq!(
         host.metric(&metrics::refusals_total("tier/t/requests")),
