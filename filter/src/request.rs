@@ -174,9 +174,13 @@ pub fn parse_body(
     body: &[u8],
     output_cap: &dyn Fn(&str) -> u64,
 ) -> Result<(Demand, Value), BadBody> {
-    let value = match serde_json::from_slice::<Strict>(body) {
-        Ok(Strict(value)) => value,
+    let limits = ReadLimits::default();
+    let value = match read_strict(body, &limits) {
+        Ok(value) => value,
         Err(e) => {
+            if let Some(bounded) = limits.hit.take() {
+                return Err(bounded);
+            }
             let text = e.to_string();
             if let Some(key) = duplicate_key(&text) {
                 // The key is the client's text: keep the answer short.
@@ -294,68 +298,191 @@ fn duplicate_key(error: &str) -> Option<String> {
 
 const DUPLICATE_KEY: &str = "duplicate key `";
 
-/// A JSON value that refuses duplicate object keys at any depth (serde_json
-/// keeps the last one silently).
-struct Strict(Value);
+/// Bounds on what reading one body may cost (issue 18 item 3), checked as
+/// it is read, so a hostile body stops costing at the bound, not at its
+/// end. Above any real request: OpenAI takes at most 2,048 embedding
+/// inputs of at most 8,192 token ids each (and 300,000 tokens in all); a
+/// 128k-token prompt sent as ids is 131,072 items.
+/// Nesting deeper than this (objects and arrays) is refused.
+pub const MAX_JSON_DEPTH: u32 = 64;
+/// Items of one array.
+pub const MAX_ARRAY_ITEMS: usize = 1 << 17;
+/// JSON values (each string, number, array, object…) in one body: the
+/// work of the parse and of the estimate that walks it.
+pub const MAX_JSON_VALUES: u32 = 1 << 19;
 
-impl<'de> serde::Deserialize<'de> for Strict {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(StrictVisitor).map(Strict)
+/// How much of the bounds one read has used, and the first bound it hit.
+#[derive(Default)]
+struct ReadLimits {
+    values: std::cell::Cell<u32>,
+    hit: std::cell::RefCell<Option<BadBody>>,
+}
+
+impl ReadLimits {
+    /// Records the bound hit (in `field`, the top-level key it is under)
+    /// and stops the parse with an error `parse_body` replaces by it.
+    fn exceeded<E: serde::de::Error>(&self, field: &str, message: String) -> E {
+        let field = if field.is_empty() { "body" } else { field };
+        let field: String = field.chars().take(64).collect();
+        self.hit
+            .borrow_mut()
+            .get_or_insert_with(|| BadBody::at(&field, message));
+        E::custom("a read bound was exceeded")
+    }
+
+    fn value<E: serde::de::Error>(&self, field: &str) -> Result<(), E> {
+        let n = self.values.get().saturating_add(1);
+        self.values.set(n);
+        if n > MAX_JSON_VALUES {
+            return Err(self.exceeded(
+                field,
+                format!("request body has more than {MAX_JSON_VALUES} JSON values (in `{field}`)"),
+            ));
+        }
+        Ok(())
     }
 }
 
-struct StrictVisitor;
+fn read_strict(body: &[u8], limits: &ReadLimits) -> Result<Value, serde_json::Error> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let seed = Strict {
+        limits,
+        depth: 0,
+        field: "",
+    };
+    let value = seed.deserialize(&mut de)?;
+    de.end()?;
+    Ok(value)
+}
 
-impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+/// Reads a JSON value that refuses duplicate object keys at any depth
+/// (serde_json keeps the last one silently), within [`ReadLimits`].
+struct Strict<'a> {
+    limits: &'a ReadLimits,
+    depth: u32,
+    /// The top-level key this value is under ("" for the body itself).
+    field: &'a str,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl Strict<'_> {
+    /// One level deeper (an array's items, an object's values).
+    fn inside<E: serde::de::Error>(&self) -> Result<u32, E> {
+        let depth = self.depth.saturating_add(1);
+        if depth > MAX_JSON_DEPTH {
+            return Err(self.limits.exceeded(
+                self.field,
+                format!(
+                    "`{}` is nested deeper than {MAX_JSON_DEPTH} levels",
+                    if self.field.is_empty() {
+                        "body"
+                    } else {
+                        self.field
+                    }
+                ),
+            ));
+        }
+        Ok(depth)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Strict<'_> {
     type Value = Value;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::Bool(v))
     }
 
-    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::from(v))
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::from(v))
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::String(v.to_string()))
     }
 
-    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::String(v))
     }
 
-    fn visit_unit<E>(self) -> Result<Value, E> {
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::Null)
     }
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        self.limits.value(self.field)?;
+        let depth = self.inside()?;
         let mut items = Vec::new();
-        while let Some(Strict(item)) = seq.next_element()? {
+        loop {
+            let item = Strict {
+                limits: self.limits,
+                depth,
+                field: self.field,
+            };
+            let Some(item) = seq.next_element_seed(item)? else {
+                break;
+            };
+            if items.len() >= MAX_ARRAY_ITEMS {
+                let field = if self.field.is_empty() {
+                    "body"
+                } else {
+                    self.field
+                };
+                return Err(self.limits.exceeded(
+                    self.field,
+                    format!("an array in `{field}` has more than {MAX_ARRAY_ITEMS} items"),
+                ));
+            }
             items.push(item);
         }
         Ok(Value::Array(items))
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        self.limits.value(self.field)?;
+        let depth = self.inside()?;
         let mut object = serde_json::Map::new();
         while let Some(key) = map.next_key::<String>()? {
             if object.contains_key(&key) {
                 return Err(serde::de::Error::custom(format!("{DUPLICATE_KEY}{key}`")));
             }
-            let Strict(value) = map.next_value()?;
+            let field = if self.depth == 0 {
+                key.as_str()
+            } else {
+                self.field
+            };
+            let value = map.next_value_seed(Strict {
+                limits: self.limits,
+                depth,
+                field,
+            })?;
             object.insert(key, value);
         }
         Ok(Value::Object(object))
@@ -625,5 +752,51 @@ mod tests {
                 ),
             }
         }
+    }
+
+    /// Issue 18 item 3: a body's parse stops at its bounds, with a 400
+    /// naming the top-level field, and real bodies are far inside them.
+    #[test]
+    fn the_parse_is_bounded_in_depth_items_and_values() {
+        let cap = |_: &str| CAP;
+        let parse = |body: &str| parse_body(Api::OpenAiEmbeddings, body.as_bytes(), &cap);
+        let deep = format!(
+            r#"{{"model":"m","input":{}1{}}}"#,
+            "[".repeat(MAX_JSON_DEPTH as usize),
+            "]".repeat(MAX_JSON_DEPTH as usize)
+        );
+        let bad = parse(&deep).unwrap_err();
+        assert_eq!(bad.param.as_deref(), Some("input"), "{}", bad.message);
+        assert!(bad.message.contains("nested deeper"), "{}", bad.message);
+        let ok = format!(
+            r#"{{"model":"m","input":{}1{}}}"#,
+            "[".repeat(MAX_JSON_DEPTH as usize - 1),
+            "]".repeat(MAX_JSON_DEPTH as usize - 1)
+        );
+        assert!(parse(&ok).is_ok());
+        // The issue's body: 1 MB of `[[1],[1],…]`.
+        let attack = format!(r#"{{"model":"m","input":[{}[1]]}}"#, "[1],".repeat(262_000));
+        let bad = parse(&attack).unwrap_err();
+        assert_eq!(bad.param.as_deref(), Some("input"));
+        assert!(bad.message.contains("more than"), "{}", bad.message);
+        // Values in all: many small arrays under the item bound.
+        let row = format!("[{}1]", "1,".repeat(1_000));
+        let many = format!(
+            r#"{{"model":"m","input":[{}{row}]}}"#,
+            format!("{row},").repeat(600)
+        );
+        let bad = parse(&many).unwrap_err();
+        assert!(bad.message.contains("JSON values"), "{}", bad.message);
+        // OpenAI's largest embeddings request: 2,048 inputs of token ids
+        // (300,000 tokens in all).
+        let ids = format!("[{}1]", "1,".repeat(145));
+        let big = format!(
+            r#"{{"model":"m","input":[{}{ids}]}}"#,
+            format!("{ids},").repeat(2_047)
+        );
+        assert!(parse(&big).is_ok());
+        // Duplicate keys are still found, at any depth.
+        let dup = parse(r#"{"model":"m","input":[{"a":1,"a":2}]}"#).unwrap_err();
+        assert_eq!(dup.param.as_deref(), Some("a"));
     }
 }
