@@ -154,6 +154,12 @@ pub const FIXED: &[&str] = &[
     ABUSE_BLOCKS,
     ABUSE_UNTRACKED,
     REFUSED_BEFORE_BODY,
+    // `auth_failures_total` of every `principal::Refusal` (the alert reads
+    // them; a test keeps the list whole).
+    "sluice_auth_failures_total_reason=unknown_key;",
+    "sluice_auth_failures_total_reason=unverified_jwt;",
+    "sluice_auth_failures_total_reason=conflicting_credentials;",
+    "sluice_auth_failures_total_reason=empty_credential;",
     // The fleet's (`crate::fleet`), also without one: the alerts read them.
     crate::fleet::M_TAKES,
     crate::fleet::M_REFUSED,
@@ -167,6 +173,20 @@ pub const FIXED: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_auth_failure_reason_is_defined_at_load() {
+        use crate::principal::Refusal;
+        for why in [
+            Refusal::UnknownKey,
+            Refusal::UnverifiedJwt,
+            Refusal::ConflictingCredentials,
+            Refusal::EmptyCredential,
+        ] {
+            let name = auth_failures_total(why.code());
+            assert!(FIXED.contains(&name.as_str()), "{name}");
+        }
+    }
 
     #[test]
     fn every_gauge_is_a_fixed_name_and_fixed_names_are_unique() {
