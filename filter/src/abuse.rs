@@ -20,9 +20,11 @@
 //! A newcomer is blocked by others only when that excess reaches
 //! `threshold`. With `N` requests from everyone else in a period (about
 //! `N / 1024` per sub-sketch), that is at most `(N / (65,536 · threshold))^4`:
-//! for the 6,000 one-shot addresses of issue 18 at 60/min, about 1e-9 per
-//! newcomer; under 1 % as long as everyone else sends fewer than about
-//! 20,000 × threshold requests per period (1.2 M/min at 60/min). One-shot
+//! for the 6,000 one-shot addresses of issue 18 at 60/min, about 5e-12 per
+//! newcomer (4e-10 in the busiest sub-sketch); for that flood kept up a
+//! whole minute (200,000 requests), about 7e-6; under 1 % as long as
+//! everyone else sends fewer than about 20,000 × threshold requests per
+//! period (1.2 M/min at 60/min). One-shot
 //! callers never take a block record, so however many there are they cannot
 //! fill anything: they only raise counters, by one request each.
 //!
