@@ -174,6 +174,7 @@ pub fn parse_body(
     body: &[u8],
     output_cap: &dyn Fn(&str) -> u64,
 ) -> Result<(Demand, Value), BadBody> {
+    scan_bounds(body)?;
     let limits = ReadLimits::default();
     let value = match read_strict(body, &limits) {
         Ok(value) => value,
@@ -298,20 +299,113 @@ fn duplicate_key(error: &str) -> Option<String> {
 
 const DUPLICATE_KEY: &str = "duplicate key `";
 
-/// Bounds on what reading one body may cost (issue 18 item 3), checked as
-/// it is read, so a hostile body stops costing at the bound, not at its
-/// end. Above any real request: OpenAI takes at most 2,048 embedding
-/// inputs of at most 8,192 token ids each (and 300,000 tokens in all); a
-/// 128k-token prompt sent as ids is 131,072 items.
+/// Bounds on what reading one body may cost (issue 18 item 3). Above any
+/// real request: OpenAI takes at most 2,048 embedding inputs of at most
+/// 8,192 token ids each (300,000 tokens in all); a 128k-token prompt sent
+/// as ids is 131,072 items. Depth, items and containers are checked by
+/// [`scan_bounds`] before anything is parsed; values as they are parsed.
 /// Nesting deeper than this (objects and arrays) is refused.
 pub const MAX_JSON_DEPTH: u32 = 64;
 /// Items of one array.
-pub const MAX_ARRAY_ITEMS: usize = 1 << 17;
+pub const MAX_ARRAY_ITEMS: u32 = 1 << 17;
+/// Arrays and objects in one body: each is an allocation in the parse.
+pub const MAX_JSON_CONTAINERS: u32 = 1 << 16;
 /// JSON values (each string, number, array, object…) in one body: the
 /// work of the parse and of the estimate that walks it.
 pub const MAX_JSON_VALUES: u32 = 1 << 19;
 
-/// How much of the bounds one read has used, and the first bound it hit.
+/// One pass over the bytes, allocating nothing, that refuses a body past
+/// the depth, item or container bounds before the parser allocates a value
+/// for it: `[[1],[1],…]` costs a byte scan, not a parse. Brackets inside
+/// strings do not count. The error names the top-level key the bound was
+/// hit under (`body` outside any). Malformed JSON is left to the parser.
+fn scan_bounds(body: &[u8]) -> Result<(), BadBody> {
+    // Per open container: is it an array, and its items so far.
+    let mut open = [(false, 0u32); MAX_JSON_DEPTH as usize];
+    let mut depth = 0usize;
+    let mut containers = 0u32;
+    let (mut in_string, mut escaped) = (false, false);
+    // The last string closed directly inside the root object, and the key
+    // the scan is under now.
+    let (mut last, mut field) = ((0, 0), None::<(usize, usize)>);
+    let mut string_start = 0;
+    let name = |field: Option<(usize, usize)>| -> String {
+        field.and_then(|(a, b)| body.get(a..b)).map_or_else(
+            || "body".into(),
+            |k| String::from_utf8_lossy(k).chars().take(64).collect(),
+        )
+    };
+    for (i, &byte) in body.iter().enumerate() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => {
+                    in_string = false;
+                    if depth == 1 {
+                        last = (string_start, i);
+                    }
+                }
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => {
+                in_string = true;
+                string_start = i + 1;
+            }
+            b':' if depth == 1 => field = Some(last),
+            b'[' | b'{' => {
+                let Some(slot) = open.get_mut(depth) else {
+                    let at = name(field);
+                    return Err(BadBody::at(
+                        &at,
+                        format!("`{at}` is nested deeper than {MAX_JSON_DEPTH} levels"),
+                    ));
+                };
+                *slot = (byte == b'[', 0);
+                depth += 1;
+                containers += 1;
+                if containers > MAX_JSON_CONTAINERS {
+                    let at = name(field);
+                    return Err(BadBody::at(
+                        &at,
+                        format!(
+                            "request body has more than {MAX_JSON_CONTAINERS} arrays and objects (in `{at}`)"
+                        ),
+                    ));
+                }
+            }
+            b']' | b'}' => {
+                let Some(next) = depth.checked_sub(1) else {
+                    return Ok(()); // malformed: the parser says how
+                };
+                depth = next;
+                if depth == 0 {
+                    field = None;
+                }
+            }
+            b',' if depth > 0 => {
+                if let Some((true, items)) = open.get_mut(depth - 1) {
+                    *items += 1;
+                    // n commas: n + 1 items.
+                    if *items >= MAX_ARRAY_ITEMS {
+                        let at = name(field);
+                        return Err(BadBody::at(
+                            &at,
+                            format!("an array in `{at}` has more than {MAX_ARRAY_ITEMS} items"),
+                        ));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// How many values one parse has read, and the bound it hit.
 #[derive(Default)]
 struct ReadLimits {
     values: std::cell::Cell<u32>,
@@ -319,25 +413,25 @@ struct ReadLimits {
 }
 
 impl ReadLimits {
-    /// Records the bound hit (in `field`, the top-level key it is under)
-    /// and stops the parse with an error `parse_body` replaces by it.
-    fn exceeded<E: serde::de::Error>(&self, field: &str, message: String) -> E {
-        let field = if field.is_empty() { "body" } else { field };
-        let field: String = field.chars().take(64).collect();
-        self.hit
-            .borrow_mut()
-            .get_or_insert_with(|| BadBody::at(&field, message));
-        E::custom("a read bound was exceeded")
-    }
-
+    /// Counts one value (under the top-level key `field`); past the bound,
+    /// records it and stops the parse with an error `parse_body` replaces
+    /// by the record.
     fn value<E: serde::de::Error>(&self, field: &str) -> Result<(), E> {
         let n = self.values.get().saturating_add(1);
         self.values.set(n);
         if n > MAX_JSON_VALUES {
-            return Err(self.exceeded(
-                field,
-                format!("request body has more than {MAX_JSON_VALUES} JSON values (in `{field}`)"),
-            ));
+            let field: String = field.chars().take(64).collect();
+            let field = if field.is_empty() {
+                "body".into()
+            } else {
+                field
+            };
+            let message =
+                format!("request body has more than {MAX_JSON_VALUES} JSON values (in `{field}`)");
+            self.hit
+                .borrow_mut()
+                .get_or_insert_with(|| BadBody::at(&field, message));
+            return Err(E::custom("a read bound was exceeded"));
         }
         Ok(())
     }
@@ -348,7 +442,7 @@ fn read_strict(body: &[u8], limits: &ReadLimits) -> Result<Value, serde_json::Er
     let mut de = serde_json::Deserializer::from_slice(body);
     let seed = Strict {
         limits,
-        depth: 0,
+        top: true,
         field: "",
     };
     let value = seed.deserialize(&mut de)?;
@@ -357,10 +451,11 @@ fn read_strict(body: &[u8], limits: &ReadLimits) -> Result<Value, serde_json::Er
 }
 
 /// Reads a JSON value that refuses duplicate object keys at any depth
-/// (serde_json keeps the last one silently), within [`ReadLimits`].
+/// (serde_json keeps the last one silently), counting its values.
 struct Strict<'a> {
     limits: &'a ReadLimits,
-    depth: u32,
+    /// The body itself (its keys name the fields of errors).
+    top: bool,
     /// The top-level key this value is under ("" for the body itself).
     field: &'a str,
 }
@@ -370,27 +465,6 @@ impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_> {
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
         d.deserialize_any(self)
-    }
-}
-
-impl Strict<'_> {
-    /// One level deeper (an array's items, an object's values).
-    fn inside<E: serde::de::Error>(&self) -> Result<u32, E> {
-        let depth = self.depth.saturating_add(1);
-        if depth > MAX_JSON_DEPTH {
-            return Err(self.limits.exceeded(
-                self.field,
-                format!(
-                    "`{}` is nested deeper than {MAX_JSON_DEPTH} levels",
-                    if self.field.is_empty() {
-                        "body"
-                    } else {
-                        self.field
-                    }
-                ),
-            ));
-        }
-        Ok(depth)
     }
 }
 
@@ -438,28 +512,12 @@ impl<'de> serde::de::Visitor<'de> for Strict<'_> {
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
         self.limits.value(self.field)?;
-        let depth = self.inside()?;
         let mut items = Vec::new();
-        loop {
-            let item = Strict {
-                limits: self.limits,
-                depth,
-                field: self.field,
-            };
-            let Some(item) = seq.next_element_seed(item)? else {
-                break;
-            };
-            if items.len() >= MAX_ARRAY_ITEMS {
-                let field = if self.field.is_empty() {
-                    "body"
-                } else {
-                    self.field
-                };
-                return Err(self.limits.exceeded(
-                    self.field,
-                    format!("an array in `{field}` has more than {MAX_ARRAY_ITEMS} items"),
-                ));
-            }
+        while let Some(item) = seq.next_element_seed(Strict {
+            limits: self.limits,
+            top: false,
+            field: self.field,
+        })? {
             items.push(item);
         }
         Ok(Value::Array(items))
@@ -467,20 +525,15 @@ impl<'de> serde::de::Visitor<'de> for Strict<'_> {
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         self.limits.value(self.field)?;
-        let depth = self.inside()?;
         let mut object = serde_json::Map::new();
         while let Some(key) = map.next_key::<String>()? {
             if object.contains_key(&key) {
                 return Err(serde::de::Error::custom(format!("{DUPLICATE_KEY}{key}`")));
             }
-            let field = if self.depth == 0 {
-                key.as_str()
-            } else {
-                self.field
-            };
+            let field = if self.top { key.as_str() } else { self.field };
             let value = map.next_value_seed(Strict {
                 limits: self.limits,
-                depth,
+                top: false,
                 field,
             })?;
             object.insert(key, value);
@@ -795,6 +848,39 @@ mod tests {
             format!("{ids},").repeat(2_047)
         );
         assert!(parse(&big).is_ok());
+        // Items: a prompt of token ids, one past the bound.
+        let ids = format!(
+            r#"{{"model":"m","prompt":[{}1]}}"#,
+            "1,".repeat(MAX_ARRAY_ITEMS as usize)
+        );
+        let bad = parse(&ids).unwrap_err();
+        assert_eq!(bad.param.as_deref(), Some("prompt"));
+        assert!(bad.message.contains("131072 items"), "{}", bad.message);
+        let ids = format!(
+            r#"{{"model":"m","prompt":[{}1]}}"#,
+            "1,".repeat(MAX_ARRAY_ITEMS as usize - 1)
+        );
+        assert!(parse(&ids).is_ok());
+        // Containers: the issue's body is stopped by the scan, before any
+        // value is built.
+        let inner = format!(
+            r#"{{"model":"m","input":[{}[1]]}}"#,
+            "[1],".repeat(MAX_JSON_CONTAINERS as usize)
+        );
+        let bad = parse(&inner).unwrap_err();
+        assert!(
+            bad.message
+                .contains("65536 arrays and objects (in `input`)"),
+            "{}",
+            bad.message
+        );
+        // Brackets and commas inside strings (escaped quotes too) count
+        // for nothing.
+        let text = format!(
+            r#"{{"model":"m","input":"{}\"[,{{"}}"#,
+            "[[[,,,{{{".repeat(100_000)
+        );
+        assert!(parse(&text).is_ok());
         // Duplicate keys are still found, at any depth.
         let dup = parse(r#"{"model":"m","input":[{"a":1,"a":2}]}"#).unwrap_err();
         assert_eq!(dup.param.as_deref(), Some("a"));
