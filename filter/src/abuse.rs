@@ -744,6 +744,28 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Whatever the mix of callers, within one period no caller gets
+        /// more than `threshold` requests through: the sketch never
+        /// under-counts (a collision can only refuse early).
+        #[test]
+        fn no_caller_gets_more_than_the_threshold(
+            calls in proptest::collection::vec(0u64..40, 1..600),
+        ) {
+            let (pb, store) = boxed("5/h", "2h", 64);
+            let mut passed = std::collections::HashMap::new();
+            for (t, who) in calls.iter().enumerate() {
+                let who = who * 1_024 + 7;
+                if pb.check(&store, who, t as u64, 8).blocked_until_ms.is_none() {
+                    *passed.entry(who).or_insert(0u64) += 1;
+                }
+            }
+            for (who, n) in passed {
+                proptest::prop_assert!(n <= 5, "caller {} got {} through", who, n);
+            }
+        }
+    }
+
     #[test]
     fn a_full_block_key_still_refuses_until_the_period_ends() {
         let (pb, store) = boxed("2/min", "10m", 64);
