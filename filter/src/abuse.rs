@@ -481,9 +481,10 @@ impl PenaltyBox {
                 return Attempt::Done(None);
             };
             let mut sketch = Sketch::decode(&bytes);
-            if now_ms >= sketch.period_start_ms.saturating_add(period)
-                || sketch.period_start_ms > now_ms
-            {
+            // A `now` a little before the period's start (another worker's
+            // request that arrived earlier) counts in it: only a period's
+            // end starts the next, so no interleaving can wipe counts.
+            if now_ms >= sketch.period_start_ms.saturating_add(period) {
                 sketch = Sketch {
                     period_start_ms: now_ms,
                     ..Sketch::default()
@@ -764,6 +765,16 @@ mod tests {
                 proptest::prop_assert!(n <= 5, "caller {} got {} through", who, n);
             }
         }
+    }
+
+    #[test]
+    fn requests_out_of_arrival_order_keep_the_count() {
+        let (pb, store) = boxed("5/min", "10m", 64);
+        // Two workers: arrival times interleave out of order.
+        for t in [1_000, 999, 1_002, 998, 1_001] {
+            assert_eq!(pb.check(&store, 7, t, 8).blocked_until_ms, None);
+        }
+        assert!(pb.check(&store, 7, 997, 8).started, "the 6th is over");
     }
 
     #[test]
