@@ -4,6 +4,10 @@
 //! that changes `abuse.slots` keeps a block and a count; a spent key's
 //! large bodies are refused before they are sent.
 //!
+//! Thresholds are per hour, so that no period ends within a test however
+//! slow the machine (the box's periods start at a sub-sketch's first
+//! request, which may be one of the flood's).
+//!
 //! Distinct addresses come from `x-forwarded-for`: the tests' Envoy trusts
 //! one hop (`xff_num_trusted_hops: 1`), so the rightmost entry is the
 //! client address sluice reads (`source.address`), IPv6 included.
@@ -73,7 +77,7 @@ fn counter(stack: &Stack, name: &str, labels: &[(&str, &str)]) -> f64 {
 /// the shared overflow record then refused every first-time caller.
 #[test]
 fn a_flood_of_one_shot_addresses_blocks_no_newcomer() {
-    let stack = start(json!({"threshold": "60/min", "block_for": "10m"}));
+    let stack = start(json!({"threshold": "60/h", "block_for": "10m"}));
     let client = client_builder().build().expect("client");
     let url = stack.envoy.url("/v1/models");
     let mut refused = 0;
@@ -104,7 +108,7 @@ fn a_flood_of_one_shot_addresses_blocks_no_newcomer() {
 
 #[test]
 fn ipv6_callers_are_counted_by_their_64_prefix_or_the_configured_one() {
-    let stack = start(json!({"threshold": "5/min", "block_for": "10m"}));
+    let stack = start(json!({"threshold": "5/h", "block_for": "10m"}));
     // Five addresses of one /64: one caller.
     for n in 1..=5 {
         let r = models_from(&stack, &format!("2001:db8:1:2::{n}"), &[]);
@@ -115,7 +119,7 @@ fn ipv6_callers_are_counted_by_their_64_prefix_or_the_configured_one() {
     // The next /64 is someone else.
     assert_eq!(models_from(&stack, "2001:db8:1:3::1", &[]).status, 200);
 
-    let stack = start(json!({"threshold": "5/min", "block_for": "10m", "ipv6_prefix": 48}));
+    let stack = start(json!({"threshold": "5/h", "block_for": "10m", "ipv6_prefix": 48}));
     for n in 1..=5 {
         let from = format!("2001:db8:7:{n}::1");
         assert_eq!(models_from(&stack, &from, &[]).status, 200);
@@ -129,7 +133,7 @@ fn ipv6_callers_are_counted_by_their_64_prefix_or_the_configured_one() {
 /// got 401, and the address was never blocked.
 #[test]
 fn wrong_keys_and_bad_jwts_count_toward_the_box_and_are_metered() {
-    let stack = start(json!({"threshold": "60/min", "block_for": "10m", "exempt_declared": true}));
+    let stack = start(json!({"threshold": "60/h", "block_for": "10m", "exempt_declared": true}));
     let from = "203.0.113.9";
     let mut statuses = Vec::new();
     for i in 0..50 {
@@ -164,7 +168,7 @@ fn wrong_keys_and_bad_jwts_count_toward_the_box_and_are_metered() {
 /// 4,096 to 4,099 slots freed every block.
 #[test]
 fn a_reload_from_4096_to_4099_slots_keeps_blocks_and_counts() {
-    let abuse = |slots: u32| json!({"threshold": "5/min", "block_for": "10m", "slots": slots});
+    let abuse = |slots: u32| json!({"threshold": "5/h", "block_for": "10m", "slots": slots});
     let stack = start(abuse(4096));
     for _ in 0..5 {
         assert_eq!(models_from(&stack, "198.51.100.1", &[]).status, 200);
