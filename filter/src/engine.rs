@@ -29,6 +29,7 @@ use crate::zone::Zone;
 
 pub mod admit;
 pub mod compile;
+pub mod early;
 pub mod fleet;
 pub mod rewrite;
 pub mod settle;
@@ -188,14 +189,24 @@ pub const MIN_LOWERED_OUTPUT: u64 = 16;
 impl Engine {
     /// Step 1: who is calling. A refusal (unknown API key) is a verdict.
     pub fn identify(&self, req: &dyn RequestView) -> Result<Identity, Box<Verdict>> {
+        self.identify_why(req).map_err(|(verdict, _)| verdict)
+    }
+
+    /// [`Engine::identify`], and why a refused request was refused (for
+    /// the penalty box and `sluice_auth_failures_total`).
+    pub fn identify_why(
+        &self,
+        req: &dyn RequestView,
+    ) -> Result<Identity, (Box<Verdict>, crate::principal::Refusal)> {
         self.resolver.resolve(req).map_err(|refusal| {
             let reply = answer::rejected(Reason::Unauthenticated, refusal.message(), None);
-            Box::new(self.refused(
+            let verdict = Box::new(self.refused(
                 reply,
                 Reason::Unauthenticated,
                 &self.policy.default_tier,
                 None,
-            ))
+            ));
+            (verdict, refusal)
         })
     }
 

@@ -705,9 +705,24 @@ impl Stream {
             _ => Api::Other,
         };
         let view = HostRequest(host, self.request_headers.as_deref());
-        let identity = match self.engine().identify(&view) {
+        let identity = match self.engine().identify_why(&view) {
             Ok(identity) => identity,
-            Err(verdict) => return self.finish(host, *verdict),
+            Err((verdict, why)) => {
+                // A failed authentication counts toward its address's box
+                // (guessing keys is what the box is for); once blocked, the
+                // address gets 429 `temporarily_blocked` instead of 401.
+                add(host, &metrics::auth_failures_total(why.code()), 1);
+                let (blocked, checked) =
+                    self.engine()
+                        .penalty_box_failed(host, &view, self.started_ms);
+                add(host, metrics::ABUSE_BLOCKS, i64::from(checked.started));
+                add(host, metrics::ABUSE_UNTRACKED, i64::from(checked.untracked));
+                if blocked.is_none() {
+                    // (A block's verdict carries its contention.)
+                    count_contention(host, checked.contention);
+                }
+                return self.finish(host, blocked.unwrap_or(*verdict));
+            }
         };
         let (blocked, checked) = self
             .engine()
@@ -746,6 +761,16 @@ impl Stream {
         };
         if let Some(verdict) = declared.and_then(|len| self.engine().too_large(&identity, len)) {
             return self.finish(host, verdict);
+        }
+        let large = declared.is_none_or(|len| len > early::EARLY_REFUSAL_BYTES);
+        if self.api.reads_body() && !end_of_stream && large {
+            // The caller's own empty bucket refuses it before its body is
+            // buffered and parsed (`flow/early.rs`).
+            if let Some(verdict) = self.refused_before_body(host, &identity) {
+                add(host, metrics::REFUSED_BEFORE_BODY, 1);
+                self.identity = Some(identity);
+                return self.finish(host, verdict);
+            }
         }
         self.identity = Some(identity);
         if self.api.reads_body() && !end_of_stream {
@@ -1386,6 +1411,7 @@ impl Stream {
     }
 }
 
+mod early;
 #[cfg(test)]
 mod endpoint_tests;
 pub(crate) mod slots;

@@ -112,9 +112,19 @@ pub const CONFIG_REJECTED: &str = "sluice_config_rejected_total";
 /// Blocks the penalty box started (each refused request is counted in
 /// `sluice_requests_total{reason="temporarily_blocked"}`).
 pub const ABUSE_BLOCKS: &str = "sluice_abuse_blocks_total";
-/// Requests the penalty box counted in its shared overflow record: every
-/// slot they could use was held by a tracked caller.
+/// Requests over the penalty box's threshold that found every block
+/// record of their key holding a live block: refused by the count until
+/// its period ends, not for `block_for`.
 pub const ABUSE_UNTRACKED: &str = "sluice_abuse_untracked_total";
+/// Body requests refused in the headers phase by their caller's own empty
+/// bucket: their body was never buffered or parsed.
+pub const REFUSED_BEFORE_BODY: &str = "sluice_refused_before_body_total";
+/// `sluice_auth_failures_total{reason}`: requests refused 401 by the
+/// identity step, by why (`principal::Refusal::code`); each also counts
+/// toward the penalty box of its address.
+pub fn auth_failures_total(reason: &str) -> String {
+    format!("sluice_auth_failures_total_reason={reason};")
+}
 
 /// Every metric with a fixed name: defined at 0 when a policy loads, so
 /// each exists (and its first increment is a visible change) before
@@ -143,6 +153,13 @@ pub const FIXED: &[&str] = &[
     CONFIG_REJECTED,
     ABUSE_BLOCKS,
     ABUSE_UNTRACKED,
+    REFUSED_BEFORE_BODY,
+    // `auth_failures_total` of every `principal::Refusal` (the alert reads
+    // them; a test keeps the list whole).
+    "sluice_auth_failures_total_reason=unknown_key;",
+    "sluice_auth_failures_total_reason=unverified_jwt;",
+    "sluice_auth_failures_total_reason=conflicting_credentials;",
+    "sluice_auth_failures_total_reason=empty_credential;",
     // The fleet's (`crate::fleet`), also without one: the alerts read them.
     crate::fleet::M_TAKES,
     crate::fleet::M_REFUSED,
@@ -156,6 +173,20 @@ pub const FIXED: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_auth_failure_reason_is_defined_at_load() {
+        use crate::principal::Refusal;
+        for why in [
+            Refusal::UnknownKey,
+            Refusal::UnverifiedJwt,
+            Refusal::ConflictingCredentials,
+            Refusal::EmptyCredential,
+        ] {
+            let name = auth_failures_total(why.code());
+            assert!(FIXED.contains(&name.as_str()), "{name}");
+        }
+    }
 
     #[test]
     fn every_gauge_is_a_fixed_name_and_fixed_names_are_unique() {

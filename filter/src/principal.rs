@@ -100,6 +100,16 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// The label of `sluice_auth_failures_total{reason}`.
+    pub fn code(self) -> &'static str {
+        match self {
+            Refusal::UnknownKey => "unknown_key",
+            Refusal::UnverifiedJwt => "unverified_jwt",
+            Refusal::ConflictingCredentials => "conflicting_credentials",
+            Refusal::EmptyCredential => "empty_credential",
+        }
+    }
+
     pub fn message(self) -> &'static str {
         match self {
             Refusal::UnknownKey => "The API key is not valid.",
@@ -410,6 +420,26 @@ fn principal_hash(principal: &str) -> u64 {
 /// dropped: what the penalty box counts by.
 pub(crate) fn address_hash(addr: &str) -> u64 {
     principal_hash(&format!("ip:{}", strip_port(addr)))
+}
+
+/// What the penalty box counts an address as: an IPv4 address whole (the
+/// same hash as [`address_hash`]), an IPv6 address by its first `v6_prefix`
+/// bits (a provider hands each subscriber a `/64`, or a `/48`), an IPv4
+/// address mapped into IPv6 as IPv4. Anything unparsable counts whole.
+pub(crate) fn address_prefix_hash(addr: &str, v6_prefix: u8) -> u64 {
+    let bare = strip_port(addr);
+    match bare.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+            Some(v4) => principal_hash(&format!("ip:{v4}")),
+            None => {
+                let bits = u32::from(v6_prefix.min(128));
+                let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
+                let net = std::net::Ipv6Addr::from(u128::from(v6) & mask);
+                principal_hash(&format!("ip:{net}/{bits}"))
+            }
+        },
+        _ => address_hash(addr),
+    }
 }
 
 /// `1.2.3.4:5678` → `1.2.3.4`, `[::1]:5678` → `::1`.

@@ -390,9 +390,14 @@ pub fn parse_body(
     body: &[u8],
     output_cap: &dyn Fn(&str) -> u64,
 ) -> Result<(Demand, Value), BadBody> {
-    let value = match serde_json::from_slice::<Strict>(body) {
-        Ok(Strict(value)) => value,
+    scan_bounds(body)?;
+    let limits = ReadLimits::default();
+    let value = match read_strict(body, &limits) {
+        Ok(value) => value,
         Err(e) => {
+            if let Some(bounded) = limits.hit.take() {
+                return Err(bounded);
+            }
             let text = e.to_string();
             if let Some(key) = duplicate_key(&text) {
                 // The key is the client's text: keep the answer short.
@@ -591,68 +596,243 @@ fn duplicate_key(error: &str) -> Option<String> {
 
 const DUPLICATE_KEY: &str = "duplicate key `";
 
-/// A JSON value that refuses duplicate object keys at any depth (serde_json
-/// keeps the last one silently).
-struct Strict(Value);
+/// Bounds on what reading one body may cost (issue 18 item 3). Above any
+/// real request: OpenAI takes at most 2,048 embedding inputs of at most
+/// 8,192 token ids each (300,000 tokens in all); a 128k-token prompt sent
+/// as ids is 131,072 items. Depth, items and containers are checked by
+/// [`scan_bounds`] before anything is parsed; values as they are parsed.
+/// Nesting deeper than this (objects and arrays) is refused.
+pub const MAX_JSON_DEPTH: u32 = 64;
+/// Items of one array.
+pub const MAX_ARRAY_ITEMS: u32 = 1 << 17;
+/// Arrays and objects in one body: each is an allocation in the parse.
+pub const MAX_JSON_CONTAINERS: u32 = 1 << 16;
+/// JSON values (each string, number, array, object…) in one body: the
+/// work of the parse and of the estimate that walks it.
+pub const MAX_JSON_VALUES: u32 = 1 << 19;
 
-impl<'de> serde::Deserialize<'de> for Strict {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(StrictVisitor).map(Strict)
+/// One pass over the bytes, allocating nothing, that refuses a body past
+/// the depth, item or container bounds before the parser allocates a value
+/// for it: `[[1],[1],…]` costs a byte scan, not a parse. Brackets inside
+/// strings do not count. The error names the top-level key the bound was
+/// hit under (`body` outside any). Malformed JSON is left to the parser.
+fn scan_bounds(body: &[u8]) -> Result<(), BadBody> {
+    // Per open container: is it an array, and its items so far.
+    let mut open = [(false, 0u32); MAX_JSON_DEPTH as usize];
+    let mut depth = 0usize;
+    let mut containers = 0u32;
+    let (mut in_string, mut escaped) = (false, false);
+    // The last string closed directly inside the root object, and the key
+    // the scan is under now.
+    let (mut last, mut field) = ((0, 0), None::<(usize, usize)>);
+    let mut string_start = 0;
+    let name = |field: Option<(usize, usize)>| -> String {
+        field.and_then(|(a, b)| body.get(a..b)).map_or_else(
+            || "body".into(),
+            |k| String::from_utf8_lossy(k).chars().take(64).collect(),
+        )
+    };
+    for (i, &byte) in body.iter().enumerate() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => {
+                    in_string = false;
+                    if depth == 1 {
+                        last = (string_start, i);
+                    }
+                }
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => {
+                in_string = true;
+                string_start = i + 1;
+            }
+            b':' if depth == 1 => field = Some(last),
+            b'[' | b'{' => {
+                let Some(slot) = open.get_mut(depth) else {
+                    let at = name(field);
+                    return Err(BadBody::at(
+                        &at,
+                        format!("`{at}` is nested deeper than {MAX_JSON_DEPTH} levels"),
+                    ));
+                };
+                *slot = (byte == b'[', 0);
+                depth += 1;
+                containers += 1;
+                if containers > MAX_JSON_CONTAINERS {
+                    let at = name(field);
+                    return Err(BadBody::at(
+                        &at,
+                        format!(
+                            "request body has more than {MAX_JSON_CONTAINERS} arrays and objects (in `{at}`)"
+                        ),
+                    ));
+                }
+            }
+            b']' | b'}' => {
+                let Some(next) = depth.checked_sub(1) else {
+                    return Ok(()); // malformed: the parser says how
+                };
+                depth = next;
+                if depth == 0 {
+                    field = None;
+                }
+            }
+            b',' if depth > 0 => {
+                if let Some((true, items)) = open.get_mut(depth - 1) {
+                    *items += 1;
+                    // n commas: n + 1 items.
+                    if *items >= MAX_ARRAY_ITEMS {
+                        let at = name(field);
+                        return Err(BadBody::at(
+                            &at,
+                            format!("an array in `{at}` has more than {MAX_ARRAY_ITEMS} items"),
+                        ));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// How many values one parse has read, and the bound it hit.
+#[derive(Default)]
+struct ReadLimits {
+    values: std::cell::Cell<u32>,
+    hit: std::cell::RefCell<Option<BadBody>>,
+}
+
+impl ReadLimits {
+    /// Counts one value (under the top-level key `field`); past the bound,
+    /// records it and stops the parse with an error `parse_body` replaces
+    /// by the record.
+    fn value<E: serde::de::Error>(&self, field: &str) -> Result<(), E> {
+        let n = self.values.get().saturating_add(1);
+        self.values.set(n);
+        if n > MAX_JSON_VALUES {
+            let field: String = field.chars().take(64).collect();
+            let field = if field.is_empty() {
+                "body".into()
+            } else {
+                field
+            };
+            let message =
+                format!("request body has more than {MAX_JSON_VALUES} JSON values (in `{field}`)");
+            self.hit
+                .borrow_mut()
+                .get_or_insert_with(|| BadBody::at(&field, message));
+            return Err(E::custom("a read bound was exceeded"));
+        }
+        Ok(())
     }
 }
 
-struct StrictVisitor;
+fn read_strict(body: &[u8], limits: &ReadLimits) -> Result<Value, serde_json::Error> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let seed = Strict {
+        limits,
+        top: true,
+        field: "",
+    };
+    let value = seed.deserialize(&mut de)?;
+    de.end()?;
+    Ok(value)
+}
 
-impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+/// Reads a JSON value that refuses duplicate object keys at any depth
+/// (serde_json keeps the last one silently), counting its values.
+struct Strict<'a> {
+    limits: &'a ReadLimits,
+    /// The body itself (its keys name the fields of errors).
+    top: bool,
+    /// The top-level key this value is under ("" for the body itself).
+    field: &'a str,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Strict<'_> {
     type Value = Value;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::Bool(v))
     }
 
-    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::from(v))
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::from(v))
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::String(v.to_string()))
     }
 
-    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::String(v))
     }
 
-    fn visit_unit<E>(self) -> Result<Value, E> {
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
+        self.limits.value(self.field)?;
         Ok(Value::Null)
     }
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        self.limits.value(self.field)?;
         let mut items = Vec::new();
-        while let Some(Strict(item)) = seq.next_element()? {
+        while let Some(item) = seq.next_element_seed(Strict {
+            limits: self.limits,
+            top: false,
+            field: self.field,
+        })? {
             items.push(item);
         }
         Ok(Value::Array(items))
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        self.limits.value(self.field)?;
         let mut object = serde_json::Map::new();
         while let Some(key) = map.next_key::<String>()? {
             if object.contains_key(&key) {
                 return Err(serde::de::Error::custom(format!("{DUPLICATE_KEY}{key}`")));
             }
-            let Strict(value) = map.next_value()?;
+            let field = if self.top { key.as_str() } else { self.field };
+            let value = map.next_value_seed(Strict {
+                limits: self.limits,
+                top: false,
+                field,
+            })?;
             object.insert(key, value);
         }
         Ok(Value::Object(object))
@@ -1087,5 +1267,84 @@ mod tests {
                 ),
             }
         }
+    }
+
+    /// Issue 18 item 3: a body's parse stops at its bounds, with a 400
+    /// naming the top-level field, and real bodies are far inside them.
+    #[test]
+    fn the_parse_is_bounded_in_depth_items_and_values() {
+        let cap = |_: &str| CAP;
+        let parse = |body: &str| parse_body(Api::OpenAiEmbeddings, body.as_bytes(), &cap);
+        let deep = format!(
+            r#"{{"model":"m","input":{}1{}}}"#,
+            "[".repeat(MAX_JSON_DEPTH as usize),
+            "]".repeat(MAX_JSON_DEPTH as usize)
+        );
+        let bad = parse(&deep).unwrap_err();
+        assert_eq!(bad.param.as_deref(), Some("input"), "{}", bad.message);
+        assert!(bad.message.contains("nested deeper"), "{}", bad.message);
+        let ok = format!(
+            r#"{{"model":"m","input":{}1{}}}"#,
+            "[".repeat(MAX_JSON_DEPTH as usize - 1),
+            "]".repeat(MAX_JSON_DEPTH as usize - 1)
+        );
+        assert!(parse(&ok).is_ok());
+        // The issue's body: 1 MB of `[[1],[1],…]`.
+        let attack = format!(r#"{{"model":"m","input":[{}[1]]}}"#, "[1],".repeat(262_000));
+        let bad = parse(&attack).unwrap_err();
+        assert_eq!(bad.param.as_deref(), Some("input"));
+        assert!(bad.message.contains("more than"), "{}", bad.message);
+        // Values in all: many small arrays under the item bound.
+        let row = format!("[{}1]", "1,".repeat(1_000));
+        let many = format!(
+            r#"{{"model":"m","input":[{}{row}]}}"#,
+            format!("{row},").repeat(600)
+        );
+        let bad = parse(&many).unwrap_err();
+        assert!(bad.message.contains("JSON values"), "{}", bad.message);
+        // OpenAI's largest embeddings request: 2,048 inputs of token ids
+        // (300,000 tokens in all).
+        let ids = format!("[{}1]", "1,".repeat(145));
+        let big = format!(
+            r#"{{"model":"m","input":[{}{ids}]}}"#,
+            format!("{ids},").repeat(2_047)
+        );
+        assert!(parse(&big).is_ok());
+        // Items: a prompt of token ids, one past the bound.
+        let ids = format!(
+            r#"{{"model":"m","prompt":[{}1]}}"#,
+            "1,".repeat(MAX_ARRAY_ITEMS as usize)
+        );
+        let bad = parse(&ids).unwrap_err();
+        assert_eq!(bad.param.as_deref(), Some("prompt"));
+        assert!(bad.message.contains("131072 items"), "{}", bad.message);
+        let ids = format!(
+            r#"{{"model":"m","prompt":[{}1]}}"#,
+            "1,".repeat(MAX_ARRAY_ITEMS as usize - 1)
+        );
+        assert!(parse(&ids).is_ok());
+        // Containers: the issue's body is stopped by the scan, before any
+        // value is built.
+        let inner = format!(
+            r#"{{"model":"m","input":[{}[1]]}}"#,
+            "[1],".repeat(MAX_JSON_CONTAINERS as usize)
+        );
+        let bad = parse(&inner).unwrap_err();
+        assert!(
+            bad.message
+                .contains("65536 arrays and objects (in `input`)"),
+            "{}",
+            bad.message
+        );
+        // Brackets and commas inside strings (escaped quotes too) count
+        // for nothing.
+        let text = format!(
+            r#"{{"model":"m","input":"{}\"[,{{"}}"#,
+            "[[[,,,{{{".repeat(100_000)
+        );
+        assert!(parse(&text).is_ok());
+        // Duplicate keys are still found, at any depth.
+        let dup = parse(r#"{"model":"m","input":[{"a":1,"a":2}]}"#).unwrap_err();
+        assert_eq!(dup.param.as_deref(), Some("a"));
     }
 }

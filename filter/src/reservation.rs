@@ -491,6 +491,14 @@ impl Reserver<'_> {
             .quota(&claim.rule.limit, now_ms)
     }
 
+    /// Would the claim be refused now? A peek, not a reservation: the
+    /// shortfall the bucket would answer with, or `None` (it fits, or the
+    /// caller has no slot to read: only a reservation can tell then).
+    pub fn shortfall(&self, claim: &Claim, caller: Caller, now_ms: u64) -> Option<Shortfall> {
+        let state = self.locate(claim.rule, caller, now_ms).ok()?.state;
+        state.take(claim.amount, &claim.rule.limit, now_ms).err()
+    }
+
     fn take(
         &self,
         claim: &Claim,

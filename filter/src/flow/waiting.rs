@@ -231,7 +231,11 @@ pub fn has_waiters(filter: &Filter) -> bool {
 /// The caller's class: a verified claim or a trusted header when the
 /// policy names one and the identity came from there, else its tier's,
 /// else `default_class`. Never from a header the policy does not trust.
-fn class_of(filter: &Filter, identity: &Identity, view: &dyn RequestView) -> Option<String> {
+pub(super) fn class_of(
+    filter: &Filter,
+    identity: &Identity,
+    view: &dyn RequestView,
+) -> Option<String> {
     let policy = &filter.engine.policy;
     let known = |c: String| policy.classes.contains_key(&c).then_some(c);
     let named = match identity.source {
@@ -253,7 +257,7 @@ fn class_of(filter: &Filter, identity: &Identity, view: &dyn RequestView) -> Opt
 }
 
 /// `x-sluice-max-wait-ms`: a whole number of milliseconds; `Err`: not one.
-fn asked_wait(view: &dyn RequestView) -> Result<Option<u64>, ()> {
+pub(super) fn asked_wait(view: &dyn RequestView) -> Result<Option<u64>, ()> {
     match view.header(MAX_WAIT_HEADER) {
         None => Ok(None),
         Some(v) => {
