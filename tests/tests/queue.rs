@@ -196,14 +196,19 @@ fn disconnects_while_queued_leak_nothing() {
 }
 
 /// The provider answers `x-ratelimit-remaining-requests: 0` with a reset
-/// of about 2 s: batch requests wait for the reset, none gets a 429.
+/// of about 1.5 s: batch requests wait for the reset, none gets a 429.
 #[test]
 fn provider_limits_make_requests_wait_for_the_reset() {
+    const WINDOW: Duration = Duration::from_millis(1_500);
     let s = stack(
         WORKERS,
         4,
         &["--ratelimit-requests", "3", "--ratelimit-window-ms", "1500"],
     );
+    // mock-llm's window opens at its first request, which is after this:
+    // the second window cannot open before `opened + WINDOW`, however long
+    // Envoy took to start or the first volley took to run.
+    let opened = Instant::now();
     let first = volley(
         &s.envoy,
         (0..3)
@@ -221,8 +226,9 @@ fn provider_limits_make_requests_wait_for_the_reset() {
     let took = start.elapsed();
     assert!(shots.iter().all(|s| s.status == 200), "{shots:?}");
     assert!(
-        took >= Duration::from_millis(1_000),
-        "waited for the reset: {took:?}"
+        opened.elapsed() >= WINDOW,
+        "waited for the reset: the second volley took {took:?}, {:?} after the first",
+        opened.elapsed()
     );
     // Exactly 6 reached the upstream: no 429 answered, none retried.
     assert_eq!(s.upstream.stats()["requests_total"], 6);
