@@ -69,7 +69,10 @@ impl AdminToken {
             }
             (token, format!("{file_from} ({})", path.display()))
         } else {
-            match env_value.map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
+            match env_value
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+            {
                 Some(token) => (token, "SLUICE_ADMIN_TOKEN".to_string()),
                 None => return Ok(AdminToken(None)),
             }
@@ -333,7 +336,9 @@ mod tests {
         assert!(err.contains("SLUICE_ADMIN_TOKEN"), "{err}");
         let ok = "sixteen-bytes!!!";
         assert_eq!(ok.len(), MIN_TOKEN_BYTES);
-        assert!(AdminToken::load(None, "-", Some(ok.into())).unwrap().is_set());
+        assert!(AdminToken::load(None, "-", Some(ok.into()))
+            .unwrap()
+            .is_set());
     }
 
     #[test]

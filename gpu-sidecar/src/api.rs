@@ -102,11 +102,19 @@ async fn check_host(
     let header = given.next();
     let twice = given.next().is_some();
     let target = req.uri().authority().map(|a| a.as_str().as_bytes());
-    let presented: Vec<&[u8]> = header.map(|h| h.as_bytes()).into_iter().chain(target).collect();
+    let presented: Vec<&[u8]> = header
+        .map(|h| h.as_bytes())
+        .into_iter()
+        .chain(target)
+        .collect();
     if !twice && !presented.is_empty() && presented.iter().all(|h| hosts.allows(h)) {
         return next.run(req).await;
     }
-    let n = telemetry.door.host_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    let n = telemetry
+        .door
+        .host_refused
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        + 1;
     // A line for the first refusal and then at every power of two: an
     // operator learns of a misconfigured scraper, a flood cannot fill the log.
     if n.is_power_of_two() {
@@ -233,9 +241,10 @@ fn is_loopback(peer: &Peer) -> bool {
 /// Who a peer's failures are charged to; an unknown peer (only in tests,
 /// without connect info) is one client.
 fn client(peer: &Peer) -> Client {
-    peer.as_ref().map_or(Client::V4(0), |Extension(ConnectInfo(a))| {
-        Client::of(a.ip())
-    })
+    peer.as_ref()
+        .map_or(Client::V4(0), |Extension(ConnectInfo(a))| {
+            Client::of(a.ip())
+        })
 }
 
 fn peer_text(peer: &Peer) -> String {
@@ -298,8 +307,7 @@ fn check_token(
 /// Whether a long poll presents the admin token (for the reserved slots).
 /// Without an `Authorization` header nothing is checked or counted.
 fn holds_token(api: &Api, peer: &Peer, headers: &HeaderMap) -> bool {
-    headers.contains_key(AUTHORIZATION)
-        && check_token(api, peer, headers, Endpoint::State).is_ok()
+    headers.contains_key(AUTHORIZATION) && check_token(api, peer, headers, Endpoint::State).is_ok()
 }
 
 /// Whether an admin call may go on: 403 unless the client is on loopback
@@ -969,7 +977,11 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS, "{token:?}");
-            let wait: u64 = res.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+            let wait: u64 = res.headers()["retry-after"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
             assert!((1..=6).contains(&wait), "{wait}");
             let body = axum::body::to_bytes(res.into_body(), usize::MAX)
                 .await
@@ -1037,7 +1049,12 @@ mod tests {
         // The guesses on the poll count against the admin calls as well.
         let (status, _) = send(
             &app,
-            post_from("/v1/kill-switch", remote, Some("t0ken"), r#"{"active":true}"#),
+            post_from(
+                "/v1/kill-switch",
+                remote,
+                Some("t0ken"),
+                r#"{"active":true}"#,
+            ),
         )
         .await;
         assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);

@@ -356,7 +356,11 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
 
     // Restarted (the token now from the environment): still on.
     let args = ["--simulate", "--state-file", state_file.to_str().unwrap()];
-    let sc = Sidecar::start(dir.path(), &args, &[("SLUICE_ADMIN_TOKEN", "env-token-0123456789")]);
+    let sc = Sidecar::start(
+        dir.path(),
+        &args,
+        &[("SLUICE_ADMIN_TOKEN", "env-token-0123456789")],
+    );
     let after = sc.json("/v1/state").await;
     assert_eq!(after["kill_switch"], before["kill_switch"]);
     assert!(
@@ -519,7 +523,10 @@ async fn no_simulate_route_without_the_simulated_source() {
         &["--config", config.to_str().unwrap()],
         &[("SLUICE_ADMIN_TOKEN", "t-0123456789abcdef")],
     );
-    for auth in [&[][..], &[("authorization", "Bearer t-0123456789abcdef")][..]] {
+    for auth in [
+        &[][..],
+        &[("authorization", "Bearer t-0123456789abcdef")][..],
+    ] {
         let (status, _) = sc
             .call(
                 Method::POST,

@@ -153,8 +153,11 @@ fn sidecar_with_token(dir: &tempfile::TempDir, extra_args: &[&str]) -> Sidecar {
 fn configured_host_names_are_served_and_bad_ones_refused_at_start() {
     let dir = tempfile::tempdir().expect("temp dir");
     let config = dir.path().join("sidecar.yaml");
-    fs::write(&config, "allowed_hosts: [sluice-sidecar.prod.svc.cluster.local]\n")
-        .expect("config");
+    fs::write(
+        &config,
+        "allowed_hosts: [sluice-sidecar.prod.svc.cluster.local]\n",
+    )
+    .expect("config");
     let config = config.display().to_string();
     let sc = sidecar_with_token(
         &dir,
@@ -194,7 +197,10 @@ fn configured_host_names_are_served_and_bad_ones_refused_at_start() {
         .output()
         .expect("check-sidecar-config");
     let text = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && text.contains("allowed_hosts[0]"), "{text}");
+    assert!(
+        !out.status.success() && text.contains("allowed_hosts[0]"),
+        "{text}"
+    );
 }
 
 /// Runs `cmd` (which should exit at once) with only the admin token `env`
@@ -258,7 +264,11 @@ fn a_short_admin_token_is_refused_at_start() {
         (serve(), Some("t"), "SLUICE_ADMIN_TOKEN", 1),
     ] {
         let (code, log) = exit_of(cmd, env);
-        assert_eq!(code, Some(1), "a {len}-byte token from {names} was accepted:\n{log}");
+        assert_eq!(
+            code,
+            Some(1),
+            "a {len}-byte token from {names} was accepted:\n{log}"
+        );
         assert!(
             log.contains(names) && log.contains(&format!("is {len} bytes; at least 16")),
             "{log}"
@@ -345,7 +355,11 @@ fn guessing_the_admin_token_is_slowed_counted_and_logged() {
     );
     assert!(!log.contains("guess-"), "a guess in the log:\n{log}");
     let lines = log.matches("wrong admin token").count();
-    assert_eq!(lines, usize::try_from(wrong).unwrap_or(0), "one line per checked guess");
+    assert_eq!(
+        lines,
+        usize::try_from(wrong).unwrap_or(0),
+        "one line per checked guess"
+    );
 
     // Once the wait is over, the right token works.
     let right = format!("Bearer {TOKEN}");
