@@ -94,23 +94,27 @@ fn a_big_backlog_cannot_delay_a_small_tenant() {
 #[test]
 fn weights_share_the_slots() {
     let s = stack(WORKERS, 2, &[]);
-    // Two long requests hold both slots while the classes fill up.
-    let mut aims: Vec<Aim> = (0..2)
-        .map(|_| Aim::new("filler", "batch").latency_ms(300))
+    // Two long requests hold both slots while the classes fill up: the
+    // classes are sent once both are at the upstream.
+    let fillers: Vec<Aim> = (0..2)
+        .map(|_| Aim::new("filler", "batch").latency_ms(1_500))
         .collect();
+    let mut aims = Vec::new();
     for i in 0..40 {
-        aims.push(
-            Aim::new(&format!("g{}", i % 4), "gold")
-                .latency_ms(20)
-                .after_ms(50),
-        );
-        aims.push(
-            Aim::new(&format!("l{}", i % 4), "lead")
-                .latency_ms(20)
-                .after_ms(50),
-        );
+        aims.push(Aim::new(&format!("g{}", i % 4), "gold").latency_ms(20));
+        aims.push(Aim::new(&format!("l{}", i % 4), "lead").latency_ms(20));
     }
-    let shots = volley(&s.envoy, aims);
+    let shots = std::thread::scope(|scope| {
+        let envoy = &s.envoy;
+        let held = scope.spawn(move || volley(envoy, fillers));
+        assert!(
+            wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"] == 2),
+            "the fillers never reached the upstream"
+        );
+        let mut shots = volley(envoy, aims);
+        shots.extend(held.join().expect("fillers"));
+        shots
+    });
     assert!(shots.iter().all(|s| s.status == 200), "{shots:?}");
     let mut order: Vec<(Duration, bool)> = shots
         .iter()
