@@ -777,7 +777,8 @@ fn keep_clear_of_utc_midnight(cfg: &EnvoyConfig) {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     let day = Duration::from_secs(86_400);
-    let into_day = Duration::from_secs(now.as_secs() % 86_400) + Duration::from_nanos(u64::from(now.subsec_nanos()));
+    let into_day = Duration::from_secs(now.as_secs() % 86_400)
+        + Duration::from_nanos(u64::from(now.subsec_nanos()));
     let left = day.saturating_sub(into_day);
     if left < MIDNIGHT_MARGIN {
         eprintln!("sluice-tests: {left:?} to 00:00 UTC: waiting past it, so no budget window ends mid-test");

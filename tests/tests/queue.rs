@@ -108,7 +108,8 @@ fn weights_share_the_slots() {
         let envoy = &s.envoy;
         let held = scope.spawn(move || volley(envoy, fillers));
         assert!(
-            wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"] == 2),
+            wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"]
+                == 2),
             "the fillers never reached the upstream"
         );
         let mut shots = volley(envoy, aims);
@@ -145,7 +146,8 @@ fn deadlines_and_interactive_refusals() {
         let envoy = &s.envoy;
         let held = scope.spawn(move || volley(envoy, holders));
         assert!(
-            wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"] == 2),
+            wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"]
+                == 2),
             "the holders never reached the upstream"
         );
         let late = volley(envoy, late);
@@ -185,7 +187,8 @@ fn disconnects_while_queued_leak_nothing() {
         let envoy = &s.envoy;
         let held = scope.spawn(move || volley(envoy, holders));
         assert!(
-            wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"] == 2),
+            wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"]
+                == 2),
             "the holders never reached the upstream"
         );
         let gave_up = volley(envoy, queued);
@@ -376,7 +379,10 @@ fn saturation_holds_batch_and_refuses_interactive() {
             // All six wait before the backend clears, however slowly they
             // arrived: the order below is the queue's, not the arrivals'.
             let depth = || {
-                envoy.metric("sluice_queue_depth", &[("model", MODEL), ("class", "batch")])
+                envoy.metric(
+                    "sluice_queue_depth",
+                    &[("model", MODEL), ("class", "batch")],
+                )
             };
             assert!(
                 wait_for(Duration::from_secs(10), || depth() == Some(6.0)),
@@ -421,7 +427,8 @@ fn a_queued_request_is_rewritten_at_dispatch() {
     });
     // The holder has the one slot (it is at the upstream) before `q` comes.
     assert!(
-        wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"] == 1),
+        wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"]
+            == 1),
         "the holder never reached the upstream"
     );
     let r = sluice_tests::post_json(
