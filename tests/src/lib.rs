@@ -776,14 +776,22 @@ fn keep_clear_of_utc_midnight(cfg: &EnvoyConfig) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
+    if let Some(wait) = wait_past_midnight(now) {
+        eprintln!(
+            "sluice-tests: {wait:?} to just past 00:00 UTC: waiting, so no budget window ends mid-test"
+        );
+        thread::sleep(wait);
+    }
+}
+
+/// How long to wait from `now` (since the epoch) to 1 s past 00:00 UTC,
+/// when midnight is less than [`MIDNIGHT_MARGIN`] away.
+fn wait_past_midnight(now: Duration) -> Option<Duration> {
     let day = Duration::from_secs(86_400);
     let into_day = Duration::from_secs(now.as_secs() % 86_400)
         + Duration::from_nanos(u64::from(now.subsec_nanos()));
     let left = day.saturating_sub(into_day);
-    if left < MIDNIGHT_MARGIN {
-        eprintln!("sluice-tests: {left:?} to 00:00 UTC: waiting past it, so no budget window ends mid-test");
-        thread::sleep(left + Duration::from_secs(1));
-    }
+    (left < MIDNIGHT_MARGIN).then(|| left + Duration::from_secs(1))
 }
 
 impl Envoy {
@@ -1583,6 +1591,22 @@ mod tests {
         let text = to_yaml(&lds);
         let wasm = repo_root().join("target/wasm32-wasip1/release/sluice_filter.wasm");
         assert!(text.contains(&wasm.display().to_string()), "{text}");
+    }
+
+    #[test]
+    fn envoys_wait_past_a_utc_midnight_that_is_near() {
+        let day = 86_400 * 20_000;
+        assert_eq!(wait_past_midnight(Duration::from_secs(day + 3_600)), None);
+        assert_eq!(wait_past_midnight(Duration::from_secs(day - 121)), None);
+        assert_eq!(
+            wait_past_midnight(Duration::from_secs(day - 119)),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(
+            wait_past_midnight(Duration::from_millis(day * 1000 - 500)),
+            Some(Duration::from_millis(1_500))
+        );
+        assert_eq!(wait_past_midnight(Duration::from_secs(day)), None);
     }
 
     #[test]
