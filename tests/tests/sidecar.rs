@@ -741,7 +741,8 @@ fn held_polls_past_the_cap_get_503_and_envoy_keeps_its_reserved_slot() {
         .map(|_| {
             let mut s = std::net::TcpStream::connect((ip, port))
                 .unwrap_or_else(|e| panic!("connecting to {ip}:{port}: {e}"));
-            write!(s, "GET {poll} HTTP/1.1\r\nhost: sidecar\r\n\r\n").expect("send poll");
+            // By address: the sidecar answers only to its own host names.
+            write!(s, "GET {poll} HTTP/1.1\r\nhost: {ip}:{port}\r\n\r\n").expect("send poll");
             s
         })
         .collect();
