@@ -2,20 +2,26 @@
 //! the simulated GPU (only when it runs), `/metrics`, `/healthz` and the
 //! operator page at `/` with its data at `/v1/history` ([`crate::page`]).
 //!
-//! Who may do what: reads are open; every change of state (kill switch,
-//! simulated GPU) needs the admin bearer token and, unless
-//! `admin.allow_remote`, a loopback peer. Held long polls are capped
-//! (`long_poll.max_held`); the last `long_poll.reserved` slots are kept for
-//! loopback callers (the co-located Envoy) and token holders.
+//! Who may do what: every route answers only to the sidecar's own host
+//! names ([`with_door`], 421 otherwise); reads are open; every change of
+//! state (kill switch, simulated GPU) needs the admin bearer token and,
+//! unless `admin.allow_remote`, a loopback peer; a client that keeps
+//! presenting wrong tokens is answered 429 ([`crate::door`]). Held long
+//! polls are capped (`long_poll.max_held`); the last `long_poll.reserved`
+//! slots are kept for loopback callers (the co-located Envoy) and token
+//! holders.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Query, State};
-use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, RETRY_AFTER};
+use axum::extract::{ConnectInfo, Query, Request, State};
+use axum::http::header::{
+    AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, HOST, RETRY_AFTER,
+};
 use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
@@ -25,6 +31,7 @@ use tokio::sync::watch;
 
 use crate::admin::{AdminToken, KillSwitchControl};
 use crate::config::LongPollConfig;
+use crate::door::{AllowedHosts, Client, Endpoint, Failure, FailureGate, Gate};
 use crate::history::History;
 use crate::sources::gpu::{SimHandle, Simulation};
 use crate::state::StateStore;
@@ -55,6 +62,8 @@ pub struct Api {
     pub long_poll: LongPollConfig,
     /// What the operator page draws (`/v1/history`).
     pub history: Arc<History>,
+    /// Wrong admin tokens per client.
+    pub failures: Arc<FailureGate>,
 }
 
 pub fn router(api: Api) -> Router {
@@ -73,6 +82,56 @@ pub fn router(api: Api) -> Router {
         router = router.route("/v1/simulate", get(get_simulation).post(simulate));
     }
     router.with_state(Arc::new(api))
+}
+
+/// `app` answering only requests whose `Host` (and request-target
+/// authority) is one of `hosts`: every route, the fallback too. Applied
+/// last, around the fleet's routes as well.
+pub fn with_door(app: Router, hosts: AllowedHosts, telemetry: Arc<Telemetry>) -> Router {
+    let door = Arc::new((hosts, telemetry));
+    app.layer(axum::middleware::from_fn_with_state(door, check_host))
+}
+
+async fn check_host(
+    State(door): State<Arc<(AllowedHosts, Arc<Telemetry>)>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let (hosts, telemetry) = &*door;
+    let mut given = req.headers().get_all(HOST).iter();
+    let header = given.next();
+    let twice = given.next().is_some();
+    let target = req.uri().authority().map(|a| a.as_str().as_bytes());
+    let presented: Vec<&[u8]> = header
+        .map(|h| h.as_bytes())
+        .into_iter()
+        .chain(target)
+        .collect();
+    if !twice && !presented.is_empty() && presented.iter().all(|h| hosts.allows(h)) {
+        return next.run(req).await;
+    }
+    let n = telemetry
+        .door
+        .host_refused
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        + 1;
+    // A line for the first refusal and then at every power of two: an
+    // operator learns of a misconfigured scraper, a flood cannot fill the log.
+    if n.is_power_of_two() {
+        let shown = presented
+            .first()
+            .map_or_else(|| "no Host".to_string(), |h| crate::door::loggable(h));
+        eprintln!(
+            "sluice-sidecar: {n} request(s) refused for their Host so far (latest: `{shown}`); \
+             add a name with allowed_hosts or --allowed-host"
+        );
+    }
+    error(
+        StatusCode::MISDIRECTED_REQUEST,
+        "misdirected_request",
+        "this sidecar answers only to localhost, IP addresses, sluice_sidecar and the names \
+         in allowed_hosts (--allowed-host)",
+    )
 }
 
 async fn healthz() -> &'static str {
@@ -107,10 +166,7 @@ async fn state(
     let Some(since) = q.since.filter(|v| *v == current.version) else {
         return ([(CACHE_CONTROL, "no-store")], Json(current)).into_response();
     };
-    let privileged = is_loopback(&peer)
-        || api
-            .token
-            .accepts(headers.get(AUTHORIZATION).map(|v| v.as_bytes()));
+    let privileged = is_loopback(&peer) || holds_token(&api, &peer, &headers);
     let limit = if privileged {
         api.long_poll.max_held
     } else {
@@ -182,9 +238,87 @@ fn is_loopback(peer: &Peer) -> bool {
         .is_some_and(|Extension(ConnectInfo(a))| a.ip().is_loopback())
 }
 
+/// Who a peer's failures are charged to; an unknown peer (only in tests,
+/// without connect info) is one client.
+fn client(peer: &Peer) -> Client {
+    peer.as_ref()
+        .map_or(Client::V4(0), |Extension(ConnectInfo(a))| {
+            Client::of(a.ip())
+        })
+}
+
+fn peer_text(peer: &Peer) -> String {
+    peer.as_ref()
+        .map_or("an unknown peer".into(), |Extension(ConnectInfo(a))| {
+            a.ip().to_string()
+        })
+}
+
+/// Checks the bearer token of a call to `endpoint` through the caller's
+/// failure bucket: a throttled client is refused before its token is read;
+/// a wrong token is charged, counted and logged (never the token itself).
+fn check_token(
+    api: &Api,
+    peer: &Peer,
+    headers: &HeaderMap,
+    endpoint: Endpoint,
+) -> Result<(), (Failure, Option<Duration>)> {
+    let who = client(peer);
+    let now = Instant::now();
+    let counters = &api.telemetry.door;
+    if !api.token.is_set() {
+        counters.count(endpoint, Failure::NotConfigured);
+        return Err((Failure::NotConfigured, None));
+    }
+    if let Gate::Throttled(wait) = api.failures.check(who, now) {
+        counters.count(endpoint, Failure::Throttled);
+        return Err((Failure::Throttled, Some(wait)));
+    }
+    match api
+        .token
+        .check(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
+    {
+        Ok(()) => Ok(()),
+        Err(Failure::Wrong) => {
+            let left = api.failures.fail(who, now);
+            counters.count(endpoint, Failure::Wrong);
+            let then = if left == 0 {
+                format!(
+                    "its next calls get 429 for {} s",
+                    crate::door::FAILURE_REFILL.as_secs()
+                )
+            } else {
+                format!("{left} more before it gets 429")
+            };
+            eprintln!(
+                "sluice-sidecar: wrong admin token for {} from {}: {then}",
+                endpoint.path(),
+                peer_text(peer)
+            );
+            Err((Failure::Wrong, None))
+        }
+        Err(why) => {
+            counters.count(endpoint, why);
+            Err((why, None))
+        }
+    }
+}
+
+/// Whether a long poll presents the admin token (for the reserved slots).
+/// Without an `Authorization` header nothing is checked or counted.
+fn holds_token(api: &Api, peer: &Peer, headers: &HeaderMap) -> bool {
+    headers.contains_key(AUTHORIZATION) && check_token(api, peer, headers, Endpoint::State).is_ok()
+}
+
 /// Whether an admin call may go on: 403 unless the client is on loopback
-/// (or remote admin is allowed), 401 without the right bearer token.
-fn refuse_admin(api: &Api, peer: &Peer, headers: &HeaderMap) -> Option<Response> {
+/// (or remote admin is allowed), 429 while the client has made too many
+/// wrong guesses, 401 without the right bearer token.
+fn refuse_admin(
+    api: &Api,
+    peer: &Peer,
+    headers: &HeaderMap,
+    endpoint: Endpoint,
+) -> Option<Response> {
     if !(is_loopback(peer) || api.allow_remote) {
         return Some(error(
             StatusCode::FORBIDDEN,
@@ -192,18 +326,38 @@ fn refuse_admin(api: &Api, peer: &Peer, headers: &HeaderMap) -> Option<Response>
             "admin calls are accepted from loopback only (admin.allow_remote is off)",
         ));
     }
-    if api
-        .token
-        .accepts(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
-    {
-        return None;
-    }
-    let message = if api.token.is_set() {
-        "missing or wrong bearer token"
-    } else {
-        "no admin token is configured (admin.token_file, --admin-token-file or SLUICE_ADMIN_TOKEN)"
+    let (why, wait) = check_token(api, peer, headers, endpoint).err()?;
+    let message = match why {
+        Failure::NotConfigured => {
+            "no admin token is configured (admin.token_file, --admin-token-file or SLUICE_ADMIN_TOKEN)"
+        }
+        Failure::Throttled => {
+            return Some(too_many_failures(wait.unwrap_or(crate::door::FAILURE_REFILL)))
+        }
+        Failure::Missing | Failure::Wrong => "missing or wrong bearer token",
     };
     Some(error(StatusCode::UNAUTHORIZED, "unauthorized", message))
+}
+
+/// 429 for a client over its wrong-token allowance; `Retry-After` in whole
+/// seconds, rounded up.
+fn too_many_failures(wait: Duration) -> Response {
+    let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    let body = json!({"error": {
+        "code": "too_many_failures",
+        "message": format!(
+            "too many wrong admin tokens from this client; try again in {secs} s"
+        ),
+    }});
+    (
+        StatusCode::TOO_MANY_REQUESTS,
+        [
+            (CACHE_CONTROL, "no-store".to_string()),
+            (RETRY_AFTER, secs.to_string()),
+        ],
+        Json(body),
+    )
+        .into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -222,7 +376,7 @@ async fn kill_switch(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Some(r) = refuse_admin(&api, &peer, &headers) {
+    if let Some(r) = refuse_admin(&api, &peer, &headers, Endpoint::KillSwitch) {
         return r;
     }
     let req: KillSwitchBody = match serde_json::from_slice(&body) {
@@ -267,7 +421,7 @@ async fn simulate(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Some(r) = refuse_admin(&api, &peer, &headers) {
+    if let Some(r) = refuse_admin(&api, &peer, &headers, Endpoint::Simulate) {
         return r;
     }
     let Some(handle) = &api.sim else {
@@ -327,6 +481,7 @@ mod tests {
             sim: Some(SimHandle::default()),
             long_poll: LongPollConfig::default(),
             history: Arc::new(History::default()),
+            failures: Arc::new(FailureGate::default()),
         }
     }
 
@@ -712,6 +867,197 @@ mod tests {
                 .load(std::sync::atomic::Ordering::Relaxed),
             0
         );
+    }
+
+    fn with_host(uri: &str, host: Option<&str>) -> Request<Body> {
+        let mut req = Request::get(uri);
+        if let Some(h) = host {
+            req = req.header("host", h);
+        }
+        req.body(Body::empty()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn every_route_answers_only_to_its_own_host_names() {
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let api = api(&store, rx);
+        let telemetry = api.telemetry.clone();
+        let extra = AllowedHosts::with(&["sluice.prod.svc".into()]).unwrap();
+        let app = with_door(router(api), extra, telemetry.clone());
+        let paths = [
+            "/",
+            "/page.js",
+            "/v1/history",
+            "/metrics",
+            "/v1/state",
+            "/healthz",
+            "/v1/simulate",
+            "/no-such-path",
+        ];
+        for path in paths {
+            for host in [
+                Some("evil.example"),
+                Some("evil.example:9911"),
+                Some("localhost.evil.example"),
+                None,
+            ] {
+                let (status, body) = send(&app, with_host(path, host)).await;
+                assert_eq!(status, StatusCode::MISDIRECTED_REQUEST, "{path} {host:?}");
+                assert_eq!(json_of(&body)["error"]["code"], "misdirected_request");
+            }
+            for host in [
+                "localhost:9911",
+                "127.0.0.1:9911",
+                "[::1]:9911",
+                "sluice_sidecar",
+                "sluice.prod.svc:9911",
+            ] {
+                let (status, _) = send(&app, with_host(path, Some(host))).await;
+                let want = if path == "/no-such-path" {
+                    StatusCode::NOT_FOUND
+                } else {
+                    StatusCode::OK
+                };
+                assert_eq!(status, want, "{path} {host}");
+            }
+        }
+        // A request target naming another host, or Host given twice.
+        let req = with_host("http://evil.example/v1/state", Some("localhost"));
+        assert_eq!(send(&app, req).await.0, StatusCode::MISDIRECTED_REQUEST);
+        let req = Request::get("/v1/state")
+            .header("host", "localhost")
+            .header("host", "evil.example")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(send(&app, req).await.0, StatusCode::MISDIRECTED_REQUEST);
+        // Admin calls too, before any token is read.
+        let mut req = post_from("/v1/kill-switch", "127.0.0.1:1", Some("t0ken"), "{}");
+        req.headers_mut()
+            .insert("host", "evil.example".parse().unwrap());
+        assert_eq!(send(&app, req).await.0, StatusCode::MISDIRECTED_REQUEST);
+        assert!(!store.current().kill_switch.active);
+        let refused = paths.len() as u64 * 4 + 3;
+        assert_eq!(Telemetry::get(&telemetry.door.host_refused), refused);
+        let (_, text) = send(&app, with_host("/metrics", Some("localhost"))).await;
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.contains(&format!("sluice_sidecar_host_refused_total {refused}")),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn wrong_tokens_are_throttled_per_client_and_counted() {
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let api = api(&store, rx);
+        let telemetry = api.telemetry.clone();
+        let app = router(api);
+        let on = r#"{"active": true}"#;
+        let local = "127.0.0.1:5000";
+        // Calls without a bearer token are not guesses: never throttled.
+        for _ in 0..20 {
+            let (status, _) = send(&app, post_from("/v1/kill-switch", local, None, on)).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED);
+        }
+        for i in 0..crate::door::FAILURE_BURST {
+            let (status, _) = send(
+                &app,
+                post_from("/v1/kill-switch", local, Some(&format!("guess{i}")), on),
+            )
+            .await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "guess {i}");
+        }
+        // Now even the right token is refused, before it is read.
+        for token in [Some("guess-more"), Some("t0ken"), None] {
+            let res = app
+                .clone()
+                .oneshot(post_from("/v1/kill-switch", local, token, on))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS, "{token:?}");
+            let wait: u64 = res.headers()["retry-after"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!((1..=6).contains(&wait), "{wait}");
+            let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            assert_eq!(json_of(&body)["error"]["code"], "too_many_failures");
+        }
+        assert!(!store.current().kill_switch.active);
+        // Another client (IPv6 /64) is unaffected; the simulator shares the
+        // same bucket as the kill switch.
+        let (status, _) = send(
+            &app,
+            post_from("/v1/kill-switch", "[::1]:5000", Some("t0ken"), on),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let sim = r#"{"gpus":[]}"#;
+        let (status, _) = send(&app, post_from("/v1/simulate", local, Some("t0ken"), sim)).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        let d = &telemetry.door;
+        assert_eq!(d.failures(Endpoint::KillSwitch, Failure::Missing), 20);
+        assert_eq!(
+            d.failures(Endpoint::KillSwitch, Failure::Wrong),
+            u64::from(crate::door::FAILURE_BURST)
+        );
+        assert_eq!(d.failures(Endpoint::KillSwitch, Failure::Throttled), 3);
+        assert_eq!(d.failures(Endpoint::Simulate, Failure::Throttled), 1);
+        let (_, text) = get(&app, "/metrics").await;
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.contains(
+                "sluice_sidecar_admin_auth_failures_total{endpoint=\"kill_switch\",reason=\"wrong\"} 10"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("guess0"), "never the guess: {text}");
+    }
+
+    #[tokio::test]
+    async fn a_wrong_token_on_a_long_poll_is_a_guess_too() {
+        let store = StateStore::new(SystemTime::now());
+        let (_tx, rx) = watch::channel(false);
+        let api = Api {
+            allow_remote: true,
+            ..api(&store, rx)
+        };
+        let failures = api.failures.clone();
+        let telemetry = api.telemetry.clone();
+        let app = router(api);
+        let remote = "10.0.0.7:4000";
+        for i in 0..crate::door::FAILURE_BURST {
+            let (status, _) = send(
+                &app,
+                poll_from("/v1/state?since=0", remote, Some(&format!("g{i}"))),
+            )
+            .await;
+            assert_eq!(status, StatusCode::OK, "not held: the token is not read");
+        }
+        assert!(failures.is_empty());
+        for i in 0..crate::door::FAILURE_BURST {
+            let req = poll_from("/v1/state?since=1&wait=0", remote, Some(&format!("g{i}")));
+            assert_eq!(send(&app, req).await.0, StatusCode::OK);
+        }
+        let d = &telemetry.door;
+        assert_eq!(d.failures(Endpoint::State, Failure::Wrong), 10);
+        // The guesses on the poll count against the admin calls as well.
+        let (status, _) = send(
+            &app,
+            post_from(
+                "/v1/kill-switch",
+                remote,
+                Some("t0ken"),
+                r#"{"active":true}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     }
 
     #[tokio::test]

@@ -64,6 +64,9 @@ pub struct Config {
     pub envoy_admin: Option<crate::traffic::EnvoyAdminConfig>,
     /// Redis, for the fleet (see `fleet`); none: this sidecar is no fleet agent.
     pub fleet: Option<crate::fleet::FleetConfig>,
+    /// Host names the API answers to besides `localhost`, IP addresses and
+    /// `sluice_sidecar` (see [`crate::door`]); any other `Host` gets 421.
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for Config {
@@ -84,6 +87,7 @@ impl Default for Config {
             history: Default::default(),
             envoy_admin: None,
             fleet: None,
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -539,6 +543,8 @@ impl Config {
         if let Some(e) = &self.envoy_admin {
             e.check().map_err(|(at, m)| invalid(at, m))?;
         }
+        crate::door::AllowedHosts::with(&self.allowed_hosts)
+            .map_err(|(i, m)| invalid(format!("allowed_hosts[{i}]"), m))?;
         self.scope_plans().map(|_| ())
     }
 }

@@ -15,6 +15,7 @@ pub mod api;
 pub mod breaker;
 pub mod check_config;
 pub mod config;
+pub mod door;
 pub mod fleet;
 pub mod history;
 pub mod http;
@@ -213,6 +214,7 @@ pub async fn serve(
             closing_rx.clone(),
         ));
     }
+    let door_telemetry = telemetry.clone();
     let mut app = api::router(api::Api {
         store: store.clone(),
         closing: closing_rx,
@@ -223,10 +225,14 @@ pub async fn serve(
         sim,
         long_poll: config.long_poll,
         history,
+        failures: Arc::new(door::FailureGate::default()),
     });
     if let Some(f) = fleet {
         app = app.merge(fleet::router(f));
     }
+    let hosts = door::AllowedHosts::with(&config.allowed_hosts)
+        .map_err(|(i, m)| anyhow::anyhow!("allowed_hosts[{i}]: {m}"))?;
+    let app = api::with_door(app, hosts, door_telemetry);
     let served = axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

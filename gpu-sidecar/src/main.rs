@@ -1,5 +1,5 @@
 //! `sluice-sidecar serve [--config FILE] [--listen ADDR] [--simulate]
-//! [--admin-token-file FILE] [--state-file FILE]`
+//! [--admin-token-file FILE] [--state-file FILE] [--allowed-host NAME]…`
 //!
 //! `serve` prints `sluice-sidecar listening on ADDR` (the bound address, so
 //! port 0 works) once on stdout, then serves until Ctrl-C or SIGTERM. Logs
@@ -69,6 +69,11 @@ struct ServeArgs {
     /// tier on the operator page (overrides the config's `envoy_admin.url`).
     #[arg(long)]
     envoy_admin: Option<String>,
+    /// A host name the API answers to besides `localhost`, IP addresses
+    /// and `sluice_sidecar` (e.g. a Kubernetes Service name); repeatable,
+    /// added to the config's `allowed_hosts`. Any other `Host` gets 421.
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    allowed_host: Vec<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -133,13 +138,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .map_err(|(at, m)| anyhow::anyhow!("--envoy-admin ({at}): {m}"))?;
         config.envoy_admin = Some(admin);
     }
-    let token_file = args
-        .admin_token_file
-        .or_else(|| config.admin.token_file.clone());
+    let (token_file, token_from) = match args.admin_token_file {
+        Some(file) => (Some(file), "--admin-token-file"),
+        None => (config.admin.token_file.clone(), "admin.token_file"),
+    };
     let token = AdminToken::load(
         token_file.as_deref(),
+        token_from,
         std::env::var("SLUICE_ADMIN_TOKEN").ok(),
     )?;
+    config.allowed_hosts.extend(args.allowed_host);
+    sluice_sidecar::door::AllowedHosts::with(&config.allowed_hosts).map_err(|(i, m)| {
+        anyhow::anyhow!(
+            "allowed_hosts / --allowed-host `{}`: {m}",
+            config.allowed_hosts.get(i).map_or("", String::as_str)
+        )
+    })?;
     let listener = TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;

@@ -221,6 +221,35 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
     }
 
     out.family(
+        "sluice_sidecar_admin_auth_failures_total",
+        "counter",
+        "Admin calls refused for their token, by endpoint (kill_switch, simulate, \
+         state: a long poll asking for the reserved slots) and reason: missing (no \
+         bearer token), wrong (a guess: charged to the client), not_configured, \
+         throttled (429: too many wrong tokens from that client).",
+    );
+    for endpoint in crate::door::Endpoint::ALL {
+        for failure in crate::door::Failure::ALL {
+            out.sample(
+                "sluice_sidecar_admin_auth_failures_total",
+                &[("endpoint", endpoint.label()), ("reason", failure.label())],
+                tel.door.failures(endpoint, failure) as f64,
+            );
+        }
+    }
+    out.family(
+        "sluice_sidecar_host_refused_total",
+        "counter",
+        "Requests answered 421 because their Host is not one the sidecar answers \
+         to (localhost, an IP address, sluice_sidecar, allowed_hosts).",
+    );
+    out.sample(
+        "sluice_sidecar_host_refused_total",
+        &[],
+        Telemetry::get(&tel.door.host_refused) as f64,
+    );
+
+    out.family(
         "sluice_sidecar_scrape_errors_total",
         "counter",
         "Failed reads by source (gpu or a backend's name).",

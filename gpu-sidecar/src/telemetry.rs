@@ -63,6 +63,8 @@ pub struct Telemetry {
     pub alerts_suppressed: AtomicU64,
     /// Events dropped because the alert queue was full.
     pub alerts_dropped: AtomicU64,
+    /// Refused admin tokens and `Host` names ([`crate::door`]).
+    pub door: crate::door::DoorCounters,
 }
 
 impl Telemetry {

@@ -311,7 +311,7 @@ breaker: {{stale_after: 2s, half_open_for: 400ms}}
 async fn kill_switch_needs_the_token_and_survives_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let state_file = dir.path().join("state.json");
-    let token_file = write(dir.path(), "token", "s3cret\n");
+    let token_file = write(dir.path(), "token", "s3cret-s3cret-s3cret\n");
     let args = [
         "--simulate",
         "--state-file",
@@ -324,8 +324,8 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
     for auth in [
         None,
         Some("Bearer wrong"),
-        Some("Bearer s3cre"),
-        Some("s3cret"),
+        Some("Bearer s3cret-s3cret-s3cre"),
+        Some("s3cret-s3cret-s3cret"),
     ] {
         let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", *a)).collect();
         let (status, body) = sc
@@ -338,7 +338,7 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
     assert_eq!(sc.json("/v1/state").await["kill_switch"]["active"], false);
     assert!(!state_file.exists());
 
-    let auth = [("authorization", "Bearer s3cret")];
+    let auth = [("authorization", "Bearer s3cret-s3cret-s3cret")];
     let (status, body) = sc
         .call(Method::POST, "/v1/kill-switch", &auth, Some(on.clone()))
         .await;
@@ -356,7 +356,11 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
 
     // Restarted (the token now from the environment): still on.
     let args = ["--simulate", "--state-file", state_file.to_str().unwrap()];
-    let sc = Sidecar::start(dir.path(), &args, &[("SLUICE_ADMIN_TOKEN", "env-token")]);
+    let sc = Sidecar::start(
+        dir.path(),
+        &args,
+        &[("SLUICE_ADMIN_TOKEN", "env-token-0123456789")],
+    );
     let after = sc.json("/v1/state").await;
     assert_eq!(after["kill_switch"], before["kill_switch"]);
     assert!(
@@ -374,7 +378,7 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
         )
         .await;
     assert_eq!(status, 401, "the old token is gone");
-    let env_auth = [("authorization", "Bearer env-token")];
+    let env_auth = [("authorization", "Bearer env-token-0123456789")];
     let (status, _) = sc
         .call(
             Method::POST,
@@ -406,9 +410,9 @@ breaker: {stale_after: 1s}
     let sc = Sidecar::start(
         dir.path(),
         &["--config", config.to_str().unwrap()],
-        &[("SLUICE_ADMIN_TOKEN", "sim-token")],
+        &[("SLUICE_ADMIN_TOKEN", "sim-token-0123456789")],
     );
-    let auth = [("authorization", "Bearer sim-token")];
+    let auth = [("authorization", "Bearer sim-token-0123456789")];
     let (status, body) = sc
         .call(
             Method::POST,
@@ -517,9 +521,12 @@ async fn no_simulate_route_without_the_simulated_source() {
     let sc = Sidecar::start(
         dir.path(),
         &["--config", config.to_str().unwrap()],
-        &[("SLUICE_ADMIN_TOKEN", "t")],
+        &[("SLUICE_ADMIN_TOKEN", "t-0123456789abcdef")],
     );
-    for auth in [&[][..], &[("authorization", "Bearer t")][..]] {
+    for auth in [
+        &[][..],
+        &[("authorization", "Bearer t-0123456789abcdef")][..],
+    ] {
         let (status, _) = sc
             .call(
                 Method::POST,

@@ -114,7 +114,9 @@ impl Load {
 }
 
 /// `--ratelimit-requests N --ratelimit-window-ms W`: N requests per fixed
-/// window, like a provider's per-key limit.
+/// window, like a provider's per-key limit. The first window starts at the
+/// first request, not at start-up: what a test sees then depends on what it
+/// sent, not on how long the rest of its stack took to come up.
 #[derive(Debug, Clone, Copy)]
 pub struct RateLimit {
     pub requests: u64,
@@ -124,7 +126,9 @@ pub struct RateLimit {
 #[derive(Debug)]
 pub struct Limiter {
     limit: RateLimit,
-    window: Mutex<(Instant, u64)>,
+    /// When the current window started (none before the first request)
+    /// and how many it has taken.
+    window: Mutex<(Option<Instant>, u64)>,
 }
 
 /// What the limiter says about one request.
@@ -138,16 +142,23 @@ impl Limiter {
     pub fn new(limit: RateLimit) -> Limiter {
         Limiter {
             limit,
-            window: Mutex::new((Instant::now(), 0)),
+            window: Mutex::new((None, 0)),
         }
     }
 
     pub fn take(&self) -> Verdict {
+        self.take_at(Instant::now())
+    }
+
+    fn take_at(&self, now: Instant) -> Verdict {
         let mut w = lock(&self.window);
-        let now = Instant::now();
-        if now.duration_since(w.0) >= self.limit.window {
-            *w = (now, 0);
-        }
+        let start = match w.0 {
+            Some(start) if now.saturating_duration_since(start) < self.limit.window => start,
+            _ => {
+                *w = (Some(now), 0);
+                now
+            }
+        };
         let allowed = w.1 < self.limit.requests;
         if allowed {
             w.1 += 1;
@@ -155,7 +166,10 @@ impl Limiter {
         Verdict {
             allowed,
             remaining: self.limit.requests.saturating_sub(w.1),
-            reset: self.limit.window.saturating_sub(now.duration_since(w.0)),
+            reset: self
+                .limit
+                .window
+                .saturating_sub(now.saturating_duration_since(start)),
         }
     }
 }
@@ -191,6 +205,26 @@ mod tests {
         assert_eq!(load.snapshot()["refill_gap_ms"]["count"], 1);
         load.reset();
         assert_eq!(load.peak(), 2);
+    }
+
+    #[test]
+    fn the_first_window_starts_at_the_first_request() {
+        let l = Limiter::new(RateLimit {
+            requests: 1,
+            window: Duration::from_millis(1_500),
+        });
+        // However long after start-up the first request comes, it opens a
+        // whole window.
+        let first = Instant::now() + Duration::from_secs(10);
+        let v = l.take_at(first);
+        assert!(v.allowed);
+        assert_eq!(v.reset, Duration::from_millis(1_500));
+        let v = l.take_at(first + Duration::from_millis(1_499));
+        assert!(!v.allowed);
+        assert_eq!(v.reset, Duration::from_millis(1));
+        let v = l.take_at(first + Duration::from_millis(1_500));
+        assert!(v.allowed, "a new window");
+        assert_eq!(v.reset, Duration::from_millis(1_500));
     }
 
     #[test]

@@ -134,7 +134,7 @@ def openai_retry_after():
     check(resp.usage.completion_tokens == 2, f"retried call: {resp}")
     check([s for s, _ in seen] == [429, 200], f"statuses: {seen}")
     retry_after = float(seen[0][1])
-    check(1 <= retry_after <= 2, f"Retry-After: {seen}")
+    check(1 <= retry_after <= 5, f"Retry-After: {seen}")
     # The SDK slept what Retry-After said (it adds no jitter to it).
     check(waited >= retry_after - 0.05, f"retried after {waited:.2f}s, Retry-After {retry_after}")
     http.close()

@@ -32,12 +32,28 @@ fn free_port() -> u16 {
 }
 
 impl Redis {
+    /// On a free port. The port is probed, then bound by redis-server: if
+    /// another process took it in between, this Redis exits (or another one
+    /// answers there) and a new port is tried, so no test ever counts in
+    /// another test's Redis.
     pub fn start() -> Redis {
+        for _ in 0..4 {
+            if let Some(redis) = Redis::try_start_on(free_port()) {
+                return redis;
+            }
+        }
         Redis::start_on(free_port())
     }
 
     /// On `port` (a restart keeps the sidecars' address).
     pub fn start_on(port: u16) -> Redis {
+        Redis::try_start_on(port)
+            .unwrap_or_else(|| panic!("redis-server could not serve on port {port}"))
+    }
+
+    /// `None` when the redis-server started here is not the one answering
+    /// on `port` (it exited: the port was taken).
+    fn try_start_on(port: u16) -> Option<Redis> {
         let dir = tempfile::Builder::new()
             .prefix("sluice-redis-")
             .tempdir()
@@ -60,18 +76,22 @@ impl Redis {
         .arg(dir.path());
         let guard = ChildGuard::spawn("redis-server", &mut cmd)
             .expect("redis-server (Debian package redis-server; `make test` installs it)");
-        let redis = Redis {
+        let mut redis = Redis {
             guard,
             port,
             _dir: dir,
         };
-        assert!(
-            wait_for(Duration::from_secs(10), || redis
-                .command(&["PING"])
-                .is_some_and(|r| r.contains("PONG"))),
-            "redis-server did not answer on {port}"
-        );
-        redis
+        let ours = format!("process_id:{}\r\n", redis.guard.id());
+        let mut exited = false;
+        let up = wait_for(Duration::from_secs(10), || {
+            exited = redis.guard.try_wait().is_some();
+            exited
+                || redis
+                    .command(&["INFO", "server"])
+                    .is_some_and(|r| r.contains(&ours))
+        });
+        assert!(up, "redis-server did not answer on {port}");
+        (!exited).then_some(redis)
     }
 
     pub fn url(&self) -> String {

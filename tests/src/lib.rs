@@ -757,10 +757,61 @@ pub struct Envoy {
     bootstrap: Value,
 }
 
+/// How long before 00:00 UTC no Envoy of a UTC-budget policy is started.
+pub const MIDNIGHT_MARGIN: Duration = Duration::from_secs(120);
+
+/// Daily and monthly budgets are windows that end at midnight in
+/// `budgets.reset_timezone` (UTC in the shipped config): a test that spends
+/// a budget and expects the refusal would see the window roll over under
+/// it if it ran across midnight. So an Envoy with a UTC policy starts at
+/// least [`MIDNIGHT_MARGIN`] before midnight, waiting until just past it
+/// otherwise (once a day, at most that long). A test that sets its own zone
+/// chooses its own midnight.
+fn keep_clear_of_utc_midnight(cfg: &EnvoyConfig) {
+    fn zone(v: &Value) -> Option<String> {
+        match v {
+            Value::Mapping(m) => m.iter().find_map(|(k, v)| {
+                if k.as_str() == Some("reset_timezone") {
+                    v.as_str().map(str::to_string)
+                } else {
+                    zone(v)
+                }
+            }),
+            Value::Sequence(s) => s.iter().find_map(zone),
+            Value::Tagged(t) => zone(&t.value),
+            _ => None,
+        }
+    }
+    let utc = zone(&cfg.root).is_none_or(|z| matches!(z.as_str(), "UTC" | "Etc/UTC" | "UTC0"));
+    if !utc {
+        return;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    if let Some(wait) = wait_past_midnight(now) {
+        eprintln!(
+            "sluice-tests: {wait:?} to just past 00:00 UTC: waiting, so no budget window ends mid-test"
+        );
+        thread::sleep(wait);
+    }
+}
+
+/// How long to wait from `now` (since the epoch) to 1 s past 00:00 UTC,
+/// when midnight is less than [`MIDNIGHT_MARGIN`] away.
+fn wait_past_midnight(now: Duration) -> Option<Duration> {
+    let day = Duration::from_secs(86_400);
+    let into_day = Duration::from_secs(now.as_secs() % 86_400)
+        + Duration::from_nanos(u64::from(now.subsec_nanos()));
+    let left = day.saturating_sub(into_day);
+    (left < MIDNIGHT_MARGIN).then(|| left + Duration::from_secs(1))
+}
+
 impl Envoy {
     /// Starts Envoy with `cfg` and `concurrency` worker threads; panics with
     /// its log if it does not become ready. Retries on a port clash.
     pub fn start(cfg: &EnvoyConfig, concurrency: u32) -> Envoy {
+        keep_clear_of_utc_midnight(cfg);
         let mut last = String::new();
         for _ in 0..3 {
             match Envoy::try_start(cfg, concurrency) {
@@ -1554,6 +1605,22 @@ mod tests {
         let text = to_yaml(&lds);
         let wasm = repo_root().join("target/wasm32-wasip1/release/sluice_filter.wasm");
         assert!(text.contains(&wasm.display().to_string()), "{text}");
+    }
+
+    #[test]
+    fn envoys_wait_past_a_utc_midnight_that_is_near() {
+        let day = 86_400 * 20_000;
+        assert_eq!(wait_past_midnight(Duration::from_secs(day + 3_600)), None);
+        assert_eq!(wait_past_midnight(Duration::from_secs(day - 121)), None);
+        assert_eq!(
+            wait_past_midnight(Duration::from_secs(day - 119)),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(
+            wait_past_midnight(Duration::from_millis(day * 1000 - 500)),
+            Some(Duration::from_millis(1_500))
+        );
+        assert_eq!(wait_past_midnight(Duration::from_secs(day)), None);
     }
 
     #[test]

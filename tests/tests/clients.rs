@@ -48,10 +48,12 @@ fn openai_and_ollama_clients_work_through_sluice() {
         Err(why) => panic!("{why}"),
     };
     let stack = Stack::start(|cfg| {
-        // A tier that admits one request per 2 s: the second call of the
-        // retry check gets 429 with Retry-After, and the SDK waits it out.
+        // A tier that admits one request per 5 s: the second and third
+        // calls of the retry check (each a new SDK client, slow on a loaded
+        // machine) still come before the refill and get 429 with
+        // Retry-After, and the SDK waits it out.
         let policy = cfg.policy_mut();
-        policy["tiers"]["trickle"] = serde_yaml::from_str("{requests: 1/2s}").unwrap();
+        policy["tiers"]["trickle"] = serde_yaml::from_str("{requests: 1/5s}").unwrap();
         policy["identity"]["api_key"]["keys"]["clients-trickle-key"] = Value::from("trickle");
     });
 

@@ -27,9 +27,10 @@ fn config(primary: SocketAddr, secondary: SocketAddr) -> EnvoyConfig {
     let endpoints = &mut cfg.cluster_mut("llm_upstream")["load_assignment"]["endpoints"];
     endpoints[0]["lb_endpoints"][0]["endpoint"]["address"] = endpoint(primary);
     endpoints[1]["lb_endpoints"][0]["endpoint"]["address"] = endpoint(secondary);
-    // Nothing listens here: the sidecar is out of this test.
-    cfg.set_cluster_addr("sluice_sidecar", "127.0.0.1:9".parse().expect("addr"));
-    cfg.set_cluster_addr("llm_fallback", "127.0.0.1:9".parse().expect("addr"));
+    // Nothing listens here (a port held closed, not one that might be in
+    // use): the sidecar is out of this test.
+    cfg.set_cluster_addr("sluice_sidecar", sluice_tests::closed_addr());
+    cfg.set_cluster_addr("llm_fallback", sluice_tests::closed_addr());
     cfg.policy_mut()["protection"]["cooldown"] = Value::from("1s");
     cfg
 }

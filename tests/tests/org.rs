@@ -38,6 +38,9 @@ fn two_keys_of_one_team_share_its_limit_and_another_team_is_unaffected() {
             json!({"tier": "pro", "team": "ads", "org": "demo"}),
         );
         set(cfg, &["teams", "ads"], json!({"requests": "100/min"}));
+        // 15 an hour, not the demo's 15 a minute: no request comes back
+        // (one per 4 s) while the 20 calls run, however slowly.
+        set(cfg, &["teams", "search", "requests"], json!("15/hour"));
     });
     let mut admitted = 0;
     let mut refusals = Vec::new();
