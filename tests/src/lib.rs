@@ -909,7 +909,27 @@ impl Envoy {
         let live = request("GET", &self.admin_url("/ready"), &[], None)
             .map(|r| r.status == 200 && r.body.trim() == "LIVE")
             .unwrap_or(false);
-        live && TcpStream::connect_timeout(&self.listener, Duration::from_secs(1)).is_ok()
+        live && self.listens_on_its_port()
+            && TcpStream::connect_timeout(&self.listener, Duration::from_secs(1)).is_ok()
+    }
+
+    /// Whether this Envoy's own listener is bound to the probed port. A
+    /// connect alone is not proof: when another process (another test's
+    /// Envoy admin, say) took the port between the probe and the bind, this
+    /// Envoy runs without its listener while the port still accepts.
+    fn listens_on_its_port(&self) -> bool {
+        request("GET", &self.admin_url("/listeners?format=json"), &[], None)
+            .ok()
+            .and_then(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
+            .and_then(|v| {
+                v["listener_statuses"].as_array().map(|all| {
+                    all.iter().any(|l| {
+                        l["local_address"]["socket_address"]["port_value"].as_u64()
+                            == Some(u64::from(self.listener.port()))
+                    })
+                })
+            })
+            .unwrap_or(false)
     }
 
     /// Envoy's temp dir (config, LDS file, log).
