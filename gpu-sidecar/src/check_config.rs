@@ -30,6 +30,98 @@ pub fn check(text: &str) -> Result<String, String> {
     Ok(lines.join("; "))
 }
 
+/// Checks a file that is either a sidecar config or a policy (bare or in
+/// an Envoy config): a sidecar config is one with a key only a sidecar
+/// config has (`listen`, `sources`, …, or `fleet.redis`). A sidecar
+/// config is checked as `serve` would load it, its `fleet` section
+/// included (the policy, secret, password and CA it names are read).
+pub fn check_any(text: &str) -> Result<String, String> {
+    let doc: Value = serde_yaml::from_str(text).map_err(|e| format!("not YAML or JSON: {e}"))?;
+    if is_sidecar_config(&doc) {
+        return check_sidecar(text);
+    }
+    check(text)
+}
+
+/// Top-level keys of a sidecar config that no policy has.
+const SIDECAR_KEYS: &[&str] = &[
+    "listen",
+    "scrape_interval",
+    "scrape_timeout",
+    "sources",
+    "rules",
+    "saturation",
+    "breaker",
+    "scopes",
+    "admin",
+    "long_poll",
+    "state_file",
+    "alerts",
+    "history",
+    "envoy_admin",
+];
+
+fn is_sidecar_config(doc: &Value) -> bool {
+    let Some(map) = doc.as_object() else {
+        return false;
+    };
+    SIDECAR_KEYS.iter().any(|k| map.contains_key(*k))
+        || map
+            .get("fleet")
+            .and_then(Value::as_object)
+            .is_some_and(|f| f.contains_key("redis") || f.contains_key("policy"))
+}
+
+/// A sidecar config, checked as `serve` loads it.
+pub fn check_sidecar(text: &str) -> Result<String, String> {
+    let config = crate::config::Config::from_yaml(text).map_err(|e| e.to_string())?;
+    let plans = config.scope_plans().map_err(|e| e.to_string())?;
+    let scopes: Vec<_> = plans.iter().map(|p| p.scope.as_str()).collect();
+    let mut out = format!("sidecar config: scopes {}", scopes.join(", "));
+    if let Some(fleet) = &config.fleet {
+        let loaded = fleet.load().map_err(|e| e.to_string())?;
+        out.push_str(&format!(
+            "; fleet: {} ({}), policy fingerprint {}",
+            fleet.redis.split('@').next_back().unwrap_or_default(),
+            if fleet.redis.starts_with("rediss://") { "TLS" } else { "no TLS" },
+            loaded.fingerprint()
+        ));
+    }
+    Ok(out)
+}
+
+/// The policy with a `fleet` section in `text` (a policy, or an Envoy
+/// config embedding one or more sluice filters), checked as Envoy would:
+/// what a sidecar's `fleet.policy` points at.
+pub fn fleet_policy(text: &str) -> Result<Policy, String> {
+    let doc: Value = serde_yaml::from_str(text).map_err(|e| format!("not YAML or JSON: {e}"))?;
+    let mut found = Vec::new();
+    find_policies(&doc, "", &mut found);
+    let mut policies = Vec::new();
+    if found.is_empty() {
+        let bare = Policy::from_value(doc.clone()).map_err(|e| e.to_string())?;
+        policies.push(("the policy".to_string(), bare));
+    }
+    for (at, value) in found {
+        let value = policy_value(value).map_err(|e| format!("{at}: {e}"))?;
+        let policy = Policy::from_value(value).map_err(|e| format!("{at}: {e}"))?;
+        policies.push((at, policy));
+    }
+    let mut fleet: Vec<(String, Policy)> = policies
+        .into_iter()
+        .filter(|(_, p)| p.fleet.is_some())
+        .collect();
+    match fleet.len() {
+        0 => Err("no sluice policy with a `fleet` section".into()),
+        1 => Ok(fleet.remove(0).1),
+        _ => Err(format!(
+            "{} sluice policies with a `fleet` section ({}): one sidecar is the fleet agent of one",
+            fleet.len(),
+            fleet.iter().map(|(at, _)| at.as_str()).collect::<Vec<_>>().join(", ")
+        )),
+    }
+}
+
 /// Room the buffer needs above `request.max_body_bytes`: sluice may rewrite
 /// the body (model, max output, `stream_options`) and make it longer.
 pub const BUFFER_HEADROOM: u64 = 64 * 1024;

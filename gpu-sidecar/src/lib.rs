@@ -212,6 +212,7 @@ pub async fn serve(
             store.clone(),
             closing_rx.clone(),
         ));
+        tokio::spawn(fleet::sync_fingerprints(f.clone(), closing_rx.clone()));
     }
     let mut app = api::router(api::Api {
         store: store.clone(),
