@@ -1537,7 +1537,7 @@ async fn stats(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::state::{Breaker, BreakerState};
 
@@ -1593,61 +1593,91 @@ mod tests {
         assert_eq!(store.current().breakers.len(), 1);
     }
 
+    const SECRET: &str = "unit-test-fleet-secret";
+
+    /// A policy with a per-caller rate, a per-caller daily budget (hard), a
+    /// soft daily cap and a global rate, and one fleet-wide concurrency.
+    pub(crate) fn view(salt: &str) -> PolicyView {
+        let policy = serde_json::json!({
+            "default_tier": "t",
+            "identity": {"sources": ["client_address"]},
+            "tiers": {"t": {"requests": "10/min", "daily_tokens": "5000"}},
+            "routes": [{"name": "chat", "path_prefix": "/", "requests": "100/min"}],
+            "models": {"m": {"concurrency": 2, "backend": "b"}},
+            "sidecar": {"cluster": "sc"},
+            "fleet": {"salt": salt, "expected_replicas": 2},
+        });
+        PolicyView::of(sluice_filter::config::Policy::from_value(policy).unwrap())
+    }
+
+    pub(crate) fn fleet_on(redis: &str, salt: &str) -> Arc<Fleet> {
+        let config = FleetConfig {
+            redis: redis.into(),
+            ..FleetConfig::default()
+        };
+        let loaded = Loaded {
+            client: redis::Client::open(redis).unwrap(),
+            view: view(salt),
+            secret: SECRET.into(),
+        };
+        Fleet::with(config, loaded)
+    }
+
+    fn claim(rule: &str, owner: u64, window_end_ms: u64, need: u64) -> TakeClaim {
+        TakeClaim {
+            rule: rule.into(),
+            owner,
+            window_end_ms,
+            need,
+            want: need,
+        }
+    }
+
+    fn take_req(id: &str, deadline_ms: u64, claims: Vec<TakeClaim>) -> TakeRequest {
+        TakeRequest {
+            id: id.into(),
+            deadline_ms,
+            claims,
+        }
+    }
+
+    fn day_end(fleet: &Fleet) -> u64 {
+        window_end(&fleet.view.rules["tier/t/daily_tokens"].limit, now_ms())
+    }
+
     #[tokio::test]
     async fn bad_claims_are_refused_before_redis_is_asked() {
         // Nothing listens there: a request that got as far as Redis would
         // answer Unavailable, not Invalid.
-        let fleet = Fleet::new(FleetConfig {
-            redis: "redis://127.0.0.1:1".into(),
-            ..FleetConfig::default()
-        })
-        .unwrap();
-        let shape = Shape {
-            capacity: 10,
-            amount: 10,
-            period_ms: 1000,
-            window_end_ms: 0,
-        };
-        let claim = |key: &str, shape: Shape| TakeClaim {
-            key: key.into(),
-            shape,
-            need: 1,
-            want: 1,
-            soft: false,
-        };
+        let fleet = fleet_on("redis://127.0.0.1:1", "unit-test-salt-0123");
+        let far = now_ms() + 60_000;
+        let end = day_end(&fleet);
         let bad = [
-            (claim("sk-raw-api-key", shape), "claims[0].key"),
+            (claim("tier/nope/requests", 7, 0, 1), "claims[0].rule"),
+            (claim("tier/t/requests", 1, 0, 1), "claims[0].owner"),
+            (claim("route/chat/requests", 7, 0, 1), "claims[0].owner"),
+            (claim("tier/t/requests", 7, end, 1), "claims[0].window_end_ms"),
+            (claim("tier/t/daily_tokens", 7, 0, 1), "claims[0].window_end_ms"),
             (
-                claim(
-                    "0123456789abcdef",
-                    Shape {
-                        capacity: 0,
-                        ..shape
-                    },
-                ),
-                "claims[0]",
+                claim("tier/t/daily_tokens", 7, end + 86_400_000, 1),
+                "claims[0].window_end_ms",
             ),
-            (
-                claim("0123456789abcdef", Shape { amount: 0, ..shape }),
-                "token bucket",
-            ),
+            (claim("tier/t/requests", 7, 0, 1 << 53), "claims[0]"),
         ];
         for (c, why) in bad {
-            let req = TakeRequest {
-                replicas: 1,
-                claims: vec![c],
-            };
-            match fleet.take(&req).await {
+            match fleet.take(&take_req("t1", far, vec![c])).await {
                 Err(FleetError::Invalid(m)) => assert!(m.contains(why), "{m}"),
-                other => panic!("{other:?}"),
+                other => panic!("{why}: {other:?}"),
             }
         }
-        let empty = TakeRequest {
-            replicas: 1,
-            claims: Vec::new(),
-        };
         assert!(matches!(
-            fleet.take(&empty).await,
+            fleet.take(&take_req("t1", far, Vec::new())).await,
+            Err(FleetError::Invalid(_))
+        ));
+        assert!(matches!(
+            fleet
+                .take(&take_req("no spaces", far, vec![claim("tier/t/requests", 7, 0, 1)]))
+                .await,
             Err(FleetError::Invalid(_))
         ));
         let give = GiveRequest {
@@ -1658,13 +1688,333 @@ mod tests {
             fleet.give(&give).await,
             Err(FleetError::Invalid(_))
         ));
-        let ok = TakeRequest {
-            replicas: 1,
-            claims: vec![claim("0123456789abcdef", shape)],
+        // A give-back larger than the bucket could reset it: refused.
+        let give = GiveRequest {
+            id: "g1".into(),
+            items: vec![GiveItem {
+                rule: "tier/t/daily_tokens".into(),
+                owner: 7,
+                window_end_ms: end,
+                delta: 5_001,
+                take: None,
+            }],
         };
+        match fleet.give(&give).await {
+            Err(FleetError::Invalid(m)) => assert!(m.contains("items[0].delta"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        let ok = take_req("t1", far, vec![claim("tier/t/daily_tokens", 7, end, 1)]);
         assert!(matches!(
             fleet.take(&ok).await,
             Err(FleetError::Unavailable(_))
         ));
+    }
+
+    #[test]
+    fn the_secret_is_compared_whole() {
+        let fleet = fleet_on("redis://127.0.0.1:1", "unit-test-salt-0123");
+        assert!(fleet.secret_ok(SECRET.as_bytes()));
+        for bad in ["", "unit-test-fleet-secre", "unit-test-fleet-secret!", "UNIT-test-fleet-secret"] {
+            assert!(!fleet.secret_ok(bad.as_bytes()), "{bad}");
+        }
+    }
+
+    #[test]
+    fn only_the_envoy_beside_the_sidecar_is_heard() {
+        use axum::http::{HeaderMap, HeaderValue};
+        let fleet = fleet_on("redis://127.0.0.1:1", "unit-test-salt-0123");
+        let local: Peer = Some(axum::Extension(axum::extract::ConnectInfo(
+            "127.0.0.1:5000".parse().unwrap(),
+        )));
+        let remote: Peer = Some(axum::Extension(axum::extract::ConnectInfo(
+            "10.0.0.9:5000".parse().unwrap(),
+        )));
+        let good = || {
+            let mut h = HeaderMap::new();
+            h.insert("content-type", HeaderValue::from_static("application/json"));
+            h.insert(sluice_filter::fleet::SECRET_HEADER, HeaderValue::from_static(SECRET));
+            h.insert(
+                sluice_filter::fleet::FINGERPRINT_HEADER,
+                HeaderValue::from_str(&fleet.view.fingerprint).unwrap(),
+            );
+            h
+        };
+        assert!(refuse(&fleet, &local, &good()).is_none());
+        let status = |peer: &Peer, h: &HeaderMap| refuse(&fleet, peer, h).map(|r| r.status().as_u16());
+        assert_eq!(status(&remote, &good()), Some(403));
+        assert_eq!(status(&None, &good()), Some(403));
+        let mut h = good();
+        h.insert("origin", HeaderValue::from_static("https://evil.example"));
+        assert_eq!(status(&local, &h), Some(403), "a web page");
+        for ct in ["text/plain", "application/x-www-form-urlencoded", "application/jsonx"] {
+            let mut h = good();
+            h.insert("content-type", HeaderValue::from_str(ct).unwrap());
+            assert_eq!(status(&local, &h), Some(415), "{ct}");
+        }
+        let mut h = good();
+        h.insert("content-type", HeaderValue::from_static("Application/JSON; charset=utf-8"));
+        assert_eq!(status(&local, &h), None);
+        let mut h = good();
+        h.remove("content-type");
+        assert_eq!(status(&local, &h), Some(415));
+        let mut h = good();
+        h.remove(sluice_filter::fleet::SECRET_HEADER);
+        assert_eq!(status(&local, &h), Some(401));
+        let mut h = good();
+        h.insert(sluice_filter::fleet::SECRET_HEADER, HeaderValue::from_static("guess-guess-guess-1"));
+        assert_eq!(status(&local, &h), Some(401));
+        let mut h = good();
+        h.insert(sluice_filter::fleet::FINGERPRINT_HEADER, HeaderValue::from_static("00"));
+        assert_eq!(status(&local, &h), Some(409), "another policy than the sidecar's");
+        assert_eq!(fleet.stats.refused_calls.load(Ordering::Relaxed), 10);
+    }
+
+    #[test]
+    fn the_fleet_section_reads_its_secrets_from_outside_the_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let policy = dir.path().join("policy.yaml");
+        std::fs::write(
+            &policy,
+            "default_tier: t\nidentity: {sources: [client_address]}\ntiers: {t: {requests: 10/min}}\n\
+             sidecar: {cluster: sc}\nfleet: {salt: unit-test-salt-0123}\n",
+        )
+        .unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, format!("{SECRET}\n")).unwrap();
+        let ok = FleetConfig {
+            policy: Some(policy.clone()),
+            secret_file: Some(secret.clone()),
+            ..FleetConfig::default()
+        };
+        let loaded = ok.load().unwrap();
+        assert_eq!(loaded.secret, SECRET, "the trailing newline is no part of it");
+        let err = |c: FleetConfig| c.load().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err(FleetConfig { policy: None, ..ok.clone() }).contains("fleet.policy"));
+        let short = dir.path().join("short");
+        std::fs::write(&short, "short").unwrap();
+        assert!(err(FleetConfig { secret_file: Some(short), ..ok.clone() }).contains("fleet.secret_file"));
+        assert!(err(FleetConfig {
+            secret_file: None,
+            secret_env: "SLUICE_TEST_UNSET_SECRET".into(),
+            ..ok.clone()
+        })
+        .contains("fleet.secret_env"));
+        assert!(err(FleetConfig {
+            redis: "redis://:hunter2@127.0.0.1:6379".into(),
+            ..ok.clone()
+        })
+        .contains("fleet.redis: no password in the URL"));
+        assert!(err(FleetConfig { redis: "http://127.0.0.1".into(), ..ok.clone() }).contains("fleet.redis"));
+        assert!(err(FleetConfig {
+            password_env: Some("SLUICE_TEST_UNSET_PASSWORD".into()),
+            ..ok.clone()
+        })
+        .contains("fleet.password_env"));
+        assert!(err(FleetConfig {
+            tls_ca_file: Some(secret.clone()),
+            ..ok.clone()
+        })
+        .contains("fleet.tls_ca_file: needs a `rediss://` URL"));
+        let password = dir.path().join("password");
+        std::fs::write(&password, "hunter2\n").unwrap();
+        assert!(FleetConfig {
+            redis: "rediss://127.0.0.1:6380".into(),
+            password_file: Some(password),
+            ..ok.clone()
+        }
+        .load()
+        .is_ok(), "rediss:// builds with rustls");
+        // A policy without a fleet section is no fleet agent's policy.
+        std::fs::write(
+            &policy,
+            "default_tier: t\nidentity: {sources: [client_address]}\ntiers: {t: {}}\n",
+        )
+        .unwrap();
+        assert!(err(ok).contains("fleet.policy"));
+    }
+
+    #[test]
+    fn an_epoch_carries_the_time_of_the_loss() {
+        assert_eq!(Epoch::parse("ab12:0".into()).lost_at_ms, 0);
+        assert_eq!(Epoch::parse("ab12:1700000000000".into()).lost_at_ms, 1_700_000_000_000);
+    }
+}
+
+/// The scripts against a real `redis-server` (Debian's; skipped, saying
+/// so, where there is none).
+#[cfg(test)]
+pub(crate) mod redis_tests {
+    use super::tests::fleet_on;
+    use super::*;
+
+    pub(crate) struct Server {
+        child: std::process::Child,
+        pub url: String,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    pub(crate) fn server() -> Option<Server> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let dir = tempfile::tempdir().ok()?;
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        let Ok(child) = child else {
+            eprintln!("redis-server not found: skipping the real-Redis script tests");
+            return None;
+        };
+        let server = Server {
+            child,
+            url: format!("redis://127.0.0.1:{port}"),
+            _dir: dir,
+        };
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!("redis-server did not listen on {port}");
+    }
+
+    async fn cmd(url: &str, args: &[&str]) -> redis::Value {
+        let client = redis::Client::open(url).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c.query_async(&mut conn).await.unwrap()
+    }
+
+    async fn used(fleet: &Fleet, url: &str, owner: u64, end: u64) -> i64 {
+        let key = sluice_filter::fleet::redis_key(&fleet.view.salt, "tier/t/daily_tokens", owner);
+        match cmd(url, &["GET", &format!("{PREFIX}{key}:{end}")]).await {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).parse().unwrap(),
+            _ => 0,
+        }
+    }
+
+    fn budget(owner: u64, end: u64, need: u64) -> TakeClaim {
+        TakeClaim {
+            rule: "tier/t/daily_tokens".into(),
+            owner,
+            window_end_ms: end,
+            need,
+            want: need,
+        }
+    }
+
+    fn req(id: &str, deadline_ms: u64, claims: Vec<TakeClaim>) -> TakeRequest {
+        TakeRequest {
+            id: id.into(),
+            deadline_ms,
+            claims,
+        }
+    }
+
+    fn cancel(id: &str, owner: u64, end: u64) -> GiveItem {
+        GiveItem {
+            rule: "tier/t/daily_tokens".into(),
+            owner,
+            window_end_ms: end,
+            delta: 0,
+            take: Some(id.into()),
+        }
+    }
+
+    #[tokio::test]
+    async fn late_takes_are_not_applied_and_abandoned_ones_are_given_back_once() {
+        let Some(redis) = server() else { return };
+        let fleet = fleet_on(&redis.url, "unit-test-salt-0123");
+        let end = window_end(&fleet.view.rules["tier/t/daily_tokens"].limit, now_ms());
+        let soon = now_ms() + 60_000;
+        // Applied, then abandoned by the filter: given back once.
+        let a = fleet.take(&req("take-a", soon, vec![budget(7, end, 100)])).await.unwrap();
+        assert!(a.ok && a.grants == [100], "{a:?}");
+        assert_eq!(used(&fleet, &redis.url, 7, end).await, 100);
+        for batch in ["g1", "g2"] {
+            let give = GiveRequest { id: batch.into(), items: vec![cancel("take-a", 7, end)] };
+            assert!(fleet.give(&give).await.unwrap());
+        }
+        assert_eq!(used(&fleet, &redis.url, 7, end).await, 0, "given back once, not twice");
+        // Past its deadline when Redis runs it: not applied.
+        let late = fleet.take(&req("take-b", now_ms() - 1, vec![budget(7, end, 100)])).await;
+        assert!(matches!(late, Err(FleetError::Late(_))), "{late:?}");
+        assert_eq!(used(&fleet, &redis.url, 7, end).await, 0);
+        // Undone before it arrived: refused when it does.
+        let give = GiveRequest { id: "g3".into(), items: vec![cancel("take-c", 7, end)] };
+        assert!(fleet.give(&give).await.unwrap());
+        let c = fleet.take(&req("take-c", soon, vec![budget(7, end, 100)])).await;
+        assert!(matches!(c, Err(FleetError::Late(_))), "{c:?}");
+        assert_eq!(used(&fleet, &redis.url, 7, end).await, 0);
+        assert_eq!(fleet.stats.takes_late.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn a_redis_that_lost_its_data_refuses_the_hard_budgets_of_that_window() {
+        let Some(redis) = server() else { return };
+        let one = fleet_on(&redis.url, "unit-test-salt-0123");
+        let two = fleet_on(&redis.url, "unit-test-salt-0123");
+        let end = window_end(&one.view.rules["tier/t/daily_tokens"].limit, now_ms());
+        let soon = now_ms() + 60_000;
+        assert!(one.take(&req("e1", soon, vec![budget(7, end, 4_000)])).await.unwrap().ok);
+        assert!(two.take(&req("e2", soon, vec![budget(8, end, 10)])).await.unwrap().ok);
+        cmd(&redis.url, &["FLUSHALL"]).await;
+        // The budget's count is gone: refused, on both sidecars, for the
+        // rest of the window (the filter follows on_unavailable.budgets).
+        for (fleet, id) in [(&one, "e3"), (&two, "e4"), (&one, "e5")] {
+            let r = fleet.take(&req(id, soon, vec![budget(7, end, 4_000)])).await;
+            assert!(matches!(r, Err(FleetError::DataLost(_))), "{r:?}");
+        }
+        assert_eq!(one.stats.data_lost.load(Ordering::Relaxed), 1);
+        assert_eq!(two.stats.data_lost.load(Ordering::Relaxed), 1);
+        // A rate (token bucket) refills anyway: it goes on in Redis.
+        let rate = TakeClaim {
+            rule: "tier/t/requests".into(),
+            owner: 7,
+            window_end_ms: 0,
+            need: 1,
+            want: 1,
+        };
+        assert!(one.take(&req("e6", soon, vec![rate])).await.unwrap().ok);
+        // The next window is counted in Redis again.
+        let next = window_end(&one.view.rules["tier/t/daily_tokens"].limit, end);
+        let mut epoch = one.epoch(None).await.unwrap();
+        assert!(epoch.lost_at_ms > 0 && window_end(&one.view.rules["tier/t/daily_tokens"].limit, epoch.lost_at_ms) == end);
+        epoch.lost_at_ms = 0;
+        assert!(next > end);
+    }
+
+    #[tokio::test]
+    async fn sidecars_with_different_salts_see_the_mismatch() {
+        let Some(redis) = server() else { return };
+        let one = fleet_on(&redis.url, "unit-test-salt-0123");
+        let two = fleet_on(&redis.url, "unit-test-salt-4567");
+        let same = fleet_on(&redis.url, "unit-test-salt-0123");
+        assert!(one.compare_fingerprints("one").await.unwrap(), "alone: agrees");
+        assert!(same.compare_fingerprints("same").await.unwrap());
+        assert!(!two.compare_fingerprints("two").await.unwrap());
+        assert!(!one.compare_fingerprints("one").await.unwrap());
+        cmd(&redis.url, &["HDEL", FINGERPRINTS_KEY, "two"]).await;
+        assert!(one.compare_fingerprints("one").await.unwrap(), "gone: agrees again");
+        one.stats.mismatch.store(true, Ordering::Relaxed);
+        let end = window_end(&one.view.rules["tier/t/daily_tokens"].limit, now_ms());
+        let r = one.take(&req("m1", now_ms() + 60_000, vec![budget(7, end, 1)])).await;
+        assert!(matches!(r, Err(FleetError::Mismatch(_))), "{r:?}");
     }
 }

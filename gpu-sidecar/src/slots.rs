@@ -183,41 +183,46 @@ pub async fn handle(
 mod tests {
     use super::*;
 
-    fn scope(id: &str, limit: u32, hold: u32) -> Scope {
+    fn scope(id: &str, hold: u32) -> Scope {
         Scope {
             id: id.into(),
-            limit,
             hold,
         }
     }
 
     #[test]
     fn bad_reports_are_refused_with_the_field() {
+        let view = crate::fleet::tests::view("unit-test-salt-0123");
         let bad = [
             vec![],
-            vec![scope("tier/x/requests", 2, 1)],
-            vec![scope("concurrency/a b", 2, 1)],
-            vec![scope("concurrency/a", 0, 0)],
-            vec![scope("concurrency/a", 2, MAX_SLOTS + 1)],
-            vec![scope("concurrency/a", 2, 1), scope("concurrency/a", 2, 1)],
+            vec![scope("tier/x/requests", 1)],
+            vec![scope("concurrency/a b", 1)],
+            vec![scope("concurrency/nope", 1)],
+            vec![scope("concurrency/b/m", MAX_SLOTS + 1)],
+            vec![scope("concurrency/b/m", 1), scope("concurrency/b/m", 1)],
         ];
         for scopes in bad {
             assert!(
                 matches!(
-                    check(&SlotsRequest {
-                        scopes: scopes.clone()
-                    }),
+                    check(&SlotsRequest { scopes: scopes.clone() }, &view),
                     Err(FleetError::Invalid(_))
                 ),
                 "{scopes:?}"
             );
         }
-        assert!(check(&SlotsRequest {
-            scopes: vec![
-                scope("concurrency/vllm", 2, 0),
-                scope("concurrency/vllm/m", 1, 1)
-            ]
-        })
-        .is_ok());
+        // The limit is the sidecar's own (2), whatever the report holds.
+        assert_eq!(
+            check(&SlotsRequest { scopes: vec![scope("concurrency/b/m", 1_000_000)] }, &view).unwrap(),
+            [2]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_report_cannot_hold_more_than_the_sidecars_limit() {
+        let Some(redis) = crate::fleet::redis_tests::server() else { return };
+        let one = crate::fleet::tests::fleet_on(&redis.url, "unit-test-salt-0123");
+        let greedy = SlotsRequest { scopes: vec![scope("concurrency/b/m", 1_000_000)] };
+        let got = report(&one, &greedy).await.unwrap();
+        assert_eq!(got.grants, [2], "capped by the policy's concurrency");
     }
 }
