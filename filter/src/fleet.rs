@@ -96,7 +96,8 @@ pub const M_DATA_LOST: &str = "sluice_fleet_data_lost";
 pub struct FleetConfig {
     /// The sidecar's Envoy cluster; default: `sidecar.cluster`.
     pub cluster: Option<String>,
-    /// `:authority` of the calls; default: the sidecar's.
+    /// `:authority` of the calls; default: the sidecar's (`sidecar.authority`),
+    /// else `localhost`.
     pub authority: Option<String>,
     /// How many Envoys share the limits: the fair share of a lease and the
     /// `local_share` divisor.
@@ -330,6 +331,9 @@ pub const SECRET_HEADER: &str = "x-sluice-fleet-secret";
 /// Header of every fleet callout: [`fingerprint`] of this Envoy's fleet
 /// rules; the sidecar refuses a call whose rules differ from its own.
 pub const FINGERPRINT_HEADER: &str = "x-sluice-fleet-fingerprint";
+/// `:authority` of the fleet calls when neither `fleet.authority` nor
+/// `sidecar.authority` names one.
+pub const FLEET_AUTHORITY: &str = "localhost";
 /// Shortest `fleet.salt` and fleet secret accepted (bytes).
 pub const MIN_SECRET: usize = 16;
 /// The environment variable the fleet secret is read from by default.
@@ -746,11 +750,14 @@ impl Fleet {
         let config = policy.fleet.clone()?;
         let sidecar = policy.sidecar.as_ref()?;
         let cluster = config.cluster.clone().unwrap_or(sidecar.cluster.clone());
+        // `localhost` by default: a loopback name, which a sidecar that
+        // allows only loopback Host names accepts (the cluster's name is
+        // no host name).
         let authority = config
             .authority
             .clone()
             .or(sidecar.authority.clone())
-            .unwrap_or(cluster.clone());
+            .unwrap_or_else(|| FLEET_AUTHORITY.to_string());
         let replicas = config.expected_replicas.max(1);
         let mut rules = HashMap::new();
         let mut lease_keys = Vec::new();

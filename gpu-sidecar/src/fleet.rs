@@ -982,6 +982,28 @@ impl Fleet {
         Ok(())
     }
 
+    /// Compares the epoch in Redis with the one this sidecar knows (renewed,
+    /// and the loss logged, when it differs): a loss is noticed within a
+    /// sync interval even without traffic here, before a sidecar that never
+    /// knew the old epoch could take it for a first start.
+    async fn check_epoch(&self) -> Result<(), FleetError> {
+        let Some(known) = self.epoch.lock().await.clone() else {
+            return Ok(());
+        };
+        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
+        let now: Option<String> = tokio::time::timeout(
+            self.config.timeout * 2,
+            redis::cmd("GET").arg(EPOCH_KEY).query_async(&mut conn),
+        )
+        .await
+        .map_err(|_| self.failed("timed out"))?
+        .map_err(|e| self.failed(e))?;
+        if now.as_deref() != Some(known.value.as_str()) {
+            self.epoch(Some(&known)).await?;
+        }
+        Ok(())
+    }
+
     /// Publishes this sidecar's fingerprint and compares every live one:
     /// whether they all agree.
     async fn compare_fingerprints(&self, id: &str) -> Result<bool, FleetError> {
@@ -1292,9 +1314,10 @@ pub async fn sync_kill_switch(
     }
 }
 
-/// Publishes this sidecar's fingerprint and compares it with every live
-/// sidecar's, every `sync_interval`: while one differs, the fleet
-/// endpoints answer 503 `fleet_mismatch` (logged on each change).
+/// Every `sync_interval`: checks the epoch, publishes this sidecar's
+/// fingerprint and compares it with every live sidecar's; while one
+/// differs, the fleet endpoints answer 503 `fleet_mismatch` (logged on
+/// each change).
 pub async fn sync_fingerprints(fleet: Arc<Fleet>, mut closing: tokio::sync::watch::Receiver<bool>) {
     let id = crate::slots::holder_id();
     let mut tick = tokio::time::interval(fleet.config.sync_interval);
@@ -1304,6 +1327,7 @@ pub async fn sync_fingerprints(fleet: Arc<Fleet>, mut closing: tokio::sync::watc
             _ = tick.tick() => {}
             _ = closing.changed() => return,
         }
+        let _ = fleet.check_epoch().await;
         let Ok(agree) = fleet.compare_fingerprints(id).await else {
             continue; // Redis away: nothing is counted meanwhile anyway
         };
