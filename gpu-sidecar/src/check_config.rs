@@ -21,6 +21,7 @@ pub fn check(text: &str) -> Result<String, String> {
     for (at, policy) in found {
         let policy = policy_value(policy).map_err(|e| format!("{at}: {e}"))?;
         let policy = Policy::from_value(policy).map_err(|e| format!("{at}: {e}"))?;
+        fleet_secret_reaches_the_vm(&doc, &at, &policy)?;
         lines.push(format!("{at}: {}", summary(&policy)));
         if let Some(warning) = buffer_warning(&doc, &at, &policy) {
             lines.push(warning);
@@ -65,6 +66,12 @@ fn is_sidecar_config(doc: &Value) -> bool {
     let Some(map) = doc.as_object() else {
         return false;
     };
+    // An Envoy config has an `admin` too: one with a sluice filter is one.
+    let mut found = Vec::new();
+    find_policies(doc, "", &mut found);
+    if !found.is_empty() || map.contains_key("static_resources") {
+        return false;
+    }
     SIDECAR_KEYS.iter().any(|k| map.contains_key(*k))
         || map
             .get("fleet")
@@ -120,6 +127,53 @@ pub fn fleet_policy(text: &str) -> Result<Policy, String> {
             fleet.iter().map(|(at, _)| at.as_str()).collect::<Vec<_>>().join(", ")
         )),
     }
+}
+
+/// A fleet policy's secret comes from the VM's environment
+/// (`fleet.secret_env`): the filter's `vm_config.environment_variables`
+/// must pass that variable (`host_env_keys` or `key_values`), else the
+/// filter refuses the policy when Envoy loads it.
+fn fleet_secret_reaches_the_vm(doc: &Value, at: &str, policy: &Policy) -> Result<(), String> {
+    let Some(fleet) = &policy.fleet else {
+        return Ok(());
+    };
+    let filter_at = at.strip_suffix(".configuration").unwrap_or(at);
+    let filter = pointer(doc, filter_at);
+    let env = filter
+        .and_then(|f| f.get("vm_config"))
+        .and_then(|v| v.get("environment_variables"));
+    let name = fleet.secret_env.as_str();
+    let passed = env.is_some_and(|e| {
+        e.get("host_env_keys")
+            .and_then(Value::as_array)
+            .is_some_and(|keys| keys.iter().any(|k| k.as_str() == Some(name)))
+            || e.get("key_values")
+                .and_then(Value::as_object)
+                .is_some_and(|kv| kv.contains_key(name))
+    });
+    if passed {
+        return Ok(());
+    }
+    Err(format!(
+        "{filter_at}.vm_config.environment_variables: the fleet secret's variable {name} \
+         (fleet.secret_env) does not reach the VM; add `host_env_keys: [{name}]`"
+    ))
+}
+
+/// The value at a location written by [`find_policies`] (`.a.b[0].c`).
+fn pointer<'a>(doc: &'a Value, at: &str) -> Option<&'a Value> {
+    let mut v = doc;
+    for part in at.split('.').filter(|p| !p.is_empty()) {
+        let (key, rest) = part.split_once('[').map_or((part, ""), |(k, r)| (k, r));
+        if !key.is_empty() {
+            v = v.get(key)?;
+        }
+        for index in rest.split('[').filter(|i| !i.is_empty()) {
+            let i: usize = index.trim_end_matches(']').parse().ok()?;
+            v = v.get(i)?;
+        }
+    }
+    Some(v)
 }
 
 /// Room the buffer needs above `request.max_body_bytes`: sluice may rewrite
