@@ -399,6 +399,67 @@ mod tests {
     }
 
     #[test]
+    fn a_sidecar_config_is_checked_with_what_its_fleet_section_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let policy = dir.path().join("policy.yaml");
+        std::fs::write(
+            &policy,
+            "default_tier: t\nidentity: {sources: [client_address]}\ntiers: {t: {requests: 10/min}}\n\
+             sidecar: {cluster: sc}\nfleet: {salt: check-config-salt-0123}\n",
+        )
+        .unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "check-config-secret-0123").unwrap();
+        let config = |redis: &str| {
+            format!(
+                "listen: 127.0.0.1:0\nfleet:\n  redis: {redis}\n  policy: {}\n  secret_file: {}\n",
+                policy.display(),
+                secret.display()
+            )
+        };
+        let ok = check_any(&config("rediss://redis.example:6380")).unwrap();
+        assert!(ok.starts_with("sidecar config:") && ok.contains("(TLS)"), "{ok}");
+        assert!(ok.contains("policy fingerprint"), "{ok}");
+        let err = check_any(&config("rediss://:hunter2@redis.example:6380")).unwrap_err();
+        assert!(err.contains("fleet.redis"), "{err}");
+        assert!(!err.contains("hunter2"), "the password is not echoed: {err}");
+        // `fleet.redis` alone makes it a sidecar config (a policy's fleet
+        // has no `redis`).
+        let err = check_any("fleet: {redis: 'redis://127.0.0.1:6379'}").unwrap_err();
+        assert!(err.contains("fleet.policy"), "{err}");
+        let err = check_any("listen: 127.0.0.1:0\nfleet: {redis: 'redis://x', surprise: 1}\n")
+            .unwrap_err();
+        assert!(err.contains("surprise"), "{err}");
+    }
+
+    #[test]
+    fn an_envoy_config_whose_fleet_secret_does_not_reach_the_vm_is_refused() {
+        let shipped = include_str!("../../envoy/sluice.yaml");
+        let marker = "                              on_stale: fail_open\n";
+        assert_eq!(shipped.matches(marker).count(), 1, "the sidecar section");
+        let fleet = format!(
+            "{marker}                            fleet: {{ salt: check-config-salt-0123 }}\n"
+        );
+        let with_fleet = shipped.replace(marker, &fleet);
+        let err = check(&with_fleet).unwrap_err();
+        assert!(
+            err.contains("vm_config.environment_variables") && err.contains("SLUICE_FLEET_SECRET"),
+            "{err}"
+        );
+        let vm = "                          vm_id: sluice\n";
+        assert_eq!(with_fleet.matches(vm).count(), 1);
+        let passed = with_fleet.replace(
+            vm,
+            &format!("{vm}                          environment_variables: {{ host_env_keys: [SLUICE_FLEET_SECRET] }}\n"),
+        );
+        assert!(check(&passed).is_ok(), "{:?}", check(&passed));
+        assert!(fleet_policy(&passed).is_ok_and(|p| p.fleet.is_some()));
+        // A salt too short is refused as the filter would.
+        let short = passed.replace("check-config-salt-0123", "short");
+        assert!(check(&short).unwrap_err().contains("fleet.salt"));
+    }
+
+    #[test]
     fn string_value_form() {
         let text = r#"{"name": "sluice", "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": "{\"default_tier\": \"a\", \"tiers\": {\"a\": {}}}"}}"#;
         assert!(check(text).unwrap().contains("1 tiers"));

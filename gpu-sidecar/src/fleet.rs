@@ -2024,6 +2024,93 @@ pub(crate) mod redis_tests {
         assert!(next > end);
     }
 
+    /// `rediss://` with a throwaway CA (openssl, at test time) and a
+    /// password from a file, against Debian's redis-server (built with TLS).
+    #[tokio::test]
+    async fn rediss_with_a_ca_file_and_a_password_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let openssl = |args: &[&str]| {
+            std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(d)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        std::fs::write(d.join("ext"), "subjectAltName=DNS:localhost\n").unwrap();
+        let made = openssl(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+                "-out", "ca.pem", "-days", "1", "-subj", "/CN=sluice test CA"])
+            && openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+                "server.csr", "-subj", "/CN=localhost"])
+            && openssl(&["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "ext"]);
+        if !made {
+            eprintln!("openssl missing: skipping the TLS test");
+            return;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", "0", "--tls-port", &port.to_string(), "--bind", "127.0.0.1",
+                "--tls-cert-file", "server.pem", "--tls-key-file", "server.key",
+                "--tls-ca-cert-file", "ca.pem", "--tls-auth-clients", "no",
+                "--requirepass", "tls-test-password", "--save", "", "--appendonly", "no"])
+            .current_dir(d)
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        let Ok(child) = child else {
+            eprintln!("redis-server missing: skipping the TLS test");
+            return;
+        };
+        let _server = Server { child, url: String::new(), _dir: tempfile::tempdir().unwrap() };
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        std::fs::write(d.join("password"), "tls-test-password\n").unwrap();
+        let url = format!("rediss://localhost:{port}");
+        let config = |password: bool, ca: bool| FleetConfig {
+            redis: url.clone(),
+            timeout: Duration::from_secs(2),
+            password_file: password.then(|| d.join("password")),
+            tls_ca_file: ca.then(|| d.join("ca.pem")),
+            ..FleetConfig::default()
+        };
+        let fleet = |c: FleetConfig| {
+            let client = c.client().unwrap();
+            Fleet::with(
+                c,
+                Loaded {
+                    client,
+                    view: super::tests::view("unit-test-salt-0123"),
+                    secret: "unit-test-fleet-secret".into(),
+                },
+            )
+        };
+        let rate = || TakeClaim {
+            rule: "tier/t/requests".into(),
+            owner: 7,
+            window_end_ms: 0,
+            need: 1,
+            want: 1,
+        };
+        let ok = fleet(config(true, true));
+        let got = ok.take(&req("tls-1", now_ms() + 60_000, vec![rate()])).await;
+        assert!(got.as_ref().is_ok_and(|a| a.ok), "{got:?}");
+        // Without the password, or without trusting the CA: no Redis.
+        for c in [config(false, true), config(true, false)] {
+            let got = fleet(c).take(&req("tls-2", now_ms() + 60_000, vec![rate()])).await;
+            assert!(matches!(got, Err(FleetError::Unavailable(_))), "{got:?}");
+        }
+    }
+
     #[tokio::test]
     async fn sidecars_with_different_salts_see_the_mismatch() {
         let Some(redis) = server() else { return };
