@@ -1199,7 +1199,12 @@ impl Fleet {
                 }
             };
             // What is admitted without Redis is charged there later.
-            charges.push(GiveItem::new(&s.rule, s.owner, s.window_end, -(s.amount as i64)));
+            charges.push(GiveItem::new(
+                &s.rule,
+                s.owner,
+                s.window_end,
+                -(s.amount as i64),
+            ));
             done.push(Claimed {
                 rule: s.rule,
                 owner: s.owner,
@@ -1501,10 +1506,7 @@ impl Agent {
             };
             let current = window_end(&rule.rule.limit, now);
             let in_use = l.owner != 0 && l.last_ms + cfg.idle_ms > now && l.expires_ms > now;
-            if !in_use
-                || l.window_end != current
-                || l.balance.saturating_mul(4) >= l.grant as i64
-            {
+            if !in_use || l.window_end != current || l.balance.saturating_mul(4) >= l.grant as i64 {
                 continue;
             }
             let want = cfg.max.map_or(l.grant, |m| l.grant.min(m));
@@ -1552,8 +1554,7 @@ impl Agent {
         fleet: &Fleet,
         engine: &Engine,
         host: &dyn Host,
-        id: &str,
-        wants: Vec<TopUp>,
+        (id, wants): (String, Vec<TopUp>),
         body_size: usize,
         now: u64,
     ) {
@@ -1570,7 +1571,7 @@ impl Agent {
                     // It may still be applied in Redis: undone by id, once.
                     let cancels = wants
                         .iter()
-                        .map(|w| GiveItem::cancel(&w.rule, w.owner, w.window_end, id))
+                        .map(|w| GiveItem::cancel(&w.rule, w.owner, w.window_end, &id))
                         .collect();
                     fleet.outbox(host, engine, cancels);
                 }
@@ -1614,7 +1615,7 @@ impl Agent {
         now: u64,
     ) {
         if let Some((_, id, wants)) = self.topping.take_if(|(t, _, _)| *t == token) {
-            self.topped_up(fleet, engine, host, &id, wants, body_size, now);
+            self.topped_up(fleet, engine, host, (id, wants), body_size, now);
             return;
         }
         let Some((_, id, items)) = self.inflight.take_if(|(t, _, _)| *t == token) else {

@@ -90,7 +90,11 @@ pub fn check_sidecar(text: &str) -> Result<String, String> {
         out.push_str(&format!(
             "; fleet: {} ({}), policy fingerprint {}",
             fleet.redis.split('@').next_back().unwrap_or_default(),
-            if fleet.redis.starts_with("rediss://") { "TLS" } else { "no TLS" },
+            if fleet.redis.starts_with("rediss://") {
+                "TLS"
+            } else {
+                "no TLS"
+            },
             loaded.fingerprint()
         ));
     }
@@ -121,11 +125,13 @@ pub fn fleet_policy(text: &str) -> Result<Policy, String> {
     match fleet.len() {
         0 => Err("no sluice policy with a `fleet` section".into()),
         1 => Ok(fleet.remove(0).1),
-        _ => Err(format!(
+        _ => {
+            Err(format!(
             "{} sluice policies with a `fleet` section ({}): one sidecar is the fleet agent of one",
             fleet.len(),
             fleet.iter().map(|(at, _)| at.as_str()).collect::<Vec<_>>().join(", ")
-        )),
+        ))
+        }
     }
 }
 
@@ -418,11 +424,17 @@ mod tests {
             )
         };
         let ok = check_any(&config("rediss://redis.example:6380")).unwrap();
-        assert!(ok.starts_with("sidecar config:") && ok.contains("(TLS)"), "{ok}");
+        assert!(
+            ok.starts_with("sidecar config:") && ok.contains("(TLS)"),
+            "{ok}"
+        );
         assert!(ok.contains("policy fingerprint"), "{ok}");
         let err = check_any(&config("rediss://:hunter2@redis.example:6380")).unwrap_err();
         assert!(err.contains("fleet.redis"), "{err}");
-        assert!(!err.contains("hunter2"), "the password is not echoed: {err}");
+        assert!(
+            !err.contains("hunter2"),
+            "the password is not echoed: {err}"
+        );
         // `fleet.redis` alone makes it a sidecar config (a policy's fleet
         // has no `redis`).
         let err = check_any("fleet: {redis: 'redis://127.0.0.1:6379'}").unwrap_err();

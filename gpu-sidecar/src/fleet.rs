@@ -127,6 +127,7 @@ for i = 1, n do
 end
 local out = {1}
 local left = {}
+local record = {}
 for i = 1, n do
   local b = 5 + (i - 1) * 7
   local k = KEYS[i + 2]
@@ -148,10 +149,12 @@ for i = 1, n do
     if amount > 0 then full = math.ceil(cap * period / amount) end
     redis.call('PEXPIRE', k, full + grace)
   end
-  redis.call('HSET', KEYS[2], k, grant)
+  record[#record + 1] = k
+  record[#record + 1] = grant
   out[#out + 1] = grant
   left[i] = math.max(0, math.floor(levels[i] - grant))
 end
+redis.call('HSET', KEYS[2], unpack(record))
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[5]))
 for i = 1, n do out[#out + 1] = left[i] end
 return out
@@ -316,7 +319,9 @@ impl PolicyView {
             .policy
             .fleet
             .as_ref()
-            .map_or((String::new(), 1), |f| (f.salt.clone(), f.expected_replicas.max(1)));
+            .map_or((String::new(), 1), |f| {
+                (f.salt.clone(), f.expected_replicas.max(1))
+            });
         let rules = sluice_filter::fleet::fleet_rules(&engine)
             .into_iter()
             .map(|d| {
@@ -461,10 +466,7 @@ impl FleetConfig {
         // is harmless (the first stays).
         let _ = rustls::crypto::ring::default_provider().install_default();
         match &self.tls_ca_file {
-            Some(_) if !tls => Err(bad(
-                "tls_ca_file",
-                "needs a `rediss://` URL (TLS)".into(),
-            )),
+            Some(_) if !tls => Err(bad("tls_ca_file", "needs a `rediss://` URL (TLS)".into())),
             Some(ca) => {
                 let pem = std::fs::read(ca)
                     .map_err(|e| bad("tls_ca_file", format!("reading {}: {e}", ca.display())))?;
@@ -729,7 +731,10 @@ impl Fleet {
         let known = slot.as_ref().map(|e| e.value.clone()).unwrap_or_default();
         let mut inv = self.epoch_script.prepare_invoke();
         inv.key(EPOCH_KEY)
-            .arg(format!("{:x}", now_ms() ^ u64::from(std::process::id()) << 40))
+            .arg(format!(
+                "{:x}",
+                now_ms() ^ u64::from(std::process::id()) << 40
+            ))
             .arg(&known);
         let value: String = self.run(inv).await?;
         let epoch = Epoch::parse(value);
@@ -755,7 +760,11 @@ impl Fleet {
         if (r.global && owner != 1) || (!r.global && owner < 2) {
             return Err(FleetError::Invalid(format!(
                 "{path}.owner: {} expected for `{rule}`",
-                if r.global { "1 (a global bucket)" } else { "a caller's hash (2 or more)" }
+                if r.global {
+                    "1 (a global bucket)"
+                } else {
+                    "a caller's hash (2 or more)"
+                }
             )));
         }
         Ok(r)
@@ -789,7 +798,11 @@ impl Fleet {
         if !ok {
             return Err(FleetError::Invalid(format!(
                 "{path}.window_end_ms: {window_end_ms} is not a {} window end of `{rule_id}`",
-                if current { "current" } else { "past or current" }
+                if current {
+                    "current"
+                } else {
+                    "past or current"
+                }
             )));
         }
         let key = sluice_filter::fleet::redis_key(&self.view.salt, rule_id, owner);
@@ -914,7 +927,14 @@ impl Fleet {
         let mut checked = Vec::with_capacity(req.items.len());
         for (i, item) in req.items.iter().enumerate() {
             let path = format!("items[{i}]");
-            let k = self.check_claim(&item.rule, item.owner, item.window_end_ms, false, &path, now)?;
+            let k = self.check_claim(
+                &item.rule,
+                item.owner,
+                item.window_end_ms,
+                false,
+                &path,
+                now,
+            )?;
             if item.delta.unsigned_abs() > k.rule.limit.capacity() {
                 return Err(FleetError::Invalid(format!(
                     "{path}.delta: at most the bucket's capacity ({}) either way",
@@ -1117,7 +1137,8 @@ impl Fleet {
 }
 
 fn id_ok(id: &str, path: &str) -> Result<(), FleetError> {
-    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    {
         return Err(FleetError::Invalid(format!(
             "{path}: 1 to 64 letters, digits or '-' expected"
         )));
@@ -1457,7 +1478,9 @@ pub(crate) fn failure(e: FleetError) -> axum::response::Response {
     use axum::http::StatusCode;
     match e {
         FleetError::Invalid(m) => error(StatusCode::BAD_REQUEST, "invalid_request", &m),
-        FleetError::Unavailable(m) => error(StatusCode::SERVICE_UNAVAILABLE, "fleet_unavailable", &m),
+        FleetError::Unavailable(m) => {
+            error(StatusCode::SERVICE_UNAVAILABLE, "fleet_unavailable", &m)
+        }
         FleetError::Mismatch(m) => error(
             StatusCode::SERVICE_UNAVAILABLE,
             sluice_filter::fleet::FLEET_MISMATCH,
@@ -1515,9 +1538,13 @@ async fn take(
     body: axum::body::Bytes,
 ) -> axum::response::Response {
     let f = fleet.clone();
-    serve(&fleet, &peer, &headers, &body, |req: TakeRequest| async move {
-        f.take(&req).await
-    })
+    serve(
+        &fleet,
+        &peer,
+        &headers,
+        &body,
+        |req: TakeRequest| async move { f.take(&req).await },
+    )
     .await
 }
 
@@ -1528,10 +1555,16 @@ async fn give(
     body: axum::body::Bytes,
 ) -> axum::response::Response {
     let f = fleet.clone();
-    serve(&fleet, &peer, &headers, &body, |req: GiveRequest| async move {
-        let applied = f.give(&req).await?;
-        Ok(serde_json::json!({ "applied": applied }))
-    })
+    serve(
+        &fleet,
+        &peer,
+        &headers,
+        &body,
+        |req: GiveRequest| async move {
+            let applied = f.give(&req).await?;
+            Ok(serde_json::json!({ "applied": applied }))
+        },
+    )
     .await
 }
 
@@ -1540,7 +1573,12 @@ async fn stats(
 ) -> axum::response::Response {
     let s = &fleet.stats;
     let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let lost_at = fleet.epoch.lock().await.as_ref().map_or(0, |e| e.lost_at_ms);
+    let lost_at = fleet
+        .epoch
+        .lock()
+        .await
+        .as_ref()
+        .map_or(0, |e| e.lost_at_ms);
     reply(
         axum::http::StatusCode::OK,
         serde_json::json!({
@@ -1680,8 +1718,14 @@ pub(crate) mod tests {
             (claim("tier/nope/requests", 7, 0, 1), "claims[0].rule"),
             (claim("tier/t/requests", 1, 0, 1), "claims[0].owner"),
             (claim("route/chat/requests", 7, 0, 1), "claims[0].owner"),
-            (claim("tier/t/requests", 7, end, 1), "claims[0].window_end_ms"),
-            (claim("tier/t/daily_tokens", 7, 0, 1), "claims[0].window_end_ms"),
+            (
+                claim("tier/t/requests", 7, end, 1),
+                "claims[0].window_end_ms",
+            ),
+            (
+                claim("tier/t/daily_tokens", 7, 0, 1),
+                "claims[0].window_end_ms",
+            ),
             (
                 claim("tier/t/daily_tokens", 7, end + 86_400_000, 1),
                 "claims[0].window_end_ms",
@@ -1700,7 +1744,11 @@ pub(crate) mod tests {
         ));
         assert!(matches!(
             fleet
-                .take(&take_req("no spaces", far, vec![claim("tier/t/requests", 7, 0, 1)]))
+                .take(&take_req(
+                    "no spaces",
+                    far,
+                    vec![claim("tier/t/requests", 7, 0, 1)]
+                ))
                 .await,
             Err(FleetError::Invalid(_))
         ));
@@ -1738,7 +1786,12 @@ pub(crate) mod tests {
     fn the_secret_is_compared_whole() {
         let fleet = fleet_on("redis://127.0.0.1:1", "unit-test-salt-0123");
         assert!(fleet.secret_ok(SECRET.as_bytes()));
-        for bad in ["", "unit-test-fleet-secre", "unit-test-fleet-secret!", "UNIT-test-fleet-secret"] {
+        for bad in [
+            "",
+            "unit-test-fleet-secre",
+            "unit-test-fleet-secret!",
+            "UNIT-test-fleet-secret",
+        ] {
             assert!(!fleet.secret_ok(bad.as_bytes()), "{bad}");
         }
     }
@@ -1756,7 +1809,10 @@ pub(crate) mod tests {
         let good = || {
             let mut h = HeaderMap::new();
             h.insert("content-type", HeaderValue::from_static("application/json"));
-            h.insert(sluice_filter::fleet::SECRET_HEADER, HeaderValue::from_static(SECRET));
+            h.insert(
+                sluice_filter::fleet::SECRET_HEADER,
+                HeaderValue::from_static(SECRET),
+            );
             h.insert(
                 sluice_filter::fleet::FINGERPRINT_HEADER,
                 HeaderValue::from_str(&fleet.view.fingerprint).unwrap(),
@@ -1764,19 +1820,27 @@ pub(crate) mod tests {
             h
         };
         assert!(refuse(&fleet, &local, &good()).is_none());
-        let status = |peer: &Peer, h: &HeaderMap| refuse(&fleet, peer, h).map(|r| r.status().as_u16());
+        let status =
+            |peer: &Peer, h: &HeaderMap| refuse(&fleet, peer, h).map(|r| r.status().as_u16());
         assert_eq!(status(&remote, &good()), Some(403));
         assert_eq!(status(&None, &good()), Some(403));
         let mut h = good();
         h.insert("origin", HeaderValue::from_static("https://evil.example"));
         assert_eq!(status(&local, &h), Some(403), "a web page");
-        for ct in ["text/plain", "application/x-www-form-urlencoded", "application/jsonx"] {
+        for ct in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "application/jsonx",
+        ] {
             let mut h = good();
             h.insert("content-type", HeaderValue::from_str(ct).unwrap());
             assert_eq!(status(&local, &h), Some(415), "{ct}");
         }
         let mut h = good();
-        h.insert("content-type", HeaderValue::from_static("Application/JSON; charset=utf-8"));
+        h.insert(
+            "content-type",
+            HeaderValue::from_static("Application/JSON; charset=utf-8"),
+        );
         assert_eq!(status(&local, &h), None);
         let mut h = good();
         h.remove("content-type");
@@ -1785,11 +1849,21 @@ pub(crate) mod tests {
         h.remove(sluice_filter::fleet::SECRET_HEADER);
         assert_eq!(status(&local, &h), Some(401));
         let mut h = good();
-        h.insert(sluice_filter::fleet::SECRET_HEADER, HeaderValue::from_static("guess-guess-guess-1"));
+        h.insert(
+            sluice_filter::fleet::SECRET_HEADER,
+            HeaderValue::from_static("guess-guess-guess-1"),
+        );
         assert_eq!(status(&local, &h), Some(401));
         let mut h = good();
-        h.insert(sluice_filter::fleet::FINGERPRINT_HEADER, HeaderValue::from_static("00"));
-        assert_eq!(status(&local, &h), Some(409), "another policy than the sidecar's");
+        h.insert(
+            sluice_filter::fleet::FINGERPRINT_HEADER,
+            HeaderValue::from_static("00"),
+        );
+        assert_eq!(
+            status(&local, &h),
+            Some(409),
+            "another policy than the sidecar's"
+        );
         assert_eq!(fleet.stats.refused_calls.load(Ordering::Relaxed), 10);
     }
 
@@ -1811,12 +1885,23 @@ pub(crate) mod tests {
             ..FleetConfig::default()
         };
         let loaded = ok.load().unwrap();
-        assert_eq!(loaded.secret, SECRET, "the trailing newline is no part of it");
+        assert_eq!(
+            loaded.secret, SECRET,
+            "the trailing newline is no part of it"
+        );
         let err = |c: FleetConfig| c.load().err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(err(FleetConfig { policy: None, ..ok.clone() }).contains("fleet.policy"));
+        assert!(err(FleetConfig {
+            policy: None,
+            ..ok.clone()
+        })
+        .contains("fleet.policy"));
         let short = dir.path().join("short");
         std::fs::write(&short, "short").unwrap();
-        assert!(err(FleetConfig { secret_file: Some(short), ..ok.clone() }).contains("fleet.secret_file"));
+        assert!(err(FleetConfig {
+            secret_file: Some(short),
+            ..ok.clone()
+        })
+        .contains("fleet.secret_file"));
         assert!(err(FleetConfig {
             secret_file: None,
             secret_env: "SLUICE_TEST_UNSET_SECRET".into(),
@@ -1828,7 +1913,11 @@ pub(crate) mod tests {
             ..ok.clone()
         })
         .contains("fleet.redis: no password in the URL"));
-        assert!(err(FleetConfig { redis: "http://127.0.0.1".into(), ..ok.clone() }).contains("fleet.redis"));
+        assert!(err(FleetConfig {
+            redis: "http://127.0.0.1".into(),
+            ..ok.clone()
+        })
+        .contains("fleet.redis"));
         assert!(err(FleetConfig {
             password_env: Some("SLUICE_TEST_UNSET_PASSWORD".into()),
             ..ok.clone()
@@ -1841,13 +1930,16 @@ pub(crate) mod tests {
         .contains("fleet.tls_ca_file: needs a `rediss://` URL"));
         let password = dir.path().join("password");
         std::fs::write(&password, "hunter2\n").unwrap();
-        assert!(FleetConfig {
-            redis: "rediss://127.0.0.1:6380".into(),
-            password_file: Some(password),
-            ..ok.clone()
-        }
-        .load()
-        .is_ok(), "rediss:// builds with rustls");
+        assert!(
+            FleetConfig {
+                redis: "rediss://127.0.0.1:6380".into(),
+                password_file: Some(password),
+                ..ok.clone()
+            }
+            .load()
+            .is_ok(),
+            "rediss:// builds with rustls"
+        );
         // A policy without a fleet section is no fleet agent's policy.
         std::fs::write(
             &policy,
@@ -1860,7 +1952,10 @@ pub(crate) mod tests {
     #[test]
     fn an_epoch_carries_the_time_of_the_loss() {
         assert_eq!(Epoch::parse("ab12:0".into()).lost_at_ms, 0);
-        assert_eq!(Epoch::parse("ab12:1700000000000".into()).lost_at_ms, 1_700_000_000_000);
+        assert_eq!(
+            Epoch::parse("ab12:1700000000000".into()).lost_at_ms,
+            1_700_000_000_000
+        );
     }
 }
 
@@ -1892,7 +1987,16 @@ pub(crate) mod redis_tests {
             .port();
         let dir = tempfile::tempdir().ok()?;
         let child = std::process::Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .arg("--dir")
             .arg(dir.path())
             .stdout(std::process::Stdio::null())
@@ -1968,22 +2072,39 @@ pub(crate) mod redis_tests {
         let end = window_end(&fleet.view.rules["tier/t/daily_tokens"].limit, now_ms());
         let soon = now_ms() + 60_000;
         // Applied, then abandoned by the filter: given back once.
-        let a = fleet.take(&req("take-a", soon, vec![budget(7, end, 100)])).await.unwrap();
+        let a = fleet
+            .take(&req("take-a", soon, vec![budget(7, end, 100)]))
+            .await
+            .unwrap();
         assert!(a.ok && a.grants == [100], "{a:?}");
         assert_eq!(used(&fleet, &redis.url, 7, end).await, 100);
         for batch in ["g1", "g2"] {
-            let give = GiveRequest { id: batch.into(), items: vec![cancel("take-a", 7, end)] };
+            let give = GiveRequest {
+                id: batch.into(),
+                items: vec![cancel("take-a", 7, end)],
+            };
             assert!(fleet.give(&give).await.unwrap());
         }
-        assert_eq!(used(&fleet, &redis.url, 7, end).await, 0, "given back once, not twice");
+        assert_eq!(
+            used(&fleet, &redis.url, 7, end).await,
+            0,
+            "given back once, not twice"
+        );
         // Past its deadline when Redis runs it: not applied.
-        let late = fleet.take(&req("take-b", now_ms() - 1, vec![budget(7, end, 100)])).await;
+        let late = fleet
+            .take(&req("take-b", now_ms() - 1, vec![budget(7, end, 100)]))
+            .await;
         assert!(matches!(late, Err(FleetError::Late(_))), "{late:?}");
         assert_eq!(used(&fleet, &redis.url, 7, end).await, 0);
         // Undone before it arrived: refused when it does.
-        let give = GiveRequest { id: "g3".into(), items: vec![cancel("take-c", 7, end)] };
+        let give = GiveRequest {
+            id: "g3".into(),
+            items: vec![cancel("take-c", 7, end)],
+        };
         assert!(fleet.give(&give).await.unwrap());
-        let c = fleet.take(&req("take-c", soon, vec![budget(7, end, 100)])).await;
+        let c = fleet
+            .take(&req("take-c", soon, vec![budget(7, end, 100)]))
+            .await;
         assert!(matches!(c, Err(FleetError::Late(_))), "{c:?}");
         assert_eq!(used(&fleet, &redis.url, 7, end).await, 0);
         assert_eq!(fleet.stats.takes_late.load(Ordering::Relaxed), 2);
@@ -1996,13 +2117,25 @@ pub(crate) mod redis_tests {
         let two = fleet_on(&redis.url, "unit-test-salt-0123");
         let end = window_end(&one.view.rules["tier/t/daily_tokens"].limit, now_ms());
         let soon = now_ms() + 60_000;
-        assert!(one.take(&req("e1", soon, vec![budget(7, end, 4_000)])).await.unwrap().ok);
-        assert!(two.take(&req("e2", soon, vec![budget(8, end, 10)])).await.unwrap().ok);
+        assert!(
+            one.take(&req("e1", soon, vec![budget(7, end, 4_000)]))
+                .await
+                .unwrap()
+                .ok
+        );
+        assert!(
+            two.take(&req("e2", soon, vec![budget(8, end, 10)]))
+                .await
+                .unwrap()
+                .ok
+        );
         cmd(&redis.url, &["FLUSHALL"]).await;
         // The budget's count is gone: refused, on both sidecars, for the
         // rest of the window (the filter follows on_unavailable.budgets).
         for (fleet, id) in [(&one, "e3"), (&two, "e4"), (&one, "e5")] {
-            let r = fleet.take(&req(id, soon, vec![budget(7, end, 4_000)])).await;
+            let r = fleet
+                .take(&req(id, soon, vec![budget(7, end, 4_000)]))
+                .await;
             assert!(matches!(r, Err(FleetError::DataLost(_))), "{r:?}");
         }
         assert_eq!(one.stats.data_lost.load(Ordering::Relaxed), 1);
@@ -2019,7 +2152,13 @@ pub(crate) mod redis_tests {
         // The next window is counted in Redis again.
         let next = window_end(&one.view.rules["tier/t/daily_tokens"].limit, end);
         let mut epoch = one.epoch(None).await.unwrap();
-        assert!(epoch.lost_at_ms > 0 && window_end(&one.view.rules["tier/t/daily_tokens"].limit, epoch.lost_at_ms) == end);
+        assert!(
+            epoch.lost_at_ms > 0
+                && window_end(
+                    &one.view.rules["tier/t/daily_tokens"].limit,
+                    epoch.lost_at_ms
+                ) == end
+        );
         epoch.lost_at_ms = 0;
         assert!(next > end);
     }
@@ -2040,12 +2179,48 @@ pub(crate) mod redis_tests {
                 .is_ok_and(|s| s.success())
         };
         std::fs::write(d.join("ext"), "subjectAltName=DNS:localhost\n").unwrap();
-        let made = openssl(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-                "-out", "ca.pem", "-days", "1", "-subj", "/CN=sluice test CA"])
-            && openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
-                "server.csr", "-subj", "/CN=localhost"])
-            && openssl(&["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "ext"]);
+        let made = openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=sluice test CA",
+        ]) && openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ]) && openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "ext",
+        ]);
         if !made {
             eprintln!("openssl missing: skipping the TLS test");
             return;
@@ -2056,10 +2231,28 @@ pub(crate) mod redis_tests {
             .unwrap()
             .port();
         let child = std::process::Command::new("redis-server")
-            .args(["--port", "0", "--tls-port", &port.to_string(), "--bind", "127.0.0.1",
-                "--tls-cert-file", "server.pem", "--tls-key-file", "server.key",
-                "--tls-ca-cert-file", "ca.pem", "--tls-auth-clients", "no",
-                "--requirepass", "tls-test-password", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--tls-cert-file",
+                "server.pem",
+                "--tls-key-file",
+                "server.key",
+                "--tls-ca-cert-file",
+                "ca.pem",
+                "--tls-auth-clients",
+                "no",
+                "--requirepass",
+                "tls-test-password",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .current_dir(d)
             .stdout(std::process::Stdio::null())
             .spawn();
@@ -2067,7 +2260,11 @@ pub(crate) mod redis_tests {
             eprintln!("redis-server missing: skipping the TLS test");
             return;
         };
-        let _server = Server { child, url: String::new(), _dir: tempfile::tempdir().unwrap() };
+        let _server = Server {
+            child,
+            url: String::new(),
+            _dir: tempfile::tempdir().unwrap(),
+        };
         for _ in 0..200 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
                 break;
@@ -2102,11 +2299,15 @@ pub(crate) mod redis_tests {
             want: 1,
         };
         let ok = fleet(config(true, true));
-        let got = ok.take(&req("tls-1", now_ms() + 60_000, vec![rate()])).await;
+        let got = ok
+            .take(&req("tls-1", now_ms() + 60_000, vec![rate()]))
+            .await;
         assert!(got.as_ref().is_ok_and(|a| a.ok), "{got:?}");
         // Without the password, or without trusting the CA: no Redis.
         for c in [config(false, true), config(true, false)] {
-            let got = fleet(c).take(&req("tls-2", now_ms() + 60_000, vec![rate()])).await;
+            let got = fleet(c)
+                .take(&req("tls-2", now_ms() + 60_000, vec![rate()]))
+                .await;
             assert!(matches!(got, Err(FleetError::Unavailable(_))), "{got:?}");
         }
     }
@@ -2117,15 +2318,23 @@ pub(crate) mod redis_tests {
         let one = fleet_on(&redis.url, "unit-test-salt-0123");
         let two = fleet_on(&redis.url, "unit-test-salt-4567");
         let same = fleet_on(&redis.url, "unit-test-salt-0123");
-        assert!(one.compare_fingerprints("one").await.unwrap(), "alone: agrees");
+        assert!(
+            one.compare_fingerprints("one").await.unwrap(),
+            "alone: agrees"
+        );
         assert!(same.compare_fingerprints("same").await.unwrap());
         assert!(!two.compare_fingerprints("two").await.unwrap());
         assert!(!one.compare_fingerprints("one").await.unwrap());
         cmd(&redis.url, &["HDEL", FINGERPRINTS_KEY, "two"]).await;
-        assert!(one.compare_fingerprints("one").await.unwrap(), "gone: agrees again");
+        assert!(
+            one.compare_fingerprints("one").await.unwrap(),
+            "gone: agrees again"
+        );
         one.stats.mismatch.store(true, Ordering::Relaxed);
         let end = window_end(&one.view.rules["tier/t/daily_tokens"].limit, now_ms());
-        let r = one.take(&req("m1", now_ms() + 60_000, vec![budget(7, end, 1)])).await;
+        let r = one
+            .take(&req("m1", now_ms() + 60_000, vec![budget(7, end, 1)]))
+            .await;
         assert!(matches!(r, Err(FleetError::Mismatch(_))), "{r:?}");
     }
 }

@@ -173,9 +173,13 @@ pub async fn handle(
     body: axum::body::Bytes,
 ) -> axum::response::Response {
     let f = fleet.clone();
-    crate::fleet::serve(&fleet, &peer, &headers, &body, |req: SlotsRequest| async move {
-        report(&f, &req).await
-    })
+    crate::fleet::serve(
+        &fleet,
+        &peer,
+        &headers,
+        &body,
+        |req: SlotsRequest| async move { report(&f, &req).await },
+    )
     .await
 }
 
@@ -204,7 +208,12 @@ mod tests {
         for scopes in bad {
             assert!(
                 matches!(
-                    check(&SlotsRequest { scopes: scopes.clone() }, &view),
+                    check(
+                        &SlotsRequest {
+                            scopes: scopes.clone()
+                        },
+                        &view
+                    ),
                     Err(FleetError::Invalid(_))
                 ),
                 "{scopes:?}"
@@ -212,16 +221,26 @@ mod tests {
         }
         // The limit is the sidecar's own (2), whatever the report holds.
         assert_eq!(
-            check(&SlotsRequest { scopes: vec![scope("concurrency/b/m", 1_000_000)] }, &view).unwrap(),
+            check(
+                &SlotsRequest {
+                    scopes: vec![scope("concurrency/b/m", 1_000_000)]
+                },
+                &view
+            )
+            .unwrap(),
             [2]
         );
     }
 
     #[tokio::test]
     async fn a_report_cannot_hold_more_than_the_sidecars_limit() {
-        let Some(redis) = crate::fleet::redis_tests::server() else { return };
+        let Some(redis) = crate::fleet::redis_tests::server() else {
+            return;
+        };
         let one = crate::fleet::tests::fleet_on(&redis.url, "unit-test-salt-0123");
-        let greedy = SlotsRequest { scopes: vec![scope("concurrency/b/m", 1_000_000)] };
+        let greedy = SlotsRequest {
+            scopes: vec![scope("concurrency/b/m", 1_000_000)],
+        };
         let got = report(&one, &greedy).await.unwrap();
         assert_eq!(got.grants, [2], "capped by the policy's concurrency");
     }

@@ -223,7 +223,11 @@ fn a_greedy_slots_report_cannot_hold_more_than_the_policys_concurrency() {
     );
     assert_eq!(status, 200, "{answer}");
     let grants: serde_json::Value = serde_json::from_str(&answer).unwrap();
-    assert_eq!(grants["grants"], serde_json::json!([2]), "capped by the policy");
+    assert_eq!(
+        grants["grants"],
+        serde_json::json!([2]),
+        "capped by the policy"
+    );
     let held = redis
         .command(&["HVALS", "sluice:fleet:slots:concurrency/local/m"])
         .unwrap_or_default();
@@ -238,9 +242,14 @@ fn a_greedy_slots_report_cannot_hold_more_than_the_policys_concurrency() {
             .map(|_| {
                 let (client, url) = (client.clone(), url.clone());
                 tokio::spawn(async move {
-                    post_json_async(&client, &url, &[("x-mock-latency-ms", "300")], &chat_body("m"))
-                        .await
-                        .map_or(0, |r| r.status)
+                    post_json_async(
+                        &client,
+                        &url,
+                        &[("x-mock-latency-ms", "300")],
+                        &chat_body("m"),
+                    )
+                    .await
+                    .map_or(0, |r| r.status)
                 })
             })
             .collect();
@@ -293,7 +302,10 @@ fn a_salt_on_one_envoy_only_degrades_instead_of_doubling_every_limit() {
     );
     let urls = [chat(&a), chat(&b)];
     let admitted = (0..22).filter(|i| one(&urls[i % 2], 4).0 == 200).count();
-    assert!(admitted <= 10, "{admitted} of 22 admitted on a fleet-wide 10");
+    assert!(
+        admitted <= 10,
+        "{admitted} of 22 admitted on a fleet-wide 10"
+    );
     for n in [&a, &b] {
         assert!(
             n.sidecar.log().contains("fingerprint mismatch"),
@@ -334,9 +346,13 @@ fn flushall_mid_window_does_not_hand_out_a_hard_budget_twice() {
         assert_eq!(status, 200);
         served += used;
     }
-    assert!(served >= 3_000, "the upstream produced what was asked: {served}");
     assert!(
-        wait_for(Duration::from_secs(10), || redis.window_used() == Some(served as i64)),
+        served >= 3_000,
+        "the upstream produced what was asked: {served}"
+    );
+    assert!(
+        wait_for(Duration::from_secs(10), || redis.window_used()
+            == Some(served as i64)),
         "Redis counts {:?}, served {served}",
         redis.window_used()
     );
@@ -347,7 +363,10 @@ fn flushall_mid_window_does_not_hand_out_a_hard_budget_twice() {
         statuses.push(status);
         served += used;
     }
-    assert!(served <= 5_000, "overshoot after the flush: served {served} of 5000: {statuses:?}");
+    assert!(
+        served <= 5_000,
+        "overshoot after the flush: served {served} of 5000: {statuses:?}"
+    );
     assert!(
         statuses.ends_with(&[429, 429, 429]),
         "never refused after the flush: {statuses:?}"
@@ -355,7 +374,11 @@ fn flushall_mid_window_does_not_hand_out_a_hard_budget_twice() {
     let stats = node.fleet_stats();
     assert!(stats["data_lost"].as_u64() >= Some(1), "{stats}");
     assert!(stats["data_lost_at_ms"].as_u64() > Some(0), "{stats}");
-    assert!(node.sidecar.log().contains("fleet_data_lost"), "{}", node.sidecar.log());
+    assert!(
+        node.sidecar.log().contains("fleet_data_lost"),
+        "{}",
+        node.sidecar.log()
+    );
     for n in [&node, &other] {
         assert_eq!(n.envoy.metric("sluice_fleet_data_lost", &[]), Some(1.0));
     }

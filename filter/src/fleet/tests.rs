@@ -109,7 +109,10 @@ fn a_lease_is_taken_once_then_debited_locally_across_workers() {
     // The bucket by name and the caller by hash: the sidecar finds the
     // limit, the replicas and the key name in its own copy of the policy.
     assert_eq!(claim["rule"], "tier/t/requests");
-    assert!(claim["owner"].as_u64().unwrap() >= 2, "a hash, never the caller");
+    assert!(
+        claim["owner"].as_u64().unwrap() >= 2,
+        "a hash, never the caller"
+    );
     assert!(body.get("replicas").is_none());
     assert!(claim.get("capacity").is_none());
     assert!(body["id"].as_str().is_some_and(|id| !id.is_empty()));
@@ -513,7 +516,9 @@ fn the_salt_and_the_secret_are_required() {
     // Too short a salt is refused by the policy check (check-config too).
     for salt in ["", "short"] {
         let p = policy(json!({"requests": "10/min"}), json!({"salt": salt}));
-        let err = crate::config::Policy::from_value(p).unwrap_err().to_string();
+        let err = crate::config::Policy::from_value(p)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("fleet.salt"), "{err}");
     }
     // No secret in the VM's environment: the policy does not load.
@@ -566,7 +571,10 @@ fn the_fingerprint_changes_with_the_salt_the_replicas_and_the_rules() {
     );
     assert_ne!(
         base,
-        fp(json!({"requests": "10/min"}), json!({"expected_replicas": 2}))
+        fp(
+            json!({"requests": "10/min"}),
+            json!({"expected_replicas": 2})
+        )
     );
     assert_ne!(base, fp(json!({"requests": "11/min"}), json!({})));
     // A bucket kept per Envoy is no fleet rule.

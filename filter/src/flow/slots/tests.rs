@@ -27,7 +27,8 @@ fn policy(fleet: Value) -> Value {
 /// `fleet.salt` is required: the tests' own unless they give one.
 fn with_salt(mut fleet: Value) -> Value {
     if let Some(f) = fleet.as_object_mut() {
-        f.entry("salt").or_insert(serde_json::json!("slots-unit-test-salt"));
+        f.entry("salt")
+            .or_insert(serde_json::json!("slots-unit-test-salt"));
     }
     fleet
 }
