@@ -69,7 +69,11 @@ fn is_sidecar_config(doc: &Value) -> bool {
     // An Envoy config has an `admin` too: one with a sluice filter is one.
     let mut found = Vec::new();
     find_policies(doc, "", &mut found);
-    if !found.is_empty() || map.contains_key("static_resources") {
+    if !found.is_empty()
+        || ["static_resources", "default_tier", "tiers"]
+            .iter()
+            .any(|k| map.contains_key(*k))
+    {
         return false;
     }
     SIDECAR_KEYS.iter().any(|k| map.contains_key(*k))

@@ -601,7 +601,10 @@ impl Epoch {
 pub struct Fleet {
     client: redis::Client,
     config: FleetConfig,
-    view: PolicyView,
+    /// Swapped when `fleet.policy` changes on disk (the Envoy beside it
+    /// reloaded its policy): see [`Fleet::reload_policy`].
+    view: std::sync::RwLock<Arc<PolicyView>>,
+    policy_mtime: std::sync::Mutex<Option<SystemTime>>,
     secret: String,
     conn: Mutex<Option<ConnectionManager>>,
     epoch: Mutex<Option<Epoch>>,
@@ -615,15 +618,15 @@ impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Fleet")
             .field("config", &self.config)
-            .field("fingerprint", &self.view.fingerprint)
+            .field("fingerprint", &self.view().fingerprint)
             .finish()
     }
 }
 
 /// A claim checked against this sidecar's policy: its key and shape.
-struct Checked<'a> {
+struct Checked {
     key: String,
-    rule: &'a ViewRule,
+    rule: ViewRule,
     window_end_ms: u64,
 }
 
@@ -634,9 +637,14 @@ impl Fleet {
     }
 
     fn with(config: FleetConfig, loaded: Loaded) -> Arc<Fleet> {
+        let mtime = config
+            .policy
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
         Arc::new(Fleet {
             client: loaded.client,
-            view: loaded.view,
+            view: std::sync::RwLock::new(Arc::new(loaded.view)),
+            policy_mtime: std::sync::Mutex::new(mtime),
             secret: loaded.secret,
             config,
             conn: Mutex::new(None),
@@ -648,8 +656,48 @@ impl Fleet {
         })
     }
 
-    pub fn view(&self) -> &PolicyView {
-        &self.view
+    /// This sidecar's view of the policy now.
+    pub fn view(&self) -> Arc<PolicyView> {
+        match self.view.read() {
+            Ok(v) => v.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Reads `fleet.policy` again when it changed on disk; a bad one is
+    /// logged and the last good view kept (as Envoy keeps its last good
+    /// policy).
+    pub fn reload_policy(&self) {
+        let Some(path) = self.config.policy.as_ref() else {
+            return;
+        };
+        let mtime = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+        let Ok(mut seen) = self.policy_mtime.lock() else {
+            return;
+        };
+        if mtime.is_none() || *seen == mtime {
+            return;
+        }
+        *seen = mtime;
+        let loaded = std::fs::read_to_string(path)
+            .map_err(|e| e.to_string())
+            .and_then(|t| PolicyView::from_text(&t));
+        match loaded {
+            Ok(view) => {
+                eprintln!(
+                    "sluice-sidecar: fleet: {} reloaded (fingerprint {})",
+                    path.display(),
+                    view.fingerprint
+                );
+                if let Ok(mut v) = self.view.write() {
+                    *v = Arc::new(view);
+                }
+            }
+            Err(e) => eprintln!(
+                "sluice-sidecar: fleet: {} refused, keeping the last good policy: {e}",
+                path.display()
+            ),
+        }
     }
 
     /// Whether `given` is the fleet secret (constant time).
@@ -751,8 +799,13 @@ impl Fleet {
         Ok(epoch)
     }
 
-    fn check_rule(&self, rule: &str, owner: u64, path: &str) -> Result<&ViewRule, FleetError> {
-        let r = self.view.rules.get(rule).ok_or_else(|| {
+    fn check_rule(
+        view: &PolicyView,
+        rule: &str,
+        owner: u64,
+        path: &str,
+    ) -> Result<ViewRule, FleetError> {
+        let r = view.rules.get(rule).cloned().ok_or_else(|| {
             FleetError::Invalid(format!(
                 "{path}.rule: `{rule}` is no fleet bucket of this sidecar's policy"
             ))
@@ -773,16 +826,16 @@ impl Fleet {
     /// Checks a claim or item against the policy; `current`: a take, whose
     /// window must be the one in progress (± the key grace for clock skew),
     /// else any window boundary up to the current one.
-    fn check_claim<'a>(
-        &'a self,
+    fn check_claim(
+        view: &PolicyView,
         rule_id: &str,
         owner: u64,
         window_end_ms: u64,
         current: bool,
         path: &str,
         now: u64,
-    ) -> Result<Checked<'a>, FleetError> {
-        let rule = self.check_rule(rule_id, owner, path)?;
+    ) -> Result<Checked, FleetError> {
+        let rule = Self::check_rule(view, rule_id, owner, path)?;
         let limit = &rule.limit;
         let ok = match limit.window {
             None => window_end_ms == 0,
@@ -805,7 +858,7 @@ impl Fleet {
                 }
             )));
         }
-        let key = sluice_filter::fleet::redis_key(&self.view.salt, rule_id, owner);
+        let key = sluice_filter::fleet::redis_key(&view.salt, rule_id, owner);
         Ok(Checked {
             key: format!("{PREFIX}{key}:{window_end_ms}"),
             rule,
@@ -821,6 +874,7 @@ impl Fleet {
         }
         id_ok(&req.id, "id")?;
         let now = now_ms();
+        let view = self.view();
         let mut checked = Vec::with_capacity(req.claims.len());
         for (i, c) in req.claims.iter().enumerate() {
             let path = format!("claims[{i}]");
@@ -829,7 +883,15 @@ impl Fleet {
                     "{path}: need and want at most 2^52"
                 )));
             }
-            checked.push(self.check_claim(&c.rule, c.owner, c.window_end_ms, true, &path, now)?);
+            checked.push(Self::check_claim(
+                &view,
+                &c.rule,
+                c.owner,
+                c.window_end_ms,
+                true,
+                &path,
+                now,
+            )?);
         }
         self.refuse_mismatch()?;
         let mut epoch = self.epoch(None).await?;
@@ -852,7 +914,7 @@ impl Fleet {
             inv.key(EPOCH_KEY)
                 .key(format!("{PREFIX}take:{}", req.id))
                 .arg(&epoch.value)
-                .arg(self.view.replicas)
+                .arg(view.replicas)
                 .arg(req.deadline_ms)
                 .arg(KEY_GRACE_MS)
                 .arg(APPLIED_TTL_MS);
@@ -924,10 +986,12 @@ impl Fleet {
         }
         id_ok(&req.id, "id")?;
         let now = now_ms();
+        let view = self.view();
         let mut checked = Vec::with_capacity(req.items.len());
         for (i, item) in req.items.iter().enumerate() {
             let path = format!("items[{i}]");
-            let k = self.check_claim(
+            let k = Self::check_claim(
+                &view,
                 &item.rule,
                 item.owner,
                 item.window_end_ms,
@@ -1033,7 +1097,7 @@ impl Fleet {
         pipe.cmd("HSET")
             .arg(FINGERPRINTS_KEY)
             .arg(id)
-            .arg(format!("{}:{now}", self.view.fingerprint))
+            .arg(format!("{}:{now}", self.view().fingerprint))
             .ignore();
         pipe.cmd("HGETALL").arg(FINGERPRINTS_KEY);
         let (all,): (Vec<(String, String)>,) =
@@ -1051,7 +1115,7 @@ impl Fleet {
             let at: u64 = at.parse().unwrap_or(0);
             if at + BOARD_FORGET_MS < now {
                 gone.push(other);
-            } else if at + BOARD_LIVE_MS >= now && fp != self.view.fingerprint {
+            } else if at + BOARD_LIVE_MS >= now && fp != self.view().fingerprint {
                 agree = false;
             }
         }
@@ -1348,6 +1412,7 @@ pub async fn sync_fingerprints(fleet: Arc<Fleet>, mut closing: tokio::sync::watc
             _ = tick.tick() => {}
             _ = closing.changed() => return,
         }
+        fleet.reload_policy();
         let _ = fleet.check_epoch().await;
         let Ok(agree) = fleet.compare_fingerprints(id).await else {
             continue; // Redis away: nothing is counted meanwhile anyway
@@ -1361,7 +1426,7 @@ pub async fn sync_fingerprints(fleet: Arc<Fleet>, mut closing: tokio::sync::watc
                     "sluice-sidecar: fleet: fingerprint mismatch: another live sidecar has another salt, \
                      expected_replicas or fleet rules (ours: {}); answering 503 fleet_mismatch, the \
                      Envoy follows on_unavailable until they agree",
-                    fleet.view.fingerprint
+                    fleet.view().fingerprint
                 );
             }
         }
@@ -1445,7 +1510,7 @@ pub(crate) fn refuse(
     } else if headers
         .get(sluice_filter::fleet::FINGERPRINT_HEADER)
         .and_then(|v| v.to_str().ok())
-        != Some(fleet.view.fingerprint.as_str())
+        != Some(fleet.view().fingerprint.as_str())
     {
         Some(error(
             StatusCode::CONFLICT,
@@ -1593,7 +1658,7 @@ async fn stats(
             "data_lost": n(&s.data_lost),
             "data_lost_at_ms": lost_at,
             "mismatch": s.mismatch.load(Ordering::Relaxed),
-            "fingerprint": fleet.view.fingerprint,
+            "fingerprint": fleet.view().fingerprint,
         }),
     )
 }
@@ -1704,7 +1769,7 @@ pub(crate) mod tests {
     }
 
     fn day_end(fleet: &Fleet) -> u64 {
-        window_end(&fleet.view.rules["tier/t/daily_tokens"].limit, now_ms())
+        window_end(&fleet.view().rules["tier/t/daily_tokens"].limit, now_ms())
     }
 
     #[tokio::test]
@@ -1815,7 +1880,7 @@ pub(crate) mod tests {
             );
             h.insert(
                 sluice_filter::fleet::FINGERPRINT_HEADER,
-                HeaderValue::from_str(&fleet.view.fingerprint).unwrap(),
+                HeaderValue::from_str(&fleet.view().fingerprint).unwrap(),
             );
             h
         };
@@ -1950,6 +2015,46 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_changed_policy_file_is_read_again_and_a_bad_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let policy = dir.path().join("policy.yaml");
+        let text = |salt: &str| {
+            format!(
+                "default_tier: t\nidentity: {{sources: [client_address]}}\ntiers: {{t: {{requests: 10/min}}}}\n\
+                 sidecar: {{cluster: sc}}\nfleet: {{salt: {salt}}}\n"
+            )
+        };
+        let write = |body: &str, secs: u64| {
+            std::fs::write(&policy, body).unwrap();
+            let f = std::fs::File::options().write(true).open(&policy).unwrap();
+            f.set_modified(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+                .unwrap();
+        };
+        write(&text("unit-test-salt-0123"), 1_000);
+        std::env::set_var("SLUICE_TEST_RELOAD_SECRET", SECRET);
+        let config = FleetConfig {
+            policy: Some(policy.clone()),
+            secret_env: "SLUICE_TEST_RELOAD_SECRET".into(),
+            ..FleetConfig::default()
+        };
+        let fleet = Fleet::new(config).unwrap();
+        let first = fleet.view().fingerprint.clone();
+        fleet.reload_policy();
+        assert_eq!(fleet.view().fingerprint, first, "unchanged: not read again");
+        write(&text("unit-test-salt-4567"), 2_000);
+        fleet.reload_policy();
+        let second = fleet.view().fingerprint.clone();
+        assert_ne!(second, first, "the new salt is this sidecar's view now");
+        write(&text("short"), 3_000);
+        fleet.reload_policy();
+        assert_eq!(
+            fleet.view().fingerprint,
+            second,
+            "a bad policy is not taken"
+        );
+    }
+
+    #[test]
     fn an_epoch_carries_the_time_of_the_loss() {
         assert_eq!(Epoch::parse("ab12:0".into()).lost_at_ms, 0);
         assert_eq!(
@@ -2030,7 +2135,7 @@ pub(crate) mod redis_tests {
     }
 
     async fn used(fleet: &Fleet, url: &str, owner: u64, end: u64) -> i64 {
-        let key = sluice_filter::fleet::redis_key(&fleet.view.salt, "tier/t/daily_tokens", owner);
+        let key = sluice_filter::fleet::redis_key(&fleet.view().salt, "tier/t/daily_tokens", owner);
         match cmd(url, &["GET", &format!("{PREFIX}{key}:{end}")]).await {
             redis::Value::BulkString(b) => String::from_utf8_lossy(&b).parse().unwrap(),
             _ => 0,
@@ -2069,7 +2174,7 @@ pub(crate) mod redis_tests {
     async fn late_takes_are_not_applied_and_abandoned_ones_are_given_back_once() {
         let Some(redis) = server() else { return };
         let fleet = fleet_on(&redis.url, "unit-test-salt-0123");
-        let end = window_end(&fleet.view.rules["tier/t/daily_tokens"].limit, now_ms());
+        let end = window_end(&fleet.view().rules["tier/t/daily_tokens"].limit, now_ms());
         let soon = now_ms() + 60_000;
         // Applied, then abandoned by the filter: given back once.
         let a = fleet
@@ -2115,7 +2220,7 @@ pub(crate) mod redis_tests {
         let Some(redis) = server() else { return };
         let one = fleet_on(&redis.url, "unit-test-salt-0123");
         let two = fleet_on(&redis.url, "unit-test-salt-0123");
-        let end = window_end(&one.view.rules["tier/t/daily_tokens"].limit, now_ms());
+        let end = window_end(&one.view().rules["tier/t/daily_tokens"].limit, now_ms());
         let soon = now_ms() + 60_000;
         assert!(
             one.take(&req("e1", soon, vec![budget(7, end, 4_000)]))
@@ -2150,12 +2255,12 @@ pub(crate) mod redis_tests {
         };
         assert!(one.take(&req("e6", soon, vec![rate])).await.unwrap().ok);
         // The next window is counted in Redis again.
-        let next = window_end(&one.view.rules["tier/t/daily_tokens"].limit, end);
+        let next = window_end(&one.view().rules["tier/t/daily_tokens"].limit, end);
         let mut epoch = one.epoch(None).await.unwrap();
         assert!(
             epoch.lost_at_ms > 0
                 && window_end(
-                    &one.view.rules["tier/t/daily_tokens"].limit,
+                    &one.view().rules["tier/t/daily_tokens"].limit,
                     epoch.lost_at_ms
                 ) == end
         );
@@ -2331,7 +2436,7 @@ pub(crate) mod redis_tests {
             "gone: agrees again"
         );
         one.stats.mismatch.store(true, Ordering::Relaxed);
-        let end = window_end(&one.view.rules["tier/t/daily_tokens"].limit, now_ms());
+        let end = window_end(&one.view().rules["tier/t/daily_tokens"].limit, now_ms());
         let r = one
             .take(&req("m1", now_ms() + 60_000, vec![budget(7, end, 1)]))
             .await;

@@ -144,7 +144,7 @@ pub fn check(req: &SlotsRequest, view: &PolicyView) -> Result<Vec<u32>, FleetErr
 
 /// Records this Envoy's holdings and answers its grants.
 pub async fn report(fleet: &Fleet, req: &SlotsRequest) -> Result<SlotsAnswer, FleetError> {
-    let limits = check(req, fleet.view())?;
+    let limits = check(req, &fleet.view())?;
     fleet.refuse_mismatch()?;
     let script = redis::Script::new(SLOTS);
     let mut inv = script.prepare_invoke();
