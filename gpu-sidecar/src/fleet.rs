@@ -60,10 +60,16 @@ use crate::state::StateStore;
 
 /// Longest batch or claim list accepted in one call.
 pub const MAX_ITEMS: usize = 1024;
-/// How long a batch id (and a take's record) is remembered. A batch is
+/// How long a batch id is remembered. A batch is
 /// sent again only when its answer was lost, within a second of the
 /// sidecar answering again: an hour is ample, and bounds the ids kept.
 const APPLIED_TTL_MS: u64 = 3_600_000;
+/// How long what a take granted is kept, to be undone by its id: the
+/// filter sends the cancel with its next batch, a second or so after it
+/// gave up. Short, because the strict path makes one record per request
+/// (at 2,000 takes/s, about 240,000 small hashes). A cancel later than
+/// this gives back nothing: the fleet over-counts, the safe side.
+const TAKE_RECORD_TTL_MS: u64 = 120_000;
 /// Keys outlive their window by this much (clock skew between Envoys).
 const KEY_GRACE_MS: u64 = 60_000;
 const PREFIX: &str = "sluice:fleet:";
@@ -162,7 +168,8 @@ return out
 
 /// Applies a batch once. KEYS: the epoch key, the batch id's key, then per
 /// item its bucket key and its take's record (a cancel) or the bucket key
-/// again. ARGV[1]: epoch; [2]: id TTL; [3]: key grace; then per item 6
+/// again. ARGV[1]: epoch; [2]: id TTL; [3]: key grace; [4]: take record
+/// TTL; then per item 6
 /// numbers: capacity, refill amount, period, window end (0 = token
 /// bucket), delta (> 0 gives back, < 0 charges), cancel (1: give back what
 /// the take granted on this bucket, once; a take not yet applied is then
@@ -176,7 +183,7 @@ local grace = tonumber(ARGV[3])
 local n = (#KEYS - 2) / 2
 for i = 1, n do
   local k = KEYS[1 + i * 2]
-  local b = 3 + (i - 1) * 6
+  local b = 4 + (i - 1) * 6
   local cap = tonumber(ARGV[b + 1])
   local amount = tonumber(ARGV[b + 2])
   local period = tonumber(ARGV[b + 3])
@@ -188,7 +195,7 @@ for i = 1, n do
     if redis.call('HSETNX', record, 'cancelled:' .. k, '1') == 1 then
       delta = tonumber(redis.call('HGET', record, k) or '0')
     end
-    redis.call('PEXPIRE', record, tonumber(ARGV[2]))
+    redis.call('PEXPIRE', record, tonumber(ARGV[4]))
   end
   if delta ~= 0 then
     if wend > 0 then
@@ -917,7 +924,7 @@ impl Fleet {
                 .arg(view.replicas)
                 .arg(req.deadline_ms)
                 .arg(KEY_GRACE_MS)
-                .arg(APPLIED_TTL_MS);
+                .arg(TAKE_RECORD_TTL_MS);
             for (c, k) in req.claims.iter().zip(&checked) {
                 let l = &k.rule.limit;
                 inv.key(&k.key);
@@ -1019,7 +1026,8 @@ impl Fleet {
                 .key(format!("{PREFIX}applied:{}", req.id))
                 .arg(&epoch.value)
                 .arg(APPLIED_TTL_MS)
-                .arg(KEY_GRACE_MS);
+                .arg(KEY_GRACE_MS)
+                .arg(TAKE_RECORD_TTL_MS);
             for (item, k) in req.items.iter().zip(&checked) {
                 let l = &k.rule.limit;
                 inv.key(&k.key);
