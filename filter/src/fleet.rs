@@ -1302,8 +1302,9 @@ impl Fleet {
     }
 
     /// Adds deltas to the shared outbox, merged per bucket. Full: a give-
-    /// back is dropped (the fleet over-counts: the safe side); a charge is
-    /// dropped only when even merging cannot place it, counted and logged.
+    /// back or a cancel is dropped (the fleet over-counts: the safe side); a
+    /// charge takes a cancel's place, and is dropped only when there is
+    /// none, counted and logged.
     fn outbox(&self, host: &dyn Host, engine: &Engine, items: Vec<GiveItem>) {
         if items.is_empty() {
             return;
@@ -1319,8 +1320,13 @@ impl Fleet {
                 match at {
                     Some(i) => list[i].delta = list[i].delta.saturating_add(item.delta),
                     None if list.len() < OUTBOX_MAX => list.push(item.clone()),
-                    // A cancel dropped leaves a late take applied: counted.
-                    None => dropped += i64::from(item.delta < 0 || item.take.is_some()),
+                    // Full: a charge takes a cancel's place (a lost cancel
+                    // over-counts, the safe side; a lost charge under-counts).
+                    None if item.delta < 0 => match list.iter().position(|x| x.take.is_some()) {
+                        Some(i) => list[i] = item.clone(),
+                        None => dropped += 1,
+                    },
+                    None => {}
                 }
             }
             serde_json::to_vec(&list).ok()

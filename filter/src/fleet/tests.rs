@@ -586,3 +586,33 @@ fn the_fingerprint_changes_with_the_salt_the_replicas_and_the_rules() {
         )
     );
 }
+
+#[test]
+fn a_full_outbox_keeps_charges_before_cancels() {
+    // A loaded policy made the outbox key; the fleet is driven directly.
+    let (host, _poller) = outage("local_share");
+    let engine = Engine::new(
+        crate::config::Policy::from_value(policy(json!({"requests": "10/day"}), json!({})))
+            .unwrap(),
+    );
+    let fleet = Fleet::new(&engine).unwrap();
+    let cancels: Vec<GiveItem> = (0..OUTBOX_MAX as u64)
+        .map(|i| GiveItem::cancel("tier/t/requests", 2 + i, 0, "t1-0"))
+        .collect();
+    fleet.outbox(&host, &engine, cancels);
+    assert_eq!(outbox(&host).len(), OUTBOX_MAX);
+    fleet.outbox(
+        &host,
+        &engine,
+        vec![GiveItem::new("tier/t/requests", 9_999, 0, -3)],
+    );
+    let list = outbox(&host);
+    assert_eq!(list.len(), OUTBOX_MAX);
+    assert!(list.iter().any(|i| i.owner == 9_999 && i.delta == -3));
+    let dropped = host
+        .metrics
+        .borrow()
+        .get(M_OUTBOX_DROPPED)
+        .map_or(0, |m| m.1);
+    assert_eq!(dropped, 0, "the charge was kept");
+}
