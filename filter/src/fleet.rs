@@ -532,6 +532,28 @@ pub(crate) fn failed_call(host: &dyn Host, status: Option<&str>, body: &[u8]) ->
     !never_ran
 }
 
+/// Why a fleet call failed, for the log line of the switch.
+fn why_down(status: Option<&str>, body: &[u8]) -> &'static str {
+    let code = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.pointer("/error/code")?.as_str().map(str::to_owned));
+    match (status, code.as_deref()) {
+        (_, Some(FLEET_MISMATCH)) => {
+            "the sidecar refuses to count: the fleet's fingerprints (salt, expected_replicas, \
+             fleet rules) differ (fleet_mismatch)"
+        }
+        (_, Some(FLEET_DATA_LOST)) => {
+            "the sidecar reports that Redis lost its data in this window (fleet_data_lost)"
+        }
+        (Some("401"), _) => {
+            "the sidecar refused this Envoy's fleet secret (401: compare fleet.secret_env here \
+             with the sidecar's fleet.secret_file or secret_env)"
+        }
+        (Some("403" | "415" | "400"), _) => "the sidecar refused the fleet call",
+        _ => "the sidecar or Redis does not answer",
+    }
+}
+
 /// The sidecar's answer codes that put this Envoy on `on_unavailable`
 /// for a reason other than an outage.
 pub const FLEET_MISMATCH: &str = "fleet_mismatch";
@@ -1082,7 +1104,7 @@ impl Fleet {
                         .collect();
                     self.outbox(host, engine, cancels);
                 }
-                self.mark(host, false, now);
+                self.mark_why(host, false, now, why_down(status.as_deref(), &body));
                 return self.unavailable(engine, host, done, short, identity, now);
             }
         };
@@ -1348,6 +1370,11 @@ impl Fleet {
 
     /// Records the fleet up or down; the worker that flips it logs it.
     fn mark(&self, host: &dyn Host, up: bool, now: u64) {
+        self.mark_why(host, up, now, "the sidecar or Redis does not answer");
+    }
+
+    /// Like [`Fleet::mark`]; `why` says in the log why it is down.
+    fn mark_why(&self, host: &dyn Host, up: bool, now: u64, why: &str) {
         let mut flipped = false;
         let mut cas = Cas::new(host, 4);
         cas.update(STATUS_KEY, |bytes| {
@@ -1372,7 +1399,7 @@ impl Fleet {
             host.log(
                 LogLevel::Warn,
                 &format!(
-                    "fleet: the sidecar or Redis does not answer; leases serve until they expire, then on_unavailable (requests: {:?}, budgets: {:?})",
+                    "fleet: {why}; leases serve until they expire, then on_unavailable (requests: {:?}, budgets: {:?})",
                     self.config.on_unavailable.requests, self.config.on_unavailable.budgets
                 ),
             );

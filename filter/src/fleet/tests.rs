@@ -509,6 +509,14 @@ fn an_abandoned_take_is_undone_by_its_id_but_a_refusal_before_redis_is_not() {
     assert!(outbox(&host).iter().all(|i| i.take.is_none()));
     assert_eq!(host.metrics.borrow()[M_MISMATCH].1, 1);
     assert_eq!(host.metrics.borrow()[M_DATA_LOST].1, 0);
+    assert!(
+        host.logs
+            .borrow()
+            .iter()
+            .any(|(_, m)| m.contains("fleet_mismatch")),
+        "the switch says why: {:?}",
+        host.logs.borrow()
+    );
 }
 
 #[test]
