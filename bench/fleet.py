@@ -62,11 +62,22 @@ class Redis:
         return out
 
 
+# The fleet secret each Envoy VM and its sidecar share (not a real one).
+FLEET_SECRET = "bench-fleet-secret-0123456789"
+
+
 class Sidecar:
-    def __init__(self, procs, workdir, redis_port):
+    def __init__(self, procs, workdir, redis_port, fleet_policy=None):
         d = workdir / "sidecar"
         d.mkdir(parents=True, exist_ok=True)
-        (d / "sidecar.yaml").write_text(f"fleet:\n  redis: redis://127.0.0.1:{redis_port}\n")
+        fleet = ""
+        if fleet_policy is not None:
+            # The sidecar checks each fleet call against its Envoy's policy.
+            (d / "policy.json").write_text(json.dumps(fleet_policy))
+            (d / "secret").write_text(FLEET_SECRET)
+            fleet = (f"fleet:\n  redis: redis://127.0.0.1:{redis_port}\n"
+                     f"  policy: {d / 'policy.json'}\n  secret_file: {d / 'secret'}\n")
+        (d / "sidecar.yaml").write_text(fleet)
         self.proc = procs.spawn("sidecar", [
             SIDECAR, "serve", "--listen", "127.0.0.1:0", "--simulate",
             "--config", d / "sidecar.yaml"], d / "sidecar.log")
@@ -85,7 +96,22 @@ def policy(variant):
         p["fleet"] = {"expected_replicas": 1}
     elif variant == "strict":
         p["fleet"] = {"expected_replicas": 1, "lease": {"max": 0}}
+    if "fleet" in p:
+        p["fleet"]["salt"] = "bench-fleet-salt-0123456789"
     return p
+
+
+def vm_configs(v):
+    """Every `vm_config` in an Envoy config."""
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if k == "vm_config":
+                yield x
+            else:
+                yield from vm_configs(x)
+    elif isinstance(v, list):
+        for x in v:
+            yield from vm_configs(x)
 
 
 def config(shipped, upstream_port, sidecar_port, variant):
@@ -93,6 +119,8 @@ def config(shipped, upstream_port, sidecar_port, variant):
     sc = run._named(cfg["static_resources"]["clusters"], "sluice_sidecar", "cluster")
     sc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] = {
         "socket_address": {"address": "127.0.0.1", "port_value": sidecar_port}}
+    for vm in vm_configs(cfg):
+        vm["environment_variables"] = {"key_values": {"SLUICE_FLEET_SECRET": FLEET_SECRET}}
     return cfg
 
 
@@ -125,7 +153,8 @@ def main():
             vdir = workdir / variant
             vdir.mkdir(parents=True, exist_ok=True)
             redis = Redis(procs, vdir)
-            sidecar = Sidecar(procs, vdir, redis.port)
+            fleet_policy = policy(variant) if variant != "local" else None
+            sidecar = Sidecar(procs, vdir, redis.port, fleet_policy)
             envoy = run.Envoy(procs, vdir, variant,
                               config(shipped, mock.port, sidecar.port, variant), 1)
             load(args, vdir, envoy.port, wl, 1, args.connections)  # warm-up

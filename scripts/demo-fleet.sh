@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `make demo-fleet`: one Redis (Debian's redis-server, 127.0.0.1:6390, no
-# persistence), mock-llm on 127.0.0.1:8000 (fallback 8001), and two Envoys
+# `make demo-fleet`: one Redis (Debian's redis-server, 127.0.0.1:6390,
+# persisting to an append-only file: appendonly yes, appendfsync everysec),
+# mock-llm on 127.0.0.1:8000 (fallback 8001), and two Envoys
 # with sluice — 127.0.0.1:10000 (admin 9901) and 127.0.0.1:10001 (admin
 # 9902) — each with its own sidecar (9911, 9912), sharing the demo policy's
 # limits fleet-wide. Ctrl-C stops everything. Logs go to target/demo-fleet/.
@@ -20,6 +21,15 @@ for port in 8000 8001 9911 9912 10000 10001 9901 9902 $redis_port; do
 done
 command -v redis-server >/dev/null || { echo "demo-fleet: redis-server missing (make redis installs it)" >&2; exit 1; }
 
+# Not real secrets: made fresh at every start. The salt names the Redis keys
+# (the same on both Envoys); the fleet secret proves to each sidecar that a
+# fleet call comes from its own Envoy (Envoy hands it to the wasm VM from
+# its environment, the sidecar reads the same variable).
+random_hex() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
+fleet_salt=$(random_hex)
+export SLUICE_FLEET_SECRET
+SLUICE_FLEET_SECRET=$(random_hex)
+
 # Envoy n (1 or 2): the shipped config with its own ports and audit log, its
 # own sidecar, and a `fleet` section in the policy (2 replicas).
 envoy_config() {
@@ -29,16 +39,21 @@ envoy_config() {
       -e "s|port_value: 9911 }|port_value: $sidecar }|" \
       -e "s|path: target/demo/audit.jsonl|path: $logs/audit-$n.jsonl|" \
       -e "s|^\( *\)on_stale: fail_open$|&\n\1# (demo-fleet) the limits above are fleet-wide, through the sidecar and Redis\n__FLEET__|" \
+      -e "s|^\( *\)vm_id: sluice$|&\n\1environment_variables: { host_env_keys: [SLUICE_FLEET_SECRET] }|" \
       envoy/sluice.yaml >"$logs/envoy-$n.yaml"
   local indent
   indent=$(grep -m1 -o '^ *sidecar:$' "$logs/envoy-$n.yaml" | sed 's/sidecar://')
-  sed -i "s|^__FLEET__$|${indent}fleet:\n${indent}  expected_replicas: 2\n${indent}  lease: { idle: 2s, ttl: 30s }\n${indent}  on_unavailable: { requests: local_share, budgets: local_share }|" "$logs/envoy-$n.yaml"
-  grep -q "expected_replicas: 2" "$logs/envoy-$n.yaml" || {
-    echo "demo-fleet: could not add the fleet section to envoy/sluice.yaml's policy" >&2; exit 1; }
+  sed -i "s|^__FLEET__$|${indent}fleet:\n${indent}  expected_replicas: 2\n${indent}  lease: { idle: 2s, ttl: 30s }\n${indent}  on_unavailable: { requests: local_share, budgets: local_share }\n${indent}  salt: $fleet_salt|" "$logs/envoy-$n.yaml"
+  grep -q "expected_replicas: 2" "$logs/envoy-$n.yaml" && grep -q "host_env_keys" "$logs/envoy-$n.yaml" || {
+    echo "demo-fleet: could not add the fleet section to envoy/sluice.yaml" >&2; exit 1; }
+  # The sidecar checks every fleet call against its Envoy's own policy;
+  # its secret comes from SLUICE_FLEET_SECRET (fleet.secret_env's default).
   cat >"$logs/sidecar-$n.yaml" <<YAML
 fleet:
   redis: redis://127.0.0.1:$redis_port
+  policy: $logs/envoy-$n.yaml
 YAML
+  target/release/sluice-sidecar check-config "$logs/sidecar-$n.yaml" >/dev/null
 }
 envoy_config 1
 envoy_config 2
@@ -56,8 +71,12 @@ stop() {
 trap stop EXIT
 trap 'stop; exit 0' INT TERM
 
+# Persistence the fleet's counts need (README, "What Redis must keep"):
+# an append-only file fsynced every second.
+rm -rf "$logs/redis-data" && mkdir -p "$logs/redis-data"
 start_redis() {
-  redis-server --port $redis_port --bind 127.0.0.1 --save '' --appendonly no \
+  redis-server --port $redis_port --bind 127.0.0.1 --save '' \
+    --appendonly yes --appendfsync everysec --dir "$PWD/$logs/redis-data" \
     --logfile "$PWD/$logs/redis.log" &
   redis_pid=$!
 }
@@ -96,7 +115,7 @@ sed -e "s|@ADMIN_TOKEN@|$SLUICE_ADMIN_TOKEN|" -e "s|@REDIS@|$redis_port|" <<'TXT
 sluice fleet demo is up: two Envoys, one set of limits.
   Envoy 1 + sluice   http://127.0.0.1:10000   (admin http://127.0.0.1:9901, sidecar http://127.0.0.1:9911/)
   Envoy 2 + sluice   http://127.0.0.1:10001   (admin http://127.0.0.1:9902, sidecar http://127.0.0.1:9912/)
-  Redis              127.0.0.1:@REDIS@ (no persistence)    mock-llm 127.0.0.1:8000 (fallback 8001)
+  Redis              127.0.0.1:@REDIS@ (append-only file)  mock-llm 127.0.0.1:8000 (fallback 8001)
   admin token        @ADMIN_TOKEN@
 
 The demo policy (envoy/sluice.yaml) with `fleet: { expected_replicas: 2 }`:
@@ -125,10 +144,18 @@ Try:
   # limit / 2 on its own (on_unavailable: local_share); logged once per Envoy
   redis-cli -p @REDIS@ shutdown nosave
   grep -h 'fleet:' target/demo-fleet/envoy-*.log
-  # and back (empty: no persistence here); what was admitted meanwhile is
-  # charged to it once, in batches with ids
-  redis-server --port @REDIS@ --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
-    --logfile "$PWD/target/demo-fleet/redis.log"
+  # and back, with its counts (append-only file); what was admitted
+  # meanwhile is charged to it once, in batches with ids
+  redis-server --port @REDIS@ --bind 127.0.0.1 --save '' --appendonly yes --appendfsync everysec \
+    --dir "$PWD/target/demo-fleet/redis-data" --daemonize yes --logfile "$PWD/target/demo-fleet/redis.log"
+
+  # a Redis that lost its data (FLUSHALL; a restart without persistence):
+  # the daily budgets of this window follow on_unavailable.budgets, logged
+  redis-cli -p @REDIS@ flushall
+  grep -h 'fleet_data_lost' target/demo-fleet/sidecar-*.log
+
+  # forged fleet calls (no secret, text/plain, an Origin) are refused
+  curl -s http://127.0.0.1:9911/v1/fleet/give -H 'content-type: text/plain' -d '{}'; echo
 
 Logs: target/demo-fleet/. Press Ctrl-C to stop.
 TXT

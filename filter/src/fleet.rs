@@ -81,6 +81,12 @@ pub const M_UNAVAILABLE: &str = "sluice_fleet_unavailable_total";
 pub const M_DEGRADED: &str = "sluice_fleet_degraded";
 pub const M_OUTBOX_DROPPED: &str = "sluice_fleet_outbox_dropped_total";
 pub const M_BATCHES: &str = "sluice_fleet_batches_total";
+/// 1 while the sidecar refuses to count because the fleet's fingerprints
+/// differ (salt, replicas or rules); the Envoy is on `on_unavailable`.
+pub const M_MISMATCH: &str = "sluice_fleet_mismatch";
+/// 1 while the sidecar refuses hard budgets because Redis lost its data
+/// in their window (FLUSHALL, a restart without persistence).
+pub const M_DATA_LOST: &str = "sluice_fleet_data_lost";
 
 // ---------------------------------------------------------------- config
 
@@ -90,7 +96,8 @@ pub const M_BATCHES: &str = "sluice_fleet_batches_total";
 pub struct FleetConfig {
     /// The sidecar's Envoy cluster; default: `sidecar.cluster`.
     pub cluster: Option<String>,
-    /// `:authority` of the calls; default: the sidecar's.
+    /// `:authority` of the calls; default: the sidecar's (`sidecar.authority`),
+    /// else `localhost`.
     pub authority: Option<String>,
     /// How many Envoys share the limits: the fair share of a lease and the
     /// `local_share` divisor.
@@ -114,8 +121,21 @@ pub struct FleetConfig {
     /// Mixed into every Redis key name, so that someone who can read Redis
     /// cannot test a known address or subject against the names. The same
     /// secret on every Envoy of the fleet (else their keys differ).
+    /// Required (at least [`MIN_SECRET`] bytes): an empty salt makes key
+    /// names computable from an address or subject.
     #[serde(default)]
     pub salt: String,
+    /// The environment variable holding the secret this Envoy and its
+    /// sidecar share (at least [`MIN_SECRET`] bytes), sent on every fleet
+    /// call. Envoy hands it to the wasm VM through the filter's
+    /// `vm_config.environment_variables` (`host_env_keys` or
+    /// `key_values`): the policy never holds it.
+    #[serde(default = "default_secret_env")]
+    pub secret_env: String,
+}
+
+fn default_secret_env() -> String {
+    DEFAULT_SECRET_ENV.to_string()
 }
 
 fn one() -> u64 {
@@ -239,6 +259,26 @@ impl FleetConfig {
                 "must be above 0 and at most 60s".into(),
             ));
         }
+        if self.salt.len() < MIN_SECRET {
+            return Err((
+                "fleet.salt".into(),
+                format!(
+                    "required: at least {MIN_SECRET} bytes, the same on every Envoy of the fleet \
+                     (it names the Redis keys; empty, they are computable from an address or subject)"
+                ),
+            ));
+        }
+        if self.secret_env.is_empty()
+            || !self
+                .secret_env
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            return Err((
+                "fleet.secret_env".into(),
+                "an environment variable name (letters, digits, `_`)".into(),
+            ));
+        }
         for (i, id) in self.local.iter().enumerate() {
             if !bucket_exists(policy, id) {
                 return Err((
@@ -285,47 +325,133 @@ fn bucket_exists(policy: &Policy, id: &str) -> bool {
 
 // ---------------------------------------------------------------- wire
 
-/// A bucket as the sidecar's scripts see it.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Shape {
-    pub capacity: u64,
-    pub amount: u64,
-    pub period_ms: u64,
-    /// End of the calendar window; 0 for a token bucket.
-    pub window_end_ms: u64,
+/// Header of every fleet callout: the secret this Envoy and its sidecar
+/// share (`fleet.secret_env`), which the sidecar compares in constant time.
+pub const SECRET_HEADER: &str = "x-sluice-fleet-secret";
+/// Header of every fleet callout: [`fingerprint`] of this Envoy's fleet
+/// rules; the sidecar refuses a call whose rules differ from its own.
+pub const FINGERPRINT_HEADER: &str = "x-sluice-fleet-fingerprint";
+/// `:authority` of the fleet calls when neither `fleet.authority` nor
+/// `sidecar.authority` names one.
+pub const FLEET_AUTHORITY: &str = "localhost";
+/// Shortest `fleet.salt` and fleet secret accepted (bytes).
+pub const MIN_SECRET: usize = 16;
+/// The environment variable the fleet secret is read from by default.
+pub const DEFAULT_SECRET_ENV: &str = "SLUICE_FLEET_SECRET";
+
+/// The end of `limit`'s calendar window at `now_ms`; 0 for a token bucket.
+pub fn window_end(limit: &Limit, now_ms: u64) -> u64 {
+    limit.window.map_or(0, |w| next_window(w, now_ms))
 }
 
-impl Shape {
-    fn of(limit: &Limit, now_ms: u64) -> Shape {
-        Shape {
-            capacity: limit.capacity(),
-            amount: limit.rate.amount,
-            period_ms: limit.rate.period_ms,
-            window_end_ms: limit.window.map_or(0, |w| next_window(w, now_ms)),
-        }
-    }
-    fn with_end(limit: &Limit, window_end_ms: u64) -> Shape {
-        Shape {
-            window_end_ms,
-            ..Shape::of(limit, 0)
-        }
-    }
+/// One fleet bucket as the policy defines it: what the filter claims and
+/// what the sidecar checks each claim against (both compile it from the
+/// same policy with this function).
+#[derive(Debug, Clone)]
+pub struct FleetRuleDef {
+    pub rule: Rule,
+    /// A soft cap: taken even past its limit (it never refuses).
+    pub soft: bool,
 }
 
+/// The fleet buckets of a policy: every bucket but the `fleet.local` ones.
+pub fn fleet_rules(engine: &Engine) -> Vec<FleetRuleDef> {
+    let Some(config) = engine.policy.fleet.as_ref() else {
+        return Vec::new();
+    };
+    let soft = engine.soft_rules();
+    engine
+        .rules()
+        .into_iter()
+        .filter(|r| !config.local.contains(&r.id))
+        .map(|rule| FleetRuleDef {
+            soft: soft.contains(&rule.id),
+            rule,
+        })
+        .collect()
+}
+
+/// The fleet-wide concurrency scopes of a policy and their limits
+/// (`concurrency/<backend>`, `concurrency/<backend>/<model>`).
+pub fn fleet_slots(policy: &Policy) -> Vec<(String, u32)> {
+    let gates = crate::queue::Gates::new(policy);
+    let mut out = Vec::new();
+    for (backend, g) in gates.groups().filter(|(_, g)| g.fleet) {
+        if let Some(l) = g.backend_limit {
+            out.push((crate::queue::slots_scope(backend, None), l));
+        }
+        for (m, l) in &g.model_limits {
+            if let Some(l) = l {
+                out.push((crate::queue::slots_scope(backend, Some(m)), *l));
+            }
+        }
+    }
+    out
+}
+
+/// A hash of what must be equal on every Envoy of a fleet for its counts
+/// to mean one thing: the salt (it names the keys), the expected replicas
+/// (the fair share) and every fleet bucket and slot scope with its limit.
+/// Envoys whose fingerprints differ would count in parallel universes (a
+/// salt on one Envoy only doubles every limit): their sidecars refuse to
+/// count and the Envoys follow `on_unavailable`.
+pub fn fingerprint(engine: &Engine) -> String {
+    use sha2::Digest;
+    let Some(config) = engine.policy.fleet.as_ref() else {
+        return String::new();
+    };
+    let mut lines: Vec<String> = fleet_rules(engine)
+        .iter()
+        .map(|d| {
+            let l = &d.rule.limit;
+            format!(
+                "rule {} {} {} {} {:?} {:?} {}",
+                d.rule.id,
+                l.capacity(),
+                l.rate.amount,
+                l.rate.period_ms,
+                l.window,
+                d.rule.scope,
+                d.soft
+            )
+        })
+        .chain(
+            fleet_slots(&engine.policy)
+                .into_iter()
+                .map(|(id, l)| format!("slots {id} {l}")),
+        )
+        .collect();
+    lines.sort();
+    let mut h = sha2::Sha256::new();
+    h.update(b"sluice-fleet-fingerprint\0");
+    h.update(config.salt.as_bytes());
+    h.update(b"\0");
+    h.update(config.expected_replicas.to_le_bytes());
+    for line in lines {
+        h.update(line.as_bytes());
+        h.update(b"\n");
+    }
+    hex(&h.finalize()[..16])
+}
+
+/// One claim of a take: the sidecar finds the bucket's limit and kind in
+/// its own copy of the policy (`rule`), and names the Redis key itself
+/// from the salt, `rule` and `owner`.
 #[derive(Debug, Serialize)]
 struct TakeClaim<'a> {
-    key: &'a str,
-    #[serde(flatten)]
-    shape: Shape,
+    rule: &'a str,
+    owner: u64,
+    window_end_ms: u64,
     need: u64,
     want: u64,
-    /// A soft cap never refuses: taken past its limit too.
-    soft: bool,
 }
 
 #[derive(Debug, Serialize)]
 struct TakeRequest<'a> {
-    replicas: u64,
+    /// Unique per take: a take the filter gave up on is given back by id.
+    id: &'a str,
+    /// Past this (ms since the epoch, Redis' clock), Redis does not apply it.
+    deadline_ms: u64,
     claims: Vec<TakeClaim<'a>>,
 }
 
@@ -339,20 +465,113 @@ struct TakeAnswer {
     refused: Option<usize>,
 }
 
-/// One line of a give batch: a lease returned, or a settlement delta.
+/// One line of a give batch: a lease returned, a settlement delta, or
+/// (`take`) the undoing of a take this Envoy gave up on.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct GiveItem {
-    pub key: String,
-    #[serde(flatten)]
-    pub shape: Shape,
+    pub rule: String,
+    pub owner: u64,
+    pub window_end_ms: u64,
     /// > 0 gives back, < 0 charges.
     pub delta: i64,
+    /// Gives back what take `take` granted on this bucket, if Redis
+    /// applied it, once (and makes it refused if it arrives later).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub take: Option<String>,
+}
+
+impl GiveItem {
+    pub fn new(rule: &str, owner: u64, window_end_ms: u64, delta: i64) -> GiveItem {
+        GiveItem {
+            rule: rule.to_string(),
+            owner,
+            window_end_ms,
+            delta,
+            take: None,
+        }
+    }
+
+    /// Undoes take `id` on this bucket.
+    pub fn cancel(rule: &str, owner: u64, window_end_ms: u64, id: &str) -> GiveItem {
+        GiveItem {
+            take: Some(id.to_string()),
+            ..GiveItem::new(rule, owner, window_end_ms, 0)
+        }
+    }
+
+    /// Same bucket and same kind of line: merged in the outbox.
+    fn same(&self, other: &GiveItem) -> bool {
+        self.rule == other.rule
+            && self.owner == other.owner
+            && self.window_end_ms == other.window_end_ms
+            && self.take == other.take
+    }
+
+    fn sends(&self) -> bool {
+        self.delta != 0 || self.take.is_some()
+    }
 }
 
 #[derive(Debug, Serialize)]
 struct GiveRequest<'a> {
     id: &'a str,
     items: &'a [GiveItem],
+}
+
+/// What a failed fleet call says about itself: whether the sidecar may
+/// have run it in Redis (then a take is undone by id), and the gauges.
+pub(crate) fn failed_call(host: &dyn Host, status: Option<&str>, body: &[u8]) -> bool {
+    let code = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.pointer("/error/code")?.as_str().map(str::to_owned));
+    let code = code.as_deref();
+    note_refusal(host, code);
+    // Refused before Redis was asked: nothing to undo.
+    let never_ran = matches!(status, Some("400" | "401" | "403" | "404" | "409" | "415"))
+        || matches!(code, Some(FLEET_MISMATCH | FLEET_DATA_LOST));
+    !never_ran
+}
+
+/// Why a fleet call failed, for the log line of the switch.
+fn why_down(status: Option<&str>, body: &[u8]) -> &'static str {
+    let code = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.pointer("/error/code")?.as_str().map(str::to_owned));
+    match (status, code.as_deref()) {
+        (_, Some(FLEET_MISMATCH)) => {
+            "the sidecar refuses to count: the fleet's fingerprints (salt, expected_replicas, \
+             fleet rules) differ (fleet_mismatch)"
+        }
+        (_, Some(FLEET_DATA_LOST)) => {
+            "the sidecar reports that Redis lost its data in this window (fleet_data_lost)"
+        }
+        (Some("401"), _) => {
+            "the sidecar refused this Envoy's fleet secret (401: compare fleet.secret_env here \
+             with the sidecar's fleet.secret_file or secret_env)"
+        }
+        (Some("403" | "415" | "400"), _) => "the sidecar refused the fleet call",
+        _ => "the sidecar or Redis does not answer",
+    }
+}
+
+/// The sidecar's answer codes that put this Envoy on `on_unavailable`
+/// for a reason other than an outage.
+pub const FLEET_MISMATCH: &str = "fleet_mismatch";
+pub const FLEET_DATA_LOST: &str = "fleet_data_lost";
+
+/// Sets the mismatch and data-loss gauges from an answer's error code
+/// (`None`: a good answer, both 0).
+pub(crate) fn note_refusal(host: &dyn Host, code: Option<&str>) {
+    host.metric_record(
+        MetricKind::Gauge,
+        M_MISMATCH,
+        u64::from(code == Some(FLEET_MISMATCH)),
+    );
+    host.metric_record(
+        MetricKind::Gauge,
+        M_DATA_LOST,
+        u64::from(code == Some(FLEET_DATA_LOST)),
+    );
 }
 
 // ---------------------------------------------------------------- leases
@@ -452,6 +671,8 @@ pub struct Claimed {
 #[derive(Debug)]
 pub struct Pending {
     pub token: u32,
+    /// The take's id: given back by it if the answer never comes.
+    id: String,
     done: Vec<Claimed>,
     short: Vec<Short>,
 }
@@ -463,7 +684,6 @@ struct Short {
     amount: u64,
     window_end: u64,
     meter: Meter,
-    key: String,
     /// A lease slot this caller may hold; none: strict.
     slot: Option<String>,
     /// Units the lease still had, taken for this request: Redis is asked
@@ -499,6 +719,22 @@ pub struct Fleet {
     rules: HashMap<String, FleetRule>,
     /// Slot keys of every lease, for sweeps: bounded by the policy.
     lease_keys: Vec<(String, String)>,
+    /// [`fingerprint`] of this policy, sent on every call.
+    fingerprint: String,
+    /// The fleet secret, read from the environment at load.
+    secret: std::cell::RefCell<Secret>,
+    /// Take ids: this VM's prefix (set at load) and a counter.
+    take_ids: std::cell::Cell<(u64, u64)>,
+}
+
+/// The fleet secret; never printed.
+#[derive(Default)]
+struct Secret(String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -506,7 +742,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// The Redis name of a bucket for one owner: a salted hash, never a raw key.
-fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
+pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
     h.update(b"sluice-fleet\0");
@@ -536,19 +772,18 @@ impl Fleet {
         let config = policy.fleet.clone()?;
         let sidecar = policy.sidecar.as_ref()?;
         let cluster = config.cluster.clone().unwrap_or(sidecar.cluster.clone());
+        // `localhost` by default: a loopback name, which a sidecar that
+        // allows only loopback Host names accepts (the cluster's name is
+        // no host name).
         let authority = config
             .authority
             .clone()
             .or(sidecar.authority.clone())
-            .unwrap_or(cluster.clone());
+            .unwrap_or_else(|| FLEET_AUTHORITY.to_string());
         let replicas = config.expected_replicas.max(1);
         let mut rules = HashMap::new();
         let mut lease_keys = Vec::new();
-        let soft = engine.soft_rules();
-        for rule in engine.rules() {
-            if config.local.contains(&rule.id) {
-                continue;
-            }
+        for FleetRuleDef { rule, soft } in fleet_rules(engine) {
             let kind = if rule.limit.window.is_some() {
                 Kind::Budgets
             } else {
@@ -576,7 +811,7 @@ impl Fleet {
             rules.insert(
                 rule.id.clone(),
                 FleetRule {
-                    soft: soft.contains(&rule.id),
+                    soft,
                     rule,
                     mode,
                     share,
@@ -590,11 +825,27 @@ impl Fleet {
             authority,
             rules,
             lease_keys,
+            fingerprint: fingerprint(engine),
+            secret: Default::default(),
+            take_ids: Default::default(),
         })
     }
 
     /// Creates every shared-data key the fleet uses, up front (bounded).
     pub fn prepare(&self, engine: &Engine, host: &dyn Host) -> Result<usize, String> {
+        let name = &self.config.secret_env;
+        let secret = host.env_var(name).unwrap_or_default();
+        let secret = secret.trim();
+        if secret.len() < MIN_SECRET {
+            return Err(format!(
+                "fleet.secret_env: the environment variable {name} must hold the secret shared with \
+                 the sidecar (at least {MIN_SECRET} bytes); give it to the VM with \
+                 vm_config.environment_variables (host_env_keys: [{name}])"
+            ));
+        }
+        *self.secret.borrow_mut() = Secret(secret.to_string());
+        // Distinct per VM: VMs start at different nanoseconds.
+        self.take_ids.set((host.now_ns() | 1, 0));
         let mut created = 0;
         for (_, key) in &self.lease_keys {
             if host.get(key).is_none() {
@@ -662,7 +913,7 @@ impl Fleet {
                 continue;
             }
             let owner = Self::owner(rule, identity);
-            let window_end = Shape::of(&rule.rule.limit, now).window_end_ms;
+            let window_end = window_end(&rule.rule.limit, now);
             let amount = h.amount;
             // Probe the caller's slots: its own live lease, else a free one.
             let home = (owner % u64::from(rule.slots)) as u32;
@@ -718,7 +969,6 @@ impl Fleet {
                     amount,
                     window_end,
                     meter,
-                    key: redis_key(&self.config.salt, &h.rule, owner),
                     slot,
                     have,
                 });
@@ -749,23 +999,30 @@ impl Fleet {
                 };
                 let need = s.amount - s.have;
                 TakeClaim {
-                    key: &s.key,
-                    shape: Shape::of(&rule.rule.limit, now),
+                    rule: &s.rule,
+                    owner: s.owner,
+                    window_end_ms: s.window_end,
                     need,
                     want: want.saturating_sub(s.have).max(need),
-                    soft: rule.soft,
                 }
             })
             .collect();
+        let id = self.take_id();
         let body = serde_json::to_vec(&TakeRequest {
-            replicas: self.config.expected_replicas,
+            id: &id,
+            deadline_ms: now.saturating_add(self.config.timeout_ms),
             claims,
         })
         .unwrap_or_default();
         match self.post(host, "/v1/fleet/take", &body) {
             Ok(token) => {
                 metric(host, M_TAKES, 1);
-                Gate::Wait(Pending { token, done, short })
+                Gate::Wait(Pending {
+                    token,
+                    id,
+                    done,
+                    short,
+                })
             }
             Err(_) => {
                 self.mark(host, false, now);
@@ -774,14 +1031,24 @@ impl Fleet {
         }
     }
 
+    /// A fresh take id (hex, unique per VM and across VMs and Envoys).
+    fn take_id(&self) -> String {
+        let (prefix, n) = self.take_ids.get();
+        self.take_ids.set((prefix, n.wrapping_add(1)));
+        format!("t{prefix:x}-{n:x}")
+    }
+
     pub(crate) fn post(&self, host: &dyn Host, path: &str, body: &[u8]) -> Result<u32, String> {
         let len = body.len().to_string();
+        let secret = self.secret.try_borrow().map_err(|e| e.to_string())?;
         let headers = [
             (":method", "POST"),
             (":path", path),
             (":authority", self.authority.as_str()),
             ("content-type", "application/json"),
             ("content-length", len.as_str()),
+            (SECRET_HEADER, secret.0.as_str()),
+            (FINGERPRINT_HEADER, self.fingerprint.as_str()),
         ];
         host.dispatch_post(&self.cluster, &headers, body, self.config.timeout_ms)
     }
@@ -797,7 +1064,10 @@ impl Fleet {
         now: u64,
     ) -> Gate {
         let Pending {
-            mut done, short, ..
+            mut done,
+            short,
+            id,
+            ..
         } = pending;
         let status = host.call_response_header(":status");
         let body = host.call_response_body(body_size);
@@ -825,10 +1095,20 @@ impl Fleet {
                 };
             }
             _ => {
-                self.mark(host, false, now);
+                if failed_call(host, status.as_deref(), &body) {
+                    // The take may still run (or have run) in Redis: undo
+                    // it by id, once; a take arriving after this is refused.
+                    let cancels = short
+                        .iter()
+                        .map(|s| GiveItem::cancel(&s.rule, s.owner, s.window_end, &id))
+                        .collect();
+                    self.outbox(host, engine, cancels);
+                }
+                self.mark_why(host, false, now, why_down(status.as_deref(), &body));
                 return self.unavailable(engine, host, done, short, identity, now);
             }
         };
+        note_refusal(host, None);
         self.mark(host, true, now);
         let mut cas = Cas::new(host, Self::tries(engine));
         for (s, &grant) in short.iter().zip(&answer.grants) {
@@ -865,15 +1145,10 @@ impl Fleet {
             }
             if matches!(via, Via::Strict) && surplus > 0 {
                 // No lease to keep the surplus in: straight back.
-                let rule = &self.rules[&s.rule].rule;
                 self.outbox(
                     host,
                     engine,
-                    vec![GiveItem {
-                        key: s.key.clone(),
-                        shape: Shape::with_end(&rule.limit, s.window_end),
-                        delta: surplus,
-                    }],
+                    vec![GiveItem::new(&s.rule, s.owner, s.window_end, surplus)],
                 );
             }
             done.push(Claimed {
@@ -946,11 +1221,12 @@ impl Fleet {
                 }
             };
             // What is admitted without Redis is charged there later.
-            charges.push(GiveItem {
-                key: s.key.clone(),
-                shape: Shape::with_end(&rule.rule.limit, s.window_end),
-                delta: -(s.amount as i64),
-            });
+            charges.push(GiveItem::new(
+                &s.rule,
+                s.owner,
+                s.window_end,
+                -(s.amount as i64),
+            ));
             done.push(Claimed {
                 rule: s.rule,
                 owner: s.owner,
@@ -1013,16 +1289,12 @@ impl Fleet {
         let mut items = Vec::new();
         let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
         for c in claims {
-            let Some(rule) = self.rules.get(&c.rule) else {
+            if !self.rules.contains_key(&c.rule) {
                 continue;
-            };
+            }
             let used = actual(c.meter);
             let delta = c.amount as i64 - used as i64;
-            let item = |delta| GiveItem {
-                key: redis_key(&self.config.salt, &c.rule, c.owner),
-                shape: Shape::with_end(&rule.rule.limit, c.window_end),
-                delta,
-            };
+            let item = |delta| GiveItem::new(&c.rule, c.owner, c.window_end, delta);
             match &c.via {
                 Via::Lease(key) if delta != 0 => {
                     let written = cas.update(key, |bytes| {
@@ -1052,8 +1324,9 @@ impl Fleet {
     }
 
     /// Adds deltas to the shared outbox, merged per bucket. Full: a give-
-    /// back is dropped (the fleet over-counts: the safe side); a charge is
-    /// dropped only when even merging cannot place it, counted and logged.
+    /// back or a cancel is dropped (the fleet over-counts: the safe side); a
+    /// charge takes a cancel's place, and is dropped only when there is
+    /// none, counted and logged.
     fn outbox(&self, host: &dyn Host, engine: &Engine, items: Vec<GiveItem>) {
         if items.is_empty() {
             return;
@@ -1065,13 +1338,17 @@ impl Fleet {
                 serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
             dropped = 0;
             for item in &items {
-                let at = list
-                    .iter()
-                    .position(|x| x.key == item.key && x.shape == item.shape);
+                let at = list.iter().position(|x| x.same(item));
                 match at {
                     Some(i) => list[i].delta = list[i].delta.saturating_add(item.delta),
                     None if list.len() < OUTBOX_MAX => list.push(item.clone()),
-                    None => dropped += i64::from(item.delta < 0),
+                    // Full: a charge takes a cancel's place (a lost cancel
+                    // over-counts, the safe side; a lost charge under-counts).
+                    None if item.delta < 0 => match list.iter().position(|x| x.take.is_some()) {
+                        Some(i) => list[i] = item.clone(),
+                        None => dropped += 1,
+                    },
+                    None => {}
                 }
             }
             serde_json::to_vec(&list).ok()
@@ -1093,6 +1370,11 @@ impl Fleet {
 
     /// Records the fleet up or down; the worker that flips it logs it.
     fn mark(&self, host: &dyn Host, up: bool, now: u64) {
+        self.mark_why(host, up, now, "the sidecar or Redis does not answer");
+    }
+
+    /// Like [`Fleet::mark`]; `why` says in the log why it is down.
+    fn mark_why(&self, host: &dyn Host, up: bool, now: u64, why: &str) {
         let mut flipped = false;
         let mut cas = Cas::new(host, 4);
         cas.update(STATUS_KEY, |bytes| {
@@ -1117,7 +1399,7 @@ impl Fleet {
             host.log(
                 LogLevel::Warn,
                 &format!(
-                    "fleet: the sidecar or Redis does not answer; leases serve until they expire, then on_unavailable (requests: {:?}, budgets: {:?})",
+                    "fleet: {why}; leases serve until they expire, then on_unavailable (requests: {:?}, budgets: {:?})",
                     self.config.on_unavailable.requests, self.config.on_unavailable.budgets
                 ),
             );
@@ -1168,7 +1450,7 @@ impl Status {
 pub struct Agent {
     inflight: Option<(u32, String, Vec<GiveItem>)>,
     /// A top-up in flight: its token and the leases it is for.
-    topping: Option<(u32, Vec<TopUp>)>,
+    topping: Option<(u32, String, Vec<TopUp>)>,
     /// A batch whose send failed: sent again, same id.
     unsent: Option<(String, Vec<GiveItem>)>,
     last_sweep_ms: u64,
@@ -1192,7 +1474,7 @@ const TOP_UP_MAX: usize = 64;
 impl Agent {
     pub fn owns(&self, token: u32) -> bool {
         self.inflight.as_ref().is_some_and(|(t, _, _)| *t == token)
-            || self.topping.as_ref().is_some_and(|(t, _)| *t == token)
+            || self.topping.as_ref().is_some_and(|(t, _, _)| *t == token)
     }
 
     pub fn tick(&mut self, fleet: &Fleet, engine: &Engine, host: &dyn Host, vm_id: u64, now: u64) {
@@ -1215,7 +1497,7 @@ impl Agent {
                     taken = serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
                     (!taken.is_empty()).then(|| b"[]".to_vec())
                 });
-                taken.retain(|i: &GiveItem| i.delta != 0);
+                taken.retain(GiveItem::sends);
                 if taken.is_empty() {
                     return;
                 }
@@ -1255,23 +1537,16 @@ impl Agent {
             let Some(rule) = fleet.rules.get(rule_id) else {
                 continue;
             };
-            let current = Shape::of(&rule.rule.limit, now);
+            let current = window_end(&rule.rule.limit, now);
             let in_use = l.owner != 0 && l.last_ms + cfg.idle_ms > now && l.expires_ms > now;
-            if !in_use
-                || l.window_end != current.window_end_ms
-                || l.balance.saturating_mul(4) >= l.grant as i64
-            {
+            if !in_use || l.window_end != current || l.balance.saturating_mul(4) >= l.grant as i64 {
                 continue;
             }
             let want = cfg.max.map_or(l.grant, |m| l.grant.min(m));
             if want == 0 {
                 continue;
             }
-            claims.push((
-                redis_key(&fleet.config.salt, rule_id, l.owner),
-                current,
-                want,
-            ));
+            claims.push((rule_id.clone(), l.owner, current, want));
             wants.push(TopUp {
                 slot: key.clone(),
                 rule: rule_id.clone(),
@@ -1282,36 +1557,37 @@ impl Agent {
         if wants.is_empty() {
             return;
         }
+        let id = fleet.take_id();
         let body = serde_json::to_vec(&TakeRequest {
-            replicas: fleet.config.expected_replicas,
+            id: &id,
+            deadline_ms: now.saturating_add(fleet.config.timeout_ms),
             claims: claims
                 .iter()
-                .map(|(key, shape, want)| TakeClaim {
-                    key,
-                    shape: *shape,
+                .map(|(rule, owner, window_end_ms, want)| TakeClaim {
+                    rule,
+                    owner: *owner,
+                    window_end_ms: *window_end_ms,
                     need: 0,
                     want: *want,
-                    soft: false,
                 })
                 .collect(),
         })
         .unwrap_or_default();
         if let Ok(token) = fleet.post(host, "/v1/fleet/take", &body) {
             metric(host, M_TAKES, 1);
-            self.topping = Some((token, wants));
+            self.topping = Some((token, id, wants));
         }
     }
 
     /// What a top-up brought: into the leases still held, else straight
-    /// back. A top-up that failed is not undone: if Redis took the units
-    /// after all, they count as used until the bucket refills or its window
-    /// ends (the safe side).
+    /// back. A top-up that failed is undone by its id (Redis gives back
+    /// what it granted, once, or refuses it if it arrives later).
     fn topped_up(
         &mut self,
         fleet: &Fleet,
         engine: &Engine,
         host: &dyn Host,
-        wants: Vec<TopUp>,
+        (id, wants): (String, Vec<TopUp>),
         body_size: usize,
         now: u64,
     ) {
@@ -1322,7 +1598,16 @@ impl Agent {
             serde_json::from_slice::<TakeAnswer>(&body),
         ) {
             (Some("200"), Ok(a)) if a.ok && a.grants.len() == wants.len() => a,
+            (Some("200"), Ok(_)) => return,
             _ => {
+                if failed_call(host, status.as_deref(), &body) {
+                    // It may still be applied in Redis: undone by id, once.
+                    let cancels = wants
+                        .iter()
+                        .map(|w| GiveItem::cancel(&w.rule, w.owner, w.window_end, &id))
+                        .collect();
+                    fleet.outbox(host, engine, cancels);
+                }
                 self.retry_at_ms = now + DOWN_RETRY_MS;
                 return;
             }
@@ -1345,13 +1630,7 @@ impl Agent {
                 Some(l.encode())
             });
             if written != Updated::Written {
-                if let Some(rule) = fleet.rules.get(&w.rule) {
-                    back.push(GiveItem {
-                        key: redis_key(&fleet.config.salt, &w.rule, w.owner),
-                        shape: Shape::with_end(&rule.rule.limit, w.window_end),
-                        delta: grant as i64,
-                    });
-                }
+                back.push(GiveItem::new(&w.rule, w.owner, w.window_end, grant as i64));
             }
         }
         fleet.outbox(host, engine, back);
@@ -1368,22 +1647,24 @@ impl Agent {
         body_size: usize,
         now: u64,
     ) {
-        if let Some((_, wants)) = self.topping.take_if(|(t, _)| *t == token) {
-            self.topped_up(fleet, engine, host, wants, body_size, now);
+        if let Some((_, id, wants)) = self.topping.take_if(|(t, _, _)| *t == token) {
+            self.topped_up(fleet, engine, host, (id, wants), body_size, now);
             return;
         }
         let Some((_, id, items)) = self.inflight.take_if(|(t, _, _)| *t == token) else {
             return;
         };
         let status = host.call_response_header(":status");
-        let _ = host.call_response_body(body_size);
+        let body = host.call_response_body(body_size);
         if status.as_deref() == Some("200") {
+            note_refusal(host, None);
             metric(host, M_BATCHES, 1);
             if std::mem::take(&mut self.failing) {
                 host.log(LogLevel::Info, "fleet: held settlements sent");
             }
             return;
         }
+        let _ = failed_call(host, status.as_deref(), &body);
         if status.as_deref() == Some("400") {
             // Never accepted: sending it again cannot help.
             host.log(
@@ -1436,13 +1717,7 @@ impl Agent {
             if let (Updated::Written, Some(l)) = (written, freed) {
                 let over = l.window_end != 0 && l.window_end <= now;
                 if l.balance != 0 && !over {
-                    if let Some(rule) = fleet.rules.get(rule_id) {
-                        items.push(GiveItem {
-                            key: redis_key(&fleet.config.salt, rule_id, l.owner),
-                            shape: Shape::with_end(&rule.rule.limit, l.window_end),
-                            delta: l.balance,
-                        });
-                    }
+                    items.push(GiveItem::new(rule_id, l.owner, l.window_end, l.balance));
                 }
             }
         }

@@ -81,6 +81,11 @@ pub trait Host: SharedStore {
         self.now_ns() / 1_000_000
     }
     fn log(&self, level: LogLevel, message: &str);
+    /// An environment variable of the VM (Envoy passes them in
+    /// `vm_config.environment_variables`; WASI environ in the wasm VM).
+    fn env_var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
 
     // Root context.
     fn set_tick_period_ms(&self, ms: u64);

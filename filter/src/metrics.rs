@@ -78,6 +78,8 @@ pub const GAUGES: &[&str] = &[
     GLOBAL_BREAKER,
     crate::fleet::M_DEGRADED,
     crate::flow::slots::M_DEGRADED,
+    crate::fleet::M_MISMATCH,
+    crate::fleet::M_DATA_LOST,
 ];
 /// Settled cost, micro-currency.
 pub const SPEND_MICROS: &str = "sluice_spend_micros_total";
@@ -168,6 +170,8 @@ pub const FIXED: &[&str] = &[
     crate::fleet::M_OUTBOX_DROPPED,
     crate::fleet::M_BATCHES,
     crate::flow::slots::M_DEGRADED,
+    crate::fleet::M_MISMATCH,
+    crate::fleet::M_DATA_LOST,
 ];
 
 #[cfg(test)]

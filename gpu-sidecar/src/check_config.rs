@@ -21,6 +21,7 @@ pub fn check(text: &str) -> Result<String, String> {
     for (at, policy) in found {
         let policy = policy_value(policy).map_err(|e| format!("{at}: {e}"))?;
         let policy = Policy::from_value(policy).map_err(|e| format!("{at}: {e}"))?;
+        fleet_secret_reaches_the_vm(&doc, &at, &policy)?;
         lines.push(format!("{at}: {}", summary(&policy)));
         if let Some(warning) = buffer_warning(&doc, &at, &policy) {
             lines.push(warning);
@@ -28,6 +29,161 @@ pub fn check(text: &str) -> Result<String, String> {
         lines.extend(timeout_warnings(&doc, &at, &policy));
     }
     Ok(lines.join("; "))
+}
+
+/// Checks a file that is either a sidecar config or a policy (bare or in
+/// an Envoy config): a sidecar config is one with a key only a sidecar
+/// config has (`listen`, `sources`, …, or `fleet.redis`). A sidecar
+/// config is checked as `serve` would load it, its `fleet` section
+/// included (the policy, secret, password and CA it names are read).
+pub fn check_any(text: &str) -> Result<String, String> {
+    let doc: Value = serde_yaml::from_str(text).map_err(|e| format!("not YAML or JSON: {e}"))?;
+    if is_sidecar_config(&doc) {
+        return check_sidecar(text);
+    }
+    check(text)
+}
+
+/// Top-level keys of a sidecar config that no policy has.
+const SIDECAR_KEYS: &[&str] = &[
+    "listen",
+    "scrape_interval",
+    "scrape_timeout",
+    "sources",
+    "rules",
+    "saturation",
+    "breaker",
+    "scopes",
+    "admin",
+    "long_poll",
+    "state_file",
+    "alerts",
+    "history",
+    "envoy_admin",
+];
+
+fn is_sidecar_config(doc: &Value) -> bool {
+    let Some(map) = doc.as_object() else {
+        return false;
+    };
+    // An Envoy config has an `admin` too: one with a sluice filter is one.
+    let mut found = Vec::new();
+    find_policies(doc, "", &mut found);
+    if !found.is_empty()
+        || ["static_resources", "default_tier", "tiers"]
+            .iter()
+            .any(|k| map.contains_key(*k))
+    {
+        return false;
+    }
+    SIDECAR_KEYS.iter().any(|k| map.contains_key(*k))
+        || map
+            .get("fleet")
+            .and_then(Value::as_object)
+            .is_some_and(|f| f.contains_key("redis") || f.contains_key("policy"))
+}
+
+/// A sidecar config, checked as `serve` loads it.
+pub fn check_sidecar(text: &str) -> Result<String, String> {
+    let config = crate::config::Config::from_yaml(text).map_err(|e| e.to_string())?;
+    let plans = config.scope_plans().map_err(|e| e.to_string())?;
+    let scopes: Vec<_> = plans.iter().map(|p| p.scope.as_str()).collect();
+    let mut out = format!("sidecar config: scopes {}", scopes.join(", "));
+    if let Some(fleet) = &config.fleet {
+        let loaded = fleet.load().map_err(|e| e.to_string())?;
+        out.push_str(&format!(
+            "; fleet: {} ({}), policy fingerprint {}",
+            fleet.redis.split('@').next_back().unwrap_or_default(),
+            if fleet.redis.starts_with("rediss://") {
+                "TLS"
+            } else {
+                "no TLS"
+            },
+            loaded.fingerprint()
+        ));
+    }
+    Ok(out)
+}
+
+/// The policy with a `fleet` section in `text` (a policy, or an Envoy
+/// config embedding one or more sluice filters), checked as Envoy would:
+/// what a sidecar's `fleet.policy` points at.
+pub fn fleet_policy(text: &str) -> Result<Policy, String> {
+    let doc: Value = serde_yaml::from_str(text).map_err(|e| format!("not YAML or JSON: {e}"))?;
+    let mut found = Vec::new();
+    find_policies(&doc, "", &mut found);
+    let mut policies = Vec::new();
+    if found.is_empty() {
+        let bare = Policy::from_value(doc.clone()).map_err(|e| e.to_string())?;
+        policies.push(("the policy".to_string(), bare));
+    }
+    for (at, value) in found {
+        let value = policy_value(value).map_err(|e| format!("{at}: {e}"))?;
+        let policy = Policy::from_value(value).map_err(|e| format!("{at}: {e}"))?;
+        policies.push((at, policy));
+    }
+    let mut fleet: Vec<(String, Policy)> = policies
+        .into_iter()
+        .filter(|(_, p)| p.fleet.is_some())
+        .collect();
+    match fleet.len() {
+        0 => Err("no sluice policy with a `fleet` section".into()),
+        1 => Ok(fleet.remove(0).1),
+        _ => {
+            Err(format!(
+            "{} sluice policies with a `fleet` section ({}): one sidecar is the fleet agent of one",
+            fleet.len(),
+            fleet.iter().map(|(at, _)| at.as_str()).collect::<Vec<_>>().join(", ")
+        ))
+        }
+    }
+}
+
+/// A fleet policy's secret comes from the VM's environment
+/// (`fleet.secret_env`): the filter's `vm_config.environment_variables`
+/// must pass that variable (`host_env_keys` or `key_values`), else the
+/// filter refuses the policy when Envoy loads it.
+fn fleet_secret_reaches_the_vm(doc: &Value, at: &str, policy: &Policy) -> Result<(), String> {
+    let Some(fleet) = &policy.fleet else {
+        return Ok(());
+    };
+    let filter_at = at.strip_suffix(".configuration").unwrap_or(at);
+    let filter = pointer(doc, filter_at);
+    let env = filter
+        .and_then(|f| f.get("vm_config"))
+        .and_then(|v| v.get("environment_variables"));
+    let name = fleet.secret_env.as_str();
+    let passed = env.is_some_and(|e| {
+        e.get("host_env_keys")
+            .and_then(Value::as_array)
+            .is_some_and(|keys| keys.iter().any(|k| k.as_str() == Some(name)))
+            || e.get("key_values")
+                .and_then(Value::as_object)
+                .is_some_and(|kv| kv.contains_key(name))
+    });
+    if passed {
+        return Ok(());
+    }
+    Err(format!(
+        "{filter_at}.vm_config.environment_variables: the fleet secret's variable {name} \
+         (fleet.secret_env) does not reach the VM; add `host_env_keys: [{name}]`"
+    ))
+}
+
+/// The value at a location written by [`find_policies`] (`.a.b[0].c`).
+fn pointer<'a>(doc: &'a Value, at: &str) -> Option<&'a Value> {
+    let mut v = doc;
+    for part in at.split('.').filter(|p| !p.is_empty()) {
+        let (key, rest) = part.split_once('[').map_or((part, ""), |(k, r)| (k, r));
+        if !key.is_empty() {
+            v = v.get(key)?;
+        }
+        for index in rest.split('[').filter(|i| !i.is_empty()) {
+            let i: usize = index.trim_end_matches(']').parse().ok()?;
+            v = v.get(i)?;
+        }
+    }
+    Some(v)
 }
 
 /// Room the buffer needs above `request.max_body_bytes`: sluice may rewrite
@@ -250,6 +406,73 @@ mod tests {
         assert!(!check(&shipped.replace("timeout: 300s", "timeout: 0s"))
             .unwrap()
             .contains("timeout"));
+    }
+
+    #[test]
+    fn a_sidecar_config_is_checked_with_what_its_fleet_section_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let policy = dir.path().join("policy.yaml");
+        std::fs::write(
+            &policy,
+            "default_tier: t\nidentity: {sources: [client_address]}\ntiers: {t: {requests: 10/min}}\n\
+             sidecar: {cluster: sc}\nfleet: {salt: check-config-salt-0123}\n",
+        )
+        .unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "check-config-secret-0123").unwrap();
+        let config = |redis: &str| {
+            format!(
+                "listen: 127.0.0.1:0\nfleet:\n  redis: {redis}\n  policy: {}\n  secret_file: {}\n",
+                policy.display(),
+                secret.display()
+            )
+        };
+        let ok = check_any(&config("rediss://redis.example:6380")).unwrap();
+        assert!(
+            ok.starts_with("sidecar config:") && ok.contains("(TLS)"),
+            "{ok}"
+        );
+        assert!(ok.contains("policy fingerprint"), "{ok}");
+        let err = check_any(&config("rediss://:hunter2@redis.example:6380")).unwrap_err();
+        assert!(err.contains("fleet.redis"), "{err}");
+        assert!(
+            !err.contains("hunter2"),
+            "the password is not echoed: {err}"
+        );
+        // `fleet.redis` alone makes it a sidecar config (a policy's fleet
+        // has no `redis`).
+        let err = check_any("fleet: {redis: 'redis://127.0.0.1:6379'}").unwrap_err();
+        assert!(err.contains("fleet.policy"), "{err}");
+        let err = check_any("listen: 127.0.0.1:0\nfleet: {redis: 'redis://x', surprise: 1}\n")
+            .unwrap_err();
+        assert!(err.contains("surprise"), "{err}");
+    }
+
+    #[test]
+    fn an_envoy_config_whose_fleet_secret_does_not_reach_the_vm_is_refused() {
+        let shipped = include_str!("../../envoy/sluice.yaml");
+        let marker = "                              on_stale: fail_open\n";
+        assert_eq!(shipped.matches(marker).count(), 1, "the sidecar section");
+        let fleet = format!(
+            "{marker}                            fleet: {{ salt: check-config-salt-0123 }}\n"
+        );
+        let with_fleet = shipped.replace(marker, &fleet);
+        let err = check(&with_fleet).unwrap_err();
+        assert!(
+            err.contains("vm_config.environment_variables") && err.contains("SLUICE_FLEET_SECRET"),
+            "{err}"
+        );
+        let vm = "                          vm_id: sluice\n";
+        assert_eq!(with_fleet.matches(vm).count(), 1);
+        let passed = with_fleet.replace(
+            vm,
+            &format!("{vm}                          environment_variables: {{ host_env_keys: [SLUICE_FLEET_SECRET] }}\n"),
+        );
+        assert!(check(&passed).is_ok(), "{:?}", check(&passed));
+        assert!(fleet_policy(&passed).is_ok_and(|p| p.fleet.is_some()));
+        // A salt too short is refused as the filter would.
+        let short = passed.replace("check-config-salt-0123", "short");
+        assert!(check(&short).unwrap_err().contains("fleet.salt"));
     }
 
     #[test]

@@ -213,6 +213,7 @@ pub async fn serve(
             store.clone(),
             closing_rx.clone(),
         ));
+        tokio::spawn(fleet::sync_fingerprints(f.clone(), closing_rx.clone()));
     }
     let door_telemetry = telemetry.clone();
     let mut app = api::router(api::Api {

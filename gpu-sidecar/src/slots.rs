@@ -2,10 +2,12 @@
 //! gated backend (and each of its models) has in flight, summed over every
 //! Envoy, stays within its `concurrency`.
 //!
-//! `POST /v1/fleet/slots` (loopback only): the Envoy beside this sidecar
-//! reports, per scope (`concurrency/<backend>`, `concurrency/<backend>/<model>`),
-//! the absolute number of slots it wants to hold; one Lua script grants each
-//! `min(hold, limit − what the other live Envoys hold)` and records it.
+//! `POST /v1/fleet/slots` (the Envoy beside this sidecar only, as the
+//! other fleet endpoints): it reports, per scope (`concurrency/<backend>`,
+//! `concurrency/<backend>/<model>`), the absolute number of slots it wants
+//! to hold; one Lua script grants each `min(hold, limit − what the other
+//! live Envoys hold)` and records it. The limit is this sidecar's own
+//! policy's (`fleet.policy`), never the caller's: a report cannot raise it.
 //! Absolute reports make a retried or lost call harmless: the next report
 //! says the whole truth again. The filter lowers its own capacity *before*
 //! it reports a smaller holding and raises it only *after* a grant, so what
@@ -21,7 +23,7 @@ use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
-use crate::fleet::{Fleet, FleetError};
+use crate::fleet::{Fleet, FleetError, PolicyView};
 
 /// How long a report keeps this Envoy's holdings alive.
 pub const LIVE_MS: u64 = 5_000;
@@ -70,8 +72,6 @@ return out
 pub struct Scope {
     /// `concurrency/<backend>` or `concurrency/<backend>/<model>`.
     pub id: String,
-    /// The fleet-wide concurrency of the scope.
-    pub limit: u32,
     /// How many slots this Envoy wants to hold (absolute).
     pub hold: u32,
 }
@@ -104,23 +104,34 @@ fn scope_ok(id: &str) -> bool {
     id.starts_with("concurrency/") && id.len() <= 256 && id.bytes().all(|b| b.is_ascii_graphic())
 }
 
-/// Checks a report before Redis is asked; errors name the field.
-pub fn check(req: &SlotsRequest) -> Result<(), FleetError> {
+/// Checks a report before Redis is asked, and finds each scope's limit in
+/// this sidecar's policy; errors name the field.
+pub fn check(req: &SlotsRequest, view: &PolicyView) -> Result<Vec<u32>, FleetError> {
     if req.scopes.is_empty() || req.scopes.len() > MAX_SCOPES {
         return Err(FleetError::Invalid(format!(
             "scopes: 1 to {MAX_SCOPES} entries"
         )));
     }
+    let mut limits = Vec::with_capacity(req.scopes.len());
     for (i, s) in req.scopes.iter().enumerate() {
         if !scope_ok(&s.id) {
             return Err(FleetError::Invalid(format!(
                 "scopes[{i}].id: `concurrency/…`, printable ASCII, at most 256 bytes"
             )));
         }
-        if s.limit == 0 || s.limit > MAX_SLOTS || s.hold > MAX_SLOTS {
+        if s.hold > MAX_SLOTS {
             return Err(FleetError::Invalid(format!(
-                "scopes[{i}]: limit 1 to {MAX_SLOTS}, hold 0 to {MAX_SLOTS}"
+                "scopes[{i}].hold: 0 to {MAX_SLOTS}"
             )));
+        }
+        match view.slot_limit(&s.id) {
+            Some(limit) => limits.push(limit.min(MAX_SLOTS)),
+            None => {
+                return Err(FleetError::Invalid(format!(
+                    "scopes[{i}].id: `{}` is no fleet-wide concurrency of this sidecar's policy",
+                    s.id
+                )))
+            }
         }
     }
     let mut ids: Vec<&str> = req.scopes.iter().map(|s| s.id.as_str()).collect();
@@ -128,12 +139,13 @@ pub fn check(req: &SlotsRequest) -> Result<(), FleetError> {
     if ids.windows(2).any(|w| w[0] == w[1]) {
         return Err(FleetError::Invalid("scopes: an id appears twice".into()));
     }
-    Ok(())
+    Ok(limits)
 }
 
 /// Records this Envoy's holdings and answers its grants.
 pub async fn report(fleet: &Fleet, req: &SlotsRequest) -> Result<SlotsAnswer, FleetError> {
-    check(req)?;
+    let limits = check(req, &fleet.view())?;
+    fleet.refuse_mismatch()?;
     let script = redis::Script::new(SLOTS);
     let mut inv = script.prepare_invoke();
     for s in &req.scopes {
@@ -142,8 +154,8 @@ pub async fn report(fleet: &Fleet, req: &SlotsRequest) -> Result<SlotsAnswer, Fl
     inv.arg(holder_id())
         .arg(format!("{PREFIX}live:"))
         .arg(LIVE_MS);
-    for s in &req.scopes {
-        inv.arg(s.limit).arg(s.hold);
+    for (s, limit) in req.scopes.iter().zip(&limits) {
+        inv.arg(*limit).arg(s.hold.min(*limit));
     }
     let grants: Vec<u32> = fleet.run(inv).await?;
     if grants.len() != req.scopes.len() {
@@ -157,11 +169,17 @@ pub async fn report(fleet: &Fleet, req: &SlotsRequest) -> Result<SlotsAnswer, Fl
 pub async fn handle(
     axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
     peer: crate::fleet::Peer,
+    headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> axum::response::Response {
-    crate::fleet::serve(&peer, &body, |req: SlotsRequest| async move {
-        report(&fleet, &req).await
-    })
+    let f = fleet.clone();
+    crate::fleet::serve(
+        &fleet,
+        &peer,
+        &headers,
+        &body,
+        |req: SlotsRequest| async move { report(&f, &req).await },
+    )
     .await
 }
 
@@ -169,41 +187,61 @@ pub async fn handle(
 mod tests {
     use super::*;
 
-    fn scope(id: &str, limit: u32, hold: u32) -> Scope {
+    fn scope(id: &str, hold: u32) -> Scope {
         Scope {
             id: id.into(),
-            limit,
             hold,
         }
     }
 
     #[test]
     fn bad_reports_are_refused_with_the_field() {
+        let view = crate::fleet::tests::view("unit-test-salt-0123");
         let bad = [
             vec![],
-            vec![scope("tier/x/requests", 2, 1)],
-            vec![scope("concurrency/a b", 2, 1)],
-            vec![scope("concurrency/a", 0, 0)],
-            vec![scope("concurrency/a", 2, MAX_SLOTS + 1)],
-            vec![scope("concurrency/a", 2, 1), scope("concurrency/a", 2, 1)],
+            vec![scope("tier/x/requests", 1)],
+            vec![scope("concurrency/a b", 1)],
+            vec![scope("concurrency/nope", 1)],
+            vec![scope("concurrency/b/m", MAX_SLOTS + 1)],
+            vec![scope("concurrency/b/m", 1), scope("concurrency/b/m", 1)],
         ];
         for scopes in bad {
             assert!(
                 matches!(
-                    check(&SlotsRequest {
-                        scopes: scopes.clone()
-                    }),
+                    check(
+                        &SlotsRequest {
+                            scopes: scopes.clone()
+                        },
+                        &view
+                    ),
                     Err(FleetError::Invalid(_))
                 ),
                 "{scopes:?}"
             );
         }
-        assert!(check(&SlotsRequest {
-            scopes: vec![
-                scope("concurrency/vllm", 2, 0),
-                scope("concurrency/vllm/m", 1, 1)
-            ]
-        })
-        .is_ok());
+        // The limit is the sidecar's own (2), whatever the report holds.
+        assert_eq!(
+            check(
+                &SlotsRequest {
+                    scopes: vec![scope("concurrency/b/m", 1_000_000)]
+                },
+                &view
+            )
+            .unwrap(),
+            [2]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_report_cannot_hold_more_than_the_sidecars_limit() {
+        let Some(redis) = crate::fleet::redis_tests::server() else {
+            return;
+        };
+        let one = crate::fleet::tests::fleet_on(&redis.url, "unit-test-salt-0123");
+        let greedy = SlotsRequest {
+            scopes: vec![scope("concurrency/b/m", 1_000_000)],
+        };
+        let got = report(&one, &greedy).await.unwrap();
+        assert_eq!(got.grants, [2], "capped by the policy's concurrency");
     }
 }

@@ -16,6 +16,43 @@ use crate::{
 
 /// The admin token of every fleet test sidecar.
 pub const TOKEN: &str = "fleet-test-admin-token";
+/// The fleet secret each test Envoy and its sidecar share (the Envoy's VM
+/// gets it in `vm_config.environment_variables`, the sidecar from a file).
+pub const SECRET: &str = "fleet-test-secret-0123456789";
+/// The salt a test policy gets when it names none (`fleet.salt` is
+/// required).
+pub const SALT: &str = "fleet-test-salt-0123456789";
+
+/// `policy` with the harness' salt when its `fleet` has none.
+pub fn salted(policy: &Value) -> Value {
+    let mut policy = policy.clone();
+    if let Some(Value::Mapping(fleet)) = policy.get_mut("fleet") {
+        let key = Value::from("salt");
+        if !fleet.contains_key(&key) {
+            fleet.insert(key, Value::from(SALT));
+        }
+    }
+    policy
+}
+
+/// Gives the sluice VM of `config` the environment variable `name`
+/// (`vm_config.environment_variables.key_values`), as an operator would
+/// with `host_env_keys` from Envoy's own environment.
+pub fn set_vm_env(config: &mut EnvoyConfig, name: &str, value: &str) {
+    let vm = config
+        .http_filter_mut("sluice")
+        .get_mut("typed_config")
+        .and_then(|t| t.get_mut("config"))
+        .and_then(|c| c.get_mut("vm_config"))
+        .expect("the sluice filter's vm_config");
+    let mut kv = serde_yaml::Mapping::new();
+    kv.insert(Value::from(name), Value::from(value));
+    let mut env = serde_yaml::Mapping::new();
+    env.insert(Value::from("key_values"), Value::Mapping(kv));
+    vm.as_mapping_mut()
+        .expect("vm_config is a map")
+        .insert(Value::from("environment_variables"), Value::Mapping(env));
+}
 
 /// `redis-server` (Debian's package) on 127.0.0.1, killed on drop.
 pub struct Redis {
@@ -168,6 +205,21 @@ impl Redis {
     pub fn kill(&mut self) {
         self.guard.kill();
     }
+
+    /// Stops (`SIGSTOP`) or continues (`SIGCONT`) redis-server: what it
+    /// was sent meanwhile runs when it continues (a slow Redis).
+    pub fn pause(&self, paused: bool) {
+        signal(self.guard.id(), paused);
+    }
+}
+
+fn signal(pid: u32, stop: bool) {
+    let flag = if stop { "-STOP" } else { "-CONT" };
+    let ok = Command::new("kill")
+        .args([flag, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {flag} {pid}");
 }
 
 /// One Envoy of the fleet with its own sidecar.
@@ -180,13 +232,20 @@ pub struct Node {
 }
 
 /// A sidecar config file for `redis_url` in `dir` (with `extra` YAML
-/// appended); returns its args.
+/// appended); returns its args. Its fleet policy is `dir/policy.json`
+/// (written by [`Node::start_with`]), its secret `dir/fleet-secret`.
 fn sidecar_args(dir: &std::path::Path, redis_url: &str, extra: &str) -> Vec<String> {
     let config = dir.join("sidecar.yaml");
+    let secret = dir.join("fleet-secret");
+    if !secret.exists() {
+        fs::write(&secret, SECRET).expect("fleet secret file");
+    }
     fs::write(
         &config,
         format!(
-            "scrape_interval: 100ms\nfleet:\n  redis: {redis_url}\n  timeout: 200ms\n  sync_interval: 50ms\n{extra}"
+            "scrape_interval: 100ms\nfleet:\n  redis: {redis_url}\n  timeout: 200ms\n  sync_interval: 50ms\n  policy: {}\n  secret_file: {}\n{extra}",
+            dir.join("policy.json").display(),
+            secret.display()
         ),
     )
     .expect("sidecar config");
@@ -224,10 +283,40 @@ impl Node {
         concurrency: u32,
         sidecar_extra: &str,
     ) -> Node {
+        Node::start_tweaked(
+            redis_url,
+            upstream,
+            fallback,
+            policy,
+            concurrency,
+            sidecar_extra,
+            |_| {},
+        )
+    }
+
+    /// Like [`Node::start_with`], with `tweak` applied to the Envoy config
+    /// last (e.g. another way to give the VM its secret).
+    pub fn start_tweaked(
+        redis_url: &str,
+        upstream: &MockLlm,
+        fallback: Option<&MockLlm>,
+        policy: &Value,
+        concurrency: u32,
+        sidecar_extra: &str,
+        tweak: impl FnOnce(&mut EnvoyConfig),
+    ) -> Node {
         let dir = tempfile::Builder::new()
             .prefix("sluice-fleet-node-")
             .tempdir()
             .expect("temp dir");
+        // The sidecar checks every claim against its own copy of the
+        // policy: the one this Envoy loads.
+        let policy = salted(policy);
+        fs::write(
+            dir.path().join("policy.json"),
+            serde_json::to_string(&policy).expect("policy as JSON"),
+        )
+        .expect("policy file");
         let args = sidecar_args(dir.path(), redis_url, sidecar_extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let sidecar = Sidecar::start_with_args(&args);
@@ -237,7 +326,9 @@ impl Node {
             "llm_fallback",
             fallback.map_or_else(closed_addr, |f| f.addr()),
         );
-        *config.policy_mut() = policy.clone();
+        *config.policy_mut() = policy;
+        set_vm_env(&mut config, "SLUICE_FLEET_SECRET", SECRET);
+        tweak(&mut config);
         let envoy = Envoy::start(&config, concurrency);
         Node {
             envoy,
@@ -260,6 +351,51 @@ impl Node {
         args.extend(["--listen".into(), addr.to_string()]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.sidecar = Sidecar::start_with_args(&args);
+    }
+
+    /// A raw POST to this node's sidecar (the forger's view): its status
+    /// and body.
+    pub fn sidecar_post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+        let mut req = crate::http_client().post(self.sidecar.url(path));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        match req.body(body.to_string()).send() {
+            Ok(r) => {
+                let status = r.status().as_u16();
+                (status, r.text().unwrap_or_default())
+            }
+            Err(e) => (0, e.to_string()),
+        }
+    }
+
+    /// The headers this node's filter sends on a fleet call (its secret
+    /// and its policy's fingerprint, read from the sidecar).
+    pub fn fleet_headers(&self) -> Vec<(&'static str, String)> {
+        let fingerprint = self.fleet_stats()["fingerprint"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        vec![
+            ("x-sluice-fleet-secret", SECRET.to_string()),
+            ("x-sluice-fleet-fingerprint", fingerprint),
+        ]
+    }
+
+    /// `GET /v1/fleet` of this node's sidecar.
+    pub fn fleet_stats(&self) -> serde_json::Value {
+        crate::http_client()
+            .get(self.sidecar.url("/v1/fleet"))
+            .send()
+            .ok()
+            .and_then(|r| r.json().ok())
+            .unwrap_or_default()
+    }
+
+    /// Stops (`SIGSTOP`) or continues (`SIGCONT`) this node's sidecar: a
+    /// sidecar slower than `fleet.timeout`.
+    pub fn pause_sidecar(&mut self, paused: bool) {
+        signal(self.sidecar.process().id(), paused);
     }
 
     /// Sets this node's simulated GPU utilization (percent).

@@ -11,7 +11,13 @@ use crate::store::SharedStore;
 
 const T0: u64 = 1_700_000_000_000;
 
-fn policy(tiers: Value, fleet: Value) -> Value {
+/// The salt of the test policies (required by `fleet`).
+const SALT: &str = "fleet-unit-test-salt";
+
+fn policy(tiers: Value, mut fleet: Value) -> Value {
+    if let Some(f) = fleet.as_object_mut() {
+        f.entry("salt").or_insert(json!(SALT));
+    }
     json!({
         "default_tier": "t",
         "identity": {"sources": ["client_address"]},
@@ -100,13 +106,25 @@ fn a_lease_is_taken_once_then_debited_locally_across_workers() {
     let claim = &body["claims"][0];
     assert_eq!(claim["need"], 1);
     assert_eq!(claim["want"], 5, "1 + initial 4");
-    assert_eq!(body["replicas"], 2);
-    assert_eq!(
-        claim["key"].as_str().unwrap().len(),
-        32,
+    // The bucket by name and the caller by hash: the sidecar finds the
+    // limit, the replicas and the key name in its own copy of the policy.
+    assert_eq!(claim["rule"], "tier/t/requests");
+    assert!(
+        claim["owner"].as_u64().unwrap() >= 2,
         "a hash, never the caller"
     );
+    assert!(body.get("replicas").is_none());
+    assert!(claim.get("capacity").is_none());
+    assert!(body["id"].as_str().is_some_and(|id| !id.is_empty()));
+    assert_eq!(body["deadline_ms"], T0 + 1_000, "now + fleet.timeout");
     assert!(!body.to_string().contains("10.0.0.1"));
+    let sent = host.callouts.borrow().last().unwrap().headers.clone();
+    let header = |name: &str| sent.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    assert_eq!(
+        header(SECRET_HEADER).as_deref(),
+        Some(crate::host::mock::MOCK_FLEET_SECRET)
+    );
+    assert_eq!(header(FINGERPRINT_HEADER).map(|f| f.len()), Some(32));
     sidecar_says(
         &host,
         &mut req,
@@ -436,7 +454,7 @@ fn a_soft_cap_is_taken_past_its_limit_and_never_refused_when_the_fleet_is_away()
     );
     let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
     let (token, body) = last_post(&host);
-    assert_eq!(body["claims"][0]["soft"], true);
+    assert_eq!(body["claims"][0]["rule"], "tier/t/daily_tokens");
     // The fleet is away: fail_closed does not apply to a soft cap.
     *host.call_response_headers.borrow_mut() = vec![(":status".into(), "503".into())];
     *host.call_response_body.borrow_mut() = vec![];
@@ -458,4 +476,151 @@ fn redis_key_names_are_salted_hashes() {
     );
     assert_eq!(b.len(), 32);
     assert!(b.bytes().all(|x| x.is_ascii_hexdigit()));
+}
+
+#[test]
+fn an_abandoned_take_is_undone_by_its_id_but_a_refusal_before_redis_is_not() {
+    // The answer never came (timeout): the take may still run in Redis.
+    let (host, poller) = outage("local_share");
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, take) = last_post(&host);
+    *host.call_response_headers.borrow_mut() = vec![];
+    *host.call_response_body.borrow_mut() = vec![];
+    req.on_call_response(&host, token, 0);
+    let cancels: Vec<GiveItem> = outbox(&host)
+        .into_iter()
+        .filter(|i| i.take.is_some())
+        .collect();
+    assert_eq!(cancels.len(), 1, "{:?}", outbox(&host));
+    assert_eq!(cancels[0].take.as_deref(), take["id"].as_str());
+    assert_eq!(cancels[0].rule, "tier/t/requests");
+    assert_eq!(cancels[0].delta, 0, "Redis knows what it granted");
+
+    // Refused before Redis was asked (mismatch): nothing to undo, and the
+    // gauge says why the Envoy is on on_unavailable.
+    let (host, poller) = outage("local_share");
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (token, _) = last_post(&host);
+    let body = br#"{"error":{"code":"fleet_mismatch","message":"salt"}}"#;
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), "503".into())];
+    *host.call_response_body.borrow_mut() = body.to_vec();
+    req.on_call_response(&host, token, body.len());
+    assert!(host.replies.borrow().is_empty(), "local_share admits");
+    assert!(outbox(&host).iter().all(|i| i.take.is_none()));
+    assert_eq!(host.metrics.borrow()[M_MISMATCH].1, 1);
+    assert_eq!(host.metrics.borrow()[M_DATA_LOST].1, 0);
+    assert!(
+        host.logs
+            .borrow()
+            .iter()
+            .any(|(_, m)| m.contains("fleet_mismatch")),
+        "the switch says why: {:?}",
+        host.logs.borrow()
+    );
+}
+
+#[test]
+fn the_salt_and_the_secret_are_required() {
+    // Too short a salt is refused by the policy check (check-config too).
+    for salt in ["", "short"] {
+        let p = policy(json!({"requests": "10/min"}), json!({"salt": salt}));
+        let err = crate::config::Policy::from_value(p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fleet.salt"), "{err}");
+    }
+    // No secret in the VM's environment: the policy does not load.
+    let host = MockHost::new(T0);
+    host.env
+        .borrow_mut()
+        .insert(DEFAULT_SECRET_ENV.into(), "too-short".into());
+    let mut poller = Poller::new();
+    let p = policy(json!({"requests": "10/min"}), json!({}));
+    assert!(!poller.configure(&host, p.to_string().as_bytes()));
+    assert!(
+        host.logs
+            .borrow()
+            .iter()
+            .any(|(_, m)| m.contains("fleet.secret_env") && m.contains(DEFAULT_SECRET_ENV)),
+        "{:?}",
+        host.logs.borrow()
+    );
+    // Another variable named by the policy.
+    let host = MockHost::new(T0);
+    host.env
+        .borrow_mut()
+        .insert("MY_FLEET_SECRET".into(), "another-secret-0123456789".into());
+    let p = policy(
+        json!({"requests": "10/min"}),
+        json!({"secret_env": "MY_FLEET_SECRET"}),
+    );
+    let poller = load(&host, p);
+    let (_req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let sent = host.callouts.borrow().last().unwrap().headers.clone();
+    assert!(sent
+        .iter()
+        .any(|(k, v)| k == SECRET_HEADER && v == "another-secret-0123456789"));
+}
+
+#[test]
+fn the_fingerprint_changes_with_the_salt_the_replicas_and_the_rules() {
+    let fp = |tiers: Value, fleet: Value| {
+        let p = crate::config::Policy::from_value(policy(tiers, fleet)).unwrap();
+        fingerprint(&crate::engine::Engine::new(p))
+    };
+    let base = fp(json!({"requests": "10/min"}), json!({}));
+    assert_eq!(base, fp(json!({"requests": "10/min"}), json!({})));
+    assert_ne!(
+        base,
+        fp(
+            json!({"requests": "10/min"}),
+            json!({"salt": "another-salt-0123456789"})
+        )
+    );
+    assert_ne!(
+        base,
+        fp(
+            json!({"requests": "10/min"}),
+            json!({"expected_replicas": 2})
+        )
+    );
+    assert_ne!(base, fp(json!({"requests": "11/min"}), json!({})));
+    // A bucket kept per Envoy is no fleet rule.
+    assert_ne!(
+        base,
+        fp(
+            json!({"requests": "10/min"}),
+            json!({"local": ["tier/t/requests"]})
+        )
+    );
+}
+
+#[test]
+fn a_full_outbox_keeps_charges_before_cancels() {
+    // A loaded policy made the outbox key; the fleet is driven directly.
+    let (host, _poller) = outage("local_share");
+    let engine = Engine::new(
+        crate::config::Policy::from_value(policy(json!({"requests": "10/day"}), json!({})))
+            .unwrap(),
+    );
+    let fleet = Fleet::new(&engine).unwrap();
+    let cancels: Vec<GiveItem> = (0..OUTBOX_MAX as u64)
+        .map(|i| GiveItem::cancel("tier/t/requests", 2 + i, 0, "t1-0"))
+        .collect();
+    fleet.outbox(&host, &engine, cancels);
+    assert_eq!(outbox(&host).len(), OUTBOX_MAX);
+    fleet.outbox(
+        &host,
+        &engine,
+        vec![GiveItem::new("tier/t/requests", 9_999, 0, -3)],
+    );
+    let list = outbox(&host);
+    assert_eq!(list.len(), OUTBOX_MAX);
+    assert!(list.iter().any(|i| i.owner == 9_999 && i.delta == -3));
+    let dropped = host
+        .metrics
+        .borrow()
+        .get(M_OUTBOX_DROPPED)
+        .map_or(0, |m| m.1);
+    assert_eq!(dropped, 0, "the charge was kept");
 }

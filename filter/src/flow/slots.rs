@@ -44,7 +44,7 @@ pub const M_DEGRADED: &str = "sluice_fleet_slots_degraded";
 #[derive(Debug, Serialize)]
 struct Scope {
     id: String,
-    limit: u32,
+    /// The sidecar grants at most its own policy's limit for `id`.
     hold: u32,
 }
 
@@ -173,12 +173,11 @@ impl Agent {
             {
                 return; // next tick
             }
-            for (model, limit, hold, before) in wishes {
+            for (model, _limit, hold, before) in wishes {
                 moved |= hold != before;
                 held |= hold > 0 || before > 0;
                 report.push(Scope {
                     id: slots_scope(backend, model.as_deref()),
-                    limit,
                     hold,
                 });
                 asks.push(Ask {
@@ -207,8 +206,12 @@ impl Agent {
         let body = host.call_response_body(body_size);
         let answer = match (status.as_deref(), serde_json::from_slice::<Answer>(&body)) {
             (Some("200"), Ok(a)) if a.grants.len() == asks.len() => a,
-            _ => return self.unavailable(filter, host, now),
+            _ => {
+                let _ = crate::fleet::failed_call(host, status.as_deref(), &body);
+                return self.unavailable(filter, host, now);
+            }
         };
+        crate::fleet::note_refusal(host, None);
         if std::mem::take(&mut self.down) {
             host.log(
                 LogLevel::Info,

@@ -36,6 +36,9 @@ pub struct Callout {
     pub timeout_ms: u64,
 }
 
+/// The fleet secret the mock host's VM environment holds by default.
+pub const MOCK_FLEET_SECRET: &str = "mock-fleet-secret-0123456789";
+
 #[derive(Default)]
 pub struct MockHost {
     pub store: Arc<MemStore>,
@@ -57,6 +60,9 @@ pub struct MockHost {
     /// `Some`: clearing the route cache fails with this.
     pub route_cache_error: RefCell<Option<String>>,
     pub logs: RefCell<Vec<(LogLevel, String)>>,
+    /// The VM's environment variables; the fleet secret defaults to
+    /// [`MOCK_FLEET_SECRET`].
+    pub env: RefCell<HashMap<String, String>>,
     pub tick_period_ms: Cell<Option<u64>>,
     pub callouts: RefCell<Vec<Callout>>,
     /// `Some`: the next dispatch fails with this.
@@ -334,6 +340,12 @@ impl Host for MockHost {
     fn log(&self, level: LogLevel, message: &str) {
         self.count("log");
         self.logs.borrow_mut().push((level, message.to_string()));
+    }
+
+    fn env_var(&self, name: &str) -> Option<String> {
+        self.env.borrow().get(name).cloned().or_else(|| {
+            (name == crate::fleet::DEFAULT_SECRET_ENV).then(|| MOCK_FLEET_SECRET.to_string())
+        })
     }
 
     fn set_tick_period_ms(&self, ms: u64) {
