@@ -436,14 +436,16 @@ pub(crate) fn ctx<'a>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     use crate::reconcile::Usage;
     use crate::store::MemStore;
     use serde_json::json;
 
-    struct Caller(&'static str);
+    /// A caller known only by its address (shared with the engine's other
+    /// test modules).
+    pub(crate) struct Caller(pub &'static str);
     impl RequestView for Caller {
         fn header(&self, _: &str) -> Option<String> {
             None

@@ -80,18 +80,7 @@ mod tests {
     use crate::store::MemStore;
     use serde_json::json;
 
-    struct From(&'static str);
-    impl RequestView for From {
-        fn header(&self, _: &str) -> Option<String> {
-            None
-        }
-        fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
-            None
-        }
-        fn client_address(&self) -> Option<String> {
-            Some(self.0.into())
-        }
-    }
+    use crate::engine::tests::Caller as From;
 
     fn engine(tier: Value) -> (Engine, MemStore) {
         let policy = Policy::from_value(json!({

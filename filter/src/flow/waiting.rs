@@ -745,47 +745,40 @@ impl Stream {
 
     /// Past its deadline and still in the queue: 429 `queue_deadline`.
     fn expire(&mut self, host: &dyn Host) {
-        self.parked = None;
-        let Some(g) = self.gate.as_mut() else { return };
-        g.ticket = None;
+        let Some(g) = self.gate.as_ref() else { return };
         let waited = host.now_ms().saturating_sub(g.arrived_ms);
-        count(host, "expired", "queue_deadline", g);
-        let reply = answer::retry_later(
-            Reason::QueueDeadline,
-            &format!(
-                "Waited {waited} ms for {} without a free slot. Try again later.",
-                g.model
-            ),
-            1,
+        let message = format!(
+            "Waited {waited} ms for {} without a free slot. Try again later.",
+            g.model
         );
-        let tier = self
-            .identity
-            .as_ref()
-            .map(|i| i.tier.clone())
-            .unwrap_or_default();
-        let model = g.model.clone();
-        let verdict = self
-            .filter
-            .engine
-            .refused(reply, Reason::QueueDeadline, &tier, Some(&model));
-        self.finish(host, verdict);
+        self.leave_queue_refused(host, "expired", Reason::QueueDeadline, &message);
     }
 
     /// Its place went to a caller holding fewer (fair places): 429
     /// `queue_full`, as if it had found the queue full.
     fn evicted(&mut self, host: &dyn Host) {
+        let Some(g) = self.gate.as_ref() else { return };
+        let message = format!(
+            "Too many of your requests are waiting for {}: this one's place went to another caller. Try again in 1 s.",
+            g.model
+        );
+        self.leave_queue_refused(host, "evicted", Reason::QueueFull, &message);
+    }
+
+    /// Leaves the queue without a slot and answers `reason` (429, retry in
+    /// 1 s), counted under `outcome`.
+    fn leave_queue_refused(
+        &mut self,
+        host: &dyn Host,
+        outcome: &str,
+        reason: Reason,
+        message: &str,
+    ) {
         self.parked = None;
         let Some(g) = self.gate.as_mut() else { return };
         g.ticket = None;
-        count(host, "evicted", "queue_full", g);
-        let reply = answer::retry_later(
-            Reason::QueueFull,
-            &format!(
-                "Too many of your requests are waiting for {}: this one's place went to another caller. Try again in 1 s.",
-                g.model
-            ),
-            1,
-        );
+        count(host, outcome, reason.code(), g);
+        let reply = answer::retry_later(reason, message, 1);
         let tier = self
             .identity
             .as_ref()
@@ -795,7 +788,7 @@ impl Stream {
         let verdict = self
             .filter
             .engine
-            .refused(reply, Reason::QueueFull, &tier, Some(&model));
+            .refused(reply, reason, &tier, Some(&model));
         self.finish(host, verdict);
     }
 
