@@ -405,6 +405,10 @@ pub struct EnvoyConfig {
     /// `--drain-time-s` (default 1): how long the connections of a
     /// replaced listener may finish their requests after a reload.
     drain_time_s: Option<u32>,
+    /// Variables set in Envoy's own environment (e.g. a secret that
+    /// `vm_config.environment_variables.host_env_keys` hands the VM), so
+    /// no test changes the environment of the test process.
+    process_env: Vec<(String, String)>,
 }
 
 /// Returns the value at `path`, panicking with the path when it is missing.
@@ -441,6 +445,12 @@ impl EnvoyConfig {
         self.drain_time_s = Some(seconds);
     }
 
+    /// Sets `name=value` in the environment of the Envoy process started
+    /// with this config.
+    pub fn set_process_env(&mut self, name: &str, value: &str) {
+        self.process_env.push((name.into(), value.into()));
+    }
+
     /// Loads `<repo>/envoy/sluice.yaml`.
     pub fn load_shipped() -> EnvoyConfig {
         EnvoyConfig::load(&repo_root().join("envoy/sluice.yaml"))
@@ -455,6 +465,7 @@ impl EnvoyConfig {
         EnvoyConfig {
             root,
             drain_time_s: None,
+            process_env: Vec::new(),
         }
     }
 
@@ -848,7 +859,8 @@ impl Envoy {
             // After a reload, the old listener closes its connections at
             // once instead of over the default 600 s.
             .args(["--drain-strategy", "immediate"])
-            .args(["--drain-time-s", &cfg.drain_time_s.unwrap_or(1).to_string()]);
+            .args(["--drain-time-s", &cfg.drain_time_s.unwrap_or(1).to_string()])
+            .envs(cfg.process_env.iter().map(|(k, v)| (k, v)));
         let log_path = d.join("envoy.log");
         let guard = spawn_logged("envoy", &mut cmd, &log_path)
             .map_err(|e| format!("spawning {}: {e}", envoy_bin().display()))?;

@@ -93,7 +93,6 @@ fn forged_fleet_calls_are_refused_and_leave_redis_as_it_was() {
     );
     // Envoy passes its own environment variable to the VM (host_env_keys):
     // the policy and the Envoy config never hold the secret.
-    std::env::set_var("SLUICE_TRUST_TEST_SECRET", SECRET);
     let node = Node::start_tweaked(&redis.url(), &upstream, None, &p, 2, "", |config| {
         let vm = config
             .http_filter_mut("sluice")
@@ -106,6 +105,7 @@ fn forged_fleet_calls_are_refused_and_leave_redis_as_it_was() {
             "environment_variables".into(),
             serde_yaml::from_str("{ host_env_keys: [SLUICE_TRUST_TEST_SECRET] }").unwrap(),
         );
+        config.set_process_env("SLUICE_TRUST_TEST_SECRET", SECRET);
     });
     let mut served = 0;
     for _ in 0..3 {
