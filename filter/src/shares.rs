@@ -299,6 +299,14 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// A named group's account (the rest, [`REST`], has none of its own).
+    fn account_mut(&mut self, group: u64) -> Option<&mut Account> {
+        if group == REST {
+            return None;
+        }
+        self.accounts.iter_mut().find(|a| a.id == group)
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_capacity(BucketState::LEN + ACCOUNT_LEN * self.accounts.len());
         self.state.write(&mut w);
@@ -596,11 +604,7 @@ impl Pool {
             .is_some_and(|w| window_start(w, taken_ms) != window_start(w, now_ms));
         pool.state = pool.state.give_back(amount, limit, taken_ms, now_ms);
         if !rolled {
-            if let Some(a) = pool
-                .accounts
-                .iter_mut()
-                .find(|a| a.id == group && group != REST)
-            {
+            if let Some(a) = pool.account_mut(group) {
                 a.used = a.used.saturating_sub(amount.saturating_mul(SCALE));
             }
         }
@@ -613,11 +617,7 @@ impl Pool {
     pub fn charge(&self, group: u64, amount: u64, limit: &Limit, now_ms: u64) -> Pool {
         let mut pool = self.at(limit, now_ms);
         pool.state = pool.state.charge(amount, limit, now_ms);
-        if let Some(a) = pool
-            .accounts
-            .iter_mut()
-            .find(|a| a.id == group && group != REST)
-        {
+        if let Some(a) = pool.account_mut(group) {
             a.used = a.used.saturating_add(amount.saturating_mul(SCALE));
         }
         pool.clamp();
