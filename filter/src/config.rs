@@ -847,23 +847,13 @@ impl<'de> Deserialize<'de> for Budget {
         }
 
         fn percent<E: de::Error>(v: &serde_json::Value) -> Result<u32, E> {
-            let fraction = match v {
-                serde_json::Value::Number(n) => {
-                    n.as_f64().map(|f| if f > 1.0 { f / 100.0 } else { f })
-                }
-                serde_json::Value::String(s) => s
-                    .trim()
-                    .strip_suffix('%')
-                    .and_then(|p| p.trim().parse::<f64>().ok())
-                    .map(|p| p / 100.0),
-                _ => None,
+            // A bare number above 1 is read as a percentage (`alert_at: 80`).
+            let v = match v.as_f64() {
+                Some(f) if f > 1.0 => serde_json::json!(f / 100.0),
+                _ => v.clone(),
             };
-            match fraction {
-                Some(f) if f > 0.0 && f <= 1.0 => Ok((f * 1000.0).round() as u32),
-                _ => Err(E::custom(
-                    "alert_at must be a percentage like `80%` (or 0.8)",
-                )),
-            }
+            crate::units::parse_permille(&v)
+                .ok_or_else(|| E::custom("alert_at must be a percentage like `80%` (or 0.8)"))
         }
 
         impl<'de> Visitor<'de> for BudgetVisitor {

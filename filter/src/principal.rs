@@ -411,8 +411,14 @@ pub fn hex(bytes: &[u8]) -> String {
 /// at worst share a slot chain or budget-sketch cells, which refuses early,
 /// never admits more.
 fn principal_hash(principal: &str) -> u64 {
-    principal.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    fnv1a(principal.as_bytes())
+}
+
+/// 64-bit FNV-1a: the one cheap, unkeyed hash of the filter's tables
+/// (principals, groups of a share, credential fingerprints).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
     })
 }
 

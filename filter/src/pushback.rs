@@ -20,6 +20,7 @@
 //! unlisted models in one slot share a breaker and pauses), and
 //! `credential_slots` pause slots. Nothing grows with traffic.
 
+use crate::principal::fnv1a;
 use sha2::{Digest, Sha256};
 
 use crate::answer::{self, Reason};
@@ -284,11 +285,6 @@ fn caller_fingerprint(identity: &Identity) -> u32 {
 /// FNV-1a, 64 bits: places unlisted models in their slots. A crafted name
 /// can share another unlisted model's slot; that shares its breaker, which
 /// still needs `min_callers` callers' 5xx to open.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
 
 #[cfg(test)]
 mod tests {

@@ -126,20 +126,7 @@ impl<'de> Deserialize<'de> for SharesConfig {
     }
 }
 
-/// `20%`, `"12.5 %"` or a fraction `0.2` → thousandths, in (0, 1000].
-fn parse_share(v: &serde_json::Value) -> Option<u32> {
-    let fraction = match v {
-        serde_json::Value::Number(n) => n.as_f64().filter(|f| *f <= 1.0),
-        serde_json::Value::String(s) => s
-            .trim()
-            .strip_suffix('%')
-            .and_then(|p| p.trim().parse::<f64>().ok())
-            .map(|p| p / 100.0),
-        _ => None,
-    }?;
-    let permille = (fraction * 1000.0).round();
-    (fraction.is_finite() && (1.0..=1000.0).contains(&permille)).then_some(permille as u32)
-}
+use crate::units::parse_permille as parse_share;
 
 /// Checks every `shares` map (models, routes, `defaults.shares`): names
 /// are tiers or `anonymous`, and a map sums to at most 100 %.
@@ -266,12 +253,7 @@ impl Table {
 /// Stable across reloads (the record keeps accounts by it): FNV-1a of the
 /// name, never 0 ([`REST`]).
 fn group_id(name: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h.max(1)
+    crate::principal::fnv1a(name.as_bytes()).max(1)
 }
 
 /// What one named group holds of a shared bucket.

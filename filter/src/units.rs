@@ -88,6 +88,22 @@ pub fn parse_rate(text: &str, allowed_units: &[&str]) -> Result<Rate, String> {
     Ok(Rate { amount, period_ms })
 }
 
+/// A share of something in thousandths: `"20%"`, `"12.5 %"` or a fraction
+/// like `0.2`; above 0 and at most 100 %. `None` otherwise.
+pub fn parse_permille(v: &serde_json::Value) -> Option<u32> {
+    let fraction = match v {
+        serde_json::Value::Number(n) => n.as_f64().filter(|f| *f <= 1.0),
+        serde_json::Value::String(s) => s
+            .trim()
+            .strip_suffix('%')
+            .and_then(|p| p.trim().parse::<f64>().ok())
+            .map(|p| p / 100.0),
+        _ => None,
+    }?;
+    let permille = (fraction * 1000.0).round();
+    (fraction.is_finite() && (1.0..=1000.0).contains(&permille)).then_some(permille as u32)
+}
+
 /// Parses `500ms`, `30s`, `2m`, `1h`, `1d` (a bare number is refused: the
 /// unit of a duration is never guessed).
 pub fn parse_duration(text: &str) -> Result<u64, String> {

@@ -405,11 +405,18 @@ impl Stream {
             asked,
             now_ms: now,
         };
+        // The peek runs inside the queue's compare-and-swap: a retry that
+        // finds the caller holding as many places reuses the first answer
+        // instead of reading every bucket again.
+        let mut peeked: Option<u32> = None;
         let mut may_wait = |queued: u32| {
-            declined = self
-                .filter
-                .engine
-                .would_admit(host, &ctx, u64::from(queued));
+            if peeked != Some(queued) {
+                declined = self
+                    .filter
+                    .engine
+                    .would_admit(host, &ctx, u64::from(queued));
+                peeked = Some(queued);
+            }
             declined.is_none()
         };
         let changed = queue::enter_checked(host, group, filter.tries(), &arrival, &mut may_wait);
