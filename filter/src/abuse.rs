@@ -200,14 +200,14 @@ impl AbuseConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Sketch {
     pub period_start_ms: u64,
-    pub counters: Vec<u32>,
+    pub counters: [u32; DEPTH * WIDTH],
 }
 
 impl Default for Sketch {
     fn default() -> Sketch {
         Sketch {
             period_start_ms: 0,
-            counters: vec![0; DEPTH * WIDTH],
+            counters: [0; DEPTH * WIDTH],
         }
     }
 }
@@ -223,9 +223,14 @@ impl Record for Sketch {
     }
 
     fn read(r: &mut Reader) -> Self {
+        let period_start_ms = r.u64();
+        let mut counters = [0; DEPTH * WIDTH];
+        for c in &mut counters {
+            *c = r.u32();
+        }
         Sketch {
-            period_start_ms: r.u64(),
-            counters: (0..DEPTH * WIDTH).map(|_| r.u32()).collect(),
+            period_start_ms,
+            counters,
         }
     }
 }
@@ -585,8 +590,7 @@ impl crate::engine::Engine {
         let Some(who) = pb.who_by_address(req) else {
             return (None, Checked::default());
         };
-        let tier = self.policy.default_tier.clone();
-        self.boxed(pb, store, who, &tier, now_ms)
+        self.boxed(pb, store, who, &self.policy.default_tier, now_ms)
     }
 
     fn boxed(
