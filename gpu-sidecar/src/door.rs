@@ -33,6 +33,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+/// Whether `given` is the secret `want` (the admin token, the fleet
+/// secret), in constant time over the contents (`subtle`). Only the length
+/// can show, and every secret has a minimum length.
+pub fn secret_eq(given: &[u8], want: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    bool::from(given.ct_eq(want))
+}
+
 /// Failures a client may make before it is answered 429.
 pub const FAILURE_BURST: u32 = 10;
 /// One failure is forgiven per this long (10 per minute).
