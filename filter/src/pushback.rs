@@ -64,6 +64,9 @@ impl Engine {
             None => format!("{UPSTREAM_KEY}none"),
             Some(m) if self.policy.models.contains_key(m) => format!("{UPSTREAM_KEY}{m}"),
             Some(m) => {
+                // A crafted name can share another unlisted model's slot;
+                // that shares its breaker, which still needs `min_callers`
+                // callers' 5xx to open.
                 let slot = fnv1a(m.as_bytes()) % u64::from(self.policy.protection.unlisted_slots);
                 format!("{UPSTREAM_KEY}other#{slot}")
             }
@@ -281,10 +284,6 @@ impl Pushback {
 fn caller_fingerprint(identity: &Identity) -> u32 {
     (((identity.hash >> 32) ^ identity.hash) as u32).max(1)
 }
-
-/// FNV-1a, 64 bits: places unlisted models in their slots. A crafted name
-/// can share another unlisted model's slot; that shares its breaker, which
-/// still needs `min_callers` callers' 5xx to open.
 
 #[cfg(test)]
 mod tests {
