@@ -486,6 +486,29 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn the_queues_peek_sizes_a_request_as_admission_does() {
+        // Output tokens under the least admission would lower a chat to:
+        // the peek declines a chat, but an embedding produces no output
+        // (as admission reserves none) and is not declined.
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "tiers": {"free": {"requests": "10/min", "output_tokens": "5/min"}},
+        }));
+        let id = e.identify(&Caller("9.9.9.9:1")).unwrap();
+        let embed = e
+            .demand(&id, Api::OllamaEmbed, br#"{"model":"m","input":["a","b"]}"#)
+            .unwrap()
+            .unwrap();
+        let embed_ctx = ctx(&id, Api::OllamaEmbed, "/api/embed", Some(&embed), 0);
+        assert!(e.would_admit(&store, &embed_ctx, 0).is_none());
+        assert!(e.admit(&store, &embed_ctx).reply.is_none());
+        let chat = asked(&e, chat("m", 100));
+        let chat_ctx = ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&chat), 0);
+        let declined = e.would_admit(&store, &chat_ctx, 0).expect("declined");
+        assert_eq!(declined.reply.unwrap().status, 429);
+    }
+
+    #[test]
     fn free_tier_gets_ten_then_a_full_429() {
         let (e, store) = engine();
         let id = e.identify(&Caller("10.0.0.1:1234")).unwrap();

@@ -16,6 +16,71 @@ pub(super) fn caller(identity: &Identity) -> Caller<'_> {
     }
 }
 
+/// What a request asks of the buckets before any lowering, sized the one
+/// way admission and the queue's peek both use.
+struct Sized {
+    requested_model: Option<String>,
+    /// Estimated input tokens, corrected per model.
+    input: u64,
+    /// The API the body speaks (an `/invocations` body's, resolved).
+    api: Api,
+    produces_output: bool,
+    /// Every prompt × `n`/`best_of` (the API's multiplier table).
+    choices: u64,
+    /// The maximum output of one completion.
+    per_choice: u64,
+}
+
+impl Engine {
+    fn size(&self, store: &dyn SharedStore, api: Api, asked: Option<&Asked>) -> Sized {
+        // A passthrough rule's model: its request limits apply (no body is
+        // read, so nothing else is known of the request).
+        let requested_model = asked
+            .and_then(|a| a.demand.model.clone())
+            .or_else(|| self.passthrough_model(api).map(str::to_string));
+        let input = match (asked, &requested_model) {
+            (Some(a), Some(m)) => self.correction(store, m).apply(a.input_raw),
+            (Some(a), None) => Correction::default().apply(a.input_raw),
+            (None, _) => 0,
+        };
+        let api = asked.map_or(api, |a| a.demand.api);
+        let produces_output = asked.is_some() && api.produces_output();
+        // Each completion may produce the maximum: the output reserved is
+        // the maximum times the completions. All are capped at parse time,
+        // so the product cannot wrap (saturating all the same).
+        let choices = asked.map_or(1, |a| a.demand.completions().max(1));
+        let per_choice = match (produces_output, asked.and_then(|a| a.demand.max_output)) {
+            (false, _) => 0,
+            (true, Some(max)) => max,
+            (true, None) => self.default_output(requested_model.as_deref()),
+        };
+        Sized {
+            requested_model,
+            input,
+            api,
+            produces_output,
+            choices,
+            per_choice,
+        }
+    }
+
+    /// The buckets a request draws on: the identity's, its model's and
+    /// route's, and a passthrough rule's own.
+    fn drawn_on(
+        &self,
+        identity: &Identity,
+        api: Api,
+        model: Option<&str>,
+        path: &str,
+    ) -> Vec<usize> {
+        let mut applying = self.applying(identity, model, path);
+        if let Api::Passthrough(n) = api {
+            applying.extend(self.passthrough.get(usize::from(n)).map(|(_, i)| *i));
+        }
+        applying
+    }
+}
+
 impl Engine {
     /// Step 4: reserve every bucket that applies, all or nothing; lower the
     /// output a hard token budget cannot cover; downshift over a soft cap.
@@ -31,31 +96,16 @@ impl Engine {
             return verdict;
         }
         let reserver = self.reserver(store);
-        // A passthrough rule's model: its request limits apply (no body is
-        // read, so nothing else is known of the request).
-        let requested_model = asked
-            .and_then(|a| a.demand.model.clone())
-            .or_else(|| self.passthrough_model(api).map(str::to_string));
-        let input_raw = asked.map_or(0.0, |a| a.input_raw);
-        let input = match (asked, &requested_model) {
-            (Some(_), Some(m)) => self.correction(store, m).apply(input_raw),
-            (Some(_), None) => Correction::default().apply(input_raw),
-            (None, _) => 0,
-        };
-        // The API the body speaks (an `/invocations` body's, resolved).
-        let api = asked.map_or(api, |a| a.demand.api);
-        let produces_output = asked.is_some() && api.produces_output();
+        let Sized {
+            requested_model,
+            input,
+            api,
+            produces_output,
+            choices,
+            mut per_choice,
+        } = self.size(store, api, asked);
         let requested_out = asked.and_then(|a| a.demand.max_output);
-        // Each completion (every prompt × `n`/`best_of`, the API's
-        // multiplier table) may produce the maximum: the output reserved is
-        // the maximum times the completions. All are capped at parse time,
-        // so the product cannot wrap (saturating all the same).
-        let choices = asked.map_or(1, |a| a.demand.completions().max(1));
-        let mut per_choice = match (produces_output, requested_out) {
-            (false, _) => 0,
-            (true, Some(max)) => max,
-            (true, None) => self.default_output(requested_model.as_deref()),
-        };
+        let input_raw = asked.map_or(0.0, |a| a.input_raw);
         let mut output = per_choice.saturating_mul(choices);
         let downshift = asked.and_then(|_| {
             self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
@@ -72,10 +122,7 @@ impl Engine {
         // ask the model for only what it still covers (no overshoot).
         let mut effort = Contention::default();
         let pricing = self.pricing_of(model.as_deref());
-        let mut applying = self.applying(identity, model.as_deref(), path);
-        if let Api::Passthrough(n) = api {
-            applying.extend(self.passthrough.get(usize::from(n)).map(|(_, i)| *i));
-        }
+        let applying = self.drawn_on(identity, api, model.as_deref(), path);
         let mut lowered = false;
         let (reservation, taken) = loop {
             let taken: Vec<usize> = applying
@@ -421,27 +468,23 @@ impl Engine {
             return Some(verdict);
         }
         let reserver = self.reserver(store);
-        let requested = asked.and_then(|a| a.demand.model.clone());
-        let input = match (asked, &requested) {
-            (Some(a), Some(m)) => self.correction(store, m).apply(a.input_raw),
-            (Some(a), None) => Correction::default().apply(a.input_raw),
-            (None, _) => 0,
-        };
-        let produces_output = asked.is_some() && api != Api::OpenAiEmbeddings;
-        let choices = asked.map_or(1, |a| a.demand.choices.max(1));
-        let per_choice = match (produces_output, asked.and_then(|a| a.demand.max_output)) {
-            (false, _) => 0,
-            (true, Some(max)) => max,
-            (true, None) => self.default_output(requested.as_deref()),
-        };
+        let Sized {
+            requested_model,
+            input,
+            api,
+            choices,
+            per_choice,
+            ..
+        } = self.size(store, api, asked);
         let output = per_choice.saturating_mul(choices);
-        let downshift =
-            asked.and_then(|_| self.downshift(&reserver, ctx, requested.as_deref(), input, output));
-        let model = downshift.or(requested);
+        let downshift = asked.and_then(|_| {
+            self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
+        });
+        let model = downshift.or(requested_model);
         let pricing = self.pricing_of(model.as_deref());
         // The least output admission would lower this request to.
         let least = per_choice.min(MIN_LOWERED_OUTPUT).saturating_mul(choices);
-        let taken = self.applying(identity, model.as_deref(), path);
+        let taken = self.drawn_on(identity, api, model.as_deref(), path);
         for (index, &i) in taken.iter().enumerate() {
             let b = &self.buckets[i];
             if b.soft || b.meter.amount(input, output, pricing) == 0 {
@@ -452,19 +495,9 @@ impl Engine {
                 let ahead = amount.saturating_mul(queued.saturating_add(1));
                 amount = ahead.min(b.rule.limit.capacity()).max(amount);
             }
-            let quota = reserver.peek(&Claim::hard(&b.rule, amount), caller(identity), now_ms);
-            if quota.remaining >= amount {
-                continue;
-            }
-            // When it would fit: the bucket as the quota shows it (whole
-            // units in use, so the wait is never shorter than the real one).
-            let used = quota.limit.saturating_sub(quota.remaining);
-            let seen = crate::bucket::BucketState {
-                owner: 0,
-                used: used.saturating_mul(crate::bucket::SCALE),
-                updated_ms: now_ms,
-            };
-            let Err(shortfall) = seen.take(amount, &b.rule.limit, now_ms) else {
+            let Some(shortfall) =
+                reserver.shortfall(&Claim::hard(&b.rule, amount), caller(identity), now_ms)
+            else {
                 continue;
             };
             let labels = |decision| Labels {
