@@ -3,9 +3,10 @@
 //! its body is never buffered, parsed or estimated: a caller with a spent
 //! key cannot make sluice do that work for it.
 //!
-//! Exact, not a guess: only the caller's own hard buckets (its tier's,
-//! team's, org's; not a model's or a route's: the model is in the body, and
-//! those are commons whose shares admission decides) whose meter every
+//! Exact, not a guess: only the buckets the path alone selects (the
+//! caller's tier's, team's, org's, a route's without shares; not a model's:
+//! the model is in the body; nor one with shares: admission decides what
+//! the caller's group may take) whose meter every
 //! body request costs at least one unit of (requests; tokens and input
 //! tokens: the input estimate is at least 1), peeked without reserving. If
 //! one cannot give 1 unit now, admission would refuse the request whatever
@@ -39,9 +40,9 @@ impl Engine {
         let applying = self.applying(identity, None, path);
         let (index, shortfall) = applying.iter().enumerate().find_map(|(n, &i)| {
             let b = &self.buckets[i];
-            // A route's bucket is a commons that admission may share out
-            // by tier: left to admission, like a model's.
-            if self.route_buckets.iter().any(|&(_, r)| r == i) {
+            // A bucket with shares (a route's) is a commons admission
+            // shares out by group: left to admission, like a model's.
+            if b.shares.is_some() {
                 return None;
             }
             let per_request = matches!(

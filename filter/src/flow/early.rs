@@ -24,25 +24,31 @@ impl Stream {
         host: &dyn Host,
         identity: &Identity,
     ) -> Option<Verdict> {
-        let filter = &self.filter;
+        // The queue is the VM's latest policy's (as `pass_gate` sees it);
+        // the buckets are this stream's own.
+        let gates = self.filter.latest();
         let view = HostRequest(host, self.request_headers.as_deref());
         // A gated model's queue may hold the request until the bucket
         // refills (`bucket_wait`): the most its class could wait, over
         // every gated model (the model is in the body).
-        let may_wait_ms = match (filter.gates.is_empty(), filter.wake_queue.get()) {
+        let may_wait_ms = match (gates.gates.is_empty(), gates.wake_queue.get()) {
             (false, Some(_)) => {
-                let class = waiting::class_of(filter, identity, &view);
+                let class = waiting::class_of(&gates, identity, &view);
                 let asked = waiting::asked_wait(&view).ok().flatten();
                 class
-                    .and_then(|c| filter.engine.policy.classes.get(&c))
+                    .and_then(|c| gates.engine.policy.classes.get(&c))
                     .filter(|c| c.queue)
                     .map_or(0, |c| c.max_wait_ms.min(asked.unwrap_or(u64::MAX)))
             }
             _ => 0,
         };
-        filter
-            .engine
-            .refusal_before_body(host, identity, &self.path, self.started_ms, may_wait_ms)
+        self.filter.engine.refusal_before_body(
+            host,
+            identity,
+            &self.path,
+            self.started_ms,
+            may_wait_ms,
+        )
     }
 }
 
