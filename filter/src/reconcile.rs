@@ -81,8 +81,9 @@ fn count(v: &Value, paths: &[&[&str]]) -> Found {
 /// The input count with the extra input fields added; `Invalid` if any of
 /// them is not a sane count.
 fn input_count(v: &Value) -> Found {
-    let Found::Usage(mut base) = count(v, INPUT_PATHS) else {
-        return count(v, INPUT_PATHS);
+    let found = count(v, INPUT_PATHS);
+    let Found::Usage(mut base) = found else {
+        return found;
     };
     for path in EXTRA_INPUT_PATHS {
         match count(v, &[path]) {
@@ -98,7 +99,12 @@ fn input_count(v: &Value) -> Found {
 
 /// Reads the usage of one response object (a JSON body or one stream event).
 pub fn usage_in(v: &Value) -> Found {
-    match (input_count(v), count(v, OUTPUT_PATHS)) {
+    usage_of(v, input_count(v), count(v, OUTPUT_PATHS))
+}
+
+/// The usage of `v` from its input and output counts, read once.
+fn usage_of(v: &Value, input: Found, output: Found) -> Found {
+    match (input, output) {
         (Found::Invalid, _) | (_, Found::Invalid) => Found::Invalid,
         (Found::Usage(i), Found::Usage(o)) => Found::Usage(Usage {
             input: i.input,
@@ -243,6 +249,9 @@ pub struct ResponseMeter {
     /// The largest input and output counts a stream's events carried.
     stream_input: Option<u64>,
     stream_output: Option<u64>,
+    /// An event carried a count that is no sane number: the stream's usage
+    /// cannot be believed, and the reservation stands.
+    stream_invalid: bool,
     /// SSE: the last event ended with a CR at the end of a chunk; an LF
     /// starting the next chunk belongs to it (a CRLF split in two).
     open_cr: Option<LastEvent>,
@@ -270,6 +279,7 @@ impl ResponseMeter {
             cut: false,
             stream_input: None,
             stream_output: None,
+            stream_invalid: false,
             open_cr: None,
         }
     }
@@ -378,10 +388,11 @@ impl ResponseMeter {
                 }
                 self.output_events += 1;
             }
-            match usage_in(v) {
+            let (input, output) = (input_count(v), count(v, OUTPUT_PATHS));
+            match usage_of(v, input, output) {
                 Found::Nothing => {}
                 _ => {
-                    self.merge(input_count(v), count(v, OUTPUT_PATHS));
+                    self.merge(input, output);
                     let usage_only = v
                         .get("choices")
                         .and_then(Value::as_array)
@@ -401,9 +412,11 @@ impl ResponseMeter {
     /// Folds one stream event's counts into the stream's usage. Counts in
     /// a stream are cumulative (vLLM's continuous usage stats, Anthropic's
     /// `message_start` input then `message_delta` output): the largest seen
-    /// is the total, wherever each half came from. Input never seen:
-    /// `Invalid` if anything was, as for a single object.
+    /// is the total, wherever each half came from. Input never seen, or a
+    /// count that is no sane number in any event: `Invalid`, as for a
+    /// single object.
     fn merge(&mut self, input: Found, output: Found) {
+        self.stream_invalid |= input == Found::Invalid || output == Found::Invalid;
         if let Found::Usage(u) = input {
             self.stream_input = self.stream_input.max(Some(u.input));
         }
@@ -411,6 +424,7 @@ impl ResponseMeter {
             self.stream_output = self.stream_output.max(Some(u.output));
         }
         self.found = match self.stream_input {
+            _ if self.stream_invalid => Found::Invalid,
             Some(input) => Found::Usage(Usage {
                 input,
                 output: self.stream_output.unwrap_or(0),
@@ -904,6 +918,25 @@ mod tests {
         let mut m = ResponseMeter::new(Format::Sse, false, Some(3));
         m.feed(&anthropic_sse(10), true);
         assert!(m.cut);
+    }
+
+    #[test]
+    fn a_stream_event_with_an_insane_count_leaves_the_reservation_standing() {
+        // A valid input and an output that is no count: not settled as 0
+        // output (that would under-charge), whatever came before or after.
+        let mut bad = chunk("x");
+        bad["usage"] = json!({"prompt_tokens": 9, "completion_tokens": "many"});
+        let mut good = chunk("y");
+        good["usage"] = json!({"prompt_tokens": 9, "completion_tokens": 2});
+        for events in [
+            vec![bad.clone()],
+            vec![good.clone(), bad.clone()],
+            vec![bad, good],
+        ] {
+            let mut m = ResponseMeter::new(Format::Sse, false, None);
+            m.feed(&sse(&events, true), true);
+            assert_eq!(m.found, Found::Invalid, "{events:?}");
+        }
     }
 
     #[test]

@@ -128,16 +128,6 @@ const SCORING: &[Multiplier] = &[
 const NONE: &[Multiplier] = &[];
 
 impl Api {
-    /// Classifies by method and a path already in canonical form (see
-    /// [`canonical_path`], computed once per request by the caller): a
-    /// POST to an LLM path is that API.
-    pub fn classify(method: &str, canonical: &str) -> Api {
-        if !method.eq_ignore_ascii_case("POST") {
-            return Api::Other;
-        }
-        Api::of_path(canonical)
-    }
-
     /// The API a canonical path names, whatever the method (a body on any
     /// method is read: a lenient server may serve it).
     pub fn of_path(canonical: &str) -> Api {
@@ -846,8 +836,13 @@ mod tests {
 
     const CAP: u64 = 1 << 20;
 
+    /// A bodyless request is no work: what the flow classifies is a POST
+    /// (or a body) to a path.
     fn classify_raw(method: &str, path: &str) -> Api {
-        Api::classify(method, &canonical_path(path).unwrap_or_default())
+        if !method.eq_ignore_ascii_case("POST") {
+            return Api::Other;
+        }
+        Api::of_path(&canonical_path(path).unwrap_or_default())
     }
 
     fn demand_of(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
