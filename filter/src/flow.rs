@@ -698,7 +698,8 @@ impl Stream {
         let canonical = crate::request::canonical_path(&raw_path);
         // A body on any method is read (a lenient server may serve it);
         // a bodyless POST is classified too (and refused if it is no API).
-        let with_body = self.carries_body(host, end_of_stream);
+        let length = self.header(host, "content-length");
+        let with_body = self.carries_body(host, length.as_deref(), end_of_stream);
         let work = with_body || method.eq_ignore_ascii_case("POST");
         self.api = match canonical.as_deref() {
             Ok(path) if work => Api::of_path(path),
@@ -754,8 +755,7 @@ impl Stream {
             }
         }
         let declared = if self.api.reads_body() {
-            self.header(host, "content-length")
-                .and_then(|v| v.trim().parse::<u64>().ok())
+            length.and_then(|v| v.trim().parse::<u64>().ok())
         } else {
             None
         };
@@ -782,10 +782,8 @@ impl Stream {
     /// Does a body follow the request headers? The stream not ending with
     /// them (HTTP/2 DATA frames, also on a GET), a non-zero
     /// `content-length`, or any `transfer-encoding` say so.
-    fn carries_body(&self, host: &dyn Host, end_of_stream: bool) -> bool {
-        let declared = self
-            .header(host, "content-length")
-            .is_some_and(|v| v.trim().parse::<u64>() != Ok(0));
+    fn carries_body(&self, host: &dyn Host, length: Option<&str>, end_of_stream: bool) -> bool {
+        let declared = length.is_some_and(|v| v.trim().parse::<u64>() != Ok(0));
         !end_of_stream || declared || self.header(host, "transfer-encoding").is_some()
     }
 
