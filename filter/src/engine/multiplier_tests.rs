@@ -6,18 +6,9 @@ use crate::reconcile::Usage;
 use crate::store::MemStore;
 use serde_json::json;
 
-struct Addr;
-impl RequestView for Addr {
-    fn header(&self, _: &str) -> Option<String> {
-        None
-    }
-    fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
-        None
-    }
-    fn client_address(&self) -> Option<String> {
-        Some("10.0.0.9:1".into())
-    }
-}
+use crate::engine::tests::Caller;
+
+const ADDR: Caller = Caller("10.0.0.9:1");
 
 fn engine_with(policy: Value) -> (Engine, MemStore) {
     let e = Engine::new(Policy::from_value(policy).unwrap());
@@ -27,7 +18,7 @@ fn engine_with(policy: Value) -> (Engine, MemStore) {
 }
 
 fn admit(e: &Engine, store: &MemStore, api: Api, path: &str, body: Value) -> Verdict {
-    let id = e.identify(&Addr).unwrap();
+    let id = e.identify(&ADDR).unwrap();
     let asked = match e.demand(&id, api, body.to_string().as_bytes()) {
         Ok(asked) => asked,
         Err(verdict) => return *verdict,
@@ -231,7 +222,7 @@ fn a_passthrough_rule_counts_its_own_limit_and_its_models() {
     assert_eq!(api, Api::Passthrough(0));
     assert_eq!(e.passthrough_model(api), Some("whisper"));
     assert_eq!(e.passthrough("POST", "/v1/audio/other"), Api::Other);
-    let id = e.identify(&Addr).unwrap();
+    let id = e.identify(&ADDR).unwrap();
     let go = |api: Api, path: &str| e.admit(&store, &ctx(&id, api, path, None, 0));
     let t = "/v1/audio/transcriptions";
     // The model's 2/min binds before the rule's 3/min.
