@@ -2,7 +2,7 @@
 //! offline, so a bad policy is caught before Envoy refuses it.
 
 use serde_json::Value;
-use sluice_filter::config::Policy;
+use sluice_filter::policy::Policy;
 
 /// Checks a policy given as YAML or JSON, either bare or embedded in an Envoy
 /// config (every sluice wasm filter found is checked). Returns a one-line

@@ -50,9 +50,9 @@ use std::time::{Duration, SystemTime};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
-use sluice_filter::config::Limit;
 use sluice_filter::fleet::window_end;
-use sluice_filter::reservation::Scope as RuleScope;
+use sluice_filter::limits::reservation::Scope as RuleScope;
+use sluice_filter::policy::Limit;
 use tokio::sync::Mutex;
 
 use crate::admin::KillSwitchControl;
@@ -320,8 +320,8 @@ impl PolicyView {
         Ok(PolicyView::of(policy))
     }
 
-    pub fn of(policy: sluice_filter::config::Policy) -> PolicyView {
-        let engine = sluice_filter::engine::Engine::new(policy);
+    pub fn of(policy: sluice_filter::policy::Policy) -> PolicyView {
+        let engine = sluice_filter::admission::Engine::new(policy);
         let (salt, replicas) = engine
             .policy
             .fleet
@@ -1736,7 +1736,7 @@ pub(crate) mod tests {
             "sidecar": {"cluster": "sc"},
             "fleet": {"salt": salt, "expected_replicas": 2},
         });
-        PolicyView::of(sluice_filter::config::Policy::from_value(policy).unwrap())
+        PolicyView::of(sluice_filter::policy::Policy::from_value(policy).unwrap())
     }
 
     pub(crate) fn fleet_on(redis: &str, salt: &str) -> Arc<Fleet> {

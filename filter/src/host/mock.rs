@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::{Host, LogLevel, MetricKind};
-use crate::store::{MemStore, SharedStore, StoreError};
+use crate::state::store::{MemStore, SharedStore, StoreError};
 
 /// A local reply as the host was asked to send it.
 #[derive(Debug, Clone, PartialEq, Eq)]

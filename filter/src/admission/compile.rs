@@ -85,7 +85,7 @@ pub(super) struct Bucket {
     pub(super) soft: bool,
     pub(super) alert_permille: Option<u32>,
     /// Fair shares of a shared bucket (models, routes; see `shares`).
-    pub(super) shares: Option<crate::shares::Table>,
+    pub(super) shares: Option<crate::limits::shares::Table>,
 }
 
 /// One limit of a tier's (or its anonymous total's) configuration.
@@ -98,7 +98,7 @@ pub(super) struct TierLimit {
 }
 
 /// The limits a `TierConfig` sets, in the order they are taken.
-pub(super) fn tier_limits(t: &crate::config::TierConfig, zone: Zone) -> Vec<TierLimit> {
+pub(super) fn tier_limits(t: &crate::policy::TierConfig, zone: Zone) -> Vec<TierLimit> {
     let rates = [
         (
             "requests",
@@ -211,11 +211,11 @@ impl Engine {
             buckets.len() - 1
         };
         let zone = policy.budgets.reset_timezone;
-        let default_shares = crate::shares::default_for(&policy);
-        let shares_of = |written: &Option<crate::shares::SharesConfig>| {
-            crate::shares::Table::compile(written.as_ref().unwrap_or(&default_shares))
+        let default_shares = crate::limits::shares::default_for(&policy);
+        let shares_of = |written: &Option<crate::limits::shares::SharesConfig>| {
+            crate::limits::shares::Table::compile(written.as_ref().unwrap_or(&default_shares))
         };
-        let mut shared: Vec<(usize, Option<crate::shares::Table>)> = Vec::new();
+        let mut shared: Vec<(usize, Option<crate::limits::shares::Table>)> = Vec::new();
         for (tier, t) in &policy.tiers {
             // The tier's shared total for undeclared callers comes first: a
             // flood refused there never reaches the per-caller slots.
@@ -326,13 +326,13 @@ impl Engine {
                 shared.push((i, shares_of(&route.shares)));
                 // Matched against the canonical path (see `canonical_path`),
                 // so the prefix is compared in that form too.
-                let prefix = request::canonical_path(&route.path_prefix)
+                let prefix = demand::canonical_path(&route.path_prefix)
                     .unwrap_or_else(|_| route.path_prefix.to_ascii_lowercase());
                 (prefix, i)
             })
             .collect();
         // Each passthrough rule's own request limit, all callers together.
-        let passthrough = crate::passthrough::compile(&policy.passthrough)
+        let passthrough = crate::admission::passthrough::compile(&policy.passthrough)
             .into_iter()
             .zip(&policy.passthrough)
             .enumerate()
@@ -388,7 +388,10 @@ impl Engine {
                 (name.clone(), p)
             })
             .collect();
-        let penalty = policy.abuse.as_ref().map(crate::abuse::PenaltyBox::new);
+        let penalty = policy
+            .abuse
+            .as_ref()
+            .map(crate::admission::penalty::PenaltyBox::new);
         Engine {
             resolver: Resolver::new(&policy),
             policy,

@@ -2,8 +2,8 @@
 //! Envoy's `stats_tags` (shipped in every `envoy/` config) turn them into
 //! Prometheus labels; see ENVOY-FACTS.
 
-use crate::answer::Decision;
-use crate::engine::Labels;
+use crate::admission::answer::Decision;
+use crate::admission::Labels;
 
 /// `sluice_requests_total{decision, reason, tier, model}`.
 pub fn requests_total(l: &Labels) -> String {
@@ -180,7 +180,7 @@ mod tests {
 
     #[test]
     fn every_auth_failure_reason_is_defined_at_load() {
-        use crate::principal::Refusal;
+        use crate::admission::identity::Refusal;
         for why in [
             Refusal::UnknownKey,
             Refusal::UnverifiedJwt,
@@ -206,7 +206,7 @@ mod tests {
     #[test]
     fn label_encoding_matches_the_shipped_stats_tags() {
         let l = Labels {
-            decision: crate::answer::Decision::Admit,
+            decision: crate::admission::answer::Decision::Admit,
             tier: "free".into(),
             model: "llama3.1:8b".into(),
         };

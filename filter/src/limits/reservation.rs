@@ -39,7 +39,7 @@
 //! Contention. A CAS mismatch means another worker changed the bucket since
 //! we read it; we re-read and retry, up to `cas_max_retries` times (every
 //! mismatch means another request made progress, so exhaustion needs a
-//! sustained storm on one key). Every loop is [`crate::store::retry`];
+//! sustained storm on one key). Every loop is [`crate::state::store::retry`];
 //! retries and exhaustion are counted (`sluice_cas_retries_total`,
 //! `sluice_cas_exhausted_total`). On exhaustion a take refuses the request
 //! by that bucket, never lets it through unchecked. A settlement tries
@@ -53,11 +53,11 @@
 //! answer. Between the take and the give-back a concurrent request may see
 //! those units in use and be refused: the error is on the safe side.
 
-use crate::bucket::{window_start, BucketState, Quota, Shortfall, SCALE};
-use crate::codec::Record;
-use crate::config::Limit;
-use crate::shares::Pool;
-use crate::store::{self, Attempt, Contention, SharedStore, StoreError, Updated};
+use crate::limits::bucket::{window_start, BucketState, Quota, Shortfall, SCALE};
+use crate::limits::shares::Pool;
+use crate::policy::Limit;
+use crate::state::codec::{Reader, Record, Writer};
+use crate::state::store::{self, Attempt, Contention, SharedStore, StoreError, Updated};
 
 /// Slots probed from a principal's home slot.
 pub const PROBES: u32 = 8;
@@ -119,14 +119,14 @@ pub struct Claim<'a> {
     /// the reservation says so (`over_soft`).
     pub soft: bool,
     /// A global bucket's fair shares and the caller's group in them (see
-    /// `crate::shares`); `None`: one pool for everyone.
+    /// `crate::limits::shares`); `None`: one pool for everyone.
     pub share: Option<Share<'a>>,
 }
 
 /// A shared bucket's shares, and the group the caller draws from.
 #[derive(Debug, Clone, Copy)]
 pub struct Share<'a> {
-    pub table: &'a crate::shares::Table,
+    pub table: &'a crate::limits::shares::Table,
     pub group: u64,
 }
 
@@ -158,7 +158,7 @@ pub struct Held {
     pub rule: String,
     pub placement: Placement,
     /// Principal hash that owns the slot; for a shared bucket the caller's
-    /// group in its shares (0: none, see `crate::shares::REST`).
+    /// group in its shares (0: none, see `crate::limits::shares::REST`).
     pub owner: u64,
     pub amount: u64,
     pub limit: Limit,
@@ -562,7 +562,7 @@ impl Reserver<'_> {
 
     /// A take from a shared bucket with fair shares: the bucket and the
     /// group's account in one record, one compare-and-swap (see
-    /// `crate::shares`). A refusal may still write, to mark the group
+    /// `crate::limits::shares`). A refusal may still write, to mark the group
     /// active (its floor is no longer lent).
     fn take_shared(
         &self,
@@ -846,11 +846,57 @@ enum TakeError {
     Host(String),
 }
 
+impl Record for Slot {
+    const LEN: usize = BucketState::LEN + 8;
+
+    fn write(&self, w: &mut Writer) {
+        self.state.write(w);
+        w.u64(self.touched_ms);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        let state = BucketState::read(r);
+        Slot {
+            state,
+            touched_ms: r.try_u64().unwrap_or(state.updated_ms),
+        }
+    }
+
+    /// Slot keys are prepared with an empty [`BucketState`] (24 bytes): the
+    /// state is read from any value that holds one.
+    fn decode(bytes: &[u8]) -> Self {
+        if bytes.len() < BucketState::LEN {
+            return Slot::default();
+        }
+        Self::read(&mut Reader::new(bytes))
+    }
+}
+
+impl Record for SketchCell {
+    const LEN: usize = 16;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.window).u64(self.used);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        SketchCell {
+            window: r.u64(),
+            used: r.u64(),
+        }
+    }
+
+    /// By prefix: a prepared (zeroed) key of any length reads as empty.
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemStore;
-    use crate::units::Rate;
+    use crate::policy::units::Rate;
+    use crate::state::store::MemStore;
     use proptest::prelude::*;
     use std::sync::Arc;
 
@@ -1133,7 +1179,10 @@ mod tests {
     fn day_budget(id: &str, amount: u64) -> Rule {
         Rule {
             id: id.into(),
-            limit: Limit::windowed(amount, crate::config::Window::Day(crate::zone::Zone::UTC)),
+            limit: Limit::windowed(
+                amount,
+                crate::policy::Window::Day(crate::policy::zone::Zone::UTC),
+            ),
             scope: Scope::PerPrincipal,
         }
     }
@@ -1307,7 +1356,7 @@ mod tests {
                 let before = used();
                 match r.reserve(&c, by(5), 0, &mut Contention::default()) {
                     Ok(res) => {
-                        prop_assert!(used() <= 10_000 * crate::bucket::SCALE || before > 10_000 * crate::bucket::SCALE);
+                        prop_assert!(used() <= 10_000 * crate::limits::bucket::SCALE || before > 10_000 * crate::limits::bucket::SCALE);
                         pending.push((res.held, actual.min(reserve)));
                     }
                     Err(_) => prop_assert_eq!(used(), before),
@@ -1323,7 +1372,7 @@ mod tests {
                 r.settle(&held[0], actual, 0, &mut Contention::default());
                 actual_total += actual;
             }
-            prop_assert_eq!(used(), actual_total * crate::bucket::SCALE);
+            prop_assert_eq!(used(), actual_total * crate::limits::bucket::SCALE);
         }
 
         /// Random reserve/release sequences across principals: no bucket
@@ -1356,7 +1405,7 @@ mod tests {
                 }
                 let (bytes, _) = store.get("sluice:v1:model/m").unwrap();
                 let state = BucketState::decode(&bytes);
-                prop_assert_eq!(state.used, per_model as u64 * crate::bucket::SCALE);
+                prop_assert_eq!(state.used, per_model as u64 * crate::limits::bucket::SCALE);
             }
         }
     }

@@ -5,7 +5,7 @@
 
 use super::rewrite::rewrite;
 use super::*;
-use crate::reservation::Share;
+use crate::limits::reservation::Share;
 
 /// Who takes from the buckets: declared API keys by name (they have
 /// dedicated keys), everyone else by hash.

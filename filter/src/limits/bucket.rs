@@ -11,7 +11,8 @@
 //! saturating for any limit and clock (a zero rate refills nothing, a wait
 //! is at most [`MAX_WAIT_MS`]).
 
-use crate::config::{Limit, Window};
+use crate::policy::{Limit, Window};
+use crate::state::codec::{Reader, Record, Writer};
 
 /// Millionths of a unit per unit.
 pub const SCALE: u64 = 1_000_000;
@@ -215,11 +216,27 @@ pub(crate) fn drain_ms(used: u64, limit: &Limit) -> u64 {
     ms.min(MAX_WAIT_MS as u128) as u64
 }
 
+impl Record for BucketState {
+    const LEN: usize = 24;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.owner).u64(self.used).u64(self.updated_ms);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        BucketState {
+            owner: r.u64(),
+            used: r.u64(),
+            updated_ms: r.u64(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::Record;
-    use crate::units::Rate;
+    use crate::policy::units::Rate;
+    use crate::state::codec::Record;
     use proptest::prelude::*;
 
     fn limit(amount: u64, period_ms: u64, burst: u64) -> Limit {
@@ -296,7 +313,7 @@ mod tests {
     fn fixed_windows_reset_on_the_utc_calendar() {
         let nov_30_noon = 1_795_996_800_000 + 12 * 3_600_000;
         let dec_1 = 1_795_996_800_000 + 86_400_000;
-        let day = Limit::windowed(100, Window::Day(crate::zone::Zone::UTC));
+        let day = Limit::windowed(100, Window::Day(crate::policy::zone::Zone::UTC));
         let s = BucketState::default().take(100, &day, nov_30_noon).unwrap();
         let refused = s.take(1, &day, nov_30_noon).unwrap_err();
         assert_eq!(refused.retry_after_ms, 12 * 3_600_000, "until 00:00 UTC");
@@ -308,17 +325,20 @@ mod tests {
             10 * SCALE
         );
 
-        let month = Limit::windowed(5, Window::Month(crate::zone::Zone::UTC));
+        let month = Limit::windowed(5, Window::Month(crate::policy::zone::Zone::UTC));
         assert_eq!(
-            window_start(Window::Month(crate::zone::Zone::UTC), nov_30_noon),
+            window_start(Window::Month(crate::policy::zone::Zone::UTC), nov_30_noon),
             1_793_491_200_000
         ); // 2026-11-01
         assert_eq!(
-            next_window(Window::Month(crate::zone::Zone::UTC), nov_30_noon),
+            next_window(Window::Month(crate::policy::zone::Zone::UTC), nov_30_noon),
             dec_1
         );
         assert_eq!(
-            next_window(Window::Month(crate::zone::Zone::UTC), 1_798_675_200_000 + 5),
+            next_window(
+                Window::Month(crate::policy::zone::Zone::UTC),
+                1_798_675_200_000 + 5
+            ),
             1_798_761_600_000
         ); // Dec 31 → Jan 1
         let s = BucketState::default().take(5, &month, nov_30_noon).unwrap();
@@ -420,7 +440,7 @@ mod tests {
         fn extremes_never_trap(
             amount in extreme(), period in extreme(), burst in extreme(),
             used in extreme(), updated in extreme(), now in extreme(),
-            n in extreme(), window in prop::option::of(prop_oneof![Just(Window::Day(crate::zone::Zone::UTC)), Just(Window::Month(crate::zone::Zone::UTC))]),
+            n in extreme(), window in prop::option::of(prop_oneof![Just(Window::Day(crate::policy::zone::Zone::UTC)), Just(Window::Month(crate::policy::zone::Zone::UTC))]),
         ) {
             let l = Limit { rate: Rate { amount, period_ms: period }, burst, window };
             let s = BucketState { owner: 1, used, updated_ms: updated };

@@ -78,10 +78,10 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemStore;
+    use crate::state::store::MemStore;
     use serde_json::json;
 
-    use crate::engine::tests::Caller as From;
+    use crate::admission::tests::Caller as From;
 
     fn engine(tier: Value) -> (Engine, MemStore) {
         let policy = Policy::from_value(json!({

@@ -1,7 +1,7 @@
 //! Upstream pushback as the policy sets it up (SPEC §2.8, §8): which shared
 //! record a request's model route uses, whose credential a 429 is about,
 //! and the three moments [`crate::flow`] reports (arrival, admission, answer).
-//! The record itself and its rules are in [`crate::health`].
+//! The record itself and its rules are in [`crate::admission::health`].
 //!
 //! Who can pause or break what:
 //! - A 429 with `Retry-After` on a pass-through route (the client's own
@@ -20,15 +20,15 @@
 //! unlisted models in one slot share a breaker and pauses), and
 //! `credential_slots` pause slots. Nothing grows with traffic.
 
-use crate::principal::fnv1a;
+use crate::admission::identity::fnv1a;
 use sha2::{Digest, Sha256};
 
-use crate::answer::{self, Reason};
-use crate::codec::Record;
-use crate::engine::{Engine, Routed, Verdict};
-use crate::health::{self, Answer, Credentials, Protection, Pushback, Recorded};
-use crate::principal::{Identity, RequestView};
-use crate::store::{Cas, SharedStore};
+use crate::admission::answer::{self, Reason};
+use crate::admission::health::{self, Answer, Credentials, Protection, Pushback, Recorded};
+use crate::admission::identity::{Identity, RequestView};
+use crate::admission::{Engine, Routed, Verdict};
+use crate::state::codec::Record;
+use crate::state::store::{Cas, SharedStore};
 
 const UPSTREAM_KEY: &str = "sluice:v1:upstream/";
 const PAUSE_KEY: &str = "sluice:v1:pause/";
@@ -288,12 +288,12 @@ fn caller_fingerprint(identity: &Identity) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::ctx;
+    use crate::admission::ctx;
 
-    use crate::config::Policy;
-    use crate::health::{Seen, Upstream};
-    use crate::request::Api;
-    use crate::store::MemStore;
+    use crate::admission::health::{Seen, Upstream};
+    use crate::policy::Policy;
+    use crate::state::store::MemStore;
+    use crate::usage::demand::Api;
     use serde_json::{json, Value};
 
     #[test]

@@ -55,8 +55,8 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use crate::config::{ConfigError, Policy};
-use crate::store::{self, Contention, SharedStore, Updated};
+use crate::policy::{ConfigError, Policy};
+use crate::state::store::{self, Contention, SharedStore, Updated};
 
 pub const KEY_PREFIX: &str = "sluice:v1:queue:";
 /// Stride numerator: weights up to 1,000 keep integer strides distinct.
@@ -86,7 +86,7 @@ pub struct ClassConfig {
     /// The longest a request waits before 429 `queue_deadline`.
     #[serde(
         default,
-        deserialize_with = "crate::config::de_duration",
+        deserialize_with = "crate::policy::de_duration",
         rename = "max_wait"
     )]
     pub max_wait_ms: u64,

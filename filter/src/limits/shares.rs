@@ -81,9 +81,11 @@ use std::fmt;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
-use crate::bucket::{next_window, window_start, BucketState, Quota, Shortfall, MAX_WAIT_MS, SCALE};
-use crate::codec::{Reader, Record, Writer};
-use crate::config::{ConfigError, Limit, Policy};
+use crate::limits::bucket::{
+    next_window, window_start, BucketState, Quota, Shortfall, MAX_WAIT_MS, SCALE,
+};
+use crate::policy::{ConfigError, Limit, Policy};
+use crate::state::codec::{Reader, Record, Writer};
 
 /// The group of every undeclared caller in `shares`.
 pub const ANONYMOUS: &str = "anonymous";
@@ -126,7 +128,7 @@ impl<'de> Deserialize<'de> for SharesConfig {
     }
 }
 
-use crate::units::parse_permille as parse_share;
+use crate::policy::units::parse_permille as parse_share;
 
 /// Checks every `shares` map (models, routes, `defaults.shares`): names
 /// are tiers or `anonymous`, and a map sums to at most 100 %.
@@ -253,7 +255,7 @@ impl Table {
 /// Stable across reloads (the record keeps accounts by it): FNV-1a of the
 /// name, never 0 ([`REST`]).
 fn group_id(name: &str) -> u64 {
-    crate::principal::fnv1a(name.as_bytes()).max(1)
+    crate::admission::identity::fnv1a(name.as_bytes()).max(1)
 }
 
 /// What one named group holds of a shared bucket.
@@ -555,7 +557,7 @@ impl Pool {
                     }
                     _ => need,
                 };
-                crate::bucket::drain_ms(total_need, limit)
+                crate::limits::bucket::drain_ms(total_need, limit)
             }
         }
         .min(MAX_WAIT_MS);
@@ -637,7 +639,7 @@ fn active(a: &Account, limit: &Limit, now_ms: u64) -> bool {
     if let Some(w) = limit.window {
         return window_start(w, a.seen_ms) == window_start(w, now_ms);
     }
-    let refill = crate::bucket::drain_ms(limit.capacity().saturating_mul(SCALE), limit)
+    let refill = crate::limits::bucket::drain_ms(limit.capacity().saturating_mul(SCALE), limit)
         .clamp(1_000, 86_400_000);
     a.seen_ms.saturating_add(refill) > now_ms
 }
@@ -645,7 +647,7 @@ fn active(a: &Account, limit: &Limit, now_ms: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::units::Rate;
+    use crate::policy::units::Rate;
     use proptest::prelude::*;
 
     fn limit(amount: u64, period_ms: u64) -> Limit {

@@ -1,6 +1,6 @@
 //! The request path's decisions, in the order [`crate::flow`] asks for
 //! them: identity → demand → route (health, kill switch; see
-//! [`crate::pushback`]) → admission → answer, and after the response,
+//! [`crate::admission::pushback`]) → admission → answer, and after the response,
 //! settlement. Pure: `flow` feeds it what Envoy knows, one event at a
 //! time, and applies what it decides through the host.
 //!
@@ -13,24 +13,32 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
-use crate::anomaly::UsageRing;
-use crate::answer::{self, Decision, Degraded, Limited, Reason, Reply};
-use crate::bucket::Quota;
-use crate::codec::Record;
-use crate::config::{Budget, Limit, Mode, Policy, Window};
-use crate::estimate::{self, Correction};
-use crate::health::{self, OnStale, Pushback, Route, Seen, Situation};
-use crate::principal::{Identity, RequestView, Resolver};
-use crate::reconcile::Found;
-use crate::request::{self, Api, Demand};
-use crate::reservation::{prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope};
-use crate::store::{self, Contention, SharedStore, StoreError, Updated};
-use crate::zone::Zone;
+use crate::admission::identity::{Identity, RequestView, Resolver};
+use crate::limits::bucket::Quota;
+use crate::limits::reservation::{
+    prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope,
+};
+use crate::policy::zone::Zone;
+use crate::policy::{Budget, Limit, Mode, Policy, Window};
+use crate::state::codec::Record;
+use crate::state::store::{self, Contention, SharedStore, StoreError, Updated};
+use crate::usage::anomaly::UsageRing;
+use crate::usage::demand::{self, Api, Demand};
+use crate::usage::estimate::{self, Correction};
+use crate::usage::reconcile::Found;
+use answer::{Decision, Degraded, Limited, Reason, Reply};
+use health::{OnStale, Pushback, Route, Seen, Situation};
 
 pub mod admit;
+pub mod answer;
 pub mod compile;
 pub mod early;
-pub mod fleet;
+pub mod for_fleet;
+pub mod health;
+pub mod identity;
+pub mod passthrough;
+pub mod penalty;
+pub(crate) mod pushback;
 pub mod rewrite;
 pub mod settle;
 
@@ -86,7 +94,7 @@ pub struct Verdict {
 pub struct RequestContext<'a> {
     pub identity: &'a Identity,
     pub api: Api,
-    /// The canonical path (`request::canonical_path`): route buckets match it.
+    /// The canonical path (`demand::canonical_path`): route buckets match it.
     pub path: &'a str,
     /// The parsed body, for the APIs sluice reads.
     pub asked: Option<&'a Asked>,
@@ -172,10 +180,10 @@ pub struct Engine {
     model_buckets: HashMap<String, Vec<usize>>,
     route_buckets: Vec<(String, usize)>,
     /// The policy's `passthrough` rules and the bucket of each.
-    pub(crate) passthrough: Vec<(crate::passthrough::Compiled, usize)>,
+    pub(crate) passthrough: Vec<(crate::admission::passthrough::Compiled, usize)>,
     pricing: HashMap<String, Pricing>,
     /// The penalty box, when the policy has `abuse`.
-    pub(crate) penalty: Option<crate::abuse::PenaltyBox>,
+    pub(crate) penalty: Option<crate::admission::penalty::PenaltyBox>,
 }
 
 const CORRECTION_KEY: &str = "sluice:v1:estimate/";
@@ -197,7 +205,7 @@ impl Engine {
     pub fn identify_why(
         &self,
         req: &dyn RequestView,
-    ) -> Result<Identity, (Box<Verdict>, crate::principal::Refusal)> {
+    ) -> Result<Identity, (Box<Verdict>, crate::admission::identity::Refusal)> {
         self.resolver.resolve(req).map_err(|refusal| {
             let reply = answer::rejected(Reason::Unauthenticated, refusal.message(), None);
             let verdict = Box::new(self.refused(
@@ -243,7 +251,7 @@ impl Engine {
     /// `passthrough` rule that opens it, else `Other`.
     pub fn passthrough(&self, method: &str, canonical: &str) -> Api {
         let rules = self.passthrough.iter().map(|(rule, _)| rule);
-        crate::passthrough::find(rules, method, canonical).unwrap_or(Api::Other)
+        crate::admission::passthrough::find(rules, method, canonical).unwrap_or(Api::Other)
     }
 
     /// The model a passthrough rule counts its requests against.
@@ -278,7 +286,7 @@ impl Engine {
             return Ok(None);
         }
         let cap = |model: &str| self.output_cap(model);
-        match request::parse_body(api, body, &cap) {
+        match demand::parse_body(api, body, &cap) {
             Ok((demand, body)) => {
                 let input_raw = estimate::input_tokens_of(demand.api, &body);
                 Ok(Some(Asked {
@@ -413,7 +421,7 @@ impl Engine {
     pub fn audit_principal(&self, identity: &Identity) -> String {
         let salt = self.policy.audit.as_ref().map_or("", |a| a.salt.as_str());
         let salted = format!("{salt}\n{}", identity.principal);
-        crate::principal::sha256_hex(salted.as_bytes())[..32].to_string()
+        crate::admission::identity::sha256_hex(salted.as_bytes())[..32].to_string()
     }
 }
 
@@ -439,8 +447,8 @@ pub(crate) fn ctx<'a>(
 pub(crate) mod tests {
     use super::*;
 
-    use crate::reconcile::Usage;
-    use crate::store::MemStore;
+    use crate::state::store::MemStore;
+    use crate::usage::reconcile::Usage;
     use serde_json::json;
 
     /// A caller known only by its address (shared with the engine's other

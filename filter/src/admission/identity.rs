@@ -28,7 +28,7 @@ use std::collections::{HashMap, HashSet};
 
 use sha2::{Digest, Sha256};
 
-use crate::config::{IdentityConfig, IdentitySource, KeyEntry, Policy, UnknownKeys};
+use crate::policy::{IdentityConfig, IdentitySource, KeyEntry, Policy, UnknownKeys};
 
 /// What the identity step may read of a request.
 pub trait RequestView {

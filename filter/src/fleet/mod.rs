@@ -54,13 +54,13 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::bucket::{next_window, Quota};
-use crate::config::{Limit, Policy};
-use crate::engine::{Engine, Meter, Pricing};
+use crate::admission::identity::Identity;
+use crate::admission::{Engine, Meter, Pricing};
 use crate::host::{Host, LogLevel, MetricKind};
-use crate::principal::Identity;
-use crate::reservation::{Held, Rule, Scope};
-use crate::store::{Cas, Updated};
+use crate::limits::bucket::{next_window, Quota};
+use crate::limits::reservation::{Held, Rule, Scope};
+use crate::policy::{Limit, Policy};
+use crate::state::store::{Cas, Updated};
 
 const LEASE_PREFIX: &str = "sluice:v1:fleet:lease:";
 pub const OUTBOX_KEY: &str = "sluice:v1:fleet:outbox";
@@ -108,7 +108,7 @@ pub struct FleetConfig {
     /// Longest a request waits for the sidecar.
     #[serde(
         default = "default_timeout",
-        deserialize_with = "crate::config::de_duration",
+        deserialize_with = "crate::policy::de_duration",
         rename = "timeout"
     )]
     pub timeout_ms: u64,
@@ -151,7 +151,7 @@ pub struct LeaseConfig {
     /// A lease unused this long is given back.
     #[serde(
         default = "default_idle",
-        deserialize_with = "crate::config::de_duration",
+        deserialize_with = "crate::policy::de_duration",
         rename = "idle"
     )]
     pub idle_ms: u64,
@@ -159,7 +159,7 @@ pub struct LeaseConfig {
     /// cut off from its sidecar may still admit.
     #[serde(
         default = "default_ttl",
-        deserialize_with = "crate::config::de_duration",
+        deserialize_with = "crate::policy::de_duration",
         rename = "ttl"
     )]
     pub ttl_ms: u64,
@@ -738,7 +738,7 @@ impl std::fmt::Debug for Secret {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    crate::principal::hex(bytes)
+    crate::admission::identity::hex(bytes)
 }
 
 /// The Redis name of a bucket for one owner: a salted hash, never a raw key.

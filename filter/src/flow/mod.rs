@@ -18,18 +18,17 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 
-use crate::answer::{Decision, Reason};
-use crate::codec::{PollLease, Record};
-use crate::config::Policy;
-use crate::engine::{Engine, Plan, RequestContext, Routed, Verdict};
-use crate::health::{self, Pushback, Seen};
+use crate::admission::answer::{Decision, Reason};
+use crate::admission::health::{self, Pushback, Seen};
+use crate::admission::identity::Identity;
+use crate::admission::pushback::UpstreamReply;
+use crate::admission::{Engine, Plan, RequestContext, Routed, Verdict};
 use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
-use crate::metrics;
-use crate::principal::Identity;
-use crate::pushback::UpstreamReply;
-use crate::reconcile::{Format, Found, ResponseMeter};
-use crate::request::Api;
-use crate::store::{Cas, Contention, Updated};
+use crate::policy::Policy;
+use crate::state::codec::{Reader, Record, Writer};
+use crate::state::store::{Cas, Contention, Updated};
+use crate::usage::demand::Api;
+use crate::usage::reconcile::{Format, Found, ResponseMeter};
 
 /// Longest audit field value: every field, whatever a client sent.
 pub const MAX_AUDIT_BYTES: usize = 256;
@@ -45,7 +44,7 @@ pub const TICK_MS: u64 = 250;
 const POLL_RETRY_MS: u64 = 1_000;
 
 fn metric_kind(name: &str) -> MetricKind {
-    if metrics::GAUGES.contains(&name) {
+    if telemetry::GAUGES.contains(&name) {
         MetricKind::Gauge
     } else {
         MetricKind::Counter
@@ -61,8 +60,8 @@ fn add(host: &dyn Host, name: &str, by: i64) {
 
 /// Lost compare-and-swap races, and updates that lost every try.
 fn count_contention(host: &dyn Host, c: Contention) {
-    add(host, metrics::CAS_RETRIES, i64::from(c.cas_retries));
-    add(host, metrics::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
+    add(host, telemetry::CAS_RETRIES, i64::from(c.cas_retries));
+    add(host, telemetry::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
 }
 
 fn set_gauge(host: &dyn Host, name: &str, value: u64) {
@@ -166,7 +165,7 @@ impl Filter {
             return hash.clone();
         }
         let hash = self.engine.audit_principal(identity);
-        if cache.len() >= crate::principal::KEY_HASH_CACHE {
+        if cache.len() >= crate::admission::identity::KEY_HASH_CACHE {
             cache.clear();
         }
         cache.insert(identity.principal.clone(), hash.clone());
@@ -179,10 +178,10 @@ impl Filter {
             return Rc::new(Seen::default());
         };
         let Ok(mut cached) = self.seen.try_borrow_mut() else {
-            return Rc::new(crate::codec::decode_seen(&bytes));
+            return Rc::new(crate::admission::health::decode_seen(&bytes));
         };
         if cached.0 != cas {
-            *cached = (cas, Rc::new(crate::codec::decode_seen(&bytes)));
+            *cached = (cas, Rc::new(crate::admission::health::decode_seen(&bytes)));
         }
         cached.1.clone()
     }
@@ -206,11 +205,11 @@ impl Filter {
     /// surge, reroute or refusal by a bucket would never alert), and a
     /// gauge that is absent reads as "no data" rather than 0.
     fn define_metrics(&self, host: &dyn Host) {
-        for name in metrics::FIXED {
+        for name in telemetry::FIXED {
             host.metric_add(metric_kind(name), name, 0);
         }
         for rule in self.engine.rules() {
-            host.metric_add(MetricKind::Counter, &metrics::refusals_total(&rule.id), 0);
+            host.metric_add(MetricKind::Counter, &telemetry::refusals_total(&rule.id), 0);
         }
     }
 }
@@ -258,7 +257,7 @@ impl Poller {
             Ok(policy) => policy,
             Err(err) => {
                 host.log(LogLevel::Error, &err.to_string());
-                add(host, metrics::CONFIG_REJECTED, 1);
+                add(host, telemetry::CONFIG_REJECTED, 1);
                 return false;
             }
         };
@@ -427,7 +426,7 @@ impl Poller {
         match host.dispatch_call(&sidecar.cluster, &headers, timeout_ms) {
             Ok(token) => self.poll = Some(token),
             Err(why) => {
-                add(host, metrics::SIDECAR_POLL_ERRORS, 1);
+                add(host, telemetry::SIDECAR_POLL_ERRORS, 1);
                 host.log(
                     LogLevel::Warn,
                     &format!(
@@ -487,7 +486,7 @@ impl Poller {
         ) {
             (Some("200"), Ok(state)) => state,
             (status, parsed) => {
-                add(host, metrics::SIDECAR_POLL_ERRORS, 1);
+                add(host, telemetry::SIDECAR_POLL_ERRORS, 1);
                 self.retry_at_ms = now + POLL_RETRY_MS;
                 if !self.sidecar_failing {
                     // Said once per outage, not once per retry.
@@ -508,17 +507,21 @@ impl Poller {
         if std::mem::take(&mut self.sidecar_failing) {
             host.log(LogLevel::Info, "sidecar reachable again");
         }
-        add(host, metrics::SIDECAR_POLLS, 1);
+        add(host, telemetry::SIDECAR_POLLS, 1);
         set_gauge(
             host,
-            metrics::KILL_SWITCH,
+            telemetry::KILL_SWITCH,
             u64::from(state.kill_switch.active),
         );
         let open = state.breakers.iter().filter(|b| b.state == "open").count();
-        set_gauge(host, metrics::BREAKERS_OPEN, open as u64);
+        set_gauge(host, telemetry::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
-        let _ = host.set(SIDECAR_KEY, &crate::codec::encode_seen(now, &body), 0);
+        let _ = host.set(
+            SIDECAR_KEY,
+            &crate::admission::health::encode_seen(now, &body),
+            0,
+        );
         if self.hold_lease(host, now) {
             self.dispatch_poll(host, now);
         }
@@ -668,7 +671,7 @@ impl Stream {
 
     /// A request header, from the snapshot of the request headers.
     fn header(&self, host: &dyn Host, name: &str) -> Option<String> {
-        crate::principal::RequestView::header(
+        crate::admission::identity::RequestView::header(
             &HostRequest(host, self.request_headers.as_deref()),
             name,
         )
@@ -695,7 +698,7 @@ impl Stream {
         self.request_headers = headers;
         let raw_path = self.header(host, ":path").unwrap_or_default();
         let method = self.header(host, ":method").unwrap_or_default();
-        let canonical = crate::request::canonical_path(&raw_path);
+        let canonical = crate::usage::demand::canonical_path(&raw_path);
         // A body on any method is read (a lenient server may serve it);
         // a bodyless POST is classified too (and refused if it is no API).
         let length = self.header(host, "content-length");
@@ -712,12 +715,16 @@ impl Stream {
                 // A failed authentication counts toward its address's box
                 // (guessing keys is what the box is for); once blocked, the
                 // address gets 429 `temporarily_blocked` instead of 401.
-                add(host, &metrics::auth_failures_total(why.code()), 1);
+                add(host, &telemetry::auth_failures_total(why.code()), 1);
                 let (blocked, checked) =
                     self.engine()
                         .penalty_box_failed(host, &view, self.started_ms);
-                add(host, metrics::ABUSE_BLOCKS, i64::from(checked.started));
-                add(host, metrics::ABUSE_UNTRACKED, i64::from(checked.untracked));
+                add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
+                add(
+                    host,
+                    telemetry::ABUSE_UNTRACKED,
+                    i64::from(checked.untracked),
+                );
                 if blocked.is_none() {
                     // (A block's verdict carries its contention.)
                     count_contention(host, checked.contention);
@@ -728,8 +735,12 @@ impl Stream {
         let (blocked, checked) = self
             .engine()
             .penalty_box(host, &view, &identity, self.started_ms);
-        add(host, metrics::ABUSE_BLOCKS, i64::from(checked.started));
-        add(host, metrics::ABUSE_UNTRACKED, i64::from(checked.untracked));
+        add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
+        add(
+            host,
+            telemetry::ABUSE_UNTRACKED,
+            i64::from(checked.untracked),
+        );
         if let Some(verdict) = blocked {
             self.identity = Some(identity);
             return self.finish(host, verdict);
@@ -767,7 +778,7 @@ impl Stream {
             // The caller's own empty bucket refuses it before its body is
             // buffered and parsed (`flow/early.rs`).
             if let Some(verdict) = self.refused_before_body(host, &identity) {
-                add(host, metrics::REFUSED_BEFORE_BODY, 1);
+                add(host, telemetry::REFUSED_BEFORE_BODY, 1);
                 self.identity = Some(identity);
                 return self.finish(host, verdict);
             }
@@ -858,7 +869,7 @@ impl Stream {
             if let Some((_, model)) = &self.labels {
                 self.first_byte = true;
                 let ttft = host.now_ms().saturating_sub(self.started_ms);
-                host.metric_record(MetricKind::Histogram, &metrics::ttft_ms(model), ttft);
+                host.metric_record(MetricKind::Histogram, &telemetry::ttft_ms(model), ttft);
                 self.audit(host, "sluice_ttft_ms", &ttft.to_string());
             }
         }
@@ -870,7 +881,7 @@ impl Stream {
             sha2::Digest::update(hash, &chunk);
             if end {
                 let digest = sha2::Digest::finalize(hash.clone());
-                let hex = crate::principal::hex(&digest);
+                let hex = crate::admission::identity::hex(&digest);
                 self.audit(host, "sluice_response_sha256", &hex);
             }
         }
@@ -910,7 +921,7 @@ impl Stream {
             .filter(|_| self.status != 0 && self.api.reads_body())
         {
             let elapsed = host.now_ms().saturating_sub(self.started_ms);
-            host.metric_record(MetricKind::Histogram, &metrics::e2e_ms(model), elapsed);
+            host.metric_record(MetricKind::Histogram, &telemetry::e2e_ms(model), elapsed);
         }
     }
 
@@ -918,7 +929,7 @@ impl Stream {
     /// `%FILTER_STATE(wasm.<name>:PLAIN)%`; only with an `audit` policy.
     fn audit(&self, host: &dyn Host, name: &str, value: &str) {
         if self.engine().policy.audit.is_some() {
-            let value = crate::answer::truncate(value, MAX_AUDIT_BYTES);
+            let value = crate::admission::answer::truncate(value, MAX_AUDIT_BYTES);
             host.set_property(name, value.as_bytes());
         }
     }
@@ -935,7 +946,7 @@ impl Stream {
                 // Admission passed the global breaker: it is closed now
                 // (else the gauge would stay at 1 after the hour's window
                 // let spend fall under the ceiling, until a settlement).
-                set_gauge(host, metrics::GLOBAL_BREAKER, 0);
+                set_gauge(host, telemetry::GLOBAL_BREAKER, 0);
             }
         }
         self.audit_decision(host, &verdict);
@@ -961,7 +972,7 @@ impl Stream {
                 }
                 let engine = &self.filter.engine;
                 if let Some(plan) = verdict.plan.filter(|p| engine.settles(p)) {
-                    add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
+                    add(host, telemetry::RESERVATIONS_OUTSTANDING, 1);
                     self.plan = Some(plan);
                 }
                 Action::Continue
@@ -972,20 +983,20 @@ impl Stream {
     /// The decision's metrics.
     fn record(&self, host: &dyn Host, verdict: &Verdict) {
         let l = &verdict.labels;
-        add(host, &metrics::requests_total(l), 1);
+        add(host, &telemetry::requests_total(l), 1);
         count_contention(host, verdict.contention);
         add(
             host,
-            metrics::CAPACITY_EXHAUSTED,
+            telemetry::CAPACITY_EXHAUSTED,
             i64::from(verdict.no_slot),
         );
         add(
             host,
-            metrics::BUDGET_ALERTS,
+            telemetry::BUDGET_ALERTS,
             i64::from(!verdict.alerts.is_empty()),
         );
         if let Some(bucket) = &verdict.bucket {
-            add(host, &metrics::refusals_total(bucket), 1);
+            add(host, &telemetry::refusals_total(bucket), 1);
         }
         if let Some(id) = self
             .identity
@@ -993,19 +1004,19 @@ impl Stream {
             .filter(|id| id.team.is_some() || id.org.is_some())
         {
             let name =
-                metrics::team_requests_total(l.decision, id.team.as_deref(), id.org.as_deref());
+                telemetry::team_requests_total(l.decision, id.team.as_deref(), id.org.as_deref());
             add(host, &name, 1);
         }
         if l.decision == Decision::Refuse(Reason::GlobalBreakerOpen) {
-            set_gauge(host, metrics::GLOBAL_BREAKER, 1);
+            set_gauge(host, telemetry::GLOBAL_BREAKER, 1);
         }
         if let Some(kind) = verdict.degraded {
-            let name = metrics::degraded_total(kind.code(), &l.tier, &l.model);
+            let name = telemetry::degraded_total(kind.code(), &l.tier, &l.model);
             add(host, &name, 1);
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
             let tokens =
-                |direction| metrics::tokens_total(direction, "estimated", &l.tier, &l.model);
+                |direction| telemetry::tokens_total(direction, "estimated", &l.tier, &l.model);
             add(host, &tokens("input"), plan.input_estimate as i64);
             add(host, &tokens("output"), plan.max_output as i64);
         }
@@ -1075,7 +1086,7 @@ impl Stream {
             self.audit(
                 host,
                 "sluice_request_sha256",
-                &crate::principal::sha256_hex(body),
+                &crate::admission::identity::sha256_hex(body),
             );
             self.response_hash = Some(sha2::Digest::new());
         }
@@ -1247,7 +1258,7 @@ impl Stream {
         host: &dyn Host,
         verdict: Verdict,
         rule: &str,
-        quota: crate::bucket::Quota,
+        quota: crate::limits::bucket::Quota,
     ) -> Action {
         let engine = &self.filter.engine;
         let now = host.now_ms();
@@ -1283,7 +1294,7 @@ impl Stream {
         verdict
             .response_headers
             .push(("x-sluice-kill-switch".into(), "1".into()));
-        add(host, metrics::REROUTED, 1);
+        add(host, telemetry::REROUTED, 1);
     }
 
     /// Feeds the upstream's answer to the route's pause and error breaker.
@@ -1318,14 +1329,18 @@ impl Stream {
         );
         add(
             host,
-            metrics::ERROR_BREAKER_OPENED,
+            telemetry::ERROR_BREAKER_OPENED,
             i64::from(recorded.breaker_opened),
         );
-        add(host, metrics::PUSHBACK_DROPPED, i64::from(recorded.dropped));
+        add(
+            host,
+            telemetry::PUSHBACK_DROPPED,
+            i64::from(recorded.dropped),
+        );
         count_contention(host, recorded.contention);
         match recorded.paused {
-            Some(health::PauseScope::Route) => add(host, metrics::PAUSES_ROUTE, 1),
-            Some(health::PauseScope::Credential) => add(host, metrics::PAUSES_CREDENTIAL, 1),
+            Some(health::PauseScope::Route) => add(host, telemetry::PAUSES_ROUTE, 1),
+            Some(health::PauseScope::Credential) => add(host, telemetry::PAUSES_CREDENTIAL, 1),
             None => {}
         }
     }
@@ -1344,7 +1359,7 @@ impl Stream {
             self.filter
                 .engine
                 .settle(host, &plan, found, counted, upstream_ok, now);
-        add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
+        add(host, telemetry::RESERVATIONS_OUTSTANDING, -1);
         count_contention(host, effort);
         if let Some(fleet) = &self.filter.fleet {
             let engine = &self.filter.engine;
@@ -1369,19 +1384,19 @@ impl Stream {
         let (tier, model) = self.labels.clone().unwrap_or_default();
         add(
             host,
-            &metrics::tokens_total("input", "actual", &tier, &model),
+            &telemetry::tokens_total("input", "actual", &tier, &model),
             settled.input as i64,
         );
         add(
             host,
-            &metrics::tokens_total("output", "actual", &tier, &model),
+            &telemetry::tokens_total("output", "actual", &tier, &model),
             settled.output as i64,
         );
-        add(host, metrics::USAGE_SURGES, i64::from(settled.surge));
+        add(host, telemetry::USAGE_SURGES, i64::from(settled.surge));
         if self.engine().policy.anomaly.is_some() {
             set_gauge(
                 host,
-                metrics::GLOBAL_BREAKER,
+                telemetry::GLOBAL_BREAKER,
                 u64::from(settled.global_open),
             );
         }
@@ -1394,18 +1409,18 @@ impl Stream {
             "estimate"
         };
         self.audit(host, "sluice_usage_source", source);
-        add(host, metrics::SPEND_MICROS, settled.cost as i64);
+        add(host, telemetry::SPEND_MICROS, settled.cost as i64);
         add(
             host,
-            metrics::USAGE_INVALID,
+            telemetry::USAGE_INVALID,
             i64::from(settled.invalid_usage),
         );
         add(
             host,
-            metrics::USAGE_MISSING,
+            telemetry::USAGE_MISSING,
             i64::from(!settled.from_usage && upstream_ok),
         );
-        add(host, metrics::STREAM_CUT, i64::from(cut));
+        add(host, telemetry::STREAM_CUT, i64::from(cut));
     }
 }
 
@@ -1413,6 +1428,34 @@ mod early;
 #[cfg(test)]
 mod endpoint_tests;
 pub(crate) mod slots;
+pub mod telemetry;
+/// Which VM polls the sidecar (see `flow::POLLER_KEY`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PollLease {
+    pub owner: u64,
+    pub expires_ms: u64,
+}
+
+impl Record for PollLease {
+    const LEN: usize = 16;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.owner).u64(self.expires_ms);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        PollLease {
+            owner: r.u64(),
+            expires_ms: r.u64(),
+        }
+    }
+
+    /// By prefix: a missing word reads as 0 (a free lease).
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
+    }
+}
+
 #[cfg(test)]
 mod tests;
 mod waiting;

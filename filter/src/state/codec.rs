@@ -12,19 +12,13 @@
 //! | [`BucketState`] | 24 | owner, used, updated_ms |
 //! | [`Slot`] | 32 | bucket state, touched_ms (a 24-byte prepared key reads as untouched since `updated_ms`) |
 //! | [`SketchCell`] | 16 | window, used (by prefix) |
-//! | [`Pool`](crate::shares::Pool) (a shared bucket with fair shares; coded in `shares`) | 24 + 32 × groups | bucket state, then per group: id, used, seen_ms, lent (by prefix; no groups: a plain [`BucketState`]) |
+//! | [`Pool`](crate::limits::shares::Pool) (a shared bucket with fair shares; coded in `shares`) | 24 + 32 × groups | bucket state, then per group: id, used, seen_ms, lent (by prefix; no groups: a plain [`BucketState`]) |
 //! | [`Upstream`] | 96 | 7 × u64 times, failures, barred, 8 × caller |
 //! | [`CredentialPause`] | 16 | fingerprint, until_ms |
 //! | [`UsageRing`] | 16 + 60 × 16 | newest, surge_flagged, tokens[60], spend[60] |
 //! | [`Correction`] | 4 | thousandths (clamped on read) |
 //! | [`PollLease`] | 16 | owner, expires_ms (by prefix) |
 //! | sidecar state ([`encode_seen`]) | 8 + n | received_ms, the state's JSON |
-
-use crate::anomaly::{UsageRing, MINUTES};
-use crate::bucket::BucketState;
-use crate::estimate::Correction;
-use crate::health::{CredentialPause, Seen, Upstream, MAX_CALLERS};
-use crate::reservation::{SketchCell, Slot};
 
 /// Appends little-endian words.
 #[derive(Debug, Default)]
@@ -122,207 +116,15 @@ pub trait Record: Default {
     }
 }
 
-impl Record for BucketState {
-    const LEN: usize = 24;
-
-    fn write(&self, w: &mut Writer) {
-        w.u64(self.owner).u64(self.used).u64(self.updated_ms);
-    }
-
-    fn read(r: &mut Reader) -> Self {
-        BucketState {
-            owner: r.u64(),
-            used: r.u64(),
-            updated_ms: r.u64(),
-        }
-    }
-}
-
-impl Record for Slot {
-    const LEN: usize = BucketState::LEN + 8;
-
-    fn write(&self, w: &mut Writer) {
-        self.state.write(w);
-        w.u64(self.touched_ms);
-    }
-
-    fn read(r: &mut Reader) -> Self {
-        let state = BucketState::read(r);
-        Slot {
-            state,
-            touched_ms: r.try_u64().unwrap_or(state.updated_ms),
-        }
-    }
-
-    /// Slot keys are prepared with an empty [`BucketState`] (24 bytes): the
-    /// state is read from any value that holds one.
-    fn decode(bytes: &[u8]) -> Self {
-        if bytes.len() < BucketState::LEN {
-            return Slot::default();
-        }
-        Self::read(&mut Reader::new(bytes))
-    }
-}
-
-impl Record for SketchCell {
-    const LEN: usize = 16;
-
-    fn write(&self, w: &mut Writer) {
-        w.u64(self.window).u64(self.used);
-    }
-
-    fn read(r: &mut Reader) -> Self {
-        SketchCell {
-            window: r.u64(),
-            used: r.u64(),
-        }
-    }
-
-    /// By prefix: a prepared (zeroed) key of any length reads as empty.
-    fn decode(bytes: &[u8]) -> Self {
-        Self::read(&mut Reader::new(bytes))
-    }
-}
-
-impl Record for Upstream {
-    const LEN: usize = 7 * 8 + (2 + MAX_CALLERS) * 4;
-
-    fn write(&self, w: &mut Writer) {
-        w.u64(self.paused_until_ms)
-            .u64(self.credential_pauses_until_ms)
-            .u64(self.streak_since_ms)
-            .u64(self.open_until_ms)
-            .u64(self.cooldown_ms)
-            .u64(self.probe_until_ms)
-            .u64(self.barred_until_ms)
-            .u32(self.failures)
-            .u32(self.barred);
-        for c in self.callers {
-            w.u32(c);
-        }
-    }
-
-    fn read(r: &mut Reader) -> Self {
-        let mut u = Upstream {
-            paused_until_ms: r.u64(),
-            credential_pauses_until_ms: r.u64(),
-            streak_since_ms: r.u64(),
-            open_until_ms: r.u64(),
-            cooldown_ms: r.u64(),
-            probe_until_ms: r.u64(),
-            barred_until_ms: r.u64(),
-            failures: r.u32(),
-            barred: r.u32(),
-            callers: [0; MAX_CALLERS],
-        };
-        for c in &mut u.callers {
-            *c = r.u32();
-        }
-        u
-    }
-}
-
-impl Record for CredentialPause {
-    const LEN: usize = 16;
-
-    fn write(&self, w: &mut Writer) {
-        w.u64(self.fingerprint).u64(self.until_ms);
-    }
-
-    fn read(r: &mut Reader) -> Self {
-        CredentialPause {
-            fingerprint: r.u64(),
-            until_ms: r.u64(),
-        }
-    }
-}
-
-impl Record for UsageRing {
-    const LEN: usize = 16 + MINUTES * 16;
-
-    fn write(&self, w: &mut Writer) {
-        w.u64(self.newest).u64(self.surge_flagged);
-        for v in self.tokens.iter().chain(self.spend.iter()) {
-            w.u64(*v);
-        }
-    }
-
-    fn read(r: &mut Reader) -> Self {
-        let mut ring = UsageRing {
-            newest: r.u64(),
-            surge_flagged: r.u64(),
-            ..UsageRing::default()
-        };
-        for v in ring.tokens.iter_mut().chain(ring.spend.iter_mut()) {
-            *v = r.u64();
-        }
-        ring
-    }
-}
-
-impl Record for Correction {
-    const LEN: usize = 4;
-
-    fn write(&self, w: &mut Writer) {
-        w.u32(self.0);
-    }
-
-    fn read(r: &mut Reader) -> Self {
-        Correction(r.u32().clamp(Correction::MIN, Correction::MAX))
-    }
-}
-
-/// Which VM polls the sidecar (see `flow::POLLER_KEY`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PollLease {
-    pub owner: u64,
-    pub expires_ms: u64,
-}
-
-impl Record for PollLease {
-    const LEN: usize = 16;
-
-    fn write(&self, w: &mut Writer) {
-        w.u64(self.owner).u64(self.expires_ms);
-    }
-
-    fn read(r: &mut Reader) -> Self {
-        PollLease {
-            owner: r.u64(),
-            expires_ms: r.u64(),
-        }
-    }
-
-    /// By prefix: a missing word reads as 0 (a free lease).
-    fn decode(bytes: &[u8]) -> Self {
-        Self::read(&mut Reader::new(bytes))
-    }
-}
-
-/// Shared-data encoding of a received sidecar state: receive time, then
-/// the JSON.
-pub fn encode_seen(received_ms: u64, json: &[u8]) -> Vec<u8> {
-    let mut w = Writer::with_capacity(8 + json.len());
-    w.u64(received_ms).bytes(json);
-    w.into_bytes()
-}
-
-/// A value too short for its receive time reads as never received; JSON
-/// that does not parse as a state keeps the receive time, without state.
-pub fn decode_seen(bytes: &[u8]) -> Seen {
-    let mut r = Reader::new(bytes);
-    let Some(received_ms) = r.try_u64() else {
-        return Seen::default();
-    };
-    Seen {
-        state: serde_json::from_slice(r.rest()).ok(),
-        received_ms,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admission::health::{decode_seen, encode_seen, CredentialPause, Upstream};
+    use crate::flow::PollLease;
+    use crate::limits::bucket::BucketState;
+    use crate::limits::reservation::{SketchCell, Slot};
+    use crate::usage::anomaly::{UsageRing, MINUTES};
+    use crate::usage::estimate::Correction;
     use proptest::prelude::*;
 
     fn round_trips<T: Record + PartialEq + std::fmt::Debug>(x: T) {

@@ -19,16 +19,16 @@
 //!   pause may displace it (that credential then reaches the upstream and
 //!   gets its 429 again).
 //! - Contention: every change goes through the one CAS loop
-//!   ([`crate::store::update`], `state.cas_max_retries` tries); an
+//!   ([`crate::state::store::update`], `state.cas_max_retries` tries); an
 //!   exhausted change is dropped and counted (`sluice_cas_exhausted_total`,
 //!   `sluice_upstream_unrecorded_total`). This state is advisory: losing a
 //!   write never admits or charges anyone.
 
+use crate::state::codec::{Reader, Record, Writer};
 use serde::Deserialize;
 
-use crate::answer::Reason;
-use crate::codec::Record;
-use crate::store::{Cas, SharedStore, Updated};
+use crate::admission::answer::Reason;
+use crate::state::store::{Cas, SharedStore, Updated};
 
 /// The sidecar's `/v1/state`, as far as the filter needs it.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -416,7 +416,7 @@ pub struct Recorded {
     /// A write was lost to contention (or the host): counted, not retried.
     pub dropped: bool,
     /// The races lost on the way (all of the [`Cas`] it was given).
-    pub contention: crate::store::Contention,
+    pub contention: crate::state::store::Contention,
 }
 
 /// Feeds one answer to the route's record and, for a pause about a
@@ -669,12 +669,89 @@ pub fn normalize_prompt(text: &str) -> String {
     out
 }
 
+impl Record for Upstream {
+    const LEN: usize = 7 * 8 + (2 + MAX_CALLERS) * 4;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.paused_until_ms)
+            .u64(self.credential_pauses_until_ms)
+            .u64(self.streak_since_ms)
+            .u64(self.open_until_ms)
+            .u64(self.cooldown_ms)
+            .u64(self.probe_until_ms)
+            .u64(self.barred_until_ms)
+            .u32(self.failures)
+            .u32(self.barred);
+        for c in self.callers {
+            w.u32(c);
+        }
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        let mut u = Upstream {
+            paused_until_ms: r.u64(),
+            credential_pauses_until_ms: r.u64(),
+            streak_since_ms: r.u64(),
+            open_until_ms: r.u64(),
+            cooldown_ms: r.u64(),
+            probe_until_ms: r.u64(),
+            barred_until_ms: r.u64(),
+            failures: r.u32(),
+            barred: r.u32(),
+            callers: [0; MAX_CALLERS],
+        };
+        for c in &mut u.callers {
+            *c = r.u32();
+        }
+        u
+    }
+}
+
+impl Record for CredentialPause {
+    const LEN: usize = 16;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.fingerprint).u64(self.until_ms);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        CredentialPause {
+            fingerprint: r.u64(),
+            until_ms: r.u64(),
+        }
+    }
+}
+
+/// Shared-data encoding of a received sidecar state: receive time, then
+/// the JSON.
+pub fn encode_seen(received_ms: u64, json: &[u8]) -> Vec<u8> {
+    let mut w = Writer::with_capacity(8 + json.len());
+    w.u64(received_ms).bytes(json);
+    w.into_bytes()
+}
+
+/// A value too short for its receive time reads as never received; JSON
+/// that does not parse as a state keeps the receive time, without state.
+pub fn decode_seen(bytes: &[u8]) -> Seen {
+    let mut r = Reader::new(bytes);
+    let Some(received_ms) = r.try_u64() else {
+        return Seen::default();
+    };
+    Seen {
+        state: serde_json::from_slice(r.rest()).ok(),
+        received_ms,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn seen(json: &str, at: u64) -> Seen {
-        crate::codec::decode_seen(&crate::codec::encode_seen(at, json.as_bytes()))
+        crate::admission::health::decode_seen(&crate::admission::health::encode_seen(
+            at,
+            json.as_bytes(),
+        ))
     }
 
     fn situation<'a>(seen: &'a Seen, upstream: Upstream, now_ms: u64, dice: u32) -> Situation<'a> {
@@ -865,7 +942,7 @@ mod tests {
 
     #[test]
     fn probes_are_one_at_a_time_and_one_caller_cannot_keep_the_route_shut() {
-        let store = crate::store::MemStore::default();
+        let store = crate::state::store::MemStore::default();
         let p = protection();
         let key = "sluice:v1:upstream/big";
         let opened = fail(fail(fail(Upstream::default(), A, 0), B, 1), A, 2);
@@ -939,7 +1016,7 @@ mod tests {
 
     #[test]
     fn only_the_upstreams_own_answers_close_the_breaker_or_pause() {
-        let store = crate::store::MemStore::default();
+        let store = crate::state::store::MemStore::default();
         let p = protection();
         let key = "k";
         let open = Upstream {
@@ -995,7 +1072,7 @@ mod tests {
 
     #[test]
     fn a_probe_given_back_or_expired_frees_the_route() {
-        let store = crate::store::MemStore::default();
+        let store = crate::state::store::MemStore::default();
         let key = "k";
         let open = Upstream {
             open_until_ms: 10,
@@ -1016,7 +1093,7 @@ mod tests {
     #[test]
     fn a_429_pauses_the_credential_on_pass_through_routes_and_the_route_when_injected() {
         let p = protection();
-        let store = crate::store::MemStore::default();
+        let store = crate::state::store::MemStore::default();
         let mine = Pushback {
             route_key: "r".into(),
             credential: Some(("sluice:v1:pause/7".into(), 0xAAAA)),

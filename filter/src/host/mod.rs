@@ -7,8 +7,8 @@
 //! runs in native tests. Every method takes `&self` and no generics, so the
 //! core holds it as `&dyn Host`.
 
-use crate::principal::RequestView;
-use crate::store::SharedStore;
+use crate::admission::identity::RequestView;
+use crate::state::store::SharedStore;
 
 #[cfg(not(target_arch = "wasm32"))]
 pub mod mock;

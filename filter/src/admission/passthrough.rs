@@ -13,8 +13,8 @@
 
 use serde::Deserialize;
 
-use crate::config::{Limit, Policy};
-use crate::request::{canonical_path, Api};
+use crate::policy::{Limit, Policy};
+use crate::usage::demand::{canonical_path, Api};
 
 /// `passthrough: [{path: /v1/audio/transcriptions, requests: 10/min}]`.
 #[derive(Debug, Clone, Deserialize)]
@@ -171,7 +171,7 @@ pub fn check(policy: &Policy) -> Result<(), (String, String)> {
 mod tests {
     use super::*;
 
-    fn policy(rules: serde_json::Value) -> Result<Policy, crate::config::ConfigError> {
+    fn policy(rules: serde_json::Value) -> Result<Policy, crate::policy::ConfigError> {
         Policy::from_value(serde_json::json!({
             "default_tier": "free",
             "identity": {"sources": ["client_address"]},

@@ -1,8 +1,8 @@
 //! Teams, orgs and budget windows in a named timezone, through the engine.
 
 use super::*;
-use crate::reconcile::Usage;
-use crate::store::MemStore;
+use crate::state::store::MemStore;
+use crate::usage::reconcile::Usage;
 use serde_json::json;
 
 struct Key(&'static str);

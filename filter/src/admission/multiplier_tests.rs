@@ -2,11 +2,11 @@
 //! max output, lowered per completion or refused, through the engine.
 
 use super::*;
-use crate::reconcile::Usage;
-use crate::store::MemStore;
+use crate::state::store::MemStore;
+use crate::usage::reconcile::Usage;
 use serde_json::json;
 
-use crate::engine::tests::Caller;
+use crate::admission::tests::Caller;
 
 const ADDR: Caller = Caller("10.0.0.9:1");
 

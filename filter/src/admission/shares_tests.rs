@@ -2,7 +2,7 @@
 //! caller gets past its share, and all-or-nothing across buckets.
 
 use super::*;
-use crate::store::MemStore;
+use crate::state::store::MemStore;
 use serde_json::json;
 
 /// A caller by API key (declared or not) or, without one, by address.

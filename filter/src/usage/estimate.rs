@@ -10,9 +10,10 @@
 //! learned from real usage at settlement (`Correction`), kept in shared data.
 //! `bench/estimator` measures the accuracy (`bench/ESTIMATOR.md`).
 
+use crate::state::codec::{Reader, Record, Writer};
 use serde_json::Value;
 
-use crate::request::{Api, Multiplies};
+use crate::usage::demand::{Api, Multiplies};
 
 /// Tokens of chat framing per message, and to prime the reply (OpenAI's
 /// published accounting for chat models).
@@ -318,10 +319,22 @@ impl Correction {
     }
 }
 
+impl Record for Correction {
+    const LEN: usize = 4;
+
+    fn write(&self, w: &mut Writer) {
+        w.u32(self.0);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        Correction(r.u32().clamp(Correction::MIN, Correction::MAX))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::Record;
+    use crate::state::codec::Record;
     use serde_json::json;
 
     /// The estimate as it was before the one-pass version: the oracle.
@@ -443,7 +456,7 @@ mod tests {
             let (new, old) = (text_tokens(&text), text_tokens_before(&text));
             assert_eq!(new.to_bits(), old.to_bits(), "{text:?}: {new} vs {old}");
         }
-        let corpus = include_str!("../../README.md");
+        let corpus = include_str!("../../../README.md");
         assert_eq!(
             text_tokens(corpus).to_bits(),
             text_tokens_before(corpus).to_bits()

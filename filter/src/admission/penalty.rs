@@ -61,11 +61,11 @@ use std::collections::HashSet;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-use crate::codec::{Reader, Record, Writer};
-use crate::config::{ConfigError, Policy};
-use crate::principal::{Identity, RequestView, Resolver};
-use crate::store::{retry, Attempt, Contention, SharedStore, StoreError};
-use crate::units::{parse_duration, parse_rate, Rate};
+use crate::admission::identity::{Identity, RequestView, Resolver};
+use crate::policy::units::{parse_duration, parse_rate, Rate};
+use crate::policy::{ConfigError, Policy};
+use crate::state::codec::{Reader, Record, Writer};
+use crate::state::store::{retry, Attempt, Contention, SharedStore, StoreError};
 
 /// Sub-sketches (one shared-data key each).
 pub const SKETCH_KEYS: u32 = 1024;
@@ -186,7 +186,7 @@ impl AbuseConfig {
                     format!("abuse.exempt[{i}]"),
                     format!(
                         "{} is not declared under identity.api_key.keys (only declared keys can be exempt)",
-                        crate::config::redact_key(key)
+                        crate::policy::redact_key(key)
                     ),
                 ));
             }
@@ -387,7 +387,7 @@ impl PenaltyBox {
         {
             return None;
         }
-        let from_address = identity.source == Some(crate::config::IdentitySource::ClientAddress);
+        let from_address = identity.source == Some(crate::policy::IdentitySource::ClientAddress);
         match self.by {
             By::Principal if !from_address => Some(identity.hash.max(1)),
             _ => self.who_by_address(req),
@@ -398,7 +398,7 @@ impl PenaltyBox {
     /// principal: its address is what the box counts).
     pub fn who_by_address(&self, req: &dyn RequestView) -> Option<u64> {
         req.client_address()
-            .map(|a| crate::principal::address_prefix_hash(&a, self.ipv6_prefix))
+            .map(|a| crate::admission::identity::address_prefix_hash(&a, self.ipv6_prefix))
             // 0 marks a free record.
             .map(|h| h.max(1))
     }
@@ -557,7 +557,7 @@ impl PenaltyBox {
     }
 }
 
-impl crate::engine::Engine {
+impl crate::admission::Engine {
     /// Before anything else about a request: is its caller in the penalty
     /// box? `Some` verdict: refuse it (429 `temporarily_blocked`).
     pub fn penalty_box(
@@ -566,7 +566,7 @@ impl crate::engine::Engine {
         req: &dyn RequestView,
         identity: &Identity,
         now_ms: u64,
-    ) -> (Option<crate::engine::Verdict>, Checked) {
+    ) -> (Option<crate::admission::Verdict>, Checked) {
         let Some(pb) = &self.penalty else {
             return (None, Checked::default());
         };
@@ -583,7 +583,7 @@ impl crate::engine::Engine {
         store: &dyn SharedStore,
         req: &dyn RequestView,
         now_ms: u64,
-    ) -> (Option<crate::engine::Verdict>, Checked) {
+    ) -> (Option<crate::admission::Verdict>, Checked) {
         let Some(pb) = &self.penalty else {
             return (None, Checked::default());
         };
@@ -600,11 +600,12 @@ impl crate::engine::Engine {
         who: u64,
         tier: &str,
         now_ms: u64,
-    ) -> (Option<crate::engine::Verdict>, Checked) {
+    ) -> (Option<crate::admission::Verdict>, Checked) {
         let checked = pb.check(store, who, now_ms, self.policy.state.cas_max_retries);
         let verdict = checked.blocked_until_ms.map(|until| {
-            let reply = crate::answer::temporarily_blocked(until.saturating_sub(now_ms), now_ms);
-            let reason = crate::answer::Reason::TemporarilyBlocked;
+            let reply =
+                crate::admission::answer::temporarily_blocked(until.saturating_sub(now_ms), now_ms);
+            let reason = crate::admission::answer::Reason::TemporarilyBlocked;
             let mut verdict = self.refused(reply, reason, tier, None);
             verdict.contention = checked.contention;
             verdict
@@ -624,7 +625,7 @@ fn block_key(i: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemStore;
+    use crate::state::store::MemStore;
 
     fn config(threshold: &str, block_for: &str, slots: u32) -> AbuseConfig {
         serde_json::from_value(serde_json::json!({
@@ -710,7 +711,7 @@ mod tests {
         let until = pb.check(&store, abuser, 100, 8).blocked_until_ms;
         assert_eq!(until, Some(60 + 600_000));
         for i in 0..6_000u64 {
-            let who = crate::principal::address_prefix_hash(
+            let who = crate::admission::identity::address_prefix_hash(
                 &format!("10.{}.{}.{}:40000", i >> 16, (i >> 8) & 255, i & 255),
                 64,
             );
@@ -836,7 +837,7 @@ mod tests {
 
     #[test]
     fn ipv6_callers_are_counted_by_prefix() {
-        let c = |a: &str, p: u8| crate::principal::address_prefix_hash(a, p);
+        let c = |a: &str, p: u8| crate::admission::identity::address_prefix_hash(a, p);
         assert_eq!(
             c("[2001:db8:1:2::1]:443", 64),
             c("[2001:db8:1:2:ffff::9]:1", 64)
@@ -855,7 +856,7 @@ mod tests {
         assert_ne!(c("1.2.3.4:5", 64), c("1.2.3.5:5", 64));
         assert_eq!(
             c("1.2.3.4:5", 64),
-            crate::principal::address_hash("1.2.3.4:7"),
+            crate::admission::identity::address_hash("1.2.3.4:7"),
             "IPv4 counts as before"
         );
     }

@@ -8,7 +8,7 @@
 
 use serde_json::Value;
 
-use crate::estimate::text_tokens;
+use crate::usage::estimate::text_tokens;
 
 /// Where input and output token counts live, per API shape. The first path
 /// that holds a number wins.

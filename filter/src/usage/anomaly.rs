@@ -7,6 +7,8 @@
 //! admission reads the same key, so the breaker needs no network hop and no
 //! second source of truth. The ring is one key (bounded).
 
+use crate::state::codec::{Reader, Record, Writer};
+
 /// Minutes kept: one hour.
 pub const MINUTES: usize = 60;
 const MINUTE_MS: u64 = 60_000;
@@ -96,10 +98,33 @@ impl UsageRing {
     }
 }
 
+impl Record for UsageRing {
+    const LEN: usize = 16 + MINUTES * 16;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.newest).u64(self.surge_flagged);
+        for v in self.tokens.iter().chain(self.spend.iter()) {
+            w.u64(*v);
+        }
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        let mut ring = UsageRing {
+            newest: r.u64(),
+            surge_flagged: r.u64(),
+            ..UsageRing::default()
+        };
+        for v in ring.tokens.iter_mut().chain(ring.spend.iter_mut()) {
+            *v = r.u64();
+        }
+        ring
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::Record;
+    use crate::state::codec::Record;
 
     #[test]
     fn the_ring_keeps_an_hour_and_forgets_the_rest() {

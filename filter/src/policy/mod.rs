@@ -2,16 +2,20 @@
 //! Envoy hands the plugin (protobuf `Struct` bytes or a JSON string), and the
 //! checks that span fields. Every error names the field path.
 
+pub(crate) mod proto_struct;
+pub mod units;
+pub mod zone;
+
 use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
-use crate::bucket::{MAX_UNITS, SCALE};
-pub use crate::health::Credentials;
-use crate::units::{parse_rate, parse_size, Rate};
-use crate::zone::Zone;
+pub use crate::admission::health::Credentials;
+use crate::limits::bucket::{MAX_UNITS, SCALE};
+use crate::policy::units::{parse_rate, parse_size, Rate};
+use crate::policy::zone::Zone;
 
 /// A policy that could not be loaded: where, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -77,9 +81,9 @@ pub struct Policy {
     pub orgs: BTreeMap<String, TierConfig>,
     /// What all calendar budgets share (the timezone of their midnight).
     #[serde(default)]
-    pub budgets: crate::zone::BudgetsConfig,
+    pub budgets: crate::policy::zone::BudgetsConfig,
     /// The penalty box: callers over a threshold are blocked for a while.
-    pub abuse: Option<crate::abuse::AbuseConfig>,
+    pub abuse: Option<crate::admission::penalty::AbuseConfig>,
     /// Limits shared by every Envoy of a fleet (see `fleet`); absent: each
     /// Envoy counts alone (the embedded default).
     pub fleet: Option<crate::fleet::FleetConfig>,
@@ -87,7 +91,7 @@ pub struct Policy {
     /// its own limits (see `passthrough`); every other unknown path with a
     /// body is refused (deny by default).
     #[serde(default)]
-    pub passthrough: Vec<crate::passthrough::PassthroughRule>,
+    pub passthrough: Vec<crate::admission::passthrough::PassthroughRule>,
 }
 
 /// Consumption across all callers.
@@ -150,7 +154,7 @@ pub struct SidecarConfig {
     )]
     pub stale_after_ms: u64,
     #[serde(default)]
-    pub on_stale: crate::health::OnStale,
+    pub on_stale: crate::admission::health::OnStale,
     /// `Retry-After` of a `gpu_overloaded` 503 when the sidecar gives none.
     #[serde(
         default = "default_breaker_retry",
@@ -348,7 +352,7 @@ fn default_static_message() -> String {
 
 pub(crate) fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     let text = String::deserialize(deserializer)?;
-    crate::units::parse_duration(&text).map_err(de::Error::custom)
+    crate::policy::units::parse_duration(&text).map_err(de::Error::custom)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -566,7 +570,7 @@ pub struct ModelConfig {
     pub concurrency: Option<u32>,
     /// Fair shares of this model's buckets (`{free: 20%, anonymous: 10%}`,
     /// see `shares`); default: `defaults.shares`.
-    pub shares: Option<crate::shares::SharesConfig>,
+    pub shares: Option<crate::limits::shares::SharesConfig>,
 }
 
 pub fn default_backend() -> String {
@@ -628,7 +632,7 @@ pub struct Defaults {
     /// The shares of every model and route bucket that writes none;
     /// absent: `anonymous: 50%` when the policy declares API keys (see
     /// `shares`), `{}` turns that off.
-    pub shares: Option<crate::shares::SharesConfig>,
+    pub shares: Option<crate::limits::shares::SharesConfig>,
 }
 
 impl Default for Defaults {
@@ -673,7 +677,7 @@ pub struct RouteConfig {
     /// Requests on this route, all principals together.
     pub requests: Limit,
     /// Fair shares of the route's bucket; default: `defaults.shares`.
-    pub shares: Option<crate::shares::SharesConfig>,
+    pub shares: Option<crate::limits::shares::SharesConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -852,7 +856,7 @@ impl<'de> Deserialize<'de> for Budget {
                 Some(f) if f > 1.0 => serde_json::json!(f / 100.0),
                 _ => v.clone(),
             };
-            crate::units::parse_permille(&v)
+            crate::policy::units::parse_permille(&v)
                 .ok_or_else(|| E::custom("alert_at must be a percentage like `80%` (or 0.8)"))
         }
 
@@ -1011,7 +1015,7 @@ impl Policy {
     pub fn from_plugin_config(bytes: &[u8]) -> Result<Policy, ConfigError> {
         let value = match serde_json::from_slice::<serde_json::Value>(bytes) {
             Ok(value) => value,
-            Err(json_err) => match crate::proto_struct::decode(bytes) {
+            Err(json_err) => match crate::policy::proto_struct::decode(bytes) {
                 Some(value) => value,
                 None if looks_like_json(bytes) => {
                     return Err(ConfigError::at(".", format!("invalid JSON: {json_err}")))
@@ -1042,7 +1046,8 @@ impl Policy {
 
     /// Rules that span fields, which serde cannot see.
     fn check(&self) -> Result<(), ConfigError> {
-        crate::passthrough::check(self).map_err(|(path, why)| ConfigError::at(&path, why))?;
+        crate::admission::passthrough::check(self)
+            .map_err(|(path, why)| ConfigError::at(&path, why))?;
         if let Some(fleet) = &self.fleet {
             fleet
                 .check(self)
@@ -1290,10 +1295,13 @@ impl Policy {
                 "failures_to_open and backoff must be at least 1",
             ));
         }
-        if pr.min_callers == 0 || pr.min_callers as usize > crate::health::MAX_CALLERS {
+        if pr.min_callers == 0 || pr.min_callers as usize > crate::admission::health::MAX_CALLERS {
             return Err(ConfigError::at(
                 "protection.min_callers",
-                format!("must be between 1 and {}", crate::health::MAX_CALLERS),
+                format!(
+                    "must be between 1 and {}",
+                    crate::admission::health::MAX_CALLERS
+                ),
             ));
         }
         if pr.failure_window_ms == 0 {
@@ -1376,7 +1384,7 @@ impl Policy {
                 "must be at least 1",
             ));
         }
-        crate::shares::check(self)?;
+        crate::limits::shares::check(self)?;
         crate::queue::check(self)
     }
 }

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 
-use crate::bucket::Quota;
+use crate::limits::bucket::Quota;
 
 /// What became of a request, as metrics and the audit log say it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -372,13 +372,13 @@ pub fn unavailable(reason: Reason, why: &str, retry_after_s: u64) -> Reply {
 /// A canned answer in the shape of the API asked (`x-sluice-degraded:
 /// static`), so clients parse it like any completion.
 pub fn static_answer(
-    api: crate::request::Api,
+    api: crate::usage::demand::Api,
     model: &str,
     text: &str,
     stream: bool,
     now_ms: u64,
 ) -> Reply {
-    use crate::request::Api;
+    use crate::usage::demand::Api;
     let created = now_ms / 1000;
     let id = format!("sluice-static-{now_ms}");
     let usage = json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0});
@@ -471,7 +471,7 @@ fn ceil_secs(ms: u64) -> u64 {
 pub fn rfc3339(ms: u64) -> String {
     let secs = ms / 1000;
     let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (year, month, day) = crate::bucket::civil_from_days(days as i64);
+    let (year, month, day) = crate::limits::bucket::civil_from_days(days as i64);
     format!(
         "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
         rem / 3600,

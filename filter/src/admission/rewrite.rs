@@ -98,7 +98,7 @@ impl Engine {
     /// The canned answer for a body's last user prompt, else the message.
     pub(super) fn static_text(&self, body: Option<&Value>) -> String {
         let Some(cfg) = &self.policy.static_fallback else {
-            return crate::config::StaticFallback::default_message();
+            return crate::policy::StaticFallback::default_message();
         };
         let prompt = body.map(prompt_text).unwrap_or_default();
         let key = health::normalize_prompt(&prompt);

@@ -1,0 +1,7 @@
+//! What a request costs: its demand (the parsed body), the estimate of its
+//! tokens, the reconciliation with the real usage, and usage anomalies.
+
+pub mod anomaly;
+pub mod demand;
+pub mod estimate;
+pub mod reconcile;
