@@ -284,7 +284,7 @@ impl Default for FleetConfig {
             sync_interval: Duration::from_millis(100),
             policy: None,
             secret_file: None,
-            secret_env: sluice_filter::fleet::DEFAULT_SECRET_ENV.into(),
+            secret_env: sluice_filter::policy::fleet::DEFAULT_SECRET_ENV.into(),
             password_file: None,
             password_env: None,
             tls_ca_file: None,
@@ -396,7 +396,7 @@ impl FleetConfig {
             None => std::env::var(&self.secret_env).unwrap_or_default(),
         };
         let secret = secret.trim().to_string();
-        if secret.len() < sluice_filter::fleet::MIN_SECRET {
+        if secret.len() < sluice_filter::policy::fleet::MIN_SECRET {
             let from = match &self.secret_file {
                 Some(p) => format!("secret_file ({})", p.display()),
                 None => format!("secret_env (${})", self.secret_env),
@@ -405,7 +405,7 @@ impl FleetConfig {
                 if self.secret_file.is_some() { "secret_file" } else { "secret_env" },
                 format!(
                     "{from}: the secret shared with the Envoy beside this sidecar is required, at least {} bytes",
-                    sluice_filter::fleet::MIN_SECRET
+                    sluice_filter::policy::fleet::MIN_SECRET
                 ),
             ));
         }

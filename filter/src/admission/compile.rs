@@ -3,6 +3,7 @@
 //! costs, built once per policy load.
 
 use super::*;
+use crate::policy::ConfigError;
 
 /// What a bucket counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,6 +187,31 @@ pub(super) fn tier_limits(t: &crate::policy::TierConfig, zone: Zone) -> Vec<Tier
 }
 
 impl Engine {
+    /// Compiles a policy, then checks what only the compiled policy knows:
+    /// that no passthrough rule opens a path sluice classifies, and that
+    /// `fleet.local` names buckets (or gated backends) this policy makes —
+    /// against the compiled ids, team and organisation buckets included.
+    pub fn compile(policy: Policy) -> Result<Engine, ConfigError> {
+        passthrough::check(&policy).map_err(|(path, why)| ConfigError::at(&path, why))?;
+        let engine = Engine::new(policy);
+        if let Some(fleet) = &engine.policy.fleet {
+            let gates = crate::queue::Gates::new(&engine.policy);
+            for (i, id) in fleet.local.iter().enumerate() {
+                let bucket = engine.buckets.iter().any(|b| b.rule.id == *id);
+                let gate = id
+                    .strip_prefix("concurrency/")
+                    .is_some_and(|backend| gates.group(backend).is_some());
+                if !bucket && !gate {
+                    return Err(ConfigError::at(
+                        format!("fleet.local[{i}]"),
+                        format!("`{id}` names no bucket of this policy (tier/T/requests, team/T/requests, org/O/daily_tokens, model/M/tokens, route/R/requests, concurrency/B …)"),
+                    ));
+                }
+            }
+        }
+        Ok(engine)
+    }
+
     pub fn new(policy: Policy) -> Engine {
         let mut buckets = Vec::new();
         let mut tier_buckets: HashMap<String, Vec<usize>> = HashMap::new();
@@ -211,8 +237,8 @@ impl Engine {
             buckets.len() - 1
         };
         let zone = policy.budgets.reset_timezone;
-        let default_shares = crate::limits::shares::default_for(&policy);
-        let shares_of = |written: &Option<crate::limits::shares::SharesConfig>| {
+        let default_shares = crate::policy::shares::default_for(&policy);
+        let shares_of = |written: &Option<crate::policy::shares::SharesConfig>| {
             crate::limits::shares::Table::compile(written.as_ref().unwrap_or(&default_shares))
         };
         let mut shared: Vec<(usize, Option<crate::limits::shares::Table>)> = Vec::new();

@@ -28,6 +28,7 @@ use crate::state::codec::{Reader, Record, Writer};
 use serde::Deserialize;
 
 use crate::admission::answer::Reason;
+use crate::policy::health::{Credentials, OnStale, MAX_CALLERS};
 use crate::state::store::{Cas, SharedStore, Updated};
 
 /// The sidecar's `/v1/state`, as far as the filter needs it.
@@ -72,36 +73,6 @@ pub struct Seen {
     pub received_ms: u64,
 }
 
-/// What the sidecar's silence means once its last state is older than
-/// `stale_after`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OnStale {
-    /// Ignore the breakers (a breaker that blocks on no data takes the
-    /// service down with the sidecar). The kill switch keeps its last value:
-    /// it is an operator's decision, not a measurement.
-    #[default]
-    FailOpen,
-    /// Keep refusing what the last state refused.
-    FailClosed,
-}
-
-/// Whose credential an upstream sees (`protection.credentials`, per model
-/// `models.<name>.credentials`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Credentials {
-    /// The client's own `Authorization`/`x-api-key` goes upstream: a 429 is
-    /// about that credential.
-    #[default]
-    PassThrough,
-    /// Envoy injects one credential for everyone: a 429 is about the route.
-    Injected,
-}
-
-/// Distinct failing callers one route record remembers; the most
-/// `protection.min_callers` may ask for.
-pub const MAX_CALLERS: usize = 8;
 /// How long a claimed half-open probe keeps other requests out, at most
 /// (a probe whose answer never comes must not block the route for good).
 pub const PROBE_LEASE_MS: u64 = 30_000;

@@ -26,8 +26,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 
-use sha2::{Digest, Sha256};
-
+use crate::policy::keys::{fnv1a, key_principal, sha256_hex};
 use crate::policy::{IdentityConfig, IdentitySource, KeyEntry, Policy, UnknownKeys};
 
 /// What the identity step may read of a request.
@@ -190,14 +189,6 @@ impl Resolver {
             .iter()
             .map(|(hash, entry)| (key_principal(hash), entry.tier.clone()))
             .collect()
-    }
-
-    /// The principal an API key (raw or `sha256:<hex>`) has when presented.
-    pub fn principal_of_key(key: &str) -> String {
-        match key.strip_prefix("sha256:") {
-            Some(hex) => key_principal(&hex.to_ascii_lowercase()),
-            None => key_principal(&sha256_hex(key.as_bytes())),
-        }
     }
 
     /// SHA-256 (hex) of a presented key, from the cache when seen before.
@@ -371,11 +362,6 @@ impl Resolver {
     }
 }
 
-/// How an API key is named as a principal: a prefix of its SHA-256.
-fn key_principal(hash: &str) -> String {
-    format!("key:{}", hash.get(..16).unwrap_or(hash))
-}
-
 /// The token of `Bearer <token>`, the scheme in any case (RFC 9110 §11.1);
 /// `None` for another scheme, a refusal for a bearer with no token.
 fn bearer_token(value: &str) -> Result<Option<String>, Refusal> {
@@ -390,36 +376,12 @@ fn bearer_token(value: &str) -> Result<Option<String>, Refusal> {
     }
 }
 
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
-}
-
-/// Lower-case hex of bytes.
-pub fn hex(bytes: &[u8]) -> String {
-    // No `format!` per byte: this runs on every request.
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
-    }
-    out
-}
-
 /// FNV-1a, 64 bits: stable across builds (slots survive an upgrade) and
 /// cheap on every request. It only places buckets: a crafted collision can
 /// at worst share a slot chain or budget-sketch cells, which refuses early,
 /// never admits more.
 fn principal_hash(principal: &str) -> u64 {
     fnv1a(principal.as_bytes())
-}
-
-/// 64-bit FNV-1a: the one cheap, unkeyed hash of the filter's tables
-/// (principals, groups of a share, credential fingerprints).
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// The hash of a client address as a principal (`ip:<address>`), port
@@ -762,7 +724,7 @@ mod tests {
     fn key_hashes_are_cached_bounded_and_equal_to_sha256() {
         let r = front_door();
         assert_eq!(
-            hex(&[0x00, 0x0f, 0xa5, 0xff]),
+            crate::policy::keys::hex(&[0x00, 0x0f, 0xa5, 0xff]),
             "000fa5ff",
             "hex is lower-case, two digits a byte"
         );

@@ -18,6 +18,7 @@ use crate::limits::bucket::Quota;
 use crate::limits::reservation::{
     prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope,
 };
+use crate::policy::health::OnStale;
 use crate::policy::zone::Zone;
 use crate::policy::{Budget, Limit, Mode, Policy, Window};
 use crate::state::codec::Record;
@@ -27,7 +28,7 @@ use crate::usage::demand::{self, Api, Demand};
 use crate::usage::estimate::{self, Correction};
 use crate::usage::reconcile::Found;
 use answer::{Decision, Degraded, Limited, Reason, Reply};
-use health::{OnStale, Pushback, Route, Seen, Situation};
+use health::{Pushback, Route, Seen, Situation};
 
 pub mod admit;
 pub mod answer;
@@ -421,7 +422,7 @@ impl Engine {
     pub fn audit_principal(&self, identity: &Identity) -> String {
         let salt = self.policy.audit.as_ref().map_or("", |a| a.salt.as_str());
         let salted = format!("{salt}\n{}", identity.principal);
-        crate::admission::identity::sha256_hex(salted.as_bytes())[..32].to_string()
+        crate::policy::keys::sha256_hex(salted.as_bytes())[..32].to_string()
     }
 }
 

@@ -11,32 +11,9 @@
 //! is reserved for it: what such a request makes the upstream do is not
 //! bounded by any budget. That is the price of opening a path.
 
-use serde::Deserialize;
-
-use crate::policy::{Limit, Policy};
+use crate::policy::passthrough::PassthroughRule;
+use crate::policy::Policy;
 use crate::usage::demand::{canonical_path, Api};
-
-/// `passthrough: [{path: /v1/audio/transcriptions, requests: 10/min}]`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PassthroughRule {
-    /// The one path this rule opens (compared in canonical form).
-    pub path: Option<String>,
-    /// Or every path under this prefix, at a segment boundary.
-    pub prefix: Option<String>,
-    /// The methods it opens (default: `[POST]`).
-    #[serde(default = "default_methods")]
-    pub methods: Vec<String>,
-    /// Requests through this rule, all callers together.
-    pub requests: Limit,
-    /// A model (under `models`) whose request limits and concurrency these
-    /// requests count against too.
-    pub model: Option<String>,
-}
-
-fn default_methods() -> Vec<String> {
-    vec!["POST".into()]
-}
 
 /// A rule as requests are matched against it.
 #[derive(Debug, Clone)]
@@ -171,7 +148,9 @@ pub fn check(policy: &Policy) -> Result<(), (String, String)> {
 mod tests {
     use super::*;
 
-    fn policy(rules: serde_json::Value) -> Result<Policy, crate::policy::ConfigError> {
+    fn policy(
+        rules: serde_json::Value,
+    ) -> Result<crate::admission::Engine, crate::policy::ConfigError> {
         Policy::from_value(serde_json::json!({
             "default_tier": "free",
             "identity": {"sources": ["client_address"]},
@@ -179,6 +158,7 @@ mod tests {
             "models": {"whisper": {"requests": "5/min"}},
             "passthrough": rules,
         }))
+        .and_then(crate::admission::Engine::compile)
     }
 
     #[test]
@@ -188,7 +168,7 @@ mod tests {
             {"prefix": "/v1/images", "methods": ["post", "PUT"], "requests": "5/min"},
         ]))
         .unwrap();
-        let rules = compile(&p.passthrough);
+        let rules = compile(&p.policy.passthrough);
         let find = |m: &str, path: &str| find(&rules, m, &canonical_path(path).unwrap());
         assert_eq!(
             find("POST", "/v1/audio/transcriptions"),
@@ -251,7 +231,7 @@ mod tests {
                 "passthrough[0].bogus",
             ),
         ] {
-            let e = policy(rules.clone()).unwrap_err();
+            let e = policy(rules.clone()).map(|_| ()).unwrap_err();
             assert_eq!(e.path, path, "{rules}: {e}");
         }
     }

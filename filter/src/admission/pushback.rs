@@ -20,13 +20,14 @@
 //! unlisted models in one slot share a breaker and pauses), and
 //! `credential_slots` pause slots. Nothing grows with traffic.
 
-use crate::admission::identity::fnv1a;
+use crate::policy::keys::fnv1a;
 use sha2::{Digest, Sha256};
 
 use crate::admission::answer::{self, Reason};
-use crate::admission::health::{self, Answer, Credentials, Protection, Pushback, Recorded};
+use crate::admission::health::{self, Answer, Protection, Pushback, Recorded};
 use crate::admission::identity::{Identity, RequestView};
 use crate::admission::{Engine, Routed, Verdict};
+use crate::policy::health::Credentials;
 use crate::state::codec::Record;
 use crate::state::store::{Cas, SharedStore};
 

@@ -319,6 +319,8 @@ fn the_fleet_section_is_checked_with_field_paths() {
     for (fleet, path) in bad {
         let p = policy(json!({"requests": "10/min"}), fleet.clone());
         let err = crate::policy::Policy::from_value(p)
+            .and_then(crate::admission::Engine::compile)
+            .map(|_| ())
             .unwrap_err()
             .to_string();
         assert!(err.contains(path), "{fleet}: {err}");
@@ -531,9 +533,10 @@ fn the_salt_and_the_secret_are_required() {
     }
     // No secret in the VM's environment: the policy does not load.
     let host = MockHost::new(T0);
-    host.env
-        .borrow_mut()
-        .insert(DEFAULT_SECRET_ENV.into(), "too-short".into());
+    host.env.borrow_mut().insert(
+        crate::policy::fleet::DEFAULT_SECRET_ENV.into(),
+        "too-short".into(),
+    );
     let mut poller = Poller::new();
     let p = policy(json!({"requests": "10/min"}), json!({}));
     assert!(!poller.configure(&host, p.to_string().as_bytes()));
@@ -541,7 +544,8 @@ fn the_salt_and_the_secret_are_required() {
         host.logs
             .borrow()
             .iter()
-            .any(|(_, m)| m.contains("fleet.secret_env") && m.contains(DEFAULT_SECRET_ENV)),
+            .any(|(_, m)| m.contains("fleet.secret_env")
+                && m.contains(crate::policy::fleet::DEFAULT_SECRET_ENV)),
         "{:?}",
         host.logs.borrow()
     );

@@ -12,7 +12,8 @@
 use super::{waiting, Stream};
 use crate::admission::identity::Identity;
 use crate::admission::Verdict;
-use crate::host::{Host, HostRequest};
+use crate::flow::HostRequest;
+use crate::host::Host;
 
 /// Declared bodies above this are checked before they are read.
 pub(super) const EARLY_REFUSAL_BYTES: u64 = 16 * 1024;

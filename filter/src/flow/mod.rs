@@ -23,7 +23,7 @@ use crate::admission::health::{self, Pushback, Seen};
 use crate::admission::identity::Identity;
 use crate::admission::pushback::UpstreamReply;
 use crate::admission::{Engine, Plan, RequestContext, Routed, Verdict};
-use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
+use crate::host::{Action, Host, LogLevel, MetricKind};
 use crate::policy::Policy;
 use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Contention, Updated};
@@ -261,7 +261,15 @@ impl Poller {
                 return false;
             }
         };
-        let mut filter = Filter::new(Engine::new(policy));
+        let engine = match Engine::compile(policy) {
+            Ok(engine) => engine,
+            Err(err) => {
+                host.log(LogLevel::Error, &err.to_string());
+                add(host, telemetry::CONFIG_REJECTED, 1);
+                return false;
+            }
+        };
+        let mut filter = Filter::new(engine);
         filter.vm = self.vm.clone();
         filter.waiters = self.vm.waiters.clone();
         filter.define_metrics(host);
@@ -881,7 +889,7 @@ impl Stream {
             sha2::Digest::update(hash, &chunk);
             if end {
                 let digest = sha2::Digest::finalize(hash.clone());
-                let hex = crate::admission::identity::hex(&digest);
+                let hex = crate::policy::keys::hex(&digest);
                 self.audit(host, "sluice_response_sha256", &hex);
             }
         }
@@ -1086,7 +1094,7 @@ impl Stream {
             self.audit(
                 host,
                 "sluice_request_sha256",
-                &crate::admission::identity::sha256_hex(body),
+                &crate::policy::keys::sha256_hex(body),
             );
             self.response_hash = Some(sha2::Digest::new());
         }
@@ -1453,6 +1461,42 @@ impl Record for PollLease {
     /// By prefix: a missing word reads as 0 (a free lease).
     fn decode(bytes: &[u8]) -> Self {
         Self::read(&mut Reader::new(bytes))
+    }
+}
+
+/// The request as identity reads it: headers from a snapshot taken once
+/// (one host call instead of one per header), or from the host when there
+/// is none; claims and address through the host.
+pub struct HostRequest<'a>(pub &'a dyn Host, pub Option<&'a [(String, String)]>);
+
+impl crate::admission::identity::RequestView for HostRequest<'_> {
+    fn header(&self, name: &str) -> Option<String> {
+        match self.1 {
+            Some(headers) => headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.clone()),
+            None => self.0.request_header(name),
+        }
+    }
+
+    fn header_count(&self, name: &str) -> usize {
+        match self.1 {
+            Some(headers) => headers
+                .iter()
+                .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                .count(),
+            None => self.0.request_header_count(name),
+        }
+    }
+
+    fn jwt_claim(&self, namespace: &str, payload_key: &str, claim: &str) -> Option<String> {
+        let path = ["metadata", "filter_metadata", namespace, payload_key, claim];
+        String::from_utf8(self.0.property(&path)?).ok()
+    }
+
+    fn client_address(&self) -> Option<String> {
+        String::from_utf8(self.0.property(&["source", "address"])?).ok()
     }
 }
 

@@ -29,8 +29,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::Filter;
-use crate::fleet::Unavailable;
 use crate::host::{Host, LogLevel, MetricKind};
+use crate::policy::fleet::Unavailable;
 use crate::queue::{self, slots_scope, Group, State};
 
 /// A report at least this often while slots are held (liveness).

@@ -607,7 +607,7 @@ fn audit_fields_are_written_and_bounded() {
     );
     assert_eq!(
         host.state("sluice_response_sha256").unwrap(),
-        crate::admission::identity::sha256_hex(
+        crate::policy::keys::sha256_hex(
             b"{\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1}}"
         )
     );
@@ -871,7 +871,7 @@ fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_
     );
     let used = || {
         let (bytes, _) = host.get("sluice:v1:model/m/tokens").unwrap();
-        crate::limits::bucket::BucketState::decode(&bytes).used / crate::limits::bucket::SCALE
+        crate::limits::bucket::BucketState::decode(&bytes).used / crate::policy::units::SCALE
     };
     let usage = |completion: u64| {
         format!(

@@ -344,7 +344,8 @@ impl Host for MockHost {
 
     fn env_var(&self, name: &str) -> Option<String> {
         self.env.borrow().get(name).cloned().or_else(|| {
-            (name == crate::fleet::DEFAULT_SECRET_ENV).then(|| MOCK_FLEET_SECRET.to_string())
+            (name == crate::policy::fleet::DEFAULT_SECRET_ENV)
+                .then(|| MOCK_FLEET_SECRET.to_string())
         })
     }
 

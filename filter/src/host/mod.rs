@@ -7,7 +7,6 @@
 //! runs in native tests. Every method takes `&self` and no generics, so the
 //! core holds it as `&dyn Host`.
 
-use crate::admission::identity::RequestView;
 use crate::state::store::SharedStore;
 
 #[cfg(not(target_arch = "wasm32"))]
@@ -122,40 +121,4 @@ pub trait Host: SharedStore {
     /// answered), or from the root the effective context's. `false`: the
     /// stream is gone.
     fn resume_request(&self) -> bool;
-}
-
-/// The request as identity reads it: headers from a snapshot taken once
-/// (one host call instead of one per header), or from the host when there
-/// is none; claims and address through the host.
-pub struct HostRequest<'a>(pub &'a dyn Host, pub Option<&'a [(String, String)]>);
-
-impl RequestView for HostRequest<'_> {
-    fn header(&self, name: &str) -> Option<String> {
-        match self.1 {
-            Some(headers) => headers
-                .iter()
-                .find(|(n, _)| n.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.clone()),
-            None => self.0.request_header(name),
-        }
-    }
-
-    fn header_count(&self, name: &str) -> usize {
-        match self.1 {
-            Some(headers) => headers
-                .iter()
-                .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-                .count(),
-            None => self.0.request_header_count(name),
-        }
-    }
-
-    fn jwt_claim(&self, namespace: &str, payload_key: &str, claim: &str) -> Option<String> {
-        let path = ["metadata", "filter_metadata", namespace, payload_key, claim];
-        String::from_utf8(self.0.property(&path)?).ok()
-    }
-
-    fn client_address(&self) -> Option<String> {
-        String::from_utf8(self.0.property(&["source", "address"])?).ok()
-    }
 }

@@ -11,13 +11,10 @@
 //! saturating for any limit and clock (a zero rate refills nothing, a wait
 //! is at most [`MAX_WAIT_MS`]).
 
+use crate::policy::units::SCALE;
 use crate::policy::{Limit, Window};
 use crate::state::codec::{Reader, Record, Writer};
 
-/// Millionths of a unit per unit.
-pub const SCALE: u64 = 1_000_000;
-/// The most units a bucket can count: `used` holds millionths in a u64.
-pub const MAX_UNITS: u64 = u64::MAX / SCALE;
 /// The longest wait a bucket reports (a year and a day), whatever its rate:
 /// keeps `now + wait` and header values far from overflow.
 pub const MAX_WAIT_MS: u64 = 366 * DAY_MS;
@@ -377,7 +374,7 @@ mod tests {
             Just(1),
             Just(u64::MAX),
             Just(u64::MAX - 1),
-            Just(MAX_UNITS),
+            Just(crate::policy::units::MAX_UNITS),
             Just(u32::MAX as u64),
             0u64..100_000,
             any::<u64>(),

@@ -53,8 +53,9 @@
 //! answer. Between the take and the give-back a concurrent request may see
 //! those units in use and be refused: the error is on the safe side.
 
-use crate::limits::bucket::{window_start, BucketState, Quota, Shortfall, SCALE};
+use crate::limits::bucket::{window_start, BucketState, Quota, Shortfall};
 use crate::limits::shares::Pool;
+use crate::policy::units::SCALE;
 use crate::policy::Limit;
 use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{self, Attempt, Contention, SharedStore, StoreError, Updated};
@@ -1356,7 +1357,7 @@ mod tests {
                 let before = used();
                 match r.reserve(&c, by(5), 0, &mut Contention::default()) {
                     Ok(res) => {
-                        prop_assert!(used() <= 10_000 * crate::limits::bucket::SCALE || before > 10_000 * crate::limits::bucket::SCALE);
+                        prop_assert!(used() <= 10_000 * crate::policy::units::SCALE || before > 10_000 * crate::policy::units::SCALE);
                         pending.push((res.held, actual.min(reserve)));
                     }
                     Err(_) => prop_assert_eq!(used(), before),
@@ -1372,7 +1373,7 @@ mod tests {
                 r.settle(&held[0], actual, 0, &mut Contention::default());
                 actual_total += actual;
             }
-            prop_assert_eq!(used(), actual_total * crate::limits::bucket::SCALE);
+            prop_assert_eq!(used(), actual_total * crate::policy::units::SCALE);
         }
 
         /// Random reserve/release sequences across principals: no bucket
@@ -1405,7 +1406,7 @@ mod tests {
                 }
                 let (bytes, _) = store.get("sluice:v1:model/m").unwrap();
                 let state = BucketState::decode(&bytes);
-                prop_assert_eq!(state.used, per_model as u64 * crate::limits::bucket::SCALE);
+                prop_assert_eq!(state.used, per_model as u64 * crate::policy::units::SCALE);
             }
         }
     }

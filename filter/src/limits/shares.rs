@@ -75,131 +75,16 @@
 //! In fleet mode the shares hold in each Envoy's local bucket; the fleet's
 //! lease still bounds the total (see README, "Fair shares").
 
-use std::collections::BTreeMap;
-use std::fmt;
-
-use serde::de::{self, Deserializer, MapAccess, Visitor};
-use serde::Deserialize;
-
 use crate::limits::bucket::{
-    next_window, window_start, BucketState, Quota, Shortfall, MAX_WAIT_MS, SCALE,
+    next_window, window_start, BucketState, Quota, Shortfall, MAX_WAIT_MS,
 };
-use crate::policy::{ConfigError, Limit, Policy};
+use crate::policy::shares::{SharesConfig, ANONYMOUS, MAX_GROUPS};
+use crate::policy::units::SCALE;
+use crate::policy::Limit;
 use crate::state::codec::{Reader, Record, Writer};
 
-/// The group of every undeclared caller in `shares`.
-pub const ANONYMOUS: &str = "anonymous";
-/// What `anonymous` may hold of a shared bucket when the policy declares
-/// API keys and writes no shares: half.
-pub const DEFAULT_ANONYMOUS_PERMILLE: u32 = 500;
-/// Most named groups in one `shares` map (and accounts read from a record).
-pub const MAX_GROUPS: usize = 64;
 /// A refused group refreshes its `seen` at most this often.
 const MARK_EVERY_MS: u64 = 1_000;
-
-/// `shares:` as written: group name → share, in thousandths (`20%` → 200).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct SharesConfig(pub BTreeMap<String, u32>);
-
-impl<'de> Deserialize<'de> for SharesConfig {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct SharesVisitor;
-        impl<'de> Visitor<'de> for SharesVisitor {
-            type Value = SharesConfig;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a map of tier (or `anonymous`) to a share like `20%`")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SharesConfig, A::Error> {
-                let mut out = BTreeMap::new();
-                while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
-                    let permille = parse_share(&value).ok_or_else(|| {
-                        de::Error::custom(format!(
-                            "{name}: a share must be a percentage like `20%` (or a fraction like 0.2), above 0 and at most 100%"
-                        ))
-                    })?;
-                    if out.insert(name.clone(), permille).is_some() {
-                        return Err(de::Error::custom(format!("{name}: listed twice")));
-                    }
-                }
-                Ok(SharesConfig(out))
-            }
-        }
-        deserializer.deserialize_map(SharesVisitor)
-    }
-}
-
-use crate::policy::units::parse_permille as parse_share;
-
-/// Checks every `shares` map (models, routes, `defaults.shares`): names
-/// are tiers or `anonymous`, and a map sums to at most 100 %.
-pub fn check(p: &Policy) -> Result<(), ConfigError> {
-    let mut maps: Vec<(String, &SharesConfig)> = Vec::new();
-    if let Some(s) = &p.defaults.shares {
-        maps.push(("defaults.shares".into(), s));
-    }
-    for (name, m) in &p.models {
-        if let Some(s) = &m.shares {
-            if m.requests.is_none() && m.tokens.is_none() {
-                return Err(ConfigError::at(
-                    format!("models.{name}.shares"),
-                    "the model has no `requests` or `tokens` bucket to share",
-                ));
-            }
-            maps.push((format!("models.{name}.shares"), s));
-        }
-    }
-    for (i, r) in p.routes.iter().enumerate() {
-        if let Some(s) = &r.shares {
-            maps.push((format!("routes[{i}].shares"), s));
-        }
-    }
-    for (path, shares) in maps {
-        if shares.0.len() > MAX_GROUPS {
-            return Err(ConfigError::at(
-                path,
-                format!("at most {MAX_GROUPS} groups"),
-            ));
-        }
-        for name in shares.0.keys() {
-            if name != ANONYMOUS && !p.tiers.contains_key(name) {
-                return Err(ConfigError::at(
-                    format!("{path}.{name}"),
-                    format!("`{name}` is neither a tier under `tiers` nor `{ANONYMOUS}`"),
-                ));
-            }
-        }
-        let sum: u32 = shares.0.values().sum();
-        if sum > 1000 {
-            return Err(ConfigError::at(
-                path,
-                format!("shares sum to {}.{}%, more than 100%", sum / 10, sum % 10),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The shares a bucket gets when it writes none: `defaults.shares` if
-/// written, else `anonymous: 50%` when the policy declares API keys (there
-/// is someone to protect), else none.
-pub fn default_for(p: &Policy) -> SharesConfig {
-    if let Some(s) = &p.defaults.shares {
-        return s.clone();
-    }
-    let declares = p
-        .identity
-        .api_key
-        .as_ref()
-        .is_some_and(|k| !k.keys.is_empty());
-    if declares {
-        SharesConfig(BTreeMap::from([(
-            ANONYMOUS.to_string(),
-            DEFAULT_ANONYMOUS_PERMILLE,
-        )]))
-    } else {
-        SharesConfig::default()
-    }
-}
 
 /// One named group of a compiled table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -255,7 +140,7 @@ impl Table {
 /// Stable across reloads (the record keeps accounts by it): FNV-1a of the
 /// name, never 0 ([`REST`]).
 fn group_id(name: &str) -> u64 {
-    crate::admission::identity::fnv1a(name.as_bytes()).max(1)
+    crate::policy::keys::fnv1a(name.as_bytes()).max(1)
 }
 
 /// What one named group holds of a shared bucket.
@@ -647,8 +532,12 @@ fn active(a: &Account, limit: &Limit, now_ms: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::shares::*;
+    use crate::policy::units::parse_permille as parse_share;
     use crate::policy::units::Rate;
+    use crate::policy::Policy;
     use proptest::prelude::*;
+    use std::collections::BTreeMap;
 
     fn limit(amount: u64, period_ms: u64) -> Limit {
         Limit {

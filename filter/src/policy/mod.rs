@@ -2,7 +2,14 @@
 //! Envoy hands the plugin (protobuf `Struct` bytes or a JSON string), and the
 //! checks that span fields. Every error names the field path.
 
+pub mod abuse;
+pub mod fleet;
+pub mod health;
+pub mod keys;
+pub mod passthrough;
 pub(crate) mod proto_struct;
+pub mod queue;
+pub mod shares;
 pub mod units;
 pub mod zone;
 
@@ -12,9 +19,8 @@ use std::fmt;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
-pub use crate::admission::health::Credentials;
-use crate::limits::bucket::{MAX_UNITS, SCALE};
-use crate::policy::units::{parse_rate, parse_size, Rate};
+pub use crate::policy::health::Credentials;
+use crate::policy::units::{parse_rate, parse_size, Rate, MAX_UNITS, SCALE};
 use crate::policy::zone::Zone;
 
 /// A policy that could not be loaded: where, and why.
@@ -66,13 +72,13 @@ pub struct Policy {
     pub anomaly: Option<AnomalyConfig>,
     /// Workload classes: who waits for capacity and how long (see `queue`).
     #[serde(default)]
-    pub classes: BTreeMap<String, crate::queue::ClassConfig>,
+    pub classes: BTreeMap<String, crate::policy::queue::ClassConfig>,
     /// The class of callers whose tier, claim or header names none;
     /// absent: such callers are refused at once when capacity is out.
     pub default_class: Option<String>,
     /// Limits per backend, all its models together.
     #[serde(default)]
-    pub backends: BTreeMap<String, crate::queue::BackendConfig>,
+    pub backends: BTreeMap<String, crate::policy::queue::BackendConfig>,
     /// Limits of each team, all its members together (see `hierarchy`).
     #[serde(default)]
     pub teams: BTreeMap<String, TierConfig>,
@@ -83,15 +89,15 @@ pub struct Policy {
     #[serde(default)]
     pub budgets: crate::policy::zone::BudgetsConfig,
     /// The penalty box: callers over a threshold are blocked for a while.
-    pub abuse: Option<crate::admission::penalty::AbuseConfig>,
+    pub abuse: Option<crate::policy::abuse::AbuseConfig>,
     /// Limits shared by every Envoy of a fleet (see `fleet`); absent: each
     /// Envoy counts alone (the embedded default).
-    pub fleet: Option<crate::fleet::FleetConfig>,
+    pub fleet: Option<crate::policy::fleet::FleetConfig>,
     /// Paths sluice does not read that may still go upstream, each with
     /// its own limits (see `passthrough`); every other unknown path with a
     /// body is refused (deny by default).
     #[serde(default)]
-    pub passthrough: Vec<crate::admission::passthrough::PassthroughRule>,
+    pub passthrough: Vec<crate::policy::passthrough::PassthroughRule>,
 }
 
 /// Consumption across all callers.
@@ -154,7 +160,7 @@ pub struct SidecarConfig {
     )]
     pub stale_after_ms: u64,
     #[serde(default)]
-    pub on_stale: crate::admission::health::OnStale,
+    pub on_stale: crate::policy::health::OnStale,
     /// `Retry-After` of a `gpu_overloaded` 503 when the sidecar gives none.
     #[serde(
         default = "default_breaker_retry",
@@ -570,7 +576,7 @@ pub struct ModelConfig {
     pub concurrency: Option<u32>,
     /// Fair shares of this model's buckets (`{free: 20%, anonymous: 10%}`,
     /// see `shares`); default: `defaults.shares`.
-    pub shares: Option<crate::limits::shares::SharesConfig>,
+    pub shares: Option<crate::policy::shares::SharesConfig>,
 }
 
 pub fn default_backend() -> String {
@@ -632,7 +638,7 @@ pub struct Defaults {
     /// The shares of every model and route bucket that writes none;
     /// absent: `anonymous: 50%` when the policy declares API keys (see
     /// `shares`), `{}` turns that off.
-    pub shares: Option<crate::limits::shares::SharesConfig>,
+    pub shares: Option<crate::policy::shares::SharesConfig>,
 }
 
 impl Default for Defaults {
@@ -677,7 +683,7 @@ pub struct RouteConfig {
     /// Requests on this route, all principals together.
     pub requests: Limit,
     /// Fair shares of the route's bucket; default: `defaults.shares`.
-    pub shares: Option<crate::limits::shares::SharesConfig>,
+    pub shares: Option<crate::policy::shares::SharesConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1046,8 +1052,6 @@ impl Policy {
 
     /// Rules that span fields, which serde cannot see.
     fn check(&self) -> Result<(), ConfigError> {
-        crate::admission::passthrough::check(self)
-            .map_err(|(path, why)| ConfigError::at(&path, why))?;
         if let Some(fleet) = &self.fleet {
             fleet
                 .check(self)
@@ -1295,12 +1299,12 @@ impl Policy {
                 "failures_to_open and backoff must be at least 1",
             ));
         }
-        if pr.min_callers == 0 || pr.min_callers as usize > crate::admission::health::MAX_CALLERS {
+        if pr.min_callers == 0 || pr.min_callers as usize > crate::policy::health::MAX_CALLERS {
             return Err(ConfigError::at(
                 "protection.min_callers",
                 format!(
                     "must be between 1 and {}",
-                    crate::admission::health::MAX_CALLERS
+                    crate::policy::health::MAX_CALLERS
                 ),
             ));
         }
@@ -1384,8 +1388,8 @@ impl Policy {
                 "must be at least 1",
             ));
         }
-        crate::limits::shares::check(self)?;
-        crate::queue::check(self)
+        crate::policy::shares::check(self)?;
+        crate::policy::queue::check(self)
     }
 }
 

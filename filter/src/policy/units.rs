@@ -156,6 +156,12 @@ fn parse_count(text: &str) -> Result<u64, String> {
     digits.parse().map_err(|_| format!("`{text}` is too large"))
 }
 
+/// Millionths of a unit per unit.
+pub const SCALE: u64 = 1_000_000;
+
+/// The most units a bucket can count: `used` holds millionths in a u64.
+pub const MAX_UNITS: u64 = u64::MAX / SCALE;
+
 #[cfg(test)]
 mod tests {
     use super::*;
