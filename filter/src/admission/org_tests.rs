@@ -231,3 +231,22 @@ fn rome_daily_budget_resets_at_local_midnight_across_the_autumn_changeover() {
     resets_at_rome_midnight(utc(2026, 10, 24, 22, 0));
     resets_at_rome_midnight(utc(2026, 10, 25, 23, 0));
 }
+
+/// `fleet.local` is checked against the compiled bucket ids: a team's or an
+/// organisation's bucket can be kept per Envoy (the old check re-derived
+/// the ids with its own grammar, knew no team or org, and refused these
+/// policies at load); a bucket the policy does not make is still refused.
+#[test]
+fn fleet_local_may_name_team_and_org_buckets() {
+    let with_local = |local: Value| {
+        let mut p = hierarchy();
+        p["sidecar"] = json!({"cluster": "sc"});
+        p["fleet"] = json!({"salt": "0123456789abcdef0123", "local": local});
+        Policy::from_value(p).and_then(Engine::compile).map(|_| ())
+    };
+    with_local(json!(["team/search/requests", "org/acme/daily_spend"])).unwrap();
+    let err = with_local(json!(["team/nope/requests"])).unwrap_err();
+    assert_eq!(err.path, "fleet.local[0]", "{err}");
+    let err = with_local(json!(["tier/pro/requests", "org/acme/requests"])).unwrap_err();
+    assert_eq!(err.path, "fleet.local[1]", "{err}");
+}
