@@ -24,6 +24,11 @@ pub const SIDECAR_SERVICE: &str = "sluice-sidecar";
 /// The sidecar's port.
 pub const SIDECAR_PORT: u16 = 9911;
 
+/// Gateway replicas of the fleet overlay (`fleet.expected_replicas`).
+pub const FLEET_REPLICAS: u64 = 3;
+/// What the fleet overlay ships as `fleet.salt`: replace it.
+pub const FLEET_SALT_PLACEHOLDER: &str = "replace-me-openssl-rand-hex-16";
+
 /// The sidecar's in-cluster DNS name.
 pub fn sidecar_host() -> String {
     format!("{SIDECAR_SERVICE}.{NAMESPACE}.svc.cluster.local")
@@ -408,6 +413,139 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
     out.push((
         "deploy/overlays/envoy-gateway/envoyextensionpolicy.yaml".into(),
         yaml_doc("envoy/sluice.yaml's policy, deploy/release.env", &eep)?,
+    ));
+
+    // Fleet (on top of envoy-gateway): every gateway pod runs the fleet
+    // agent beside Envoy (its fleet endpoints answer loopback only), so the
+    // filter's sidecar cluster is 127.0.0.1:9911; the policy gets `fleet:`.
+    let mut fleet_policy = base_policy.clone();
+    if let Some(p) = fleet_policy.as_mapping_mut() {
+        p.insert(
+            "fleet".into(),
+            parse(&format!(
+                "expected_replicas: {FLEET_REPLICAS}\n\
+                 # The same on every Envoy of the fleet, at least 16 bytes. sluice\n\
+                 # reads it from the policy only: replace it (`openssl rand -hex 16`)\n\
+                 # and keep this object readable by operators alone.\n\
+                 salt: {FLEET_SALT_PLACEHOLDER}\n\
+                 secret_env: SLUICE_FLEET_SECRET\n"
+            )),
+        );
+    }
+    out.push((
+        "deploy/overlays/fleet/policy.yaml".into(),
+        yaml_doc(
+            "the policy of envoy/sluice.yaml with fleet:",
+            &configmap(
+                "sluice-policy",
+                "policy.yaml",
+                serde_yaml::to_string(&fleet_policy)?,
+            ),
+        )?,
+    ));
+    let mut fleet_eep = eep.clone();
+    if let Some(w) = fleet_eep["spec"]["wasm"][0].as_mapping_mut() {
+        w.insert("config".into(), fleet_policy);
+        // The VM reads the fleet secret from Envoy's environment.
+        w.insert("env".into(), parse("{hostKeys: [SLUICE_FLEET_SECRET]}"));
+    }
+    out.push((
+        "deploy/overlays/fleet/envoyextensionpolicy.yaml".into(),
+        yaml_doc("envoy/sluice.yaml's policy with fleet:, deploy/release.env", &fleet_eep)?,
+    ));
+    let mut fleet_bootstrap = eg_bootstrap.clone();
+    fleet_bootstrap["static_resources"] = parse(
+        "clusters:
+  - name: sluice_sidecar
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: sluice_sidecar
+      endpoints:
+        - lb_endpoints:
+            - endpoint:
+                address:
+                  socket_address: { address: 127.0.0.1, port_value: 9911 }
+",
+    );
+    let agent = parse(&format!(
+        "spec:
+  template:
+    spec:
+      containers:
+        - name: envoy
+          env:
+            - name: SLUICE_FLEET_SECRET
+              valueFrom: {{ secretKeyRef: {{ name: sluice-fleet, key: secret }} }}
+        - name: sluice-fleet-agent
+          image: {image}
+          args: [serve, --config, /etc/sluice/sidecar.yaml]
+          ports: [{{ name: sluice, containerPort: 9911 }}]
+          readinessProbe: {{ httpGet: {{ path: /healthz, port: 9911 }}, periodSeconds: 5 }}
+          livenessProbe: {{ httpGet: {{ path: /healthz, port: 9911 }}, periodSeconds: 10 }}
+          resources:
+            requests: {{ cpu: 50m, memory: 64Mi }}
+            limits: {{ memory: 256Mi }}
+          securityContext:
+            runAsNonRoot: true
+            runAsUser: 65532
+            allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
+            capabilities: {{ drop: [ALL] }}
+          volumeMounts:
+            - {{ name: sluice-config, mountPath: /etc/sluice/sidecar.yaml, subPath: sidecar.yaml, readOnly: true }}
+            - {{ name: sluice-policy, mountPath: /etc/sluice/policy, readOnly: true }}
+            - {{ name: sluice-admin, mountPath: /etc/sluice/admin, readOnly: true }}
+            - {{ name: sluice-fleet, mountPath: /etc/sluice/fleet, readOnly: true }}
+            - {{ name: sluice-state, mountPath: /var/lib/sluice }}
+      volumes:
+        - {{ name: sluice-config, configMap: {{ name: sluice-sidecar-config }} }}
+        - {{ name: sluice-policy, configMap: {{ name: sluice-policy }} }}
+        - {{ name: sluice-admin, secret: {{ secretName: sluice-admin, defaultMode: 0400 }} }}
+        - {{ name: sluice-fleet, secret: {{ secretName: sluice-fleet, defaultMode: 0400 }} }}
+        - {{ name: sluice-state, emptyDir: {{}} }}
+",
+        image = release.sidecar_image
+    ));
+    let fleet_envoyproxy = map(vec![
+        ("apiVersion", literal("gateway.envoyproxy.io/v1alpha1")),
+        ("kind", literal("EnvoyProxy")),
+        ("metadata", parse("{name: sluice}")),
+        (
+            "spec",
+            map(vec![
+                (
+                    "provider",
+                    map(vec![
+                        ("type", literal("Kubernetes")),
+                        (
+                            "kubernetes",
+                            map(vec![(
+                                "envoyDeployment",
+                                map(vec![
+                                    ("replicas", Value::from(FLEET_REPLICAS)),
+                                    (
+                                        "patch",
+                                        map(vec![("type", literal("StrategicMerge")), ("value", agent)]),
+                                    ),
+                                ]),
+                            )]),
+                        ),
+                    ]),
+                ),
+                (
+                    "bootstrap",
+                    map(vec![
+                        ("type", literal("Merge")),
+                        ("value", Value::String(serde_yaml::to_string(&fleet_bootstrap)?)),
+                    ]),
+                ),
+            ]),
+        ),
+    ]);
+    out.push((
+        "deploy/overlays/fleet/envoyproxy.yaml".into(),
+        yaml_doc("envoy/sluice.yaml's stats_config, deploy/release.env", &fleet_envoyproxy)?,
     ));
 
     // Monitoring: the alert rules and the dashboard as Kubernetes objects.

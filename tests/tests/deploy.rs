@@ -690,6 +690,54 @@ fn shipped_policies_pass_check_config_and_images_are_pinned() {
     }
 }
 
+/// The sidecar configs the manifests mount pass `check-sidecar-config`,
+/// with what they name under /etc/sluice (the policy ConfigMap of the same
+/// overlay, the Secrets) laid out in a temp dir as the pod would see it.
+#[test]
+fn shipped_sidecar_configs_pass_check_sidecar_config() {
+    let root = repo_root();
+    for (config, policy) in [
+        ("deploy/base/sidecar-config.yaml", "deploy/base/policy.yaml"),
+        ("deploy/overlays/fleet/sidecar-config.yaml", "deploy/overlays/fleet/policy.yaml"),
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let etc = dir.path().join("etc/sluice");
+        for sub in ["policy", "admin", "fleet"] {
+            fs::create_dir_all(etc.join(sub)).expect("mkdir");
+        }
+        let policy_doc = &docs(&root.join(policy))[0];
+        fs::write(
+            etc.join("policy/policy.yaml"),
+            policy_doc["data"]["policy.yaml"].as_str().expect("policy.yaml"),
+        )
+        .expect("policy");
+        for (f, v) in [
+            ("admin/token", "0123456789abcdef0123"),
+            ("fleet/secret", "fedcba9876543210fedc"),
+            ("fleet/redis-password", "redis-password-for-the-test"),
+        ] {
+            fs::write(etc.join(f), v).expect("secret");
+        }
+        let doc = &docs(&root.join(config))[0];
+        let text = doc["data"]["sidecar.yaml"]
+            .as_str()
+            .expect("sidecar.yaml")
+            .replace("/etc/sluice/", &format!("{}/", etc.display()));
+        let file = dir.path().join("sidecar.yaml");
+        fs::write(&file, text).expect("write");
+        let out = Command::new(bin_path("sluice-sidecar"))
+            .arg("check-sidecar-config")
+            .arg(&file)
+            .output()
+            .expect("check-sidecar-config");
+        assert!(
+            out.status.success(),
+            "{config}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 fn pinned(image: &str) -> bool {
     image.split_once("@sha256:").is_some_and(|(repo, hex)| {
         !repo.is_empty() && hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())
@@ -721,7 +769,15 @@ fn overlays_render_with_kubectl_kustomize() {
         assert!(!objects.is_empty(), "{overlay} renders objects");
         for o in &objects {
             let kind = o["kind"].as_str().expect("kind").to_string();
-            assert_eq!(o["metadata"]["namespace"], deploy::NAMESPACE, "{overlay}: {kind} namespaced");
+            if kind == "Namespace" {
+                assert_eq!(o["metadata"]["name"], deploy::NAMESPACE, "{overlay}");
+            } else {
+                assert_eq!(
+                    o["metadata"]["namespace"],
+                    deploy::NAMESPACE,
+                    "{overlay}: {kind} is in the namespace"
+                );
+            }
             kinds_seen.insert(kind.clone());
             for image in images_in(o) {
                 assert!(pinned(&image), "{overlay}: {kind} runs {image}, not pinned by digest");
