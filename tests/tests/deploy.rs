@@ -848,3 +848,41 @@ fn images_in(v: &Value) -> Vec<String> {
     }
     out
 }
+
+// ---------------------------------------------------------------------------
+// What a mesh's Wasm API gives the filter
+// ---------------------------------------------------------------------------
+
+/// Istio's WasmPlugin and Envoy Gateway's EnvoyExtensionPolicy write the
+/// Wasm filter's PluginConfig themselves and do not set
+/// `allow_on_headers_stop_iteration` (envoyproxy/gateway#8382 asks for it).
+/// Without it Envoy 1.40 turns sluice's pause on the request headers into
+/// StopAllIterationAndWatermark and never hands it the body: a POST to an
+/// LLM API hangs. It fails safe (nothing reaches the upstream unread), but
+/// it does not serve: the README's Istio and Envoy Gateway walk-throughs
+/// say so and set the flag with a patch. This test pins the behaviour so a
+/// change (in Envoy or in sluice) is noticed.
+#[test]
+fn without_allow_on_headers_stop_iteration_a_post_never_reaches_the_upstream() {
+    let stack = sluice_tests::Stack::start(|cfg| {
+        cfg.http_filter_mut("sluice")["typed_config"]["config"]
+            .as_mapping_mut()
+            .expect("config")
+            .remove("allow_on_headers_stop_iteration");
+    });
+    let client = sluice_tests::client_builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .expect("client");
+    let answer = client
+        .post(stack.envoy.url("/v1/chat/completions"))
+        .header("x-api-key", "demo-pro-key")
+        .header("content-type", "application/json")
+        .body(chat_body("llama3.1:8b").to_string())
+        .send();
+    assert!(
+        answer.as_ref().is_err_and(|e| e.is_timeout()),
+        "a POST is held (not answered): {answer:?}"
+    );
+    assert_eq!(stack.upstream_requests(), 0, "nothing reached the upstream");
+}
