@@ -147,7 +147,10 @@ pub fn remote_envoy_yaml(sluice_yaml: &str, release: &Release) -> anyhow::Result
     let mut out = sluice_yaml.replacen(LOCAL_CODE, &remote, 1);
     let header_old = "# sluice in front of an OpenAI/Ollama-compatible upstream.\n";
     if !out.starts_with(header_old) {
-        bail!("envoy/sluice.yaml no longer starts with `{}`", header_old.trim());
+        bail!(
+            "envoy/sluice.yaml no longer starts with `{}`",
+            header_old.trim()
+        );
     }
     out = out.replacen(
         header_old,
@@ -251,8 +254,18 @@ fn configmap(name: &str, key: &str, text: String) -> Value {
     ])
 }
 
-/// Every generated file, from the files under `root`.
+/// Every generated file, from the files under `root`, with the fleet salt
+/// placeholder (what is committed).
 pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
+    generated_files_with_salt(root, FLEET_SALT_PLACEHOLDER)
+}
+
+/// Like [`generated_files`] with `fleet.salt` = `salt` (for an operator's
+/// own render: `SLUICE_FLEET_SALT=… make deploy-manifests`; never commit it).
+pub fn generated_files_with_salt(root: &Path, salt: &str) -> anyhow::Result<Vec<(String, String)>> {
+    if salt.len() < 16 {
+        bail!("the fleet salt must be at least 16 bytes");
+    }
     let release = Release::load(root)?;
     let sluice_yaml = fs::read_to_string(root.join("envoy/sluice.yaml"))?;
     let shipped = EnvoyConfig::load(&root.join("envoy/sluice.yaml"));
@@ -306,7 +319,10 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
                 // The workloads whose istio-proxy loads sluice: your LLM
                 // gateway's pods (here the ingress gateway's labels).
                 ("selector", parse("{matchLabels: {istio: ingressgateway}}")),
-                ("url", Value::String(format!("oci://{}", release.filter_ref()))),
+                (
+                    "url",
+                    Value::String(format!("oci://{}", release.filter_ref())),
+                ),
                 ("sha256", Value::String(release.digest_hex().to_string())),
                 ("imagePullPolicy", literal("IfNotPresent")),
                 // After Istio's authentication filters, so JWT claims are verified.
@@ -319,7 +335,10 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
     ]);
     out.push((
         "deploy/overlays/istio/wasmplugin.yaml".into(),
-        yaml_doc("envoy/sluice.yaml's policy, deploy/release.env", &wasmplugin)?,
+        yaml_doc(
+            "envoy/sluice.yaml's policy, deploy/release.env",
+            &wasmplugin,
+        )?,
     ));
     let bootstrap = serde_json::to_string_pretty(&serde_json::json!({
         "stats_config": serde_json::to_value(stats_tags(&shipped)?)?,
@@ -365,7 +384,10 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
                 "bootstrap",
                 map(vec![
                     ("type", literal("Merge")),
-                    ("value", Value::String(serde_yaml::to_string(&eg_bootstrap)?)),
+                    (
+                        "value",
+                        Value::String(serde_yaml::to_string(&eg_bootstrap)?),
+                    ),
                 ]),
             )]),
         ),
@@ -427,7 +449,7 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
                  # The same on every Envoy of the fleet, at least 16 bytes. sluice\n\
                  # reads it from the policy only: replace it (`openssl rand -hex 16`)\n\
                  # and keep this object readable by operators alone.\n\
-                 salt: {FLEET_SALT_PLACEHOLDER}\n\
+                 salt: {salt}\n\
                  secret_env: SLUICE_FLEET_SECRET\n"
             )),
         );
@@ -451,7 +473,10 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
     }
     out.push((
         "deploy/overlays/fleet/envoyextensionpolicy.yaml".into(),
-        yaml_doc("envoy/sluice.yaml's policy with fleet:, deploy/release.env", &fleet_eep)?,
+        yaml_doc(
+            "envoy/sluice.yaml's policy with fleet:, deploy/release.env",
+            &fleet_eep,
+        )?,
     ));
     let mut fleet_bootstrap = eg_bootstrap.clone();
     fleet_bootstrap["static_resources"] = parse(
@@ -526,7 +551,10 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
                                     ("replicas", Value::from(FLEET_REPLICAS)),
                                     (
                                         "patch",
-                                        map(vec![("type", literal("StrategicMerge")), ("value", agent)]),
+                                        map(vec![
+                                            ("type", literal("StrategicMerge")),
+                                            ("value", agent),
+                                        ]),
                                     ),
                                 ]),
                             )]),
@@ -537,7 +565,10 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
                     "bootstrap",
                     map(vec![
                         ("type", literal("Merge")),
-                        ("value", Value::String(serde_yaml::to_string(&fleet_bootstrap)?)),
+                        (
+                            "value",
+                            Value::String(serde_yaml::to_string(&fleet_bootstrap)?),
+                        ),
                     ]),
                 ),
             ]),
@@ -545,7 +576,10 @@ pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
     ]);
     out.push((
         "deploy/overlays/fleet/envoyproxy.yaml".into(),
-        yaml_doc("envoy/sluice.yaml's stats_config, deploy/release.env", &fleet_envoyproxy)?,
+        yaml_doc(
+            "envoy/sluice.yaml's stats_config, deploy/release.env",
+            &fleet_envoyproxy,
+        )?,
     ));
 
     // Monitoring: the alert rules and the dashboard as Kubernetes objects.

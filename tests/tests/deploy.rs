@@ -60,7 +60,9 @@ fn oci_tool(tool: &str, package: &str) -> bool {
         !required,
         "{tool} is missing and SLUICE_REQUIRE_OCI_TOOLS=1: `make oci-tools` installs Debian's {package}"
     );
-    eprintln!("SKIPPED: {tool} not found (Debian package `{package}`; `make oci-tools` installs it)");
+    eprintln!(
+        "SKIPPED: {tool} not found (Debian package `{package}`; `make oci-tools` installs it)"
+    );
     false
 }
 
@@ -252,7 +254,12 @@ fn image_is_reproducible_and_envoy_serves_the_module_it_holds() {
     let files = |p: &Path| -> Vec<(PathBuf, Vec<u8>)> {
         let mut v: Vec<_> = walk(p)
             .into_iter()
-            .map(|f| (f.strip_prefix(p).expect("under").to_path_buf(), fs::read(&f).expect("read")))
+            .map(|f| {
+                (
+                    f.strip_prefix(p).expect("under").to_path_buf(),
+                    fs::read(&f).expect("read"),
+                )
+            })
             .collect();
         v.sort();
         v
@@ -265,10 +272,15 @@ fn image_is_reproducible_and_envoy_serves_the_module_it_holds() {
     assert_eq!(index["manifests"][0]["digest"], digest.as_str(), "{index}");
     let manifest: serde_json::Value =
         serde_json::from_slice(&blob(&a, &digest)).expect("manifest json");
-    let layer = blob(&a, manifest["layers"][0]["digest"].as_str().expect("digest"));
+    let layer = blob(
+        &a,
+        manifest["layers"][0]["digest"].as_str().expect("digest"),
+    );
     let config: serde_json::Value = serde_json::from_slice(&blob(
         &a,
-        manifest["config"]["digest"].as_str().expect("config digest"),
+        manifest["config"]["digest"]
+            .as_str()
+            .expect("config digest"),
     ))
     .expect("config json");
     let plugin = compat_plugin(&manifest, &layer, dir.path());
@@ -373,14 +385,23 @@ fn image_round_trips_through_a_local_registry_with_its_digest() {
     );
     let repo = format!("127.0.0.1:{port}/sluice/sluice-filter");
     run(Command::new("skopeo")
-        .args(["copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false"])
+        .args([
+            "copy",
+            "--quiet",
+            "--preserve-digests",
+            "--dest-tls-verify=false",
+        ])
         .arg(format!("oci:{}:0.1.0", layout.display()))
         .arg(format!("docker://{repo}:0.1.0")));
     let inspect = run(Command::new("skopeo")
         .args(["inspect", "--tls-verify=false"])
         .arg(format!("docker://{repo}:0.1.0")));
     let inspect: serde_json::Value = serde_json::from_str(&inspect).expect("inspect json");
-    assert_eq!(inspect["Digest"], digest.as_str(), "the registry keeps the digest");
+    assert_eq!(
+        inspect["Digest"],
+        digest.as_str(),
+        "the registry keeps the digest"
+    );
 
     let pulled = dir.path().join("pulled");
     run(Command::new("skopeo")
@@ -698,7 +719,10 @@ fn shipped_sidecar_configs_pass_check_sidecar_config() {
     let root = repo_root();
     for (config, policy) in [
         ("deploy/base/sidecar-config.yaml", "deploy/base/policy.yaml"),
-        ("deploy/overlays/fleet/sidecar-config.yaml", "deploy/overlays/fleet/policy.yaml"),
+        (
+            "deploy/overlays/fleet/sidecar-config.yaml",
+            "deploy/overlays/fleet/policy.yaml",
+        ),
     ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let etc = dir.path().join("etc/sluice");
@@ -708,7 +732,9 @@ fn shipped_sidecar_configs_pass_check_sidecar_config() {
         let policy_doc = &docs(&root.join(policy))[0];
         fs::write(
             etc.join("policy/policy.yaml"),
-            policy_doc["data"]["policy.yaml"].as_str().expect("policy.yaml"),
+            policy_doc["data"]["policy.yaml"]
+                .as_str()
+                .expect("policy.yaml"),
         )
         .expect("policy");
         for (f, v) in [
@@ -780,7 +806,10 @@ fn overlays_render_with_kubectl_kustomize() {
             }
             kinds_seen.insert(kind.clone());
             for image in images_in(o) {
-                assert!(pinned(&image), "{overlay}: {kind} runs {image}, not pinned by digest");
+                assert!(
+                    pinned(&image),
+                    "{overlay}: {kind} runs {image}, not pinned by digest"
+                );
             }
             match kind.as_str() {
                 "WasmPlugin" => {
@@ -826,7 +855,10 @@ fn overlays_render_with_kubectl_kustomize() {
         "PrometheusRule",
         "ServiceMonitor",
     ] {
-        assert!(kinds_seen.contains(kind), "no overlay renders a {kind}: {kinds_seen:?}");
+        assert!(
+            kinds_seen.contains(kind),
+            "no overlay renders a {kind}: {kinds_seen:?}"
+        );
     }
 }
 

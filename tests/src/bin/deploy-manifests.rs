@@ -1,6 +1,7 @@
 //! `make deploy-manifests`: writes the files `sluice_tests::deploy` renders
 //! from `envoy/` and `deploy/release.env`. `--check`: writes nothing, lists
-//! the files that differ and exits 1 if any does.
+//! the files that differ and exits 1 if any does. `SLUICE_FLEET_SALT`: the
+//! fleet overlay's `fleet.salt` (default: a placeholder; do not commit yours).
 
 use std::fs;
 use std::process::ExitCode;
@@ -8,7 +9,15 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let check = std::env::args().any(|a| a == "--check");
     let root = sluice_tests::repo_root();
-    let files = match sluice_tests::deploy::generated_files(&root) {
+    // An operator's own fleet salt; the committed files carry a placeholder.
+    let salt = std::env::var("SLUICE_FLEET_SALT")
+        .ok()
+        .filter(|s| !s.is_empty());
+    let rendered = match &salt {
+        Some(salt) => sluice_tests::deploy::generated_files_with_salt(&root, salt),
+        None => sluice_tests::deploy::generated_files(&root),
+    };
+    let files = match rendered {
         Ok(files) => files,
         Err(e) => {
             eprintln!("deploy-manifests: {e:#}");
