@@ -257,18 +257,29 @@ fn configmap(name: &str, key: &str, text: String) -> Value {
 /// Every generated file, from the files under `root`, with the fleet salt
 /// placeholder (what is committed).
 pub fn generated_files(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
-    generated_files_with_salt(root, FLEET_SALT_PLACEHOLDER)
+    generated_files_for(root, FLEET_SALT_PLACEHOLDER, None)
 }
 
-/// Like [`generated_files`] with `fleet.salt` = `salt` (for an operator's
-/// own render: `SLUICE_FLEET_SALT=… make deploy-manifests`; never commit it).
-pub fn generated_files_with_salt(root: &Path, salt: &str) -> anyhow::Result<Vec<(String, String)>> {
+/// Like [`generated_files`] for an operator's own render (never commit it):
+/// `fleet.salt` = `salt` (`SLUICE_FLEET_SALT`), and `policy` (a policy
+/// file, `SLUICE_POLICY`) instead of the demo policy of `envoy/sluice.yaml`.
+pub fn generated_files_for(
+    root: &Path,
+    salt: &str,
+    policy: Option<&Path>,
+) -> anyhow::Result<Vec<(String, String)>> {
     if salt.len() < 16 {
         bail!("the fleet salt must be at least 16 bytes");
     }
     let release = Release::load(root)?;
     let sluice_yaml = fs::read_to_string(root.join("envoy/sluice.yaml"))?;
-    let shipped = EnvoyConfig::load(&root.join("envoy/sluice.yaml"));
+    let mut shipped = EnvoyConfig::load(&root.join("envoy/sluice.yaml"));
+    if let Some(path) = policy {
+        let text =
+            fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        *shipped.policy_mut() =
+            serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    }
     let rules = fs::read_to_string(root.join("envoy/prometheus-rules.yaml"))?;
     let dashboard = fs::read_to_string(root.join("envoy/grafana-dashboard.json"))?;
     let mut out = Vec::new();

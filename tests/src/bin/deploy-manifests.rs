@@ -1,7 +1,8 @@
 //! `make deploy-manifests`: writes the files `sluice_tests::deploy` renders
 //! from `envoy/` and `deploy/release.env`. `--check`: writes nothing, lists
 //! the files that differ and exits 1 if any does. `SLUICE_FLEET_SALT`: the
-//! fleet overlay's `fleet.salt` (default: a placeholder; do not commit yours).
+//! fleet overlay's `fleet.salt` (default: a placeholder); `SLUICE_POLICY`: a
+//! policy file to ship instead of the demo policy. Do not commit either.
 
 use std::fs;
 use std::process::ExitCode;
@@ -9,14 +10,16 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let check = std::env::args().any(|a| a == "--check");
     let root = sluice_tests::repo_root();
-    // An operator's own fleet salt; the committed files carry a placeholder.
+    // An operator's own fleet salt and policy; the committed files carry a
+    // placeholder salt and the demo policy of envoy/sluice.yaml.
     let salt = std::env::var("SLUICE_FLEET_SALT")
         .ok()
-        .filter(|s| !s.is_empty());
-    let rendered = match &salt {
-        Some(salt) => sluice_tests::deploy::generated_files_with_salt(&root, salt),
-        None => sluice_tests::deploy::generated_files(&root),
-    };
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| sluice_tests::deploy::FLEET_SALT_PLACEHOLDER.to_string());
+    let policy = std::env::var_os("SLUICE_POLICY")
+        .filter(|p| !p.is_empty())
+        .map(std::path::PathBuf::from);
+    let rendered = sluice_tests::deploy::generated_files_for(&root, &salt, policy.as_deref());
     let files = match rendered {
         Ok(files) => files,
         Err(e) => {
