@@ -487,6 +487,32 @@ fn remote_code_with_a_wrong_sha256_is_refused_and_nothing_is_served() {
     );
 }
 
+/// The server holding the module is down when Envoy starts: the same as a
+/// wrong SHA-256. The plugin does not load, and every request on the
+/// listener gets Envoy's own 503 until a listener update fetches the module:
+/// with `code.remote` the artifact server is on the start path.
+#[test]
+fn remote_code_unreachable_at_start_fails_closed() {
+    let wasm = fs::read(wasm_path()).expect("wasm");
+    let upstream = MockLlm::start("primary");
+    let cfg = remote_config(&upstream, closed_addr(), &sha256_hex(&wasm));
+    let envoy = Envoy::start(&cfg, 1);
+    assert!(
+        wait_for(Duration::from_secs(20), || envoy
+            .log()
+            .contains("Plugin configured to fail closed failed to load")),
+        "Envoy says the plugin did not load:\n{}",
+        envoy.log()
+    );
+    let r = post_json(
+        &envoy.url("/v1/chat/completions"),
+        &[("x-api-key", "demo-pro-key")],
+        &chat_body("llama3.1:8b"),
+    );
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(upstream.stats()["requests_total"].as_u64(), Some(0));
+}
+
 // ---------------------------------------------------------------------------
 // The sidecar under Istio's cluster name
 // ---------------------------------------------------------------------------
@@ -770,16 +796,140 @@ fn pinned(image: &str) -> bool {
     })
 }
 
-/// Every overlay renders with `kubectl kustomize`; the rendered objects pin
-/// every image by digest, and the Istio and Envoy Gateway resources carry
-/// the fields their APIs need. kubectl is in no package registry here: when
-/// it is missing this test says so and returns (the tests above still run).
+/// Checks objects as Kubernetes gets them: every image pinned by digest, and
+/// the Istio and Envoy Gateway resources with the fields their APIs need.
+/// Returns the kinds seen.
+/// `by_component`: image names the images component pins (allowed in the
+/// files as written, never in rendered output).
+fn check_objects(
+    what: &str,
+    objects: &[Value],
+    release: &Release,
+    by_component: &[String],
+) -> BTreeSet<String> {
+    let mut kinds = BTreeSet::new();
+    for o in objects {
+        let Some(kind) = o["kind"].as_str() else {
+            continue;
+        };
+        kinds.insert(kind.to_string());
+        for image in images_in(o) {
+            assert!(
+                pinned(&image) || by_component.contains(&image),
+                "{what}: {kind} runs {image}, not pinned by digest"
+            );
+        }
+        let s = &o["spec"];
+        match kind {
+            "WasmPlugin" => {
+                assert_eq!(o["apiVersion"], "extensions.istio.io/v1alpha1", "{what}");
+                assert_eq!(
+                    s["url"],
+                    format!("oci://{}", release.filter_ref()).as_str(),
+                    "{what}"
+                );
+                assert_eq!(
+                    s["sha256"],
+                    release.filter_digest.trim_start_matches("sha256:"),
+                    "{what}"
+                );
+                assert_eq!(s["failStrategy"], "FAIL_CLOSE", "{what}");
+                assert!(s["phase"].is_string(), "{what}: phase");
+                assert!(
+                    s["selector"]["matchLabels"].is_mapping(),
+                    "{what}: selector"
+                );
+                assert_eq!(
+                    s["pluginConfig"]["sidecar"]["cluster"],
+                    deploy::istio_sidecar_cluster().as_str(),
+                    "{what}"
+                );
+            }
+            "EnvoyExtensionPolicy" => {
+                assert_eq!(o["apiVersion"], "gateway.envoyproxy.io/v1alpha1", "{what}");
+                let target = &s["targetRefs"][0];
+                assert!(
+                    target["group"].is_string()
+                        && target["kind"].is_string()
+                        && target["name"].is_string(),
+                    "{what}: targetRefs"
+                );
+                let code = &s["wasm"][0]["code"];
+                assert_eq!(code["type"], "Image", "{what}");
+                assert_eq!(
+                    code["image"]["url"],
+                    release.filter_ref().as_str(),
+                    "{what}"
+                );
+                assert_eq!(
+                    code["image"]["sha256"],
+                    release.filter_digest.trim_start_matches("sha256:"),
+                    "{what}"
+                );
+                assert_eq!(s["wasm"][0]["failOpen"], false, "{what}");
+            }
+            _ => {}
+        }
+    }
+    kinds
+}
+
+/// The objects under `deploy/` as written (no kubectl needed): images
+/// pinned, the mesh resources complete.
+#[test]
+fn deploy_objects_pin_images_and_carry_the_mesh_fields() {
+    let root = repo_root();
+    let release = Release::load(&root).expect("release.env");
+    let component = &docs(&root.join("deploy/components/images/kustomization.yaml"))[0];
+    let by_component: Vec<String> = component["images"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter_map(|i| {
+            let pinned_here = i["newName"].is_string()
+                && i["digest"]
+                    .as_str()
+                    .is_some_and(|d| pinned(&format!("x@{d}")));
+            pinned_here
+                .then(|| i["name"].as_str().map(str::to_string))
+                .flatten()
+        })
+        .collect();
+    assert_eq!(by_component, ["sluice-sidecar", "redis"], "{component:?}");
+    let mut kinds = BTreeSet::new();
+    for file in yaml_files(&root.join("deploy")) {
+        if file.file_name().is_some_and(|n| n == "kustomization.yaml") {
+            continue;
+        }
+        kinds.extend(check_objects(
+            &file.display().to_string(),
+            &docs(&file),
+            &release,
+            &by_component,
+        ));
+    }
+    for kind in [
+        "WasmPlugin",
+        "EnvoyExtensionPolicy",
+        "EnvoyProxy",
+        "PrometheusRule",
+        "ServiceMonitor",
+    ] {
+        assert!(kinds.contains(kind), "deploy/ has no {kind}: {kinds:?}");
+    }
+}
+
+/// Every overlay renders with `kubectl kustomize`; the rendered objects are
+/// all in the namespace, pin every image by digest (the images component
+/// applied), and the Istio and Envoy Gateway resources carry the fields
+/// their APIs need. kubectl is in no package registry here: when it is
+/// missing this test says so and returns (the tests above still run).
 #[test]
 fn overlays_render_with_kubectl_kustomize() {
     if !have("kubectl") {
         eprintln!(
             "SKIPPED: kubectl not found (in no package registry these machines reach); \
-             the YAML, path, policy and digest checks above ran without it"
+             the YAML, path, policy, image and field checks above ran without it"
         );
         return;
     }
@@ -794,7 +944,7 @@ fn overlays_render_with_kubectl_kustomize() {
             .collect();
         assert!(!objects.is_empty(), "{overlay} renders objects");
         for o in &objects {
-            let kind = o["kind"].as_str().expect("kind").to_string();
+            let kind = o["kind"].as_str().expect("kind");
             if kind == "Namespace" {
                 assert_eq!(o["metadata"]["name"], deploy::NAMESPACE, "{overlay}");
             } else {
@@ -804,51 +954,16 @@ fn overlays_render_with_kubectl_kustomize() {
                     "{overlay}: {kind} is in the namespace"
                 );
             }
-            kinds_seen.insert(kind.clone());
-            for image in images_in(o) {
-                assert!(
-                    pinned(&image),
-                    "{overlay}: {kind} runs {image}, not pinned by digest"
-                );
-            }
-            match kind.as_str() {
-                "WasmPlugin" => {
-                    let s = &o["spec"];
-                    assert_eq!(o["apiVersion"], "extensions.istio.io/v1alpha1");
-                    assert_eq!(s["url"], format!("oci://{}", release.filter_ref()).as_str());
-                    assert_eq!(
-                        s["sha256"],
-                        release.filter_digest.trim_start_matches("sha256:")
-                    );
-                    assert_eq!(s["failStrategy"], "FAIL_CLOSE");
-                    assert!(s["phase"].is_string() && s["selector"]["matchLabels"].is_mapping());
-                    assert_eq!(
-                        s["pluginConfig"]["sidecar"]["cluster"],
-                        deploy::istio_sidecar_cluster().as_str()
-                    );
-                }
-                "EnvoyExtensionPolicy" => {
-                    let s = &o["spec"];
-                    assert_eq!(o["apiVersion"], "gateway.envoyproxy.io/v1alpha1");
-                    assert!(s["targetRefs"][0]["kind"].is_string(), "{s:?}");
-                    let code = &s["wasm"][0]["code"];
-                    assert_eq!(code["type"], "Image");
-                    assert_eq!(code["image"]["url"], release.filter_ref().as_str());
-                    assert_eq!(
-                        code["image"]["sha256"],
-                        release.filter_digest.trim_start_matches("sha256:")
-                    );
-                    assert_eq!(s["wasm"][0]["failOpen"], false);
-                }
-                _ => {}
-            }
         }
+        kinds_seen.extend(check_objects(overlay, &objects, &release, &[]));
     }
     for kind in [
         "Deployment",
         "Service",
         "ConfigMap",
         "PodDisruptionBudget",
+        "NetworkPolicy",
+        "StatefulSet",
         "WasmPlugin",
         "EnvoyExtensionPolicy",
         "EnvoyProxy",
