@@ -517,15 +517,16 @@ fn remote_code_unreachable_at_start_fails_closed() {
 // The sidecar under Istio's cluster name
 // ---------------------------------------------------------------------------
 
-/// Under Istio the sidecar's cluster is named `outbound|9911||<service
-/// host>`: a policy naming that cluster (and the Service's host as
-/// `sidecar.authority`, which the sidecar allows with `--allowed-host`)
-/// long-polls the sidecar and follows its kill switch.
-#[test]
-fn sidecar_reached_under_istios_cluster_name_works() {
+const ISTIO_TEST_TOKEN: &str = "deploy-test-admin-token-0123456789";
+
+/// The sidecar (answering the Service's host), a primary and a fallback
+/// mock-llm, and Envoy whose sidecar cluster has Istio's name, with the
+/// Istio overlay's `sidecar` section (`authority` as given).
+fn istio_named_stack(
+    authority: Option<&str>,
+) -> (tempfile::TempDir, Sidecar, MockLlm, MockLlm, Envoy) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let token = "deploy-test-admin-token-0123456789";
-    fs::write(dir.path().join("token"), token).expect("token file");
+    fs::write(dir.path().join("token"), ISTIO_TEST_TOKEN).expect("token file");
     let host = deploy::sidecar_host();
     let sidecar = Sidecar::start_with_args(&[
         "--simulate",
@@ -555,10 +556,22 @@ fn sidecar_reached_under_istios_cluster_name_works() {
         .and_then(Value::as_mapping_mut)
         .expect("load_assignment")
         .insert("cluster_name".into(), istio_name.clone().into());
-    // The policy exactly as the Istio overlay ships it (its sidecar section).
-    let istio_policy = deploy::policy_for(&cfg, &istio_name, Some(&host));
+    let istio_policy = deploy::policy_for(&cfg, &istio_name, authority);
     cfg.policy_mut()["sidecar"] = istio_policy["sidecar"].clone();
     let envoy = Envoy::start(&cfg, 2);
+    (dir, sidecar, upstream, fallback, envoy)
+}
+
+/// Under Istio the sidecar's cluster is named `outbound|9911||<service
+/// host>`: a policy naming that cluster (and the Service's host as
+/// `sidecar.authority`, which the sidecar allows with `--allowed-host`)
+/// long-polls the sidecar and follows its kill switch.
+#[test]
+fn sidecar_reached_under_istios_cluster_name_works() {
+    let host = deploy::sidecar_host();
+    let istio_name = deploy::istio_sidecar_cluster();
+    let token = ISTIO_TEST_TOKEN;
+    let (_dir, sidecar, _upstream, _fallback, envoy) = istio_named_stack(Some(&host));
 
     let polls_ok = || {
         let text = get(&sidecar.url("/metrics"), &[]).body;
@@ -589,6 +602,28 @@ fn sidecar_reached_under_istios_cluster_name_works() {
         wait_for(Duration::from_secs(10), || chat().header("x-mock-name")
             == Some("fallback")),
         "the kill switch reached Envoy through `{istio_name}`:\n{}",
+        envoy.log()
+    );
+}
+
+/// Without `sidecar.authority` the filter sends the cluster's name as the
+/// Host, `outbound|9911||…`, which the sidecar's door refuses (421, DNS
+/// rebinding): why the Istio policy sets `authority`.
+#[test]
+fn istios_cluster_name_without_authority_is_refused_by_the_sidecars_door() {
+    let (_dir, sidecar, _upstream, _fallback, envoy) = istio_named_stack(None);
+    assert!(
+        wait_for(Duration::from_secs(20), || sidecar
+            .log()
+            .contains("refused for their Host")),
+        "the sidecar refuses the cluster name as Host:\n{}",
+        sidecar.log()
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || envoy
+            .log()
+            .contains("status 421")),
+        "the filter sees 421:\n{}",
         envoy.log()
     );
 }
