@@ -726,40 +726,48 @@ fn every_deploy_yaml_parses_and_every_kustomization_path_exists() {
     assert!(kustomizations >= 5, "{kustomizations} kustomizations");
 }
 
+/// Runs `sluice-sidecar check-config` on every policy the objects carry (a
+/// `policy.yaml` ConfigMap, a WasmPlugin's pluginConfig, an
+/// EnvoyExtensionPolicy's config); returns how many.
+fn check_policies(what: &str, objects: &[Value]) -> usize {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut checked = 0;
+    for d in objects {
+        let policy = match d["kind"].as_str() {
+            Some("ConfigMap") if d["data"]["policy.yaml"].is_string() => {
+                serde_yaml::from_str::<Value>(d["data"]["policy.yaml"].as_str().unwrap_or(""))
+                    .expect("policy.yaml parses")
+            }
+            Some("WasmPlugin") => d["spec"]["pluginConfig"].clone(),
+            Some("EnvoyExtensionPolicy") => d["spec"]["wasm"][0]["config"].clone(),
+            _ => continue,
+        };
+        let out = dir.path().join(format!("policy-{checked}.yaml"));
+        fs::write(&out, serde_yaml::to_string(&policy).expect("yaml")).expect("write");
+        let status = Command::new(bin_path("sluice-sidecar"))
+            .arg("check-config")
+            .arg(&out)
+            .output()
+            .expect("check-config");
+        assert!(
+            status.status.success(),
+            "{what}: {} is refused: {}",
+            d["kind"].as_str().unwrap_or("?"),
+            String::from_utf8_lossy(&status.stderr)
+        );
+        checked += 1;
+    }
+    checked
+}
+
 /// The policies the manifests carry pass `sluice-sidecar check-config`
 /// (as Envoy would accept them), and every image is pinned by digest.
 #[test]
 fn shipped_policies_pass_check_config_and_images_are_pinned() {
     let root = repo_root();
-    let dir = tempfile::tempdir().expect("tempdir");
     let mut checked = 0;
     for file in yaml_files(&root.join("deploy")) {
-        for d in docs(&file) {
-            let policy = match d["kind"].as_str() {
-                Some("ConfigMap") if d["data"]["policy.yaml"].is_string() => {
-                    serde_yaml::from_str::<Value>(d["data"]["policy.yaml"].as_str().unwrap_or(""))
-                        .expect("policy.yaml parses")
-                }
-                Some("WasmPlugin") => d["spec"]["pluginConfig"].clone(),
-                Some("EnvoyExtensionPolicy") => d["spec"]["wasm"][0]["config"].clone(),
-                _ => continue,
-            };
-            let out = dir.path().join(format!("policy-{checked}.yaml"));
-            fs::write(&out, serde_yaml::to_string(&policy).expect("yaml")).expect("write");
-            let status = Command::new(bin_path("sluice-sidecar"))
-                .arg("check-config")
-                .arg(&out)
-                .output()
-                .expect("check-config");
-            assert!(
-                status.status.success(),
-                "{}: {} is refused: {}",
-                file.display(),
-                d["kind"].as_str().unwrap_or("?"),
-                String::from_utf8_lossy(&status.stderr)
-            );
-            checked += 1;
-        }
+        checked += check_policies(&file.display().to_string(), &docs(&file));
     }
     assert!(checked >= 4, "{checked} policies checked");
     let release = Release::load(&root).expect("release.env");
@@ -991,6 +999,10 @@ fn overlays_render_with_kubectl_kustomize() {
             }
         }
         kinds_seen.extend(check_objects(overlay, &objects, &release, &[]));
+        assert!(
+            check_policies(overlay, &objects) >= 2,
+            "{overlay}: its rendered policies pass check-config"
+        );
     }
     for kind in [
         "Deployment",
