@@ -157,7 +157,11 @@ struct FileServer {
 
 impl FileServer {
     fn start(body: Vec<u8>) -> FileServer {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        FileServer::start_on(SocketAddr::from(([127, 0, 0, 1], 0)), body)
+    }
+
+    fn start_on(addr: SocketAddr, body: Vec<u8>) -> FileServer {
+        let listener = TcpListener::bind(addr).expect("bind");
         let addr = listener.local_addr().expect("addr");
         let hits = Arc::new(AtomicUsize::new(0));
         let counter = hits.clone();
@@ -511,6 +515,74 @@ fn remote_code_unreachable_at_start_fails_closed() {
     );
     assert_eq!(r.status, 503, "{r:?}");
     assert_eq!(upstream.stats()["requests_total"].as_u64(), Some(0));
+}
+
+/// After a failed fetch, a listener update whose fetch succeeds brings
+/// sluice back: the fix for a bad or missing module is a config push, not
+/// an Envoy restart.
+#[test]
+fn remote_code_recovers_at_the_next_listener_update() {
+    let wasm = fs::read(wasm_path()).expect("wasm");
+    let upstream = MockLlm::start("primary");
+    let sha = sha256_hex(&wasm);
+    // A port nothing listens on yet; the module server comes up there later.
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port");
+    let envoy = Envoy::start(&remote_config(&upstream, addr, &sha), 1);
+    assert!(wait_for(Duration::from_secs(20), || envoy
+        .log()
+        .contains("Plugin configured to fail closed failed to load")));
+    let server = FileServer::start_on(addr, wasm);
+    // A listener update (here: another URI on the same server) fetches again.
+    let mut cfg = remote_config(&upstream, addr, &sha);
+    cfg.http_filter_mut("sluice")["typed_config"]["config"]["vm_config"]["code"]["remote"]
+        ["http_uri"]["uri"] = format!("http://{addr}/sluice_filter.wasm?update=1").into();
+    envoy.reload(&cfg).expect("reload");
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            post_json(
+                &envoy.url("/v1/chat/completions"),
+                &[("x-api-key", "demo-pro-key")],
+                &chat_body("llama3.1:8b"),
+            )
+            .status
+                == 200
+        }),
+        "sluice serves after the update:\n{}",
+        envoy.log()
+    );
+    assert!(server.hits() >= 1);
+}
+
+/// Why the shipped configs say FAIL_CLOSED: with FAIL_OPEN, Envoy runs the
+/// listener without a filter that failed to load, and requests reach the
+/// upstream unchecked (no sluice headers).
+#[test]
+fn remote_code_with_a_wrong_sha256_under_fail_open_lets_requests_through_unchecked() {
+    let wasm = fs::read(wasm_path()).expect("wasm");
+    let server = FileServer::start(wasm.clone());
+    let upstream = MockLlm::start("primary");
+    let mut tampered = wasm;
+    tampered.push(0);
+    let mut cfg = remote_config(&upstream, server.addr, &sha256_hex(&tampered));
+    cfg.http_filter_mut("sluice")["typed_config"]["config"]["failure_policy"] = "FAIL_OPEN".into();
+    let envoy = Envoy::start(&cfg, 1);
+    assert!(wait_for(Duration::from_secs(20), || envoy
+        .log()
+        .contains("failed to load")));
+    let r = post_json(
+        &envoy.url("/v1/chat/completions"),
+        &[("x-api-key", "demo-pro-key")],
+        &chat_body("llama3.1:8b"),
+    );
+    eprintln!("FAIL_OPEN answer: {r:?}");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        r.header("x-ratelimit-limit").is_none(),
+        "sluice did not run: {r:?}"
+    );
+    assert_eq!(upstream.stats()["requests_total"].as_u64(), Some(1));
 }
 
 // ---------------------------------------------------------------------------
