@@ -1,33 +1,36 @@
 //! sluice-sidecar: watches the GPUs and inference servers and tells the
 //! Envoy filter, over a long-polled HTTP API, when to stop sending work.
 //!
-//! The path of a signal, top to bottom:
-//! [`sources`] (NVML, simulated GPU, vLLM `/metrics`, Ollama `/api/ps`) →
-//! [`monitor`] (one round per scrape interval) → [`breaker`] (pure rules per
-//! scope) → [`state`] (versioned, in a watch channel) → [`api`]
-//! (`/v1/state` long poll, `/metrics`, the operator page with [`history`]
-//! and [`traffic`]). Beside it: [`admin`]
-//! (kill switch, token, state file) and [`alerts`] (webhooks).
+//! The path of a signal, bottom to top: [`sources`] (NVML, simulated GPU,
+//! vLLM `/metrics`, Ollama `/api/ps`) → [`watch`] (one monitor round per
+//! scrape interval, the pure [`breaker`] rules per scope, alerts, history,
+//! the kill switch) → [`state`] (versioned, in a watch channel) → [`serve`]
+//! (`/v1/state` long poll, `/metrics`, the operator page, admin calls).
+//! Beside it: [`fleet`] (the Redis agent for the Envoy beside it). The
+//! layers, each importing only those below it (checked by
+//! `tests/tests/layers.rs`):
+//!
+//! ```text
+//! lib, check_config   wiring (`serve`) and the offline checks
+//! serve/              the HTTP API: routes, admin token, /metrics, page
+//! fleet/              the fleet agent: Redis, take/give/slots, syncs
+//! watch/              monitor rounds, alerts, history, traffic, kill switch, telemetry
+//! sources/            GPU and backend readings
+//! config/             the config file, one file per section with its check
+//! breaker             the pure rules engine (samples + clock → states)
+//! http, door, state   an HTTP client and reply helpers, the door, the versioned state
+//! ```
 
-pub mod admin;
-pub mod alerts;
-pub mod api;
 pub mod breaker;
 pub mod check_config;
 pub mod config;
 pub mod door;
 pub mod fleet;
-pub mod history;
 pub mod http;
-pub mod memory;
-pub mod metrics;
-pub mod monitor;
-pub mod page;
-pub mod slots;
+pub mod serve;
 pub mod sources;
 pub mod state;
-pub mod telemetry;
-pub mod traffic;
+pub mod watch;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -36,22 +39,22 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 
-use crate::admin::{AdminToken, KillSwitchControl};
-use crate::alerts::Alerts;
 use crate::breaker::At;
 use crate::config::{BackendKind, Config, GpuMode};
-use crate::history::History;
 use crate::http::Target;
-use crate::monitor::{Monitor, Outputs};
+use crate::serve::admin::AdminToken;
 use crate::sources::gpu::{NvmlSource, SimHandle, SimulatedGpus};
 use crate::sources::ollama::OllamaSource;
 use crate::sources::vllm::VllmSource;
 use crate::sources::{BackendSource, GpuSource};
 use crate::state::{SidecarState, StateStore};
-use crate::telemetry::Telemetry;
-use crate::traffic::Traffic;
+use crate::watch::alerts::Alerts;
+use crate::watch::history::History;
+use crate::watch::kill_switch::KillSwitchControl;
+use crate::watch::monitor::{Monitor, Outputs};
+use crate::watch::telemetry::Telemetry;
+use crate::watch::traffic::Traffic;
 
 /// What `serve` runs with: the config plus what the command line adds.
 #[derive(Debug, Clone)]
@@ -103,7 +106,7 @@ pub async fn serve(
     let config = &opts.config;
     let plans = config.scope_plans()?;
     let kill_switch = match &config.state_file {
-        Some(path) => admin::load_kill_switch(path)?,
+        Some(path) => watch::kill_switch::load_kill_switch(path)?,
         None => {
             eprintln!("sluice-sidecar: no state_file: a restart forgets the kill switch");
             Default::default()
@@ -176,19 +179,19 @@ pub async fn serve(
     )
     .with_saturation(config.saturation_rules()?);
 
-    let (closing_tx, closing_rx) = watch::channel(false);
+    let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
     let monitor_task = tokio::spawn(monitor.run(config.scrape_interval, closing_rx.clone()));
-    tokio::spawn(history::watch_kill_switch(
+    tokio::spawn(watch::history::watch_kill_switch(
         store.clone(),
         history.clone(),
         closing_rx.clone(),
     ));
-    tokio::spawn(traffic::run(
+    tokio::spawn(watch::traffic::run(
         history.clone(),
         config.scrape_timeout,
         closing_rx.clone(),
     ));
-    tokio::spawn(memory::trim_after_bursts(
+    tokio::spawn(watch::memory::trim_after_bursts(
         telemetry.clone(),
         closing_rx.clone(),
     ));
@@ -216,7 +219,7 @@ pub async fn serve(
         tokio::spawn(fleet::sync_fingerprints(f.clone(), closing_rx.clone()));
     }
     let door_telemetry = telemetry.clone();
-    let mut app = api::router(api::Api {
+    let mut app = serve::api::router(serve::api::Api {
         store: store.clone(),
         closing: closing_rx,
         telemetry,
@@ -233,7 +236,7 @@ pub async fn serve(
     }
     let hosts = door::AllowedHosts::with(&config.allowed_hosts)
         .map_err(|(i, m)| anyhow::anyhow!("allowed_hosts[{i}]: {m}"))?;
-    let app = api::with_door(app, hosts, door_telemetry);
+    let app = serve::api::with_door(app, hosts, door_telemetry);
     let served = axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

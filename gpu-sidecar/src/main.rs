@@ -10,9 +10,9 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use sluice_sidecar::admin::AdminToken;
 use sluice_sidecar::config::Config;
-use sluice_sidecar::traffic::EnvoyAdminConfig;
+use sluice_sidecar::serve::admin::AdminToken;
+use sluice_sidecar::watch::traffic::EnvoyAdminConfig;
 use tokio::net::TcpListener;
 
 #[derive(Debug, Parser)]

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant, SystemTime};
 use futures_util::future::join_all;
 use tokio::sync::watch;
 
-use crate::alerts::{AlertEvent, Alerts};
 use crate::breaker::{At, Engine, Policy};
 use crate::config::ScopePlan;
-use crate::history::History;
 use crate::sources::{gpu_samples, BackendSource, GpuReading, GpuSource};
 use crate::state::{Breaker, BreakerState, StateStore};
-use crate::telemetry::{BackendStatus, Snapshot, Telemetry};
+use crate::watch::alerts::{AlertEvent, Alerts};
+use crate::watch::history::History;
+use crate::watch::telemetry::{BackendStatus, Snapshot, Telemetry};
 
 /// Where a monitor's results go.
 pub struct Outputs {

@@ -58,10 +58,10 @@ pub struct Config {
     /// Where the kill switch is kept across restarts; none: not kept.
     pub state_file: Option<PathBuf>,
     pub alerts: AlertsConfig,
-    /// What the operator page keeps (see [`crate::history`]).
-    pub history: crate::history::HistoryConfig,
-    /// Envoy's admin, read for requests per tier (see [`crate::traffic`]).
-    pub envoy_admin: Option<crate::traffic::EnvoyAdminConfig>,
+    /// What the operator page keeps (see [`crate::watch::history`]).
+    pub history: crate::watch::history::HistoryConfig,
+    /// Envoy's admin, read for requests per tier (see [`crate::watch::traffic`]).
+    pub envoy_admin: Option<crate::watch::traffic::EnvoyAdminConfig>,
     /// Redis, for the fleet (see `fleet`); none: this sidecar is no fleet agent.
     pub fleet: Option<crate::fleet::FleetConfig>,
     /// Host names the API answers to besides `localhost`, IP addresses and
@@ -579,7 +579,7 @@ mod tests {
 
     #[test]
     fn the_shipped_example_parses() {
-        let c = Config::from_yaml(include_str!("../sidecar.example.yaml")).unwrap();
+        let c = Config::from_yaml(include_str!("../../sidecar.example.yaml")).unwrap();
         assert!(!c.sources.vllm.is_empty());
         assert!(!c.scope_plans().unwrap().is_empty());
     }

@@ -23,7 +23,7 @@ use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
-use crate::fleet::{Fleet, FleetError, PolicyView};
+use super::{Fleet, FleetError, PolicyView};
 
 /// How long a report keeps this Envoy's holdings alive.
 pub const LIVE_MS: u64 = 5_000;

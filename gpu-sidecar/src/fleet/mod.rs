@@ -42,6 +42,8 @@
 //! Envoy through the long poll); [`sync_breakers`] publishes this sidecar's
 //! open breakers and serves every other live sidecar's.
 
+pub mod slots;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -55,8 +57,8 @@ use sluice_filter::fleet::window_end;
 use sluice_filter::reservation::Scope as RuleScope;
 use tokio::sync::Mutex;
 
-use crate::admin::KillSwitchControl;
 use crate::state::StateStore;
+use crate::watch::kill_switch::KillSwitchControl;
 
 /// Longest batch or claim list accepted in one call.
 pub const MAX_ITEMS: usize = 1024;
@@ -1406,7 +1408,7 @@ pub async fn sync_kill_switch(
 /// differs, the fleet endpoints answer 503 `fleet_mismatch` (logged on
 /// each change).
 pub async fn sync_fingerprints(fleet: Arc<Fleet>, mut closing: tokio::sync::watch::Receiver<bool>) {
-    let id = crate::slots::holder_id();
+    let id = crate::fleet::slots::holder_id();
     let mut tick = tokio::time::interval(fleet.config.sync_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -1443,7 +1445,7 @@ pub fn router(fleet: Arc<Fleet>) -> axum::Router {
         .route("/v1/fleet", get(stats))
         .route("/v1/fleet/take", post(take))
         .route("/v1/fleet/give", post(give))
-        .route("/v1/fleet/slots", post(crate::slots::handle))
+        .route("/v1/fleet/slots", post(crate::fleet::slots::handle))
         .with_state(fleet)
 }
 

@@ -28,11 +28,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use crate::api::Api;
+use crate::serve::api::Api;
 
-const HTML: &str = include_str!("../assets/page.html");
-const JS: &str = include_str!("../assets/page.js");
-const CSS: &str = include_str!("../assets/page.css");
+const HTML: &str = include_str!("../../assets/page.html");
+const JS: &str = include_str!("../../assets/page.js");
+const CSS: &str = include_str!("../../assets/page.css");
 
 /// Same-origin script, style and fetches only; no frames (the control
 /// cannot be clickjacked), no forms posted anywhere, no plugins.

@@ -21,9 +21,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::history::History;
 use crate::http::Target;
 use crate::sources::prom;
+use crate::watch::history::History;
 
 /// Tiers kept per minute; the rest are summed as [`OTHER`].
 pub const MAX_TIERS: usize = 32;

@@ -1,6 +1,6 @@
 //! The HTTP API: `/v1/state` (the filter's long poll), the kill switch,
 //! the simulated GPU (only when it runs), `/metrics`, `/healthz` and the
-//! operator page at `/` with its data at `/v1/history` ([`crate::page`]).
+//! operator page at `/` with its data at `/v1/history` ([`crate::serve::page`]).
 //!
 //! Who may do what: every route answers only to the sidecar's own host
 //! names ([`with_door`], 421 otherwise); reads are open; every change of
@@ -29,13 +29,14 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::watch;
 
-use crate::admin::{AdminToken, KillSwitchControl};
 use crate::config::LongPollConfig;
 use crate::door::{AllowedHosts, Client, Endpoint, Failure, FailureGate, Gate};
-use crate::history::History;
+use crate::serve::admin::AdminToken;
 use crate::sources::gpu::{SimHandle, Simulation};
 use crate::state::StateStore;
-use crate::telemetry::{Subscriber, Telemetry};
+use crate::watch::history::History;
+use crate::watch::kill_switch::KillSwitchControl;
+use crate::watch::telemetry::{Subscriber, Telemetry};
 
 /// How long a long poll is held when the request does not say.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
@@ -68,10 +69,10 @@ pub struct Api {
 
 pub fn router(api: Api) -> Router {
     let mut router = Router::new()
-        .route("/", get(crate::page::index))
-        .route("/page.js", get(crate::page::script))
-        .route("/page.css", get(crate::page::style))
-        .route("/v1/history", get(crate::page::history))
+        .route("/", get(crate::serve::page::index))
+        .route("/page.js", get(crate::serve::page::script))
+        .route("/page.css", get(crate::serve::page::style))
+        .route("/v1/history", get(crate::serve::page::history))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/v1/state", get(state))
@@ -216,7 +217,7 @@ fn too_many_polls(limit: usize) -> Response {
 }
 
 async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
-    let text = crate::metrics::render(
+    let text = crate::serve::metrics::render(
         &api.store.current(),
         &api.telemetry.snapshot(),
         &api.telemetry,

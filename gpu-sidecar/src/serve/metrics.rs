@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use crate::breaker::Metric;
 use crate::state::SidecarState;
-use crate::telemetry::{Snapshot, Telemetry};
+use crate::watch::telemetry::{Snapshot, Telemetry};
 
 /// The exposition, `text/plain; version=0.0.4`.
 pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String {
@@ -342,7 +342,7 @@ mod tests {
     use crate::sources::prom;
     use crate::sources::GpuReading;
     use crate::state::BreakerState;
-    use crate::telemetry::BackendStatus;
+    use crate::watch::telemetry::BackendStatus;
     use std::time::SystemTime;
 
     #[test]

@@ -8,7 +8,7 @@
 //!   [`MAX_POINTS`] points each;
 //! - the timeline: the last `history.events` breaker transitions and kill
 //!   switch changes, with their reasons;
-//! - requests per tier and decision per minute ([`crate::traffic`]).
+//! - requests per tier and decision per minute ([`crate::watch::traffic`]).
 //!
 //! Nothing here reads a clock: callers pass `now`, so tests run any time.
 
@@ -24,7 +24,7 @@ use crate::breaker::{num, Rule, Transition, View};
 use crate::config::ScopePlan;
 use crate::sources::GpuReading;
 use crate::state::{KillSwitch, SidecarState, StateStore};
-use crate::traffic::Traffic;
+use crate::watch::traffic::Traffic;
 
 /// GPUs kept; readings of more are not charted.
 pub const MAX_GPUS: usize = 64;
