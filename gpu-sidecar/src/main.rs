@@ -10,9 +10,9 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
+use sluice_sidecar::config::envoy_admin::EnvoyAdminConfig;
 use sluice_sidecar::config::Config;
 use sluice_sidecar::serve::admin::AdminToken;
-use sluice_sidecar::watch::traffic::EnvoyAdminConfig;
 use tokio::net::TcpListener;
 
 #[derive(Debug, Parser)]
@@ -136,7 +136,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         admin.url = url;
         admin
             .check()
-            .map_err(|(at, m)| anyhow::anyhow!("--envoy-admin ({at}): {m}"))?;
+            .map_err(|e| anyhow::anyhow!("--envoy-admin ({}): {}", e.path(), e.message()))?;
         config.envoy_admin = Some(admin);
     }
     let (token_file, token_from) = match args.admin_token_file {

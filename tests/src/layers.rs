@@ -950,8 +950,26 @@ mod debug_tmp {
     #[test]
     fn dump() {
         let s = super::scan(&crate::repo_root().join("gpu-sidecar/src")).unwrap();
-        let mut m: std::collections::BTreeMap<String, std::collections::BTreeMap<String, Vec<String>>> = Default::default();
-        for i in &s.imports { m.entry(i.from.clone()).or_default().entry(i.to.clone()).or_default().push(i.path.replace("crate::","")); }
-        for (a, t) in m { println!("{a}:"); for (b, v) in t { v.iter().for_each(|_|()); let mut v=v; v.sort(); v.dedup(); println!("   -> {b}: {}", v.join(" ")); } }
+        let mut m: std::collections::BTreeMap<
+            String,
+            std::collections::BTreeMap<String, Vec<String>>,
+        > = Default::default();
+        for i in &s.imports {
+            m.entry(i.from.clone())
+                .or_default()
+                .entry(i.to.clone())
+                .or_default()
+                .push(i.path.replace("crate::", ""));
+        }
+        for (a, t) in m {
+            println!("{a}:");
+            for (b, v) in t {
+                v.iter().for_each(|_| ());
+                let mut v = v;
+                v.sort();
+                v.dedup();
+                println!("   -> {b}: {}", v.join(" "));
+            }
+        }
     }
 }

@@ -14,6 +14,52 @@ fn src(krate: &str) -> PathBuf {
     sluice_tests::repo_root().join(krate).join("src")
 }
 
+/// The sidecar, top first (README, "Layout"): the wiring and the offline
+/// checks; the HTTP API; the fleet agent; what it watches and concludes;
+/// the sources it reads; its config file; the pure breaker rules; an HTTP
+/// client, the door and the versioned state at the bottom.
+const SIDECAR: &[Layer] = &[
+    Layer {
+        name: "root",
+        modules: &["lib", "check_config"],
+    },
+    Layer {
+        name: "serve",
+        modules: &["serve"],
+    },
+    Layer {
+        name: "fleet",
+        modules: &["fleet"],
+    },
+    Layer {
+        name: "watch",
+        modules: &["watch"],
+    },
+    Layer {
+        name: "sources",
+        modules: &["sources"],
+    },
+    Layer {
+        name: "config",
+        modules: &["config"],
+    },
+    Layer {
+        name: "breaker",
+        modules: &["breaker"],
+    },
+    Layer {
+        name: "base",
+        modules: &["http", "door", "state"],
+    },
+];
+
+#[test]
+fn sidecar_layers() {
+    if let Err(e) = layers::check(&src("gpu-sidecar"), SIDECAR) {
+        panic!("gpu-sidecar/src:\n{e}");
+    }
+}
+
 #[test]
 fn figures() {
     for krate in ["gpu-sidecar", "filter"] {

@@ -3,13 +3,25 @@
 //! so no file at all is a working config. Unknown fields are refused and
 //! every error names the field path (`sources.vllm[0].url: …`).
 
-use std::collections::BTreeSet;
+pub mod admin;
+pub mod alerts;
+pub mod breaker;
+pub mod envoy_admin;
+pub mod fleet;
+pub mod history;
+pub mod policy;
+pub mod sources;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
-use crate::breaker::{Metric, OnStale, Policy, Rule};
+pub use self::admin::{AdminConfig, LongPollConfig};
+pub use self::alerts::{AlertsConfig, WebhookConfig, WebhookFormat};
+pub use self::breaker::{BreakerConfig, RuleConfig, ScopeConfig, ScopePlan};
+pub use self::sources::{BackendConfig, BackendKind, GpuMode, Sources};
+use crate::breaker::Rule;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -19,6 +31,24 @@ pub enum ConfigError {
     /// Well-formed but inconsistent.
     #[error("{path}: {message}")]
     Invalid { path: String, message: String },
+}
+
+impl ConfigError {
+    /// The field path of an inconsistency (`history.window`); empty for a
+    /// parse error.
+    pub fn path(&self) -> &str {
+        match self {
+            ConfigError::Parse(_) => "",
+            ConfigError::Invalid { path, .. } => path,
+        }
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            ConfigError::Parse(m) => m.clone(),
+            ConfigError::Invalid { message, .. } => message.clone(),
+        }
+    }
 }
 
 fn invalid(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
@@ -59,11 +89,11 @@ pub struct Config {
     pub state_file: Option<PathBuf>,
     pub alerts: AlertsConfig,
     /// What the operator page keeps (see [`crate::watch::history`]).
-    pub history: crate::watch::history::HistoryConfig,
+    pub history: history::HistoryConfig,
     /// Envoy's admin, read for requests per tier (see [`crate::watch::traffic`]).
-    pub envoy_admin: Option<crate::watch::traffic::EnvoyAdminConfig>,
+    pub envoy_admin: Option<envoy_admin::EnvoyAdminConfig>,
     /// Redis, for the fleet (see `fleet`); none: this sidecar is no fleet agent.
-    pub fleet: Option<crate::fleet::FleetConfig>,
+    pub fleet: Option<fleet::FleetConfig>,
     /// Host names the API answers to besides `localhost`, IP addresses and
     /// `sluice_sidecar` (see [`crate::door`]); any other `Host` gets 421.
     pub allowed_hosts: Vec<String>,
@@ -90,243 +120,6 @@ impl Default for Config {
             allowed_hosts: Vec::new(),
         }
     }
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GpuMode {
-    /// NVML; when it is missing, say so once and use the simulated source.
-    #[default]
-    Auto,
-    /// NVML only; when missing, say so once and run without GPU signals.
-    Nvml,
-    /// The simulated source (settable by `POST /v1/simulate` or a file).
-    Simulated,
-    None,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Sources {
-    pub gpu: GpuMode,
-    /// JSON file read at every scrape by the simulated source (same shape as
-    /// `POST /v1/simulate`), if it exists.
-    pub simulated_file: Option<PathBuf>,
-    pub vllm: Vec<BackendConfig>,
-    pub ollama: Vec<BackendConfig>,
-    /// The window over which TTFT and E2E p50/p99 are computed.
-    #[serde(deserialize_with = "duration", default = "default_latency_window")]
-    pub latency_window: Duration,
-}
-
-fn default_latency_window() -> Duration {
-    Duration::from_secs(60)
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BackendConfig {
-    /// Unique among all backends; the scope is `backend:NAME`.
-    pub name: String,
-    /// Base URL, plain HTTP (`http://127.0.0.1:8000`); `/metrics` (vLLM) or
-    /// `/api/ps` (Ollama) is appended.
-    pub url: String,
-    /// Models it serves; each gets a `model:M` scope by default.
-    #[serde(default)]
-    pub models: Vec<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RuleConfig {
-    pub metric: Metric,
-    pub open_at: f64,
-    /// Defaults to `open_at` (no hysteresis band).
-    pub close_below: Option<f64>,
-    #[serde(deserialize_with = "duration", default = "default_open_for")]
-    pub open_for: Duration,
-    #[serde(deserialize_with = "duration", default = "default_close_after")]
-    pub close_after: Duration,
-}
-
-fn default_open_for() -> Duration {
-    Duration::from_secs(30)
-}
-
-fn default_close_after() -> Duration {
-    Duration::from_secs(10)
-}
-
-impl From<Rule> for RuleConfig {
-    fn from(r: Rule) -> Self {
-        RuleConfig {
-            metric: r.metric,
-            open_at: r.open_at,
-            close_below: Some(r.close_below),
-            open_for: r.open_for,
-            close_after: r.close_after,
-        }
-    }
-}
-
-impl RuleConfig {
-    fn to_rule(&self, path: &str) -> Result<Rule, ConfigError> {
-        let close_below = self.close_below.unwrap_or(self.open_at);
-        if !self.open_at.is_finite() || !close_below.is_finite() {
-            return Err(invalid(path, "thresholds must be finite numbers"));
-        }
-        if close_below > self.open_at {
-            return Err(invalid(
-                format!("{path}.close_below"),
-                format!(
-                    "{close_below} is above open_at {}: hysteresis needs close_below <= open_at",
-                    self.open_at
-                ),
-            ));
-        }
-        Ok(Rule {
-            metric: self.metric,
-            open_at: self.open_at,
-            close_below,
-            open_for: self.open_for,
-            close_after: self.close_after,
-        })
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct BreakerConfig {
-    pub half_open_fraction: f64,
-    #[serde(deserialize_with = "duration")]
-    pub half_open_for: Duration,
-    #[serde(deserialize_with = "duration")]
-    pub retry_after: Duration,
-    #[serde(deserialize_with = "duration")]
-    pub stale_after: Duration,
-    pub on_stale: OnStale,
-}
-
-impl Default for BreakerConfig {
-    fn default() -> Self {
-        let p = Policy::default();
-        BreakerConfig {
-            half_open_fraction: p.half_open_fraction,
-            half_open_for: p.half_open_for,
-            retry_after: p.retry_after,
-            stale_after: p.stale_after,
-            on_stale: p.on_stale,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ScopeConfig {
-    /// `backend:NAME` or `model:NAME`, as the filter looks it up.
-    pub scope: String,
-    /// Backends whose signals feed it.
-    #[serde(default)]
-    pub backends: Vec<String>,
-    /// GPU indexes that feed it; absent: all; `[]`: none.
-    #[serde(default)]
-    pub gpus: Option<Vec<u32>>,
-    /// Its own rules instead of the top-level ones.
-    #[serde(default)]
-    pub rules: Option<Vec<RuleConfig>>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AdminConfig {
-    /// File holding the bearer token for `POST /v1/kill-switch`; else the
-    /// `SLUICE_ADMIN_TOKEN` environment variable.
-    pub token_file: Option<PathBuf>,
-    /// Accept admin calls from non-loopback clients.
-    pub allow_remote: bool,
-}
-
-/// Held long polls cost a connection, a task and buffers each: they are
-/// capped, and past the cap a poll is answered 503 at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LongPollConfig {
-    /// Held polls, all callers together.
-    pub max_held: usize,
-    /// Of `max_held`, the slots only loopback callers (the co-located
-    /// Envoy) and callers with the admin token may take: remote pollers
-    /// cannot starve the filter's own poll.
-    pub reserved: usize,
-}
-
-impl Default for LongPollConfig {
-    fn default() -> Self {
-        LongPollConfig {
-            max_held: 256,
-            reserved: 16,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AlertsConfig {
-    pub webhooks: Vec<WebhookConfig>,
-    /// A change within this long of the previous change of the same scope
-    /// is not sent (the settled state is sent once it has held this long).
-    #[serde(deserialize_with = "duration")]
-    pub flap_window: Duration,
-    #[serde(deserialize_with = "duration")]
-    pub timeout: Duration,
-}
-
-impl Default for AlertsConfig {
-    fn default() -> Self {
-        AlertsConfig {
-            webhooks: Vec::new(),
-            flap_window: Duration::from_secs(60),
-            timeout: Duration::from_secs(2),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WebhookFormat {
-    /// `{"event", "scope", "state", "reason", "at", "text"}`.
-    #[default]
-    Generic,
-    /// `{"chat_id", "text"}`, as Telegram's `sendMessage` takes it.
-    Telegram,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WebhookConfig {
-    /// Plain HTTP URL.
-    pub url: String,
-    #[serde(default)]
-    pub format: WebhookFormat,
-    /// Required for `telegram`.
-    #[serde(default)]
-    pub chat_id: Option<String>,
-}
-
-/// One scope ready for the engine and the monitor.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ScopePlan {
-    pub scope: String,
-    /// Indexes into [`Config::backends`].
-    pub backends: Vec<usize>,
-    pub gpus: Option<Vec<u32>>,
-    pub rules: Vec<Rule>,
-}
-
-/// A backend of either kind.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendKind {
-    Vllm,
-    Ollama,
 }
 
 impl Config {
@@ -356,101 +149,7 @@ impl Config {
         vllm.chain(ollama).collect()
     }
 
-    pub fn policy(&self) -> Policy {
-        Policy {
-            half_open_fraction: self.breaker.half_open_fraction,
-            half_open_for: self.breaker.half_open_for,
-            retry_after: self.breaker.retry_after,
-            stale_after: self.breaker.stale_after,
-            on_stale: self.breaker.on_stale,
-        }
-    }
-
-    /// The saturation rules, checked.
-    pub fn saturation_rules(&self) -> Result<Vec<Rule>, ConfigError> {
-        self.saturation
-            .iter()
-            .enumerate()
-            .map(|(i, r)| r.to_rule(&format!("saturation[{i}]")))
-            .collect()
-    }
-
-    /// The scopes, explicit or derived (see [`Config::scopes`]).
-    pub fn scope_plans(&self) -> Result<Vec<ScopePlan>, ConfigError> {
-        let rules = self
-            .rules
-            .iter()
-            .enumerate()
-            .map(|(i, r)| r.to_rule(&format!("rules[{i}]")))
-            .collect::<Result<Vec<_>, _>>()?;
-        let backends = self.backends();
-        if self.scopes.is_empty() {
-            if backends.is_empty() {
-                return Ok(vec![ScopePlan {
-                    scope: "backend:local".into(),
-                    backends: Vec::new(),
-                    gpus: None,
-                    rules,
-                }]);
-            }
-            let mut plans = Vec::new();
-            for (i, (_, b)) in backends.iter().enumerate() {
-                plans.push(ScopePlan {
-                    scope: format!("backend:{}", b.name),
-                    backends: vec![i],
-                    gpus: None,
-                    rules: rules.clone(),
-                });
-                for m in &b.models {
-                    plans.push(ScopePlan {
-                        scope: format!("model:{m}"),
-                        backends: vec![i],
-                        gpus: None,
-                        rules: rules.clone(),
-                    });
-                }
-            }
-            return Ok(plans);
-        }
-        self.scopes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let at = format!("scopes[{i}]");
-                let backends = s
-                    .backends
-                    .iter()
-                    .enumerate()
-                    .map(|(j, name)| {
-                        backends
-                            .iter()
-                            .position(|(_, b)| &b.name == name)
-                            .ok_or_else(|| {
-                                invalid(
-                                    format!("{at}.backends[{j}]"),
-                                    format!("no backend named `{name}`"),
-                                )
-                            })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let rules = match &s.rules {
-                    None => rules.clone(),
-                    Some(own) => own
-                        .iter()
-                        .enumerate()
-                        .map(|(j, r)| r.to_rule(&format!("{at}.rules[{j}]")))
-                        .collect::<Result<Vec<_>, _>>()?,
-                };
-                Ok(ScopePlan {
-                    scope: s.scope.clone(),
-                    backends,
-                    gpus: s.gpus.clone(),
-                    rules,
-                })
-            })
-            .collect()
-    }
-
+    /// Each section's own check, then the checks across sections.
     fn validate(&self) -> Result<(), ConfigError> {
         self.saturation_rules()?;
         if self.scrape_interval.is_zero() {
@@ -469,82 +168,16 @@ impl Config {
                 ),
             ));
         }
-        let f = self.breaker.half_open_fraction;
-        if !(0.0..=1.0).contains(&f) {
-            return Err(invalid(
-                "breaker.half_open_fraction",
-                format!("{f} is not between 0 and 1"),
-            ));
-        }
-        let lp = self.long_poll;
-        if lp.max_held == 0 || lp.max_held > 1_000_000 {
-            return Err(invalid(
-                "long_poll.max_held",
-                format!("{} is not between 1 and 1000000", lp.max_held),
-            ));
-        }
-        if lp.reserved >= lp.max_held {
-            return Err(invalid(
-                "long_poll.reserved",
-                format!(
-                    "{} leaves no slot for other pollers: it must be below max_held {}",
-                    lp.reserved, lp.max_held
-                ),
-            ));
-        }
-        let mut names = BTreeSet::new();
-        for (list, backends) in [
-            ("vllm", &self.sources.vllm),
-            ("ollama", &self.sources.ollama),
-        ] {
-            for (i, b) in backends.iter().enumerate() {
-                let at = format!("sources.{list}[{i}]");
-                if b.name.is_empty() {
-                    return Err(invalid(format!("{at}.name"), "must not be empty"));
-                }
-                if !names.insert(b.name.as_str()) {
-                    return Err(invalid(
-                        format!("{at}.name"),
-                        format!("`{}` is used twice", b.name),
-                    ));
-                }
-                crate::http::Target::parse(&b.url)
-                    .map_err(|e| invalid(format!("{at}.url"), e.to_string()))?;
-            }
-        }
-        let mut scopes = BTreeSet::new();
-        for (i, s) in self.scopes.iter().enumerate() {
-            let at = format!("scopes[{i}].scope");
-            let well_named = ["backend:", "model:"]
-                .iter()
-                .any(|p| s.scope.strip_prefix(p).is_some_and(|rest| !rest.is_empty()));
-            if !well_named {
-                return Err(invalid(
-                    at,
-                    format!("`{}` is not `backend:NAME` or `model:NAME`", s.scope),
-                ));
-            }
-            if !scopes.insert(s.scope.as_str()) {
-                return Err(invalid(at, format!("`{}` is used twice", s.scope)));
-            }
-        }
-        for (i, w) in self.alerts.webhooks.iter().enumerate() {
-            let at = format!("alerts.webhooks[{i}]");
-            crate::http::Target::parse(&w.url)
-                .map_err(|e| invalid(format!("{at}.url"), e.to_string()))?;
-            if w.format == WebhookFormat::Telegram && w.chat_id.is_none() {
-                return Err(invalid(
-                    format!("{at}.chat_id"),
-                    "required for the telegram format",
-                ));
-            }
-        }
-        self.history.check().map_err(|(at, m)| invalid(at, m))?;
+        self.breaker.check()?;
+        self.long_poll.check()?;
+        self.sources.check()?;
+        breaker::check_scopes(&self.scopes)?;
+        self.alerts.check()?;
+        self.history.check()?;
         if let Some(e) = &self.envoy_admin {
-            e.check().map_err(|(at, m)| invalid(at, m))?;
+            e.check()?;
         }
-        crate::door::AllowedHosts::with(&self.allowed_hosts)
-            .map_err(|(i, m)| invalid(format!("allowed_hosts[{i}]"), m))?;
+        admin::check_allowed_hosts(&self.allowed_hosts)?;
         self.scope_plans().map(|_| ())
     }
 }
@@ -560,6 +193,7 @@ pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::E
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::breaker::{Metric, Policy};
 
     fn err(text: &str) -> String {
         Config::from_yaml(text).unwrap_err().to_string()

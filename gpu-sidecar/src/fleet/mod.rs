@@ -45,7 +45,7 @@
 pub mod slots;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -57,6 +57,7 @@ use sluice_filter::fleet::window_end;
 use sluice_filter::reservation::Scope as RuleScope;
 use tokio::sync::Mutex;
 
+pub use crate::config::fleet::FleetConfig;
 use crate::state::StateStore;
 use crate::watch::kill_switch::KillSwitchControl;
 
@@ -248,52 +249,6 @@ end
 return v
 "#;
 
-/// The sidecar's `fleet:` section.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct FleetConfig {
-    /// `redis://host:port[/db]`, or `rediss://` for TLS (rustls). A
-    /// password is never taken from the URL: see `password_file`.
-    pub redis: String,
-    /// Per Redis command, connection included.
-    #[serde(deserialize_with = "crate::config::duration")]
-    pub timeout: Duration,
-    /// How often the fleet-wide kill switch and the fingerprints are
-    /// compared with Redis.
-    #[serde(deserialize_with = "crate::config::duration")]
-    pub sync_interval: Duration,
-    /// The policy the Envoy beside this sidecar loads: a policy file or the
-    /// Envoy config embedding it (required). Limits, kinds, windows, the
-    /// salt and the replicas come from here, never from the filter's calls.
-    pub policy: Option<PathBuf>,
-    /// File holding the secret shared with the Envoy beside this sidecar
-    /// (at least 16 bytes); else the environment variable `secret_env`.
-    pub secret_file: Option<PathBuf>,
-    pub secret_env: String,
-    /// Redis' password (AUTH), from a file or an environment variable.
-    pub password_file: Option<PathBuf>,
-    pub password_env: Option<String>,
-    /// PEM file of the CA that signed Redis' certificate (`rediss://`);
-    /// default: the system's roots.
-    pub tls_ca_file: Option<PathBuf>,
-}
-
-impl Default for FleetConfig {
-    fn default() -> Self {
-        FleetConfig {
-            redis: "redis://127.0.0.1:6379".into(),
-            timeout: Duration::from_millis(250),
-            sync_interval: Duration::from_millis(100),
-            policy: None,
-            secret_file: None,
-            secret_env: sluice_filter::fleet::DEFAULT_SECRET_ENV.into(),
-            password_file: None,
-            password_env: None,
-            tls_ca_file: None,
-        }
-    }
-}
-
 /// A fleet bucket as this sidecar's policy defines it.
 #[derive(Debug, Clone)]
 struct ViewRule {
@@ -318,7 +273,7 @@ impl PolicyView {
     /// From a policy file or an Envoy config (the one with a `fleet`
     /// section), checked as Envoy would.
     pub fn from_text(text: &str) -> Result<PolicyView, String> {
-        let policy = crate::check_config::fleet_policy(text)?;
+        let policy = crate::config::policy::fleet_policy(text)?;
         Ok(PolicyView::of(policy))
     }
 
