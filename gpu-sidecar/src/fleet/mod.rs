@@ -448,63 +448,9 @@ impl FleetConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct TakeClaim {
-    /// A fleet bucket of this sidecar's policy (`tier/free/daily_tokens`).
-    pub rule: String,
-    /// The caller's hash (1: a global bucket).
-    pub owner: u64,
-    /// The end of the claim's calendar window; 0 for a token bucket.
-    pub window_end_ms: u64,
-    pub need: u64,
-    pub want: u64,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct TakeRequest {
-    /// Unique per take: an abandoned take is given back by it.
-    pub id: String,
-    /// Past this (ms since the epoch, Redis' clock) it is not applied.
-    pub deadline_ms: u64,
-    pub claims: Vec<TakeClaim>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct TakeAnswer {
-    pub ok: bool,
-    /// Granted per claim (ok), each at least its `need`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub grants: Vec<u64>,
-    /// Left globally per claim after the grant (ok), or in the claim that
-    /// refused.
-    pub left: Vec<u64>,
-    /// The claim that refused (not ok).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub refused: Option<usize>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct GiveItem {
-    pub rule: String,
-    pub owner: u64,
-    pub window_end_ms: u64,
-    /// > 0 gives units back, < 0 charges them.
-    pub delta: i64,
-    /// Undo take `take` on this bucket (delta is then ignored).
-    #[serde(default)]
-    pub take: Option<String>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct GiveRequest {
-    /// Unique per batch; a retry sends the same id.
-    pub id: String,
-    pub items: Vec<GiveItem>,
-}
+/// The bodies of `/v1/fleet/take` and `/v1/fleet/give`, shared with the
+/// filter.
+pub use sluice_wire::fleet::{GiveItem, GiveRequest, TakeAnswer, TakeClaim, TakeRequest};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FleetError {
@@ -1276,7 +1222,9 @@ pub async fn sync_breakers(
                     from_fleet: true,
                 };
                 match merged.iter_mut().find(|m| m.scope == view.scope) {
-                    Some(m) if m.state.gauge() < view.state.gauge() => *m = view,
+                    Some(m) if crate::state::gauge(m.state) < crate::state::gauge(view.state) => {
+                        *m = view
+                    }
                     Some(_) => {}
                     None => merged.push(view),
                 }

@@ -21,8 +21,6 @@
 
 use std::sync::{Arc, OnceLock};
 
-use serde::{Deserialize, Serialize};
-
 use super::{Fleet, FleetError, PolicyView};
 
 /// How long a report keeps this Envoy's holdings alive.
@@ -67,26 +65,8 @@ end
 return out
 "#;
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Scope {
-    /// `concurrency/<backend>` or `concurrency/<backend>/<model>`.
-    pub id: String,
-    /// How many slots this Envoy wants to hold (absolute).
-    pub hold: u32,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct SlotsRequest {
-    pub scopes: Vec<Scope>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
-pub struct SlotsAnswer {
-    /// Slots this Envoy now holds, per scope, in request order.
-    pub grants: Vec<u32>,
-}
+/// The body of `/v1/fleet/slots` and its answer, shared with the filter.
+pub use sluice_wire::fleet::{SlotScope, SlotsAnswer, SlotsRequest};
 
 /// This sidecar's id in the holdings: distinct per process (a restarted
 /// sidecar is a new holder; the old id's slots expire with its liveness).
@@ -187,8 +167,8 @@ pub async fn handle(
 mod tests {
     use super::*;
 
-    fn scope(id: &str, hold: u32) -> Scope {
-        Scope {
+    fn scope(id: &str, hold: u32) -> SlotScope {
+        SlotScope {
             id: id.into(),
             hold,
         }

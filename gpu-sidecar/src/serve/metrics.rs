@@ -139,7 +139,7 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
         out.sample(
             "sluice_sidecar_breaker_state",
             &[("scope", &v.scope)],
-            f64::from(v.state.gauge()),
+            f64::from(crate::state::gauge(v.state)),
         );
     }
     out.family(

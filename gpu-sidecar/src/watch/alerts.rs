@@ -76,6 +76,7 @@ impl AlertEvent {
                     BreakerState::HalfOpen => "HALF-OPEN: a trickle goes through",
                     BreakerState::Closed => "closed: traffic flows",
                     BreakerState::Saturated => "SATURATED: batch waits, interactive is refused",
+                    BreakerState::Unknown => "in a state this sidecar does not know",
                 };
                 format!("sluice: breaker {scope} {word} ({reason}){tail}")
             }
