@@ -18,7 +18,8 @@
 //! sources/            GPU and backend readings
 //! config/             the config file, one file per section with its check
 //! breaker             the pure rules engine (samples + clock → states)
-//! http, door, state   an HTTP client and reply helpers, the door, the versioned state
+//! http, reply, door,  an HTTP client, the answers every endpoint shares,
+//! state               the door (Host names, token guessing), the versioned state
 //! ```
 
 pub mod breaker;
@@ -27,6 +28,7 @@ pub mod config;
 pub mod door;
 pub mod fleet;
 pub mod http;
+pub mod reply;
 pub mod serve;
 pub mod sources;
 pub mod state;

@@ -169,35 +169,5 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         simulate: args.simulate,
         token,
     };
-    sluice_sidecar::serve(listener, opts, shutdown_signal()).await
-}
-
-/// Resolves on Ctrl-C or SIGTERM. If a handler cannot be installed, that
-/// signal is simply not awaited (the process still dies by default action).
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            eprintln!("sluice-sidecar: cannot listen for Ctrl-C: {e}");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                eprintln!("sluice-sidecar: cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
+    sluice_sidecar::serve(listener, opts, sluice_shutdown::signal("sluice-sidecar")).await
 }

@@ -1352,27 +1352,8 @@ pub fn router(fleet: Arc<Fleet>) -> axum::Router {
         .with_state(fleet)
 }
 
-pub(crate) type Peer = Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>;
-
-pub(crate) fn reply(
-    status: axum::http::StatusCode,
-    body: serde_json::Value,
-) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    (
-        status,
-        [(axum::http::header::CACHE_CONTROL, "no-store")],
-        axum::Json(body),
-    )
-        .into_response()
-}
-
-fn error(status: axum::http::StatusCode, code: &str, message: &str) -> axum::response::Response {
-    reply(
-        status,
-        serde_json::json!({"error": {"code": code, "message": message}}),
-    )
-}
+pub(crate) use crate::reply::Peer;
+use crate::reply::{error, json as reply};
 
 /// Why a call is not from the Envoy beside this sidecar, if it is not:
 /// not loopback; from a web page (`Origin`); not `application/json` (a
@@ -1384,10 +1365,7 @@ pub(crate) fn refuse(
     headers: &axum::http::HeaderMap,
 ) -> Option<axum::response::Response> {
     use axum::http::StatusCode;
-    let local = peer
-        .as_ref()
-        .is_some_and(|axum::Extension(axum::extract::ConnectInfo(a))| a.ip().is_loopback());
-    let refused = if !local {
+    let refused = if !crate::reply::is_loopback(peer) {
         Some(error(
             StatusCode::FORBIDDEN,
             "forbidden",

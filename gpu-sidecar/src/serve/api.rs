@@ -11,7 +11,6 @@
 //! slots are kept for loopback callers (the co-located Envoy) and token
 //! holders.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -141,8 +140,7 @@ async fn healthz() -> &'static str {
 
 /// `{"error": {"code", "message"}}` with `status`.
 fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
-    let body = json!({"error": {"code": code, "message": message.into()}});
-    (status, [(CACHE_CONTROL, "no-store")], Json(body)).into_response()
+    crate::reply::error(status, code, message)
 }
 
 #[derive(Debug, Deserialize)]
@@ -165,7 +163,7 @@ async fn state(
 ) -> Response {
     let current = api.store.current();
     let Some(since) = q.since.filter(|v| *v == current.version) else {
-        return ([(CACHE_CONTROL, "no-store")], Json(current)).into_response();
+        return crate::reply::json(StatusCode::OK, current);
     };
     let privileged = is_loopback(&peer) || holds_token(&api, &peer, &headers);
     let limit = if privileged {
@@ -191,7 +189,7 @@ async fn state(
         s = api.store.next_after(since, wait) => s,
         _ = closing.wait_for(|c| *c) => api.store.current(),
     };
-    ([(CACHE_CONTROL, "no-store")], Json(current)).into_response()
+    crate::reply::json(StatusCode::OK, current)
 }
 
 /// 503 for a poll past the cap. The connection is closed with it, so a
@@ -231,13 +229,7 @@ async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
     )
 }
 
-type Peer = Option<Extension<ConnectInfo<SocketAddr>>>;
-
-/// An unknown peer counts as remote.
-fn is_loopback(peer: &Peer) -> bool {
-    peer.as_ref()
-        .is_some_and(|Extension(ConnectInfo(a))| a.ip().is_loopback())
-}
+use crate::reply::{is_loopback, Peer};
 
 /// Who a peer's failures are charged to; an unknown peer (only in tests,
 /// without connect info) is one client.
@@ -398,7 +390,7 @@ async fn kill_switch(
         .kill_switch
         .set(req.active, reason, SystemTime::now())
         .await;
-    ([(CACHE_CONTROL, "no-store")], Json(out)).into_response()
+    crate::reply::json(StatusCode::OK, out)
 }
 
 /// `GET /v1/simulate`: what the simulated GPU source reports.
@@ -448,6 +440,7 @@ mod tests {
     use axum::body::Body;
     use axum::http::{Request, StatusCode};
     use serde_json::Value;
+    use std::net::SocketAddr;
     use std::time::SystemTime;
     use tower::ServiceExt as _;
 

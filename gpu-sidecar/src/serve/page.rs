@@ -25,7 +25,6 @@ use axum::http::header::{
     X_FRAME_OPTIONS,
 };
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde_json::json;
 
 use crate::serve::api::Api;
@@ -96,7 +95,7 @@ pub async fn history(State(api): State<Arc<Api>>) -> Response {
         o.insert("gpu_error".into(), json!(snap.gpu_error));
         o.insert("backends".into(), json!(backends));
     }
-    ([(CACHE_CONTROL, "no-store")], Json(body)).into_response()
+    crate::reply::json(axum::http::StatusCode::OK, body)
 }
 
 #[cfg(test)]
