@@ -189,7 +189,7 @@ pub async fn serve(
         closing_rx.clone(),
     ));
     tokio::spawn(watch::traffic::run(
-        history.clone(),
+        history.traffic.clone(),
         config.scrape_timeout,
         closing_rx.clone(),
     ));
@@ -207,18 +207,21 @@ pub async fn serve(
         None => None,
     };
     if let Some(f) = &fleet {
-        tokio::spawn(fleet::sync_kill_switch(
+        tokio::spawn(fleet::sync::sync_kill_switch(
             f.clone(),
             store.clone(),
             kill_switch.clone(),
             closing_rx.clone(),
         ));
-        tokio::spawn(fleet::sync_breakers(
+        tokio::spawn(fleet::sync::sync_breakers(
             f.clone(),
             store.clone(),
             closing_rx.clone(),
         ));
-        tokio::spawn(fleet::sync_fingerprints(f.clone(), closing_rx.clone()));
+        tokio::spawn(fleet::sync::sync_fingerprints(
+            f.clone(),
+            closing_rx.clone(),
+        ));
     }
     let door_telemetry = telemetry.clone();
     let mut app = serve::api::router(serve::api::Api {
@@ -234,7 +237,7 @@ pub async fn serve(
         failures: Arc::new(door::FailureGate::default()),
     });
     if let Some(f) = fleet {
-        app = app.merge(fleet::router(f));
+        app = app.merge(fleet::routes::router(f));
     }
     let hosts = door::AllowedHosts::with(&config.allowed_hosts)
         .map_err(|(i, m)| anyhow::anyhow!("allowed_hosts[{i}]: {m}"))?;

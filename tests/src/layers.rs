@@ -69,6 +69,9 @@ pub struct Scan {
     pub modules: BTreeSet<String>,
     /// Imports of another top-level module.
     pub imports: Vec<Import>,
+    /// Imports between the files of one folder: `from`/`to` are second-level
+    /// modules (`watch::history`; `watch` for `watch/mod.rs`).
+    pub inner: Vec<Import>,
     pub functions: Vec<Function>,
 }
 
@@ -92,6 +95,8 @@ pub struct Figures {
     pub back_imports: usize,
     /// Each cycle's members (strongly connected modules), sorted.
     pub cycles: Vec<Vec<String>>,
+    /// Cycles between the files of one folder (`fleet, fleet::slots`).
+    pub inner_cycles: Vec<Vec<String>>,
     /// The longest production functions, longest first (at most 5).
     pub longest: Vec<Function>,
 }
@@ -137,6 +142,14 @@ impl fmt::Display for Figures {
             .iter()
             .map(|g| format!("{} {} ({}:{})", g.name, g.lines, g.file, g.line))
             .collect();
+        let inner: Vec<String> = self.inner_cycles.iter().map(|c| c.join(" ↔ ")).collect();
+        writeln!(
+            f,
+            "cycles inside a folder {}{}{}",
+            self.inner_cycles.len(),
+            if inner.is_empty() { "" } else { ": " },
+            inner.join("; ")
+        )?;
         write!(f, "longest functions: {}", longest.join(", "))
     }
 }
@@ -148,6 +161,7 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
     walk(src, src, &mut files)?;
     files.sort();
     let mut modules = BTreeSet::new();
+    let mut units = BTreeSet::new();
     let mut parsed = Vec::new();
     let mut skip = BTreeSet::new();
     for path in &files {
@@ -159,6 +173,7 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
         let ast = syn::parse_file(&text)
             .map_err(|e| format!("{}:{}: {e}", path.display(), e.span().start().line))?;
         modules.insert(top_of(&module));
+        units.insert(unit_of(&module));
         parsed.push((path.clone(), module, ast));
     }
     // The files of `#[cfg(test)] mod x;` are test code.
@@ -192,12 +207,15 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
             module: module.clone(),
             inline: Vec::new(),
             known: &out.modules,
+            units: &units,
             imports: Vec::new(),
+            inner: Vec::new(),
             functions: Vec::new(),
             self_ty: Vec::new(),
         };
         reader.visit_file(ast);
         out.imports.extend(reader.imports);
+        out.inner.extend(reader.inner);
         out.functions.extend(reader.functions);
     }
     Ok(out)
@@ -256,6 +274,20 @@ pub fn check(src: &Path, layers: &[Layer]) -> Result<Figures, String> {
             closing.join("; ")
         ));
     }
+    for cycle in &figures.inner_cycles {
+        let members: BTreeSet<&str> = cycle.iter().map(String::as_str).collect();
+        let closing: Vec<String> = first_per_edge(&scan.inner, |i| {
+            members.contains(i.from.as_str()) && members.contains(i.to.as_str())
+        })
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        errors.push(format!(
+            "import cycle inside a folder between {}: {}",
+            cycle.join(", "),
+            closing.join("; ")
+        ));
+    }
     if errors.is_empty() {
         Ok(figures)
     } else {
@@ -278,6 +310,16 @@ fn figures_of(scan: &Scan, layer_of: Option<&BTreeMap<&str, usize>>) -> Figures 
     }
     let edges = graph.values().map(BTreeSet::len).sum();
     let cycles: Vec<Vec<String>> = strongly_connected(&graph)
+        .into_iter()
+        .filter(|c| c.len() > 1)
+        .map(|c| c.into_iter().map(str::to_string).collect())
+        .collect();
+    let mut inner: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for i in &scan.inner {
+        inner.entry(&i.from).or_default().insert(&i.to);
+        inner.entry(&i.to).or_default();
+    }
+    let inner_cycles: Vec<Vec<String>> = strongly_connected(&inner)
         .into_iter()
         .filter(|c| c.len() > 1)
         .map(|c| c.into_iter().map(str::to_string).collect())
@@ -342,6 +384,7 @@ fn figures_of(scan: &Scan, layer_of: Option<&BTreeMap<&str, usize>>) -> Figures 
             .collect(),
         back_imports,
         cycles,
+        inner_cycles,
         longest,
     }
 }
@@ -506,6 +549,21 @@ fn module_dir(src: &Path, file: &Path, module: &[String]) -> PathBuf {
     }
 }
 
+/// `watch::history` for `src/watch/history.rs` and below; `watch` for
+/// `src/watch/mod.rs`; `lib` for `src/lib.rs`.
+fn unit_of(module: &[String]) -> String {
+    if module.is_empty() {
+        "lib".to_string()
+    } else {
+        module
+            .iter()
+            .take(2)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("::")
+    }
+}
+
 fn top_of(module: &[String]) -> String {
     module.first().cloned().unwrap_or_else(|| "lib".to_string())
 }
@@ -527,7 +585,10 @@ struct Reader<'a> {
     /// Inline `mod x { … }` blocks around the current item.
     inline: Vec<String>,
     known: &'a BTreeSet<String>,
+    /// Second-level modules (`watch::history`).
+    units: &'a BTreeSet<String>,
     imports: Vec<Import>,
+    inner: Vec<Import>,
     functions: Vec<Function>,
     self_ty: Vec<String>,
 }
@@ -558,6 +619,14 @@ impl Reader<'_> {
             name if here.is_empty() && segments.len() > 1 && self.known.contains(name) => {
                 segments.to_vec()
             }
+            // So is a child module in its parent (`history::HistoryConfig`
+            // in `config/mod.rs`).
+            name if here.len() == 1
+                && segments.len() > 1
+                && self.units.contains(&format!("{}::{name}", here[0])) =>
+            {
+                here.iter().chain(segments).cloned().collect()
+            }
             _ => return,
         };
         let to = match resolved.first() {
@@ -572,6 +641,24 @@ impl Reader<'_> {
                 line,
                 from,
                 to,
+                path: segments.join("::"),
+            });
+            return;
+        }
+        let two = resolved
+            .iter()
+            .take(2)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("::");
+        let to_unit = if self.units.contains(&two) { two } else { to };
+        let from_unit = unit_of(&self.module);
+        if to_unit != from_unit {
+            self.inner.push(Import {
+                file: self.file.clone(),
+                line,
+                from: from_unit,
+                to: to_unit,
                 path: segments.join("::"),
             });
         }
@@ -878,6 +965,28 @@ mod tests {
     }
 
     #[test]
+    fn a_cycle_between_the_files_of_one_folder_is_reported() {
+        let d = tree(&[
+            ("lib.rs", "pub mod top;\npub mod low;\npub mod base;\n"),
+            ("top.rs", ""),
+            ("low/mod.rs", "pub mod a;\npub mod b;\npub mod c;\n"),
+            ("low/a.rs", "use super::b::B;\npub struct A;\n"),
+            (
+                "low/b.rs",
+                "pub struct B;\npub fn f(_: crate::low::a::A) {}\n",
+            ),
+            ("low/c.rs", "use super::a::A;\n"),
+            ("base.rs", ""),
+        ]);
+        let err = check(&d.path().join("src"), &[TOP, LOW]).unwrap_err();
+        assert_eq!(
+            err,
+            "import cycle inside a folder between low::a, low::b: \
+             src/low/a.rs:1: `super::b::B`; src/low/b.rs:2: `crate::low::a::A`"
+        );
+    }
+
+    #[test]
     fn test_code_and_paths_inside_one_module_are_not_imports() {
         let d = tree(&[
             ("lib.rs", "pub mod top;\npub mod low;\npub mod base;\n"),
@@ -943,33 +1052,5 @@ mod tests {
         assert_eq!(f.longest[0].name, "S::long");
         assert_eq!(f.longest[0].lines, 4);
         assert_eq!(f.longest[1].name, "short");
-    }
-}
-#[cfg(test)]
-mod debug_tmp {
-    #[test]
-    fn dump() {
-        let s = super::scan(&crate::repo_root().join("gpu-sidecar/src")).unwrap();
-        let mut m: std::collections::BTreeMap<
-            String,
-            std::collections::BTreeMap<String, Vec<String>>,
-        > = Default::default();
-        for i in &s.imports {
-            m.entry(i.from.clone())
-                .or_default()
-                .entry(i.to.clone())
-                .or_default()
-                .push(i.path.replace("crate::", ""));
-        }
-        for (a, t) in m {
-            println!("{a}:");
-            for (b, v) in t {
-                v.iter().for_each(|_| ());
-                let mut v = v;
-                v.sort();
-                v.dedup();
-                println!("   -> {b}: {}", v.join(" "));
-            }
-        }
     }
 }

@@ -49,7 +49,7 @@ const SIDECAR: &[Layer] = &[
     },
     Layer {
         name: "base",
-        modules: &["http", "door", "state"],
+        modules: &["http", "reply", "door", "state"],
     },
 ];
 

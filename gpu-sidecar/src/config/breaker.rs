@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{duration, invalid, Config, ConfigError};
+use super::field::{duration, invalid, ConfigError};
+use super::sources::{BackendConfig, BackendKind};
 use crate::breaker::{Metric, OnStale, Policy, Rule};
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -154,36 +155,43 @@ pub fn check_scopes(scopes: &[ScopeConfig]) -> Result<(), ConfigError> {
     Ok(())
 }
 
-impl Config {
+impl BreakerConfig {
+    /// The engine's policy.
     pub fn policy(&self) -> Policy {
         Policy {
-            half_open_fraction: self.breaker.half_open_fraction,
-            half_open_for: self.breaker.half_open_for,
-            retry_after: self.breaker.retry_after,
-            stale_after: self.breaker.stale_after,
-            on_stale: self.breaker.on_stale,
+            half_open_fraction: self.half_open_fraction,
+            half_open_for: self.half_open_for,
+            retry_after: self.retry_after,
+            stale_after: self.stale_after,
+            on_stale: self.on_stale,
         }
     }
+}
 
-    /// The saturation rules, checked.
-    pub fn saturation_rules(&self) -> Result<Vec<Rule>, ConfigError> {
-        self.saturation
-            .iter()
-            .enumerate()
-            .map(|(i, r)| r.to_rule(&format!("saturation[{i}]")))
-            .collect()
-    }
+/// The saturation rules, checked.
+pub fn saturation_rules(saturation: &[RuleConfig]) -> Result<Vec<Rule>, ConfigError> {
+    saturation
+        .iter()
+        .enumerate()
+        .map(|(i, r)| r.to_rule(&format!("saturation[{i}]")))
+        .collect()
+}
 
-    /// The scopes, explicit or derived (see [`Config::scopes`]).
-    pub fn scope_plans(&self) -> Result<Vec<ScopePlan>, ConfigError> {
-        let rules = self
-            .rules
+/// The scopes, explicit or derived (see [`Config::scopes`](super::Config)):
+/// `rules` for every scope without its own, `backends` as
+/// [`Config::backends`](super::Config::backends) lists them.
+pub fn scope_plans(
+    rules: &[RuleConfig],
+    scopes: &[ScopeConfig],
+    backends: &[(BackendKind, &BackendConfig)],
+) -> Result<Vec<ScopePlan>, ConfigError> {
+    {
+        let rules = rules
             .iter()
             .enumerate()
             .map(|(i, r)| r.to_rule(&format!("rules[{i}]")))
             .collect::<Result<Vec<_>, _>>()?;
-        let backends = self.backends();
-        if self.scopes.is_empty() {
+        if scopes.is_empty() {
             if backends.is_empty() {
                 return Ok(vec![ScopePlan {
                     scope: "backend:local".into(),
@@ -211,7 +219,7 @@ impl Config {
             }
             return Ok(plans);
         }
-        self.scopes
+        scopes
             .iter()
             .enumerate()
             .map(|(i, s)| {

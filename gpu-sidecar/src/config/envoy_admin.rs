@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{duration, invalid, ConfigError};
+use super::field::{duration, invalid, ConfigError};
 use crate::http::Target;
 
 /// The most minutes kept.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::duration;
+use super::field::duration;
 
 /// The sidecar's `fleet:` section.
 #[derive(Debug, Clone, Deserialize, PartialEq)]

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{duration, invalid, ConfigError};
+use super::field::{duration, invalid, ConfigError};
 
 /// Points kept per GPU, whatever window ÷ sample_every says.
 pub const MAX_POINTS: usize = 4096;

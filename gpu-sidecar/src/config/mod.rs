@@ -7,6 +7,7 @@ pub mod admin;
 pub mod alerts;
 pub mod breaker;
 pub mod envoy_admin;
+pub mod field;
 pub mod fleet;
 pub mod history;
 pub mod policy;
@@ -15,48 +16,15 @@ pub mod sources;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
 pub use self::admin::{AdminConfig, LongPollConfig};
 pub use self::alerts::{AlertsConfig, WebhookConfig, WebhookFormat};
 pub use self::breaker::{BreakerConfig, RuleConfig, ScopeConfig, ScopePlan};
+pub use self::field::ConfigError;
+use self::field::{duration, invalid};
 pub use self::sources::{BackendConfig, BackendKind, GpuMode, Sources};
-use crate::breaker::Rule;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// Not YAML, or a field of the wrong type or name.
-    #[error("{0}")]
-    Parse(String),
-    /// Well-formed but inconsistent.
-    #[error("{path}: {message}")]
-    Invalid { path: String, message: String },
-}
-
-impl ConfigError {
-    /// The field path of an inconsistency (`history.window`); empty for a
-    /// parse error.
-    pub fn path(&self) -> &str {
-        match self {
-            ConfigError::Parse(_) => "",
-            ConfigError::Invalid { path, .. } => path,
-        }
-    }
-
-    pub fn message(&self) -> String {
-        match self {
-            ConfigError::Parse(m) => m.clone(),
-            ConfigError::Invalid { message, .. } => message.clone(),
-        }
-    }
-}
-
-fn invalid(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        path: path.into(),
-        message: message.into(),
-    }
-}
+use crate::breaker::{Policy, Rule};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -149,6 +117,20 @@ impl Config {
         vllm.chain(ollama).collect()
     }
 
+    pub fn policy(&self) -> Policy {
+        self.breaker.policy()
+    }
+
+    /// The saturation rules, checked.
+    pub fn saturation_rules(&self) -> Result<Vec<Rule>, ConfigError> {
+        breaker::saturation_rules(&self.saturation)
+    }
+
+    /// The scopes, explicit or derived (see [`Config::scopes`]).
+    pub fn scope_plans(&self) -> Result<Vec<ScopePlan>, ConfigError> {
+        breaker::scope_plans(&self.rules, &self.scopes, &self.backends())
+    }
+
     /// Each section's own check, then the checks across sections.
     fn validate(&self) -> Result<(), ConfigError> {
         self.saturation_rules()?;
@@ -180,14 +162,6 @@ impl Config {
         admin::check_allowed_hosts(&self.allowed_hosts)?;
         self.scope_plans().map(|_| ())
     }
-}
-
-/// `30s`, `1m 30s`, `250ms`.
-pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let text = String::deserialize(d)?;
-    humantime::parse_duration(&text).map_err(|e| {
-        serde::de::Error::custom(format!("`{text}` is not a duration like `30s`: {e}"))
-    })
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@
 //! died) are dropped by the next script that sees them, so their slots come
 //! back to the fleet within `LIVE_MS`.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use super::{Fleet, FleetError, PolicyView};
 
@@ -144,23 +144,6 @@ pub async fn report(fleet: &Fleet, req: &SlotsRequest) -> Result<SlotsAnswer, Fl
         ));
     }
     Ok(SlotsAnswer { grants })
-}
-
-pub async fn handle(
-    axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
-    peer: crate::fleet::Peer,
-    headers: axum::http::HeaderMap,
-    body: axum::body::Bytes,
-) -> axum::response::Response {
-    let f = fleet.clone();
-    crate::fleet::serve(
-        &fleet,
-        &peer,
-        &headers,
-        &body,
-        |req: SlotsRequest| async move { report(&f, &req).await },
-    )
-    .await
 }
 
 #[cfg(test)]

@@ -26,15 +26,9 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde::Deserialize;
 use serde_json::json;
-use tokio::sync::watch;
 
-use crate::config::LongPollConfig;
-use crate::door::{AllowedHosts, Client, Endpoint, Failure, FailureGate, Gate};
-use crate::serve::admin::AdminToken;
-use crate::sources::gpu::{SimHandle, Simulation};
-use crate::state::StateStore;
-use crate::watch::history::History;
-use crate::watch::kill_switch::KillSwitchControl;
+use crate::door::{AllowedHosts, Client, Endpoint, Failure, Gate};
+use crate::sources::gpu::Simulation;
 use crate::watch::telemetry::{Subscriber, Telemetry};
 
 /// How long a long poll is held when the request does not say.
@@ -46,25 +40,7 @@ pub const MAX_REASON: usize = 500;
 /// What a poll refused at the cap is told to wait, in seconds.
 pub const POLL_RETRY_AFTER_S: u64 = 2;
 
-/// Everything the handlers share.
-#[derive(Debug, Clone)]
-pub struct Api {
-    pub store: StateStore,
-    /// Turns true when the server shuts down, releasing held polls.
-    pub closing: watch::Receiver<bool>,
-    pub telemetry: Arc<Telemetry>,
-    pub token: AdminToken,
-    /// Admin calls from other than loopback are accepted.
-    pub allow_remote: bool,
-    pub kill_switch: Arc<KillSwitchControl>,
-    /// Set when the simulated GPU source runs.
-    pub sim: Option<SimHandle>,
-    pub long_poll: LongPollConfig,
-    /// What the operator page draws (`/v1/history`).
-    pub history: Arc<History>,
-    /// Wrong admin tokens per client.
-    pub failures: Arc<FailureGate>,
-}
+pub use crate::serve::Api;
 
 pub fn router(api: Api) -> Router {
     let mut router = Router::new()
@@ -437,11 +413,19 @@ async fn simulate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::LongPollConfig;
+    use crate::door::FailureGate;
+    use crate::serve::admin::AdminToken;
+    use crate::sources::gpu::SimHandle;
+    use crate::state::StateStore;
+    use crate::watch::history::History;
+    use crate::watch::kill_switch::KillSwitchControl;
     use axum::body::Body;
     use axum::http::{Request, StatusCode};
     use serde_json::Value;
     use std::net::SocketAddr;
     use std::time::SystemTime;
+    use tokio::sync::watch;
     use tower::ServiceExt as _;
 
     async fn get(app: &Router, uri: &str) -> (StatusCode, Vec<u8>) {

@@ -27,7 +27,7 @@ use axum::http::header::{
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use crate::serve::api::Api;
+use crate::serve::Api;
 
 const HTML: &str = include_str!("../../assets/page.html");
 const JS: &str = include_str!("../../assets/page.js");

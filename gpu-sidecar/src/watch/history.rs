@@ -110,7 +110,8 @@ struct Inner {
 pub struct History {
     cfg: HistoryConfig,
     inner: Mutex<Inner>,
-    pub traffic: Traffic,
+    /// Shared with the scraper that fills it ([`crate::watch::traffic::run`]).
+    pub traffic: Arc<Traffic>,
 }
 
 impl Default for History {
@@ -124,7 +125,7 @@ impl History {
         History {
             cfg,
             inner: Mutex::new(Inner::default()),
-            traffic,
+            traffic: Arc::new(traffic),
         }
     }
 

@@ -23,7 +23,6 @@ use tokio::sync::watch;
 use crate::config::envoy_admin::{EnvoyAdminConfig, MAX_MINUTES};
 use crate::http::Target;
 use crate::sources::prom;
-use crate::watch::history::History;
 
 /// Tiers kept per minute; the rest are summed as [`OTHER`].
 pub const MAX_TIERS: usize = 32;
@@ -197,8 +196,8 @@ fn minute_of(t: SystemTime) -> u64 {
 /// Scrapes Envoy every `scrape_every` until `closing` turns true. Each
 /// scrape is bounded by `timeout` and the HTTP client's body cap; the
 /// `filter` query keeps Envoy's answer to sluice's counter.
-pub async fn run(history: Arc<History>, timeout: Duration, mut closing: watch::Receiver<bool>) {
-    let Some(cfg) = history.traffic.cfg.clone() else {
+pub async fn run(traffic: Arc<Traffic>, timeout: Duration, mut closing: watch::Receiver<bool>) {
+    let Some(cfg) = traffic.cfg.clone() else {
         return;
     };
     let Ok(base) = Target::parse(&cfg.url) else {
@@ -215,11 +214,9 @@ pub async fn run(history: Arc<History>, timeout: Duration, mut closing: watch::R
         match crate::http::get(&target, timeout).await {
             Ok(body) => {
                 let text = String::from_utf8_lossy(&body);
-                history.traffic.observe_text(SystemTime::now(), &text);
+                traffic.observe_text(SystemTime::now(), &text);
             }
-            Err(e) => history
-                .traffic
-                .failed(format!("reading Envoy's stats: {e}")),
+            Err(e) => traffic.failed(format!("reading Envoy's stats: {e}")),
         }
     }
 }
