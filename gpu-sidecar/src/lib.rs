@@ -43,7 +43,8 @@ use anyhow::Context as _;
 use tokio::net::TcpListener;
 
 use crate::breaker::At;
-use crate::config::{BackendKind, Config, GpuMode};
+use crate::config::fleet::FleetConfig;
+use crate::config::{BackendKind, Config, GpuMode, ScopePlan};
 use crate::http::Target;
 use crate::serve::admin::AdminToken;
 use crate::sources::gpu::{NvmlSource, SimHandle, SimulatedGpus};
@@ -98,15 +99,10 @@ fn gpu_source(opts: &Options) -> (Option<Box<dyn GpuSource>>, Option<SimHandle>)
     }
 }
 
-/// Serves until `shutdown` resolves: the monitor rounds, the API on
-/// `listener`. Held long polls are answered at once on shutdown.
-pub async fn serve(
-    listener: TcpListener,
-    opts: Options,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    let config = &opts.config;
-    let plans = config.scope_plans()?;
+/// The first published state: version the start time in Unix ms (so a
+/// restarted sidecar never answers a version a filter already holds), the
+/// kill switch as the state file kept it.
+fn first_state(config: &Config, now: SystemTime) -> anyhow::Result<SidecarState> {
     let kill_switch = match &config.state_file {
         Some(path) => watch::kill_switch::load_kill_switch(path)?,
         None => {
@@ -120,25 +116,16 @@ pub async fn serve(
             kill_switch.reason.as_deref().unwrap_or("no reason given")
         );
     }
-    if !opts.token.is_set() {
-        eprintln!("sluice-sidecar: no admin token: POST /v1/kill-switch answers 401");
-    }
-    let now = SystemTime::now();
     let mut first = SidecarState::initial(now);
     first.version = now
         .duration_since(UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(1).max(1));
     first.kill_switch = kill_switch;
-    let store = StateStore::starting(first);
-    let telemetry = Arc::new(Telemetry::default());
-    let history = Arc::new(History::new(
-        config.history.clone(),
-        Traffic::new(config.envoy_admin.clone()),
-    ));
-    history.set_rules(&plans);
-    let alerts = Alerts::start(config.alerts.clone(), telemetry.clone());
+    Ok(first)
+}
 
-    let (gpu, sim) = gpu_source(&opts);
+/// One source per configured backend.
+fn backend_sources(config: &Config) -> anyhow::Result<Vec<Box<dyn BackendSource>>> {
     let mut backends: Vec<Box<dyn BackendSource>> = Vec::new();
     for (kind, b) in config.backends() {
         let base = Target::parse(&b.url).with_context(|| format!("backend {}", b.name))?;
@@ -156,6 +143,18 @@ pub async fn serve(
             )),
         });
     }
+    Ok(backends)
+}
+
+/// The monitor over the GPU source, every backend and the scopes.
+fn monitor(
+    config: &Config,
+    gpu: Option<Box<dyn GpuSource>>,
+    plans: Vec<ScopePlan>,
+    outputs: Outputs,
+    now: SystemTime,
+) -> anyhow::Result<Monitor> {
+    let backends = backend_sources(config)?;
     let scopes: Vec<&str> = plans.iter().map(|p| p.scope.as_str()).collect();
     eprintln!(
         "sluice-sidecar: GPU source {}, {} backend(s), scopes {}",
@@ -163,23 +162,73 @@ pub async fn serve(
         backends.len(),
         scopes.join(", ")
     );
-    let monitor = Monitor::new(
+    Ok(Monitor::new(
         gpu,
         backends,
         plans,
         config.policy(),
-        Outputs {
-            store: store.clone(),
-            telemetry: telemetry.clone(),
-            alerts: Some(alerts.clone()),
-            history: Some(history.clone()),
-        },
+        outputs,
         At {
             mono: Instant::now(),
             wall: now,
         },
     )
-    .with_saturation(config.saturation_rules()?);
+    .with_saturation(config.saturation_rules()?))
+}
+
+/// The fleet agent and its sync loops (until `closing`).
+fn start_fleet(
+    config: &FleetConfig,
+    store: &StateStore,
+    kill_switch: &Arc<KillSwitchControl>,
+    closing: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Arc<fleet::Fleet>> {
+    let f = fleet::Fleet::new(config.clone())?;
+    tokio::spawn(fleet::sync::sync_kill_switch(
+        f.clone(),
+        store.clone(),
+        kill_switch.clone(),
+        closing.clone(),
+    ));
+    tokio::spawn(fleet::sync::sync_breakers(
+        f.clone(),
+        store.clone(),
+        closing.clone(),
+    ));
+    tokio::spawn(fleet::sync::sync_fingerprints(f.clone(), closing.clone()));
+    Ok(f)
+}
+
+/// Serves until `shutdown` resolves: the monitor rounds, the API on
+/// `listener`. Held long polls are answered at once on shutdown.
+pub async fn serve(
+    listener: TcpListener,
+    opts: Options,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let config = &opts.config;
+    let plans = config.scope_plans()?;
+    if !opts.token.is_set() {
+        eprintln!("sluice-sidecar: no admin token: POST /v1/kill-switch answers 401");
+    }
+    let now = SystemTime::now();
+    let store = StateStore::starting(first_state(config, now)?);
+    let telemetry = Arc::new(Telemetry::default());
+    let history = Arc::new(History::new(
+        config.history.clone(),
+        Traffic::new(config.envoy_admin.clone()),
+    ));
+    history.set_rules(&plans);
+    let alerts = Alerts::start(config.alerts.clone(), telemetry.clone());
+
+    let (gpu, sim) = gpu_source(&opts);
+    let outputs = Outputs {
+        store: store.clone(),
+        telemetry: telemetry.clone(),
+        alerts: Some(alerts.clone()),
+        history: Some(history.clone()),
+    };
+    let monitor = monitor(config, gpu, plans, outputs, now)?;
 
     let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
     let monitor_task = tokio::spawn(monitor.run(config.scrape_interval, closing_rx.clone()));
@@ -203,26 +252,9 @@ pub async fn serve(
         Some(alerts),
     ));
     let fleet = match &config.fleet {
-        Some(f) => Some(fleet::Fleet::new(f.clone())?),
+        Some(f) => Some(start_fleet(f, &store, &kill_switch, &closing_rx)?),
         None => None,
     };
-    if let Some(f) = &fleet {
-        tokio::spawn(fleet::sync::sync_kill_switch(
-            f.clone(),
-            store.clone(),
-            kill_switch.clone(),
-            closing_rx.clone(),
-        ));
-        tokio::spawn(fleet::sync::sync_breakers(
-            f.clone(),
-            store.clone(),
-            closing_rx.clone(),
-        ));
-        tokio::spawn(fleet::sync::sync_fingerprints(
-            f.clone(),
-            closing_rx.clone(),
-        ));
-    }
     let door_telemetry = telemetry.clone();
     let mut app = serve::api::router(serve::api::Api {
         store: store.clone(),

@@ -53,11 +53,26 @@ const SIDECAR: &[Layer] = &[
     },
 ];
 
+/// The longest production function the sidecar may have (issue #19).
+const MAX_FUNCTION_LINES: usize = 100;
+
 #[test]
 fn sidecar_layers() {
-    if let Err(e) = layers::check(&src("gpu-sidecar"), SIDECAR) {
-        panic!("gpu-sidecar/src:\n{e}");
-    }
+    let figures = match layers::check(&src("gpu-sidecar"), SIDECAR) {
+        Ok(f) => f,
+        Err(e) => panic!("gpu-sidecar/src:\n{e}"),
+    };
+    let long: Vec<String> = figures
+        .longest
+        .iter()
+        .filter(|f| f.lines > MAX_FUNCTION_LINES)
+        .map(|f| format!("{} ({}:{}) has {} lines", f.name, f.file, f.line, f.lines))
+        .collect();
+    assert!(
+        long.is_empty(),
+        "gpu-sidecar: split functions over {MAX_FUNCTION_LINES} lines: {}",
+        long.join("; ")
+    );
 }
 
 #[test]
