@@ -80,7 +80,7 @@ pub async fn sync_breakers(
             if other == id {
                 continue;
             }
-            let Ok(board) = serde_json::from_str::<Board>(&raw) else {
+            let Some(board) = read_board(&raw) else {
                 gone.push(other);
                 continue;
             };
@@ -116,6 +116,19 @@ pub async fn sync_breakers(
         store.set_fleet_breakers(SystemTime::now(), merged);
         fleet.forget_breakers(&gone).await;
     }
+}
+
+/// Another sidecar's board, if this sidecar can serve all of it. A state
+/// this build does not know (`Unknown`, from a newer sidecar) makes the
+/// board unreadable, as it was before the states were one enum: it must
+/// not reach `/v1/state`, which could not be written with it.
+fn read_board(raw: &str) -> Option<Board> {
+    let board: Board = serde_json::from_str(raw).ok()?;
+    let known = board
+        .breakers
+        .iter()
+        .all(|b| b.state != crate::state::BreakerState::Unknown);
+    known.then_some(board)
 }
 
 /// Keeps the local kill switch and Redis' equal until `closing`: a local
@@ -213,5 +226,19 @@ pub async fn sync_fingerprints(fleet: Arc<Fleet>, mut closing: tokio::sync::watc
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_board_with_a_state_this_sidecar_does_not_know_is_not_served() {
+        let ok = r#"{"at_ms":1,"breakers":[{"scope":"model:m","state":"open","half_open_fraction":0.0,"retry_after_seconds":30,"reason":null,"since_ms":0}]}"#;
+        assert_eq!(read_board(ok).map(|b| b.breakers.len()), Some(1));
+        let newer = ok.replace("\"open\"", "\"melting\"");
+        assert!(read_board(&newer).is_none());
+        assert!(read_board("{").is_none());
     }
 }
