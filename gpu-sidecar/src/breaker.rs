@@ -418,8 +418,9 @@ fn decide(s: &Scope, policy: &Policy, now: Instant) -> Option<(BreakerState, Str
                 Some((BreakerState::Closed, why))
             }
         }
-        // Never a breaker's own state (the monitor publishes it).
-        BreakerState::Saturated => None,
+        // Never a breaker's own state (the monitor publishes it; `Unknown`
+        // is only ever read from a newer peer).
+        BreakerState::Saturated | BreakerState::Unknown => None,
         BreakerState::HalfOpen => {
             if let Some(t) = s.tracks.iter().find(|t| t.hot()) {
                 return Some((

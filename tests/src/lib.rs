@@ -24,6 +24,7 @@ use anyhow::Context as _;
 use serde_yaml::Value;
 
 pub mod fleet;
+pub mod layers;
 pub mod org;
 
 /// How long a process may take to come up, and a reload to be applied.

@@ -1,6 +1,6 @@
 //! The HTTP API: `/v1/state` (the filter's long poll), the kill switch,
 //! the simulated GPU (only when it runs), `/metrics`, `/healthz` and the
-//! operator page at `/` with its data at `/v1/history` ([`crate::page`]).
+//! operator page at `/` with its data at `/v1/history` ([`crate::serve::page`]).
 //!
 //! Who may do what: every route answers only to the sidecar's own host
 //! names ([`with_door`], 421 otherwise); reads are open; every change of
@@ -11,7 +11,6 @@
 //! slots are kept for loopback callers (the co-located Envoy) and token
 //! holders.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -27,15 +26,10 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde::Deserialize;
 use serde_json::json;
-use tokio::sync::watch;
 
-use crate::admin::{AdminToken, KillSwitchControl};
-use crate::config::LongPollConfig;
-use crate::door::{AllowedHosts, Client, Endpoint, Failure, FailureGate, Gate};
-use crate::history::History;
-use crate::sources::gpu::{SimHandle, Simulation};
-use crate::state::StateStore;
-use crate::telemetry::{Subscriber, Telemetry};
+use crate::door::{AllowedHosts, Client, Endpoint, Failure, Gate};
+use crate::sources::gpu::Simulation;
+use crate::watch::telemetry::{Subscriber, Telemetry};
 
 /// How long a long poll is held when the request does not say.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
@@ -46,32 +40,14 @@ pub const MAX_REASON: usize = 500;
 /// What a poll refused at the cap is told to wait, in seconds.
 pub const POLL_RETRY_AFTER_S: u64 = 2;
 
-/// Everything the handlers share.
-#[derive(Debug, Clone)]
-pub struct Api {
-    pub store: StateStore,
-    /// Turns true when the server shuts down, releasing held polls.
-    pub closing: watch::Receiver<bool>,
-    pub telemetry: Arc<Telemetry>,
-    pub token: AdminToken,
-    /// Admin calls from other than loopback are accepted.
-    pub allow_remote: bool,
-    pub kill_switch: Arc<KillSwitchControl>,
-    /// Set when the simulated GPU source runs.
-    pub sim: Option<SimHandle>,
-    pub long_poll: LongPollConfig,
-    /// What the operator page draws (`/v1/history`).
-    pub history: Arc<History>,
-    /// Wrong admin tokens per client.
-    pub failures: Arc<FailureGate>,
-}
+pub use crate::serve::Api;
 
 pub fn router(api: Api) -> Router {
     let mut router = Router::new()
-        .route("/", get(crate::page::index))
-        .route("/page.js", get(crate::page::script))
-        .route("/page.css", get(crate::page::style))
-        .route("/v1/history", get(crate::page::history))
+        .route("/", get(crate::serve::page::index))
+        .route("/page.js", get(crate::serve::page::script))
+        .route("/page.css", get(crate::serve::page::style))
+        .route("/v1/history", get(crate::serve::page::history))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/v1/state", get(state))
@@ -140,8 +116,7 @@ async fn healthz() -> &'static str {
 
 /// `{"error": {"code", "message"}}` with `status`.
 fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
-    let body = json!({"error": {"code": code, "message": message.into()}});
-    (status, [(CACHE_CONTROL, "no-store")], Json(body)).into_response()
+    crate::reply::error(status, code, message)
 }
 
 #[derive(Debug, Deserialize)]
@@ -164,7 +139,7 @@ async fn state(
 ) -> Response {
     let current = api.store.current();
     let Some(since) = q.since.filter(|v| *v == current.version) else {
-        return ([(CACHE_CONTROL, "no-store")], Json(current)).into_response();
+        return crate::reply::json(StatusCode::OK, current);
     };
     let privileged = is_loopback(&peer) || holds_token(&api, &peer, &headers);
     let limit = if privileged {
@@ -190,7 +165,7 @@ async fn state(
         s = api.store.next_after(since, wait) => s,
         _ = closing.wait_for(|c| *c) => api.store.current(),
     };
-    ([(CACHE_CONTROL, "no-store")], Json(current)).into_response()
+    crate::reply::json(StatusCode::OK, current)
 }
 
 /// 503 for a poll past the cap. The connection is closed with it, so a
@@ -216,7 +191,7 @@ fn too_many_polls(limit: usize) -> Response {
 }
 
 async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
-    let text = crate::metrics::render(
+    let text = crate::serve::metrics::render(
         &api.store.current(),
         &api.telemetry.snapshot(),
         &api.telemetry,
@@ -230,13 +205,7 @@ async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
     )
 }
 
-type Peer = Option<Extension<ConnectInfo<SocketAddr>>>;
-
-/// An unknown peer counts as remote.
-fn is_loopback(peer: &Peer) -> bool {
-    peer.as_ref()
-        .is_some_and(|Extension(ConnectInfo(a))| a.ip().is_loopback())
-}
+use crate::reply::{is_loopback, Peer};
 
 /// Who a peer's failures are charged to; an unknown peer (only in tests,
 /// without connect info) is one client.
@@ -397,7 +366,7 @@ async fn kill_switch(
         .kill_switch
         .set(req.active, reason, SystemTime::now())
         .await;
-    ([(CACHE_CONTROL, "no-store")], Json(out)).into_response()
+    crate::reply::json(StatusCode::OK, out)
 }
 
 /// `GET /v1/simulate`: what the simulated GPU source reports.
@@ -444,10 +413,19 @@ async fn simulate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::LongPollConfig;
+    use crate::door::FailureGate;
+    use crate::serve::admin::AdminToken;
+    use crate::sources::gpu::SimHandle;
+    use crate::state::StateStore;
+    use crate::watch::history::History;
+    use crate::watch::kill_switch::KillSwitchControl;
     use axum::body::Body;
     use axum::http::{Request, StatusCode};
     use serde_json::Value;
+    use std::net::SocketAddr;
     use std::time::SystemTime;
+    use tokio::sync::watch;
     use tower::ServiceExt as _;
 
     async fn get(app: &Router, uri: &str) -> (StatusCode, Vec<u8>) {

@@ -19,11 +19,9 @@
 //! died) are dropped by the next script that sees them, so their slots come
 //! back to the fleet within `LIVE_MS`.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use serde::{Deserialize, Serialize};
-
-use crate::fleet::{Fleet, FleetError, PolicyView};
+use super::{Fleet, FleetError, PolicyView};
 
 /// How long a report keeps this Envoy's holdings alive.
 pub const LIVE_MS: u64 = 5_000;
@@ -67,26 +65,8 @@ end
 return out
 "#;
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Scope {
-    /// `concurrency/<backend>` or `concurrency/<backend>/<model>`.
-    pub id: String,
-    /// How many slots this Envoy wants to hold (absolute).
-    pub hold: u32,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct SlotsRequest {
-    pub scopes: Vec<Scope>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
-pub struct SlotsAnswer {
-    /// Slots this Envoy now holds, per scope, in request order.
-    pub grants: Vec<u32>,
-}
+/// The body of `/v1/fleet/slots` and its answer, shared with the filter.
+pub use sluice_wire::fleet::{SlotScope, SlotsAnswer, SlotsRequest};
 
 /// This sidecar's id in the holdings: distinct per process (a restarted
 /// sidecar is a new holder; the old id's slots expire with its liveness).
@@ -166,29 +146,12 @@ pub async fn report(fleet: &Fleet, req: &SlotsRequest) -> Result<SlotsAnswer, Fl
     Ok(SlotsAnswer { grants })
 }
 
-pub async fn handle(
-    axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
-    peer: crate::fleet::Peer,
-    headers: axum::http::HeaderMap,
-    body: axum::body::Bytes,
-) -> axum::response::Response {
-    let f = fleet.clone();
-    crate::fleet::serve(
-        &fleet,
-        &peer,
-        &headers,
-        &body,
-        |req: SlotsRequest| async move { report(&f, &req).await },
-    )
-    .await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn scope(id: &str, hold: u32) -> Scope {
-        Scope {
+    fn scope(id: &str, hold: u32) -> SlotScope {
+        SlotScope {
             id: id.into(),
             hold,
         }

@@ -17,78 +17,20 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::history::History;
+use crate::config::envoy_admin::{EnvoyAdminConfig, MAX_MINUTES};
 use crate::http::Target;
 use crate::sources::prom;
 
 /// Tiers kept per minute; the rest are summed as [`OTHER`].
 pub const MAX_TIERS: usize = 32;
 pub const OTHER: &str = "(other)";
-/// The most minutes kept.
-pub const MAX_MINUTES: usize = 24 * 60;
 /// The counter read, as Envoy's `stats_tags` export it.
 pub const COUNTER: &str = "sluice_requests_total";
 /// The decisions, in the order of [`Counts`].
 pub const DECISIONS: [&str; 3] = ["admit", "degrade", "refuse"];
-
-/// `envoy_admin:` in the sidecar config.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EnvoyAdminConfig {
-    /// Envoy's admin address, plain HTTP (`http://127.0.0.1:9901`).
-    pub url: String,
-    /// How often its stats are read.
-    #[serde(
-        deserialize_with = "crate::config::duration",
-        default = "default_scrape_every"
-    )]
-    pub scrape_every: Duration,
-    /// Minutes kept and shown.
-    #[serde(default = "default_minutes")]
-    pub minutes: usize,
-}
-
-fn default_scrape_every() -> Duration {
-    Duration::from_secs(10)
-}
-
-fn default_minutes() -> usize {
-    15
-}
-
-impl EnvoyAdminConfig {
-    pub fn from_url(url: &str) -> EnvoyAdminConfig {
-        EnvoyAdminConfig {
-            url: url.into(),
-            scrape_every: default_scrape_every(),
-            minutes: default_minutes(),
-        }
-    }
-
-    /// `Err((field, message))`.
-    pub fn check(&self) -> Result<(), (&'static str, String)> {
-        Target::parse(&self.url).map_err(|e| ("envoy_admin.url", e.to_string()))?;
-        if self.scrape_every < Duration::from_millis(10)
-            || self.scrape_every > Duration::from_secs(60)
-        {
-            return Err((
-                "envoy_admin.scrape_every",
-                "must be between 10ms and 60s (the counts are per minute)".into(),
-            ));
-        }
-        if self.minutes == 0 || self.minutes > MAX_MINUTES {
-            return Err((
-                "envoy_admin.minutes",
-                format!("{} is not between 1 and {MAX_MINUTES}", self.minutes),
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// Admitted, degraded, refused.
 type Counts = [u64; 3];
@@ -254,8 +196,8 @@ fn minute_of(t: SystemTime) -> u64 {
 /// Scrapes Envoy every `scrape_every` until `closing` turns true. Each
 /// scrape is bounded by `timeout` and the HTTP client's body cap; the
 /// `filter` query keeps Envoy's answer to sluice's counter.
-pub async fn run(history: Arc<History>, timeout: Duration, mut closing: watch::Receiver<bool>) {
-    let Some(cfg) = history.traffic.cfg.clone() else {
+pub async fn run(traffic: Arc<Traffic>, timeout: Duration, mut closing: watch::Receiver<bool>) {
+    let Some(cfg) = traffic.cfg.clone() else {
         return;
     };
     let Ok(base) = Target::parse(&cfg.url) else {
@@ -272,11 +214,9 @@ pub async fn run(history: Arc<History>, timeout: Duration, mut closing: watch::R
         match crate::http::get(&target, timeout).await {
             Ok(body) => {
                 let text = String::from_utf8_lossy(&body);
-                history.traffic.observe_text(SystemTime::now(), &text);
+                traffic.observe_text(SystemTime::now(), &text);
             }
-            Err(e) => history
-                .traffic
-                .failed(format!("reading Envoy's stats: {e}")),
+            Err(e) => traffic.failed(format!("reading Envoy's stats: {e}")),
         }
     }
 }
@@ -379,27 +319,5 @@ mod tests {
             .unwrap()
             .contains("connecting"));
         assert_eq!(Traffic::disabled().to_json(t(0))["enabled"], false);
-    }
-
-    #[test]
-    fn config_checks() {
-        let ok = EnvoyAdminConfig::from_url("http://127.0.0.1:9901");
-        assert!(ok.check().is_ok());
-        let bad = |c: EnvoyAdminConfig| c.check().unwrap_err().0;
-        assert_eq!(
-            bad(EnvoyAdminConfig::from_url("https://x")),
-            "envoy_admin.url"
-        );
-        assert_eq!(
-            bad(EnvoyAdminConfig {
-                scrape_every: Duration::from_secs(120),
-                ..ok.clone()
-            }),
-            "envoy_admin.scrape_every"
-        );
-        assert_eq!(
-            bad(EnvoyAdminConfig { minutes: 0, ..ok }),
-            "envoy_admin.minutes"
-        );
     }
 }

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use crate::config::{AlertsConfig, WebhookConfig, WebhookFormat};
 use crate::http::{self, Target};
 use crate::state::BreakerState;
-use crate::telemetry::Telemetry;
+use crate::watch::telemetry::Telemetry;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum AlertEvent {
@@ -76,6 +76,7 @@ impl AlertEvent {
                     BreakerState::HalfOpen => "HALF-OPEN: a trickle goes through",
                     BreakerState::Closed => "closed: traffic flows",
                     BreakerState::Saturated => "SATURATED: batch waits, interactive is refused",
+                    BreakerState::Unknown => "in a state this sidecar does not know",
                 };
                 format!("sluice: breaker {scope} {word} ({reason}){tail}")
             }

@@ -42,21 +42,24 @@
 //! Envoy through the long poll); [`sync_breakers`] publishes this sidecar's
 //! open breakers and serves every other live sidecar's.
 
+pub mod routes;
+pub mod slots;
+pub mod sync;
+
 use std::collections::HashMap;
-use std::path::PathBuf;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
+use sluice_filter::policy::Limit;
 use sluice_filter::fleet::window_end;
 use sluice_filter::limits::reservation::Scope as RuleScope;
-use sluice_filter::policy::Limit;
 use tokio::sync::Mutex;
 
-use crate::admin::KillSwitchControl;
-use crate::state::StateStore;
+pub use crate::config::fleet::FleetConfig;
 
 /// Longest batch or claim list accepted in one call.
 pub const MAX_ITEMS: usize = 1024;
@@ -246,52 +249,6 @@ end
 return v
 "#;
 
-/// The sidecar's `fleet:` section.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct FleetConfig {
-    /// `redis://host:port[/db]`, or `rediss://` for TLS (rustls). A
-    /// password is never taken from the URL: see `password_file`.
-    pub redis: String,
-    /// Per Redis command, connection included.
-    #[serde(deserialize_with = "crate::config::duration")]
-    pub timeout: Duration,
-    /// How often the fleet-wide kill switch and the fingerprints are
-    /// compared with Redis.
-    #[serde(deserialize_with = "crate::config::duration")]
-    pub sync_interval: Duration,
-    /// The policy the Envoy beside this sidecar loads: a policy file or the
-    /// Envoy config embedding it (required). Limits, kinds, windows, the
-    /// salt and the replicas come from here, never from the filter's calls.
-    pub policy: Option<PathBuf>,
-    /// File holding the secret shared with the Envoy beside this sidecar
-    /// (at least 16 bytes); else the environment variable `secret_env`.
-    pub secret_file: Option<PathBuf>,
-    pub secret_env: String,
-    /// Redis' password (AUTH), from a file or an environment variable.
-    pub password_file: Option<PathBuf>,
-    pub password_env: Option<String>,
-    /// PEM file of the CA that signed Redis' certificate (`rediss://`);
-    /// default: the system's roots.
-    pub tls_ca_file: Option<PathBuf>,
-}
-
-impl Default for FleetConfig {
-    fn default() -> Self {
-        FleetConfig {
-            redis: "redis://127.0.0.1:6379".into(),
-            timeout: Duration::from_millis(250),
-            sync_interval: Duration::from_millis(100),
-            policy: None,
-            secret_file: None,
-            secret_env: sluice_filter::policy::fleet::DEFAULT_SECRET_ENV.into(),
-            password_file: None,
-            password_env: None,
-            tls_ca_file: None,
-        }
-    }
-}
-
 /// A fleet bucket as this sidecar's policy defines it.
 #[derive(Debug, Clone)]
 struct ViewRule {
@@ -316,7 +273,7 @@ impl PolicyView {
     /// From a policy file or an Envoy config (the one with a `fleet`
     /// section), checked as Envoy would.
     pub fn from_text(text: &str) -> Result<PolicyView, String> {
-        let policy = crate::check_config::fleet_policy(text)?;
+        let policy = crate::config::policy::fleet_policy(text)?;
         Ok(PolicyView::of(policy))
     }
 
@@ -491,63 +448,9 @@ impl FleetConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct TakeClaim {
-    /// A fleet bucket of this sidecar's policy (`tier/free/daily_tokens`).
-    pub rule: String,
-    /// The caller's hash (1: a global bucket).
-    pub owner: u64,
-    /// The end of the claim's calendar window; 0 for a token bucket.
-    pub window_end_ms: u64,
-    pub need: u64,
-    pub want: u64,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct TakeRequest {
-    /// Unique per take: an abandoned take is given back by it.
-    pub id: String,
-    /// Past this (ms since the epoch, Redis' clock) it is not applied.
-    pub deadline_ms: u64,
-    pub claims: Vec<TakeClaim>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct TakeAnswer {
-    pub ok: bool,
-    /// Granted per claim (ok), each at least its `need`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub grants: Vec<u64>,
-    /// Left globally per claim after the grant (ok), or in the claim that
-    /// refused.
-    pub left: Vec<u64>,
-    /// The claim that refused (not ok).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub refused: Option<usize>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct GiveItem {
-    pub rule: String,
-    pub owner: u64,
-    pub window_end_ms: u64,
-    /// > 0 gives units back, < 0 charges them.
-    pub delta: i64,
-    /// Undo take `take` on this bucket (delta is then ignored).
-    #[serde(default)]
-    pub take: Option<String>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct GiveRequest {
-    /// Unique per batch; a retry sends the same id.
-    pub id: String,
-    pub items: Vec<GiveItem>,
-}
+/// The bodies of `/v1/fleet/take` and `/v1/fleet/give`, shared with the
+/// filter.
+pub use sluice_wire::fleet::{GiveItem, GiveRequest, TakeAnswer, TakeClaim, TakeRequest};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FleetError {
@@ -1222,453 +1125,25 @@ pub struct Shared {
     pub stamp: u64,
 }
 
-/// A breaker as published in Redis for the other sidecars.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-struct Published {
-    scope: String,
-    state: crate::state::BreakerState,
-    half_open_fraction: f64,
-    retry_after_seconds: u64,
-    reason: Option<String>,
-    since_ms: u64,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Board {
-    at_ms: u64,
-    breakers: Vec<Published>,
-}
-
 /// Another sidecar's entry counts while it was written this recently.
-const BOARD_LIVE_MS: u64 = 3_000;
+pub(crate) const BOARD_LIVE_MS: u64 = 3_000;
 /// Entries older than this are removed (a sidecar gone for good).
-const BOARD_FORGET_MS: u64 = 60_000;
+pub(crate) const BOARD_FORGET_MS: u64 = 60_000;
 
-/// Publishes this sidecar's open and half-open breakers and merges every
-/// other live sidecar's into the state this sidecar serves (under its own
-/// for the same scope), so a breaker opened by the sidecar that watches a
-/// GPU reaches every Envoy through its own sidecar's long poll.
-pub async fn sync_breakers(
-    fleet: Arc<Fleet>,
-    store: StateStore,
-    mut closing: tokio::sync::watch::Receiver<bool>,
-) {
-    let id = format!("{:x}-{:x}", now_ms(), std::process::id());
-    let mut tick = tokio::time::interval(fleet.config.sync_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = closing.changed() => return,
-        }
-        let now = now_ms();
-        let mine: Vec<Published> = store
-            .current()
-            .breakers
-            .iter()
-            .filter(|b| !b.from_fleet)
-            .map(|b| Published {
-                scope: b.scope.clone(),
-                state: b.state,
-                half_open_fraction: b.half_open_fraction,
-                retry_after_seconds: b.retry_after_seconds,
-                reason: b.reason.clone(),
-                since_ms: b
-                    .since
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64),
-            })
-            .collect();
-        let body = serde_json::to_string(&Board {
-            at_ms: now,
-            breakers: mine,
-        })
-        .unwrap_or_default();
-        let Ok(all) = fleet.swap_breakers(&id, &body).await else {
-            // Redis away: keep the last merged view until the entries would
-            // have gone stale, then serve only this sidecar's own.
-            continue;
-        };
-        let mut merged: Vec<crate::state::Breaker> = Vec::new();
-        let mut gone = Vec::new();
-        for (other, raw) in all {
-            if other == id {
-                continue;
-            }
-            let Ok(board) = serde_json::from_str::<Board>(&raw) else {
-                gone.push(other);
-                continue;
-            };
-            if board.at_ms + BOARD_FORGET_MS < now {
-                gone.push(other);
-            }
-            if board.at_ms + BOARD_LIVE_MS < now {
-                continue;
-            }
-            for b in board.breakers {
-                let view = crate::state::Breaker {
-                    scope: b.scope.clone(),
-                    state: b.state,
-                    half_open_fraction: b.half_open_fraction,
-                    retry_after_seconds: b.retry_after_seconds,
-                    reason: Some(format!(
-                        "fleet: {}",
-                        b.reason.as_deref().unwrap_or("opened by another sidecar")
-                    )),
-                    since: SystemTime::UNIX_EPOCH + Duration::from_millis(b.since_ms),
-                    from_fleet: true,
-                };
-                match merged.iter_mut().find(|m| m.scope == view.scope) {
-                    Some(m) if m.state.gauge() < view.state.gauge() => *m = view,
-                    Some(_) => {}
-                    None => merged.push(view),
-                }
-            }
-        }
-        merged.sort_by(|a, b| a.scope.cmp(&b.scope));
-        store.set_fleet_breakers(SystemTime::now(), merged);
-        fleet.forget_breakers(&gone).await;
-    }
-}
-
-fn now_ms() -> u64 {
+/// Milliseconds since the epoch, by this host's clock.
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Keeps the local kill switch and Redis' equal until `closing`: a local
-/// change (admin call here) is written to Redis; a newer value in Redis
-/// (pulled on another sidecar) is applied here, which bumps the state
-/// version and so answers this Envoy's held long poll at once.
-pub async fn sync_kill_switch(
-    fleet: Arc<Fleet>,
-    store: StateStore,
-    control: Arc<KillSwitchControl>,
-    mut closing: tokio::sync::watch::Receiver<bool>,
-) {
-    let local = |s: &StateStore| {
-        let k = s.current().kill_switch.clone();
-        (k.active, k.reason)
-    };
-    // What both sides agreed on last: a local value different from it is
-    // a local change.
-    let mut agreed: Option<(bool, Option<String>)> = None;
-    let mut seen_stamp = 0u64;
-    let mut tick = tokio::time::interval(fleet.config.sync_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = closing.changed() => return,
-        }
-        let Ok(remote) = fleet.get_kill_switch().await else {
-            continue; // Redis away: the local switch still works here
-        };
-        let mine = local(&store);
-        let changed_here = agreed.as_ref().is_some_and(|a| *a != mine);
-        match remote {
-            Some(r) if !changed_here && r.stamp > seen_stamp => {
-                seen_stamp = r.stamp;
-                if (r.active, r.reason.clone()) != mine {
-                    control
-                        .set(r.active, r.reason.clone(), SystemTime::now())
-                        .await;
-                }
-                agreed = Some(local(&store));
-            }
-            Some(_) if !changed_here => {
-                agreed = Some(mine);
-            }
-            _ => {
-                // First start with nothing in Redis, or a change made here.
-                if agreed.is_none() && !mine.0 && remote.is_none() {
-                    agreed = Some(mine);
-                    continue;
-                }
-                let stamp = now_ms().max(seen_stamp + 1);
-                let value = Shared {
-                    active: mine.0,
-                    reason: mine.1.clone(),
-                    stamp,
-                };
-                if fleet.put_kill_switch(&value).await.is_ok() {
-                    seen_stamp = stamp;
-                    agreed = Some(mine);
-                }
-            }
-        }
-    }
-}
-
-/// Every `sync_interval`: checks the epoch, publishes this sidecar's
-/// fingerprint and compares it with every live sidecar's; while one
-/// differs, the fleet endpoints answer 503 `fleet_mismatch` (logged on
-/// each change).
-pub async fn sync_fingerprints(fleet: Arc<Fleet>, mut closing: tokio::sync::watch::Receiver<bool>) {
-    let id = crate::slots::holder_id();
-    let mut tick = tokio::time::interval(fleet.config.sync_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = closing.changed() => return,
-        }
-        fleet.reload_policy();
-        let _ = fleet.check_epoch().await;
-        let Ok(agree) = fleet.compare_fingerprints(id).await else {
-            continue; // Redis away: nothing is counted meanwhile anyway
-        };
-        let was = fleet.stats.mismatch.swap(!agree, Ordering::Relaxed);
-        if was == agree {
-            if agree {
-                eprintln!("sluice-sidecar: fleet: every live sidecar has this fleet fingerprint again; counting resumes");
-            } else {
-                eprintln!(
-                    "sluice-sidecar: fleet: fingerprint mismatch: another live sidecar has another salt, \
-                     expected_replicas or fleet rules (ours: {}); answering 503 fleet_mismatch, the \
-                     Envoy follows on_unavailable until they agree",
-                    fleet.view().fingerprint
-                );
-            }
-        }
-    }
-}
-
-/// `/v1/fleet/take`, `/v1/fleet/give`, `/v1/fleet/slots` (the Envoy beside
-/// this sidecar only: see [`serve`]) and `GET /v1/fleet` (counters).
-pub fn router(fleet: Arc<Fleet>) -> axum::Router {
-    use axum::routing::{get, post};
-    axum::Router::new()
-        .route("/v1/fleet", get(stats))
-        .route("/v1/fleet/take", post(take))
-        .route("/v1/fleet/give", post(give))
-        .route("/v1/fleet/slots", post(crate::slots::handle))
-        .with_state(fleet)
-}
-
-pub(crate) type Peer = Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>;
-
-pub(crate) fn reply(
-    status: axum::http::StatusCode,
-    body: serde_json::Value,
-) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    (
-        status,
-        [(axum::http::header::CACHE_CONTROL, "no-store")],
-        axum::Json(body),
-    )
-        .into_response()
-}
-
-fn error(status: axum::http::StatusCode, code: &str, message: &str) -> axum::response::Response {
-    reply(
-        status,
-        serde_json::json!({"error": {"code": code, "message": message}}),
-    )
-}
-
-/// Why a call is not from the Envoy beside this sidecar, if it is not:
-/// not loopback; from a web page (`Origin`); not `application/json` (a
-/// page's form or `text/plain` post); without the fleet secret; or from an
-/// Envoy whose fleet rules are not this sidecar's.
-pub(crate) fn refuse(
-    fleet: &Fleet,
-    peer: &Peer,
-    headers: &axum::http::HeaderMap,
-) -> Option<axum::response::Response> {
-    use axum::http::StatusCode;
-    let local = peer
-        .as_ref()
-        .is_some_and(|axum::Extension(axum::extract::ConnectInfo(a))| a.ip().is_loopback());
-    let refused = if !local {
-        Some(error(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            "the fleet endpoints answer the Envoy beside this sidecar (loopback) only",
-        ))
-    } else if headers.contains_key(axum::http::header::ORIGIN) {
-        Some(error(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            "the fleet endpoints refuse requests with an Origin (web pages)",
-        ))
-    } else if !json_content(headers) {
-        Some(error(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "invalid_request",
-            "content-type: application/json expected",
-        ))
-    } else if !headers
-        .get(sluice_filter::fleet::SECRET_HEADER)
-        .is_some_and(|v| fleet.secret_ok(v.as_bytes()))
-    {
-        Some(error(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "the fleet secret (x-sluice-fleet-secret) is missing or wrong",
-        ))
-    } else if headers
-        .get(sluice_filter::fleet::FINGERPRINT_HEADER)
-        .and_then(|v| v.to_str().ok())
-        != Some(fleet.view().fingerprint.as_str())
-    {
-        Some(error(
-            StatusCode::CONFLICT,
-            sluice_filter::fleet::FLEET_MISMATCH,
-            "this Envoy's fleet policy (salt, expected_replicas or fleet rules) is not the one \
-             this sidecar loaded (fleet.policy)",
-        ))
-    } else {
-        None
-    };
-    if refused.is_some() {
-        fleet.stats.refused_calls.fetch_add(1, Ordering::Relaxed);
-    }
-    refused
-}
-
-fn json_content(headers: &axum::http::HeaderMap) -> bool {
-    let mut all = headers.get_all(axum::http::header::CONTENT_TYPE).iter();
-    let (Some(v), None) = (all.next(), all.next()) else {
-        return false;
-    };
-    v.to_str().ok().is_some_and(|v| {
-        v.split(';')
-            .next()
-            .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
-    })
-}
-
-pub(crate) fn failure(e: FleetError) -> axum::response::Response {
-    use axum::http::StatusCode;
-    match e {
-        FleetError::Invalid(m) => error(StatusCode::BAD_REQUEST, "invalid_request", &m),
-        FleetError::Unavailable(m) => {
-            error(StatusCode::SERVICE_UNAVAILABLE, "fleet_unavailable", &m)
-        }
-        FleetError::Mismatch(m) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            sluice_filter::fleet::FLEET_MISMATCH,
-            &m,
-        ),
-        FleetError::DataLost(m) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            sluice_filter::fleet::FLEET_DATA_LOST,
-            &m,
-        ),
-        FleetError::Late(m) => error(StatusCode::SERVICE_UNAVAILABLE, "fleet_late", &m),
-    }
-}
-
-pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, FleetError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| FleetError::Invalid(e.to_string()))
-}
-
-/// Every fleet endpoint that changes something: the Envoy beside this
-/// sidecar only ([`refuse`]), a JSON body (a bad one is a 400 naming the
-/// field), then `act` on it; its answer as 200 JSON, or the failure.
-pub(crate) async fn serve<Req, Ans, Fut>(
-    fleet: &Fleet,
-    peer: &Peer,
-    headers: &axum::http::HeaderMap,
-    body: &[u8],
-    act: impl FnOnce(Req) -> Fut,
-) -> axum::response::Response
-where
-    Req: serde::de::DeserializeOwned,
-    Ans: Serialize,
-    Fut: std::future::Future<Output = Result<Ans, FleetError>>,
-{
-    if let Some(r) = refuse(fleet, peer, headers) {
-        return r;
-    }
-    let req = match parse(body) {
-        Ok(r) => r,
-        Err(e) => return failure(e),
-    };
-    match act(req).await {
-        Ok(answer) => reply(
-            axum::http::StatusCode::OK,
-            serde_json::to_value(answer).unwrap_or_default(),
-        ),
-        Err(e) => failure(e),
-    }
-}
-
-async fn take(
-    axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
-    peer: Peer,
-    headers: axum::http::HeaderMap,
-    body: axum::body::Bytes,
-) -> axum::response::Response {
-    let f = fleet.clone();
-    serve(
-        &fleet,
-        &peer,
-        &headers,
-        &body,
-        |req: TakeRequest| async move { f.take(&req).await },
-    )
-    .await
-}
-
-async fn give(
-    axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
-    peer: Peer,
-    headers: axum::http::HeaderMap,
-    body: axum::body::Bytes,
-) -> axum::response::Response {
-    let f = fleet.clone();
-    serve(
-        &fleet,
-        &peer,
-        &headers,
-        &body,
-        |req: GiveRequest| async move {
-            let applied = f.give(&req).await?;
-            Ok(serde_json::json!({ "applied": applied }))
-        },
-    )
-    .await
-}
-
-async fn stats(
-    axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
-) -> axum::response::Response {
-    let s = &fleet.stats;
-    let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let lost_at = fleet
-        .epoch
-        .lock()
-        .await
-        .as_ref()
-        .map_or(0, |e| e.lost_at_ms);
-    reply(
-        axum::http::StatusCode::OK,
-        serde_json::json!({
-            "redis_up": s.up.load(Ordering::Relaxed),
-            "takes": n(&s.takes),
-            "takes_refused": n(&s.takes_refused),
-            "takes_late": n(&s.takes_late),
-            "gives": n(&s.gives),
-            "gives_repeated": n(&s.gives_repeated),
-            "errors": n(&s.errors),
-            "refused_calls": n(&s.refused_calls),
-            "data_lost": n(&s.data_lost),
-            "data_lost_at_ms": lost_at,
-            "mismatch": s.mismatch.load(Ordering::Relaxed),
-            "fingerprint": fleet.view().fingerprint,
-        }),
-    )
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
+    use super::routes::*;
     use super::*;
+    use crate::state::StateStore;
     use crate::state::{Breaker, BreakerState};
+    use std::time::Duration;
 
     fn breaker(scope: &str, state: BreakerState, from_fleet: bool) -> Breaker {
         Breaker {
@@ -2070,8 +1545,11 @@ pub(crate) mod tests {
 /// so, where there is none).
 #[cfg(test)]
 pub(crate) mod redis_tests {
+    #[allow(unused_imports)]
+    use super::routes::*;
     use super::tests::fleet_on;
     use super::*;
+    use std::time::Duration;
 
     pub(crate) struct Server {
         child: std::process::Child,

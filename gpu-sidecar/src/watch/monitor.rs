@@ -9,13 +9,15 @@ use std::time::{Duration, Instant, SystemTime};
 use futures_util::future::join_all;
 use tokio::sync::watch;
 
-use crate::alerts::{AlertEvent, Alerts};
-use crate::breaker::{At, Engine, Policy};
+use crate::breaker::{At, Engine, Policy, Transition, View};
 use crate::config::ScopePlan;
-use crate::history::History;
-use crate::sources::{gpu_samples, BackendSource, GpuReading, GpuSource};
+use crate::sources::{
+    gpu_samples, BackendReading, BackendSource, GpuReading, GpuSource, SourceError,
+};
 use crate::state::{Breaker, BreakerState, StateStore};
-use crate::telemetry::{BackendStatus, Snapshot, Telemetry};
+use crate::watch::alerts::{AlertEvent, Alerts};
+use crate::watch::history::History;
+use crate::watch::telemetry::{BackendStatus, Snapshot, Telemetry};
 
 /// Where a monitor's results go.
 pub struct Outputs {
@@ -120,11 +122,37 @@ impl Monitor {
         self
     }
 
-    /// One round at `now`.
+    /// One round at `now`: read every source, feed the rules, announce
+    /// the transitions, publish the state.
     pub async fn tick(&mut self, now: At) {
         let gpus = self.gpu.as_mut().map(|g| g.read());
         let polls = join_all(self.backends.iter_mut().map(|b| b.poll(now.mono))).await;
+        self.record_reads(gpus.as_ref(), &polls, now);
+        self.observe(gpus.as_ref(), &polls, now);
+        let transitions = self.engine.evaluate(now);
+        self.announce(&transitions);
+        let saturated = Self::saturation_round(self.saturation.as_mut(), now);
+        let views = self.engine.views();
+        let breakers = published(&views, saturated, self.engine.policy());
+        let stale = views.iter().any(|v| v.stale);
+        self.store.update(now.wall, |s| {
+            s.breakers = breakers;
+            s.stale = stale;
+        });
+        let snap = &mut self.snapshot;
+        snap.breakers = views;
+        snap.last_round = Some(now.wall);
+        self.telemetry.replace(snap.clone());
+    }
 
+    /// The round's reads into the snapshot (and the GPUs into the
+    /// history); a source that fails or recovers is said once.
+    fn record_reads(
+        &mut self,
+        gpus: Option<&Result<Vec<GpuReading>, SourceError>>,
+        polls: &[Result<BackendReading, SourceError>],
+        now: At,
+    ) {
         let snap = &mut self.snapshot;
         // Every source's error counter exists from the first round, at 0, so
         // the first error shows in rate()/increase().
@@ -134,7 +162,7 @@ impl Monitor {
         for status in &snap.backends {
             snap.scrape_errors.entry(status.name.clone()).or_default();
         }
-        match &gpus {
+        match gpus {
             Some(Ok(g)) => {
                 if snap.gpu_error.take().is_some() {
                     eprintln!("sluice-sidecar: GPU source reads again");
@@ -155,7 +183,7 @@ impl Monitor {
             }
             None => {}
         }
-        for (status, poll) in snap.backends.iter_mut().zip(&polls) {
+        for (status, poll) in snap.backends.iter_mut().zip(polls) {
             match poll {
                 Ok(r) => {
                     if status.error.take().is_some() {
@@ -183,9 +211,18 @@ impl Monitor {
                 }
             }
         }
+    }
 
+    /// Feeds each scope's rules (breaker and saturation) the samples of
+    /// its GPUs and backends.
+    fn observe(
+        &mut self,
+        gpus: Option<&Result<Vec<GpuReading>, SourceError>>,
+        polls: &[Result<BackendReading, SourceError>],
+        now: At,
+    ) {
         for plan in &self.plans {
-            if let Some(Ok(all)) = &gpus {
+            if let Some(Ok(all)) = gpus {
                 let mine: Vec<&GpuReading> = all
                     .iter()
                     .filter(|g| plan.gpus.as_ref().is_none_or(|sel| sel.contains(&g.index)))
@@ -208,9 +245,11 @@ impl Monitor {
                 }
             }
         }
+    }
 
-        let transitions = self.engine.evaluate(now);
-        for t in &transitions {
+    /// Logs, counts, records and alerts each breaker transition.
+    fn announce(&mut self, transitions: &[Transition]) {
+        for t in transitions {
             eprintln!(
                 "sluice-sidecar: breaker {} {} -> {} ({})",
                 t.scope,
@@ -218,7 +257,8 @@ impl Monitor {
                 t.to.as_str(),
                 t.reason
             );
-            *snap
+            *self
+                .snapshot
                 .transitions
                 .entry((t.scope.clone(), t.to.as_str()))
                 .or_default() += 1;
@@ -235,53 +275,6 @@ impl Monitor {
                 });
             }
         }
-        let saturated = Self::saturation_round(self.saturation.as_mut(), now);
-        let views = self.engine.views();
-        let policy = self.engine.policy();
-        let mut breakers: Vec<Breaker> = views
-            .iter()
-            .filter(|v| v.state != BreakerState::Closed)
-            .map(|v| Breaker {
-                scope: v.scope.clone(),
-                state: v.state,
-                half_open_fraction: if v.state == BreakerState::HalfOpen {
-                    policy.half_open_fraction
-                } else {
-                    0.0
-                },
-                retry_after_seconds: policy.retry_after.as_secs().max(1),
-                reason: v.reason.clone(),
-                since: v.since,
-                from_fleet: false,
-            })
-            .collect();
-        // A saturated scope whose breaker is closed: `saturated`.
-        for v in saturated {
-            if views
-                .iter()
-                .any(|b| b.scope == v.scope && b.state != BreakerState::Closed)
-            {
-                continue;
-            }
-            breakers.push(Breaker {
-                scope: v.scope.clone(),
-                state: BreakerState::Saturated,
-                half_open_fraction: 0.0,
-                retry_after_seconds: policy.retry_after.as_secs().max(1),
-                reason: v.reason.clone(),
-                since: v.since,
-                from_fleet: false,
-            });
-        }
-        breakers.sort_by(|a, b| a.scope.cmp(&b.scope));
-        let stale = views.iter().any(|v| v.stale);
-        self.store.update(now.wall, |s| {
-            s.breakers = breakers;
-            s.stale = stale;
-        });
-        snap.breakers = views;
-        snap.last_round = Some(now.wall);
-        self.telemetry.replace(snap.clone());
     }
 
     /// Evaluates the saturation rules; the scopes saturated now.
@@ -317,6 +310,47 @@ impl Monitor {
             }
         }
     }
+}
+
+/// The breakers the filter is told of: every breaker not closed, and a
+/// saturated scope whose breaker is closed as `saturated`; in scope order.
+fn published(views: &[View], saturated: Vec<View>, policy: &Policy) -> Vec<Breaker> {
+    let mut breakers: Vec<Breaker> = views
+        .iter()
+        .filter(|v| v.state != BreakerState::Closed)
+        .map(|v| Breaker {
+            scope: v.scope.clone(),
+            state: v.state,
+            half_open_fraction: if v.state == BreakerState::HalfOpen {
+                policy.half_open_fraction
+            } else {
+                0.0
+            },
+            retry_after_seconds: policy.retry_after.as_secs().max(1),
+            reason: v.reason.clone(),
+            since: v.since,
+            from_fleet: false,
+        })
+        .collect();
+    for v in saturated {
+        if views
+            .iter()
+            .any(|b| b.scope == v.scope && b.state != BreakerState::Closed)
+        {
+            continue;
+        }
+        breakers.push(Breaker {
+            scope: v.scope.clone(),
+            state: BreakerState::Saturated,
+            half_open_fraction: 0.0,
+            retry_after_seconds: policy.retry_after.as_secs().max(1),
+            reason: v.reason.clone(),
+            since: v.since,
+            from_fleet: false,
+        });
+    }
+    breakers.sort_by(|a, b| a.scope.cmp(&b.scope));
+    breakers
 }
 
 #[cfg(test)]

@@ -6,12 +6,22 @@ use std::fmt::Write as _;
 
 use crate::breaker::Metric;
 use crate::state::SidecarState;
-use crate::telemetry::{Snapshot, Telemetry};
+use crate::watch::telemetry::{Snapshot, Telemetry};
 
 /// The exposition, `text/plain; version=0.0.4`.
 pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String {
     let mut out = Exposition::default();
+    gpus(&mut out, snap);
+    backends(&mut out, snap);
+    breakers(&mut out, state, snap);
+    published(&mut out, state, tel);
+    door(&mut out, tel);
+    watch(&mut out, snap, tel);
+    out.text
+}
 
+/// The GPU source and each GPU's readings.
+fn gpus(out: &mut Exposition, snap: &Snapshot) {
     out.family(
         "sluice_sidecar_gpu_source_info",
         "gauge",
@@ -67,7 +77,10 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
             }
         }
     }
+}
 
+/// Each backend: up, vLLM's queue and cache, latency quantiles.
+fn backends(out: &mut Exposition, snap: &Snapshot) {
     out.family(
         "sluice_sidecar_backend_up",
         "gauge",
@@ -129,7 +142,10 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
             }
         }
     }
+}
 
+/// Breakers and staleness per scope.
+fn breakers(out: &mut Exposition, state: &SidecarState, snap: &Snapshot) {
     out.family(
         "sluice_sidecar_breaker_state",
         "gauge",
@@ -139,7 +155,7 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
         out.sample(
             "sluice_sidecar_breaker_state",
             &[("scope", &v.scope)],
-            f64::from(v.state.gauge()),
+            f64::from(crate::state::gauge(v.state)),
         );
     }
     out.family(
@@ -176,7 +192,10 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
         &[],
         f64::from(u8::from(state.stale)),
     );
+}
 
+/// The published state and its long polls.
+fn published(out: &mut Exposition, state: &SidecarState, tel: &Telemetry) {
     out.family(
         "sluice_sidecar_kill_switch_active",
         "gauge",
@@ -219,7 +238,10 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
             Telemetry::get(counter) as f64,
         );
     }
+}
 
+/// Refused admin tokens and Host names.
+fn door(out: &mut Exposition, tel: &Telemetry) {
     out.family(
         "sluice_sidecar_admin_auth_failures_total",
         "counter",
@@ -248,7 +270,10 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
         &[],
         Telemetry::get(&tel.door.host_refused) as f64,
     );
+}
 
+/// Failed reads and alert deliveries.
+fn watch(out: &mut Exposition, snap: &Snapshot, tel: &Telemetry) {
     out.family(
         "sluice_sidecar_scrape_errors_total",
         "counter",
@@ -287,7 +312,6 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
         out.family(name, "counter", help);
         out.sample(name, &[], Telemetry::get(counter) as f64);
     }
-    out.text
 }
 
 type GpuField = fn(&crate::sources::GpuReading) -> Option<f64>;
@@ -342,7 +366,7 @@ mod tests {
     use crate::sources::prom;
     use crate::sources::GpuReading;
     use crate::state::BreakerState;
-    use crate::telemetry::BackendStatus;
+    use crate::watch::telemetry::BackendStatus;
     use std::time::SystemTime;
 
     #[test]

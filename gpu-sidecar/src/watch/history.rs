@@ -8,7 +8,7 @@
 //!   [`MAX_POINTS`] points each;
 //! - the timeline: the last `history.events` breaker transitions and kill
 //!   switch changes, with their reasons;
-//! - requests per tier and decision per minute ([`crate::traffic`]).
+//! - requests per tier and decision per minute ([`crate::watch::traffic`]).
 //!
 //! Nothing here reads a clock: callers pass `now`, so tests run any time.
 
@@ -16,87 +16,21 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use crate::breaker::{num, Rule, Transition, View};
+use crate::config::history::{HistoryConfig, MAX_POINTS};
 use crate::config::ScopePlan;
 use crate::sources::GpuReading;
 use crate::state::{KillSwitch, SidecarState, StateStore};
-use crate::traffic::Traffic;
+use crate::watch::traffic::Traffic;
 
 /// GPUs kept; readings of more are not charted.
 pub const MAX_GPUS: usize = 64;
-/// Points kept per GPU, whatever window ÷ sample_every says.
-pub const MAX_POINTS: usize = 4096;
-/// Timeline entries kept at most.
-pub const MAX_EVENTS: usize = 10_000;
 /// Longest reason kept in a timeline entry.
 const MAX_EVENT_REASON: usize = 500;
-
-/// `history:` in the sidecar config.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct HistoryConfig {
-    /// One chart point per this long (the worst reading of the period).
-    #[serde(deserialize_with = "crate::config::duration")]
-    pub sample_every: Duration,
-    /// How far back the charts go.
-    #[serde(deserialize_with = "crate::config::duration")]
-    pub window: Duration,
-    /// Timeline entries kept (breaker transitions and kill switch changes).
-    pub events: usize,
-}
-
-impl Default for HistoryConfig {
-    fn default() -> Self {
-        HistoryConfig {
-            sample_every: Duration::from_secs(5),
-            window: Duration::from_secs(15 * 60),
-            events: 200,
-        }
-    }
-}
-
-impl HistoryConfig {
-    /// Points per GPU this config keeps.
-    pub fn points(&self) -> usize {
-        let every = self.sample_every.as_millis().max(1);
-        usize::try_from(self.window.as_millis().div_ceil(every)).unwrap_or(usize::MAX)
-    }
-
-    /// `Err((field, message))`.
-    pub fn check(&self) -> Result<(), (&'static str, String)> {
-        if self.sample_every < Duration::from_millis(10) {
-            return Err(("history.sample_every", "must be at least 10ms".into()));
-        }
-        if self.window < self.sample_every {
-            return Err((
-                "history.window",
-                "must be at least history.sample_every".into(),
-            ));
-        }
-        if self.points() > MAX_POINTS {
-            return Err((
-                "history.window",
-                format!(
-                    "{} ÷ sample_every {} is {} points per GPU; at most {MAX_POINTS} are kept",
-                    humantime::format_duration(self.window),
-                    humantime::format_duration(self.sample_every),
-                    self.points()
-                ),
-            ));
-        }
-        if self.events == 0 || self.events > MAX_EVENTS {
-            return Err((
-                "history.events",
-                format!("{} is not between 1 and {MAX_EVENTS}", self.events),
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// One chart point: the worst of its period.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -176,7 +110,8 @@ struct Inner {
 pub struct History {
     cfg: HistoryConfig,
     inner: Mutex<Inner>,
-    pub traffic: Traffic,
+    /// Shared with the scraper that fills it ([`crate::watch::traffic::run`]).
+    pub traffic: Arc<Traffic>,
 }
 
 impl Default for History {
@@ -190,7 +125,7 @@ impl History {
         History {
             cfg,
             inner: Mutex::new(Inner::default()),
-            traffic,
+            traffic: Arc::new(traffic),
         }
     }
 
@@ -585,29 +520,5 @@ mod tests {
         assert_eq!(events[0]["at"], "1970-01-01T00:00:07Z");
         assert_eq!(events[1]["to"], "on");
         assert_eq!(events[1]["at"], "1970-01-01T00:00:05Z");
-    }
-
-    #[test]
-    fn config_checks() {
-        assert!(HistoryConfig::default().check().is_ok());
-        assert_eq!(HistoryConfig::default().points(), 180);
-        let bad = |c: HistoryConfig| c.check().unwrap_err().0;
-        let d = HistoryConfig::default;
-        assert_eq!(
-            bad(HistoryConfig {
-                sample_every: Duration::ZERO,
-                ..d()
-            }),
-            "history.sample_every"
-        );
-        assert_eq!(
-            bad(HistoryConfig {
-                sample_every: Duration::from_millis(10),
-                window: Duration::from_secs(3600),
-                ..d()
-            }),
-            "history.window"
-        );
-        assert_eq!(bad(HistoryConfig { events: 0, ..d() }), "history.events");
     }
 }

@@ -25,14 +25,13 @@ use axum::http::header::{
     X_FRAME_OPTIONS,
 };
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde_json::json;
 
-use crate::api::Api;
+use crate::serve::Api;
 
-const HTML: &str = include_str!("../assets/page.html");
-const JS: &str = include_str!("../assets/page.js");
-const CSS: &str = include_str!("../assets/page.css");
+const HTML: &str = include_str!("../../assets/page.html");
+const JS: &str = include_str!("../../assets/page.js");
+const CSS: &str = include_str!("../../assets/page.css");
 
 /// Same-origin script, style and fetches only; no frames (the control
 /// cannot be clickjacked), no forms posted anywhere, no plugins.
@@ -96,7 +95,7 @@ pub async fn history(State(api): State<Arc<Api>>) -> Response {
         o.insert("gpu_error".into(), json!(snap.gpu_error));
         o.insert("backends".into(), json!(backends));
     }
-    ([(CACHE_CONTROL, "no-store")], Json(body)).into_response()
+    crate::reply::json(axum::http::StatusCode::OK, body)
 }
 
 #[cfg(test)]
