@@ -15,9 +15,7 @@ pub fn check(text: &str) -> Result<String, String> {
     find_policies(&doc, "", &mut found);
     if found.is_empty() {
         // A bare policy.
-        return load(doc)
-            .map(|p| summary(&p))
-            .map_err(|e| e.to_string());
+        return load(doc).map(|p| summary(&p)).map_err(|e| e.to_string());
     }
     let mut lines = Vec::new();
     for (at, policy) in found {

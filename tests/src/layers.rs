@@ -225,6 +225,12 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
 /// that points up, every cycle (with the imports that close it), and every
 /// module in no layer or named by a layer but absent.
 pub fn check(src: &Path, layers: &[Layer]) -> Result<Figures, String> {
+    check_with(src, layers, true)
+}
+
+/// [`check`], and with `inside_folders` also a cycle between the files of
+/// one folder (a `mod.rs` and its children).
+pub fn check_with(src: &Path, layers: &[Layer], inside_folders: bool) -> Result<Figures, String> {
     let scan = scan(src)?;
     let mut errors = Vec::new();
     let mut layer_of: BTreeMap<&str, usize> = BTreeMap::new();
@@ -274,7 +280,7 @@ pub fn check(src: &Path, layers: &[Layer]) -> Result<Figures, String> {
             closing.join("; ")
         ));
     }
-    for cycle in &figures.inner_cycles {
+    for cycle in figures.inner_cycles.iter().filter(|_| inside_folders) {
         let members: BTreeSet<&str> = cycle.iter().map(String::as_str).collect();
         let closing: Vec<String> = first_per_edge(&scan.inner, |i| {
             members.contains(i.from.as_str()) && members.contains(i.to.as_str())

@@ -54,9 +54,9 @@ use std::time::SystemTime;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
-use sluice_filter::policy::Limit;
 use sluice_filter::fleet::window_end;
 use sluice_filter::limits::reservation::Scope as RuleScope;
+use sluice_filter::policy::Limit;
 use tokio::sync::Mutex;
 
 pub use crate::config::fleet::FleetConfig;
