@@ -114,6 +114,9 @@ pub struct Sources {
     pub simulated_file: Option<PathBuf>,
     pub vllm: Vec<BackendConfig>,
     pub ollama: Vec<BackendConfig>,
+    /// NVIDIA DCGM exporters (GPUs that are not local; see
+    /// [`crate::sources::dcgm`]): each is a backend of its own.
+    pub dcgm: Vec<crate::sources::dcgm::DcgmConfig>,
     /// The window over which TTFT and E2E p50/p99 are computed.
     #[serde(deserialize_with = "duration", default = "default_latency_window")]
     pub latency_window: Duration,
@@ -327,6 +330,8 @@ pub struct ScopePlan {
 pub enum BackendKind {
     Vllm,
     Ollama,
+    /// `sources.dcgm[i]`.
+    Dcgm(usize),
 }
 
 impl Config {
@@ -349,11 +354,13 @@ impl Config {
         Ok(config)
     }
 
-    /// Every backend, vLLM ones first, with its kind.
+    /// Every backend, vLLM ones first, then Ollama, then DCGM, with its kind.
     pub fn backends(&self) -> Vec<(BackendKind, &BackendConfig)> {
         let vllm = self.sources.vllm.iter().map(|b| (BackendKind::Vllm, b));
         let ollama = self.sources.ollama.iter().map(|b| (BackendKind::Ollama, b));
-        vllm.chain(ollama).collect()
+        let dcgm = (self.sources.dcgm.iter().enumerate())
+            .map(|(i, d)| (BackendKind::Dcgm(i), &d.backend));
+        vllm.chain(ollama).chain(dcgm).collect()
     }
 
     pub fn policy(&self) -> Policy {
@@ -512,6 +519,7 @@ impl Config {
                     .map_err(|e| invalid(format!("{at}.url"), e.to_string()))?;
             }
         }
+        crate::sources::dcgm::check(self).map_err(|(at, m)| invalid(at, m))?;
         let mut scopes = BTreeSet::new();
         for (i, s) in self.scopes.iter().enumerate() {
             let at = format!("scopes[{i}].scope");
