@@ -358,8 +358,8 @@ impl Config {
     pub fn backends(&self) -> Vec<(BackendKind, &BackendConfig)> {
         let vllm = self.sources.vllm.iter().map(|b| (BackendKind::Vllm, b));
         let ollama = self.sources.ollama.iter().map(|b| (BackendKind::Ollama, b));
-        let dcgm = (self.sources.dcgm.iter().enumerate())
-            .map(|(i, d)| (BackendKind::Dcgm(i), &d.backend));
+        let dcgm =
+            (self.sources.dcgm.iter().enumerate()).map(|(i, d)| (BackendKind::Dcgm(i), &d.backend));
         vllm.chain(ollama).chain(dcgm).collect()
     }
 

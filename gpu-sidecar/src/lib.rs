@@ -158,8 +158,12 @@ pub async fn serve(
             )),
             BackendKind::Dcgm(i) => match config.sources.dcgm.get(i) {
                 Some(d) => Box::new(
-                    sources::dcgm::DcgmSource::new(d, config.scrape_interval, config.scrape_timeout)
-                        .with_context(|| format!("DCGM source {}", b.name))?,
+                    sources::dcgm::DcgmSource::new(
+                        d,
+                        config.scrape_interval,
+                        config.scrape_timeout,
+                    )
+                    .with_context(|| format!("DCGM source {}", b.name))?,
                 ),
                 None => anyhow::bail!("DCGM source {} is not configured", b.name),
             },

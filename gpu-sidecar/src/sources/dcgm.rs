@@ -418,8 +418,16 @@ pub struct DcgmSource {
     seen: HashMap<GpuKey, (u32, f64)>,
     /// When new XIDs were seen, oldest first.
     events: VecDeque<Instant>,
-    /// The last good scrape: when, and its GPU samples (XIDs apart).
-    last: Option<(Instant, Vec<(Metric, f64)>, bool)>,
+    last: Option<LastScrape>,
+}
+
+/// The last good scrape.
+struct LastScrape {
+    at: Instant,
+    /// Its GPU samples, XIDs apart.
+    samples: Vec<(Metric, f64)>,
+    /// Whether any selected GPU reported XIDs.
+    reports_xid: bool,
 }
 
 impl DcgmSource {
@@ -488,7 +496,11 @@ impl DcgmSource {
             }
             self.events.push_back(at);
         }
-        self.last = Some((at, samples, reports_xid));
+        self.last = Some(LastScrape {
+            at,
+            samples,
+            reports_xid,
+        });
         Ok(self.reading(at))
     }
 
@@ -503,9 +515,9 @@ impl DcgmSource {
             self.events.pop_front();
         }
         let mut samples = Vec::new();
-        if let Some((_, s, reports_xid)) = &self.last {
-            samples.clone_from(s);
-            if *reports_xid || !self.events.is_empty() {
+        if let Some(last) = &self.last {
+            samples.clone_from(&last.samples);
+            if last.reports_xid || !self.events.is_empty() {
                 samples.push((Metric::GpuXidErrors, self.events.len() as f64));
             }
         }
@@ -530,7 +542,7 @@ impl BackendSource for DcgmSource {
             let fresh = self
                 .last
                 .as_ref()
-                .is_some_and(|(t, _, _)| at.saturating_duration_since(*t) < self.interval);
+                .is_some_and(|l| at.saturating_duration_since(l.at) < self.interval);
             if fresh {
                 return Ok(self.reading(at));
             }
@@ -608,7 +620,10 @@ mod tests {
             instance: String::new(),
         }];
         assert_eq!(g0.utilization, Some(43.0));
-        assert_eq!((g0.fb_used_mib, g0.fb_free_mib), (Some(71912.0), Some(9121.0)));
+        assert_eq!(
+            (g0.fb_used_mib, g0.fb_free_mib),
+            (Some(71912.0), Some(9121.0))
+        );
         assert_eq!(g0.temperature_c, Some(61.0));
         assert_eq!(g0.power_w, Some(412.117));
         assert_eq!(g0.last_xid, Some(0));
@@ -748,9 +763,17 @@ DCGM_FI_DEV_GPU_UTIL_EXTRA{gpu=\"2\",UUID=\"GPU-c\"} 100
         let r = src.read(&new, t0 + s(4)).unwrap();
         assert_eq!(value(&r, Metric::GpuXidErrors), Some(1.0));
         let r = src.read(&new, t0 + s(200)).unwrap();
-        assert_eq!(value(&r, Metric::GpuXidErrors), Some(1.0), "sticky: no new one");
+        assert_eq!(
+            value(&r, Metric::GpuXidErrors),
+            Some(1.0),
+            "sticky: no new one"
+        );
         let r = src.read(&new, t0 + s(304)).unwrap();
-        assert_eq!(value(&r, Metric::GpuXidErrors), Some(0.0), "out of the window");
+        assert_eq!(
+            value(&r, Metric::GpuXidErrors),
+            Some(0.0),
+            "out of the window"
+        );
         // A GPU outside the selection: not this source's fault.
         let other = with(&new, XID, 2, "79");
         let r = src.read(&other, t0 + s(306)).unwrap();
@@ -827,13 +850,34 @@ DCGM_FI_DEV_GPU_UTIL_EXTRA{gpu=\"2\",UUID=\"GPU-c\"} 100
             ("{name: g}", "sources.dcgm[0]"),
             ("{name: g, url: 'https://h:1'}", "sources.dcgm[0].url"),
             ("{name: '', url: 'http://h:1'}", "sources.dcgm[0].name"),
-            ("{name: g, url: 'http://h:1', select: {'pod-name': x}}", "sources.dcgm[0].select.pod-name"),
-            ("{name: g, url: 'http://h:1', interval: 0s}", "sources.dcgm[0].interval"),
-            ("{name: g, url: 'http://h:1', interval: 30s}", "sources.dcgm[0].interval"),
-            ("{name: g, url: 'http://h:1', timeout: soon}", "sources.dcgm[0].timeout"),
-            ("{name: g, url: 'http://h:1', xid: {window: 0s}}", "sources.dcgm[0].xid.window"),
-            ("{name: g, url: 'http://h:1', xid: {ignore: [0]}}", "sources.dcgm[0].xid.ignore[0]"),
-            ("{name: g, url: 'http://h:1', xid: {ignor: [1]}}", "sources.dcgm[0].xid"),
+            (
+                "{name: g, url: 'http://h:1', select: {'pod-name': x}}",
+                "sources.dcgm[0].select.pod-name",
+            ),
+            (
+                "{name: g, url: 'http://h:1', interval: 0s}",
+                "sources.dcgm[0].interval",
+            ),
+            (
+                "{name: g, url: 'http://h:1', interval: 30s}",
+                "sources.dcgm[0].interval",
+            ),
+            (
+                "{name: g, url: 'http://h:1', timeout: soon}",
+                "sources.dcgm[0].timeout",
+            ),
+            (
+                "{name: g, url: 'http://h:1', xid: {window: 0s}}",
+                "sources.dcgm[0].xid.window",
+            ),
+            (
+                "{name: g, url: 'http://h:1', xid: {ignore: [0]}}",
+                "sources.dcgm[0].xid.ignore[0]",
+            ),
+            (
+                "{name: g, url: 'http://h:1', xid: {ignor: [1]}}",
+                "sources.dcgm[0].xid",
+            ),
         ] {
             let e = err(&format!("sources:\n  dcgm:\n    - {yaml}\n"));
             assert!(e.starts_with(at), "{yaml}: {e}");
@@ -846,11 +890,16 @@ DCGM_FI_DEV_GPU_UTIL_EXTRA{gpu=\"2\",UUID=\"GPU-c\"} 100
 
     #[test]
     fn warns_when_no_rule_watches_xids() {
-        let c = Config::from_yaml("sources:\n  dcgm:\n    - {name: g, url: 'http://h:1', models: [m]}\n")
-            .unwrap();
+        let c = Config::from_yaml(
+            "sources:\n  dcgm:\n    - {name: g, url: 'http://h:1', models: [m]}\n",
+        )
+        .unwrap();
         let w = warnings(&c, &c.scope_plans().unwrap());
         assert_eq!(w.len(), 2, "{w:?}");
-        assert!(w[0].contains("backend:g") && w[0].contains("gpu_xid_errors"), "{w:?}");
+        assert!(
+            w[0].contains("backend:g") && w[0].contains("gpu_xid_errors"),
+            "{w:?}"
+        );
         let c = Config::from_yaml(
             "sources:\n  dcgm:\n    - {name: g, url: 'http://h:1'}\n\
              rules:\n  - {metric: gpu_xid_errors, open_at: 1, open_for: 0s}\n",
@@ -882,7 +931,8 @@ DCGM_FI_DEV_GPU_UTIL_EXTRA{gpu=\"2\",UUID=\"GPU-c\"} 100
             "{{name: d, url: 'http://{addr}', interval: 10s, select: {{pod: vllm-llama-0}}}}"
         ))
         .unwrap();
-        let mut src = DcgmSource::new(&config, Duration::from_secs(2), Duration::from_secs(1)).unwrap();
+        let mut src =
+            DcgmSource::new(&config, Duration::from_secs(2), Duration::from_secs(1)).unwrap();
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let r = src.poll(t0).await.unwrap();
