@@ -154,7 +154,7 @@ fn serve(mut conn: TcpStream, answer: Answer) {
 
 /// A sidecar whose only source is the DCGM exporter at `exporter`,
 /// selecting the llama pod's GPUs for [`MODEL`], with `rules` and
-/// `on_stale`.
+/// `on_stale` (and `sources.gpu: none`).
 struct DcgmSidecar {
     sidecar: Sidecar,
     _dir: tempfile::TempDir,
@@ -162,6 +162,11 @@ struct DcgmSidecar {
 
 impl DcgmSidecar {
     fn start(exporter: SocketAddr, rules: &str, on_stale: &str) -> DcgmSidecar {
+        DcgmSidecar::start_with_gpu(exporter, rules, on_stale, "  gpu: none\n")
+    }
+
+    /// With `gpu` as the `sources.gpu` line (empty: the default, `auto`).
+    fn start_with_gpu(exporter: SocketAddr, rules: &str, on_stale: &str, gpu: &str) -> DcgmSidecar {
         let dir = tempfile::Builder::new()
             .prefix("sluice-dcgm-test-")
             .tempdir()
@@ -169,7 +174,7 @@ impl DcgmSidecar {
         let config = format!(
             "scrape_interval: {}ms\n\
              scrape_timeout: 300ms\n\
-             sources:\n  gpu: none\n  dcgm:\n    - name: {SOURCE}\n      url: http://{exporter}/metrics\n\
+             sources:\n{gpu}  dcgm:\n    - name: {SOURCE}\n      url: http://{exporter}/metrics\n\
              \x20     models: [\"{MODEL}\"]\n      select: {{ namespace: llm, pod: \"vllm-llama-*\" }}\n\
              \x20     xid: {{ window: 2s }}\n\
              rules:\n{rules}\
@@ -280,15 +285,21 @@ const XID_RULE: &str =
 #[test]
 fn a_hot_gpu_of_the_selected_pod_opens_its_models_breaker_in_envoy() {
     let exporter = Exporter::start(fixture());
-    let sc = DcgmSidecar::start(
+    // `sources.gpu` left at `auto`: with a DCGM source it never falls
+    // back to the simulated GPU (made-up readings would keep the scope
+    // fresh while the exporter is down).
+    let sc = DcgmSidecar::start_with_gpu(
         exporter.addr,
         &format!("{TEMPERATURE_RULE}{XID_RULE}"),
         "fail_open",
+        "",
     );
     let stack = stack_for(&sc);
     sc.wait_for_envoy();
     exporter.wait_scrapes(3);
     assert_served(&stack.chat(MODEL, &[]));
+    let history = get(&sc.sidecar.url("/v1/history"), &[]).ok().json();
+    assert_ne!(history["gpu_source"], "simulated", "{}", sc.sidecar.log());
     // The selection's worst GPU (GPU 1: 63 °C, 47 %), not the node's.
     let status = sc.source_status();
     assert_eq!(status["kind"], "dcgm", "{status}");
