@@ -89,6 +89,9 @@ pub fn check_sidecar(text: &str) -> Result<String, String> {
     let plans = config.scope_plans().map_err(|e| e.to_string())?;
     let scopes: Vec<_> = plans.iter().map(|p| p.scope.as_str()).collect();
     let mut out = format!("sidecar config: scopes {}", scopes.join(", "));
+    for w in crate::config::dcgm_warnings(&config, &plans) {
+        out.push_str(&format!("; warning: {w}"));
+    }
     if let Some(fleet) = &config.fleet {
         let loaded = fleet.load().map_err(|e| e.to_string())?;
         out.push_str(&format!(

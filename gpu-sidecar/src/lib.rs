@@ -80,6 +80,13 @@ fn gpu_source(opts: &Options) -> (Option<Box<dyn GpuSource>>, Option<SimHandle>)
     } else {
         opts.config.sources.gpu
     };
+    // With DCGM exporters, `auto` never falls back to made-up readings:
+    // they would keep a DCGM-fed scope fresh while its exporter is down.
+    let mode = if mode == GpuMode::Auto && !opts.config.sources.dcgm.is_empty() {
+        GpuMode::Nvml
+    } else {
+        mode
+    };
     match mode {
         GpuMode::Simulated => simulated(),
         GpuMode::None => (None, None),
@@ -141,6 +148,17 @@ fn backend_sources(config: &Config) -> anyhow::Result<Vec<Box<dyn BackendSource>
                 &base,
                 config.scrape_timeout,
             )),
+            BackendKind::Dcgm(i) => match config.sources.dcgm.get(i) {
+                Some(d) => Box::new(
+                    sources::dcgm::DcgmSource::new(
+                        d,
+                        config.scrape_interval,
+                        config.scrape_timeout,
+                    )
+                    .with_context(|| format!("DCGM source {}", b.name))?,
+                ),
+                None => anyhow::bail!("DCGM source {} is not configured", b.name),
+            },
         });
     }
     Ok(backends)
@@ -155,6 +173,9 @@ fn monitor(
     now: SystemTime,
 ) -> anyhow::Result<Monitor> {
     let backends = backend_sources(config)?;
+    for w in config::dcgm_warnings(config, &plans) {
+        eprintln!("sluice-sidecar: warning: {w}");
+    }
     let scopes: Vec<&str> = plans.iter().map(|p| p.scope.as_str()).collect();
     eprintln!(
         "sluice-sidecar: GPU source {}, {} backend(s), scopes {}",

@@ -110,11 +110,13 @@ impl Config {
         Ok(config)
     }
 
-    /// Every backend, vLLM ones first, with its kind.
+    /// Every backend, vLLM ones first, then Ollama, then DCGM, with its kind.
     pub fn backends(&self) -> Vec<(BackendKind, &BackendConfig)> {
         let vllm = self.sources.vllm.iter().map(|b| (BackendKind::Vllm, b));
         let ollama = self.sources.ollama.iter().map(|b| (BackendKind::Ollama, b));
-        vllm.chain(ollama).collect()
+        let dcgm =
+            (self.sources.dcgm.iter().enumerate()).map(|(i, d)| (BackendKind::Dcgm(i), &d.backend));
+        vllm.chain(ollama).chain(dcgm).collect()
     }
 
     pub fn policy(&self) -> Policy {
@@ -153,6 +155,9 @@ impl Config {
         self.breaker.check()?;
         self.long_poll.check()?;
         self.sources.check()?;
+        self.sources
+            .check_dcgm(self.breaker.stale_after)
+            .map_err(|(at, m)| field::invalid(at, m))?;
         breaker::check_scopes(&self.scopes)?;
         self.alerts.check()?;
         self.history.check()?;
@@ -162,6 +167,31 @@ impl Config {
         admin::check_allowed_hosts(&self.allowed_hosts)?;
         self.scope_plans().map(|_| ())
     }
+}
+
+/// Lines to say about a config whose DCGM sources feed scopes that watch
+/// no `gpu_xid_errors` (XIDs then open nothing).
+pub fn dcgm_warnings(config: &Config, plans: &[ScopePlan]) -> Vec<String> {
+    let backends = config.backends();
+    let mut out = Vec::new();
+    for plan in plans {
+        let fed_by = plan.backends.iter().find_map(|&i| match backends.get(i) {
+            Some((crate::config::BackendKind::Dcgm(_), b)) => Some(b.name.as_str()),
+            _ => None,
+        });
+        let Some(source) = fed_by else { continue };
+        if !plan
+            .rules
+            .iter()
+            .any(|r| r.metric == crate::breaker::Metric::GpuXidErrors)
+        {
+            out.push(format!(
+                "scope {} takes DCGM source `{source}` but no rule watches gpu_xid_errors: XID errors open no breaker there",
+                plan.scope
+            ));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
