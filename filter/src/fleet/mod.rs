@@ -59,6 +59,7 @@ use crate::admission::{Engine, Meter, Pricing};
 use crate::host::{Host, LogLevel, MetricKind};
 use crate::limits::bucket::{next_window, Quota};
 use crate::limits::reservation::{Held, Rule, Scope};
+use crate::limits::slots::{self, Seen, Table};
 use crate::policy::fleet::{FleetConfig, Unavailable, MIN_SECRET};
 use crate::policy::{Limit, Policy};
 use crate::state::store::{Cas, Updated};
@@ -517,8 +518,9 @@ pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     hex(&digest[..16])
 }
 
-fn slot_key(rule: &str, slot: u32) -> String {
-    format!("{LEASE_PREFIX}{rule}:{slot}")
+/// The lease slots of a fleet bucket (`{LEASE_PREFIX}{rule}:{slot}`).
+fn lease_table(rule: &str, slots: u32) -> Table<'_> {
+    Table::named(LEASE_PREFIX, rule, slots, PROBES)
 }
 
 fn metric(host: &dyn Host, name: &str, by: i64) {
@@ -567,8 +569,8 @@ impl Fleet {
                 Scope::Global => 1,
                 Scope::PerPrincipal => config.lease.slots,
             };
-            for s in 0..slots {
-                lease_keys.push((rule.id.clone(), slot_key(&rule.id, s)));
+            for key in lease_table(&rule.id, slots).keys() {
+                lease_keys.push((rule.id.clone(), key));
             }
             rules.insert(
                 rule.id.clone(),
@@ -678,17 +680,15 @@ impl Fleet {
             let window_end = window_end(&rule.rule.limit, now);
             let amount = h.amount;
             // Probe the caller's slots: its own live lease, else a free one.
-            let home = (owner % u64::from(rule.slots)) as u32;
-            let mut slot = None;
             let mut debited = false;
             let mut have = 0u64;
-            for p in 0..PROBES.min(rule.slots) {
-                let key = slot_key(&rule.rule.id, (home + p) % rule.slots);
+            let table = lease_table(&rule.rule.id, rule.slots);
+            let slot = slots::claim(table.probe(owner), |key| {
                 // One read and, when it is ours and live, one write: the
                 // same cost as a local bucket.
                 let mut seen = 0;
                 let mut part = 0;
-                let written = cas.update(&key, |bytes| {
+                let written = cas.update(key, |bytes| {
                     let mut l = Lease::decode(bytes.unwrap_or_default());
                     seen = l.owner;
                     part = 0;
@@ -708,13 +708,14 @@ impl Fleet {
                         debited = part == amount;
                         have = if debited { 0 } else { part };
                     }
-                    slot = Some(key);
-                    break;
+                    Seen::Mine
+                } else if seen == 0 {
+                    Seen::Free(())
+                } else {
+                    Seen::Busy
                 }
-                if slot.is_none() && seen == 0 {
-                    slot = Some(key);
-                }
-            }
+            })
+            .slot();
             if debited {
                 done.push(Claimed {
                     rule: h.rule.clone(),

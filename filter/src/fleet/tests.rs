@@ -81,7 +81,7 @@ fn lease(host: &MockHost, key: &str) -> Lease {
 fn lease_of_requests(host: &MockHost) -> Lease {
     // One caller: its lease is in one of its probed slots.
     (0..64)
-        .map(|s| lease(host, &slot_key("tier/t/requests", s)))
+        .map(|s| lease(host, &lease_table("tier/t/requests", 64).key(s)))
         .find(|l| l.owner != 0)
         .unwrap_or_default()
 }
@@ -209,7 +209,7 @@ fn settlement_goes_to_the_lease_then_unused_leases_go_back_in_batches_applied_on
         json!({"ok": true, "grants": [500], "left": [99500]}),
     );
     let key = (0..64)
-        .map(|s| slot_key("tier/t/daily_tokens", s))
+        .map(|s| lease_table("tier/t/daily_tokens", 64).key(s))
         .find(|k| lease(&host, k).owner != 0)
         .unwrap();
     assert_eq!(lease(&host, &key).balance, 500 - need as i64);

@@ -55,6 +55,7 @@
 
 use crate::limits::bucket::{window_start, BucketState, Quota, Shortfall};
 use crate::limits::shares::Pool;
+use crate::limits::slots::{self, Found, Seen, Table};
 use crate::policy::units::SCALE;
 use crate::policy::Limit;
 use crate::state::codec::{Reader, Record, Writer};
@@ -218,7 +219,7 @@ pub fn prepare(
         match rule.scope {
             Scope::Global => keys.push(global_key(&rule.id)),
             Scope::PerPrincipal => {
-                keys.extend((0..layout.slots).map(|s| slot_key(&rule.id, s)));
+                keys.extend(slot_table(&rule.id, layout).keys());
                 keys.extend(declared.iter().map(|p| dedicated_key(&rule.id, p)));
                 if rule.limit.window.is_some() {
                     for row in 0..SKETCH_DEPTH {
@@ -242,8 +243,9 @@ pub fn prepare(
 fn global_key(rule: &str) -> String {
     format!("{KEY_PREFIX}{rule}")
 }
-fn slot_key(rule: &str, slot: u32) -> String {
-    format!("{KEY_PREFIX}{rule}:{slot}")
+/// The hashed slots of a per-principal rule (`{KEY_PREFIX}{rule}:{slot}`).
+fn slot_table<'a>(rule: &'a str, layout: &Layout) -> Table<'a> {
+    Table::named(KEY_PREFIX, rule, layout.slots, PROBES)
 }
 fn dedicated_key(rule: &str, principal: &str) -> String {
     format!("{KEY_PREFIX}{rule}:declared:{principal}")
@@ -646,55 +648,48 @@ impl Reserver<'_> {
                 });
             }
         }
-        let slots = self.layout.slots.max(1);
-        let home = (owner % slots as u64) as u32;
-        // (key, cas, touched) of the best slot to take: a free one first,
-        // else the one untouched longest.
-        let mut best: Option<(String, u32, bool, u64)> = None;
+        // The best slot to take: a free one first, else the one untouched
+        // longest.
         let mut frees_in = u64::MAX;
-        for probe in 0..PROBES.min(slots) {
-            let key = slot_key(&rule.id, (home + probe) % slots);
+        let table = slot_table(&rule.id, &self.layout);
+        let probed = table.probe(owner).map(|key| {
             let (bytes, cas) = read(&key).unwrap_or_default();
-            let slot = Slot::decode(&bytes);
+            (key, cas, Slot::decode(&bytes))
+        });
+        let found = slots::claim(probed, |(_, _, slot)| {
             if slot.state.owner == owner {
-                return Ok(Located {
-                    key,
-                    state: slot.state,
-                    cas,
-                    owner,
-                    placement: Placement::Hashed,
-                });
+                return Seen::Mine;
             }
             // A never-used slot ends the chain: the principal would hold it
             // or an earlier one if it had a bucket.
-            let end_of_chain = slot.state.owner == 0;
-            let free = end_of_chain || slot.state.is_idle(&rule.limit, now_ms);
-            if free || self.takeable(&slot, &rule.limit, now_ms) {
-                let better = match &best {
-                    None => true,
-                    Some((_, _, best_free, best_touched)) => {
-                        !best_free && (free || slot.touched_ms < *best_touched)
-                    }
-                };
-                if better {
-                    best = Some((key, cas, free, slot.touched_ms));
-                }
-            } else {
-                frees_in = frees_in.min(self.frees_in(&slot, &rule.limit, now_ms));
+            if slot.state.owner == 0 {
+                return Seen::Last((0u8, 0));
             }
-            if end_of_chain {
-                break;
+            if slot.state.is_idle(&rule.limit, now_ms) {
+                return Seen::Free((0, 0));
             }
-        }
-        match best {
-            Some((key, cas, _, _)) => Ok(Located {
+            if self.takeable(slot, &rule.limit, now_ms) {
+                return Seen::Free((1, slot.touched_ms));
+            }
+            frees_in = frees_in.min(self.frees_in(slot, &rule.limit, now_ms));
+            Seen::Busy
+        });
+        match found {
+            Found::Mine((key, cas, slot)) => Ok(Located {
+                key,
+                state: slot.state,
+                cas,
+                owner,
+                placement: Placement::Hashed,
+            }),
+            Found::Free((key, cas, _)) => Ok(Located {
                 key,
                 state: self.seed(rule, owner, now_ms),
                 cas,
                 owner,
                 placement: Placement::Hashed,
             }),
-            None => Err(frees_in),
+            Found::Full => Err(frees_in),
         }
     }
 
