@@ -61,7 +61,9 @@ use crate::limits::bucket::{next_window, Quota};
 use crate::limits::reservation::{Held, Rule, Scope};
 use crate::limits::slots::{self, Seen, Table};
 use crate::policy::fleet::{FleetConfig, Unavailable, MIN_SECRET};
+use crate::policy::keys::hex;
 use crate::policy::{Limit, Policy};
+use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Updated};
 
 const LEASE_PREFIX: &str = "sluice:v1:fleet:lease:";
@@ -341,49 +343,49 @@ pub(crate) fn note_refusal(host: &dyn Host, code: Option<&str>) {
 
 /// A lease as kept in shared data (48 bytes; all zero: free).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Lease {
-    owner: u64,
-    window_end: u64,
+pub(crate) struct Lease {
+    pub owner: u64,
+    pub window_end: u64,
     /// Units left to admit; below 0 after settlements charged more.
-    balance: i64,
-    expires_ms: u64,
-    last_ms: u64,
+    pub balance: i64,
+    pub expires_ms: u64,
+    pub last_ms: u64,
     /// The last grant, to size the next one.
-    grant: u64,
+    pub grant: u64,
 }
 
 impl Lease {
-    fn decode(b: &[u8]) -> Lease {
-        let u = |i: usize| {
-            b.get(i * 8..i * 8 + 8)
-                .and_then(|s| s.try_into().ok())
-                .map_or(0, u64::from_le_bytes)
-        };
-        Lease {
-            owner: u(0),
-            window_end: u(1),
-            balance: u(2) as i64,
-            expires_ms: u(3),
-            last_ms: u(4),
-            grant: u(5),
-        }
-    }
-    fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(48);
-        for v in [
-            self.owner,
-            self.window_end,
-            self.balance as u64,
-            self.expires_ms,
-            self.last_ms,
-            self.grant,
-        ] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out
-    }
     fn live(&self, owner: u64, window_end: u64, now: u64) -> bool {
         self.owner == owner && self.window_end == window_end && self.expires_ms > now
+    }
+}
+
+impl Record for Lease {
+    const LEN: usize = 48;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.owner)
+            .u64(self.window_end)
+            .u64(self.balance as u64)
+            .u64(self.expires_ms)
+            .u64(self.last_ms)
+            .u64(self.grant);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        Lease {
+            owner: r.u64(),
+            window_end: r.u64(),
+            balance: r.u64() as i64,
+            expires_ms: r.u64(),
+            last_ms: r.u64(),
+            grant: r.u64(),
+        }
+    }
+
+    /// By prefix: a missing word reads as 0.
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
     }
 }
 
@@ -498,10 +500,6 @@ impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Secret(..)")
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    crate::policy::keys::hex(bytes)
 }
 
 /// The Redis name of a bucket for one owner: a salted hash, never a raw key.
@@ -1180,27 +1178,31 @@ fn retry_ms(limit: &Limit, window_end: u64, now: u64) -> u64 {
     }
 }
 
+/// Whether the fleet is down, and until when calls are not tried (9
+/// bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Status {
-    down: bool,
-    retry_at_ms: u64,
+pub(crate) struct Status {
+    pub down: bool,
+    pub retry_at_ms: u64,
 }
 
-impl Status {
-    fn decode(b: &[u8]) -> Status {
-        let retry = b
-            .get(1..9)
-            .and_then(|s| s.try_into().ok())
-            .map_or(0, u64::from_le_bytes);
+impl Record for Status {
+    const LEN: usize = 9;
+
+    fn write(&self, w: &mut Writer) {
+        w.u8(u8::from(self.down)).u64(self.retry_at_ms);
+    }
+
+    fn read(r: &mut Reader) -> Self {
         Status {
-            down: b.first() == Some(&1),
-            retry_at_ms: retry,
+            down: r.u8() == 1,
+            retry_at_ms: r.u64(),
         }
     }
-    fn encode(&self) -> Vec<u8> {
-        let mut out = vec![u8::from(self.down)];
-        out.extend_from_slice(&self.retry_at_ms.to_le_bytes());
-        out
+
+    /// By prefix: a missing field reads as up, no retry time.
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
     }
 }
 
