@@ -628,3 +628,78 @@ fn a_full_outbox_keeps_charges_before_cancels() {
         .map_or(0, |m| m.1);
     assert_eq!(dropped, 0, "the charge was kept");
 }
+
+/// Issue 19: the fleet's lookups by rule id are `get`s. A refusal for a
+/// take that claimed nothing, or by a claim of a bucket the fleet does not
+/// know, degrades (passes what is held / refuses with an empty quota)
+/// instead of indexing out of bounds or panicking on a missing key.
+#[test]
+fn answers_about_unknown_claims_degrade_instead_of_panicking() {
+    let (host, _poller) = outage("local_share");
+    let engine = Engine::new(
+        crate::policy::Policy::from_value(policy(json!({"requests": "10/day"}), json!({})))
+            .unwrap(),
+    );
+    let fleet = Fleet::new(&engine).unwrap();
+    let identity = Identity {
+        principal: "ip:10.0.0.9".into(),
+        hash: 99,
+        tier: "t".into(),
+        source: None,
+        declared: false,
+        team: None,
+        org: None,
+    };
+    let refusal = |host: &MockHost| {
+        let body = json!({"ok": false, "refused": 3, "left": [0]}).to_string();
+        *host.call_response_headers.borrow_mut() = vec![(":status".into(), "200".into())];
+        *host.call_response_body.borrow_mut() = body.clone().into_bytes();
+        body.len()
+    };
+    let len = refusal(&host);
+    let empty = Pending {
+        token: 1,
+        id: "t1-0".into(),
+        done: Vec::new(),
+        short: Vec::new(),
+    };
+    assert!(matches!(
+        fleet.answer(&engine, &host, empty, len, &identity, T0),
+        Gate::Pass(done) if done.is_empty()
+    ));
+    let unknown = Short {
+        rule: "tier/nobody/requests".into(),
+        owner: 99,
+        amount: 1,
+        window_end: 0,
+        meter: Meter::Requests,
+        slot: None,
+        have: 0,
+    };
+    let len = refusal(&host);
+    let pending = Pending {
+        token: 2,
+        id: "t1-1".into(),
+        done: Vec::new(),
+        short: vec![unknown.clone()],
+    };
+    match fleet.answer(&engine, &host, pending, len, &identity, T0) {
+        Gate::Refuse { rule, quota } => {
+            assert_eq!(rule, "tier/nobody/requests");
+            assert_eq!((quota.limit, quota.reset_ms), (0, 1_000));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Unavailable: a claim of an unknown bucket is left to the local one.
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), "503".into())];
+    let pending = Pending {
+        token: 3,
+        id: "t1-2".into(),
+        done: Vec::new(),
+        short: vec![unknown],
+    };
+    assert!(matches!(
+        fleet.answer(&engine, &host, pending, 0, &identity, T0),
+        Gate::Pass(done) if done.is_empty()
+    ));
+}
