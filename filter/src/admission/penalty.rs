@@ -478,7 +478,7 @@ impl crate::admission::Engine {
         tier: &str,
         now_ms: u64,
     ) -> (Option<crate::admission::Verdict>, Checked) {
-        let checked = pb.check(store, who, now_ms, self.policy.state.cas_max_retries);
+        let checked = pb.check(store, who, now_ms, self.tries().take());
         let verdict = checked.blocked_until_ms.map(|until| {
             let reply =
                 crate::admission::answer::temporarily_blocked(until.saturating_sub(now_ms), now_ms);

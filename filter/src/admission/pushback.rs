@@ -129,7 +129,7 @@ impl Engine {
         }
         // The claim's (and a give-back's) lost races are counted with the
         // admission's, on whichever verdict is applied.
-        let mut cas = Cas::new(store, self.policy.state.cas_max_retries);
+        let mut cas = Cas::new(store, self.tries().take());
         cas.contention = verdict.contention;
         let give_back = |verdict: &Verdict, cas: &mut Cas| {
             if let Some(plan) = &verdict.plan {
@@ -193,7 +193,7 @@ impl Engine {
             lease,
             from_upstream,
         };
-        let mut cas = Cas::new(store, self.policy.state.cas_max_retries);
+        let mut cas = Cas::new(store, self.tries().take());
         health::record(&mut cas, pb, &p, answer, now_ms)
     }
 

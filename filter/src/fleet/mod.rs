@@ -641,10 +641,6 @@ impl Fleet {
         Ok(created)
     }
 
-    fn tries(engine: &Engine) -> u32 {
-        engine.policy.state.cas_max_retries
-    }
-
     fn owner(rule: &FleetRule, identity: &Identity) -> u64 {
         match rule.rule.scope {
             Scope::Global => GLOBAL_OWNER,
@@ -666,7 +662,7 @@ impl Fleet {
     ) -> Gate {
         let mut done = Vec::new();
         let mut short = Vec::new();
-        let mut cas = Cas::new(host, Self::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (h, &meter) in held.iter().zip(meters) {
             let Some(rule) = self.rules.get(&h.rule) else {
                 continue;
@@ -883,7 +879,7 @@ impl Fleet {
         };
         note_refusal(host, None);
         self.mark(host, true, now);
-        let mut cas = Cas::new(host, Self::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (s, &grant) in short.iter().zip(&answer.grants) {
             let surplus = grant.saturating_sub(s.amount.saturating_sub(s.have)) as i64;
             let via = match &s.slot {
@@ -1118,7 +1114,7 @@ impl Fleet {
         actual: impl Fn(Meter) -> u64,
     ) {
         let mut items = Vec::new();
-        let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
+        let mut cas = Cas::new(host, engine.tries().settle());
         for c in claims {
             if !self.rules.contains_key(&c.rule) {
                 continue;
@@ -1163,7 +1159,7 @@ impl Fleet {
             return;
         }
         let mut dropped = 0i64;
-        let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
+        let mut cas = Cas::new(host, engine.tries().settle());
         cas.update(OUTBOX_KEY, |bytes| {
             let mut list: Vec<GiveItem> =
                 serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
@@ -1327,7 +1323,7 @@ impl Agent {
             Some(batch) => batch,
             None => {
                 let mut taken = Vec::new();
-                let mut cas = Cas::new(host, Fleet::tries(engine).saturating_mul(8));
+                let mut cas = Cas::new(host, engine.tries().settle());
                 cas.update(OUTBOX_KEY, |bytes| {
                     taken = serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
                     (!taken.is_empty()).then(|| b"[]".to_vec())
@@ -1449,7 +1445,7 @@ impl Agent {
         };
         let ttl = fleet.config.lease.ttl_ms;
         let mut back = Vec::new();
-        let mut cas = Cas::new(host, Fleet::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (w, &grant) in wants.iter().zip(&answer.grants) {
             if grant == 0 {
                 continue;
@@ -1524,7 +1520,7 @@ impl Agent {
     fn sweep(&mut self, fleet: &Fleet, engine: &Engine, host: &dyn Host, now: u64) {
         let cfg = &fleet.config.lease;
         let mut items = Vec::new();
-        let mut cas = Cas::new(host, Fleet::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (rule_id, key) in &fleet.lease_keys {
             let Some((bytes, _)) = host.get(key) else {
                 continue;
