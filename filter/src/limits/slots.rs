@@ -8,7 +8,9 @@
 //! slots of `state.principal_slots`), the fleet's leases (`crate::fleet`:
 //! 4 of `fleet.lease.slots`) and the penalty box's block records
 //! (`crate::admission::penalty`: one key of 2,048, then one of its 8
-//! records). What "mine", "free" and "in use" mean is each user's own.
+//! records); route health places unlisted models' breakers and credential
+//! pauses by hash alone (`crate::admission::pushback`: no probing, no
+//! claim). What "mine", "free" and "in use" mean is each user's own.
 //!
 //! Key names. `{prefix}{name}:{slot}` for a table per rule (the rule id is
 //! `name`), `{prefix}{slot}` for a fixed table: the names running Envoys
@@ -66,6 +68,11 @@ impl<'a> Table<'a> {
     /// The slot a hash lives at first.
     pub fn home(&self, hash: u64) -> u32 {
         (hash % u64::from(self.slots)) as u32
+    }
+
+    /// The key of a hash's home slot (a table placed by hash alone).
+    pub fn place(&self, hash: u64) -> String {
+        self.key(self.home(hash))
     }
 
     /// The keys probed for a hash, from its home slot on (wrapping), at
