@@ -261,15 +261,16 @@ mod tests {
         }
     }
 
-    /// Every record of the table, a default and a filled one: encoded, it
-    /// is `LEN` bytes.
-    #[test]
-    fn every_record_encodes_to_its_len() {
+    /// Every record, a default and a filled one: (type, [(encoded length,
+    /// `LEN`); 2]).
+    fn lengths() -> Vec<(&'static str, [(usize, usize); 2])> {
         fn len_of<T: Record>(x: T) -> (usize, usize) {
             (x.encode().len(), T::LEN)
         }
-        fn both<T: Record>(x: T) -> [(usize, usize); 2] {
-            [len_of(T::default()), len_of(x)]
+        fn both<T: Record>(x: T) -> (&'static str, [(usize, usize); 2]) {
+            let name = std::any::type_name::<T>();
+            let name = name.rsplit("::").next().unwrap_or(name);
+            (name, [len_of(T::default()), len_of(x)])
         }
         let bucket = BucketState {
             owner: 1,
@@ -284,7 +285,7 @@ mod tests {
             period_start_ms: 3,
             forgiven: 4,
         };
-        let lengths = [
+        vec![
             both(bucket),
             both(Slot {
                 state: bucket,
@@ -320,13 +321,65 @@ mod tests {
                 down: true,
                 retry_at_ms: 6,
             }),
-        ];
-        for (i, [empty, filled]) in lengths.iter().enumerate() {
-            assert_eq!(empty.0, empty.1, "record {i} (default)");
-            assert_eq!(filled.0, filled.1, "record {i}");
+        ]
+    }
+
+    /// Every record of the table, a default and a filled one: encoded, it
+    /// is `LEN` bytes.
+    #[test]
+    fn every_record_encodes_to_its_len() {
+        for (name, [empty, filled]) in lengths() {
+            assert_eq!(empty.0, empty.1, "{name} (default)");
+            assert_eq!(filled.0, filled.1, "{name}");
         }
         assert_eq!(Sketch::LEN, 1032);
         assert_eq!((Lease::LEN, Status::LEN), (48, 9));
+    }
+
+    /// Every `impl Record` of the crate is a row of the table in this
+    /// file's header and is held to its `LEN` by [`lengths`].
+    #[test]
+    fn every_record_is_in_the_table() {
+        fn walk(dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+            for entry in std::fs::read_dir(dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    walk(&path, out);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    for line in text.lines() {
+                        if let Some(rest) = line.strip_prefix("impl Record for ") {
+                            let name = rest.trim_end_matches(" {").to_string();
+                            out.push((name, path.display().to_string()));
+                        }
+                    }
+                }
+            }
+        }
+        let mut records = Vec::new();
+        walk(
+            std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")),
+            &mut records,
+        );
+        let header: Vec<&str> = include_str!("codec.rs")
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .collect();
+        let held: Vec<&str> = lengths().iter().map(|(name, _)| *name).collect();
+        assert!(records.len() >= 13, "{records:?}");
+        for (name, file) in &records {
+            let row = format!("`{name}`");
+            assert!(
+                header
+                    .iter()
+                    .any(|l| l.starts_with("//! | ") && l.contains(&row)),
+                "{name} ({file}) is not in codec.rs's table"
+            );
+            assert!(
+                held.contains(&name.as_str()),
+                "{name} ({file}) is not held to its LEN"
+            );
+        }
     }
 
     /// The fleet's records read as they did before they were `Record`s:
