@@ -59,8 +59,11 @@ use crate::admission::{Engine, Meter, Pricing};
 use crate::host::{Host, LogLevel, MetricKind};
 use crate::limits::bucket::{next_window, Quota};
 use crate::limits::reservation::{Held, Rule, Scope};
+use crate::limits::slots::{self, Seen, Table};
 use crate::policy::fleet::{FleetConfig, Unavailable, MIN_SECRET};
+use crate::policy::keys::hex;
 use crate::policy::{Limit, Policy};
+use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Updated};
 
 const LEASE_PREFIX: &str = "sluice:v1:fleet:lease:";
@@ -340,49 +343,49 @@ pub(crate) fn note_refusal(host: &dyn Host, code: Option<&str>) {
 
 /// A lease as kept in shared data (48 bytes; all zero: free).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Lease {
-    owner: u64,
-    window_end: u64,
+pub(crate) struct Lease {
+    pub owner: u64,
+    pub window_end: u64,
     /// Units left to admit; below 0 after settlements charged more.
-    balance: i64,
-    expires_ms: u64,
-    last_ms: u64,
+    pub balance: i64,
+    pub expires_ms: u64,
+    pub last_ms: u64,
     /// The last grant, to size the next one.
-    grant: u64,
+    pub grant: u64,
 }
 
 impl Lease {
-    fn decode(b: &[u8]) -> Lease {
-        let u = |i: usize| {
-            b.get(i * 8..i * 8 + 8)
-                .and_then(|s| s.try_into().ok())
-                .map_or(0, u64::from_le_bytes)
-        };
-        Lease {
-            owner: u(0),
-            window_end: u(1),
-            balance: u(2) as i64,
-            expires_ms: u(3),
-            last_ms: u(4),
-            grant: u(5),
-        }
-    }
-    fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(48);
-        for v in [
-            self.owner,
-            self.window_end,
-            self.balance as u64,
-            self.expires_ms,
-            self.last_ms,
-            self.grant,
-        ] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out
-    }
     fn live(&self, owner: u64, window_end: u64, now: u64) -> bool {
         self.owner == owner && self.window_end == window_end && self.expires_ms > now
+    }
+}
+
+impl Record for Lease {
+    const LEN: usize = 48;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.owner)
+            .u64(self.window_end)
+            .u64(self.balance as u64)
+            .u64(self.expires_ms)
+            .u64(self.last_ms)
+            .u64(self.grant);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        Lease {
+            owner: r.u64(),
+            window_end: r.u64(),
+            balance: r.u64() as i64,
+            expires_ms: r.u64(),
+            last_ms: r.u64(),
+            grant: r.u64(),
+        }
+    }
+
+    /// By prefix: a missing word reads as 0.
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
     }
 }
 
@@ -499,10 +502,6 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    crate::policy::keys::hex(bytes)
-}
-
 /// The Redis name of a bucket for one owner: a salted hash, never a raw key.
 pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     use sha2::Digest;
@@ -517,8 +516,9 @@ pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     hex(&digest[..16])
 }
 
-fn slot_key(rule: &str, slot: u32) -> String {
-    format!("{LEASE_PREFIX}{rule}:{slot}")
+/// The lease slots of a fleet bucket (`{LEASE_PREFIX}{rule}:{slot}`).
+fn lease_table(rule: &str, slots: u32) -> Table<'_> {
+    Table::named(LEASE_PREFIX, rule, slots, PROBES)
 }
 
 fn metric(host: &dyn Host, name: &str, by: i64) {
@@ -567,8 +567,8 @@ impl Fleet {
                 Scope::Global => 1,
                 Scope::PerPrincipal => config.lease.slots,
             };
-            for s in 0..slots {
-                lease_keys.push((rule.id.clone(), slot_key(&rule.id, s)));
+            for key in lease_table(&rule.id, slots).keys() {
+                lease_keys.push((rule.id.clone(), key));
             }
             rules.insert(
                 rule.id.clone(),
@@ -641,10 +641,6 @@ impl Fleet {
         Ok(created)
     }
 
-    fn tries(engine: &Engine) -> u32 {
-        engine.policy.state.cas_max_retries
-    }
-
     fn owner(rule: &FleetRule, identity: &Identity) -> u64 {
         match rule.rule.scope {
             Scope::Global => GLOBAL_OWNER,
@@ -666,7 +662,7 @@ impl Fleet {
     ) -> Gate {
         let mut done = Vec::new();
         let mut short = Vec::new();
-        let mut cas = Cas::new(host, Self::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (h, &meter) in held.iter().zip(meters) {
             let Some(rule) = self.rules.get(&h.rule) else {
                 continue;
@@ -677,44 +673,7 @@ impl Fleet {
             let owner = Self::owner(rule, identity);
             let window_end = window_end(&rule.rule.limit, now);
             let amount = h.amount;
-            // Probe the caller's slots: its own live lease, else a free one.
-            let home = (owner % u64::from(rule.slots)) as u32;
-            let mut slot = None;
-            let mut debited = false;
-            let mut have = 0u64;
-            for p in 0..PROBES.min(rule.slots) {
-                let key = slot_key(&rule.rule.id, (home + p) % rule.slots);
-                // One read and, when it is ours and live, one write: the
-                // same cost as a local bucket.
-                let mut seen = 0;
-                let mut part = 0;
-                let written = cas.update(&key, |bytes| {
-                    let mut l = Lease::decode(bytes.unwrap_or_default());
-                    seen = l.owner;
-                    part = 0;
-                    if !l.live(owner, window_end, now) || l.balance <= 0 {
-                        return None;
-                    }
-                    // All of it when it covers the request; else what it
-                    // has, and Redis is asked for the rest.
-                    let debit = l.balance.min(amount as i64);
-                    l.balance -= debit;
-                    l.last_ms = now;
-                    part = debit as u64;
-                    Some(l.encode())
-                });
-                if seen == owner {
-                    if written == Updated::Written {
-                        debited = part == amount;
-                        have = if debited { 0 } else { part };
-                    }
-                    slot = Some(key);
-                    break;
-                }
-                if slot.is_none() && seen == 0 {
-                    slot = Some(key);
-                }
-            }
+            let (slot, debited, have) = Self::debit(&mut cas, rule, owner, window_end, amount, now);
             if debited {
                 done.push(Claimed {
                     rule: h.rule.clone(),
@@ -742,33 +701,7 @@ impl Fleet {
         if self.down(host, now) {
             return self.unavailable(engine, host, done, short, identity, now);
         }
-        let claims: Vec<TakeClaim> = short
-            .iter()
-            .map(|s| {
-                let rule = &self.rules[&s.rule];
-                let want = match &s.slot {
-                    None => s.amount,
-                    Some(key) => {
-                        let last = host.get(key).map_or(0, |(b, _)| Lease::decode(&b).grant);
-                        let top_up = last
-                            .saturating_mul(2)
-                            .max(self.config.lease.initial.saturating_mul(s.amount.max(1)));
-                        let top_up = self.config.lease.max.map_or(top_up, |m| top_up.min(m));
-                        s.amount
-                            .saturating_add(top_up)
-                            .min(rule.rule.limit.capacity())
-                    }
-                };
-                let need = s.amount - s.have;
-                TakeClaim {
-                    rule: &s.rule,
-                    owner: s.owner,
-                    window_end_ms: s.window_end,
-                    need,
-                    want: want.saturating_sub(s.have).max(need),
-                }
-            })
-            .collect();
+        let claims = self.take_claims(host, &short);
         let id = self.take_id();
         let body = serde_json::to_vec(&TakeRequest {
             id: &id,
@@ -791,6 +724,95 @@ impl Fleet {
                 self.unavailable(engine, host, done, short, identity, now)
             }
         }
+    }
+
+    /// Debits `amount` from the caller's lease, probing its slots: its own
+    /// live lease, else a free one. The slot (its own or a free one; none:
+    /// every probed slot is another caller's), whether the lease covered
+    /// all of it, and what it took when it covered only part (Redis is
+    /// then asked for the rest).
+    fn debit(
+        cas: &mut Cas,
+        rule: &FleetRule,
+        owner: u64,
+        window_end: u64,
+        amount: u64,
+        now: u64,
+    ) -> (Option<String>, bool, u64) {
+        let mut debited = false;
+        let mut have = 0u64;
+        let table = lease_table(&rule.rule.id, rule.slots);
+        let slot = slots::claim(table.probe(owner), |key| {
+            // One read and, when it is ours and live, one write: the
+            // same cost as a local bucket.
+            let mut seen = 0;
+            let mut part = 0;
+            let written = cas.update(key, |bytes| {
+                let mut l = Lease::decode(bytes.unwrap_or_default());
+                seen = l.owner;
+                part = 0;
+                if !l.live(owner, window_end, now) || l.balance <= 0 {
+                    return None;
+                }
+                // All of it when it covers the request; else what it
+                // has, and Redis is asked for the rest.
+                let debit = l.balance.min(amount as i64);
+                l.balance -= debit;
+                l.last_ms = now;
+                part = debit as u64;
+                Some(l.encode())
+            });
+            if seen == owner {
+                if written == Updated::Written {
+                    debited = part == amount;
+                    have = if debited { 0 } else { part };
+                }
+                Seen::Mine
+            } else if seen == 0 {
+                Seen::Free(())
+            } else {
+                Seen::Busy
+            }
+        })
+        .slot();
+        (slot, debited, have)
+    }
+
+    /// What to ask Redis for each claim the leases fell short of: the need,
+    /// and for a caller with a lease slot a top-up (the last grant doubled,
+    /// or `initial × need` at first; at most `lease.max`, never beyond the
+    /// bucket's capacity).
+    fn take_claims<'a>(&self, host: &dyn Host, short: &'a [Short]) -> Vec<TakeClaim<'a>> {
+        short
+            .iter()
+            .map(|s| {
+                let want = match &s.slot {
+                    None => s.amount,
+                    Some(key) => {
+                        let last = host.get(key).map_or(0, |(b, _)| Lease::decode(&b).grant);
+                        let top_up = last
+                            .saturating_mul(2)
+                            .max(self.config.lease.initial.saturating_mul(s.amount.max(1)));
+                        let top_up = self.config.lease.max.map_or(top_up, |m| top_up.min(m));
+                        // A claim is only ever short of a fleet bucket; were
+                        // it not one, no top-up (the need alone).
+                        let capacity = self
+                            .rules
+                            .get(&s.rule)
+                            .map_or(s.amount, |r| r.rule.limit.capacity());
+                        s.amount.saturating_add(top_up).min(capacity)
+                    }
+                };
+                let need = s.amount.saturating_sub(s.have);
+                TakeClaim {
+                    rule: &s.rule,
+                    owner: s.owner,
+                    window_end_ms: s.window_end,
+                    need,
+                    want: want.saturating_sub(s.have).max(need),
+                }
+            })
+            .collect()
     }
 
     /// A fresh take id (hex, unique per VM and across VMs and Envoys).
@@ -839,22 +861,7 @@ impl Fleet {
         ) {
             (Some("200"), Ok(a)) if a.ok && a.grants.len() == short.len() => a,
             (Some("200"), Ok(a)) if !a.ok => {
-                self.mark(host, true, now);
-                metric(host, M_REFUSED, 1);
-                let index = a.refused.unwrap_or(0).min(short.len().saturating_sub(1));
-                let refused = &short[index];
-                let limit = self.rules[&refused.rule].rule.limit;
-                let quota = Quota {
-                    limit: limit.capacity(),
-                    remaining: a.left.first().copied().unwrap_or(0),
-                    reset_ms: retry_ms(&limit, refused.window_end, now),
-                };
-                self.give_back(engine, host, &done, now);
-                self.restore(engine, host, &short, now);
-                return Gate::Refuse {
-                    rule: refused.rule.clone(),
-                    quota,
-                };
+                return self.refused(engine, host, &done, &short, &a, now);
             }
             _ => {
                 if failed_call(host, status.as_deref(), &body) {
@@ -872,39 +879,15 @@ impl Fleet {
         };
         note_refusal(host, None);
         self.mark(host, true, now);
-        let mut cas = Cas::new(host, Self::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (s, &grant) in short.iter().zip(&answer.grants) {
-            let surplus = grant.saturating_sub(s.amount - s.have) as i64;
-            let mut via = Via::Strict;
-            if let Some(key) = &s.slot {
-                let ttl = self.config.lease.ttl_ms;
-                let mut returned = 0i64;
-                let written = cas.update(key, |bytes| {
-                    let mut l = Lease::decode(bytes.unwrap_or_default());
-                    returned = 0;
-                    if l.owner != s.owner && l.owner != 0 {
-                        return None; // taken meanwhile by another caller
-                    }
-                    if l.owner == s.owner && l.window_end != s.window_end {
-                        // A lease of an earlier window: its window is over.
-                        l.balance = 0;
-                    } else if l.owner == 0 {
-                        l = Lease::default();
-                    }
-                    l.owner = s.owner;
-                    l.window_end = s.window_end;
-                    l.balance = l.balance.saturating_add(surplus);
-                    l.expires_ms = now + ttl;
-                    l.last_ms = now;
-                    l.grant = grant;
-                    Some(l.encode())
-                });
-                if written == Updated::Written {
-                    via = Via::Lease(key.clone());
-                } else {
-                    let _ = returned;
+            let surplus = grant.saturating_sub(s.amount.saturating_sub(s.have)) as i64;
+            let via = match &s.slot {
+                Some(key) if self.keep(&mut cas, key, s, grant, surplus, now) => {
+                    Via::Lease(key.clone())
                 }
-            }
+                _ => Via::Strict,
+            };
             if matches!(via, Via::Strict) && surplus > 0 {
                 // No lease to keep the surplus in: straight back.
                 self.outbox(
@@ -925,6 +908,83 @@ impl Fleet {
         Gate::Pass(done)
     }
 
+    /// Redis refused the take (by claim `answer.refused`): everything the
+    /// request holds goes back, and the refusing bucket answers.
+    fn refused(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        done: &[Claimed],
+        short: &[Short],
+        answer: &TakeAnswer,
+        now: u64,
+    ) -> Gate {
+        self.mark(host, true, now);
+        metric(host, M_REFUSED, 1);
+        let index = answer.refused.unwrap_or(0);
+        let Some(refused) = short.get(index).or(short.last()) else {
+            // Nothing was asked (never: a request waits only when short),
+            // so nothing of it can be refused.
+            return Gate::Pass(done.to_vec());
+        };
+        // The refusing claim is of a fleet bucket (claims are made only for
+        // those); were it not, the answer says no more than "full".
+        let (capacity, reset_ms) = match self.rules.get(&refused.rule) {
+            Some(r) => (
+                r.rule.limit.capacity(),
+                retry_ms(&r.rule.limit, refused.window_end, now),
+            ),
+            None => (0, 1_000),
+        };
+        let quota = Quota {
+            limit: capacity,
+            remaining: answer.left.first().copied().unwrap_or(0),
+            reset_ms,
+        };
+        self.give_back(engine, host, done, now);
+        self.restore(engine, host, short, now);
+        Gate::Refuse {
+            rule: refused.rule.clone(),
+            quota,
+        }
+    }
+
+    /// Keeps a grant's `surplus` in the caller's lease slot `key` (a free
+    /// slot becomes its lease; a lease of an earlier window starts over).
+    /// `false`: the slot went to another caller meanwhile, or could not be
+    /// written.
+    fn keep(
+        &self,
+        cas: &mut Cas,
+        key: &str,
+        s: &Short,
+        grant: u64,
+        surplus: i64,
+        now: u64,
+    ) -> bool {
+        let ttl = self.config.lease.ttl_ms;
+        let written = cas.update(key, |bytes| {
+            let mut l = Lease::decode(bytes.unwrap_or_default());
+            if l.owner != s.owner && l.owner != 0 {
+                return None; // taken meanwhile by another caller
+            }
+            if l.owner == s.owner && l.window_end != s.window_end {
+                // A lease of an earlier window: its window is over.
+                l.balance = 0;
+            } else if l.owner == 0 {
+                l = Lease::default();
+            }
+            l.owner = s.owner;
+            l.window_end = s.window_end;
+            l.balance = l.balance.saturating_add(surplus);
+            l.expires_ms = now + ttl;
+            l.last_ms = now;
+            l.grant = grant;
+            Some(l.encode())
+        });
+        written == Updated::Written
+    }
+
     /// Past the leases, without the fleet: each bucket's `on_unavailable`.
     fn unavailable(
         &self,
@@ -939,7 +999,12 @@ impl Fleet {
         self.restore(engine, host, &short, now);
         let mut charges = Vec::new();
         for s in short {
-            let rule = &self.rules[&s.rule];
+            let Some(rule) = self.rules.get(&s.rule) else {
+                // Not a fleet bucket (never: claims are made only for
+                // those): the local bucket alone covers it, as settling
+                // skips it.
+                continue;
+            };
             // A soft cap never refuses, the fleet away or not.
             let mode = if rule.soft {
                 Unavailable::FailOpen
@@ -1049,7 +1114,7 @@ impl Fleet {
         actual: impl Fn(Meter) -> u64,
     ) {
         let mut items = Vec::new();
-        let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
+        let mut cas = Cas::new(host, engine.tries().settle());
         for c in claims {
             if !self.rules.contains_key(&c.rule) {
                 continue;
@@ -1094,20 +1159,20 @@ impl Fleet {
             return;
         }
         let mut dropped = 0i64;
-        let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
+        let mut cas = Cas::new(host, engine.tries().settle());
         cas.update(OUTBOX_KEY, |bytes| {
             let mut list: Vec<GiveItem> =
                 serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
             dropped = 0;
             for item in &items {
-                let at = list.iter().position(|x| x.same(item));
-                match at {
-                    Some(i) => list[i].delta = list[i].delta.saturating_add(item.delta),
-                    None if list.len() < OUTBOX_MAX => list.push(item.clone()),
+                let len = list.len();
+                match list.iter_mut().find(|x| x.same(item)) {
+                    Some(x) => x.delta = x.delta.saturating_add(item.delta),
+                    None if len < OUTBOX_MAX => list.push(item.clone()),
                     // Full: a charge takes a cancel's place (a lost cancel
                     // over-counts, the safe side; a lost charge under-counts).
-                    None if item.delta < 0 => match list.iter().position(|x| x.take.is_some()) {
-                        Some(i) => list[i] = item.clone(),
+                    None if item.delta < 0 => match list.iter_mut().find(|x| x.take.is_some()) {
+                        Some(x) => *x = item.clone(),
                         None => dropped += 1,
                     },
                     None => {}
@@ -1179,27 +1244,31 @@ fn retry_ms(limit: &Limit, window_end: u64, now: u64) -> u64 {
     }
 }
 
+/// Whether the fleet is down, and until when calls are not tried (9
+/// bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Status {
-    down: bool,
-    retry_at_ms: u64,
+pub(crate) struct Status {
+    pub down: bool,
+    pub retry_at_ms: u64,
 }
 
-impl Status {
-    fn decode(b: &[u8]) -> Status {
-        let retry = b
-            .get(1..9)
-            .and_then(|s| s.try_into().ok())
-            .map_or(0, u64::from_le_bytes);
+impl Record for Status {
+    const LEN: usize = 9;
+
+    fn write(&self, w: &mut Writer) {
+        w.u8(u8::from(self.down)).u64(self.retry_at_ms);
+    }
+
+    fn read(r: &mut Reader) -> Self {
         Status {
-            down: b.first() == Some(&1),
-            retry_at_ms: retry,
+            down: r.u8() == 1,
+            retry_at_ms: r.u64(),
         }
     }
-    fn encode(&self) -> Vec<u8> {
-        let mut out = vec![u8::from(self.down)];
-        out.extend_from_slice(&self.retry_at_ms.to_le_bytes());
-        out
+
+    /// By prefix: a missing field reads as up, no retry time.
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
     }
 }
 
@@ -1254,7 +1323,7 @@ impl Agent {
             Some(batch) => batch,
             None => {
                 let mut taken = Vec::new();
-                let mut cas = Cas::new(host, Fleet::tries(engine).saturating_mul(8));
+                let mut cas = Cas::new(host, engine.tries().settle());
                 cas.update(OUTBOX_KEY, |bytes| {
                     taken = serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
                     (!taken.is_empty()).then(|| b"[]".to_vec())
@@ -1376,7 +1445,7 @@ impl Agent {
         };
         let ttl = fleet.config.lease.ttl_ms;
         let mut back = Vec::new();
-        let mut cas = Cas::new(host, Fleet::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (w, &grant) in wants.iter().zip(&answer.grants) {
             if grant == 0 {
                 continue;
@@ -1451,7 +1520,7 @@ impl Agent {
     fn sweep(&mut self, fleet: &Fleet, engine: &Engine, host: &dyn Host, now: u64) {
         let cfg = &fleet.config.lease;
         let mut items = Vec::new();
-        let mut cas = Cas::new(host, Fleet::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (rule_id, key) in &fleet.lease_keys {
             let Some((bytes, _)) = host.get(key) else {
                 continue;

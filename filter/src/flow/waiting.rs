@@ -309,7 +309,7 @@ impl Filter {
     }
 
     pub(super) fn tries(&self) -> u32 {
-        self.engine.policy.state.cas_max_retries
+        self.engine.tries().take()
     }
 
     /// Sends each grant's ticket to its worker.
