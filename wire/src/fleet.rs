@@ -40,6 +40,7 @@ pub struct TakeAnswer {
     pub grants: Vec<u64>,
     /// Left globally per claim after the grant (ok), or in the claim that
     /// refused.
+    #[serde(default)]
     pub left: Vec<u64>,
     /// The claim that refused (not ok).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -52,7 +52,8 @@
 
 use std::collections::HashMap;
 
-use serde::{Deserialize, Serialize};
+pub use sluice_wire::fleet::GiveItem;
+use sluice_wire::fleet::{GiveRequest, TakeAnswer, TakeClaim, TakeRequest};
 
 use crate::admission::identity::Identity;
 use crate::admission::{Engine, Meter, Pricing};
@@ -199,88 +200,34 @@ pub fn fingerprint(engine: &Engine) -> String {
     hex(&h.finalize()[..16])
 }
 
-/// One claim of a take: the sidecar finds the bucket's limit and kind in
-/// its own copy of the policy (`rule`), and names the Redis key itself
-/// from the salt, `rule` and `owner`.
-#[derive(Debug, Serialize)]
-struct TakeClaim<'a> {
-    rule: &'a str,
-    owner: u64,
-    window_end_ms: u64,
-    need: u64,
-    want: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct TakeRequest<'a> {
-    /// Unique per take: a take the filter gave up on is given back by id.
-    id: &'a str,
-    /// Past this (ms since the epoch, Redis' clock), Redis does not apply it.
-    deadline_ms: u64,
-    claims: Vec<TakeClaim<'a>>,
-}
-
-#[derive(Debug, Deserialize)]
-struct TakeAnswer {
-    ok: bool,
-    #[serde(default)]
-    grants: Vec<u64>,
-    #[serde(default)]
-    left: Vec<u64>,
-    refused: Option<usize>,
-}
-
-/// One line of a give batch: a lease returned, a settlement delta, or
-/// (`take`) the undoing of a take this Envoy gave up on.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct GiveItem {
-    pub rule: String,
-    pub owner: u64,
-    pub window_end_ms: u64,
-    /// > 0 gives back, < 0 charges.
-    pub delta: i64,
-    /// Gives back what take `take` granted on this bucket, if Redis
-    /// applied it, once (and makes it refused if it arrives later).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub take: Option<String>,
-}
-
-impl GiveItem {
-    pub fn new(rule: &str, owner: u64, window_end_ms: u64, delta: i64) -> GiveItem {
-        GiveItem {
-            rule: rule.to_string(),
-            owner,
-            window_end_ms,
-            delta,
-            take: None,
-        }
-    }
-
-    /// Undoes take `id` on this bucket.
-    pub fn cancel(rule: &str, owner: u64, window_end_ms: u64, id: &str) -> GiveItem {
-        GiveItem {
-            take: Some(id.to_string()),
-            ..GiveItem::new(rule, owner, window_end_ms, 0)
-        }
-    }
-
-    /// Same bucket and same kind of line: merged in the outbox.
-    fn same(&self, other: &GiveItem) -> bool {
-        self.rule == other.rule
-            && self.owner == other.owner
-            && self.window_end_ms == other.window_end_ms
-            && self.take == other.take
-    }
-
-    fn sends(&self) -> bool {
-        self.delta != 0 || self.take.is_some()
+/// A give line: a lease returned or a settlement delta (> 0 gives back,
+/// < 0 charges).
+pub fn give_item(rule: &str, owner: u64, window_end_ms: u64, delta: i64) -> GiveItem {
+    GiveItem {
+        rule: rule.to_string(),
+        owner,
+        window_end_ms,
+        delta,
+        take: None,
     }
 }
 
-#[derive(Debug, Serialize)]
-struct GiveRequest<'a> {
-    id: &'a str,
-    items: &'a [GiveItem],
+/// The line that undoes take `id` on this bucket (if Redis applied it,
+/// once; and makes it refused if it arrives later).
+pub fn cancel_item(rule: &str, owner: u64, window_end_ms: u64, id: &str) -> GiveItem {
+    GiveItem {
+        take: Some(id.to_string()),
+        ..give_item(rule, owner, window_end_ms, 0)
+    }
+}
+
+/// Same bucket and same kind of line: merged in the outbox.
+fn same_line(a: &GiveItem, b: &GiveItem) -> bool {
+    a.rule == b.rule && a.owner == b.owner && a.window_end_ms == b.window_end_ms && a.take == b.take
+}
+
+fn sends(item: &GiveItem) -> bool {
+    item.delta != 0 || item.take.is_some()
 }
 
 /// What a failed fleet call says about itself: whether the sidecar may
@@ -704,7 +651,7 @@ impl Fleet {
         let claims = self.take_claims(host, &short);
         let id = self.take_id();
         let body = serde_json::to_vec(&TakeRequest {
-            id: &id,
+            id: id.clone(),
             deadline_ms: now.saturating_add(self.config.timeout_ms),
             claims,
         })
@@ -782,7 +729,7 @@ impl Fleet {
     /// and for a caller with a lease slot a top-up (the last grant doubled,
     /// or `initial × need` at first; at most `lease.max`, never beyond the
     /// bucket's capacity).
-    fn take_claims<'a>(&self, host: &dyn Host, short: &'a [Short]) -> Vec<TakeClaim<'a>> {
+    fn take_claims(&self, host: &dyn Host, short: &[Short]) -> Vec<TakeClaim> {
         short
             .iter()
             .map(|s| {
@@ -805,7 +752,7 @@ impl Fleet {
                 };
                 let need = s.amount.saturating_sub(s.have);
                 TakeClaim {
-                    rule: &s.rule,
+                    rule: s.rule.clone(),
                     owner: s.owner,
                     window_end_ms: s.window_end,
                     need,
@@ -869,7 +816,7 @@ impl Fleet {
                     // it by id, once; a take arriving after this is refused.
                     let cancels = short
                         .iter()
-                        .map(|s| GiveItem::cancel(&s.rule, s.owner, s.window_end, &id))
+                        .map(|s| cancel_item(&s.rule, s.owner, s.window_end, &id))
                         .collect();
                     self.outbox(host, engine, cancels);
                 }
@@ -893,7 +840,7 @@ impl Fleet {
                 self.outbox(
                     host,
                     engine,
-                    vec![GiveItem::new(&s.rule, s.owner, s.window_end, surplus)],
+                    vec![give_item(&s.rule, s.owner, s.window_end, surplus)],
                 );
             }
             done.push(Claimed {
@@ -1048,7 +995,7 @@ impl Fleet {
                 }
             };
             // What is admitted without Redis is charged there later.
-            charges.push(GiveItem::new(
+            charges.push(give_item(
                 &s.rule,
                 s.owner,
                 s.window_end,
@@ -1121,7 +1068,7 @@ impl Fleet {
             }
             let used = actual(c.meter);
             let delta = c.amount as i64 - used as i64;
-            let item = |delta| GiveItem::new(&c.rule, c.owner, c.window_end, delta);
+            let item = |delta| give_item(&c.rule, c.owner, c.window_end, delta);
             match &c.via {
                 Via::Lease(key) if delta != 0 => {
                     let written = cas.update(key, |bytes| {
@@ -1166,7 +1113,7 @@ impl Fleet {
             dropped = 0;
             for item in &items {
                 let len = list.len();
-                match list.iter_mut().find(|x| x.same(item)) {
+                match list.iter_mut().find(|x| same_line(x, item)) {
                     Some(x) => x.delta = x.delta.saturating_add(item.delta),
                     None if len < OUTBOX_MAX => list.push(item.clone()),
                     // Full: a charge takes a cancel's place (a lost cancel
@@ -1328,7 +1275,7 @@ impl Agent {
                     taken = serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
                     (!taken.is_empty()).then(|| b"[]".to_vec())
                 });
-                taken.retain(GiveItem::sends);
+                taken.retain(sends);
                 if taken.is_empty() {
                     return;
                 }
@@ -1336,11 +1283,9 @@ impl Agent {
                 (format!("{vm_id:x}-{now:x}-{:x}", self.seq), taken)
             }
         };
-        let body = serde_json::to_vec(&GiveRequest {
-            id: &id,
-            items: &items,
-        })
-        .unwrap_or_default();
+        let request = GiveRequest { id, items };
+        let body = serde_json::to_vec(&request).unwrap_or_default();
+        let GiveRequest { id, items } = request;
         match fleet.post(host, "/v1/fleet/give", &body) {
             Ok(token) => self.inflight = Some((token, id, items)),
             Err(_) => {
@@ -1390,12 +1335,12 @@ impl Agent {
         }
         let id = fleet.take_id();
         let body = serde_json::to_vec(&TakeRequest {
-            id: &id,
+            id: id.clone(),
             deadline_ms: now.saturating_add(fleet.config.timeout_ms),
             claims: claims
                 .iter()
                 .map(|(rule, owner, window_end_ms, want)| TakeClaim {
-                    rule,
+                    rule: rule.to_string(),
                     owner: *owner,
                     window_end_ms: *window_end_ms,
                     need: 0,
@@ -1435,7 +1380,7 @@ impl Agent {
                     // It may still be applied in Redis: undone by id, once.
                     let cancels = wants
                         .iter()
-                        .map(|w| GiveItem::cancel(&w.rule, w.owner, w.window_end, &id))
+                        .map(|w| cancel_item(&w.rule, w.owner, w.window_end, &id))
                         .collect();
                     fleet.outbox(host, engine, cancels);
                 }
@@ -1461,7 +1406,7 @@ impl Agent {
                 Some(l.encode())
             });
             if written != Updated::Written {
-                back.push(GiveItem::new(&w.rule, w.owner, w.window_end, grant as i64));
+                back.push(give_item(&w.rule, w.owner, w.window_end, grant as i64));
             }
         }
         fleet.outbox(host, engine, back);
@@ -1548,7 +1493,7 @@ impl Agent {
             if let (Updated::Written, Some(l)) = (written, freed) {
                 let over = l.window_end != 0 && l.window_end <= now;
                 if l.balance != 0 && !over {
-                    items.push(GiveItem::new(rule_id, l.owner, l.window_end, l.balance));
+                    items.push(give_item(rule_id, l.owner, l.window_end, l.balance));
                 }
             }
         }

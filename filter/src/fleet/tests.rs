@@ -609,14 +609,14 @@ fn a_full_outbox_keeps_charges_before_cancels() {
     );
     let fleet = Fleet::new(&engine).unwrap();
     let cancels: Vec<GiveItem> = (0..OUTBOX_MAX as u64)
-        .map(|i| GiveItem::cancel("tier/t/requests", 2 + i, 0, "t1-0"))
+        .map(|i| cancel_item("tier/t/requests", 2 + i, 0, "t1-0"))
         .collect();
     fleet.outbox(&host, &engine, cancels);
     assert_eq!(outbox(&host).len(), OUTBOX_MAX);
     fleet.outbox(
         &host,
         &engine,
-        vec![GiveItem::new("tier/t/requests", 9_999, 0, -3)],
+        vec![give_item("tier/t/requests", 9_999, 0, -3)],
     );
     let list = outbox(&host);
     assert_eq!(list.len(), OUTBOX_MAX);

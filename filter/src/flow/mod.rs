@@ -518,7 +518,11 @@ impl Poller {
             telemetry::KILL_SWITCH,
             u64::from(state.kill_switch.active),
         );
-        let open = state.breakers.iter().filter(|b| b.state == "open").count();
+        let open = state
+            .breakers
+            .iter()
+            .filter(|b| b.state == crate::admission::health::BreakerState::Open)
+            .count();
         set_gauge(host, telemetry::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
