@@ -5,7 +5,7 @@
 
 use super::rewrite::rewrite;
 use super::*;
-use crate::limits::reservation::Share;
+use crate::limits::reservation::{Reservation, Share};
 
 /// Who takes from the buckets: declared API keys by name (they have
 /// dedicated keys), everyone else by hash.
@@ -29,6 +29,21 @@ struct Sized {
     choices: u64,
     /// The maximum output of one completion.
     per_choice: u64,
+}
+
+/// What the reservation loop took: the reservation, the buckets taken, and
+/// whether the output was lowered to fit a hard token budget.
+struct Reserved {
+    reservation: Reservation,
+    taken: Vec<usize>,
+    lowered: bool,
+}
+
+impl Sized {
+    /// The maximum output of every completion together.
+    fn output(&self) -> u64 {
+        self.per_choice.saturating_mul(self.choices)
+    }
 }
 
 impl Engine {
@@ -96,21 +111,14 @@ impl Engine {
             return verdict;
         }
         let reserver = self.reserver(store);
-        let Sized {
-            requested_model,
-            input,
-            api,
-            produces_output,
-            choices,
-            mut per_choice,
-        } = self.size(store, api, asked);
+        let mut sized = self.size(store, api, asked);
         let requested_out = asked.and_then(|a| a.demand.max_output);
         let input_raw = asked.map_or(0.0, |a| a.input_raw);
-        let mut output = per_choice.saturating_mul(choices);
         let downshift = asked.and_then(|_| {
-            self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
+            let model = sized.requested_model.as_deref();
+            self.downshift(&reserver, ctx, model, sized.input, sized.output())
         });
-        let model = downshift.clone().or(requested_model.clone());
+        let model = downshift.clone().or(sized.requested_model.clone());
         let degraded = downshift.is_some().then_some(Degraded::Downshift);
         let labels = |decision| Labels {
             decision,
@@ -118,13 +126,81 @@ impl Engine {
             model: self.model_label(model.as_deref()),
         };
 
-        // Reserve; when a hard token budget cannot cover the maximum output,
-        // ask the model for only what it still covers (no overshoot).
         let mut effort = Contention::default();
         let pricing = self.pricing_of(model.as_deref());
-        let applying = self.drawn_on(identity, api, model.as_deref(), path);
+        let applying = self.drawn_on(identity, sized.api, model.as_deref(), path);
+        let Reserved {
+            reservation,
+            taken,
+            lowered,
+        } = match self.reserve_lowering(&reserver, ctx, &applying, &mut sized, pricing, &mut effort)
+        {
+            Ok(reserved) => reserved,
+            Err((refusal, taken)) => {
+                return self.refusal(refusal, &taken, identity, labels, effort, now_ms)
+            }
+        };
+
+        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
+        let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
+        if let Some(kind) = degraded {
+            headers.push(("x-sluice-degraded".into(), kind.code().into()));
+        }
+        let (body, strip_usage) = match asked {
+            Some(asked) => {
+                let new_output = (sized.produces_output && (lowered || requested_out.is_none()))
+                    .then_some(sized.per_choice);
+                rewrite(sized.api, asked, downshift.as_deref(), new_output)
+            }
+            None => (None, false),
+        };
+        let held = asked
+            .is_none()
+            .then(|| (reservation.held.clone(), meters.clone()));
+        let plan = asked.map(|a| Plan {
+            held: reservation.held,
+            meters,
+            api: sized.api,
+            model: model.clone(),
+            input_raw,
+            input_estimate: sized.input,
+            max_output: sized.output(),
+            stream: a.demand.stream,
+            strip_usage,
+            pricing,
+        });
+        Verdict {
+            reply: None,
+            response_headers: headers,
+            body,
+            labels: labels(Decision::Admit),
+            contention: effort,
+            no_slot: false,
+            plan,
+            alerts,
+            degraded,
+            bucket: None,
+            held,
+        }
+    }
+
+    /// Reserves every applying bucket that counts something, all or
+    /// nothing. When a hard token budget cannot cover the maximum output,
+    /// asks the model for only what it still covers (no overshoot) and
+    /// tries again. A refusal comes back with the buckets it was among.
+    fn reserve_lowering(
+        &self,
+        reserver: &Reserver,
+        ctx: &RequestContext,
+        applying: &[usize],
+        sized: &mut Sized,
+        pricing: Pricing,
+        effort: &mut Contention,
+    ) -> Result<Reserved, (Refusal, Vec<usize>)> {
+        let identity = ctx.identity;
         let mut lowered = false;
-        let (reservation, taken) = loop {
+        loop {
+            let (input, output) = (sized.input, sized.output());
             let taken: Vec<usize> = applying
                 .iter()
                 .copied()
@@ -145,71 +221,33 @@ impl Engine {
                     }
                 })
                 .collect();
-            match reserver.reserve(&claims, caller(identity), now_ms, &mut effort) {
-                Ok(reservation) => break (reservation, taken),
-                Err(Refusal::Full { index, shortfall }) if produces_output => {
+            match reserver.reserve(&claims, caller(identity), ctx.now_ms, effort) {
+                Ok(reservation) => {
+                    return Ok(Reserved {
+                        reservation,
+                        taken,
+                        lowered,
+                    })
+                }
+                Err(Refusal::Full { index, shortfall }) if sized.produces_output => {
                     let room = shortfall.quota.remaining;
                     let allowed = match self.buckets[taken[index]].meter {
                         Meter::Tokens => room.saturating_sub(input),
                         Meter::OutputTokens => room,
                         _ => 0,
                     };
-                    let allowed_per_choice = allowed / choices;
-                    if allowed_per_choice >= MIN_LOWERED_OUTPUT && allowed_per_choice < per_choice {
-                        per_choice = allowed_per_choice;
-                        output = per_choice.saturating_mul(choices);
+                    let allowed_per_choice = allowed / sized.choices;
+                    if allowed_per_choice >= MIN_LOWERED_OUTPUT
+                        && allowed_per_choice < sized.per_choice
+                    {
+                        sized.per_choice = allowed_per_choice;
                         lowered = true;
                         continue;
                     }
-                    let refusal = Refusal::Full { index, shortfall };
-                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms);
+                    return Err((Refusal::Full { index, shortfall }, taken));
                 }
-                Err(refusal) => {
-                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms)
-                }
+                Err(refusal) => return Err((refusal, taken)),
             }
-        };
-
-        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
-        let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
-        if let Some(kind) = degraded {
-            headers.push(("x-sluice-degraded".into(), kind.code().into()));
-        }
-        let (body, strip_usage) = match asked {
-            Some(asked) => {
-                let new_output =
-                    (produces_output && (lowered || requested_out.is_none())).then_some(per_choice);
-                rewrite(api, asked, downshift.as_deref(), new_output)
-            }
-            None => (None, false),
-        };
-        let held = asked
-            .is_none()
-            .then(|| (reservation.held.clone(), meters.clone()));
-        let plan = asked.map(|a| Plan {
-            held: reservation.held,
-            meters,
-            api,
-            model: model.clone(),
-            input_raw,
-            input_estimate: input,
-            max_output: output,
-            stream: a.demand.stream,
-            strip_usage,
-            pricing,
-        });
-        Verdict {
-            reply: None,
-            response_headers: headers,
-            body,
-            labels: labels(Decision::Admit),
-            contention: effort,
-            no_slot: false,
-            plan,
-            alerts,
-            degraded,
-            bucket: None,
-            held,
         }
     }
 

@@ -64,6 +64,16 @@ fn count_contention(host: &dyn Host, c: Contention) {
     add(host, telemetry::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
 }
 
+/// Blocks the penalty box started, and callers it had no slot to track.
+fn count_penalty_box(host: &dyn Host, checked: &crate::admission::penalty::Checked) {
+    add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
+    add(
+        host,
+        telemetry::ABUSE_UNTRACKED,
+        i64::from(checked.untracked),
+    );
+}
+
 fn set_gauge(host: &dyn Host, name: &str, value: u64) {
     host.metric_record(MetricKind::Gauge, name, value);
 }
@@ -687,23 +697,7 @@ impl Stream {
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         self.started_ms = host.now_ms();
-        // Only sluice may choose the fallback route, also when the policy
-        // has no `fallback` section but the Envoy routes still match it.
-        let header = self.engine().policy.fallback.as_ref().map(|f| &f.header);
-        let header = header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str);
-        let mut headers = host.request_headers();
-        // Removed only when sent (a host call saved on every other
-        // request); a host that cannot list the headers removes it anyway.
-        let sent = headers
-            .as_ref()
-            .is_none_or(|all| all.iter().any(|(n, _)| n.eq_ignore_ascii_case(header)));
-        if sent {
-            host.set_request_header(header, None);
-            if let Some(all) = headers.as_mut() {
-                all.retain(|(n, _)| !n.eq_ignore_ascii_case(header));
-            }
-        }
-        self.request_headers = headers;
+        self.strip_fallback_header(host);
         let raw_path = self.header(host, ":path").unwrap_or_default();
         let method = self.header(host, ":method").unwrap_or_default();
         let canonical = crate::usage::demand::canonical_path(&raw_path);
@@ -716,62 +710,13 @@ impl Stream {
             Ok(path) if work => Api::of_path(path),
             _ => Api::Other,
         };
-        let view = HostRequest(host, self.request_headers.as_deref());
-        let identity = match self.engine().identify_why(&view) {
+        let identity = match self.caller(host) {
             Ok(identity) => identity,
-            Err((verdict, why)) => {
-                // A failed authentication counts toward its address's box
-                // (guessing keys is what the box is for); once blocked, the
-                // address gets 429 `temporarily_blocked` instead of 401.
-                add(host, &telemetry::auth_failures_total(why.code()), 1);
-                let (blocked, checked) =
-                    self.engine()
-                        .penalty_box_failed(host, &view, self.started_ms);
-                add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
-                add(
-                    host,
-                    telemetry::ABUSE_UNTRACKED,
-                    i64::from(checked.untracked),
-                );
-                if blocked.is_none() {
-                    // (A block's verdict carries its contention.)
-                    count_contention(host, checked.contention);
-                }
-                return self.finish(host, blocked.unwrap_or(*verdict));
-            }
+            Err(refused) => return refused,
         };
-        let (blocked, checked) = self
-            .engine()
-            .penalty_box(host, &view, &identity, self.started_ms);
-        add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
-        add(
-            host,
-            telemetry::ABUSE_UNTRACKED,
-            i64::from(checked.untracked),
-        );
-        if let Some(verdict) = blocked {
-            self.identity = Some(identity);
+        let path = canonical.map_err(|_| raw_path);
+        if let Some(verdict) = self.endpoint(&identity, path, &method, work) {
             return self.finish(host, verdict);
-        }
-        count_contention(host, checked.contention);
-        match canonical {
-            Ok(path) => self.path = path,
-            // Whatever the upstream decodes it to, sluice cannot know: a
-            // request that may be an LLM call does not go up unread.
-            Err(_) if work => {
-                let verdict = self.engine().ambiguous_path(&identity);
-                return self.finish(host, verdict);
-            }
-            Err(_) => self.path = raw_path,
-        }
-        if self.api == Api::Other && work {
-            // Deny by default: work sluice cannot read goes up only through
-            // an explicit `passthrough` rule.
-            self.api = self.engine().passthrough(&method, &self.path);
-            if self.api == Api::Other {
-                let verdict = self.engine().unknown_endpoint(&identity);
-                return self.finish(host, verdict);
-            }
         }
         let declared = if self.api.reads_body() {
             length.and_then(|v| v.trim().parse::<u64>().ok())
@@ -796,6 +741,88 @@ impl Stream {
             return Action::Pause; // wait for the body
         }
         self.decide(host, &[])
+    }
+
+    /// Only sluice may choose the fallback route, also when the policy has
+    /// no `fallback` section but the Envoy routes still match it: the
+    /// routing header is removed, and the request headers kept without it.
+    fn strip_fallback_header(&mut self, host: &dyn Host) {
+        let header = self.engine().policy.fallback.as_ref().map(|f| &f.header);
+        let header = header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str);
+        let mut headers = host.request_headers();
+        // Removed only when sent (a host call saved on every other
+        // request); a host that cannot list the headers removes it anyway.
+        let sent = headers
+            .as_ref()
+            .is_none_or(|all| all.iter().any(|(n, _)| n.eq_ignore_ascii_case(header)));
+        if sent {
+            host.set_request_header(header, None);
+            if let Some(all) = headers.as_mut() {
+                all.retain(|(n, _)| !n.eq_ignore_ascii_case(header));
+            }
+        }
+        self.request_headers = headers;
+    }
+
+    /// Who is calling, unless the penalty box holds them: the identity, or
+    /// the action of the refusal already answered (an unknown key's 401, or
+    /// the box's 429).
+    fn caller(&mut self, host: &dyn Host) -> Result<Identity, Action> {
+        let view = HostRequest(host, self.request_headers.as_deref());
+        let identity = match self.engine().identify_why(&view) {
+            Ok(identity) => identity,
+            Err((verdict, why)) => {
+                // A failed authentication counts toward its address's box
+                // (guessing keys is what the box is for); once blocked, the
+                // address gets 429 `temporarily_blocked` instead of 401.
+                add(host, &telemetry::auth_failures_total(why.code()), 1);
+                let (blocked, checked) =
+                    self.engine()
+                        .penalty_box_failed(host, &view, self.started_ms);
+                count_penalty_box(host, &checked);
+                if blocked.is_none() {
+                    // (A block's verdict carries its contention.)
+                    count_contention(host, checked.contention);
+                }
+                return Err(self.finish(host, blocked.unwrap_or(*verdict)));
+            }
+        };
+        let (blocked, checked) = self
+            .engine()
+            .penalty_box(host, &view, &identity, self.started_ms);
+        count_penalty_box(host, &checked);
+        if let Some(verdict) = blocked {
+            self.identity = Some(identity);
+            return Err(self.finish(host, verdict));
+        }
+        count_contention(host, checked.contention);
+        Ok(identity)
+    }
+
+    /// The path the request is matched by (canonical, or the raw one when
+    /// it has none) and the API it speaks; or the refusal of a request
+    /// that may be an LLM call sluice cannot read: a path with no
+    /// canonical form (whatever the upstream decodes it to, sluice cannot
+    /// know), or work outside every `passthrough` rule (deny by default).
+    fn endpoint(
+        &mut self,
+        identity: &Identity,
+        path: Result<String, String>,
+        method: &str,
+        work: bool,
+    ) -> Option<Verdict> {
+        match path {
+            Ok(path) => self.path = path,
+            Err(_) if work => return Some(self.engine().ambiguous_path(identity)),
+            Err(raw) => self.path = raw,
+        }
+        if self.api == Api::Other && work {
+            self.api = self.engine().passthrough(method, &self.path);
+            if self.api == Api::Other {
+                return Some(self.engine().unknown_endpoint(identity));
+            }
+        }
+        None
     }
 
     /// Does a body follow the request headers? The stream not ending with
@@ -1066,7 +1093,9 @@ impl Stream {
         }
     }
 
-    /// Admission once everything the policy needs is known.
+    /// Admission once everything the policy needs is known: demand →
+    /// pushback → route → the model's gate → admit → probe claim → on to
+    /// the upstream (rerouted or rewritten) through the fleet's gate.
     fn decide(&mut self, host: &dyn Host, body: &[u8]) -> Action {
         let Some(identity) = self.identity.clone() else {
             return Action::Continue;
@@ -1087,17 +1116,7 @@ impl Stream {
             .as_ref()
             .and_then(|a| a.demand.model.as_deref())
             .or(engine.passthrough_model(self.api));
-        if let Some(model) = model {
-            self.audit(host, "sluice_model_requested", model);
-        }
-        if engine.policy.audit.as_ref().is_some_and(|a| a.hash_bodies) {
-            self.audit(
-                host,
-                "sluice_request_sha256",
-                &crate::policy::keys::sha256_hex(body),
-            );
-            self.response_hash = Some(sha2::Digest::new());
-        }
+        self.audit_request(host, model, body);
         let view = HostRequest(host, self.request_headers.as_deref());
         let mut pushback = engine.pushback(host, model, &view, &identity, now);
         let seen = if engine.policy.sidecar.is_some() {
@@ -1106,10 +1125,9 @@ impl Stream {
             Rc::new(Seen::default())
         };
         let dice = filter.roll(now);
-        let api = self.api;
         let ctx = RequestContext {
             identity: &identity,
-            api,
+            api: self.api,
             path: &self.path,
             asked: asked.as_ref(),
             now_ms: now,
@@ -1135,19 +1153,13 @@ impl Stream {
                 waiting::Gated::Go => {}
                 waiting::Gated::Answered(verdict) => return self.finish(host, *verdict),
                 waiting::Gated::Wait => {
-                    self.parked = Some(waiting::Parked {
-                        asked,
-                        body_len: body.len(),
-                    });
+                    self.park(asked, body.len());
                     return Action::Pause;
                 }
                 waiting::Gated::Sleep(until) => {
                     // Its buckets free up within its wait: it sleeps,
                     // holding no place, then tries the gate again.
-                    self.parked = Some(waiting::Parked {
-                        asked,
-                        body_len: body.len(),
-                    });
+                    self.park(asked, body.len());
                     return self.sleep(host, until);
                 }
             }
@@ -1156,10 +1168,7 @@ impl Stream {
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
             // A bucket frees up within the class's wait: the request
             // gives its slot back and tries again then, instead of a 429.
-            self.parked = Some(waiting::Parked {
-                asked,
-                body_len: body.len(),
-            });
+            self.park(asked, body.len());
             return self.sleep(host, now + retry_ms);
         }
         if probe {
@@ -1171,6 +1180,44 @@ impl Stream {
             self.probe_lease = lease;
         }
         self.pushback = Some(pushback);
+        self.send_on(host, verdict, fallback, body.len())
+    }
+
+    /// The request's audit fields known once its body is read.
+    fn audit_request(&mut self, host: &dyn Host, model: Option<&str>, body: &[u8]) {
+        if let Some(model) = model {
+            self.audit(host, "sluice_model_requested", model);
+        }
+        if self
+            .engine()
+            .policy
+            .audit
+            .as_ref()
+            .is_some_and(|a| a.hash_bodies)
+        {
+            self.audit(
+                host,
+                "sluice_request_sha256",
+                &crate::policy::keys::sha256_hex(body),
+            );
+            self.response_hash = Some(sha2::Digest::new());
+        }
+    }
+
+    /// Keeps what a waiting request needs to be decided again.
+    fn park(&mut self, asked: Option<crate::admission::Asked>, body_len: usize) {
+        self.parked = Some(waiting::Parked { asked, body_len });
+    }
+
+    /// An admitted request goes on: rerouted to the fallback or watched on
+    /// the primary, its body rewritten, then through the fleet's gate.
+    fn send_on(
+        &mut self,
+        host: &dyn Host,
+        mut verdict: Verdict,
+        fallback: bool,
+        body_len: usize,
+    ) -> Action {
         if verdict.reply.is_none() {
             if fallback {
                 self.reroute(host, &mut verdict);
@@ -1181,7 +1228,7 @@ impl Stream {
         if let Some(new_body) = verdict.body.take() {
             // The upstream gets the rewritten request (model, max output,
             // usage in streams); its length changes with it.
-            host.replace_request_body(body.len(), &new_body);
+            host.replace_request_body(body_len, &new_body);
             host.set_request_header("content-length", Some(&new_body.len().to_string()));
         }
         self.fleet_gate(host, verdict)
