@@ -623,34 +623,58 @@ pub struct Stream {
     /// The request headers, read once (after the fallback header is
     /// removed) for every header the path reads: one host call.
     request_headers: Option<Vec<(String, String)>>,
-    response_headers: Vec<(String, String)>,
-    decided: bool,
     /// Request body bytes buffered so far (for a request that ends with
     /// trailers, the body is read in the trailers callback).
     body_size: usize,
-    /// What admission reserved, until it is settled.
-    plan: Option<Plan>,
-    /// Reads the response as it passes.
-    meter: Option<ResponseMeter>,
+    /// Where the stream is: undecided, waiting, or decided.
+    phase: Phase,
     status: u32,
-    /// When the request arrived; whether its first response byte left.
+    /// When the request arrived.
     started_ms: u64,
-    first_byte: bool,
-    /// Tier and model labels of the decision, for later metrics.
-    labels: Option<(String, String)>,
     /// SHA-256 of the response body, when the audit asks for it.
     response_hash: Option<sha2::Sha256>,
-    /// Paused for the fleet: the sidecar's answer decides this verdict.
-    fleet_wait: Option<(crate::fleet::Pending, Verdict)>,
     /// What the fleet buckets hold for this request, until settled.
     fleet_claims: Vec<crate::fleet::Claimed>,
     /// Envoy's id of this stream, and the handle the root wakes it by.
     context_id: u32,
     me: Weak<RefCell<Stream>>,
-    /// Its concurrency slot or queue entry, and what a queued request
-    /// needs to be admitted when its turn comes.
+    /// Its concurrency slot, queue entry or sleep.
     gate: Option<waiting::GateState>,
-    parked: Option<waiting::Parked>,
+}
+
+/// A stream's phase, each holding what exists in it. `Undecided` →
+/// (`Parked` ⇄ `Undecided`)* → (`Fleet`)? → `Answered` or `Upstream`.
+enum Phase {
+    /// Its headers and body are being read, or it is between two tries
+    /// of the gate: nothing is decided.
+    Undecided,
+    /// Queued for the model's gate, or asleep until its buckets free up
+    /// (its `gate` says which), with what it needs to be decided again.
+    Parked(waiting::Parked),
+    /// Admitted and paused for the fleet: the sidecar's answer decides
+    /// this verdict.
+    Fleet {
+        pending: crate::fleet::Pending,
+        verdict: Box<Verdict>,
+    },
+    /// Answered here (a refusal, a static answer).
+    Answered,
+    /// Let through to the upstream.
+    Upstream(Upstream),
+}
+
+/// What a request let through to the upstream carries until its log.
+struct Upstream {
+    /// Tier and model labels of the decision, for later metrics.
+    labels: (String, String),
+    /// Added to the upstream's response headers (rate limits, degraded).
+    response_headers: Vec<(String, String)>,
+    /// What admission reserved, until it is settled.
+    plan: Option<Plan>,
+    /// Reads the response as it passes (a request with a plan).
+    meter: Option<ResponseMeter>,
+    /// Whether its first response byte left.
+    first_byte: bool,
 }
 
 impl Stream {
@@ -659,7 +683,6 @@ impl Stream {
             context_id: 0,
             me: Weak::new(),
             gate: None,
-            parked: None,
             filter,
             watch_upstream: false,
             pushback: None,
@@ -668,23 +691,29 @@ impl Stream {
             api: Api::Other,
             path: String::new(),
             request_headers: None,
-            response_headers: Vec::new(),
-            decided: false,
             body_size: 0,
-            plan: None,
-            meter: None,
+            phase: Phase::Undecided,
             status: 0,
             started_ms: 0,
-            first_byte: false,
-            labels: None,
             response_hash: None,
-            fleet_wait: None,
             fleet_claims: Vec::new(),
         }
     }
 
     fn engine(&self) -> &Engine {
         &self.filter.engine
+    }
+
+    /// The verdict is applied: answered here, or let through.
+    fn decided(&self) -> bool {
+        matches!(self.phase, Phase::Answered | Phase::Upstream(_))
+    }
+
+    fn upstream(&mut self) -> Option<&mut Upstream> {
+        match &mut self.phase {
+            Phase::Upstream(up) => Some(up),
+            _ => None,
+        }
     }
 
     /// A request header, from the snapshot of the request headers.
@@ -834,7 +863,7 @@ impl Stream {
     }
 
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
-        if self.decided {
+        if self.decided() {
             return Action::Continue;
         }
         let Some(identity) = self.identity.as_ref() else {
@@ -858,7 +887,7 @@ impl Stream {
     /// Without it, Envoy would resume the paused request on its own when
     /// the trailers arrive — upstream, undecided.
     pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
-        if self.decided || self.identity.is_none() {
+        if self.decided() || self.identity.is_none() {
             return Action::Continue;
         }
         let body = host.request_body(self.body_size);
@@ -875,13 +904,19 @@ impl Stream {
             // adds its own (same names: they describe the caller's buckets).
             self.observe_provider_limits(host);
         }
-        for (name, value) in std::mem::take(&mut self.response_headers) {
+        let headers = self
+            .upstream()
+            .map(|up| std::mem::take(&mut up.response_headers));
+        for (name, value) in headers.unwrap_or_default() {
             host.set_response_header(&name, Some(&value));
         }
         if std::mem::take(&mut self.watch_upstream) {
             self.observe_upstream(host, self.status);
         }
-        if let Some(plan) = &self.plan {
+        let Some(up) = self.upstream() else {
+            return Action::Continue;
+        };
+        if let Some(plan) = &up.plan {
             let content_type = host.response_header("content-type");
             let ollama = matches!(plan.api, Api::OllamaChat | Api::OllamaGenerate);
             let format = Format::detect(content_type.as_deref(), plan.stream && ollama);
@@ -892,7 +927,7 @@ impl Stream {
                 // sluice may change the stream's length.
                 host.set_response_header("content-length", None);
             }
-            self.meter = Some(ResponseMeter::new(format, plan.strip_usage, allowance));
+            up.meter = Some(ResponseMeter::new(format, plan.strip_usage, allowance));
         }
         Action::Continue
     }
@@ -900,15 +935,21 @@ impl Stream {
     pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
         // Latency histograms describe model calls (the LLM APIs), not
         // `/v1/models` and the like.
-        if !self.first_byte && body_size > 0 && self.api.reads_body() {
-            if let Some((_, model)) = &self.labels {
-                self.first_byte = true;
-                let ttft = host.now_ms().saturating_sub(self.started_ms);
-                host.metric_record(MetricKind::Histogram, &telemetry::ttft_ms(model), ttft);
-                self.audit(host, "sluice_ttft_ms", &ttft.to_string());
+        let model_call = body_size > 0 && self.api.reads_body();
+        let first = match &mut self.phase {
+            Phase::Upstream(up) if model_call && !up.first_byte => {
+                up.first_byte = true;
+                Some(up.labels.1.clone())
             }
+            _ => None,
+        };
+        if let Some(model) = first {
+            let ttft = host.now_ms().saturating_sub(self.started_ms);
+            host.metric_record(MetricKind::Histogram, &telemetry::ttft_ms(&model), ttft);
+            self.audit(host, "sluice_ttft_ms", &ttft.to_string());
         }
-        if self.meter.is_none() && self.response_hash.is_none() {
+        let metered = matches!(&self.phase, Phase::Upstream(up) if up.meter.is_some());
+        if !metered && self.response_hash.is_none() {
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
@@ -920,7 +961,10 @@ impl Stream {
                 self.audit(host, "sluice_response_sha256", &hex);
             }
         }
-        let out = self.meter.as_mut().and_then(|m| m.feed(&chunk, end));
+        let out = self
+            .upstream()
+            .and_then(|up| up.meter.as_mut())
+            .and_then(|m| m.feed(&chunk, end));
         if let Some(out) = out.filter(|out| *out != chunk) {
             host.replace_response_body(body_size, &out);
         }
@@ -933,7 +977,7 @@ impl Stream {
 
     pub fn on_log(&mut self, host: &dyn Host) {
         // Still waiting for the fleet: the answer has no one to go to.
-        if let Some((pending, _)) = &self.fleet_wait {
+        if let Phase::Fleet { pending, .. } = &self.phase {
             if let Ok(mut calls) = self.filter.stream_calls.try_borrow_mut() {
                 calls.remove(&pending.token);
             }
@@ -950,12 +994,11 @@ impl Stream {
             health::release_probe(&mut cas, &pushback.route_key, lease);
             count_contention(host, cas.contention);
         }
-        if let Some((_, model)) = self
-            .labels
-            .as_ref()
-            .filter(|_| self.status != 0 && self.api.reads_body())
-        {
-            let elapsed = host.now_ms().saturating_sub(self.started_ms);
+        let answered = self.status != 0 && self.api.reads_body();
+        let started_ms = self.started_ms;
+        if let Some(up) = self.upstream().filter(|_| answered) {
+            let model = &up.labels.1;
+            let elapsed = host.now_ms().saturating_sub(started_ms);
             host.metric_record(MetricKind::Histogram, &telemetry::e2e_ms(model), elapsed);
         }
     }
@@ -971,18 +1014,16 @@ impl Stream {
 
     /// Applies a verdict: answer locally, or let the request go upstream.
     fn finish(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
-        self.decided = true;
+        self.phase = Phase::Answered;
         self.record(host, &verdict);
         let l = &verdict.labels;
-        if verdict.reply.is_none() {
-            // Latency and token metrics describe requests that went upstream.
-            self.labels = Some((l.tier.clone(), l.model.clone()));
-            if self.engine().policy.anomaly.is_some() {
-                // Admission passed the global breaker: it is closed now
-                // (else the gauge would stay at 1 after the hour's window
-                // let spend fall under the ceiling, until a settlement).
-                set_gauge(host, telemetry::GLOBAL_BREAKER, 0);
-            }
+        // Latency and token metrics describe requests that went upstream.
+        let labels = (l.tier.clone(), l.model.clone());
+        if verdict.reply.is_none() && self.engine().policy.anomaly.is_some() {
+            // Admission passed the global breaker: it is closed now (else
+            // the gauge would stay at 1 after the hour's window let spend
+            // fall under the ceiling, until a settlement).
+            set_gauge(host, telemetry::GLOBAL_BREAKER, 0);
         }
         self.audit_decision(host, &verdict);
         if verdict.reply.is_some() {
@@ -1000,16 +1041,22 @@ impl Stream {
                 Action::Pause
             }
             None => {
-                self.response_headers = verdict.response_headers;
+                let mut response_headers = verdict.response_headers;
                 if let Some(waited) = self.gate.as_ref().map(|g| g.waited_ms) {
-                    self.response_headers
-                        .push(("x-sluice-queued-ms".into(), waited.to_string()));
+                    response_headers.push(("x-sluice-queued-ms".into(), waited.to_string()));
                 }
                 let engine = &self.filter.engine;
-                if let Some(plan) = verdict.plan.filter(|p| engine.settles(p)) {
+                let plan = verdict.plan.filter(|p| engine.settles(p));
+                if plan.is_some() {
                     add(host, telemetry::RESERVATIONS_OUTSTANDING, 1);
-                    self.plan = Some(plan);
                 }
+                self.phase = Phase::Upstream(Upstream {
+                    labels,
+                    response_headers,
+                    plan,
+                    meter: None,
+                    first_byte: false,
+                });
                 Action::Continue
             }
         }
@@ -1206,7 +1253,7 @@ impl Stream {
 
     /// Keeps what a waiting request needs to be decided again.
     fn park(&mut self, asked: Option<crate::admission::Asked>, body_len: usize) {
-        self.parked = Some(waiting::Parked { asked, body_len });
+        self.phase = Phase::Parked(waiting::Parked { asked, body_len });
     }
 
     /// An admitted request goes on: rerouted to the fallback or watched on
@@ -1264,7 +1311,10 @@ impl Stream {
                 if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
                     calls.insert(pending.token, (self.me.clone(), self.context_id));
                 }
-                self.fleet_wait = Some((pending, verdict));
+                self.phase = Phase::Fleet {
+                    pending,
+                    verdict: Box::new(verdict),
+                };
                 Action::Pause
             }
             crate::fleet::Gate::Refuse { rule, quota } => {
@@ -1275,8 +1325,12 @@ impl Stream {
 
     /// The sidecar's answer to a request paused for the fleet.
     pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
-        let Some((pending, verdict)) = self.fleet_wait.take_if(|(p, _)| p.token == token) else {
-            return;
+        let (pending, verdict) = match std::mem::replace(&mut self.phase, Phase::Undecided) {
+            Phase::Fleet { pending, verdict } if pending.token == token => (pending, *verdict),
+            other => {
+                self.phase = other;
+                return;
+            }
         };
         let filter = self.filter.clone();
         if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
@@ -1403,11 +1457,13 @@ impl Stream {
     /// Replaces the reservation with the real cost; runs once per request.
     fn settle(&mut self, host: &dyn Host) {
         let claims = std::mem::take(&mut self.fleet_claims);
-        let Some(plan) = self.plan.take() else { return };
-        let (found, counted, cut) = match &self.meter {
+        let Some(up) = self.upstream() else { return };
+        let Some(plan) = up.plan.take() else { return };
+        let (found, counted, cut) = match &up.meter {
             Some(m) => (m.found, m.output_events, m.cut),
             None => (Found::Nothing, 0, false),
         };
+        let (tier, model) = up.labels.clone();
         let upstream_ok = self.status == 0 || self.status < 400;
         let now = host.now_ms();
         let (settled, effort) =
@@ -1436,7 +1492,6 @@ impl Stream {
                 ),
             );
         }
-        let (tier, model) = self.labels.clone().unwrap_or_default();
         add(
             host,
             &telemetry::tokens_total("input", "actual", &tier, &model),

@@ -32,7 +32,7 @@
 use std::cell::RefCell;
 use std::rc::{Rc, Weak};
 
-use super::{count_contention, Filter, Request, Stream};
+use super::{count_contention, Filter, Phase, Request, Stream};
 use crate::admission::answer::{self, Reason};
 use crate::admission::health::{Pushback, Seen, SATURATED};
 use crate::admission::identity::{Identity, RequestView};
@@ -504,14 +504,26 @@ impl Stream {
         true
     }
 
+    /// Out of the queue or asleep no more: what it kept for its next try
+    /// is dropped.
+    fn unpark(&mut self) {
+        if matches!(self.phase, Phase::Parked(_)) {
+            self.phase = Phase::Undecided;
+        }
+    }
+
     /// Its turn came (it holds a slot now, or `slot` is false: it left the
     /// queue because the world changed under it): routed again as a new
     /// request would be now, then its budgets are reserved, then it goes
     /// upstream (the primary or, kill switch pulled meanwhile, the
     /// fallback) or is answered.
     fn dispatch(&mut self, host: &dyn Host, slot: bool) -> Action {
-        let Some(parked) = self.parked.take() else {
-            return Action::Continue;
+        let parked = match std::mem::replace(&mut self.phase, Phase::Undecided) {
+            Phase::Parked(parked) => parked,
+            other => {
+                self.phase = other;
+                return Action::Continue;
+            }
         };
         let now = host.now_ms();
         if let Some(g) = self.gate.as_mut() {
@@ -542,7 +554,7 @@ impl Stream {
             // Out of the queue without a slot, and the primary is back
             // (the switch flipped again): through the gate once more.
             Routed::Primary | Routed::Probe if !slot => {
-                self.parked = Some(parked);
+                self.phase = Phase::Parked(parked);
                 return self.retry(host);
             }
             Routed::Primary => (false, false),
@@ -551,7 +563,7 @@ impl Stream {
             // waits the pause out in the queue like a new request would.
             Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
                 self.release_slot(host);
-                self.parked = Some(parked);
+                self.phase = Phase::Parked(parked);
                 return self.retry(host);
             }
             Routed::Fallback => {
@@ -568,7 +580,7 @@ impl Stream {
         };
         let mut verdict = engine.admit(host, &ctx);
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
-            self.parked = Some(parked);
+            self.phase = Phase::Parked(parked);
             return self.sleep(host, now + retry_ms);
         }
         if probe {
@@ -619,7 +631,7 @@ impl Stream {
     /// switch, an open breaker): it should leave the queue now rather
     /// than wait for a slot it will not use.
     fn off_primary(&self, host: &dyn Host) -> bool {
-        let (Some(identity), Some(parked)) = (self.identity.as_ref(), self.parked.as_ref()) else {
+        let (Some(identity), Phase::Parked(parked)) = (self.identity.as_ref(), &self.phase) else {
             return false;
         };
         let now = host.now_ms();
@@ -687,7 +699,10 @@ impl Stream {
             return Action::Continue;
         };
         let now = host.now_ms();
-        let asked = self.parked.as_ref().and_then(|p| p.asked.as_ref());
+        let asked = match &self.phase {
+            Phase::Parked(parked) => parked.asked.as_ref(),
+            _ => None,
+        };
         let (gated, gate) = self.pass_gate(host, &identity, asked, g.arrived_ms, now);
         self.gate = gate;
         match gated {
@@ -695,7 +710,7 @@ impl Stream {
             Gated::Wait => Action::Pause,
             Gated::Sleep(until) => self.sleep(host, until),
             Gated::Answered(verdict) => {
-                self.parked = None;
+                self.unpark();
                 self.finish(host, *verdict)
             }
         }
@@ -732,7 +747,7 @@ impl Stream {
         reason: Reason,
         message: &str,
     ) {
-        self.parked = None;
+        self.unpark();
         let Some(g) = self.gate.as_mut() else { return };
         g.ticket = None;
         count(host, outcome, reason.code(), g);
@@ -797,7 +812,7 @@ impl Stream {
         };
         if let Some(sleeper) = self.gate.as_mut().and_then(|g| g.sleeper.take()) {
             // Holds no slot and no queue entry while asleep.
-            self.parked = None;
+            self.unpark();
             forget(sleeper);
             if let Some(g) = self.gate.clone() {
                 count(host, "abandoned", "client_gone", &g);
@@ -808,7 +823,7 @@ impl Stream {
             self.release_slot(host);
             return;
         };
-        self.parked = None;
+        self.unpark();
         forget(ticket);
         let Some(g) = self.gate.clone() else { return };
         let filter = self.gate_filter(&g.backend);
