@@ -137,7 +137,7 @@ impl Engine {
         {
             Ok(reserved) => reserved,
             Err((refusal, taken)) => {
-                return self.refusal(refusal, &taken, identity, labels, effort, now_ms)
+                return self.refusal(refusal, &taken, identity, model.as_deref(), effort, now_ms)
             }
         };
 
@@ -180,6 +180,7 @@ impl Engine {
             alerts,
             degraded,
             bucket: None,
+            retry_after_ms: None,
             held,
         }
     }
@@ -285,39 +286,30 @@ impl Engine {
         refusal: Refusal,
         taken: &[usize],
         identity: &Identity,
-        labels: impl Fn(Decision) -> Labels,
+        model: Option<&str>,
         mut effort: Contention,
         now_ms: u64,
     ) -> Verdict {
-        let (index, quota, retry_after_ms) = match refusal {
+        let (index, refused) = match refusal {
             Refusal::NoSlot {
                 index,
                 retry_after_ms,
             } => {
                 let bucket = &self.buckets[taken[index]];
-                let reason = Reason::CapacityExhausted;
-                let reply = answer::capacity_exhausted(
+                let refused = Refused::CapacityExhausted {
                     retry_after_ms,
-                    &identity.tier,
-                    &bucket.name,
+                    tier: identity.tier.clone(),
+                    bucket: bucket.name.clone(),
                     now_ms,
-                );
-                return Verdict {
-                    reply: Some(reply),
-                    response_headers: Vec::new(),
-                    body: None,
-                    labels: labels(Decision::Refuse(reason)),
-                    contention: effort,
-                    no_slot: true,
-                    plan: None,
-                    alerts: Vec::new(),
-                    degraded: None,
-                    bucket: Some(bucket.rule.id.clone()),
-                    held: None,
                 };
+                (index, refused)
             }
             Refusal::Full { index, shortfall } => {
-                (index, shortfall.quota, shortfall.retry_after_ms)
+                let bucket = &self.buckets[taken[index]];
+                let (quota, retry_after_ms) = (shortfall.quota, shortfall.retry_after_ms);
+                let refused =
+                    Self::bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
+                (index, refused)
             }
             // Lost every CAS race (counted where it was lost) or the host
             // refused the write (counted here): refuse by that bucket,
@@ -326,33 +318,21 @@ impl Engine {
                 if matches!(refusal, Refusal::Host { .. }) {
                     effort.cas_exhausted = effort.cas_exhausted.saturating_add(1);
                 }
-                let limit = self.buckets[taken[index]].rule.limit.capacity();
-                (
-                    index,
-                    Quota {
-                        limit,
-                        remaining: 0,
-                        reset_ms: 1_000,
-                    },
-                    1_000,
-                )
+                let bucket = &self.buckets[taken[index]];
+                let quota = Quota {
+                    limit: bucket.rule.limit.capacity(),
+                    remaining: 0,
+                    reset_ms: 1_000,
+                };
+                let refused = Self::bucket_refusal(bucket, quota, 1_000, &identity.tier, now_ms);
+                (index, refused)
             }
         };
-        let bucket = &self.buckets[taken[index]];
-        let reply = Self::bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
-        Verdict {
-            reply: Some(reply),
-            response_headers: Vec::new(),
-            body: None,
-            labels: labels(Decision::Refuse(bucket.reason)),
-            contention: effort,
-            no_slot: false,
-            plan: None,
-            alerts: Vec::new(),
-            degraded: None,
-            bucket: Some(bucket.rule.id.clone()),
-            held: None,
-        }
+        let mut verdict = self.refuse(&refused, &identity.tier, model);
+        verdict.contention = effort;
+        verdict.no_slot = matches!(refused, Refused::CapacityExhausted { .. });
+        verdict.bucket = Some(self.buckets[taken[index]].rule.id.clone());
+        verdict
     }
 
     /// The 429 of one bucket (its quota and wait): what admission answers,
@@ -363,20 +343,17 @@ impl Engine {
         retry_after_ms: u64,
         tier: &str,
         now_ms: u64,
-    ) -> Reply {
-        let limit_text = bucket.rule.limit.describe();
-        answer::limited(
-            &Limited {
-                reason: bucket.reason,
-                quota,
-                retry_after_ms,
-                tier,
-                bucket: &bucket.name,
-                rule: &bucket.rule.id,
-                limit_text: &limit_text,
-            },
+    ) -> Refused {
+        Refused::Bucket(BucketRefusal {
+            reason: bucket.reason,
+            quota,
+            retry_after_ms,
+            tier: tier.to_string(),
+            bucket: bucket.name.clone(),
+            rule: bucket.rule.id.clone(),
+            limit_text: bucket.rule.limit.describe(),
             now_ms,
-        )
+        })
     }
 
     /// Headers of an admitted request: the tightest request bucket as
@@ -453,9 +430,9 @@ impl Engine {
             "spend in the last hour reached the {:.2} ceiling",
             ceiling as f64 / 1e6
         );
-        let reply = answer::unavailable(Reason::GlobalBreakerOpen, &why, retry_after_s);
+        let refused = Refused::unavailable(Reason::GlobalBreakerOpen, why, retry_after_s);
         let model = asked.and_then(|a| a.demand.model.as_deref());
-        Some(self.refused(reply, Reason::GlobalBreakerOpen, &identity.tier, model))
+        Some(self.refuse(&refused, &identity.tier, model))
     }
 
     /// The learned estimate correction of a configured model (others: 1.0).
@@ -538,14 +515,9 @@ impl Engine {
             else {
                 continue;
             };
-            let labels = |decision| Labels {
-                decision,
-                tier: identity.tier.clone(),
-                model: self.model_label(model.as_deref()),
-            };
             let refusal = Refusal::Full { index, shortfall };
             let effort = Contention::default();
-            return Some(self.refusal(refusal, &taken, identity, labels, effort, now_ms));
+            return Some(self.refusal(refusal, &taken, identity, model.as_deref(), effort, now_ms));
         }
         None
     }

@@ -58,17 +58,12 @@ impl Engine {
             let whole_ms = shortfall.retry_after_ms / 1_000 * 1_000;
             (whole_ms >= may_wait_ms).then_some((n, shortfall))
         })?;
-        let labels = |decision| Labels {
-            decision,
-            tier: identity.tier.clone(),
-            model: self.model_label(None),
-        };
         let refusal = Refusal::Full { index, shortfall };
         Some(self.refusal(
             refusal,
             &applying,
             identity,
-            labels,
+            None,
             Contention::default(),
             now_ms,
         ))

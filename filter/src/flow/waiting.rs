@@ -33,7 +33,7 @@ use std::cell::RefCell;
 use std::rc::{Rc, Weak};
 
 use super::{count_contention, Filter, Phase, Request, Stream};
-use crate::admission::answer::{self, Reason};
+use crate::admission::answer::{Reason, Refused};
 use crate::admission::health::{Pushback, Seen, SATURATED};
 use crate::admission::identity::{Identity, RequestView};
 use crate::admission::{Asked, RequestContext, Routed, Verdict};
@@ -360,13 +360,12 @@ impl Stream {
         let engine = &filter.engine;
         let view = HostRequest(host, self.request_headers.as_deref());
         let Ok(asked_wait) = asked_wait(&view) else {
-            let reply = answer::rejected(
+            let refused = Refused::rejected(
                 Reason::InvalidRequest,
                 "x-sluice-max-wait-ms must be a whole number of milliseconds.",
                 Some(MAX_WAIT_HEADER),
             );
-            let verdict =
-                engine.refused(reply, Reason::InvalidRequest, &identity.tier, Some(model));
+            let verdict = engine.refuse(&refused, &identity.tier, Some(model));
             return (Gated::Answered(Box::new(verdict)), None);
         };
         let class = class_of(&filter, identity, &view);
@@ -423,9 +422,9 @@ impl Stream {
             }
             Entered::Declined => declined_gate(host, declined, gate, now),
             refused => {
-                let (reason, reply) = gate_refusal(engine, &refused, model, now);
-                count(host, "rejected", reason.code(), &gate);
-                let verdict = engine.refused(reply, reason, &identity.tier, Some(model));
+                let refused = gate_refusal(engine, &refused, model, now);
+                count(host, "rejected", refused.reason().code(), &gate);
+                let verdict = engine.refuse(&refused, &identity.tier, Some(model));
                 (Gated::Answered(Box::new(verdict)), None)
             }
         }
@@ -751,17 +750,14 @@ impl Stream {
         let Some(g) = self.gate.as_mut() else { return };
         g.ticket = None;
         count(host, outcome, reason.code(), g);
-        let reply = answer::retry_later(reason, message, 1);
+        let refused = Refused::retry_later(reason, message, 1);
         let tier = self
             .identity
             .as_ref()
             .map(|i| i.tier.clone())
             .unwrap_or_default();
         let model = g.model.clone();
-        let verdict = self
-            .filter
-            .engine
-            .refused(reply, reason, &tier, Some(&model));
+        let verdict = self.filter.engine.refuse(&refused, &tier, Some(&model));
         self.finish(host, verdict);
     }
 
@@ -890,15 +886,8 @@ impl Stream {
 /// the request through.
 fn bucket_retry_ms(verdict: &Verdict) -> Option<u64> {
     verdict.bucket.as_ref()?;
-    let reply = verdict.reply.as_ref().filter(|r| r.status == 429)?;
-    Some(
-        reply
-            .header("retry-after")?
-            .trim()
-            .parse::<u64>()
-            .ok()?
-            .saturating_mul(1000),
-    )
+    verdict.reply.as_ref().filter(|r| r.status == 429)?;
+    verdict.retry_after_ms
 }
 
 /// The waiter of `ticket`, out of this VM's map, with its stream; `None`
@@ -1209,47 +1198,31 @@ fn gate_refusal(
     entered: &Entered,
     model: &str,
     now: u64,
-) -> (Reason, answer::Reply) {
+) -> Refused {
     match entered {
-        Entered::Full => (
+        Entered::Full => Refused::retry_later(
             Reason::QueueFull,
-            answer::retry_later(
-                Reason::QueueFull,
-                &format!(
-                    "Too many requests of your class are waiting for {model}. Try again in 1 s."
-                ),
-                1,
-            ),
+            format!("Too many requests of your class are waiting for {model}. Try again in 1 s."),
+            1,
         ),
-        Entered::Refused(Blocked::Saturated) => (
+        Entered::Refused(Blocked::Saturated) => Refused::unavailable(
             Reason::GpuOverloaded,
-            answer::unavailable(
-                Reason::GpuOverloaded,
-                "the backend is saturated",
-                engine
-                    .policy
-                    .sidecar
-                    .as_ref()
-                    .map_or(1, |s| (s.retry_after_ms / 1000).max(1)),
-            ),
+            "the backend is saturated",
+            engine
+                .policy
+                .sidecar
+                .as_ref()
+                .map_or(1, |s| (s.retry_after_ms / 1000).max(1)),
         ),
-        Entered::Refused(Blocked::Paused(until)) => (
+        Entered::Refused(Blocked::Paused(until)) => Refused::unavailable(
             Reason::UpstreamPaused,
-            answer::unavailable(
-                Reason::UpstreamPaused,
-                "the provider has no capacity left until its limit resets",
-                until.saturating_sub(now).div_ceil(1000).max(1),
-            ),
+            "the provider has no capacity left until its limit resets",
+            until.saturating_sub(now).div_ceil(1000).max(1),
         ),
-        _ => (
+        _ => Refused::retry_later(
             Reason::ModelConcurrency,
-            answer::retry_later(
-                Reason::ModelConcurrency,
-                &format!(
-                    "{model} is serving as many requests as it may at once. Try again in 1 s."
-                ),
-                1,
-            ),
+            format!("{model} is serving as many requests as it may at once. Try again in 1 s."),
+            1,
         ),
     }
 }
