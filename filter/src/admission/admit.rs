@@ -5,6 +5,7 @@
 
 use super::rewrite::rewrite;
 use super::*;
+use crate::limits::bucket::Shortfall;
 use crate::limits::reservation::{Reservation, Share};
 
 /// Who takes from the buckets: declared API keys by name (they have
@@ -500,25 +501,64 @@ impl Engine {
         // The least output admission would lower this request to.
         let least = per_choice.min(MIN_LOWERED_OUTPUT).saturating_mul(choices);
         let taken = self.drawn_on(identity, api, model.as_deref(), path);
-        for (index, &i) in taken.iter().enumerate() {
-            let b = &self.buckets[i];
+        let need = |b: &Bucket| {
             if b.soft || b.meter.amount(input, output, pricing) == 0 {
-                continue;
+                return None;
             }
-            let mut amount = b.meter.amount(input, least, pricing);
-            if b.meter == Meter::Requests {
-                let ahead = amount.saturating_mul(queued.saturating_add(1));
-                amount = ahead.min(b.rule.limit.capacity()).max(amount);
+            let amount = b.meter.amount(input, least, pricing);
+            if b.meter != Meter::Requests {
+                return Some(amount);
             }
-            let Some(shortfall) =
-                reserver.shortfall(&Claim::hard(&b.rule, amount), caller(identity), now_ms)
-            else {
-                continue;
-            };
-            let refusal = Refusal::Full { index, shortfall };
-            let effort = Contention::default();
-            return Some(self.refusal(refusal, &taken, identity, model.as_deref(), effort, now_ms));
-        }
-        None
+            let ahead = amount.saturating_mul(queued.saturating_add(1));
+            Some(ahead.min(b.rule.limit.capacity()).max(amount))
+        };
+        let (index, shortfall) = self
+            .short(&reserver, identity, &taken, need, now_ms)
+            .next()?;
+        Some(self.peeked(index, shortfall, &taken, identity, model.as_deref(), now_ms))
+    }
+
+    /// The one peek, behind [`Engine::would_admit`] and
+    /// [`Engine::refusal_before_body`]: each of `buckets` (in order) that
+    /// cannot give what `need` says the request takes of it now (`None`:
+    /// not asked of it), with its shortfall. Lazy: a bucket is read only
+    /// when the ones before it were taken care of; nothing is written.
+    pub(super) fn short<'a>(
+        &'a self,
+        reserver: &'a Reserver,
+        identity: &'a Identity,
+        buckets: &'a [usize],
+        need: impl Fn(&Bucket) -> Option<u64> + 'a,
+        now_ms: u64,
+    ) -> impl Iterator<Item = (usize, Shortfall)> + 'a {
+        buckets.iter().enumerate().filter_map(move |(n, &i)| {
+            let b = &self.buckets[i];
+            let amount = need(b)?;
+            let shortfall =
+                reserver.shortfall(&Claim::hard(&b.rule, amount), caller(identity), now_ms)?;
+            Some((n, shortfall))
+        })
+    }
+
+    /// The refusal a peek found: admission's 429 of `buckets[index]`,
+    /// with the same `Retry-After`.
+    pub(super) fn peeked(
+        &self,
+        index: usize,
+        shortfall: Shortfall,
+        buckets: &[usize],
+        identity: &Identity,
+        model: Option<&str>,
+        now_ms: u64,
+    ) -> Verdict {
+        let refusal = Refusal::Full { index, shortfall };
+        self.refusal(
+            refusal,
+            buckets,
+            identity,
+            model,
+            Contention::default(),
+            now_ms,
+        )
     }
 }
