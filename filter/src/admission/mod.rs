@@ -1,13 +1,18 @@
-//! The request path's decisions, in the order [`crate::flow`] asks for
-//! them: identity → demand → route (health, kill switch; see
-//! [`crate::admission::pushback`]) → admission → answer, and after the response,
-//! settlement. Pure: `flow` feeds it what Envoy knows, one event at a
-//! time, and applies what it decides through the host.
+//! Every decision that produces a [`Verdict`], asked for by [`crate::flow`]
+//! (the crate root, `lib.rs`, places it among the layers): identity,
+//! demand, route, admission, the answer, and after the response,
+//! settlement. It has no host of its own and reads no clock: time comes in
+//! as `now_ms`, shared state through the [`SharedStore`] it is handed, and
+//! what it decides is returned for `flow` to apply.
 //!
 //! One concern per file: this one holds the types the steps share and
-//! steps 1–3; [`compile`] builds the buckets and prices of a policy once,
-//! [`admit`] reserves (step 4), [`settle`] reconciles (step 5), [`rewrite`]
-//! makes the upstream's body.
+//! steps 1–3 (identity through [`identity`], demand, route through
+//! [`health`] and `pushback`); [`compile`] builds the buckets and prices
+//! of a policy once, [`admit`] reserves (step 4) and peeks (also for
+//! [`early`], the refusal before the body), [`settle`] reconciles (step 5),
+//! [`rewrite`] makes the upstream's body, [`answer`] renders every
+//! refusal, [`penalty`] is the penalty box, [`passthrough`] the paths sluice
+//! does not read, [`for_fleet`] what the fleet asks of the buckets.
 
 use std::collections::HashMap;
 

@@ -1,18 +1,22 @@
-//! The request path as Envoy drives it: one method per Envoy event, every
-//! decision made here against a [`Host`], so all of it runs natively
-//! against [`crate::host::mock::MockHost`].
+//! One method per Envoy event: each hands [`crate::admission`] what Envoy
+//! knows and applies the [`Verdict`] it returns through the [`Host`] trait,
+//! so all of it runs natively against [`crate::host::mock::MockHost`].
 //!
 //! - [`Poller`] is the root context: loads the policy, and — in the one VM
 //!   holding the poller lease — long-polls the sidecar and stores its state
 //!   in shared data for every worker.
-//! - [`Request`] is one HTTP stream: request headers (kill-switch header
-//!   stripped, API, identity, canonical path, declared size) → body (size,
-//!   then the whole body at its end or at the trailers) → decision
-//!   ([`Request::decide`]: demand → pushback → route → admit → probe claim
-//!   → reroute/rewrite) → response headers (upstream answer fed to the
+//! - [`Request`] is one HTTP stream (a [`Stream`], its phase a `Phase`):
+//!   request headers (kill-switch header stripped, API, identity and the
+//!   penalty box, canonical path, declared size, the refusal before the
+//!   body: `early`) → body (size, then the whole body at its end or at the
+//!   trailers) → decision (`Stream::decide`: demand → pushback → route →
+//!   the model's gate, `waiting` → admit → probe claim → reroute/rewrite →
+//!   the fleet's gate) → response headers (upstream answer fed to the
 //!   route's record, meter set up) → response body (first byte, meter,
 //!   settlement) → log (settle what is left, give back an unanswered
-//!   probe).
+//!   probe, leave the queue).
+//! - `slots` keeps the fleet's concurrency slots, [`telemetry`] the metric
+//!   names and audit fields.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -618,7 +622,7 @@ pub struct Stream {
     probe_lease: Option<u64>,
     identity: Option<Identity>,
     api: Api,
-    /// The canonical path (`request::canonical_path`), for route buckets.
+    /// The canonical path (`demand::canonical_path`), for route buckets.
     path: String,
     /// The request headers, read once (after the fallback header is
     /// removed) for every header the path reads: one host call.

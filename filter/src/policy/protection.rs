@@ -7,7 +7,7 @@ use crate::policy::{de_duration, ConfigError, Policy};
 
 /// How sluice reacts to what the upstream says (SPEC §2.8, §8): pauses on
 /// `Retry-After`, the per-route error breaker. One caller cannot pause,
-/// break or probe-block a route for the others; see `health.rs`.
+/// break or probe-block a route for the others; see `admission/health.rs`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProtectionConfig {
