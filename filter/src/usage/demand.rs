@@ -398,7 +398,7 @@ pub fn parse_body(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(BadBody::at("stream", "`stream` must be a boolean")),
     } && api.produces_output();
-    let max_output = max_output_of(fields, output_cap(&model))?;
+    let max_output = max_output_of(fields, &|| output_cap(&model))?;
     if api.requires_max_output() && max_output.is_none() {
         return Err(BadBody::at("max_tokens", "`max_tokens` is required"));
     }
@@ -455,10 +455,10 @@ fn model_of(fields: &serde_json::Map<String, Value>) -> Result<String, BadBody> 
 }
 
 /// The smallest maximum output any of the APIs' fields sets (each one
-/// checked against the model's `cap`), or none.
+/// checked against the model's cap, asked only when one is set), or none.
 fn max_output_of(
     fields: &serde_json::Map<String, Value>,
-    cap: u64,
+    output_cap: &dyn Fn() -> u64,
 ) -> Result<Option<u64>, BadBody> {
     let num_predict = match fields.get("options") {
         None | Some(Value::Null) => None,
@@ -479,6 +479,7 @@ fn max_output_of(
                 if param == "options.num_predict" && n.as_i64().is_some_and(|v| v < 0) => {}
             Some(Value::Number(n)) if n.as_u64().is_some() => {
                 let v = n.as_u64().unwrap_or(u64::MAX);
+                let cap = output_cap();
                 if v > cap {
                     return Err(BadBody::at(
                         param,
