@@ -69,43 +69,6 @@ impl<'de> Deserialize<'de> for Budget {
             alert_at: Option<serde_json::Value>,
         }
 
-        fn amount<E: de::Error>(v: &serde_json::Value) -> Result<f64, E> {
-            match v {
-                serde_json::Value::Number(n) => n.as_f64().ok_or_else(|| E::custom("not a number")),
-                serde_json::Value::String(s) => {
-                    let cleaned: String = s
-                        .trim()
-                        .trim_end_matches("tokens")
-                        .trim_end_matches("token")
-                        .chars()
-                        .filter(|c| *c != ',' && *c != '_')
-                        .collect();
-                    cleaned
-                        .trim()
-                        .parse::<f64>()
-                        .map_err(|_| E::custom(format!("`{s}` is not an amount")))
-                }
-                _ => Err(E::custom("expected an amount like `5000` or `12.50`")),
-            }
-            .and_then(|a| {
-                if a.is_finite() && a > 0.0 {
-                    Ok(a)
-                } else {
-                    Err(E::custom("the limit must be greater than zero"))
-                }
-            })
-        }
-
-        fn percent<E: de::Error>(v: &serde_json::Value) -> Result<u32, E> {
-            // A bare number above 1 is read as a percentage (`alert_at: 80`).
-            let v = match v.as_f64() {
-                Some(f) if f > 1.0 => serde_json::json!(f / 100.0),
-                _ => v.clone(),
-            };
-            crate::policy::units::parse_permille(&v)
-                .ok_or_else(|| E::custom("alert_at must be a percentage like `80%` (or 0.8)"))
-        }
-
         impl<'de> Visitor<'de> for BudgetVisitor {
             type Value = Budget;
 
@@ -124,7 +87,7 @@ impl<'de> Deserialize<'de> for Budget {
             }
 
             fn visit_f64<E: de::Error>(self, v: f64) -> Result<Budget, E> {
-                let limit = amount(&serde_json::json!(v))?;
+                let limit = budget_amount(&serde_json::json!(v))?;
                 Ok(Budget {
                     limit,
                     mode: Mode::Hard,
@@ -133,7 +96,7 @@ impl<'de> Deserialize<'de> for Budget {
             }
 
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Budget, E> {
-                let limit = amount(&serde_json::Value::String(v.into()))?;
+                let limit = budget_amount(&serde_json::Value::String(v.into()))?;
                 Ok(Budget {
                     limit,
                     mode: Mode::Hard,
@@ -144,15 +107,54 @@ impl<'de> Deserialize<'de> for Budget {
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Budget, A::Error> {
                 let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
                 Ok(Budget {
-                    limit: amount(&full.limit)?,
+                    limit: budget_amount(&full.limit)?,
                     mode: full.mode,
-                    alert_at_permille: full.alert_at.as_ref().map(percent).transpose()?,
+                    alert_at_permille: full.alert_at.as_ref().map(alert_permille).transpose()?,
                 })
             }
         }
 
         deserializer.deserialize_any(BudgetVisitor)
     }
+}
+
+/// A budget's limit: `5000`, `"5,000 tokens"`, `12.50`; above zero.
+fn budget_amount<E: de::Error>(v: &serde_json::Value) -> Result<f64, E> {
+    match v {
+        serde_json::Value::Number(n) => n.as_f64().ok_or_else(|| E::custom("not a number")),
+        serde_json::Value::String(s) => {
+            let cleaned: String = s
+                .trim()
+                .trim_end_matches("tokens")
+                .trim_end_matches("token")
+                .chars()
+                .filter(|c| *c != ',' && *c != '_')
+                .collect();
+            cleaned
+                .trim()
+                .parse::<f64>()
+                .map_err(|_| E::custom(format!("`{s}` is not an amount")))
+        }
+        _ => Err(E::custom("expected an amount like `5000` or `12.50`")),
+    }
+    .and_then(|a| {
+        if a.is_finite() && a > 0.0 {
+            Ok(a)
+        } else {
+            Err(E::custom("the limit must be greater than zero"))
+        }
+    })
+}
+
+/// `alert_at`: `80%`, `0.8`, or a bare `80`.
+fn alert_permille<E: de::Error>(v: &serde_json::Value) -> Result<u32, E> {
+    // A bare number above 1 is read as a percentage (`alert_at: 80`).
+    let v = match v.as_f64() {
+        Some(f) if f > 1.0 => serde_json::json!(f / 100.0),
+        _ => v.clone(),
+    };
+    crate::policy::units::parse_permille(&v)
+        .ok_or_else(|| E::custom("alert_at must be a percentage like `80%` (or 0.8)"))
 }
 
 /// Unit words a rate may name (`5000 tokens/min`).
