@@ -27,7 +27,8 @@ use crate::admission::health::{self, Pushback, Seen};
 use crate::admission::identity::Identity;
 use crate::admission::pushback::UpstreamReply;
 use crate::admission::{Engine, Plan, RequestContext, Routed, Verdict};
-use crate::host::{Action, Host, LogLevel, MetricKind};
+use crate::host::metrics::{self, Metric};
+use crate::host::{Action, Host, LogLevel};
 use crate::policy::Policy;
 use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Contention, Updated};
@@ -47,39 +48,25 @@ pub const TICK_MS: u64 = 250;
 /// After a failed poll, wait this long before the next.
 const POLL_RETRY_MS: u64 = 1_000;
 
-fn metric_kind(name: &str) -> MetricKind {
-    if telemetry::GAUGES.contains(&name) {
-        MetricKind::Gauge
-    } else {
-        MetricKind::Counter
-    }
-}
-
 /// Adds to a metric; nothing for 0 (no host call on the common path).
-fn add(host: &dyn Host, name: &str, by: i64) {
-    if by != 0 {
-        host.metric_add(metric_kind(name), name, by);
-    }
+fn add(host: &dyn Host, metric: Metric, by: i64) {
+    metric.add(host, by);
 }
 
 /// Lost compare-and-swap races, and updates that lost every try.
 fn count_contention(host: &dyn Host, c: Contention) {
-    add(host, telemetry::CAS_RETRIES, i64::from(c.cas_retries));
-    add(host, telemetry::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
+    add(host, metrics::CAS_RETRIES, i64::from(c.cas_retries));
+    add(host, metrics::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
 }
 
 /// Blocks the penalty box started, and callers it had no slot to track.
 fn count_penalty_box(host: &dyn Host, checked: &crate::admission::penalty::Checked) {
-    add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
-    add(
-        host,
-        telemetry::ABUSE_UNTRACKED,
-        i64::from(checked.untracked),
-    );
+    add(host, metrics::ABUSE_BLOCKS, i64::from(checked.started));
+    add(host, metrics::ABUSE_UNTRACKED, i64::from(checked.untracked));
 }
 
-fn set_gauge(host: &dyn Host, name: &str, value: u64) {
-    host.metric_record(MetricKind::Gauge, name, value);
+fn set_gauge(host: &dyn Host, gauge: Metric, value: u64) {
+    gauge.record(host, value);
 }
 
 /// A stream reached by the root context: its handle and Envoy's context id.
@@ -219,11 +206,9 @@ impl Filter {
     /// surge, reroute or refusal by a bucket would never alert), and a
     /// gauge that is absent reads as "no data" rather than 0.
     fn define_metrics(&self, host: &dyn Host) {
-        for name in telemetry::FIXED {
-            host.metric_add(metric_kind(name), name, 0);
-        }
+        telemetry::define(host);
         for rule in self.engine.rules() {
-            host.metric_add(MetricKind::Counter, &telemetry::refusals_total(&rule.id), 0);
+            metrics::REFUSALS.define_at(host, &[&rule.id]);
         }
     }
 }
@@ -271,7 +256,7 @@ impl Poller {
             Ok(policy) => policy,
             Err(err) => {
                 host.log(LogLevel::Error, &err.to_string());
-                add(host, telemetry::CONFIG_REJECTED, 1);
+                add(host, metrics::CONFIG_REJECTED, 1);
                 return false;
             }
         };
@@ -279,7 +264,7 @@ impl Poller {
             Ok(engine) => engine,
             Err(err) => {
                 host.log(LogLevel::Error, &err.to_string());
-                add(host, telemetry::CONFIG_REJECTED, 1);
+                add(host, metrics::CONFIG_REJECTED, 1);
                 return false;
             }
         };
@@ -445,7 +430,7 @@ impl Poller {
         match host.dispatch_call(&sidecar.cluster, &headers, timeout_ms) {
             Ok(token) => self.poll = Some(token),
             Err(why) => {
-                add(host, telemetry::SIDECAR_POLL_ERRORS, 1);
+                add(host, metrics::SIDECAR_POLL_ERRORS, 1);
                 host.log(
                     LogLevel::Warn,
                     &format!(
@@ -505,7 +490,7 @@ impl Poller {
         ) {
             (Some("200"), Ok(state)) => state,
             (status, parsed) => {
-                add(host, telemetry::SIDECAR_POLL_ERRORS, 1);
+                add(host, metrics::SIDECAR_POLL_ERRORS, 1);
                 self.retry_at_ms = now + POLL_RETRY_MS;
                 if !self.sidecar_failing {
                     // Said once per outage, not once per retry.
@@ -526,10 +511,10 @@ impl Poller {
         if std::mem::take(&mut self.sidecar_failing) {
             host.log(LogLevel::Info, "sidecar reachable again");
         }
-        add(host, telemetry::SIDECAR_POLLS, 1);
+        add(host, metrics::SIDECAR_POLLS, 1);
         set_gauge(
             host,
-            telemetry::KILL_SWITCH,
+            metrics::KILL_SWITCH,
             u64::from(state.kill_switch.active),
         );
         let open = state
@@ -537,7 +522,7 @@ impl Poller {
             .iter()
             .filter(|b| b.state == crate::admission::health::BreakerState::Open)
             .count();
-        set_gauge(host, telemetry::BREAKERS_OPEN, open as u64);
+        set_gauge(host, metrics::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
         let _ = host.set(
@@ -765,7 +750,7 @@ impl Stream {
             // The caller's own empty bucket refuses it before its body is
             // buffered and parsed (`flow/early.rs`).
             if let Some(verdict) = self.refused_before_body(host, &identity) {
-                add(host, telemetry::REFUSED_BEFORE_BODY, 1);
+                add(host, metrics::REFUSED_BEFORE_BODY, 1);
                 self.identity = Some(identity);
                 return self.finish(host, verdict);
             }
@@ -809,7 +794,7 @@ impl Stream {
                 // A failed authentication counts toward its address's box
                 // (guessing keys is what the box is for); once blocked, the
                 // address gets 429 `temporarily_blocked` instead of 401.
-                add(host, &telemetry::auth_failures_total(why.code()), 1);
+                metrics::AUTH_FAILURES.add_at(host, &[why.code()], 1);
                 let (blocked, checked) =
                     self.engine()
                         .penalty_box_failed(host, &view, self.started_ms);
@@ -950,7 +935,7 @@ impl Stream {
         };
         if let Some(model) = first {
             let ttft = host.now_ms().saturating_sub(self.started_ms);
-            host.metric_record(MetricKind::Histogram, &telemetry::ttft_ms(&model), ttft);
+            metrics::TTFT_MS.record_at(host, &[&model], ttft);
             self.audit(host, "sluice_ttft_ms", &ttft.to_string());
         }
         let metered = matches!(&self.phase, Phase::Upstream(up) if up.meter.is_some());
@@ -1004,7 +989,7 @@ impl Stream {
         if let Some(up) = self.upstream().filter(|_| answered) {
             let model = &up.labels.1;
             let elapsed = host.now_ms().saturating_sub(started_ms);
-            host.metric_record(MetricKind::Histogram, &telemetry::e2e_ms(model), elapsed);
+            metrics::E2E_MS.record_at(host, &[model], elapsed);
         }
     }
 
@@ -1028,7 +1013,7 @@ impl Stream {
             // Admission passed the global breaker: it is closed now (else
             // the gauge would stay at 1 after the hour's window let spend
             // fall under the ceiling, until a settlement).
-            set_gauge(host, telemetry::GLOBAL_BREAKER, 0);
+            set_gauge(host, metrics::GLOBAL_BREAKER, 0);
         }
         self.audit_decision(host, &verdict);
         if verdict.reply.is_some() {
@@ -1053,7 +1038,7 @@ impl Stream {
                 let engine = &self.filter.engine;
                 let plan = verdict.plan.filter(|p| engine.settles(p));
                 if plan.is_some() {
-                    add(host, telemetry::RESERVATIONS_OUTSTANDING, 1);
+                    add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
                 }
                 self.phase = Phase::Upstream(Upstream {
                     labels,
@@ -1070,42 +1055,57 @@ impl Stream {
     /// The decision's metrics.
     fn record(&self, host: &dyn Host, verdict: &Verdict) {
         let l = &verdict.labels;
-        add(host, &telemetry::requests_total(l), 1);
+        metrics::REQUESTS.add_at(
+            host,
+            &[
+                l.decision.code(),
+                l.decision.reason_code(),
+                &l.tier,
+                &l.model,
+            ],
+            1,
+        );
         count_contention(host, verdict.contention);
         add(
             host,
-            telemetry::CAPACITY_EXHAUSTED,
+            metrics::CAPACITY_EXHAUSTED,
             i64::from(verdict.no_slot),
         );
         add(
             host,
-            telemetry::BUDGET_ALERTS,
+            metrics::BUDGET_ALERTS,
             i64::from(!verdict.alerts.is_empty()),
         );
         if let Some(bucket) = &verdict.bucket {
-            add(host, &telemetry::refusals_total(bucket), 1);
+            metrics::REFUSALS.add_at(host, &[bucket], 1);
         }
         if let Some(id) = self
             .identity
             .as_ref()
             .filter(|id| id.team.is_some() || id.org.is_some())
         {
-            let name =
-                telemetry::team_requests_total(l.decision, id.team.as_deref(), id.org.as_deref());
-            add(host, &name, 1);
+            let (team, org) = (id.team.as_deref(), id.org.as_deref());
+            metrics::TEAM_REQUESTS.add_at(
+                host,
+                &[
+                    l.decision.code(),
+                    l.decision.reason_code(),
+                    team.unwrap_or("none"),
+                    org.unwrap_or("none"),
+                ],
+                1,
+            );
         }
         if l.decision == Decision::Refuse(Reason::GlobalBreakerOpen) {
-            set_gauge(host, telemetry::GLOBAL_BREAKER, 1);
+            set_gauge(host, metrics::GLOBAL_BREAKER, 1);
         }
         if let Some(kind) = verdict.degraded {
-            let name = telemetry::degraded_total(kind.code(), &l.tier, &l.model);
-            add(host, &name, 1);
+            metrics::DEGRADED.add_at(host, &[kind.code(), &l.tier, &l.model], 1);
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
-            let tokens =
-                |direction| telemetry::tokens_total(direction, "estimated", &l.tier, &l.model);
-            add(host, &tokens("input"), plan.input_estimate as i64);
-            add(host, &tokens("output"), plan.max_output as i64);
+            let tokens = |direction| [direction, "estimated", l.tier.as_str(), l.model.as_str()];
+            metrics::TOKENS.add_at(host, &tokens("input"), plan.input_estimate as i64);
+            metrics::TOKENS.add_at(host, &tokens("output"), plan.max_output as i64);
         }
     }
 
@@ -1408,7 +1408,7 @@ impl Stream {
         verdict
             .response_headers
             .push(("x-sluice-kill-switch".into(), "1".into()));
-        add(host, telemetry::REROUTED, 1);
+        add(host, metrics::REROUTED, 1);
     }
 
     /// Feeds the upstream's answer to the route's pause and error breaker.
@@ -1443,18 +1443,16 @@ impl Stream {
         );
         add(
             host,
-            telemetry::ERROR_BREAKER_OPENED,
+            metrics::ERROR_BREAKER_OPENED,
             i64::from(recorded.breaker_opened),
         );
-        add(
-            host,
-            telemetry::PUSHBACK_DROPPED,
-            i64::from(recorded.dropped),
-        );
+        add(host, metrics::PUSHBACK_DROPPED, i64::from(recorded.dropped));
         count_contention(host, recorded.contention);
         match recorded.paused {
-            Some(health::PauseScope::Route) => add(host, telemetry::PAUSES_ROUTE, 1),
-            Some(health::PauseScope::Credential) => add(host, telemetry::PAUSES_CREDENTIAL, 1),
+            Some(health::PauseScope::Route) => metrics::UPSTREAM_PAUSES.add_at(host, &["route"], 1),
+            Some(health::PauseScope::Credential) => {
+                metrics::UPSTREAM_PAUSES.add_at(host, &["credential"], 1)
+            }
             None => {}
         }
     }
@@ -1475,7 +1473,7 @@ impl Stream {
             self.filter
                 .engine
                 .settle(host, &plan, found, counted, upstream_ok, now);
-        add(host, telemetry::RESERVATIONS_OUTSTANDING, -1);
+        add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
         count_contention(host, effort);
         if let Some(fleet) = &self.filter.fleet {
             let engine = &self.filter.engine;
@@ -1497,21 +1495,21 @@ impl Stream {
                 ),
             );
         }
-        add(
+        metrics::TOKENS.add_at(
             host,
-            &telemetry::tokens_total("input", "actual", &tier, &model),
+            &["input", "actual", &tier, &model],
             settled.input as i64,
         );
-        add(
+        metrics::TOKENS.add_at(
             host,
-            &telemetry::tokens_total("output", "actual", &tier, &model),
+            &["output", "actual", &tier, &model],
             settled.output as i64,
         );
-        add(host, telemetry::USAGE_SURGES, i64::from(settled.surge));
+        add(host, metrics::USAGE_SURGES, i64::from(settled.surge));
         if self.engine().policy.anomaly.is_some() {
             set_gauge(
                 host,
-                telemetry::GLOBAL_BREAKER,
+                metrics::GLOBAL_BREAKER,
                 u64::from(settled.global_open),
             );
         }
@@ -1524,18 +1522,18 @@ impl Stream {
             "estimate"
         };
         self.audit(host, "sluice_usage_source", source);
-        add(host, telemetry::SPEND_MICROS, settled.cost as i64);
+        add(host, metrics::SPEND_MICROS, settled.cost as i64);
         add(
             host,
-            telemetry::USAGE_INVALID,
+            metrics::USAGE_INVALID,
             i64::from(settled.invalid_usage),
         );
         add(
             host,
-            telemetry::USAGE_MISSING,
+            metrics::USAGE_MISSING,
             i64::from(!settled.from_usage && upstream_ok),
         );
-        add(host, telemetry::STREAM_CUT, i64::from(cut));
+        add(host, metrics::STREAM_CUT, i64::from(cut));
     }
 }
 

@@ -38,7 +38,8 @@ use crate::admission::health::{BreakerState, Pushback, Seen};
 use crate::admission::identity::{Identity, RequestView};
 use crate::admission::{Asked, RequestContext, Routed, Verdict};
 use crate::flow::HostRequest;
-use crate::host::{Action, Host, LogLevel, MetricKind};
+use crate::host::metrics;
+use crate::host::{Action, Host, LogLevel};
 use crate::limits::reservation::SETTLE_TRIES_FACTOR;
 use crate::policy::IdentitySource;
 use crate::queue::{self, Blocked, Changed, Entered, Grant, State};
@@ -96,27 +97,12 @@ pub enum Gated {
     Answered(Box<Verdict>),
 }
 
-// Metric names (labels ride in the name, see `metrics`).
-fn depth_gauge(model: &str, class: &str) -> String {
-    format!("sluice_queue_depth_model={model};.class={class};")
-}
-fn inflight_gauge(model: &str) -> String {
-    format!("sluice_inflight_model={model};")
-}
-fn wait_histogram(model: &str, class: &str) -> String {
-    format!("sluice_queue_wait_milliseconds_model={model};.class={class};")
-}
 /// `outcome`: dispatched (reason immediate|queued), rejected (model_concurrency,
 /// queue_full, gpu_overloaded, upstream_paused, or the reason of the bucket
 /// the peek found empty), expired, evicted (queue_full), rerouted
 /// (fallback), abandoned, deferred.
-fn outcome_counter(outcome: &str, reason: &str, model: &str, class: &str) -> String {
-    format!("sluice_queue_total_outcome={outcome};.reason={reason};.model={model};.class={class};")
-}
-
 fn count(host: &dyn Host, outcome: &str, reason: &str, g: &GateState) {
-    let name = outcome_counter(outcome, reason, &g.model, &g.class);
-    host.metric_add(MetricKind::Counter, &name, 1);
+    metrics::QUEUE_OUTCOMES.add_at(host, &[outcome, reason, &g.model, &g.class], 1);
 }
 
 /// Gauges from the state just written: every gated model and class of the
@@ -127,10 +113,10 @@ fn publish(filter: &Filter, host: &dyn Host, backend: &str, state: &State) {
     };
     for model in group.model_limits.keys() {
         let inflight = u64::from(state.inflight(model));
-        host.metric_record(MetricKind::Gauge, &inflight_gauge(model), inflight);
+        metrics::INFLIGHT.record_at(host, &[model], inflight);
         for class in class_labels(filter) {
             let depth = state.depth(model, &class) as u64;
-            host.metric_record(MetricKind::Gauge, &depth_gauge(model, &class), depth);
+            metrics::QUEUE_DEPTH.record_at(host, &[model, &class], depth);
         }
     }
 }
@@ -176,11 +162,7 @@ pub fn configure(
     }
     host.set_tick_period_ms(QUEUE_TICK_MS);
     for via in ["message", "tick"] {
-        host.metric_add(
-            MetricKind::Counter,
-            &format!("sluice_queue_resumed_total_via={via};"),
-            0,
-        );
+        metrics::QUEUE_RESUMED.define_at(host, &[via]);
     }
     for (backend, group) in filter.gates.groups() {
         let state = host
@@ -190,21 +172,13 @@ pub fn configure(
         publish(filter, host, backend, &state);
         for model in group.model_limits.keys() {
             for class in class_labels(filter) {
-                host.metric_add(
-                    MetricKind::Counter,
-                    &outcome_counter("expired", "queue_deadline", model, &class),
-                    0,
-                );
                 for (outcome, reason) in [
+                    ("expired", "queue_deadline"),
                     ("abandoned", "client_gone"),
                     ("evicted", "queue_full"),
                     ("rerouted", "fallback"),
                 ] {
-                    host.metric_add(
-                        MetricKind::Counter,
-                        &outcome_counter(outcome, reason, model, &class),
-                        0,
-                    );
+                    metrics::QUEUE_OUTCOMES.define_at(host, &[outcome, reason, model, &class]);
                 }
             }
         }
@@ -408,8 +382,7 @@ impl Stream {
             Entered::Go => {
                 gate.slot = true;
                 count(host, "dispatched", "immediate", &gate);
-                let wait = wait_histogram(&gate.model, &gate.class);
-                host.metric_record(MetricKind::Histogram, &wait, 0);
+                metrics::QUEUE_WAIT_MS.record_at(host, &[&gate.model, &gate.class], 0);
                 (Gated::Go, Some(gate))
             }
             Entered::Queued {
@@ -529,8 +502,7 @@ impl Stream {
             g.ticket = None;
             g.slot = slot;
             g.waited_ms = now.saturating_sub(g.arrived_ms);
-            let wait = wait_histogram(&g.model, &g.class);
-            host.metric_record(MetricKind::Histogram, &wait, g.waited_ms);
+            metrics::QUEUE_WAIT_MS.record_at(host, &[&g.model, &g.class], g.waited_ms);
             count(host, "dispatched", "queued", g);
         }
         let Some(identity) = self.identity.clone() else {
@@ -911,11 +883,7 @@ fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
     let Ok(mut stream) = stream.try_borrow_mut() else {
         return;
     };
-    host.metric_add(
-        MetricKind::Counter,
-        &format!("sluice_queue_resumed_total_via={via};"),
-        1,
-    );
+    metrics::QUEUE_RESUMED.add_at(host, &[via], 1);
     if stream.dispatch(host, true) == Action::Continue && !host.resume_request() {
         host.log(LogLevel::Warn, "a dispatched request could not be resumed");
     }
