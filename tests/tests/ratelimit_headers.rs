@@ -120,7 +120,10 @@ fn admitted_and_refused_answers_carry_fields_that_agree_with_x_ratelimit() {
         let resp = stack.chat(SMALL, &[]);
         assert_eq!(resp.status, 200, "call {i}: {resp:?}");
         assert_eq!(int_header(&resp, "x-ratelimit-remaining"), 9 - i);
-        assert_eq!(assert_agrees(&resp, "x-ratelimit-reset"), "tier/free/requests");
+        assert_eq!(
+            assert_agrees(&resp, "x-ratelimit-reset"),
+            "tier/free/requests"
+        );
         assert_eq!(
             resp.header("ratelimit-policy"),
             Some(r#""tier/free/requests";q=10;w=60"#),
@@ -169,7 +172,10 @@ fn the_item_is_the_rule_id_never_the_caller_and_counts_stay_per_caller() {
     // shows nowhere in their own bucket's fields.
     let resp = stack.chat(SMALL, &[]);
     assert_eq!(resp.status, 200, "{resp:?}");
-    assert_eq!(assert_agrees(&resp, "x-ratelimit-reset"), "tier/free/requests");
+    assert_eq!(
+        assert_agrees(&resp, "x-ratelimit-reset"),
+        "tier/free/requests"
+    );
     let (_, l) = sf_item(resp.header("ratelimit").unwrap_or_default());
     assert_eq!(l["r"], "9", "{resp:?}");
 }
