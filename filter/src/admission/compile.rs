@@ -5,46 +5,6 @@
 use super::*;
 use crate::policy::ConfigError;
 
-/// What a bucket counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Meter {
-    Requests,
-    /// Input + output tokens.
-    Tokens,
-    InputTokens,
-    OutputTokens,
-    /// Micro-currency.
-    Spend,
-}
-
-impl Meter {
-    pub(super) fn amount(self, input: u64, output: u64, pricing: Pricing) -> u64 {
-        match self {
-            Meter::Requests => 1,
-            Meter::Tokens => input.saturating_add(output),
-            Meter::InputTokens => input,
-            Meter::OutputTokens => output,
-            Meter::Spend => pricing.cost(input, output),
-        }
-    }
-}
-
-/// Price of a model in micro-currency per 1,000 tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Pricing {
-    pub input_per_1k: u64,
-    pub output_per_1k: u64,
-}
-
-impl Pricing {
-    /// Micro-currency for a request, rounded up.
-    pub fn cost(self, input: u64, output: u64) -> u64 {
-        let micro_k =
-            input as u128 * self.input_per_1k as u128 + output as u128 * self.output_per_1k as u128;
-        micro_k.div_ceil(1000).min(u64::MAX as u128) as u64
-    }
-}
-
 /// A level of the hierarchy above the caller.
 #[derive(Debug, Clone, Copy)]
 enum Level {
@@ -70,23 +30,6 @@ impl Level {
             (Level::Org, true) => Reason::OrgBudgetExceeded,
         }
     }
-}
-
-/// A bucket definition with what answers need to say about it.
-pub(super) struct Bucket {
-    pub(super) rule: Rule,
-    /// The tier of a per-caller bucket (its declared keys get their own).
-    pub(super) tier: Option<String>,
-    /// Counts every undeclared caller of the tier together.
-    pub(super) anonymous: bool,
-    pub(super) reason: Reason,
-    /// `tier free: requests per caller`
-    pub(super) name: String,
-    pub(super) meter: Meter,
-    pub(super) soft: bool,
-    pub(super) alert_permille: Option<u32>,
-    /// Fair shares of a shared bucket (models, routes; see `shares`).
-    pub(super) shares: Option<crate::limits::shares::Table>,
 }
 
 /// One limit of a section's configuration: what a bucket counts, how

@@ -37,6 +37,7 @@ use health::{Pushback, Route, Seen, Situation};
 
 pub mod admit;
 pub mod answer;
+pub mod bucket;
 pub mod compile;
 pub mod early;
 pub mod for_fleet;
@@ -46,6 +47,7 @@ pub mod passthrough;
 pub mod penalty;
 pub(crate) mod pushback;
 pub mod rewrite;
+mod screen;
 pub mod settle;
 
 #[cfg(test)]
@@ -57,8 +59,8 @@ mod org_tests;
 #[cfg(test)]
 mod shares_tests;
 
-use compile::Bucket;
-pub use compile::{Meter, Pricing};
+use bucket::Bucket;
+pub use bucket::{Meter, Pricing};
 
 /// Metric labels of one decision. Bounded: tiers and models come from the
 /// policy (`other` for unlisted models), reasons from a fixed set.
