@@ -964,10 +964,14 @@ impl Envoy {
     }
 
     /// The audit log the shipped access log writes (`audit.jsonl` in this
-    /// Envoy's temp dir), one JSON value per line.
+    /// Envoy's temp dir), one JSON value per line. Only whole lines: Envoy
+    /// may be writing the last one as it is read (it flushes on its own
+    /// schedule), and a line without its newline is not written yet.
     pub fn audit_log(&self) -> Vec<serde_json::Value> {
         let text = fs::read_to_string(self.dir().join("audit.jsonl")).unwrap_or_default();
-        text.lines()
+        let whole = text.rfind('\n').map_or("", |end| &text[..end]);
+        whole
+            .lines()
             .map(|l| {
                 serde_json::from_str(l)
                     .unwrap_or_else(|e| panic!("audit line is not JSON ({e}): {l}"))
