@@ -13,6 +13,7 @@ pub mod abuse;
 pub mod anomaly;
 pub mod answer;
 pub mod bucket;
+pub mod cache;
 pub mod codec;
 pub mod config;
 pub mod engine;
