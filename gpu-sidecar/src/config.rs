@@ -64,6 +64,8 @@ pub struct Config {
     pub envoy_admin: Option<crate::traffic::EnvoyAdminConfig>,
     /// Redis, for the fleet (see `fleet`); none: this sidecar is no fleet agent.
     pub fleet: Option<crate::fleet::FleetConfig>,
+    /// The response cache's store (see `cache`); none: no cache endpoints.
+    pub cache: Option<crate::cache::CacheConfig>,
     /// Host names the API answers to besides `localhost`, IP addresses and
     /// `sluice_sidecar` (see [`crate::door`]); any other `Host` gets 421.
     pub allowed_hosts: Vec<String>,
@@ -87,6 +89,7 @@ impl Default for Config {
             history: Default::default(),
             envoy_admin: None,
             fleet: None,
+            cache: None,
             allowed_hosts: Vec::new(),
         }
     }
@@ -452,6 +455,10 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(c) = &self.cache {
+            c.check(self.fleet.is_some())
+                .map_err(|(path, message)| invalid(path, message))?;
+        }
         self.saturation_rules()?;
         if self.scrape_interval.is_zero() {
             return Err(invalid("scrape_interval", "must be more than 0"));

@@ -13,6 +13,7 @@ pub mod admin;
 pub mod alerts;
 pub mod api;
 pub mod breaker;
+pub mod cache;
 pub mod check_config;
 pub mod config;
 pub mod door;
@@ -215,6 +216,24 @@ pub async fn serve(
         ));
         tokio::spawn(fleet::sync_fingerprints(f.clone(), closing_rx.clone()));
     }
+    let cache_router = match &config.cache {
+        Some(c) => {
+            let cache = cache::Cache::new(c.clone(), fleet.clone()).map_err(anyhow::Error::msg)?;
+            let _ = telemetry.cache.set(cache.clone());
+            tokio::spawn(cache.clone().learn(closing_rx.clone()));
+            eprintln!(
+                "sluice-sidecar: response cache in {}, semantic {}",
+                if cache.in_redis() { "Redis" } else { "memory" },
+                if c.embeddings.is_some() { "on" } else { "off" }
+            );
+            Some(cache::api::router(cache::api::CacheApi {
+                cache,
+                fleet: fleet.clone(),
+                token: opts.token.clone(),
+            }))
+        }
+        None => None,
+    };
     let door_telemetry = telemetry.clone();
     let mut app = api::router(api::Api {
         store: store.clone(),
@@ -230,6 +249,9 @@ pub async fn serve(
     });
     if let Some(f) = fleet {
         app = app.merge(fleet::router(f));
+    }
+    if let Some(c) = cache_router {
+        app = app.merge(c);
     }
     let hosts = door::AllowedHosts::with(&config.allowed_hosts)
         .map_err(|(i, m)| anyhow::anyhow!("allowed_hosts[{i}]: {m}"))?;

@@ -287,23 +287,31 @@ pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String 
         out.family(name, "counter", help);
         out.sample(name, &[], Telemetry::get(counter) as f64);
     }
+    if let Some(cache) = tel.cache.get() {
+        crate::cache::metrics::render(cache, &mut out);
+    }
     out.text
 }
 
 type GpuField = fn(&crate::sources::GpuReading) -> Option<f64>;
 
 #[derive(Default)]
-struct Exposition {
+pub(crate) struct Exposition {
     text: String,
 }
 
 impl Exposition {
-    fn family(&mut self, name: &str, kind: &str, help: &str) {
+    #[cfg(test)]
+    pub(crate) fn text(&self) -> &str {
+        &self.text
+    }
+
+    pub(crate) fn family(&mut self, name: &str, kind: &str, help: &str) {
         // Writing to a String cannot fail.
         let _ = writeln!(self.text, "# HELP {name} {help}\n# TYPE {name} {kind}");
     }
 
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+    pub(crate) fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
         self.text.push_str(name);
         if !labels.is_empty() {
             self.text.push('{');

@@ -49,6 +49,8 @@ impl BackendStatus {
 #[derive(Debug, Default)]
 pub struct Telemetry {
     snapshot: Mutex<Snapshot>,
+    /// The response cache, when this sidecar runs one (its counters).
+    pub cache: std::sync::OnceLock<std::sync::Arc<crate::cache::Cache>>,
     /// Long polls being held now.
     pub subscribers: AtomicI64,
     /// The most held at once since memory was last handed back.

@@ -1,0 +1,396 @@
+//! The semantic index and the embeddings client.
+//!
+//! The index holds, per context hash (scope, model, output parameters and
+//! the conversation before the last user message, salted by the filter),
+//! the embeddings of the last user messages stored under it. A search
+//! looks only inside the request's own context, so a semantic hit can
+//! never cross a scope or a conversation: similarity decides only among
+//! entries that already agree on everything else. Exact cosine search
+//! (vectors are L2-normalised: a dot product): the cost is linear in the
+//! partition's size (figure in BENCHMARKS.md, "Cache"), and the whole
+//! index is bounded by `max_entries` vectors, oldest first out.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::http::{self, Target};
+
+struct Vector {
+    context: String,
+    v: Vec<f32>,
+    expires_at_ms: u64,
+}
+
+/// Bounded: at most `max` vectors; the oldest learned goes first.
+pub struct Index {
+    max: usize,
+    by_key: HashMap<String, Vector>,
+    partitions: HashMap<String, Vec<String>>,
+    order: VecDeque<String>,
+}
+
+/// A candidate: the entry's key and its similarity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Near {
+    pub key: String,
+    pub similarity: f32,
+}
+
+pub fn normalise(mut v: Vec<f32>) -> Option<Vec<f32>> {
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if !norm.is_finite() || norm == 0.0 {
+        return None;
+    }
+    for x in &mut v {
+        *x /= norm;
+    }
+    Some(v)
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Chunks of 8 independent sums: the compiler turns this into SIMD.
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+impl Index {
+    pub fn new(max: usize) -> Index {
+        Index {
+            max,
+            by_key: HashMap::new(),
+            partitions: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.by_key.contains_key(key)
+    }
+
+    /// Bytes the vectors take (for the `bytes` gauge).
+    pub fn bytes(&self) -> u64 {
+        self.by_key
+            .iter()
+            .map(|(k, v)| (k.len() + v.context.len() + v.v.len() * 4 + 64) as u64)
+            .sum()
+    }
+
+    /// Learns (or replaces) `key`'s vector; a vector of another dimension
+    /// than its partition's is refused (its cosine would mean nothing).
+    pub fn insert(
+        &mut self,
+        key: String,
+        context: String,
+        v: Vec<f32>,
+        expires_at_ms: u64,
+    ) -> bool {
+        if self.max == 0 {
+            return false;
+        }
+        self.remove(&key);
+        if let Some(other) = self
+            .partitions
+            .get(&context)
+            .and_then(|p| p.first())
+            .and_then(|k| self.by_key.get(k))
+        {
+            if other.v.len() != v.len() {
+                return false;
+            }
+        }
+        while self.by_key.len() >= self.max {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            self.remove(&old);
+        }
+        self.partitions
+            .entry(context.clone())
+            .or_default()
+            .push(key.clone());
+        self.order.push_back(key.clone());
+        self.by_key.insert(
+            key,
+            Vector {
+                context,
+                v,
+                expires_at_ms,
+            },
+        );
+        true
+    }
+
+    pub fn remove(&mut self, key: &str) {
+        let Some(v) = self.by_key.remove(key) else {
+            return;
+        };
+        if let Some(p) = self.partitions.get_mut(&v.context) {
+            p.retain(|k| k != key);
+            if p.is_empty() {
+                self.partitions.remove(&v.context);
+            }
+        }
+        // `order` keeps the key until it reaches the front; it is skipped
+        // there (removing from the middle would be linear every time).
+        if self.order.len() > self.max.saturating_mul(2).max(16) {
+            let live = &self.by_key;
+            self.order.retain(|k| live.contains_key(k));
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.by_key.clear();
+        self.partitions.clear();
+        self.order.clear();
+    }
+
+    /// The `top_k` nearest live vectors of `context` with similarity at
+    /// least `threshold`, best first.
+    pub fn search(
+        &self,
+        context: &str,
+        query: &[f32],
+        threshold: f32,
+        top_k: usize,
+        now_ms: u64,
+    ) -> Vec<Near> {
+        let Some(keys) = self.partitions.get(context) else {
+            return Vec::new();
+        };
+        let mut best: Vec<Near> = Vec::with_capacity(top_k + 1);
+        for k in keys {
+            let Some(v) = self.by_key.get(k) else {
+                continue;
+            };
+            if v.expires_at_ms <= now_ms || v.v.len() != query.len() {
+                continue;
+            }
+            let s = dot(&v.v, query);
+            if best.len() == top_k && best.last().is_some_and(|b| b.similarity >= s) {
+                continue;
+            }
+            let at = best.partition_point(|b| b.similarity >= s);
+            best.insert(
+                at,
+                Near {
+                    key: k.clone(),
+                    similarity: s,
+                },
+            );
+            best.truncate(top_k);
+        }
+        best.retain(|n| n.similarity >= threshold);
+        best
+    }
+}
+
+/// The sidecar's `cache.embeddings`: an OpenAI-compatible endpoint.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmbeddingsConfig {
+    /// The full URL, e.g. `http://127.0.0.1:8000/v1/embeddings` (vLLM,
+    /// Ollama's OpenAI endpoint, a provider behind a local proxy).
+    pub url: String,
+    /// The embedding model it is asked for.
+    pub model: String,
+    /// Per call; a slower answer is a miss (default 2s).
+    #[serde(
+        default = "default_timeout",
+        deserialize_with = "crate::config::duration"
+    )]
+    pub timeout: Duration,
+    /// Environment variable holding a bearer token, if the endpoint wants one.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_secs(2)
+}
+
+#[derive(Deserialize)]
+struct EmbeddingsAnswer {
+    data: Vec<EmbeddingItem>,
+}
+
+#[derive(Deserialize)]
+struct EmbeddingItem {
+    embedding: Vec<f32>,
+}
+
+/// Longest text sent to be embedded (bytes): the last user message is cut
+/// here, at a character boundary (a longer one still has its exact key).
+pub const MAX_TEXT_BYTES: usize = 32 << 10;
+
+pub struct Embedder {
+    target: Target,
+    model: String,
+    timeout: Duration,
+    key: Option<String>,
+}
+
+impl Embedder {
+    pub fn new(c: &EmbeddingsConfig) -> Result<Embedder, String> {
+        let target = Target::parse(&c.url).map_err(|e| format!("cache.embeddings.url: {e}"))?;
+        let key = match &c.api_key_env {
+            Some(name) => Some(std::env::var(name).map_err(|_| {
+                format!("cache.embeddings.api_key_env: the environment variable {name} is not set")
+            })?),
+            None => None,
+        };
+        Ok(Embedder {
+            target,
+            model: c.model.clone(),
+            timeout: c.timeout,
+            key,
+        })
+    }
+
+    /// The normalised embedding of `text`; any failure is an error (the
+    /// caller counts it and treats it as a miss).
+    pub async fn embed(&self, text: &str) -> Result<Vec<f32>, String> {
+        let mut end = text.len().min(MAX_TEXT_BYTES);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let body = serde_json::json!({"model": self.model, "input": &text[..end]});
+        let auth = self.key.as_ref().map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> = auth
+            .as_deref()
+            .map(|a| vec![("authorization", a)])
+            .unwrap_or_default();
+        let (status, bytes) = http::request(
+            &self.target,
+            http::Method::POST,
+            &headers,
+            Some(body.to_string().into_bytes()),
+            self.timeout,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        if status != 200 {
+            return Err(format!("status {status}"));
+        }
+        let a: EmbeddingsAnswer =
+            serde_json::from_slice(&bytes).map_err(|e| format!("not an embeddings answer: {e}"))?;
+        let v = a
+            .data
+            .into_iter()
+            .next()
+            .ok_or("no embedding in the answer")?
+            .embedding;
+        normalise(v).ok_or_else(|| "a zero or non-finite embedding".to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unit(v: &[f32]) -> Vec<f32> {
+        normalise(v.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn search_stays_in_its_context() {
+        let mut i = Index::new(100);
+        i.insert("a".into(), "ctx1".into(), unit(&[1.0, 0.0]), 1000);
+        i.insert("b".into(), "ctx2".into(), unit(&[1.0, 0.0]), 1000);
+        i.insert("c".into(), "ctx1".into(), unit(&[0.0, 1.0]), 1000);
+        let q = unit(&[1.0, 0.1]);
+        let found = i.search("ctx1", &q, 0.9, 5, 0);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].key, "a");
+        assert!(i.search("ctx3", &q, 0.0, 5, 0).is_empty());
+        // Expired vectors are not found; other dimensions neither.
+        assert!(i.search("ctx1", &q, 0.9, 5, 1000).is_empty());
+        assert!(i.search("ctx1", &[1.0, 0.0, 0.0], 0.0, 5, 0).is_empty());
+        assert!(!i.insert("d".into(), "ctx1".into(), unit(&[1.0, 0.0, 0.0]), 1000));
+    }
+
+    #[test]
+    fn top_k_best_first() {
+        let mut i = Index::new(100);
+        for n in 0..10 {
+            let x = n as f32 / 10.0;
+            i.insert(format!("k{n}"), "c".into(), unit(&[1.0, x]), 1000);
+        }
+        let found = i.search("c", &unit(&[1.0, 0.0]), 0.0, 3, 0);
+        let keys: Vec<_> = found.iter().map(|n| n.key.as_str()).collect();
+        assert_eq!(keys, ["k0", "k1", "k2"]);
+        assert!(found[0].similarity >= found[1].similarity);
+    }
+
+    #[test]
+    fn bounded_oldest_first() {
+        let mut i = Index::new(3);
+        for n in 0..10 {
+            i.insert(format!("k{n}"), "c".into(), unit(&[1.0, 0.0]), 1000);
+        }
+        assert_eq!(i.len(), 3);
+        assert!(i.contains("k9") && !i.contains("k6"));
+        for n in 0..1000 {
+            i.insert(format!("x{n}"), format!("c{n}"), unit(&[1.0]), 1000);
+            i.remove(&format!("x{n}"));
+        }
+        assert!(i.order.len() <= 16);
+    }
+
+    #[test]
+    fn dot_matches_naive() {
+        let a: Vec<f32> = (0..389).map(|i| (i as f32).sin()).collect();
+        let b: Vec<f32> = (0..389).map(|i| (i as f32).cos()).collect();
+        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((dot(&a, &b) - naive).abs() < 1e-3);
+    }
+
+    #[tokio::test]
+    async fn embeds_through_mock_llm() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = mock_llm::app(mock_llm::Config::default()).unwrap();
+        tokio::spawn(mock_llm::serve(listener, app, std::future::pending()));
+        let e = Embedder::new(&EmbeddingsConfig {
+            url: format!("http://{addr}/v1/embeddings"),
+            model: "mock-embed".into(),
+            timeout: Duration::from_secs(5),
+            api_key_env: None,
+        })
+        .unwrap();
+        let a = e.embed("How do I enable 2FA on my account?").await.unwrap();
+        let b = e.embed("how do I enable 2FA on my account").await.unwrap();
+        let c = e
+            .embed("How do I disable 2FA on my account?")
+            .await
+            .unwrap();
+        assert_eq!(a.len(), 384);
+        assert!(dot(&a, &b) > 0.95);
+        assert!(dot(&a, &c) < 0.95);
+        let down = Embedder::new(&EmbeddingsConfig {
+            url: "http://127.0.0.1:1/v1/embeddings".into(),
+            model: "m".into(),
+            timeout: Duration::from_millis(500),
+            api_key_env: None,
+        })
+        .unwrap();
+        assert!(down.embed("x").await.is_err());
+    }
+}
