@@ -17,17 +17,39 @@ use serde::Deserialize;
 
 use crate::http::{self, Target};
 
-struct Vector {
-    context: String,
-    v: Vec<f32>,
-    expires_at_ms: u64,
+/// One context's vectors, side by side in one allocation (a search reads
+/// them in order: no hashing, no pointer chasing per candidate).
+#[derive(Default)]
+struct Partition {
+    dims: usize,
+    keys: Vec<String>,
+    expires: Vec<u64>,
+    flat: Vec<f32>,
+}
+
+impl Partition {
+    fn swap_remove(&mut self, at: usize) -> Option<String> {
+        let last = self.keys.len().checked_sub(1)?;
+        self.keys.swap(at, last);
+        self.expires.swap(at, last);
+        if at != last {
+            let (head, tail) = self.flat.split_at_mut(last * self.dims);
+            head[at * self.dims..(at + 1) * self.dims].copy_from_slice(&tail[..self.dims]);
+        }
+        self.keys.pop();
+        self.expires.pop();
+        self.flat.truncate(last * self.dims);
+        // The key now at `at` (moved from the end), if any.
+        self.keys.get(at).cloned()
+    }
 }
 
 /// Bounded: at most `max` vectors; the oldest learned goes first.
 pub struct Index {
     max: usize,
-    by_key: HashMap<String, Vector>,
-    partitions: HashMap<String, Vec<String>>,
+    /// key → (context, position in its partition).
+    by_key: HashMap<String, (String, usize)>,
+    partitions: HashMap<String, Partition>,
     order: VecDeque<String>,
 }
 
@@ -85,12 +107,16 @@ impl Index {
         self.by_key.contains_key(key)
     }
 
-    /// Bytes the vectors take (for the `bytes` gauge).
+    /// Bytes the vectors and their keys take (for the `bytes` gauge).
     pub fn bytes(&self) -> u64 {
-        self.by_key
+        let parts: usize = self
+            .partitions
             .iter()
-            .map(|(k, v)| (k.len() + v.context.len() + v.v.len() * 4 + 64) as u64)
-            .sum()
+            .map(|(c, p)| {
+                c.len() + p.flat.len() * 4 + p.keys.iter().map(|k| k.len() + 32).sum::<usize>()
+            })
+            .sum();
+        (parts + self.by_key.len() * 96) as u64
     }
 
     /// Learns (or replaces) `key`'s vector; a vector of another dimension
@@ -102,19 +128,16 @@ impl Index {
         v: Vec<f32>,
         expires_at_ms: u64,
     ) -> bool {
-        if self.max == 0 {
+        if self.max == 0 || v.is_empty() {
             return false;
         }
         self.remove(&key);
-        if let Some(other) = self
+        if self
             .partitions
             .get(&context)
-            .and_then(|p| p.first())
-            .and_then(|k| self.by_key.get(k))
+            .is_some_and(|p| !p.keys.is_empty() && p.dims != v.len())
         {
-            if other.v.len() != v.len() {
-                return false;
-            }
+            return false;
         }
         while self.by_key.len() >= self.max {
             let Some(old) = self.order.pop_front() else {
@@ -122,30 +145,29 @@ impl Index {
             };
             self.remove(&old);
         }
-        self.partitions
-            .entry(context.clone())
-            .or_default()
-            .push(key.clone());
+        let p = self.partitions.entry(context.clone()).or_default();
+        p.dims = v.len();
+        let at = p.keys.len();
+        p.keys.push(key.clone());
+        p.expires.push(expires_at_ms);
+        p.flat.extend_from_slice(&v);
         self.order.push_back(key.clone());
-        self.by_key.insert(
-            key,
-            Vector {
-                context,
-                v,
-                expires_at_ms,
-            },
-        );
+        self.by_key.insert(key, (context, at));
         true
     }
 
     pub fn remove(&mut self, key: &str) {
-        let Some(v) = self.by_key.remove(key) else {
+        let Some((context, at)) = self.by_key.remove(key) else {
             return;
         };
-        if let Some(p) = self.partitions.get_mut(&v.context) {
-            p.retain(|k| k != key);
-            if p.is_empty() {
-                self.partitions.remove(&v.context);
+        if let Some(p) = self.partitions.get_mut(&context) {
+            if let Some(moved) = p.swap_remove(at) {
+                if let Some(slot) = self.by_key.get_mut(&moved) {
+                    slot.1 = at;
+                }
+            }
+            if p.keys.is_empty() {
+                self.partitions.remove(&context);
             }
         }
         // `order` keeps the key until it reaches the front; it is skipped
@@ -172,33 +194,33 @@ impl Index {
         top_k: usize,
         now_ms: u64,
     ) -> Vec<Near> {
-        let Some(keys) = self.partitions.get(context) else {
+        let Some(p) = self.partitions.get(context) else {
             return Vec::new();
         };
-        let mut best: Vec<Near> = Vec::with_capacity(top_k + 1);
-        for k in keys {
-            let Some(v) = self.by_key.get(k) else {
-                continue;
-            };
-            if v.expires_at_ms <= now_ms || v.v.len() != query.len() {
-                continue;
-            }
-            let s = dot(&v.v, query);
-            if best.len() == top_k && best.last().is_some_and(|b| b.similarity >= s) {
+        if p.dims != query.len() || top_k == 0 {
+            return Vec::new();
+        }
+        let mut best: Vec<(usize, f32)> = Vec::with_capacity(top_k + 1);
+        for (i, v) in p.flat.chunks_exact(p.dims).enumerate() {
+            let s = dot(v, query);
+            if s < threshold || (best.len() == top_k && best.last().is_some_and(|b| b.1 >= s)) {
                 continue;
             }
-            let at = best.partition_point(|b| b.similarity >= s);
-            best.insert(
-                at,
-                Near {
-                    key: k.clone(),
-                    similarity: s,
-                },
-            );
+            if p.expires.get(i).is_none_or(|&x| x <= now_ms) {
+                continue;
+            }
+            let at = best.partition_point(|b| b.1 >= s);
+            best.insert(at, (i, s));
             best.truncate(top_k);
         }
-        best.retain(|n| n.similarity >= threshold);
-        best
+        best.into_iter()
+            .filter_map(|(i, s)| {
+                Some(Near {
+                    key: p.keys.get(i)?.clone(),
+                    similarity: s,
+                })
+            })
+            .collect()
     }
 }
 
@@ -352,6 +374,27 @@ mod tests {
             i.remove(&format!("x{n}"));
         }
         assert!(i.order.len() <= 16);
+    }
+
+    #[test]
+    fn removal_keeps_the_others_findable() {
+        let mut i = Index::new(100);
+        for n in 0..5 {
+            let x = n as f32;
+            i.insert(format!("k{n}"), "c".into(), unit(&[1.0, x]), 1000);
+        }
+        i.remove("k1");
+        i.remove("k0");
+        for n in 2..5 {
+            let x = n as f32;
+            let found = i.search("c", &unit(&[1.0, x]), 0.9999, 1, 0);
+            assert_eq!(found[0].key, format!("k{n}"));
+        }
+        assert_eq!(i.len(), 3);
+        for n in 2..5 {
+            i.remove(&format!("k{n}"));
+        }
+        assert!(i.is_empty() && i.partitions.is_empty());
     }
 
     #[test]
