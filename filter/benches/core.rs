@@ -8,12 +8,12 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use serde_json::json;
-use sluice_filter::config::Policy;
-use sluice_filter::engine::{Engine, RequestContext};
-use sluice_filter::principal::RequestView;
-use sluice_filter::reconcile::{Format, ResponseMeter};
-use sluice_filter::request::Api;
-use sluice_filter::store::MemStore;
+use sluice_filter::admission::identity::RequestView;
+use sluice_filter::admission::{Engine, RequestContext};
+use sluice_filter::policy::Policy;
+use sluice_filter::state::store::MemStore;
+use sluice_filter::usage::demand::Api;
+use sluice_filter::usage::reconcile::{Format, ResponseMeter};
 
 struct Caller(String);
 impl RequestView for Caller {
@@ -101,11 +101,12 @@ fn admission(c: &mut Criterion) {
                 },
             );
             if let Some(plan) = v.plan {
-                let usage =
-                    sluice_filter::reconcile::Found::Usage(sluice_filter::reconcile::Usage {
+                let usage = sluice_filter::usage::reconcile::Found::Usage(
+                    sluice_filter::usage::reconcile::Usage {
                         input: 500,
                         output: 100,
-                    });
+                    },
+                );
                 e.settle(&store, &plan, usage, 0, true, 1_000);
             }
         })
@@ -133,7 +134,7 @@ fn admission(c: &mut Criterion) {
                 e.settle(
                     &store,
                     &plan,
-                    sluice_filter::reconcile::Found::Nothing,
+                    sluice_filter::usage::reconcile::Found::Nothing,
                     10,
                     true,
                     1_000,
@@ -168,7 +169,7 @@ fn admission(c: &mut Criterion) {
                 e.settle(
                     &store,
                     &plan,
-                    sluice_filter::reconcile::Found::Nothing,
+                    sluice_filter::usage::reconcile::Found::Nothing,
                     10,
                     true,
                     1_000,
@@ -188,7 +189,7 @@ fn estimate(c: &mut Criterion) {
         group.bench_with_input(
             BenchmarkId::new("input_tokens", format!("{kb}KB")),
             &value,
-            |b, v| b.iter(|| sluice_filter::estimate::input_tokens(black_box(v))),
+            |b, v| b.iter(|| sluice_filter::usage::estimate::input_tokens(black_box(v))),
         );
     }
     group.finish();

@@ -1,40 +1,34 @@
 //! sluice: admission control for LLM traffic, as an Envoy proxy-wasm filter.
 //!
-//! The request path (SPEC §2) is [`engine`]: identity ([`principal`]) →
-//! demand ([`request`]) → admission ([`reservation`] over [`bucket`]s in
-//! shared data) → answer ([`answer`]). [`flow`] drives it, one method per
-//! Envoy event, against the [`host::Host`] trait; everything but `shim` is
-//! tested natively (the whole path through [`host::mock::MockHost`]).
-//! `shim` only implements `Host` with proxy-wasm hostcalls and forwards
-//! callbacks; it is built only for wasm32.
+//! One folder per layer; each imports only the layers below it (the order
+//! is declared once, in `tests/tests/layers.rs`, which fails on an import
+//! that points up or on a cycle):
+//!
+//! - [`flow`] — one method per Envoy event (root, stream, waiting, slots,
+//!   telemetry), driving the layers below against the [`host::Host`] trait;
+//! - [`fleet`] — the fleet's leases from Redis through the sidecar;
+//! - [`admission`] — every decision that produces a verdict: identity,
+//!   compile, admit, rewrite, settle, penalty box, route health, answers;
+//! - [`queue`], [`limits`], [`usage`], [`host`] — the queue's places; bucket
+//!   arithmetic and reservations; demand, estimate, reconcile; the `Host`
+//!   trait and the mock host;
+//! - [`state`] — the shared-data store and the one codec;
+//! - [`policy`] — the policy model and its checks, importing nothing else.
+//!
+//! `shim` (wasm32 only) is the entry point: it implements `Host` with
+//! proxy-wasm hostcalls and forwards callbacks to [`flow`]; everything else
+//! is tested natively (the whole path through [`host::mock::MockHost`]).
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
-pub mod abuse;
-pub mod anomaly;
-pub mod answer;
-pub mod bucket;
-pub mod cache;
-pub mod codec;
-pub mod config;
-pub mod engine;
-pub mod estimate;
+pub mod admission;
 pub mod fleet;
 pub mod flow;
-pub mod health;
 pub mod host;
-pub mod metrics;
-pub mod passthrough;
-pub mod principal;
-mod proto_struct;
-mod pushback;
+pub mod limits;
+pub mod policy;
 pub mod queue;
-pub mod reconcile;
-pub mod request;
-pub mod reservation;
-pub mod shares;
-pub mod store;
-pub mod units;
-pub mod zone;
+pub mod state;
+pub mod usage;
 
 #[cfg(target_arch = "wasm32")]
 mod shim;

@@ -12,7 +12,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Metr
 
 use crate::flow::{Poller, Request, Vm};
 use crate::host::{self, Host, MetricKind};
-use crate::store::{SharedStore, StoreError};
+use crate::state::store::{SharedStore, StoreError};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);

@@ -2,7 +2,14 @@
 //! offline, so a bad policy is caught before Envoy refuses it.
 
 use serde_json::Value;
-use sluice_filter::config::Policy;
+use sluice_filter::admission::Engine;
+use sluice_filter::policy::{ConfigError, Policy};
+
+/// The policy as the filter loads it: parsed, checked, and compiled (the
+/// checks that need the compiled buckets run there).
+fn load(value: Value) -> Result<Policy, ConfigError> {
+    Engine::compile(Policy::from_value(value)?).map(|engine| engine.policy)
+}
 
 /// Checks a policy given as YAML or JSON, either bare or embedded in an Envoy
 /// config (every sluice wasm filter found is checked). Returns a one-line
@@ -13,14 +20,12 @@ pub fn check(text: &str) -> Result<String, String> {
     find_policies(&doc, "", &mut found);
     if found.is_empty() {
         // A bare policy.
-        return Policy::from_value(doc)
-            .map(|p| summary(&p))
-            .map_err(|e| e.to_string());
+        return load(doc).map(|p| summary(&p)).map_err(|e| e.to_string());
     }
     let mut lines = Vec::new();
     for (at, policy) in found {
         let policy = policy_value(policy).map_err(|e| format!("{at}: {e}"))?;
-        let policy = Policy::from_value(policy).map_err(|e| format!("{at}: {e}"))?;
+        let policy = load(policy).map_err(|e| format!("{at}: {e}"))?;
         fleet_secret_reaches_the_vm(&doc, &at, &policy)?;
         lines.push(format!("{at}: {}", summary(&policy)));
         if let Some(warning) = buffer_warning(&doc, &at, &policy) {
@@ -114,12 +119,12 @@ pub fn fleet_policy(text: &str) -> Result<Policy, String> {
     find_policies(&doc, "", &mut found);
     let mut policies = Vec::new();
     if found.is_empty() {
-        let bare = Policy::from_value(doc.clone()).map_err(|e| e.to_string())?;
+        let bare = load(doc.clone()).map_err(|e| e.to_string())?;
         policies.push(("the policy".to_string(), bare));
     }
     for (at, value) in found {
         let value = policy_value(value).map_err(|e| format!("{at}: {e}"))?;
-        let policy = Policy::from_value(value).map_err(|e| format!("{at}: {e}"))?;
+        let policy = load(value).map_err(|e| format!("{at}: {e}"))?;
         policies.push((at, policy));
     }
     let mut fleet: Vec<(String, Policy)> = policies

@@ -50,9 +50,9 @@ use std::time::{Duration, SystemTime};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
-use sluice_filter::config::Limit;
 use sluice_filter::fleet::window_end;
-use sluice_filter::reservation::Scope as RuleScope;
+use sluice_filter::limits::reservation::Scope as RuleScope;
+use sluice_filter::policy::Limit;
 use tokio::sync::Mutex;
 
 use crate::admin::KillSwitchControl;
@@ -284,7 +284,7 @@ impl Default for FleetConfig {
             sync_interval: Duration::from_millis(100),
             policy: None,
             secret_file: None,
-            secret_env: sluice_filter::fleet::DEFAULT_SECRET_ENV.into(),
+            secret_env: sluice_filter::policy::fleet::DEFAULT_SECRET_ENV.into(),
             password_file: None,
             password_env: None,
             tls_ca_file: None,
@@ -320,8 +320,8 @@ impl PolicyView {
         Ok(PolicyView::of(policy))
     }
 
-    pub fn of(policy: sluice_filter::config::Policy) -> PolicyView {
-        let engine = sluice_filter::engine::Engine::new(policy);
+    pub fn of(policy: sluice_filter::policy::Policy) -> PolicyView {
+        let engine = sluice_filter::admission::Engine::new(policy);
         let (salt, replicas) = engine
             .policy
             .fleet
@@ -396,7 +396,7 @@ impl FleetConfig {
             None => std::env::var(&self.secret_env).unwrap_or_default(),
         };
         let secret = secret.trim().to_string();
-        if secret.len() < sluice_filter::fleet::MIN_SECRET {
+        if secret.len() < sluice_filter::policy::fleet::MIN_SECRET {
             let from = match &self.secret_file {
                 Some(p) => format!("secret_file ({})", p.display()),
                 None => format!("secret_env (${})", self.secret_env),
@@ -405,7 +405,7 @@ impl FleetConfig {
                 if self.secret_file.is_some() { "secret_file" } else { "secret_env" },
                 format!(
                     "{from}: the secret shared with the Envoy beside this sidecar is required, at least {} bytes",
-                    sluice_filter::fleet::MIN_SECRET
+                    sluice_filter::policy::fleet::MIN_SECRET
                 ),
             ));
         }
@@ -1758,7 +1758,7 @@ pub(crate) mod tests {
             "sidecar": {"cluster": "sc"},
             "fleet": {"salt": salt, "expected_replicas": 2},
         });
-        PolicyView::of(sluice_filter::config::Policy::from_value(policy).unwrap())
+        PolicyView::of(sluice_filter::policy::Policy::from_value(policy).unwrap())
     }
 
     pub(crate) fn fleet_on(redis: &str, salt: &str) -> Arc<Fleet> {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value as Json};
-use sluice_filter::estimate::{input_tokens, text_tokens};
+use sluice_filter::usage::estimate::{input_tokens, text_tokens};
 use sluice_tests::{
     async_client, get, post_json, post_json_async, prometheus_value, runtime, wait_for,
     EnvoyConfig, Response, Stack,
@@ -26,7 +26,7 @@ const UNLISTED: &str = "sluice-test-model";
 const BIG: &str = "llama3.1:70b";
 const SMALL: &str = "llama3.1:8b";
 /// The shortest output sluice lowers a request to before refusing it.
-const MIN_LOWERED_OUTPUT: u64 = sluice_filter::engine::MIN_LOWERED_OUTPUT;
+const MIN_LOWERED_OUTPUT: u64 = sluice_filter::admission::MIN_LOWERED_OUTPUT;
 
 // ---------------------------------------------------------------------------
 // Helpers

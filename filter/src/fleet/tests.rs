@@ -7,7 +7,7 @@ use super::*;
 use crate::flow::{Poller, Request};
 use crate::host::mock::MockHost;
 use crate::host::Action;
-use crate::store::SharedStore;
+use crate::state::store::SharedStore;
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -318,14 +318,16 @@ fn the_fleet_section_is_checked_with_field_paths() {
     ];
     for (fleet, path) in bad {
         let p = policy(json!({"requests": "10/min"}), fleet.clone());
-        let err = crate::config::Policy::from_value(p)
+        let err = crate::policy::Policy::from_value(p)
+            .and_then(crate::admission::Engine::compile)
+            .map(|_| ())
             .unwrap_err()
             .to_string();
         assert!(err.contains(path), "{fleet}: {err}");
     }
     let mut no_sidecar = policy(json!({"requests": "10/min"}), json!({}));
     no_sidecar.as_object_mut().unwrap().remove("sidecar");
-    let err = crate::config::Policy::from_value(no_sidecar)
+    let err = crate::policy::Policy::from_value(no_sidecar)
         .unwrap_err()
         .to_string();
     assert!(err.contains("fleet"), "{err}");
@@ -333,7 +335,7 @@ fn the_fleet_section_is_checked_with_field_paths() {
         json!({"requests": "10/min"}),
         json!({"local": ["tier/t/requests"]}),
     );
-    assert!(crate::config::Policy::from_value(ok).is_ok());
+    assert!(crate::policy::Policy::from_value(ok).is_ok());
 }
 
 #[test]
@@ -524,16 +526,17 @@ fn the_salt_and_the_secret_are_required() {
     // Too short a salt is refused by the policy check (check-config too).
     for salt in ["", "short"] {
         let p = policy(json!({"requests": "10/min"}), json!({"salt": salt}));
-        let err = crate::config::Policy::from_value(p)
+        let err = crate::policy::Policy::from_value(p)
             .unwrap_err()
             .to_string();
         assert!(err.contains("fleet.salt"), "{err}");
     }
     // No secret in the VM's environment: the policy does not load.
     let host = MockHost::new(T0);
-    host.env
-        .borrow_mut()
-        .insert(DEFAULT_SECRET_ENV.into(), "too-short".into());
+    host.env.borrow_mut().insert(
+        crate::policy::fleet::DEFAULT_SECRET_ENV.into(),
+        "too-short".into(),
+    );
     let mut poller = Poller::new();
     let p = policy(json!({"requests": "10/min"}), json!({}));
     assert!(!poller.configure(&host, p.to_string().as_bytes()));
@@ -541,7 +544,8 @@ fn the_salt_and_the_secret_are_required() {
         host.logs
             .borrow()
             .iter()
-            .any(|(_, m)| m.contains("fleet.secret_env") && m.contains(DEFAULT_SECRET_ENV)),
+            .any(|(_, m)| m.contains("fleet.secret_env")
+                && m.contains(crate::policy::fleet::DEFAULT_SECRET_ENV)),
         "{:?}",
         host.logs.borrow()
     );
@@ -565,8 +569,8 @@ fn the_salt_and_the_secret_are_required() {
 #[test]
 fn the_fingerprint_changes_with_the_salt_the_replicas_and_the_rules() {
     let fp = |tiers: Value, fleet: Value| {
-        let p = crate::config::Policy::from_value(policy(tiers, fleet)).unwrap();
-        fingerprint(&crate::engine::Engine::new(p))
+        let p = crate::policy::Policy::from_value(policy(tiers, fleet)).unwrap();
+        fingerprint(&crate::admission::Engine::new(p))
     };
     let base = fp(json!({"requests": "10/min"}), json!({}));
     assert_eq!(base, fp(json!({"requests": "10/min"}), json!({})));
@@ -600,7 +604,7 @@ fn a_full_outbox_keeps_charges_before_cancels() {
     // A loaded policy made the outbox key; the fleet is driven directly.
     let (host, _poller) = outage("local_share");
     let engine = Engine::new(
-        crate::config::Policy::from_value(policy(json!({"requests": "10/day"}), json!({})))
+        crate::policy::Policy::from_value(policy(json!({"requests": "10/day"}), json!({})))
             .unwrap(),
     );
     let fleet = Fleet::new(&engine).unwrap();

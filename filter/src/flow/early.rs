@@ -10,9 +10,10 @@
 //! audit fields (`sluice_model_requested`) as they were.
 
 use super::{waiting, Stream};
-use crate::engine::Verdict;
-use crate::host::{Host, HostRequest};
-use crate::principal::Identity;
+use crate::admission::identity::Identity;
+use crate::admission::Verdict;
+use crate::flow::HostRequest;
+use crate::host::Host;
 
 /// Declared bodies above this are checked before they are read.
 pub(super) const EARLY_REFUSAL_BYTES: u64 = 16 * 1024;
@@ -56,10 +57,10 @@ impl Stream {
 mod tests {
     use serde_json::json;
 
+    use crate::flow::telemetry;
     use crate::flow::Poller;
     use crate::host::mock::MockHost;
     use crate::host::Action;
-    use crate::metrics;
 
     /// A POST to `/v1/embeddings` whose body is still to come; `length`:
     /// its declared `content-length`, if any. The action of the headers.
@@ -110,11 +111,11 @@ mod tests {
             assert_eq!(reply.status, 429);
             assert_eq!(reply.header("x-sluice-reason"), Some("user_rate_limit"));
         }
-        assert_eq!(host.metric(metrics::REFUSED_BEFORE_BODY), Some(2));
+        assert_eq!(host.metric(telemetry::REFUSED_BEFORE_BODY), Some(2));
         // A small declared body is read first (its answer keeps its model
         // label): no answer at the headers.
         assert_eq!(headers_only(&poller, &host, Some("40")), Action::Pause);
         assert!(host.replies.borrow().is_empty(), "answered before the body");
-        assert_eq!(host.metric(metrics::REFUSED_BEFORE_BODY), Some(2));
+        assert_eq!(host.metric(telemetry::REFUSED_BEFORE_BODY), Some(2));
     }
 }

@@ -29,8 +29,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::Filter;
-use crate::fleet::Unavailable;
 use crate::host::{Host, LogLevel, MetricKind};
+use crate::policy::fleet::Unavailable;
 use crate::queue::{self, slots_scope, Group, State};
 
 /// A report at least this often while slots are held (liveness).
@@ -168,8 +168,8 @@ impl Agent {
                 lowered
             });
             filter.applied(host, backend, &changed);
-            if changed.written == crate::store::Updated::Exhausted
-                || changed.written == crate::store::Updated::Failed
+            if changed.written == crate::state::store::Updated::Exhausted
+                || changed.written == crate::state::store::Updated::Failed
             {
                 return; // next tick
             }
@@ -278,7 +278,7 @@ fn set(
     let saturated = |m: &str| saturated.iter().any(|s| s == m);
     let tries = filter
         .tries()
-        .saturating_mul(crate::reservation::SETTLE_TRIES_FACTOR);
+        .saturating_mul(crate::limits::reservation::SETTLE_TRIES_FACTOR);
     let changed = queue::lease(host, g, tries, &saturated, now, f);
     filter.applied(host, backend, &changed);
 }

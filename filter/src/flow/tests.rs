@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::host::mock::MockHost;
-use crate::store::{MemStore, SharedStore};
+use crate::state::store::{MemStore, SharedStore};
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -85,7 +85,7 @@ fn an_admitted_stream_is_rewritten_metered_and_settled_from_usage() {
         host.req_header("content-length").unwrap(),
         host.request_body.borrow().len().to_string()
     );
-    assert_eq!(host.metric(metrics::RESERVATIONS_OUTSTANDING), Some(1));
+    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(1));
     let estimated = host
         .metric("sluice_tokens_total_direction=output;.kind=estimated;.tier=t;.model=other;")
         .unwrap();
@@ -115,7 +115,7 @@ fn an_admitted_stream_is_rewritten_metered_and_settled_from_usage() {
         ))
     };
     assert_eq!((actual("input"), actual("output")), (Some(5), Some(3)));
-    assert_eq!(host.metric(metrics::RESERVATIONS_OUTSTANDING), Some(0));
+    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(0));
     assert_eq!(
         host.state("sluice_usage_source").as_deref(),
         Some("upstream")
@@ -136,11 +136,11 @@ fn a_request_the_upstream_never_answers_is_settled_once_in_on_log() {
     );
     let (mut req, action) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 50));
     assert_eq!(action, Action::Continue);
-    assert_eq!(host.metric(metrics::RESERVATIONS_OUTSTANDING), Some(1));
+    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(1));
     req.on_log(&host);
     req.on_log(&host);
-    assert_eq!(host.metric(metrics::RESERVATIONS_OUTSTANDING), Some(0));
-    assert_eq!(host.metric(metrics::USAGE_MISSING), Some(1));
+    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(0));
+    assert_eq!(host.metric(telemetry::USAGE_MISSING), Some(1));
     // No e2e latency for a request without an answer.
     assert!(host.histograms.borrow().is_empty());
 }
@@ -166,7 +166,7 @@ fn refusals_are_answered_locally_and_counted() {
         format!("sluice_requests_total_decision=refuse;.reason={reason};.tier=t;.model=other;");
     assert_eq!(host.metric(&refused), Some(1), "{:?}", host.metrics);
     assert_eq!(
-        host.metric(&metrics::refusals_total("tier/t/requests")),
+        host.metric(&telemetry::refusals_total("tier/t/requests")),
         Some(1)
     );
     // Another caller has its own bucket.
@@ -302,7 +302,7 @@ fn the_probe_is_claimed_only_after_admission_and_given_back_in_on_log() {
         assert_eq!(action, Action::Continue);
         answer(&host, &mut req, "500", &[], "{}");
     }
-    assert_eq!(host.metric(metrics::ERROR_BREAKER_OPENED), Some(1));
+    assert_eq!(host.metric(telemetry::ERROR_BREAKER_OPENED), Some(1));
     let (_, action) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
     assert_eq!(action, Action::Pause);
     assert_eq!(host.last_reply().unwrap().status, 503);
@@ -340,8 +340,8 @@ fn a_429_with_retry_after_pauses_only_that_credential() {
     let bob = [("authorization", "Bearer sk-bob")];
     let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &alice, &chat("m", 10));
     answer(&host, &mut req, "429", &[("retry-after", "5")], "{}");
-    assert_eq!(host.metric(metrics::PAUSES_CREDENTIAL), Some(1));
-    assert_eq!(host.metric(metrics::PAUSES_ROUTE), Some(0));
+    assert_eq!(host.metric(telemetry::PAUSES_CREDENTIAL), Some(1));
+    assert_eq!(host.metric(telemetry::PAUSES_ROUTE), Some(0));
     // The same credential from another address is paused…
     let (_, action) = post(&poller, &host, "10.0.0.9:1", &alice, &chat("m", 10));
     assert_eq!(action, Action::Pause);
@@ -366,7 +366,7 @@ fn a_503_with_retry_after_pauses_the_route_and_envoys_own_answers_count_as_failu
     );
     let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
     answer(&host, &mut req, "503", &[("retry-after", "2")], "{}");
-    assert_eq!(host.metric(metrics::PAUSES_ROUTE), Some(1));
+    assert_eq!(host.metric(telemetry::PAUSES_ROUTE), Some(1));
     let (_, action) = post(&poller, &host, "10.0.0.2:1", &[], &chat("m", 10));
     assert_eq!(action, Action::Pause);
     assert_eq!(host.last_reply().unwrap().status, 503);
@@ -384,13 +384,13 @@ fn a_503_with_retry_after_pauses_the_route_and_envoys_own_answers_count_as_failu
     req.on_log(&host);
     assert_eq!(record(&host, "m").failures, 2, "the 503 and the reset");
     assert_eq!(
-        host.metric(metrics::ERROR_BREAKER_OPENED),
+        host.metric(telemetry::ERROR_BREAKER_OPENED),
         Some(0),
         "one caller"
     );
     let (mut req, _) = post(&poller, &host, "10.0.0.2:1", &[], &chat("m", 10));
     answer(&host, &mut req, "502", &[], "");
-    assert_eq!(host.metric(metrics::ERROR_BREAKER_OPENED), Some(1));
+    assert_eq!(host.metric(telemetry::ERROR_BREAKER_OPENED), Some(1));
 }
 
 fn sidecar_policy() -> Value {
@@ -402,7 +402,7 @@ fn sidecar_policy() -> Value {
 }
 
 fn publish(host: &MockHost, state: Value) {
-    let bytes = crate::codec::encode_seen(host.now_ms(), state.to_string().as_bytes());
+    let bytes = crate::admission::health::encode_seen(host.now_ms(), state.to_string().as_bytes());
     host.set(SIDECAR_KEY, &bytes, 0).unwrap();
 }
 
@@ -421,7 +421,7 @@ fn the_kill_switch_reroutes_with_the_header_and_a_route_cache_refresh() {
         Some("backup")
     );
     assert_eq!(host.route_cache_clears.get(), 1);
-    assert_eq!(host.metric(metrics::REROUTED), Some(1));
+    assert_eq!(host.metric(telemetry::REROUTED), Some(1));
     answer(&host, &mut req, "500", &[], "{}");
     assert_eq!(
         host.resp_header("x-sluice-provider").as_deref(),
@@ -519,11 +519,11 @@ fn one_root_holds_the_poll_lease_and_renews_it_while_polling() {
     pa.on_call_response(&a, 99, 10); // not our token: ignored
     assert!(b.get(SIDECAR_KEY).is_none());
     pa.on_call_response(&a, poll.token, state.to_string().len());
-    let seen = crate::codec::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
+    let seen = crate::admission::health::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
     assert_eq!(seen.state.unwrap().version, 9);
-    assert_eq!(a.metric(metrics::KILL_SWITCH), Some(1));
-    assert_eq!(a.metric(metrics::BREAKERS_OPEN), Some(1));
-    assert_eq!(a.metric(metrics::SIDECAR_POLLS), Some(1));
+    assert_eq!(a.metric(telemetry::KILL_SWITCH), Some(1));
+    assert_eq!(a.metric(telemetry::BREAKERS_OPEN), Some(1));
+    assert_eq!(a.metric(telemetry::SIDECAR_POLLS), Some(1));
     let next = a.callouts.borrow()[1].clone();
     assert!(next
         .headers
@@ -540,7 +540,7 @@ fn a_failing_sidecar_is_logged_once_per_outage_and_retried_after_a_pause() {
     let mut poller = load(&host, sidecar_policy());
     *host.dispatch_error.borrow_mut() = Some("BadArgument".into());
     poller.tick(&host);
-    assert_eq!(host.metric(metrics::SIDECAR_POLL_ERRORS), Some(1));
+    assert_eq!(host.metric(telemetry::SIDECAR_POLL_ERRORS), Some(1));
     poller.tick(&host);
     assert_eq!(host.callouts.borrow().len(), 0, "waits before retrying");
     host.advance(1_000);
@@ -562,7 +562,7 @@ fn a_failing_sidecar_is_logged_once_per_outage_and_retried_after_a_pause() {
         poller.tick(&host);
     }
     assert_eq!(warns(&host), 1);
-    assert_eq!(host.metric(metrics::SIDECAR_POLL_ERRORS), Some(3));
+    assert_eq!(host.metric(telemetry::SIDECAR_POLL_ERRORS), Some(3));
     assert!(
         host.get(SIDECAR_KEY).is_none(),
         "nothing unreadable is stored"
@@ -607,7 +607,9 @@ fn audit_fields_are_written_and_bounded() {
     );
     assert_eq!(
         host.state("sluice_response_sha256").unwrap(),
-        crate::principal::sha256_hex(b"{\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1}}")
+        crate::policy::keys::sha256_hex(
+            b"{\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1}}"
+        )
     );
     assert_eq!(host.state("sluice_tokens_output").as_deref(), Some("1"));
     // Whatever a value holds, a field stays within the bound, in whole
@@ -637,20 +639,20 @@ fn metrics_exist_at_zero_once_a_policy_loads_and_a_bad_policy_keeps_the_last() {
         &host,
         json!({"default_tier": "t", "tiers": {"t": {"requests": "5/min"}}}),
     );
-    for name in metrics::FIXED {
+    for name in telemetry::FIXED {
         assert_eq!(host.metric(name), Some(0), "{name}");
     }
     assert_eq!(
-        host.metric(&metrics::refusals_total("tier/t/requests")),
+        host.metric(&telemetry::refusals_total("tier/t/requests")),
         Some(0)
     );
     let kinds = host.metrics.borrow();
-    assert_eq!(kinds[metrics::KILL_SWITCH].0, MetricKind::Gauge);
-    assert_eq!(kinds[metrics::REROUTED].0, MetricKind::Counter);
+    assert_eq!(kinds[telemetry::KILL_SWITCH].0, MetricKind::Gauge);
+    assert_eq!(kinds[telemetry::REROUTED].0, MetricKind::Counter);
     drop(kinds);
     assert_eq!(host.tick_period_ms.get(), None, "no sidecar, no tick");
     assert!(!poller.configure(&host, b"{\"default_tier\": 7}"));
-    assert_eq!(host.metric(metrics::CONFIG_REJECTED), Some(1));
+    assert_eq!(host.metric(telemetry::CONFIG_REJECTED), Some(1));
     assert!(host
         .logs
         .borrow()
@@ -676,11 +678,11 @@ fn the_global_breaker_gauge_follows_admission_and_settlement() {
         if action == Action::Pause {
             let reply = host.last_reply().unwrap();
             assert_eq!(reply.header("x-sluice-reason"), Some("global_breaker_open"));
-            assert_eq!(host.metric(metrics::GLOBAL_BREAKER), Some(1));
+            assert_eq!(host.metric(telemetry::GLOBAL_BREAKER), Some(1));
             opened = true;
             break;
         }
-        assert_eq!(host.metric(metrics::GLOBAL_BREAKER), Some(0));
+        assert_eq!(host.metric(telemetry::GLOBAL_BREAKER), Some(0));
         answer(
             &host,
             &mut req,
@@ -783,8 +785,8 @@ fn a_stream_past_its_allowance_is_cut_and_charged_what_it_sent() {
     *host.response_body.borrow_mut() = Vec::new();
     req.on_response_body(&host, 0, true);
     req.on_log(&host);
-    assert_eq!(host.metric(metrics::STREAM_CUT), Some(1));
-    assert_eq!(host.metric(metrics::RESERVATIONS_OUTSTANDING), Some(0));
+    assert_eq!(host.metric(telemetry::STREAM_CUT), Some(1));
+    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(0));
     let output = host
         .metric("sluice_tokens_total_direction=output;.kind=actual;.tier=t;.model=other;")
         .unwrap();
@@ -869,7 +871,7 @@ fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_
     );
     let used = || {
         let (bytes, _) = host.get("sluice:v1:model/m/tokens").unwrap();
-        crate::bucket::BucketState::decode(&bytes).used / crate::bucket::SCALE
+        crate::limits::bucket::BucketState::decode(&bytes).used / crate::policy::units::SCALE
     };
     let usage = |completion: u64| {
         format!(
@@ -883,8 +885,8 @@ fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_
     host.lose_writes.set(15);
     answer(&host, &mut req, "200", &json, &usage(500));
     assert_eq!(used(), 505, "charged in full");
-    assert_eq!(host.metric(metrics::CAS_RETRIES), Some(15));
-    assert_eq!(host.metric(metrics::CAS_EXHAUSTED), Some(0));
+    assert_eq!(host.metric(telemetry::CAS_RETRIES), Some(15));
+    assert_eq!(host.metric(telemetry::CAS_EXHAUSTED), Some(0));
     // A storm past the settlement's bound (2 × 8 tries): not written, but
     // counted and said.
     let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
@@ -892,7 +894,7 @@ fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_
     host.lose_writes.set(16);
     answer(&host, &mut req, "200", &json, &usage(500));
     assert_eq!(used(), before, "the bucket kept the reservation");
-    assert_eq!(host.metric(metrics::CAS_EXHAUSTED), Some(1));
+    assert_eq!(host.metric(telemetry::CAS_EXHAUSTED), Some(1));
     assert!(host
         .logs
         .borrow()

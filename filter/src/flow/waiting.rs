@@ -15,7 +15,7 @@
 //! left first (its withdrawal finds the entry gone, so it owns the slot).
 //!
 //! Before a request takes a place, its buckets are peeked
-//! ([`crate::engine::Engine::would_admit`], nothing reserved): a caller
+//! ([`crate::admission::Engine::would_admit`], nothing reserved): a caller
 //! they would refuse at dispatch is refused at once, or sleeps (holding no
 //! place) for as long as its bucket says when that is within its wait.
 //! When its turn comes it is routed again, as a new request would be now
@@ -33,14 +33,15 @@ use std::cell::RefCell;
 use std::rc::{Rc, Weak};
 
 use super::{count_contention, Filter, Request, Stream};
-use crate::answer::{self, Reason};
-use crate::config::IdentitySource;
-use crate::engine::{Asked, RequestContext, Routed, Verdict};
-use crate::health::{Pushback, Seen, SATURATED};
-use crate::host::{Action, Host, HostRequest, LogLevel, MetricKind};
-use crate::principal::{Identity, RequestView};
+use crate::admission::answer::{self, Reason};
+use crate::admission::health::{Pushback, Seen, SATURATED};
+use crate::admission::identity::{Identity, RequestView};
+use crate::admission::{Asked, RequestContext, Routed, Verdict};
+use crate::flow::HostRequest;
+use crate::host::{Action, Host, LogLevel, MetricKind};
+use crate::limits::reservation::SETTLE_TRIES_FACTOR;
+use crate::policy::IdentitySource;
 use crate::queue::{self, Blocked, Changed, Entered, Grant, State};
-use crate::reservation::SETTLE_TRIES_FACTOR;
 
 /// Tick period while a policy has gates: deadlines are kept within it.
 pub const QUEUE_TICK_MS: u64 = 20;
@@ -539,8 +540,8 @@ impl Stream {
         now: u64,
     ) -> bool {
         let until = pushback.record.paused_until_ms;
-        let paused =
-            verdict.labels.decision == crate::answer::Decision::Refuse(Reason::UpstreamPaused);
+        let paused = verdict.labels.decision
+            == crate::admission::answer::Decision::Refuse(Reason::UpstreamPaused);
         if !paused || until <= now || pushback.credential_paused_until_ms > now {
             return false;
         }
@@ -687,7 +688,8 @@ impl Stream {
             // An upstream pause is the queue's to wait out; other answers
             // (open breaker, static) are what a new request gets.
             Routed::Answered(v) => {
-                v.labels.decision != crate::answer::Decision::Refuse(Reason::UpstreamPaused)
+                v.labels.decision
+                    != crate::admission::answer::Decision::Refuse(Reason::UpstreamPaused)
             }
             Routed::Primary | Routed::Probe => false,
         }
@@ -868,8 +870,8 @@ impl Stream {
         let changed = queue::withdraw(host, group, tries, ticket);
         filter.applied(host, &g.backend, &changed);
         match changed.written {
-            crate::store::Updated::Written => count(host, "abandoned", "client_gone", &g),
-            crate::store::Updated::Unchanged => {
+            crate::state::store::Updated::Written => count(host, "abandoned", "client_gone", &g),
+            crate::state::store::Updated::Unchanged => {
                 // Granted while the client left: the slot is ours to give back.
                 if let Some(g) = self.gate.as_mut() {
                     g.slot = true;
@@ -1105,8 +1107,10 @@ pub fn tick(filter: &Rc<Filter>, host: &dyn Host, now: u64) {
                 let out = queue::withdraw(host, group, tries, *ticket);
                 filter.applied(host, backend, &out);
                 match out.written {
-                    crate::store::Updated::Written => evict(filter, host, *ticket),
-                    crate::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
+                    crate::state::store::Updated::Written => evict(filter, host, *ticket),
+                    crate::state::store::Updated::Unchanged => {
+                        resume(filter, host, *ticket, "tick")
+                    }
                     _ => {}
                 }
             } else if *deadline <= now {
@@ -1114,8 +1118,10 @@ pub fn tick(filter: &Rc<Filter>, host: &dyn Host, now: u64) {
                 let out = queue::withdraw(host, group, tries, *ticket);
                 filter.applied(host, backend, &out);
                 match out.written {
-                    crate::store::Updated::Written => expire(filter, host, *ticket),
-                    crate::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
+                    crate::state::store::Updated::Written => expire(filter, host, *ticket),
+                    crate::state::store::Updated::Unchanged => {
+                        resume(filter, host, *ticket, "tick")
+                    }
                     _ => {}
                 }
             }
@@ -1161,10 +1167,10 @@ fn reroute_changed(filter: &Filter, host: &dyn Host, mine: &[(u64, String, u64)]
         let out = queue::withdraw(host, group, tries, *ticket);
         filter.applied(host, backend, &out);
         match out.written {
-            crate::store::Updated::Written => dispatch_off_primary(filter, host, *ticket),
+            crate::state::store::Updated::Written => dispatch_off_primary(filter, host, *ticket),
             // Granted meanwhile: it holds a slot, and its dispatch routes
             // it again.
-            crate::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
+            crate::state::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
             _ => {}
         }
     }

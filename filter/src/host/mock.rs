@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::{Host, LogLevel, MetricKind};
-use crate::store::{MemStore, SharedStore, StoreError};
+use crate::state::store::{MemStore, SharedStore, StoreError};
 
 /// A local reply as the host was asked to send it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -344,7 +344,8 @@ impl Host for MockHost {
 
     fn env_var(&self, name: &str) -> Option<String> {
         self.env.borrow().get(name).cloned().or_else(|| {
-            (name == crate::fleet::DEFAULT_SECRET_ENV).then(|| MOCK_FLEET_SECRET.to_string())
+            (name == crate::policy::fleet::DEFAULT_SECRET_ENV)
+                .then(|| MOCK_FLEET_SECRET.to_string())
         })
     }
 

@@ -1,5 +1,5 @@
 use super::*;
-use crate::store::MemStore;
+use crate::state::store::MemStore;
 
 fn group(model_limit: u32, weights: &[(&str, u32)]) -> Group {
     Group {

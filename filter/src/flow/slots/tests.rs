@@ -50,7 +50,7 @@ fn post(poller: &Poller, host: &MockHost, ctx: u32, tier: &str) -> (Request, Act
 }
 
 fn state(host: &MockHost) -> State {
-    let (bytes, _) = crate::store::SharedStore::get(host, "sluice:v1:queue:b").unwrap();
+    let (bytes, _) = crate::state::store::SharedStore::get(host, "sluice:v1:queue:b").unwrap();
     State::decode(&bytes).unwrap()
 }
 

@@ -264,8 +264,9 @@ fn saturation_holds_batch_and_refuses_interactive() {
     let mut poller = load(&w, &p);
     let state = |breakers: Value| {
         let s = json!({"version": 2, "breakers": breakers});
-        let bytes = crate::codec::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
-        crate::store::SharedStore::set(&w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
+        let bytes =
+            crate::admission::health::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
+        crate::state::store::SharedStore::set(&w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
     };
     state(json!([{"scope": "backend:local", "state": "saturated"}]));
     let (_a, action) = post(&poller, &w, 1, &[("x-user", "a")]);
@@ -447,7 +448,7 @@ fn a_caller_its_buckets_refuse_takes_no_place() {
     assert_eq!(reason(&w), Some((429, "queue_full".into())));
     assert_eq!(w.replies.borrow().len(), 1);
     assert_eq!(w.effective_context.get(), Some(4));
-    let state = crate::store::SharedStore::get(&w, "sluice:v1:queue:local")
+    let state = crate::state::store::SharedStore::get(&w, "sluice:v1:queue:local")
         .unwrap()
         .0;
     let state = crate::queue::State::decode(&state).unwrap();
@@ -486,7 +487,7 @@ fn a_full_queue_makes_room_for_a_newcomer() {
     finish(&w, &mut a1);
     poller.on_wake(&w);
     assert_eq!(*w.resumed.borrow(), vec![2]);
-    let state = crate::store::SharedStore::get(&w, "sluice:v1:queue:local")
+    let state = crate::state::store::SharedStore::get(&w, "sluice:v1:queue:local")
         .unwrap()
         .0;
     let state = crate::queue::State::decode(&state).unwrap();
@@ -503,8 +504,8 @@ fn kill_switch_policy() -> Value {
 
 fn kill_switch(w: &MockHost, version: u64, active: bool) {
     let s = json!({"version": version, "kill_switch": {"active": active}, "breakers": []});
-    let bytes = crate::codec::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
-    crate::store::SharedStore::set(w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
+    let bytes = crate::admission::health::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
+    crate::state::store::SharedStore::set(w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
 }
 
 /// Pulled while requests wait: a granted one is routed again at dispatch

@@ -1,0 +1,514 @@
+//! Admission (step 4): the global spend breaker, then every bucket that
+//! applies, all or nothing; a lowered output where a hard token budget
+//! cannot cover the maximum; a downshift over a soft cap; the 429 of the
+//! bucket that refused, or the headers of an admission.
+
+use super::rewrite::rewrite;
+use super::*;
+use crate::limits::reservation::Share;
+
+/// Who takes from the buckets: declared API keys by name (they have
+/// dedicated keys), everyone else by hash.
+pub(super) fn caller(identity: &Identity) -> Caller<'_> {
+    Caller {
+        hash: identity.hash,
+        declared: identity.declared.then_some(identity.principal.as_str()),
+    }
+}
+
+/// What a request asks of the buckets before any lowering, sized the one
+/// way admission and the queue's peek both use.
+struct Sized {
+    requested_model: Option<String>,
+    /// Estimated input tokens, corrected per model.
+    input: u64,
+    /// The API the body speaks (an `/invocations` body's, resolved).
+    api: Api,
+    produces_output: bool,
+    /// Every prompt × `n`/`best_of` (the API's multiplier table).
+    choices: u64,
+    /// The maximum output of one completion.
+    per_choice: u64,
+}
+
+impl Engine {
+    fn size(&self, store: &dyn SharedStore, api: Api, asked: Option<&Asked>) -> Sized {
+        // A passthrough rule's model: its request limits apply (no body is
+        // read, so nothing else is known of the request).
+        let requested_model = asked
+            .and_then(|a| a.demand.model.clone())
+            .or_else(|| self.passthrough_model(api).map(str::to_string));
+        let input = match (asked, &requested_model) {
+            (Some(a), Some(m)) => self.correction(store, m).apply(a.input_raw),
+            (Some(a), None) => Correction::default().apply(a.input_raw),
+            (None, _) => 0,
+        };
+        let api = asked.map_or(api, |a| a.demand.api);
+        let produces_output = asked.is_some() && api.produces_output();
+        // Each completion may produce the maximum: the output reserved is
+        // the maximum times the completions. All are capped at parse time,
+        // so the product cannot wrap (saturating all the same).
+        let choices = asked.map_or(1, |a| a.demand.completions().max(1));
+        let per_choice = match (produces_output, asked.and_then(|a| a.demand.max_output)) {
+            (false, _) => 0,
+            (true, Some(max)) => max,
+            (true, None) => self.default_output(requested_model.as_deref()),
+        };
+        Sized {
+            requested_model,
+            input,
+            api,
+            produces_output,
+            choices,
+            per_choice,
+        }
+    }
+
+    /// The buckets a request draws on: the identity's, its model's and
+    /// route's, and a passthrough rule's own.
+    fn drawn_on(
+        &self,
+        identity: &Identity,
+        api: Api,
+        model: Option<&str>,
+        path: &str,
+    ) -> Vec<usize> {
+        let mut applying = self.applying(identity, model, path);
+        if let Api::Passthrough(n) = api {
+            applying.extend(self.passthrough.get(usize::from(n)).map(|(_, i)| *i));
+        }
+        applying
+    }
+}
+
+impl Engine {
+    /// Step 4: reserve every bucket that applies, all or nothing; lower the
+    /// output a hard token budget cannot cover; downshift over a soft cap.
+    pub fn admit(&self, store: &dyn SharedStore, ctx: &RequestContext) -> Verdict {
+        let RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        } = *ctx;
+        if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
+            return verdict;
+        }
+        let reserver = self.reserver(store);
+        let Sized {
+            requested_model,
+            input,
+            api,
+            produces_output,
+            choices,
+            mut per_choice,
+        } = self.size(store, api, asked);
+        let requested_out = asked.and_then(|a| a.demand.max_output);
+        let input_raw = asked.map_or(0.0, |a| a.input_raw);
+        let mut output = per_choice.saturating_mul(choices);
+        let downshift = asked.and_then(|_| {
+            self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
+        });
+        let model = downshift.clone().or(requested_model.clone());
+        let degraded = downshift.is_some().then_some(Degraded::Downshift);
+        let labels = |decision| Labels {
+            decision,
+            tier: identity.tier.clone(),
+            model: self.model_label(model.as_deref()),
+        };
+
+        // Reserve; when a hard token budget cannot cover the maximum output,
+        // ask the model for only what it still covers (no overshoot).
+        let mut effort = Contention::default();
+        let pricing = self.pricing_of(model.as_deref());
+        let applying = self.drawn_on(identity, api, model.as_deref(), path);
+        let mut lowered = false;
+        let (reservation, taken) = loop {
+            let taken: Vec<usize> = applying
+                .iter()
+                .copied()
+                .filter(|&i| self.buckets[i].meter.amount(input, output, pricing) > 0)
+                .collect();
+            let claims: Vec<Claim> = taken
+                .iter()
+                .map(|&i| {
+                    let b = &self.buckets[i];
+                    Claim {
+                        rule: &b.rule,
+                        amount: b.meter.amount(input, output, pricing),
+                        soft: b.soft,
+                        share: b.shares.as_ref().map(|table| Share {
+                            table,
+                            group: table.group_of(&identity.tier, identity.declared),
+                        }),
+                    }
+                })
+                .collect();
+            match reserver.reserve(&claims, caller(identity), now_ms, &mut effort) {
+                Ok(reservation) => break (reservation, taken),
+                Err(Refusal::Full { index, shortfall }) if produces_output => {
+                    let room = shortfall.quota.remaining;
+                    let allowed = match self.buckets[taken[index]].meter {
+                        Meter::Tokens => room.saturating_sub(input),
+                        Meter::OutputTokens => room,
+                        _ => 0,
+                    };
+                    let allowed_per_choice = allowed / choices;
+                    if allowed_per_choice >= MIN_LOWERED_OUTPUT && allowed_per_choice < per_choice {
+                        per_choice = allowed_per_choice;
+                        output = per_choice.saturating_mul(choices);
+                        lowered = true;
+                        continue;
+                    }
+                    let refusal = Refusal::Full { index, shortfall };
+                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms);
+                }
+                Err(refusal) => {
+                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms)
+                }
+            }
+        };
+
+        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
+        let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
+        if let Some(kind) = degraded {
+            headers.push(("x-sluice-degraded".into(), kind.code().into()));
+        }
+        let (body, strip_usage) = match asked {
+            Some(asked) => {
+                let new_output =
+                    (produces_output && (lowered || requested_out.is_none())).then_some(per_choice);
+                rewrite(api, asked, downshift.as_deref(), new_output)
+            }
+            None => (None, false),
+        };
+        let held = asked
+            .is_none()
+            .then(|| (reservation.held.clone(), meters.clone()));
+        let plan = asked.map(|a| Plan {
+            held: reservation.held,
+            meters,
+            api,
+            model: model.clone(),
+            input_raw,
+            input_estimate: input,
+            max_output: output,
+            stream: a.demand.stream,
+            strip_usage,
+            pricing,
+        });
+        Verdict {
+            reply: None,
+            response_headers: headers,
+            body,
+            labels: labels(Decision::Admit),
+            contention: effort,
+            no_slot: false,
+            plan,
+            alerts,
+            degraded,
+            bucket: None,
+            held,
+        }
+    }
+
+    /// Over a soft cap, the model's cheaper model (`downshift_to`), if it
+    /// has one. A peek, not a reservation: soft caps tolerate the race.
+    pub(super) fn downshift(
+        &self,
+        reserver: &Reserver,
+        ctx: &RequestContext,
+        model: Option<&str>,
+        input: u64,
+        output: u64,
+    ) -> Option<String> {
+        let RequestContext {
+            identity,
+            path,
+            now_ms,
+            ..
+        } = *ctx;
+        let target = self.policy.models.get(model?)?.downshift_to.clone()?;
+        let pricing = self.pricing_of(model);
+        let over_soft = self.applying(identity, model, path).iter().any(|&i| {
+            let b = &self.buckets[i];
+            b.soft && {
+                let claim = Claim::hard(&b.rule, b.meter.amount(input, output, pricing));
+                reserver.peek(&claim, caller(identity), now_ms).remaining < claim.amount
+            }
+        });
+        over_soft.then_some(target)
+    }
+
+    /// The 429 of the bucket that refused (`taken[index]`).
+    pub(super) fn refusal(
+        &self,
+        refusal: Refusal,
+        taken: &[usize],
+        identity: &Identity,
+        labels: impl Fn(Decision) -> Labels,
+        mut effort: Contention,
+        now_ms: u64,
+    ) -> Verdict {
+        let (index, quota, retry_after_ms) = match refusal {
+            Refusal::NoSlot {
+                index,
+                retry_after_ms,
+            } => {
+                let bucket = &self.buckets[taken[index]];
+                let reason = Reason::CapacityExhausted;
+                let reply = answer::capacity_exhausted(
+                    retry_after_ms,
+                    &identity.tier,
+                    &bucket.name,
+                    now_ms,
+                );
+                return Verdict {
+                    reply: Some(reply),
+                    response_headers: Vec::new(),
+                    body: None,
+                    labels: labels(Decision::Refuse(reason)),
+                    contention: effort,
+                    no_slot: true,
+                    plan: None,
+                    alerts: Vec::new(),
+                    degraded: None,
+                    bucket: Some(bucket.rule.id.clone()),
+                    held: None,
+                };
+            }
+            Refusal::Full { index, shortfall } => {
+                (index, shortfall.quota, shortfall.retry_after_ms)
+            }
+            // Lost every CAS race (counted where it was lost) or the host
+            // refused the write (counted here): refuse by that bucket,
+            // briefly.
+            Refusal::Contended { index } | Refusal::Host { index, .. } => {
+                if matches!(refusal, Refusal::Host { .. }) {
+                    effort.cas_exhausted = effort.cas_exhausted.saturating_add(1);
+                }
+                let limit = self.buckets[taken[index]].rule.limit.capacity();
+                (
+                    index,
+                    Quota {
+                        limit,
+                        remaining: 0,
+                        reset_ms: 1_000,
+                    },
+                    1_000,
+                )
+            }
+        };
+        let bucket = &self.buckets[taken[index]];
+        let reply = Self::bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
+        Verdict {
+            reply: Some(reply),
+            response_headers: Vec::new(),
+            body: None,
+            labels: labels(Decision::Refuse(bucket.reason)),
+            contention: effort,
+            no_slot: false,
+            plan: None,
+            alerts: Vec::new(),
+            degraded: None,
+            bucket: Some(bucket.rule.id.clone()),
+            held: None,
+        }
+    }
+
+    /// The 429 of one bucket (its quota and wait): what admission answers,
+    /// and the fleet when Redis refuses the bucket.
+    pub(super) fn bucket_refusal(
+        bucket: &Bucket,
+        quota: Quota,
+        retry_after_ms: u64,
+        tier: &str,
+        now_ms: u64,
+    ) -> Reply {
+        let limit_text = bucket.rule.limit.describe();
+        answer::limited(
+            &Limited {
+                reason: bucket.reason,
+                quota,
+                retry_after_ms,
+                tier,
+                bucket: &bucket.name,
+                rule: &bucket.rule.id,
+                limit_text: &limit_text,
+            },
+            now_ms,
+        )
+    }
+
+    /// Headers of an admitted request: the tightest request bucket as
+    /// `X-RateLimit-*`, the tightest token bucket as `X-RateLimit-*-Tokens`
+    /// (OpenAI's names), and budget alerts past their threshold.
+    pub(super) fn admitted_headers(
+        &self,
+        quotas: &[Quota],
+        taken: &[usize],
+    ) -> (Vec<(String, String)>, Vec<String>) {
+        let share_left = |q: &Quota| {
+            (
+                q.remaining as u128 * 1_000_000 / q.limit.max(1) as u128,
+                std::cmp::Reverse(q.reset_ms),
+            )
+        };
+        let tightest = |want: fn(Meter) -> bool| {
+            quotas
+                .iter()
+                .zip(taken)
+                .filter(|(_, &i)| want(self.buckets[i].meter))
+                .map(|(q, _)| *q)
+                .min_by_key(share_left)
+        };
+        let mut headers = Vec::new();
+        if let Some(q) = tightest(|m| m == Meter::Requests).or_else(|| tightest(|_| true)) {
+            headers.extend(answer::rate_limit_headers(&q));
+        }
+        if let Some(q) =
+            tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
+        {
+            headers.extend(
+                answer::rate_limit_headers(&q)
+                    .into_iter()
+                    .map(|(n, v)| (format!("{n}-tokens"), v)),
+            );
+        }
+        let mut alerts = Vec::new();
+        for (q, &i) in quotas.iter().zip(taken) {
+            let b = &self.buckets[i];
+            if let Some(alert) = b.alert_permille {
+                let used_permille =
+                    1000 - (q.remaining as u128 * 1000 / q.limit.max(1) as u128) as u32;
+                if used_permille >= alert {
+                    alerts.push(format!("{}: {}% used", b.name, used_permille / 10));
+                }
+            }
+        }
+        if !alerts.is_empty() {
+            headers.push(("x-sluice-budget-alert".into(), alerts.join("; ")));
+        }
+        (headers, alerts)
+    }
+
+    /// 503 `global_breaker_open` while the last hour's spend, all callers
+    /// together, is at the ceiling.
+    pub(super) fn global_breaker(
+        &self,
+        store: &dyn SharedStore,
+        identity: &Identity,
+        asked: Option<&Asked>,
+        now_ms: u64,
+    ) -> Option<Verdict> {
+        let a = self.policy.anomaly.as_ref()?;
+        let ceiling = (a.max_spend_per_hour?.limit * 1e6).round() as u64;
+        let (bytes, _) = store.get(USAGE_KEY)?;
+        let reading = UsageRing::decode(&bytes).read(a.baseline_minutes as usize, now_ms);
+        if reading.spend_last_hour < ceiling {
+            return None;
+        }
+        // The oldest minute leaves the window within a minute.
+        let retry_after_s = 60 - (now_ms / 1000) % 60;
+        let why = format!(
+            "spend in the last hour reached the {:.2} ceiling",
+            ceiling as f64 / 1e6
+        );
+        let reply = answer::unavailable(Reason::GlobalBreakerOpen, &why, retry_after_s);
+        let model = asked.and_then(|a| a.demand.model.as_deref());
+        Some(self.refused(reply, Reason::GlobalBreakerOpen, &identity.tier, model))
+    }
+
+    /// The learned estimate correction of a configured model (others: 1.0).
+    pub(super) fn correction(&self, store: &dyn SharedStore, model: &str) -> Correction {
+        if !self.policy.models.contains_key(model) {
+            return Correction::default();
+        }
+        store
+            .get(&format!("{CORRECTION_KEY}{model}"))
+            .map_or(Correction::default(), |(bytes, _)| {
+                Correction::decode(&bytes)
+            })
+    }
+}
+
+impl Engine {
+    /// Would [`Engine::admit`] let this request through now? A peek, not a
+    /// reservation: nothing is taken, so another request may take the
+    /// units first. Advisory only: the real admission still runs when the
+    /// request is dispatched and alone decides what goes upstream. Asked
+    /// before a request takes a place in a queue, so a caller its buckets
+    /// would refuse at dispatch is refused at once (the same 429, with the
+    /// same `Retry-After`) instead of holding a place others could use.
+    ///
+    /// `queued`: the caller's requests already waiting in that queue; each
+    /// takes one unit of every request-counting bucket before this one, so
+    /// those must have `queued + 1` left (at most their capacity: what a
+    /// bucket cannot hold at once it still serves one after the other).
+    ///
+    /// It errs towards letting through: soft caps never refuse, a token
+    /// budget needs only the least output admission would lower a request
+    /// to, a downshift is followed; it reads each bucket once and writes
+    /// nothing. `None`: would admit; else the refusal admission would give.
+    pub fn would_admit(
+        &self,
+        store: &dyn SharedStore,
+        ctx: &RequestContext,
+        queued: u64,
+    ) -> Option<Verdict> {
+        let RequestContext {
+            identity,
+            api,
+            path,
+            asked,
+            now_ms,
+        } = *ctx;
+        if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
+            return Some(verdict);
+        }
+        let reserver = self.reserver(store);
+        let Sized {
+            requested_model,
+            input,
+            api,
+            choices,
+            per_choice,
+            ..
+        } = self.size(store, api, asked);
+        let output = per_choice.saturating_mul(choices);
+        let downshift = asked.and_then(|_| {
+            self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
+        });
+        let model = downshift.or(requested_model);
+        let pricing = self.pricing_of(model.as_deref());
+        // The least output admission would lower this request to.
+        let least = per_choice.min(MIN_LOWERED_OUTPUT).saturating_mul(choices);
+        let taken = self.drawn_on(identity, api, model.as_deref(), path);
+        for (index, &i) in taken.iter().enumerate() {
+            let b = &self.buckets[i];
+            if b.soft || b.meter.amount(input, output, pricing) == 0 {
+                continue;
+            }
+            let mut amount = b.meter.amount(input, least, pricing);
+            if b.meter == Meter::Requests {
+                let ahead = amount.saturating_mul(queued.saturating_add(1));
+                amount = ahead.min(b.rule.limit.capacity()).max(amount);
+            }
+            let Some(shortfall) =
+                reserver.shortfall(&Claim::hard(&b.rule, amount), caller(identity), now_ms)
+            else {
+                continue;
+            };
+            let labels = |decision| Labels {
+                decision,
+                tier: identity.tier.clone(),
+                model: self.model_label(model.as_deref()),
+            };
+            let refusal = Refusal::Full { index, shortfall };
+            let effort = Contention::default();
+            return Some(self.refusal(refusal, &taken, identity, labels, effort, now_ms));
+        }
+        None
+    }
+}

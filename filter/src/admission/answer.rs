@@ -1,0 +1,571 @@
+//! What the client sees (SPEC §3): OpenAI-shaped refusals that SDKs parse
+//! and back off from, and the `X-RateLimit-*` headers of admitted requests.
+
+use serde_json::json;
+
+use crate::limits::bucket::Quota;
+
+/// What became of a request, as metrics and the audit log say it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Decision {
+    /// Went upstream (a downshift is an admission too).
+    Admit,
+    Refuse(Reason),
+    /// Answered here instead of upstream, not refused.
+    Degrade(Degraded),
+}
+
+impl Decision {
+    /// The `decision` label.
+    pub fn code(self) -> &'static str {
+        match self {
+            Decision::Admit => "admit",
+            Decision::Refuse(_) => "refuse",
+            Decision::Degrade(_) => "degrade",
+        }
+    }
+
+    /// The `reason` label: `none` for an admission.
+    pub fn reason_code(self) -> &'static str {
+        match self {
+            Decision::Admit => "none",
+            Decision::Refuse(reason) => reason.code(),
+            Decision::Degrade(kind) => kind.code(),
+        }
+    }
+}
+
+/// How a request was served other than as asked (`x-sluice-degraded`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Degraded {
+    /// Over a soft cap: sent to the model's cheaper model.
+    Downshift,
+    /// Answered from the static table.
+    Static,
+}
+
+impl Degraded {
+    pub fn code(self) -> &'static str {
+        match self {
+            Degraded::Downshift => "downshift",
+            Degraded::Static => "static",
+        }
+    }
+}
+
+/// Why a request was refused; `code()` is the `x-sluice-reason` value and
+/// (but for `body_code`'s exceptions) the `error.code` of the body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    UserRateLimit,
+    ModelRateLimit,
+    RouteRateLimit,
+    TokenRateLimit,
+    DailyBudgetExceeded,
+    MonthlyBudgetExceeded,
+    SpendCapExceeded,
+    /// A tier's `anonymous_total`: all undeclared callers together.
+    AnonymousLimit,
+    /// No per-caller slot is free for a caller without a declared key.
+    CapacityExhausted,
+    /// A team's rate (requests or tokens), all its members together.
+    TeamRateLimit,
+    /// A team's daily/monthly token or spend budget.
+    TeamBudgetExceeded,
+    OrgRateLimit,
+    OrgBudgetExceeded,
+    /// In the penalty box (`abuse`) until the block ends.
+    TemporarilyBlocked,
+    GpuOverloaded,
+    UpstreamUnhealthy,
+    UpstreamPaused,
+    GlobalBreakerOpen,
+    RequestTooLarge,
+    InvalidRequest,
+    Unauthenticated,
+    /// Every concurrency slot of the model (or its backend) is taken and
+    /// the caller's class does not wait.
+    ModelConcurrency,
+    /// The caller's class queue for the model is at `max_depth`.
+    QueueFull,
+    /// Waited `max_wait` without a slot.
+    QueueDeadline,
+    /// A request with a body (or a POST) to a path sluice does not
+    /// classify and no `passthrough` rule opens: deny by default.
+    UnknownEndpoint,
+}
+
+impl Reason {
+    pub fn code(self) -> &'static str {
+        match self {
+            Reason::UserRateLimit => "user_rate_limit",
+            Reason::ModelRateLimit => "model_rate_limit",
+            Reason::RouteRateLimit => "route_rate_limit",
+            Reason::TokenRateLimit => "token_rate_limit",
+            Reason::DailyBudgetExceeded => "daily_budget_exceeded",
+            Reason::MonthlyBudgetExceeded => "monthly_budget_exceeded",
+            Reason::SpendCapExceeded => "spend_cap_exceeded",
+            Reason::AnonymousLimit => "anonymous_limit",
+            Reason::CapacityExhausted => "capacity_exhausted",
+            Reason::TeamRateLimit => "team_rate_limit",
+            Reason::TeamBudgetExceeded => "team_budget_exceeded",
+            Reason::OrgRateLimit => "org_rate_limit",
+            Reason::OrgBudgetExceeded => "org_budget_exceeded",
+            Reason::TemporarilyBlocked => "temporarily_blocked",
+            Reason::GpuOverloaded => "gpu_overloaded",
+            Reason::UpstreamUnhealthy => "upstream_unhealthy",
+            Reason::UpstreamPaused => "upstream_paused",
+            Reason::GlobalBreakerOpen => "global_breaker_open",
+            Reason::RequestTooLarge => "request_too_large",
+            Reason::InvalidRequest => "invalid_request",
+            Reason::Unauthenticated => "unauthenticated",
+            Reason::ModelConcurrency => "model_concurrency",
+            Reason::QueueFull => "queue_full",
+            Reason::QueueDeadline => "queue_deadline",
+            Reason::UnknownEndpoint => "unknown_endpoint",
+        }
+    }
+
+    /// `error.code` of the body: the `x-sluice-reason` code, except where
+    /// SDKs know OpenAI's own (a 401 is `invalid_api_key` there).
+    fn body_code(self) -> &'static str {
+        match self {
+            Reason::Unauthenticated => "invalid_api_key",
+            other => other.code(),
+        }
+    }
+
+    fn status(self) -> u32 {
+        match self {
+            Reason::UserRateLimit
+            | Reason::ModelRateLimit
+            | Reason::RouteRateLimit
+            | Reason::TokenRateLimit
+            | Reason::DailyBudgetExceeded
+            | Reason::MonthlyBudgetExceeded
+            | Reason::SpendCapExceeded
+            | Reason::AnonymousLimit
+            | Reason::CapacityExhausted
+            | Reason::ModelConcurrency
+            | Reason::QueueFull
+            | Reason::QueueDeadline
+            | Reason::TeamRateLimit
+            | Reason::TeamBudgetExceeded
+            | Reason::OrgRateLimit
+            | Reason::OrgBudgetExceeded
+            | Reason::TemporarilyBlocked => 429,
+            Reason::GpuOverloaded
+            | Reason::UpstreamUnhealthy
+            | Reason::UpstreamPaused
+            | Reason::GlobalBreakerOpen => 503,
+            Reason::RequestTooLarge => 413,
+            Reason::InvalidRequest => 400,
+            Reason::Unauthenticated => 401,
+            Reason::UnknownEndpoint => 404,
+        }
+    }
+
+    fn error_type(self) -> &'static str {
+        match self {
+            Reason::UserRateLimit
+            | Reason::ModelRateLimit
+            | Reason::RouteRateLimit
+            | Reason::TokenRateLimit
+            | Reason::AnonymousLimit
+            | Reason::CapacityExhausted
+            | Reason::ModelConcurrency
+            | Reason::QueueFull
+            | Reason::QueueDeadline
+            | Reason::TeamRateLimit
+            | Reason::OrgRateLimit
+            | Reason::TemporarilyBlocked => "rate_limit_exceeded",
+            // OpenAI's type for an exhausted plan (the SDKs retry any 429
+            // whatever its type: `x-should-retry` is what stops them).
+            Reason::DailyBudgetExceeded
+            | Reason::MonthlyBudgetExceeded
+            | Reason::SpendCapExceeded
+            | Reason::TeamBudgetExceeded
+            | Reason::OrgBudgetExceeded => "insufficient_quota",
+            // OpenAI answers a bad key with this type, code invalid_api_key.
+            Reason::RequestTooLarge
+            | Reason::InvalidRequest
+            | Reason::Unauthenticated
+            | Reason::UnknownEndpoint => "invalid_request_error",
+            Reason::GpuOverloaded
+            | Reason::UpstreamUnhealthy
+            | Reason::UpstreamPaused
+            | Reason::GlobalBreakerOpen => "service_unavailable",
+        }
+    }
+}
+
+/// A local reply: status, headers and JSON body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u32,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Details of a refusal by a bucket.
+#[derive(Debug, Clone)]
+pub struct Limited<'a> {
+    pub reason: Reason,
+    pub quota: Quota,
+    pub retry_after_ms: u64,
+    pub tier: &'a str,
+    /// Human name of the bucket, e.g. `tier free: requests`.
+    pub bucket: &'a str,
+    /// Its rule id, e.g. `team/search/requests`: the body's `bucket`.
+    pub rule: &'a str,
+    /// The limit as written, e.g. `10/min`.
+    pub limit_text: &'a str,
+}
+
+/// 429 for a bucket that does not fit.
+/// The longest `Retry-After` the OpenAI SDKs wait out before retrying.
+const SDK_MAX_RETRY_WAIT_S: u64 = 60;
+
+pub fn limited(l: &Limited, now_ms: u64) -> Reply {
+    let retry_after = ceil_secs(l.retry_after_ms).max(1);
+    let message = format!(
+        "Rate limit reached for {} ({}). Try again in {} s.",
+        l.bucket, l.limit_text, retry_after
+    );
+    let body = json!({"error": {
+        "message": message,
+        "type": l.reason.error_type(),
+        "code": l.reason.body_code(),
+        "param": null,
+        "sluice": {
+            "limit": l.quota.limit,
+            "remaining": l.quota.remaining,
+            "reset_at": rfc3339(now_ms.saturating_add(retry_after.saturating_mul(1000))),
+            "retry_after_seconds": retry_after,
+            "tier": l.tier,
+            "bucket": l.rule,
+        }
+    }});
+    let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
+    headers.extend(rate_limit_headers(&l.quota));
+    if retry_after > SDK_MAX_RETRY_WAIT_S {
+        // The OpenAI SDKs wait out a `Retry-After` of up to a minute; past
+        // that they would retry at once, into the same refusal.
+        headers.push(("x-should-retry".into(), "false".into()));
+    }
+    reply(l.reason, headers, &body)
+}
+
+/// 429 `capacity_exhausted`: every per-caller slot this caller could use
+/// is held by another active caller. Says so plainly, and when one frees.
+pub fn capacity_exhausted(retry_after_ms: u64, tier: &str, bucket: &str, now_ms: u64) -> Reply {
+    let reason = Reason::CapacityExhausted;
+    let retry_after = ceil_secs(retry_after_ms).max(1);
+    let message = format!(
+        "sluice is tracking as many callers as it can for {bucket}; \
+         none of its slots is free for you. Try again in {retry_after} s, \
+         or call with an API key declared in the policy."
+    );
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.code(),
+        "param": null,
+        "sluice": {
+            "reset_at": rfc3339(now_ms.saturating_add(retry_after.saturating_mul(1000))),
+            "retry_after_seconds": retry_after,
+            "tier": tier,
+            "bucket": bucket,
+        }
+    }});
+    reply(
+        reason,
+        vec![("retry-after".into(), retry_after.to_string())],
+        &body,
+    )
+}
+
+/// 429 `temporarily_blocked`: the caller is in the penalty box until
+/// `retry_after_ms` from now.
+pub fn temporarily_blocked(retry_after_ms: u64, now_ms: u64) -> Reply {
+    let reason = Reason::TemporarilyBlocked;
+    let retry_after = ceil_secs(retry_after_ms).max(1);
+    let message =
+        format!("Too many requests from this caller: blocked for the next {retry_after} s.");
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.code(),
+        "param": null,
+        "sluice": {
+            "reset_at": rfc3339(now_ms.saturating_add(retry_after.saturating_mul(1000))),
+            "retry_after_seconds": retry_after,
+        }
+    }});
+    let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
+    if retry_after > SDK_MAX_RETRY_WAIT_S {
+        headers.push(("x-should-retry".into(), "false".into()));
+    }
+    reply(reason, headers, &body)
+}
+
+/// A refusal that is not about a bucket (400, 401, 413).
+pub fn rejected(reason: Reason, message: &str, param: Option<&str>) -> Reply {
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.body_code(),
+        "param": param,
+    }});
+    reply(reason, Vec::new(), &body)
+}
+
+fn reply(reason: Reason, mut headers: Vec<(String, String)>, body: &serde_json::Value) -> Reply {
+    headers.push(("content-type".into(), "application/json".into()));
+    headers.push(("x-sluice-reason".into(), reason.code().into()));
+    Reply {
+        status: reason.status(),
+        headers,
+        body: body.to_string().into_bytes(),
+    }
+}
+
+/// An answer that only says "not now": the reason, a sentence and
+/// `Retry-After` — the concurrency gate and its queue (429
+/// `model_concurrency`, `queue_full`, `queue_deadline`) and the 503s of a
+/// backend that cannot take the request ([`unavailable`]).
+pub fn retry_later(reason: Reason, message: &str, retry_after_s: u64) -> Reply {
+    let body = json!({"error": {
+        "message": message,
+        "type": reason.error_type(),
+        "code": reason.body_code(),
+        "param": null,
+        "sluice": {"retry_after_seconds": retry_after_s},
+    }});
+    reply(
+        reason,
+        vec![("retry-after".into(), retry_after_s.to_string())],
+        &body,
+    )
+}
+
+/// 503: the backend cannot take the request now.
+pub fn unavailable(reason: Reason, why: &str, retry_after_s: u64) -> Reply {
+    retry_later(
+        reason,
+        &format!(
+            "The model is not taking requests right now ({why}). Try again in {retry_after_s} s."
+        ),
+        retry_after_s,
+    )
+}
+
+/// A canned answer in the shape of the API asked (`x-sluice-degraded:
+/// static`), so clients parse it like any completion.
+pub fn static_answer(
+    api: crate::usage::demand::Api,
+    model: &str,
+    text: &str,
+    stream: bool,
+    now_ms: u64,
+) -> Reply {
+    use crate::usage::demand::Api;
+    let created = now_ms / 1000;
+    let id = format!("sluice-static-{now_ms}");
+    let usage = json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0});
+    let (content_type, body) = match (api, stream) {
+        (Api::OpenAiChat, false) => ("application/json", json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop", "logprobs": null}],
+            "usage": usage,
+        }).to_string()),
+        (Api::OpenAiChat, true) => {
+            let chunk = |delta: serde_json::Value, finish: serde_json::Value| json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
+            });
+            ("text/event-stream", format!(
+                "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+                chunk(json!({"role": "assistant", "content": text}), serde_json::Value::Null),
+                chunk(json!({}), json!("stop")),
+            ))
+        }
+        (Api::OpenAiCompletions, false) => ("application/json", json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": null}],
+            "usage": usage,
+        }).to_string()),
+        (Api::OpenAiCompletions, true) => ("text/event-stream", format!(
+            "data: {}\n\ndata: [DONE]\n\n",
+            json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": null}]}),
+        )),
+        (Api::OpenAiResponses, _) => ("application/json", json!({
+            "id": id, "object": "response", "created_at": created, "model": model, "status": "completed",
+            "output": [{"type": "message", "id": format!("msg-{id}"), "status": "completed", "role": "assistant",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
+        }).to_string()),
+        (Api::OllamaChat, _) => ("application/x-ndjson", format!("{}\n", json!({
+            "model": model, "created_at": rfc3339(now_ms), "message": {"role": "assistant", "content": text},
+            "done": true, "done_reason": "stop",
+        }))),
+        (Api::OllamaGenerate, _) => ("application/x-ndjson", format!("{}\n", json!({
+            "model": model, "created_at": rfc3339(now_ms), "response": text, "done": true, "done_reason": "stop",
+        }))),
+        (Api::AnthropicMessages, false) => ("application/json", json!({
+            "id": id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn", "stop_sequence": null,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }).to_string()),
+        (
+            Api::OpenAiEmbeddings
+            | Api::OllamaEmbed
+            | Api::Scoring
+            | Api::AnthropicMessages
+            | Api::Invocations
+            | Api::Passthrough(_)
+            | Api::Other,
+            _,
+        ) => {
+            return unavailable(Reason::UpstreamUnhealthy, "no upstream can serve it", 30);
+        }
+    };
+    Reply {
+        status: 200,
+        headers: vec![
+            ("content-type".into(), content_type.into()),
+            ("x-sluice-degraded".into(), "static".into()),
+        ],
+        body: body.into_bytes(),
+    }
+}
+
+/// `X-RateLimit-*` of one bucket; `Reset` is seconds until it is full.
+pub fn rate_limit_headers(q: &Quota) -> Vec<(String, String)> {
+    vec![
+        ("x-ratelimit-limit".into(), q.limit.to_string()),
+        ("x-ratelimit-remaining".into(), q.remaining.to_string()),
+        (
+            "x-ratelimit-reset".into(),
+            ceil_secs(q.reset_ms).to_string(),
+        ),
+    ]
+}
+
+fn ceil_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// Milliseconds since the epoch as `2026-11-30T00:00:00Z`.
+pub fn rfc3339(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (year, month, day) = crate::limits::bucket::civil_from_days(days as i64);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+pub fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_795_996_800_000), "2026-11-30T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400_000 + 3_661_000), "2000-02-29T01:01:01Z");
+    }
+
+    #[test]
+    fn a_429_carries_the_whole_contract() {
+        let quota = Quota {
+            limit: 10,
+            remaining: 0,
+            reset_ms: 60_000,
+        };
+        let l = Limited {
+            reason: Reason::UserRateLimit,
+            quota,
+            retry_after_ms: 5_500,
+            tier: "free",
+            bucket: "tier free: requests",
+            rule: "tier/free/requests",
+            limit_text: "10/min",
+        };
+        let r = limited(&l, 1_795_996_800_000);
+        assert_eq!(r.status, 429);
+        assert_eq!(r.header("Retry-After"), Some("6"));
+        assert_eq!(r.header("X-RateLimit-Limit"), Some("10"));
+        assert_eq!(r.header("X-RateLimit-Remaining"), Some("0"));
+        assert_eq!(r.header("X-RateLimit-Reset"), Some("60"));
+        assert_eq!(r.header("x-sluice-reason"), Some("user_rate_limit"));
+        let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(body["error"]["type"], "rate_limit_exceeded");
+        assert_eq!(body["error"]["code"], "user_rate_limit");
+        assert_eq!(body["error"]["param"], serde_json::Value::Null);
+        assert_eq!(body["error"]["sluice"]["retry_after_seconds"], 6);
+        assert_eq!(body["error"]["sluice"]["reset_at"], "2026-11-30T00:00:06Z");
+        assert_eq!(body["error"]["sluice"]["tier"], "free");
+        assert_eq!(
+            r.header("x-should-retry"),
+            None,
+            "the SDKs wait 6 s and retry"
+        );
+        let daily = Limited {
+            reason: Reason::DailyBudgetExceeded,
+            retry_after_ms: 3_600_000,
+            ..l
+        };
+        let r = limited(&daily, 1_795_996_800_000);
+        assert_eq!(
+            r.header("x-should-retry"),
+            Some("false"),
+            "an hour: no retry"
+        );
+    }
+
+    #[test]
+    fn other_refusals() {
+        let r = rejected(Reason::RequestTooLarge, "too big", None);
+        assert_eq!(r.status, 413);
+        let r = rejected(Reason::InvalidRequest, "`model` is required", Some("model"));
+        assert_eq!(r.status, 400);
+        let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(body["error"]["param"], "model");
+    }
+
+    #[test]
+    fn truncate_keeps_whole_characters() {
+        assert_eq!(truncate("abc", 5), "abc");
+        assert_eq!(truncate("abcdef", 3), "abc");
+        assert_eq!(truncate("aé", 2), "a");
+        assert_eq!(truncate("", 0), "");
+    }
+}

@@ -1,0 +1,538 @@
+//! Policy compilation: the buckets a policy defines (tiers, their
+//! anonymous totals, models, routes), what each counts and what a model
+//! costs, built once per policy load.
+
+use super::*;
+use crate::policy::ConfigError;
+
+/// What a bucket counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Meter {
+    Requests,
+    /// Input + output tokens.
+    Tokens,
+    InputTokens,
+    OutputTokens,
+    /// Micro-currency.
+    Spend,
+}
+
+impl Meter {
+    pub(super) fn amount(self, input: u64, output: u64, pricing: Pricing) -> u64 {
+        match self {
+            Meter::Requests => 1,
+            Meter::Tokens => input.saturating_add(output),
+            Meter::InputTokens => input,
+            Meter::OutputTokens => output,
+            Meter::Spend => pricing.cost(input, output),
+        }
+    }
+}
+
+/// Price of a model in micro-currency per 1,000 tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pricing {
+    pub input_per_1k: u64,
+    pub output_per_1k: u64,
+}
+
+impl Pricing {
+    /// Micro-currency for a request, rounded up.
+    pub fn cost(self, input: u64, output: u64) -> u64 {
+        let micro_k =
+            input as u128 * self.input_per_1k as u128 + output as u128 * self.output_per_1k as u128;
+        micro_k.div_ceil(1000).min(u64::MAX as u128) as u64
+    }
+}
+
+/// A level of the hierarchy above the caller.
+#[derive(Debug, Clone, Copy)]
+enum Level {
+    Team,
+    Org,
+}
+
+impl Level {
+    fn prefix(self) -> &'static str {
+        match self {
+            Level::Team => "team",
+            Level::Org => "org",
+        }
+    }
+
+    /// Rates refuse as `<level>_rate_limit`, calendar budgets (tokens or
+    /// spend) as `<level>_budget_exceeded`.
+    fn reason(self, budget: bool) -> Reason {
+        match (self, budget) {
+            (Level::Team, false) => Reason::TeamRateLimit,
+            (Level::Team, true) => Reason::TeamBudgetExceeded,
+            (Level::Org, false) => Reason::OrgRateLimit,
+            (Level::Org, true) => Reason::OrgBudgetExceeded,
+        }
+    }
+}
+
+/// A bucket definition with what answers need to say about it.
+pub(super) struct Bucket {
+    pub(super) rule: Rule,
+    /// The tier of a per-caller bucket (its declared keys get their own).
+    pub(super) tier: Option<String>,
+    /// Counts every undeclared caller of the tier together.
+    pub(super) anonymous: bool,
+    pub(super) reason: Reason,
+    /// `tier free: requests per caller`
+    pub(super) name: String,
+    pub(super) meter: Meter,
+    pub(super) soft: bool,
+    pub(super) alert_permille: Option<u32>,
+    /// Fair shares of a shared bucket (models, routes; see `shares`).
+    pub(super) shares: Option<crate::limits::shares::Table>,
+}
+
+/// One limit of a tier's (or its anonymous total's) configuration.
+pub(super) struct TierLimit {
+    pub(super) what: &'static str,
+    pub(super) limit: Limit,
+    pub(super) meter: Meter,
+    pub(super) reason: Reason,
+    pub(super) budget: Option<Budget>,
+}
+
+/// The limits a `TierConfig` sets, in the order they are taken.
+pub(super) fn tier_limits(t: &crate::policy::TierConfig, zone: Zone) -> Vec<TierLimit> {
+    let rates = [
+        (
+            "requests",
+            t.requests,
+            Meter::Requests,
+            Reason::UserRateLimit,
+        ),
+        ("tokens", t.tokens, Meter::Tokens, Reason::TokenRateLimit),
+        (
+            "input_tokens",
+            t.input_tokens,
+            Meter::InputTokens,
+            Reason::TokenRateLimit,
+        ),
+        (
+            "output_tokens",
+            t.output_tokens,
+            Meter::OutputTokens,
+            Reason::TokenRateLimit,
+        ),
+    ];
+    let budgets = [
+        (
+            "daily_tokens",
+            t.daily_tokens,
+            Window::Day(zone),
+            Meter::Tokens,
+            Reason::DailyBudgetExceeded,
+        ),
+        (
+            "monthly_tokens",
+            t.monthly_tokens,
+            Window::Month(zone),
+            Meter::Tokens,
+            Reason::MonthlyBudgetExceeded,
+        ),
+        (
+            "daily_spend",
+            t.daily_spend,
+            Window::Day(zone),
+            Meter::Spend,
+            Reason::SpendCapExceeded,
+        ),
+        (
+            "monthly_spend",
+            t.monthly_spend,
+            Window::Month(zone),
+            Meter::Spend,
+            Reason::SpendCapExceeded,
+        ),
+    ];
+    let mut out: Vec<TierLimit> = rates
+        .into_iter()
+        .filter_map(|(what, limit, meter, reason)| {
+            limit.map(|limit| TierLimit {
+                what,
+                limit,
+                meter,
+                reason,
+                budget: None,
+            })
+        })
+        .collect();
+    out.extend(
+        budgets
+            .into_iter()
+            .filter_map(|(what, budget, window, meter, reason)| {
+                budget.map(|b| {
+                    let units = if meter == Meter::Spend {
+                        (b.limit * 1e6).round() as u64
+                    } else {
+                        b.limit as u64
+                    };
+                    TierLimit {
+                        what,
+                        limit: Limit::windowed(units.max(1), window),
+                        meter,
+                        reason,
+                        budget: Some(b),
+                    }
+                })
+            }),
+    );
+    out
+}
+
+impl Engine {
+    /// Compiles a policy, then checks what only the compiled policy knows:
+    /// that no passthrough rule opens a path sluice classifies, and that
+    /// `fleet.local` names buckets (or gated backends) this policy makes —
+    /// against the compiled ids, team and organisation buckets included.
+    pub fn compile(policy: Policy) -> Result<Engine, ConfigError> {
+        passthrough::check(&policy).map_err(|(path, why)| ConfigError::at(&path, why))?;
+        let engine = Engine::new(policy);
+        if let Some(fleet) = &engine.policy.fleet {
+            let gates = crate::queue::Gates::new(&engine.policy);
+            for (i, id) in fleet.local.iter().enumerate() {
+                let bucket = engine.buckets.iter().any(|b| b.rule.id == *id);
+                let gate = id
+                    .strip_prefix("concurrency/")
+                    .is_some_and(|backend| gates.group(backend).is_some());
+                if !bucket && !gate {
+                    return Err(ConfigError::at(
+                        format!("fleet.local[{i}]"),
+                        format!("`{id}` names no bucket of this policy (tier/T/requests, team/T/requests, org/O/daily_tokens, model/M/tokens, route/R/requests, concurrency/B …)"),
+                    ));
+                }
+            }
+        }
+        Ok(engine)
+    }
+
+    pub fn new(policy: Policy) -> Engine {
+        let mut buckets = Vec::new();
+        let mut tier_buckets: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut model_buckets: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut add = |id: String,
+                       name: String,
+                       limit: Limit,
+                       scope,
+                       reason,
+                       meter,
+                       budget: Option<Budget>| {
+            buckets.push(Bucket {
+                rule: Rule { id, limit, scope },
+                tier: None,
+                anonymous: false,
+                reason,
+                name,
+                meter,
+                soft: budget.is_some_and(|b| b.mode == Mode::Soft),
+                alert_permille: budget.and_then(|b| b.alert_at_permille),
+                shares: None,
+            });
+            buckets.len() - 1
+        };
+        let zone = policy.budgets.reset_timezone;
+        let default_shares = crate::policy::shares::default_for(&policy);
+        let shares_of = |written: &Option<crate::policy::shares::SharesConfig>| {
+            crate::limits::shares::Table::compile(written.as_ref().unwrap_or(&default_shares))
+        };
+        let mut shared: Vec<(usize, Option<crate::limits::shares::Table>)> = Vec::new();
+        for (tier, t) in &policy.tiers {
+            // The tier's shared total for undeclared callers comes first: a
+            // flood refused there never reaches the per-caller slots.
+            let mut mine = Vec::new();
+            if let Some(total) = &t.anonymous_total {
+                for l in tier_limits(total, zone) {
+                    let i = add(
+                        format!("tier/{tier}/anonymous/{}", l.what),
+                        format!(
+                            "tier {tier}: {}, all callers without a declared key",
+                            l.what.replace('_', " ")
+                        ),
+                        l.limit,
+                        Scope::Global,
+                        Reason::AnonymousLimit,
+                        l.meter,
+                        l.budget,
+                    );
+                    mine.push(i);
+                }
+            }
+            for l in tier_limits(t, zone) {
+                let i = add(
+                    format!("tier/{tier}/{}", l.what),
+                    format!("tier {tier}: {} per caller", l.what.replace('_', " ")),
+                    l.limit,
+                    Scope::PerPrincipal,
+                    l.reason,
+                    l.meter,
+                    l.budget,
+                );
+                mine.push(i);
+            }
+            tier_buckets.insert(tier.clone(), mine);
+        }
+        // Teams and orgs: one shared bucket per limit (they are declared, so
+        // the key set stays bounded), taken after the caller's own.
+        let mut level_buckets: [HashMap<String, Vec<usize>>; 2] = Default::default();
+        for (level, configs, out) in [
+            (Level::Team, &policy.teams, 0),
+            (Level::Org, &policy.orgs, 1),
+        ] {
+            for (name, t) in configs {
+                let mine = tier_limits(t, zone)
+                    .into_iter()
+                    .map(|l| {
+                        add(
+                            format!("{}/{name}/{}", level.prefix(), l.what),
+                            format!(
+                                "{} {name}: {}, all its members together",
+                                level.prefix(),
+                                l.what.replace('_', " ")
+                            ),
+                            l.limit,
+                            Scope::Global,
+                            level.reason(l.budget.is_some()),
+                            l.meter,
+                            l.budget,
+                        )
+                    })
+                    .collect();
+                level_buckets[out].insert(name.clone(), mine);
+            }
+        }
+        let [team_buckets, org_buckets] = level_buckets;
+        for (model, m) in &policy.models {
+            let rates = [
+                (
+                    "requests",
+                    m.requests,
+                    Meter::Requests,
+                    Reason::ModelRateLimit,
+                ),
+                ("tokens", m.tokens, Meter::Tokens, Reason::TokenRateLimit),
+            ];
+            let mut mine = Vec::new();
+            for (what, limit, meter, reason) in rates {
+                if let Some(limit) = limit {
+                    let name = format!("model {model}: {what}");
+                    let i = add(
+                        format!("model/{model}/{what}"),
+                        name,
+                        limit,
+                        Scope::Global,
+                        reason,
+                        meter,
+                        None,
+                    );
+                    shared.push((i, shares_of(&m.shares)));
+                    mine.push(i);
+                }
+            }
+            model_buckets.insert(model.clone(), mine);
+        }
+        let route_buckets = policy
+            .routes
+            .iter()
+            .map(|route| {
+                let i = add(
+                    format!("route/{}/requests", route.name),
+                    format!("route {}: requests", route.name),
+                    route.requests,
+                    Scope::Global,
+                    Reason::RouteRateLimit,
+                    Meter::Requests,
+                    None,
+                );
+                shared.push((i, shares_of(&route.shares)));
+                // Matched against the canonical path (see `canonical_path`),
+                // so the prefix is compared in that form too.
+                let prefix = demand::canonical_path(&route.path_prefix)
+                    .unwrap_or_else(|_| route.path_prefix.to_ascii_lowercase());
+                (prefix, i)
+            })
+            .collect();
+        // Each passthrough rule's own request limit, all callers together.
+        let passthrough = crate::admission::passthrough::compile(&policy.passthrough)
+            .into_iter()
+            .zip(&policy.passthrough)
+            .enumerate()
+            .map(|(n, (rule, written))| {
+                let shown = written.path.as_ref().or(written.prefix.as_ref());
+                let i = add(
+                    format!("passthrough/{n}/requests"),
+                    format!("passthrough {}: requests", shown.map_or("", String::as_str)),
+                    written.requests,
+                    Scope::Global,
+                    Reason::RouteRateLimit,
+                    Meter::Requests,
+                    None,
+                );
+                // A passthrough limit is a commons too: the default shares apply.
+                shared.push((i, shares_of(&None)));
+                (rule, i)
+            })
+            .collect();
+        for (i, table) in shared {
+            buckets[i].shares = table;
+        }
+        for (tier, list) in &tier_buckets {
+            for &i in list {
+                if buckets[i].rule.scope == Scope::Global {
+                    buckets[i].anonymous = true;
+                } else {
+                    buckets[i].tier = Some(tier.clone());
+                }
+            }
+        }
+        let pricing = policy
+            .models
+            .iter()
+            .map(|(name, m)| {
+                let micro = |per_1k: f64| (per_1k * 1e6).round().max(0.0) as u64;
+                let p = match (m.price, m.gpu) {
+                    (Some(p), _) => Pricing {
+                        input_per_1k: micro(p.input_per_1k),
+                        output_per_1k: micro(p.output_per_1k),
+                    },
+                    (None, Some(g)) => {
+                        // GPU cost per hour over the tokens it serves per hour.
+                        let per_1k =
+                            micro(g.cost_per_hour * 1000.0 / (g.tokens_per_second * 3600.0));
+                        Pricing {
+                            input_per_1k: per_1k,
+                            output_per_1k: per_1k,
+                        }
+                    }
+                    (None, None) => Pricing::default(),
+                };
+                (name.clone(), p)
+            })
+            .collect();
+        let penalty = policy
+            .abuse
+            .as_ref()
+            .map(crate::admission::penalty::PenaltyBox::new);
+        Engine {
+            resolver: Resolver::new(&policy),
+            policy,
+            buckets,
+            tier_buckets,
+            team_buckets,
+            org_buckets,
+            model_buckets,
+            route_buckets,
+            passthrough,
+            pricing,
+            penalty,
+        }
+    }
+
+    /// Every bucket the policy defines.
+    pub fn rules(&self) -> Vec<Rule> {
+        self.buckets.iter().map(|b| b.rule.clone()).collect()
+    }
+
+    /// Creates every shared-data key the policy can use (a bounded set:
+    /// see `reservation`), with dedicated keys for each declared API key
+    /// in its tier's per-caller buckets. Returns how many were new.
+    pub fn prepare(&self, store: &dyn SharedStore) -> Result<usize, StoreError> {
+        let declared = self.resolver.declared();
+        let rules: Vec<(Rule, Vec<String>)> = self
+            .buckets
+            .iter()
+            .map(|b| {
+                let mine = declared
+                    .iter()
+                    .filter(|(_, tier)| Some(tier) == b.tier.as_ref())
+                    .map(|(principal, _)| principal.clone())
+                    .collect();
+                (b.rule.clone(), mine)
+            })
+            .collect();
+        let created = prepare(store, &rules, &self.layout())?;
+        match &self.penalty {
+            Some(pb) => Ok(created + pb.prepare(store)?),
+            None => Ok(created),
+        }
+    }
+
+    pub(super) fn layout(&self) -> Layout {
+        let s = &self.policy.state;
+        Layout {
+            slots: s.principal_slots,
+            sketch_width: s.sketch_width,
+            hold_ms: s.slot_hold_ms,
+        }
+    }
+
+    pub(super) fn reserver<'a>(&self, store: &'a dyn SharedStore) -> Reserver<'a> {
+        Reserver {
+            store,
+            layout: self.layout(),
+            max_retries: self.policy.state.cas_max_retries,
+        }
+    }
+
+    /// Indexes of the buckets that apply to a request, in the order they
+    /// are taken (the first that refuses decides the answer).
+    pub(super) fn applying<'a>(
+        &'a self,
+        identity: &Identity,
+        model: Option<&str>,
+        path: &str,
+    ) -> Vec<usize> {
+        let none = Vec::new();
+        let level = |map: &'a HashMap<String, Vec<usize>>, name: Option<&str>| {
+            name.and_then(|n| map.get(n)).into_iter().flatten()
+        };
+        self.tier_buckets
+            .get(&identity.tier)
+            .unwrap_or(&none)
+            .iter()
+            .filter(|&&i| !(identity.declared && self.buckets[i].anonymous))
+            .chain(level(&self.team_buckets, identity.team.as_deref()))
+            .chain(level(&self.org_buckets, identity.org.as_deref()))
+            .chain(
+                model
+                    .and_then(|m| self.model_buckets.get(m))
+                    .unwrap_or(&none),
+            )
+            .copied()
+            .chain(
+                self.route_buckets
+                    .iter()
+                    .filter(|(prefix, _)| path.starts_with(prefix.as_str()))
+                    .map(|(_, i)| *i),
+            )
+            .collect()
+    }
+
+    /// The most output one choice of `model` may ask for.
+    pub(super) fn output_cap(&self, model: &str) -> u64 {
+        self.policy
+            .models
+            .get(model)
+            .and_then(|m| m.max_output)
+            .unwrap_or(self.policy.request.max_output)
+    }
+
+    pub(super) fn default_output(&self, model: Option<&str>) -> u64 {
+        model
+            .and_then(|m| self.policy.models.get(m))
+            .and_then(|m| m.default_max_output)
+            .unwrap_or(self.policy.defaults.max_output_tokens)
+    }
+
+    pub(super) fn pricing_of(&self, model: Option<&str>) -> Pricing {
+        model
+            .and_then(|m| self.pricing.get(m))
+            .copied()
+            .unwrap_or_default()
+    }
+}

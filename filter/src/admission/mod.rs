@@ -1,0 +1,965 @@
+//! The request path's decisions, in the order [`crate::flow`] asks for
+//! them: identity → demand → route (health, kill switch; see
+//! [`crate::admission::pushback`]) → admission → answer, and after the response,
+//! settlement. Pure: `flow` feeds it what Envoy knows, one event at a
+//! time, and applies what it decides through the host.
+//!
+//! One concern per file: this one holds the types the steps share and
+//! steps 1–3; [`compile`] builds the buckets and prices of a policy once,
+//! [`admit`] reserves (step 4), [`settle`] reconciles (step 5), [`rewrite`]
+//! makes the upstream's body.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use crate::admission::identity::{Identity, RequestView, Resolver};
+use crate::limits::bucket::Quota;
+use crate::limits::reservation::{
+    prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope,
+};
+use crate::policy::health::OnStale;
+use crate::policy::zone::Zone;
+use crate::policy::{Budget, Limit, Mode, Policy, Window};
+use crate::state::codec::Record;
+use crate::state::store::{self, Contention, SharedStore, StoreError, Updated};
+use crate::usage::anomaly::UsageRing;
+use crate::usage::demand::{self, Api, Demand};
+use crate::usage::estimate::{self, Correction};
+use crate::usage::reconcile::Found;
+use answer::{Decision, Degraded, Limited, Reason, Reply};
+use health::{Pushback, Route, Seen, Situation};
+
+pub mod admit;
+pub mod answer;
+pub mod compile;
+pub mod early;
+pub mod for_fleet;
+pub mod health;
+pub mod identity;
+pub mod passthrough;
+pub mod penalty;
+pub(crate) mod pushback;
+pub mod rewrite;
+pub mod settle;
+
+#[cfg(test)]
+mod multiplier_tests;
+#[cfg(test)]
+mod org_tests;
+#[cfg(test)]
+mod shares_tests;
+
+use compile::Bucket;
+pub use compile::{Meter, Pricing};
+
+/// Metric labels of one decision. Bounded: tiers and models come from the
+/// policy (`other` for unlisted models), reasons from a fixed set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Labels {
+    pub decision: Decision,
+    pub tier: String,
+    pub model: String,
+}
+
+/// What to do with a request.
+#[derive(Debug, Clone)]
+pub struct Verdict {
+    /// `Some`: answer the client with this and stop. `None`: go upstream.
+    pub reply: Option<Reply>,
+    /// Headers to add to the upstream's response when admitted.
+    pub response_headers: Vec<(String, String)>,
+    /// The request body to send upstream instead of the client's.
+    pub body: Option<Vec<u8>>,
+    pub labels: Labels,
+    /// Compare-and-swap races lost while deciding.
+    pub contention: Contention,
+    /// Refused because no per-caller slot was free (`capacity_exhausted`).
+    pub no_slot: bool,
+    /// What was reserved, to settle after the response.
+    pub plan: Option<Plan>,
+    /// Budget alert thresholds crossed by this request.
+    pub alerts: Vec<String>,
+    /// A soft cap rewrote the model, or the static table answered.
+    pub degraded: Option<Degraded>,
+    /// The rule id of the bucket that refused (`tier/free/requests`).
+    pub bucket: Option<String>,
+    /// What an admitted request without a body plan (a GET) took, and its
+    /// meters: the fleet covers those buckets too.
+    pub held: Option<(Vec<Held>, Vec<Meter>)>,
+}
+
+/// One request as the steps after identity see it: passed whole instead
+/// of five loose arguments.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestContext<'a> {
+    pub identity: &'a Identity,
+    pub api: Api,
+    /// The canonical path (`demand::canonical_path`): route buckets match it.
+    pub path: &'a str,
+    /// The parsed body, for the APIs sluice reads.
+    pub asked: Option<&'a Asked>,
+    /// Arrival time: every decision of the request is made as of then.
+    pub now_ms: u64,
+}
+
+/// Where a request that passed identity and parsing goes (step 4).
+#[derive(Debug)]
+pub enum Routed {
+    Primary,
+    /// Kill switch: to the fallback provider.
+    Fallback,
+    /// The error breaker's half-open probe.
+    Probe,
+    /// Answered here: a 503, or the static fallback.
+    Answered(Box<Verdict>),
+}
+
+/// Everything admission reserved for one request, kept until its response
+/// is settled.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub held: Vec<Held>,
+    pub meters: Vec<Meter>,
+    pub api: Api,
+    /// The model sent upstream (after any downshift).
+    pub model: Option<String>,
+    pub input_raw: f64,
+    pub input_estimate: u64,
+    /// Output reserved: the most the upstream may produce, every choice
+    /// (`n`, `best_of`) together.
+    pub max_output: u64,
+    pub stream: bool,
+    /// sluice asked for the usage chunk; the client did not.
+    pub strip_usage: bool,
+    pub pricing: Pricing,
+}
+
+impl Plan {
+    /// Does this plan hold any token or spend units to settle?
+    pub fn settles(&self) -> bool {
+        self.meters.iter().any(|m| *m != Meter::Requests)
+    }
+}
+
+/// How a response was settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    pub input: u64,
+    pub output: u64,
+    /// The counts came from the upstream's usage (not the estimate).
+    pub from_usage: bool,
+    /// The upstream sent usage sluice could not believe.
+    pub invalid_usage: bool,
+    pub cost: u64,
+    /// This request's minute is a consumption surge (first time flagged).
+    pub surge: bool,
+    /// The global spend breaker is open after this request.
+    pub global_open: bool,
+    /// Buckets whose extra charge (usage past the reservation) could not be
+    /// written even with the settlement's larger retry bound: counted in
+    /// `sluice_cas_exhausted_total` and logged, never silently lost.
+    pub charges_unwritten: u32,
+}
+
+/// A parsed request body and its raw input estimate.
+#[derive(Debug, Clone)]
+pub struct Asked {
+    pub demand: Demand,
+    pub body: Value,
+    pub input_raw: f64,
+}
+
+pub struct Engine {
+    pub policy: Policy,
+    resolver: Resolver,
+    buckets: Vec<Bucket>,
+    tier_buckets: HashMap<String, Vec<usize>>,
+    /// Buckets of each declared team and org (see `compile`).
+    team_buckets: HashMap<String, Vec<usize>>,
+    org_buckets: HashMap<String, Vec<usize>>,
+    model_buckets: HashMap<String, Vec<usize>>,
+    route_buckets: Vec<(String, usize)>,
+    /// The policy's `passthrough` rules and the bucket of each.
+    pub(crate) passthrough: Vec<(crate::admission::passthrough::Compiled, usize)>,
+    pricing: HashMap<String, Pricing>,
+    /// The penalty box, when the policy has `abuse`.
+    pub(crate) penalty: Option<crate::admission::penalty::PenaltyBox>,
+}
+
+const CORRECTION_KEY: &str = "sluice:v1:estimate/";
+/// The global per-minute usage ring (one key).
+const USAGE_KEY: &str = "sluice:v1:usage";
+
+/// Below this many output tokens a lowered request is refused instead: an
+/// answer cut to a handful of tokens is worth less than a clear 429.
+pub const MIN_LOWERED_OUTPUT: u64 = 16;
+
+impl Engine {
+    /// Step 1: who is calling. A refusal (unknown API key) is a verdict.
+    pub fn identify(&self, req: &dyn RequestView) -> Result<Identity, Box<Verdict>> {
+        self.identify_why(req).map_err(|(verdict, _)| verdict)
+    }
+
+    /// [`Engine::identify`], and why a refused request was refused (for
+    /// the penalty box and `sluice_auth_failures_total`).
+    pub fn identify_why(
+        &self,
+        req: &dyn RequestView,
+    ) -> Result<Identity, (Box<Verdict>, crate::admission::identity::Refusal)> {
+        self.resolver.resolve(req).map_err(|refusal| {
+            let reply = answer::rejected(Reason::Unauthenticated, refusal.message(), None);
+            let verdict = Box::new(self.refused(
+                reply,
+                Reason::Unauthenticated,
+                &self.policy.default_tier,
+                None,
+            ));
+            (verdict, refusal)
+        })
+    }
+
+    /// Must this admitted request be settled after its response? When it
+    /// holds token or spend units, and whenever the global spend breaker
+    /// watches spend (else a tier with request limits only would spend
+    /// without the breaker ever seeing it).
+    pub fn settles(&self, plan: &Plan) -> bool {
+        plan.settles() || self.policy.anomaly.is_some()
+    }
+
+    /// 400 for a path that reads differently decoded once or twice.
+    pub fn ambiguous_path(&self, identity: &Identity) -> Verdict {
+        let reply = answer::rejected(
+            Reason::InvalidRequest,
+            "The request path is ambiguous (an escape that decodes to another escape or to a control character).",
+            None,
+        );
+        self.refused(reply, Reason::InvalidRequest, &identity.tier, None)
+    }
+
+    /// 404 `unknown_endpoint`: a body (or a POST) to a path sluice does
+    /// not read and no `passthrough` rule opens (deny by default).
+    pub fn unknown_endpoint(&self, identity: &Identity) -> Verdict {
+        let reply = answer::rejected(
+            Reason::UnknownEndpoint,
+            "sluice does not know this endpoint, and the policy opens it to no request with a body (see `passthrough`).",
+            None,
+        );
+        self.refused(reply, Reason::UnknownEndpoint, &identity.tier, None)
+    }
+
+    /// The API of a request to a path sluice does not classify: the
+    /// `passthrough` rule that opens it, else `Other`.
+    pub fn passthrough(&self, method: &str, canonical: &str) -> Api {
+        let rules = self.passthrough.iter().map(|(rule, _)| rule);
+        crate::admission::passthrough::find(rules, method, canonical).unwrap_or(Api::Other)
+    }
+
+    /// The model a passthrough rule counts its requests against.
+    pub fn passthrough_model(&self, api: Api) -> Option<&str> {
+        let Api::Passthrough(i) = api else {
+            return None;
+        };
+        self.passthrough.get(usize::from(i))?.0.model.as_deref()
+    }
+
+    /// The body cap, checked against a declared or an accumulated size.
+    pub fn too_large(&self, identity: &Identity, size: u64) -> Option<Verdict> {
+        let cap = self.policy.request.max_body_bytes;
+        (size > cap).then(|| {
+            let reply = answer::rejected(
+                Reason::RequestTooLarge,
+                &format!("The request body is larger than the {cap}-byte limit."),
+                None,
+            );
+            self.refused(reply, Reason::RequestTooLarge, &identity.tier, None)
+        })
+    }
+
+    /// Step 2: what the body asks for (APIs sluice does not read give none).
+    pub fn demand(
+        &self,
+        identity: &Identity,
+        api: Api,
+        body: &[u8],
+    ) -> Result<Option<Asked>, Box<Verdict>> {
+        if !api.reads_body() {
+            return Ok(None);
+        }
+        let cap = |model: &str| self.output_cap(model);
+        match demand::parse_body(api, body, &cap) {
+            Ok((demand, body)) => {
+                let input_raw = estimate::input_tokens_of(demand.api, &body);
+                Ok(Some(Asked {
+                    demand,
+                    body,
+                    input_raw,
+                }))
+            }
+            Err(bad) => {
+                let reply =
+                    answer::rejected(Reason::InvalidRequest, &bad.message, bad.param.as_deref());
+                Err(Box::new(self.refused(
+                    reply,
+                    Reason::InvalidRequest,
+                    &identity.tier,
+                    None,
+                )))
+            }
+        }
+    }
+
+    /// Step 3: where the request may go, given the sidecar's state and the
+    /// upstream's recent answers.
+    /// `dice` in 0..1000 draws the half-open trickle.
+    pub fn route(
+        &self,
+        ctx: &RequestContext,
+        seen: &Seen,
+        pushback: &Pushback,
+        dice: u32,
+    ) -> Routed {
+        let RequestContext {
+            identity,
+            api,
+            asked,
+            now_ms,
+            ..
+        } = *ctx;
+        let model = asked.and_then(|a| a.demand.model.as_deref());
+        let backend = model
+            .and_then(|m| self.policy.models.get(m))
+            .map_or("local", |m| m.backend.as_str());
+        let sidecar = self.policy.sidecar.as_ref();
+        let situation = Situation {
+            seen,
+            stale_after_ms: sidecar.map_or(u64::MAX, |s| s.stale_after_ms),
+            on_stale: sidecar.map_or(OnStale::FailOpen, |s| s.on_stale),
+            model,
+            backend,
+            upstream: pushback.record,
+            credential_paused_until_ms: pushback.credential_paused_until_ms,
+            caller: pushback.caller,
+            has_fallback: self.policy.fallback.is_some(),
+            static_when_out: self
+                .policy
+                .static_fallback
+                .as_ref()
+                .is_some_and(|s| s.when_primary_out),
+            default_retry_after_s: sidecar.map_or(30, |s| s.retry_after_ms / 1000),
+            now_ms,
+            dice,
+        };
+        match health::route(&situation) {
+            Route::Primary => Routed::Primary,
+            Route::Fallback => Routed::Fallback,
+            Route::Probe => Routed::Probe,
+            Route::Static => {
+                let text = self.static_text(asked.map(|a| &a.body));
+                let stream = asked.is_some_and(|a| a.demand.stream);
+                let reply = answer::static_answer(
+                    api,
+                    model.unwrap_or("sluice-static"),
+                    &text,
+                    stream,
+                    now_ms,
+                );
+                let mut verdict =
+                    self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
+                verdict.labels.decision = Decision::Degrade(Degraded::Static);
+                verdict.degraded = Some(Degraded::Static);
+                Routed::Answered(Box::new(verdict))
+            }
+            Route::Refuse {
+                reason,
+                retry_after_s,
+                why,
+            } => {
+                let reply = answer::unavailable(reason, &why, retry_after_s);
+                Routed::Answered(Box::new(self.refused(reply, reason, &identity.tier, model)))
+            }
+        }
+    }
+
+    /// `model` as a metric label: configured models by name, others as
+    /// `other`, none as `none`, so a client cannot mint label values.
+    pub fn model_label(&self, model: Option<&str>) -> String {
+        match model {
+            None => "none".into(),
+            Some(m) if self.policy.models.contains_key(m) => m.into(),
+            Some(_) => "other".into(),
+        }
+    }
+
+    pub(crate) fn refused(
+        &self,
+        reply: Reply,
+        reason: Reason,
+        tier: &str,
+        model: Option<&str>,
+    ) -> Verdict {
+        Verdict {
+            reply: Some(reply),
+            response_headers: Vec::new(),
+            body: None,
+            labels: Labels {
+                decision: Decision::Refuse(reason),
+                tier: tier.into(),
+                model: self.model_label(model),
+            },
+            contention: Contention::default(),
+            no_slot: false,
+            plan: None,
+            alerts: Vec::new(),
+            degraded: None,
+            bucket: None,
+            held: None,
+        }
+    }
+
+    /// The principal as the audit log shows it: a salted SHA-256, never the
+    /// raw key, address or subject.
+    pub fn audit_principal(&self, identity: &Identity) -> String {
+        let salt = self.policy.audit.as_ref().map_or("", |a| a.salt.as_str());
+        let salted = format!("{salt}\n{}", identity.principal);
+        crate::policy::keys::sha256_hex(salted.as_bytes())[..32].to_string()
+    }
+}
+
+/// A request context from its parts (tests of the engine and pushback).
+#[cfg(test)]
+pub(crate) fn ctx<'a>(
+    identity: &'a Identity,
+    api: Api,
+    path: &'a str,
+    asked: Option<&'a Asked>,
+    now_ms: u64,
+) -> RequestContext<'a> {
+    RequestContext {
+        identity,
+        api,
+        path,
+        asked,
+        now_ms,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    use crate::state::store::MemStore;
+    use crate::usage::reconcile::Usage;
+    use serde_json::json;
+
+    /// A caller known only by its address (shared with the engine's other
+    /// test modules).
+    pub(crate) struct Caller(pub &'static str);
+    impl RequestView for Caller {
+        fn header(&self, _: &str) -> Option<String> {
+            None
+        }
+        fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
+            None
+        }
+        fn client_address(&self) -> Option<String> {
+            Some(self.0.into())
+        }
+    }
+
+    fn engine_with(policy: Value) -> (Engine, MemStore) {
+        let e = Engine::new(Policy::from_value(policy).unwrap());
+        let store = MemStore::default();
+        e.prepare(&store).unwrap();
+        (e, store)
+    }
+
+    fn engine() -> (Engine, MemStore) {
+        engine_with(json!({
+            "default_tier": "free",
+            "tiers": {"free": {"requests": "10/min"}},
+            "models": {"big": {"requests": "3/min"}},
+            "routes": [{"name": "chat", "path_prefix": "/v1/chat/", "requests": "100/s"}],
+        }))
+    }
+
+    fn asked(e: &Engine, body: Value) -> Asked {
+        let id = e.identify(&Caller("9.9.9.9:1")).unwrap();
+        e.demand(&id, Api::OpenAiChat, body.to_string().as_bytes())
+            .unwrap()
+            .unwrap()
+    }
+
+    fn chat(model: &str, max_tokens: u64) -> Value {
+        json!({"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]})
+    }
+
+    #[test]
+    fn the_queues_peek_sizes_a_request_as_admission_does() {
+        // Output tokens under the least admission would lower a chat to:
+        // the peek declines a chat, but an embedding produces no output
+        // (as admission reserves none) and is not declined.
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "tiers": {"free": {"requests": "10/min", "output_tokens": "5/min"}},
+        }));
+        let id = e.identify(&Caller("9.9.9.9:1")).unwrap();
+        let embed = e
+            .demand(&id, Api::OllamaEmbed, br#"{"model":"m","input":["a","b"]}"#)
+            .unwrap()
+            .unwrap();
+        let embed_ctx = ctx(&id, Api::OllamaEmbed, "/api/embed", Some(&embed), 0);
+        assert!(e.would_admit(&store, &embed_ctx, 0).is_none());
+        assert!(e.admit(&store, &embed_ctx).reply.is_none());
+        let chat = asked(&e, chat("m", 100));
+        let chat_ctx = ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&chat), 0);
+        let declined = e.would_admit(&store, &chat_ctx, 0).expect("declined");
+        assert_eq!(declined.reply.unwrap().status, 429);
+    }
+
+    #[test]
+    fn free_tier_gets_ten_then_a_full_429() {
+        let (e, store) = engine();
+        let id = e.identify(&Caller("10.0.0.1:1234")).unwrap();
+        let results: Vec<Verdict> = (0..12)
+            .map(|_| e.admit(&store, &ctx(&id, Api::Other, "/v1/models", None, 1_000)))
+            .collect();
+        assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 10);
+        assert_eq!(
+            results[0].response_headers[1],
+            ("x-ratelimit-remaining".into(), "9".into())
+        );
+        let refused = results[11].reply.as_ref().unwrap();
+        assert_eq!(refused.status, 429);
+        assert_eq!(refused.header("x-sluice-reason"), Some("user_rate_limit"));
+        assert_eq!(results[11].labels.decision.reason_code(), "user_rate_limit");
+    }
+
+    #[test]
+    fn model_limit_applies_across_callers_and_labels_are_bounded() {
+        let (e, store) = engine();
+        let big = asked(&e, chat("big", 10));
+        for caller in ["1.1.1.1:1", "2.2.2.2:1", "3.3.3.3:1"] {
+            let id = e.identify(&Caller(caller)).unwrap();
+            assert!(e
+                .admit(
+                    &store,
+                    &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&big), 0)
+                )
+                .reply
+                .is_none());
+        }
+        let id = e.identify(&Caller("4.4.4.4:1")).unwrap();
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&big), 0),
+        );
+        assert_eq!(v.labels.decision.reason_code(), "model_rate_limit");
+        assert_eq!(v.labels.model, "big");
+        let other = asked(&e, chat("gpt-made-up", 10));
+        let v = e.admit(
+            &store,
+            &ctx(
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&other),
+                0,
+            ),
+        );
+        assert!(v.reply.is_none());
+        assert_eq!(v.labels.model, "other");
+    }
+
+    #[test]
+    fn token_budget_admits_exactly_what_fits_and_settles_to_usage() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_tokens": 10_000}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("m", 490));
+        let mut plans = Vec::new();
+        for _ in 0..30 {
+            let v = e.admit(
+                &store,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+            );
+            if let Some(plan) = v.plan.filter(|_| v.reply.is_none()) {
+                plans.push(plan);
+            }
+        }
+        let each = plans[0].input_estimate + 490;
+        let full = plans.iter().filter(|p| p.max_output == 490).count() as u64;
+        assert_eq!(full, 10_000 / each, "reserved {each} each");
+        // What was left is given to one more request, with its output
+        // lowered to fit: never a token over the budget.
+        let reserved: u64 = plans.iter().map(|p| p.input_estimate + p.max_output).sum();
+        assert!(
+            reserved <= 10_000 && 10_000 - reserved < MIN_LOWERED_OUTPUT + each,
+            "{reserved}"
+        );
+        // The real usage is smaller: settling frees room for more.
+        for p in &plans {
+            let usage = Found::Usage(Usage {
+                input: 10,
+                output: 90,
+            });
+            let (s, _) = e.settle(&store, p, usage, 0, true, 0);
+            assert_eq!((s.input, s.output, s.from_usage), (10, 90, true));
+        }
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        assert!(v.reply.is_none());
+    }
+
+    #[test]
+    fn output_is_lowered_to_what_a_hard_budget_covers() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_tokens": 1_000}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("m", 800));
+        let first = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        assert!(
+            first.reply.is_none() && first.body.is_none(),
+            "fits as asked"
+        );
+        let second = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        assert!(second.reply.is_none());
+        let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        let lowered = body["max_tokens"].as_u64().unwrap();
+        let plan = second.plan.unwrap();
+        assert_eq!(lowered, plan.max_output);
+        assert_eq!(
+            first.plan.unwrap().input_estimate * 2 + 800 + lowered,
+            1_000
+        );
+        let third = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        assert_eq!(third.labels.decision.reason_code(), "daily_budget_exceeded");
+        let reply = third.reply.unwrap();
+        let json: Value = serde_json::from_slice(&reply.body).unwrap();
+        assert_eq!(json["error"]["code"], "daily_budget_exceeded");
+        assert!(json["error"]["sluice"]["reset_at"]
+            .as_str()
+            .unwrap()
+            .ends_with("T00:00:00Z"));
+    }
+
+    #[test]
+    fn soft_cap_downshifts_and_alerts() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "pro",
+            "tiers": {"pro": {"daily_tokens": {"limit": 1_000, "mode": "soft", "alert_at": "50%"}}},
+            "models": {"big": {"downshift_to": "small"}, "small": {}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("big", 600));
+        let first = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        assert_eq!(first.degraded, None);
+        assert_eq!(first.alerts.len(), 1, "{:?}", first.alerts);
+        let second = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        assert!(second.reply.is_none(), "soft caps never refuse");
+        assert_eq!(second.degraded.map(Degraded::code), Some("downshift"));
+        let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        assert_eq!(body["model"], "small");
+        assert!(second
+            .response_headers
+            .contains(&("x-sluice-degraded".into(), "downshift".into())));
+    }
+
+    #[test]
+    fn spend_caps_price_input_and_output() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_spend": 0.1}},
+            "models": {"paid": {"price": {"input_per_1k": 1.0, "output_per_1k": 2.0}}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("paid", 4));
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        let plan = v.plan.unwrap();
+        let cost = plan.pricing.cost(plan.input_estimate, 4);
+        assert_eq!(cost, plan.input_estimate * 1000 + 8000);
+        let a = asked(&e, chat("paid", 5000));
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        assert_eq!(v.labels.decision.reason_code(), "spend_cap_exceeded");
+    }
+
+    #[test]
+    fn streams_ask_for_usage_and_missing_usage_settles_from_the_estimate() {
+        let (e, store) =
+            engine_with(json!({"default_tier": "t", "tiers": {"t": {"tokens": "10000/min"}}}));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let mut body = chat("m", 50);
+        body["stream"] = json!(true);
+        let a = asked(&e, body);
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        let rewritten: Value = serde_json::from_slice(&v.body.unwrap()).unwrap();
+        assert_eq!(rewritten["stream_options"]["include_usage"], true);
+        let plan = v.plan.unwrap();
+        assert!(plan.strip_usage);
+        let (s, _) = e.settle(&store, &plan, Found::Invalid, 7, true, 0);
+        assert_eq!(
+            (s.input, s.output, s.from_usage, s.invalid_usage),
+            (plan.input_estimate, 7, false, true)
+        );
+        let (s, _) = e.settle(&store, &plan, Found::Nothing, 0, false, 0);
+        assert_eq!(
+            (s.input, s.output),
+            (0, 0),
+            "an upstream error costs nothing"
+        );
+    }
+
+    #[test]
+    fn the_global_breaker_opens_at_the_spend_ceiling() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {}},
+            "models": {"paid": {"price": {"input_per_1k": 1.0, "output_per_1k": 1.0}}},
+            "anomaly": {"max_spend_per_hour": 0.05},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("paid", 10));
+        let mut opened = false;
+        for _ in 0..10 {
+            let v = e.admit(
+                &store,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+            );
+            if let Some(reply) = &v.reply {
+                assert_eq!(v.labels.decision.reason_code(), "global_breaker_open");
+                assert_eq!(reply.status, 503);
+                opened = true;
+                break;
+            }
+            let usage = Found::Usage(Usage {
+                input: 10_000,
+                output: 0,
+            });
+            e.settle(&store, &v.plan.unwrap(), usage, 0, true, 0);
+        }
+        assert!(opened, "0.05 spent after 5 requests of 0.01");
+        // An hour later the window has slid past it.
+        let v = e.admit(
+            &store,
+            &ctx(
+                &id,
+                Api::OpenAiChat,
+                "/v1/chat/completions",
+                Some(&a),
+                3_600_000,
+            ),
+        );
+        assert!(v.reply.is_none());
+    }
+
+    struct Keyed(&'static str, &'static str);
+    impl RequestView for Keyed {
+        fn header(&self, name: &str) -> Option<String> {
+            (name == "x-api-key" && !self.0.is_empty()).then(|| self.0.to_string())
+        }
+        fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
+            None
+        }
+        fn client_address(&self) -> Option<String> {
+            Some(self.1.into())
+        }
+    }
+
+    #[test]
+    fn a_flood_leaves_declared_keys_alone_and_new_callers_get_capacity_exhausted() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "identity": {"sources": ["api_key", "client_address"],
+                         "api_key": {"keys": {"k-free": "free"}}},
+            "tiers": {"free": {"requests": "10/min", "daily_tokens": 5_000,
+                               "anonymous_total": {"requests": "1000/min"}}},
+            "state": {"principal_slots": 8},
+        }));
+        let declared = e.identify(&Keyed("k-free", "1.1.1.1:1")).unwrap();
+        assert!(declared.declared);
+        let admit =
+            |id: &Identity| e.admit(&store, &ctx(id, Api::Other, "/v1/models", None, 1_000));
+        for i in 0..600u32 {
+            let addr: &'static str = format!("10.0.{}.{}:1", i / 250, i % 250).leak();
+            admit(&e.identify(&Keyed("", addr)).unwrap());
+        }
+        let late = e.identify(&Keyed("", "192.168.1.1:1")).unwrap();
+        assert!(!late.declared);
+        let v = admit(&late);
+        assert_eq!(v.labels.decision.reason_code(), "capacity_exhausted");
+        assert!(v.no_slot);
+        let reply = v.reply.unwrap();
+        assert_eq!(
+            (reply.status, reply.header("retry-after")),
+            (429, Some("6"))
+        );
+        let admitted = (0..10).filter(|_| admit(&declared).reply.is_none()).count();
+        assert_eq!(admitted, 10, "the declared key keeps all of its capacity");
+    }
+
+    #[test]
+    fn the_anonymous_total_binds_undeclared_callers_only() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "identity": {"sources": ["api_key", "client_address"],
+                         "api_key": {"keys": {"k-free": "free"}}},
+            "tiers": {"free": {"requests": "10/min", "anonymous_total": {"requests": "5/min"}}},
+        }));
+        let admit = |id: &Identity| e.admit(&store, &ctx(id, Api::Other, "/v1/models", None, 0));
+        let results: Vec<Verdict> = (0..8u8)
+            .map(|i| {
+                admit(
+                    &e.identify(&Keyed("", format!("10.0.0.{i}:1").leak()))
+                        .unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 5);
+        assert_eq!(results[7].labels.decision.reason_code(), "anonymous_limit");
+        assert_eq!(
+            results[7].bucket.as_deref(),
+            Some("tier/free/anonymous/requests")
+        );
+        let declared = e.identify(&Keyed("k-free", "10.0.0.1:1")).unwrap();
+        assert!(
+            admit(&declared).reply.is_none(),
+            "declared keys are outside it"
+        );
+    }
+
+    #[test]
+    fn usage_teaches_the_estimate() {
+        let (e, store) =
+            engine_with(json!({"default_tier": "t", "tiers": {"t": {}}, "models": {"m": {}}}));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let long = "word ".repeat(200);
+        let a = asked(
+            &e,
+            json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": long}]}),
+        );
+        let before = e
+            .admit(
+                &store,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+            )
+            .plan
+            .unwrap();
+        for _ in 0..50 {
+            let truth = (before.input_raw * 1.5) as u64;
+            e.settle(
+                &store,
+                &before,
+                Found::Usage(Usage {
+                    input: truth,
+                    output: 1,
+                }),
+                0,
+                true,
+                0,
+            );
+        }
+        let after = e
+            .admit(
+                &store,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+            )
+            .plan
+            .unwrap();
+        let ratio = after.input_estimate as f64 / before.input_estimate as f64;
+        assert!((1.4..1.6).contains(&ratio), "{ratio}");
+    }
+
+    #[test]
+    fn every_choice_is_reserved_and_lowered_per_choice() {
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_tokens": 1_000}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let admit = |body: Value| {
+            let a = asked(&e, body);
+            e.admit(
+                &store,
+                &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+            )
+        };
+        let mut body = chat("m", 200);
+        body["n"] = json!(4);
+        let first = admit(body.clone());
+        let plan = first.plan.unwrap();
+        assert_eq!(plan.max_output, 800, "4 choices × 200");
+        assert!(
+            first.body.is_none(),
+            "fits as asked: the body goes up untouched"
+        );
+        // 1,000 − 800 − input left: 4 choices of 200 do not fit any more;
+        // each choice is lowered so that all four fit.
+        let second = admit(body.clone());
+        let plan2 = second.plan.unwrap();
+        let sent: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        let per_choice = sent["max_tokens"].as_u64().unwrap();
+        assert!(
+            (MIN_LOWERED_OUTPUT..200).contains(&per_choice),
+            "{per_choice}"
+        );
+        assert_eq!(plan2.max_output, per_choice * 4);
+        assert!(plan.input_estimate + 800 + plan2.input_estimate + plan2.max_output <= 1_000);
+        // `best_of` counts the same way; past what the budget covers: 429.
+        let mut greedy = chat("m", 100);
+        greedy["best_of"] = json!(128);
+        let refused = admit(greedy);
+        assert_eq!(refused.reply.unwrap().status, 429);
+    }
+
+    #[test]
+    fn the_output_cap_is_the_models_or_the_gateways() {
+        let (e, _) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"requests": "10/min"}},
+            "models": {"small": {"max_output": 4096}},
+            "request": {"max_output": 100_000},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let refused = |body: Value| {
+            e.demand(&id, Api::OpenAiChat, body.to_string().as_bytes())
+                .err()
+                .map(|v| serde_json::from_slice::<Value>(&v.reply.unwrap().body).unwrap())
+        };
+        let err = refused(chat("small", 4097)).unwrap();
+        assert_eq!(err["error"]["param"], "max_tokens");
+        assert!(refused(chat("small", 4096)).is_none());
+        assert!(refused(chat("other", 100_000)).is_none());
+        let err = refused(json!({"model": "other", "max_tokens": u64::MAX})).unwrap();
+        assert_eq!(err["error"]["param"], "max_tokens");
+    }
+}

@@ -1,0 +1,1491 @@
+//! One set of limits across every Envoy of a fleet (SPEC §7), through the
+//! sidecar beside each Envoy and the Redis behind them. The filter never
+//! talks to Redis: it asks its sidecar (`/v1/fleet/take`, `/v1/fleet/give`).
+//!
+//! Leases. For each fleet bucket in use (per caller, or global), this Envoy
+//! holds a lease in shared data: units taken from the global bucket ahead
+//! of use. A request — with a body or not — debits the lease with the same
+//! compare-and-swap as a local bucket (one read, one write), so it stays
+//! exact across this Envoy's workers, with no network hop. The VM that
+//! polls the sidecar tops up, in the background, every lease in use that
+//! is down to a quarter of its last grant. When a lease still cannot cover
+//! a request, the request pauses while the sidecar takes, in one Lua
+//! script for all its buckets, what the lease lacks plus a top-up: the
+//! last grant doubled (demand) or `initial × need` at first, at most
+//! `lease.max` beyond the need, and never more than a fair share of what
+//! is left globally (`left ÷ expected_replicas`). Near the end of a bucket
+//! the fair share falls under the need and the grant is exactly the need:
+//! the strict path. A caller who finds no lease slot free (a bounded table
+//! per bucket, like the local per-caller slots) always takes the strict
+//! path. Soft caps are taken past their limit (they never refuse).
+//!
+//! Bounds. Overshoot of a hard fleet bucket: 0 — every unit admitted
+//! anywhere was first taken from Redis (a settlement that reports more
+//! than was reserved can still charge past it, as locally). Stranding
+//! (units leased to one Envoy while another refuses): one lease per Envoy
+//! per bucket and caller, each granted at most `left ÷ expected_replicas`
+//! (and `lease.max` beyond a need); a lease falls to exact grants as the
+//! bucket empties, gives what it has to the request it cannot cover, and is
+//! given back after `lease.idle` unused or at `lease.ttl`. So while every
+//! Envoy keeps using its lease, what no Envoy can admit is under one
+//! request's need per Envoy (measured: `tests/tests/fleet.rs`); once they
+//! are idle, nothing. An Envoy that dies takes its leases with it until
+//! the bucket refills or its window ends (Redis cannot know how much of
+//! them was used).
+//!
+//! Settlement. Reserve → actual usage goes to the lease first (a lease
+//! still held takes it back or pays it); otherwise into a bounded outbox in
+//! shared data. The polling VM sends the outbox and the returns of idle or
+//! expired leases in batches with an id; the sidecar records the id with
+//! the batch, atomically, so a batch retried after a lost answer is never
+//! applied twice.
+//!
+//! Unavailable (the sidecar or Redis does not answer): leases already held
+//! keep serving until `lease.ttl`; past them each bucket follows
+//! `on_unavailable` for its kind (`requests`: rate buckets; `budgets`:
+//! daily and monthly budgets): `local_share` (default) enforces
+//! `limit ÷ expected_replicas` here, exactly, on local stand-in buckets;
+//! `fail_closed` refuses by the bucket (429); `fail_open` admits. What is
+//! admitted meanwhile is charged to Redis when it answers again (outbox).
+//! The switch is logged once per Envoy and counted
+//! (`sluice_fleet_unavailable_total`, gauge `sluice_fleet_degraded`).
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::admission::identity::Identity;
+use crate::admission::{Engine, Meter, Pricing};
+use crate::host::{Host, LogLevel, MetricKind};
+use crate::limits::bucket::{next_window, Quota};
+use crate::limits::reservation::{Held, Rule, Scope};
+use crate::policy::fleet::{FleetConfig, Unavailable, MIN_SECRET};
+use crate::policy::{Limit, Policy};
+use crate::state::store::{Cas, Updated};
+
+const LEASE_PREFIX: &str = "sluice:v1:fleet:lease:";
+pub const OUTBOX_KEY: &str = "sluice:v1:fleet:outbox";
+pub const STATUS_KEY: &str = "sluice:v1:fleet:status";
+/// Lease slots probed from a caller's home slot.
+const PROBES: u32 = 4;
+/// Most distinct buckets waiting in the outbox.
+pub const OUTBOX_MAX: usize = 512;
+/// After a failed call, go straight to `on_unavailable` for this long.
+const DOWN_RETRY_MS: u64 = 500;
+/// Lease sweeps (idle and expired leases given back), at most this often.
+const SWEEP_MS: u64 = 1_000;
+const GLOBAL_OWNER: u64 = 1;
+
+pub const M_TAKES: &str = "sluice_fleet_takes_total";
+pub const M_REFUSED: &str = "sluice_fleet_refused_total";
+pub const M_UNAVAILABLE: &str = "sluice_fleet_unavailable_total";
+pub const M_DEGRADED: &str = "sluice_fleet_degraded";
+pub const M_OUTBOX_DROPPED: &str = "sluice_fleet_outbox_dropped_total";
+pub const M_BATCHES: &str = "sluice_fleet_batches_total";
+/// 1 while the sidecar refuses to count because the fleet's fingerprints
+/// differ (salt, replicas or rules); the Envoy is on `on_unavailable`.
+pub const M_MISMATCH: &str = "sluice_fleet_mismatch";
+/// 1 while the sidecar refuses hard budgets because Redis lost its data
+/// in their window (FLUSHALL, a restart without persistence).
+pub const M_DATA_LOST: &str = "sluice_fleet_data_lost";
+
+// ---------------------------------------------------------------- wire
+
+/// Header of every fleet callout: the secret this Envoy and its sidecar
+/// share (`fleet.secret_env`), which the sidecar compares in constant time.
+pub const SECRET_HEADER: &str = "x-sluice-fleet-secret";
+/// Header of every fleet callout: [`fingerprint`] of this Envoy's fleet
+/// rules; the sidecar refuses a call whose rules differ from its own.
+pub const FINGERPRINT_HEADER: &str = "x-sluice-fleet-fingerprint";
+/// `:authority` of the fleet calls when neither `fleet.authority` nor
+/// `sidecar.authority` names one.
+pub const FLEET_AUTHORITY: &str = "localhost";
+
+/// The end of `limit`'s calendar window at `now_ms`; 0 for a token bucket.
+pub fn window_end(limit: &Limit, now_ms: u64) -> u64 {
+    limit.window.map_or(0, |w| next_window(w, now_ms))
+}
+
+/// One fleet bucket as the policy defines it: what the filter claims and
+/// what the sidecar checks each claim against (both compile it from the
+/// same policy with this function).
+#[derive(Debug, Clone)]
+pub struct FleetRuleDef {
+    pub rule: Rule,
+    /// A soft cap: taken even past its limit (it never refuses).
+    pub soft: bool,
+}
+
+/// The fleet buckets of a policy: every bucket but the `fleet.local` ones.
+pub fn fleet_rules(engine: &Engine) -> Vec<FleetRuleDef> {
+    let Some(config) = engine.policy.fleet.as_ref() else {
+        return Vec::new();
+    };
+    let soft = engine.soft_rules();
+    engine
+        .rules()
+        .into_iter()
+        .filter(|r| !config.local.contains(&r.id))
+        .map(|rule| FleetRuleDef {
+            soft: soft.contains(&rule.id),
+            rule,
+        })
+        .collect()
+}
+
+/// The fleet-wide concurrency scopes of a policy and their limits
+/// (`concurrency/<backend>`, `concurrency/<backend>/<model>`).
+pub fn fleet_slots(policy: &Policy) -> Vec<(String, u32)> {
+    let gates = crate::queue::Gates::new(policy);
+    let mut out = Vec::new();
+    for (backend, g) in gates.groups().filter(|(_, g)| g.fleet) {
+        if let Some(l) = g.backend_limit {
+            out.push((crate::queue::slots_scope(backend, None), l));
+        }
+        for (m, l) in &g.model_limits {
+            if let Some(l) = l {
+                out.push((crate::queue::slots_scope(backend, Some(m)), *l));
+            }
+        }
+    }
+    out
+}
+
+/// A hash of what must be equal on every Envoy of a fleet for its counts
+/// to mean one thing: the salt (it names the keys), the expected replicas
+/// (the fair share) and every fleet bucket and slot scope with its limit.
+/// Envoys whose fingerprints differ would count in parallel universes (a
+/// salt on one Envoy only doubles every limit): their sidecars refuse to
+/// count and the Envoys follow `on_unavailable`.
+pub fn fingerprint(engine: &Engine) -> String {
+    use sha2::Digest;
+    let Some(config) = engine.policy.fleet.as_ref() else {
+        return String::new();
+    };
+    let mut lines: Vec<String> = fleet_rules(engine)
+        .iter()
+        .map(|d| {
+            let l = &d.rule.limit;
+            format!(
+                "rule {} {} {} {} {:?} {:?} {}",
+                d.rule.id,
+                l.capacity(),
+                l.rate.amount,
+                l.rate.period_ms,
+                l.window,
+                d.rule.scope,
+                d.soft
+            )
+        })
+        .chain(
+            fleet_slots(&engine.policy)
+                .into_iter()
+                .map(|(id, l)| format!("slots {id} {l}")),
+        )
+        .collect();
+    lines.sort();
+    let mut h = sha2::Sha256::new();
+    h.update(b"sluice-fleet-fingerprint\0");
+    h.update(config.salt.as_bytes());
+    h.update(b"\0");
+    h.update(config.expected_replicas.to_le_bytes());
+    for line in lines {
+        h.update(line.as_bytes());
+        h.update(b"\n");
+    }
+    hex(&h.finalize()[..16])
+}
+
+/// One claim of a take: the sidecar finds the bucket's limit and kind in
+/// its own copy of the policy (`rule`), and names the Redis key itself
+/// from the salt, `rule` and `owner`.
+#[derive(Debug, Serialize)]
+struct TakeClaim<'a> {
+    rule: &'a str,
+    owner: u64,
+    window_end_ms: u64,
+    need: u64,
+    want: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct TakeRequest<'a> {
+    /// Unique per take: a take the filter gave up on is given back by id.
+    id: &'a str,
+    /// Past this (ms since the epoch, Redis' clock), Redis does not apply it.
+    deadline_ms: u64,
+    claims: Vec<TakeClaim<'a>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TakeAnswer {
+    ok: bool,
+    #[serde(default)]
+    grants: Vec<u64>,
+    #[serde(default)]
+    left: Vec<u64>,
+    refused: Option<usize>,
+}
+
+/// One line of a give batch: a lease returned, a settlement delta, or
+/// (`take`) the undoing of a take this Envoy gave up on.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GiveItem {
+    pub rule: String,
+    pub owner: u64,
+    pub window_end_ms: u64,
+    /// > 0 gives back, < 0 charges.
+    pub delta: i64,
+    /// Gives back what take `take` granted on this bucket, if Redis
+    /// applied it, once (and makes it refused if it arrives later).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub take: Option<String>,
+}
+
+impl GiveItem {
+    pub fn new(rule: &str, owner: u64, window_end_ms: u64, delta: i64) -> GiveItem {
+        GiveItem {
+            rule: rule.to_string(),
+            owner,
+            window_end_ms,
+            delta,
+            take: None,
+        }
+    }
+
+    /// Undoes take `id` on this bucket.
+    pub fn cancel(rule: &str, owner: u64, window_end_ms: u64, id: &str) -> GiveItem {
+        GiveItem {
+            take: Some(id.to_string()),
+            ..GiveItem::new(rule, owner, window_end_ms, 0)
+        }
+    }
+
+    /// Same bucket and same kind of line: merged in the outbox.
+    fn same(&self, other: &GiveItem) -> bool {
+        self.rule == other.rule
+            && self.owner == other.owner
+            && self.window_end_ms == other.window_end_ms
+            && self.take == other.take
+    }
+
+    fn sends(&self) -> bool {
+        self.delta != 0 || self.take.is_some()
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct GiveRequest<'a> {
+    id: &'a str,
+    items: &'a [GiveItem],
+}
+
+/// What a failed fleet call says about itself: whether the sidecar may
+/// have run it in Redis (then a take is undone by id), and the gauges.
+pub(crate) fn failed_call(host: &dyn Host, status: Option<&str>, body: &[u8]) -> bool {
+    let code = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.pointer("/error/code")?.as_str().map(str::to_owned));
+    let code = code.as_deref();
+    note_refusal(host, code);
+    // Refused before Redis was asked: nothing to undo.
+    let never_ran = matches!(status, Some("400" | "401" | "403" | "404" | "409" | "415"))
+        || matches!(code, Some(FLEET_MISMATCH | FLEET_DATA_LOST));
+    !never_ran
+}
+
+/// Why a fleet call failed, for the log line of the switch.
+fn why_down(status: Option<&str>, body: &[u8]) -> &'static str {
+    let code = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.pointer("/error/code")?.as_str().map(str::to_owned));
+    match (status, code.as_deref()) {
+        (_, Some(FLEET_MISMATCH)) => {
+            "the sidecar refuses to count: the fleet's fingerprints (salt, expected_replicas, \
+             fleet rules) differ (fleet_mismatch)"
+        }
+        (_, Some(FLEET_DATA_LOST)) => {
+            "the sidecar reports that Redis lost its data in this window (fleet_data_lost)"
+        }
+        (Some("401"), _) => {
+            "the sidecar refused this Envoy's fleet secret (401: compare fleet.secret_env here \
+             with the sidecar's fleet.secret_file or secret_env)"
+        }
+        (Some("403" | "415" | "400"), _) => "the sidecar refused the fleet call",
+        _ => "the sidecar or Redis does not answer",
+    }
+}
+
+/// The sidecar's answer codes that put this Envoy on `on_unavailable`
+/// for a reason other than an outage.
+pub const FLEET_MISMATCH: &str = "fleet_mismatch";
+pub const FLEET_DATA_LOST: &str = "fleet_data_lost";
+
+/// Sets the mismatch and data-loss gauges from an answer's error code
+/// (`None`: a good answer, both 0).
+pub(crate) fn note_refusal(host: &dyn Host, code: Option<&str>) {
+    host.metric_record(
+        MetricKind::Gauge,
+        M_MISMATCH,
+        u64::from(code == Some(FLEET_MISMATCH)),
+    );
+    host.metric_record(
+        MetricKind::Gauge,
+        M_DATA_LOST,
+        u64::from(code == Some(FLEET_DATA_LOST)),
+    );
+}
+
+// ---------------------------------------------------------------- leases
+
+/// A lease as kept in shared data (48 bytes; all zero: free).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Lease {
+    owner: u64,
+    window_end: u64,
+    /// Units left to admit; below 0 after settlements charged more.
+    balance: i64,
+    expires_ms: u64,
+    last_ms: u64,
+    /// The last grant, to size the next one.
+    grant: u64,
+}
+
+impl Lease {
+    fn decode(b: &[u8]) -> Lease {
+        let u = |i: usize| {
+            b.get(i * 8..i * 8 + 8)
+                .and_then(|s| s.try_into().ok())
+                .map_or(0, u64::from_le_bytes)
+        };
+        Lease {
+            owner: u(0),
+            window_end: u(1),
+            balance: u(2) as i64,
+            expires_ms: u(3),
+            last_ms: u(4),
+            grant: u(5),
+        }
+    }
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(48);
+        for v in [
+            self.owner,
+            self.window_end,
+            self.balance as u64,
+            self.expires_ms,
+            self.last_ms,
+            self.grant,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+    fn live(&self, owner: u64, window_end: u64, now: u64) -> bool {
+        self.owner == owner && self.window_end == window_end && self.expires_ms > now
+    }
+}
+
+/// Kind of a bucket, for `on_unavailable`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Requests,
+    Budgets,
+}
+
+/// One fleet bucket, compiled from the policy once.
+#[derive(Debug, Clone)]
+struct FleetRule {
+    rule: Rule,
+    /// A soft cap: the fleet never refuses it either.
+    soft: bool,
+    mode: Unavailable,
+    /// The `local_share` stand-in: `limit ÷ expected_replicas`, local.
+    share: Rule,
+    slots: u32,
+}
+
+/// How one claim of an admitted request was covered.
+#[derive(Debug, Clone)]
+pub enum Via {
+    /// From this lease slot.
+    Lease(String),
+    /// Taken in Redis for this request alone (strict, no lease slot).
+    Strict,
+    /// `local_share` while the fleet was unavailable.
+    Share(Held),
+    /// `fail_open` while the fleet was unavailable.
+    Open,
+}
+
+/// A fleet bucket's part of an admitted request, until it is settled.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    rule: String,
+    owner: u64,
+    amount: u64,
+    window_end: u64,
+    meter: Meter,
+    via: Via,
+}
+
+/// A request waiting for the sidecar.
+#[derive(Debug)]
+pub struct Pending {
+    pub token: u32,
+    /// The take's id: given back by it if the answer never comes.
+    id: String,
+    done: Vec<Claimed>,
+    short: Vec<Short>,
+}
+
+#[derive(Debug, Clone)]
+struct Short {
+    rule: String,
+    owner: u64,
+    amount: u64,
+    window_end: u64,
+    meter: Meter,
+    /// A lease slot this caller may hold; none: strict.
+    slot: Option<String>,
+    /// Units the lease still had, taken for this request: Redis is asked
+    /// only for the rest (nothing left idle in a lease that falls short).
+    have: u64,
+}
+
+/// What a settled request really used.
+#[derive(Debug, Clone, Copy)]
+pub struct Used {
+    pub input: u64,
+    pub output: u64,
+    pub pricing: Pricing,
+}
+
+/// What the fleet says about an admitted request.
+#[derive(Debug)]
+pub enum Gate {
+    /// Covered; settle these after the response.
+    Pass(Vec<Claimed>),
+    /// Paused: the sidecar was asked.
+    Wait(Pending),
+    /// Refused by this bucket (everything taken was given back).
+    Refuse { rule: String, quota: Quota },
+}
+
+/// The fleet as this VM runs it.
+#[derive(Debug)]
+pub struct Fleet {
+    pub config: FleetConfig,
+    cluster: String,
+    authority: String,
+    rules: HashMap<String, FleetRule>,
+    /// Slot keys of every lease, for sweeps: bounded by the policy.
+    lease_keys: Vec<(String, String)>,
+    /// [`fingerprint`] of this policy, sent on every call.
+    fingerprint: String,
+    /// The fleet secret, read from the environment at load.
+    secret: std::cell::RefCell<Secret>,
+    /// Take ids: this VM's prefix (set at load) and a counter.
+    take_ids: std::cell::Cell<(u64, u64)>,
+}
+
+/// The fleet secret; never printed.
+#[derive(Default)]
+struct Secret(String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    crate::policy::keys::hex(bytes)
+}
+
+/// The Redis name of a bucket for one owner: a salted hash, never a raw key.
+pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"sluice-fleet\0");
+    h.update(salt.as_bytes());
+    h.update(b"\0");
+    h.update(rule.as_bytes());
+    h.update(b"\0");
+    h.update(owner.to_le_bytes());
+    let digest = h.finalize();
+    hex(&digest[..16])
+}
+
+fn slot_key(rule: &str, slot: u32) -> String {
+    format!("{LEASE_PREFIX}{rule}:{slot}")
+}
+
+fn metric(host: &dyn Host, name: &str, by: i64) {
+    if by != 0 {
+        host.metric_add(MetricKind::Counter, name, by);
+    }
+}
+
+impl Fleet {
+    /// The fleet of a policy with a `fleet` section.
+    pub fn new(engine: &Engine) -> Option<Fleet> {
+        let policy = &engine.policy;
+        let config = policy.fleet.clone()?;
+        let sidecar = policy.sidecar.as_ref()?;
+        let cluster = config.cluster.clone().unwrap_or(sidecar.cluster.clone());
+        // `localhost` by default: a loopback name, which a sidecar that
+        // allows only loopback Host names accepts (the cluster's name is
+        // no host name).
+        let authority = config
+            .authority
+            .clone()
+            .or(sidecar.authority.clone())
+            .unwrap_or_else(|| FLEET_AUTHORITY.to_string());
+        let replicas = config.expected_replicas.max(1);
+        let mut rules = HashMap::new();
+        let mut lease_keys = Vec::new();
+        for FleetRuleDef { rule, soft } in fleet_rules(engine) {
+            let kind = if rule.limit.window.is_some() {
+                Kind::Budgets
+            } else {
+                Kind::Requests
+            };
+            let mode = match kind {
+                Kind::Requests => config.on_unavailable.requests,
+                Kind::Budgets => config.on_unavailable.budgets,
+            };
+            let mut share_limit = rule.limit;
+            share_limit.burst = (share_limit.burst / replicas).max(1);
+            share_limit.rate.amount = (share_limit.rate.amount / replicas).max(1);
+            let share = Rule {
+                id: format!("fleet-share/{}", rule.id),
+                limit: share_limit,
+                scope: rule.scope,
+            };
+            let slots = match rule.scope {
+                Scope::Global => 1,
+                Scope::PerPrincipal => config.lease.slots,
+            };
+            for s in 0..slots {
+                lease_keys.push((rule.id.clone(), slot_key(&rule.id, s)));
+            }
+            rules.insert(
+                rule.id.clone(),
+                FleetRule {
+                    soft,
+                    rule,
+                    mode,
+                    share,
+                    slots,
+                },
+            );
+        }
+        Some(Fleet {
+            config,
+            cluster,
+            authority,
+            rules,
+            lease_keys,
+            fingerprint: fingerprint(engine),
+            secret: Default::default(),
+            take_ids: Default::default(),
+        })
+    }
+
+    /// Creates every shared-data key the fleet uses, up front (bounded).
+    pub fn prepare(&self, engine: &Engine, host: &dyn Host) -> Result<usize, String> {
+        let name = &self.config.secret_env;
+        let secret = host.env_var(name).unwrap_or_default();
+        let secret = secret.trim();
+        if secret.len() < MIN_SECRET {
+            return Err(format!(
+                "fleet.secret_env: the environment variable {name} must hold the secret shared with \
+                 the sidecar (at least {MIN_SECRET} bytes); give it to the VM with \
+                 vm_config.environment_variables (host_env_keys: [{name}])"
+            ));
+        }
+        *self.secret.borrow_mut() = Secret(secret.to_string());
+        // Distinct per VM: VMs start at different nanoseconds.
+        self.take_ids.set((host.now_ns() | 1, 0));
+        let mut created = 0;
+        for (_, key) in &self.lease_keys {
+            if host.get(key).is_none() {
+                host.set(key, &Lease::default().encode(), 0)
+                    .map_err(|e| e.to_string())?;
+                created += 1;
+            }
+        }
+        // Not empty: Envoy reads an empty value as no key, and creating
+        // again on a reload would wipe what the outbox holds.
+        let initial = [
+            (OUTBOX_KEY, b"[]".to_vec()),
+            (STATUS_KEY, Status::default().encode()),
+        ];
+        for (key, value) in initial {
+            if host.get(key).is_none() {
+                host.set(key, &value, 0).map_err(|e| e.to_string())?;
+                created += 1;
+            }
+        }
+        // Stand-ins only where `local_share` may need them.
+        let shares: Vec<Rule> = self
+            .rules
+            .values()
+            .filter(|r| r.mode == Unavailable::LocalShare)
+            .map(|r| r.share.clone())
+            .collect();
+        created += engine
+            .prepare_rules(host, &shares)
+            .map_err(|e| e.to_string())?;
+        Ok(created)
+    }
+
+    fn tries(engine: &Engine) -> u32 {
+        engine.policy.state.cas_max_retries
+    }
+
+    fn owner(rule: &FleetRule, identity: &Identity) -> u64 {
+        match rule.rule.scope {
+            Scope::Global => GLOBAL_OWNER,
+            // 0 and 1 mean "free" and "everyone".
+            Scope::PerPrincipal => identity.hash.max(2),
+        }
+    }
+
+    /// Step 4 for the fleet: every fleet bucket the request took locally
+    /// (`held`, with their meters) is also covered fleet-wide.
+    pub fn admit(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        held: &[Held],
+        meters: &[Meter],
+        identity: &Identity,
+        now: u64,
+    ) -> Gate {
+        let mut done = Vec::new();
+        let mut short = Vec::new();
+        let mut cas = Cas::new(host, Self::tries(engine));
+        for (h, &meter) in held.iter().zip(meters) {
+            let Some(rule) = self.rules.get(&h.rule) else {
+                continue;
+            };
+            if h.amount == 0 {
+                continue;
+            }
+            let owner = Self::owner(rule, identity);
+            let window_end = window_end(&rule.rule.limit, now);
+            let amount = h.amount;
+            // Probe the caller's slots: its own live lease, else a free one.
+            let home = (owner % u64::from(rule.slots)) as u32;
+            let mut slot = None;
+            let mut debited = false;
+            let mut have = 0u64;
+            for p in 0..PROBES.min(rule.slots) {
+                let key = slot_key(&rule.rule.id, (home + p) % rule.slots);
+                // One read and, when it is ours and live, one write: the
+                // same cost as a local bucket.
+                let mut seen = 0;
+                let mut part = 0;
+                let written = cas.update(&key, |bytes| {
+                    let mut l = Lease::decode(bytes.unwrap_or_default());
+                    seen = l.owner;
+                    part = 0;
+                    if !l.live(owner, window_end, now) || l.balance <= 0 {
+                        return None;
+                    }
+                    // All of it when it covers the request; else what it
+                    // has, and Redis is asked for the rest.
+                    let debit = l.balance.min(amount as i64);
+                    l.balance -= debit;
+                    l.last_ms = now;
+                    part = debit as u64;
+                    Some(l.encode())
+                });
+                if seen == owner {
+                    if written == Updated::Written {
+                        debited = part == amount;
+                        have = if debited { 0 } else { part };
+                    }
+                    slot = Some(key);
+                    break;
+                }
+                if slot.is_none() && seen == 0 {
+                    slot = Some(key);
+                }
+            }
+            if debited {
+                done.push(Claimed {
+                    rule: h.rule.clone(),
+                    owner,
+                    amount,
+                    window_end,
+                    meter,
+                    via: Via::Lease(slot.unwrap_or_default()),
+                });
+            } else {
+                short.push(Short {
+                    rule: h.rule.clone(),
+                    owner,
+                    amount,
+                    window_end,
+                    meter,
+                    slot,
+                    have,
+                });
+            }
+        }
+        if short.is_empty() {
+            return Gate::Pass(done);
+        }
+        if self.down(host, now) {
+            return self.unavailable(engine, host, done, short, identity, now);
+        }
+        let claims: Vec<TakeClaim> = short
+            .iter()
+            .map(|s| {
+                let rule = &self.rules[&s.rule];
+                let want = match &s.slot {
+                    None => s.amount,
+                    Some(key) => {
+                        let last = host.get(key).map_or(0, |(b, _)| Lease::decode(&b).grant);
+                        let top_up = last
+                            .saturating_mul(2)
+                            .max(self.config.lease.initial.saturating_mul(s.amount.max(1)));
+                        let top_up = self.config.lease.max.map_or(top_up, |m| top_up.min(m));
+                        s.amount
+                            .saturating_add(top_up)
+                            .min(rule.rule.limit.capacity())
+                    }
+                };
+                let need = s.amount - s.have;
+                TakeClaim {
+                    rule: &s.rule,
+                    owner: s.owner,
+                    window_end_ms: s.window_end,
+                    need,
+                    want: want.saturating_sub(s.have).max(need),
+                }
+            })
+            .collect();
+        let id = self.take_id();
+        let body = serde_json::to_vec(&TakeRequest {
+            id: &id,
+            deadline_ms: now.saturating_add(self.config.timeout_ms),
+            claims,
+        })
+        .unwrap_or_default();
+        match self.post(host, "/v1/fleet/take", &body) {
+            Ok(token) => {
+                metric(host, M_TAKES, 1);
+                Gate::Wait(Pending {
+                    token,
+                    id,
+                    done,
+                    short,
+                })
+            }
+            Err(_) => {
+                self.mark(host, false, now);
+                self.unavailable(engine, host, done, short, identity, now)
+            }
+        }
+    }
+
+    /// A fresh take id (hex, unique per VM and across VMs and Envoys).
+    fn take_id(&self) -> String {
+        let (prefix, n) = self.take_ids.get();
+        self.take_ids.set((prefix, n.wrapping_add(1)));
+        format!("t{prefix:x}-{n:x}")
+    }
+
+    pub(crate) fn post(&self, host: &dyn Host, path: &str, body: &[u8]) -> Result<u32, String> {
+        let len = body.len().to_string();
+        let secret = self.secret.try_borrow().map_err(|e| e.to_string())?;
+        let headers = [
+            (":method", "POST"),
+            (":path", path),
+            (":authority", self.authority.as_str()),
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+            (SECRET_HEADER, secret.0.as_str()),
+            (FINGERPRINT_HEADER, self.fingerprint.as_str()),
+        ];
+        host.dispatch_post(&self.cluster, &headers, body, self.config.timeout_ms)
+    }
+
+    /// The sidecar's answer to a paused request.
+    pub fn answer(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        pending: Pending,
+        body_size: usize,
+        identity: &Identity,
+        now: u64,
+    ) -> Gate {
+        let Pending {
+            mut done,
+            short,
+            id,
+            ..
+        } = pending;
+        let status = host.call_response_header(":status");
+        let body = host.call_response_body(body_size);
+        let answer = match (
+            status.as_deref(),
+            serde_json::from_slice::<TakeAnswer>(&body),
+        ) {
+            (Some("200"), Ok(a)) if a.ok && a.grants.len() == short.len() => a,
+            (Some("200"), Ok(a)) if !a.ok => {
+                self.mark(host, true, now);
+                metric(host, M_REFUSED, 1);
+                let index = a.refused.unwrap_or(0).min(short.len().saturating_sub(1));
+                let refused = &short[index];
+                let limit = self.rules[&refused.rule].rule.limit;
+                let quota = Quota {
+                    limit: limit.capacity(),
+                    remaining: a.left.first().copied().unwrap_or(0),
+                    reset_ms: retry_ms(&limit, refused.window_end, now),
+                };
+                self.give_back(engine, host, &done, now);
+                self.restore(engine, host, &short, now);
+                return Gate::Refuse {
+                    rule: refused.rule.clone(),
+                    quota,
+                };
+            }
+            _ => {
+                if failed_call(host, status.as_deref(), &body) {
+                    // The take may still run (or have run) in Redis: undo
+                    // it by id, once; a take arriving after this is refused.
+                    let cancels = short
+                        .iter()
+                        .map(|s| GiveItem::cancel(&s.rule, s.owner, s.window_end, &id))
+                        .collect();
+                    self.outbox(host, engine, cancels);
+                }
+                self.mark_why(host, false, now, why_down(status.as_deref(), &body));
+                return self.unavailable(engine, host, done, short, identity, now);
+            }
+        };
+        note_refusal(host, None);
+        self.mark(host, true, now);
+        let mut cas = Cas::new(host, Self::tries(engine));
+        for (s, &grant) in short.iter().zip(&answer.grants) {
+            let surplus = grant.saturating_sub(s.amount - s.have) as i64;
+            let mut via = Via::Strict;
+            if let Some(key) = &s.slot {
+                let ttl = self.config.lease.ttl_ms;
+                let mut returned = 0i64;
+                let written = cas.update(key, |bytes| {
+                    let mut l = Lease::decode(bytes.unwrap_or_default());
+                    returned = 0;
+                    if l.owner != s.owner && l.owner != 0 {
+                        return None; // taken meanwhile by another caller
+                    }
+                    if l.owner == s.owner && l.window_end != s.window_end {
+                        // A lease of an earlier window: its window is over.
+                        l.balance = 0;
+                    } else if l.owner == 0 {
+                        l = Lease::default();
+                    }
+                    l.owner = s.owner;
+                    l.window_end = s.window_end;
+                    l.balance = l.balance.saturating_add(surplus);
+                    l.expires_ms = now + ttl;
+                    l.last_ms = now;
+                    l.grant = grant;
+                    Some(l.encode())
+                });
+                if written == Updated::Written {
+                    via = Via::Lease(key.clone());
+                } else {
+                    let _ = returned;
+                }
+            }
+            if matches!(via, Via::Strict) && surplus > 0 {
+                // No lease to keep the surplus in: straight back.
+                self.outbox(
+                    host,
+                    engine,
+                    vec![GiveItem::new(&s.rule, s.owner, s.window_end, surplus)],
+                );
+            }
+            done.push(Claimed {
+                rule: s.rule.clone(),
+                owner: s.owner,
+                amount: s.amount,
+                window_end: s.window_end,
+                meter: s.meter,
+                via,
+            });
+        }
+        Gate::Pass(done)
+    }
+
+    /// Past the leases, without the fleet: each bucket's `on_unavailable`.
+    fn unavailable(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        mut done: Vec<Claimed>,
+        short: Vec<Short>,
+        identity: &Identity,
+        now: u64,
+    ) -> Gate {
+        // The modes cover whole requests: what the leases gave goes back.
+        self.restore(engine, host, &short, now);
+        let mut charges = Vec::new();
+        for s in short {
+            let rule = &self.rules[&s.rule];
+            // A soft cap never refuses, the fleet away or not.
+            let mode = if rule.soft {
+                Unavailable::FailOpen
+            } else {
+                rule.mode
+            };
+            let via = match mode {
+                Unavailable::FailOpen => Via::Open,
+                Unavailable::FailClosed => {
+                    self.give_back(engine, host, &done, now);
+                    return Gate::Refuse {
+                        rule: s.rule.clone(),
+                        quota: Quota {
+                            limit: rule.rule.limit.capacity(),
+                            remaining: 0,
+                            reset_ms: 1_000,
+                        },
+                    };
+                }
+                Unavailable::LocalShare => {
+                    let mut effort = Default::default();
+                    match engine.reserve_rules(
+                        host,
+                        &[(&rule.share, s.amount)],
+                        identity,
+                        now,
+                        &mut effort,
+                    ) {
+                        Ok(mut held) => match held.pop() {
+                            Some(h) => Via::Share(h),
+                            None => Via::Open,
+                        },
+                        Err((_, quota)) => {
+                            self.give_back(engine, host, &done, now);
+                            return Gate::Refuse {
+                                rule: s.rule.clone(),
+                                quota,
+                            };
+                        }
+                    }
+                }
+            };
+            // What is admitted without Redis is charged there later.
+            charges.push(GiveItem::new(
+                &s.rule,
+                s.owner,
+                s.window_end,
+                -(s.amount as i64),
+            ));
+            done.push(Claimed {
+                rule: s.rule,
+                owner: s.owner,
+                amount: s.amount,
+                window_end: s.window_end,
+                meter: s.meter,
+                via,
+            });
+        }
+        self.outbox(host, engine, charges);
+        Gate::Pass(done)
+    }
+
+    /// Gives the units the leases had put towards `short` back to them.
+    fn restore(&self, engine: &Engine, host: &dyn Host, short: &[Short], now: u64) {
+        let claims: Vec<Claimed> = short
+            .iter()
+            .filter(|s| s.have > 0)
+            .filter_map(|s| {
+                Some(Claimed {
+                    rule: s.rule.clone(),
+                    owner: s.owner,
+                    amount: s.have,
+                    window_end: s.window_end,
+                    meter: s.meter,
+                    via: Via::Lease(s.slot.clone()?),
+                })
+            })
+            .collect();
+        self.give_back(engine, host, &claims, now);
+    }
+
+    /// Undoes the claims of a request refused after all.
+    pub fn give_back(&self, engine: &Engine, host: &dyn Host, claims: &[Claimed], now: u64) {
+        self.settle_with(engine, host, claims, now, |_| 0);
+    }
+
+    /// After the response: each claim's real usage replaces its amount.
+    pub fn settle(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        claims: &[Claimed],
+        used: Used,
+        now: u64,
+    ) {
+        self.settle_with(engine, host, claims, now, |m| {
+            Engine::units(m, used.input, used.output, used.pricing)
+        });
+    }
+
+    fn settle_with(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        claims: &[Claimed],
+        now: u64,
+        actual: impl Fn(Meter) -> u64,
+    ) {
+        let mut items = Vec::new();
+        let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
+        for c in claims {
+            if !self.rules.contains_key(&c.rule) {
+                continue;
+            }
+            let used = actual(c.meter);
+            let delta = c.amount as i64 - used as i64;
+            let item = |delta| GiveItem::new(&c.rule, c.owner, c.window_end, delta);
+            match &c.via {
+                Via::Lease(key) if delta != 0 => {
+                    let written = cas.update(key, |bytes| {
+                        let mut l = Lease::decode(bytes.unwrap_or_default());
+                        if !l.live(c.owner, c.window_end, now) {
+                            return None;
+                        }
+                        l.balance = l.balance.saturating_add(delta);
+                        Some(l.encode())
+                    });
+                    if written != Updated::Written {
+                        items.push(item(delta));
+                    }
+                }
+                Via::Strict if delta != 0 => items.push(item(delta)),
+                Via::Share(h) => {
+                    engine.settle_held(host, h, used, now);
+                    if delta != 0 {
+                        items.push(item(delta));
+                    }
+                }
+                Via::Open if delta != 0 => items.push(item(delta)),
+                _ => {}
+            }
+        }
+        self.outbox(host, engine, items);
+    }
+
+    /// Adds deltas to the shared outbox, merged per bucket. Full: a give-
+    /// back or a cancel is dropped (the fleet over-counts: the safe side); a
+    /// charge takes a cancel's place, and is dropped only when there is
+    /// none, counted and logged.
+    fn outbox(&self, host: &dyn Host, engine: &Engine, items: Vec<GiveItem>) {
+        if items.is_empty() {
+            return;
+        }
+        let mut dropped = 0i64;
+        let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
+        cas.update(OUTBOX_KEY, |bytes| {
+            let mut list: Vec<GiveItem> =
+                serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
+            dropped = 0;
+            for item in &items {
+                let at = list.iter().position(|x| x.same(item));
+                match at {
+                    Some(i) => list[i].delta = list[i].delta.saturating_add(item.delta),
+                    None if list.len() < OUTBOX_MAX => list.push(item.clone()),
+                    // Full: a charge takes a cancel's place (a lost cancel
+                    // over-counts, the safe side; a lost charge under-counts).
+                    None if item.delta < 0 => match list.iter().position(|x| x.take.is_some()) {
+                        Some(i) => list[i] = item.clone(),
+                        None => dropped += 1,
+                    },
+                    None => {}
+                }
+            }
+            serde_json::to_vec(&list).ok()
+        });
+        if dropped > 0 {
+            metric(host, M_OUTBOX_DROPPED, dropped);
+            host.log(
+                LogLevel::Warn,
+                &format!("fleet outbox full ({OUTBOX_MAX} buckets): {dropped} charge(s) not sent to Redis"),
+            );
+        }
+    }
+
+    /// Whether the fleet failed just now (then skip straight to the policy).
+    fn down(&self, host: &dyn Host, now: u64) -> bool {
+        let status = host.get(STATUS_KEY).map(|(b, _)| b).unwrap_or_default();
+        Status::decode(&status).retry_at_ms > now
+    }
+
+    /// Records the fleet up or down; the worker that flips it logs it.
+    fn mark(&self, host: &dyn Host, up: bool, now: u64) {
+        self.mark_why(host, up, now, "the sidecar or Redis does not answer");
+    }
+
+    /// Like [`Fleet::mark`]; `why` says in the log why it is down.
+    fn mark_why(&self, host: &dyn Host, up: bool, now: u64, why: &str) {
+        let mut flipped = false;
+        let mut cas = Cas::new(host, 4);
+        cas.update(STATUS_KEY, |bytes| {
+            let s = Status::decode(bytes.unwrap_or_default());
+            flipped = s.down == up;
+            let next = Status {
+                down: !up,
+                retry_at_ms: if up { 0 } else { now + DOWN_RETRY_MS },
+            };
+            (next != s).then(|| next.encode())
+        });
+        if !flipped {
+            return;
+        }
+        if up {
+            host.log(
+                LogLevel::Info,
+                "fleet: sidecar and Redis answer again; leases resume",
+            );
+        } else {
+            metric(host, M_UNAVAILABLE, 1);
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "fleet: {why}; leases serve until they expire, then on_unavailable (requests: {:?}, budgets: {:?})",
+                    self.config.on_unavailable.requests, self.config.on_unavailable.budgets
+                ),
+            );
+        }
+        host.metric_record(MetricKind::Gauge, M_DEGRADED, u64::from(!up));
+    }
+}
+
+fn retry_ms(limit: &Limit, window_end: u64, now: u64) -> u64 {
+    if window_end > 0 {
+        window_end.saturating_sub(now)
+    } else {
+        // A token bucket: one unit's refill time.
+        (limit.rate.period_ms / limit.rate.amount.max(1)).max(1_000)
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Status {
+    down: bool,
+    retry_at_ms: u64,
+}
+
+impl Status {
+    fn decode(b: &[u8]) -> Status {
+        let retry = b
+            .get(1..9)
+            .and_then(|s| s.try_into().ok())
+            .map_or(0, u64::from_le_bytes);
+        Status {
+            down: b.first() == Some(&1),
+            retry_at_ms: retry,
+        }
+    }
+    fn encode(&self) -> Vec<u8> {
+        let mut out = vec![u8::from(self.down)];
+        out.extend_from_slice(&self.retry_at_ms.to_le_bytes());
+        out
+    }
+}
+
+// ---------------------------------------------------------------- agent
+
+/// The background half, run by the one VM that polls the sidecar: gives
+/// back idle and expired leases and sends the outbox, one batch at a time,
+/// retried with the same id until the sidecar says it is applied.
+#[derive(Debug, Default)]
+pub struct Agent {
+    inflight: Option<(u32, String, Vec<GiveItem>)>,
+    /// A top-up in flight: its token and the leases it is for.
+    topping: Option<(u32, String, Vec<TopUp>)>,
+    /// A batch whose send failed: sent again, same id.
+    unsent: Option<(String, Vec<GiveItem>)>,
+    last_sweep_ms: u64,
+    retry_at_ms: u64,
+    seq: u64,
+    failing: bool,
+}
+
+/// A lease being topped up ahead of need.
+#[derive(Debug, Clone)]
+struct TopUp {
+    slot: String,
+    rule: String,
+    owner: u64,
+    window_end: u64,
+}
+
+/// Most leases topped up in one call.
+const TOP_UP_MAX: usize = 64;
+
+impl Agent {
+    pub fn owns(&self, token: u32) -> bool {
+        self.inflight.as_ref().is_some_and(|(t, _, _)| *t == token)
+            || self.topping.as_ref().is_some_and(|(t, _, _)| *t == token)
+    }
+
+    pub fn tick(&mut self, fleet: &Fleet, engine: &Engine, host: &dyn Host, vm_id: u64, now: u64) {
+        if now >= self.last_sweep_ms + SWEEP_MS {
+            self.last_sweep_ms = now;
+            self.sweep(fleet, engine, host, now);
+        }
+        if self.topping.is_none() && now >= self.retry_at_ms && !fleet.down(host, now) {
+            self.top_up(fleet, host, now);
+        }
+        if self.inflight.is_some() || now < self.retry_at_ms {
+            return;
+        }
+        let (id, items) = match self.unsent.take() {
+            Some(batch) => batch,
+            None => {
+                let mut taken = Vec::new();
+                let mut cas = Cas::new(host, Fleet::tries(engine).saturating_mul(8));
+                cas.update(OUTBOX_KEY, |bytes| {
+                    taken = serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
+                    (!taken.is_empty()).then(|| b"[]".to_vec())
+                });
+                taken.retain(GiveItem::sends);
+                if taken.is_empty() {
+                    return;
+                }
+                self.seq += 1;
+                (format!("{vm_id:x}-{now:x}-{:x}", self.seq), taken)
+            }
+        };
+        let body = serde_json::to_vec(&GiveRequest {
+            id: &id,
+            items: &items,
+        })
+        .unwrap_or_default();
+        match fleet.post(host, "/v1/fleet/give", &body) {
+            Ok(token) => self.inflight = Some((token, id, items)),
+            Err(_) => {
+                self.unsent = Some((id, items));
+                self.retry_at_ms = now + DOWN_RETRY_MS;
+            }
+        }
+    }
+
+    /// Asks for more, in the background, for the leases in use that are
+    /// down to a quarter of their last grant: the requests behind them then
+    /// find the lease filled instead of waiting for the sidecar.
+    fn top_up(&mut self, fleet: &Fleet, host: &dyn Host, now: u64) {
+        let cfg = &fleet.config.lease;
+        let mut wants = Vec::new();
+        let mut claims = Vec::new();
+        for (rule_id, key) in &fleet.lease_keys {
+            if wants.len() >= TOP_UP_MAX {
+                break;
+            }
+            let Some((bytes, _)) = host.get(key) else {
+                continue;
+            };
+            let l = Lease::decode(&bytes);
+            let Some(rule) = fleet.rules.get(rule_id) else {
+                continue;
+            };
+            let current = window_end(&rule.rule.limit, now);
+            let in_use = l.owner != 0 && l.last_ms + cfg.idle_ms > now && l.expires_ms > now;
+            if !in_use || l.window_end != current || l.balance.saturating_mul(4) >= l.grant as i64 {
+                continue;
+            }
+            let want = cfg.max.map_or(l.grant, |m| l.grant.min(m));
+            if want == 0 {
+                continue;
+            }
+            claims.push((rule_id.clone(), l.owner, current, want));
+            wants.push(TopUp {
+                slot: key.clone(),
+                rule: rule_id.clone(),
+                owner: l.owner,
+                window_end: l.window_end,
+            });
+        }
+        if wants.is_empty() {
+            return;
+        }
+        let id = fleet.take_id();
+        let body = serde_json::to_vec(&TakeRequest {
+            id: &id,
+            deadline_ms: now.saturating_add(fleet.config.timeout_ms),
+            claims: claims
+                .iter()
+                .map(|(rule, owner, window_end_ms, want)| TakeClaim {
+                    rule,
+                    owner: *owner,
+                    window_end_ms: *window_end_ms,
+                    need: 0,
+                    want: *want,
+                })
+                .collect(),
+        })
+        .unwrap_or_default();
+        if let Ok(token) = fleet.post(host, "/v1/fleet/take", &body) {
+            metric(host, M_TAKES, 1);
+            self.topping = Some((token, id, wants));
+        }
+    }
+
+    /// What a top-up brought: into the leases still held, else straight
+    /// back. A top-up that failed is undone by its id (Redis gives back
+    /// what it granted, once, or refuses it if it arrives later).
+    fn topped_up(
+        &mut self,
+        fleet: &Fleet,
+        engine: &Engine,
+        host: &dyn Host,
+        (id, wants): (String, Vec<TopUp>),
+        body_size: usize,
+        now: u64,
+    ) {
+        let status = host.call_response_header(":status");
+        let body = host.call_response_body(body_size);
+        let answer = match (
+            status.as_deref(),
+            serde_json::from_slice::<TakeAnswer>(&body),
+        ) {
+            (Some("200"), Ok(a)) if a.ok && a.grants.len() == wants.len() => a,
+            (Some("200"), Ok(_)) => return,
+            _ => {
+                if failed_call(host, status.as_deref(), &body) {
+                    // It may still be applied in Redis: undone by id, once.
+                    let cancels = wants
+                        .iter()
+                        .map(|w| GiveItem::cancel(&w.rule, w.owner, w.window_end, &id))
+                        .collect();
+                    fleet.outbox(host, engine, cancels);
+                }
+                self.retry_at_ms = now + DOWN_RETRY_MS;
+                return;
+            }
+        };
+        let ttl = fleet.config.lease.ttl_ms;
+        let mut back = Vec::new();
+        let mut cas = Cas::new(host, Fleet::tries(engine));
+        for (w, &grant) in wants.iter().zip(&answer.grants) {
+            if grant == 0 {
+                continue;
+            }
+            let written = cas.update(&w.slot, |bytes| {
+                let mut l = Lease::decode(bytes.unwrap_or_default());
+                if l.owner != w.owner || l.window_end != w.window_end || l.expires_ms <= now {
+                    return None;
+                }
+                l.balance = l.balance.saturating_add(grant as i64);
+                l.expires_ms = now + ttl;
+                l.grant = grant;
+                Some(l.encode())
+            });
+            if written != Updated::Written {
+                back.push(GiveItem::new(&w.rule, w.owner, w.window_end, grant as i64));
+            }
+        }
+        fleet.outbox(host, engine, back);
+    }
+
+    /// The answer to a call of this agent: a top-up, or a batch (done, or
+    /// kept to be sent again with the same id).
+    pub fn on_answer(
+        &mut self,
+        fleet: &Fleet,
+        engine: &Engine,
+        host: &dyn Host,
+        token: u32,
+        body_size: usize,
+        now: u64,
+    ) {
+        if let Some((_, id, wants)) = self.topping.take_if(|(t, _, _)| *t == token) {
+            self.topped_up(fleet, engine, host, (id, wants), body_size, now);
+            return;
+        }
+        let Some((_, id, items)) = self.inflight.take_if(|(t, _, _)| *t == token) else {
+            return;
+        };
+        let status = host.call_response_header(":status");
+        let body = host.call_response_body(body_size);
+        if status.as_deref() == Some("200") {
+            note_refusal(host, None);
+            metric(host, M_BATCHES, 1);
+            if std::mem::take(&mut self.failing) {
+                host.log(LogLevel::Info, "fleet: held settlements sent");
+            }
+            return;
+        }
+        let _ = failed_call(host, status.as_deref(), &body);
+        if status.as_deref() == Some("400") {
+            // Never accepted: sending it again cannot help.
+            host.log(
+                LogLevel::Error,
+                "fleet: the sidecar refused a settlement batch (400); dropped",
+            );
+            return;
+        }
+        if !self.failing {
+            self.failing = true;
+            host.log(
+                LogLevel::Warn,
+                "fleet: settlements held until the sidecar and Redis answer (sent once, by id)",
+            );
+        }
+        self.unsent = Some((id, items));
+        self.retry_at_ms = now + DOWN_RETRY_MS;
+    }
+
+    /// Frees leases unused for `idle` or past `ttl` (or of a past window),
+    /// their balance to the outbox.
+    fn sweep(&mut self, fleet: &Fleet, engine: &Engine, host: &dyn Host, now: u64) {
+        let cfg = &fleet.config.lease;
+        let mut items = Vec::new();
+        let mut cas = Cas::new(host, Fleet::tries(engine));
+        for (rule_id, key) in &fleet.lease_keys {
+            let Some((bytes, _)) = host.get(key) else {
+                continue;
+            };
+            let l = Lease::decode(&bytes);
+            if l.owner == 0 {
+                continue;
+            }
+            let over = l.window_end != 0 && l.window_end <= now;
+            let stale = l.last_ms + cfg.idle_ms <= now || l.expires_ms <= now || over;
+            if !stale {
+                continue;
+            }
+            let mut freed = None;
+            let written = cas.update(key, |bytes| {
+                let l = Lease::decode(bytes.unwrap_or_default());
+                let over = l.window_end != 0 && l.window_end <= now;
+                if l.owner == 0 || !(l.last_ms + cfg.idle_ms <= now || l.expires_ms <= now || over)
+                {
+                    return None;
+                }
+                freed = Some(l);
+                Some(Lease::default().encode())
+            });
+            if let (Updated::Written, Some(l)) = (written, freed) {
+                let over = l.window_end != 0 && l.window_end <= now;
+                if l.balance != 0 && !over {
+                    items.push(GiveItem::new(rule_id, l.owner, l.window_end, l.balance));
+                }
+            }
+        }
+        fleet.outbox(host, engine, items);
+    }
+}
+
+#[cfg(test)]
+mod tests;

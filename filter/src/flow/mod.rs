@@ -1,0 +1,1505 @@
+//! The request path as Envoy drives it: one method per Envoy event, every
+//! decision made here against a [`Host`], so all of it runs natively
+//! against [`crate::host::mock::MockHost`].
+//!
+//! - [`Poller`] is the root context: loads the policy, and — in the one VM
+//!   holding the poller lease — long-polls the sidecar and stores its state
+//!   in shared data for every worker.
+//! - [`Request`] is one HTTP stream: request headers (kill-switch header
+//!   stripped, API, identity, canonical path, declared size) → body (size,
+//!   then the whole body at its end or at the trailers) → decision
+//!   ([`Request::decide`]: demand → pushback → route → admit → probe claim
+//!   → reroute/rewrite) → response headers (upstream answer fed to the
+//!   route's record, meter set up) → response body (first byte, meter,
+//!   settlement) → log (settle what is left, give back an unanswered
+//!   probe).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::{Rc, Weak};
+
+use crate::admission::answer::{Decision, Reason};
+use crate::admission::health::{self, Pushback, Seen};
+use crate::admission::identity::Identity;
+use crate::admission::pushback::UpstreamReply;
+use crate::admission::{Engine, Plan, RequestContext, Routed, Verdict};
+use crate::host::{Action, Host, LogLevel, MetricKind};
+use crate::policy::Policy;
+use crate::state::codec::{Reader, Record, Writer};
+use crate::state::store::{Cas, Contention, Updated};
+use crate::usage::demand::Api;
+use crate::usage::reconcile::{Format, Found, ResponseMeter};
+
+/// Longest audit field value: every field, whatever a client sent.
+pub const MAX_AUDIT_BYTES: usize = 256;
+/// The routing header the kill switch sets (see `FallbackConfig`).
+pub const DEFAULT_FALLBACK_HEADER: &str = "x-sluice-upstream";
+/// The sidecar state as received: written by the one VM that polls.
+pub const SIDECAR_KEY: &str = "sluice:v1:sidecar";
+/// Which VM polls the sidecar: owner id and lease expiry.
+pub const POLLER_KEY: &str = "sluice:v1:poller";
+pub const LEASE_MS: u64 = 3_000;
+pub const TICK_MS: u64 = 250;
+/// After a failed poll, wait this long before the next.
+const POLL_RETRY_MS: u64 = 1_000;
+
+fn metric_kind(name: &str) -> MetricKind {
+    if telemetry::GAUGES.contains(&name) {
+        MetricKind::Gauge
+    } else {
+        MetricKind::Counter
+    }
+}
+
+/// Adds to a metric; nothing for 0 (no host call on the common path).
+fn add(host: &dyn Host, name: &str, by: i64) {
+    if by != 0 {
+        host.metric_add(metric_kind(name), name, by);
+    }
+}
+
+/// Lost compare-and-swap races, and updates that lost every try.
+fn count_contention(host: &dyn Host, c: Contention) {
+    add(host, telemetry::CAS_RETRIES, i64::from(c.cas_retries));
+    add(host, telemetry::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
+}
+
+fn set_gauge(host: &dyn Host, name: &str, value: u64) {
+    host.metric_record(MetricKind::Gauge, name, value);
+}
+
+/// A stream reached by the root context: its handle and Envoy's context id.
+type StreamCall = (Weak<RefCell<Stream>>, u32);
+
+/// What every root context of one VM (one Envoy worker) shares: its
+/// queued streams, and the policies loaded, latest last. A reload makes a
+/// new root context in the same VM (the old one serves its draining
+/// connections meanwhile); the concurrency gate of every stream of the VM,
+/// old or new, follows the latest policy still loaded, so its limits
+/// govern what waits and what is in flight (see `waiting`). With two
+/// listeners of different policies in one VM, the one loaded last governs
+/// both's gates (their queue state is one per backend anyway).
+#[derive(Default)]
+pub struct Vm {
+    filters: RefCell<Vec<Weak<Filter>>>,
+    waiters: Waiters,
+}
+
+/// Queued and sleeping streams of one VM, by ticket.
+type Waiters = Rc<RefCell<HashMap<u64, waiting::Waiter>>>;
+
+impl Vm {
+    /// The policy loaded last whose root context still lives.
+    fn latest(&self) -> Option<Rc<Filter>> {
+        let filters = self.filters.try_borrow().ok()?;
+        filters.iter().rev().find_map(Weak::upgrade)
+    }
+
+    fn loaded(&self, filter: &Rc<Filter>) {
+        if let Ok(mut filters) = self.filters.try_borrow_mut() {
+            filters.retain(|f| f.strong_count() > 0);
+            filters.push(Rc::downgrade(filter));
+        }
+    }
+}
+
+/// One VM's policy and what its HTTP contexts share: the decoded sidecar
+/// state (kept until the shared-data entry changes) and a dice for
+/// half-open trickles and pause jitter.
+pub struct Filter {
+    pub engine: Engine,
+    seen: RefCell<(u32, Rc<Seen>)>,
+    dice: Cell<u64>,
+    /// Principal → its salted audit hash: a SHA-256 per request saved for
+    /// callers seen before. Bounded like the key-hash cache.
+    audit_principals: RefCell<HashMap<String, String>>,
+    /// Limits shared with the other Envoys (the policy's `fleet`).
+    pub fleet: Option<crate::fleet::Fleet>,
+    /// Callouts a stream made while the root context was acting for it (a
+    /// queued request's strict fleet take, made as the root resumed it):
+    /// the SDK delivers their answers to the root, which hands each to its
+    /// stream. Token → (stream, Envoy's context id); bounded by the
+    /// requests in flight (removed on the answer or at the stream's end).
+    stream_calls: RefCell<HashMap<u32, StreamCall>>,
+    /// Concurrency gates and this VM's queued requests (see `waiting`).
+    gates: crate::queue::Gates,
+    /// The VM's (see [`Vm`]).
+    waiters: Waiters,
+    /// This VM's wake-up queue.
+    wake_queue: Cell<Option<u32>>,
+    /// The VM's policy loaded last (see [`Vm`]).
+    vm: Rc<Vm>,
+    /// The sidecar state's version the queue last re-routed its waiters by.
+    seen_by_queue: Cell<u32>,
+}
+
+impl Filter {
+    pub fn new(engine: Engine) -> Filter {
+        Filter {
+            fleet: crate::fleet::Fleet::new(&engine),
+            stream_calls: RefCell::default(),
+            gates: crate::queue::Gates::new(&engine.policy),
+            waiters: Rc::default(),
+            wake_queue: Cell::new(None),
+            vm: Rc::default(),
+            seen_by_queue: Cell::new(0),
+            engine,
+            seen: RefCell::new((0, Rc::new(Seen::default()))),
+            dice: Cell::new(0),
+            audit_principals: RefCell::default(),
+        }
+    }
+
+    /// The filter whose gates govern this one's streams: the VM's policy
+    /// loaded last, or this one.
+    fn latest(self: &Rc<Self>) -> Rc<Filter> {
+        self.vm.latest().unwrap_or_else(|| self.clone())
+    }
+
+    /// The audit log's name of a caller (salted hash), cached per VM.
+    fn audit_principal(&self, identity: &Identity) -> String {
+        let Ok(mut cache) = self.audit_principals.try_borrow_mut() else {
+            return self.engine.audit_principal(identity);
+        };
+        if let Some(hash) = cache.get(&identity.principal) {
+            return hash.clone();
+        }
+        let hash = self.engine.audit_principal(identity);
+        if cache.len() >= crate::admission::identity::KEY_HASH_CACHE {
+            cache.clear();
+        }
+        cache.insert(identity.principal.clone(), hash.clone());
+        hash
+    }
+
+    /// The sidecar state in shared data, decoded again only when it changed.
+    fn seen(&self, host: &dyn Host) -> Rc<Seen> {
+        let Some((bytes, cas)) = host.get(SIDECAR_KEY) else {
+            return Rc::new(Seen::default());
+        };
+        let Ok(mut cached) = self.seen.try_borrow_mut() else {
+            return Rc::new(crate::admission::health::decode_seen(&bytes));
+        };
+        if cached.0 != cas {
+            *cached = (cas, Rc::new(crate::admission::health::decode_seen(&bytes)));
+        }
+        cached.1.clone()
+    }
+
+    /// Uniform in 0..1000 (xorshift; fairness, not secrecy).
+    fn roll(&self, now_ms: u64) -> u32 {
+        let mut x = self.dice.get();
+        if x == 0 {
+            x = now_ms | 1;
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.dice.set(x);
+        (x % 1000) as u32
+    }
+
+    /// Defines the metrics alerts and dashboards read, at 0, before
+    /// anything happens: a counter that first appears at 1 hides that
+    /// first increment from Prometheus' `rate()`/`increase()` (the first
+    /// surge, reroute or refusal by a bucket would never alert), and a
+    /// gauge that is absent reads as "no data" rather than 0.
+    fn define_metrics(&self, host: &dyn Host) {
+        for name in telemetry::FIXED {
+            host.metric_add(metric_kind(name), name, 0);
+        }
+        for rule in self.engine.rules() {
+            host.metric_add(MetricKind::Counter, &telemetry::refusals_total(&rule.id), 0);
+        }
+    }
+}
+
+/// The root context: policy load, tick, the sidecar's long poll.
+#[derive(Default)]
+pub struct Poller {
+    filter: Option<Rc<Filter>>,
+    /// This VM's id in the poller lease.
+    id: u64,
+    /// The in-flight long poll, if any.
+    poll: Option<u32>,
+    /// After a failed poll, wait until then.
+    retry_at_ms: u64,
+    /// The last poll failed (logged once per outage).
+    sidecar_failing: bool,
+    /// Lease returns and settlement batches to the sidecar.
+    fleet: crate::fleet::Agent,
+    /// With queues the tick is fast; the lease still moves at `TICK_MS`.
+    next_lease_ms: u64,
+    /// Fleet-wide concurrency slots (see `slots`).
+    slots: slots::Agent,
+    /// What this VM's root contexts share.
+    vm: Rc<Vm>,
+}
+
+impl Poller {
+    pub fn new() -> Poller {
+        Poller::default()
+    }
+
+    /// A root context of a VM whose other root contexts share `vm` (the
+    /// adapter keeps one per VM).
+    pub fn in_vm(vm: Rc<Vm>) -> Poller {
+        Poller {
+            vm,
+            ..Poller::default()
+        }
+    }
+
+    /// Loads a policy. On `false` Envoy refuses the listener, and this VM
+    /// keeps its last good policy.
+    pub fn configure(&mut self, host: &dyn Host, config: &[u8]) -> bool {
+        let policy = match Policy::from_plugin_config(config) {
+            Ok(policy) => policy,
+            Err(err) => {
+                host.log(LogLevel::Error, &err.to_string());
+                add(host, telemetry::CONFIG_REJECTED, 1);
+                return false;
+            }
+        };
+        let engine = match Engine::compile(policy) {
+            Ok(engine) => engine,
+            Err(err) => {
+                host.log(LogLevel::Error, &err.to_string());
+                add(host, telemetry::CONFIG_REJECTED, 1);
+                return false;
+            }
+        };
+        let mut filter = Filter::new(engine);
+        filter.vm = self.vm.clone();
+        filter.waiters = self.vm.waiters.clone();
+        filter.define_metrics(host);
+        let engine = &filter.engine;
+        match engine.prepare(host) {
+            Ok(created) => host.log(
+                LogLevel::Info,
+                &format!(
+                    "policy loaded: {} tiers, {} models, {} routes, {} buckets ({} new shared-data keys)",
+                    engine.policy.tiers.len(),
+                    engine.policy.models.len(),
+                    engine.policy.routes.len(),
+                    engine.rules().len(),
+                    created
+                ),
+            ),
+            Err(err) => {
+                host.log(
+                    LogLevel::Error,
+                    &format!("cannot create shared-data keys: {err}"),
+                );
+                return false;
+            }
+        }
+        if let Some(fleet) = &filter.fleet {
+            match fleet.prepare(engine, host) {
+                Ok(n) => host.log(
+                    LogLevel::Info,
+                    &format!("fleet: {n} new shared-data keys for leases"),
+                ),
+                Err(err) => {
+                    host.log(
+                        LogLevel::Error,
+                        &format!("fleet: cannot create shared-data keys: {err}"),
+                    );
+                    return false;
+                }
+            }
+        }
+        if engine.policy.sidecar.is_some() || !filter.gates.is_empty() {
+            // Distinct per VM: VMs start at different nanoseconds.
+            let ns = host.now_ns();
+            let (subsec, ms) = (ns % 1_000_000_000, ns / 1_000_000);
+            if self.id == 0 {
+                self.id = (subsec << 20) ^ ms.rotate_left(7) | 1;
+            }
+            host.set_tick_period_ms(TICK_MS);
+        }
+        // The gates' previous policy: the VM's last (this root's, or the
+        // root context this reload replaces).
+        let previous = self.vm.latest().or_else(|| self.filter.clone());
+        let same_root = match (&previous, &self.filter) {
+            (Some(p), Some(own)) => Rc::ptr_eq(p, own),
+            _ => false,
+        };
+        waiting::configure(&filter, previous.as_deref(), same_root, host, self.id);
+        let filter = Rc::new(filter);
+        self.vm.loaded(&filter);
+        waiting::after_configure(&filter, host);
+        self.filter = Some(filter);
+        true
+    }
+
+    /// A new HTTP stream's context; `None` before a policy loaded.
+    pub fn request(&self) -> Option<Request> {
+        self.request_for(0)
+    }
+
+    /// A new HTTP stream's context, with Envoy's id for it (a queued
+    /// request is resumed by id).
+    pub fn request_for(&self, context_id: u32) -> Option<Request> {
+        self.filter
+            .clone()
+            .map(|filter| Request::wrap(Stream::new(filter), context_id))
+    }
+
+    /// Messages on this VM's wake-up queue: queued requests granted a slot.
+    pub fn on_wake(&mut self, host: &dyn Host) {
+        if let Some(filter) = self.filter.clone() {
+            waiting::on_wake(&filter, host);
+        }
+    }
+
+    pub fn tick(&mut self, host: &dyn Host) {
+        let now = host.now_ms();
+        if let Some(filter) = self
+            .filter
+            .clone()
+            .filter(|f| !f.gates.is_empty() || waiting::has_waiters(f))
+        {
+            waiting::tick(&filter, host, now);
+            if filter.fleet.is_some() && self.polls(host, now) {
+                self.slots.tick(&filter, host, now);
+            }
+            if now < self.next_lease_ms {
+                return;
+            }
+            self.next_lease_ms = now + TICK_MS;
+        }
+        // The lease is renewed on every tick, also while a long poll is in
+        // flight: else another VM would take it mid-poll.
+        if !self.hold_lease(host, now) {
+            return;
+        }
+        if let Some(filter) = self.filter.clone() {
+            if let Some(fleet) = &filter.fleet {
+                self.fleet.tick(fleet, &filter.engine, host, self.id, now);
+            }
+        }
+        if self.poll.is_some() || now < self.retry_at_ms {
+            return;
+        }
+        self.dispatch_poll(host, now);
+    }
+
+    /// This VM holds the poller lease (read only; `hold_lease` renews it).
+    fn polls(&self, host: &dyn Host, now: u64) -> bool {
+        let lease = host.get(POLLER_KEY).map(|(b, _)| b).unwrap_or_default();
+        let lease = PollLease::decode(&lease);
+        lease.owner == self.id && lease.expires_ms > now
+    }
+
+    /// Takes or renews the poller lease: one VM in the whole Envoy polls.
+    fn hold_lease(&self, host: &dyn Host, now: u64) -> bool {
+        let tries = self
+            .filter
+            .as_ref()
+            .map_or(1, |f| f.engine.policy.state.cas_max_retries);
+        let mut cas = Cas::new(host, tries);
+        let held = cas.update(POLLER_KEY, |bytes| {
+            let lease = PollLease::decode(bytes.unwrap_or_default());
+            if lease.owner != self.id && lease.expires_ms > now {
+                return None; // another VM polls
+            }
+            let next = PollLease {
+                owner: self.id,
+                expires_ms: now + LEASE_MS,
+            };
+            Some(next.encode())
+        });
+        count_contention(host, cas.contention);
+        held == Updated::Written
+    }
+
+    fn dispatch_poll(&mut self, host: &dyn Host, now: u64) {
+        let Some(filter) = self.filter.clone() else {
+            return;
+        };
+        let Some(sidecar) = filter.engine.policy.sidecar.as_ref() else {
+            return;
+        };
+        let since = filter.seen(host).state.as_ref().map_or(0, |s| s.version);
+        let wait_s = health::poll_wait_s(sidecar.poll_wait_ms, sidecar.stale_after_ms);
+        let path = format!("/v1/state?since={since}&wait={wait_s}");
+        let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
+        let headers = [
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", authority),
+        ];
+        let timeout_ms = wait_s * 1000 + 5_000;
+        match host.dispatch_call(&sidecar.cluster, &headers, timeout_ms) {
+            Ok(token) => self.poll = Some(token),
+            Err(why) => {
+                add(host, telemetry::SIDECAR_POLL_ERRORS, 1);
+                host.log(
+                    LogLevel::Warn,
+                    &format!(
+                        "cannot poll the sidecar (cluster {}): {why}",
+                        sidecar.cluster
+                    ),
+                );
+                self.retry_at_ms = now + POLL_RETRY_MS;
+            }
+        }
+    }
+
+    /// The sidecar's answer: stored for every worker, then the next poll.
+    pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        if let Some(filter) = self.filter.clone() {
+            let call = filter
+                .stream_calls
+                .try_borrow_mut()
+                .ok()
+                .and_then(|mut calls| calls.remove(&token));
+            if let Some((stream, context_id)) = call {
+                let stream = stream.upgrade();
+                if let Some(mut stream) = stream.as_ref().and_then(|s| s.try_borrow_mut().ok()) {
+                    if host.set_effective_context(context_id) {
+                        stream.on_call_response(host, token, body_size);
+                    }
+                }
+                return;
+            }
+        }
+        if self.slots.owns(token) {
+            if let Some(filter) = self.filter.clone() {
+                self.slots.on_answer(&filter, host, token, body_size);
+            }
+            return;
+        }
+        if self.fleet.owns(token) {
+            if let Some(filter) = self.filter.clone() {
+                if let Some(fleet) = &filter.fleet {
+                    let now = host.now_ms();
+                    self.fleet
+                        .on_answer(fleet, &filter.engine, host, token, body_size, now);
+                }
+            }
+            return;
+        }
+        if self.poll != Some(token) {
+            return;
+        }
+        self.poll = None;
+        let now = host.now_ms();
+        let status = host.call_response_header(":status");
+        let body = host.call_response_body(body_size);
+        let state = match (
+            status.as_deref(),
+            serde_json::from_slice::<health::SidecarState>(&body),
+        ) {
+            (Some("200"), Ok(state)) => state,
+            (status, parsed) => {
+                add(host, telemetry::SIDECAR_POLL_ERRORS, 1);
+                self.retry_at_ms = now + POLL_RETRY_MS;
+                if !self.sidecar_failing {
+                    // Said once per outage, not once per retry.
+                    self.sidecar_failing = true;
+                    let why = match (status, parsed) {
+                        (Some("200"), Err(e)) => format!("unreadable state: {e}"),
+                        (Some(code), _) => format!("status {code}"),
+                        (None, _) => "no answer".into(),
+                    };
+                    host.log(
+                        LogLevel::Warn,
+                        &format!("sidecar unreachable ({why}); keeping its last state for stale_after, then the on_stale policy"),
+                    );
+                }
+                return;
+            }
+        };
+        if std::mem::take(&mut self.sidecar_failing) {
+            host.log(LogLevel::Info, "sidecar reachable again");
+        }
+        add(host, telemetry::SIDECAR_POLLS, 1);
+        set_gauge(
+            host,
+            telemetry::KILL_SWITCH,
+            u64::from(state.kill_switch.active),
+        );
+        let open = state.breakers.iter().filter(|b| b.state == "open").count();
+        set_gauge(host, telemetry::BREAKERS_OPEN, open as u64);
+        // One writer (the lease holder): no CAS needed. Every answer, even
+        // an unchanged state, refreshes the receive time.
+        let _ = host.set(
+            SIDECAR_KEY,
+            &crate::admission::health::encode_seen(now, &body),
+            0,
+        );
+        if self.hold_lease(host, now) {
+            self.dispatch_poll(host, now);
+        }
+    }
+}
+
+/// An HTTP stream as Envoy's callbacks reach it: a handle on the
+/// [`Stream`], shared with the root context while the request waits in a
+/// queue. Callbacks never nest, so a borrow always succeeds; if one did
+/// not, the callback lets the stream continue rather than panic.
+pub struct Request {
+    stream: Rc<RefCell<Stream>>,
+}
+
+impl Request {
+    fn with(&self, f: impl FnOnce(&mut Stream) -> Action) -> Action {
+        match self.stream.try_borrow_mut() {
+            Ok(mut stream) => f(&mut stream),
+            Err(_) => Action::Continue,
+        }
+    }
+
+    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        self.with(|s| s.on_request_headers(host, end_of_stream))
+    }
+
+    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        self.with(|s| s.on_request_body(host, body_size, end))
+    }
+
+    pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
+        self.with(|s| s.on_request_trailers(host))
+    }
+
+    pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+        self.with(|s| s.on_response_headers(host))
+    }
+
+    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        self.with(|s| s.on_response_body(host, body_size, end))
+    }
+
+    pub fn on_log(&mut self, host: &dyn Host) {
+        self.with(|s| {
+            s.on_log(host);
+            Action::Continue
+        });
+    }
+
+    /// The answer to a callout this stream made (the fleet's strict take).
+    pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        self.with(|s| {
+            s.on_call_response(host, token, body_size);
+            Action::Continue
+        });
+    }
+
+    #[cfg(test)]
+    fn audit(&self, host: &dyn Host, name: &str, value: &str) {
+        if let Ok(s) = self.stream.try_borrow() {
+            s.audit(host, name, value);
+        }
+    }
+}
+
+/// One HTTP stream, from its request headers to its access log (behind
+/// [`Request`], which the root context can also reach while it waits).
+pub struct Stream {
+    filter: Rc<Filter>,
+    /// The request went to the primary upstream: its answer feeds the
+    /// route's pause and error breaker.
+    watch_upstream: bool,
+    /// The route's pushback state as the request found it.
+    pushback: Option<Pushback>,
+    /// This request holds the route's half-open probe (its lease).
+    probe_lease: Option<u64>,
+    identity: Option<Identity>,
+    api: Api,
+    /// The canonical path (`request::canonical_path`), for route buckets.
+    path: String,
+    /// The request headers, read once (after the fallback header is
+    /// removed) for every header the path reads: one host call.
+    request_headers: Option<Vec<(String, String)>>,
+    response_headers: Vec<(String, String)>,
+    decided: bool,
+    /// Request body bytes buffered so far (for a request that ends with
+    /// trailers, the body is read in the trailers callback).
+    body_size: usize,
+    /// What admission reserved, until it is settled.
+    plan: Option<Plan>,
+    /// Reads the response as it passes.
+    meter: Option<ResponseMeter>,
+    status: u32,
+    /// When the request arrived; whether its first response byte left.
+    started_ms: u64,
+    first_byte: bool,
+    /// Tier and model labels of the decision, for later metrics.
+    labels: Option<(String, String)>,
+    /// SHA-256 of the response body, when the audit asks for it.
+    response_hash: Option<sha2::Sha256>,
+    /// Paused for the fleet: the sidecar's answer decides this verdict.
+    fleet_wait: Option<(crate::fleet::Pending, Verdict)>,
+    /// What the fleet buckets hold for this request, until settled.
+    fleet_claims: Vec<crate::fleet::Claimed>,
+    /// Envoy's id of this stream, and the handle the root wakes it by.
+    context_id: u32,
+    me: Weak<RefCell<Stream>>,
+    /// Its concurrency slot or queue entry, and what a queued request
+    /// needs to be admitted when its turn comes.
+    gate: Option<waiting::GateState>,
+    parked: Option<waiting::Parked>,
+}
+
+impl Stream {
+    pub fn new(filter: Rc<Filter>) -> Stream {
+        Stream {
+            context_id: 0,
+            me: Weak::new(),
+            gate: None,
+            parked: None,
+            filter,
+            watch_upstream: false,
+            pushback: None,
+            probe_lease: None,
+            identity: None,
+            api: Api::Other,
+            path: String::new(),
+            request_headers: None,
+            response_headers: Vec::new(),
+            decided: false,
+            body_size: 0,
+            plan: None,
+            meter: None,
+            status: 0,
+            started_ms: 0,
+            first_byte: false,
+            labels: None,
+            response_hash: None,
+            fleet_wait: None,
+            fleet_claims: Vec::new(),
+        }
+    }
+
+    fn engine(&self) -> &Engine {
+        &self.filter.engine
+    }
+
+    /// A request header, from the snapshot of the request headers.
+    fn header(&self, host: &dyn Host, name: &str) -> Option<String> {
+        crate::admission::identity::RequestView::header(
+            &HostRequest(host, self.request_headers.as_deref()),
+            name,
+        )
+    }
+
+    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        self.started_ms = host.now_ms();
+        // Only sluice may choose the fallback route, also when the policy
+        // has no `fallback` section but the Envoy routes still match it.
+        let header = self.engine().policy.fallback.as_ref().map(|f| &f.header);
+        let header = header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str);
+        let mut headers = host.request_headers();
+        // Removed only when sent (a host call saved on every other
+        // request); a host that cannot list the headers removes it anyway.
+        let sent = headers
+            .as_ref()
+            .is_none_or(|all| all.iter().any(|(n, _)| n.eq_ignore_ascii_case(header)));
+        if sent {
+            host.set_request_header(header, None);
+            if let Some(all) = headers.as_mut() {
+                all.retain(|(n, _)| !n.eq_ignore_ascii_case(header));
+            }
+        }
+        self.request_headers = headers;
+        let raw_path = self.header(host, ":path").unwrap_or_default();
+        let method = self.header(host, ":method").unwrap_or_default();
+        let canonical = crate::usage::demand::canonical_path(&raw_path);
+        // A body on any method is read (a lenient server may serve it);
+        // a bodyless POST is classified too (and refused if it is no API).
+        let length = self.header(host, "content-length");
+        let with_body = self.carries_body(host, length.as_deref(), end_of_stream);
+        let work = with_body || method.eq_ignore_ascii_case("POST");
+        self.api = match canonical.as_deref() {
+            Ok(path) if work => Api::of_path(path),
+            _ => Api::Other,
+        };
+        let view = HostRequest(host, self.request_headers.as_deref());
+        let identity = match self.engine().identify_why(&view) {
+            Ok(identity) => identity,
+            Err((verdict, why)) => {
+                // A failed authentication counts toward its address's box
+                // (guessing keys is what the box is for); once blocked, the
+                // address gets 429 `temporarily_blocked` instead of 401.
+                add(host, &telemetry::auth_failures_total(why.code()), 1);
+                let (blocked, checked) =
+                    self.engine()
+                        .penalty_box_failed(host, &view, self.started_ms);
+                add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
+                add(
+                    host,
+                    telemetry::ABUSE_UNTRACKED,
+                    i64::from(checked.untracked),
+                );
+                if blocked.is_none() {
+                    // (A block's verdict carries its contention.)
+                    count_contention(host, checked.contention);
+                }
+                return self.finish(host, blocked.unwrap_or(*verdict));
+            }
+        };
+        let (blocked, checked) = self
+            .engine()
+            .penalty_box(host, &view, &identity, self.started_ms);
+        add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
+        add(
+            host,
+            telemetry::ABUSE_UNTRACKED,
+            i64::from(checked.untracked),
+        );
+        if let Some(verdict) = blocked {
+            self.identity = Some(identity);
+            return self.finish(host, verdict);
+        }
+        count_contention(host, checked.contention);
+        match canonical {
+            Ok(path) => self.path = path,
+            // Whatever the upstream decodes it to, sluice cannot know: a
+            // request that may be an LLM call does not go up unread.
+            Err(_) if work => {
+                let verdict = self.engine().ambiguous_path(&identity);
+                return self.finish(host, verdict);
+            }
+            Err(_) => self.path = raw_path,
+        }
+        if self.api == Api::Other && work {
+            // Deny by default: work sluice cannot read goes up only through
+            // an explicit `passthrough` rule.
+            self.api = self.engine().passthrough(&method, &self.path);
+            if self.api == Api::Other {
+                let verdict = self.engine().unknown_endpoint(&identity);
+                return self.finish(host, verdict);
+            }
+        }
+        let declared = if self.api.reads_body() {
+            length.and_then(|v| v.trim().parse::<u64>().ok())
+        } else {
+            None
+        };
+        if let Some(verdict) = declared.and_then(|len| self.engine().too_large(&identity, len)) {
+            return self.finish(host, verdict);
+        }
+        let large = declared.is_none_or(|len| len > early::EARLY_REFUSAL_BYTES);
+        if self.api.reads_body() && !end_of_stream && large {
+            // The caller's own empty bucket refuses it before its body is
+            // buffered and parsed (`flow/early.rs`).
+            if let Some(verdict) = self.refused_before_body(host, &identity) {
+                add(host, telemetry::REFUSED_BEFORE_BODY, 1);
+                self.identity = Some(identity);
+                return self.finish(host, verdict);
+            }
+        }
+        self.identity = Some(identity);
+        if self.api.reads_body() && !end_of_stream {
+            return Action::Pause; // wait for the body
+        }
+        self.decide(host, &[])
+    }
+
+    /// Does a body follow the request headers? The stream not ending with
+    /// them (HTTP/2 DATA frames, also on a GET), a non-zero
+    /// `content-length`, or any `transfer-encoding` say so.
+    fn carries_body(&self, host: &dyn Host, length: Option<&str>, end_of_stream: bool) -> bool {
+        let declared = length.is_some_and(|v| v.trim().parse::<u64>() != Ok(0));
+        !end_of_stream || declared || self.header(host, "transfer-encoding").is_some()
+    }
+
+    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        if self.decided {
+            return Action::Continue;
+        }
+        let Some(identity) = self.identity.as_ref() else {
+            return Action::Continue;
+        };
+        if let Some(verdict) = self.engine().too_large(identity, body_size as u64) {
+            return self.finish(host, verdict);
+        }
+        self.body_size = body_size;
+        if !end {
+            // Buffer until the whole body is here: the end of the body, or
+            // trailers after it (HTTP/2, HTTP/3).
+            return Action::Pause;
+        }
+        let body = host.request_body(body_size);
+        self.decide(host, &body)
+    }
+
+    /// A request that ends with trailers never has a body callback with
+    /// `end_of_stream`: this is where it is decided, on the buffered body.
+    /// Without it, Envoy would resume the paused request on its own when
+    /// the trailers arrive — upstream, undecided.
+    pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
+        if self.decided || self.identity.is_none() {
+            return Action::Continue;
+        }
+        let body = host.request_body(self.body_size);
+        self.decide(host, &body)
+    }
+
+    pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+        self.status = host
+            .response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        if self.watch_upstream {
+            // The provider's own x-ratelimit-* headers, read before sluice
+            // adds its own (same names: they describe the caller's buckets).
+            self.observe_provider_limits(host);
+        }
+        for (name, value) in std::mem::take(&mut self.response_headers) {
+            host.set_response_header(&name, Some(&value));
+        }
+        if std::mem::take(&mut self.watch_upstream) {
+            self.observe_upstream(host, self.status);
+        }
+        if let Some(plan) = &self.plan {
+            let content_type = host.response_header("content-type");
+            let ollama = matches!(plan.api, Api::OllamaChat | Api::OllamaGenerate);
+            let format = Format::detect(content_type.as_deref(), plan.stream && ollama);
+            // A stream may run past its allowance only if the upstream
+            // ignores the max output it was given; then sluice ends it.
+            let allowance = plan.stream.then_some(plan.max_output);
+            if format != Format::Json {
+                // sluice may change the stream's length.
+                host.set_response_header("content-length", None);
+            }
+            self.meter = Some(ResponseMeter::new(format, plan.strip_usage, allowance));
+        }
+        Action::Continue
+    }
+
+    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        // Latency histograms describe model calls (the LLM APIs), not
+        // `/v1/models` and the like.
+        if !self.first_byte && body_size > 0 && self.api.reads_body() {
+            if let Some((_, model)) = &self.labels {
+                self.first_byte = true;
+                let ttft = host.now_ms().saturating_sub(self.started_ms);
+                host.metric_record(MetricKind::Histogram, &telemetry::ttft_ms(model), ttft);
+                self.audit(host, "sluice_ttft_ms", &ttft.to_string());
+            }
+        }
+        if self.meter.is_none() && self.response_hash.is_none() {
+            return Action::Continue;
+        }
+        let chunk = host.response_body(body_size);
+        if let Some(hash) = self.response_hash.as_mut() {
+            sha2::Digest::update(hash, &chunk);
+            if end {
+                let digest = sha2::Digest::finalize(hash.clone());
+                let hex = crate::policy::keys::hex(&digest);
+                self.audit(host, "sluice_response_sha256", &hex);
+            }
+        }
+        let out = self.meter.as_mut().and_then(|m| m.feed(&chunk, end));
+        if let Some(out) = out.filter(|out| *out != chunk) {
+            host.replace_response_body(body_size, &out);
+        }
+        if end {
+            self.settle(host);
+            self.release_slot(host);
+        }
+        Action::Continue
+    }
+
+    pub fn on_log(&mut self, host: &dyn Host) {
+        // Still waiting for the fleet: the answer has no one to go to.
+        if let Some((pending, _)) = &self.fleet_wait {
+            if let Ok(mut calls) = self.filter.stream_calls.try_borrow_mut() {
+                calls.remove(&pending.token);
+            }
+        }
+        // Client gone, upstream reset or timeout: settle from what was seen.
+        self.settle(host);
+        // Its slot or queue entry is given back (once, whichever came first).
+        self.leave_gate(host);
+        // A probe whose answer never came (the client left first) is given
+        // back, not left to block the route until its lease ends.
+        if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
+            // A release that cannot be written leaves the lease to expire.
+            let mut cas = Cas::new(host, self.engine().policy.state.cas_max_retries);
+            health::release_probe(&mut cas, &pushback.route_key, lease);
+            count_contention(host, cas.contention);
+        }
+        if let Some((_, model)) = self
+            .labels
+            .as_ref()
+            .filter(|_| self.status != 0 && self.api.reads_body())
+        {
+            let elapsed = host.now_ms().saturating_sub(self.started_ms);
+            host.metric_record(MetricKind::Histogram, &telemetry::e2e_ms(model), elapsed);
+        }
+    }
+
+    /// One audit field in filter state, read by Envoy's access log as
+    /// `%FILTER_STATE(wasm.<name>:PLAIN)%`; only with an `audit` policy.
+    fn audit(&self, host: &dyn Host, name: &str, value: &str) {
+        if self.engine().policy.audit.is_some() {
+            let value = crate::admission::answer::truncate(value, MAX_AUDIT_BYTES);
+            host.set_property(name, value.as_bytes());
+        }
+    }
+
+    /// Applies a verdict: answer locally, or let the request go upstream.
+    fn finish(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
+        self.decided = true;
+        self.record(host, &verdict);
+        let l = &verdict.labels;
+        if verdict.reply.is_none() {
+            // Latency and token metrics describe requests that went upstream.
+            self.labels = Some((l.tier.clone(), l.model.clone()));
+            if self.engine().policy.anomaly.is_some() {
+                // Admission passed the global breaker: it is closed now
+                // (else the gauge would stay at 1 after the hour's window
+                // let spend fall under the ceiling, until a settlement).
+                set_gauge(host, telemetry::GLOBAL_BREAKER, 0);
+            }
+        }
+        self.audit_decision(host, &verdict);
+        if verdict.reply.is_some() {
+            // Refused after it took a slot (a budget at dispatch).
+            self.release_slot(host);
+        }
+        match verdict.reply {
+            Some(reply) => {
+                let headers: Vec<(&str, &str)> = reply
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.as_str(), v.as_str()))
+                    .collect();
+                host.send_reply(reply.status, &headers, &reply.body);
+                Action::Pause
+            }
+            None => {
+                self.response_headers = verdict.response_headers;
+                if let Some(waited) = self.gate.as_ref().map(|g| g.waited_ms) {
+                    self.response_headers
+                        .push(("x-sluice-queued-ms".into(), waited.to_string()));
+                }
+                let engine = &self.filter.engine;
+                if let Some(plan) = verdict.plan.filter(|p| engine.settles(p)) {
+                    add(host, telemetry::RESERVATIONS_OUTSTANDING, 1);
+                    self.plan = Some(plan);
+                }
+                Action::Continue
+            }
+        }
+    }
+
+    /// The decision's metrics.
+    fn record(&self, host: &dyn Host, verdict: &Verdict) {
+        let l = &verdict.labels;
+        add(host, &telemetry::requests_total(l), 1);
+        count_contention(host, verdict.contention);
+        add(
+            host,
+            telemetry::CAPACITY_EXHAUSTED,
+            i64::from(verdict.no_slot),
+        );
+        add(
+            host,
+            telemetry::BUDGET_ALERTS,
+            i64::from(!verdict.alerts.is_empty()),
+        );
+        if let Some(bucket) = &verdict.bucket {
+            add(host, &telemetry::refusals_total(bucket), 1);
+        }
+        if let Some(id) = self
+            .identity
+            .as_ref()
+            .filter(|id| id.team.is_some() || id.org.is_some())
+        {
+            let name =
+                telemetry::team_requests_total(l.decision, id.team.as_deref(), id.org.as_deref());
+            add(host, &name, 1);
+        }
+        if l.decision == Decision::Refuse(Reason::GlobalBreakerOpen) {
+            set_gauge(host, telemetry::GLOBAL_BREAKER, 1);
+        }
+        if let Some(kind) = verdict.degraded {
+            let name = telemetry::degraded_total(kind.code(), &l.tier, &l.model);
+            add(host, &name, 1);
+        }
+        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+            let tokens =
+                |direction| telemetry::tokens_total(direction, "estimated", &l.tier, &l.model);
+            add(host, &tokens("input"), plan.input_estimate as i64);
+            add(host, &tokens("output"), plan.max_output as i64);
+        }
+    }
+
+    /// The decision's audit fields (nothing without an `audit` policy).
+    fn audit_decision(&self, host: &dyn Host, verdict: &Verdict) {
+        if self.engine().policy.audit.is_none() {
+            return;
+        }
+        let l = &verdict.labels;
+        self.audit(host, "sluice_decision", l.decision.code());
+        self.audit(host, "sluice_reason", l.decision.reason_code());
+        self.audit(host, "sluice_tier", &l.tier);
+        if let Some(identity) = &self.identity {
+            let principal = self.filter.audit_principal(identity);
+            self.audit(host, "sluice_principal", &principal);
+            if let Some(team) = &identity.team {
+                self.audit(host, "sluice_team", team);
+            }
+            if let Some(org) = &identity.org {
+                self.audit(host, "sluice_org", org);
+            }
+        }
+        if let Some(bucket) = &verdict.bucket {
+            self.audit(host, "sluice_bucket", bucket);
+        }
+        if let Some(kind) = verdict.degraded {
+            self.audit(host, "sluice_degraded", kind.code());
+        }
+        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+            self.audit(
+                host,
+                "sluice_model_served",
+                plan.model.as_deref().unwrap_or(""),
+            );
+            let reserved = plan.input_estimate.saturating_add(plan.max_output);
+            self.audit(host, "sluice_tokens_estimated", &reserved.to_string());
+        }
+    }
+
+    /// Admission once everything the policy needs is known.
+    fn decide(&mut self, host: &dyn Host, body: &[u8]) -> Action {
+        let Some(identity) = self.identity.clone() else {
+            return Action::Continue;
+        };
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let asked = match engine.demand(&identity, self.api, body) {
+            Ok(asked) => asked,
+            Err(verdict) => return self.finish(host, *verdict),
+        };
+        if let Some(a) = &asked {
+            // An `/invocations` body's API, as its shape says.
+            self.api = a.demand.api;
+        }
+        // Admission time is arrival time (one clock read per request).
+        let now = self.started_ms;
+        let model = asked
+            .as_ref()
+            .and_then(|a| a.demand.model.as_deref())
+            .or(engine.passthrough_model(self.api));
+        if let Some(model) = model {
+            self.audit(host, "sluice_model_requested", model);
+        }
+        if engine.policy.audit.as_ref().is_some_and(|a| a.hash_bodies) {
+            self.audit(
+                host,
+                "sluice_request_sha256",
+                &crate::policy::keys::sha256_hex(body),
+            );
+            self.response_hash = Some(sha2::Digest::new());
+        }
+        let view = HostRequest(host, self.request_headers.as_deref());
+        let mut pushback = engine.pushback(host, model, &view, &identity, now);
+        let seen = if engine.policy.sidecar.is_some() {
+            filter.seen(host)
+        } else {
+            Rc::new(Seen::default())
+        };
+        let dice = filter.roll(now);
+        let api = self.api;
+        let ctx = RequestContext {
+            identity: &identity,
+            api,
+            path: &self.path,
+            asked: asked.as_ref(),
+            now_ms: now,
+        };
+        let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
+        let (fallback, probe) = match route(&pushback) {
+            // A route paused by the upstream's Retry-After: a caller whose
+            // class may wait that long waits in the model's queue instead.
+            Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
+                (false, false)
+            }
+            Routed::Answered(verdict) => return self.finish(host, *verdict),
+            Routed::Fallback => (true, false),
+            Routed::Primary => (false, false),
+            Routed::Probe => (false, true),
+        };
+        if !fallback && !probe {
+            // The model's concurrency gate: a slot, a place in the queue
+            // (budgets are reserved when its turn comes), or a refusal.
+            let (gated, gate) = self.pass_gate(host, &identity, asked.as_ref(), now, now);
+            self.gate = gate;
+            match gated {
+                waiting::Gated::Go => {}
+                waiting::Gated::Answered(verdict) => return self.finish(host, *verdict),
+                waiting::Gated::Wait => {
+                    self.parked = Some(waiting::Parked {
+                        asked,
+                        body_len: body.len(),
+                    });
+                    return Action::Pause;
+                }
+                waiting::Gated::Sleep(until) => {
+                    // Its buckets free up within its wait: it sleeps,
+                    // holding no place, then tries the gate again.
+                    self.parked = Some(waiting::Parked {
+                        asked,
+                        body_len: body.len(),
+                    });
+                    return self.sleep(host, until);
+                }
+            }
+        }
+        let mut verdict = engine.admit(host, &ctx);
+        if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
+            // A bucket frees up within the class's wait: the request
+            // gives its slot back and tries again then, instead of a 429.
+            self.parked = Some(waiting::Parked {
+                asked,
+                body_len: body.len(),
+            });
+            return self.sleep(host, now + retry_ms);
+        }
+        if probe {
+            // Claimed only now, by an admitted request: a refused one never
+            // holds the probe.
+            let (decided, lease) =
+                engine.take_probe(host, &mut pushback, verdict, &identity, now, route);
+            verdict = decided;
+            self.probe_lease = lease;
+        }
+        self.pushback = Some(pushback);
+        if verdict.reply.is_none() {
+            if fallback {
+                self.reroute(host, &mut verdict);
+            } else {
+                self.watch_upstream = true;
+            }
+        }
+        if let Some(new_body) = verdict.body.take() {
+            // The upstream gets the rewritten request (model, max output,
+            // usage in streams); its length changes with it.
+            host.replace_request_body(body.len(), &new_body);
+            host.set_request_header("content-length", Some(&new_body.len().to_string()));
+        }
+        self.fleet_gate(host, verdict)
+    }
+
+    /// An admitted request's fleet buckets: covered by the leases (go on),
+    /// waiting for the sidecar (pause), or refused fleet-wide.
+    fn fleet_gate(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
+        let filter = self.filter.clone();
+        // A body request's plan, or what a GET took.
+        let held = verdict
+            .plan
+            .as_ref()
+            .map(|p| (&p.held, &p.meters))
+            .or(verdict.held.as_ref().map(|(h, m)| (h, m)));
+        let (Some(fleet), Some((held, meters)), None, Some(identity)) = (
+            filter.fleet.as_ref(),
+            held,
+            verdict.reply.as_ref(),
+            self.identity.clone(),
+        ) else {
+            return self.finish(host, verdict);
+        };
+        let now = self.started_ms;
+        match fleet.admit(&filter.engine, host, held, meters, &identity, now) {
+            crate::fleet::Gate::Pass(claims) => {
+                self.fleet_claims = claims;
+                self.finish(host, verdict)
+            }
+            crate::fleet::Gate::Wait(pending) => {
+                // Its answer comes to this stream, or to the root when the
+                // root made the call while resuming this stream.
+                if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
+                    calls.insert(pending.token, (self.me.clone(), self.context_id));
+                }
+                self.fleet_wait = Some((pending, verdict));
+                Action::Pause
+            }
+            crate::fleet::Gate::Refuse { rule, quota } => {
+                self.fleet_refuse(host, verdict, &rule, quota)
+            }
+        }
+    }
+
+    /// The sidecar's answer to a request paused for the fleet.
+    pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        let Some((pending, verdict)) = self.fleet_wait.take_if(|(p, _)| p.token == token) else {
+            return;
+        };
+        let filter = self.filter.clone();
+        if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
+            calls.remove(&token);
+        }
+        let (Some(fleet), Some(identity)) = (filter.fleet.as_ref(), self.identity.clone()) else {
+            return;
+        };
+        let now = host.now_ms();
+        match fleet.answer(&filter.engine, host, pending, body_size, &identity, now) {
+            crate::fleet::Gate::Refuse { rule, quota } => {
+                self.fleet_refuse(host, verdict, &rule, quota);
+            }
+            crate::fleet::Gate::Pass(claims) => {
+                self.fleet_claims = claims;
+                if self.finish(host, verdict) == Action::Continue {
+                    host.resume_request();
+                }
+            }
+            // `answer` never waits again; should it, the request goes on
+            // covered locally rather than hang.
+            crate::fleet::Gate::Wait(_) => {
+                if self.finish(host, verdict) == Action::Continue {
+                    host.resume_request();
+                }
+            }
+        }
+    }
+
+    /// Refused fleet-wide: what the request took locally is given back and
+    /// the bucket answers 429.
+    fn fleet_refuse(
+        &mut self,
+        host: &dyn Host,
+        verdict: Verdict,
+        rule: &str,
+        quota: crate::limits::bucket::Quota,
+    ) -> Action {
+        let engine = &self.filter.engine;
+        let now = host.now_ms();
+        let model = verdict.plan.as_ref().and_then(|p| p.model.clone());
+        if let Some(plan) = &verdict.plan {
+            count_contention(host, engine.release(host, plan, now));
+        }
+        if let Some((held, _)) = &verdict.held {
+            count_contention(host, engine.release_held(host, held, now));
+        }
+        let refusal = self.identity.as_ref().and_then(|identity| {
+            engine.fleet_refusal(rule, quota, identity, model.as_deref(), now)
+        });
+        match refusal {
+            Some(r) => self.finish(host, r),
+            None => self.finish(host, verdict),
+        }
+    }
+
+    /// Kill switch: the request goes to the fallback route (header + route
+    /// cache refresh); Envoy's route injects the fallback's credentials.
+    fn reroute(&self, host: &dyn Host, verdict: &mut Verdict) {
+        let Some(fb) = self.engine().policy.fallback.as_ref() else {
+            return;
+        };
+        host.set_request_header(&fb.header, Some(&fb.value));
+        if let Err(why) = host.clear_route_cache() {
+            host.log(LogLevel::Warn, &format!("clear_route_cache failed: {why}"));
+        }
+        verdict
+            .response_headers
+            .push(("x-sluice-provider".into(), fb.provider.clone()));
+        verdict
+            .response_headers
+            .push(("x-sluice-kill-switch".into(), "1".into()));
+        add(host, telemetry::REROUTED, 1);
+    }
+
+    /// Feeds the upstream's answer to the route's pause and error breaker.
+    fn observe_upstream(&mut self, host: &dyn Host, status: u32) {
+        let lease = self.probe_lease.take();
+        let Some(pushback) = self
+            .pushback
+            .as_ref()
+            .filter(|p| p.must_record(status, lease))
+        else {
+            return;
+        };
+        let now = host.now_ms();
+        let retry_after = host.response_header("retry-after");
+        let dice = self.filter.roll(now);
+        // Envoy's own answers (no healthy upstream, timeouts, resets) also
+        // count, but they say nothing about a credential.
+        let from_upstream = host
+            .property(&["response", "code_details"])
+            .is_some_and(|d| d == b"via_upstream");
+        let recorded = self.filter.engine.observe_upstream(
+            host,
+            pushback,
+            &UpstreamReply {
+                status,
+                from_upstream,
+                retry_after: retry_after.as_deref(),
+                lease,
+            },
+            dice,
+            now,
+        );
+        add(
+            host,
+            telemetry::ERROR_BREAKER_OPENED,
+            i64::from(recorded.breaker_opened),
+        );
+        add(
+            host,
+            telemetry::PUSHBACK_DROPPED,
+            i64::from(recorded.dropped),
+        );
+        count_contention(host, recorded.contention);
+        match recorded.paused {
+            Some(health::PauseScope::Route) => add(host, telemetry::PAUSES_ROUTE, 1),
+            Some(health::PauseScope::Credential) => add(host, telemetry::PAUSES_CREDENTIAL, 1),
+            None => {}
+        }
+    }
+
+    /// Replaces the reservation with the real cost; runs once per request.
+    fn settle(&mut self, host: &dyn Host) {
+        let claims = std::mem::take(&mut self.fleet_claims);
+        let Some(plan) = self.plan.take() else { return };
+        let (found, counted, cut) = match &self.meter {
+            Some(m) => (m.found, m.output_events, m.cut),
+            None => (Found::Nothing, 0, false),
+        };
+        let upstream_ok = self.status == 0 || self.status < 400;
+        let now = host.now_ms();
+        let (settled, effort) =
+            self.filter
+                .engine
+                .settle(host, &plan, found, counted, upstream_ok, now);
+        add(host, telemetry::RESERVATIONS_OUTSTANDING, -1);
+        count_contention(host, effort);
+        if let Some(fleet) = &self.filter.fleet {
+            let engine = &self.filter.engine;
+            let used = crate::fleet::Used {
+                input: settled.input,
+                output: settled.output,
+                pricing: plan.pricing,
+            };
+            fleet.settle(engine, host, &claims, used, now);
+        }
+        if settled.charges_unwritten > 0 {
+            // Counted in `sluice_cas_exhausted_total` too; said here so
+            // an under-charge is never silent.
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{} bucket charge(s) of a settled request could not be written (shared-data contention); the caller is under-charged by them",
+                    settled.charges_unwritten
+                ),
+            );
+        }
+        let (tier, model) = self.labels.clone().unwrap_or_default();
+        add(
+            host,
+            &telemetry::tokens_total("input", "actual", &tier, &model),
+            settled.input as i64,
+        );
+        add(
+            host,
+            &telemetry::tokens_total("output", "actual", &tier, &model),
+            settled.output as i64,
+        );
+        add(host, telemetry::USAGE_SURGES, i64::from(settled.surge));
+        if self.engine().policy.anomaly.is_some() {
+            set_gauge(
+                host,
+                telemetry::GLOBAL_BREAKER,
+                u64::from(settled.global_open),
+            );
+        }
+        self.audit(host, "sluice_tokens_input", &settled.input.to_string());
+        self.audit(host, "sluice_tokens_output", &settled.output.to_string());
+        self.audit(host, "sluice_cost_micros", &settled.cost.to_string());
+        let source = if settled.from_usage {
+            "upstream"
+        } else {
+            "estimate"
+        };
+        self.audit(host, "sluice_usage_source", source);
+        add(host, telemetry::SPEND_MICROS, settled.cost as i64);
+        add(
+            host,
+            telemetry::USAGE_INVALID,
+            i64::from(settled.invalid_usage),
+        );
+        add(
+            host,
+            telemetry::USAGE_MISSING,
+            i64::from(!settled.from_usage && upstream_ok),
+        );
+        add(host, telemetry::STREAM_CUT, i64::from(cut));
+    }
+}
+
+mod early;
+#[cfg(test)]
+mod endpoint_tests;
+pub(crate) mod slots;
+pub mod telemetry;
+/// Which VM polls the sidecar (see `flow::POLLER_KEY`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PollLease {
+    pub owner: u64,
+    pub expires_ms: u64,
+}
+
+impl Record for PollLease {
+    const LEN: usize = 16;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.owner).u64(self.expires_ms);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        PollLease {
+            owner: r.u64(),
+            expires_ms: r.u64(),
+        }
+    }
+
+    /// By prefix: a missing word reads as 0 (a free lease).
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
+    }
+}
+
+/// The request as identity reads it: headers from a snapshot taken once
+/// (one host call instead of one per header), or from the host when there
+/// is none; claims and address through the host.
+pub struct HostRequest<'a>(pub &'a dyn Host, pub Option<&'a [(String, String)]>);
+
+impl crate::admission::identity::RequestView for HostRequest<'_> {
+    fn header(&self, name: &str) -> Option<String> {
+        match self.1 {
+            Some(headers) => headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.clone()),
+            None => self.0.request_header(name),
+        }
+    }
+
+    fn header_count(&self, name: &str) -> usize {
+        match self.1 {
+            Some(headers) => headers
+                .iter()
+                .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                .count(),
+            None => self.0.request_header_count(name),
+        }
+    }
+
+    fn jwt_claim(&self, namespace: &str, payload_key: &str, claim: &str) -> Option<String> {
+        let path = ["metadata", "filter_metadata", namespace, payload_key, claim];
+        String::from_utf8(self.0.property(&path)?).ok()
+    }
+
+    fn client_address(&self) -> Option<String> {
+        String::from_utf8(self.0.property(&["source", "address"])?).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests;
+mod waiting;

@@ -1,0 +1,6 @@
+//! Bucket arithmetic and reservations: how much a caller may take, all or
+//! nothing, and the fair shares of common buckets.
+
+pub mod bucket;
+pub mod reservation;
+pub mod shares;

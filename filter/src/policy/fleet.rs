@@ -1,0 +1,205 @@
+//! The policy's `fleet:` section and its checks. That `fleet.local` names
+//! buckets the policy makes is checked where the buckets are compiled
+//! (`admission::Engine::compile`), against the compiled ids.
+
+use serde::Deserialize;
+
+use crate::policy::Policy;
+
+/// Shortest `fleet.salt` and fleet secret accepted (bytes).
+pub const MIN_SECRET: usize = 16;
+/// The environment variable the fleet secret is read from by default.
+pub const DEFAULT_SECRET_ENV: &str = "SLUICE_FLEET_SECRET";
+
+/// The policy's `fleet:` section.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FleetConfig {
+    /// The sidecar's Envoy cluster; default: `sidecar.cluster`.
+    pub cluster: Option<String>,
+    /// `:authority` of the calls; default: the sidecar's (`sidecar.authority`),
+    /// else `localhost`.
+    pub authority: Option<String>,
+    /// How many Envoys share the limits: the fair share of a lease and the
+    /// `local_share` divisor.
+    #[serde(default = "one")]
+    pub expected_replicas: u64,
+    #[serde(default)]
+    pub lease: LeaseConfig,
+    /// Longest a request waits for the sidecar.
+    #[serde(
+        default = "default_timeout",
+        deserialize_with = "crate::policy::de_duration",
+        rename = "timeout"
+    )]
+    pub timeout_ms: u64,
+    #[serde(default)]
+    pub on_unavailable: OnUnavailable,
+    /// Bucket ids that stay per Envoy (`scope: local`), e.g.
+    /// `tier/free/requests`, `model/llama3/tokens`, `route/chat/requests`.
+    #[serde(default)]
+    pub local: Vec<String>,
+    /// Mixed into every Redis key name, so that someone who can read Redis
+    /// cannot test a known address or subject against the names. The same
+    /// secret on every Envoy of the fleet (else their keys differ).
+    /// Required (at least [`MIN_SECRET`] bytes): an empty salt makes key
+    /// names computable from an address or subject.
+    #[serde(default)]
+    pub salt: String,
+    /// The environment variable holding the secret this Envoy and its
+    /// sidecar share (at least [`MIN_SECRET`] bytes), sent on every fleet
+    /// call. Envoy hands it to the wasm VM through the filter's
+    /// `vm_config.environment_variables` (`host_env_keys` or
+    /// `key_values`): the policy never holds it.
+    #[serde(default = "default_secret_env")]
+    pub secret_env: String,
+}
+
+fn default_secret_env() -> String {
+    DEFAULT_SECRET_ENV.to_string()
+}
+
+fn one() -> u64 {
+    1
+}
+fn default_timeout() -> u64 {
+    1_000
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseConfig {
+    /// A lease unused this long is given back.
+    #[serde(
+        default = "default_idle",
+        deserialize_with = "crate::policy::de_duration",
+        rename = "idle"
+    )]
+    pub idle_ms: u64,
+    /// A lease serves at most this long after its last grant: what an Envoy
+    /// cut off from its sidecar may still admit.
+    #[serde(
+        default = "default_ttl",
+        deserialize_with = "crate::policy::de_duration",
+        rename = "ttl"
+    )]
+    pub ttl_ms: u64,
+    /// Lease slots per per-caller bucket (bounded shared data); callers
+    /// who find none free take the strict path.
+    #[serde(default = "default_slots")]
+    pub slots: u32,
+    /// First lease asked for, beyond the request's own need, in requests'
+    /// worth (`initial × need`).
+    #[serde(default = "default_initial")]
+    pub initial: u64,
+    /// Most units a lease holds beyond the request that takes it: bounds
+    /// what one Envoy can strand. 0: every bucket strict (one Redis round
+    /// trip per request, nothing held). Default: no bound but the fair
+    /// share.
+    #[serde(default)]
+    pub max: Option<u64>,
+}
+
+fn default_idle() -> u64 {
+    2_000
+}
+fn default_ttl() -> u64 {
+    30_000
+}
+fn default_slots() -> u32 {
+    64
+}
+fn default_initial() -> u64 {
+    4
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        LeaseConfig {
+            idle_ms: default_idle(),
+            ttl_ms: default_ttl(),
+            slots: default_slots(),
+            initial: default_initial(),
+            max: None,
+        }
+    }
+}
+
+/// What a bucket does while the fleet cannot be asked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unavailable {
+    /// `limit ÷ expected_replicas`, enforced here exactly.
+    #[default]
+    LocalShare,
+    FailClosed,
+    FailOpen,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OnUnavailable {
+    /// Rate buckets (requests, tokens per minute …).
+    #[serde(default)]
+    pub requests: Unavailable,
+    /// Daily and monthly budgets.
+    #[serde(default)]
+    pub budgets: Unavailable,
+}
+
+impl FleetConfig {
+    /// Checks that span fields; errors name the field path.
+    pub fn check(&self, policy: &Policy) -> Result<(), (String, String)> {
+        if self.cluster.is_none() && policy.sidecar.is_none() {
+            return Err((
+                "fleet.cluster".into(),
+                "no cluster given and no `sidecar` section to take it from".into(),
+            ));
+        }
+        if policy.sidecar.is_none() {
+            return Err((
+                "fleet".into(),
+                "needs a `sidecar` section: the sidecar is the fleet agent".into(),
+            ));
+        }
+        if !(1..=10_000).contains(&self.expected_replicas) {
+            return Err((
+                "fleet.expected_replicas".into(),
+                "must be 1 to 10000".into(),
+            ));
+        }
+        if !(1..=4096).contains(&self.lease.slots) {
+            return Err(("fleet.lease.slots".into(), "must be 1 to 4096".into()));
+        }
+        if self.lease.ttl_ms == 0 || self.lease.idle_ms == 0 {
+            return Err(("fleet.lease".into(), "idle and ttl must be above 0".into()));
+        }
+        if self.timeout_ms == 0 || self.timeout_ms > 60_000 {
+            return Err((
+                "fleet.timeout".into(),
+                "must be above 0 and at most 60s".into(),
+            ));
+        }
+        if self.salt.len() < MIN_SECRET {
+            return Err((
+                "fleet.salt".into(),
+                format!(
+                    "required: at least {MIN_SECRET} bytes, the same on every Envoy of the fleet \
+                     (it names the Redis keys; empty, they are computable from an address or subject)"
+                ),
+            ));
+        }
+        if self.secret_env.is_empty()
+            || !self
+                .secret_env
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            return Err((
+                "fleet.secret_env".into(),
+                "an environment variable name (letters, digits, `_`)".into(),
+            ));
+        }
+        Ok(())
+    }
+}

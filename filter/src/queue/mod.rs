@@ -1,0 +1,912 @@
+//! Concurrency slots and the wait queue (SPEC §2.6): how many requests a
+//! model (and its backend) has in flight across every worker of one Envoy,
+//! and who waits, in what order, when none is free.
+//!
+//! State: one shared-data key per gated backend (`sluice:v1:queue:<backend>`,
+//! a bounded set: backends come from the policy), holding the in-flight
+//! count and provider pause of each of its models, the scheduler state of
+//! each class, and the queued entries. Every change is one compare-and-swap
+//! of that key, so a slot is taken, handed to a waiter or given back
+//! atomically with the queue it belongs to.
+//!
+//! Invariant: a slot is held by exactly one request from the moment it is
+//! counted (admitted at arrival, or *granted* to a queued entry, which
+//! leaves the queue in the same write) until that request gives it back,
+//! once. A queued entry is either in the queue (withdrawing it succeeds:
+//! it holds nothing) or was granted (withdrawing it fails: the caller owns
+//! a slot and must give it back). Nothing else holds a slot.
+//!
+//! Fair dispatch, each time a slot frees:
+//! 1. Across classes, stride scheduling: every class has a `pass`; the
+//!    class with waiting, dispatchable work and the lowest pass goes, and
+//!    its pass grows by `STRIDE / weight`. A class that starts waiting
+//!    begins at the current virtual time (the pass last served), so idle
+//!    time is no credit. Shares follow the weights exactly over any window
+//!    where classes stay backlogged, and a waiting class is served within
+//!    `ceil(sum of weights / its weight)` dispatches: no starvation.
+//! 2. Within a class, round-robin across principals: an entry's `round` is
+//!    one past the later of the class's current round and its principal's
+//!    last queued round; the lowest round goes first (ties: arrival order).
+//!    A principal with 1,000 queued requests and one with 1 alternate: the
+//!    k-th request of a principal that arrives while P principals are
+//!    backlogged in its class is served within k·P of the class's turns.
+//!
+//! Fair places. `max_depth` counts one model's places in one class, all
+//! principals together; one principal may hold at most its class's
+//! `max_per_principal` of them (default: all). When the queue is full, a
+//! newcomer takes the place of the principal holding the most, if that
+//! one holds at least two more than the newcomer would before arriving
+//! (its newest entry, the one it would be served last, is *evicted*: it
+//! leaves the count at once and its worker answers it 429 `queue_full`).
+//! So places are shared max-min fairly and work-conserving: alone, a
+//! principal may fill the queue; with P principals asking, each can hold
+//! at least `floor(max_depth / P)` places (capped by its own
+//! `max_per_principal`), whoever came first. An evicted entry stays in the
+//! state, marked, until its worker takes it out (so "not in the queue"
+//! still means "granted"); it never counts, is never granted, and is
+//! dropped by any writer [`EVICTED_GRACE_MS`] past its deadline.
+//!
+//! Contention: a give-back (release, withdrawal) must not be lost, so it
+//! retries `SETTLE_TRIES_FACTOR` times as often as a take; a take that
+//! loses every race refuses the request (429 `model_concurrency`), counted
+//! in `sluice_cas_exhausted_total`.
+
+use std::collections::BTreeMap;
+
+use crate::policy::Policy;
+use crate::state::store::{self, Contention, SharedStore, Updated};
+
+pub const KEY_PREFIX: &str = "sluice:v1:queue:";
+/// Stride numerator: weights up to 1,000 keep integer strides distinct.
+const STRIDE: u64 = 1 << 20;
+const VERSION: u8 = 1;
+/// An evicted entry whose worker did not take it out by its deadline plus
+/// this (a worker gone) is dropped by the next writer.
+pub const EVICTED_GRACE_MS: u64 = 60_000;
+
+/// The gates of one policy: which models wait for a slot, and under which
+/// shared-data key.
+#[derive(Debug, Clone, Default)]
+pub struct Gates {
+    /// Model → its backend, for every gated model.
+    models: BTreeMap<String, String>,
+    /// Backend → its limits and its gated models' limits.
+    groups: BTreeMap<String, Group>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Group {
+    pub key: String,
+    pub backend_limit: Option<u32>,
+    pub model_limits: BTreeMap<String, Option<u32>>,
+    /// Class → weight.
+    pub weights: BTreeMap<String, u32>,
+    /// Fleet-wide: this Envoy may use only the slots it leased (see
+    /// `flow::slots`), never more than the limits above.
+    pub fleet: bool,
+}
+
+impl Group {
+    fn dispatchable(&self, s: &State, model: usize, saturated: Saturated, now_ms: u64) -> Blocked {
+        let m = &s.models[model];
+        if saturated(&m.name) {
+            return Blocked::Saturated;
+        }
+        if m.paused_until_ms > now_ms {
+            return Blocked::Paused(m.paused_until_ms);
+        }
+        let leased = |limit: u32, lease: u32| if self.fleet { limit.min(lease) } else { limit };
+        let limit = self.model_limits.get(&m.name).copied().flatten();
+        if limit.is_some_and(|l| m.inflight >= leased(l, m.leased)) {
+            return Blocked::Slot;
+        }
+        let total: u64 = s.models.iter().map(|m| u64::from(m.inflight)).sum();
+        if self
+            .backend_limit
+            .is_some_and(|l| total >= u64::from(leased(l, s.leased)))
+        {
+            return Blocked::Slot;
+        }
+        Blocked::Free
+    }
+
+    fn weight(&self, class: &str) -> u64 {
+        u64::from(self.weights.get(class).copied().unwrap_or(1).max(1))
+    }
+}
+
+impl Gates {
+    pub fn new(p: &Policy) -> Gates {
+        let mut gates = Gates::default();
+        let fleet = |backend: &str| {
+            p.fleet
+                .as_ref()
+                .is_some_and(|f| !f.local.iter().any(|id| *id == slots_scope(backend, None)))
+        };
+        for (name, m) in &p.models {
+            let backend_limit = p.backends.get(&m.backend).and_then(|b| b.concurrency);
+            if m.concurrency.is_none() && backend_limit.is_none() {
+                continue;
+            }
+            gates.models.insert(name.clone(), m.backend.clone());
+            let group = gates
+                .groups
+                .entry(m.backend.clone())
+                .or_insert_with(|| Group {
+                    key: format!("{KEY_PREFIX}{}", m.backend),
+                    backend_limit,
+                    model_limits: BTreeMap::new(),
+                    weights: p
+                        .classes
+                        .iter()
+                        .map(|(n, c)| (n.clone(), c.weight))
+                        .collect(),
+                    fleet: fleet(&m.backend),
+                });
+            group.model_limits.insert(name.clone(), m.concurrency);
+        }
+        gates
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// The group (backend) gating a model, if any.
+    pub fn group_of(&self, model: &str) -> Option<(&str, &Group)> {
+        let backend = self.models.get(model)?;
+        let group = self.groups.get(backend)?;
+        Some((backend.as_str(), group))
+    }
+
+    pub fn group(&self, backend: &str) -> Option<&Group> {
+        self.groups.get(backend)
+    }
+
+    pub fn groups(&self) -> impl Iterator<Item = (&str, &Group)> {
+        self.groups.iter().map(|(b, g)| (b.as_str(), g))
+    }
+
+    /// Creates the keys (a missing key is written unconditionally, so
+    /// keys are made at load, never on the request path); live state of a
+    /// previous policy is kept.
+    pub fn prepare(&self, store: &dyn SharedStore) -> usize {
+        let mut created = 0;
+        for group in self.groups.values() {
+            if store.get(&group.key).is_none() {
+                let _ = store.set(&group.key, &State::default().encode(), 0);
+                created += 1;
+            }
+        }
+        created
+    }
+}
+
+/// Which models the sidecar reports saturated (by model or backend scope).
+pub type Saturated<'a> = &'a dyn Fn(&str) -> bool;
+
+/// Why a request cannot go now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blocked {
+    Free,
+    /// No concurrency slot (model or backend).
+    Slot,
+    /// The sidecar reports the backend saturated.
+    Saturated,
+    /// The provider said it has nothing left until then (ms).
+    Paused(u64),
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelState {
+    pub name: String,
+    pub inflight: u32,
+    pub paused_until_ms: u64,
+    /// Fleet-wide gates: the model's slots this Envoy holds in Redis.
+    pub leased: u32,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClassState {
+    pub name: String,
+    pub pass: u64,
+    pub round: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub ticket: u64,
+    /// The wake-up queue of the worker that holds the paused request.
+    pub wake: u32,
+    pub model: u16,
+    pub class: u16,
+    pub principal: u64,
+    pub round: u64,
+    pub enqueued_ms: u64,
+    pub deadline_ms: u64,
+    /// Lost its place to a newcomer (fair places): counts for nothing,
+    /// never granted; its worker answers `queue_full` and takes it out.
+    pub evicted: bool,
+}
+
+/// One backend's slots and queue, as stored. Models and classes are kept
+/// by name, so a policy reload that reorders them changes nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct State {
+    pub models: Vec<ModelState>,
+    pub classes: Vec<ClassState>,
+    /// The pass of the class served last (stride scheduling's clock).
+    pub vtime: u64,
+    pub next_ticket: u64,
+    pub entries: Vec<Entry>,
+    /// Fleet-wide gates: the backend's slots this Envoy holds in Redis.
+    pub leased: u32,
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    fn name(&mut self) -> Option<String> {
+        let n = usize::from(self.u8()?);
+        String::from_utf8(self.take(n)?.to_vec()).ok()
+    }
+}
+
+fn put_name(out: &mut Vec<u8>, name: &str) {
+    let bytes = &name.as_bytes()[..name.len().min(255)];
+    out.push(bytes.len() as u8);
+    out.extend_from_slice(bytes);
+}
+
+impl State {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.entries.len() * 52);
+        out.push(VERSION);
+        out.extend((self.models.len() as u16).to_le_bytes());
+        for m in &self.models {
+            put_name(&mut out, &m.name);
+            out.extend(m.inflight.to_le_bytes());
+            out.extend(m.paused_until_ms.to_le_bytes());
+        }
+        out.extend((self.classes.len() as u16).to_le_bytes());
+        for c in &self.classes {
+            put_name(&mut out, &c.name);
+            out.extend(c.pass.to_le_bytes());
+            out.extend(c.round.to_le_bytes());
+        }
+        out.extend(self.vtime.to_le_bytes());
+        out.extend(self.next_ticket.to_le_bytes());
+        out.extend((self.entries.len() as u32).to_le_bytes());
+        for e in &self.entries {
+            out.extend(e.ticket.to_le_bytes());
+            out.extend(e.wake.to_le_bytes());
+            out.extend(e.model.to_le_bytes());
+            out.extend(e.class.to_le_bytes());
+            out.extend(e.principal.to_le_bytes());
+            out.extend(e.round.to_le_bytes());
+            out.extend(e.enqueued_ms.to_le_bytes());
+            out.extend(e.deadline_ms.to_le_bytes());
+        }
+        // Leases last, so a state written before they existed still reads.
+        out.extend(self.leased.to_le_bytes());
+        for m in &self.models {
+            out.extend(m.leased.to_le_bytes());
+        }
+        // Evicted tickets after the leases, for the same reason.
+        let evicted: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|e| e.evicted)
+            .map(|e| e.ticket)
+            .collect();
+        out.extend((evicted.len() as u32).to_le_bytes());
+        for t in evicted {
+            out.extend(t.to_le_bytes());
+        }
+        out
+    }
+
+    /// `None`: not a state this version wrote (a blank key reads as empty).
+    pub fn decode(bytes: &[u8]) -> Option<State> {
+        if bytes.is_empty() {
+            return Some(State::default());
+        }
+        let mut r = Reader(bytes);
+        if r.u8()? != VERSION {
+            return None;
+        }
+        let mut s = State::default();
+        for _ in 0..r.u16()? {
+            s.models.push(ModelState {
+                name: r.name()?,
+                inflight: r.u32()?,
+                paused_until_ms: r.u64()?,
+                leased: 0,
+            });
+        }
+        for _ in 0..r.u16()? {
+            s.classes.push(ClassState {
+                name: r.name()?,
+                pass: r.u64()?,
+                round: r.u64()?,
+            });
+        }
+        s.vtime = r.u64()?;
+        s.next_ticket = r.u64()?;
+        for _ in 0..r.u32()? {
+            s.entries.push(Entry {
+                ticket: r.u64()?,
+                wake: r.u32()?,
+                model: r.u16()?,
+                class: r.u16()?,
+                principal: r.u64()?,
+                round: r.u64()?,
+                enqueued_ms: r.u64()?,
+                deadline_ms: r.u64()?,
+                evicted: false,
+            });
+        }
+        if let Some(leased) = r.u32() {
+            s.leased = leased;
+            for m in &mut s.models {
+                m.leased = r.u32()?;
+            }
+        }
+        if !r.0.is_empty() {
+            for _ in 0..r.u32()? {
+                let ticket = r.u64()?;
+                if let Some(e) = s.entries.iter_mut().find(|e| e.ticket == ticket) {
+                    e.evicted = true;
+                }
+            }
+        }
+        Some(s)
+    }
+
+    fn model(&mut self, name: &str) -> usize {
+        if let Some(i) = self.models.iter().position(|m| m.name == name) {
+            return i;
+        }
+        self.models.push(ModelState {
+            name: name.to_string(),
+            ..ModelState::default()
+        });
+        self.models.len() - 1
+    }
+
+    fn class(&mut self, name: &str) -> usize {
+        if let Some(i) = self.classes.iter().position(|c| c.name == name) {
+            return i;
+        }
+        self.classes.push(ClassState {
+            name: name.to_string(),
+            ..ClassState::default()
+        });
+        self.classes.len() - 1
+    }
+
+    /// Requests waiting for one model in one class (evicted ones do not
+    /// count).
+    pub fn depth(&self, model: &str, class: &str) -> usize {
+        self.entries
+            .iter()
+            .filter(|e| !e.evicted)
+            .filter(|e| {
+                self.models
+                    .get(usize::from(e.model))
+                    .is_some_and(|m| m.name == model)
+                    && self
+                        .classes
+                        .get(usize::from(e.class))
+                        .is_some_and(|c| c.name == class)
+            })
+            .count()
+    }
+
+    pub fn inflight(&self, model: &str) -> u32 {
+        self.models
+            .iter()
+            .find(|m| m.name == model)
+            .map_or(0, |m| m.inflight)
+    }
+
+    /// Places one principal holds for one model in one class.
+    fn held_by(&self, model: usize, class: usize, principal: u64) -> u32 {
+        let n = self
+            .entries
+            .iter()
+            .filter(|e| {
+                !e.evicted
+                    && usize::from(e.model) == model
+                    && usize::from(e.class) == class
+                    && e.principal == principal
+            })
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// The queue (model, class) is full and a principal holding `mine`
+    /// places asks for one more: the principal holding the most gives up
+    /// its newest place when it holds at least `mine + 2` (see the module
+    /// comment). `true`: a place was freed.
+    fn evict_for(&mut self, model: usize, class: usize, mine: u32) -> bool {
+        let here = |e: &Entry| {
+            !e.evicted && usize::from(e.model) == model && usize::from(e.class) == class
+        };
+        let mut counts: BTreeMap<u64, (u32, u64)> = BTreeMap::new();
+        for e in self.entries.iter().filter(|e| here(e)) {
+            let c = counts.entry(e.principal).or_default();
+            c.0 = c.0.saturating_add(1);
+            c.1 = c.1.max(e.ticket);
+        }
+        // The most places; among equals, the one that queued last.
+        let Some((&victim, &(most, _))) = counts.iter().max_by_key(|(_, (n, last))| (*n, *last))
+        else {
+            return false;
+        };
+        if most < mine.saturating_add(2) {
+            return false;
+        }
+        let newest = self
+            .entries
+            .iter_mut()
+            .filter(|e| here(e) && e.principal == victim)
+            .max_by_key(|e| (e.round, e.ticket));
+        match newest {
+            Some(e) => {
+                e.evicted = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Was the entry of `ticket` evicted (see the module comment)?
+    pub fn evicted(&self, ticket: u64) -> bool {
+        self.entries.iter().any(|e| e.ticket == ticket && e.evicted)
+    }
+
+    /// Hands free slots to waiting entries, in fair order (see the module
+    /// comment); the grants leave the queue holding their slot.
+    fn pump(&mut self, g: &Group, saturated: Saturated, now_ms: u64, grants: &mut Vec<Grant>) {
+        // Evicted entries whose worker never came for them.
+        self.entries
+            .retain(|e| !(e.evicted && e.deadline_ms.saturating_add(EVICTED_GRACE_MS) < now_ms));
+        loop {
+            let free: Vec<bool> = (0..self.models.len())
+                .map(|m| g.dispatchable(self, m, saturated, now_ms) == Blocked::Free)
+                .collect();
+            // The class with the lowest pass among those with work that can go.
+            let Some(class) = self
+                .entries
+                .iter()
+                .filter(|e| !e.evicted)
+                .filter(|e| free.get(usize::from(e.model)).copied().unwrap_or(false))
+                .map(|e| usize::from(e.class))
+                .min_by_key(|&c| (self.classes.get(c).map_or(u64::MAX, |c| c.pass), c))
+            else {
+                return;
+            };
+            let Some((pos, _)) = self
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| {
+                    !e.evicted
+                        && usize::from(e.class) == class
+                        && free.get(usize::from(e.model)).copied().unwrap_or(false)
+                })
+                .min_by_key(|(_, e)| (e.round, e.ticket))
+            else {
+                return;
+            };
+            let e = self.entries.remove(pos);
+            let weight = g.weight(&self.classes[class].name);
+            let c = &mut self.classes[class];
+            self.vtime = c.pass;
+            c.pass = c.pass.saturating_add(STRIDE / weight);
+            c.round = c.round.max(e.round);
+            let m = &mut self.models[usize::from(e.model)];
+            m.inflight = m.inflight.saturating_add(1);
+            grants.push(Grant {
+                ticket: e.ticket,
+                wake: e.wake,
+                enqueued_ms: e.enqueued_ms,
+                model: m.name.clone(),
+                class: self.classes[class].name.clone(),
+            });
+        }
+    }
+}
+
+/// A queued entry handed a slot: its worker is woken with the ticket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub ticket: u64,
+    pub wake: u32,
+    pub enqueued_ms: u64,
+    pub model: String,
+    pub class: String,
+}
+
+/// What a request asks of the gate when it arrives.
+#[derive(Debug, Clone)]
+pub struct Arrival<'a> {
+    pub model: &'a str,
+    pub class: &'a str,
+    /// `Some`: it may wait this long (ms) in a queue this deep.
+    pub wait: Option<(u64, u32)>,
+    /// The most places of that queue one principal may hold (0: all).
+    pub max_per_principal: u32,
+    pub principal: u64,
+    /// This worker's wake-up queue.
+    pub wake: u32,
+    pub saturated: bool,
+    pub now_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entered {
+    /// Holds a slot: go.
+    Go,
+    /// Waits; the ticket comes back in a wake-up, or the deadline passes.
+    Queued { ticket: u64, deadline_ms: u64 },
+    /// May not wait (or would surely outwait its deadline).
+    Refused(Blocked),
+    /// Its class's queue for this model is full (or it holds its share).
+    Full,
+    /// The check before taking a place said no (its buckets, see
+    /// [`enter_checked`]); nothing was written.
+    Declined,
+    /// Every compare-and-swap lost.
+    Contended,
+}
+
+/// The outcome of one change, with the state written (for gauges).
+pub struct Changed<T> {
+    pub value: T,
+    /// `Exhausted`/`Failed`: nothing changed and `value` is the fallback.
+    pub written: Updated,
+    pub grants: Vec<Grant>,
+    pub state: Option<State>,
+    pub contention: Contention,
+}
+
+fn change<T: Clone>(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    mut f: impl FnMut(&mut State, &mut Vec<Grant>) -> Option<T>,
+    unchanged: T,
+) -> Changed<T> {
+    let mut contention = Contention::default();
+    let mut out: Option<(T, Vec<Grant>, State)> = None;
+    let written = store::update(store, &g.key, tries, &mut contention, |bytes| {
+        let mut state = bytes.and_then(State::decode).unwrap_or_default();
+        let mut grants = Vec::new();
+        let value = f(&mut state, &mut grants)?;
+        let encoded = state.encode();
+        out = Some((value, grants, state));
+        Some(encoded)
+    });
+    match (written, out) {
+        (Updated::Written, Some((value, grants, state))) => Changed {
+            value,
+            written,
+            grants,
+            state: Some(state),
+            contention,
+        },
+        _ => Changed {
+            value: unchanged,
+            written,
+            grants: Vec::new(),
+            state: None,
+            contention,
+        },
+    }
+}
+
+/// A request arrives for a gated model: take a slot, queue, or refuse.
+/// It goes at once only when nothing waits ahead of it (else arrivals
+/// would overtake the queue).
+pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Changed<Entered> {
+    enter_checked(store, g, tries, a, &mut |_| true)
+}
+
+/// [`enter`], asking `may_wait` before the request takes a place in the
+/// queue (never before it goes at once): given how many places its
+/// principal already holds for this model, `false` declines
+/// ([`Entered::Declined`], nothing written, no one evicted). Called inside
+/// the compare-and-swap loop, so possibly more than once: it must only read.
+pub fn enter_checked(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    a: &Arrival,
+    may_wait: &mut dyn FnMut(u32) -> bool,
+) -> Changed<Entered> {
+    let mut declined = false;
+    let mut changed = change(
+        store,
+        g,
+        tries,
+        |s, _| {
+            let model = s.model(a.model);
+            let arriving = |name: &str| a.saturated && name == a.model;
+            let blocked = g.dispatchable(s, model, &arriving, a.now_ms);
+            let ahead = s.entries.iter().any(|e| {
+                !e.evicted && (usize::from(e.model) == model || g.backend_limit.is_some())
+            });
+            if blocked == Blocked::Free && !ahead {
+                s.models[model].inflight = s.models[model].inflight.saturating_add(1);
+                return Some(Entered::Go);
+            }
+            let blocked = if blocked == Blocked::Free {
+                Blocked::Slot
+            } else {
+                blocked
+            };
+            let Some((max_wait, max_depth)) = a.wait else {
+                return Some(Entered::Refused(blocked));
+            };
+            let deadline_ms = a.now_ms.saturating_add(max_wait);
+            if let Blocked::Paused(until) = blocked {
+                if until > deadline_ms {
+                    return Some(Entered::Refused(blocked));
+                }
+            }
+            let class = s.class(a.class);
+            let mine = s.held_by(model, class, a.principal);
+            declined = !may_wait(mine);
+            if declined {
+                return None; // nothing to write
+            }
+            let cap = if a.max_per_principal == 0 {
+                max_depth
+            } else {
+                a.max_per_principal
+            };
+            if mine >= cap {
+                return Some(Entered::Full);
+            }
+            if s.depth(a.model, a.class) >= max_depth as usize && !s.evict_for(model, class, mine) {
+                return Some(Entered::Full);
+            }
+            let waiting = s
+                .entries
+                .iter()
+                .any(|e| !e.evicted && usize::from(e.class) == class);
+            let vtime = s.vtime;
+            let c = &mut s.classes[class];
+            if !waiting {
+                // No credit for idle time.
+                c.pass = c.pass.max(vtime);
+            }
+            let last = s
+                .entries
+                .iter()
+                .filter(|e| {
+                    !e.evicted && usize::from(e.class) == class && e.principal == a.principal
+                })
+                .map(|e| e.round)
+                .max()
+                .unwrap_or(0);
+            let round = s.classes[class].round.max(last).saturating_add(1);
+            s.next_ticket = s.next_ticket.wrapping_add(1).max(1);
+            let ticket = s.next_ticket;
+            s.entries.push(Entry {
+                ticket,
+                wake: a.wake,
+                model: model as u16,
+                class: class as u16,
+                principal: a.principal,
+                round,
+                enqueued_ms: a.now_ms,
+                deadline_ms,
+                evicted: false,
+            });
+            Some(Entered::Queued {
+                ticket,
+                deadline_ms,
+            })
+        },
+        Entered::Contended,
+    );
+    if declined && changed.written == Updated::Unchanged {
+        changed.value = Entered::Declined;
+    }
+    changed
+}
+
+/// Gives a slot back and hands free slots to waiters.
+pub fn release(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    model: &str,
+    saturated: Saturated,
+    now_ms: u64,
+) -> Changed<bool> {
+    change(
+        store,
+        g,
+        tries,
+        |s, grants| {
+            let m = s.model(model);
+            s.models[m].inflight = s.models[m].inflight.saturating_sub(1);
+            s.pump(g, saturated, now_ms, grants);
+            Some(true)
+        },
+        false,
+    )
+}
+
+/// Takes an entry out of the queue (deadline, client gone). `false`: it
+/// is not there — it was granted a slot, which the caller now owns.
+pub fn withdraw(store: &dyn SharedStore, g: &Group, tries: u32, ticket: u64) -> Changed<bool> {
+    change(
+        store,
+        g,
+        tries,
+        |s, _| {
+            let pos = s.entries.iter().position(|e| e.ticket == ticket);
+            match pos {
+                Some(pos) => {
+                    s.entries.remove(pos);
+                    Some(true)
+                }
+                None => None,
+            }
+        },
+        false,
+    )
+}
+
+/// Hands free slots to waiters when something other than a release
+/// freed them (a pause ended, saturation cleared). Writes nothing when
+/// there is nothing to hand.
+pub fn pump(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    saturated: Saturated,
+    now_ms: u64,
+) -> Changed<()> {
+    change(
+        store,
+        g,
+        tries,
+        |s, grants| {
+            s.pump(g, saturated, now_ms, grants);
+            (!grants.is_empty()).then_some(())
+        },
+        (),
+    )
+}
+
+/// The provider has nothing left for `model` until `until_ms`: no waiter
+/// of it is dispatched before then.
+pub fn pause(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    model: &str,
+    until_ms: u64,
+) -> Changed<bool> {
+    change(
+        store,
+        g,
+        tries,
+        |s, _| {
+            let m = s.model(model);
+            if s.models[m].paused_until_ms >= until_ms {
+                return None;
+            }
+            s.models[m].paused_until_ms = until_ms;
+            Some(true)
+        },
+        false,
+    )
+}
+
+/// The fleet scope of a backend's slots (`fleet.local` names it to keep
+/// them per Envoy), or of one of its models' slots.
+pub fn slots_scope(backend: &str, model: Option<&str>) -> String {
+    match model {
+        Some(m) => format!("concurrency/{backend}/{m}"),
+        None => format!("concurrency/{backend}"),
+    }
+}
+
+/// Sets the fleet leases of a backend (`None`: the backend's own, else a
+/// model's) with `f`, then hands what they free to waiters. `f` gets the
+/// state and answers the new leases; nothing is written when none changes.
+pub fn lease(
+    store: &dyn SharedStore,
+    g: &Group,
+    tries: u32,
+    saturated: Saturated,
+    now_ms: u64,
+    mut f: impl FnMut(&State) -> Vec<(Option<String>, u32)>,
+) -> Changed<()> {
+    change(
+        store,
+        g,
+        tries,
+        |s, grants| {
+            let mut changed = false;
+            for (model, n) in f(s) {
+                let slot = match model {
+                    Some(m) => {
+                        let i = s.model(&m);
+                        &mut s.models[i].leased
+                    }
+                    None => &mut s.leased,
+                };
+                changed |= *slot != n;
+                *slot = n;
+            }
+            s.pump(g, saturated, now_ms, grants);
+            (changed || !grants.is_empty()).then_some(())
+        },
+        (),
+    )
+}
+
+/// Parses an OpenAI-style reset (`1s`, `6m0s`, `20ms`, `1h2m3.5s`) or a
+/// plain number of seconds, in ms. `None`: not a duration.
+pub fn parse_reset(text: &str) -> Option<u64> {
+    let text = text.trim();
+    if text.is_empty() || text.len() > 32 {
+        return None;
+    }
+    if let Ok(secs) = text.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| (secs * 1000.0).ceil() as u64);
+    }
+    let mut total = 0f64;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let split = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .filter(|&i| i > 0)?;
+        let value: f64 = rest[..split].parse().ok()?;
+        rest = &rest[split..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ms" => 1.0,
+            "s" => 1_000.0,
+            "m" => 60_000.0,
+            "h" => 3_600_000.0,
+            _ => return None,
+        };
+        total += value * scale;
+        rest = &rest[unit_len..];
+    }
+    (total.is_finite() && total >= 0.0).then(|| total.ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,981 @@
+//! Reconcile (SPEC §2.7): what a response really cost.
+//!
+//! One table says where each API puts its usage; one meter reads a response
+//! as it streams (JSON, SSE split at any byte, Ollama NDJSON), counts the
+//! output it carries, finds the usage, removes the usage chunk sluice asked
+//! for on the client's behalf, and ends a stream that runs past its
+//! allowance with an OpenAI-shaped error event.
+
+use serde_json::Value;
+
+use crate::usage::estimate::text_tokens;
+
+/// Where input and output token counts live, per API shape. The first path
+/// that holds a number wins.
+const INPUT_PATHS: &[&[&str]] = &[
+    &["usage", "prompt_tokens"], // OpenAI chat, completions, embeddings; vLLM score
+    &["usage", "input_tokens"],  // OpenAI Responses API, Anthropic Messages
+    &["response", "usage", "input_tokens"], // Responses API stream: response.completed
+    &["message", "usage", "input_tokens"], // Anthropic stream: message_start
+    &["prompt_eval_count"],      // Ollama (also /api/embed)
+    &["usage", "total_tokens"],  // rerank (Jina/Cohere shape): input only
+];
+const OUTPUT_PATHS: &[&[&str]] = &[
+    &["usage", "completion_tokens"],
+    &["usage", "output_tokens"], // also Anthropic's message_delta (cumulative)
+    &["response", "usage", "output_tokens"],
+    &["message", "usage", "output_tokens"],
+    &["eval_count"],
+];
+/// Input counted apart from `input_tokens` (Anthropic's prompt cache):
+/// added to it, so cached input is charged too.
+const EXTRA_INPUT_PATHS: &[&[&str]] = &[
+    &["usage", "cache_creation_input_tokens"],
+    &["usage", "cache_read_input_tokens"],
+    &["message", "usage", "cache_creation_input_tokens"],
+    &["message", "usage", "cache_read_input_tokens"],
+];
+
+/// Counts above this are not believed (a misbehaving upstream, not a model).
+const MAX_BELIEVABLE: u64 = 100_000_000;
+
+/// Usage reported by the upstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input: u64,
+    pub output: u64,
+}
+
+/// What a JSON object says about usage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// No usage fields at all.
+    Nothing,
+    /// Usage fields that are not sane counts (strings, negative, enormous).
+    Invalid,
+    Usage(Usage),
+}
+
+fn at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |v, key| v.get(key))
+}
+
+fn count(v: &Value, paths: &[&[&str]]) -> Found {
+    for path in paths {
+        match at(v, path) {
+            None | Some(Value::Null) => continue,
+            Some(n) => {
+                return match n.as_u64() {
+                    Some(n) if n <= MAX_BELIEVABLE => Found::Usage(Usage {
+                        input: n,
+                        output: n,
+                    }),
+                    _ => Found::Invalid,
+                }
+            }
+        }
+    }
+    Found::Nothing
+}
+
+/// The input count with the extra input fields added; `Invalid` if any of
+/// them is not a sane count.
+fn input_count(v: &Value) -> Found {
+    let found = count(v, INPUT_PATHS);
+    let Found::Usage(mut base) = found else {
+        return found;
+    };
+    for path in EXTRA_INPUT_PATHS {
+        match count(v, &[path]) {
+            Found::Nothing => {}
+            Found::Invalid => return Found::Invalid,
+            Found::Usage(extra) => {
+                base.input = base.input.saturating_add(extra.input).min(MAX_BELIEVABLE);
+            }
+        }
+    }
+    Found::Usage(base)
+}
+
+/// Reads the usage of one response object (a JSON body or one stream event).
+pub fn usage_in(v: &Value) -> Found {
+    usage_of(v, input_count(v), count(v, OUTPUT_PATHS))
+}
+
+/// The usage of `v` from its input and output counts, read once.
+fn usage_of(v: &Value, input: Found, output: Found) -> Found {
+    match (input, output) {
+        (Found::Invalid, _) | (_, Found::Invalid) => Found::Invalid,
+        (Found::Usage(i), Found::Usage(o)) => Found::Usage(Usage {
+            input: i.input,
+            output: o.output,
+        }),
+        // Embeddings report input only.
+        (Found::Usage(i), Found::Nothing) => Found::Usage(Usage {
+            input: i.input,
+            output: 0,
+        }),
+        (Found::Nothing, Found::Usage(_)) => Found::Invalid,
+        (Found::Nothing, Found::Nothing) => {
+            if v.get("usage").is_some_and(|u| !u.is_null()) {
+                Found::Invalid
+            } else {
+                Found::Nothing
+            }
+        }
+    }
+}
+
+/// Does this stream event carry generated text? OpenAI streams send about
+/// one token per event, so each such event counts as one output token.
+fn carries_output(v: &Value) -> bool {
+    let non_empty = |v: Option<&Value>| v.and_then(Value::as_str).is_some_and(|s| !s.is_empty());
+    if let Some(choices) = v.get("choices").and_then(Value::as_array) {
+        return choices.iter().any(|c| {
+            non_empty(at(c, &["delta", "content"]))
+                || non_empty(c.get("text"))
+                || non_empty(at(c, &["delta", "reasoning_content"]))
+                || at(c, &["delta", "tool_calls"]).is_some_and(|t| !t.is_null())
+        });
+    }
+    // Responses API delta events; Anthropic content deltas; Ollama lines.
+    non_empty(v.get("delta"))
+        || non_empty(at(v, &["delta", "text"]))
+        || non_empty(at(v, &["delta", "partial_json"]))
+        || non_empty(at(v, &["delta", "thinking"]))
+        || non_empty(at(v, &["message", "content"]))
+        || non_empty(v.get("response"))
+}
+
+/// Output tokens of a whole (not streamed) answer, estimated from its text
+/// like input is: what an answer without believable usage is charged.
+fn answer_tokens(v: &Value) -> u64 {
+    let text = |v: Option<&Value>| v.and_then(Value::as_str).map_or(0.0, text_tokens);
+    let json = |v: Option<&Value>| {
+        v.filter(|v| !v.is_null())
+            .map_or(0.0, |v| text_tokens(&v.to_string()))
+    };
+    let mut tokens = text(v.get("response")) + text(at(v, &["message", "content"])); // Ollama
+    for c in v
+        .get("choices")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        tokens += text(at(c, &["message", "content"]))
+            + text(at(c, &["message", "reasoning_content"]))
+            + json(at(c, &["message", "tool_calls"]))
+            + text(c.get("text"));
+    }
+    for part in v
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        // Anthropic Messages: text blocks, tool inputs.
+        tokens += text(part.get("text")) + json(part.get("input"));
+    }
+    for item in v
+        .get("output")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        for part in item
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            tokens += text(part.get("text")); // Responses API
+        }
+    }
+    tokens.ceil() as u64
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// One JSON document, read whole at the end.
+    Json,
+    /// Server-sent events (`data: {...}` blocks).
+    Sse,
+    /// One JSON object per line (Ollama).
+    Ndjson,
+}
+
+impl Format {
+    pub fn detect(content_type: Option<&str>, ollama_stream: bool) -> Format {
+        let ct = content_type.unwrap_or("").to_ascii_lowercase();
+        if ct.contains("text/event-stream") {
+            Format::Sse
+        } else if ct.contains("ndjson") || (ollama_stream && !ct.contains("application/json")) {
+            Format::Ndjson
+        } else {
+            Format::Json
+        }
+    }
+}
+
+/// Largest JSON body kept for reading its usage.
+const MAX_JSON_BODY: usize = 8 << 20;
+
+/// Largest unfinished stream event (SSE event or NDJSON line) held while
+/// waiting for its end. Real events are a few hundred bytes; an upstream
+/// that never ends one would otherwise grow the VM's memory without bound
+/// while the client receives nothing. Past it the stream is ended, as for
+/// a budget that ran out, and the event counts as output.
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
+
+/// The code of the error event that ends a stream whose event is too long.
+pub const OVERSIZED_CODE: &str = "upstream_event_too_large";
+
+/// Reads a response as it passes and decides what the client gets.
+#[derive(Debug)]
+pub struct ResponseMeter {
+    format: Format,
+    /// Bytes of an incomplete event or line, held until it completes.
+    pending: Vec<u8>,
+    /// Output counted: events seen (SSE/NDJSON), or the estimated tokens of
+    /// a JSON answer without believable usage.
+    pub output_events: u64,
+    pub found: Found,
+    /// Drop the usage-only chunk (sluice asked for it, the client did not).
+    strip_usage: bool,
+    /// End the stream once this many output events went by.
+    allowance: Option<u64>,
+    /// The stream was ended early by sluice.
+    pub cut: bool,
+    /// The largest input and output counts a stream's events carried.
+    stream_input: Option<u64>,
+    stream_output: Option<u64>,
+    /// An event carried a count that is no sane number: the stream's usage
+    /// cannot be believed, and the reservation stands.
+    stream_invalid: bool,
+    /// SSE: the last event ended with a CR at the end of a chunk; an LF
+    /// starting the next chunk belongs to it (a CRLF split in two).
+    open_cr: Option<LastEvent>,
+}
+
+/// What happened to the SSE event whose CR may still get its LF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LastEvent {
+    Kept,
+    Dropped,
+}
+
+/// The OpenAI-shaped error event that ends a stream past its budget.
+pub const MIDSTREAM_CODE: &str = "budget_exhausted_midstream";
+
+impl ResponseMeter {
+    pub fn new(format: Format, strip_usage: bool, allowance: Option<u64>) -> ResponseMeter {
+        ResponseMeter {
+            format,
+            pending: Vec::new(),
+            output_events: 0,
+            found: Found::Nothing,
+            strip_usage,
+            allowance,
+            cut: false,
+            stream_input: None,
+            stream_output: None,
+            stream_invalid: false,
+            open_cr: None,
+        }
+    }
+
+    /// Feeds one chunk of the body; returns what to send the client in its
+    /// place (`None`: send the chunk unchanged).
+    pub fn feed(&mut self, chunk: &[u8], end: bool) -> Option<Vec<u8>> {
+        match self.format {
+            Format::Json => {
+                if self.pending.len() + chunk.len() <= MAX_JSON_BODY {
+                    self.pending.extend_from_slice(chunk);
+                }
+                if end {
+                    if let Ok(v) = serde_json::from_slice::<Value>(&self.pending) {
+                        self.found = usage_in(&v);
+                        if !matches!(self.found, Found::Usage(_)) {
+                            self.output_events = answer_tokens(&v);
+                        }
+                    }
+                    self.pending.clear();
+                }
+                None
+            }
+            Format::Sse | Format::Ndjson => Some(self.feed_stream(chunk, end)),
+        }
+    }
+
+    fn feed_stream(&mut self, chunk: &[u8], end: bool) -> Vec<u8> {
+        if self.cut {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(self.pending.len() + chunk.len());
+        let mut chunk = chunk;
+        if !chunk.is_empty() {
+            if let Some(last) = self.open_cr.take() {
+                if let Some(rest) = chunk.strip_prefix(b"\n") {
+                    // The LF of the previous event's CRLF: it goes (or is
+                    // dropped) with that event.
+                    if last == LastEvent::Kept {
+                        out.push(b'\n');
+                    }
+                    chunk = rest;
+                }
+            }
+        }
+        self.pending.extend_from_slice(chunk);
+        let mut start = 0;
+        loop {
+            let next = match self.format {
+                Format::Sse => sse_event_end(&self.pending[start..], end),
+                _ => find(&self.pending[start..], b"\n").map(|p| (p + 1, false)),
+            };
+            let Some((len, open_cr)) = next else { break };
+            let stop = start + len;
+            let event = self.pending[start..stop].to_vec();
+            start = stop;
+            let before = out.len();
+            if self.event(&event, &mut out) {
+                self.pending.clear();
+                return out;
+            }
+            if open_cr {
+                self.open_cr = Some(if out.len() > before {
+                    LastEvent::Kept
+                } else {
+                    LastEvent::Dropped
+                });
+            }
+        }
+        self.pending.drain(..start);
+        if end && !self.pending.is_empty() {
+            let rest = std::mem::take(&mut self.pending);
+            self.event(&rest, &mut out);
+        } else if self.pending.len() > MAX_EVENT_BYTES {
+            self.pending = Vec::new();
+            self.output_events = self.output_events.saturating_add(1);
+            self.cut = true;
+            out.extend_from_slice(&self.end_message(
+                "The upstream sent a stream event too long to read; the stream was ended.",
+                "upstream_error",
+                OVERSIZED_CODE,
+            ));
+        }
+        out
+    }
+
+    /// Handles one complete event or line; true when the stream was cut.
+    fn event(&mut self, raw: &[u8], out: &mut Vec<u8>) -> bool {
+        let json = match self.format {
+            Format::Sse => sse_data(raw),
+            _ => Some(trim(raw).to_vec()),
+        };
+        let value = json
+            .filter(|d| !trim(d).is_empty() && trim(d) != b"[DONE]")
+            .and_then(|d| serde_json::from_slice::<Value>(&d).ok());
+        let mut keep = true;
+        if let Some(v) = &value {
+            if carries_output(v) {
+                if self.allowance.is_some_and(|a| self.output_events >= a) {
+                    // Output past what was reserved: end the stream here.
+                    // (A stream that stops at its allowance passes whole,
+                    // with its finish and usage chunks.)
+                    self.cut = true;
+                    out.extend_from_slice(&self.cut_message());
+                    return true;
+                }
+                self.output_events += 1;
+            }
+            let (input, output) = (input_count(v), count(v, OUTPUT_PATHS));
+            match usage_of(v, input, output) {
+                Found::Nothing => {}
+                _ => {
+                    self.merge(input, output);
+                    let usage_only = v
+                        .get("choices")
+                        .and_then(Value::as_array)
+                        .is_some_and(|c| c.is_empty());
+                    if self.strip_usage && usage_only {
+                        keep = false;
+                    }
+                }
+            }
+        }
+        if keep {
+            out.extend_from_slice(raw);
+        }
+        false
+    }
+
+    /// Folds one stream event's counts into the stream's usage. Counts in
+    /// a stream are cumulative (vLLM's continuous usage stats, Anthropic's
+    /// `message_start` input then `message_delta` output): the largest seen
+    /// is the total, wherever each half came from. Input never seen, or a
+    /// count that is no sane number in any event: `Invalid`, as for a
+    /// single object.
+    fn merge(&mut self, input: Found, output: Found) {
+        self.stream_invalid |= input == Found::Invalid || output == Found::Invalid;
+        if let Found::Usage(u) = input {
+            self.stream_input = self.stream_input.max(Some(u.input));
+        }
+        if let Found::Usage(u) = output {
+            self.stream_output = self.stream_output.max(Some(u.output));
+        }
+        self.found = match self.stream_input {
+            _ if self.stream_invalid => Found::Invalid,
+            Some(input) => Found::Usage(Usage {
+                input,
+                output: self.stream_output.unwrap_or(0),
+            }),
+            None => Found::Invalid,
+        };
+    }
+
+    fn cut_message(&self) -> Vec<u8> {
+        self.end_message(
+            "The budget for this request ran out during the response; the stream was ended.",
+            "rate_limit_exceeded",
+            MIDSTREAM_CODE,
+        )
+    }
+
+    /// The error event (SSE) or line (NDJSON) that ends a stream early.
+    fn end_message(&self, message: &str, kind: &str, code: &str) -> Vec<u8> {
+        let error = serde_json::json!({"error": {
+            "message": message,
+            "type": kind,
+            "code": code,
+            "param": null,
+        }});
+        match self.format {
+            Format::Sse => format!("data: {error}\n\ndata: [DONE]\n\n").into_bytes(),
+            _ => {
+                let mut line = error;
+                line["done"] = Value::Bool(true);
+                format!("{line}\n").into_bytes()
+            }
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+fn trim(b: &[u8]) -> &[u8] {
+    let start = b
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(b.len());
+    let end = b
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &b[start..end]
+}
+
+/// Where the first complete SSE event of `buf` ends: just past the line
+/// break of the blank line that ends it. Lines end with CRLF, LF or CR (the
+/// SSE spec allows all three, mixed). The bool says the event ended with a
+/// CR that is the last byte of `buf`: its LF, if any, is in the next chunk.
+/// A lone CR before the end of the stream ends a line, so a stream split
+/// between CR and LF neither stalls nor sees a blank line that is not there.
+fn sse_event_end(buf: &[u8], end: bool) -> Option<(usize, bool)> {
+    let mut line_start = 0;
+    let mut i = 0;
+    while let Some(p) = buf[i..].iter().position(|b| *b == b'\r' || *b == b'\n') {
+        let at = i + p;
+        let (next, open_cr) = match (buf[at], buf.get(at + 1)) {
+            (b'\r', Some(b'\n')) => (at + 2, false),
+            (b'\r', None) => (at + 1, !end),
+            _ => (at + 1, false),
+        };
+        if at == line_start {
+            return Some((next, open_cr));
+        }
+        line_start = next;
+        i = next;
+    }
+    None
+}
+
+/// The lines of one SSE event, whatever their line ends.
+fn sse_lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
+    event
+        .split(|c| *c == b'\n' || *c == b'\r')
+        .filter(|line| !line.is_empty())
+}
+
+/// The data of one SSE event: its `data:` lines joined with LF, as a client
+/// joins them (a JSON object may be spread over several data lines).
+fn sse_data(event: &[u8]) -> Option<Vec<u8>> {
+    let mut data: Option<Vec<u8>> = None;
+    for line in sse_lines(event) {
+        let Some(value) = line.strip_prefix(b"data") else {
+            continue;
+        };
+        let value = match value {
+            [] => value,
+            [b':', rest @ ..] => rest.strip_prefix(b" ").unwrap_or(rest),
+            _ => continue, // another field, e.g. `dataset:`
+        };
+        match &mut data {
+            None => data = Some(value.to_vec()),
+            Some(d) => {
+                d.push(b'\n');
+                d.extend_from_slice(value);
+            }
+        }
+    }
+    data
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn usage_table_covers_every_shape() {
+        let openai =
+            json!({"usage": {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}});
+        assert_eq!(
+            usage_in(&openai),
+            Found::Usage(Usage {
+                input: 12,
+                output: 30
+            })
+        );
+        let responses = json!({"usage": {"input_tokens": 5, "output_tokens": 7}});
+        assert_eq!(
+            usage_in(&responses),
+            Found::Usage(Usage {
+                input: 5,
+                output: 7
+            })
+        );
+        let completed = json!({"type": "response.completed", "response": {"usage": {"input_tokens": 1, "output_tokens": 2}}});
+        assert_eq!(
+            usage_in(&completed),
+            Found::Usage(Usage {
+                input: 1,
+                output: 2
+            })
+        );
+        let ollama = json!({"done": true, "prompt_eval_count": 9, "eval_count": 4});
+        assert_eq!(
+            usage_in(&ollama),
+            Found::Usage(Usage {
+                input: 9,
+                output: 4
+            })
+        );
+        let embeddings = json!({"usage": {"prompt_tokens": 3, "total_tokens": 3}});
+        assert_eq!(
+            usage_in(&embeddings),
+            Found::Usage(Usage {
+                input: 3,
+                output: 0
+            })
+        );
+        assert_eq!(usage_in(&json!({"choices": []})), Found::Nothing);
+    }
+
+    #[test]
+    fn garbage_usage_is_invalid_not_trusted() {
+        for bad in [
+            json!({"usage": {"prompt_tokens": "12", "completion_tokens": 3}}),
+            json!({"usage": {"prompt_tokens": -1, "completion_tokens": 3}}),
+            json!({"usage": {"prompt_tokens": 1e15, "completion_tokens": 3}}),
+            json!({"usage": {"prompt_tokens": 5, "completion_tokens": 1_000_000_000_000u64}}),
+            json!({"usage": "lots"}),
+            json!({"usage": {}}),
+        ] {
+            assert_eq!(usage_in(&bad), Found::Invalid, "{bad}");
+        }
+    }
+
+    fn sse(events: &[Value], done: bool) -> Vec<u8> {
+        let mut s: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+        if done {
+            s.push_str("data: [DONE]\n\n");
+        }
+        s.into_bytes()
+    }
+
+    fn chunk(text: &str) -> Value {
+        json!({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]})
+    }
+
+    #[test]
+    fn sse_split_at_every_byte_reads_the_same() {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}});
+        let body = sse(&[chunk("a"), chunk(" b"), chunk(" c"), usage], true);
+        for split in 1..body.len() {
+            let mut m = ResponseMeter::new(Format::Sse, false, None);
+            let mut out = m.feed(&body[..split], false).unwrap();
+            out.extend(m.feed(&body[split..], true).unwrap());
+            assert_eq!(out, body, "split at {split}");
+            assert_eq!(m.output_events, 3);
+            assert_eq!(
+                m.found,
+                Found::Usage(Usage {
+                    input: 4,
+                    output: 3
+                })
+            );
+        }
+    }
+
+    /// The three line ends the SSE spec allows.
+    const NEWLINES: [&str; 3] = ["\n", "\r\n", "\r"];
+
+    /// `events` framed with `nl`: `event:` lines where given, data split
+    /// over two lines for the second event, a comment, and `[DONE]`.
+    fn framed(events: &[Value], nl: &str) -> Vec<u8> {
+        let mut s = format!(": keep-alive{nl}{nl}");
+        for (i, e) in events.iter().enumerate() {
+            let text = e.to_string();
+            if i == 1 {
+                // One JSON object over two data lines, joined by the client.
+                // Split between JSON tokens (after the first key).
+                let (a, b) = text.split_at(text.find(':').map_or(0, |i| i + 1));
+                s.push_str(&format!("event: message{nl}data: {a}{nl}data:{b}{nl}{nl}"));
+            } else {
+                s.push_str(&format!("data: {text}{nl}{nl}"));
+            }
+        }
+        s.push_str(&format!("data: [DONE]{nl}{nl}"));
+        s.into_bytes()
+    }
+
+    /// Feeds `body` cut at `cuts` (sorted positions); returns the output
+    /// and the meter.
+    fn feed_cut(
+        body: &[u8],
+        cuts: &[usize],
+        strip: bool,
+        allowance: Option<u64>,
+    ) -> (Vec<u8>, ResponseMeter) {
+        let mut m = ResponseMeter::new(Format::Sse, strip, allowance);
+        let mut out = Vec::new();
+        let mut from = 0;
+        for &c in cuts.iter().chain(std::iter::once(&body.len())) {
+            out.extend(m.feed(&body[from..c], c == body.len()).unwrap());
+            from = c;
+        }
+        (out, m)
+    }
+
+    #[test]
+    fn sse_in_lf_crlf_and_cr_reads_the_same_split_anywhere() {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}});
+        let events = [chunk("a"), chunk(" b"), chunk(" c"), usage];
+        let want = Found::Usage(Usage {
+            input: 4,
+            output: 3,
+        });
+        for nl in NEWLINES {
+            let body = framed(&events, nl);
+            let stripped = framed(&events[..3], nl);
+            for split in 0..=body.len() {
+                for strip in [false, true] {
+                    let (out, m) = feed_cut(&body, &[split], strip, None);
+                    assert_eq!(m.output_events, 3, "{nl:?} split at {split}");
+                    assert_eq!(m.found, want, "{nl:?} split at {split}");
+                    let expected = if strip { &stripped } else { &body };
+                    assert_eq!(&out, expected, "{nl:?} split at {split}, strip {strip}");
+                }
+                // Cut past its allowance the same way in every framing.
+                let (out, m) = feed_cut(&body, &[split], false, Some(2));
+                assert!(m.cut, "{nl:?} split at {split}");
+                assert_eq!(m.output_events, 2);
+                assert!(String::from_utf8_lossy(&out).contains(MIDSTREAM_CODE));
+            }
+            // And byte by byte.
+            let every: Vec<usize> = (1..body.len()).collect();
+            let (out, m) = feed_cut(&body, &every, false, None);
+            assert_eq!(
+                (out, m.output_events, m.found),
+                (body.clone(), 3, want),
+                "{nl:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_crlf_split_between_its_cr_and_lf_is_one_line_end() {
+        // "\r" | "\n\r\n": not a blank line after the first CR.
+        let body = b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\r\n\r\n";
+        let at = body.len() - 3;
+        let mut m = ResponseMeter::new(Format::Sse, false, None);
+        let first = m.feed(&body[..at], false).unwrap();
+        assert!(first.is_empty(), "event not complete yet");
+        let rest = m.feed(&body[at..], false).unwrap();
+        assert_eq!(rest, body.to_vec());
+        assert_eq!(m.output_events, 1);
+        // An event dropped at a CR takes its LF along.
+        let usage =
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\r\n\r";
+        let mut m = ResponseMeter::new(Format::Sse, true, None);
+        assert!(m.feed(usage, false).unwrap().is_empty());
+        assert_eq!(
+            m.feed(b"\ndata: [DONE]\r\n\r\n", true).unwrap(),
+            b"data: [DONE]\r\n\r\n".to_vec()
+        );
+        assert!(matches!(m.found, Found::Usage(_)));
+    }
+
+    #[test]
+    fn sse_data_lines_join_like_a_client() {
+        assert_eq!(sse_data(b"data: a\ndata: b\n\n"), Some(b"a\nb".to_vec()));
+        assert_eq!(sse_data(b"data:a\r\n\r\n"), Some(b"a".to_vec()));
+        assert_eq!(sse_data(b"event: x\rdata: {}\r\r"), Some(b"{}".to_vec()));
+        assert_eq!(sse_data(b"dataset: x\n\n"), None);
+        assert_eq!(sse_data(b": comment\n\n"), None);
+    }
+
+    #[test]
+    fn the_usage_chunk_sluice_asked_for_is_removed() {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}});
+        let body = sse(&[chunk("a"), usage], true);
+        let mut m = ResponseMeter::new(Format::Sse, true, None);
+        let out = m.feed(&body, true).unwrap();
+        assert_eq!(out, sse(&[chunk("a")], true));
+        assert!(matches!(m.found, Found::Usage(_)));
+    }
+
+    #[test]
+    fn a_stream_past_its_allowance_ends_with_an_error_event() {
+        let body = sse(&[chunk("a"), chunk("b"), chunk("c"), chunk("d")], true);
+        let mut m = ResponseMeter::new(Format::Sse, false, Some(2));
+        let mut out = m.feed(&body[..10], false).unwrap();
+        out.extend(m.feed(&body[10..], false).unwrap());
+        out.extend(m.feed(b"data: more\n\n", true).unwrap());
+        let text = String::from_utf8(out).unwrap();
+        assert!(m.cut);
+        assert_eq!(m.output_events, 2);
+        assert_eq!(text.matches("delta").count(), 2);
+        assert!(text.contains(MIDSTREAM_CODE));
+        assert!(text.ends_with("data: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn a_stream_that_uses_exactly_its_allowance_is_not_cut() {
+        let finish = json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]});
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}});
+        let body = sse(&[chunk("a"), chunk("b"), finish, usage], true);
+        let mut m = ResponseMeter::new(Format::Sse, false, Some(2));
+        assert_eq!(m.feed(&body, true).unwrap(), body);
+        assert!(!m.cut);
+        assert_eq!(m.output_events, 2);
+        assert!(matches!(m.found, Found::Usage(_)));
+    }
+
+    #[test]
+    fn a_json_answer_without_usage_counts_its_text() {
+        let body = json!({"choices": [{"message": {"content": "hello there world"}}]});
+        let mut m = ResponseMeter::new(Format::Json, false, None);
+        m.feed(body.to_string().as_bytes(), true);
+        assert_eq!(m.found, Found::Nothing);
+        assert_eq!(
+            m.output_events,
+            text_tokens("hello there world").ceil() as u64
+        );
+        let body = json!({"response": "hi", "done": true, "prompt_eval_count": "x"});
+        let mut m = ResponseMeter::new(Format::Json, false, None);
+        m.feed(body.to_string().as_bytes(), true);
+        assert_eq!((m.found, m.output_events), (Found::Invalid, 1));
+    }
+
+    #[test]
+    fn ollama_lines_and_json_bodies() {
+        let lines = b"{\"message\":{\"content\":\"a\"},\"done\":false}\n{\"message\":{\"content\":\"b\"},\"done\":false}\n{\"done\":true,\"prompt_eval_count\":7,\"eval_count\":2}\n";
+        let mut m = ResponseMeter::new(Format::Ndjson, false, None);
+        let out = m.feed(&lines[..20], false).unwrap();
+        let out2 = m.feed(&lines[20..], true).unwrap();
+        assert_eq!([out, out2].concat(), lines.to_vec());
+        assert_eq!(
+            (m.output_events, m.found),
+            (
+                2,
+                Found::Usage(Usage {
+                    input: 7,
+                    output: 2
+                })
+            )
+        );
+
+        let body = br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+        let mut m = ResponseMeter::new(Format::Json, false, None);
+        assert_eq!(m.feed(&body[..9], false), None);
+        assert_eq!(m.feed(&body[9..], true), None);
+        assert_eq!(
+            m.found,
+            Found::Usage(Usage {
+                input: 3,
+                output: 1
+            })
+        );
+        let mut m = ResponseMeter::new(Format::Json, false, None);
+        m.feed(b"not json", true);
+        assert_eq!(m.found, Found::Nothing);
+    }
+
+    #[test]
+    fn an_event_that_never_ends_is_bounded() {
+        for format in [Format::Sse, Format::Ndjson] {
+            let mut m = ResponseMeter::new(format, false, None);
+            let mut sent = Vec::new();
+            let chunk = vec![b'x'; 64 * 1024];
+            let mut fed = 0;
+            while !m.cut && fed < 4 * MAX_EVENT_BYTES {
+                sent.extend(m.feed(&chunk, false).unwrap_or_default());
+                fed += chunk.len();
+            }
+            assert!(m.cut, "{format:?}");
+            assert!(fed <= MAX_EVENT_BYTES + chunk.len(), "{format:?}: {fed}");
+            assert!(m.pending.capacity() == 0, "memory given back");
+            assert_eq!(m.output_events, 1, "the unread event counts as output");
+            let text = String::from_utf8_lossy(&sent);
+            assert!(text.contains(OVERSIZED_CODE), "{text}");
+            // Whatever follows is dropped.
+            assert_eq!(m.feed(b"data: {}\n\n", true), Some(Vec::new()));
+        }
+    }
+
+    /// Anthropic's stream as vLLM and Anthropic send it: input in
+    /// `message_start`, cumulative output in `message_delta`.
+    fn anthropic_sse(deltas: usize) -> Vec<u8> {
+        let mut out = String::new();
+        let mut event = |name: &str, data: Value| {
+            out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+        };
+        event(
+            "message_start",
+            json!({"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant",
+                   "content": [], "usage": {"input_tokens": 25, "output_tokens": 1,
+                   "cache_read_input_tokens": 5}}}),
+        );
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        );
+        for i in 0..deltas {
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                       "delta": {"type": "text_delta", "text": format!("w{i} ")}}),
+            );
+        }
+        event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        );
+        event(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                   "usage": {"output_tokens": deltas}}),
+        );
+        event("message_stop", json!({"type": "message_stop"}));
+        out.into_bytes()
+    }
+
+    #[test]
+    fn anthropic_usage_is_read_from_json_and_from_its_stream_events() {
+        let body = json!({"type": "message", "content": [{"type": "text", "text": "hi"}],
+                          "usage": {"input_tokens": 10, "output_tokens": 4,
+                                    "cache_creation_input_tokens": 3}});
+        assert_eq!(
+            usage_in(&body),
+            Found::Usage(Usage {
+                input: 13,
+                output: 4
+            })
+        );
+        let bytes = anthropic_sse(7);
+        for split in [1, 7, bytes.len()] {
+            let mut m = ResponseMeter::new(Format::Sse, false, Some(100));
+            let mut out = Vec::new();
+            let chunks: Vec<&[u8]> = bytes.chunks(split).collect();
+            for (i, c) in chunks.iter().enumerate() {
+                out.extend(m.feed(c, i + 1 == chunks.len()).unwrap());
+            }
+            assert_eq!(out, bytes, "passes whole");
+            assert_eq!(
+                m.found,
+                Found::Usage(Usage {
+                    input: 30,
+                    output: 7
+                }),
+                "split {split}"
+            );
+            assert_eq!(m.output_events, 7, "each text delta counts");
+        }
+        // Past its allowance, the stream is ended like any other.
+        let mut m = ResponseMeter::new(Format::Sse, false, Some(3));
+        m.feed(&anthropic_sse(10), true);
+        assert!(m.cut);
+    }
+
+    #[test]
+    fn a_stream_event_with_an_insane_count_leaves_the_reservation_standing() {
+        // A valid input and an output that is no count: not settled as 0
+        // output (that would under-charge), whatever came before or after.
+        let mut bad = chunk("x");
+        bad["usage"] = json!({"prompt_tokens": 9, "completion_tokens": "many"});
+        let mut good = chunk("y");
+        good["usage"] = json!({"prompt_tokens": 9, "completion_tokens": 2});
+        for events in [
+            vec![bad.clone()],
+            vec![good.clone(), bad.clone()],
+            vec![bad, good],
+        ] {
+            let mut m = ResponseMeter::new(Format::Sse, false, None);
+            m.feed(&sse(&events, true), true);
+            assert_eq!(m.found, Found::Invalid, "{events:?}");
+        }
+    }
+
+    #[test]
+    fn cumulative_stream_usage_settles_at_its_largest_count() {
+        // vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        let events: Vec<Value> = (1..=5)
+            .map(|n| {
+                let mut c = chunk("x");
+                c["usage"] =
+                    json!({"prompt_tokens": 9, "completion_tokens": n, "total_tokens": 9 + n});
+                c
+            })
+            .collect();
+        let mut m = ResponseMeter::new(Format::Sse, false, None);
+        m.feed(&sse(&events, true), true);
+        assert_eq!(
+            m.found,
+            Found::Usage(Usage {
+                input: 9,
+                output: 5
+            })
+        );
+        // Several prompts answered: the usage is their total.
+        let several = json!({"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}],
+                             "usage": {"prompt_tokens": 8, "completion_tokens": 32, "total_tokens": 40}});
+        assert_eq!(
+            usage_in(&several),
+            Found::Usage(Usage {
+                input: 8,
+                output: 32
+            })
+        );
+        // Rerank's usage has only a total: it is input.
+        assert_eq!(
+            usage_in(&json!({"results": [], "usage": {"total_tokens": 12}})),
+            Found::Usage(Usage {
+                input: 12,
+                output: 0
+            })
+        );
+    }
+}
