@@ -641,6 +641,11 @@ pub struct Stream {
     /// needs to be admitted when its turn comes.
     gate: Option<waiting::GateState>,
     parked: Option<waiting::Parked>,
+    /// The response cache: asked once per request; the lookup in flight;
+    /// what to store after the answer (see `cache`).
+    cache_looked: bool,
+    cache_wait: Option<cache::Wait>,
+    cache_store: Option<cache::ToStore>,
 }
 
 impl Stream {
@@ -670,6 +675,9 @@ impl Stream {
             response_hash: None,
             fleet_wait: None,
             fleet_claims: Vec::new(),
+            cache_looked: false,
+            cache_wait: None,
+            cache_store: None,
         }
     }
 
@@ -851,6 +859,7 @@ impl Stream {
         for (name, value) in std::mem::take(&mut self.response_headers) {
             host.set_response_header(&name, Some(&value));
         }
+        self.cache_response_headers(host);
         if std::mem::take(&mut self.watch_upstream) {
             self.observe_upstream(host, self.status);
         }
@@ -881,10 +890,11 @@ impl Stream {
                 self.audit(host, "sluice_ttft_ms", &ttft.to_string());
             }
         }
-        if self.meter.is_none() && self.response_hash.is_none() {
+        if self.meter.is_none() && self.response_hash.is_none() && self.cache_store.is_none() {
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
+        self.cache_feed(host, &chunk, end);
         if let Some(hash) = self.response_hash.as_mut() {
             sha2::Digest::update(hash, &chunk);
             if end {
@@ -1090,6 +1100,9 @@ impl Stream {
         if let Some(model) = model {
             self.audit(host, "sluice_model_requested", model);
         }
+        if let Some(action) = self.cache_lookup(host, asked.as_ref(), model) {
+            return action;
+        }
         if engine.policy.audit.as_ref().is_some_and(|a| a.hash_bodies) {
             self.audit(
                 host,
@@ -1228,6 +1241,10 @@ impl Stream {
 
     /// The sidecar's answer to a request paused for the fleet.
     pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        if self.cache_owns(token) {
+            self.cache_answer(host, body_size);
+            return;
+        }
         let Some((pending, verdict)) = self.fleet_wait.take_if(|(p, _)| p.token == token) else {
             return;
         };
@@ -1432,6 +1449,7 @@ impl Stream {
     }
 }
 
+mod cache;
 mod early;
 #[cfg(test)]
 mod endpoint_tests;

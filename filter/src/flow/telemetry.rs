@@ -43,6 +43,18 @@ pub fn refusals_total(bucket: &str) -> String {
 }
 
 /// `sluice_degraded_total{kind, tier, model}`: `downshift` or `static`.
+/// The response cache as the filter saw it: `result` hit, miss, store,
+/// skip (not cacheable, not stored) or timeout (the sidecar did not answer
+/// in `cache.lookup_timeout`: a miss); `kind` exact or semantic.
+pub fn cache_total(result: &str, kind: &str, model: &str) -> String {
+    format!("sluice_cache_total_result={result};.kind={kind};.model={model};")
+}
+
+/// Tokens a cache hit did not spend upstream, per model.
+pub fn cache_saved_tokens(model: &str) -> String {
+    format!("sluice_cache_saved_tokens_total_model={model};")
+}
+
 pub fn degraded_total(kind: &str, tier: &str, model: &str) -> String {
     format!("sluice_degraded_total_kind={kind};.tier={tier};.model={model};")
 }

@@ -71,6 +71,11 @@ pub struct Policy {
     /// Absent: no audit fields are written (they cost a host call each).
     pub audit: Option<AuditConfig>,
     pub anomaly: Option<AnomalyConfig>,
+    /// The response cache (see `policy/cache.rs`); absent: no cache.
+    pub cache: Option<crate::policy::cache::CacheConfig>,
+    /// `cache`, compiled at load.
+    #[serde(skip)]
+    pub cache_compiled: Option<crate::policy::cache::CachePolicy>,
     /// Workload classes: who waits for capacity and how long (see `queue`).
     #[serde(default)]
     pub classes: BTreeMap<String, crate::policy::queue::ClassConfig>,
@@ -1048,6 +1053,18 @@ impl Policy {
             ConfigError::at(path, err.into_inner().to_string())
         })?;
         policy.check()?;
+        let mut policy = policy;
+        if let Some(c) = &policy.cache {
+            let compiled = c.check().map_err(|e| ConfigError::at(e.path, e.message))?;
+            let enabled = !(compiled.models.is_empty() && compiled.routes.is_empty());
+            if enabled && policy.sidecar.is_none() {
+                return Err(ConfigError::at(
+                    "cache",
+                    "the cache's entries live in the sidecar: set `sidecar`",
+                ));
+            }
+            policy.cache_compiled = Some(compiled);
+        }
         Ok(policy)
     }
 
