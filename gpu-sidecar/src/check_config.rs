@@ -28,6 +28,9 @@ pub fn check(text: &str) -> Result<String, String> {
         let policy = load(policy).map_err(|e| format!("{at}: {e}"))?;
         fleet_secret_reaches_the_vm(&doc, &at, &policy)?;
         lines.push(format!("{at}: {}", summary(&policy)));
+        if let Some(cache) = &policy.cache_compiled {
+            lines.extend(cache.warnings().into_iter().map(|w| format!("{at}: {w}")));
+        }
         if let Some(warning) = buffer_warning(&doc, &at, &policy) {
             lines.push(warning);
         }
