@@ -16,6 +16,7 @@ use sluice_tests::{
 };
 
 const SALT: &str = "cache-test-salt-0123456789";
+const TOKEN: &str = "cache-test-admin-token";
 
 /// mock-llm, a sidecar holding the cache, and Envoy with the shipped
 /// policy plus a `cache:` section.
@@ -35,7 +36,14 @@ fn start(cache: Value, sidecar_cache: &str, edit: impl FnOnce(&mut EnvoyConfig))
         "sources: {{gpu: simulated}}\ncache:\n  embeddings: {{url: \"{embeddings}\", model: mock-embed, timeout: 2s}}\n{sidecar_cache}"
     );
     fs::write(&config, yaml).unwrap();
-    let sidecar = Sidecar::start_with_args(&["--config", &config.display().to_string()]);
+    let token = dir.path().join("token");
+    fs::write(&token, TOKEN).unwrap();
+    let sidecar = Sidecar::start_with_args(&[
+        "--config",
+        &config.display().to_string(),
+        "--admin-token-file",
+        &token.display().to_string(),
+    ]);
     let mut cfg = sluice_tests::shipped_config_for(&upstream);
     cfg.set_cluster_addr("sluice_sidecar", sidecar.addr());
     let policy = cfg.policy_mut();
@@ -446,4 +454,37 @@ fn real_clients_parse_hits() {
         "cache_clients.py failed:\n{output}\nsidecar:\n{}",
         s.sidecar.log()
     );
+}
+
+#[test]
+fn primary_out_answers_from_the_cache_before_the_static_answer() {
+    let s = start(default_cache(), "", |cfg| {
+        let policy = cfg.policy_mut();
+        policy["static_fallback"]["when_primary_out"] = serde_yaml::Value::from(true);
+        if let Some(p) = policy.as_mapping_mut() {
+            p.remove("fallback");
+        }
+    });
+    let body = chat("llama3.1:8b", "Cached before the outage?");
+    assert_eq!(s.chat(A, &body, &[]).status, 200);
+    s.wait_stores(1.0);
+    let on = post_json(
+        &s.sidecar.url("/v1/kill-switch"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        &json!({"active": true, "reason": "cache test"}),
+    );
+    assert_eq!(on.status, 200, "{}", on.body);
+    let uncached = chat("llama3.1:8b", "Never asked before?");
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            s.chat(A, &uncached, &[]).header("x-sluice-degraded") == Some("static")
+        }),
+        "the kill switch never reached Envoy"
+    );
+    let before = s.upstream_requests();
+    let r = s.chat(A, &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-sluice-cache"), Some("hit"));
+    assert_eq!(r.header("x-sluice-degraded"), Some("cache"));
+    assert_eq!(s.upstream_requests(), before);
 }

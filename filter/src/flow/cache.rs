@@ -310,7 +310,18 @@ impl Stream {
             i64::try_from(saved).unwrap_or(i64::MAX),
         );
         let age = age_s.to_string();
+        // When the primary is out and the static answer would come, the
+        // cached one comes first, marked as the degraded answer it is.
+        let out = self.primary_out(host, &identity, asked.as_ref(), &wait.model);
+        if out {
+            add(
+                host,
+                &telemetry::degraded_total("cache", &identity.tier, &wait.model),
+                1,
+            );
+        }
         let mut headers: Vec<(&str, &str)> = vec![
+            ("x-sluice-degraded", if out { "cache" } else { "" }),
             ("content-type", rendered.content_type),
             ("x-sluice-cache", "hit"),
             ("x-sluice-cache-kind", kind),
@@ -319,7 +330,40 @@ impl Stream {
         for (n, v) in &verdict.response_headers {
             headers.push((n.as_str(), v.as_str()));
         }
+        headers.retain(|(_, v)| !v.is_empty());
         host.send_reply(200, &headers, &rendered.body);
+    }
+
+    /// Would this request get the static answer (every upstream out)?
+    fn primary_out(
+        &self,
+        host: &dyn Host,
+        identity: &crate::admission::identity::Identity,
+        asked: Option<&Asked>,
+        model: &str,
+    ) -> bool {
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let view = super::HostRequest(host, self.request_headers.as_deref());
+        let pushback = engine.pushback(host, Some(model), &view, identity, self.started_ms);
+        let seen = if engine.policy.sidecar.is_some() {
+            filter.seen(host)
+        } else {
+            std::rc::Rc::new(crate::admission::health::Seen::default())
+        };
+        let ctx = RequestContext {
+            identity,
+            api: self.api,
+            path: &self.path,
+            asked,
+            now_ms: self.started_ms,
+        };
+        let dice = filter.roll(self.started_ms);
+        matches!(
+            engine.route(&ctx, &seen, &pushback, dice),
+            crate::admission::Routed::Answered(v)
+                if v.degraded == Some(crate::admission::answer::Degraded::Static)
+        )
     }
 
     /// The upstream's answer begins: only a 200 may be stored.

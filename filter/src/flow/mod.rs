@@ -1450,6 +1450,8 @@ impl Stream {
 }
 
 mod cache;
+#[cfg(test)]
+mod cache_tests;
 mod early;
 #[cfg(test)]
 mod endpoint_tests;
