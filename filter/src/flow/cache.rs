@@ -331,6 +331,8 @@ impl Stream {
             headers.push((n.as_str(), v.as_str()));
         }
         headers.retain(|(_, v)| !v.is_empty());
+        // The reply passes the response callbacks: nothing to store.
+        self.cache_store = None;
         host.send_reply(200, &headers, &rendered.body);
     }
 

@@ -971,6 +971,8 @@ impl Stream {
         if verdict.reply.is_some() {
             // Refused after it took a slot (a budget at dispatch).
             self.release_slot(host);
+            // A local answer (a refusal, the static answer) is never cached.
+            self.cache_store = None;
         }
         match verdict.reply {
             Some(reply) => {
