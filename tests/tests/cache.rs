@@ -69,8 +69,10 @@ fn default_cache() -> Value {
 }
 
 impl CacheStack {
+    /// Chat requests that reached mock-llm (its embeddings, which the
+    /// sidecar calls, are not counted).
     fn upstream_requests(&self) -> u64 {
-        self.upstream.stats()["requests_total"]
+        self.upstream.stats()["by_path"]["/v1/chat/completions"]
             .as_u64()
             .unwrap_or(0)
     }
