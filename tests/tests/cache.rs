@@ -490,3 +490,110 @@ fn primary_out_answers_from_the_cache_before_the_static_answer() {
     assert_eq!(r.header("x-sluice-degraded"), Some("cache"));
     assert_eq!(s.upstream_requests(), before);
 }
+
+/// The sidecar's resident memory, KiB (Linux).
+fn rss_kib(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn the_memory_bound_holds_under_ten_times_max_bytes() {
+    let max_bytes: u64 = 4 << 20;
+    let extra = format!("  max_bytes: {max_bytes}\n  max_entry_bytes: 200000\n");
+    let mut s = start(default_cache(), &extra, |_| {});
+    let pid = s.sidecar.process().id();
+    let answer = "z".repeat(100_000);
+    let store = |i: usize| {
+        let key = format!("{i:064x}");
+        json!({"key": key, "model": "llama3.1:8b", "ttl_s": 600,
+               "entry": {"body": answer, "prompt_tokens": 1, "completion_tokens": 1}})
+    };
+    // Warm up (first allocations, the HTTP path), then measure.
+    for i in 0..8 {
+        post_json(&s.sidecar.url("/v1/cache/store"), &[], &store(i)).ok();
+    }
+    let before = rss_kib(pid);
+    // 10× max_bytes of distinct answers.
+    let n = (10 * max_bytes / 100_000) as usize;
+    for i in 8..8 + n {
+        let r = post_json(&s.sidecar.url("/v1/cache/store"), &[], &store(i));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let bytes = s.sidecar_metric("sluice_sidecar_cache_bytes", &[]);
+    assert!(
+        bytes <= max_bytes as f64,
+        "{bytes} bytes held over max_bytes {max_bytes}"
+    );
+    let grown = rss_kib(pid).saturating_sub(before) * 1024;
+    eprintln!(
+        "sidecar RSS grew {} KiB storing {} MiB of answers (max_bytes {} MiB)",
+        grown / 1024,
+        10 * max_bytes >> 20,
+        max_bytes >> 20
+    );
+    assert!(
+        grown < 4 * max_bytes,
+        "RSS grew {grown} bytes storing 10× max_bytes: the bound does not hold"
+    );
+    assert!(s.sidecar_metric("sluice_sidecar_cache_total", &[("result", "evict")]) > 0.0);
+}
+
+#[test]
+fn fleet_one_envoys_answer_is_every_envoys_hit() {
+    use sluice_tests::fleet::{policy, Node, Redis};
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let p = policy(&format!(
+        "default_tier: free\nidentity: {{ sources: [client_address] }}\n\
+         tiers: {{ free: {{ requests: 100/min }} }}\n\
+         sidecar: {{ cluster: sluice_sidecar }}\n\
+         fleet: {{ expected_replicas: 2 }}\n\
+         cache: {{ salt: {SALT}, models: {{ \"llama3.1:8b\": {{ exact: true }} }} }}\n"
+    ));
+    let nodes: Vec<Node> = (0..2)
+        .map(|_| Node::start_with(&redis.url(), &upstream, None, &p, 1, "cache: {}\n"))
+        .collect();
+    let url = |i: usize| nodes[i].envoy.url("/v1/chat/completions");
+    let chats = || {
+        upstream.stats()["by_path"]["/v1/chat/completions"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let body = chat("llama3.1:8b", "Shared by the fleet?");
+    let first = post_json(&url(0), &[], &body);
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert!(
+        wait_for(Duration::from_secs(10), || !redis
+            .keys("sluice:cache:e:*")
+            .is_empty()),
+        "nothing stored in Redis:\n{}",
+        nodes[0].sidecar.log()
+    );
+    let before = chats();
+    let second = post_json(&url(1), &[], &body);
+    assert_eq!(
+        second.header("x-sluice-cache"),
+        Some("hit"),
+        "{:?}",
+        second.headers
+    );
+    assert_eq!(second.json(), first.json());
+    assert_eq!(chats(), before, "Envoy 2 answered from Envoy 1's entry");
+    // Redis down: misses, nothing fails.
+    let mut redis = redis;
+    redis.kill();
+    for i in 0..2 {
+        let r = post_json(
+            &url(i),
+            &[],
+            &chat("llama3.1:8b", "Asked while Redis is down"),
+        );
+        assert_ne!(r.status / 100, 5, "{}", r.body);
+        assert_ne!(r.header("x-sluice-cache"), Some("hit"));
+    }
+}

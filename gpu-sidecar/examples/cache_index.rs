@@ -1,7 +1,9 @@
 //! The semantic index's exact cosine search at 100,000 vectors of 384
 //! dimensions in one context (the worst case: every entry in the same
 //! scope, model, parameters and conversation), and the memory it takes.
-//! `cargo bench -p sluice-sidecar --bench cache_index` prints the figures.
+//! `cargo run --release -p sluice-sidecar --example cache_index` prints the
+//! figures (an example, not a `cargo bench` target: the release profile's
+//! `panic = "abort"` is kept, so the sidecar's own build is reused).
 
 use std::time::Instant;
 
