@@ -533,7 +533,7 @@ fn the_memory_bound_holds_under_ten_times_max_bytes() {
     eprintln!(
         "sidecar RSS grew {} KiB storing {} MiB of answers (max_bytes {} MiB)",
         grown / 1024,
-        10 * max_bytes >> 20,
+        (10 * max_bytes) >> 20,
         max_bytes >> 20
     );
     assert!(
