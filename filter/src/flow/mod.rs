@@ -211,6 +211,21 @@ impl Filter {
         for rule in self.engine.rules() {
             host.metric_add(MetricKind::Counter, &telemetry::refusals_total(&rule.id), 0);
         }
+        if let Some(cache) = &self.engine.policy.cache_compiled {
+            for (model, rule) in &cache.models {
+                let kinds: &[&str] = if rule.semantic {
+                    &["exact", "semantic"]
+                } else {
+                    &["exact"]
+                };
+                for kind in kinds {
+                    for result in ["hit", "miss"] {
+                        let name = telemetry::cache_total(result, kind, model);
+                        host.metric_add(MetricKind::Counter, &name, 0);
+                    }
+                }
+            }
+        }
     }
 }
 

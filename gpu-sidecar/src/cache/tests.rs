@@ -691,3 +691,20 @@ mod in_redis {
         );
     }
 }
+
+#[test]
+fn check_config_says_what_a_wide_scope_shares() {
+    let envoy =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/sluice.yaml"))
+            .unwrap();
+    let with = envoy.replacen(
+        "                            static_fallback:",
+        "                            cache:\n                              salt: s3cret\n                              models:\n                                m: { exact: true, scope: global }\n                            static_fallback:",
+        1,
+    );
+    let out = crate::check_config::check(&with).unwrap();
+    assert!(out.contains("cache.models.m: scope global"), "{out}");
+    let bad = with.replace("scope: global", "scope: everyone");
+    let err = crate::check_config::check(&bad).unwrap_err();
+    assert!(err.contains("cache"), "{err}");
+}
