@@ -412,6 +412,12 @@ impl Stream {
         };
         let model = s.model.clone();
         let skip = |host: &dyn Host| add(host, &telemetry::cache_total("skip", "exact", &model), 1);
+        // Downshifted to a cheaper model: its answer is not the requested
+        // model's, and the key names the requested one.
+        let served = self.plan.as_ref().and_then(|p| p.model.as_deref());
+        if served.is_some_and(|m| m != model) {
+            return skip(host);
+        }
         let Some(buf) = s.buf else {
             return skip(host);
         };

@@ -189,3 +189,28 @@ fn the_policy_section_is_checked() {
     let err = Policy::from_value(p).unwrap_err();
     assert!(err.to_string().contains("cache"), "{err}");
 }
+
+#[test]
+fn a_downshifted_answer_is_not_stored_under_the_requested_model() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["tiers"]["t"] = json!({"requests": "100/min", "daily_tokens": {"limit": 10, "mode": "soft"}});
+    p["models"] = json!({"m": {"downshift_to": "small"}, "small": {}});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (mut req, _) = start(&host, &poller, "10.0.0.4", &body());
+    let (token, _, _) = last_post(&host);
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    let sent: Value = serde_json::from_slice(&host.request_body.borrow()).unwrap_or(Value::Null);
+    let posts = host.posted.borrow().len();
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    req.on_response_headers(&host);
+    *host.response_body.borrow_mut() = STORED.as_bytes().to_vec();
+    req.on_response_body(&host, STORED.len(), true);
+    assert_eq!(sent["model"], "small", "over the soft cap: downshifted");
+    assert_eq!(
+        host.posted.borrow().len(),
+        posts,
+        "the cheaper model's answer is not stored"
+    );
+}

@@ -1204,6 +1204,8 @@ impl Stream {
         if verdict.reply.is_none() {
             if fallback {
                 self.reroute(host, &mut verdict);
+                // Another provider's answer is not the primary's to cache.
+                self.cache_store = None;
             } else {
                 self.watch_upstream = true;
             }
