@@ -85,6 +85,13 @@ fn is_sidecar_config(doc: &Value) -> bool {
         return false;
     }
     SIDECAR_KEYS.iter().any(|k| map.contains_key(*k))
+        // The sidecar's `cache:` (where entries live) vs the policy's (which
+        // models): keys only the sidecar's has.
+        || map.get("cache").and_then(Value::as_object).is_some_and(|c| {
+            ["backend", "max_entries", "max_bytes", "max_ttl", "max_vectors", "embeddings"]
+                .iter()
+                .any(|k| c.contains_key(*k))
+        })
         || map
             .get("fleet")
             .and_then(Value::as_object)

@@ -608,10 +608,18 @@ fn a_team_scope_shares_between_two_keys_of_the_team_only() {
     s.wait_stores(1.0);
     let before = s.upstream_requests();
     let r = s.chat("demo-search-key-2", &body, &[]);
-    assert_eq!(r.header("x-sluice-cache"), Some("hit"), "a key of the same team");
+    assert_eq!(
+        r.header("x-sluice-cache"),
+        Some("hit"),
+        "a key of the same team"
+    );
     assert_eq!(s.upstream_requests(), before);
     // A pro caller of no team is scoped to itself: never the team's entry.
     let r = s.chat(A, &body, &[]);
-    assert_eq!(r.header("x-sluice-cache"), Some("miss"), "a caller outside the team");
+    assert_eq!(
+        r.header("x-sluice-cache"),
+        Some("miss"),
+        "a caller outside the team"
+    );
     assert_eq!(s.upstream_requests(), before + 1);
 }

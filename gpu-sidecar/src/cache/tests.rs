@@ -708,3 +708,11 @@ fn check_config_says_what_a_wide_scope_shares() {
     let err = crate::check_config::check(&bad).unwrap_err();
     assert!(err.contains("cache"), "{err}");
 }
+
+#[test]
+fn check_config_knows_the_sidecars_cache_section() {
+    let ok = crate::check_config::check_any("cache: {max_bytes: 2000000, embeddings: {url: 'http://127.0.0.1:8000/v1/embeddings', model: e}}");
+    assert!(ok.is_ok(), "{ok:?}");
+    let bad = crate::check_config::check_any("cache: {max_entries: 0}").unwrap_err();
+    assert!(bad.contains("cache.max_entries"), "{bad}");
+}
