@@ -214,3 +214,25 @@ fn a_downshifted_answer_is_not_stored_under_the_requested_model() {
         "the cheaper model's answer is not stored"
     );
 }
+
+#[test]
+fn hits_charge_tokens_only_when_the_policy_says() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["tiers"]["t"] = json!({"requests": "100/min", "daily_tokens": "100"});
+    p["cache"]["hit_cost"] = json!({"tokens": true});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let hit = json!({"hit": {"kind": "exact", "age_s": 1, "entry": {"body": STORED,
+        "prompt_tokens": 30, "completion_tokens": 30, "spend_micros": 0}}});
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let (mut r, _) = start(&host, &poller, "10.0.0.5", &body());
+        let (token, _, _) = last_post(&host);
+        deliver(&host, &mut r, token, "200", &hit);
+        statuses.push(host.last_reply().unwrap().status);
+    }
+    // 60 tokens a hit against 100 a day: the second no longer fits.
+    assert_eq!(statuses[0], 200);
+    assert!(statuses[1..].contains(&429), "{statuses:?}");
+}

@@ -66,27 +66,15 @@ pub struct RuleConfig {
     pub top_k: Option<u32>,
 }
 
-/// What a hit takes from the caller's buckets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// What a hit takes from the caller's buckets. A hit always counts as a
+/// request (request rates hold for hits: a cache is no way around them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HitCost {
-    /// A hit counts against request-rate buckets.
-    pub requests: bool,
-    /// A hit reserves and charges the stored answer's tokens (then a
-    /// caller over its token budget gets no cached answer either).
+    /// Also reserve and charge the stored answer's tokens, and so their
+    /// spend (then a caller over its token or spend budget gets no cached
+    /// answer either). Default false: a hit costs 0 tokens, 0 spend.
     pub tokens: bool,
-    /// A hit charges the stored answer's spend.
-    pub spend: bool,
-}
-
-impl Default for HitCost {
-    fn default() -> Self {
-        HitCost {
-            requests: true,
-            tokens: false,
-            spend: false,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -382,14 +370,7 @@ mod tests {
         assert!((r.threshold - 0.95).abs() < 1e-6);
         assert_eq!(r.top_k, 5);
         assert_eq!(r.max_temperature, None);
-        assert_eq!(
-            p.hit_cost,
-            HitCost {
-                requests: true,
-                tokens: false,
-                spend: false
-            }
-        );
+        assert_eq!(p.hit_cost, HitCost { tokens: false });
         assert_eq!(p.lookup_timeout_ms, 100);
         assert!(p.rule("other", None).is_none());
     }
