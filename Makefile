@@ -51,7 +51,7 @@ build: tools
 ## test: every test — native unit/property tests and real-Envoy integration tests
 test: build clients browser
 	$(CARGO) test --workspace --exclude sluice-tests
-	SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 $(CARGO) test -p sluice-tests -- --test-threads=2
+	SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 $(CARGO) test -p sluice-tests -- --test-threads=2
 
 ## browser: headless Chromium and chromedriver (Debian `chromium`,
 ## `chromium-driver`) for tests/tests/operator_page.rs, installed when missing.
@@ -83,6 +83,7 @@ check-rules:
 	  dpkg -x prometheus_*.deb x && mv x/usr/bin/promtool ../promtool && cd .. && rm -rf deb; \
 	fi
 	$(PROMTOOL) check rules envoy/prometheus-rules.yaml
+	$(PROMTOOL) test rules envoy/prometheus-rules.test.yaml
 
 test: check-rules
 
@@ -149,3 +150,46 @@ fmt:
 clean:
 	$(CARGO) clean
 	rm -rf $(VENV) .wasm-target
+
+## image: the filter as an OCI image (the "compat" layout Istio and Envoy
+## Gateway pull: one layer holding plugin.wasm), written without a container
+## daemon by scripts/oci-image.py into target/image/sluice-filter (an OCI
+## layout), reproducible; then the digests into deploy/release.env and the
+## manifests regenerated. Prints the digest last. Push it with
+##   skopeo copy --preserve-digests oci:target/image/sluice-filter:0.1.0 docker://REGISTRY/sluice/sluice-filter:0.1.0
+.PHONY: image deploy-manifests oci-tools
+image: build
+	$(PYTHON) scripts/oci-image.py
+	@sed -i -e "s|^FILTER_DIGEST=.*|FILTER_DIGEST=$$(cat target/image/sluice-filter/digest)|" \
+	  -e "s|^WASM_SHA256=.*|WASM_SHA256=$$(cat target/image/sluice-filter/plugin.wasm.sha256)|" deploy/release.env
+	@$(MAKE) --no-print-directory deploy-manifests
+	@echo "image digest: $$(cat target/image/sluice-filter/digest)"
+
+## deploy-manifests: the files generated from envoy/ and deploy/release.env
+## (envoy/sluice-remote.yaml, the policies, WasmPlugin, EnvoyExtensionPolicy,
+## EnvoyProxy, PrometheusRule, the dashboard ConfigMap, the image pins);
+## tests/tests/deploy.rs fails when they are out of date.
+deploy-manifests:
+	$(CARGO) run -q -p sluice-tests --bin deploy-manifests
+
+## oci-tools: Debian's skopeo and docker-registry, installed when missing,
+## for tests/tests/deploy.rs (push the image to a registry on a loopback
+## port and pull it back). kubectl is in no registry these machines reach:
+## the rendering test skips, saying so, when it is missing.
+oci-tools:
+	@if ! command -v skopeo >/dev/null 2>&1 || ! command -v docker-registry >/dev/null 2>&1; then \
+	  echo "oci-tools: installing skopeo and docker-registry (apt-get install -y)"; \
+	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300"; \
+	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
+	  $$apt install -y --no-install-recommends skopeo docker-registry >/dev/null 2>&1 || \
+	    { $$apt update >/dev/null && $$apt install -y --no-install-recommends skopeo docker-registry >/dev/null; } || \
+	    { echo "oci-tools: installing skopeo/docker-registry failed; tests/tests/deploy.rs needs them" >&2; exit 1; }; \
+	fi
+	@# Debian's docker-registry package may start a service on :5000; the test runs its own.
+
+test: oci-tools
+
+## screenshot: docs/operator-page.png from `make demo` (scripts/screenshot.sh)
+.PHONY: screenshot
+screenshot: build browser
+	./scripts/screenshot.sh

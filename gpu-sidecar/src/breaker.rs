@@ -37,6 +37,9 @@ pub enum Metric {
     GpuTemperature,
     /// Watts.
     GpuPower,
+    /// New XID errors seen on the scope's GPUs within the DCGM source's
+    /// `xid.window` (DCGM exporter only; see `sources/dcgm.rs`).
+    GpuXidErrors,
     /// `vllm:num_requests_waiting`.
     VllmWaiting,
     /// `vllm:num_requests_running`.
@@ -52,11 +55,12 @@ pub enum Metric {
 }
 
 impl Metric {
-    pub const ALL: [Metric; 11] = [
+    pub const ALL: [Metric; 12] = [
         Metric::GpuUtilization,
         Metric::GpuMemory,
         Metric::GpuTemperature,
         Metric::GpuPower,
+        Metric::GpuXidErrors,
         Metric::VllmWaiting,
         Metric::VllmRunning,
         Metric::KvCache,
@@ -72,6 +76,7 @@ impl Metric {
             Metric::GpuMemory => "gpu_memory",
             Metric::GpuTemperature => "gpu_temperature",
             Metric::GpuPower => "gpu_power",
+            Metric::GpuXidErrors => "gpu_xid_errors",
             Metric::VllmWaiting => "vllm_waiting",
             Metric::VllmRunning => "vllm_running",
             Metric::KvCache => "kv_cache",
@@ -418,8 +423,9 @@ fn decide(s: &Scope, policy: &Policy, now: Instant) -> Option<(BreakerState, Str
                 Some((BreakerState::Closed, why))
             }
         }
-        // Never a breaker's own state (the monitor publishes it).
-        BreakerState::Saturated => None,
+        // Never a breaker's own state (the monitor publishes it; `Unknown`
+        // is only ever read from a newer peer).
+        BreakerState::Saturated | BreakerState::Unknown => None,
         BreakerState::HalfOpen => {
             if let Some(t) = s.tracks.iter().find(|t| t.hot()) {
                 return Some((

@@ -1,34 +1,39 @@
 //! sluice-sidecar: watches the GPUs and inference servers and tells the
 //! Envoy filter, over a long-polled HTTP API, when to stop sending work.
 //!
-//! The path of a signal, top to bottom:
-//! [`sources`] (NVML, simulated GPU, vLLM `/metrics`, Ollama `/api/ps`) →
-//! [`monitor`] (one round per scrape interval) → [`breaker`] (pure rules per
-//! scope) → [`state`] (versioned, in a watch channel) → [`api`]
-//! (`/v1/state` long poll, `/metrics`, the operator page with [`history`]
-//! and [`traffic`]). Beside it: [`admin`]
-//! (kill switch, token, state file) and [`alerts`] (webhooks).
+//! The path of a signal, bottom to top: [`sources`] (NVML, simulated GPU,
+//! vLLM `/metrics`, Ollama `/api/ps`) → [`watch`] (one monitor round per
+//! scrape interval, the pure [`breaker`] rules per scope, alerts, history,
+//! the kill switch) → [`state`] (versioned, in a watch channel) → [`serve`]
+//! (`/v1/state` long poll, `/metrics`, the operator page, admin calls).
+//! Beside it: [`fleet`] (the Redis agent for the Envoy beside it). The
+//! layers, each importing only those below it (checked by
+//! `tests/tests/layers.rs`):
+//!
+//! ```text
+//! lib, check_config   wiring (`serve`) and the offline checks
+//! serve/              the HTTP API: routes, admin token, /metrics, page
+//! fleet/              the fleet agent: Redis, take/give/slots, syncs
+//! watch/              monitor rounds, alerts, history, traffic, kill switch, telemetry
+//! sources/            GPU and backend readings
+//! config/             the config file, one file per section with its check
+//! breaker             the pure rules engine (samples + clock → states)
+//! http, reply, door,  an HTTP client, the answers every endpoint shares,
+//! state               the door (Host names, token guessing), the versioned state
+//! ```
 
-pub mod admin;
-pub mod alerts;
-pub mod api;
 pub mod breaker;
 pub mod cache;
 pub mod check_config;
 pub mod config;
 pub mod door;
 pub mod fleet;
-pub mod history;
 pub mod http;
-pub mod memory;
-pub mod metrics;
-pub mod monitor;
-pub mod page;
-pub mod slots;
+pub mod reply;
+pub mod serve;
 pub mod sources;
 pub mod state;
-pub mod telemetry;
-pub mod traffic;
+pub mod watch;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -37,22 +42,23 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 
-use crate::admin::{AdminToken, KillSwitchControl};
-use crate::alerts::Alerts;
 use crate::breaker::At;
-use crate::config::{BackendKind, Config, GpuMode};
-use crate::history::History;
+use crate::config::fleet::FleetConfig;
+use crate::config::{BackendKind, Config, GpuMode, ScopePlan};
 use crate::http::Target;
-use crate::monitor::{Monitor, Outputs};
+use crate::serve::admin::AdminToken;
 use crate::sources::gpu::{NvmlSource, SimHandle, SimulatedGpus};
 use crate::sources::ollama::OllamaSource;
 use crate::sources::vllm::VllmSource;
 use crate::sources::{BackendSource, GpuSource};
 use crate::state::{SidecarState, StateStore};
-use crate::telemetry::Telemetry;
-use crate::traffic::Traffic;
+use crate::watch::alerts::Alerts;
+use crate::watch::history::History;
+use crate::watch::kill_switch::KillSwitchControl;
+use crate::watch::monitor::{Monitor, Outputs};
+use crate::watch::telemetry::Telemetry;
+use crate::watch::traffic::Traffic;
 
 /// What `serve` runs with: the config plus what the command line adds.
 #[derive(Debug, Clone)]
@@ -75,6 +81,13 @@ fn gpu_source(opts: &Options) -> (Option<Box<dyn GpuSource>>, Option<SimHandle>)
     } else {
         opts.config.sources.gpu
     };
+    // With DCGM exporters, `auto` never falls back to made-up readings:
+    // they would keep a DCGM-fed scope fresh while its exporter is down.
+    let mode = if mode == GpuMode::Auto && !opts.config.sources.dcgm.is_empty() {
+        GpuMode::Nvml
+    } else {
+        mode
+    };
     match mode {
         GpuMode::Simulated => simulated(),
         GpuMode::None => (None, None),
@@ -94,17 +107,12 @@ fn gpu_source(opts: &Options) -> (Option<Box<dyn GpuSource>>, Option<SimHandle>)
     }
 }
 
-/// Serves until `shutdown` resolves: the monitor rounds, the API on
-/// `listener`. Held long polls are answered at once on shutdown.
-pub async fn serve(
-    listener: TcpListener,
-    opts: Options,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    let config = &opts.config;
-    let plans = config.scope_plans()?;
+/// The first published state: version the start time in Unix ms (so a
+/// restarted sidecar never answers a version a filter already holds), the
+/// kill switch as the state file kept it.
+fn first_state(config: &Config, now: SystemTime) -> anyhow::Result<SidecarState> {
     let kill_switch = match &config.state_file {
-        Some(path) => admin::load_kill_switch(path)?,
+        Some(path) => watch::kill_switch::load_kill_switch(path)?,
         None => {
             eprintln!("sluice-sidecar: no state_file: a restart forgets the kill switch");
             Default::default()
@@ -116,25 +124,16 @@ pub async fn serve(
             kill_switch.reason.as_deref().unwrap_or("no reason given")
         );
     }
-    if !opts.token.is_set() {
-        eprintln!("sluice-sidecar: no admin token: POST /v1/kill-switch answers 401");
-    }
-    let now = SystemTime::now();
     let mut first = SidecarState::initial(now);
     first.version = now
         .duration_since(UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(1).max(1));
     first.kill_switch = kill_switch;
-    let store = StateStore::starting(first);
-    let telemetry = Arc::new(Telemetry::default());
-    let history = Arc::new(History::new(
-        config.history.clone(),
-        Traffic::new(config.envoy_admin.clone()),
-    ));
-    history.set_rules(&plans);
-    let alerts = Alerts::start(config.alerts.clone(), telemetry.clone());
+    Ok(first)
+}
 
-    let (gpu, sim) = gpu_source(&opts);
+/// One source per configured backend.
+fn backend_sources(config: &Config) -> anyhow::Result<Vec<Box<dyn BackendSource>>> {
     let mut backends: Vec<Box<dyn BackendSource>> = Vec::new();
     for (kind, b) in config.backends() {
         let base = Target::parse(&b.url).with_context(|| format!("backend {}", b.name))?;
@@ -150,7 +149,33 @@ pub async fn serve(
                 &base,
                 config.scrape_timeout,
             )),
+            BackendKind::Dcgm(i) => match config.sources.dcgm.get(i) {
+                Some(d) => Box::new(
+                    sources::dcgm::DcgmSource::new(
+                        d,
+                        config.scrape_interval,
+                        config.scrape_timeout,
+                    )
+                    .with_context(|| format!("DCGM source {}", b.name))?,
+                ),
+                None => anyhow::bail!("DCGM source {} is not configured", b.name),
+            },
         });
+    }
+    Ok(backends)
+}
+
+/// The monitor over the GPU source, every backend and the scopes.
+fn monitor(
+    config: &Config,
+    gpu: Option<Box<dyn GpuSource>>,
+    plans: Vec<ScopePlan>,
+    outputs: Outputs,
+    now: SystemTime,
+) -> anyhow::Result<Monitor> {
+    let backends = backend_sources(config)?;
+    for w in config::dcgm_warnings(config, &plans) {
+        eprintln!("sluice-sidecar: warning: {w}");
     }
     let scopes: Vec<&str> = plans.iter().map(|p| p.scope.as_str()).collect();
     eprintln!(
@@ -159,37 +184,125 @@ pub async fn serve(
         backends.len(),
         scopes.join(", ")
     );
-    let monitor = Monitor::new(
+    Ok(Monitor::new(
         gpu,
         backends,
         plans,
         config.policy(),
-        Outputs {
-            store: store.clone(),
-            telemetry: telemetry.clone(),
-            alerts: Some(alerts.clone()),
-            history: Some(history.clone()),
-        },
+        outputs,
         At {
             mono: Instant::now(),
             wall: now,
         },
     )
-    .with_saturation(config.saturation_rules()?);
+    .with_saturation(config.saturation_rules()?))
+}
 
-    let (closing_tx, closing_rx) = watch::channel(false);
+/// The fleet agent and its sync loops (until `closing`).
+fn start_fleet(
+    config: &FleetConfig,
+    store: &StateStore,
+    kill_switch: &Arc<KillSwitchControl>,
+    closing: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Arc<fleet::Fleet>> {
+    let f = fleet::Fleet::new(config.clone())?;
+    tokio::spawn(fleet::sync::sync_kill_switch(
+        f.clone(),
+        store.clone(),
+        kill_switch.clone(),
+        closing.clone(),
+    ));
+    tokio::spawn(fleet::sync::sync_breakers(
+        f.clone(),
+        store.clone(),
+        closing.clone(),
+    ));
+    tokio::spawn(fleet::sync::sync_fingerprints(f.clone(), closing.clone()));
+    Ok(f)
+}
+
+/// The response cache (in Redis when this sidecar is a fleet agent) and
+/// its loop learning the fleet's vectors (until `closing`).
+fn start_cache(
+    config: &config::cache::CacheConfig,
+    fleet: Option<Arc<fleet::Fleet>>,
+    closing: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Arc<cache::Cache>> {
+    let c = cache::Cache::new(config.clone(), fleet).map_err(anyhow::Error::msg)?;
+    tokio::spawn(c.clone().learn(closing.clone()));
+    eprintln!(
+        "sluice-sidecar: response cache in {}, semantic {}",
+        if c.in_redis() { "Redis" } else { "memory" },
+        if config.embeddings.is_some() {
+            "on"
+        } else {
+            "off"
+        }
+    );
+    Ok(c)
+}
+
+/// `app` with the cache's routes, when there is a cache.
+fn with_cache(
+    app: axum::Router,
+    cache: Option<Arc<cache::Cache>>,
+    fleet: Option<&Arc<fleet::Fleet>>,
+    token: &AdminToken,
+) -> axum::Router {
+    match cache {
+        Some(cache) => app.merge(serve::cache::router(serve::cache::CacheApi {
+            cache,
+            fleet: fleet.cloned(),
+            token: token.clone(),
+        })),
+        None => app,
+    }
+}
+
+/// Serves until `shutdown` resolves: the monitor rounds, the API on
+/// `listener`. Held long polls are answered at once on shutdown.
+pub async fn serve(
+    listener: TcpListener,
+    opts: Options,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let config = &opts.config;
+    let plans = config.scope_plans()?;
+    if !opts.token.is_set() {
+        eprintln!("sluice-sidecar: no admin token: POST /v1/kill-switch answers 401");
+    }
+    let now = SystemTime::now();
+    let store = StateStore::starting(first_state(config, now)?);
+    let telemetry = Arc::new(Telemetry::default());
+    let history = Arc::new(History::new(
+        config.history.clone(),
+        Traffic::new(config.envoy_admin.clone()),
+    ));
+    history.set_rules(&plans);
+    let alerts = Alerts::start(config.alerts.clone(), telemetry.clone());
+
+    let (gpu, sim) = gpu_source(&opts);
+    let outputs = Outputs {
+        store: store.clone(),
+        telemetry: telemetry.clone(),
+        alerts: Some(alerts.clone()),
+        history: Some(history.clone()),
+    };
+    let monitor = monitor(config, gpu, plans, outputs, now)?;
+
+    let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
     let monitor_task = tokio::spawn(monitor.run(config.scrape_interval, closing_rx.clone()));
-    tokio::spawn(history::watch_kill_switch(
+    tokio::spawn(watch::history::watch_kill_switch(
         store.clone(),
         history.clone(),
         closing_rx.clone(),
     ));
-    tokio::spawn(traffic::run(
-        history.clone(),
+    tokio::spawn(watch::traffic::run(
+        history.traffic.clone(),
         config.scrape_timeout,
         closing_rx.clone(),
     ));
-    tokio::spawn(memory::trim_after_bursts(
+    tokio::spawn(watch::memory::trim_after_bursts(
         telemetry.clone(),
         closing_rx.clone(),
     ));
@@ -199,43 +312,15 @@ pub async fn serve(
         Some(alerts),
     ));
     let fleet = match &config.fleet {
-        Some(f) => Some(fleet::Fleet::new(f.clone())?),
+        Some(f) => Some(start_fleet(f, &store, &kill_switch, &closing_rx)?),
         None => None,
     };
-    if let Some(f) = &fleet {
-        tokio::spawn(fleet::sync_kill_switch(
-            f.clone(),
-            store.clone(),
-            kill_switch.clone(),
-            closing_rx.clone(),
-        ));
-        tokio::spawn(fleet::sync_breakers(
-            f.clone(),
-            store.clone(),
-            closing_rx.clone(),
-        ));
-        tokio::spawn(fleet::sync_fingerprints(f.clone(), closing_rx.clone()));
-    }
-    let cache_router = match &config.cache {
-        Some(c) => {
-            let cache = cache::Cache::new(c.clone(), fleet.clone()).map_err(anyhow::Error::msg)?;
-            let _ = telemetry.cache.set(cache.clone());
-            tokio::spawn(cache.clone().learn(closing_rx.clone()));
-            eprintln!(
-                "sluice-sidecar: response cache in {}, semantic {}",
-                if cache.in_redis() { "Redis" } else { "memory" },
-                if c.embeddings.is_some() { "on" } else { "off" }
-            );
-            Some(cache::api::router(cache::api::CacheApi {
-                cache,
-                fleet: fleet.clone(),
-                token: opts.token.clone(),
-            }))
-        }
+    let cache = match &config.cache {
+        Some(c) => Some(start_cache(c, fleet.clone(), &closing_rx)?),
         None => None,
     };
     let door_telemetry = telemetry.clone();
-    let mut app = api::router(api::Api {
+    let mut app = serve::api::router(serve::api::Api {
         store: store.clone(),
         closing: closing_rx,
         telemetry,
@@ -246,16 +331,15 @@ pub async fn serve(
         long_poll: config.long_poll,
         history,
         failures: Arc::new(door::FailureGate::default()),
+        cache: cache.clone(),
     });
+    app = with_cache(app, cache, fleet.as_ref(), &opts.token);
     if let Some(f) = fleet {
-        app = app.merge(fleet::router(f));
-    }
-    if let Some(c) = cache_router {
-        app = app.merge(c);
+        app = app.merge(fleet::routes::router(f));
     }
     let hosts = door::AllowedHosts::with(&config.allowed_hosts)
         .map_err(|(i, m)| anyhow::anyhow!("allowed_hosts[{i}]: {m}"))?;
-    let app = api::with_door(app, hosts, door_telemetry);
+    let app = serve::api::with_door(app, hosts, door_telemetry);
     let served = axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

@@ -10,9 +10,9 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use sluice_sidecar::admin::AdminToken;
+use sluice_sidecar::config::envoy_admin::EnvoyAdminConfig;
 use sluice_sidecar::config::Config;
-use sluice_sidecar::traffic::EnvoyAdminConfig;
+use sluice_sidecar::serve::admin::AdminToken;
 use tokio::net::TcpListener;
 
 #[derive(Debug, Parser)]
@@ -136,7 +136,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         admin.url = url;
         admin
             .check()
-            .map_err(|(at, m)| anyhow::anyhow!("--envoy-admin ({at}): {m}"))?;
+            .map_err(|e| anyhow::anyhow!("--envoy-admin ({}): {}", e.path(), e.message()))?;
         config.envoy_admin = Some(admin);
     }
     let (token_file, token_from) = match args.admin_token_file {
@@ -169,35 +169,5 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         simulate: args.simulate,
         token,
     };
-    sluice_sidecar::serve(listener, opts, shutdown_signal()).await
-}
-
-/// Resolves on Ctrl-C or SIGTERM. If a handler cannot be installed, that
-/// signal is simply not awaited (the process still dies by default action).
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            eprintln!("sluice-sidecar: cannot listen for Ctrl-C: {e}");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                eprintln!("sluice-sidecar: cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
+    sluice_sidecar::serve(listener, opts, sluice_shutdown::signal("sluice-sidecar")).await
 }

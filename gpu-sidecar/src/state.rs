@@ -59,36 +59,20 @@ pub struct Breaker {
     pub from_fleet: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BreakerState {
-    Closed,
-    Open,
-    HalfOpen,
-    /// Serving but full (a saturation rule: vLLM's queue or KV cache past
-    /// a threshold): sluice queues batch traffic, refuses interactive.
-    Saturated,
-}
+/// A scope's state, as the filter reads it (`closed`, `open`, `half_open`,
+/// `saturated`): one enum for both, defined in `sluice-wire`.
+pub use sluice_wire::state::BreakerState;
 
-impl BreakerState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BreakerState::Closed => "closed",
-            BreakerState::Open => "open",
-            BreakerState::HalfOpen => "half_open",
-            BreakerState::Saturated => "saturated",
-        }
-    }
-
-    /// The `/metrics` value: 0 closed, 1 half-open, 2 open.
-    pub fn gauge(self) -> u8 {
-        match self {
-            BreakerState::Closed => 0,
-            BreakerState::HalfOpen => 1,
-            BreakerState::Open => 2,
-            // Not a breaker state: breakers never report it (see `Monitor`).
-            BreakerState::Saturated => 0,
-        }
+/// The `/metrics` value: 0 closed, 1 half-open, 2 open.
+pub fn gauge(state: BreakerState) -> u8 {
+    match state {
+        BreakerState::Closed => 0,
+        BreakerState::HalfOpen => 1,
+        BreakerState::Open => 2,
+        // Not a breaker state: breakers never report it (see `Monitor`).
+        BreakerState::Saturated => 0,
+        // Never made here: only read from a newer peer.
+        BreakerState::Unknown => 0,
     }
 }
 
@@ -234,6 +218,51 @@ mod tests {
                 "updated_at": "1970-01-01T00:00:00Z",
                 "stale": false,
             })
+        );
+    }
+
+    /// What this sidecar serves is what the filter reads (`sluice-wire`),
+    /// field for field.
+    #[test]
+    fn the_served_state_reads_as_the_wire_message() {
+        let state = SidecarState {
+            version: 9,
+            updated_at: t(5),
+            kill_switch: KillSwitch {
+                active: true,
+                reason: Some("drill".into()),
+                since: Some(t(4)),
+            },
+            breakers: vec![Breaker {
+                scope: "model:m".into(),
+                state: BreakerState::HalfOpen,
+                half_open_fraction: 0.25,
+                retry_after_seconds: 30,
+                reason: Some("recovered".into()),
+                since: t(3),
+                from_fleet: true,
+            }],
+            stale: true,
+        };
+        let text = serde_json::to_string(&state).unwrap();
+        let read: sluice_wire::state::State = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            read,
+            sluice_wire::state::State {
+                version: 9,
+                kill_switch: sluice_wire::state::KillSwitch {
+                    active: true,
+                    reason: Some("drill".into()),
+                },
+                breakers: vec![sluice_wire::state::Breaker {
+                    scope: "model:m".into(),
+                    state: BreakerState::HalfOpen,
+                    half_open_fraction: 0.25,
+                    retry_after_seconds: Some(30),
+                    reason: Some("recovered".into()),
+                }],
+                stale: true,
+            }
         );
     }
 

@@ -51,35 +51,5 @@ async fn main() -> anyhow::Result<()> {
         writeln!(out, "mock-llm listening on {addr}").context("writing to stdout")?;
         out.flush().context("flushing stdout")?;
     }
-    mock_llm::serve(listener, app, shutdown_signal()).await
-}
-
-/// Resolves on Ctrl-C or SIGTERM. If a handler cannot be installed, that
-/// signal is simply not awaited (the process still dies by default action).
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            eprintln!("mock-llm: cannot listen for Ctrl-C: {e}");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                eprintln!("mock-llm: cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
+    mock_llm::serve(listener, app, sluice_shutdown::signal("mock-llm")).await
 }

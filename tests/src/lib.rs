@@ -24,6 +24,7 @@ use anyhow::Context as _;
 use serde_yaml::Value;
 
 pub mod fleet;
+pub mod layers;
 pub mod org;
 
 /// How long a process may take to come up, and a reload to be applied.
@@ -1735,6 +1736,8 @@ pub mod browser;
 /// HS256 JWTs for tests that go through Envoy's real `jwt_authn`: a key
 /// made for the run (never a fixed one), its JWKS, and signed tokens.
 pub mod queue;
+// The deployment files made from envoy/ (`make deploy-manifests`).
+pub mod deploy;
 
 pub mod jwt {
     use std::time::{SystemTime, UNIX_EPOCH};

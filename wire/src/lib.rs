@@ -4,4 +4,7 @@
 //! string compared with a literal. Serde only: this crate builds for
 //! wasm32-wasip1 and natively, and holds no logic beyond (de)serialising.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
 pub mod cache;
+pub mod fleet;
+pub mod state;

@@ -475,8 +475,14 @@ impl Engine {
         Reserver {
             store,
             layout: self.layout(),
-            max_retries: self.policy.state.cas_max_retries,
+            tries: self.tries(),
         }
+    }
+
+    /// The compare-and-swap bound of this policy: the one place it is read
+    /// (`state.cas_max_retries`); everything else is handed this value.
+    pub fn tries(&self) -> crate::state::store::Tries {
+        crate::state::store::Tries::new(self.policy.state.cas_max_retries)
     }
 
     /// Indexes of the buckets that apply to a request, in the order they

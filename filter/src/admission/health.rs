@@ -25,46 +25,13 @@
 //!   write never admits or charges anyone.
 
 use crate::state::codec::{Reader, Record, Writer};
-use serde::Deserialize;
+pub use sluice_wire::state::{
+    Breaker as BreakerView, BreakerState, KillSwitch, State as SidecarState,
+};
 
 use crate::admission::answer::Reason;
 use crate::policy::health::{Credentials, OnStale, MAX_CALLERS};
 use crate::state::store::{Cas, SharedStore, Updated};
-
-/// The sidecar's `/v1/state`, as far as the filter needs it.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-pub struct SidecarState {
-    pub version: u64,
-    #[serde(default)]
-    pub kill_switch: KillSwitch,
-    #[serde(default)]
-    pub breakers: Vec<BreakerView>,
-    #[serde(default)]
-    pub stale: bool,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-pub struct KillSwitch {
-    pub active: bool,
-    pub reason: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct BreakerView {
-    /// `model:<name>` or `backend:<name>`.
-    pub scope: String,
-    /// `open` or `half_open` (closed breakers are not listed).
-    pub state: String,
-    #[serde(default)]
-    pub half_open_fraction: f64,
-    #[serde(default)]
-    pub retry_after_seconds: Option<u64>,
-    pub reason: Option<String>,
-}
-
-/// The sidecar's breaker state for a backend that still serves but is
-/// full (vLLM's queue or KV cache past a threshold).
-pub const SATURATED: &str = "saturated";
 
 /// The sidecar state as one worker sees it: the last one received, and when.
 #[derive(Debug, Clone, Default)]
@@ -530,11 +497,11 @@ pub fn route(s: &Situation) -> Route {
             let applies = Some(&b.scope) == model_scope.as_ref() || b.scope == backend_scope;
             // `saturated` is not a refusal: the concurrency gate decides
             // (batch waits, interactive is refused), see `queue`.
-            if !applies || b.state == SATURATED {
+            if !applies || b.state == BreakerState::Saturated {
                 continue;
             }
-            let let_through =
-                b.state == "half_open" && (s.dice as f64) < b.half_open_fraction * 1000.0;
+            let let_through = b.state == BreakerState::HalfOpen
+                && (s.dice as f64) < b.half_open_fraction * 1000.0;
             if !let_through {
                 if s.static_when_out {
                     return Route::Static;
@@ -548,7 +515,7 @@ pub fn route(s: &Situation) -> Route {
                     why: b
                         .reason
                         .clone()
-                        .unwrap_or_else(|| format!("breaker {} is {}", b.scope, b.state)),
+                        .unwrap_or_else(|| format!("breaker {} is {}", b.scope, b.state.as_str())),
                 };
             }
         }

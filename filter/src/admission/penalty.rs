@@ -59,6 +59,7 @@
 use std::collections::HashSet;
 
 use crate::admission::identity::{Identity, RequestView};
+use crate::limits::slots::{self, Seen, Table};
 use crate::policy::abuse::{AbuseConfig, By};
 use crate::policy::units::Rate;
 use crate::state::codec::{Reader, Record, Writer};
@@ -76,6 +77,11 @@ pub const BLOCK_KEYS: u32 = 2048;
 pub const RECORDS: usize = 8;
 const SKETCH_PREFIX: &str = "sluice:v2:abuse:cm:";
 const BLOCK_PREFIX: &str = "sluice:v2:abuse:block:";
+/// The sub-sketches, one key each (`{SKETCH_PREFIX}{i}`), placed by hash.
+const SKETCHES: Table<'static> = Table::flat(SKETCH_PREFIX, SKETCH_KEYS, 1);
+/// The block keys (`{BLOCK_PREFIX}{i}`): a caller's one key, then one of
+/// its [`RECORDS`] records (see [`PenaltyBox::record`]).
+const BLOCKS: Table<'static> = Table::flat(BLOCK_PREFIX, BLOCK_KEYS, 1);
 
 /// One sub-sketch: when its period started, and its counters, row after
 /// row.
@@ -211,9 +217,9 @@ fn place(who: u64) -> Place {
         *cell = row * WIDTH + column as usize;
     }
     Place {
-        sketch: (h % u64::from(SKETCH_KEYS)) as u32,
+        sketch: SKETCHES.home(h),
         cells,
-        block: ((h >> 32) % u64::from(BLOCK_KEYS)) as u32,
+        block: BLOCKS.home(h >> 32),
     }
 }
 
@@ -244,22 +250,8 @@ impl PenaltyBox {
     /// Creates the box's keys (empty) unless they exist: the same fixed
     /// set for every policy.
     pub fn prepare(&self, store: &dyn SharedStore) -> Result<usize, StoreError> {
-        let mut created = 0;
-        let sketch = Sketch::default().encode();
-        for key in (0..SKETCH_KEYS).map(sketch_key) {
-            if store.get(&key).is_none() {
-                store.set(&key, &sketch, 0)?;
-                created += 1;
-            }
-        }
-        let blocks = Blocks::default().encode();
-        for key in (0..BLOCK_KEYS).map(block_key) {
-            if store.get(&key).is_none() {
-                store.set(&key, &blocks, 0)?;
-                created += 1;
-            }
-        }
-        Ok(created)
+        let created = SKETCHES.prepare(store, &Sketch::default().encode())?;
+        Ok(created + BLOCKS.prepare(store, &Blocks::default().encode())?)
     }
 
     /// Whom the box counts for this request; `None`: exempt (or no
@@ -289,7 +281,7 @@ impl PenaltyBox {
     pub fn check(&self, store: &dyn SharedStore, who: u64, now_ms: u64, max_tries: u32) -> Checked {
         let mut contention = Contention::default();
         let at = place(who);
-        let bkey = block_key(at.block);
+        let bkey = BLOCKS.key(at.block);
         let mine = store
             .get(&bkey)
             .map(|(bytes, _)| Blocks::decode(&bytes))
@@ -361,7 +353,7 @@ impl PenaltyBox {
         max_tries: u32,
         contention: &mut Contention,
     ) -> Option<(u64, u64)> {
-        let key = sketch_key(at.sketch);
+        let key = SKETCHES.key(at.sketch);
         let period = self.threshold.period_ms;
         retry(max_tries, contention, || {
             let Some((bytes, cas)) = store.get(&key) else {
@@ -420,11 +412,14 @@ impl PenaltyBox {
                     || (r.blocked_until_ms <= now_ms
                         && now_ms >= r.period_start_ms.saturating_add(period))
             };
-            let at = blocks
-                .0
-                .iter()
-                .position(|r| r.owner == block.owner)
-                .or_else(|| blocks.0.iter().position(free));
+            // The key's records are the slots probed: the caller's own
+            // record, else the first free one.
+            let at = slots::claim(0..RECORDS, |&i| match blocks.0.get(i) {
+                Some(r) if r.owner == block.owner => Seen::Mine,
+                Some(r) if free(r) => Seen::Free(()),
+                _ => Seen::Busy,
+            })
+            .slot();
             let Some(slot) = blocks.0.get_mut(at.unwrap_or(RECORDS)) else {
                 return Attempt::Done(Some(false));
             };
@@ -483,7 +478,7 @@ impl crate::admission::Engine {
         tier: &str,
         now_ms: u64,
     ) -> (Option<crate::admission::Verdict>, Checked) {
-        let checked = pb.check(store, who, now_ms, self.policy.state.cas_max_retries);
+        let checked = pb.check(store, who, now_ms, self.tries().take());
         let verdict = checked.blocked_until_ms.map(|until| {
             let reply =
                 crate::admission::answer::temporarily_blocked(until.saturating_sub(now_ms), now_ms);
@@ -494,14 +489,6 @@ impl crate::admission::Engine {
         });
         (verdict, checked)
     }
-}
-
-fn sketch_key(i: u32) -> String {
-    format!("{SKETCH_PREFIX}{i}")
-}
-
-fn block_key(i: u32) -> String {
-    format!("{BLOCK_PREFIX}{i}")
 }
 
 #[cfg(test)]
@@ -626,7 +613,7 @@ mod tests {
         }
         for (i, n) in sent.iter().enumerate() {
             let p = at(5_000 + i as u64);
-            let (bytes, _) = store.get(&sketch_key(p.sketch)).unwrap();
+            let (bytes, _) = store.get(&SKETCHES.key(p.sketch)).unwrap();
             let s = Sketch::decode(&bytes);
             let est = p.cells.iter().map(|&c| s.counters[c]).min().unwrap();
             assert!(u64::from(est) >= *n, "caller {i}: {est} < {n}");

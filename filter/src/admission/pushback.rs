@@ -27,12 +27,16 @@ use crate::admission::answer::{self, Reason};
 use crate::admission::health::{self, Answer, Protection, Pushback, Recorded};
 use crate::admission::identity::{Identity, RequestView};
 use crate::admission::{Engine, Routed, Verdict};
+use crate::limits::slots::Table;
 use crate::policy::health::Credentials;
 use crate::state::codec::Record;
 use crate::state::store::{Cas, SharedStore};
 
 const UPSTREAM_KEY: &str = "sluice:v1:upstream/";
 const PAUSE_KEY: &str = "sluice:v1:pause/";
+/// The breakers shared by models the policy does not list
+/// (`{UPSTREAM_KEY}other#{slot}`).
+const UNLISTED_KEY: &str = "sluice:v1:upstream/other#";
 /// Claim attempts when the probe changes hands under a request.
 const PROBE_TRIES: u32 = 4;
 
@@ -68,8 +72,8 @@ impl Engine {
                 // A crafted name can share another unlisted model's slot;
                 // that shares its breaker, which still needs `min_callers`
                 // callers' 5xx to open.
-                let slot = fnv1a(m.as_bytes()) % u64::from(self.policy.protection.unlisted_slots);
-                format!("{UPSTREAM_KEY}other#{slot}")
+                Table::flat(UNLISTED_KEY, self.policy.protection.unlisted_slots, 1)
+                    .place(fnv1a(m.as_bytes()))
             }
         }
     }
@@ -90,8 +94,8 @@ impl Engine {
         let (record, _) = health::read(store, &route_key);
         let credential = (credentials == Credentials::PassThrough).then(|| {
             let fingerprint = self.credential_fingerprint(&route_key, req, identity);
-            let slot = fingerprint % u64::from(self.policy.protection.credential_slots);
-            (format!("{PAUSE_KEY}{slot}"), fingerprint)
+            let slots = Table::flat(PAUSE_KEY, self.policy.protection.credential_slots, 1);
+            (slots.place(fingerprint), fingerprint)
         });
         let credential_paused_until_ms = match &credential {
             Some((slot, fingerprint)) if record.credential_pauses_until_ms > now_ms => {
@@ -129,7 +133,7 @@ impl Engine {
         }
         // The claim's (and a give-back's) lost races are counted with the
         // admission's, on whichever verdict is applied.
-        let mut cas = Cas::new(store, self.policy.state.cas_max_retries);
+        let mut cas = Cas::new(store, self.tries().take());
         cas.contention = verdict.contention;
         let give_back = |verdict: &Verdict, cas: &mut Cas| {
             if let Some(plan) = &verdict.plan {
@@ -193,7 +197,7 @@ impl Engine {
             lease,
             from_upstream,
         };
-        let mut cas = Cas::new(store, self.policy.state.cas_max_retries);
+        let mut cas = Cas::new(store, self.tries().take());
         health::record(&mut cas, pb, &p, answer, now_ms)
     }
 
@@ -381,6 +385,23 @@ mod tests {
             Routed::Answered(v) => Some(v.labels.decision.reason_code()),
             _ => None,
         }
+    }
+
+    /// The slot table names the keys running Envoys hold.
+    #[test]
+    fn unlisted_and_pause_keys_keep_their_names() {
+        let (e, _) = engine_with(json!({}));
+        let n = u64::from(e.policy.protection.unlisted_slots);
+        for m in ["gpt-a", "made-up-7", ""] {
+            let old = format!("{UPSTREAM_KEY}other#{}", fnv1a(m.as_bytes()) % n);
+            assert_eq!(e.upstream_key(Some(m)), old);
+        }
+        let n = e.policy.protection.credential_slots;
+        let pauses = Table::flat(PAUSE_KEY, n, 1);
+        assert_eq!(
+            pauses.place(12_345),
+            format!("{PAUSE_KEY}{}", 12_345 % u64::from(n))
+        );
     }
 
     #[test]

@@ -80,7 +80,7 @@ impl Engine {
             return (false, false);
         };
         let mut seen = (false, false);
-        let tries = self.policy.state.cas_max_retries;
+        let tries = self.tries().take();
         let written = store::update(store, USAGE_KEY, tries, contention, |bytes| {
             let mut ring = UsageRing::decode(bytes.unwrap_or_default());
             ring.add(tokens, cost, now_ms);
@@ -117,7 +117,7 @@ impl Engine {
             return;
         }
         let key = format!("{CORRECTION_KEY}{model}");
-        let tries = self.policy.state.cas_max_retries;
+        let tries = self.tries().take();
         store::update(store, &key, tries, contention, |bytes| {
             let current = bytes.map_or(Correction::default(), Correction::decode);
             current.learn(raw, actual).map(|next| next.encode())

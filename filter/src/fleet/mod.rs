@@ -52,15 +52,19 @@
 
 use std::collections::HashMap;
 
-use serde::{Deserialize, Serialize};
+pub use sluice_wire::fleet::GiveItem;
+use sluice_wire::fleet::{GiveRequest, TakeAnswer, TakeClaim, TakeRequest};
 
 use crate::admission::identity::Identity;
 use crate::admission::{Engine, Meter, Pricing};
 use crate::host::{Host, LogLevel, MetricKind};
 use crate::limits::bucket::{next_window, Quota};
 use crate::limits::reservation::{Held, Rule, Scope};
+use crate::limits::slots::{self, Seen, Table};
 use crate::policy::fleet::{FleetConfig, Unavailable, MIN_SECRET};
+use crate::policy::keys::hex;
 use crate::policy::{Limit, Policy};
+use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Updated};
 
 const LEASE_PREFIX: &str = "sluice:v1:fleet:lease:";
@@ -196,88 +200,34 @@ pub fn fingerprint(engine: &Engine) -> String {
     hex(&h.finalize()[..16])
 }
 
-/// One claim of a take: the sidecar finds the bucket's limit and kind in
-/// its own copy of the policy (`rule`), and names the Redis key itself
-/// from the salt, `rule` and `owner`.
-#[derive(Debug, Serialize)]
-struct TakeClaim<'a> {
-    rule: &'a str,
-    owner: u64,
-    window_end_ms: u64,
-    need: u64,
-    want: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct TakeRequest<'a> {
-    /// Unique per take: a take the filter gave up on is given back by id.
-    id: &'a str,
-    /// Past this (ms since the epoch, Redis' clock), Redis does not apply it.
-    deadline_ms: u64,
-    claims: Vec<TakeClaim<'a>>,
-}
-
-#[derive(Debug, Deserialize)]
-struct TakeAnswer {
-    ok: bool,
-    #[serde(default)]
-    grants: Vec<u64>,
-    #[serde(default)]
-    left: Vec<u64>,
-    refused: Option<usize>,
-}
-
-/// One line of a give batch: a lease returned, a settlement delta, or
-/// (`take`) the undoing of a take this Envoy gave up on.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct GiveItem {
-    pub rule: String,
-    pub owner: u64,
-    pub window_end_ms: u64,
-    /// > 0 gives back, < 0 charges.
-    pub delta: i64,
-    /// Gives back what take `take` granted on this bucket, if Redis
-    /// applied it, once (and makes it refused if it arrives later).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub take: Option<String>,
-}
-
-impl GiveItem {
-    pub fn new(rule: &str, owner: u64, window_end_ms: u64, delta: i64) -> GiveItem {
-        GiveItem {
-            rule: rule.to_string(),
-            owner,
-            window_end_ms,
-            delta,
-            take: None,
-        }
-    }
-
-    /// Undoes take `id` on this bucket.
-    pub fn cancel(rule: &str, owner: u64, window_end_ms: u64, id: &str) -> GiveItem {
-        GiveItem {
-            take: Some(id.to_string()),
-            ..GiveItem::new(rule, owner, window_end_ms, 0)
-        }
-    }
-
-    /// Same bucket and same kind of line: merged in the outbox.
-    fn same(&self, other: &GiveItem) -> bool {
-        self.rule == other.rule
-            && self.owner == other.owner
-            && self.window_end_ms == other.window_end_ms
-            && self.take == other.take
-    }
-
-    fn sends(&self) -> bool {
-        self.delta != 0 || self.take.is_some()
+/// A give line: a lease returned or a settlement delta (> 0 gives back,
+/// < 0 charges).
+pub fn give_item(rule: &str, owner: u64, window_end_ms: u64, delta: i64) -> GiveItem {
+    GiveItem {
+        rule: rule.to_string(),
+        owner,
+        window_end_ms,
+        delta,
+        take: None,
     }
 }
 
-#[derive(Debug, Serialize)]
-struct GiveRequest<'a> {
-    id: &'a str,
-    items: &'a [GiveItem],
+/// The line that undoes take `id` on this bucket (if Redis applied it,
+/// once; and makes it refused if it arrives later).
+pub fn cancel_item(rule: &str, owner: u64, window_end_ms: u64, id: &str) -> GiveItem {
+    GiveItem {
+        take: Some(id.to_string()),
+        ..give_item(rule, owner, window_end_ms, 0)
+    }
+}
+
+/// Same bucket and same kind of line: merged in the outbox.
+fn same_line(a: &GiveItem, b: &GiveItem) -> bool {
+    a.rule == b.rule && a.owner == b.owner && a.window_end_ms == b.window_end_ms && a.take == b.take
+}
+
+fn sends(item: &GiveItem) -> bool {
+    item.delta != 0 || item.take.is_some()
 }
 
 /// What a failed fleet call says about itself: whether the sidecar may
@@ -340,49 +290,49 @@ pub(crate) fn note_refusal(host: &dyn Host, code: Option<&str>) {
 
 /// A lease as kept in shared data (48 bytes; all zero: free).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Lease {
-    owner: u64,
-    window_end: u64,
+pub(crate) struct Lease {
+    pub owner: u64,
+    pub window_end: u64,
     /// Units left to admit; below 0 after settlements charged more.
-    balance: i64,
-    expires_ms: u64,
-    last_ms: u64,
+    pub balance: i64,
+    pub expires_ms: u64,
+    pub last_ms: u64,
     /// The last grant, to size the next one.
-    grant: u64,
+    pub grant: u64,
 }
 
 impl Lease {
-    fn decode(b: &[u8]) -> Lease {
-        let u = |i: usize| {
-            b.get(i * 8..i * 8 + 8)
-                .and_then(|s| s.try_into().ok())
-                .map_or(0, u64::from_le_bytes)
-        };
-        Lease {
-            owner: u(0),
-            window_end: u(1),
-            balance: u(2) as i64,
-            expires_ms: u(3),
-            last_ms: u(4),
-            grant: u(5),
-        }
-    }
-    fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(48);
-        for v in [
-            self.owner,
-            self.window_end,
-            self.balance as u64,
-            self.expires_ms,
-            self.last_ms,
-            self.grant,
-        ] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out
-    }
     fn live(&self, owner: u64, window_end: u64, now: u64) -> bool {
         self.owner == owner && self.window_end == window_end && self.expires_ms > now
+    }
+}
+
+impl Record for Lease {
+    const LEN: usize = 48;
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.owner)
+            .u64(self.window_end)
+            .u64(self.balance as u64)
+            .u64(self.expires_ms)
+            .u64(self.last_ms)
+            .u64(self.grant);
+    }
+
+    fn read(r: &mut Reader) -> Self {
+        Lease {
+            owner: r.u64(),
+            window_end: r.u64(),
+            balance: r.u64() as i64,
+            expires_ms: r.u64(),
+            last_ms: r.u64(),
+            grant: r.u64(),
+        }
+    }
+
+    /// By prefix: a missing word reads as 0.
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
     }
 }
 
@@ -499,10 +449,6 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    crate::policy::keys::hex(bytes)
-}
-
 /// The Redis name of a bucket for one owner: a salted hash, never a raw key.
 pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     use sha2::Digest;
@@ -517,8 +463,9 @@ pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     hex(&digest[..16])
 }
 
-fn slot_key(rule: &str, slot: u32) -> String {
-    format!("{LEASE_PREFIX}{rule}:{slot}")
+/// The lease slots of a fleet bucket (`{LEASE_PREFIX}{rule}:{slot}`).
+fn lease_table(rule: &str, slots: u32) -> Table<'_> {
+    Table::named(LEASE_PREFIX, rule, slots, PROBES)
 }
 
 fn metric(host: &dyn Host, name: &str, by: i64) {
@@ -567,8 +514,8 @@ impl Fleet {
                 Scope::Global => 1,
                 Scope::PerPrincipal => config.lease.slots,
             };
-            for s in 0..slots {
-                lease_keys.push((rule.id.clone(), slot_key(&rule.id, s)));
+            for key in lease_table(&rule.id, slots).keys() {
+                lease_keys.push((rule.id.clone(), key));
             }
             rules.insert(
                 rule.id.clone(),
@@ -641,10 +588,6 @@ impl Fleet {
         Ok(created)
     }
 
-    fn tries(engine: &Engine) -> u32 {
-        engine.policy.state.cas_max_retries
-    }
-
     fn owner(rule: &FleetRule, identity: &Identity) -> u64 {
         match rule.rule.scope {
             Scope::Global => GLOBAL_OWNER,
@@ -666,7 +609,7 @@ impl Fleet {
     ) -> Gate {
         let mut done = Vec::new();
         let mut short = Vec::new();
-        let mut cas = Cas::new(host, Self::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (h, &meter) in held.iter().zip(meters) {
             let Some(rule) = self.rules.get(&h.rule) else {
                 continue;
@@ -677,44 +620,7 @@ impl Fleet {
             let owner = Self::owner(rule, identity);
             let window_end = window_end(&rule.rule.limit, now);
             let amount = h.amount;
-            // Probe the caller's slots: its own live lease, else a free one.
-            let home = (owner % u64::from(rule.slots)) as u32;
-            let mut slot = None;
-            let mut debited = false;
-            let mut have = 0u64;
-            for p in 0..PROBES.min(rule.slots) {
-                let key = slot_key(&rule.rule.id, (home + p) % rule.slots);
-                // One read and, when it is ours and live, one write: the
-                // same cost as a local bucket.
-                let mut seen = 0;
-                let mut part = 0;
-                let written = cas.update(&key, |bytes| {
-                    let mut l = Lease::decode(bytes.unwrap_or_default());
-                    seen = l.owner;
-                    part = 0;
-                    if !l.live(owner, window_end, now) || l.balance <= 0 {
-                        return None;
-                    }
-                    // All of it when it covers the request; else what it
-                    // has, and Redis is asked for the rest.
-                    let debit = l.balance.min(amount as i64);
-                    l.balance -= debit;
-                    l.last_ms = now;
-                    part = debit as u64;
-                    Some(l.encode())
-                });
-                if seen == owner {
-                    if written == Updated::Written {
-                        debited = part == amount;
-                        have = if debited { 0 } else { part };
-                    }
-                    slot = Some(key);
-                    break;
-                }
-                if slot.is_none() && seen == 0 {
-                    slot = Some(key);
-                }
-            }
+            let (slot, debited, have) = Self::debit(&mut cas, rule, owner, window_end, amount, now);
             if debited {
                 done.push(Claimed {
                     rule: h.rule.clone(),
@@ -742,36 +648,10 @@ impl Fleet {
         if self.down(host, now) {
             return self.unavailable(engine, host, done, short, identity, now);
         }
-        let claims: Vec<TakeClaim> = short
-            .iter()
-            .map(|s| {
-                let rule = &self.rules[&s.rule];
-                let want = match &s.slot {
-                    None => s.amount,
-                    Some(key) => {
-                        let last = host.get(key).map_or(0, |(b, _)| Lease::decode(&b).grant);
-                        let top_up = last
-                            .saturating_mul(2)
-                            .max(self.config.lease.initial.saturating_mul(s.amount.max(1)));
-                        let top_up = self.config.lease.max.map_or(top_up, |m| top_up.min(m));
-                        s.amount
-                            .saturating_add(top_up)
-                            .min(rule.rule.limit.capacity())
-                    }
-                };
-                let need = s.amount - s.have;
-                TakeClaim {
-                    rule: &s.rule,
-                    owner: s.owner,
-                    window_end_ms: s.window_end,
-                    need,
-                    want: want.saturating_sub(s.have).max(need),
-                }
-            })
-            .collect();
+        let claims = self.take_claims(host, &short);
         let id = self.take_id();
         let body = serde_json::to_vec(&TakeRequest {
-            id: &id,
+            id: id.clone(),
             deadline_ms: now.saturating_add(self.config.timeout_ms),
             claims,
         })
@@ -791,6 +671,95 @@ impl Fleet {
                 self.unavailable(engine, host, done, short, identity, now)
             }
         }
+    }
+
+    /// Debits `amount` from the caller's lease, probing its slots: its own
+    /// live lease, else a free one. The slot (its own or a free one; none:
+    /// every probed slot is another caller's), whether the lease covered
+    /// all of it, and what it took when it covered only part (Redis is
+    /// then asked for the rest).
+    fn debit(
+        cas: &mut Cas,
+        rule: &FleetRule,
+        owner: u64,
+        window_end: u64,
+        amount: u64,
+        now: u64,
+    ) -> (Option<String>, bool, u64) {
+        let mut debited = false;
+        let mut have = 0u64;
+        let table = lease_table(&rule.rule.id, rule.slots);
+        let slot = slots::claim(table.probe(owner), |key| {
+            // One read and, when it is ours and live, one write: the
+            // same cost as a local bucket.
+            let mut seen = 0;
+            let mut part = 0;
+            let written = cas.update(key, |bytes| {
+                let mut l = Lease::decode(bytes.unwrap_or_default());
+                seen = l.owner;
+                part = 0;
+                if !l.live(owner, window_end, now) || l.balance <= 0 {
+                    return None;
+                }
+                // All of it when it covers the request; else what it
+                // has, and Redis is asked for the rest.
+                let debit = l.balance.min(amount as i64);
+                l.balance -= debit;
+                l.last_ms = now;
+                part = debit as u64;
+                Some(l.encode())
+            });
+            if seen == owner {
+                if written == Updated::Written {
+                    debited = part == amount;
+                    have = if debited { 0 } else { part };
+                }
+                Seen::Mine
+            } else if seen == 0 {
+                Seen::Free(())
+            } else {
+                Seen::Busy
+            }
+        })
+        .slot();
+        (slot, debited, have)
+    }
+
+    /// What to ask Redis for each claim the leases fell short of: the need,
+    /// and for a caller with a lease slot a top-up (the last grant doubled,
+    /// or `initial × need` at first; at most `lease.max`, never beyond the
+    /// bucket's capacity).
+    fn take_claims(&self, host: &dyn Host, short: &[Short]) -> Vec<TakeClaim> {
+        short
+            .iter()
+            .map(|s| {
+                let want = match &s.slot {
+                    None => s.amount,
+                    Some(key) => {
+                        let last = host.get(key).map_or(0, |(b, _)| Lease::decode(&b).grant);
+                        let top_up = last
+                            .saturating_mul(2)
+                            .max(self.config.lease.initial.saturating_mul(s.amount.max(1)));
+                        let top_up = self.config.lease.max.map_or(top_up, |m| top_up.min(m));
+                        // A claim is only ever short of a fleet bucket; were
+                        // it not one, no top-up (the need alone).
+                        let capacity = self
+                            .rules
+                            .get(&s.rule)
+                            .map_or(s.amount, |r| r.rule.limit.capacity());
+                        s.amount.saturating_add(top_up).min(capacity)
+                    }
+                };
+                let need = s.amount.saturating_sub(s.have);
+                TakeClaim {
+                    rule: s.rule.clone(),
+                    owner: s.owner,
+                    window_end_ms: s.window_end,
+                    need,
+                    want: want.saturating_sub(s.have).max(need),
+                }
+            })
+            .collect()
     }
 
     /// A fresh take id (hex, unique per VM and across VMs and Envoys).
@@ -850,22 +819,7 @@ impl Fleet {
         ) {
             (Some("200"), Ok(a)) if a.ok && a.grants.len() == short.len() => a,
             (Some("200"), Ok(a)) if !a.ok => {
-                self.mark(host, true, now);
-                metric(host, M_REFUSED, 1);
-                let index = a.refused.unwrap_or(0).min(short.len().saturating_sub(1));
-                let refused = &short[index];
-                let limit = self.rules[&refused.rule].rule.limit;
-                let quota = Quota {
-                    limit: limit.capacity(),
-                    remaining: a.left.first().copied().unwrap_or(0),
-                    reset_ms: retry_ms(&limit, refused.window_end, now),
-                };
-                self.give_back(engine, host, &done, now);
-                self.restore(engine, host, &short, now);
-                return Gate::Refuse {
-                    rule: refused.rule.clone(),
-                    quota,
-                };
+                return self.refused(engine, host, &done, &short, &a, now);
             }
             _ => {
                 if failed_call(host, status.as_deref(), &body) {
@@ -873,7 +827,7 @@ impl Fleet {
                     // it by id, once; a take arriving after this is refused.
                     let cancels = short
                         .iter()
-                        .map(|s| GiveItem::cancel(&s.rule, s.owner, s.window_end, &id))
+                        .map(|s| cancel_item(&s.rule, s.owner, s.window_end, &id))
                         .collect();
                     self.outbox(host, engine, cancels);
                 }
@@ -883,45 +837,21 @@ impl Fleet {
         };
         note_refusal(host, None);
         self.mark(host, true, now);
-        let mut cas = Cas::new(host, Self::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (s, &grant) in short.iter().zip(&answer.grants) {
-            let surplus = grant.saturating_sub(s.amount - s.have) as i64;
-            let mut via = Via::Strict;
-            if let Some(key) = &s.slot {
-                let ttl = self.config.lease.ttl_ms;
-                let mut returned = 0i64;
-                let written = cas.update(key, |bytes| {
-                    let mut l = Lease::decode(bytes.unwrap_or_default());
-                    returned = 0;
-                    if l.owner != s.owner && l.owner != 0 {
-                        return None; // taken meanwhile by another caller
-                    }
-                    if l.owner == s.owner && l.window_end != s.window_end {
-                        // A lease of an earlier window: its window is over.
-                        l.balance = 0;
-                    } else if l.owner == 0 {
-                        l = Lease::default();
-                    }
-                    l.owner = s.owner;
-                    l.window_end = s.window_end;
-                    l.balance = l.balance.saturating_add(surplus);
-                    l.expires_ms = now + ttl;
-                    l.last_ms = now;
-                    l.grant = grant;
-                    Some(l.encode())
-                });
-                if written == Updated::Written {
-                    via = Via::Lease(key.clone());
-                } else {
-                    let _ = returned;
+            let surplus = grant.saturating_sub(s.amount.saturating_sub(s.have)) as i64;
+            let via = match &s.slot {
+                Some(key) if self.keep(&mut cas, key, s, grant, surplus, now) => {
+                    Via::Lease(key.clone())
                 }
-            }
+                _ => Via::Strict,
+            };
             if matches!(via, Via::Strict) && surplus > 0 {
                 // No lease to keep the surplus in: straight back.
                 self.outbox(
                     host,
                     engine,
-                    vec![GiveItem::new(&s.rule, s.owner, s.window_end, surplus)],
+                    vec![give_item(&s.rule, s.owner, s.window_end, surplus)],
                 );
             }
             done.push(Claimed {
@@ -934,6 +864,83 @@ impl Fleet {
             });
         }
         Gate::Pass(done)
+    }
+
+    /// Redis refused the take (by claim `answer.refused`): everything the
+    /// request holds goes back, and the refusing bucket answers.
+    fn refused(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        done: &[Claimed],
+        short: &[Short],
+        answer: &TakeAnswer,
+        now: u64,
+    ) -> Gate {
+        self.mark(host, true, now);
+        metric(host, M_REFUSED, 1);
+        let index = answer.refused.unwrap_or(0);
+        let Some(refused) = short.get(index).or(short.last()) else {
+            // Nothing was asked (never: a request waits only when short),
+            // so nothing of it can be refused.
+            return Gate::Pass(done.to_vec());
+        };
+        // The refusing claim is of a fleet bucket (claims are made only for
+        // those); were it not, the answer says no more than "full".
+        let (capacity, reset_ms) = match self.rules.get(&refused.rule) {
+            Some(r) => (
+                r.rule.limit.capacity(),
+                retry_ms(&r.rule.limit, refused.window_end, now),
+            ),
+            None => (0, 1_000),
+        };
+        let quota = Quota {
+            limit: capacity,
+            remaining: answer.left.first().copied().unwrap_or(0),
+            reset_ms,
+        };
+        self.give_back(engine, host, done, now);
+        self.restore(engine, host, short, now);
+        Gate::Refuse {
+            rule: refused.rule.clone(),
+            quota,
+        }
+    }
+
+    /// Keeps a grant's `surplus` in the caller's lease slot `key` (a free
+    /// slot becomes its lease; a lease of an earlier window starts over).
+    /// `false`: the slot went to another caller meanwhile, or could not be
+    /// written.
+    fn keep(
+        &self,
+        cas: &mut Cas,
+        key: &str,
+        s: &Short,
+        grant: u64,
+        surplus: i64,
+        now: u64,
+    ) -> bool {
+        let ttl = self.config.lease.ttl_ms;
+        let written = cas.update(key, |bytes| {
+            let mut l = Lease::decode(bytes.unwrap_or_default());
+            if l.owner != s.owner && l.owner != 0 {
+                return None; // taken meanwhile by another caller
+            }
+            if l.owner == s.owner && l.window_end != s.window_end {
+                // A lease of an earlier window: its window is over.
+                l.balance = 0;
+            } else if l.owner == 0 {
+                l = Lease::default();
+            }
+            l.owner = s.owner;
+            l.window_end = s.window_end;
+            l.balance = l.balance.saturating_add(surplus);
+            l.expires_ms = now + ttl;
+            l.last_ms = now;
+            l.grant = grant;
+            Some(l.encode())
+        });
+        written == Updated::Written
     }
 
     /// Past the leases, without the fleet: each bucket's `on_unavailable`.
@@ -950,7 +957,12 @@ impl Fleet {
         self.restore(engine, host, &short, now);
         let mut charges = Vec::new();
         for s in short {
-            let rule = &self.rules[&s.rule];
+            let Some(rule) = self.rules.get(&s.rule) else {
+                // Not a fleet bucket (never: claims are made only for
+                // those): the local bucket alone covers it, as settling
+                // skips it.
+                continue;
+            };
             // A soft cap never refuses, the fleet away or not.
             let mode = if rule.soft {
                 Unavailable::FailOpen
@@ -994,7 +1006,7 @@ impl Fleet {
                 }
             };
             // What is admitted without Redis is charged there later.
-            charges.push(GiveItem::new(
+            charges.push(give_item(
                 &s.rule,
                 s.owner,
                 s.window_end,
@@ -1060,14 +1072,14 @@ impl Fleet {
         actual: impl Fn(Meter) -> u64,
     ) {
         let mut items = Vec::new();
-        let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
+        let mut cas = Cas::new(host, engine.tries().settle());
         for c in claims {
             if !self.rules.contains_key(&c.rule) {
                 continue;
             }
             let used = actual(c.meter);
             let delta = c.amount as i64 - used as i64;
-            let item = |delta| GiveItem::new(&c.rule, c.owner, c.window_end, delta);
+            let item = |delta| give_item(&c.rule, c.owner, c.window_end, delta);
             match &c.via {
                 Via::Lease(key) if delta != 0 => {
                     let written = cas.update(key, |bytes| {
@@ -1105,20 +1117,20 @@ impl Fleet {
             return;
         }
         let mut dropped = 0i64;
-        let mut cas = Cas::new(host, Self::tries(engine).saturating_mul(8));
+        let mut cas = Cas::new(host, engine.tries().settle());
         cas.update(OUTBOX_KEY, |bytes| {
             let mut list: Vec<GiveItem> =
                 serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
             dropped = 0;
             for item in &items {
-                let at = list.iter().position(|x| x.same(item));
-                match at {
-                    Some(i) => list[i].delta = list[i].delta.saturating_add(item.delta),
-                    None if list.len() < OUTBOX_MAX => list.push(item.clone()),
+                let len = list.len();
+                match list.iter_mut().find(|x| same_line(x, item)) {
+                    Some(x) => x.delta = x.delta.saturating_add(item.delta),
+                    None if len < OUTBOX_MAX => list.push(item.clone()),
                     // Full: a charge takes a cancel's place (a lost cancel
                     // over-counts, the safe side; a lost charge under-counts).
-                    None if item.delta < 0 => match list.iter().position(|x| x.take.is_some()) {
-                        Some(i) => list[i] = item.clone(),
+                    None if item.delta < 0 => match list.iter_mut().find(|x| x.take.is_some()) {
+                        Some(x) => *x = item.clone(),
                         None => dropped += 1,
                     },
                     None => {}
@@ -1190,27 +1202,31 @@ fn retry_ms(limit: &Limit, window_end: u64, now: u64) -> u64 {
     }
 }
 
+/// Whether the fleet is down, and until when calls are not tried (9
+/// bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Status {
-    down: bool,
-    retry_at_ms: u64,
+pub(crate) struct Status {
+    pub down: bool,
+    pub retry_at_ms: u64,
 }
 
-impl Status {
-    fn decode(b: &[u8]) -> Status {
-        let retry = b
-            .get(1..9)
-            .and_then(|s| s.try_into().ok())
-            .map_or(0, u64::from_le_bytes);
+impl Record for Status {
+    const LEN: usize = 9;
+
+    fn write(&self, w: &mut Writer) {
+        w.u8(u8::from(self.down)).u64(self.retry_at_ms);
+    }
+
+    fn read(r: &mut Reader) -> Self {
         Status {
-            down: b.first() == Some(&1),
-            retry_at_ms: retry,
+            down: r.u8() == 1,
+            retry_at_ms: r.u64(),
         }
     }
-    fn encode(&self) -> Vec<u8> {
-        let mut out = vec![u8::from(self.down)];
-        out.extend_from_slice(&self.retry_at_ms.to_le_bytes());
-        out
+
+    /// By prefix: a missing field reads as up, no retry time.
+    fn decode(bytes: &[u8]) -> Self {
+        Self::read(&mut Reader::new(bytes))
     }
 }
 
@@ -1265,12 +1281,12 @@ impl Agent {
             Some(batch) => batch,
             None => {
                 let mut taken = Vec::new();
-                let mut cas = Cas::new(host, Fleet::tries(engine).saturating_mul(8));
+                let mut cas = Cas::new(host, engine.tries().settle());
                 cas.update(OUTBOX_KEY, |bytes| {
                     taken = serde_json::from_slice(bytes.unwrap_or_default()).unwrap_or_default();
                     (!taken.is_empty()).then(|| b"[]".to_vec())
                 });
-                taken.retain(GiveItem::sends);
+                taken.retain(sends);
                 if taken.is_empty() {
                     return;
                 }
@@ -1278,11 +1294,9 @@ impl Agent {
                 (format!("{vm_id:x}-{now:x}-{:x}", self.seq), taken)
             }
         };
-        let body = serde_json::to_vec(&GiveRequest {
-            id: &id,
-            items: &items,
-        })
-        .unwrap_or_default();
+        let request = GiveRequest { id, items };
+        let body = serde_json::to_vec(&request).unwrap_or_default();
+        let GiveRequest { id, items } = request;
         match fleet.post(host, "/v1/fleet/give", &body) {
             Ok(token) => self.inflight = Some((token, id, items)),
             Err(_) => {
@@ -1332,12 +1346,12 @@ impl Agent {
         }
         let id = fleet.take_id();
         let body = serde_json::to_vec(&TakeRequest {
-            id: &id,
+            id: id.clone(),
             deadline_ms: now.saturating_add(fleet.config.timeout_ms),
             claims: claims
                 .iter()
                 .map(|(rule, owner, window_end_ms, want)| TakeClaim {
-                    rule,
+                    rule: rule.to_string(),
                     owner: *owner,
                     window_end_ms: *window_end_ms,
                     need: 0,
@@ -1377,7 +1391,7 @@ impl Agent {
                     // It may still be applied in Redis: undone by id, once.
                     let cancels = wants
                         .iter()
-                        .map(|w| GiveItem::cancel(&w.rule, w.owner, w.window_end, &id))
+                        .map(|w| cancel_item(&w.rule, w.owner, w.window_end, &id))
                         .collect();
                     fleet.outbox(host, engine, cancels);
                 }
@@ -1387,7 +1401,7 @@ impl Agent {
         };
         let ttl = fleet.config.lease.ttl_ms;
         let mut back = Vec::new();
-        let mut cas = Cas::new(host, Fleet::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (w, &grant) in wants.iter().zip(&answer.grants) {
             if grant == 0 {
                 continue;
@@ -1403,7 +1417,7 @@ impl Agent {
                 Some(l.encode())
             });
             if written != Updated::Written {
-                back.push(GiveItem::new(&w.rule, w.owner, w.window_end, grant as i64));
+                back.push(give_item(&w.rule, w.owner, w.window_end, grant as i64));
             }
         }
         fleet.outbox(host, engine, back);
@@ -1462,7 +1476,7 @@ impl Agent {
     fn sweep(&mut self, fleet: &Fleet, engine: &Engine, host: &dyn Host, now: u64) {
         let cfg = &fleet.config.lease;
         let mut items = Vec::new();
-        let mut cas = Cas::new(host, Fleet::tries(engine));
+        let mut cas = Cas::new(host, engine.tries().take());
         for (rule_id, key) in &fleet.lease_keys {
             let Some((bytes, _)) = host.get(key) else {
                 continue;
@@ -1490,7 +1504,7 @@ impl Agent {
             if let (Updated::Written, Some(l)) = (written, freed) {
                 let over = l.window_end != 0 && l.window_end <= now;
                 if l.balance != 0 && !over {
-                    items.push(GiveItem::new(rule_id, l.owner, l.window_end, l.balance));
+                    items.push(give_item(rule_id, l.owner, l.window_end, l.balance));
                 }
             }
         }

@@ -81,7 +81,7 @@ fn lease(host: &MockHost, key: &str) -> Lease {
 fn lease_of_requests(host: &MockHost) -> Lease {
     // One caller: its lease is in one of its probed slots.
     (0..64)
-        .map(|s| lease(host, &slot_key("tier/t/requests", s)))
+        .map(|s| lease(host, &lease_table("tier/t/requests", 64).key(s)))
         .find(|l| l.owner != 0)
         .unwrap_or_default()
 }
@@ -209,7 +209,7 @@ fn settlement_goes_to_the_lease_then_unused_leases_go_back_in_batches_applied_on
         json!({"ok": true, "grants": [500], "left": [99500]}),
     );
     let key = (0..64)
-        .map(|s| slot_key("tier/t/daily_tokens", s))
+        .map(|s| lease_table("tier/t/daily_tokens", 64).key(s))
         .find(|k| lease(&host, k).owner != 0)
         .unwrap();
     assert_eq!(lease(&host, &key).balance, 500 - need as i64);
@@ -609,14 +609,14 @@ fn a_full_outbox_keeps_charges_before_cancels() {
     );
     let fleet = Fleet::new(&engine).unwrap();
     let cancels: Vec<GiveItem> = (0..OUTBOX_MAX as u64)
-        .map(|i| GiveItem::cancel("tier/t/requests", 2 + i, 0, "t1-0"))
+        .map(|i| cancel_item("tier/t/requests", 2 + i, 0, "t1-0"))
         .collect();
     fleet.outbox(&host, &engine, cancels);
     assert_eq!(outbox(&host).len(), OUTBOX_MAX);
     fleet.outbox(
         &host,
         &engine,
-        vec![GiveItem::new("tier/t/requests", 9_999, 0, -3)],
+        vec![give_item("tier/t/requests", 9_999, 0, -3)],
     );
     let list = outbox(&host);
     assert_eq!(list.len(), OUTBOX_MAX);
@@ -627,4 +627,79 @@ fn a_full_outbox_keeps_charges_before_cancels() {
         .get(M_OUTBOX_DROPPED)
         .map_or(0, |m| m.1);
     assert_eq!(dropped, 0, "the charge was kept");
+}
+
+/// Issue 19: the fleet's lookups by rule id are `get`s. A refusal for a
+/// take that claimed nothing, or by a claim of a bucket the fleet does not
+/// know, degrades (passes what is held / refuses with an empty quota)
+/// instead of indexing out of bounds or panicking on a missing key.
+#[test]
+fn answers_about_unknown_claims_degrade_instead_of_panicking() {
+    let (host, _poller) = outage("local_share");
+    let engine = Engine::new(
+        crate::policy::Policy::from_value(policy(json!({"requests": "10/day"}), json!({})))
+            .unwrap(),
+    );
+    let fleet = Fleet::new(&engine).unwrap();
+    let identity = Identity {
+        principal: "ip:10.0.0.9".into(),
+        hash: 99,
+        tier: "t".into(),
+        source: None,
+        declared: false,
+        team: None,
+        org: None,
+    };
+    let refusal = |host: &MockHost| {
+        let body = json!({"ok": false, "refused": 3, "left": [0]}).to_string();
+        *host.call_response_headers.borrow_mut() = vec![(":status".into(), "200".into())];
+        *host.call_response_body.borrow_mut() = body.clone().into_bytes();
+        body.len()
+    };
+    let len = refusal(&host);
+    let empty = Pending {
+        token: 1,
+        id: "t1-0".into(),
+        done: Vec::new(),
+        short: Vec::new(),
+    };
+    assert!(matches!(
+        fleet.answer(&engine, &host, empty, len, &identity, T0),
+        Gate::Pass(done) if done.is_empty()
+    ));
+    let unknown = Short {
+        rule: "tier/nobody/requests".into(),
+        owner: 99,
+        amount: 1,
+        window_end: 0,
+        meter: Meter::Requests,
+        slot: None,
+        have: 0,
+    };
+    let len = refusal(&host);
+    let pending = Pending {
+        token: 2,
+        id: "t1-1".into(),
+        done: Vec::new(),
+        short: vec![unknown.clone()],
+    };
+    match fleet.answer(&engine, &host, pending, len, &identity, T0) {
+        Gate::Refuse { rule, quota } => {
+            assert_eq!(rule, "tier/nobody/requests");
+            assert_eq!((quota.limit, quota.reset_ms), (0, 1_000));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Unavailable: a claim of an unknown bucket is left to the local one.
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), "503".into())];
+    let pending = Pending {
+        token: 3,
+        id: "t1-2".into(),
+        done: Vec::new(),
+        short: vec![unknown],
+    };
+    assert!(matches!(
+        fleet.answer(&engine, &host, pending, 0, &identity, T0),
+        Gate::Pass(done) if done.is_empty()
+    ));
 }

@@ -409,10 +409,7 @@ impl Poller {
 
     /// Takes or renews the poller lease: one VM in the whole Envoy polls.
     fn hold_lease(&self, host: &dyn Host, now: u64) -> bool {
-        let tries = self
-            .filter
-            .as_ref()
-            .map_or(1, |f| f.engine.policy.state.cas_max_retries);
+        let tries = self.filter.as_ref().map_or(1, |f| f.engine.tries().take());
         let mut cas = Cas::new(host, tries);
         let held = cas.update(POLLER_KEY, |bytes| {
             let lease = PollLease::decode(bytes.unwrap_or_default());
@@ -536,7 +533,11 @@ impl Poller {
             telemetry::KILL_SWITCH,
             u64::from(state.kill_switch.active),
         );
-        let open = state.breakers.iter().filter(|b| b.state == "open").count();
+        let open = state
+            .breakers
+            .iter()
+            .filter(|b| b.state == crate::admission::health::BreakerState::Open)
+            .count();
         set_gauge(host, telemetry::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
@@ -944,7 +945,7 @@ impl Stream {
         // back, not left to block the route until its lease ends.
         if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
             // A release that cannot be written leaves the lease to expire.
-            let mut cas = Cas::new(host, self.engine().policy.state.cas_max_retries);
+            let mut cas = Cas::new(host, self.engine().tries().take());
             health::release_probe(&mut cas, &pushback.route_key, lease);
             count_contention(host, cas.contention);
         }

@@ -26,7 +26,7 @@
 //! `fail_open`: N, `fail_closed`: 0 (classes that wait wait, the others get
 //! 429 `model_concurrency`) — until a report is answered again.
 
-use serde::{Deserialize, Serialize};
+use sluice_wire::fleet::{SlotScope, SlotsAnswer, SlotsRequest};
 
 use super::Filter;
 use crate::host::{Host, LogLevel, MetricKind};
@@ -40,23 +40,6 @@ const RETRY_MS: u64 = 500;
 pub const PATH: &str = "/v1/fleet/slots";
 /// 1 while the fleet's slots cannot be reported (gates on stand-ins).
 pub const M_DEGRADED: &str = "sluice_fleet_slots_degraded";
-
-#[derive(Debug, Serialize)]
-struct Scope {
-    id: String,
-    /// The sidecar grants at most its own policy's limit for `id`.
-    hold: u32,
-}
-
-#[derive(Debug, Serialize)]
-struct Report {
-    scopes: Vec<Scope>,
-}
-
-#[derive(Debug, Deserialize)]
-struct Answer {
-    grants: Vec<u32>,
-}
 
 /// One scope of a report: which lease of which backend.
 #[derive(Debug, Clone)]
@@ -176,7 +159,7 @@ impl Agent {
             for (model, _limit, hold, before) in wishes {
                 moved |= hold != before;
                 held |= hold > 0 || before > 0;
-                report.push(Scope {
+                report.push(SlotScope {
                     id: slots_scope(backend, model.as_deref()),
                     hold,
                 });
@@ -189,7 +172,7 @@ impl Agent {
         if !(moved || self.down || (held && now >= self.next_beat_ms)) {
             return;
         }
-        let body = serde_json::to_vec(&Report { scopes: report }).unwrap_or_default();
+        let body = serde_json::to_vec(&SlotsRequest { scopes: report }).unwrap_or_default();
         match fleet.post(host, PATH, &body) {
             Ok(token) => self.call = Some((token, asks)),
             Err(_) => self.unavailable(filter, host, now),
@@ -204,7 +187,10 @@ impl Agent {
         let now = host.now_ms();
         let status = host.call_response_header(":status");
         let body = host.call_response_body(body_size);
-        let answer = match (status.as_deref(), serde_json::from_slice::<Answer>(&body)) {
+        let answer = match (
+            status.as_deref(),
+            serde_json::from_slice::<SlotsAnswer>(&body),
+        ) {
             (Some("200"), Ok(a)) if a.grants.len() == asks.len() => a,
             _ => {
                 let _ = crate::fleet::failed_call(host, status.as_deref(), &body);

@@ -34,7 +34,7 @@ use std::rc::{Rc, Weak};
 
 use super::{count_contention, Filter, Request, Stream};
 use crate::admission::answer::{self, Reason};
-use crate::admission::health::{Pushback, Seen, SATURATED};
+use crate::admission::health::{BreakerState, Pushback, Seen};
 use crate::admission::identity::{Identity, RequestView};
 use crate::admission::{Asked, RequestContext, Routed, Verdict};
 use crate::flow::HostRequest;
@@ -286,7 +286,7 @@ impl Filter {
         seen.state.as_ref().is_some_and(|st| {
             st.breakers
                 .iter()
-                .any(|x| x.state == SATURATED && (x.scope == m || x.scope == b))
+                .any(|x| x.state == BreakerState::Saturated && (x.scope == m || x.scope == b))
         })
     }
 
@@ -309,7 +309,7 @@ impl Filter {
     }
 
     pub(super) fn tries(&self) -> u32 {
-        self.engine.policy.state.cas_max_retries
+        self.engine.tries().take()
     }
 
     /// Sends each grant's ticket to its worker.

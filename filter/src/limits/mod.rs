@@ -4,3 +4,4 @@
 pub mod bucket;
 pub mod reservation;
 pub mod shares;
+pub mod slots;

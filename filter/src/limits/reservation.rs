@@ -55,10 +55,12 @@
 
 use crate::limits::bucket::{window_start, BucketState, Quota, Shortfall};
 use crate::limits::shares::Pool;
+use crate::limits::slots::{self, Found, Seen, Table};
 use crate::policy::units::SCALE;
 use crate::policy::Limit;
 use crate::state::codec::{Reader, Record, Writer};
-use crate::state::store::{self, Attempt, Contention, SharedStore, StoreError, Updated};
+pub use crate::state::store::SETTLE_TRIES_FACTOR;
+use crate::state::store::{self, Attempt, Contention, SharedStore, StoreError, Tries, Updated};
 
 /// Slots probed from a principal's home slot.
 pub const PROBES: u32 = 8;
@@ -194,13 +196,10 @@ pub enum Refusal {
 pub struct Reserver<'a> {
     pub store: &'a dyn SharedStore,
     pub layout: Layout,
-    /// Compare-and-swap attempts per bucket update (`state.cas_max_retries`).
-    pub max_retries: u32,
+    /// Compare-and-swap attempts per bucket update (`state.cas_max_retries`;
+    /// a settlement [`SETTLE_TRIES_FACTOR`] times as many).
+    pub tries: Tries,
 }
-
-/// A settlement gets this many times the usual attempts: the usage it
-/// records already happened, so giving up would under-charge the caller.
-pub const SETTLE_TRIES_FACTOR: u32 = 8;
 
 /// Creates every key a rule can use, empty, unless it exists: the hot path
 /// then only ever updates keys under CAS (Envoy ignores CAS on a missing
@@ -218,7 +217,7 @@ pub fn prepare(
         match rule.scope {
             Scope::Global => keys.push(global_key(&rule.id)),
             Scope::PerPrincipal => {
-                keys.extend((0..layout.slots).map(|s| slot_key(&rule.id, s)));
+                keys.extend(slot_table(&rule.id, layout).keys());
                 keys.extend(declared.iter().map(|p| dedicated_key(&rule.id, p)));
                 if rule.limit.window.is_some() {
                     for row in 0..SKETCH_DEPTH {
@@ -242,8 +241,9 @@ pub fn prepare(
 fn global_key(rule: &str) -> String {
     format!("{KEY_PREFIX}{rule}")
 }
-fn slot_key(rule: &str, slot: u32) -> String {
-    format!("{KEY_PREFIX}{rule}:{slot}")
+/// The hashed slots of a per-principal rule (`{KEY_PREFIX}{rule}:{slot}`).
+fn slot_table<'a>(rule: &'a str, layout: &Layout) -> Table<'a> {
+    Table::named(KEY_PREFIX, rule, layout.slots, PROBES)
 }
 fn dedicated_key(rule: &str, principal: &str) -> String {
     format!("{KEY_PREFIX}{rule}:declared:{principal}")
@@ -369,7 +369,7 @@ impl Reserver<'_> {
     }
 
     fn settle_tries(&self) -> u32 {
-        self.max_retries.saturating_mul(SETTLE_TRIES_FACTOR)
+        self.tries.settle()
     }
 
     /// The bucket part of [`Self::settle`]; `false` when every write was
@@ -513,7 +513,7 @@ impl Reserver<'_> {
         }
         // The read spans several keys (the probed slots), so the loop is
         // `store::retry` around locate-then-write, not a one-key update.
-        let taken = store::retry(self.max_retries, effort, || {
+        let taken = store::retry(self.tries.take(), effort, || {
             let at = match self.locate(claim.rule, caller, now_ms) {
                 Ok(at) => at,
                 Err(frees_in) => return Attempt::Done(Err(TakeError::NoSlot(frees_in))),
@@ -552,7 +552,7 @@ impl Reserver<'_> {
         let window = limit.window.filter(|_| at.placement == Placement::Hashed);
         if let Some(window) = window {
             let start = window_start(window, now_ms);
-            let tries = self.max_retries;
+            let tries = self.tries.take();
             if !self.sketch_add(&claim.rule.id, at.owner, claim.amount, start, tries, effort) {
                 self.settle_bucket(&held, 0, now_ms, effort);
                 return Err(TakeError::Contended);
@@ -574,7 +574,7 @@ impl Reserver<'_> {
     ) -> Result<(Held, Quota, bool), TakeError> {
         let limit = &claim.rule.limit;
         let key = global_key(&claim.rule.id);
-        let taken = store::retry(self.max_retries, effort, || {
+        let taken = store::retry(self.tries.take(), effort, || {
             let (bytes, cas) = self.store.get(&key).unwrap_or_default();
             let pool = Pool::decode(&bytes);
             let (write, outcome) =
@@ -646,55 +646,48 @@ impl Reserver<'_> {
                 });
             }
         }
-        let slots = self.layout.slots.max(1);
-        let home = (owner % slots as u64) as u32;
-        // (key, cas, touched) of the best slot to take: a free one first,
-        // else the one untouched longest.
-        let mut best: Option<(String, u32, bool, u64)> = None;
+        // The best slot to take: a free one first, else the one untouched
+        // longest.
         let mut frees_in = u64::MAX;
-        for probe in 0..PROBES.min(slots) {
-            let key = slot_key(&rule.id, (home + probe) % slots);
+        let table = slot_table(&rule.id, &self.layout);
+        let probed = table.probe(owner).map(|key| {
             let (bytes, cas) = read(&key).unwrap_or_default();
-            let slot = Slot::decode(&bytes);
+            (key, cas, Slot::decode(&bytes))
+        });
+        let found = slots::claim(probed, |(_, _, slot)| {
             if slot.state.owner == owner {
-                return Ok(Located {
-                    key,
-                    state: slot.state,
-                    cas,
-                    owner,
-                    placement: Placement::Hashed,
-                });
+                return Seen::Mine;
             }
             // A never-used slot ends the chain: the principal would hold it
             // or an earlier one if it had a bucket.
-            let end_of_chain = slot.state.owner == 0;
-            let free = end_of_chain || slot.state.is_idle(&rule.limit, now_ms);
-            if free || self.takeable(&slot, &rule.limit, now_ms) {
-                let better = match &best {
-                    None => true,
-                    Some((_, _, best_free, best_touched)) => {
-                        !best_free && (free || slot.touched_ms < *best_touched)
-                    }
-                };
-                if better {
-                    best = Some((key, cas, free, slot.touched_ms));
-                }
-            } else {
-                frees_in = frees_in.min(self.frees_in(&slot, &rule.limit, now_ms));
+            if slot.state.owner == 0 {
+                return Seen::Last((0u8, 0));
             }
-            if end_of_chain {
-                break;
+            if slot.state.is_idle(&rule.limit, now_ms) {
+                return Seen::Free((0, 0));
             }
-        }
-        match best {
-            Some((key, cas, _, _)) => Ok(Located {
+            if self.takeable(slot, &rule.limit, now_ms) {
+                return Seen::Free((1, slot.touched_ms));
+            }
+            frees_in = frees_in.min(self.frees_in(slot, &rule.limit, now_ms));
+            Seen::Busy
+        });
+        match found {
+            Found::Mine((key, cas, slot)) => Ok(Located {
+                key,
+                state: slot.state,
+                cas,
+                owner,
+                placement: Placement::Hashed,
+            }),
+            Found::Free((key, cas, _)) => Ok(Located {
                 key,
                 state: self.seed(rule, owner, now_ms),
                 cas,
                 owner,
                 placement: Placement::Hashed,
             }),
-            None => Err(frees_in),
+            Found::Full => Err(frees_in),
         }
     }
 
@@ -928,7 +921,7 @@ mod tests {
         Reserver {
             store,
             layout: layout(slots),
-            max_retries: 64,
+            tries: Tries::new(64),
         }
     }
 
@@ -996,7 +989,7 @@ mod tests {
         let r = Reserver {
             store: &store,
             layout: layout(1),
-            max_retries: 8,
+            tries: Tries::new(8),
         };
         let c = [Claim::hard(&user, 1)];
         let mut e = Contention::default();
@@ -1036,7 +1029,7 @@ mod tests {
                     let r = Reserver {
                         store: store.as_ref(),
                         layout: layout(64),
-                        max_retries: 1_000,
+                        tries: Tries::new(1_000),
                     };
                     for i in 0..25u64 {
                         let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
@@ -1089,7 +1082,7 @@ mod tests {
         let r = Reserver {
             store: &store,
             layout: layout(1),
-            max_retries: 4,
+            tries: Tries::new(4),
         };
         let c = [Claim::hard(&model, 1)];
         store.fail.set(3);
@@ -1119,7 +1112,7 @@ mod tests {
         let r = Reserver {
             store: &store,
             layout: layout(1),
-            max_retries: 4,
+            tries: Tries::new(4),
         };
         let held = r
             .reserve(
@@ -1161,7 +1154,7 @@ mod tests {
         let r = Reserver {
             store: &store,
             layout: layout(4),
-            max_retries: 8,
+            tries: Tries::new(8),
         };
         let mut e = Contention::default();
         let c = [Claim::hard(&tokens, 500)];
@@ -1292,7 +1285,7 @@ mod tests {
             let r = Reserver {
                 store: &store,
                 layout: Layout { slots: 2, sketch_width: 64, hold_ms: 1_000 },
-                max_retries: 8,
+                tries: Tries::new(8),
             };
             let mut now = 0u64;
             // Per caller: real use (settled actuals + pending reservations).
@@ -1344,7 +1337,7 @@ mod tests {
             let store = MemStore::default();
             let tokens = rule("tier/t/tokens", 10_000, Scope::PerPrincipal);
             prepare(&store, &plain(std::slice::from_ref(&tokens)), &layout(2)).unwrap();
-            let r = Reserver { store: &store, layout: layout(2), max_retries: 8 };
+            let r = Reserver { store: &store, layout: layout(2), tries: Tries::new(8) };
             let mut actual_total = 0u64;
             let mut pending = Vec::new();
             let used = || {
@@ -1387,7 +1380,7 @@ mod tests {
             let user = rule("tier/t", 3, Scope::PerPrincipal);
             let model = rule("model/m", 10, Scope::Global);
             prepare(&store, &plain(&[user.clone(), model.clone()]), &layout(4)).unwrap();
-            let r = Reserver { store: &store, layout: layout(4), max_retries: 8 };
+            let r = Reserver { store: &store, layout: layout(4), tries: Tries::new(8) };
             let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
             let mut held: Vec<(u64, Vec<Held>)> = Vec::new();
             for (p, release) in ops {

@@ -167,6 +167,36 @@ pub struct Pool {
     pub accounts: Vec<Account>,
 }
 
+/// Guaranteed floors (millionths), per group of `table`: a tier's share.
+/// `anonymous` has none: its share is only a ceiling, so its callers never
+/// hold room back from declared keys.
+fn floors(table: &Table, capacity: u64) -> Vec<u64> {
+    table
+        .groups
+        .iter()
+        .map(|g| {
+            if g.capped {
+                0
+            } else {
+                floor(capacity, g.permille)
+            }
+        })
+        .collect()
+}
+
+/// How long until a rate bucket's room grows by `need`: the total drains
+/// by it, or, when the group's own ceiling binds (`own`: what the group
+/// holds of the total `used`), its own holding does (`r × u_g ÷ U`).
+fn drain_wait(need: u64, used: u64, own: Option<u64>, limit: &Limit) -> u64 {
+    let total_need = match own {
+        Some(own) if own > 0 => {
+            (need as u128 * used as u128 / own as u128).min(u64::MAX as u128) as u64
+        }
+        _ => need,
+    };
+    crate::limits::bucket::drain_ms(total_need, limit)
+}
+
 impl Pool {
     /// A named group's account (the rest, [`REST`], has none of its own).
     fn account_mut(&mut self, group: u64) -> Option<&mut Account> {
@@ -367,20 +397,7 @@ impl Pool {
         let want = amount.saturating_mul(SCALE);
         let used = pool.state.used;
         let free = capacity.saturating_sub(used);
-        // Guaranteed floors: a tier's share. `anonymous` has none: its
-        // share is only a ceiling, so its callers never hold room back
-        // from declared keys.
-        let floors: Vec<u64> = table
-            .groups
-            .iter()
-            .map(|g| {
-                if g.capped {
-                    0
-                } else {
-                    floor(capacity, g.permille)
-                }
-            })
-            .collect();
+        let floors = floors(table, capacity);
         let mine = pool
             .accounts
             .iter()
@@ -431,19 +448,13 @@ impl Pool {
             remaining: room / SCALE,
             ..pool.state.quota(limit, now_ms)
         };
-        let need = want.saturating_sub(room);
+        let own = mine
+            .map(|i| pool.accounts[i].used)
+            .filter(|_| own_drain_only);
         let retry_after_ms = match limit.window {
             Some(w) => next_window(w, now_ms).saturating_sub(now_ms),
             None if want > capacity => quota.reset_ms,
-            None => {
-                let total_need = match mine.map(|i| pool.accounts[i].used) {
-                    Some(own) if own_drain_only && own > 0 => {
-                        (need as u128 * used as u128 / own as u128).min(u64::MAX as u128) as u64
-                    }
-                    _ => need,
-                };
-                crate::limits::bucket::drain_ms(total_need, limit)
-            }
+            None => drain_wait(want.saturating_sub(room), used, own, limit),
         }
         .min(MAX_WAIT_MS);
         let shortfall = Shortfall {

@@ -54,6 +54,7 @@
 use std::collections::BTreeMap;
 
 use crate::policy::Policy;
+use crate::state::codec::{Reader, Writer};
 use crate::state::store::{self, Contention, SharedStore, Updated};
 
 pub const KEY_PREFIX: &str = "sluice:v1:queue:";
@@ -243,74 +244,51 @@ pub struct State {
     pub leased: u32,
 }
 
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Option<&[u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Some(head)
-    }
-    fn u8(&mut self) -> Option<u8> {
-        Some(self.take(1)?[0])
-    }
-    fn u16(&mut self) -> Option<u16> {
-        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
-    }
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
-    }
-    fn u64(&mut self) -> Option<u64> {
-        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
-    }
-    fn name(&mut self) -> Option<String> {
-        let n = usize::from(self.u8()?);
-        String::from_utf8(self.take(n)?.to_vec()).ok()
-    }
+/// At most 255 bytes of the name (a policy name is far shorter), after
+/// its length.
+fn put_name(w: &mut Writer, name: &str) {
+    let bytes = &name.as_bytes()[..name.len().min(255)];
+    w.u8(bytes.len() as u8).bytes(bytes);
 }
 
-fn put_name(out: &mut Vec<u8>, name: &str) {
-    let bytes = &name.as_bytes()[..name.len().min(255)];
-    out.push(bytes.len() as u8);
-    out.extend_from_slice(bytes);
+fn name(r: &mut Reader) -> Option<String> {
+    let n = usize::from(r.try_u8()?);
+    String::from_utf8(r.try_bytes(n)?.to_vec()).ok()
 }
 
 impl State {
+    /// Variable length (see the table in `crate::state::codec`): the
+    /// version, then models, classes, the clock, the entries, the leases
+    /// and the evicted tickets, little-endian.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(64 + self.entries.len() * 52);
-        out.push(VERSION);
-        out.extend((self.models.len() as u16).to_le_bytes());
+        let mut w = Writer::with_capacity(64 + self.entries.len() * 52);
+        w.u8(VERSION);
+        w.u16(self.models.len() as u16);
         for m in &self.models {
-            put_name(&mut out, &m.name);
-            out.extend(m.inflight.to_le_bytes());
-            out.extend(m.paused_until_ms.to_le_bytes());
+            put_name(&mut w, &m.name);
+            w.u32(m.inflight).u64(m.paused_until_ms);
         }
-        out.extend((self.classes.len() as u16).to_le_bytes());
+        w.u16(self.classes.len() as u16);
         for c in &self.classes {
-            put_name(&mut out, &c.name);
-            out.extend(c.pass.to_le_bytes());
-            out.extend(c.round.to_le_bytes());
+            put_name(&mut w, &c.name);
+            w.u64(c.pass).u64(c.round);
         }
-        out.extend(self.vtime.to_le_bytes());
-        out.extend(self.next_ticket.to_le_bytes());
-        out.extend((self.entries.len() as u32).to_le_bytes());
+        w.u64(self.vtime).u64(self.next_ticket);
+        w.u32(self.entries.len() as u32);
         for e in &self.entries {
-            out.extend(e.ticket.to_le_bytes());
-            out.extend(e.wake.to_le_bytes());
-            out.extend(e.model.to_le_bytes());
-            out.extend(e.class.to_le_bytes());
-            out.extend(e.principal.to_le_bytes());
-            out.extend(e.round.to_le_bytes());
-            out.extend(e.enqueued_ms.to_le_bytes());
-            out.extend(e.deadline_ms.to_le_bytes());
+            w.u64(e.ticket)
+                .u32(e.wake)
+                .u16(e.model)
+                .u16(e.class)
+                .u64(e.principal)
+                .u64(e.round)
+                .u64(e.enqueued_ms)
+                .u64(e.deadline_ms);
         }
         // Leases last, so a state written before they existed still reads.
-        out.extend(self.leased.to_le_bytes());
+        w.u32(self.leased);
         for m in &self.models {
-            out.extend(m.leased.to_le_bytes());
+            w.u32(m.leased);
         }
         // Evicted tickets after the leases, for the same reason.
         let evicted: Vec<u64> = self
@@ -319,11 +297,11 @@ impl State {
             .filter(|e| e.evicted)
             .map(|e| e.ticket)
             .collect();
-        out.extend((evicted.len() as u32).to_le_bytes());
+        w.u32(evicted.len() as u32);
         for t in evicted {
-            out.extend(t.to_le_bytes());
+            w.u64(t);
         }
-        out
+        w.into_bytes()
     }
 
     /// `None`: not a state this version wrote (a blank key reads as empty).
@@ -331,50 +309,50 @@ impl State {
         if bytes.is_empty() {
             return Some(State::default());
         }
-        let mut r = Reader(bytes);
-        if r.u8()? != VERSION {
+        let mut r = Reader::new(bytes);
+        if r.try_u8()? != VERSION {
             return None;
         }
         let mut s = State::default();
-        for _ in 0..r.u16()? {
+        for _ in 0..r.try_u16()? {
             s.models.push(ModelState {
-                name: r.name()?,
-                inflight: r.u32()?,
-                paused_until_ms: r.u64()?,
+                name: name(&mut r)?,
+                inflight: r.try_u32()?,
+                paused_until_ms: r.try_u64()?,
                 leased: 0,
             });
         }
-        for _ in 0..r.u16()? {
+        for _ in 0..r.try_u16()? {
             s.classes.push(ClassState {
-                name: r.name()?,
-                pass: r.u64()?,
-                round: r.u64()?,
+                name: name(&mut r)?,
+                pass: r.try_u64()?,
+                round: r.try_u64()?,
             });
         }
-        s.vtime = r.u64()?;
-        s.next_ticket = r.u64()?;
-        for _ in 0..r.u32()? {
+        s.vtime = r.try_u64()?;
+        s.next_ticket = r.try_u64()?;
+        for _ in 0..r.try_u32()? {
             s.entries.push(Entry {
-                ticket: r.u64()?,
-                wake: r.u32()?,
-                model: r.u16()?,
-                class: r.u16()?,
-                principal: r.u64()?,
-                round: r.u64()?,
-                enqueued_ms: r.u64()?,
-                deadline_ms: r.u64()?,
+                ticket: r.try_u64()?,
+                wake: r.try_u32()?,
+                model: r.try_u16()?,
+                class: r.try_u16()?,
+                principal: r.try_u64()?,
+                round: r.try_u64()?,
+                enqueued_ms: r.try_u64()?,
+                deadline_ms: r.try_u64()?,
                 evicted: false,
             });
         }
-        if let Some(leased) = r.u32() {
+        if let Some(leased) = r.try_u32() {
             s.leased = leased;
             for m in &mut s.models {
-                m.leased = r.u32()?;
+                m.leased = r.try_u32()?;
             }
         }
-        if !r.0.is_empty() {
-            for _ in 0..r.u32()? {
-                let ticket = r.u64()?;
+        if !r.rest().is_empty() {
+            for _ in 0..r.try_u32()? {
+                let ticket = r.try_u64()?;
                 if let Some(e) = s.entries.iter_mut().find(|e| e.ticket == ticket) {
                     e.evicted = true;
                 }

@@ -1,6 +1,9 @@
-//! Every fixed-width record sluice keeps in Envoy's shared data, and the one
-//! little-endian reader and writer they are coded with. The layouts are all
-//! here, side by side, so a change of one is seen next to the others.
+//! The one codec of shared data: the little-endian [`Writer`] and
+//! [`Reader`] every record is coded with, the [`Record`] trait of the
+//! fixed-width ones, and below the table of every layout sluice keeps in
+//! Envoy's shared data, side by side, so a change of one is seen next to the
+//! others. Each `impl Record` lives beside its type (named in the table);
+//! `tests::every_record_encodes_to_its_len` holds every record to its `LEN`.
 //!
 //! Shared data outlives a policy (and a filter build): a key may hold bytes
 //! an older layout wrote, or nothing. Reads are checked: a short or
@@ -9,16 +12,22 @@
 //!
 //! | record | bytes | fields |
 //! |---|---|---|
-//! | [`BucketState`] | 24 | owner, used, updated_ms |
-//! | [`Slot`] | 32 | bucket state, touched_ms (a 24-byte prepared key reads as untouched since `updated_ms`) |
-//! | [`SketchCell`] | 16 | window, used (by prefix) |
-//! | [`Pool`](crate::limits::shares::Pool) (a shared bucket with fair shares; coded in `shares`) | 24 + 32 × groups | bucket state, then per group: id, used, seen_ms, lent (by prefix; no groups: a plain [`BucketState`]) |
-//! | [`Upstream`] | 96 | 7 × u64 times, failures, barred, 8 × caller |
-//! | [`CredentialPause`] | 16 | fingerprint, until_ms |
-//! | [`UsageRing`] | 16 + 60 × 16 | newest, surge_flagged, tokens[60], spend[60] |
-//! | [`Correction`] | 4 | thousandths (clamped on read) |
-//! | [`PollLease`] | 16 | owner, expires_ms (by prefix) |
-//! | sidecar state ([`encode_seen`]) | 8 + n | received_ms, the state's JSON |
+//! | [`BucketState`](crate::limits::bucket::BucketState) | 24 | owner, used, updated_ms |
+//! | [`Slot`](crate::limits::reservation) | 32 | bucket state, touched_ms (a 24-byte prepared key reads as untouched since `updated_ms`) |
+//! | [`SketchCell`](crate::limits::reservation) | 16 | window, used (by prefix) |
+//! | [`Pool`](crate::limits::shares::Pool) (a shared bucket with fair shares; coded in `shares`) | 24 + 32 × groups | bucket state, then per group: id, used, seen_ms, lent (by prefix; no groups: a plain `BucketState`) |
+//! | [`Upstream`](crate::admission::health::Upstream) | 96 | 7 × u64 times, failures, barred, 8 × caller |
+//! | [`CredentialPause`](crate::admission::health::CredentialPause) | 16 | fingerprint, until_ms |
+//! | `Sketch` ([`penalty`](crate::admission::penalty)) | 8 + 4 × 64 × 4 | period_start_ms, 256 × u32 counters (row after row) |
+//! | `Block` ([`penalty`](crate::admission::penalty)) | 32 | owner, blocked_until_ms, period_start_ms, forgiven |
+//! | `Blocks` ([`penalty`](crate::admission::penalty)) | 8 × 32 | 8 × `Block` |
+//! | [`UsageRing`](crate::usage::anomaly::UsageRing) | 16 + 60 × 16 | newest, surge_flagged, tokens[60], spend[60] |
+//! | [`Correction`](crate::usage::estimate::Correction) | 4 | thousandths (clamped on read) |
+//! | [`PollLease`](crate::flow::PollLease) | 16 | owner, expires_ms (by prefix) |
+//! | `Lease` ([`fleet`](crate::fleet)) | 48 | owner, window_end, balance (i64), expires_ms, last_ms, grant (by prefix) |
+//! | `Status` ([`fleet`](crate::fleet)) | 9 | down (u8), retry_at_ms (by prefix) |
+//! | [`queue::State`](crate::queue::State) (no `Record`: variable, versioned) | 1 + … | version 1; u16 models × (u8 name length, name, u32 inflight, u64 paused_until_ms); u16 classes × (name, u64 pass, u64 round); u64 vtime, u64 next_ticket; u32 entries × 48 bytes; u32 leased, models × u32 leased; u32 evicted × u64 ticket |
+//! | sidecar state ([`encode_seen`](crate::admission::health::encode_seen)) | 8 + n | received_ms, the state's JSON |
 
 /// Appends little-endian words.
 #[derive(Debug, Default)]
@@ -36,6 +45,16 @@ impl Writer {
 
     pub fn u32(&mut self, v: u32) -> &mut Writer {
         self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub fn u16(&mut self, v: u16) -> &mut Writer {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub fn u8(&mut self, v: u8) -> &mut Writer {
+        self.0.push(v);
         self
     }
 
@@ -76,6 +95,21 @@ impl<'a> Reader<'a> {
         self.take::<4>().map(u32::from_le_bytes)
     }
 
+    pub fn try_u16(&mut self) -> Option<u16> {
+        self.take::<2>().map(u16::from_le_bytes)
+    }
+
+    pub fn try_u8(&mut self) -> Option<u8> {
+        self.take::<1>().map(|[b]| b)
+    }
+
+    /// The next `n` bytes, `None` (consuming nothing) when fewer are left.
+    pub fn try_bytes(&mut self, n: usize) -> Option<&'a [u8]> {
+        let head = self.rest.get(..n)?;
+        self.rest = self.rest.get(n..).unwrap_or_default();
+        Some(head)
+    }
+
     /// The next word, 0 past the end.
     pub fn u64(&mut self) -> u64 {
         self.try_u64().unwrap_or(0)
@@ -83,6 +117,10 @@ impl<'a> Reader<'a> {
 
     pub fn u32(&mut self) -> u32 {
         self.try_u32().unwrap_or(0)
+    }
+
+    pub fn u8(&mut self) -> u8 {
+        self.try_u8().unwrap_or(0)
     }
 
     /// Everything not read yet.
@@ -120,6 +158,8 @@ pub trait Record: Default {
 mod tests {
     use super::*;
     use crate::admission::health::{decode_seen, encode_seen, CredentialPause, Upstream};
+    use crate::admission::penalty::{Block, Blocks, Sketch};
+    use crate::fleet::{Lease, Status};
     use crate::flow::PollLease;
     use crate::limits::bucket::BucketState;
     use crate::limits::reservation::{SketchCell, Slot};
@@ -185,6 +225,18 @@ mod tests {
             round_trips(ring);
             round_trips(Correction(correction));
             round_trips(PollLease { owner: words.0, expires_ms: words.1 });
+            round_trips(Lease {
+                owner: words.0,
+                window_end: words.1,
+                balance: touched as i64,
+                expires_ms: bucket.owner,
+                last_ms: bucket.used,
+                grant: bucket.updated_ms,
+            });
+            round_trips(Status { down: touched % 2 == 1, retry_at_ms: words.0 });
+            let block = Block { owner: words.0, blocked_until_ms: words.1, period_start_ms: touched, forgiven: bucket.used };
+            round_trips(block);
+            round_trips(Blocks([block; crate::admission::penalty::RECORDS]));
             let seen = decode_seen(&encode_seen(touched, b"{}"));
             prop_assert_eq!(seen.received_ms, touched);
         }
@@ -200,8 +252,174 @@ mod tests {
             let c = Correction::decode(&bytes);
             prop_assert!((Correction::MIN..=Correction::MAX).contains(&c.0));
             let _ = PollLease::decode(&bytes);
+            let _ = Lease::decode(&bytes);
+            let _ = Status::decode(&bytes);
+            let _ = Sketch::decode(&bytes);
+            let _ = Blocks::decode(&bytes);
+            let _ = crate::queue::State::decode(&bytes);
             let _ = decode_seen(&bytes);
         }
+    }
+
+    /// Every record, a default and a filled one: (type, [(encoded length,
+    /// `LEN`); 2]).
+    fn lengths() -> Vec<(&'static str, [(usize, usize); 2])> {
+        fn len_of<T: Record>(x: T) -> (usize, usize) {
+            (x.encode().len(), T::LEN)
+        }
+        fn both<T: Record>(x: T) -> (&'static str, [(usize, usize); 2]) {
+            let name = std::any::type_name::<T>();
+            let name = name.rsplit("::").next().unwrap_or(name);
+            (name, [len_of(T::default()), len_of(x)])
+        }
+        let bucket = BucketState {
+            owner: 1,
+            used: 2,
+            updated_ms: 3,
+        };
+        let mut sketch = Sketch::default();
+        sketch.counters[255] = 7;
+        let block = Block {
+            owner: 1,
+            blocked_until_ms: 2,
+            period_start_ms: 3,
+            forgiven: 4,
+        };
+        vec![
+            both(bucket),
+            both(Slot {
+                state: bucket,
+                touched_ms: 4,
+            }),
+            both(SketchCell { window: 1, used: 2 }),
+            both(Upstream {
+                failures: 3,
+                ..Upstream::default()
+            }),
+            both(CredentialPause {
+                fingerprint: 1,
+                until_ms: 2,
+            }),
+            both(sketch),
+            both(block),
+            both(Blocks([block; crate::admission::penalty::RECORDS])),
+            both(UsageRing {
+                newest: 9,
+                ..UsageRing::default()
+            }),
+            both(Correction(Correction::MAX)),
+            both(PollLease {
+                owner: 1,
+                expires_ms: 2,
+            }),
+            both(Lease {
+                owner: 1,
+                balance: -5,
+                ..Lease::default()
+            }),
+            both(Status {
+                down: true,
+                retry_at_ms: 6,
+            }),
+        ]
+    }
+
+    /// Every record of the table, a default and a filled one: encoded, it
+    /// is `LEN` bytes.
+    #[test]
+    fn every_record_encodes_to_its_len() {
+        for (name, [empty, filled]) in lengths() {
+            assert_eq!(empty.0, empty.1, "{name} (default)");
+            assert_eq!(filled.0, filled.1, "{name}");
+        }
+        assert_eq!(Sketch::LEN, 1032);
+        assert_eq!((Lease::LEN, Status::LEN), (48, 9));
+    }
+
+    /// Every `impl Record` of the crate is a row of the table in this
+    /// file's header and is held to its `LEN` by [`lengths`].
+    #[test]
+    fn every_record_is_in_the_table() {
+        fn walk(dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+            for entry in std::fs::read_dir(dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    walk(&path, out);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    for line in text.lines() {
+                        if let Some(rest) = line.strip_prefix("impl Record for ") {
+                            let name = rest.trim_end_matches(" {").to_string();
+                            out.push((name, path.display().to_string()));
+                        }
+                    }
+                }
+            }
+        }
+        let mut records = Vec::new();
+        walk(
+            std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")),
+            &mut records,
+        );
+        let header: Vec<&str> = include_str!("codec.rs")
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .collect();
+        let held: Vec<&str> = lengths().iter().map(|(name, _)| *name).collect();
+        assert!(records.len() >= 13, "{records:?}");
+        for (name, file) in &records {
+            let row = format!("`{name}`");
+            assert!(
+                header
+                    .iter()
+                    .any(|l| l.starts_with("//! | ") && l.contains(&row)),
+                "{name} ({file}) is not in codec.rs's table"
+            );
+            assert!(
+                held.contains(&name.as_str()),
+                "{name} ({file}) is not held to its LEN"
+            );
+        }
+    }
+
+    /// The fleet's records read as they did before they were `Record`s:
+    /// by prefix, a missing word 0.
+    #[test]
+    fn fleet_records_read_by_prefix() {
+        let lease = Lease {
+            owner: 7,
+            window_end: 8,
+            balance: -3,
+            expires_ms: 9,
+            last_ms: 10,
+            grant: 11,
+        };
+        let bytes = lease.encode();
+        assert_eq!(&bytes[16..24], &(-3i64 as u64).to_le_bytes());
+        assert_eq!(
+            Lease::decode(&bytes[..16]),
+            Lease {
+                owner: 7,
+                window_end: 8,
+                ..Lease::default()
+            }
+        );
+        assert_eq!(
+            Status {
+                down: true,
+                retry_at_ms: 5
+            }
+            .encode(),
+            [1, 5, 0, 0, 0, 0, 0, 0, 0]
+        );
+        assert_eq!(
+            Status::decode(&[1]),
+            Status {
+                down: true,
+                retry_at_ms: 0
+            }
+        );
+        assert_eq!(Status::decode(&[]), Status::default());
     }
 
     #[test]

@@ -104,6 +104,34 @@ pub fn update(
     .unwrap_or(Updated::Exhausted)
 }
 
+/// A settlement or a give-back gets this many times the attempts of a take:
+/// the usage it records already happened (giving up would under-charge),
+/// the units it returns would otherwise be held until they drain.
+pub const SETTLE_TRIES_FACTOR: u32 = 8;
+
+/// The compare-and-swap bound of a loaded policy (`state.cas_max_retries`,
+/// at least 1 by its check): read from the policy in one place,
+/// `Engine::tries`, and handed down as this value to every update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tries(u32);
+
+impl Tries {
+    pub const fn new(per_update: u32) -> Tries {
+        Tries(per_update)
+    }
+
+    /// Attempts of one take or update of a key.
+    pub fn take(self) -> u32 {
+        self.0
+    }
+
+    /// Attempts of a settlement or give-back: [`SETTLE_TRIES_FACTOR`] times
+    /// as many.
+    pub fn settle(self) -> u32 {
+        self.0.saturating_mul(SETTLE_TRIES_FACTOR)
+    }
+}
+
 /// A store with a retry bound, summing the contention of the updates made
 /// through it (for one request, one answer, one tick).
 pub struct Cas<'a> {
@@ -208,6 +236,13 @@ mod tests {
         Some(vec![
             current.and_then(|b| b.first().copied()).unwrap_or(0) + 1,
         ])
+    }
+
+    #[test]
+    fn a_settlement_gets_the_factor_times_the_attempts_of_a_take() {
+        let t = Tries::new(3);
+        assert_eq!((t.take(), t.settle()), (3, 3 * SETTLE_TRIES_FACTOR));
+        assert_eq!(Tries::new(u32::MAX).settle(), u32::MAX, "saturates");
     }
 
     #[test]

@@ -6,13 +6,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use super::Stored;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    pub max_entries: usize,
-    pub max_bytes: u64,
-}
+pub use super::entry::Limits;
+use super::entry::Stored;
 
 struct Slot {
     stored: Arc<Stored>,
@@ -143,7 +138,23 @@ impl MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::tests::stored;
+    use sluice_wire::cache::Entry;
+
+    fn stored(model: &str, body_len: usize, ttl_ms: u64) -> Arc<Stored> {
+        Arc::new(Stored {
+            model: model.into(),
+            entry: Entry {
+                body: "x".repeat(body_len),
+                prompt_tokens: 1,
+                completion_tokens: 1,
+                spend_micros: 0,
+            },
+            stored_at_ms: 0,
+            expires_at_ms: ttl_ms,
+            context: None,
+            vector: None,
+        })
+    }
 
     fn keys(r: &[(String, String)]) -> Vec<&str> {
         r.iter().map(|(k, _)| k.as_str()).collect()

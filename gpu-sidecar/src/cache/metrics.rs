@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use sluice_wire::cache::{Entry, Kind};
 
-use super::{lock, Cache};
-use crate::metrics::Exposition;
+use super::entry::lock;
 
 /// Distinct model labels kept; beyond, counted under `other`.
 const MAX_MODELS: usize = 256;
@@ -112,107 +111,35 @@ impl Stats {
         }
     }
 
+    /// (model, kind, result, count), for `/metrics`.
+    pub fn counts(&self) -> Vec<(String, &'static str, &'static str, u64)> {
+        lock(&self.counts)
+            .iter()
+            .flat_map(|(m, by)| by.iter().map(move |((k, r), n)| (m.clone(), *k, *r, *n)))
+            .collect()
+    }
+
+    /// (model, tokens, spend micros) the hits saved.
+    pub fn saved_by_model(&self) -> Vec<(String, u64, u64)> {
+        lock(&self.saved)
+            .iter()
+            .map(|(m, (t, s))| (m.clone(), *t, *s))
+            .collect()
+    }
+
+    /// Cumulative bucket counts, count, sum in µs of the lookup latency.
+    pub fn lookup_histogram(&self) -> (Vec<u64>, u64, u64) {
+        (
+            self.lookup_buckets
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed))
+                .collect(),
+            self.lookup_count.load(Ordering::Relaxed),
+            self.lookup_micros.load(Ordering::Relaxed),
+        )
+    }
+
     pub fn unavailable(&self) {
         self.unavailable.fetch_add(1, Ordering::Relaxed);
     }
-}
-
-pub(crate) fn render(cache: &Cache, out: &mut Exposition) {
-    let s = &cache.stats;
-    out.family(
-        "sluice_sidecar_cache_total",
-        "counter",
-        "Cache lookups and stores by result (hit, miss, store, skip, evict), kind and model.",
-    );
-    for (model, by) in lock(&s.counts).iter() {
-        for ((kind, result), n) in by {
-            out.sample(
-                "sluice_sidecar_cache_total",
-                &[("result", result), ("kind", kind), ("model", model)],
-                *n as f64,
-            );
-        }
-    }
-    out.family(
-        "sluice_sidecar_cache_saved_tokens_total",
-        "counter",
-        "Tokens (prompt + completion) of the answers served from the cache.",
-    );
-    out.family(
-        "sluice_sidecar_cache_saved_spend_micros_total",
-        "counter",
-        "Spend (micro-currency) of the answers served from the cache.",
-    );
-    for (model, (tokens, spend)) in lock(&s.saved).iter() {
-        out.sample(
-            "sluice_sidecar_cache_saved_tokens_total",
-            &[("model", model)],
-            *tokens as f64,
-        );
-        out.sample(
-            "sluice_sidecar_cache_saved_spend_micros_total",
-            &[("model", model)],
-            *spend as f64,
-        );
-    }
-    let gauges = [
-        (
-            "sluice_sidecar_cache_entries",
-            "Entries held (in Redis, fleet mode: as Redis counts them).",
-            s.entries.load(Ordering::Relaxed) as f64,
-        ),
-        (
-            "sluice_sidecar_cache_bytes",
-            "Bytes the entries take, as the bound counts them.",
-            s.bytes.load(Ordering::Relaxed) as f64,
-        ),
-        (
-            "sluice_sidecar_cache_vectors",
-            "Vectors in this sidecar's semantic index.",
-            cache.vectors() as f64,
-        ),
-    ];
-    for (name, help, v) in gauges {
-        out.family(name, "gauge", help);
-        out.sample(name, &[], v);
-    }
-    let counters = [
-        (
-            "sluice_sidecar_cache_embedding_calls_total",
-            "Calls to the embeddings endpoint.",
-            &s.embedding_calls,
-        ),
-        (
-            "sluice_sidecar_cache_embedding_failures_total",
-            "Embedding calls that failed or timed out (each a semantic miss).",
-            &s.embedding_failures,
-        ),
-        (
-            "sluice_sidecar_cache_unavailable_total",
-            "Redis calls of the cache that failed (each a miss or an unstored answer).",
-            &s.unavailable,
-        ),
-    ];
-    for (name, help, c) in counters {
-        out.family(name, "counter", help);
-        out.sample(name, &[], c.load(Ordering::Relaxed) as f64);
-    }
-    let h = "sluice_sidecar_cache_lookup_seconds";
-    out.family(h, "histogram", "Time the sidecar took to answer a lookup.");
-    let bucket = format!("{h}_bucket");
-    for (i, le) in LOOKUP_BUCKETS.iter().enumerate() {
-        out.sample(
-            &bucket,
-            &[("le", &le.to_string())],
-            s.lookup_buckets[i].load(Ordering::Relaxed) as f64,
-        );
-    }
-    let count = s.lookup_count.load(Ordering::Relaxed) as f64;
-    out.sample(&bucket, &[("le", "+Inf")], count);
-    out.sample(
-        &format!("{h}_sum"),
-        &[],
-        s.lookup_micros.load(Ordering::Relaxed) as f64 / 1e6,
-    );
-    out.sample(&format!("{h}_count"), &[], count);
 }

@@ -19,159 +19,37 @@
 //!   whoever cannot compute them can neither read nor plant an answer for
 //!   a given caller's question.
 
-pub mod api;
+pub mod entry;
 pub mod memory;
 pub mod metrics;
 pub mod redis;
 pub mod semantic;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
 use sluice_wire::cache::{
-    Entry, Hit, Kind, LookupAnswer, LookupRequest, NotStored, StoreAnswer, StoreRequest,
+    Hit, Kind, LookupAnswer, LookupRequest, NotStored, StoreAnswer, StoreRequest,
 };
 
-use self::memory::{Limits, MemoryStore, Removed};
+use self::entry::lock;
+pub use self::entry::{Limits, Stored};
+use self::memory::{MemoryStore, Removed};
 use self::metrics::Stats;
-use self::semantic::{Embedder, EmbeddingsConfig, Index};
+use self::semantic::{Embedder, Index};
+pub use crate::config::cache::{Backend, CacheConfig, EmbeddingsConfig};
 
-/// Where entries live.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Backend {
-    /// Redis when this sidecar is a fleet agent (`fleet:` set), else memory.
-    #[default]
-    Auto,
-    Memory,
-    Redis,
-}
-
-/// The sidecar's `cache:` section.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct CacheConfig {
-    pub backend: Backend,
-    pub max_entries: usize,
-    /// Bytes of all entries together (answers, keys, vectors).
-    pub max_bytes: u64,
-    /// One entry's answer at most (bytes); larger ones are not stored.
-    pub max_entry_bytes: u64,
-    /// The longest TTL any entry gets, whatever the filter asks.
-    #[serde(deserialize_with = "crate::config::duration")]
-    pub max_ttl: Duration,
-    /// Vectors the semantic index holds at most (default `max_entries`).
-    pub max_vectors: Option<usize>,
-    /// Absent: no semantic cache (semantic lookups are misses).
-    pub embeddings: Option<EmbeddingsConfig>,
-}
-
-impl Default for CacheConfig {
-    fn default() -> Self {
-        CacheConfig {
-            backend: Backend::Auto,
-            max_entries: 10_000,
-            max_bytes: 64 << 20,
-            max_entry_bytes: 1 << 20,
-            max_ttl: Duration::from_secs(30 * 86_400),
-            max_vectors: None,
-            embeddings: None,
-        }
-    }
-}
-
-/// Absurd bounds are refused rather than believed.
-const MAX_ENTRIES: usize = 10_000_000;
-const MAX_BYTES: u64 = 64 << 30;
-
-impl CacheConfig {
-    /// Checks the section; `fleet`: whether a `fleet:` section is there.
-    pub fn check(&self, fleet: bool) -> Result<(), (String, String)> {
-        let bad = |p: &str, m: String| Err((format!("cache.{p}"), m));
-        if self.max_entries == 0 || self.max_entries > MAX_ENTRIES {
-            return bad("max_entries", format!("between 1 and {MAX_ENTRIES}"));
-        }
-        if self.max_bytes == 0 || self.max_bytes > MAX_BYTES {
-            return bad("max_bytes", format!("between 1 and {MAX_BYTES}"));
-        }
-        if self.max_entry_bytes == 0 || self.max_entry_bytes > self.max_bytes {
-            return bad(
-                "max_entry_bytes",
-                format!("between 1 and max_bytes ({})", self.max_bytes),
-            );
-        }
-        if self.max_ttl.as_secs() == 0 {
-            return bad("max_ttl", "at least 1s".into());
-        }
-        if self.max_vectors.is_some_and(|v| v > MAX_ENTRIES) {
-            return bad("max_vectors", format!("at most {MAX_ENTRIES}"));
-        }
-        if self.backend == Backend::Redis && !fleet {
-            return bad(
-                "backend",
-                "redis needs the fleet: section (the cache uses the fleet agent's Redis)".into(),
-            );
-        }
-        if let Some(e) = &self.embeddings {
-            crate::http::Target::parse(&e.url)
-                .map_err(|err| ("cache.embeddings.url".to_string(), err.to_string()))?;
-            if e.model.trim().is_empty() {
-                return bad("embeddings.model", "must name the embedding model".into());
-            }
-            if e.timeout.is_zero() {
-                return bad("embeddings.timeout", "must be more than 0".into());
-            }
-        }
-        Ok(())
-    }
-
-    fn limits(&self) -> Limits {
-        Limits {
-            max_entries: self.max_entries,
-            max_bytes: self.max_bytes,
-        }
-    }
-}
-
-/// An entry as kept: the answer, who it is for (only the model, for
-/// purges and metrics; the scope is in the key), when, and its vector.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Stored {
-    pub model: String,
-    pub entry: Entry,
-    pub stored_at_ms: u64,
-    pub expires_at_ms: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub context: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vector: Option<Vec<f32>>,
-}
-
-/// Per entry beyond what it holds (map slots, order, counters).
-const OVERHEAD: u64 = 160;
-
-impl Stored {
-    /// What it costs to keep, for the byte bound.
-    pub fn bytes(&self, key: &str) -> u64 {
-        let vector = self.vector.as_ref().map_or(0, |v| v.len() * 4);
-        let n = key.len()
-            + self.model.len()
-            + self.entry.body.len()
-            + self.context.as_ref().map_or(0, String::len)
-            + vector;
-        (n as u64).saturating_add(OVERHEAD)
+fn limits(c: &CacheConfig) -> Limits {
+    Limits {
+        max_entries: c.max_entries,
+        max_bytes: c.max_bytes,
     }
 }
 
 enum Store {
     Memory(Mutex<MemoryStore>),
     Redis(redis::RedisStore),
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Keys are the filter's hex SHA-256s; anything else is refused.
@@ -213,9 +91,9 @@ impl Cache {
             .map_err(|(p, m)| format!("{p}: {m}"))?;
         let store = match (config.backend, fleet) {
             (Backend::Memory, _) | (Backend::Auto, None) => {
-                Store::Memory(Mutex::new(MemoryStore::new(config.limits())))
+                Store::Memory(Mutex::new(MemoryStore::new(limits(&config))))
             }
-            (_, Some(f)) => Store::Redis(redis::RedisStore::new(f, config.limits())),
+            (_, Some(f)) => Store::Redis(redis::RedisStore::new(f, limits(&config))),
             (Backend::Redis, None) => return Err("cache.backend: redis needs fleet:".into()),
         };
         let embedder = config.embeddings.as_ref().map(Embedder::new).transpose()?;
@@ -228,6 +106,11 @@ impl Cache {
             stats: Stats::default(),
             config,
         }))
+    }
+
+    /// The largest answer stored (bytes).
+    pub fn max_entry_bytes(&self) -> u64 {
+        self.config.max_entry_bytes
     }
 
     /// Updates the entries and bytes gauges.

@@ -15,8 +15,7 @@
 
 use std::sync::Arc;
 
-use super::memory::Limits;
-use super::Stored;
+use super::entry::{Limits, Stored};
 use crate::fleet::{Fleet, FleetError};
 
 pub const PREFIX: &str = "sluice:cache:e:";

@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+pub use crate::config::cache::EmbeddingsConfig;
+
 use crate::http::{self, Target};
 
 /// One context's vectors, side by side in one allocation (a search reads
@@ -222,30 +224,6 @@ impl Index {
             })
             .collect()
     }
-}
-
-/// The sidecar's `cache.embeddings`: an OpenAI-compatible endpoint.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EmbeddingsConfig {
-    /// The full URL, e.g. `http://127.0.0.1:8000/v1/embeddings` (vLLM,
-    /// Ollama's OpenAI endpoint, a provider behind a local proxy).
-    pub url: String,
-    /// The embedding model it is asked for.
-    pub model: String,
-    /// Per call; a slower answer is a miss (default 2s).
-    #[serde(
-        default = "default_timeout",
-        deserialize_with = "crate::config::duration"
-    )]
-    pub timeout: Duration,
-    /// Environment variable holding a bearer token, if the endpoint wants one.
-    #[serde(default)]
-    pub api_key_env: Option<String>,
-}
-
-fn default_timeout() -> Duration {
-    Duration::from_secs(2)
 }
 
 #[derive(Deserialize)]

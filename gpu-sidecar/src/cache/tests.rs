@@ -1,36 +1,14 @@
 //! The cache's store, semantic rule and endpoints (memory and Redis).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::extract::ConnectInfo;
-use axum::http::{Request, StatusCode};
-use serde_json::{json, Value};
 use sluice_wire::cache::{Entry, Kind, LookupRequest, Semantic, StoreRequest};
-use tower::ServiceExt as _;
 
 use super::semantic::EmbeddingsConfig;
 use super::*;
 
-pub(crate) fn stored(model: &str, body_len: usize, ttl_ms: u64) -> Arc<Stored> {
-    Arc::new(Stored {
-        model: model.into(),
-        entry: Entry {
-            body: "x".repeat(body_len),
-            prompt_tokens: 1,
-            completion_tokens: 1,
-            spend_micros: 0,
-        },
-        stored_at_ms: 0,
-        expires_at_ms: ttl_ms,
-        context: None,
-        vector: None,
-    })
-}
-
-fn hash(s: &str) -> String {
+pub(crate) fn hash(s: &str) -> String {
     use std::fmt::Write as _;
     // Any 64 hex digits will do: the filter's hashes are opaque here.
     let mut out = String::new();
@@ -58,7 +36,7 @@ fn entry(body: &str, tokens: u64) -> Entry {
     }
 }
 
-fn store_req(key: &str, body: &str, semantic: Option<(&str, &str)>) -> StoreRequest {
+pub(crate) fn store_req(key: &str, body: &str, semantic: Option<(&str, &str)>) -> StoreRequest {
     StoreRequest {
         key: hash(key),
         model: "m".into(),
@@ -71,7 +49,7 @@ fn store_req(key: &str, body: &str, semantic: Option<(&str, &str)>) -> StoreRequ
     }
 }
 
-fn lookup_req(key: &str, semantic: Option<(&str, &str)>) -> LookupRequest {
+pub(crate) fn lookup_req(key: &str, semantic: Option<(&str, &str)>) -> LookupRequest {
     LookupRequest {
         key: hash(key),
         model: "m".into(),
@@ -84,7 +62,7 @@ fn lookup_req(key: &str, semantic: Option<(&str, &str)>) -> LookupRequest {
     }
 }
 
-fn memory_cache(embeddings: Option<String>) -> Arc<Cache> {
+pub(crate) fn memory_cache(embeddings: Option<String>) -> Arc<Cache> {
     Cache::new(
         CacheConfig {
             embeddings: embeddings.map(|url| EmbeddingsConfig {
@@ -390,125 +368,6 @@ fn config_checks_name_the_field() {
     }
     let e = parse("cache: {max_entires: 3}").unwrap_err();
     assert!(e.contains("cache") && e.contains("unknown field"), "{e}");
-}
-
-fn post(uri: &str, from: &str, body: &str, headers: &[(&str, &str)]) -> Request<Body> {
-    let mut req = Request::post(uri).header("content-type", "application/json");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let mut req = req.body(Body::from(body.to_string())).unwrap();
-    req.extensions_mut()
-        .insert(ConnectInfo(from.parse::<SocketAddr>().unwrap()));
-    req
-}
-
-async fn send(app: &axum::Router, req: Request<Body>) -> (StatusCode, Value) {
-    let res = app.clone().oneshot(req).await.unwrap();
-    let status = res.status();
-    let bytes = axum::body::to_bytes(res.into_body(), 1 << 24)
-        .await
-        .unwrap();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
-
-#[tokio::test]
-async fn endpoints_answer_the_envoy_beside_only() {
-    let cache = memory_cache(None);
-    let app = api::router(api::CacheApi {
-        cache: cache.clone(),
-        fleet: None,
-        token: crate::admin::AdminToken::new("t0ken"),
-    });
-    let local = "127.0.0.1:5000";
-    let store = serde_json::to_string(&store_req("k", "answer", None)).unwrap();
-    let lookup = serde_json::to_string(&lookup_req("k", None)).unwrap();
-    let (s, v) = send(&app, post("/v1/cache/store", local, &store, &[])).await;
-    assert_eq!((s, v["stored"].clone()), (StatusCode::OK, json!(true)));
-    let (s, v) = send(&app, post("/v1/cache/lookup", local, &lookup, &[])).await;
-    assert_eq!(s, StatusCode::OK);
-    assert_eq!(v["hit"]["entry"]["body"], "answer");
-    // Not loopback, a web page, not JSON: refused.
-    let (s, _) = send(
-        &app,
-        post("/v1/cache/lookup", "10.0.0.2:5000", &lookup, &[]),
-    )
-    .await;
-    assert_eq!(s, StatusCode::FORBIDDEN);
-    let (s, _) = send(
-        &app,
-        post(
-            "/v1/cache/store",
-            local,
-            &store,
-            &[("origin", "http://evil.example")],
-        ),
-    )
-    .await;
-    assert_eq!(s, StatusCode::FORBIDDEN);
-    let mut plain = post("/v1/cache/lookup", local, &lookup, &[]);
-    plain
-        .headers_mut()
-        .insert("content-type", "text/plain".parse().unwrap());
-    assert_eq!(
-        send(&app, plain).await.0,
-        StatusCode::UNSUPPORTED_MEDIA_TYPE
-    );
-    // A bad message names the field.
-    let (s, v) = send(
-        &app,
-        post(
-            "/v1/cache/lookup",
-            local,
-            r#"{"key": 1, "model": "m"}"#,
-            &[],
-        ),
-    )
-    .await;
-    assert_eq!(s, StatusCode::BAD_REQUEST);
-    assert!(v["error"]["message"].as_str().unwrap().starts_with("key"));
-    // Purge needs the token.
-    let (s, _) = send(&app, post("/v1/cache/purge", local, "{}", &[])).await;
-    assert_eq!(s, StatusCode::UNAUTHORIZED);
-    let (s, v) = send(
-        &app,
-        post(
-            "/v1/cache/purge",
-            local,
-            "{}",
-            &[("authorization", "Bearer t0ken")],
-        ),
-    )
-    .await;
-    assert_eq!((s, v["purged"].clone()), (StatusCode::OK, json!(1)));
-    let (_, v) = send(&app, post("/v1/cache/lookup", local, &lookup, &[])).await;
-    assert_eq!(v["hit"], Value::Null);
-}
-
-#[tokio::test]
-async fn metrics_render() {
-    let c = memory_cache(None);
-    c.store(store_req("k", "a", None), 0).await.unwrap();
-    c.lookup(&lookup_req("k", None), 0).await.unwrap();
-    let mut out = crate::metrics::Exposition::default();
-    metrics::render(&c, &mut out);
-    let text = out.text();
-    let samples = crate::sources::prom::parse(text);
-    let find = |name: &str, result: Option<&str>| {
-        samples
-            .iter()
-            .find(|s| s.name == name && result.is_none_or(|r| s.label("result") == Some(r)))
-            .unwrap_or_else(|| panic!("{name} in\n{text}"))
-            .value
-    };
-    assert_eq!(find("sluice_sidecar_cache_total", Some("hit")), 1.0);
-    assert_eq!(find("sluice_sidecar_cache_total", Some("store")), 1.0);
-    assert_eq!(find("sluice_sidecar_cache_saved_tokens_total", None), 6.0);
-    assert_eq!(find("sluice_sidecar_cache_entries", None), 1.0);
-    assert_eq!(find("sluice_sidecar_cache_lookup_seconds_count", None), 1.0);
 }
 
 /// Against a real redis-server (skipped, saying so, where there is none).

@@ -2,6 +2,7 @@
 //! simulated one for tests and the demo); inference servers through
 //! [`BackendSource`] (vLLM `/metrics`, Ollama `/api/ps`).
 
+pub mod dcgm;
 pub mod gpu;
 pub mod ollama;
 pub mod prom;

@@ -1,0 +1,14 @@
+//! What the sidecar sees and concludes: one [`monitor`] round per scrape
+//! interval feeds the breaker rules and publishes the state; [`alerts`]
+//! (webhooks), [`history`] and [`traffic`] (the operator page's series),
+//! the [`kill_switch`], [`telemetry`] (what the last round saw, counters)
+//! and [`memory`] (handing memory back after bursts). Imports `sources`,
+//! `config`, `breaker` and the bottom layer only.
+
+pub mod alerts;
+pub mod history;
+pub mod kill_switch;
+pub mod memory;
+pub mod monitor;
+pub mod telemetry;
+pub mod traffic;
