@@ -5,7 +5,8 @@
 
 use super::rewrite::rewrite;
 use super::*;
-use crate::limits::reservation::Share;
+use crate::limits::bucket::Shortfall;
+use crate::limits::reservation::{Reservation, Share};
 
 /// Who takes from the buckets: declared API keys by name (they have
 /// dedicated keys), everyone else by hash.
@@ -29,6 +30,21 @@ struct Sized {
     choices: u64,
     /// The maximum output of one completion.
     per_choice: u64,
+}
+
+/// What the reservation loop took: the reservation, the buckets taken, and
+/// whether the output was lowered to fit a hard token budget.
+struct Reserved {
+    reservation: Reservation,
+    taken: Vec<usize>,
+    lowered: bool,
+}
+
+impl Sized {
+    /// The maximum output of every completion together.
+    fn output(&self) -> u64 {
+        self.per_choice.saturating_mul(self.choices)
+    }
 }
 
 impl Engine {
@@ -96,21 +112,14 @@ impl Engine {
             return verdict;
         }
         let reserver = self.reserver(store);
-        let Sized {
-            requested_model,
-            input,
-            api,
-            produces_output,
-            choices,
-            mut per_choice,
-        } = self.size(store, api, asked);
+        let mut sized = self.size(store, api, asked);
         let requested_out = asked.and_then(|a| a.demand.max_output);
         let input_raw = asked.map_or(0.0, |a| a.input_raw);
-        let mut output = per_choice.saturating_mul(choices);
         let downshift = asked.and_then(|_| {
-            self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
+            let model = sized.requested_model.as_deref();
+            self.downshift(&reserver, ctx, model, sized.input, sized.output())
         });
-        let model = downshift.clone().or(requested_model.clone());
+        let model = downshift.clone().or(sized.requested_model.clone());
         let degraded = downshift.is_some().then_some(Degraded::Downshift);
         let labels = |decision| Labels {
             decision,
@@ -118,13 +127,82 @@ impl Engine {
             model: self.model_label(model.as_deref()),
         };
 
-        // Reserve; when a hard token budget cannot cover the maximum output,
-        // ask the model for only what it still covers (no overshoot).
         let mut effort = Contention::default();
         let pricing = self.pricing_of(model.as_deref());
-        let applying = self.drawn_on(identity, api, model.as_deref(), path);
+        let applying = self.drawn_on(identity, sized.api, model.as_deref(), path);
+        let Reserved {
+            reservation,
+            taken,
+            lowered,
+        } = match self.reserve_lowering(&reserver, ctx, &applying, &mut sized, pricing, &mut effort)
+        {
+            Ok(reserved) => reserved,
+            Err((refusal, taken)) => {
+                return self.refusal(refusal, &taken, identity, model.as_deref(), effort, now_ms)
+            }
+        };
+
+        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
+        let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
+        if let Some(kind) = degraded {
+            headers.push(("x-sluice-degraded".into(), kind.code().into()));
+        }
+        let (body, strip_usage) = match asked {
+            Some(asked) => {
+                let new_output = (sized.produces_output && (lowered || requested_out.is_none()))
+                    .then_some(sized.per_choice);
+                rewrite(sized.api, asked, downshift.as_deref(), new_output)
+            }
+            None => (None, false),
+        };
+        let held = asked
+            .is_none()
+            .then(|| (reservation.held.clone(), meters.clone()));
+        let plan = asked.map(|a| Plan {
+            held: reservation.held,
+            meters,
+            api: sized.api,
+            model: model.clone(),
+            input_raw,
+            input_estimate: sized.input,
+            max_output: sized.output(),
+            stream: a.demand.stream,
+            strip_usage,
+            pricing,
+        });
+        Verdict {
+            reply: None,
+            response_headers: headers,
+            body,
+            labels: labels(Decision::Admit),
+            contention: effort,
+            no_slot: false,
+            plan,
+            alerts,
+            degraded,
+            bucket: None,
+            retry_after_ms: None,
+            held,
+        }
+    }
+
+    /// Reserves every applying bucket that counts something, all or
+    /// nothing. When a hard token budget cannot cover the maximum output,
+    /// asks the model for only what it still covers (no overshoot) and
+    /// tries again. A refusal comes back with the buckets it was among.
+    fn reserve_lowering(
+        &self,
+        reserver: &Reserver,
+        ctx: &RequestContext,
+        applying: &[usize],
+        sized: &mut Sized,
+        pricing: Pricing,
+        effort: &mut Contention,
+    ) -> Result<Reserved, (Refusal, Vec<usize>)> {
+        let identity = ctx.identity;
         let mut lowered = false;
-        let (reservation, taken) = loop {
+        loop {
+            let (input, output) = (sized.input, sized.output());
             let taken: Vec<usize> = applying
                 .iter()
                 .copied()
@@ -145,71 +223,33 @@ impl Engine {
                     }
                 })
                 .collect();
-            match reserver.reserve(&claims, caller(identity), now_ms, &mut effort) {
-                Ok(reservation) => break (reservation, taken),
-                Err(Refusal::Full { index, shortfall }) if produces_output => {
+            match reserver.reserve(&claims, caller(identity), ctx.now_ms, effort) {
+                Ok(reservation) => {
+                    return Ok(Reserved {
+                        reservation,
+                        taken,
+                        lowered,
+                    })
+                }
+                Err(Refusal::Full { index, shortfall }) if sized.produces_output => {
                     let room = shortfall.quota.remaining;
                     let allowed = match self.buckets[taken[index]].meter {
                         Meter::Tokens => room.saturating_sub(input),
                         Meter::OutputTokens => room,
                         _ => 0,
                     };
-                    let allowed_per_choice = allowed / choices;
-                    if allowed_per_choice >= MIN_LOWERED_OUTPUT && allowed_per_choice < per_choice {
-                        per_choice = allowed_per_choice;
-                        output = per_choice.saturating_mul(choices);
+                    let allowed_per_choice = allowed / sized.choices;
+                    if allowed_per_choice >= MIN_LOWERED_OUTPUT
+                        && allowed_per_choice < sized.per_choice
+                    {
+                        sized.per_choice = allowed_per_choice;
                         lowered = true;
                         continue;
                     }
-                    let refusal = Refusal::Full { index, shortfall };
-                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms);
+                    return Err((Refusal::Full { index, shortfall }, taken));
                 }
-                Err(refusal) => {
-                    return self.refusal(refusal, &taken, identity, labels, effort, now_ms)
-                }
+                Err(refusal) => return Err((refusal, taken)),
             }
-        };
-
-        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
-        let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
-        if let Some(kind) = degraded {
-            headers.push(("x-sluice-degraded".into(), kind.code().into()));
-        }
-        let (body, strip_usage) = match asked {
-            Some(asked) => {
-                let new_output =
-                    (produces_output && (lowered || requested_out.is_none())).then_some(per_choice);
-                rewrite(api, asked, downshift.as_deref(), new_output)
-            }
-            None => (None, false),
-        };
-        let held = asked
-            .is_none()
-            .then(|| (reservation.held.clone(), meters.clone()));
-        let plan = asked.map(|a| Plan {
-            held: reservation.held,
-            meters,
-            api,
-            model: model.clone(),
-            input_raw,
-            input_estimate: input,
-            max_output: output,
-            stream: a.demand.stream,
-            strip_usage,
-            pricing,
-        });
-        Verdict {
-            reply: None,
-            response_headers: headers,
-            body,
-            labels: labels(Decision::Admit),
-            contention: effort,
-            no_slot: false,
-            plan,
-            alerts,
-            degraded,
-            bucket: None,
-            held,
         }
     }
 
@@ -247,39 +287,30 @@ impl Engine {
         refusal: Refusal,
         taken: &[usize],
         identity: &Identity,
-        labels: impl Fn(Decision) -> Labels,
+        model: Option<&str>,
         mut effort: Contention,
         now_ms: u64,
     ) -> Verdict {
-        let (index, quota, retry_after_ms) = match refusal {
+        let (index, refused) = match refusal {
             Refusal::NoSlot {
                 index,
                 retry_after_ms,
             } => {
                 let bucket = &self.buckets[taken[index]];
-                let reason = Reason::CapacityExhausted;
-                let reply = answer::capacity_exhausted(
+                let refused = Refused::CapacityExhausted {
                     retry_after_ms,
-                    &identity.tier,
-                    &bucket.name,
+                    tier: identity.tier.clone(),
+                    bucket: bucket.name.clone(),
                     now_ms,
-                );
-                return Verdict {
-                    reply: Some(reply),
-                    response_headers: Vec::new(),
-                    body: None,
-                    labels: labels(Decision::Refuse(reason)),
-                    contention: effort,
-                    no_slot: true,
-                    plan: None,
-                    alerts: Vec::new(),
-                    degraded: None,
-                    bucket: Some(bucket.rule.id.clone()),
-                    held: None,
                 };
+                (index, refused)
             }
             Refusal::Full { index, shortfall } => {
-                (index, shortfall.quota, shortfall.retry_after_ms)
+                let bucket = &self.buckets[taken[index]];
+                let (quota, retry_after_ms) = (shortfall.quota, shortfall.retry_after_ms);
+                let refused =
+                    Self::bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
+                (index, refused)
             }
             // Lost every CAS race (counted where it was lost) or the host
             // refused the write (counted here): refuse by that bucket,
@@ -288,33 +319,21 @@ impl Engine {
                 if matches!(refusal, Refusal::Host { .. }) {
                     effort.cas_exhausted = effort.cas_exhausted.saturating_add(1);
                 }
-                let limit = self.buckets[taken[index]].rule.limit.capacity();
-                (
-                    index,
-                    Quota {
-                        limit,
-                        remaining: 0,
-                        reset_ms: 1_000,
-                    },
-                    1_000,
-                )
+                let bucket = &self.buckets[taken[index]];
+                let quota = Quota {
+                    limit: bucket.rule.limit.capacity(),
+                    remaining: 0,
+                    reset_ms: 1_000,
+                };
+                let refused = Self::bucket_refusal(bucket, quota, 1_000, &identity.tier, now_ms);
+                (index, refused)
             }
         };
-        let bucket = &self.buckets[taken[index]];
-        let reply = Self::bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
-        Verdict {
-            reply: Some(reply),
-            response_headers: Vec::new(),
-            body: None,
-            labels: labels(Decision::Refuse(bucket.reason)),
-            contention: effort,
-            no_slot: false,
-            plan: None,
-            alerts: Vec::new(),
-            degraded: None,
-            bucket: Some(bucket.rule.id.clone()),
-            held: None,
-        }
+        let mut verdict = self.refuse(&refused, &identity.tier, model);
+        verdict.contention = effort;
+        verdict.no_slot = matches!(refused, Refused::CapacityExhausted { .. });
+        verdict.bucket = Some(self.buckets[taken[index]].rule.id.clone());
+        verdict
     }
 
     /// The 429 of one bucket (its quota and wait): what admission answers,
@@ -325,20 +344,17 @@ impl Engine {
         retry_after_ms: u64,
         tier: &str,
         now_ms: u64,
-    ) -> Reply {
-        let limit_text = bucket.rule.limit.describe();
-        answer::limited(
-            &Limited {
-                reason: bucket.reason,
-                quota,
-                retry_after_ms,
-                tier,
-                bucket: &bucket.name,
-                rule: &bucket.rule.id,
-                limit_text: &limit_text,
-            },
+    ) -> Refused {
+        Refused::Bucket(BucketRefusal {
+            reason: bucket.reason,
+            quota,
+            retry_after_ms,
+            tier: tier.to_string(),
+            bucket: bucket.name.clone(),
+            rule: bucket.rule.id.clone(),
+            limit_text: bucket.rule.limit.describe(),
             now_ms,
-        )
+        })
     }
 
     /// Headers of an admitted request: the tightest request bucket as
@@ -415,9 +431,9 @@ impl Engine {
             "spend in the last hour reached the {:.2} ceiling",
             ceiling as f64 / 1e6
         );
-        let reply = answer::unavailable(Reason::GlobalBreakerOpen, &why, retry_after_s);
+        let refused = Refused::unavailable(Reason::GlobalBreakerOpen, why, retry_after_s);
         let model = asked.and_then(|a| a.demand.model.as_deref());
-        Some(self.refused(reply, Reason::GlobalBreakerOpen, &identity.tier, model))
+        Some(self.refuse(&refused, &identity.tier, model))
     }
 
     /// The learned estimate correction of a configured model (others: 1.0).
@@ -485,30 +501,64 @@ impl Engine {
         // The least output admission would lower this request to.
         let least = per_choice.min(MIN_LOWERED_OUTPUT).saturating_mul(choices);
         let taken = self.drawn_on(identity, api, model.as_deref(), path);
-        for (index, &i) in taken.iter().enumerate() {
-            let b = &self.buckets[i];
+        let need = |b: &Bucket| {
             if b.soft || b.meter.amount(input, output, pricing) == 0 {
-                continue;
+                return None;
             }
-            let mut amount = b.meter.amount(input, least, pricing);
-            if b.meter == Meter::Requests {
-                let ahead = amount.saturating_mul(queued.saturating_add(1));
-                amount = ahead.min(b.rule.limit.capacity()).max(amount);
+            let amount = b.meter.amount(input, least, pricing);
+            if b.meter != Meter::Requests {
+                return Some(amount);
             }
-            let Some(shortfall) =
-                reserver.shortfall(&Claim::hard(&b.rule, amount), caller(identity), now_ms)
-            else {
-                continue;
-            };
-            let labels = |decision| Labels {
-                decision,
-                tier: identity.tier.clone(),
-                model: self.model_label(model.as_deref()),
-            };
-            let refusal = Refusal::Full { index, shortfall };
-            let effort = Contention::default();
-            return Some(self.refusal(refusal, &taken, identity, labels, effort, now_ms));
-        }
-        None
+            let ahead = amount.saturating_mul(queued.saturating_add(1));
+            Some(ahead.min(b.rule.limit.capacity()).max(amount))
+        };
+        let (index, shortfall) = self
+            .short(&reserver, identity, &taken, need, now_ms)
+            .next()?;
+        Some(self.peeked(index, shortfall, &taken, identity, model.as_deref(), now_ms))
+    }
+
+    /// The one peek, behind [`Engine::would_admit`] and
+    /// [`Engine::refusal_before_body`]: each of `buckets` (in order) that
+    /// cannot give what `need` says the request takes of it now (`None`:
+    /// not asked of it), with its shortfall. Lazy: a bucket is read only
+    /// when the ones before it were taken care of; nothing is written.
+    pub(super) fn short<'a>(
+        &'a self,
+        reserver: &'a Reserver,
+        identity: &'a Identity,
+        buckets: &'a [usize],
+        need: impl Fn(&Bucket) -> Option<u64> + 'a,
+        now_ms: u64,
+    ) -> impl Iterator<Item = (usize, Shortfall)> + 'a {
+        buckets.iter().enumerate().filter_map(move |(n, &i)| {
+            let b = &self.buckets[i];
+            let amount = need(b)?;
+            let shortfall =
+                reserver.shortfall(&Claim::hard(&b.rule, amount), caller(identity), now_ms)?;
+            Some((n, shortfall))
+        })
+    }
+
+    /// The refusal a peek found: admission's 429 of `buckets[index]`,
+    /// with the same `Retry-After`.
+    pub(super) fn peeked(
+        &self,
+        index: usize,
+        shortfall: Shortfall,
+        buckets: &[usize],
+        identity: &Identity,
+        model: Option<&str>,
+        now_ms: u64,
+    ) -> Verdict {
+        let refusal = Refusal::Full { index, shortfall };
+        self.refusal(
+            refusal,
+            buckets,
+            identity,
+            model,
+            Contention::default(),
+            now_ms,
+        )
     }
 }

@@ -199,6 +199,155 @@ impl Reason {
     }
 }
 
+/// A refusal as it is decided: its reason and what its answer says, built
+/// once where the decision is made and rendered once ([`Refused::render`]),
+/// so the reason is given once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// 400, 401, 404, 413: a request sluice does not take; `param` names
+    /// the offending field.
+    Rejected {
+        reason: Reason,
+        message: String,
+        param: Option<String>,
+    },
+    /// "Not now": a sentence and `Retry-After` (the gate and its queue).
+    RetryLater {
+        reason: Reason,
+        message: String,
+        retry_after_s: u64,
+    },
+    /// 503: the backend cannot take the request now, and why.
+    Unavailable {
+        reason: Reason,
+        why: String,
+        retry_after_s: u64,
+    },
+    /// 429 of a bucket that does not fit.
+    Bucket(BucketRefusal),
+    /// 429 `capacity_exhausted`: no per-caller slot of `bucket` is free.
+    CapacityExhausted {
+        retry_after_ms: u64,
+        tier: String,
+        bucket: String,
+        now_ms: u64,
+    },
+    /// 429 `temporarily_blocked`: the caller is in the penalty box.
+    TemporarilyBlocked { retry_after_ms: u64, now_ms: u64 },
+}
+
+/// A bucket's 429 (what [`Limited`] says), owned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketRefusal {
+    pub reason: Reason,
+    pub quota: Quota,
+    pub retry_after_ms: u64,
+    pub tier: String,
+    /// Human name of the bucket, e.g. `tier free: requests`.
+    pub bucket: String,
+    /// Its rule id, e.g. `team/search/requests`.
+    pub rule: String,
+    /// The limit as written, e.g. `10/min`.
+    pub limit_text: String,
+    pub now_ms: u64,
+}
+
+impl Refused {
+    pub fn rejected(reason: Reason, message: impl Into<String>, param: Option<&str>) -> Refused {
+        Refused::Rejected {
+            reason,
+            message: message.into(),
+            param: param.map(str::to_string),
+        }
+    }
+
+    pub fn retry_later(reason: Reason, message: impl Into<String>, retry_after_s: u64) -> Refused {
+        Refused::RetryLater {
+            reason,
+            message: message.into(),
+            retry_after_s,
+        }
+    }
+
+    pub fn unavailable(reason: Reason, why: impl Into<String>, retry_after_s: u64) -> Refused {
+        Refused::Unavailable {
+            reason,
+            why: why.into(),
+            retry_after_s,
+        }
+    }
+
+    pub fn reason(&self) -> Reason {
+        match self {
+            Refused::Rejected { reason, .. }
+            | Refused::RetryLater { reason, .. }
+            | Refused::Unavailable { reason, .. } => *reason,
+            Refused::Bucket(b) => b.reason,
+            Refused::CapacityExhausted { .. } => Reason::CapacityExhausted,
+            Refused::TemporarilyBlocked { .. } => Reason::TemporarilyBlocked,
+        }
+    }
+
+    /// The `Retry-After` its answer says, in milliseconds (whole seconds);
+    /// none for a rejection, which no wait changes.
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        let secs = match self {
+            Refused::Rejected { .. } => return None,
+            Refused::RetryLater { retry_after_s, .. }
+            | Refused::Unavailable { retry_after_s, .. } => *retry_after_s,
+            Refused::Bucket(BucketRefusal { retry_after_ms, .. })
+            | Refused::CapacityExhausted { retry_after_ms, .. }
+            | Refused::TemporarilyBlocked { retry_after_ms, .. } => {
+                ceil_secs(*retry_after_ms).max(1)
+            }
+        };
+        Some(secs.saturating_mul(1000))
+    }
+
+    /// The answer the client gets.
+    pub fn render(&self) -> Reply {
+        match self {
+            Refused::Rejected {
+                reason,
+                message,
+                param,
+            } => rejected(*reason, message, param.as_deref()),
+            Refused::RetryLater {
+                reason,
+                message,
+                retry_after_s,
+            } => retry_later(*reason, message, *retry_after_s),
+            Refused::Unavailable {
+                reason,
+                why,
+                retry_after_s,
+            } => unavailable(*reason, why, *retry_after_s),
+            Refused::Bucket(b) => limited(
+                &Limited {
+                    reason: b.reason,
+                    quota: b.quota,
+                    retry_after_ms: b.retry_after_ms,
+                    tier: &b.tier,
+                    bucket: &b.bucket,
+                    rule: &b.rule,
+                    limit_text: &b.limit_text,
+                },
+                b.now_ms,
+            ),
+            Refused::CapacityExhausted {
+                retry_after_ms,
+                tier,
+                bucket,
+                now_ms,
+            } => capacity_exhausted(*retry_after_ms, tier, bucket, *now_ms),
+            Refused::TemporarilyBlocked {
+                retry_after_ms,
+                now_ms,
+            } => temporarily_blocked(*retry_after_ms, *now_ms),
+        }
+    }
+}
+
 /// A local reply: status, headers and JSON body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reply {
@@ -549,6 +698,52 @@ mod tests {
             Some("false"),
             "an hour: no retry"
         );
+    }
+
+    /// What a refusal carries as its wait is what its answer says.
+    #[test]
+    fn a_refusal_carries_the_retry_after_its_answer_says() {
+        let quota = Quota {
+            limit: 10,
+            remaining: 0,
+            reset_ms: 60_000,
+        };
+        let bucket = BucketRefusal {
+            reason: Reason::UserRateLimit,
+            quota,
+            retry_after_ms: 5_500,
+            tier: "free".into(),
+            bucket: "tier free: requests".into(),
+            rule: "tier/free/requests".into(),
+            limit_text: "10/min".into(),
+            now_ms: 0,
+        };
+        for refused in [
+            Refused::rejected(Reason::InvalidRequest, "no", Some("model")),
+            Refused::retry_later(Reason::QueueFull, "full", 1),
+            Refused::unavailable(Reason::GpuOverloaded, "saturated", 7),
+            Refused::Bucket(bucket),
+            Refused::CapacityExhausted {
+                retry_after_ms: 1,
+                tier: "free".into(),
+                bucket: "b".into(),
+                now_ms: 0,
+            },
+            Refused::TemporarilyBlocked {
+                retry_after_ms: 61_001,
+                now_ms: 0,
+            },
+        ] {
+            let reply = refused.render();
+            let said = reply
+                .header("retry-after")
+                .map(|s| s.parse::<u64>().unwrap() * 1000);
+            assert_eq!(refused.retry_after_ms(), said, "{refused:?}");
+            assert_eq!(
+                reply.header("x-sluice-reason"),
+                Some(refused.reason().code())
+            );
+        }
     }
 
     #[test]

@@ -89,7 +89,8 @@ pub(super) struct Bucket {
     pub(super) shares: Option<crate::limits::shares::Table>,
 }
 
-/// One limit of a tier's (or its anonymous total's) configuration.
+/// One limit of a section's configuration: what a bucket counts, how
+/// much, and how it refuses.
 pub(super) struct TierLimit {
     pub(super) what: &'static str,
     pub(super) limit: Limit,
@@ -212,175 +213,19 @@ impl Engine {
         Ok(engine)
     }
 
+    /// Compiles a policy without the checks of [`Engine::compile`]: the
+    /// buckets in the order a request takes them (tiers, teams, orgs,
+    /// models, routes, passthrough rules), the prices, the penalty box.
     pub fn new(policy: Policy) -> Engine {
-        let mut buckets = Vec::new();
-        let mut tier_buckets: HashMap<String, Vec<usize>> = HashMap::new();
-        let mut model_buckets: HashMap<String, Vec<usize>> = HashMap::new();
-        let mut add = |id: String,
-                       name: String,
-                       limit: Limit,
-                       scope,
-                       reason,
-                       meter,
-                       budget: Option<Budget>| {
-            buckets.push(Bucket {
-                rule: Rule { id, limit, scope },
-                tier: None,
-                anonymous: false,
-                reason,
-                name,
-                meter,
-                soft: budget.is_some_and(|b| b.mode == Mode::Soft),
-                alert_permille: budget.and_then(|b| b.alert_at_permille),
-                shares: None,
-            });
-            buckets.len() - 1
-        };
         let zone = policy.budgets.reset_timezone;
-        let default_shares = crate::policy::shares::default_for(&policy);
-        let shares_of = |written: &Option<crate::policy::shares::SharesConfig>| {
-            crate::limits::shares::Table::compile(written.as_ref().unwrap_or(&default_shares))
-        };
-        let mut shared: Vec<(usize, Option<crate::limits::shares::Table>)> = Vec::new();
-        for (tier, t) in &policy.tiers {
-            // The tier's shared total for undeclared callers comes first: a
-            // flood refused there never reaches the per-caller slots.
-            let mut mine = Vec::new();
-            if let Some(total) = &t.anonymous_total {
-                for l in tier_limits(total, zone) {
-                    let i = add(
-                        format!("tier/{tier}/anonymous/{}", l.what),
-                        format!(
-                            "tier {tier}: {}, all callers without a declared key",
-                            l.what.replace('_', " ")
-                        ),
-                        l.limit,
-                        Scope::Global,
-                        Reason::AnonymousLimit,
-                        l.meter,
-                        l.budget,
-                    );
-                    mine.push(i);
-                }
-            }
-            for l in tier_limits(t, zone) {
-                let i = add(
-                    format!("tier/{tier}/{}", l.what),
-                    format!("tier {tier}: {} per caller", l.what.replace('_', " ")),
-                    l.limit,
-                    Scope::PerPrincipal,
-                    l.reason,
-                    l.meter,
-                    l.budget,
-                );
-                mine.push(i);
-            }
-            tier_buckets.insert(tier.clone(), mine);
-        }
-        // Teams and orgs: one shared bucket per limit (they are declared, so
-        // the key set stays bounded), taken after the caller's own.
-        let mut level_buckets: [HashMap<String, Vec<usize>>; 2] = Default::default();
-        for (level, configs, out) in [
-            (Level::Team, &policy.teams, 0),
-            (Level::Org, &policy.orgs, 1),
-        ] {
-            for (name, t) in configs {
-                let mine = tier_limits(t, zone)
-                    .into_iter()
-                    .map(|l| {
-                        add(
-                            format!("{}/{name}/{}", level.prefix(), l.what),
-                            format!(
-                                "{} {name}: {}, all its members together",
-                                level.prefix(),
-                                l.what.replace('_', " ")
-                            ),
-                            l.limit,
-                            Scope::Global,
-                            level.reason(l.budget.is_some()),
-                            l.meter,
-                            l.budget,
-                        )
-                    })
-                    .collect();
-                level_buckets[out].insert(name.clone(), mine);
-            }
-        }
-        let [team_buckets, org_buckets] = level_buckets;
-        for (model, m) in &policy.models {
-            let rates = [
-                (
-                    "requests",
-                    m.requests,
-                    Meter::Requests,
-                    Reason::ModelRateLimit,
-                ),
-                ("tokens", m.tokens, Meter::Tokens, Reason::TokenRateLimit),
-            ];
-            let mut mine = Vec::new();
-            for (what, limit, meter, reason) in rates {
-                if let Some(limit) = limit {
-                    let name = format!("model {model}: {what}");
-                    let i = add(
-                        format!("model/{model}/{what}"),
-                        name,
-                        limit,
-                        Scope::Global,
-                        reason,
-                        meter,
-                        None,
-                    );
-                    shared.push((i, shares_of(&m.shares)));
-                    mine.push(i);
-                }
-            }
-            model_buckets.insert(model.clone(), mine);
-        }
-        let route_buckets = policy
-            .routes
-            .iter()
-            .map(|route| {
-                let i = add(
-                    format!("route/{}/requests", route.name),
-                    format!("route {}: requests", route.name),
-                    route.requests,
-                    Scope::Global,
-                    Reason::RouteRateLimit,
-                    Meter::Requests,
-                    None,
-                );
-                shared.push((i, shares_of(&route.shares)));
-                // Matched against the canonical path (see `canonical_path`),
-                // so the prefix is compared in that form too.
-                let prefix = demand::canonical_path(&route.path_prefix)
-                    .unwrap_or_else(|_| route.path_prefix.to_ascii_lowercase());
-                (prefix, i)
-            })
-            .collect();
-        // Each passthrough rule's own request limit, all callers together.
-        let passthrough = crate::admission::passthrough::compile(&policy.passthrough)
-            .into_iter()
-            .zip(&policy.passthrough)
-            .enumerate()
-            .map(|(n, (rule, written))| {
-                let shown = written.path.as_ref().or(written.prefix.as_ref());
-                let i = add(
-                    format!("passthrough/{n}/requests"),
-                    format!("passthrough {}: requests", shown.map_or("", String::as_str)),
-                    written.requests,
-                    Scope::Global,
-                    Reason::RouteRateLimit,
-                    Meter::Requests,
-                    None,
-                );
-                // A passthrough limit is a commons too: the default shares apply.
-                shared.push((i, shares_of(&None)));
-                (rule, i)
-            })
-            .collect();
-        for (i, table) in shared {
-            buckets[i].shares = table;
-        }
+        let mut b = Builder::new(&policy);
+        let tier_buckets = b.tiers(&policy);
+        let team_buckets = b.level(Level::Team, &policy.teams, zone);
+        let org_buckets = b.level(Level::Org, &policy.orgs, zone);
+        let model_buckets = b.models(&policy);
+        let route_buckets = b.routes(&policy);
+        let passthrough = b.passthrough(&policy);
+        let mut buckets = b.buckets;
         for (tier, list) in &tier_buckets {
             for &i in list {
                 if buckets[i].rule.scope == Scope::Global {
@@ -390,36 +235,13 @@ impl Engine {
                 }
             }
         }
-        let pricing = policy
-            .models
-            .iter()
-            .map(|(name, m)| {
-                let micro = |per_1k: f64| (per_1k * 1e6).round().max(0.0) as u64;
-                let p = match (m.price, m.gpu) {
-                    (Some(p), _) => Pricing {
-                        input_per_1k: micro(p.input_per_1k),
-                        output_per_1k: micro(p.output_per_1k),
-                    },
-                    (None, Some(g)) => {
-                        // GPU cost per hour over the tokens it serves per hour.
-                        let per_1k =
-                            micro(g.cost_per_hour * 1000.0 / (g.tokens_per_second * 3600.0));
-                        Pricing {
-                            input_per_1k: per_1k,
-                            output_per_1k: per_1k,
-                        }
-                    }
-                    (None, None) => Pricing::default(),
-                };
-                (name.clone(), p)
-            })
-            .collect();
         let penalty = policy
             .abuse
             .as_ref()
             .map(crate::admission::penalty::PenaltyBox::new);
         Engine {
             resolver: Resolver::new(&policy),
+            pricing: pricing(&policy),
             policy,
             buckets,
             tier_buckets,
@@ -428,7 +250,6 @@ impl Engine {
             model_buckets,
             route_buckets,
             passthrough,
-            pricing,
             penalty,
         }
     }
@@ -540,5 +361,244 @@ impl Engine {
             .and_then(|m| self.pricing.get(m))
             .copied()
             .unwrap_or_default()
+    }
+}
+
+/// What each model costs, in micro-currency per 1,000 tokens: its price, or
+/// its GPU's cost per hour over the tokens it serves per hour.
+fn pricing(policy: &Policy) -> HashMap<String, Pricing> {
+    policy
+        .models
+        .iter()
+        .map(|(name, m)| {
+            let micro = |per_1k: f64| (per_1k * 1e6).round().max(0.0) as u64;
+            let p = match (m.price, m.gpu) {
+                (Some(p), _) => Pricing {
+                    input_per_1k: micro(p.input_per_1k),
+                    output_per_1k: micro(p.output_per_1k),
+                },
+                (None, Some(g)) => {
+                    let per_1k = micro(g.cost_per_hour * 1000.0 / (g.tokens_per_second * 3600.0));
+                    Pricing {
+                        input_per_1k: per_1k,
+                        output_per_1k: per_1k,
+                    }
+                }
+                (None, None) => Pricing::default(),
+            };
+            (name.clone(), p)
+        })
+        .collect()
+}
+
+/// The buckets being compiled, each section's in turn.
+struct Builder {
+    buckets: Vec<Bucket>,
+    /// The shares of a shared bucket that writes none.
+    default_shares: crate::policy::shares::SharesConfig,
+}
+
+impl Builder {
+    fn new(policy: &Policy) -> Builder {
+        Builder {
+            buckets: Vec::new(),
+            default_shares: crate::policy::shares::default_for(policy),
+        }
+    }
+
+    /// Adds a bucket counting what `l` counts; returns its index.
+    fn add(
+        &mut self,
+        id: String,
+        name: String,
+        scope: Scope,
+        reason: Reason,
+        l: &TierLimit,
+    ) -> usize {
+        self.buckets.push(Bucket {
+            rule: Rule {
+                id,
+                limit: l.limit,
+                scope,
+            },
+            tier: None,
+            anonymous: false,
+            reason,
+            name,
+            meter: l.meter,
+            soft: l.budget.is_some_and(|b| b.mode == Mode::Soft),
+            alert_permille: l.budget.and_then(|b| b.alert_at_permille),
+            shares: None,
+        });
+        self.buckets.len() - 1
+    }
+
+    /// A bucket every caller shares (a model's, a route's): its fair
+    /// shares are the ones written, or `defaults.shares`.
+    fn add_shared(
+        &mut self,
+        id: String,
+        name: String,
+        l: &TierLimit,
+        written: &Option<crate::policy::shares::SharesConfig>,
+    ) -> usize {
+        let i = self.add(id, name, Scope::Global, l.reason, l);
+        let table =
+            crate::limits::shares::Table::compile(written.as_ref().unwrap_or(&self.default_shares));
+        self.buckets[i].shares = table;
+        i
+    }
+
+    /// Each tier's buckets: its shared total for undeclared callers first
+    /// (a flood refused there never reaches the per-caller slots), then
+    /// its per-caller limits.
+    fn tiers(&mut self, policy: &Policy) -> HashMap<String, Vec<usize>> {
+        let zone = policy.budgets.reset_timezone;
+        let mut out = HashMap::new();
+        for (tier, t) in &policy.tiers {
+            let mut mine = Vec::new();
+            if let Some(total) = &t.anonymous_total {
+                for l in tier_limits(total, zone) {
+                    mine.push(self.add(
+                        format!("tier/{tier}/anonymous/{}", l.what),
+                        format!(
+                            "tier {tier}: {}, all callers without a declared key",
+                            l.what.replace('_', " ")
+                        ),
+                        Scope::Global,
+                        Reason::AnonymousLimit,
+                        &l,
+                    ));
+                }
+            }
+            for l in tier_limits(t, zone) {
+                mine.push(self.add(
+                    format!("tier/{tier}/{}", l.what),
+                    format!("tier {tier}: {} per caller", l.what.replace('_', " ")),
+                    Scope::PerPrincipal,
+                    l.reason,
+                    &l,
+                ));
+            }
+            out.insert(tier.clone(), mine);
+        }
+        out
+    }
+
+    /// Teams and orgs: one shared bucket per limit (they are declared, so
+    /// the key set stays bounded), taken after the caller's own.
+    fn level(
+        &mut self,
+        level: Level,
+        configs: &std::collections::BTreeMap<String, crate::policy::TierConfig>,
+        zone: Zone,
+    ) -> HashMap<String, Vec<usize>> {
+        let mut out = HashMap::new();
+        for (name, t) in configs {
+            let mine = tier_limits(t, zone)
+                .iter()
+                .map(|l| {
+                    self.add(
+                        format!("{}/{name}/{}", level.prefix(), l.what),
+                        format!(
+                            "{} {name}: {}, all its members together",
+                            level.prefix(),
+                            l.what.replace('_', " ")
+                        ),
+                        Scope::Global,
+                        level.reason(l.budget.is_some()),
+                        l,
+                    )
+                })
+                .collect();
+            out.insert(name.clone(), mine);
+        }
+        out
+    }
+
+    /// Each model's requests and tokens, all callers together.
+    fn models(&mut self, policy: &Policy) -> HashMap<String, Vec<usize>> {
+        let mut out = HashMap::new();
+        for (model, m) in &policy.models {
+            let rates = [
+                (
+                    "requests",
+                    m.requests,
+                    Meter::Requests,
+                    Reason::ModelRateLimit,
+                ),
+                ("tokens", m.tokens, Meter::Tokens, Reason::TokenRateLimit),
+            ];
+            let mut mine = Vec::new();
+            for (what, limit, meter, reason) in rates {
+                let Some(limit) = limit else { continue };
+                let l = TierLimit {
+                    what,
+                    limit,
+                    meter,
+                    reason,
+                    budget: None,
+                };
+                mine.push(self.add_shared(
+                    format!("model/{model}/{what}"),
+                    format!("model {model}: {what}"),
+                    &l,
+                    &m.shares,
+                ));
+            }
+            out.insert(model.clone(), mine);
+        }
+        out
+    }
+
+    /// Each route's requests, keyed by its prefix in canonical form (the
+    /// form requests' paths are matched in, see `canonical_path`).
+    fn routes(&mut self, policy: &Policy) -> Vec<(String, usize)> {
+        policy
+            .routes
+            .iter()
+            .map(|route| {
+                let i = self.add_shared(
+                    format!("route/{}/requests", route.name),
+                    format!("route {}: requests", route.name),
+                    &requests(route.requests),
+                    &route.shares,
+                );
+                let prefix = demand::canonical_path(&route.path_prefix)
+                    .unwrap_or_else(|_| route.path_prefix.to_ascii_lowercase());
+                (prefix, i)
+            })
+            .collect()
+    }
+
+    /// Each passthrough rule's own request limit, all callers together (a
+    /// commons too: the default shares apply).
+    fn passthrough(&mut self, policy: &Policy) -> Vec<(passthrough::Compiled, usize)> {
+        passthrough::compile(&policy.passthrough)
+            .into_iter()
+            .zip(&policy.passthrough)
+            .enumerate()
+            .map(|(n, (rule, written))| {
+                let shown = written.path.as_ref().or(written.prefix.as_ref());
+                let i = self.add_shared(
+                    format!("passthrough/{n}/requests"),
+                    format!("passthrough {}: requests", shown.map_or("", String::as_str)),
+                    &requests(written.requests),
+                    &None,
+                );
+                (rule, i)
+            })
+            .collect()
+    }
+}
+
+/// A route's (or passthrough rule's) request limit.
+fn requests(limit: Limit) -> TierLimit {
+    TierLimit {
+        what: "requests",
+        limit,
+        meter: Meter::Requests,
+        reason: Reason::RouteRateLimit,
+        budget: None,
     }
 }

@@ -19,8 +19,10 @@
 //! invalid gets this 429 rather than its 400, and one the global spend
 //! breaker would refuse gets the bucket's 429 rather than
 //! `global_breaker_open` — refused either way.
+//!
+//! The peek is the one the queue's check makes too (`Engine::short`,
+//! behind [`Engine::would_admit`]); only what each asks of a bucket differs.
 
-use super::admit::caller;
 use super::*;
 
 impl Engine {
@@ -38,40 +40,20 @@ impl Engine {
     ) -> Option<Verdict> {
         let reserver = self.reserver(store);
         let applying = self.applying(identity, None, path);
-        let (index, shortfall) = applying.iter().enumerate().find_map(|(n, &i)| {
-            let b = &self.buckets[i];
+        let need = |b: &Bucket| {
             // A bucket with shares (a route's) is a commons admission
             // shares out by group: left to admission, like a model's.
-            if b.shares.is_some() {
-                return None;
-            }
             let per_request = matches!(
                 b.meter,
                 Meter::Requests | Meter::Tokens | Meter::InputTokens
             );
-            if b.soft || !per_request {
-                return None;
-            }
-            let shortfall =
-                reserver.shortfall(&Claim::hard(&b.rule, 1), caller(identity), now_ms)?;
-            // Admission compares the whole seconds of its Retry-After.
-            let whole_ms = shortfall.retry_after_ms / 1_000 * 1_000;
-            (whole_ms >= may_wait_ms).then_some((n, shortfall))
-        })?;
-        let labels = |decision| Labels {
-            decision,
-            tier: identity.tier.clone(),
-            model: self.model_label(None),
+            (b.shares.is_none() && !b.soft && per_request).then_some(1)
         };
-        let refusal = Refusal::Full { index, shortfall };
-        Some(self.refusal(
-            refusal,
-            &applying,
-            identity,
-            labels,
-            Contention::default(),
-            now_ms,
-        ))
+        // Admission compares the whole seconds of its Retry-After.
+        let (index, shortfall) = self
+            .short(&reserver, identity, &applying, need, now_ms)
+            .find(|(_, s)| s.retry_after_ms / 1_000 * 1_000 >= may_wait_ms)?;
+        Some(self.peeked(index, shortfall, &applying, identity, None, now_ms))
     }
 }
 

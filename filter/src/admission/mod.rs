@@ -1,13 +1,18 @@
-//! The request path's decisions, in the order [`crate::flow`] asks for
-//! them: identity → demand → route (health, kill switch; see
-//! [`crate::admission::pushback`]) → admission → answer, and after the response,
-//! settlement. Pure: `flow` feeds it what Envoy knows, one event at a
-//! time, and applies what it decides through the host.
+//! Every decision that produces a [`Verdict`], asked for by [`crate::flow`]
+//! (the crate root, `lib.rs`, places it among the layers): identity,
+//! demand, route, admission, the answer, and after the response,
+//! settlement. It has no host of its own and reads no clock: time comes in
+//! as `now_ms`, shared state through the [`SharedStore`] it is handed, and
+//! what it decides is returned for `flow` to apply.
 //!
 //! One concern per file: this one holds the types the steps share and
-//! steps 1–3; [`compile`] builds the buckets and prices of a policy once,
-//! [`admit`] reserves (step 4), [`settle`] reconciles (step 5), [`rewrite`]
-//! makes the upstream's body.
+//! steps 1–3 (identity through [`identity`], demand, route through
+//! [`health`] and `pushback`); [`compile`] builds the buckets and prices
+//! of a policy once, [`admit`] reserves (step 4) and peeks (also for
+//! [`early`], the refusal before the body), [`settle`] reconciles (step 5),
+//! [`rewrite`] makes the upstream's body, [`answer`] renders every
+//! refusal, [`penalty`] is the penalty box, [`passthrough`] the paths sluice
+//! does not read, [`for_fleet`] what the fleet asks of the buckets.
 
 use std::collections::HashMap;
 
@@ -27,7 +32,7 @@ use crate::usage::anomaly::UsageRing;
 use crate::usage::demand::{self, Api, Demand};
 use crate::usage::estimate::{self, Correction};
 use crate::usage::reconcile::Found;
-use answer::{Decision, Degraded, Limited, Reason, Reply};
+use answer::{BucketRefusal, Decision, Degraded, Reason, Refused, Reply};
 use health::{Pushback, Route, Seen, Situation};
 
 pub mod admit;
@@ -84,6 +89,9 @@ pub struct Verdict {
     pub degraded: Option<Degraded>,
     /// The rule id of the bucket that refused (`tier/free/requests`).
     pub bucket: Option<String>,
+    /// What a refusal's `Retry-After` says, in ms (see
+    /// [`Refused::retry_after_ms`]).
+    pub retry_after_ms: Option<u64>,
     /// What an admitted request without a body plan (a GET) took, and its
     /// meters: the fleet covers those buckets too.
     pub held: Option<(Vec<Held>, Vec<Meter>)>,
@@ -208,13 +216,8 @@ impl Engine {
         req: &dyn RequestView,
     ) -> Result<Identity, (Box<Verdict>, crate::admission::identity::Refusal)> {
         self.resolver.resolve(req).map_err(|refusal| {
-            let reply = answer::rejected(Reason::Unauthenticated, refusal.message(), None);
-            let verdict = Box::new(self.refused(
-                reply,
-                Reason::Unauthenticated,
-                &self.policy.default_tier,
-                None,
-            ));
+            let refused = Refused::rejected(Reason::Unauthenticated, refusal.message(), None);
+            let verdict = Box::new(self.refuse(&refused, &self.policy.default_tier, None));
             (verdict, refusal)
         })
     }
@@ -229,23 +232,23 @@ impl Engine {
 
     /// 400 for a path that reads differently decoded once or twice.
     pub fn ambiguous_path(&self, identity: &Identity) -> Verdict {
-        let reply = answer::rejected(
+        let refused = Refused::rejected(
             Reason::InvalidRequest,
             "The request path is ambiguous (an escape that decodes to another escape or to a control character).",
             None,
         );
-        self.refused(reply, Reason::InvalidRequest, &identity.tier, None)
+        self.refuse(&refused, &identity.tier, None)
     }
 
     /// 404 `unknown_endpoint`: a body (or a POST) to a path sluice does
     /// not read and no `passthrough` rule opens (deny by default).
     pub fn unknown_endpoint(&self, identity: &Identity) -> Verdict {
-        let reply = answer::rejected(
+        let refused = Refused::rejected(
             Reason::UnknownEndpoint,
             "sluice does not know this endpoint, and the policy opens it to no request with a body (see `passthrough`).",
             None,
         );
-        self.refused(reply, Reason::UnknownEndpoint, &identity.tier, None)
+        self.refuse(&refused, &identity.tier, None)
     }
 
     /// The API of a request to a path sluice does not classify: the
@@ -267,12 +270,12 @@ impl Engine {
     pub fn too_large(&self, identity: &Identity, size: u64) -> Option<Verdict> {
         let cap = self.policy.request.max_body_bytes;
         (size > cap).then(|| {
-            let reply = answer::rejected(
+            let refused = Refused::rejected(
                 Reason::RequestTooLarge,
-                &format!("The request body is larger than the {cap}-byte limit."),
+                format!("The request body is larger than the {cap}-byte limit."),
                 None,
             );
-            self.refused(reply, Reason::RequestTooLarge, &identity.tier, None)
+            self.refuse(&refused, &identity.tier, None)
         })
     }
 
@@ -297,14 +300,9 @@ impl Engine {
                 }))
             }
             Err(bad) => {
-                let reply =
-                    answer::rejected(Reason::InvalidRequest, &bad.message, bad.param.as_deref());
-                Err(Box::new(self.refused(
-                    reply,
-                    Reason::InvalidRequest,
-                    &identity.tier,
-                    None,
-                )))
+                let refused =
+                    Refused::rejected(Reason::InvalidRequest, bad.message, bad.param.as_deref());
+                Err(Box::new(self.refuse(&refused, &identity.tier, None)))
             }
         }
     }
@@ -375,8 +373,8 @@ impl Engine {
                 retry_after_s,
                 why,
             } => {
-                let reply = answer::unavailable(reason, &why, retry_after_s);
-                Routed::Answered(Box::new(self.refused(reply, reason, &identity.tier, model)))
+                let refused = Refused::unavailable(reason, why, retry_after_s);
+                Routed::Answered(Box::new(self.refuse(&refused, &identity.tier, model)))
             }
         }
     }
@@ -391,6 +389,16 @@ impl Engine {
         }
     }
 
+    /// The verdict of a refusal: its answer rendered, its reason in the
+    /// labels, its `Retry-After` kept for the queue (see `bucket_wait`).
+    pub(crate) fn refuse(&self, refused: &Refused, tier: &str, model: Option<&str>) -> Verdict {
+        let mut verdict = self.refused(refused.render(), refused.reason(), tier, model);
+        verdict.retry_after_ms = refused.retry_after_ms();
+        verdict
+    }
+
+    /// A local answer decided as `reason`: what [`Engine::refuse`] renders
+    /// into, and the static answer's (a degradation, relabelled).
     pub(crate) fn refused(
         &self,
         reply: Reply,
@@ -413,6 +421,7 @@ impl Engine {
             alerts: Vec::new(),
             degraded: None,
             bucket: None,
+            retry_after_ms: None,
             held: None,
         }
     }

@@ -480,10 +480,11 @@ impl crate::admission::Engine {
     ) -> (Option<crate::admission::Verdict>, Checked) {
         let checked = pb.check(store, who, now_ms, self.tries().take());
         let verdict = checked.blocked_until_ms.map(|until| {
-            let reply =
-                crate::admission::answer::temporarily_blocked(until.saturating_sub(now_ms), now_ms);
-            let reason = crate::admission::answer::Reason::TemporarilyBlocked;
-            let mut verdict = self.refused(reply, reason, tier, None);
+            let refused = crate::admission::answer::Refused::TemporarilyBlocked {
+                retry_after_ms: until.saturating_sub(now_ms),
+                now_ms,
+            };
+            let mut verdict = self.refuse(&refused, tier, None);
             verdict.contention = checked.contention;
             verdict
         });

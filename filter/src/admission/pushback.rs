@@ -23,7 +23,7 @@
 use crate::policy::keys::fnv1a;
 use sha2::{Digest, Sha256};
 
-use crate::admission::answer::{self, Reason};
+use crate::admission::answer::{Reason, Refused};
 use crate::admission::health::{self, Answer, Protection, Pushback, Recorded};
 use crate::admission::identity::{Identity, RequestView};
 use crate::admission::{Engine, Routed, Verdict};
@@ -161,13 +161,13 @@ impl Engine {
             }
         }
         give_back(&verdict, &mut cas);
-        let reply = answer::unavailable(
+        let probing = Refused::unavailable(
             Reason::UpstreamUnhealthy,
             "another request is probing the upstream",
             1,
         );
         let model = verdict.plan.as_ref().and_then(|p| p.model.as_deref());
-        let refused = self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
+        let refused = self.refuse(&probing, &identity.tier, model);
         (with(refused, &cas), None)
     }
 

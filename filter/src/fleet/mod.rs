@@ -57,7 +57,8 @@ use sluice_wire::fleet::{GiveRequest, TakeAnswer, TakeClaim, TakeRequest};
 
 use crate::admission::identity::Identity;
 use crate::admission::{Engine, Meter, Pricing};
-use crate::host::{Host, LogLevel, MetricKind};
+use crate::host::metrics;
+use crate::host::{Host, LogLevel};
 use crate::limits::bucket::{next_window, Quota};
 use crate::limits::reservation::{Held, Rule, Scope};
 use crate::limits::slots::{self, Seen, Table};
@@ -79,19 +80,6 @@ const DOWN_RETRY_MS: u64 = 500;
 /// Lease sweeps (idle and expired leases given back), at most this often.
 const SWEEP_MS: u64 = 1_000;
 const GLOBAL_OWNER: u64 = 1;
-
-pub const M_TAKES: &str = "sluice_fleet_takes_total";
-pub const M_REFUSED: &str = "sluice_fleet_refused_total";
-pub const M_UNAVAILABLE: &str = "sluice_fleet_unavailable_total";
-pub const M_DEGRADED: &str = "sluice_fleet_degraded";
-pub const M_OUTBOX_DROPPED: &str = "sluice_fleet_outbox_dropped_total";
-pub const M_BATCHES: &str = "sluice_fleet_batches_total";
-/// 1 while the sidecar refuses to count because the fleet's fingerprints
-/// differ (salt, replicas or rules); the Envoy is on `on_unavailable`.
-pub const M_MISMATCH: &str = "sluice_fleet_mismatch";
-/// 1 while the sidecar refuses hard budgets because Redis lost its data
-/// in their window (FLUSHALL, a restart without persistence).
-pub const M_DATA_LOST: &str = "sluice_fleet_data_lost";
 
 // ---------------------------------------------------------------- wire
 
@@ -274,16 +262,8 @@ pub const FLEET_DATA_LOST: &str = "fleet_data_lost";
 /// Sets the mismatch and data-loss gauges from an answer's error code
 /// (`None`: a good answer, both 0).
 pub(crate) fn note_refusal(host: &dyn Host, code: Option<&str>) {
-    host.metric_record(
-        MetricKind::Gauge,
-        M_MISMATCH,
-        u64::from(code == Some(FLEET_MISMATCH)),
-    );
-    host.metric_record(
-        MetricKind::Gauge,
-        M_DATA_LOST,
-        u64::from(code == Some(FLEET_DATA_LOST)),
-    );
+    metrics::FLEET_MISMATCH.record(host, u64::from(code == Some(FLEET_MISMATCH)));
+    metrics::FLEET_DATA_LOST.record(host, u64::from(code == Some(FLEET_DATA_LOST)));
 }
 
 // ---------------------------------------------------------------- leases
@@ -466,12 +446,6 @@ pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
 /// The lease slots of a fleet bucket (`{LEASE_PREFIX}{rule}:{slot}`).
 fn lease_table(rule: &str, slots: u32) -> Table<'_> {
     Table::named(LEASE_PREFIX, rule, slots, PROBES)
-}
-
-fn metric(host: &dyn Host, name: &str, by: i64) {
-    if by != 0 {
-        host.metric_add(MetricKind::Counter, name, by);
-    }
 }
 
 impl Fleet {
@@ -658,7 +632,7 @@ impl Fleet {
         .unwrap_or_default();
         match self.post(host, "/v1/fleet/take", &body) {
             Ok(token) => {
-                metric(host, M_TAKES, 1);
+                metrics::FLEET_TAKES.add(host, 1);
                 Gate::Wait(Pending {
                     token,
                     id,
@@ -878,7 +852,7 @@ impl Fleet {
         now: u64,
     ) -> Gate {
         self.mark(host, true, now);
-        metric(host, M_REFUSED, 1);
+        metrics::FLEET_REFUSED.add(host, 1);
         let index = answer.refused.unwrap_or(0);
         let Some(refused) = short.get(index).or(short.last()) else {
             // Nothing was asked (never: a request waits only when short),
@@ -1139,7 +1113,7 @@ impl Fleet {
             serde_json::to_vec(&list).ok()
         });
         if dropped > 0 {
-            metric(host, M_OUTBOX_DROPPED, dropped);
+            metrics::FLEET_OUTBOX_DROPPED.add(host, dropped);
             host.log(
                 LogLevel::Warn,
                 &format!("fleet outbox full ({OUTBOX_MAX} buckets): {dropped} charge(s) not sent to Redis"),
@@ -1180,7 +1154,7 @@ impl Fleet {
                 "fleet: sidecar and Redis answer again; leases resume",
             );
         } else {
-            metric(host, M_UNAVAILABLE, 1);
+            metrics::FLEET_UNAVAILABLE.add(host, 1);
             host.log(
                 LogLevel::Warn,
                 &format!(
@@ -1189,7 +1163,7 @@ impl Fleet {
                 ),
             );
         }
-        host.metric_record(MetricKind::Gauge, M_DEGRADED, u64::from(!up));
+        metrics::FLEET_DEGRADED.record(host, u64::from(!up));
     }
 }
 
@@ -1361,7 +1335,7 @@ impl Agent {
         })
         .unwrap_or_default();
         if let Ok(token) = fleet.post(host, "/v1/fleet/take", &body) {
-            metric(host, M_TAKES, 1);
+            metrics::FLEET_TAKES.add(host, 1);
             self.topping = Some((token, id, wants));
         }
     }
@@ -1445,7 +1419,7 @@ impl Agent {
         let body = host.call_response_body(body_size);
         if status.as_deref() == Some("200") {
             note_refusal(host, None);
-            metric(host, M_BATCHES, 1);
+            metrics::FLEET_BATCHES.add(host, 1);
             if std::mem::take(&mut self.failing) {
                 host.log(LogLevel::Info, "fleet: held settlements sent");
             }

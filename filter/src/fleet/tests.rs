@@ -285,7 +285,10 @@ fn unavailable_fail_closed_refuses_fail_open_admits_and_both_are_logged_once() {
         .filter(|(_, m)| m.contains("does not answer"))
         .count();
     assert_eq!(said, 1, "logged once");
-    assert_eq!(host.metrics.borrow()[M_UNAVAILABLE].1, 1);
+    assert_eq!(
+        host.metrics.borrow()[crate::host::metrics::FLEET_UNAVAILABLE.name].1,
+        1
+    );
 
     let (host, poller) = outage("fail_open");
     for _ in 0..3 {
@@ -509,8 +512,14 @@ fn an_abandoned_take_is_undone_by_its_id_but_a_refusal_before_redis_is_not() {
     req.on_call_response(&host, token, body.len());
     assert!(host.replies.borrow().is_empty(), "local_share admits");
     assert!(outbox(&host).iter().all(|i| i.take.is_none()));
-    assert_eq!(host.metrics.borrow()[M_MISMATCH].1, 1);
-    assert_eq!(host.metrics.borrow()[M_DATA_LOST].1, 0);
+    assert_eq!(
+        host.metrics.borrow()[crate::host::metrics::FLEET_MISMATCH.name].1,
+        1
+    );
+    assert_eq!(
+        host.metrics.borrow()[crate::host::metrics::FLEET_DATA_LOST.name].1,
+        0
+    );
     assert!(
         host.logs
             .borrow()
@@ -624,7 +633,7 @@ fn a_full_outbox_keeps_charges_before_cancels() {
     let dropped = host
         .metrics
         .borrow()
-        .get(M_OUTBOX_DROPPED)
+        .get(crate::host::metrics::FLEET_OUTBOX_DROPPED.name)
         .map_or(0, |m| m.1);
     assert_eq!(dropped, 0, "the charge was kept");
 }

@@ -16,8 +16,9 @@
 use serde_json::Value;
 use sluice_wire::cache::{Entry, LookupAnswer, LookupRequest, Semantic, StoreRequest};
 
-use super::{add, telemetry, Stream};
+use super::Stream;
 use crate::admission::{Asked, RequestContext};
+use crate::host::metrics;
 use crate::host::{Action, Host, LogLevel};
 use crate::policy::cache::Caller;
 use crate::usage::cache_answer::{self, Rendered};
@@ -103,7 +104,7 @@ impl Stream {
             cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
         let body = &asked.body;
         if !rule.temperature_ok(body, api.is_ollama()) || !(allowed.read || allowed.store) {
-            add(host, &telemetry::cache_total("skip", "exact", model), 1);
+            metrics::CACHE.add_at(host, &["skip", "exact", model], 1);
             return None;
         }
         let caller = Caller {
@@ -183,7 +184,7 @@ impl Stream {
                 Some(Action::Pause)
             }
             Err(why) => {
-                add(host, &telemetry::cache_total("timeout", "exact", model), 1);
+                metrics::CACHE.add_at(host, &["timeout", "exact", model], 1);
                 host.log(LogLevel::Warn, &format!("cache lookup not sent: {why}"));
                 None
             }
@@ -211,19 +212,11 @@ impl Stream {
         let hit = match answer {
             Some(LookupAnswer { hit: Some(hit) }) => Some(hit),
             Some(_) => {
-                add(
-                    host,
-                    &telemetry::cache_total("miss", "exact", &wait.model),
-                    1,
-                );
+                metrics::CACHE.add_at(host, &["miss", "exact", &wait.model], 1);
                 None
             }
             None => {
-                add(
-                    host,
-                    &telemetry::cache_total("timeout", "exact", &wait.model),
-                    1,
-                );
+                metrics::CACHE.add_at(host, &["timeout", "exact", &wait.model], 1);
                 None
             }
         };
@@ -284,11 +277,7 @@ impl Stream {
         };
         let mut verdict = engine.admit(host, &ctx);
         if verdict.reply.is_some() {
-            add(
-                host,
-                &telemetry::cache_total("refused", kind, &wait.model),
-                1,
-            );
+            metrics::CACHE.add_at(host, &["refused", kind, &wait.model], 1);
             self.finish(host, verdict);
             return;
         }
@@ -298,15 +287,15 @@ impl Stream {
             let (_, effort) = engine.settle(host, &plan, found, output, true, now);
             super::count_contention(host, effort);
         }
-        self.decided = true;
+        self.phase = super::Phase::Answered;
         self.record(host, &verdict);
         self.audit_decision(host, &verdict);
         self.audit(host, "sluice_cache", kind);
-        add(host, &telemetry::cache_total("hit", kind, &wait.model), 1);
+        metrics::CACHE.add_at(host, &["hit", kind, &wait.model], 1);
         let saved = entry.prompt_tokens.saturating_add(entry.completion_tokens);
-        add(
+        metrics::CACHE_SAVED_TOKENS.add_at(
             host,
-            &telemetry::cache_saved_tokens(&wait.model),
+            &[&wait.model],
             i64::try_from(saved).unwrap_or(i64::MAX),
         );
         let age = age_s.to_string();
@@ -314,11 +303,7 @@ impl Stream {
         // cached one comes first, marked as the degraded answer it is.
         let out = self.primary_out(host, &identity, asked.as_ref(), &wait.model);
         if out {
-            add(
-                host,
-                &telemetry::degraded_total("cache", &identity.tier, &wait.model),
-                1,
-            );
+            metrics::DEGRADED.add_at(host, &["cache", &identity.tier, &wait.model], 1);
         }
         let mut headers: Vec<(&str, &str)> = vec![
             ("x-sluice-degraded", if out { "cache" } else { "" }),
@@ -372,7 +357,7 @@ impl Stream {
     pub(super) fn cache_response_headers(&mut self, host: &dyn Host) {
         if self.status != 200 {
             if let Some(s) = self.cache_store.take() {
-                add(host, &telemetry::cache_total("skip", "exact", &s.model), 1);
+                metrics::CACHE.add_at(host, &["skip", "exact", &s.model], 1);
             }
             return;
         }
@@ -411,10 +396,12 @@ impl Stream {
             return;
         };
         let model = s.model.clone();
-        let skip = |host: &dyn Host| add(host, &telemetry::cache_total("skip", "exact", &model), 1);
+        let skip = |host: &dyn Host| metrics::CACHE.add_at(host, &["skip", "exact", &model], 1);
         // Downshifted to a cheaper model: its answer is not the requested
         // model's, and the key names the requested one.
-        let served = self.plan.as_ref().and_then(|p| p.model.as_deref());
+        let plan = self.upstream().and_then(|up| up.plan.as_ref());
+        let served = plan.and_then(|p| p.model.clone());
+        let pricing = plan.map(|p| p.pricing);
         if served.is_some_and(|m| m != model) {
             return skip(host);
         }
@@ -438,9 +425,7 @@ impl Stream {
             Ok(u) => u,
             Err(_) => return skip(host),
         };
-        let spend = self.plan.as_ref().map_or(0, |p| {
-            p.pricing.cost(usage.prompt_tokens, usage.completion_tokens)
-        });
+        let spend = pricing.map_or(0, |p| p.cost(usage.prompt_tokens, usage.completion_tokens));
         let req = StoreRequest {
             key: s.key,
             model: s.model,
@@ -479,7 +464,7 @@ impl Stream {
             }
         };
         if sent.is_ok() {
-            add(host, &telemetry::cache_total("store", "exact", &model), 1);
+            metrics::CACHE.add_at(host, &["store", "exact", &model], 1);
         } else {
             skip(host);
         }

@@ -1,6 +1,6 @@
 //! The headers-phase pre-check (issue 18 item 3): a body request whose
 //! caller's own bucket is already empty is refused before its body is
-//! buffered (the rule and why it is exact: `engine/early.rs`). Here only
+//! buffered (the rule and why it is exact: `admission/early.rs`). Here only
 //! how long the request could wait in a queue for that bucket, which the
 //! flow knows (its class, `x-sluice-max-wait-ms`).
 //!
@@ -57,7 +57,6 @@ impl Stream {
 mod tests {
     use serde_json::json;
 
-    use crate::flow::telemetry;
     use crate::flow::Poller;
     use crate::host::mock::MockHost;
     use crate::host::Action;
@@ -111,11 +110,17 @@ mod tests {
             assert_eq!(reply.status, 429);
             assert_eq!(reply.header("x-sluice-reason"), Some("user_rate_limit"));
         }
-        assert_eq!(host.metric(telemetry::REFUSED_BEFORE_BODY), Some(2));
+        assert_eq!(
+            host.metric(crate::host::metrics::REFUSED_BEFORE_BODY.name),
+            Some(2)
+        );
         // A small declared body is read first (its answer keeps its model
         // label): no answer at the headers.
         assert_eq!(headers_only(&poller, &host, Some("40")), Action::Pause);
         assert!(host.replies.borrow().is_empty(), "answered before the body");
-        assert_eq!(host.metric(telemetry::REFUSED_BEFORE_BODY), Some(2));
+        assert_eq!(
+            host.metric(crate::host::metrics::REFUSED_BEFORE_BODY.name),
+            Some(2)
+        );
     }
 }

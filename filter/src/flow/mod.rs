@@ -1,18 +1,22 @@
-//! The request path as Envoy drives it: one method per Envoy event, every
-//! decision made here against a [`Host`], so all of it runs natively
-//! against [`crate::host::mock::MockHost`].
+//! One method per Envoy event: each hands [`crate::admission`] what Envoy
+//! knows and applies the [`Verdict`] it returns through the [`Host`] trait,
+//! so all of it runs natively against [`crate::host::mock::MockHost`].
 //!
 //! - [`Poller`] is the root context: loads the policy, and — in the one VM
 //!   holding the poller lease — long-polls the sidecar and stores its state
 //!   in shared data for every worker.
-//! - [`Request`] is one HTTP stream: request headers (kill-switch header
-//!   stripped, API, identity, canonical path, declared size) → body (size,
-//!   then the whole body at its end or at the trailers) → decision
-//!   ([`Request::decide`]: demand → pushback → route → admit → probe claim
-//!   → reroute/rewrite) → response headers (upstream answer fed to the
+//! - [`Request`] is one HTTP stream (a [`Stream`], its phase a `Phase`):
+//!   request headers (kill-switch header stripped, API, identity and the
+//!   penalty box, canonical path, declared size, the refusal before the
+//!   body: `early`) → body (size, then the whole body at its end or at the
+//!   trailers) → decision (`Stream::decide`: demand → pushback → route →
+//!   the model's gate, `waiting` → admit → probe claim → reroute/rewrite →
+//!   the fleet's gate) → response headers (upstream answer fed to the
 //!   route's record, meter set up) → response body (first byte, meter,
 //!   settlement) → log (settle what is left, give back an unanswered
-//!   probe).
+//!   probe, leave the queue).
+//! - `slots` keeps the fleet's concurrency slots, [`telemetry`] the metric
+//!   names and audit fields.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -23,7 +27,8 @@ use crate::admission::health::{self, Pushback, Seen};
 use crate::admission::identity::Identity;
 use crate::admission::pushback::UpstreamReply;
 use crate::admission::{Engine, Plan, RequestContext, Routed, Verdict};
-use crate::host::{Action, Host, LogLevel, MetricKind};
+use crate::host::metrics::{self, Metric};
+use crate::host::{Action, Host, LogLevel};
 use crate::policy::Policy;
 use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Contention, Updated};
@@ -43,29 +48,25 @@ pub const TICK_MS: u64 = 250;
 /// After a failed poll, wait this long before the next.
 const POLL_RETRY_MS: u64 = 1_000;
 
-fn metric_kind(name: &str) -> MetricKind {
-    if telemetry::GAUGES.contains(&name) {
-        MetricKind::Gauge
-    } else {
-        MetricKind::Counter
-    }
-}
-
 /// Adds to a metric; nothing for 0 (no host call on the common path).
-fn add(host: &dyn Host, name: &str, by: i64) {
-    if by != 0 {
-        host.metric_add(metric_kind(name), name, by);
-    }
+fn add(host: &dyn Host, metric: Metric, by: i64) {
+    metric.add(host, by);
 }
 
 /// Lost compare-and-swap races, and updates that lost every try.
 fn count_contention(host: &dyn Host, c: Contention) {
-    add(host, telemetry::CAS_RETRIES, i64::from(c.cas_retries));
-    add(host, telemetry::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
+    add(host, metrics::CAS_RETRIES, i64::from(c.cas_retries));
+    add(host, metrics::CAS_EXHAUSTED, i64::from(c.cas_exhausted));
 }
 
-fn set_gauge(host: &dyn Host, name: &str, value: u64) {
-    host.metric_record(MetricKind::Gauge, name, value);
+/// Blocks the penalty box started, and callers it had no slot to track.
+fn count_penalty_box(host: &dyn Host, checked: &crate::admission::penalty::Checked) {
+    add(host, metrics::ABUSE_BLOCKS, i64::from(checked.started));
+    add(host, metrics::ABUSE_UNTRACKED, i64::from(checked.untracked));
+}
+
+fn set_gauge(host: &dyn Host, gauge: Metric, value: u64) {
+    gauge.record(host, value);
 }
 
 /// A stream reached by the root context: its handle and Envoy's context id.
@@ -205,11 +206,9 @@ impl Filter {
     /// surge, reroute or refusal by a bucket would never alert), and a
     /// gauge that is absent reads as "no data" rather than 0.
     fn define_metrics(&self, host: &dyn Host) {
-        for name in telemetry::FIXED {
-            host.metric_add(metric_kind(name), name, 0);
-        }
+        telemetry::define(host);
         for rule in self.engine.rules() {
-            host.metric_add(MetricKind::Counter, &telemetry::refusals_total(&rule.id), 0);
+            metrics::REFUSALS.define_at(host, &[&rule.id]);
         }
         if let Some(cache) = &self.engine.policy.cache_compiled {
             for (model, rule) in &cache.models {
@@ -220,8 +219,7 @@ impl Filter {
                 };
                 for kind in kinds {
                     for result in ["hit", "miss"] {
-                        let name = telemetry::cache_total(result, kind, model);
-                        host.metric_add(MetricKind::Counter, &name, 0);
+                        metrics::CACHE.define_at(host, &[result, kind, model]);
                     }
                 }
             }
@@ -272,7 +270,7 @@ impl Poller {
             Ok(policy) => policy,
             Err(err) => {
                 host.log(LogLevel::Error, &err.to_string());
-                add(host, telemetry::CONFIG_REJECTED, 1);
+                add(host, metrics::CONFIG_REJECTED, 1);
                 return false;
             }
         };
@@ -280,7 +278,7 @@ impl Poller {
             Ok(engine) => engine,
             Err(err) => {
                 host.log(LogLevel::Error, &err.to_string());
-                add(host, telemetry::CONFIG_REJECTED, 1);
+                add(host, metrics::CONFIG_REJECTED, 1);
                 return false;
             }
         };
@@ -446,7 +444,7 @@ impl Poller {
         match host.dispatch_call(&sidecar.cluster, &headers, timeout_ms) {
             Ok(token) => self.poll = Some(token),
             Err(why) => {
-                add(host, telemetry::SIDECAR_POLL_ERRORS, 1);
+                add(host, metrics::SIDECAR_POLL_ERRORS, 1);
                 host.log(
                     LogLevel::Warn,
                     &format!(
@@ -506,7 +504,7 @@ impl Poller {
         ) {
             (Some("200"), Ok(state)) => state,
             (status, parsed) => {
-                add(host, telemetry::SIDECAR_POLL_ERRORS, 1);
+                add(host, metrics::SIDECAR_POLL_ERRORS, 1);
                 self.retry_at_ms = now + POLL_RETRY_MS;
                 if !self.sidecar_failing {
                     // Said once per outage, not once per retry.
@@ -527,10 +525,10 @@ impl Poller {
         if std::mem::take(&mut self.sidecar_failing) {
             host.log(LogLevel::Info, "sidecar reachable again");
         }
-        add(host, telemetry::SIDECAR_POLLS, 1);
+        add(host, metrics::SIDECAR_POLLS, 1);
         set_gauge(
             host,
-            telemetry::KILL_SWITCH,
+            metrics::KILL_SWITCH,
             u64::from(state.kill_switch.active),
         );
         let open = state
@@ -538,7 +536,7 @@ impl Poller {
             .iter()
             .filter(|b| b.state == crate::admission::health::BreakerState::Open)
             .count();
-        set_gauge(host, telemetry::BREAKERS_OPEN, open as u64);
+        set_gauge(host, metrics::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
         let _ = host.set(
@@ -624,44 +622,68 @@ pub struct Stream {
     probe_lease: Option<u64>,
     identity: Option<Identity>,
     api: Api,
-    /// The canonical path (`request::canonical_path`), for route buckets.
+    /// The canonical path (`demand::canonical_path`), for route buckets.
     path: String,
     /// The request headers, read once (after the fallback header is
     /// removed) for every header the path reads: one host call.
     request_headers: Option<Vec<(String, String)>>,
-    response_headers: Vec<(String, String)>,
-    decided: bool,
     /// Request body bytes buffered so far (for a request that ends with
     /// trailers, the body is read in the trailers callback).
     body_size: usize,
-    /// What admission reserved, until it is settled.
-    plan: Option<Plan>,
-    /// Reads the response as it passes.
-    meter: Option<ResponseMeter>,
+    /// Where the stream is: undecided, waiting, or decided.
+    phase: Phase,
     status: u32,
-    /// When the request arrived; whether its first response byte left.
+    /// When the request arrived.
     started_ms: u64,
-    first_byte: bool,
-    /// Tier and model labels of the decision, for later metrics.
-    labels: Option<(String, String)>,
     /// SHA-256 of the response body, when the audit asks for it.
     response_hash: Option<sha2::Sha256>,
-    /// Paused for the fleet: the sidecar's answer decides this verdict.
-    fleet_wait: Option<(crate::fleet::Pending, Verdict)>,
     /// What the fleet buckets hold for this request, until settled.
     fleet_claims: Vec<crate::fleet::Claimed>,
     /// Envoy's id of this stream, and the handle the root wakes it by.
     context_id: u32,
     me: Weak<RefCell<Stream>>,
-    /// Its concurrency slot or queue entry, and what a queued request
-    /// needs to be admitted when its turn comes.
+    /// Its concurrency slot, queue entry or sleep.
     gate: Option<waiting::GateState>,
-    parked: Option<waiting::Parked>,
     /// The response cache: asked once per request; the lookup in flight;
     /// what to store after the answer (see `cache`).
     cache_looked: bool,
     cache_wait: Option<cache::Wait>,
     cache_store: Option<cache::ToStore>,
+}
+
+/// A stream's phase, each holding what exists in it. `Undecided` →
+/// (`Parked` ⇄ `Undecided`)* → (`Fleet`)? → `Answered` or `Upstream`.
+enum Phase {
+    /// Its headers and body are being read, or it is between two tries
+    /// of the gate: nothing is decided.
+    Undecided,
+    /// Queued for the model's gate, or asleep until its buckets free up
+    /// (its `gate` says which), with what it needs to be decided again.
+    Parked(waiting::Parked),
+    /// Admitted and paused for the fleet: the sidecar's answer decides
+    /// this verdict.
+    Fleet {
+        pending: crate::fleet::Pending,
+        verdict: Box<Verdict>,
+    },
+    /// Answered here (a refusal, a static answer).
+    Answered,
+    /// Let through to the upstream.
+    Upstream(Upstream),
+}
+
+/// What a request let through to the upstream carries until its log.
+struct Upstream {
+    /// Tier and model labels of the decision, for later metrics.
+    labels: (String, String),
+    /// Added to the upstream's response headers (rate limits, degraded).
+    response_headers: Vec<(String, String)>,
+    /// What admission reserved, until it is settled.
+    plan: Option<Plan>,
+    /// Reads the response as it passes (a request with a plan).
+    meter: Option<ResponseMeter>,
+    /// Whether its first response byte left.
+    first_byte: bool,
 }
 
 impl Stream {
@@ -670,7 +692,6 @@ impl Stream {
             context_id: 0,
             me: Weak::new(),
             gate: None,
-            parked: None,
             filter,
             watch_upstream: false,
             pushback: None,
@@ -679,17 +700,11 @@ impl Stream {
             api: Api::Other,
             path: String::new(),
             request_headers: None,
-            response_headers: Vec::new(),
-            decided: false,
             body_size: 0,
-            plan: None,
-            meter: None,
+            phase: Phase::Undecided,
             status: 0,
             started_ms: 0,
-            first_byte: false,
-            labels: None,
             response_hash: None,
-            fleet_wait: None,
             fleet_claims: Vec::new(),
             cache_looked: false,
             cache_wait: None,
@@ -699,6 +714,18 @@ impl Stream {
 
     fn engine(&self) -> &Engine {
         &self.filter.engine
+    }
+
+    /// The verdict is applied: answered here, or let through.
+    fn decided(&self) -> bool {
+        matches!(self.phase, Phase::Answered | Phase::Upstream(_))
+    }
+
+    fn upstream(&mut self) -> Option<&mut Upstream> {
+        match &mut self.phase {
+            Phase::Upstream(up) => Some(up),
+            _ => None,
+        }
     }
 
     /// A request header, from the snapshot of the request headers.
@@ -711,8 +738,56 @@ impl Stream {
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         self.started_ms = host.now_ms();
-        // Only sluice may choose the fallback route, also when the policy
-        // has no `fallback` section but the Envoy routes still match it.
+        self.strip_fallback_header(host);
+        let raw_path = self.header(host, ":path").unwrap_or_default();
+        let method = self.header(host, ":method").unwrap_or_default();
+        let canonical = crate::usage::demand::canonical_path(&raw_path);
+        // A body on any method is read (a lenient server may serve it);
+        // a bodyless POST is classified too (and refused if it is no API).
+        let length = self.header(host, "content-length");
+        let with_body = self.carries_body(host, length.as_deref(), end_of_stream);
+        let work = with_body || method.eq_ignore_ascii_case("POST");
+        self.api = match canonical.as_deref() {
+            Ok(path) if work => Api::of_path(path),
+            _ => Api::Other,
+        };
+        let identity = match self.caller(host) {
+            Ok(identity) => identity,
+            Err(refused) => return refused,
+        };
+        let path = canonical.map_err(|_| raw_path);
+        if let Some(verdict) = self.endpoint(&identity, path, &method, work) {
+            return self.finish(host, verdict);
+        }
+        let declared = if self.api.reads_body() {
+            length.and_then(|v| v.trim().parse::<u64>().ok())
+        } else {
+            None
+        };
+        if let Some(verdict) = declared.and_then(|len| self.engine().too_large(&identity, len)) {
+            return self.finish(host, verdict);
+        }
+        let large = declared.is_none_or(|len| len > early::EARLY_REFUSAL_BYTES);
+        if self.api.reads_body() && !end_of_stream && large {
+            // The caller's own empty bucket refuses it before its body is
+            // buffered and parsed (`flow/early.rs`).
+            if let Some(verdict) = self.refused_before_body(host, &identity) {
+                add(host, metrics::REFUSED_BEFORE_BODY, 1);
+                self.identity = Some(identity);
+                return self.finish(host, verdict);
+            }
+        }
+        self.identity = Some(identity);
+        if self.api.reads_body() && !end_of_stream {
+            return Action::Pause; // wait for the body
+        }
+        self.decide(host, &[])
+    }
+
+    /// Only sluice may choose the fallback route, also when the policy has
+    /// no `fallback` section but the Envoy routes still match it: the
+    /// routing header is removed, and the request headers kept without it.
+    fn strip_fallback_header(&mut self, host: &dyn Host) {
         let header = self.engine().policy.fallback.as_ref().map(|f| &f.header);
         let header = header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str);
         let mut headers = host.request_headers();
@@ -728,18 +803,12 @@ impl Stream {
             }
         }
         self.request_headers = headers;
-        let raw_path = self.header(host, ":path").unwrap_or_default();
-        let method = self.header(host, ":method").unwrap_or_default();
-        let canonical = crate::usage::demand::canonical_path(&raw_path);
-        // A body on any method is read (a lenient server may serve it);
-        // a bodyless POST is classified too (and refused if it is no API).
-        let length = self.header(host, "content-length");
-        let with_body = self.carries_body(host, length.as_deref(), end_of_stream);
-        let work = with_body || method.eq_ignore_ascii_case("POST");
-        self.api = match canonical.as_deref() {
-            Ok(path) if work => Api::of_path(path),
-            _ => Api::Other,
-        };
+    }
+
+    /// Who is calling, unless the penalty box holds them: the identity, or
+    /// the action of the refusal already answered (an unknown key's 401, or
+    /// the box's 429).
+    fn caller(&mut self, host: &dyn Host) -> Result<Identity, Action> {
         let view = HostRequest(host, self.request_headers.as_deref());
         let identity = match self.engine().identify_why(&view) {
             Ok(identity) => identity,
@@ -747,79 +816,54 @@ impl Stream {
                 // A failed authentication counts toward its address's box
                 // (guessing keys is what the box is for); once blocked, the
                 // address gets 429 `temporarily_blocked` instead of 401.
-                add(host, &telemetry::auth_failures_total(why.code()), 1);
+                metrics::AUTH_FAILURES.add_at(host, &[why.code()], 1);
                 let (blocked, checked) =
                     self.engine()
                         .penalty_box_failed(host, &view, self.started_ms);
-                add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
-                add(
-                    host,
-                    telemetry::ABUSE_UNTRACKED,
-                    i64::from(checked.untracked),
-                );
+                count_penalty_box(host, &checked);
                 if blocked.is_none() {
                     // (A block's verdict carries its contention.)
                     count_contention(host, checked.contention);
                 }
-                return self.finish(host, blocked.unwrap_or(*verdict));
+                return Err(self.finish(host, blocked.unwrap_or(*verdict)));
             }
         };
         let (blocked, checked) = self
             .engine()
             .penalty_box(host, &view, &identity, self.started_ms);
-        add(host, telemetry::ABUSE_BLOCKS, i64::from(checked.started));
-        add(
-            host,
-            telemetry::ABUSE_UNTRACKED,
-            i64::from(checked.untracked),
-        );
+        count_penalty_box(host, &checked);
         if let Some(verdict) = blocked {
             self.identity = Some(identity);
-            return self.finish(host, verdict);
+            return Err(self.finish(host, verdict));
         }
         count_contention(host, checked.contention);
-        match canonical {
+        Ok(identity)
+    }
+
+    /// The path the request is matched by (canonical, or the raw one when
+    /// it has none) and the API it speaks; or the refusal of a request
+    /// that may be an LLM call sluice cannot read: a path with no
+    /// canonical form (whatever the upstream decodes it to, sluice cannot
+    /// know), or work outside every `passthrough` rule (deny by default).
+    fn endpoint(
+        &mut self,
+        identity: &Identity,
+        path: Result<String, String>,
+        method: &str,
+        work: bool,
+    ) -> Option<Verdict> {
+        match path {
             Ok(path) => self.path = path,
-            // Whatever the upstream decodes it to, sluice cannot know: a
-            // request that may be an LLM call does not go up unread.
-            Err(_) if work => {
-                let verdict = self.engine().ambiguous_path(&identity);
-                return self.finish(host, verdict);
-            }
-            Err(_) => self.path = raw_path,
+            Err(_) if work => return Some(self.engine().ambiguous_path(identity)),
+            Err(raw) => self.path = raw,
         }
         if self.api == Api::Other && work {
-            // Deny by default: work sluice cannot read goes up only through
-            // an explicit `passthrough` rule.
-            self.api = self.engine().passthrough(&method, &self.path);
+            self.api = self.engine().passthrough(method, &self.path);
             if self.api == Api::Other {
-                let verdict = self.engine().unknown_endpoint(&identity);
-                return self.finish(host, verdict);
+                return Some(self.engine().unknown_endpoint(identity));
             }
         }
-        let declared = if self.api.reads_body() {
-            length.and_then(|v| v.trim().parse::<u64>().ok())
-        } else {
-            None
-        };
-        if let Some(verdict) = declared.and_then(|len| self.engine().too_large(&identity, len)) {
-            return self.finish(host, verdict);
-        }
-        let large = declared.is_none_or(|len| len > early::EARLY_REFUSAL_BYTES);
-        if self.api.reads_body() && !end_of_stream && large {
-            // The caller's own empty bucket refuses it before its body is
-            // buffered and parsed (`flow/early.rs`).
-            if let Some(verdict) = self.refused_before_body(host, &identity) {
-                add(host, telemetry::REFUSED_BEFORE_BODY, 1);
-                self.identity = Some(identity);
-                return self.finish(host, verdict);
-            }
-        }
-        self.identity = Some(identity);
-        if self.api.reads_body() && !end_of_stream {
-            return Action::Pause; // wait for the body
-        }
-        self.decide(host, &[])
+        None
     }
 
     /// Does a body follow the request headers? The stream not ending with
@@ -831,7 +875,7 @@ impl Stream {
     }
 
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
-        if self.decided {
+        if self.decided() {
             return Action::Continue;
         }
         let Some(identity) = self.identity.as_ref() else {
@@ -855,7 +899,7 @@ impl Stream {
     /// Without it, Envoy would resume the paused request on its own when
     /// the trailers arrive — upstream, undecided.
     pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
-        if self.decided || self.identity.is_none() {
+        if self.decided() || self.identity.is_none() {
             return Action::Continue;
         }
         let body = host.request_body(self.body_size);
@@ -872,14 +916,20 @@ impl Stream {
             // adds its own (same names: they describe the caller's buckets).
             self.observe_provider_limits(host);
         }
-        for (name, value) in std::mem::take(&mut self.response_headers) {
+        let headers = self
+            .upstream()
+            .map(|up| std::mem::take(&mut up.response_headers));
+        for (name, value) in headers.unwrap_or_default() {
             host.set_response_header(&name, Some(&value));
         }
         self.cache_response_headers(host);
         if std::mem::take(&mut self.watch_upstream) {
             self.observe_upstream(host, self.status);
         }
-        if let Some(plan) = &self.plan {
+        let Some(up) = self.upstream() else {
+            return Action::Continue;
+        };
+        if let Some(plan) = &up.plan {
             let content_type = host.response_header("content-type");
             let ollama = matches!(plan.api, Api::OllamaChat | Api::OllamaGenerate);
             let format = Format::detect(content_type.as_deref(), plan.stream && ollama);
@@ -890,7 +940,7 @@ impl Stream {
                 // sluice may change the stream's length.
                 host.set_response_header("content-length", None);
             }
-            self.meter = Some(ResponseMeter::new(format, plan.strip_usage, allowance));
+            up.meter = Some(ResponseMeter::new(format, plan.strip_usage, allowance));
         }
         Action::Continue
     }
@@ -898,15 +948,21 @@ impl Stream {
     pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
         // Latency histograms describe model calls (the LLM APIs), not
         // `/v1/models` and the like.
-        if !self.first_byte && body_size > 0 && self.api.reads_body() {
-            if let Some((_, model)) = &self.labels {
-                self.first_byte = true;
-                let ttft = host.now_ms().saturating_sub(self.started_ms);
-                host.metric_record(MetricKind::Histogram, &telemetry::ttft_ms(model), ttft);
-                self.audit(host, "sluice_ttft_ms", &ttft.to_string());
+        let model_call = body_size > 0 && self.api.reads_body();
+        let first = match &mut self.phase {
+            Phase::Upstream(up) if model_call && !up.first_byte => {
+                up.first_byte = true;
+                Some(up.labels.1.clone())
             }
+            _ => None,
+        };
+        if let Some(model) = first {
+            let ttft = host.now_ms().saturating_sub(self.started_ms);
+            metrics::TTFT_MS.record_at(host, &[&model], ttft);
+            self.audit(host, "sluice_ttft_ms", &ttft.to_string());
         }
-        if self.meter.is_none() && self.response_hash.is_none() && self.cache_store.is_none() {
+        let metered = matches!(&self.phase, Phase::Upstream(up) if up.meter.is_some());
+        if !metered && self.response_hash.is_none() && self.cache_store.is_none() {
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
@@ -919,7 +975,10 @@ impl Stream {
                 self.audit(host, "sluice_response_sha256", &hex);
             }
         }
-        let out = self.meter.as_mut().and_then(|m| m.feed(&chunk, end));
+        let out = self
+            .upstream()
+            .and_then(|up| up.meter.as_mut())
+            .and_then(|m| m.feed(&chunk, end));
         if let Some(out) = out.filter(|out| *out != chunk) {
             host.replace_response_body(body_size, &out);
         }
@@ -932,7 +991,7 @@ impl Stream {
 
     pub fn on_log(&mut self, host: &dyn Host) {
         // Still waiting for the fleet: the answer has no one to go to.
-        if let Some((pending, _)) = &self.fleet_wait {
+        if let Phase::Fleet { pending, .. } = &self.phase {
             if let Ok(mut calls) = self.filter.stream_calls.try_borrow_mut() {
                 calls.remove(&pending.token);
             }
@@ -949,13 +1008,12 @@ impl Stream {
             health::release_probe(&mut cas, &pushback.route_key, lease);
             count_contention(host, cas.contention);
         }
-        if let Some((_, model)) = self
-            .labels
-            .as_ref()
-            .filter(|_| self.status != 0 && self.api.reads_body())
-        {
-            let elapsed = host.now_ms().saturating_sub(self.started_ms);
-            host.metric_record(MetricKind::Histogram, &telemetry::e2e_ms(model), elapsed);
+        let answered = self.status != 0 && self.api.reads_body();
+        let started_ms = self.started_ms;
+        if let Some(up) = self.upstream().filter(|_| answered) {
+            let model = &up.labels.1;
+            let elapsed = host.now_ms().saturating_sub(started_ms);
+            metrics::E2E_MS.record_at(host, &[model], elapsed);
         }
     }
 
@@ -970,18 +1028,16 @@ impl Stream {
 
     /// Applies a verdict: answer locally, or let the request go upstream.
     fn finish(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
-        self.decided = true;
+        self.phase = Phase::Answered;
         self.record(host, &verdict);
         let l = &verdict.labels;
-        if verdict.reply.is_none() {
-            // Latency and token metrics describe requests that went upstream.
-            self.labels = Some((l.tier.clone(), l.model.clone()));
-            if self.engine().policy.anomaly.is_some() {
-                // Admission passed the global breaker: it is closed now
-                // (else the gauge would stay at 1 after the hour's window
-                // let spend fall under the ceiling, until a settlement).
-                set_gauge(host, telemetry::GLOBAL_BREAKER, 0);
-            }
+        // Latency and token metrics describe requests that went upstream.
+        let labels = (l.tier.clone(), l.model.clone());
+        if verdict.reply.is_none() && self.engine().policy.anomaly.is_some() {
+            // Admission passed the global breaker: it is closed now (else
+            // the gauge would stay at 1 after the hour's window let spend
+            // fall under the ceiling, until a settlement).
+            set_gauge(host, metrics::GLOBAL_BREAKER, 0);
         }
         self.audit_decision(host, &verdict);
         if verdict.reply.is_some() {
@@ -1001,16 +1057,22 @@ impl Stream {
                 Action::Pause
             }
             None => {
-                self.response_headers = verdict.response_headers;
+                let mut response_headers = verdict.response_headers;
                 if let Some(waited) = self.gate.as_ref().map(|g| g.waited_ms) {
-                    self.response_headers
-                        .push(("x-sluice-queued-ms".into(), waited.to_string()));
+                    response_headers.push(("x-sluice-queued-ms".into(), waited.to_string()));
                 }
                 let engine = &self.filter.engine;
-                if let Some(plan) = verdict.plan.filter(|p| engine.settles(p)) {
-                    add(host, telemetry::RESERVATIONS_OUTSTANDING, 1);
-                    self.plan = Some(plan);
+                let plan = verdict.plan.filter(|p| engine.settles(p));
+                if plan.is_some() {
+                    add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
                 }
+                self.phase = Phase::Upstream(Upstream {
+                    labels,
+                    response_headers,
+                    plan,
+                    meter: None,
+                    first_byte: false,
+                });
                 Action::Continue
             }
         }
@@ -1019,42 +1081,57 @@ impl Stream {
     /// The decision's metrics.
     fn record(&self, host: &dyn Host, verdict: &Verdict) {
         let l = &verdict.labels;
-        add(host, &telemetry::requests_total(l), 1);
+        metrics::REQUESTS.add_at(
+            host,
+            &[
+                l.decision.code(),
+                l.decision.reason_code(),
+                &l.tier,
+                &l.model,
+            ],
+            1,
+        );
         count_contention(host, verdict.contention);
         add(
             host,
-            telemetry::CAPACITY_EXHAUSTED,
+            metrics::CAPACITY_EXHAUSTED,
             i64::from(verdict.no_slot),
         );
         add(
             host,
-            telemetry::BUDGET_ALERTS,
+            metrics::BUDGET_ALERTS,
             i64::from(!verdict.alerts.is_empty()),
         );
         if let Some(bucket) = &verdict.bucket {
-            add(host, &telemetry::refusals_total(bucket), 1);
+            metrics::REFUSALS.add_at(host, &[bucket], 1);
         }
         if let Some(id) = self
             .identity
             .as_ref()
             .filter(|id| id.team.is_some() || id.org.is_some())
         {
-            let name =
-                telemetry::team_requests_total(l.decision, id.team.as_deref(), id.org.as_deref());
-            add(host, &name, 1);
+            let (team, org) = (id.team.as_deref(), id.org.as_deref());
+            metrics::TEAM_REQUESTS.add_at(
+                host,
+                &[
+                    l.decision.code(),
+                    l.decision.reason_code(),
+                    team.unwrap_or("none"),
+                    org.unwrap_or("none"),
+                ],
+                1,
+            );
         }
         if l.decision == Decision::Refuse(Reason::GlobalBreakerOpen) {
-            set_gauge(host, telemetry::GLOBAL_BREAKER, 1);
+            set_gauge(host, metrics::GLOBAL_BREAKER, 1);
         }
         if let Some(kind) = verdict.degraded {
-            let name = telemetry::degraded_total(kind.code(), &l.tier, &l.model);
-            add(host, &name, 1);
+            metrics::DEGRADED.add_at(host, &[kind.code(), &l.tier, &l.model], 1);
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
-            let tokens =
-                |direction| telemetry::tokens_total(direction, "estimated", &l.tier, &l.model);
-            add(host, &tokens("input"), plan.input_estimate as i64);
-            add(host, &tokens("output"), plan.max_output as i64);
+            let tokens = |direction| [direction, "estimated", l.tier.as_str(), l.model.as_str()];
+            metrics::TOKENS.add_at(host, &tokens("input"), plan.input_estimate as i64);
+            metrics::TOKENS.add_at(host, &tokens("output"), plan.max_output as i64);
         }
     }
 
@@ -1094,7 +1171,9 @@ impl Stream {
         }
     }
 
-    /// Admission once everything the policy needs is known.
+    /// Admission once everything the policy needs is known: demand →
+    /// pushback → route → the model's gate → admit → probe claim → on to
+    /// the upstream (rerouted or rewritten) through the fleet's gate.
     fn decide(&mut self, host: &dyn Host, body: &[u8]) -> Action {
         let Some(identity) = self.identity.clone() else {
             return Action::Continue;
@@ -1115,19 +1194,9 @@ impl Stream {
             .as_ref()
             .and_then(|a| a.demand.model.as_deref())
             .or(engine.passthrough_model(self.api));
-        if let Some(model) = model {
-            self.audit(host, "sluice_model_requested", model);
-        }
+        self.audit_request(host, model, body);
         if let Some(action) = self.cache_lookup(host, asked.as_ref(), model) {
             return action;
-        }
-        if engine.policy.audit.as_ref().is_some_and(|a| a.hash_bodies) {
-            self.audit(
-                host,
-                "sluice_request_sha256",
-                &crate::policy::keys::sha256_hex(body),
-            );
-            self.response_hash = Some(sha2::Digest::new());
         }
         let view = HostRequest(host, self.request_headers.as_deref());
         let mut pushback = engine.pushback(host, model, &view, &identity, now);
@@ -1137,10 +1206,9 @@ impl Stream {
             Rc::new(Seen::default())
         };
         let dice = filter.roll(now);
-        let api = self.api;
         let ctx = RequestContext {
             identity: &identity,
-            api,
+            api: self.api,
             path: &self.path,
             asked: asked.as_ref(),
             now_ms: now,
@@ -1166,19 +1234,13 @@ impl Stream {
                 waiting::Gated::Go => {}
                 waiting::Gated::Answered(verdict) => return self.finish(host, *verdict),
                 waiting::Gated::Wait => {
-                    self.parked = Some(waiting::Parked {
-                        asked,
-                        body_len: body.len(),
-                    });
+                    self.park(asked, body.len());
                     return Action::Pause;
                 }
                 waiting::Gated::Sleep(until) => {
                     // Its buckets free up within its wait: it sleeps,
                     // holding no place, then tries the gate again.
-                    self.parked = Some(waiting::Parked {
-                        asked,
-                        body_len: body.len(),
-                    });
+                    self.park(asked, body.len());
                     return self.sleep(host, until);
                 }
             }
@@ -1187,10 +1249,7 @@ impl Stream {
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
             // A bucket frees up within the class's wait: the request
             // gives its slot back and tries again then, instead of a 429.
-            self.parked = Some(waiting::Parked {
-                asked,
-                body_len: body.len(),
-            });
+            self.park(asked, body.len());
             return self.sleep(host, now + retry_ms);
         }
         if probe {
@@ -1202,6 +1261,44 @@ impl Stream {
             self.probe_lease = lease;
         }
         self.pushback = Some(pushback);
+        self.send_on(host, verdict, fallback, body.len())
+    }
+
+    /// The request's audit fields known once its body is read.
+    fn audit_request(&mut self, host: &dyn Host, model: Option<&str>, body: &[u8]) {
+        if let Some(model) = model {
+            self.audit(host, "sluice_model_requested", model);
+        }
+        if self
+            .engine()
+            .policy
+            .audit
+            .as_ref()
+            .is_some_and(|a| a.hash_bodies)
+        {
+            self.audit(
+                host,
+                "sluice_request_sha256",
+                &crate::policy::keys::sha256_hex(body),
+            );
+            self.response_hash = Some(sha2::Digest::new());
+        }
+    }
+
+    /// Keeps what a waiting request needs to be decided again.
+    fn park(&mut self, asked: Option<crate::admission::Asked>, body_len: usize) {
+        self.phase = Phase::Parked(waiting::Parked { asked, body_len });
+    }
+
+    /// An admitted request goes on: rerouted to the fallback or watched on
+    /// the primary, its body rewritten, then through the fleet's gate.
+    fn send_on(
+        &mut self,
+        host: &dyn Host,
+        mut verdict: Verdict,
+        fallback: bool,
+        body_len: usize,
+    ) -> Action {
         if verdict.reply.is_none() {
             if fallback {
                 self.reroute(host, &mut verdict);
@@ -1214,7 +1311,7 @@ impl Stream {
         if let Some(new_body) = verdict.body.take() {
             // The upstream gets the rewritten request (model, max output,
             // usage in streams); its length changes with it.
-            host.replace_request_body(body.len(), &new_body);
+            host.replace_request_body(body_len, &new_body);
             host.set_request_header("content-length", Some(&new_body.len().to_string()));
         }
         self.fleet_gate(host, verdict)
@@ -1250,7 +1347,10 @@ impl Stream {
                 if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
                     calls.insert(pending.token, (self.me.clone(), self.context_id));
                 }
-                self.fleet_wait = Some((pending, verdict));
+                self.phase = Phase::Fleet {
+                    pending,
+                    verdict: Box::new(verdict),
+                };
                 Action::Pause
             }
             crate::fleet::Gate::Refuse { rule, quota } => {
@@ -1265,8 +1365,12 @@ impl Stream {
             self.cache_answer(host, body_size);
             return;
         }
-        let Some((pending, verdict)) = self.fleet_wait.take_if(|(p, _)| p.token == token) else {
-            return;
+        let (pending, verdict) = match std::mem::replace(&mut self.phase, Phase::Undecided) {
+            Phase::Fleet { pending, verdict } if pending.token == token => (pending, *verdict),
+            other => {
+                self.phase = other;
+                return;
+            }
         };
         let filter = self.filter.clone();
         if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
@@ -1339,7 +1443,7 @@ impl Stream {
         verdict
             .response_headers
             .push(("x-sluice-kill-switch".into(), "1".into()));
-        add(host, telemetry::REROUTED, 1);
+        add(host, metrics::REROUTED, 1);
     }
 
     /// Feeds the upstream's answer to the route's pause and error breaker.
@@ -1374,18 +1478,16 @@ impl Stream {
         );
         add(
             host,
-            telemetry::ERROR_BREAKER_OPENED,
+            metrics::ERROR_BREAKER_OPENED,
             i64::from(recorded.breaker_opened),
         );
-        add(
-            host,
-            telemetry::PUSHBACK_DROPPED,
-            i64::from(recorded.dropped),
-        );
+        add(host, metrics::PUSHBACK_DROPPED, i64::from(recorded.dropped));
         count_contention(host, recorded.contention);
         match recorded.paused {
-            Some(health::PauseScope::Route) => add(host, telemetry::PAUSES_ROUTE, 1),
-            Some(health::PauseScope::Credential) => add(host, telemetry::PAUSES_CREDENTIAL, 1),
+            Some(health::PauseScope::Route) => metrics::UPSTREAM_PAUSES.add_at(host, &["route"], 1),
+            Some(health::PauseScope::Credential) => {
+                metrics::UPSTREAM_PAUSES.add_at(host, &["credential"], 1)
+            }
             None => {}
         }
     }
@@ -1393,18 +1495,20 @@ impl Stream {
     /// Replaces the reservation with the real cost; runs once per request.
     fn settle(&mut self, host: &dyn Host) {
         let claims = std::mem::take(&mut self.fleet_claims);
-        let Some(plan) = self.plan.take() else { return };
-        let (found, counted, cut) = match &self.meter {
+        let Some(up) = self.upstream() else { return };
+        let Some(plan) = up.plan.take() else { return };
+        let (found, counted, cut) = match &up.meter {
             Some(m) => (m.found, m.output_events, m.cut),
             None => (Found::Nothing, 0, false),
         };
+        let (tier, model) = up.labels.clone();
         let upstream_ok = self.status == 0 || self.status < 400;
         let now = host.now_ms();
         let (settled, effort) =
             self.filter
                 .engine
                 .settle(host, &plan, found, counted, upstream_ok, now);
-        add(host, telemetry::RESERVATIONS_OUTSTANDING, -1);
+        add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
         count_contention(host, effort);
         if let Some(fleet) = &self.filter.fleet {
             let engine = &self.filter.engine;
@@ -1426,22 +1530,21 @@ impl Stream {
                 ),
             );
         }
-        let (tier, model) = self.labels.clone().unwrap_or_default();
-        add(
+        metrics::TOKENS.add_at(
             host,
-            &telemetry::tokens_total("input", "actual", &tier, &model),
+            &["input", "actual", &tier, &model],
             settled.input as i64,
         );
-        add(
+        metrics::TOKENS.add_at(
             host,
-            &telemetry::tokens_total("output", "actual", &tier, &model),
+            &["output", "actual", &tier, &model],
             settled.output as i64,
         );
-        add(host, telemetry::USAGE_SURGES, i64::from(settled.surge));
+        add(host, metrics::USAGE_SURGES, i64::from(settled.surge));
         if self.engine().policy.anomaly.is_some() {
             set_gauge(
                 host,
-                telemetry::GLOBAL_BREAKER,
+                metrics::GLOBAL_BREAKER,
                 u64::from(settled.global_open),
             );
         }
@@ -1454,18 +1557,18 @@ impl Stream {
             "estimate"
         };
         self.audit(host, "sluice_usage_source", source);
-        add(host, telemetry::SPEND_MICROS, settled.cost as i64);
+        add(host, metrics::SPEND_MICROS, settled.cost as i64);
         add(
             host,
-            telemetry::USAGE_INVALID,
+            metrics::USAGE_INVALID,
             i64::from(settled.invalid_usage),
         );
         add(
             host,
-            telemetry::USAGE_MISSING,
+            metrics::USAGE_MISSING,
             i64::from(!settled.from_usage && upstream_ok),
         );
-        add(host, telemetry::STREAM_CUT, i64::from(cut));
+        add(host, metrics::STREAM_CUT, i64::from(cut));
     }
 }
 

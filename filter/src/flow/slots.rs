@@ -29,7 +29,8 @@
 use sluice_wire::fleet::{SlotScope, SlotsAnswer, SlotsRequest};
 
 use super::Filter;
-use crate::host::{Host, LogLevel, MetricKind};
+use crate::host::metrics;
+use crate::host::{Host, LogLevel};
 use crate::policy::fleet::Unavailable;
 use crate::queue::{self, slots_scope, Group, State};
 
@@ -38,8 +39,6 @@ pub const BEAT_MS: u64 = 1_000;
 /// After a failed report, wait this long before the next.
 const RETRY_MS: u64 = 500;
 pub const PATH: &str = "/v1/fleet/slots";
-/// 1 while the fleet's slots cannot be reported (gates on stand-ins).
-pub const M_DEGRADED: &str = "sluice_fleet_slots_degraded";
 
 /// One scope of a report: which lease of which backend.
 #[derive(Debug, Clone)]
@@ -203,7 +202,7 @@ impl Agent {
                 LogLevel::Info,
                 "fleet: concurrency slots granted by the fleet again",
             );
-            host.metric_record(MetricKind::Gauge, M_DEGRADED, 0);
+            metrics::FLEET_SLOTS_DEGRADED.record(host, 0);
         }
         self.next_beat_ms = now + BEAT_MS;
         for (backend, g) in fleet_groups(filter) {
@@ -232,7 +231,7 @@ impl Agent {
                 LogLevel::Warn,
                 "fleet: concurrency slots cannot be reported; gates follow on_unavailable.requests",
             );
-            host.metric_record(MetricKind::Gauge, M_DEGRADED, 1);
+            metrics::FLEET_SLOTS_DEGRADED.record(host, 1);
         }
         let cfg = &fleet.config;
         let stand_in = |limit: u32| match cfg.on_unavailable.requests {

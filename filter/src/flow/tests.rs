@@ -85,7 +85,10 @@ fn an_admitted_stream_is_rewritten_metered_and_settled_from_usage() {
         host.req_header("content-length").unwrap(),
         host.request_body.borrow().len().to_string()
     );
-    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(1)
+    );
     let estimated = host
         .metric("sluice_tokens_total_direction=output;.kind=estimated;.tier=t;.model=other;")
         .unwrap();
@@ -115,7 +118,10 @@ fn an_admitted_stream_is_rewritten_metered_and_settled_from_usage() {
         ))
     };
     assert_eq!((actual("input"), actual("output")), (Some(5), Some(3)));
-    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(0));
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(0)
+    );
     assert_eq!(
         host.state("sluice_usage_source").as_deref(),
         Some("upstream")
@@ -136,11 +142,20 @@ fn a_request_the_upstream_never_answers_is_settled_once_in_on_log() {
     );
     let (mut req, action) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 50));
     assert_eq!(action, Action::Continue);
-    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(1)
+    );
     req.on_log(&host);
     req.on_log(&host);
-    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(0));
-    assert_eq!(host.metric(telemetry::USAGE_MISSING), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(0)
+    );
+    assert_eq!(
+        host.metric(crate::host::metrics::USAGE_MISSING.name),
+        Some(1)
+    );
     // No e2e latency for a request without an answer.
     assert!(host.histograms.borrow().is_empty());
 }
@@ -166,7 +181,7 @@ fn refusals_are_answered_locally_and_counted() {
         format!("sluice_requests_total_decision=refuse;.reason={reason};.tier=t;.model=other;");
     assert_eq!(host.metric(&refused), Some(1), "{:?}", host.metrics);
     assert_eq!(
-        host.metric(&telemetry::refusals_total("tier/t/requests")),
+        host.metric(&crate::host::metrics::REFUSALS.named(&["tier/t/requests"])),
         Some(1)
     );
     // Another caller has its own bucket.
@@ -302,7 +317,10 @@ fn the_probe_is_claimed_only_after_admission_and_given_back_in_on_log() {
         assert_eq!(action, Action::Continue);
         answer(&host, &mut req, "500", &[], "{}");
     }
-    assert_eq!(host.metric(telemetry::ERROR_BREAKER_OPENED), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::ERROR_BREAKER_OPENED.name),
+        Some(1)
+    );
     let (_, action) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
     assert_eq!(action, Action::Pause);
     assert_eq!(host.last_reply().unwrap().status, 503);
@@ -340,8 +358,14 @@ fn a_429_with_retry_after_pauses_only_that_credential() {
     let bob = [("authorization", "Bearer sk-bob")];
     let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &alice, &chat("m", 10));
     answer(&host, &mut req, "429", &[("retry-after", "5")], "{}");
-    assert_eq!(host.metric(telemetry::PAUSES_CREDENTIAL), Some(1));
-    assert_eq!(host.metric(telemetry::PAUSES_ROUTE), Some(0));
+    assert_eq!(
+        host.metric(&crate::host::metrics::UPSTREAM_PAUSES.named(&["credential"])),
+        Some(1)
+    );
+    assert_eq!(
+        host.metric(&crate::host::metrics::UPSTREAM_PAUSES.named(&["route"])),
+        Some(0)
+    );
     // The same credential from another address is paused…
     let (_, action) = post(&poller, &host, "10.0.0.9:1", &alice, &chat("m", 10));
     assert_eq!(action, Action::Pause);
@@ -366,7 +390,10 @@ fn a_503_with_retry_after_pauses_the_route_and_envoys_own_answers_count_as_failu
     );
     let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
     answer(&host, &mut req, "503", &[("retry-after", "2")], "{}");
-    assert_eq!(host.metric(telemetry::PAUSES_ROUTE), Some(1));
+    assert_eq!(
+        host.metric(&crate::host::metrics::UPSTREAM_PAUSES.named(&["route"])),
+        Some(1)
+    );
     let (_, action) = post(&poller, &host, "10.0.0.2:1", &[], &chat("m", 10));
     assert_eq!(action, Action::Pause);
     assert_eq!(host.last_reply().unwrap().status, 503);
@@ -384,13 +411,16 @@ fn a_503_with_retry_after_pauses_the_route_and_envoys_own_answers_count_as_failu
     req.on_log(&host);
     assert_eq!(record(&host, "m").failures, 2, "the 503 and the reset");
     assert_eq!(
-        host.metric(telemetry::ERROR_BREAKER_OPENED),
+        host.metric(crate::host::metrics::ERROR_BREAKER_OPENED.name),
         Some(0),
         "one caller"
     );
     let (mut req, _) = post(&poller, &host, "10.0.0.2:1", &[], &chat("m", 10));
     answer(&host, &mut req, "502", &[], "");
-    assert_eq!(host.metric(telemetry::ERROR_BREAKER_OPENED), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::ERROR_BREAKER_OPENED.name),
+        Some(1)
+    );
 }
 
 fn sidecar_policy() -> Value {
@@ -421,7 +451,7 @@ fn the_kill_switch_reroutes_with_the_header_and_a_route_cache_refresh() {
         Some("backup")
     );
     assert_eq!(host.route_cache_clears.get(), 1);
-    assert_eq!(host.metric(telemetry::REROUTED), Some(1));
+    assert_eq!(host.metric(crate::host::metrics::REROUTED.name), Some(1));
     answer(&host, &mut req, "500", &[], "{}");
     assert_eq!(
         host.resp_header("x-sluice-provider").as_deref(),
@@ -521,9 +551,9 @@ fn one_root_holds_the_poll_lease_and_renews_it_while_polling() {
     pa.on_call_response(&a, poll.token, state.to_string().len());
     let seen = crate::admission::health::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
     assert_eq!(seen.state.unwrap().version, 9);
-    assert_eq!(a.metric(telemetry::KILL_SWITCH), Some(1));
-    assert_eq!(a.metric(telemetry::BREAKERS_OPEN), Some(1));
-    assert_eq!(a.metric(telemetry::SIDECAR_POLLS), Some(1));
+    assert_eq!(a.metric(crate::host::metrics::KILL_SWITCH.name), Some(1));
+    assert_eq!(a.metric(crate::host::metrics::BREAKERS_OPEN.name), Some(1));
+    assert_eq!(a.metric(crate::host::metrics::SIDECAR_POLLS.name), Some(1));
     let next = a.callouts.borrow()[1].clone();
     assert!(next
         .headers
@@ -540,7 +570,10 @@ fn a_failing_sidecar_is_logged_once_per_outage_and_retried_after_a_pause() {
     let mut poller = load(&host, sidecar_policy());
     *host.dispatch_error.borrow_mut() = Some("BadArgument".into());
     poller.tick(&host);
-    assert_eq!(host.metric(telemetry::SIDECAR_POLL_ERRORS), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::SIDECAR_POLL_ERRORS.name),
+        Some(1)
+    );
     poller.tick(&host);
     assert_eq!(host.callouts.borrow().len(), 0, "waits before retrying");
     host.advance(1_000);
@@ -562,7 +595,10 @@ fn a_failing_sidecar_is_logged_once_per_outage_and_retried_after_a_pause() {
         poller.tick(&host);
     }
     assert_eq!(warns(&host), 1);
-    assert_eq!(host.metric(telemetry::SIDECAR_POLL_ERRORS), Some(3));
+    assert_eq!(
+        host.metric(crate::host::metrics::SIDECAR_POLL_ERRORS.name),
+        Some(3)
+    );
     assert!(
         host.get(SIDECAR_KEY).is_none(),
         "nothing unreadable is stored"
@@ -639,20 +675,34 @@ fn metrics_exist_at_zero_once_a_policy_loads_and_a_bad_policy_keeps_the_last() {
         &host,
         json!({"default_tier": "t", "tiers": {"t": {"requests": "5/min"}}}),
     );
-    for name in telemetry::FIXED {
-        assert_eq!(host.metric(name), Some(0), "{name}");
+    for m in crate::host::metrics::ALL
+        .iter()
+        .filter(|m| m.labels.is_empty())
+    {
+        if m.kind != crate::host::MetricKind::Histogram {
+            assert_eq!(host.metric(m.name), Some(0), "{}", m.name);
+        }
     }
     assert_eq!(
-        host.metric(&telemetry::refusals_total("tier/t/requests")),
+        host.metric(&crate::host::metrics::REFUSALS.named(&["tier/t/requests"])),
         Some(0)
     );
     let kinds = host.metrics.borrow();
-    assert_eq!(kinds[telemetry::KILL_SWITCH].0, MetricKind::Gauge);
-    assert_eq!(kinds[telemetry::REROUTED].0, MetricKind::Counter);
+    assert_eq!(
+        kinds[crate::host::metrics::KILL_SWITCH.name].0,
+        crate::host::MetricKind::Gauge
+    );
+    assert_eq!(
+        kinds[crate::host::metrics::REROUTED.name].0,
+        crate::host::MetricKind::Counter
+    );
     drop(kinds);
     assert_eq!(host.tick_period_ms.get(), None, "no sidecar, no tick");
     assert!(!poller.configure(&host, b"{\"default_tier\": 7}"));
-    assert_eq!(host.metric(telemetry::CONFIG_REJECTED), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::CONFIG_REJECTED.name),
+        Some(1)
+    );
     assert!(host
         .logs
         .borrow()
@@ -678,11 +728,17 @@ fn the_global_breaker_gauge_follows_admission_and_settlement() {
         if action == Action::Pause {
             let reply = host.last_reply().unwrap();
             assert_eq!(reply.header("x-sluice-reason"), Some("global_breaker_open"));
-            assert_eq!(host.metric(telemetry::GLOBAL_BREAKER), Some(1));
+            assert_eq!(
+                host.metric(crate::host::metrics::GLOBAL_BREAKER.name),
+                Some(1)
+            );
             opened = true;
             break;
         }
-        assert_eq!(host.metric(telemetry::GLOBAL_BREAKER), Some(0));
+        assert_eq!(
+            host.metric(crate::host::metrics::GLOBAL_BREAKER.name),
+            Some(0)
+        );
         answer(
             &host,
             &mut req,
@@ -785,8 +841,11 @@ fn a_stream_past_its_allowance_is_cut_and_charged_what_it_sent() {
     *host.response_body.borrow_mut() = Vec::new();
     req.on_response_body(&host, 0, true);
     req.on_log(&host);
-    assert_eq!(host.metric(telemetry::STREAM_CUT), Some(1));
-    assert_eq!(host.metric(telemetry::RESERVATIONS_OUTSTANDING), Some(0));
+    assert_eq!(host.metric(crate::host::metrics::STREAM_CUT.name), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(0)
+    );
     let output = host
         .metric("sluice_tokens_total_direction=output;.kind=actual;.tier=t;.model=other;")
         .unwrap();
@@ -885,8 +944,14 @@ fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_
     host.lose_writes.set(15);
     answer(&host, &mut req, "200", &json, &usage(500));
     assert_eq!(used(), 505, "charged in full");
-    assert_eq!(host.metric(telemetry::CAS_RETRIES), Some(15));
-    assert_eq!(host.metric(telemetry::CAS_EXHAUSTED), Some(0));
+    assert_eq!(
+        host.metric(crate::host::metrics::CAS_RETRIES.name),
+        Some(15)
+    );
+    assert_eq!(
+        host.metric(crate::host::metrics::CAS_EXHAUSTED.name),
+        Some(0)
+    );
     // A storm past the settlement's bound (2 × 8 tries): not written, but
     // counted and said.
     let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &[], &chat("m", 10));
@@ -894,7 +959,10 @@ fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_
     host.lose_writes.set(16);
     answer(&host, &mut req, "200", &json, &usage(500));
     assert_eq!(used(), before, "the bucket kept the reservation");
-    assert_eq!(host.metric(telemetry::CAS_EXHAUSTED), Some(1));
+    assert_eq!(
+        host.metric(crate::host::metrics::CAS_EXHAUSTED.name),
+        Some(1)
+    );
     assert!(host
         .logs
         .borrow()

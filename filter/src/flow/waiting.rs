@@ -32,13 +32,14 @@
 use std::cell::RefCell;
 use std::rc::{Rc, Weak};
 
-use super::{count_contention, Filter, Request, Stream};
-use crate::admission::answer::{self, Reason};
+use super::{count_contention, Filter, Phase, Request, Stream};
+use crate::admission::answer::{Reason, Refused};
 use crate::admission::health::{BreakerState, Pushback, Seen};
 use crate::admission::identity::{Identity, RequestView};
 use crate::admission::{Asked, RequestContext, Routed, Verdict};
 use crate::flow::HostRequest;
-use crate::host::{Action, Host, LogLevel, MetricKind};
+use crate::host::metrics;
+use crate::host::{Action, Host, LogLevel};
 use crate::limits::reservation::SETTLE_TRIES_FACTOR;
 use crate::policy::IdentitySource;
 use crate::queue::{self, Blocked, Changed, Entered, Grant, State};
@@ -96,27 +97,12 @@ pub enum Gated {
     Answered(Box<Verdict>),
 }
 
-// Metric names (labels ride in the name, see `metrics`).
-fn depth_gauge(model: &str, class: &str) -> String {
-    format!("sluice_queue_depth_model={model};.class={class};")
-}
-fn inflight_gauge(model: &str) -> String {
-    format!("sluice_inflight_model={model};")
-}
-fn wait_histogram(model: &str, class: &str) -> String {
-    format!("sluice_queue_wait_milliseconds_model={model};.class={class};")
-}
 /// `outcome`: dispatched (reason immediate|queued), rejected (model_concurrency,
 /// queue_full, gpu_overloaded, upstream_paused, or the reason of the bucket
 /// the peek found empty), expired, evicted (queue_full), rerouted
 /// (fallback), abandoned, deferred.
-fn outcome_counter(outcome: &str, reason: &str, model: &str, class: &str) -> String {
-    format!("sluice_queue_total_outcome={outcome};.reason={reason};.model={model};.class={class};")
-}
-
 fn count(host: &dyn Host, outcome: &str, reason: &str, g: &GateState) {
-    let name = outcome_counter(outcome, reason, &g.model, &g.class);
-    host.metric_add(MetricKind::Counter, &name, 1);
+    metrics::QUEUE_OUTCOMES.add_at(host, &[outcome, reason, &g.model, &g.class], 1);
 }
 
 /// Gauges from the state just written: every gated model and class of the
@@ -127,10 +113,10 @@ fn publish(filter: &Filter, host: &dyn Host, backend: &str, state: &State) {
     };
     for model in group.model_limits.keys() {
         let inflight = u64::from(state.inflight(model));
-        host.metric_record(MetricKind::Gauge, &inflight_gauge(model), inflight);
+        metrics::INFLIGHT.record_at(host, &[model], inflight);
         for class in class_labels(filter) {
             let depth = state.depth(model, &class) as u64;
-            host.metric_record(MetricKind::Gauge, &depth_gauge(model, &class), depth);
+            metrics::QUEUE_DEPTH.record_at(host, &[model, &class], depth);
         }
     }
 }
@@ -176,11 +162,7 @@ pub fn configure(
     }
     host.set_tick_period_ms(QUEUE_TICK_MS);
     for via in ["message", "tick"] {
-        host.metric_add(
-            MetricKind::Counter,
-            &format!("sluice_queue_resumed_total_via={via};"),
-            0,
-        );
+        metrics::QUEUE_RESUMED.define_at(host, &[via]);
     }
     for (backend, group) in filter.gates.groups() {
         let state = host
@@ -190,21 +172,13 @@ pub fn configure(
         publish(filter, host, backend, &state);
         for model in group.model_limits.keys() {
             for class in class_labels(filter) {
-                host.metric_add(
-                    MetricKind::Counter,
-                    &outcome_counter("expired", "queue_deadline", model, &class),
-                    0,
-                );
                 for (outcome, reason) in [
+                    ("expired", "queue_deadline"),
                     ("abandoned", "client_gone"),
                     ("evicted", "queue_full"),
                     ("rerouted", "fallback"),
                 ] {
-                    host.metric_add(
-                        MetricKind::Counter,
-                        &outcome_counter(outcome, reason, model, &class),
-                        0,
-                    );
+                    metrics::QUEUE_OUTCOMES.define_at(host, &[outcome, reason, model, &class]);
                 }
             }
         }
@@ -359,32 +333,20 @@ impl Stream {
         };
         let engine = &filter.engine;
         let view = HostRequest(host, self.request_headers.as_deref());
-        let asked_wait = match asked_wait(&view) {
-            Ok(asked) => asked,
-            Err(()) => {
-                let reply = answer::rejected(
-                    Reason::InvalidRequest,
-                    "x-sluice-max-wait-ms must be a whole number of milliseconds.",
-                    Some(MAX_WAIT_HEADER),
-                );
-                let verdict =
-                    engine.refused(reply, Reason::InvalidRequest, &identity.tier, Some(model));
-                return (Gated::Answered(Box::new(verdict)), None);
-            }
+        let Ok(asked_wait) = asked_wait(&view) else {
+            let refused = Refused::rejected(
+                Reason::InvalidRequest,
+                "x-sluice-max-wait-ms must be a whole number of milliseconds.",
+                Some(MAX_WAIT_HEADER),
+            );
+            let verdict = engine.refuse(&refused, &identity.tier, Some(model));
+            return (Gated::Answered(Box::new(verdict)), None);
         };
         let class = class_of(&filter, identity, &view);
         let class_cfg = class.as_ref().and_then(|c| engine.policy.classes.get(c));
         let wake = filter.wake_queue.get();
-        let wait = class_cfg.filter(|c| c.queue && wake.is_some()).map(|c| {
-            (
-                c.max_wait_ms.min(asked_wait.unwrap_or(u64::MAX)),
-                c.max_depth,
-            )
-        });
-        let wait_ms = wait.map_or(0, |(w, _)| w);
-        let wait = wait
-            .map(|(w, depth)| (w.saturating_sub(now.saturating_sub(since)), depth))
-            .filter(|(w, _)| *w > 0);
+        let queues = class_cfg.filter(|c| c.queue && wake.is_some());
+        let (wait_ms, wait) = class_wait(queues, asked_wait, now.saturating_sub(since));
         let class_label = class.clone().unwrap_or_else(|| "none".into());
         let arrival = queue::Arrival {
             model,
@@ -396,9 +358,6 @@ impl Stream {
             saturated: filter.saturated(host, model, backend, now),
             now_ms: now,
         };
-        // Before it takes a place: would its buckets let it through? (Its
-        // own engine's buckets: they admit it at dispatch.)
-        let mut declined: Option<Verdict> = None;
         let ctx = RequestContext {
             identity,
             api: self.api,
@@ -406,22 +365,8 @@ impl Stream {
             asked,
             now_ms: now,
         };
-        // The peek runs inside the queue's compare-and-swap: a retry that
-        // finds the caller holding as many places reuses the first answer
-        // instead of reading every bucket again.
-        let mut peeked: Option<u32> = None;
-        let mut may_wait = |queued: u32| {
-            if peeked != Some(queued) {
-                declined = self
-                    .filter
-                    .engine
-                    .would_admit(host, &ctx, u64::from(queued));
-                peeked = Some(queued);
-            }
-            declined.is_none()
-        };
-        let changed = queue::enter_checked(host, group, filter.tries(), &arrival, &mut may_wait);
-        filter.applied(host, backend, &changed);
+        let (entered, declined) =
+            self.enter_peeking(host, &filter, (backend, group), &arrival, &ctx);
         let mut gate = GateState {
             backend: backend.to_string(),
             model: model.to_string(),
@@ -433,97 +378,73 @@ impl Stream {
             wait_ms,
             sleeper: None,
         };
-        let (reason, reply) = match changed.value {
+        match entered {
             Entered::Go => {
                 gate.slot = true;
                 count(host, "dispatched", "immediate", &gate);
-                let wait = wait_histogram(&gate.model, &gate.class);
-                host.metric_record(MetricKind::Histogram, &wait, 0);
-                return (Gated::Go, Some(gate));
+                metrics::QUEUE_WAIT_MS.record_at(host, &[&gate.model, &gate.class], 0);
+                (Gated::Go, Some(gate))
             }
             Entered::Queued {
                 ticket,
                 deadline_ms,
             } => {
                 gate.ticket = Some(ticket);
-                if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
-                    waiters.insert(
-                        ticket,
-                        Waiter {
-                            stream: self.me.clone(),
-                            context_id: self.context_id,
-                            backend: backend.to_string(),
-                            deadline_ms,
-                            sleeping: false,
-                        },
-                    );
-                }
-                return (Gated::Wait, Some(gate));
+                self.wait_in_queue(&filter, ticket, backend, deadline_ms);
+                (Gated::Wait, Some(gate))
             }
-            Entered::Declined => {
-                let Some(verdict) = declined else {
-                    // Declined without a verdict cannot happen; go to
-                    // admission, which decides for itself.
-                    return (Gated::Go, None);
-                };
-                let deadline = since.saturating_add(wait_ms);
-                let sleep = bucket_retry_ms(&verdict)
-                    .filter(|retry| wait_ms > 0 && now.saturating_add(*retry) < deadline);
-                if let Some(retry) = sleep {
-                    return (Gated::Sleep(now.saturating_add(retry)), Some(gate));
-                }
-                count(
-                    host,
-                    "rejected",
-                    verdict.labels.decision.reason_code(),
-                    &gate,
-                );
-                return (Gated::Answered(Box::new(verdict)), None);
+            Entered::Declined => declined_gate(host, declined, gate, now),
+            refused => {
+                let refused = gate_refusal(engine, &refused, model, now);
+                count(host, "rejected", refused.reason().code(), &gate);
+                let verdict = engine.refuse(&refused, &identity.tier, Some(model));
+                (Gated::Answered(Box::new(verdict)), None)
             }
-            Entered::Full => (
-                Reason::QueueFull,
-                answer::retry_later(
-                    Reason::QueueFull,
-                    &format!(
-                        "Too many requests of your class are waiting for {model}. Try again in 1 s."
-                    ),
-                    1,
-                ),
-            ),
-            Entered::Refused(Blocked::Saturated) => (
-                Reason::GpuOverloaded,
-                answer::unavailable(
-                    Reason::GpuOverloaded,
-                    "the backend is saturated",
-                    engine
-                        .policy
-                        .sidecar
-                        .as_ref()
-                        .map_or(1, |s| (s.retry_after_ms / 1000).max(1)),
-                ),
-            ),
-            Entered::Refused(Blocked::Paused(until)) => (
-                Reason::UpstreamPaused,
-                answer::unavailable(
-                    Reason::UpstreamPaused,
-                    "the provider has no capacity left until its limit resets",
-                    until.saturating_sub(now).div_ceil(1000).max(1),
-                ),
-            ),
-            Entered::Refused(_) | Entered::Contended => (
-                Reason::ModelConcurrency,
-                answer::retry_later(
-                    Reason::ModelConcurrency,
-                    &format!(
-                        "{model} is serving as many requests as it may at once. Try again in 1 s."
-                    ),
-                    1,
-                ),
-            ),
+        }
+    }
+
+    /// Enters the model's queue, peeking first at the request's buckets:
+    /// would they let it through? (Its own engine's buckets: they admit it
+    /// at dispatch.) What the queue said, and the peek's refusal if any.
+    fn enter_peeking(
+        &self,
+        host: &dyn Host,
+        filter: &Filter,
+        (backend, group): (&str, &queue::Group),
+        arrival: &queue::Arrival,
+        ctx: &RequestContext,
+    ) -> (Entered, Option<Verdict>) {
+        let mut declined: Option<Verdict> = None;
+        // The peek runs inside the queue's compare-and-swap: a retry that
+        // finds the caller holding as many places reuses the first answer
+        // instead of reading every bucket again.
+        let mut peeked: Option<u32> = None;
+        let mut may_wait = |queued: u32| {
+            if peeked != Some(queued) {
+                declined = self.filter.engine.would_admit(host, ctx, u64::from(queued));
+                peeked = Some(queued);
+            }
+            declined.is_none()
         };
-        count(host, "rejected", reason.code(), &gate);
-        let verdict = engine.refused(reply, reason, &identity.tier, Some(model));
-        (Gated::Answered(Box::new(verdict)), None)
+        let changed = queue::enter_checked(host, group, filter.tries(), arrival, &mut may_wait);
+        filter.applied(host, backend, &changed);
+        (changed.value, declined)
+    }
+
+    /// A queued request waits for its ticket's wake-up, or its deadline.
+    fn wait_in_queue(&self, filter: &Filter, ticket: u64, backend: &str, deadline_ms: u64) {
+        if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
+            waiters.insert(
+                ticket,
+                Waiter {
+                    stream: self.me.clone(),
+                    context_id: self.context_id,
+                    backend: backend.to_string(),
+                    deadline_ms,
+                    sleeping: false,
+                },
+            );
+        }
     }
 
     /// The route is paused (upstream 503/429 with `Retry-After`, for the
@@ -555,22 +476,33 @@ impl Stream {
         true
     }
 
+    /// Out of the queue or asleep no more: what it kept for its next try
+    /// is dropped.
+    fn unpark(&mut self) {
+        if matches!(self.phase, Phase::Parked(_)) {
+            self.phase = Phase::Undecided;
+        }
+    }
+
     /// Its turn came (it holds a slot now, or `slot` is false: it left the
     /// queue because the world changed under it): routed again as a new
     /// request would be now, then its budgets are reserved, then it goes
     /// upstream (the primary or, kill switch pulled meanwhile, the
     /// fallback) or is answered.
     fn dispatch(&mut self, host: &dyn Host, slot: bool) -> Action {
-        let Some(parked) = self.parked.take() else {
-            return Action::Continue;
+        let parked = match std::mem::replace(&mut self.phase, Phase::Undecided) {
+            Phase::Parked(parked) => parked,
+            other => {
+                self.phase = other;
+                return Action::Continue;
+            }
         };
         let now = host.now_ms();
         if let Some(g) = self.gate.as_mut() {
             g.ticket = None;
             g.slot = slot;
             g.waited_ms = now.saturating_sub(g.arrived_ms);
-            let wait = wait_histogram(&g.model, &g.class);
-            host.metric_record(MetricKind::Histogram, &wait, g.waited_ms);
+            metrics::QUEUE_WAIT_MS.record_at(host, &[&g.model, &g.class], g.waited_ms);
             count(host, "dispatched", "queued", g);
         }
         let Some(identity) = self.identity.clone() else {
@@ -593,7 +525,7 @@ impl Stream {
             // Out of the queue without a slot, and the primary is back
             // (the switch flipped again): through the gate once more.
             Routed::Primary | Routed::Probe if !slot => {
-                self.parked = Some(parked);
+                self.phase = Phase::Parked(parked);
                 return self.retry(host);
             }
             Routed::Primary => (false, false),
@@ -602,7 +534,7 @@ impl Stream {
             // waits the pause out in the queue like a new request would.
             Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
                 self.release_slot(host);
-                self.parked = Some(parked);
+                self.phase = Phase::Parked(parked);
                 return self.retry(host);
             }
             Routed::Fallback => {
@@ -619,7 +551,7 @@ impl Stream {
         };
         let mut verdict = engine.admit(host, &ctx);
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
-            self.parked = Some(parked);
+            self.phase = Phase::Parked(parked);
             return self.sleep(host, now + retry_ms);
         }
         if probe {
@@ -670,7 +602,7 @@ impl Stream {
     /// switch, an open breaker): it should leave the queue now rather
     /// than wait for a slot it will not use.
     fn off_primary(&self, host: &dyn Host) -> bool {
-        let (Some(identity), Some(parked)) = (self.identity.as_ref(), self.parked.as_ref()) else {
+        let (Some(identity), Phase::Parked(parked)) = (self.identity.as_ref(), &self.phase) else {
             return false;
         };
         let now = host.now_ms();
@@ -738,7 +670,10 @@ impl Stream {
             return Action::Continue;
         };
         let now = host.now_ms();
-        let asked = self.parked.as_ref().and_then(|p| p.asked.as_ref());
+        let asked = match &self.phase {
+            Phase::Parked(parked) => parked.asked.as_ref(),
+            _ => None,
+        };
         let (gated, gate) = self.pass_gate(host, &identity, asked, g.arrived_ms, now);
         self.gate = gate;
         match gated {
@@ -746,7 +681,7 @@ impl Stream {
             Gated::Wait => Action::Pause,
             Gated::Sleep(until) => self.sleep(host, until),
             Gated::Answered(verdict) => {
-                self.parked = None;
+                self.unpark();
                 self.finish(host, *verdict)
             }
         }
@@ -783,21 +718,18 @@ impl Stream {
         reason: Reason,
         message: &str,
     ) {
-        self.parked = None;
+        self.unpark();
         let Some(g) = self.gate.as_mut() else { return };
         g.ticket = None;
         count(host, outcome, reason.code(), g);
-        let reply = answer::retry_later(reason, message, 1);
+        let refused = Refused::retry_later(reason, message, 1);
         let tier = self
             .identity
             .as_ref()
             .map(|i| i.tier.clone())
             .unwrap_or_default();
         let model = g.model.clone();
-        let verdict = self
-            .filter
-            .engine
-            .refused(reply, reason, &tier, Some(&model));
+        let verdict = self.filter.engine.refuse(&refused, &tier, Some(&model));
         self.finish(host, verdict);
     }
 
@@ -848,7 +780,7 @@ impl Stream {
         };
         if let Some(sleeper) = self.gate.as_mut().and_then(|g| g.sleeper.take()) {
             // Holds no slot and no queue entry while asleep.
-            self.parked = None;
+            self.unpark();
             forget(sleeper);
             if let Some(g) = self.gate.clone() {
                 count(host, "abandoned", "client_gone", &g);
@@ -859,7 +791,7 @@ impl Stream {
             self.release_slot(host);
             return;
         };
-        self.parked = None;
+        self.unpark();
         forget(ticket);
         let Some(g) = self.gate.clone() else { return };
         let filter = self.gate_filter(&g.backend);
@@ -926,15 +858,8 @@ impl Stream {
 /// the request through.
 fn bucket_retry_ms(verdict: &Verdict) -> Option<u64> {
     verdict.bucket.as_ref()?;
-    let reply = verdict.reply.as_ref().filter(|r| r.status == 429)?;
-    Some(
-        reply
-            .header("retry-after")?
-            .trim()
-            .parse::<u64>()
-            .ok()?
-            .saturating_mul(1000),
-    )
+    verdict.reply.as_ref().filter(|r| r.status == 429)?;
+    verdict.retry_after_ms
 }
 
 /// The waiter of `ticket`, out of this VM's map, with its stream; `None`
@@ -958,11 +883,7 @@ fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
     let Ok(mut stream) = stream.try_borrow_mut() else {
         return;
     };
-    host.metric_add(
-        MetricKind::Counter,
-        &format!("sluice_queue_resumed_total_via={via};"),
-        1,
-    );
+    metrics::QUEUE_RESUMED.add_at(host, &[via], 1);
     if stream.dispatch(host, true) == Action::Continue && !host.resume_request() {
         host.log(LogLevel::Warn, "a dispatched request could not be resumed");
     }
@@ -1184,6 +1105,93 @@ impl Request {
             s.me = Rc::downgrade(&stream);
         }
         Request { stream }
+    }
+}
+
+/// How long a request of a queueing class may wait in all (`0`: a class
+/// that does not queue), at most what the client asked; and, while some of
+/// that is left after `waited`, how much, in a queue how deep.
+fn class_wait(
+    queues: Option<&crate::policy::queue::ClassConfig>,
+    asked_wait: Option<u64>,
+    waited: u64,
+) -> (u64, Option<(u64, u32)>) {
+    let wait = queues.map(|c| {
+        (
+            c.max_wait_ms.min(asked_wait.unwrap_or(u64::MAX)),
+            c.max_depth,
+        )
+    });
+    let wait_ms = wait.map_or(0, |(w, _)| w);
+    let left = wait
+        .map(|(w, depth)| (w.saturating_sub(waited), depth))
+        .filter(|(w, _)| *w > 0);
+    (wait_ms, left)
+}
+
+/// The peek said its buckets would refuse it: it sleeps until they free up
+/// when that is within its wait, else it gets their refusal now.
+fn declined_gate(
+    host: &dyn Host,
+    declined: Option<Verdict>,
+    gate: GateState,
+    now: u64,
+) -> (Gated, Option<GateState>) {
+    let Some(verdict) = declined else {
+        // Declined without a verdict cannot happen; go to admission,
+        // which decides for itself.
+        return (Gated::Go, None);
+    };
+    let deadline = gate.arrived_ms.saturating_add(gate.wait_ms);
+    let sleep = bucket_retry_ms(&verdict)
+        .filter(|retry| gate.wait_ms > 0 && now.saturating_add(*retry) < deadline);
+    if let Some(retry) = sleep {
+        return (Gated::Sleep(now.saturating_add(retry)), Some(gate));
+    }
+    count(
+        host,
+        "rejected",
+        verdict.labels.decision.reason_code(),
+        &gate,
+    );
+    (Gated::Answered(Box::new(verdict)), None)
+}
+
+/// The refusal of a request the queue neither let through nor took in:
+/// its class's queue full, the backend saturated or paused by the
+/// provider, or no slot (every other outcome: `Refused(Free | Slot)`,
+/// `Contended`).
+fn gate_refusal(
+    engine: &crate::admission::Engine,
+    entered: &Entered,
+    model: &str,
+    now: u64,
+) -> Refused {
+    match entered {
+        Entered::Full => Refused::retry_later(
+            Reason::QueueFull,
+            format!("Too many requests of your class are waiting for {model}. Try again in 1 s."),
+            1,
+        ),
+        Entered::Refused(Blocked::Saturated) => Refused::unavailable(
+            Reason::GpuOverloaded,
+            "the backend is saturated",
+            engine
+                .policy
+                .sidecar
+                .as_ref()
+                .map_or(1, |s| (s.retry_after_ms / 1000).max(1)),
+        ),
+        Entered::Refused(Blocked::Paused(until)) => Refused::unavailable(
+            Reason::UpstreamPaused,
+            "the provider has no capacity left until its limit resets",
+            until.saturating_sub(now).div_ceil(1000).max(1),
+        ),
+        _ => Refused::retry_later(
+            Reason::ModelConcurrency,
+            format!("{model} is serving as many requests as it may at once. Try again in 1 s."),
+            1,
+        ),
     }
 }
 

@@ -9,6 +9,7 @@
 
 use crate::state::store::SharedStore;
 
+pub mod metrics;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod mock;
 

@@ -69,9 +69,16 @@ fn de_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Err
     parse_duration(&text).map_err(de::Error::custom)
 }
 
+/// Thresholds and slots are bounded; only declared keys are exempt.
+pub(crate) fn check(policy: &Policy) -> Result<(), ConfigError> {
+    match &policy.abuse {
+        Some(abuse) => abuse.check(policy),
+        None => Ok(()),
+    }
+}
+
 impl AbuseConfig {
-    /// Rules that need the rest of the policy.
-    pub(crate) fn check(&self, policy: &Policy) -> Result<(), ConfigError> {
+    fn check(&self, policy: &Policy) -> Result<(), ConfigError> {
         let t = self.threshold;
         if t.amount == 0 || t.period_ms == 0 || t.period_ms > MAX_MS {
             return Err(ConfigError::at(

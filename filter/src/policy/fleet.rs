@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use crate::policy::Policy;
+use crate::policy::{ConfigError, Policy};
 
 /// Shortest `fleet.salt` and fleet secret accepted (bytes).
 pub const MIN_SECRET: usize = 16;
@@ -147,43 +147,52 @@ pub struct OnUnavailable {
     pub budgets: Unavailable,
 }
 
+/// The fleet has a sidecar to be its agent, bounded counts and windows, a
+/// salt and a secret's variable name.
+pub(crate) fn check(policy: &Policy) -> Result<(), ConfigError> {
+    match &policy.fleet {
+        Some(fleet) => fleet.check(policy),
+        None => Ok(()),
+    }
+}
+
 impl FleetConfig {
-    /// Checks that span fields; errors name the field path.
-    pub fn check(&self, policy: &Policy) -> Result<(), (String, String)> {
+    fn check(&self, policy: &Policy) -> Result<(), ConfigError> {
         if self.cluster.is_none() && policy.sidecar.is_none() {
-            return Err((
-                "fleet.cluster".into(),
-                "no cluster given and no `sidecar` section to take it from".into(),
+            return Err(ConfigError::at(
+                "fleet.cluster",
+                "no cluster given and no `sidecar` section to take it from",
             ));
         }
         if policy.sidecar.is_none() {
-            return Err((
-                "fleet".into(),
-                "needs a `sidecar` section: the sidecar is the fleet agent".into(),
+            return Err(ConfigError::at(
+                "fleet",
+                "needs a `sidecar` section: the sidecar is the fleet agent",
             ));
         }
         if !(1..=10_000).contains(&self.expected_replicas) {
-            return Err((
-                "fleet.expected_replicas".into(),
-                "must be 1 to 10000".into(),
+            return Err(ConfigError::at(
+                "fleet.expected_replicas",
+                "must be 1 to 10000",
             ));
         }
         if !(1..=4096).contains(&self.lease.slots) {
-            return Err(("fleet.lease.slots".into(), "must be 1 to 4096".into()));
+            return Err(ConfigError::at("fleet.lease.slots", "must be 1 to 4096"));
         }
         if self.lease.ttl_ms == 0 || self.lease.idle_ms == 0 {
-            return Err(("fleet.lease".into(), "idle and ttl must be above 0".into()));
+            return Err(ConfigError::at(
+                "fleet.lease",
+                "idle and ttl must be above 0",
+            ));
         }
         if self.timeout_ms == 0 || self.timeout_ms > 60_000 {
-            return Err((
-                "fleet.timeout".into(),
-                "must be above 0 and at most 60s".into(),
+            return Err(ConfigError::at(
+                "fleet.timeout",
+                "must be above 0 and at most 60s",
             ));
         }
         if self.salt.len() < MIN_SECRET {
-            return Err((
-                "fleet.salt".into(),
-                format!(
+            return Err(ConfigError::at("fleet.salt", format!(
                     "required: at least {MIN_SECRET} bytes, the same on every Envoy of the fleet \
                      (it names the Redis keys; empty, they are computable from an address or subject)"
                 ),
@@ -195,9 +204,9 @@ impl FleetConfig {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'_')
         {
-            return Err((
-                "fleet.secret_env".into(),
-                "an environment variable name (letters, digits, `_`)".into(),
+            return Err(ConfigError::at(
+                "fleet.secret_env",
+                "an environment variable name (letters, digits, `_`)",
             ));
         }
         Ok(())

@@ -381,28 +381,7 @@ pub fn parse_body(
     output_cap: &dyn Fn(&str) -> u64,
 ) -> Result<(Demand, Value), BadBody> {
     scan_bounds(body)?;
-    let limits = ReadLimits::default();
-    let value = match read_strict(body, &limits) {
-        Ok(value) => value,
-        Err(e) => {
-            if let Some(bounded) = limits.hit.take() {
-                return Err(bounded);
-            }
-            let text = e.to_string();
-            if let Some(key) = duplicate_key(&text) {
-                // The key is the client's text: keep the answer short.
-                let key: String = key.chars().take(64).collect();
-                return Err(BadBody::at(
-                    &key,
-                    format!("request body has the key `{key}` more than once"),
-                ));
-            }
-            return Err(BadBody {
-                message: format!("request body is not valid JSON: {text}"),
-                param: None,
-            });
-        }
-    };
+    let value = read_json(body)?;
     let Value::Object(fields) = &value else {
         return Err(BadBody {
             message: "request body must be a JSON object".into(),
@@ -413,39 +392,84 @@ pub fn parse_body(
         Api::Invocations => invocation_api(&value)?,
         api => api,
     };
-    let field = |name: &str| fields.get(name);
-    let model = match field("model") {
-        Some(Value::String(m)) if m.len() > MAX_MODEL_BYTES => {
-            return Err(BadBody::at(
-                "model",
-                format!("`model` is longer than {MAX_MODEL_BYTES} bytes"),
-            ))
-        }
-        Some(Value::String(m)) if m.chars().any(char::is_control) => {
-            return Err(BadBody::at(
-                "model",
-                "`model` must not contain control characters",
-            ))
-        }
-        Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
-        Some(Value::String(_)) | None => return Err(BadBody::at("model", "`model` is required")),
-        Some(_) => return Err(BadBody::at("model", "`model` must be a string")),
-    };
-    let stream = match field("stream") {
+    let model = model_of(fields)?;
+    let stream = match fields.get("stream") {
         None | Some(Value::Null) => api.is_ollama(), // Ollama streams unless told not to
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(BadBody::at("stream", "`stream` must be a boolean")),
     } && api.produces_output();
-    let num_predict = match field("options") {
+    let max_output = max_output_of(fields, &|| output_cap(&model))?;
+    if api.requires_max_output() && max_output.is_none() {
+        return Err(BadBody::at("max_tokens", "`max_tokens` is required"));
+    }
+    let (choices, prompts) = multiplied(api, fields)?;
+    let demand = Demand {
+        api,
+        model: Some(model),
+        stream,
+        max_output,
+        choices,
+        prompts,
+    };
+    Ok((demand, value))
+}
+
+/// The body as JSON, read strictly (bounded, no duplicate key).
+fn read_json(body: &[u8]) -> Result<Value, BadBody> {
+    let limits = ReadLimits::default();
+    read_strict(body, &limits).map_err(|e| {
+        if let Some(bounded) = limits.hit.take() {
+            return bounded;
+        }
+        let text = e.to_string();
+        if let Some(key) = duplicate_key(&text) {
+            // The key is the client's text: keep the answer short.
+            let key: String = key.chars().take(64).collect();
+            return BadBody::at(
+                &key,
+                format!("request body has the key `{key}` more than once"),
+            );
+        }
+        BadBody {
+            message: format!("request body is not valid JSON: {text}"),
+            param: None,
+        }
+    })
+}
+
+/// `model`: a non-empty string, bounded, without control characters.
+fn model_of(fields: &serde_json::Map<String, Value>) -> Result<String, BadBody> {
+    match fields.get("model") {
+        Some(Value::String(m)) if m.len() > MAX_MODEL_BYTES => Err(BadBody::at(
+            "model",
+            format!("`model` is longer than {MAX_MODEL_BYTES} bytes"),
+        )),
+        Some(Value::String(m)) if m.chars().any(char::is_control) => Err(BadBody::at(
+            "model",
+            "`model` must not contain control characters",
+        )),
+        Some(Value::String(m)) if !m.trim().is_empty() => Ok(m.clone()),
+        Some(Value::String(_)) | None => Err(BadBody::at("model", "`model` is required")),
+        Some(_) => Err(BadBody::at("model", "`model` must be a string")),
+    }
+}
+
+/// The smallest maximum output any of the APIs' fields sets (each one
+/// checked against the model's cap, asked only when one is set), or none.
+fn max_output_of(
+    fields: &serde_json::Map<String, Value>,
+    output_cap: &dyn Fn() -> u64,
+) -> Result<Option<u64>, BadBody> {
+    let num_predict = match fields.get("options") {
         None | Some(Value::Null) => None,
         Some(Value::Object(o)) => o.get("num_predict"),
         Some(_) => return Err(BadBody::at("options", "`options` must be an object")),
     };
     let mut max_output = None;
     for (param, value) in [
-        ("max_tokens", field("max_tokens")),
-        ("max_completion_tokens", field("max_completion_tokens")),
-        ("max_output_tokens", field("max_output_tokens")),
+        ("max_tokens", fields.get("max_tokens")),
+        ("max_completion_tokens", fields.get("max_completion_tokens")),
+        ("max_output_tokens", fields.get("max_output_tokens")),
         ("options.num_predict", num_predict),
     ] {
         match value {
@@ -455,7 +479,7 @@ pub fn parse_body(
                 if param == "options.num_predict" && n.as_i64().is_some_and(|v| v < 0) => {}
             Some(Value::Number(n)) if n.as_u64().is_some() => {
                 let v = n.as_u64().unwrap_or(u64::MAX);
-                let cap = output_cap(&model);
+                let cap = output_cap();
                 if v > cap {
                     return Err(BadBody::at(
                         param,
@@ -472,19 +496,7 @@ pub fn parse_body(
             }
         }
     }
-    if api.requires_max_output() && max_output.is_none() {
-        return Err(BadBody::at("max_tokens", "`max_tokens` is required"));
-    }
-    let (choices, prompts) = multiplied(api, fields)?;
-    let demand = Demand {
-        api,
-        model: Some(model),
-        stream,
-        max_output,
-        choices,
-        prompts,
-    };
-    Ok((demand, value))
+    Ok(max_output)
 }
 
 /// Reads every multiplier of `api` from a body: (choices, prompts), each

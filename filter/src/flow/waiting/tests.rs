@@ -368,10 +368,15 @@ fn sluices_own_rate_limit_headers_pause_nothing() {
     let w = MockHost::new(T0);
     let mut poller = load(&w, &policy());
     let (mut a, _) = post(&poller, &w, 1, &[("x-user", "a")]);
-    a.stream.borrow_mut().response_headers.extend([
+    let mut admitted = a.stream.borrow_mut();
+    let Some(up) = admitted.upstream() else {
+        panic!("admitted")
+    };
+    up.response_headers.extend([
         ("x-ratelimit-remaining-tokens".to_string(), "0".to_string()),
         ("x-ratelimit-reset-tokens".to_string(), "3600".to_string()),
     ]);
+    drop(admitted);
     w.respond(&[(":status", "200")]);
     w.set_prop(&["response", "code_details"], b"via_upstream");
     a.on_response_headers(&w);

@@ -1,0 +1,124 @@
+//! `models`: each model's own limits, caps, prices and backend.
+
+use serde::Deserialize;
+
+use crate::policy::health::Credentials;
+use crate::policy::{de_number, ConfigError, Limit, Policy};
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Requests to this model, all callers together.
+    pub requests: Option<Limit>,
+    /// Total tokens to this model, all callers together.
+    pub tokens: Option<Limit>,
+    /// Output reserved (and written into the request as its maximum) when
+    /// the client sets none. Default: `defaults.max_output_tokens`.
+    pub default_max_output: Option<u64>,
+    /// The most output one completion of this model may ask for (its
+    /// context window, say); more is a 400. Default: `request.max_output`.
+    pub max_output: Option<u64>,
+    /// Where a request goes when its caller is over a soft cap.
+    pub downshift_to: Option<String>,
+    /// The sidecar scope `backend:<name>` whose breaker guards this model.
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    /// Price per 1,000 tokens.
+    pub price: Option<Price>,
+    /// Virtual cost of a self-hosted model: GPU cost per hour ÷ throughput.
+    pub gpu: Option<GpuCost>,
+    /// Whose credential this model's upstream sees; default:
+    /// `protection.credentials`.
+    pub credentials: Option<Credentials>,
+    /// Requests in flight to this model at once, across every worker.
+    pub concurrency: Option<u32>,
+    /// Fair shares of this model's buckets (`{free: 20%, anonymous: 10%}`,
+    /// see `shares`); default: `defaults.shares`.
+    pub shares: Option<crate::policy::shares::SharesConfig>,
+}
+
+pub fn default_backend() -> String {
+    "local".into()
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    #[serde(deserialize_with = "de_number")]
+    pub input_per_1k: f64,
+    #[serde(deserialize_with = "de_number")]
+    pub output_per_1k: f64,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuCost {
+    #[serde(deserialize_with = "de_number")]
+    pub cost_per_hour: f64,
+    #[serde(deserialize_with = "de_number")]
+    pub tokens_per_second: f64,
+}
+
+/// A model's downshift names another model, its output caps fit under
+/// `request.max_output`, and its prices are sane.
+pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
+    for (name, model) in &p.models {
+        model.check(name, p)?;
+    }
+    Ok(())
+}
+
+impl ModelConfig {
+    fn check(&self, name: &str, p: &Policy) -> Result<(), ConfigError> {
+        if let Some(target) = &self.downshift_to {
+            if !p.models.contains_key(target) || target == name {
+                return Err(ConfigError::at(
+                    format!("models.{name}.downshift_to"),
+                    format!("`{target}` must be another model listed under `models`"),
+                ));
+            }
+        }
+        if self
+            .max_output
+            .is_some_and(|m| m == 0 || m > p.request.max_output)
+        {
+            return Err(ConfigError::at(
+                format!("models.{name}.max_output"),
+                format!(
+                    "must be between 1 and request.max_output ({})",
+                    p.request.max_output
+                ),
+            ));
+        }
+        let cap = self.max_output.unwrap_or(p.request.max_output);
+        if self.default_max_output.is_some_and(|d| d > cap) {
+            return Err(ConfigError::at(
+                format!("models.{name}.default_max_output"),
+                format!("must not be above the model's output cap ({cap})"),
+            ));
+        }
+        if self.default_max_output == Some(0) {
+            return Err(ConfigError::at(
+                format!("models.{name}.default_max_output"),
+                "must be at least 1",
+            ));
+        }
+        if let Some(price) = self.price {
+            if !(price.input_per_1k >= 0.0 && price.output_per_1k >= 0.0) {
+                return Err(ConfigError::at(
+                    format!("models.{name}.price"),
+                    "prices must not be negative",
+                ));
+            }
+        }
+        if let Some(g) = self.gpu {
+            if !(g.cost_per_hour >= 0.0 && g.tokens_per_second > 0.0) {
+                return Err(ConfigError::at(
+                    format!("models.{name}.gpu"),
+                    "cost_per_hour must not be negative and tokens_per_second must be positive",
+                ));
+            }
+        }
+        Ok(())
+    }
+}

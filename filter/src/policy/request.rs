@@ -1,0 +1,109 @@
+//! `request` and `defaults`: what one request may carry and what it gets
+//! when it says nothing.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
+
+use crate::policy::units::parse_size;
+use crate::policy::{ConfigError, Policy};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestConfig {
+    /// Bodies above this get 413 (`1MiB`, `512KiB` or bytes).
+    #[serde(default = "default_max_body", deserialize_with = "de_size")]
+    pub max_body_bytes: u64,
+    /// The most output tokens one completion may ask for, any model (a
+    /// model's own `max_output` may be lower). Above it: 400 naming the
+    /// field. Bounds every reservation, so no client number can wrap it.
+    #[serde(default = "default_output_cap")]
+    pub max_output: u64,
+}
+
+impl Default for RequestConfig {
+    fn default() -> Self {
+        RequestConfig {
+            max_body_bytes: default_max_body(),
+            max_output: default_output_cap(),
+        }
+    }
+}
+
+/// The highest `request.max_output` accepted: with at most 128 choices and
+/// a body-bounded input, every reservation stays far from `u64::MAX`.
+pub const MAX_OUTPUT_CAP: u64 = 1 << 32;
+
+fn default_output_cap() -> u64 {
+    1 << 20
+}
+
+fn default_max_body() -> u64 {
+    1 << 20
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Defaults {
+    /// Output reserved when neither the request nor the model says.
+    #[serde(default = "default_max_output")]
+    pub max_output_tokens: u64,
+    /// The shares of every model and route bucket that writes none;
+    /// absent: `anonymous: 50%` when the policy declares API keys (see
+    /// `shares`), `{}` turns that off.
+    pub shares: Option<crate::policy::shares::SharesConfig>,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults {
+            max_output_tokens: default_max_output(),
+            shares: None,
+        }
+    }
+}
+
+fn default_max_output() -> u64 {
+    1024
+}
+
+fn de_size<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    struct SizeVisitor;
+    impl Visitor<'_> for SizeVisitor {
+        type Value = u64;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a size like `1MiB` or a number of bytes")
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+            parse_size(v).map_err(E::custom)
+        }
+    }
+    deserializer.deserialize_any(SizeVisitor)
+}
+
+/// The output cap bounds every reservation; the default output fits it.
+pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
+    if p.request.max_output == 0 || p.request.max_output > MAX_OUTPUT_CAP {
+        return Err(ConfigError::at(
+            "request.max_output",
+            format!("must be between 1 and {MAX_OUTPUT_CAP}"),
+        ));
+    }
+    if p.defaults.max_output_tokens > p.request.max_output {
+        return Err(ConfigError::at(
+            "defaults.max_output_tokens",
+            "must not be above request.max_output",
+        ));
+    }
+    if p.defaults.max_output_tokens == 0 {
+        return Err(ConfigError::at(
+            "defaults.max_output_tokens",
+            "must be at least 1",
+        ));
+    }
+    Ok(())
+}
