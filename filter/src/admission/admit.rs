@@ -309,7 +309,7 @@ impl Engine {
                 let bucket = &self.buckets[taken[index]];
                 let (quota, retry_after_ms) = (shortfall.quota, shortfall.retry_after_ms);
                 let refused =
-                    Self::bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
+                    self.bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
                 (index, refused)
             }
             // Lost every CAS race (counted where it was lost) or the host
@@ -325,7 +325,7 @@ impl Engine {
                     remaining: 0,
                     reset_ms: 1_000,
                 };
-                let refused = Self::bucket_refusal(bucket, quota, 1_000, &identity.tier, now_ms);
+                let refused = self.bucket_refusal(bucket, quota, 1_000, &identity.tier, now_ms);
                 (index, refused)
             }
         };
@@ -339,6 +339,7 @@ impl Engine {
     /// The 429 of one bucket (its quota and wait): what admission answers,
     /// and the fleet when Redis refuses the bucket.
     pub(super) fn bucket_refusal(
+        &self,
         bucket: &Bucket,
         quota: Quota,
         retry_after_ms: u64,
@@ -354,7 +355,24 @@ impl Engine {
             rule: bucket.rule.id.clone(),
             limit_text: bucket.rule.limit.describe(),
             now_ms,
+            ietf: self.ietf_policy(bucket),
         })
+    }
+
+    /// A bucket's IETF `RateLimit-Policy` item, when the policy turns the
+    /// fields on (`request.rate_limit_headers.ietf`).
+    fn ietf_policy(&self, bucket: &Bucket) -> Option<answer::IetfPolicy> {
+        if !self.policy.request.rate_limit_headers.ietf {
+            return None;
+        }
+        let unit = match bucket.meter {
+            Meter::Requests => None,
+            Meter::Tokens => Some("tokens"),
+            Meter::InputTokens => Some("input-tokens"),
+            Meter::OutputTokens => Some("output-tokens"),
+            Meter::Spend => Some("spend"),
+        };
+        Some(answer::IetfPolicy::of(&bucket.rule.limit, unit))
     }
 
     /// Headers of an admitted request: the tightest request bucket as
@@ -376,14 +394,20 @@ impl Engine {
                 .iter()
                 .zip(taken)
                 .filter(|(_, &i)| want(self.buckets[i].meter))
-                .map(|(q, _)| *q)
-                .min_by_key(share_left)
+                .map(|(q, &i)| (*q, i))
+                .min_by_key(|(q, _)| share_left(q))
         };
         let mut headers = Vec::new();
-        if let Some(q) = tightest(|m| m == Meter::Requests).or_else(|| tightest(|_| true)) {
+        if let Some((q, i)) = tightest(|m| m == Meter::Requests).or_else(|| tightest(|_| true)) {
             headers.extend(answer::rate_limit_headers(&q));
+            let bucket = &self.buckets[i];
+            if let Some(item) = self.ietf_policy(bucket) {
+                // `t` is `X-RateLimit-Reset`: until the bucket is full.
+                let t_s = q.reset_ms.div_ceil(1000);
+                headers.extend(answer::ietf_headers(&bucket.rule.id, item, &q, t_s));
+            }
         }
-        if let Some(q) =
+        if let Some((q, _)) =
             tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
         {
             headers.extend(

@@ -250,6 +250,9 @@ pub struct BucketRefusal {
     /// The limit as written, e.g. `10/min`.
     pub limit_text: String,
     pub now_ms: u64,
+    /// Its IETF `RateLimit-Policy` item when the policy turns them on
+    /// (`request.rate_limit_headers.ietf`).
+    pub ietf: Option<IetfPolicy>,
 }
 
 impl Refused {
@@ -331,6 +334,7 @@ impl Refused {
                     bucket: &b.bucket,
                     rule: &b.rule,
                     limit_text: &b.limit_text,
+                    ietf: b.ietf,
                 },
                 b.now_ms,
             ),
@@ -378,6 +382,8 @@ pub struct Limited<'a> {
     pub rule: &'a str,
     /// The limit as written, e.g. `10/min`.
     pub limit_text: &'a str,
+    /// Its IETF `RateLimit-Policy` item, when the policy turns them on.
+    pub ietf: Option<IetfPolicy>,
 }
 
 /// 429 for a bucket that does not fit.
@@ -406,6 +412,11 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
     }});
     let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
     headers.extend(rate_limit_headers(&l.quota));
+    if let Some(item) = l.ietf {
+        // The effective window of a refusal is the wait: the draft wants
+        // `Retry-After` no earlier than its end.
+        headers.extend(ietf_headers(l.rule, item, &l.quota, retry_after));
+    }
     if retry_after > SDK_MAX_RETRY_WAIT_S {
         // The OpenAI SDKs wait out a `Retry-After` of up to a minute; past
         // that they would retry at once, into the same refusal.
@@ -612,6 +623,82 @@ pub fn rate_limit_headers(q: &Quota) -> Vec<(String, String)> {
     ]
 }
 
+/// What the IETF `RateLimit-Policy` item of a bucket says beyond its
+/// name and quota (draft-ietf-httpapi-ratelimit-headers-11, §3.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IetfPolicy {
+    /// `w`: seconds the whole quota takes to come back (a token bucket's
+    /// refill from empty, a calendar budget's window).
+    pub window_s: u64,
+    /// sluice's unit when the bucket does not count requests (the draft's
+    /// default unit, and the only one of its registry sluice meters), as
+    /// the vendor parameter `sluice-unit`.
+    pub unit: Option<&'static str>,
+}
+
+impl IetfPolicy {
+    /// The item of a bucket with `limit`, counting `unit` (`None`: requests).
+    pub fn of(limit: &crate::policy::limit::Limit, unit: Option<&'static str>) -> IetfPolicy {
+        let window_ms = match limit.window {
+            Some(_) => limit.rate.period_ms,
+            None => {
+                let ms = u128::from(limit.burst) * u128::from(limit.rate.period_ms)
+                    / u128::from(limit.rate.amount.max(1));
+                u64::try_from(ms).unwrap_or(u64::MAX)
+            }
+        };
+        IetfPolicy {
+            window_s: ceil_secs(window_ms).max(1),
+            unit,
+        }
+    }
+}
+
+/// The largest sf-integer (RFC 9651 §3.3.1: at most 15 digits).
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+/// `RateLimit-Policy` and `RateLimit` of one bucket, named by its rule id
+/// (bounded by the policy; never the caller, and no `pk`, which would be
+/// one): `"tier/free/requests";q=10;w=60` and
+/// `"tier/free/requests";r=9;t=6`, `t` in seconds.
+pub fn ietf_headers(rule: &str, item: IetfPolicy, q: &Quota, t_s: u64) -> Vec<(String, String)> {
+    let name = sf_string(rule);
+    let int = |n: u64| n.min(SF_INTEGER_MAX);
+    let mut policy = format!("{name};q={};w={}", int(q.limit), int(item.window_s.max(1)));
+    if let Some(unit) = item.unit {
+        policy.push_str(";sluice-unit=");
+        policy.push_str(&sf_string(unit));
+    }
+    vec![
+        ("ratelimit-policy".into(), policy),
+        (
+            "ratelimit".into(),
+            format!("{name};r={};t={}", int(q.remaining), int(t_s)),
+        ),
+    ]
+}
+
+/// `text` as an sf-string (RFC 9651 §3.3.3): quoted, `"` and `\`
+/// escaped. An sf-string holds printable ASCII only, so any other byte
+/// (a non-ASCII or control character of a name) is written `%XX`, as
+/// RFC 9651's display strings do: nothing can end the field or the item.
+pub fn sf_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for &b in text.as_bytes() {
+        match b {
+            b'"' | b'\\' => {
+                out.push('\\');
+                out.push(char::from(b));
+            }
+            0x20..=0x7e => out.push(char::from(b)),
+            _ => out.push_str(&format!("%{b:02x}")),
+        }
+    }
+    out.push('"');
+    out
+}
+
 fn ceil_secs(ms: u64) -> u64 {
     ms.div_ceil(1000)
 }
@@ -667,8 +754,11 @@ mod tests {
             bucket: "tier free: requests",
             rule: "tier/free/requests",
             limit_text: "10/min",
+            ietf: None,
         };
         let r = limited(&l, 1_795_996_800_000);
+        assert_eq!(r.header("RateLimit"), None, "off unless the policy says");
+        assert_eq!(r.header("RateLimit-Policy"), None);
         assert_eq!(r.status, 429);
         assert_eq!(r.header("Retry-After"), Some("6"));
         assert_eq!(r.header("X-RateLimit-Limit"), Some("10"));
@@ -700,6 +790,128 @@ mod tests {
         );
     }
 
+    /// A bucket's 429 with the IETF fields on: `r` is `X-RateLimit-Remaining`,
+    /// `t` is `Retry-After` (never earlier than it, as the draft asks).
+    #[test]
+    fn a_429_carries_the_ietf_fields_when_asked() {
+        let l = Limited {
+            reason: Reason::UserRateLimit,
+            quota: Quota {
+                limit: 10,
+                remaining: 0,
+                reset_ms: 60_000,
+            },
+            retry_after_ms: 5_500,
+            tier: "free",
+            bucket: "tier free: requests",
+            rule: "tier/free/requests",
+            limit_text: "10/min",
+            ietf: Some(IetfPolicy {
+                window_s: 60,
+                unit: None,
+            }),
+        };
+        let r = limited(&l, 0);
+        assert_eq!(r.header("retry-after"), Some("6"));
+        assert_eq!(
+            r.header("RateLimit-Policy"),
+            Some(r#""tier/free/requests";q=10;w=60"#)
+        );
+        assert_eq!(
+            r.header("RateLimit"),
+            Some(r#""tier/free/requests";r=0;t=6"#)
+        );
+    }
+
+    #[test]
+    fn ietf_fields_are_structured_field_lists_of_one_item() {
+        let q = Quota {
+            limit: 1000,
+            remaining: 999,
+            reset_ms: 1_500,
+        };
+        let item = IetfPolicy {
+            window_s: 3600,
+            unit: Some("tokens"),
+        };
+        let h = ietf_headers("tier/pro/tokens", item, &q, 2);
+        assert_eq!(
+            h,
+            vec![
+                (
+                    "ratelimit-policy".to_string(),
+                    r#""tier/pro/tokens";q=1000;w=3600;sluice-unit="tokens""#.to_string()
+                ),
+                (
+                    "ratelimit".to_string(),
+                    r#""tier/pro/tokens";r=999;t=2"#.to_string()
+                ),
+            ]
+        );
+        // sf-integers have at most 15 digits; `w` is never 0.
+        let huge = Quota {
+            limit: u64::MAX,
+            remaining: u64::MAX,
+            reset_ms: 0,
+        };
+        let zero = IetfPolicy {
+            window_s: 0,
+            unit: None,
+        };
+        let h = ietf_headers("m", zero, &huge, u64::MAX);
+        assert_eq!(h[0].1, r#""m";q=999999999999999;w=1"#);
+        assert_eq!(h[1].1, r#""m";r=999999999999999;t=999999999999999"#);
+    }
+
+    /// Rule ids come from policy names, which hold no `"` today; escaping
+    /// is checked anyway, and nothing outside printable ASCII (a CR, LF,
+    /// a non-ASCII name) reaches the header.
+    #[test]
+    fn sf_strings_escape_quotes_backslashes_and_non_printable_bytes() {
+        assert_eq!(sf_string("tier/free/requests"), r#""tier/free/requests""#);
+        assert_eq!(sf_string(r#"a"b\c"#), r#""a\"b\\c""#);
+        assert_eq!(sf_string("a\r\nb"), r#""a%0d%0ab""#);
+        assert_eq!(sf_string("tier/é"), r#""tier/%c3%a9""#);
+        assert_eq!(sf_string(""), "\"\"");
+        // A hostile-looking name stays one item: no `"` of its own can end
+        // the string, so its `;` and `,` stay inside it.
+        let s = sf_string(r#"x";r=999999, "y"#);
+        assert_eq!(s, r#""x\";r=999999, \"y""#);
+        assert!(s.bytes().all(|b| (0x20..=0x7e).contains(&b)));
+    }
+
+    #[test]
+    fn the_ietf_window_is_the_time_the_whole_quota_takes_to_return() {
+        use crate::policy::limit::{Limit, Window};
+        use crate::policy::units::Rate;
+        use crate::policy::zone::Zone;
+        let per_min = Limit {
+            rate: Rate {
+                amount: 10,
+                period_ms: 60_000,
+            },
+            burst: 10,
+            window: None,
+        };
+        assert_eq!(IetfPolicy::of(&per_min, None).window_s, 60);
+        let bursty = Limit {
+            burst: 15,
+            ..per_min
+        };
+        assert_eq!(IetfPolicy::of(&bursty, None).window_s, 90);
+        let fast = Limit {
+            rate: Rate {
+                amount: 3,
+                period_ms: 1_000,
+            },
+            burst: 1,
+            window: None,
+        };
+        assert_eq!(IetfPolicy::of(&fast, None).window_s, 1, "never 0");
+        let daily = Limit::windowed(5000, Window::Day(Zone::UTC));
+        assert_eq!(IetfPolicy::of(&daily, None).window_s, 86_400);
+    }
+
     /// What a refusal carries as its wait is what its answer says.
     #[test]
     fn a_refusal_carries_the_retry_after_its_answer_says() {
@@ -717,6 +929,7 @@ mod tests {
             rule: "tier/free/requests".into(),
             limit_text: "10/min".into(),
             now_ms: 0,
+            ietf: None,
         };
         for refused in [
             Refused::rejected(Reason::InvalidRequest, "no", Some("model")),

@@ -49,6 +49,8 @@ pub mod rewrite;
 pub mod settle;
 
 #[cfg(test)]
+mod ietf_tests;
+#[cfg(test)]
 mod multiplier_tests;
 #[cfg(test)]
 mod org_tests;

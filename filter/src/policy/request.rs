@@ -20,6 +20,9 @@ pub struct RequestConfig {
     /// field. Bounds every reservation, so no client number can wrap it.
     #[serde(default = "default_output_cap")]
     pub max_output: u64,
+    /// Which rate-limit fields answers carry besides `X-RateLimit-*`.
+    #[serde(default)]
+    pub rate_limit_headers: RateLimitHeaders,
 }
 
 impl Default for RequestConfig {
@@ -27,8 +30,20 @@ impl Default for RequestConfig {
         RequestConfig {
             max_body_bytes: default_max_body(),
             max_output: default_output_cap(),
+            rate_limit_headers: RateLimitHeaders::default(),
         }
     }
+}
+
+/// `request.rate_limit_headers`: the IETF `RateLimit-Policy` / `RateLimit`
+/// fields (draft-ietf-httpapi-ratelimit-headers-11) of the bucket that
+/// `X-RateLimit-*` reports, on admitted answers and on a bucket's 429.
+/// Off by default: two more headers on every answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitHeaders {
+    #[serde(default)]
+    pub ietf: bool,
 }
 
 /// The highest `request.max_output` accepted: with at most 128 choices and
@@ -106,4 +121,35 @@ pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::policy::Policy;
+    use serde_json::json;
+
+    fn with_request(request: serde_json::Value) -> Result<Policy, crate::policy::ConfigError> {
+        Policy::from_value(json!({
+            "default_tier": "free",
+            "tiers": {"free": {"requests": "10/min"}},
+            "request": request,
+        }))
+    }
+
+    #[test]
+    fn ietf_rate_limit_headers_are_off_by_default_and_named_by_their_path() {
+        let p = with_request(json!({})).unwrap();
+        assert!(!p.request.rate_limit_headers.ietf);
+        let p = with_request(json!({"rate_limit_headers": {"ietf": true}})).unwrap();
+        assert!(p.request.rate_limit_headers.ietf);
+        let err = with_request(json!({"rate_limit_headers": {"ietf": "yes"}})).unwrap_err();
+        assert_eq!(err.path, "request.rate_limit_headers.ietf", "{err:?}");
+        let err =
+            with_request(json!({"rate_limit_headers": {"ietf": true, "draft": 3}})).unwrap_err();
+        assert!(
+            err.path.starts_with("request.rate_limit_headers"),
+            "{err:?}"
+        );
+        assert!(err.message.contains("draft"), "{err:?}");
+    }
 }
