@@ -99,7 +99,22 @@ impl Stream {
         ) else {
             return None;
         };
-        let rule = cache.rule(model, None)?;
+        // The request's route (the policy's `routes`, by path prefix in
+        // canonical form), for models without a rule of their own.
+        let route = if cache.routes.is_empty() {
+            None
+        } else {
+            policy
+                .routes
+                .iter()
+                .find(|r| {
+                    let prefix = crate::usage::demand::canonical_path(&r.path_prefix)
+                        .unwrap_or_else(|_| r.path_prefix.to_ascii_lowercase());
+                    self.path.starts_with(&prefix)
+                })
+                .map(|r| r.name.as_str())
+        };
+        let rule = cache.rule(model, route)?;
         let allowed =
             cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
         let body = &asked.body;

@@ -236,3 +236,21 @@ fn hits_charge_tokens_only_when_the_policy_says() {
     assert_eq!(statuses[0], 200);
     assert!(statuses[1..].contains(&429), "{statuses:?}");
 }
+
+#[test]
+fn a_route_rule_caches_models_without_their_own() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["routes"] = json!([{"name": "chat", "path_prefix": "/v1/chat/", "requests": "100/s"}]);
+    p["cache"]["models"] = json!({});
+    p["cache"]["routes"] = json!({"chat": {"exact": true}});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (_req, action) = start(&host, &poller, "10.0.0.6", &body());
+    assert_eq!(action, Action::Pause, "looked up: the route is cached");
+    let (_, path, _) = last_post(&host);
+    assert_eq!(path, "/v1/cache/lookup");
+    p["cache"]["routes"] = json!({"nope": {"exact": true}});
+    let err = Policy::from_value(p).unwrap_err();
+    assert!(err.to_string().contains("cache.routes.nope"), "{err}");
+}

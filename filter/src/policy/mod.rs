@@ -209,6 +209,16 @@ impl Policy {
         let mut policy = policy;
         if let Some(c) = &policy.cache {
             let compiled = c.check().map_err(|e| ConfigError::at(e.path, e.message))?;
+            if let Some(name) = compiled
+                .routes
+                .keys()
+                .find(|n| !policy.routes.iter().any(|r| &r.name == *n))
+            {
+                return Err(ConfigError::at(
+                    format!("cache.routes.{name}"),
+                    "no route of this name under `routes`",
+                ));
+            }
             let enabled = !(compiled.models.is_empty() && compiled.routes.is_empty());
             if enabled && policy.sidecar.is_none() {
                 return Err(ConfigError::at(
