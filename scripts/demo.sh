@@ -40,6 +40,25 @@ grep -q "filename: $logs/jwks.json" "$logs/sluice.yaml" || {
   exit 1
 }
 
+# The response cache, in the demo's copy only (the shipped file, which the
+# tests load, caches nothing): exact on llama3.1:8b, semantic on mistral:7b
+# with mock-llm's embeddings; entries in the sidecar's memory.
+cache_policy='                            cache:\
+                              salt: "demo-cache-salt-change-me"\
+                              models:\
+                                "llama3.1:8b": { exact: true }\
+                                "mistral:7b": { exact: true, semantic: true }'
+sed -i "/^                            static_fallback:/i\\
+$cache_policy" "$logs/sluice.yaml"
+grep -q 'demo-cache-salt-change-me' "$logs/sluice.yaml" || {
+  echo "demo: envoy/sluice.yaml has no static_fallback line to put the cache before" >&2
+  exit 1
+}
+cat >"$logs/sidecar.yaml" <<'YAML'
+cache:
+  embeddings: { url: "http://127.0.0.1:8000/v1/embeddings", model: mock-embed, timeout: 2s }
+YAML
+
 pids=()
 stop() {
   trap - EXIT INT TERM
@@ -57,7 +76,7 @@ target/release/mock-llm --listen 127.0.0.1:8001 --name fallback >"$logs/mock-llm
 pids+=($!)
 export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-demo-admin-token}
 target/release/sluice-sidecar serve --listen 127.0.0.1:9911 --simulate \
-  --state-file "$logs/sidecar-state.json" --envoy-admin http://127.0.0.1:9901 \
+  --config "$logs/sidecar.yaml" --state-file "$logs/sidecar-state.json" --envoy-admin http://127.0.0.1:9901 \
   >"$logs/sidecar.log" 2>&1 &
 pids+=($!)
 "$envoy_bin" -c "$logs/sluice.yaml" --disable-hot-restart -l info >"$logs/envoy.log" 2>&1 &
@@ -117,6 +136,19 @@ Try:
   python3 -c 'import openai; print(openai.OpenAI(base_url="http://127.0.0.1:10000/v1",
     api_key="demo-pro-key").chat.completions.create(model="llama3.1:8b",
     messages=[{"role": "user", "content": "hello"}]).choices[0].message.content)'
+
+  # the response cache: the second identical question is answered by sluice
+  # (x-sluice-cache: hit, age), another caller's is its own miss (scope
+  # principal), and on mistral:7b a paraphrase in the same conversation hits
+  for k in demo-pro-key demo-pro-key demo-enterprise-key; do curl -s -o /dev/null \
+    -w "$k %{http_code} %header{x-sluice-cache}\n" -H "x-api-key: $k" \
+    http://127.0.0.1:10000/v1/chat/completions \
+    -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"What is sluice?"}]}'; sleep 0.2; done
+  for q in 'How do I enable 2FA on my account?' 'how do I enable 2FA on my account' \
+    'How do I disable 2FA on my account?'; do curl -s -o /dev/null \
+    -w "%{http_code} %header{x-sluice-cache} %header{x-sluice-cache-kind} <- $q\n" \
+    -H 'x-api-key: demo-pro-key' http://127.0.0.1:10000/v1/chat/completions \
+    -d "{\"model\":\"mistral:7b\",\"messages\":[{\"role\":\"user\",\"content\":\"$q\"}]}"; sleep 0.2; done
 
   # a JWT (enterprise tier), signed with a key made for this run only
   curl -si http://127.0.0.1:10000/v1/models -H 'authorization: Bearer @DEMO_JWT@'

@@ -23,6 +23,9 @@ pub fn check(text: &str) -> Result<String, String> {
         let policy = load(policy).map_err(|e| format!("{at}: {e}"))?;
         fleet_secret_reaches_the_vm(&doc, &at, &policy)?;
         lines.push(format!("{at}: {}", summary(&policy)));
+        if let Some(cache) = &policy.cache_compiled {
+            lines.extend(cache.warnings().into_iter().map(|w| format!("{at}: {w}")));
+        }
         if let Some(warning) = buffer_warning(&doc, &at, &policy) {
             lines.push(warning);
         }
@@ -77,6 +80,13 @@ fn is_sidecar_config(doc: &Value) -> bool {
         return false;
     }
     SIDECAR_KEYS.iter().any(|k| map.contains_key(*k))
+        // The sidecar's `cache:` (where entries live) vs the policy's (which
+        // models): keys only the sidecar's has.
+        || map.get("cache").and_then(Value::as_object).is_some_and(|c| {
+            ["backend", "max_entries", "max_bytes", "max_ttl", "max_vectors", "embeddings"]
+                .iter()
+                .any(|k| c.contains_key(*k))
+        })
         || map
             .get("fleet")
             .and_then(Value::as_object)

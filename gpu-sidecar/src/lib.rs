@@ -23,6 +23,7 @@
 //! ```
 
 pub mod breaker;
+pub mod cache;
 pub mod check_config;
 pub mod config;
 pub mod door;
@@ -220,6 +221,44 @@ fn start_fleet(
     Ok(f)
 }
 
+/// The response cache (in Redis when this sidecar is a fleet agent) and
+/// its loop learning the fleet's vectors (until `closing`).
+fn start_cache(
+    config: &config::cache::CacheConfig,
+    fleet: Option<Arc<fleet::Fleet>>,
+    closing: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Arc<cache::Cache>> {
+    let c = cache::Cache::new(config.clone(), fleet).map_err(anyhow::Error::msg)?;
+    tokio::spawn(c.clone().learn(closing.clone()));
+    eprintln!(
+        "sluice-sidecar: response cache in {}, semantic {}",
+        if c.in_redis() { "Redis" } else { "memory" },
+        if config.embeddings.is_some() {
+            "on"
+        } else {
+            "off"
+        }
+    );
+    Ok(c)
+}
+
+/// `app` with the cache's routes, when there is a cache.
+fn with_cache(
+    app: axum::Router,
+    cache: Option<Arc<cache::Cache>>,
+    fleet: Option<&Arc<fleet::Fleet>>,
+    token: &AdminToken,
+) -> axum::Router {
+    match cache {
+        Some(cache) => app.merge(serve::cache::router(serve::cache::CacheApi {
+            cache,
+            fleet: fleet.cloned(),
+            token: token.clone(),
+        })),
+        None => app,
+    }
+}
+
 /// Serves until `shutdown` resolves: the monitor rounds, the API on
 /// `listener`. Held long polls are answered at once on shutdown.
 pub async fn serve(
@@ -276,6 +315,10 @@ pub async fn serve(
         Some(f) => Some(start_fleet(f, &store, &kill_switch, &closing_rx)?),
         None => None,
     };
+    let cache = match &config.cache {
+        Some(c) => Some(start_cache(c, fleet.clone(), &closing_rx)?),
+        None => None,
+    };
     let door_telemetry = telemetry.clone();
     let mut app = serve::api::router(serve::api::Api {
         store: store.clone(),
@@ -288,7 +331,9 @@ pub async fn serve(
         long_poll: config.long_poll,
         history,
         failures: Arc::new(door::FailureGate::default()),
+        cache: cache.clone(),
     });
+    app = with_cache(app, cache, fleet.as_ref(), &opts.token);
     if let Some(f) = fleet {
         app = app.merge(fleet::routes::router(f));
     }

@@ -10,6 +10,7 @@
 //! per request by the knobs in [`knobs`]. `/admin/stats` shows what reached
 //! the server; `/metrics` speaks vLLM's Prometheus names.
 
+pub mod embed;
 pub mod framing;
 pub mod generate;
 pub mod knobs;

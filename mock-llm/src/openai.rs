@@ -122,24 +122,41 @@ pub fn completion(g: &Generation) -> Reply {
     }
 }
 
-/// One small deterministic vector per input.
+/// One deterministic vector per input: [`crate::embed`]'s rule for text
+/// (paraphrases close, unrelated texts not), of the request's
+/// `dimensions` (default 384); a token-id input is embedded as its digits.
 pub fn embeddings(g: &Generation) -> Reply {
-    let inputs = match g.body.get("input") {
+    let texts: Vec<String> = match g.body.get("input") {
         // An array of strings, or of token-id arrays, is a batch; a flat
         // token-id array is one input.
         Some(Value::Array(items)) if items.iter().all(|i| i.is_string() || i.is_array()) => {
-            items.len().max(1)
+            items.iter().map(text_of).collect()
         }
-        _ => 1,
+        Some(v) => vec![text_of(v)],
+        None => vec![String::new()],
     };
-    let data: Vec<Value> = (0..inputs)
-        .map(|i| {
-            let vector: Vec<f64> = (0..8).map(|d| ((i + d) % 8) as f64 / 8.0).collect();
-            json!({"object": "embedding", "index": i, "embedding": vector})
+    let texts = if texts.is_empty() {
+        vec![String::new()]
+    } else {
+        texts
+    };
+    let dims = crate::embed::dimensions_of(g.body);
+    let data: Vec<Value> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            json!({"object": "embedding", "index": i, "embedding": crate::embed::embed(t, dims)})
         })
         .collect();
     let v = json!({"object": "list", "data": data, "model": g.model});
     Reply::Json(with_usage(v, usage::embeddings(g.usage, g.input_tokens)))
+}
+
+fn text_of(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// Responses API. Streams as named events ending in `response.completed`,

@@ -28,6 +28,10 @@ const SIDECAR: &[Layer] = &[
         modules: &["serve"],
     },
     Layer {
+        name: "cache",
+        modules: &["cache"],
+    },
+    Layer {
         name: "fleet",
         modules: &["fleet"],
     },

@@ -5,5 +5,6 @@
 //! wasm32-wasip1 and natively, and holds no logic beyond (de)serialising.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod cache;
 pub mod fleet;
 pub mod state;

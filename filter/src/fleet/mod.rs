@@ -744,6 +744,17 @@ impl Fleet {
     }
 
     pub(crate) fn post(&self, host: &dyn Host, path: &str, body: &[u8]) -> Result<u32, String> {
+        self.post_within(host, path, body, self.config.timeout_ms)
+    }
+
+    /// [`Fleet::post`] with its own timeout (the cache's bounded lookups).
+    pub(crate) fn post_within(
+        &self,
+        host: &dyn Host,
+        path: &str,
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u32, String> {
         let len = body.len().to_string();
         let secret = self.secret.try_borrow().map_err(|e| e.to_string())?;
         let headers = [
@@ -755,7 +766,7 @@ impl Fleet {
             (SECRET_HEADER, secret.0.as_str()),
             (FINGERPRINT_HEADER, self.fingerprint.as_str()),
         ];
-        host.dispatch_post(&self.cluster, &headers, body, self.config.timeout_ms)
+        host.dispatch_post(&self.cluster, &headers, body, timeout_ms)
     }
 
     /// The sidecar's answer to a paused request.

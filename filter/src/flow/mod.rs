@@ -210,6 +210,20 @@ impl Filter {
         for rule in self.engine.rules() {
             metrics::REFUSALS.define_at(host, &[&rule.id]);
         }
+        if let Some(cache) = &self.engine.policy.cache_compiled {
+            for (model, rule) in &cache.models {
+                let kinds: &[&str] = if rule.semantic {
+                    &["exact", "semantic"]
+                } else {
+                    &["exact"]
+                };
+                for kind in kinds {
+                    for result in ["hit", "miss"] {
+                        metrics::CACHE.define_at(host, &[result, kind, model]);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -630,6 +644,11 @@ pub struct Stream {
     me: Weak<RefCell<Stream>>,
     /// Its concurrency slot, queue entry or sleep.
     gate: Option<waiting::GateState>,
+    /// The response cache: asked once per request; the lookup in flight;
+    /// what to store after the answer (see `cache`).
+    cache_looked: bool,
+    cache_wait: Option<cache::Wait>,
+    cache_store: Option<cache::ToStore>,
 }
 
 /// A stream's phase, each holding what exists in it. `Undecided` →
@@ -687,6 +706,9 @@ impl Stream {
             started_ms: 0,
             response_hash: None,
             fleet_claims: Vec::new(),
+            cache_looked: false,
+            cache_wait: None,
+            cache_store: None,
         }
     }
 
@@ -900,6 +922,7 @@ impl Stream {
         for (name, value) in headers.unwrap_or_default() {
             host.set_response_header(&name, Some(&value));
         }
+        self.cache_response_headers(host);
         if std::mem::take(&mut self.watch_upstream) {
             self.observe_upstream(host, self.status);
         }
@@ -939,10 +962,11 @@ impl Stream {
             self.audit(host, "sluice_ttft_ms", &ttft.to_string());
         }
         let metered = matches!(&self.phase, Phase::Upstream(up) if up.meter.is_some());
-        if !metered && self.response_hash.is_none() {
+        if !metered && self.response_hash.is_none() && self.cache_store.is_none() {
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
+        self.cache_feed(host, &chunk, end);
         if let Some(hash) = self.response_hash.as_mut() {
             sha2::Digest::update(hash, &chunk);
             if end {
@@ -1019,6 +1043,8 @@ impl Stream {
         if verdict.reply.is_some() {
             // Refused after it took a slot (a budget at dispatch).
             self.release_slot(host);
+            // A local answer (a refusal, the static answer) is never cached.
+            self.cache_store = None;
         }
         match verdict.reply {
             Some(reply) => {
@@ -1169,6 +1195,9 @@ impl Stream {
             .and_then(|a| a.demand.model.as_deref())
             .or(engine.passthrough_model(self.api));
         self.audit_request(host, model, body);
+        if let Some(action) = self.cache_lookup(host, asked.as_ref(), model) {
+            return action;
+        }
         let view = HostRequest(host, self.request_headers.as_deref());
         let mut pushback = engine.pushback(host, model, &view, &identity, now);
         let seen = if engine.policy.sidecar.is_some() {
@@ -1273,6 +1302,8 @@ impl Stream {
         if verdict.reply.is_none() {
             if fallback {
                 self.reroute(host, &mut verdict);
+                // Another provider's answer is not the primary's to cache.
+                self.cache_store = None;
             } else {
                 self.watch_upstream = true;
             }
@@ -1330,6 +1361,10 @@ impl Stream {
 
     /// The sidecar's answer to a request paused for the fleet.
     pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        if self.cache_owns(token) {
+            self.cache_answer(host, body_size);
+            return;
+        }
         let (pending, verdict) = match std::mem::replace(&mut self.phase, Phase::Undecided) {
             Phase::Fleet { pending, verdict } if pending.token == token => (pending, *verdict),
             other => {
@@ -1537,6 +1572,9 @@ impl Stream {
     }
 }
 
+mod cache;
+#[cfg(test)]
+mod cache_tests;
 mod early;
 #[cfg(test)]
 mod endpoint_tests;

@@ -111,8 +111,15 @@ pub const TOKENS: Metric = counter(
 );
 /// Which bucket refused (its rule id; bounded by the policy).
 pub const REFUSALS: Metric = counter("sluice_refusals_total", &["bucket"]);
-/// `kind`: downshift or static.
+/// `kind`: downshift, static or cache (a cached answer while the primary is out).
 pub const DEGRADED: Metric = counter("sluice_degraded_total", &["kind", "tier", "model"]);
+/// The response cache as the filter saw it: `result` hit, miss, store,
+/// skip (not cacheable, not stored), timeout (no answer in
+/// `cache.lookup_timeout`: a miss) or refused (a hit its caller's buckets
+/// refused); `kind` exact or semantic.
+pub const CACHE: Metric = counter("sluice_cache_total", &["result", "kind", "model"]);
+/// Tokens (prompt + completion) of the answers served from the cache.
+pub const CACHE_SAVED_TOKENS: Metric = counter("sluice_cache_saved_tokens_total", &["model"]);
 /// Requests refused 401 by identity, by why (`identity::Refusal::code`).
 pub const AUTH_FAILURES: Metric = counter("sluice_auth_failures_total", &["reason"]);
 /// Body requests refused in the headers phase by their caller's own empty

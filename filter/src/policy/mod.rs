@@ -9,6 +9,7 @@
 //! written in any section.
 
 pub mod abuse;
+pub mod cache;
 pub mod fallback;
 pub mod fleet;
 pub mod health;
@@ -100,6 +101,11 @@ pub struct Policy {
     /// Absent: no audit fields are written (they cost a host call each).
     pub audit: Option<AuditConfig>,
     pub anomaly: Option<AnomalyConfig>,
+    /// The response cache (see `policy/cache.rs`); absent: no cache.
+    pub cache: Option<crate::policy::cache::CacheConfig>,
+    /// `cache`, compiled at load.
+    #[serde(skip)]
+    pub cache_compiled: Option<crate::policy::cache::CachePolicy>,
     /// Workload classes: who waits for capacity and how long (see `queue`).
     #[serde(default)]
     pub classes: BTreeMap<String, crate::policy::queue::ClassConfig>,
@@ -200,6 +206,28 @@ impl Policy {
             ConfigError::at(path, err.into_inner().to_string())
         })?;
         policy.check()?;
+        let mut policy = policy;
+        if let Some(c) = &policy.cache {
+            let compiled = c.check().map_err(|e| ConfigError::at(e.path, e.message))?;
+            if let Some(name) = compiled
+                .routes
+                .keys()
+                .find(|n| !policy.routes.iter().any(|r| &r.name == *n))
+            {
+                return Err(ConfigError::at(
+                    format!("cache.routes.{name}"),
+                    "no route of this name under `routes`",
+                ));
+            }
+            let enabled = !(compiled.models.is_empty() && compiled.routes.is_empty());
+            if enabled && policy.sidecar.is_none() {
+                return Err(ConfigError::at(
+                    "cache",
+                    "the cache's entries live in the sidecar: set `sidecar`",
+                ));
+            }
+            policy.cache_compiled = Some(compiled);
+        }
         Ok(policy)
     }
 

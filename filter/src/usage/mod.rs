@@ -2,6 +2,9 @@
 //! tokens, the reconciliation with the real usage, and usage anomalies.
 
 pub mod anomaly;
+/// The response cache's keys and the answers it stores and renders (SPEC §9).
+pub mod cache_answer;
+pub mod cache_key;
 pub mod demand;
 pub mod estimate;
 pub mod reconcile;

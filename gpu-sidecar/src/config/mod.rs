@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod alerts;
 pub mod breaker;
+pub mod cache;
 pub mod envoy_admin;
 pub mod field;
 pub mod fleet;
@@ -62,6 +63,8 @@ pub struct Config {
     pub envoy_admin: Option<envoy_admin::EnvoyAdminConfig>,
     /// Redis, for the fleet (see `fleet`); none: this sidecar is no fleet agent.
     pub fleet: Option<fleet::FleetConfig>,
+    /// The response cache's store (see `crate::cache`); none: no cache endpoints.
+    pub cache: Option<cache::CacheConfig>,
     /// Host names the API answers to besides `localhost`, IP addresses and
     /// `sluice_sidecar` (see [`crate::door`]); any other `Host` gets 421.
     pub allowed_hosts: Vec<String>,
@@ -85,6 +88,7 @@ impl Default for Config {
             history: Default::default(),
             envoy_admin: None,
             fleet: None,
+            cache: None,
             allowed_hosts: Vec::new(),
         }
     }
@@ -135,6 +139,10 @@ impl Config {
 
     /// Each section's own check, then the checks across sections.
     fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(c) = &self.cache {
+            c.check(self.fleet.is_some())
+                .map_err(|(path, message)| ConfigError::Invalid { path, message })?;
+        }
         self.saturation_rules()?;
         if self.scrape_interval.is_zero() {
             return Err(invalid("scrape_interval", "must be more than 0"));

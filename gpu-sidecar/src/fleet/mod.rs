@@ -668,6 +668,28 @@ impl Fleet {
         Ok(answer)
     }
 
+    /// A command pipeline on this sidecar's Redis connection, bounded by
+    /// `timeout` as the scripts are (the response cache's way to Redis:
+    /// one connection, one client, for the whole sidecar).
+    pub(crate) async fn query<T: redis::FromRedisValue>(
+        &self,
+        pipe: &redis::Pipeline,
+    ) -> Result<T, FleetError> {
+        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
+        let answer =
+            tokio::time::timeout(self.config.timeout * 2, pipe.query_async::<T>(&mut conn))
+                .await
+                .map_err(|_| self.failed("timed out"))?
+                .map_err(|e| self.failed(e))?;
+        self.ok();
+        Ok(answer)
+    }
+
+    /// How often fleet state is compared with Redis.
+    pub(crate) fn sync_interval(&self) -> std::time::Duration {
+        self.config.sync_interval
+    }
+
     /// The epoch this sidecar counts in: read (or written) once, renewed
     /// when a script found another (`stale`: the one it had).
     async fn epoch(&self, stale: Option<&Epoch>) -> Result<Epoch, FleetError> {

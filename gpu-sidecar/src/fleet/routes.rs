@@ -81,7 +81,7 @@ pub(crate) fn refuse(
     refused
 }
 
-fn json_content(headers: &axum::http::HeaderMap) -> bool {
+pub(crate) fn json_content(headers: &axum::http::HeaderMap) -> bool {
     let mut all = headers.get_all(axum::http::header::CONTENT_TYPE).iter();
     let (Some(v), None) = (all.next(), all.next()) else {
         return false;

@@ -191,11 +191,14 @@ fn too_many_polls(limit: usize) -> Response {
 }
 
 async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
-    let text = crate::serve::metrics::render(
+    let mut text = crate::serve::metrics::render(
         &api.store.current(),
         &api.telemetry.snapshot(),
         &api.telemetry,
     );
+    if let Some(cache) = &api.cache {
+        text.push_str(&crate::serve::metrics::render_cache(cache));
+    }
     (
         [
             (CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8"),
@@ -460,6 +463,7 @@ mod tests {
             long_poll: LongPollConfig::default(),
             history: Arc::new(History::default()),
             failures: Arc::new(FailureGate::default()),
+            cache: None,
         }
     }
 

@@ -9,6 +9,105 @@ use crate::state::SidecarState;
 use crate::watch::telemetry::{Snapshot, Telemetry};
 
 /// The exposition, `text/plain; version=0.0.4`.
+/// The response cache's families (see [`crate::cache`]).
+pub fn render_cache(cache: &crate::cache::Cache) -> String {
+    let mut out = Exposition::default();
+    cache_families(cache, &mut out);
+    out.text
+}
+
+fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
+    use crate::cache::metrics::LOOKUP_BUCKETS;
+    use std::sync::atomic::Ordering;
+    let s = &cache.stats;
+    out.family(
+        "sluice_sidecar_cache_total",
+        "counter",
+        "Cache lookups and stores by result (hit, miss, store, skip, evict), kind and model.",
+    );
+    for (model, kind, result, n) in s.counts() {
+        out.sample(
+            "sluice_sidecar_cache_total",
+            &[("result", result), ("kind", kind), ("model", &model)],
+            n as f64,
+        );
+    }
+    out.family(
+        "sluice_sidecar_cache_saved_tokens_total",
+        "counter",
+        "Tokens (prompt + completion) of the answers served from the cache.",
+    );
+    out.family(
+        "sluice_sidecar_cache_saved_spend_micros_total",
+        "counter",
+        "Spend (micro-currency) of the answers served from the cache.",
+    );
+    for (model, tokens, spend) in s.saved_by_model() {
+        out.sample(
+            "sluice_sidecar_cache_saved_tokens_total",
+            &[("model", &model)],
+            tokens as f64,
+        );
+        out.sample(
+            "sluice_sidecar_cache_saved_spend_micros_total",
+            &[("model", &model)],
+            spend as f64,
+        );
+    }
+    let gauges = [
+        (
+            "sluice_sidecar_cache_entries",
+            "Entries held (in Redis, fleet mode: as Redis counts them).",
+            s.entries.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "sluice_sidecar_cache_bytes",
+            "Bytes the entries take, as the bound counts them.",
+            s.bytes.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "sluice_sidecar_cache_vectors",
+            "Vectors in this sidecar's semantic index.",
+            cache.vectors() as f64,
+        ),
+    ];
+    for (name, help, v) in gauges {
+        out.family(name, "gauge", help);
+        out.sample(name, &[], v);
+    }
+    let counters = [
+        (
+            "sluice_sidecar_cache_embedding_calls_total",
+            "Calls to the embeddings endpoint.",
+            &s.embedding_calls,
+        ),
+        (
+            "sluice_sidecar_cache_embedding_failures_total",
+            "Embedding calls that failed or timed out (each a semantic miss).",
+            &s.embedding_failures,
+        ),
+        (
+            "sluice_sidecar_cache_unavailable_total",
+            "Redis calls of the cache that failed (each a miss or an unstored answer).",
+            &s.unavailable,
+        ),
+    ];
+    for (name, help, c) in counters {
+        out.family(name, "counter", help);
+        out.sample(name, &[], c.load(Ordering::Relaxed) as f64);
+    }
+    let h = "sluice_sidecar_cache_lookup_seconds";
+    out.family(h, "histogram", "Time the sidecar took to answer a lookup.");
+    let bucket = format!("{h}_bucket");
+    let (buckets, count, micros) = s.lookup_histogram();
+    for (le, n) in LOOKUP_BUCKETS.iter().zip(&buckets) {
+        out.sample(&bucket, &[("le", &le.to_string())], *n as f64);
+    }
+    out.sample(&bucket, &[("le", "+Inf")], count as f64);
+    out.sample(&format!("{h}_sum"), &[], micros as f64 / 1e6);
+    out.sample(&format!("{h}_count"), &[], count as f64);
+}
+
 pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String {
     let mut out = Exposition::default();
     gpus(&mut out, snap);
@@ -317,17 +416,17 @@ fn watch(out: &mut Exposition, snap: &Snapshot, tel: &Telemetry) {
 type GpuField = fn(&crate::sources::GpuReading) -> Option<f64>;
 
 #[derive(Default)]
-struct Exposition {
+pub(crate) struct Exposition {
     text: String,
 }
 
 impl Exposition {
-    fn family(&mut self, name: &str, kind: &str, help: &str) {
+    pub(crate) fn family(&mut self, name: &str, kind: &str, help: &str) {
         // Writing to a String cannot fail.
         let _ = writeln!(self.text, "# HELP {name} {help}\n# TYPE {name} {kind}");
     }
 
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+    pub(crate) fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
         self.text.push_str(name);
         if !labels.is_empty() {
             self.text.push('{');

@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod cache;
 pub mod metrics;
 pub mod page;
 
@@ -41,4 +42,6 @@ pub struct Api {
     pub history: Arc<History>,
     /// Wrong admin tokens per client.
     pub failures: Arc<FailureGate>,
+    /// The response cache, when this sidecar runs one (its `/metrics`).
+    pub cache: Option<Arc<crate::cache::Cache>>,
 }

@@ -1,0 +1,487 @@
+//! The response cache on the request path (SPEC §9): a lookup in the
+//! sidecar before admission for requests of cache-enabled models, a hit
+//! answered here, a complete successful answer stored after it.
+//!
+//! - Never blocks a request on the cache: the lookup waits at most
+//!   `cache.lookup_timeout`; no answer, a bad answer or an unreachable
+//!   sidecar is a miss (`sluice_cache_total{result="timeout"}` / `miss`).
+//! - A hit still passes admission, with the policy's `hit_cost`: by
+//!   default it counts as a request and reserves and charges 0 tokens, so
+//!   a caller over its request rate is refused as ever, and one over its
+//!   token budget still gets the cached answer (`hit_cost.tokens: true`
+//!   reserves the stored answer's tokens instead).
+//! - Stored only when complete and successful (`usage::cache_answer`),
+//!   and never larger than `cache.max_entry_bytes` (buffered here).
+
+use serde_json::Value;
+use sluice_wire::cache::{Entry, LookupAnswer, LookupRequest, Semantic, StoreRequest};
+
+use super::Stream;
+use crate::admission::{Asked, RequestContext};
+use crate::host::metrics;
+use crate::host::{Action, Host, LogLevel};
+use crate::policy::cache::Caller;
+use crate::usage::cache_answer::{self, Rendered};
+use crate::usage::cache_key::{self, Api as CacheApi};
+use crate::usage::demand::Api;
+use crate::usage::reconcile::{Found, Usage};
+
+/// A lookup in flight.
+pub(super) struct Wait {
+    token: u32,
+    asked: Option<Asked>,
+    api: CacheApi,
+    model: String,
+    stream: bool,
+    include_usage: bool,
+}
+
+/// What to store once the answer is complete.
+pub(super) struct ToStore {
+    api: CacheApi,
+    key: String,
+    model: String,
+    ttl_s: u64,
+    semantic: Option<Semantic>,
+    max_bytes: u64,
+    /// The upstream's answer so far (`None` once it outgrew the bound).
+    buf: Option<Vec<u8>>,
+    framing: Framing,
+    upstream_cache_control: Option<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    Json,
+    Sse,
+    Ndjson,
+}
+
+fn cache_api(api: Api) -> Option<CacheApi> {
+    match api {
+        Api::OpenAiChat => Some(CacheApi::OpenAiChat),
+        Api::OpenAiCompletions => Some(CacheApi::OpenAiCompletions),
+        Api::OllamaChat => Some(CacheApi::OllamaChat),
+        Api::OllamaGenerate => Some(CacheApi::OllamaGenerate),
+        _ => None,
+    }
+}
+
+fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
+    match k {
+        sluice_wire::cache::Kind::Exact => "exact",
+        sluice_wire::cache::Kind::Semantic => "semantic",
+    }
+}
+
+impl Stream {
+    /// Before admission: starts a lookup (the request pauses for it) when
+    /// the model is cached and the caller allows reading; notes what to
+    /// store when it allows storing. `None`: go on without the cache.
+    pub(super) fn cache_lookup(
+        &mut self,
+        host: &dyn Host,
+        asked: Option<&Asked>,
+        model: Option<&str>,
+    ) -> Option<Action> {
+        if std::mem::replace(&mut self.cache_looked, true) {
+            return None;
+        }
+        let filter = self.filter.clone();
+        let policy = &filter.engine.policy;
+        let (Some(cache), Some(sidecar), Some(asked), Some(model), Some(api), Some(identity)) = (
+            policy.cache_compiled.as_ref(),
+            policy.sidecar.as_ref(),
+            asked,
+            model,
+            cache_api(self.api),
+            self.identity.as_ref(),
+        ) else {
+            return None;
+        };
+        // The request's route (the policy's `routes`, by path prefix in
+        // canonical form), for models without a rule of their own.
+        let route = if cache.routes.is_empty() {
+            None
+        } else {
+            policy
+                .routes
+                .iter()
+                .find(|r| {
+                    let prefix = crate::usage::demand::canonical_path(&r.path_prefix)
+                        .unwrap_or_else(|_| r.path_prefix.to_ascii_lowercase());
+                    self.path.starts_with(&prefix)
+                })
+                .map(|r| r.name.as_str())
+        };
+        let rule = cache.rule(model, route)?;
+        let allowed =
+            cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
+        let body = &asked.body;
+        if !rule.temperature_ok(body, api.is_ollama()) || !(allowed.read || allowed.store) {
+            metrics::CACHE.add_at(host, &["skip", "exact", model], 1);
+            return None;
+        }
+        let caller = Caller {
+            principal: &identity.principal,
+            team: identity.team.as_deref(),
+            org: identity.org.as_deref(),
+            tier: &identity.tier,
+        };
+        let scope = rule.scope.value(&caller);
+        let key = cache_key::exact_key(&cache.salt, &scope, model, api, body).ok()?;
+        let semantic = rule
+            .semantic
+            .then(|| cache_key::semantic_parts(&cache.salt, &scope, model, api, body))
+            .flatten()
+            .map(|p| Semantic {
+                context: p.context,
+                text: p.text,
+            });
+        if allowed.store {
+            self.cache_store = Some(ToStore {
+                api,
+                key: key.clone(),
+                model: model.to_string(),
+                ttl_s: rule.ttl_s,
+                semantic: semantic.clone(),
+                max_bytes: cache.max_entry_bytes,
+                buf: Some(Vec::new()),
+                framing: Framing::Json,
+                upstream_cache_control: None,
+            });
+        }
+        if !allowed.read {
+            return None;
+        }
+        let req = LookupRequest {
+            key,
+            model: model.to_string(),
+            threshold: semantic.as_ref().map(|_| rule.threshold),
+            top_k: semantic.as_ref().map(|_| rule.top_k),
+            semantic,
+        };
+        let payload = serde_json::to_vec(&req).ok()?;
+        let timeout = cache.lookup_timeout_ms;
+        let sent = match &filter.fleet {
+            Some(fleet) => {
+                fleet.post_within(host, sluice_wire::cache::LOOKUP_PATH, &payload, timeout)
+            }
+            None => {
+                let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
+                let len = payload.len().to_string();
+                let headers = [
+                    (":method", "POST"),
+                    (":path", sluice_wire::cache::LOOKUP_PATH),
+                    (":authority", authority),
+                    ("content-type", "application/json"),
+                    ("content-length", len.as_str()),
+                ];
+                host.dispatch_post(&sidecar.cluster, &headers, &payload, timeout)
+            }
+        };
+        match sent {
+            Ok(token) => {
+                let stream = api.streams(body);
+                let include_usage = body
+                    .get("stream_options")
+                    .and_then(|o| o.get("include_usage"))
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                self.cache_wait = Some(Wait {
+                    token,
+                    asked: Some(asked.clone()),
+                    api,
+                    model: model.to_string(),
+                    stream,
+                    include_usage,
+                });
+                Some(Action::Pause)
+            }
+            Err(why) => {
+                metrics::CACHE.add_at(host, &["timeout", "exact", model], 1);
+                host.log(LogLevel::Warn, &format!("cache lookup not sent: {why}"));
+                None
+            }
+        }
+    }
+
+    /// Whether `token` is this stream's lookup.
+    pub(super) fn cache_owns(&self, token: u32) -> bool {
+        self.cache_wait.as_ref().is_some_and(|w| w.token == token)
+    }
+
+    /// The sidecar's answer to the lookup: a hit is answered here, a miss
+    /// (or no answer) goes on to admission.
+    pub(super) fn cache_answer(&mut self, host: &dyn Host, body_size: usize) {
+        let Some(wait) = self.cache_wait.take() else {
+            return;
+        };
+        let status = host.call_response_header(":status");
+        let answer = match status.as_deref() {
+            Some("200") => {
+                serde_json::from_slice::<LookupAnswer>(&host.call_response_body(body_size)).ok()
+            }
+            _ => None,
+        };
+        let hit = match answer {
+            Some(LookupAnswer { hit: Some(hit) }) => Some(hit),
+            Some(_) => {
+                metrics::CACHE.add_at(host, &["miss", "exact", &wait.model], 1);
+                None
+            }
+            None => {
+                metrics::CACHE.add_at(host, &["timeout", "exact", &wait.model], 1);
+                None
+            }
+        };
+        if let Some(hit) = hit {
+            let rendered =
+                cache_answer::render(wait.api, &hit.entry.body, wait.stream, wait.include_usage);
+            if let Some(r) = rendered {
+                let kind = kind_label(hit.kind);
+                self.serve_hit(host, &wait, r, &hit.entry, hit.age_s, kind);
+                return;
+            }
+        }
+        // A miss: admission as if there were no cache (the body is still
+        // buffered in Envoy).
+        let body = host.request_body(self.body_size);
+        if self.decide(host, &body) == Action::Continue {
+            host.resume_request();
+        }
+    }
+
+    /// A hit: admission at the hit's cost, then the stored answer.
+    fn serve_hit(
+        &mut self,
+        host: &dyn Host,
+        wait: &Wait,
+        rendered: Rendered,
+        entry: &Entry,
+        age_s: u64,
+        kind: &str,
+    ) {
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let Some(identity) = self.identity.clone() else {
+            return;
+        };
+        let cost = engine
+            .policy
+            .cache_compiled
+            .as_ref()
+            .map(|c| c.hit_cost)
+            .unwrap_or_default();
+        let mut asked = wait.asked.clone();
+        if let Some(a) = asked.as_mut().filter(|_| !cost.tokens) {
+            a.input_raw = 0.0;
+            a.demand.max_output = Some(0);
+        }
+        let (input, output) = if cost.tokens {
+            (entry.prompt_tokens, entry.completion_tokens)
+        } else {
+            (0, 0)
+        };
+        let ctx = RequestContext {
+            identity: &identity,
+            api: self.api,
+            path: &self.path,
+            asked: asked.as_ref(),
+            now_ms: self.started_ms,
+        };
+        let mut verdict = engine.admit(host, &ctx);
+        if verdict.reply.is_some() {
+            metrics::CACHE.add_at(host, &["refused", kind, &wait.model], 1);
+            self.finish(host, verdict);
+            return;
+        }
+        if let Some(plan) = verdict.plan.take() {
+            let found = Found::Usage(Usage { input, output });
+            let now = host.now_ms();
+            let (_, effort) = engine.settle(host, &plan, found, output, true, now);
+            super::count_contention(host, effort);
+        }
+        self.phase = super::Phase::Answered;
+        self.record(host, &verdict);
+        self.audit_decision(host, &verdict);
+        self.audit(host, "sluice_cache", kind);
+        metrics::CACHE.add_at(host, &["hit", kind, &wait.model], 1);
+        let saved = entry.prompt_tokens.saturating_add(entry.completion_tokens);
+        metrics::CACHE_SAVED_TOKENS.add_at(
+            host,
+            &[&wait.model],
+            i64::try_from(saved).unwrap_or(i64::MAX),
+        );
+        let age = age_s.to_string();
+        // When the primary is out and the static answer would come, the
+        // cached one comes first, marked as the degraded answer it is.
+        let out = self.primary_out(host, &identity, asked.as_ref(), &wait.model);
+        if out {
+            metrics::DEGRADED.add_at(host, &["cache", &identity.tier, &wait.model], 1);
+        }
+        let mut headers: Vec<(&str, &str)> = vec![
+            ("x-sluice-degraded", if out { "cache" } else { "" }),
+            ("content-type", rendered.content_type),
+            ("x-sluice-cache", "hit"),
+            ("x-sluice-cache-kind", kind),
+            ("age", age.as_str()),
+        ];
+        for (n, v) in &verdict.response_headers {
+            headers.push((n.as_str(), v.as_str()));
+        }
+        headers.retain(|(_, v)| !v.is_empty());
+        // The reply passes the response callbacks: nothing to store.
+        self.cache_store = None;
+        host.send_reply(200, &headers, &rendered.body);
+    }
+
+    /// Would this request get the static answer (every upstream out)?
+    fn primary_out(
+        &self,
+        host: &dyn Host,
+        identity: &crate::admission::identity::Identity,
+        asked: Option<&Asked>,
+        model: &str,
+    ) -> bool {
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let view = super::HostRequest(host, self.request_headers.as_deref());
+        let pushback = engine.pushback(host, Some(model), &view, identity, self.started_ms);
+        let seen = if engine.policy.sidecar.is_some() {
+            filter.seen(host)
+        } else {
+            std::rc::Rc::new(crate::admission::health::Seen::default())
+        };
+        let ctx = RequestContext {
+            identity,
+            api: self.api,
+            path: &self.path,
+            asked,
+            now_ms: self.started_ms,
+        };
+        let dice = filter.roll(self.started_ms);
+        matches!(
+            engine.route(&ctx, &seen, &pushback, dice),
+            crate::admission::Routed::Answered(v)
+                if v.degraded == Some(crate::admission::answer::Degraded::Static)
+        )
+    }
+
+    /// The upstream's answer begins: only a 200 may be stored.
+    pub(super) fn cache_response_headers(&mut self, host: &dyn Host) {
+        if self.status != 200 {
+            if let Some(s) = self.cache_store.take() {
+                metrics::CACHE.add_at(host, &["skip", "exact", &s.model], 1);
+            }
+            return;
+        }
+        let content_type = host.response_header("content-type").unwrap_or_default();
+        let cc = host.response_header("cache-control");
+        if let Some(s) = self.cache_store.as_mut() {
+            s.framing = if content_type.contains("event-stream") {
+                Framing::Sse
+            } else if content_type.contains("ndjson") {
+                Framing::Ndjson
+            } else {
+                Framing::Json
+            };
+            s.upstream_cache_control = cc;
+            host.set_response_header("x-sluice-cache", Some("miss"));
+        }
+    }
+
+    /// A piece of the upstream's answer (before any rewrite); at its end,
+    /// the store when it is complete and successful.
+    pub(super) fn cache_feed(&mut self, host: &dyn Host, chunk: &[u8], end: bool) {
+        let Some(s) = self.cache_store.as_mut() else {
+            return;
+        };
+        if let Some(buf) = s.buf.as_mut() {
+            if (buf.len() + chunk.len()) as u64 > s.max_bytes.saturating_mul(2) {
+                s.buf = None;
+            } else {
+                buf.extend_from_slice(chunk);
+            }
+        }
+        if !end {
+            return;
+        }
+        let Some(s) = self.cache_store.take() else {
+            return;
+        };
+        let model = s.model.clone();
+        let skip = |host: &dyn Host| metrics::CACHE.add_at(host, &["skip", "exact", &model], 1);
+        // Downshifted to a cheaper model: its answer is not the requested
+        // model's, and the key names the requested one.
+        let plan = self.upstream().and_then(|up| up.plan.as_ref());
+        let served = plan.and_then(|p| p.model.clone());
+        let pricing = plan.map(|p| p.pricing);
+        if served.is_some_and(|m| m != model) {
+            return skip(host);
+        }
+        let Some(buf) = s.buf else {
+            return skip(host);
+        };
+        let json = match s.framing {
+            Framing::Json => String::from_utf8(buf).ok(),
+            Framing::Sse => cache_answer::assemble_sse(s.api, &buf),
+            Framing::Ndjson => cache_answer::assemble_ndjson(s.api, &buf),
+        };
+        let Some(json) = json.filter(|j| j.len() as u64 <= s.max_bytes) else {
+            return skip(host);
+        };
+        let usage = match cache_answer::storable(
+            s.api,
+            200,
+            s.upstream_cache_control.as_deref(),
+            json.as_bytes(),
+        ) {
+            Ok(u) => u,
+            Err(_) => return skip(host),
+        };
+        let spend = pricing.map_or(0, |p| p.cost(usage.prompt_tokens, usage.completion_tokens));
+        let req = StoreRequest {
+            key: s.key,
+            model: s.model,
+            ttl_s: s.ttl_s,
+            semantic: s.semantic,
+            entry: Entry {
+                body: json,
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+                spend_micros: spend,
+            },
+        };
+        let Ok(payload) = serde_json::to_vec(&req) else {
+            return skip(host);
+        };
+        let filter = self.filter.clone();
+        let Some(sidecar) = filter.engine.policy.sidecar.as_ref() else {
+            return;
+        };
+        let timeout = 5_000;
+        let sent = match &filter.fleet {
+            Some(fleet) => {
+                fleet.post_within(host, sluice_wire::cache::STORE_PATH, &payload, timeout)
+            }
+            None => {
+                let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
+                let len = payload.len().to_string();
+                let headers = [
+                    (":method", "POST"),
+                    (":path", sluice_wire::cache::STORE_PATH),
+                    (":authority", authority),
+                    ("content-type", "application/json"),
+                    ("content-length", len.as_str()),
+                ];
+                host.dispatch_post(&sidecar.cluster, &headers, &payload, timeout)
+            }
+        };
+        if sent.is_ok() {
+            metrics::CACHE.add_at(host, &["store", "exact", &model], 1);
+        } else {
+            skip(host);
+        }
+    }
+}

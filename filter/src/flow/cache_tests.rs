@@ -1,0 +1,256 @@
+//! The cache on the request path, through the mock host: lookup before
+//! admission, a hit answered locally at the hit's cost, a miss admitted
+//! and its complete answer stored; a timeout is a miss.
+
+use serde_json::{json, Value};
+
+use super::*;
+use crate::host::mock::MockHost;
+
+const T0: u64 = 1_700_000_000_000;
+
+fn policy() -> Value {
+    json!({
+        "default_tier": "t",
+        "tiers": {"t": {"requests": "3/min", "daily_tokens": "100"}},
+        "identity": {"sources": ["client_address"]},
+        "sidecar": {"cluster": "sluice_sidecar"},
+        "cache": {"salt": "s", "models": {"m": {"exact": true}}},
+    })
+}
+
+fn body() -> Value {
+    json!({"model": "m", "max_tokens": 8, "temperature": 0,
+           "messages": [{"role": "user", "content": "hello"}]})
+}
+
+fn start(host: &MockHost, poller: &Poller, addr: &str, b: &Value) -> (Request, Action) {
+    let text = b.to_string();
+    let len = text.len().to_string();
+    host.begin(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+        ],
+        text.as_bytes(),
+    );
+    host.set_prop(&["source", "address"], addr.as_bytes());
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(host, false), Action::Pause);
+    let action = req.on_request_body(host, text.len(), true);
+    (req, action)
+}
+
+fn last_post(host: &MockHost) -> (u32, String, Value) {
+    let posted = host.posted.borrow();
+    let (token, body) = posted.last().unwrap().clone();
+    let path = host
+        .callouts
+        .borrow()
+        .iter()
+        .find(|c| c.token == token)
+        .and_then(|c| {
+            c.headers
+                .iter()
+                .find(|(n, _)| n == ":path")
+                .map(|(_, v)| v.clone())
+        })
+        .unwrap();
+    (token, path, serde_json::from_slice(&body).unwrap())
+}
+
+fn deliver(host: &MockHost, req: &mut Request, token: u32, status: &str, body: &Value) {
+    *host.call_response_headers.borrow_mut() = vec![(":status".into(), status.into())];
+    let b = body.to_string().into_bytes();
+    let n = b.len();
+    *host.call_response_body.borrow_mut() = b;
+    req.on_call_response(host, token, n);
+}
+
+const STORED: &str = r#"{"id":"c1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
+
+#[test]
+fn a_hit_is_answered_here_and_counts_a_request() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, policy().to_string().as_bytes()));
+    let (mut req, action) = start(&host, &poller, "10.0.0.1", &body());
+    assert_eq!(action, Action::Pause, "paused for the lookup");
+    let (token, path, lookup) = last_post(&host);
+    assert_eq!(path, "/v1/cache/lookup");
+    assert_eq!(lookup["key"].as_str().unwrap().len(), 64);
+    let hit = json!({"hit": {"kind": "exact", "age_s": 7, "entry": {"body": STORED,
+        "prompt_tokens": 5, "completion_tokens": 1, "spend_micros": 0}}});
+    deliver(&host, &mut req, token, "200", &hit);
+    let reply = host.last_reply().expect("answered by the filter");
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("x-sluice-cache"), Some("hit"));
+    assert_eq!(reply.header("age"), Some("7"));
+    assert_eq!(String::from_utf8(reply.body.clone()).unwrap(), STORED);
+    assert_eq!(
+        host.metric("sluice_cache_total_result=hit;.kind=exact;.model=m;"),
+        Some(1)
+    );
+    // It counted a request: two more hits, then the third is refused by
+    // the request rate (3/min) although the answer is cached.
+    for i in 0..3 {
+        let (mut r, _) = start(&host, &poller, "10.0.0.1", &body());
+        let (token, _, _) = last_post(&host);
+        deliver(&host, &mut r, token, "200", &hit);
+        let reply = host.last_reply().unwrap();
+        if i < 2 {
+            assert_eq!(reply.status, 200);
+        } else {
+            assert_eq!(
+                reply.status,
+                429,
+                "{}",
+                String::from_utf8_lossy(&reply.body)
+            );
+        }
+    }
+}
+
+#[test]
+fn a_miss_is_admitted_and_its_answer_stored() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, policy().to_string().as_bytes()));
+    let (mut req, _) = start(&host, &poller, "10.0.0.2", &body());
+    let (token, _, lookup) = last_post(&host);
+    let replies = host.replies.borrow().len();
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    assert_eq!(host.replies.borrow().len(), replies, "not answered locally");
+    assert!(!host.resumed.borrow().is_empty(), "resumed to the upstream");
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    assert_eq!(req.on_response_headers(&host), Action::Continue);
+    assert_eq!(host.resp_header("x-sluice-cache").as_deref(), Some("miss"));
+    *host.response_body.borrow_mut() = STORED.as_bytes().to_vec();
+    req.on_response_body(&host, STORED.len(), true);
+    let (_, path, store) = last_post(&host);
+    assert_eq!(path, "/v1/cache/store");
+    assert_eq!(store["key"], lookup["key"]);
+    assert_eq!(store["entry"]["body"], STORED);
+    assert_eq!(store["entry"]["completion_tokens"], 1);
+    assert_eq!(store["ttl_s"], 86_400);
+}
+
+#[test]
+fn no_answer_is_a_miss_and_errors_are_not_stored() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, policy().to_string().as_bytes()));
+    let (mut req, _) = start(&host, &poller, "10.0.0.3", &body());
+    let (token, _, _) = last_post(&host);
+    let posts = host.posted.borrow().len();
+    // The lookup timed out (Envoy answers the callout without a status).
+    *host.call_response_headers.borrow_mut() = vec![];
+    *host.call_response_body.borrow_mut() = vec![];
+    req.on_call_response(&host, token, 0);
+    assert_eq!(
+        host.metric("sluice_cache_total_result=timeout;.kind=exact;.model=m;"),
+        Some(1)
+    );
+    host.respond(&[(":status", "500"), ("content-type", "application/json")]);
+    req.on_response_headers(&host);
+    let err = br#"{"error":{"message":"boom"}}"#;
+    *host.response_body.borrow_mut() = err.to_vec();
+    req.on_response_body(&host, err.len(), true);
+    assert_eq!(host.posted.borrow().len(), posts, "a 500 is never stored");
+    // `no-store`: no lookup, no store.
+    let text = body().to_string();
+    let len = text.len().to_string();
+    host.begin(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+            ("cache-control", "no-store"),
+        ],
+        text.as_bytes(),
+    );
+    let mut r = poller.request().unwrap();
+    r.on_request_headers(&host, false);
+    assert_eq!(r.on_request_body(&host, text.len(), true), Action::Continue);
+    assert_eq!(host.posted.borrow().len(), posts);
+}
+
+#[test]
+fn the_policy_section_is_checked() {
+    let mut p = policy();
+    p["cache"]["models"]["m"]["ttl"] = json!("forever");
+    let err = Policy::from_value(p).unwrap_err();
+    assert!(err.to_string().contains("cache.models.m.ttl"), "{err}");
+    let mut p = policy();
+    p.as_object_mut().unwrap().remove("sidecar");
+    let err = Policy::from_value(p).unwrap_err();
+    assert!(err.to_string().contains("cache"), "{err}");
+}
+
+#[test]
+fn a_downshifted_answer_is_not_stored_under_the_requested_model() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["tiers"]["t"] = json!({"requests": "100/min", "daily_tokens": {"limit": 10, "mode": "soft"}});
+    p["models"] = json!({"m": {"downshift_to": "small"}, "small": {}});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (mut req, _) = start(&host, &poller, "10.0.0.4", &body());
+    let (token, _, _) = last_post(&host);
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    let sent: Value = serde_json::from_slice(&host.request_body.borrow()).unwrap_or(Value::Null);
+    let posts = host.posted.borrow().len();
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    req.on_response_headers(&host);
+    *host.response_body.borrow_mut() = STORED.as_bytes().to_vec();
+    req.on_response_body(&host, STORED.len(), true);
+    assert_eq!(sent["model"], "small", "over the soft cap: downshifted");
+    assert_eq!(
+        host.posted.borrow().len(),
+        posts,
+        "the cheaper model's answer is not stored"
+    );
+}
+
+#[test]
+fn hits_charge_tokens_only_when_the_policy_says() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["tiers"]["t"] = json!({"requests": "100/min", "daily_tokens": "100"});
+    p["cache"]["hit_cost"] = json!({"tokens": true});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let hit = json!({"hit": {"kind": "exact", "age_s": 1, "entry": {"body": STORED,
+        "prompt_tokens": 30, "completion_tokens": 30, "spend_micros": 0}}});
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let (mut r, _) = start(&host, &poller, "10.0.0.5", &body());
+        let (token, _, _) = last_post(&host);
+        deliver(&host, &mut r, token, "200", &hit);
+        statuses.push(host.last_reply().unwrap().status);
+    }
+    // 60 tokens a hit against 100 a day: the second no longer fits.
+    assert_eq!(statuses[0], 200);
+    assert!(statuses[1..].contains(&429), "{statuses:?}");
+}
+
+#[test]
+fn a_route_rule_caches_models_without_their_own() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["routes"] = json!([{"name": "chat", "path_prefix": "/v1/chat/", "requests": "100/s"}]);
+    p["cache"]["models"] = json!({});
+    p["cache"]["routes"] = json!({"chat": {"exact": true}});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (_req, action) = start(&host, &poller, "10.0.0.6", &body());
+    assert_eq!(action, Action::Pause, "looked up: the route is cached");
+    let (_, path, _) = last_post(&host);
+    assert_eq!(path, "/v1/cache/lookup");
+    p["cache"]["routes"] = json!({"nope": {"exact": true}});
+    let err = Policy::from_value(p).unwrap_err();
+    assert!(err.to_string().contains("cache.routes.nope"), "{err}");
+}

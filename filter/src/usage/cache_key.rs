@@ -1,0 +1,439 @@
+//! Cache keys. The exact key is a salted SHA-256 over the scope value, the
+//! model, the API and the canonical request: the body with the fields that
+//! cannot change the output removed, re-serialised with sorted keys. The
+//! rule is a *deny*-list on purpose: a field sluice has never heard of
+//! stays in the key, so the worst an unknown field does is a miss, never a
+//! wrong hit.
+//!
+//! The semantic context hash is the same over the request with the last
+//! user message taken out (it is what gets embedded): scope, model,
+//! output parameters, system prompt and every earlier turn must match
+//! exactly for a semantic hit.
+
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+/// The APIs the cache serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    OpenAiChat,
+    OpenAiCompletions,
+    OllamaChat,
+    OllamaGenerate,
+}
+
+impl Api {
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::OpenAiChat => "openai_chat",
+            Api::OpenAiCompletions => "openai_completions",
+            Api::OllamaChat => "ollama_chat",
+            Api::OllamaGenerate => "ollama_generate",
+        }
+    }
+
+    pub fn is_ollama(self) -> bool {
+        matches!(self, Api::OllamaChat | Api::OllamaGenerate)
+    }
+
+    /// Fields that change how the answer is delivered or who is billed,
+    /// never what it says.
+    pub fn ignored_fields(self) -> &'static [&'static str] {
+        match self {
+            Api::OpenAiChat | Api::OpenAiCompletions => &["stream", "stream_options", "user"],
+            // `keep_alive`: how long the model stays loaded afterwards.
+            Api::OllamaChat | Api::OllamaGenerate => &["stream", "keep_alive"],
+        }
+    }
+
+    /// Whether a request of this API streams (Ollama streams unless told
+    /// `stream: false`; OpenAI only when told `stream: true`).
+    pub fn streams(self, body: &Value) -> bool {
+        match body.get("stream") {
+            Some(Value::Bool(b)) => *b,
+            _ => self.is_ollama(),
+        }
+    }
+}
+
+/// Why a request is not cacheable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Uncacheable {
+    /// The body is no JSON object.
+    NotAnObject,
+}
+
+/// The body without the ignored fields, serialised with sorted keys
+/// (serde_json's map is ordered). Deterministic for equal JSON values.
+pub fn canonical(api: Api, body: &Value) -> Result<String, Uncacheable> {
+    let obj = body.as_object().ok_or(Uncacheable::NotAnObject)?;
+    let kept: Map<String, Value> = obj
+        .iter()
+        .filter(|(k, _)| !api.ignored_fields().contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Ok(Value::Object(kept).to_string())
+}
+
+fn digest(salt: &str, domain: &str, parts: &[&str]) -> String {
+    let mut h = Sha256::new();
+    // Length-prefixed, so no two lists of parts hash alike.
+    for p in std::iter::once(salt)
+        .chain(std::iter::once(domain))
+        .chain(parts.iter().copied())
+    {
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p.as_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The exact key (hex SHA-256).
+pub fn exact_key(
+    salt: &str,
+    scope: &str,
+    model: &str,
+    api: Api,
+    body: &Value,
+) -> Result<String, Uncacheable> {
+    let c = canonical(api, body)?;
+    Ok(digest(
+        salt,
+        "sluice-cache-exact-v1",
+        &[scope, model, api.name(), &c],
+    ))
+}
+
+/// What the semantic cache needs: the text to embed and the hash of
+/// everything else.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SemanticParts {
+    pub context: String,
+    pub text: String,
+}
+
+/// Text of a chat message's content: a string, or the text parts of an
+/// array (any other part, e.g. an image, makes it `None`: not embeddable).
+fn content_text(content: &Value) -> Option<String> {
+    match content {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => {
+                        if !out.is_empty() {
+                            out.push('\n');
+                        }
+                        out.push_str(t);
+                    }
+                    _ => return None,
+                }
+            }
+            Some(out)
+        }
+        _ => None,
+    }
+}
+
+/// The semantic parts, when the request has a last user message to embed:
+/// chat APIs whose last message is the user's (text only; Ollama `images`
+/// make it `None`), completion APIs with one string prompt.
+pub fn semantic_parts(
+    salt: &str,
+    scope: &str,
+    model: &str,
+    api: Api,
+    body: &Value,
+) -> Option<SemanticParts> {
+    let obj = body.as_object()?;
+    let mut rest = obj.clone();
+    let text = match api {
+        Api::OpenAiChat | Api::OllamaChat => {
+            let mut messages = obj.get("messages")?.as_array()?.clone();
+            let last = messages.pop()?;
+            if last.get("role").and_then(Value::as_str) != Some("user") {
+                return None;
+            }
+            let allowed: &[&str] = match api {
+                Api::OpenAiChat => &["role", "content", "name"],
+                _ => &["role", "content"],
+            };
+            let other = last
+                .as_object()?
+                .iter()
+                .find(|(k, _)| !allowed.contains(&k.as_str()));
+            if let Some((k, v)) = other {
+                // e.g. the user's `name` must match too: keep it in context.
+                if k != "name" || !v.is_string() {
+                    return None;
+                }
+            }
+            if let Some(name) = last.get("name") {
+                rest.insert("sluice_last_user_name".into(), name.clone());
+            }
+            rest.insert("messages".into(), Value::Array(messages));
+            content_text(last.get("content")?)?
+        }
+        Api::OpenAiCompletions | Api::OllamaGenerate => {
+            let prompt = obj.get("prompt")?.as_str()?.to_string();
+            if obj.contains_key("images") {
+                return None;
+            }
+            rest.remove("prompt");
+            prompt
+        }
+    };
+    if text.trim().is_empty() {
+        return None;
+    }
+    let c = canonical(api, &Value::Object(rest)).ok()?;
+    Some(SemanticParts {
+        context: digest(
+            salt,
+            "sluice-cache-context-v1",
+            &[scope, model, api.name(), &c],
+        ),
+        text,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn chat() -> Value {
+        json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "how do I enable 2FA?"}
+            ],
+            "temperature": 0.2
+        })
+    }
+
+    fn key(body: &Value) -> String {
+        exact_key("salt", "principal:a", "m", Api::OpenAiChat, body).unwrap()
+    }
+
+    #[test]
+    fn key_ignores_key_order_and_delivery_fields() {
+        let a = chat();
+        let mut b: Value = serde_json::from_str(
+            r#"{"temperature":0.2,"messages":[{"content":"be brief","role":"system"},
+            {"role":"user","content":"hi"},{"role":"assistant","content":"hello"},
+            {"role":"user","content":"how do I enable 2FA?"}],"model":"m"}"#,
+        )
+        .unwrap();
+        assert_eq!(key(&a), key(&b));
+        b["stream"] = json!(true);
+        b["stream_options"] = json!({"include_usage": true});
+        b["user"] = json!("someone");
+        assert_eq!(key(&a), key(&b));
+        assert_eq!(key(&a).len(), 64);
+    }
+
+    #[test]
+    fn key_separates_scope_model_api_salt() {
+        let b = chat();
+        let base = key(&b);
+        assert_ne!(
+            base,
+            exact_key("salt", "principal:b", "m", Api::OpenAiChat, &b).unwrap()
+        );
+        assert_ne!(
+            base,
+            exact_key("salt", "principal:a", "m2", Api::OpenAiChat, &b).unwrap()
+        );
+        assert_ne!(
+            base,
+            exact_key("salt", "principal:a", "m", Api::OllamaChat, &b).unwrap()
+        );
+        assert_ne!(
+            base,
+            exact_key("pepper", "principal:a", "m", Api::OpenAiChat, &b).unwrap()
+        );
+        // Length prefixes: moving a character between parts changes the key.
+        assert_ne!(
+            exact_key("s", "ab", "c", Api::OpenAiChat, &json!({})).unwrap(),
+            exact_key("s", "a", "bc", Api::OpenAiChat, &json!({})).unwrap()
+        );
+        assert_eq!(
+            exact_key("s", "p", "m", Api::OpenAiChat, &json!([])),
+            Err(Uncacheable::NotAnObject)
+        );
+    }
+
+    /// Every field that can change the output, with a value it can have.
+    const OUTPUT_FIELDS: &[(&str, &str)] = &[
+        ("messages", r#"[{"role":"user","content":"other"}]"#),
+        ("tools", r#"[{"type":"function","function":{"name":"f"}}]"#),
+        ("tool_choice", r#""none""#),
+        ("response_format", r#"{"type":"json_object"}"#),
+        ("temperature", "0.3"),
+        ("top_p", "0.9"),
+        ("seed", "7"),
+        ("stop", r#"["\n"]"#),
+        ("max_tokens", "5"),
+        ("max_completion_tokens", "5"),
+        ("n", "2"),
+        ("logit_bias", r#"{"50256":-100}"#),
+        ("presence_penalty", "0.5"),
+        ("frequency_penalty", "0.5"),
+        ("logprobs", "true"),
+        ("top_logprobs", "2"),
+        ("reasoning_effort", r#""high""#),
+        ("parallel_tool_calls", "false"),
+        ("some_future_field", "1"),
+    ];
+
+    proptest! {
+        /// Fields that cannot change the output never change the key.
+        #[test]
+        fn ignored_fields_never_change_the_key(
+            stream in any::<bool>(),
+            usage in any::<bool>(),
+            user in "[a-z]{0,12}",
+        ) {
+            let mut b = chat();
+            b["stream"] = json!(stream);
+            b["stream_options"] = json!({"include_usage": usage});
+            b["user"] = json!(user);
+            prop_assert_eq!(key(&b), key(&chat()));
+        }
+
+        /// Each field that can, does.
+        #[test]
+        fn output_fields_change_the_key(i in 0..OUTPUT_FIELDS.len(), seed in 0u32..1000) {
+            let (field, value) = OUTPUT_FIELDS[i];
+            let mut b = chat();
+            b[field] = serde_json::from_str(value).unwrap();
+            prop_assert_ne!(key(&b), key(&chat()), "{}", field);
+            // And two different values of it differ from each other.
+            let mut c = chat();
+            c[field] = json!(seed);
+            let mut d = chat();
+            d[field] = json!(seed + 1);
+            prop_assert_ne!(key(&c), key(&d), "{}", field);
+        }
+    }
+
+    #[test]
+    fn ollama_options_and_keep_alive() {
+        let b = json!({"model": "m", "prompt": "p", "options": {"temperature": 0}});
+        let k = |v: &Value| exact_key("s", "p", "m", Api::OllamaGenerate, v).unwrap();
+        let mut same = b.clone();
+        same["keep_alive"] = json!("5m");
+        same["stream"] = json!(false);
+        assert_eq!(k(&b), k(&same));
+        for (f, v) in [
+            ("options", json!({"temperature": 1})),
+            ("system", json!("s")),
+            ("format", json!("json")),
+            ("template", json!("t")),
+            ("raw", json!(true)),
+            ("context", json!([1, 2])),
+        ] {
+            let mut o = b.clone();
+            o[f] = v;
+            assert_ne!(k(&b), k(&o), "{f}");
+        }
+    }
+
+    fn parts(body: &Value) -> Option<SemanticParts> {
+        semantic_parts("salt", "principal:a", "m", Api::OpenAiChat, body)
+    }
+
+    #[test]
+    fn semantic_context_is_everything_but_the_last_question() {
+        let a = parts(&chat()).unwrap();
+        assert_eq!(a.text, "how do I enable 2FA?");
+        let mut para = chat();
+        para["messages"][3]["content"] = json!("How can I turn on 2FA?");
+        let p = parts(&para).unwrap();
+        assert_eq!(a.context, p.context);
+        // Another conversation, system prompt, parameter, scope or model: other context.
+        for (ptr, v) in [
+            ("/messages/1/content", json!("hello")),
+            ("/messages/2/content", json!("hi there")),
+            ("/messages/0/content", json!("be verbose")),
+            ("/temperature", json!(0.3)),
+        ] {
+            let mut o = chat();
+            *o.pointer_mut(ptr).unwrap() = v;
+            assert_ne!(parts(&o).unwrap().context, a.context, "{ptr}");
+        }
+        let mut o = chat();
+        o["seed"] = json!(1);
+        assert_ne!(parts(&o).unwrap().context, a.context);
+        let b = semantic_parts("salt", "principal:b", "m", Api::OpenAiChat, &chat()).unwrap();
+        assert_ne!(b.context, a.context);
+        let m = semantic_parts("salt", "principal:a", "m2", Api::OpenAiChat, &chat()).unwrap();
+        assert_ne!(m.context, a.context);
+        // Delivery fields do not matter here either.
+        let mut s = chat();
+        s["stream"] = json!(true);
+        assert_eq!(parts(&s).unwrap().context, a.context);
+    }
+
+    #[test]
+    fn semantic_needs_a_last_user_text() {
+        let mut o = chat();
+        o["messages"][3]["role"] = json!("assistant");
+        assert!(parts(&o).is_none());
+        let mut img = chat();
+        img["messages"][3]["content"] = json!([{"type": "image_url", "image_url": {"url": "x"}}]);
+        assert!(parts(&img).is_none());
+        let mut txt = chat();
+        txt["messages"][3]["content"] = json!([{"type": "text", "text": "how?"}]);
+        assert_eq!(parts(&txt).unwrap().text, "how?");
+        let mut empty = chat();
+        empty["messages"][3]["content"] = json!("  ");
+        assert!(parts(&empty).is_none());
+        let mut named = chat();
+        named["messages"][3]["name"] = json!("bob");
+        assert_ne!(
+            parts(&named).unwrap().context,
+            parts(&chat()).unwrap().context
+        );
+        let g = semantic_parts(
+            "s",
+            "p",
+            "m",
+            Api::OllamaGenerate,
+            &json!({"prompt": "why?", "system": "x"}),
+        )
+        .unwrap();
+        assert_eq!(g.text, "why?");
+        let g2 = semantic_parts(
+            "s",
+            "p",
+            "m",
+            Api::OllamaGenerate,
+            &json!({"prompt": "how?", "system": "y"}),
+        )
+        .unwrap();
+        assert_ne!(g.context, g2.context);
+        assert!(semantic_parts(
+            "s",
+            "p",
+            "m",
+            Api::OpenAiCompletions,
+            &json!({"prompt": ["a", "b"]})
+        )
+        .is_none());
+    }
+
+    #[test]
+    fn streams_by_api_default() {
+        assert!(!Api::OpenAiChat.streams(&json!({})));
+        assert!(Api::OpenAiChat.streams(&json!({"stream": true})));
+        assert!(Api::OllamaChat.streams(&json!({})));
+        assert!(!Api::OllamaChat.streams(&json!({"stream": false})));
+    }
+}

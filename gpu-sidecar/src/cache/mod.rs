@@ -1,0 +1,422 @@
+//! The response cache's store (SPEC §9): the filter asks here before
+//! admission (`POST /v1/cache/lookup`) and after a complete successful
+//! answer (`POST /v1/cache/store`), over the HTTP channel it already has
+//! (messages: `sluice_wire::cache`).
+//!
+//! - Where: this sidecar's memory by default ([`memory`]: bounded by
+//!   `max_entries` and `max_bytes`, LRU, a TTL per entry); in fleet mode
+//!   Redis ([`redis`], through the fleet agent's connection), so one
+//!   Envoy's answer serves every Envoy.
+//! - Semantic: the last user message is embedded by the operator's
+//!   OpenAI-compatible endpoint (`cache.embeddings`) and searched in
+//!   [`semantic::Index`] inside its context only (scope, model, output
+//!   parameters and earlier conversation: the filter's salted hash). In
+//!   fleet mode every sidecar learns the vectors others stored.
+//! - Never an error for the request: an unreachable Redis or embeddings
+//!   endpoint is a miss (counted), never a failure.
+//! - Trust: only the Envoy beside this sidecar (loopback, no `Origin`,
+//!   JSON; in fleet mode the fleet secret too). Keys are salted hashes:
+//!   whoever cannot compute them can neither read nor plant an answer for
+//!   a given caller's question.
+
+pub mod entry;
+pub mod memory;
+pub mod metrics;
+pub mod redis;
+pub mod semantic;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use sluice_wire::cache::{
+    Hit, Kind, LookupAnswer, LookupRequest, NotStored, StoreAnswer, StoreRequest,
+};
+
+use self::entry::lock;
+pub use self::entry::{Limits, Stored};
+use self::memory::{MemoryStore, Removed};
+use self::metrics::Stats;
+use self::semantic::{Embedder, Index};
+pub use crate::config::cache::{Backend, CacheConfig, EmbeddingsConfig};
+
+fn limits(c: &CacheConfig) -> Limits {
+    Limits {
+        max_entries: c.max_entries,
+        max_bytes: c.max_bytes,
+    }
+}
+
+enum Store {
+    Memory(Mutex<MemoryStore>),
+    Redis(redis::RedisStore),
+}
+
+/// Keys are the filter's hex SHA-256s; anything else is refused.
+fn valid_hash(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// The longest model name taken (a metric label).
+const MAX_MODEL: usize = 256;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum CacheError {
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Recently embedded texts, so the store after a miss does not embed the
+/// same question again (bounded; cleared when full).
+const RECENT_EMBEDDINGS: usize = 1024;
+
+pub struct Cache {
+    config: CacheConfig,
+    store: Store,
+    index: Mutex<Index>,
+    embedder: Option<Embedder>,
+    recent: Mutex<HashMap<String, Vec<f32>>>,
+    pub stats: Stats,
+}
+
+impl Cache {
+    /// The cache for this sidecar: in Redis when `fleet` is given and the
+    /// backend is `auto` or `redis`.
+    pub fn new(
+        config: CacheConfig,
+        fleet: Option<Arc<crate::fleet::Fleet>>,
+    ) -> Result<Arc<Cache>, String> {
+        config
+            .check(fleet.is_some())
+            .map_err(|(p, m)| format!("{p}: {m}"))?;
+        let store = match (config.backend, fleet) {
+            (Backend::Memory, _) | (Backend::Auto, None) => {
+                Store::Memory(Mutex::new(MemoryStore::new(limits(&config))))
+            }
+            (_, Some(f)) => Store::Redis(redis::RedisStore::new(f, limits(&config))),
+            (Backend::Redis, None) => return Err("cache.backend: redis needs fleet:".into()),
+        };
+        let embedder = config.embeddings.as_ref().map(Embedder::new).transpose()?;
+        let vectors = config.max_vectors.unwrap_or(config.max_entries);
+        Ok(Arc::new(Cache {
+            index: Mutex::new(Index::new(vectors)),
+            embedder,
+            recent: Mutex::new(HashMap::new()),
+            store,
+            stats: Stats::default(),
+            config,
+        }))
+    }
+
+    /// The largest answer stored (bytes).
+    pub fn max_entry_bytes(&self) -> u64 {
+        self.config.max_entry_bytes
+    }
+
+    /// Updates the entries and bytes gauges.
+    pub async fn note_size(&self) {
+        let (n, b) = self.size().await;
+        self.stats
+            .entries
+            .store(n, std::sync::atomic::Ordering::Relaxed);
+        self.stats
+            .bytes
+            .store(b, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn in_redis(&self) -> bool {
+        matches!(self.store, Store::Redis(_))
+    }
+
+    fn forget(&self, removed: Removed) {
+        if removed.evicted.is_empty() && removed.expired.is_empty() {
+            return;
+        }
+        let mut index = lock(&self.index);
+        for (k, model) in &removed.evicted {
+            index.remove(k);
+            self.stats.count(model, Kind::Exact, "evict");
+        }
+        for (k, _) in &removed.expired {
+            index.remove(k);
+        }
+    }
+
+    async fn get(&self, key: &str, now_ms: u64) -> Result<Option<Stored>, ()> {
+        match &self.store {
+            Store::Memory(m) => {
+                let mut removed = Removed::default();
+                let found = lock(m).get(key, now_ms, &mut removed);
+                self.forget(removed);
+                Ok(found.map(|s| (*s).clone()))
+            }
+            Store::Redis(r) => r.get(key, now_ms).await.map_err(|_| {
+                self.stats.unavailable();
+            }),
+        }
+    }
+
+    async fn embed(&self, text: &str) -> Option<Vec<f32>> {
+        let e = self.embedder.as_ref()?;
+        if let Some(v) = lock(&self.recent).get(text) {
+            return Some(v.clone());
+        }
+        self.stats.embedding_call();
+        match e.embed(text).await {
+            Ok(v) => {
+                let mut recent = lock(&self.recent);
+                if recent.len() >= RECENT_EMBEDDINGS {
+                    recent.clear();
+                }
+                recent.insert(text.to_string(), v.clone());
+                Some(v)
+            }
+            Err(why) => {
+                self.stats.embedding_failed(&why);
+                None
+            }
+        }
+    }
+
+    fn hit(&self, kind: Kind, s: Stored, similarity: Option<f32>, now_ms: u64) -> LookupAnswer {
+        self.stats.count(&s.model, kind, "hit");
+        self.stats.saved(&s.model, &s.entry);
+        LookupAnswer {
+            hit: Some(Hit {
+                kind,
+                age_s: now_ms.saturating_sub(s.stored_at_ms) / 1000,
+                similarity,
+                entry: s.entry,
+            }),
+        }
+    }
+
+    /// Exact first, then (when asked and configured) semantic.
+    pub async fn lookup(
+        &self,
+        req: &LookupRequest,
+        now_ms: u64,
+    ) -> Result<LookupAnswer, CacheError> {
+        let started = Instant::now();
+        check_request(&req.key, &req.model, req.semantic.as_ref())?;
+        let answer = self.lookup_inner(req, now_ms).await;
+        self.stats.lookup_took(started.elapsed());
+        Ok(answer)
+    }
+
+    async fn lookup_inner(&self, req: &LookupRequest, now_ms: u64) -> LookupAnswer {
+        if let Ok(Some(s)) = self.get(&req.key, now_ms).await {
+            return self.hit(Kind::Exact, s, None, now_ms);
+        }
+        self.stats.count(&req.model, Kind::Exact, "miss");
+        let Some(sem) = &req.semantic else {
+            return LookupAnswer { hit: None };
+        };
+        let threshold = req.threshold.unwrap_or(0.95).clamp(f32::MIN_POSITIVE, 1.0);
+        let top_k = req.top_k.unwrap_or(5).clamp(1, 100) as usize;
+        let found = match self.embed(&sem.text).await {
+            Some(q) => lock(&self.index).search(&sem.context, &q, threshold, top_k, now_ms),
+            None => Vec::new(),
+        };
+        for near in found {
+            match self.get(&near.key, now_ms).await {
+                // The entry's own context must be the request's: a vector
+                // learned under one context never answers another.
+                Ok(Some(s)) if s.context.as_deref() == Some(sem.context.as_str()) => {
+                    return self.hit(Kind::Semantic, s, Some(near.similarity), now_ms);
+                }
+                Ok(_) => lock(&self.index).remove(&near.key),
+                Err(()) => break,
+            }
+        }
+        self.stats.count(&req.model, Kind::Semantic, "miss");
+        LookupAnswer { hit: None }
+    }
+
+    pub async fn store(&self, req: StoreRequest, now_ms: u64) -> Result<StoreAnswer, CacheError> {
+        check_request(&req.key, &req.model, req.semantic.as_ref())?;
+        if req.ttl_s == 0 {
+            return Err(CacheError::Invalid("ttl_s: at least 1".into()));
+        }
+        if req.entry.body.len() as u64 > self.config.max_entry_bytes {
+            self.stats.count(&req.model, Kind::Exact, "skip");
+            return Ok(StoreAnswer {
+                stored: false,
+                reason: Some(NotStored::TooLarge),
+            });
+        }
+        let ttl_ms = req
+            .ttl_s
+            .min(self.config.max_ttl.as_secs())
+            .saturating_mul(1000);
+        let (context, vector) = match &req.semantic {
+            Some(sem) => match self.embed(&sem.text).await {
+                Some(v) => (Some(sem.context.clone()), Some(v)),
+                None => (None, None),
+            },
+            None => (None, None),
+        };
+        let stored = Stored {
+            model: req.model.clone(),
+            entry: req.entry,
+            stored_at_ms: now_ms,
+            expires_at_ms: now_ms.saturating_add(ttl_ms),
+            context,
+            vector,
+        };
+        let kept = match &self.store {
+            Store::Memory(m) => {
+                let mut removed = Removed::default();
+                let kept = lock(m).put(req.key.clone(), Arc::new(stored.clone()), &mut removed);
+                self.forget(removed);
+                kept
+            }
+            Store::Redis(r) => match r.put(&req.key, &stored, now_ms).await {
+                Ok(evicted) => {
+                    for model in evicted {
+                        self.stats.count(&model, Kind::Exact, "evict");
+                    }
+                    true
+                }
+                Err(_) => {
+                    self.stats.unavailable();
+                    return Ok(StoreAnswer {
+                        stored: false,
+                        reason: Some(NotStored::Unavailable),
+                    });
+                }
+            },
+        };
+        if !kept {
+            self.stats.count(&req.model, Kind::Exact, "skip");
+            return Ok(StoreAnswer {
+                stored: false,
+                reason: Some(NotStored::TooLarge),
+            });
+        }
+        self.stats.count(&req.model, Kind::Exact, "store");
+        if !self.in_redis() {
+            self.note_size().await;
+        }
+        if let (Some(c), Some(v)) = (stored.context, stored.vector) {
+            lock(&self.index).insert(req.key, c, v, stored.expires_at_ms);
+            self.stats.count(&req.model, Kind::Semantic, "store");
+        }
+        Ok(StoreAnswer {
+            stored: true,
+            reason: None,
+        })
+    }
+
+    /// Removes every entry, or a model's; how many.
+    pub async fn purge(&self, model: Option<&str>) -> Result<u64, CacheError> {
+        match &self.store {
+            Store::Memory(m) => {
+                let keys = lock(m).purge(|s| model.is_none_or(|want| s.model == want));
+                let mut index = lock(&self.index);
+                for k in &keys {
+                    index.remove(k);
+                }
+                Ok(keys.len() as u64)
+            }
+            Store::Redis(r) => {
+                let n = r.purge(model).await.map_err(|e| {
+                    self.stats.unavailable();
+                    CacheError::Invalid(format!("redis: {e}"))
+                })?;
+                if model.is_none() {
+                    lock(&self.index).clear();
+                }
+                Ok(n)
+            }
+        }
+    }
+
+    /// Entries and bytes held (memory), or as Redis counts them.
+    pub async fn size(&self) -> (u64, u64) {
+        let vectors = lock(&self.index).bytes();
+        match &self.store {
+            Store::Memory(m) => {
+                let m = lock(m);
+                (m.len() as u64, m.bytes())
+            }
+            Store::Redis(r) => r.size().await.unwrap_or((0, vectors)),
+        }
+    }
+
+    pub fn vectors(&self) -> usize {
+        lock(&self.index).len()
+    }
+
+    /// Fleet mode: learns the vectors other sidecars stored, every sync
+    /// interval, until closing. Redis down: tried again next round.
+    pub async fn learn(self: Arc<Self>, mut closing: tokio::sync::watch::Receiver<bool>) {
+        let Store::Redis(r) = &self.store else {
+            return;
+        };
+        let every = r.fleet().sync_interval();
+        let mut after = "0".to_string();
+        loop {
+            self.note_size().await;
+            if let Ok((learned, last)) = r.learn(&after).await {
+                after = last;
+                let now = now_ms();
+                let mut index = lock(&self.index);
+                for l in learned {
+                    if l.expires_at_ms > now && !index.contains(&l.key) {
+                        if let Some(v) = semantic::normalise(l.vector) {
+                            index.insert(l.key, l.context, v, l.expires_at_ms);
+                        }
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = closing.changed() => return,
+            }
+        }
+    }
+}
+
+/// Wall-clock milliseconds (entries are shared across sidecars in Redis,
+/// so ages and expiries are in wall time).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl std::fmt::Debug for Cache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cache")
+            .field("config", &self.config)
+            .field("in_redis", &self.in_redis())
+            .finish()
+    }
+}
+
+fn check_request(
+    key: &str,
+    model: &str,
+    semantic: Option<&sluice_wire::cache::Semantic>,
+) -> Result<(), CacheError> {
+    if !valid_hash(key) {
+        return Err(CacheError::Invalid("key: 64 hex digits expected".into()));
+    }
+    if model.is_empty() || model.len() > MAX_MODEL {
+        return Err(CacheError::Invalid(format!(
+            "model: 1 to {MAX_MODEL} bytes expected"
+        )));
+    }
+    if let Some(s) = semantic {
+        if !valid_hash(&s.context) {
+            return Err(CacheError::Invalid(
+                "semantic.context: 64 hex digits expected".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -1,0 +1,577 @@
+//! The cache's store, semantic rule and endpoints (memory and Redis).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_wire::cache::{Entry, Kind, LookupRequest, Semantic, StoreRequest};
+
+use super::semantic::EmbeddingsConfig;
+use super::*;
+
+pub(crate) fn hash(s: &str) -> String {
+    use std::fmt::Write as _;
+    // Any 64 hex digits will do: the filter's hashes are opaque here.
+    let mut out = String::new();
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in s.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    for i in 0..4u64 {
+        let _ = write!(
+            out,
+            "{:016x}",
+            h.wrapping_mul(i + 1).rotate_left(i as u32 * 7)
+        );
+    }
+    out
+}
+
+fn entry(body: &str, tokens: u64) -> Entry {
+    Entry {
+        body: body.into(),
+        prompt_tokens: tokens,
+        completion_tokens: tokens,
+        spend_micros: 5,
+    }
+}
+
+pub(crate) fn store_req(key: &str, body: &str, semantic: Option<(&str, &str)>) -> StoreRequest {
+    StoreRequest {
+        key: hash(key),
+        model: "m".into(),
+        ttl_s: 60,
+        semantic: semantic.map(|(c, t)| Semantic {
+            context: hash(c),
+            text: t.into(),
+        }),
+        entry: entry(body, 3),
+    }
+}
+
+pub(crate) fn lookup_req(key: &str, semantic: Option<(&str, &str)>) -> LookupRequest {
+    LookupRequest {
+        key: hash(key),
+        model: "m".into(),
+        semantic: semantic.map(|(c, t)| Semantic {
+            context: hash(c),
+            text: t.into(),
+        }),
+        threshold: None,
+        top_k: None,
+    }
+}
+
+pub(crate) fn memory_cache(embeddings: Option<String>) -> Arc<Cache> {
+    Cache::new(
+        CacheConfig {
+            embeddings: embeddings.map(|url| EmbeddingsConfig {
+                url,
+                model: "embed".into(),
+                timeout: Duration::from_secs(5),
+                api_key_env: None,
+            }),
+            ..CacheConfig::default()
+        },
+        None,
+    )
+    .unwrap()
+}
+
+async fn mock_llm() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = mock_llm::app(mock_llm::Config::default()).unwrap();
+    tokio::spawn(mock_llm::serve(listener, app, std::future::pending()));
+    format!("http://{addr}/v1/embeddings")
+}
+
+fn body_of(a: &sluice_wire::cache::LookupAnswer) -> Option<&str> {
+    a.hit.as_ref().map(|h| h.entry.body.as_str())
+}
+
+#[tokio::test]
+async fn exact_hit_miss_and_age() {
+    let c = memory_cache(None);
+    assert!(c
+        .lookup(&lookup_req("k", None), 1000)
+        .await
+        .unwrap()
+        .hit
+        .is_none());
+    assert!(
+        c.store(store_req("k", "answer", None), 1000)
+            .await
+            .unwrap()
+            .stored
+    );
+    let a = c.lookup(&lookup_req("k", None), 4500).await.unwrap();
+    let hit = a.hit.unwrap();
+    assert_eq!(
+        (hit.kind, hit.age_s, hit.entry.body.as_str()),
+        (Kind::Exact, 3, "answer")
+    );
+    // Expired (ttl 60 s): a miss.
+    assert!(c
+        .lookup(&lookup_req("k", None), 61_001)
+        .await
+        .unwrap()
+        .hit
+        .is_none());
+    assert_eq!(c.stats.get("m", Kind::Exact, "hit"), 1);
+    assert_eq!(c.stats.get("m", Kind::Exact, "miss"), 2);
+    assert_eq!(c.stats.get("m", Kind::Exact, "store"), 1);
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused() {
+    let c = memory_cache(None);
+    let mut r = lookup_req("k", None);
+    r.key = "not-a-hash".into();
+    assert!(c.lookup(&r, 0).await.is_err());
+    let mut s = store_req("k", "a", None);
+    s.model = "m".repeat(300);
+    assert!(c.store(s, 0).await.is_err());
+    let mut s = store_req("k", "a", Some(("c", "t")));
+    s.semantic.as_mut().unwrap().context = "zz".into();
+    assert!(c.store(s, 0).await.is_err());
+    let mut s = store_req("k", "a", None);
+    s.ttl_s = 0;
+    assert!(c.store(s, 0).await.is_err());
+}
+
+#[tokio::test]
+async fn too_large_and_ttl_capped() {
+    let c = Cache::new(
+        CacheConfig {
+            max_entry_bytes: 10,
+            max_ttl: Duration::from_secs(5),
+            ..CacheConfig::default()
+        },
+        None,
+    )
+    .unwrap();
+    let a = c
+        .store(store_req("k", &"x".repeat(11), None), 0)
+        .await
+        .unwrap();
+    assert_eq!(a.reason, Some(sluice_wire::cache::NotStored::TooLarge));
+    let mut s = store_req("k", "small", None);
+    s.ttl_s = 86_400;
+    assert!(c.store(s, 0).await.unwrap().stored);
+    assert!(c
+        .lookup(&lookup_req("k", None), 4_999)
+        .await
+        .unwrap()
+        .hit
+        .is_some());
+    assert!(c
+        .lookup(&lookup_req("k", None), 5_000)
+        .await
+        .unwrap()
+        .hit
+        .is_none());
+}
+
+#[tokio::test]
+async fn memory_bound_under_ten_times_max_bytes() {
+    let c = Cache::new(
+        CacheConfig {
+            max_bytes: 100_000,
+            max_entry_bytes: 2_000,
+            ..CacheConfig::default()
+        },
+        None,
+    )
+    .unwrap();
+    let body = "y".repeat(1_000);
+    for i in 0..1_000 {
+        c.store(store_req(&format!("k{i}"), &body, None), 0)
+            .await
+            .unwrap();
+        let (_, bytes) = c.size().await;
+        assert!(bytes <= 100_000, "{bytes}");
+    }
+    assert!(c.stats.get("m", Kind::Exact, "evict") > 900);
+    // The newest are there, the oldest gone.
+    assert!(c
+        .lookup(&lookup_req("k999", None), 0)
+        .await
+        .unwrap()
+        .hit
+        .is_some());
+    assert!(c
+        .lookup(&lookup_req("k0", None), 0)
+        .await
+        .unwrap()
+        .hit
+        .is_none());
+}
+
+#[tokio::test]
+async fn semantic_paraphrase_hits_only_in_its_context() {
+    let c = memory_cache(Some(mock_llm().await));
+    let q = "How do I enable 2FA on my account?";
+    assert!(
+        c.store(
+            store_req("k1", "turn it on in settings", Some(("conv-a", q))),
+            0
+        )
+        .await
+        .unwrap()
+        .stored
+    );
+    // A paraphrase (case and punctuation) in the same context: a hit.
+    let a = c
+        .lookup(
+            &lookup_req("k2", Some(("conv-a", "how do I enable 2fa on my account"))),
+            0,
+        )
+        .await
+        .unwrap();
+    let hit = a.hit.unwrap();
+    assert_eq!(hit.kind, Kind::Semantic);
+    assert_eq!(hit.entry.body, "turn it on in settings");
+    assert!(hit.similarity.unwrap() >= 0.95);
+    // The same question in another conversation (or scope: the filter
+    // hashes the scope into the context): a miss.
+    let other = c
+        .lookup(&lookup_req("k3", Some(("conv-b", q))), 0)
+        .await
+        .unwrap();
+    assert!(other.hit.is_none());
+    // The near miss the threshold must separate.
+    let opposite = c
+        .lookup(
+            &lookup_req(
+                "k4",
+                Some(("conv-a", "How do I disable 2FA on my account?")),
+            ),
+            0,
+        )
+        .await
+        .unwrap();
+    assert!(body_of(&opposite).is_none());
+    // A lower threshold asked for lets it through (the rule is the threshold).
+    let mut loose = lookup_req(
+        "k4",
+        Some(("conv-a", "How do I disable 2FA on my account?")),
+    );
+    loose.threshold = Some(0.8);
+    assert!(c.lookup(&loose, 0).await.unwrap().hit.is_some());
+    assert_eq!(c.stats.get("m", Kind::Semantic, "hit"), 2);
+    // Expired: the vector no longer answers.
+    assert!(c
+        .lookup(&lookup_req("k2", Some(("conv-a", q))), 61_000)
+        .await
+        .unwrap()
+        .hit
+        .is_none());
+}
+
+#[tokio::test]
+async fn embeddings_down_is_a_miss() {
+    let c = memory_cache(Some("http://127.0.0.1:1/v1/embeddings".into()));
+    let a = c
+        .store(store_req("k1", "answer", Some(("c", "q"))), 0)
+        .await
+        .unwrap();
+    assert!(a.stored, "the exact entry is kept");
+    assert!(c
+        .lookup(&lookup_req("k2", Some(("c", "q"))), 0)
+        .await
+        .unwrap()
+        .hit
+        .is_none());
+    assert!(c
+        .lookup(&lookup_req("k1", None), 0)
+        .await
+        .unwrap()
+        .hit
+        .is_some());
+    assert!(
+        c.stats
+            .embedding_failures
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+}
+
+#[tokio::test]
+async fn evicted_entries_leave_the_index() {
+    let url = mock_llm().await;
+    let c = Cache::new(
+        CacheConfig {
+            max_entries: 2,
+            embeddings: Some(EmbeddingsConfig {
+                url,
+                model: "e".into(),
+                timeout: Duration::from_secs(5),
+                api_key_env: None,
+            }),
+            ..CacheConfig::default()
+        },
+        None,
+    )
+    .unwrap();
+    for i in 0..5 {
+        c.store(
+            store_req(&format!("k{i}"), "a", Some(("c", &format!("question {i}")))),
+            0,
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(c.vectors(), 2);
+}
+
+#[tokio::test]
+async fn purge_by_model() {
+    let c = memory_cache(None);
+    c.store(store_req("a", "1", None), 0).await.unwrap();
+    let mut other = store_req("b", "2", None);
+    other.model = "m2".into();
+    c.store(other, 0).await.unwrap();
+    assert_eq!(c.purge(Some("m2")).await.unwrap(), 1);
+    assert_eq!(c.size().await.0, 1);
+    assert_eq!(c.purge(None).await.unwrap(), 1);
+    assert_eq!(c.size().await.0, 0);
+}
+
+#[test]
+fn config_checks_name_the_field() {
+    let parse = |y: &str| {
+        crate::config::Config::from_yaml(y)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    assert!(parse("cache: {}").is_ok());
+    for (y, path) in [
+        ("cache: {max_entries: 0}", "cache.max_entries"),
+        ("cache: {max_bytes: 0}", "cache.max_bytes"),
+        (
+            "cache: {max_bytes: 10, max_entry_bytes: 11}",
+            "cache.max_entry_bytes",
+        ),
+        ("cache: {backend: redis}", "cache.backend"),
+        (
+            "cache: {embeddings: {url: 'ftp://x', model: m}}",
+            "cache.embeddings.url",
+        ),
+        (
+            "cache: {embeddings: {url: 'http://127.0.0.1:1/v1/embeddings', model: ''}}",
+            "cache.embeddings.model",
+        ),
+    ] {
+        let e = parse(y).unwrap_err();
+        assert!(e.starts_with(path), "{y}: {e}");
+    }
+    let e = parse("cache: {max_entires: 3}").unwrap_err();
+    assert!(e.contains("cache") && e.contains("unknown field"), "{e}");
+}
+
+/// Against a real redis-server (skipped, saying so, where there is none).
+mod in_redis {
+    use super::*;
+    use crate::fleet::redis_tests::server;
+    use crate::fleet::tests::fleet_on;
+
+    fn redis_cache(url: &str, embeddings: Option<String>, limits: (usize, u64)) -> Arc<Cache> {
+        Cache::new(
+            CacheConfig {
+                max_entries: limits.0,
+                max_bytes: limits.1,
+                max_entry_bytes: limits.1.min(1 << 20),
+                embeddings: embeddings.map(|url| EmbeddingsConfig {
+                    url,
+                    model: "embed".into(),
+                    timeout: Duration::from_secs(5),
+                    api_key_env: None,
+                }),
+                ..CacheConfig::default()
+            },
+            Some(fleet_on(url, "a-salt-of-16-bytes-or-more")),
+        )
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn one_sidecars_answer_serves_another() {
+        let Some(redis) = server() else { return };
+        let a = redis_cache(&redis.url, None, (100, 1 << 20));
+        let b = redis_cache(&redis.url, None, (100, 1 << 20));
+        assert!(a.in_redis());
+        let now = now_ms();
+        assert!(
+            a.store(store_req("k", "shared", None), now)
+                .await
+                .unwrap()
+                .stored
+        );
+        let hit = b
+            .lookup(&lookup_req("k", None), now + 2000)
+            .await
+            .unwrap()
+            .hit
+            .unwrap();
+        assert_eq!((hit.entry.body.as_str(), hit.age_s), ("shared", 2));
+        // Another key (another scope's): a miss.
+        assert!(b
+            .lookup(&lookup_req("k2", None), now)
+            .await
+            .unwrap()
+            .hit
+            .is_none());
+        // Expired by its own TTL in Redis (PX) too.
+        let mut short = store_req("s", "short", None);
+        short.ttl_s = 1;
+        a.store(short, now).await.unwrap();
+        assert!(b
+            .lookup(&lookup_req("s", None), now + 1001)
+            .await
+            .unwrap()
+            .hit
+            .is_none());
+    }
+
+    #[tokio::test]
+    async fn bounds_hold_in_redis() {
+        let Some(redis) = server() else { return };
+        let c = redis_cache(&redis.url, None, (5, 1 << 20));
+        let now = now_ms();
+        for i in 0..20 {
+            c.store(store_req(&format!("k{i}"), "v", None), now + i)
+                .await
+                .unwrap();
+        }
+        let (n, _) = c.size().await;
+        assert_eq!(n, 5);
+        assert!(c
+            .lookup(&lookup_req("k19", None), now + 30)
+            .await
+            .unwrap()
+            .hit
+            .is_some());
+        assert!(c
+            .lookup(&lookup_req("k0", None), now + 30)
+            .await
+            .unwrap()
+            .hit
+            .is_none());
+        assert_eq!(c.stats.get("m", Kind::Exact, "evict"), 15);
+        // Bytes: one entry's worth × 3.
+        let one = Stored {
+            model: "m".into(),
+            entry: entry(&"z".repeat(1000), 3),
+            stored_at_ms: 0,
+            expires_at_ms: 0,
+            context: None,
+            vector: None,
+        }
+        .bytes(&hash("b0"));
+        let c = redis_cache(&redis.url, None, (1000, one * 3));
+        c.purge(None).await.unwrap();
+        for i in 0..10 {
+            c.store(
+                store_req(&format!("b{i}"), &"z".repeat(1000), None),
+                now + i,
+            )
+            .await
+            .unwrap();
+        }
+        let (n, bytes) = c.size().await;
+        assert_eq!(n, 3);
+        assert!(bytes <= one * 3);
+        assert_eq!(c.purge(None).await.unwrap(), 3);
+        assert_eq!(c.size().await, (0, 0));
+    }
+
+    #[tokio::test]
+    async fn every_sidecar_learns_the_vectors() {
+        let Some(redis) = server() else { return };
+        let url = mock_llm().await;
+        let a = redis_cache(&redis.url, Some(url.clone()), (100, 1 << 20));
+        let b = redis_cache(&redis.url, Some(url), (100, 1 << 20));
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(b.clone().learn(rx));
+        let q = "How do I enable 2FA on my account?";
+        let now = now_ms();
+        assert!(
+            a.store(store_req("k1", "settings", Some(("ctx", q))), now)
+                .await
+                .unwrap()
+                .stored
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while b.vectors() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "b never learned the vector"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let hit = b
+            .lookup(
+                &lookup_req("k2", Some(("ctx", "how do I enable 2FA on my account"))),
+                now,
+            )
+            .await
+            .unwrap()
+            .hit
+            .unwrap();
+        assert_eq!(
+            (hit.kind, hit.entry.body.as_str()),
+            (Kind::Semantic, "settings")
+        );
+        assert!(b
+            .lookup(&lookup_req("k3", Some(("other", q))), now)
+            .await
+            .unwrap()
+            .hit
+            .is_none());
+    }
+
+    #[tokio::test]
+    async fn redis_down_is_a_miss() {
+        let c = redis_cache("redis://127.0.0.1:1", None, (100, 1 << 20));
+        let a = c.store(store_req("k", "v", None), 0).await.unwrap();
+        assert_eq!(a.reason, Some(sluice_wire::cache::NotStored::Unavailable));
+        assert!(c
+            .lookup(&lookup_req("k", None), 0)
+            .await
+            .unwrap()
+            .hit
+            .is_none());
+        assert!(
+            c.stats
+                .unavailable
+                .load(std::sync::atomic::Ordering::Relaxed)
+                >= 2
+        );
+    }
+}
+
+#[test]
+fn check_config_says_what_a_wide_scope_shares() {
+    let envoy =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/sluice.yaml"))
+            .unwrap();
+    let with = envoy.replacen(
+        "                            static_fallback:",
+        "                            cache:\n                              salt: s3cret\n                              models:\n                                m: { exact: true, scope: global }\n                            static_fallback:",
+        1,
+    );
+    let out = crate::check_config::check(&with).unwrap();
+    assert!(out.contains("cache.models.m: scope global"), "{out}");
+    let bad = with.replace("scope: global", "scope: everyone");
+    let err = crate::check_config::check(&bad).unwrap_err();
+    assert!(err.contains("cache"), "{err}");
+}
+
+#[test]
+fn check_config_knows_the_sidecars_cache_section() {
+    let ok = crate::check_config::check_any("cache: {max_bytes: 2000000, embeddings: {url: 'http://127.0.0.1:8000/v1/embeddings', model: e}}");
+    assert!(ok.is_ok(), "{ok:?}");
+    let bad = crate::check_config::check_any("cache: {max_entries: 0}").unwrap_err();
+    assert!(bad.contains("cache.max_entries"), "{bad}");
+}

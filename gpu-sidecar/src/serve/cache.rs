@@ -1,0 +1,307 @@
+//! `POST /v1/cache/lookup`, `POST /v1/cache/store` (the Envoy beside this
+//! sidecar only) and `POST /v1/cache/purge` (admin token).
+
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use serde_json::json;
+use sluice_wire::cache::{
+    LookupRequest, PurgeRequest, StoreRequest, LOOKUP_PATH, PURGE_PATH, STORE_PATH,
+};
+
+use crate::cache::{Cache, CacheError};
+use crate::fleet::Fleet;
+use crate::reply::{json as reply, Peer};
+use crate::serve::admin::AdminToken;
+
+#[derive(Clone)]
+pub struct CacheApi {
+    pub cache: Arc<Cache>,
+    /// In fleet mode: the fleet's door (secret, fingerprint) applies too.
+    pub fleet: Option<Arc<Fleet>>,
+    pub token: AdminToken,
+}
+
+fn error(status: StatusCode, code: &str, message: &str) -> Response {
+    reply(status, json!({"error": {"code": code, "message": message}}))
+}
+
+fn loopback(peer: &Peer) -> bool {
+    crate::reply::is_loopback(peer)
+}
+
+/// Why a call is not from the Envoy beside this sidecar, if it is not.
+fn refuse(api: &CacheApi, peer: &Peer, headers: &HeaderMap) -> Option<Response> {
+    if let Some(f) = &api.fleet {
+        return crate::fleet::routes::refuse(f, peer, headers);
+    }
+    if !loopback(peer) {
+        Some(error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "the cache endpoints answer the Envoy beside this sidecar (loopback) only",
+        ))
+    } else if headers.contains_key(axum::http::header::ORIGIN) {
+        Some(error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "the cache endpoints refuse requests with an Origin (web pages)",
+        ))
+    } else if !crate::fleet::routes::json_content(headers) {
+        Some(error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request",
+            "content-type: application/json expected",
+        ))
+    } else {
+        None
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            &format!("{}: {}", e.path(), e.inner()),
+        ))
+    })
+}
+
+fn invalid(e: CacheError) -> Response {
+    error(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string())
+}
+
+async fn lookup(
+    State(api): State<CacheApi>,
+    peer: Peer,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = refuse(&api, &peer, &headers) {
+        return r;
+    }
+    let req: LookupRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    match api.cache.lookup(&req, crate::cache::now_ms()).await {
+        Ok(a) => reply(StatusCode::OK, json!(a)),
+        Err(e) => invalid(e),
+    }
+}
+
+async fn store(
+    State(api): State<CacheApi>,
+    peer: Peer,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = refuse(&api, &peer, &headers) {
+        return r;
+    }
+    let req: StoreRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    match api.cache.store(req, crate::cache::now_ms()).await {
+        Ok(a) => reply(StatusCode::OK, json!(a)),
+        Err(e) => invalid(e),
+    }
+}
+
+/// Admin: a bearer token (which no web page can send cross-site without
+/// the browser asking first), loopback, no `Origin`.
+async fn purge(
+    State(api): State<CacheApi>,
+    peer: Peer,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !loopback(&peer) || headers.contains_key(axum::http::header::ORIGIN) {
+        return error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "the cache purge is accepted from loopback only, without an Origin",
+        );
+    }
+    let auth = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    if !api.token.accepts(auth) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing or wrong bearer token",
+        );
+    }
+    let req: PurgeRequest = if body.is_empty() {
+        PurgeRequest::default()
+    } else {
+        match parse(&body) {
+            Ok(r) => r,
+            Err(r) => return *r,
+        }
+    };
+    match api.cache.purge(req.model.as_deref()).await {
+        Ok(n) => {
+            api.cache.note_size().await;
+            reply(StatusCode::OK, json!({"purged": n}))
+        }
+        Err(e) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "cache_unavailable",
+            &e.to_string(),
+        ),
+    }
+}
+
+pub fn router(api: CacheApi) -> axum::Router {
+    use axum::routing::post;
+    // A store carries the answer JSON-escaped: up to twice its size.
+    let limit = usize::try_from(api.cache.max_entry_bytes())
+        .unwrap_or(usize::MAX)
+        .saturating_mul(2)
+        .saturating_add(64 << 10);
+    axum::Router::new()
+        .route(LOOKUP_PATH, post(lookup))
+        .route(STORE_PATH, post(store))
+        .route(PURGE_PATH, post(purge))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(api)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use axum::body::Body;
+    use axum::extract::ConnectInfo;
+    use axum::http::{Request, StatusCode};
+    use serde_json::{json, Value};
+    use tower::ServiceExt as _;
+
+    use super::*;
+    use crate::cache::tests::{lookup_req, memory_cache, store_req};
+
+    fn post(uri: &str, from: &str, body: &str, headers: &[(&str, &str)]) -> Request<Body> {
+        let mut req = Request::post(uri).header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let mut req = req.body(Body::from(body.to_string())).unwrap();
+        req.extensions_mut()
+            .insert(ConnectInfo(from.parse::<SocketAddr>().unwrap()));
+        req
+    }
+
+    async fn send(app: &axum::Router, req: Request<Body>) -> (StatusCode, Value) {
+        let res = app.clone().oneshot(req).await.unwrap();
+        let status = res.status();
+        let bytes = axum::body::to_bytes(res.into_body(), 1 << 24)
+            .await
+            .unwrap();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+
+    #[tokio::test]
+    async fn endpoints_answer_the_envoy_beside_only() {
+        let cache = memory_cache(None);
+        let app = router(CacheApi {
+            cache: cache.clone(),
+            fleet: None,
+            token: crate::serve::admin::AdminToken::new("t0ken"),
+        });
+        let local = "127.0.0.1:5000";
+        let store = serde_json::to_string(&store_req("k", "answer", None)).unwrap();
+        let lookup = serde_json::to_string(&lookup_req("k", None)).unwrap();
+        let (s, v) = send(&app, post("/v1/cache/store", local, &store, &[])).await;
+        assert_eq!((s, v["stored"].clone()), (StatusCode::OK, json!(true)));
+        let (s, v) = send(&app, post("/v1/cache/lookup", local, &lookup, &[])).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["hit"]["entry"]["body"], "answer");
+        // Not loopback, a web page, not JSON: refused.
+        let (s, _) = send(
+            &app,
+            post("/v1/cache/lookup", "10.0.0.2:5000", &lookup, &[]),
+        )
+        .await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        let (s, _) = send(
+            &app,
+            post(
+                "/v1/cache/store",
+                local,
+                &store,
+                &[("origin", "http://evil.example")],
+            ),
+        )
+        .await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        let mut plain = post("/v1/cache/lookup", local, &lookup, &[]);
+        plain
+            .headers_mut()
+            .insert("content-type", "text/plain".parse().unwrap());
+        assert_eq!(
+            send(&app, plain).await.0,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE
+        );
+        // A bad message names the field.
+        let (s, v) = send(
+            &app,
+            post(
+                "/v1/cache/lookup",
+                local,
+                r#"{"key": 1, "model": "m"}"#,
+                &[],
+            ),
+        )
+        .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        assert!(v["error"]["message"].as_str().unwrap().starts_with("key"));
+        // Purge needs the token.
+        let (s, _) = send(&app, post("/v1/cache/purge", local, "{}", &[])).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+        let (s, v) = send(
+            &app,
+            post(
+                "/v1/cache/purge",
+                local,
+                "{}",
+                &[("authorization", "Bearer t0ken")],
+            ),
+        )
+        .await;
+        assert_eq!((s, v["purged"].clone()), (StatusCode::OK, json!(1)));
+        let (_, v) = send(&app, post("/v1/cache/lookup", local, &lookup, &[])).await;
+        assert_eq!(v["hit"], Value::Null);
+    }
+
+    #[tokio::test]
+    async fn metrics_render() {
+        let c = memory_cache(None);
+        c.store(store_req("k", "a", None), 0).await.unwrap();
+        c.lookup(&lookup_req("k", None), 0).await.unwrap();
+        let text = &crate::serve::metrics::render_cache(&c);
+        let samples = crate::sources::prom::parse(text);
+        let find = |name: &str, result: Option<&str>| {
+            samples
+                .iter()
+                .find(|s| s.name == name && result.is_none_or(|r| s.label("result") == Some(r)))
+                .unwrap_or_else(|| panic!("{name} in\n{text}"))
+                .value
+        };
+        assert_eq!(find("sluice_sidecar_cache_total", Some("hit")), 1.0);
+        assert_eq!(find("sluice_sidecar_cache_total", Some("store")), 1.0);
+        assert_eq!(find("sluice_sidecar_cache_saved_tokens_total", None), 6.0);
+        assert_eq!(find("sluice_sidecar_cache_entries", None), 1.0);
+        assert_eq!(find("sluice_sidecar_cache_lookup_seconds_count", None), 1.0);
+    }
+}

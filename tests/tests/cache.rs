@@ -1,0 +1,625 @@
+//! The response cache (SPEC §9, issue 20) against a real Envoy, the real
+//! sidecar (entries in its memory, mock-llm's embeddings) and mock-llm:
+//! exact hits never reach the upstream and carry `x-sluice-cache: hit`;
+//! any output parameter, system prompt or earlier turn misses; nothing
+//! crosses scopes; errors, cut streams and `no-store` are never stored;
+//! a paraphrase in the same conversation is a semantic hit and the
+//! "enable 2FA" / "disable 2FA" near miss is not; a hit costs a request
+//! and no tokens.
+
+use std::fs;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sluice_tests::{
+    get, post_json, prometheus_value, wait_for, Envoy, EnvoyConfig, MockLlm, Response, Sidecar,
+};
+
+const SALT: &str = "cache-test-salt-0123456789";
+const TOKEN: &str = "cache-test-admin-token";
+
+/// mock-llm, a sidecar holding the cache, and Envoy with the shipped
+/// policy plus a `cache:` section.
+struct CacheStack {
+    envoy: Envoy,
+    sidecar: Sidecar,
+    upstream: MockLlm,
+    _dir: tempfile::TempDir,
+}
+
+fn start(cache: Value, sidecar_cache: &str, edit: impl FnOnce(&mut EnvoyConfig)) -> CacheStack {
+    let upstream = MockLlm::start("primary");
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sidecar.yaml");
+    let embeddings = upstream.url("/v1/embeddings");
+    let yaml = format!(
+        "sources: {{gpu: simulated}}\ncache:\n  embeddings: {{url: \"{embeddings}\", model: mock-embed, timeout: 2s}}\n{sidecar_cache}"
+    );
+    fs::write(&config, yaml).unwrap();
+    let token = dir.path().join("token");
+    fs::write(&token, TOKEN).unwrap();
+    let sidecar = Sidecar::start_with_args(&[
+        "--config",
+        &config.display().to_string(),
+        "--admin-token-file",
+        &token.display().to_string(),
+    ]);
+    let mut cfg = sluice_tests::shipped_config_for(&upstream);
+    cfg.set_cluster_addr("sluice_sidecar", sidecar.addr());
+    let policy = cfg.policy_mut();
+    policy["cache"] = serde_yaml::to_value(&cache).unwrap();
+    edit(&mut cfg);
+    let envoy = Envoy::start(&cfg, 2);
+    CacheStack {
+        envoy,
+        sidecar,
+        upstream,
+        _dir: dir,
+    }
+}
+
+fn default_cache() -> Value {
+    json!({
+        "salt": SALT,
+        "models": {
+            "llama3.1:8b": {"exact": true},
+            "mistral:7b": {"exact": true, "semantic": true},
+        }
+    })
+}
+
+impl CacheStack {
+    /// Chat requests that reached mock-llm (its embeddings, which the
+    /// sidecar calls, are not counted).
+    fn upstream_requests(&self) -> u64 {
+        self.upstream.stats()["by_path"]["/v1/chat/completions"]
+            .as_u64()
+            .unwrap_or(0)
+    }
+
+    fn sidecar_metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let text = get(&self.sidecar.url("/metrics"), &[]).body;
+        prometheus_value(&text, name, labels).unwrap_or(0.0)
+    }
+
+    fn stores(&self) -> f64 {
+        let text = get(&self.sidecar.url("/metrics"), &[]).body;
+        ["llama3.1:8b", "mistral:7b"]
+            .iter()
+            .map(|m| {
+                prometheus_value(
+                    &text,
+                    "sluice_sidecar_cache_total",
+                    &[("result", "store"), ("kind", "exact"), ("model", m)],
+                )
+                .unwrap_or(0.0)
+            })
+            .sum()
+    }
+
+    /// Waits until the sidecar holds `n` stores in all.
+    fn wait_stores(&self, n: f64) {
+        assert!(
+            wait_for(Duration::from_secs(10), || self.stores() >= n),
+            "the sidecar never stored {n} answers:\n{}",
+            self.sidecar.log()
+        );
+    }
+
+    fn chat(&self, key: &str, body: &Value, headers: &[(&str, &str)]) -> Response {
+        let mut h = vec![("x-api-key", key)];
+        h.extend_from_slice(headers);
+        post_json(&self.envoy.url("/v1/chat/completions"), &h, body)
+    }
+}
+
+fn chat(model: &str, question: &str) -> Value {
+    json!({
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": question}
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+    })
+}
+
+const A: &str = "demo-pro-key";
+const B: &str = "demo-enterprise-key";
+
+#[test]
+fn exact_hit_never_reaches_the_upstream() {
+    let s = start(default_cache(), "", |_| {});
+    let body = chat("llama3.1:8b", "What is sluice?");
+    let first = s.chat(A, &body, &[]);
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(first.header("x-sluice-cache"), Some("miss"));
+    s.wait_stores(1.0);
+    let before = s.upstream_requests();
+    let second = s.chat(A, &body, &[]);
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        second.header("x-sluice-cache"),
+        Some("hit"),
+        "{:?}",
+        second.headers
+    );
+    assert!(second.header("age").is_some());
+    assert_eq!(second.json(), first.json(), "the stored body, as it was");
+    assert_eq!(
+        s.upstream_requests(),
+        before,
+        "a hit never reaches mock-llm"
+    );
+    // `stream`, `stream_options` and `user` do not change the key: a
+    // streaming request of the same question is a hit, as SSE.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["user"] = json!("someone");
+    let sse = s.chat(A, &streamed, &[]);
+    assert_eq!(sse.header("x-sluice-cache"), Some("hit"));
+    assert!(sse
+        .header("content-type")
+        .unwrap_or("")
+        .starts_with("text/event-stream"));
+    assert!(
+        sse.body.trim_end().ends_with("data: [DONE]"),
+        "{}",
+        sse.body
+    );
+    assert!(
+        !sse.body.contains("\"usage\""),
+        "no usage chunk unless asked"
+    );
+    let mut with_usage = streamed.clone();
+    with_usage["stream_options"] = json!({"include_usage": true});
+    let sse = s.chat(A, &with_usage, &[]);
+    assert!(sse.body.contains("\"usage\""), "{}", sse.body);
+    assert_eq!(s.upstream_requests(), before);
+}
+
+#[test]
+fn any_output_parameter_or_earlier_turn_misses() {
+    let s = start(default_cache(), "", |_| {});
+    let base = chat("llama3.1:8b", "Name a colour.");
+    assert_eq!(s.chat(A, &base, &[]).status, 200);
+    s.wait_stores(1.0);
+    let mut variants = Vec::new();
+    for (field, value) in [
+        ("temperature", json!(0.1)),
+        ("max_tokens", json!(9)),
+        ("seed", json!(7)),
+        ("top_p", json!(0.5)),
+        ("stop", json!(["\n"])),
+    ] {
+        let mut v = base.clone();
+        v[field] = value;
+        variants.push(v);
+    }
+    let mut system = base.clone();
+    system["messages"][0]["content"] = json!("You are verbose.");
+    variants.push(system);
+    let mut earlier = base.clone();
+    earlier["messages"]
+        .as_array_mut()
+        .unwrap()
+        .insert(1, json!({"role": "user", "content": "Hi"}));
+    variants.push(earlier);
+    for v in &variants {
+        let before = s.upstream_requests();
+        let r = s.chat(A, v, &[]);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-sluice-cache"), Some("miss"), "{v}");
+        assert_eq!(s.upstream_requests(), before + 1, "{v}");
+    }
+}
+
+#[test]
+fn nothing_crosses_scopes() {
+    let s = start(default_cache(), "", |_| {});
+    let body = chat("llama3.1:8b", "A secret of caller A?");
+    s.chat(A, &body, &[]);
+    s.wait_stores(1.0);
+    let before = s.upstream_requests();
+    // Caller B, same prompt: its own miss (scope principal by default).
+    let r = s.chat(B, &body, &[]);
+    assert_eq!(r.header("x-sluice-cache"), Some("miss"));
+    assert_eq!(s.upstream_requests(), before + 1);
+    s.wait_stores(2.0);
+    // Each now hits its own entry.
+    assert_eq!(s.chat(A, &body, &[]).header("x-sluice-cache"), Some("hit"));
+    assert_eq!(s.chat(B, &body, &[]).header("x-sluice-cache"), Some("hit"));
+    assert_eq!(s.upstream_requests(), before + 1);
+    // Semantic too: the same question by B in mistral's semantic cache.
+    let q = chat("mistral:7b", "How do I enable 2FA on my account?");
+    s.chat(A, &q, &[]);
+    s.wait_stores(3.0);
+    let para = chat("mistral:7b", "how do I enable 2FA on my account");
+    assert_eq!(s.chat(B, &para, &[]).header("x-sluice-cache"), Some("miss"));
+}
+
+#[test]
+fn a_tier_scope_shares_between_its_keys() {
+    let mut cache = default_cache();
+    cache["models"]["llama3.1:8b"]["scope"] = json!("tier");
+    let s = start(cache, "", |cfg| {
+        let keys = &mut cfg.policy_mut()["identity"]["api_key"]["keys"];
+        keys["second-pro-key"] = serde_yaml::Value::from("pro");
+    });
+    let body = chat("llama3.1:8b", "Shared within the tier?");
+    s.chat(A, &body, &[]);
+    s.wait_stores(1.0);
+    let r = s.chat("second-pro-key", &body, &[]);
+    assert_eq!(
+        r.header("x-sluice-cache"),
+        Some("hit"),
+        "same tier, scope tier"
+    );
+    let r = s.chat(B, &body, &[]);
+    assert_eq!(r.header("x-sluice-cache"), Some("miss"), "another tier");
+}
+
+#[test]
+fn errors_and_no_store_are_never_stored() {
+    let s = start(default_cache(), "", |_| {});
+    let body = chat("llama3.1:8b", "Never stored?");
+    for status in ["500", "429"] {
+        let r = s.chat(A, &body, &[("x-mock-status", status)]);
+        assert!(r.status >= 400, "{}", r.body);
+    }
+    // no-store: neither read nor stored; no-cache: stored, not read.
+    let r = s.chat(A, &body, &[("cache-control", "no-store")]);
+    assert_eq!(r.status, 200);
+    // A cut stream is not stored either.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let _ = sluice_tests::try_post_json(
+        &s.envoy.url("/v1/chat/completions"),
+        &[("x-api-key", A), ("x-mock-reset-after-chunks", "2")],
+        &streamed,
+    );
+    let before = s.upstream_requests();
+    let r = s.chat(A, &body, &[]);
+    assert_eq!(
+        r.header("x-sluice-cache"),
+        Some("miss"),
+        "nothing was stored"
+    );
+    assert_eq!(s.upstream_requests(), before + 1);
+    s.wait_stores(1.0);
+    let r = s.chat(A, &body, &[("cache-control", "no-cache")]);
+    assert_eq!(
+        r.header("x-sluice-cache"),
+        Some("miss"),
+        "no-cache does not read"
+    );
+    assert_eq!(s.chat(A, &body, &[]).header("x-sluice-cache"), Some("hit"));
+}
+
+#[test]
+fn semantic_paraphrase_hits_and_the_near_miss_does_not() {
+    let s = start(default_cache(), "", |_| {});
+    let q = chat("mistral:7b", "How do I enable 2FA on my account?");
+    assert_eq!(s.chat(A, &q, &[]).status, 200);
+    s.wait_stores(1.0);
+    let before = s.upstream_requests();
+    let para = chat("mistral:7b", "how do I enable 2FA on my account");
+    let r = s.chat(A, &para, &[]);
+    assert_eq!(r.header("x-sluice-cache"), Some("hit"), "{:?}", r.headers);
+    assert_eq!(r.header("x-sluice-cache-kind"), Some("semantic"));
+    assert_eq!(s.upstream_requests(), before);
+    let opposite = chat("mistral:7b", "How do I disable 2FA on my account?");
+    assert_eq!(
+        s.chat(A, &opposite, &[]).header("x-sluice-cache"),
+        Some("miss")
+    );
+    // The same question after another earlier turn: another conversation.
+    let mut other = q.clone();
+    other["messages"]
+        .as_array_mut()
+        .unwrap()
+        .insert(1, json!({"role": "user", "content": "I use a phone."}));
+    assert_eq!(
+        s.chat(A, &other, &[]).header("x-sluice-cache"),
+        Some("miss")
+    );
+}
+
+#[test]
+fn a_hit_counts_a_request_and_no_tokens() {
+    let s = start(default_cache(), "", |cfg| {
+        let policy = cfg.policy_mut();
+        policy["tiers"]["tiny"] =
+            serde_yaml::from_str("{requests: 100/min, daily_tokens: 60}").unwrap();
+        policy["identity"]["api_key"]["keys"]["tiny-key"] = serde_yaml::Value::from("tiny");
+    });
+    let body = chat("llama3.1:8b", "Budget?");
+    let first = s.chat("tiny-key", &body, &[]);
+    assert_eq!(first.status, 200, "{}", first.body);
+    s.wait_stores(1.0);
+    // Spend the rest of the daily budget on other questions until refused.
+    let mut refused = false;
+    for i in 0..20 {
+        let r = s.chat("tiny-key", &chat("llama3.1:8b", &format!("other {i}")), &[]);
+        if r.status == 429 {
+            refused = true;
+            break;
+        }
+    }
+    assert!(refused, "the tiny budget never ran out");
+    // Over its token budget, the cached answer still comes (hits are free
+    // of tokens by default), and it counts as a request.
+    let r = s.chat("tiny-key", &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-sluice-cache"), Some("hit"));
+}
+
+#[test]
+fn embeddings_down_and_sidecar_down_are_misses() {
+    let s = start(default_cache(), "", |_| {});
+    // No sidecar at all: every request is served, none cached.
+    let mut cfg = sluice_tests::shipped_config_for(&s.upstream);
+    cfg.policy_mut()["cache"] = serde_yaml::to_value(default_cache()).unwrap();
+    cfg.set_cluster_addr("sluice_sidecar", sluice_tests::closed_addr());
+    let lone = Envoy::start(&cfg, 1);
+    let body = chat("llama3.1:8b", "Sidecar down?");
+    for _ in 0..2 {
+        let r = post_json(
+            &lone.url("/v1/chat/completions"),
+            &[("x-api-key", A)],
+            &body,
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_ne!(r.header("x-sluice-cache"), Some("hit"));
+    }
+    drop(lone);
+    // Embeddings endpoint down: semantic lookups miss, requests served.
+    let upstream = MockLlm::start("other");
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sidecar.yaml");
+    fs::write(
+        &config,
+        "sources: {gpu: simulated}\ncache:\n  embeddings: {url: \"http://127.0.0.1:1/v1/embeddings\", model: e, timeout: 500ms}\n",
+    )
+    .unwrap();
+    let sidecar = Sidecar::start_with_args(&["--config", &config.display().to_string()]);
+    let mut cfg = sluice_tests::shipped_config_for(&upstream);
+    cfg.policy_mut()["cache"] = serde_yaml::to_value(default_cache()).unwrap();
+    cfg.set_cluster_addr("sluice_sidecar", sidecar.addr());
+    let envoy = Envoy::start(&cfg, 1);
+    let q = chat("mistral:7b", "How do I enable 2FA on my account?");
+    for _ in 0..2 {
+        let r = post_json(&envoy.url("/v1/chat/completions"), &[("x-api-key", A)], &q);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let text = get(&sidecar.url("/metrics"), &[]).body;
+    assert!(
+        prometheus_value(&text, "sluice_sidecar_cache_embedding_failures_total", &[])
+            .unwrap_or(0.0)
+            >= 1.0,
+        "{text}"
+    );
+    let _ = s.sidecar_metric("sluice_sidecar_cache_entries", &[]);
+}
+
+/// The pinned `openai` and `ollama` Python clients parse hits (JSON, SSE
+/// with and without the usage chunk, NDJSON); skipped without them unless
+/// `SLUICE_REQUIRE_CLIENTS` is set (as `make test` does).
+#[test]
+fn real_clients_parse_hits() {
+    use std::process::{Command, Stdio};
+    let python = std::env::var_os("SLUICE_CLIENTS_PYTHON")
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| sluice_tests::repo_root().join(".venv/bin/python"));
+    let usable = Command::new(&python)
+        .args(["-c", "import openai, ollama"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !usable {
+        assert!(
+            std::env::var_os("SLUICE_REQUIRE_CLIENTS").is_none(),
+            "{} cannot import openai and ollama",
+            python.display()
+        );
+        eprintln!("SKIPPED real_clients_parse_hits: no Python with openai and ollama");
+        return;
+    }
+    let s = start(default_cache(), "", |_| {});
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("cache_clients.log");
+    let out = fs::File::create(&log).unwrap();
+    let mut child = sluice_tests::ChildGuard::spawn(
+        "cache_clients.py",
+        Command::new(&python)
+            .arg(sluice_tests::repo_root().join("tests/clients/cache_clients.py"))
+            .arg(s.envoy.url(""))
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out),
+    )
+    .unwrap();
+    let finished = wait_for(Duration::from_secs(90), || child.try_wait().is_some());
+    let status = child.kill();
+    let output = fs::read_to_string(&log).unwrap_or_default();
+    eprintln!("{output}");
+    assert!(
+        finished,
+        "cache_clients.py still running after 90 s:\n{output}"
+    );
+    assert!(
+        status.success() && output.lines().any(|l| l == "ALL OK"),
+        "cache_clients.py failed:\n{output}\nsidecar:\n{}",
+        s.sidecar.log()
+    );
+}
+
+#[test]
+fn primary_out_answers_from_the_cache_before_the_static_answer() {
+    let s = start(default_cache(), "", |cfg| {
+        let policy = cfg.policy_mut();
+        policy["static_fallback"]["when_primary_out"] = serde_yaml::Value::from(true);
+        if let Some(p) = policy.as_mapping_mut() {
+            p.remove("fallback");
+        }
+    });
+    let body = chat("llama3.1:8b", "Cached before the outage?");
+    assert_eq!(s.chat(A, &body, &[]).status, 200);
+    s.wait_stores(1.0);
+    let on = post_json(
+        &s.sidecar.url("/v1/kill-switch"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        &json!({"active": true, "reason": "cache test"}),
+    );
+    assert_eq!(on.status, 200, "{}", on.body);
+    let uncached = chat("llama3.1:8b", "Never asked before?");
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            s.chat(A, &uncached, &[]).header("x-sluice-degraded") == Some("static")
+        }),
+        "the kill switch never reached Envoy"
+    );
+    let before = s.upstream_requests();
+    let r = s.chat(A, &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-sluice-cache"), Some("hit"));
+    assert_eq!(r.header("x-sluice-degraded"), Some("cache"));
+    assert_eq!(s.upstream_requests(), before);
+}
+
+/// The sidecar's resident memory, KiB (Linux).
+fn rss_kib(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn the_memory_bound_holds_under_ten_times_max_bytes() {
+    let max_bytes: u64 = 4 << 20;
+    let extra = format!("  max_bytes: {max_bytes}\n  max_entry_bytes: 200000\n");
+    let mut s = start(default_cache(), &extra, |_| {});
+    let pid = s.sidecar.process().id();
+    let answer = "z".repeat(100_000);
+    let store = |i: usize| {
+        let key = format!("{i:064x}");
+        json!({"key": key, "model": "llama3.1:8b", "ttl_s": 600,
+               "entry": {"body": answer, "prompt_tokens": 1, "completion_tokens": 1}})
+    };
+    // Warm up (first allocations, the HTTP path), then measure.
+    for i in 0..8 {
+        post_json(&s.sidecar.url("/v1/cache/store"), &[], &store(i)).ok();
+    }
+    let before = rss_kib(pid);
+    // 10× max_bytes of distinct answers.
+    let n = (10 * max_bytes / 100_000) as usize;
+    for i in 8..8 + n {
+        let r = post_json(&s.sidecar.url("/v1/cache/store"), &[], &store(i));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let bytes = s.sidecar_metric("sluice_sidecar_cache_bytes", &[]);
+    assert!(
+        bytes <= max_bytes as f64,
+        "{bytes} bytes held over max_bytes {max_bytes}"
+    );
+    let grown = rss_kib(pid).saturating_sub(before) * 1024;
+    eprintln!(
+        "sidecar RSS grew {} KiB storing {} MiB of answers (max_bytes {} MiB)",
+        grown / 1024,
+        (10 * max_bytes) >> 20,
+        max_bytes >> 20
+    );
+    assert!(
+        grown < 4 * max_bytes,
+        "RSS grew {grown} bytes storing 10× max_bytes: the bound does not hold"
+    );
+    assert!(s.sidecar_metric("sluice_sidecar_cache_total", &[("result", "evict")]) > 0.0);
+}
+
+#[test]
+fn fleet_one_envoys_answer_is_every_envoys_hit() {
+    use sluice_tests::fleet::{policy, Node, Redis};
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let p = policy(&format!(
+        "default_tier: free\nidentity: {{ sources: [client_address] }}\n\
+         tiers: {{ free: {{ requests: 100/min }} }}\n\
+         sidecar: {{ cluster: sluice_sidecar }}\n\
+         fleet: {{ expected_replicas: 2 }}\n\
+         cache: {{ salt: {SALT}, models: {{ \"llama3.1:8b\": {{ exact: true }} }} }}\n"
+    ));
+    let nodes: Vec<Node> = (0..2)
+        .map(|_| Node::start_with(&redis.url(), &upstream, None, &p, 1, "cache: {}\n"))
+        .collect();
+    let url = |i: usize| nodes[i].envoy.url("/v1/chat/completions");
+    let chats = || {
+        upstream.stats()["by_path"]["/v1/chat/completions"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let body = chat("llama3.1:8b", "Shared by the fleet?");
+    let first = post_json(&url(0), &[], &body);
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert!(
+        wait_for(Duration::from_secs(10), || !redis
+            .keys("sluice:cache:e:*")
+            .is_empty()),
+        "nothing stored in Redis:\n{}",
+        nodes[0].sidecar.log()
+    );
+    let before = chats();
+    let second = post_json(&url(1), &[], &body);
+    assert_eq!(
+        second.header("x-sluice-cache"),
+        Some("hit"),
+        "{:?}",
+        second.headers
+    );
+    assert_eq!(second.json(), first.json());
+    assert_eq!(chats(), before, "Envoy 2 answered from Envoy 1's entry");
+    // Redis down: misses, nothing fails.
+    let mut redis = redis;
+    redis.kill();
+    for i in 0..2 {
+        let r = post_json(
+            &url(i),
+            &[],
+            &chat("llama3.1:8b", "Asked while Redis is down"),
+        );
+        assert_ne!(r.status / 100, 5, "{}", r.body);
+        assert_ne!(r.header("x-sluice-cache"), Some("hit"));
+    }
+}
+
+#[test]
+fn a_team_scope_shares_between_two_keys_of_the_team_only() {
+    let mut cache = default_cache();
+    cache["models"]["llama3.1:8b"]["scope"] = json!("team");
+    let s = start(cache, "", |_| {});
+    let body = chat("llama3.1:8b", "Shared within team search?");
+    assert_eq!(s.chat("demo-search-key-1", &body, &[]).status, 200);
+    s.wait_stores(1.0);
+    let before = s.upstream_requests();
+    let r = s.chat("demo-search-key-2", &body, &[]);
+    assert_eq!(
+        r.header("x-sluice-cache"),
+        Some("hit"),
+        "a key of the same team"
+    );
+    assert_eq!(s.upstream_requests(), before);
+    // A pro caller of no team is scoped to itself: never the team's entry.
+    let r = s.chat(A, &body, &[]);
+    assert_eq!(
+        r.header("x-sluice-cache"),
+        Some("miss"),
+        "a caller outside the team"
+    );
+    assert_eq!(s.upstream_requests(), before + 1);
+}
