@@ -74,6 +74,52 @@ fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
     }
 }
 
+/// The request's route (the policy's `routes`, by path prefix in
+/// canonical form), for models without a cache rule of their own.
+fn request_route<'p>(policy: &'p crate::policy::Policy, path: &str) -> Option<&'p str> {
+    policy
+        .routes
+        .iter()
+        .find(|r| {
+            let prefix = crate::usage::demand::canonical_path(&r.path_prefix)
+                .unwrap_or_else(|_| r.path_prefix.to_ascii_lowercase());
+            path.starts_with(&prefix)
+        })
+        .map(|r| r.name.as_str())
+}
+
+/// Sends a lookup to the sidecar: through the fleet's channel (its secret
+/// and fingerprint) in fleet mode, else straight to the sidecar cluster.
+fn post_lookup(
+    filter: &super::Filter,
+    sidecar: &crate::policy::SidecarConfig,
+    host: &dyn Host,
+    payload: &[u8],
+    timeout: u64,
+) -> Result<u32, String> {
+    if let Some(fleet) = &filter.fleet {
+        return fleet.post_within(host, sluice_wire::cache::LOOKUP_PATH, payload, timeout);
+    }
+    let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
+    let len = payload.len().to_string();
+    let headers = [
+        (":method", "POST"),
+        (":path", sluice_wire::cache::LOOKUP_PATH),
+        (":authority", authority),
+        ("content-type", "application/json"),
+        ("content-length", len.as_str()),
+    ];
+    host.dispatch_post(&sidecar.cluster, &headers, payload, timeout)
+}
+
+/// Whether a streaming request asked for the usage chunk.
+fn include_usage(body: &Value) -> bool {
+    body.get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+}
+
 impl Stream {
     /// Before admission: starts a lookup (the request pauses for it) when
     /// the model is cached and the caller allows reading; notes what to
@@ -99,20 +145,10 @@ impl Stream {
         ) else {
             return None;
         };
-        // The request's route (the policy's `routes`, by path prefix in
-        // canonical form), for models without a rule of their own.
         let route = if cache.routes.is_empty() {
             None
         } else {
-            policy
-                .routes
-                .iter()
-                .find(|r| {
-                    let prefix = crate::usage::demand::canonical_path(&r.path_prefix)
-                        .unwrap_or_else(|_| r.path_prefix.to_ascii_lowercase());
-                    self.path.starts_with(&prefix)
-                })
-                .map(|r| r.name.as_str())
+            request_route(policy, &self.path)
         };
         let rule = cache.rule(model, route)?;
         let allowed =
@@ -162,39 +198,15 @@ impl Stream {
             semantic,
         };
         let payload = serde_json::to_vec(&req).ok()?;
-        let timeout = cache.lookup_timeout_ms;
-        let sent = match &filter.fleet {
-            Some(fleet) => {
-                fleet.post_within(host, sluice_wire::cache::LOOKUP_PATH, &payload, timeout)
-            }
-            None => {
-                let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
-                let len = payload.len().to_string();
-                let headers = [
-                    (":method", "POST"),
-                    (":path", sluice_wire::cache::LOOKUP_PATH),
-                    (":authority", authority),
-                    ("content-type", "application/json"),
-                    ("content-length", len.as_str()),
-                ];
-                host.dispatch_post(&sidecar.cluster, &headers, &payload, timeout)
-            }
-        };
-        match sent {
+        match post_lookup(&filter, sidecar, host, &payload, cache.lookup_timeout_ms) {
             Ok(token) => {
-                let stream = api.streams(body);
-                let include_usage = body
-                    .get("stream_options")
-                    .and_then(|o| o.get("include_usage"))
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false);
                 self.cache_wait = Some(Wait {
                     token,
                     asked: Some(asked.clone()),
                     api,
                     model: model.to_string(),
-                    stream,
-                    include_usage,
+                    stream: api.streams(body),
+                    include_usage: include_usage(body),
                 });
                 Some(Action::Pause)
             }

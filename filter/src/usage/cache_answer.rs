@@ -380,24 +380,7 @@ pub fn assemble_sse(api: Api, stream: &[u8]) -> Option<String> {
                     .and_then(|d| d.get("tool_calls"))
                     .and_then(Value::as_array)
                 {
-                    for t in calls {
-                        let ti = t.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
-                        while e.2.len() <= ti {
-                            e.2.push(json!({"type": "function",
-                                             "function": {"name": "", "arguments": ""}}));
-                        }
-                        let slot = &mut e.2[ti];
-                        if let Some(id) = t.get("id") {
-                            slot["id"] = id.clone();
-                        }
-                        let f = t.get("function");
-                        for k in ["name", "arguments"] {
-                            if let Some(s) = f.and_then(|f| f.get(k)).and_then(Value::as_str) {
-                                let cur = slot["function"][k].as_str().unwrap_or_default();
-                                slot["function"][k] = json!(format!("{cur}{s}"));
-                            }
-                        }
-                    }
+                    merge_tool_calls(&mut e.2, calls)?;
                 }
             }
             if let Some(f) = c.get("finish_reason").filter(|f| !f.is_null()) {
@@ -408,7 +391,47 @@ pub fn assemble_sse(api: Api, stream: &[u8]) -> Option<String> {
     if !done || choices.is_empty() {
         return None;
     }
-    let mut out = base.unwrap_or_default();
+    assembled(chat, base.unwrap_or_default(), choices, usage?)
+}
+
+/// The most tool calls one streamed choice may assemble: an index past it
+/// is no answer to store (an upstream cannot make the filter allocate for
+/// an index it names).
+const MAX_TOOL_CALLS: usize = 128;
+
+/// Appends a chunk's tool-call deltas to the calls assembled so far (by
+/// their `index`); `None` past [`MAX_TOOL_CALLS`].
+fn merge_tool_calls(slots: &mut Vec<Value>, calls: &[Value]) -> Option<()> {
+    for t in calls {
+        let ti = usize::try_from(t.get("index").and_then(Value::as_u64).unwrap_or(0)).ok()?;
+        if ti >= MAX_TOOL_CALLS {
+            return None;
+        }
+        while slots.len() <= ti {
+            slots.push(json!({"type": "function", "function": {"name": "", "arguments": ""}}));
+        }
+        let slot = slots.get_mut(ti)?;
+        if let Some(id) = t.get("id") {
+            slot["id"] = id.clone();
+        }
+        let f = t.get("function");
+        for k in ["name", "arguments"] {
+            if let Some(s) = f.and_then(|f| f.get(k)).and_then(Value::as_str) {
+                let cur = slot["function"][k].as_str().unwrap_or_default();
+                slot["function"][k] = json!(format!("{cur}{s}"));
+            }
+        }
+    }
+    Some(())
+}
+
+/// The non-streaming answer of the assembled choices.
+fn assembled(
+    chat: bool,
+    mut out: Map<String, Value>,
+    choices: std::collections::BTreeMap<u64, (String, Value, Vec<Value>)>,
+    usage: Value,
+) -> Option<String> {
     out.insert(
         "object".into(),
         json!(if chat {
@@ -432,7 +455,7 @@ pub fn assemble_sse(api: Api, stream: &[u8]) -> Option<String> {
         })
         .collect();
     out.insert("choices".into(), Value::Array(list));
-    out.insert("usage".into(), usage?);
+    out.insert("usage".into(), usage);
     Some(Value::Object(out).to_string())
 }
 
@@ -686,5 +709,27 @@ mod tests {
         assert!(
             assemble_ndjson(Api::OllamaGenerate, br#"{"response":"a","done":false}"#).is_none()
         );
+    }
+
+    /// An upstream naming a tool call at a huge index gets no answer
+    /// stored, and makes the filter allocate nothing for it.
+    #[test]
+    fn a_streamed_tool_call_at_a_huge_index_is_not_assembled() {
+        let chunk = |index: u64| {
+            format!(
+                "data: {}\n\n",
+                serde_json::json!({"id": "c", "model": "m", "choices": [{"index": 0,
+                    "delta": {"tool_calls": [{"index": index, "id": "t",
+                        "function": {"name": "f", "arguments": "{}"}}]},
+                    "finish_reason": "tool_calls"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+            )
+        };
+        let done = "data: [DONE]\n\n";
+        let ok = format!("{}{done}", chunk(1));
+        let json = assemble_sse(Api::OpenAiChat, ok.as_bytes()).unwrap();
+        assert!(json.contains("\"tool_calls\""), "{json}");
+        let hostile = format!("{}{done}", chunk(1_000_000_000_000));
+        assert_eq!(assemble_sse(Api::OpenAiChat, hostile.as_bytes()), None);
     }
 }
