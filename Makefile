@@ -83,7 +83,7 @@ check-rules:
 	  dpkg -x prometheus_*.deb x && mv x/usr/bin/promtool ../promtool && cd .. && rm -rf deb; \
 	fi
 	$(PROMTOOL) check rules envoy/prometheus-rules.yaml
-	$(PROMTOOL) test rules envoy/prometheus-rules.test.yaml
+	$(PROMTOOL) test rules envoy/prometheus-rules.test.yaml envoy/prometheus-rules.cache.test.yaml
 
 test: check-rules
 
