@@ -109,6 +109,8 @@ def policy(args, variant):
     if variant != "off":
         p["cache"] = {"salt": SALT, "models": {
             run.MODEL: {"exact": True, "semantic": variant == "semantic"}}}
+        if args.scope != "principal":
+            p["cache"]["scope"] = args.scope
     return p
 
 
@@ -288,9 +290,11 @@ def main():
     ap.add_argument("--repeat", type=float, default=0.30)
     ap.add_argument("--paraphrase", type=float, default=0.20)
     ap.add_argument("--latency-ms", type=int, default=500)
-    ap.add_argument("--solo", type=int, default=300, help="exact hits measured alone")
-    ap.add_argument("--miss-cpu", type=int, default=300, help="misses for the CPU figure")
+    ap.add_argument("--solo", type=int, default=1000, help="exact hits measured alone")
+    ap.add_argument("--miss-cpu", type=int, default=1000, help="misses for the CPU figure")
     ap.add_argument("--seed", type=int, default=20)
+    ap.add_argument("--scope", default="principal",
+                    help="the cache scope (global: the check that cross-scope hits are seen)")
     ap.add_argument("--out", type=Path, default=ROOT / "target/bench/cache.md")
     args = ap.parse_args()
     if args.smoke:
@@ -298,6 +302,14 @@ def main():
         args.latency_ms, args.solo, args.miss_cpu = 50, 20, 20
     plan = workload(args)
     kinds = [r[3] for reqs in plan.values() for r in reqs]
+    # Chances for a cross-scope hit: a caller's first ask of a question
+    # another caller also asks.
+    askers = {}
+    for reqs in plan.values():
+        for c, qi, _, kind in reqs:
+            if kind == "new":
+                askers.setdefault(qi, set()).add(c)
+    shared = sum(len(s) - 1 for s in askers.values() if len(s) > 1)
     workdir = ROOT / "target/bench/cache"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -324,6 +336,7 @@ def main():
                 solo = solo_hits(envoy.port, sidecar, args.solo)
                 row["solo_n"] = len(solo)
                 row["solo_p50_ms"] = (pct(solo, .5) or 0) * 1e3
+                row["solo_p90_ms"] = (pct(solo, .9) or 0) * 1e3
                 row["solo_p99_ms"] = (pct(solo, .99) or 0) * 1e3
             row["miss_cpu_us"] = miss_cpu(envoy.port, envoy.proc.pid, args.miss_cpu, variant)
             rows[variant] = row
@@ -344,20 +357,24 @@ def main():
         f"once, each in order on its own connection) over {args.questions} questions: "
         f"{kinds.count('new')} new, {kinds.count('repeat')} exact repeats, "
         f"{kinds.count('paraphrase')} paraphrases (reordered words, case, punctuation) of a "
-        f"question the same caller asked; scope `principal`; seed {args.seed}. "
+        f"question the same caller asked; scope `{args.scope}`; {shared} first asks of a "
+        f"question another caller also asks (each a chance for a cross-scope hit); "
+        f"seed {args.seed}; {args.solo} exact hits alone, {args.miss_cpu} misses for the CPU "
+        f"figure (Envoy's CPU ticks are 10 ms: ± {1e4 / max(1, args.miss_cpu):.0f} µs). "
         f"Load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
         f"({os.cpu_count()} CPUs).",
         "",
         "| variant | upstream calls | vs off | hits (exact / semantic) | cross-scope hits "
         "| wrong-question hits | upstream tokens | spend $ | hit p50 / p99 ms | miss p50 / p99 ms "
-        "| exact hit alone p50 / p99 ms | Envoy CPU µs/miss | vs off |",
+        "| exact hit alone p50 / p90 / p99 ms | Envoy CPU µs/miss | vs off |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, r in rows.items():
         saved = 1 - r["upstream"] / off["upstream"] if off["upstream"] else 0
         hits = f"{r['hits']} ({r['exact_hits']} / {r['semantic_hits']})"
         hit_lat = f"{r['hit_p50_ms']:.2f} / {r['hit_p99_ms']:.2f}" if r["hits"] else "–"
-        solo = f"{r['solo_p50_ms']:.2f} / {r['solo_p99_ms']:.2f}" if r.get("solo_n") else "–"
+        solo = f"{r['solo_p50_ms']:.2f} / {r['solo_p90_ms']:.2f} / {r['solo_p99_ms']:.2f}" \
+            if r.get("solo_n") else "–"
         lines.append(
             f"| {v} | {r['upstream']} | {-saved:+.0%} | {hits} | {r['cross_scope']} "
             f"| {r['wrong']} | {r['tokens']:,} | {r['spend']:.4f} | {hit_lat} "
@@ -386,7 +403,7 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
-    if cross or sum(r["wrong"] for r in rows.values()):
+    if (cross and args.scope == "principal") or sum(r["wrong"] for r in rows.values()):
         sys.exit("bench cache: a hit crossed scopes or answered another question")
 
 
