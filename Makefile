@@ -83,7 +83,7 @@ check-rules:
 	  dpkg -x prometheus_*.deb x && mv x/usr/bin/promtool ../promtool && cd .. && rm -rf deb; \
 	fi
 	$(PROMTOOL) check rules envoy/prometheus-rules.yaml
-	$(PROMTOOL) test rules envoy/prometheus-rules.test.yaml
+	$(PROMTOOL) test rules envoy/prometheus-rules.test.yaml envoy/prometheus-rules.cache.test.yaml
 
 test: check-rules
 
@@ -116,7 +116,8 @@ bench-core:
 	$(CARGO) bench -p sluice-filter --bench core
 
 ## bench: overhead vs bare Envoy, local_ratelimit, the floor filters
-## (bench/floor-filter) and LiteLLM, exactness, criterion → BENCHMARKS.md
+## (bench/floor-filter) and LiteLLM, exactness, criterion, the fleet and the
+## cache replay (bench/cache_replay.py) → BENCHMARKS.md
 ## (minutes). BENCH_SMOKE=1: seconds, target/bench/smoke.md (checks the
 ## scripts, not figures). BENCH_ARGS: more bench/run.py flags. Installs wrk
 ## (Debian package) when missing, so every machine measures with the same
@@ -137,6 +138,8 @@ bench: build
 	@# The fleet section (issue 11): local vs fleet leases vs strict, Redis on loopback.
 	$(MAKE) --no-print-directory redis
 	$(PYTHON) bench/fleet.py $(if $(BENCH_SMOKE),--smoke)
+	@# The cache section (issue 20): a replay, cache off / exact / exact + semantic.
+	$(PYTHON) bench/cache_replay.py $(if $(BENCH_SMOKE),--smoke)
 
 ## lint: what CI-quality commits pass
 lint:

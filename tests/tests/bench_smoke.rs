@@ -6,6 +6,8 @@
 //! nothing); the exactness result is, since it must hold under any load.
 //! LiteLLM (variant e) is left out here: it only runs when installed, and
 //! its start-up alone takes longer than this whole test should.
+//! `bench/cache_replay.py --smoke` must replay its three variants with no
+//! cross-scope or wrong-question hit.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -97,5 +99,55 @@ fn bench_smoke_mode_writes_the_table() {
     );
     for row in exact {
         assert!(row.contains("| **0** |"), "admitted − C is not 0: {row}");
+    }
+}
+
+/// `bench/cache_replay.py --smoke` (also in `make bench BENCH_SMOKE=1`):
+/// the three variants start and replay, the table is written, and no hit
+/// crossed a scope or answered another question (the script exits non-zero
+/// then: that holds under any load, so it is checked; figures are not).
+#[test]
+fn cache_replay_smoke_writes_its_table() {
+    wasm_path();
+    bin_path("mock-llm");
+    bin_path("sluice-sidecar");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().join("cache.md");
+    let log = dir.path().join("cache.log");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let log_file = std::fs::File::create(&log).expect("log file");
+    let mut cmd = Command::new(&python);
+    cmd.arg(repo_root().join("bench/cache_replay.py"))
+        .args(["--smoke", "--out"])
+        .arg(&out)
+        .current_dir(repo_root())
+        .env("ENVOY_BIN", envoy_bin())
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone().expect("log fd"))
+        .stderr(log_file);
+    let mut run =
+        ChildGuard::spawn("bench/cache_replay.py --smoke", &mut cmd).expect("spawn python3");
+    let finished = wait_for(Duration::from_secs(120), || run.try_wait().is_some());
+    let output = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        finished,
+        "bench/cache_replay.py --smoke still running after 120 s:\n{output}"
+    );
+    let status = run.kill();
+    assert!(
+        status.success(),
+        "bench/cache_replay.py --smoke failed ({status}):\n{output}"
+    );
+    let md = std::fs::read_to_string(&out).expect("cache report written");
+    assert!(md.contains("| variant | upstream calls |"), "{md}");
+    for variant in ["off", "exact", "semantic"] {
+        let row = md
+            .lines()
+            .find(|l| l.starts_with(&format!("| {variant} | ")))
+            .unwrap_or_else(|| panic!("no `{variant}` row:\n{md}"));
+        // Columns: variant, upstream calls, vs off, hits, cross-scope hits, wrong hits, …
+        let cols: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert_eq!(cols[5], "0", "cross-scope hits: {row}");
+        assert_eq!(cols[6], "0", "wrong-question hits: {row}");
     }
 }

@@ -730,7 +730,8 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
         "scrape_interval: 100ms\n\
          sources:\n  gpu: simulated\n  vllm:\n\
          \x20   - {{ name: primary, url: \"{}\" }}\n\
-         \x20   - {{ name: gone, url: \"http://{}\" }}\n",
+         \x20   - {{ name: gone, url: \"http://{}\" }}\n\
+         cache: {{}}\n",
         primary.url(""),
         closed_addr()
     );
@@ -762,18 +763,46 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
         &["tiers", "pro", "daily_tokens"],
         "{limit: 1, mode: soft}",
     );
+    // The exact cache on mistral (entries in the sidecar above): the cache
+    // panels and SluiceCacheHitRateDrop read its series.
+    set(
+        &mut cfg,
+        &["cache"],
+        "{salt: observability-cache-salt-0123456789, models: {\"mistral:7b\": {exact: true}}}",
+    );
     let envoy = sluice_tests::Envoy::start(&cfg, 2);
     let stack = Stack {
         envoy,
         upstream: primary,
         config: cfg,
     };
+    // A cached answer, first of all (nothing else is stored yet): asked
+    // again once the sidecar holds it, a hit (saved tokens, lookups).
+    let team = [("x-api-key", "demo-search-key-1")];
+    let cached = chat_body(MISTRAL, "what does the cache panel show?", 4, false);
+    send(&stack, &team, &cached).ok();
+    let sidecar_stores = || {
+        let t = get(&sidecar.url("/metrics"), &[]).body;
+        prometheus_value(
+            &t,
+            "sluice_sidecar_cache_total",
+            &[("result", "store"), ("kind", "exact"), ("model", MISTRAL)],
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || sidecar_stores() >= 1.0),
+        "the sidecar never stored the answer:\n{}",
+        sidecar.log()
+    );
+    let r = send(&stack, &team, &cached).ok();
+    assert_eq!(r.header("x-sluice-cache"), Some("hit"), "{r:?}");
+
     let pro = [("x-api-key", "demo-pro-key")];
     let r = send(&stack, &pro, &chat_body(BIG, "hello", 4, false));
     assert_eq!(r.header("x-sluice-degraded"), Some("downshift"), "{r:?}");
     send(&stack, &pro, &chat_body(MISTRAL, "hello", 4, true)).ok();
     // A caller of a declared team (the team and org panels read its counter).
-    let team = [("x-api-key", "demo-search-key-1")];
     send(&stack, &team, &chat_body(MISTRAL, "hello", 4, false)).ok();
 
     let envoy_metric = |name: &str| stack.envoy.metric(name, &[]).unwrap_or(0.0);
