@@ -1248,12 +1248,14 @@ fn local_code() -> Value {
     .expect("yaml")
 }
 
-/// The Wasm filter config exactly as the shipped Istio EnvoyFilter's
-/// `EXTENSION_CONFIG` carries it (read from deploy/overlays/istio/
-/// envoyfilter.yaml), loaded by a real Envoy in place of the shipped filter,
-/// with the module from the local build (as istio-agent rewrites it) and
-/// the Istio policy's sidecar cluster: a POST is served through sluice, and
-/// a budget refusal shows that sluice read the body.
+/// The shipped Istio EnvoyFilter (deploy/overlays/istio/envoyfilter.yaml)
+/// in a real Envoy: in place of the shipped filter, the HTTP filter its
+/// `HTTP_FILTER` patch inserts (`config_discovery`, the config source
+/// swapped from ADS to a file), and in that file, as the ECDS resource, the
+/// Wasm filter config exactly as its `EXTENSION_CONFIG` carries it, with
+/// the module from the local build (as istio-agent rewrites it) and the
+/// Istio policy's sidecar cluster: a POST is served through sluice, and a
+/// budget refusal shows that sluice read the body.
 #[test]
 fn istio_envoyfilter_extension_config_serves_posts_in_envoy() {
     let root = repo_root();
@@ -1292,7 +1294,30 @@ fn istio_envoyfilter_extension_config_serves_posts_in_envoy() {
         .and_then(Value::as_mapping_mut)
         .expect("load_assignment")
         .insert("cluster_name".into(), istio_name.clone().into());
-    cfg.http_filter_mut("sluice")["typed_config"] = typed_config;
+    // The HTTP filter exactly as the HTTP_FILTER patch inserts it, its
+    // extension config delivered by ECDS: from a file here (Envoy's
+    // filesystem subscription), over ADS from istiod in a cluster.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ecds = dir.path().join("sluice-ecds.yaml");
+    let resource = json!({
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+            "name": extension["name"].as_str().expect("name"),
+            "typed_config": serde_json::to_value(&typed_config).expect("json"),
+        }]
+    });
+    fs::write(&ecds, serde_json::to_string(&resource).expect("json")).expect("write ecds");
+    let mut filter = istio_http_filter_patch(envoyfilter)["patch"]["value"].clone();
+    let source = filter["config_discovery"]["config_source"]
+        .as_mapping_mut()
+        .expect("config_source");
+    assert!(source.remove("ads").is_some(), "the filter reads ADS");
+    source.insert(
+        "path_config_source".into(),
+        serde_yaml::from_str(&format!("{{ path: {:?} }}", ecds.display().to_string()))
+            .expect("yaml"),
+    );
+    *cfg.http_filter_mut("sluice") = filter;
     let envoy = Envoy::start(&cfg, 1);
     serves_and_reads_the_body(&envoy, &upstream);
 }
