@@ -169,7 +169,7 @@ image: build
 	@echo "image digest: $$(cat target/image/sluice-filter/digest)"
 
 ## deploy-manifests: the files generated from envoy/ and deploy/release.env
-## (envoy/sluice-remote.yaml, the policies, WasmPlugin, EnvoyExtensionPolicy,
+## (envoy/sluice-remote.yaml, the policies, the Istio EnvoyFilter, EnvoyExtensionPolicy, EnvoyPatchPolicy,
 ## EnvoyProxy, PrometheusRule, the dashboard ConfigMap, the image pins);
 ## tests/tests/deploy.rs fails when they are out of date.
 deploy-manifests:

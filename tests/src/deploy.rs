@@ -320,35 +320,13 @@ pub fn generated_files_for(
             ),
         )?,
     ));
-    let wasmplugin = map(vec![
-        ("apiVersion", literal("extensions.istio.io/v1alpha1")),
-        ("kind", literal("WasmPlugin")),
-        ("metadata", parse("{name: sluice}")),
-        (
-            "spec",
-            map(vec![
-                // The workloads whose istio-proxy loads sluice: your LLM
-                // gateway's pods (here the ingress gateway's labels).
-                ("selector", parse("{matchLabels: {istio: ingressgateway}}")),
-                (
-                    "url",
-                    Value::String(format!("oci://{}", release.filter_ref())),
-                ),
-                ("sha256", Value::String(release.digest_hex().to_string())),
-                ("imagePullPolicy", literal("IfNotPresent")),
-                // After Istio's authentication filters, so JWT claims are verified.
-                ("phase", literal("AUTHN")),
-                ("failStrategy", literal("FAIL_CLOSE")),
-                ("pluginName", literal("sluice")),
-                ("pluginConfig", istio_policy),
-            ]),
-        ),
-    ]);
+    let mut shipped_filter = shipped.clone();
+    let filter_config = shipped_filter.http_filter_mut("sluice")["typed_config"]["config"].clone();
     out.push((
-        "deploy/overlays/istio/wasmplugin.yaml".into(),
+        "deploy/overlays/istio/envoyfilter.yaml".into(),
         yaml_doc(
-            "envoy/sluice.yaml's policy, deploy/release.env",
-            &wasmplugin,
+            "envoy/sluice.yaml's filter and policy, deploy/release.env",
+            &istio_envoyfilter(&filter_config, istio_policy, &release)?,
         )?,
     ));
     let bootstrap = serde_json::to_string_pretty(&serde_json::json!({
@@ -446,6 +424,13 @@ pub fn generated_files_for(
     out.push((
         "deploy/overlays/envoy-gateway/envoyextensionpolicy.yaml".into(),
         yaml_doc("envoy/sluice.yaml's policy, deploy/release.env", &eep)?,
+    ));
+    out.push((
+        "deploy/overlays/envoy-gateway/envoypatchpolicy.yaml".into(),
+        yaml_doc(
+            "the wasm filter's name in Envoy Gateway",
+            &eg_patch_policy(),
+        )?,
     ));
 
     // Fleet (on top of envoy-gateway): every gateway pod runs the fleet
@@ -655,4 +640,201 @@ fn split_ref(image: &str) -> anyhow::Result<(&str, &str)> {
         .split_once('@')
         .filter(|(_, d)| d.starts_with("sha256:"))
         .ok_or_else(|| anyhow!("`{image}` is not pinned by digest (repo@sha256:…)"))
+}
+
+/// The name of the `ExtensionConfig` (ECDS resource) the Istio EnvoyFilter
+/// adds, and of the HTTP filter that loads it.
+pub const ISTIO_EXTENSION_NAME: &str = "sluice";
+
+/// The Istio overlay's `EnvoyFilter`: an `EXTENSION_CONFIG` ADD carrying the
+/// whole Wasm filter config (what a `WasmPlugin` would generate, plus
+/// `allow_on_headers_stop_iteration: true`, which WasmPlugin cannot set),
+/// and an `HTTP_FILTER` INSERT_BEFORE the router that loads it by name
+/// through ECDS (`config_discovery` over ADS). `filter_config` is the
+/// shipped filter's `PluginConfig` (envoy/sluice.yaml); its code becomes
+/// the OCI image by digest, which istio-agent pulls for ECDS Wasm configs
+/// (`remote.http_uri` with `oci://`, as it does for a WasmPlugin) and
+/// rewrites to a local file before Envoy sees it.
+pub fn istio_envoyfilter(
+    filter_config: &Value,
+    policy: Value,
+    release: &Release,
+) -> anyhow::Result<Value> {
+    let mut config = filter_config.clone();
+    let c = config
+        .as_mapping_mut()
+        .ok_or_else(|| anyhow!("envoy/sluice.yaml: the sluice filter has no config"))?;
+    if c.get("allow_on_headers_stop_iteration") != Some(&Value::Bool(true)) {
+        bail!(
+            "envoy/sluice.yaml: the sluice filter must set allow_on_headers_stop_iteration: true"
+        );
+    }
+    if c.get("failure_policy").and_then(Value::as_str) != Some("FAIL_CLOSED") {
+        bail!("envoy/sluice.yaml: the sluice filter must fail closed");
+    }
+    let code = parse(&format!(
+        "remote:
+  http_uri:
+    uri: oci://{image}
+    timeout: 30s
+  sha256: {digest}
+",
+        image = release.filter_ref(),
+        digest = release.digest_hex()
+    ));
+    config["vm_config"]["code"] = code;
+    config["configuration"] = map(vec![
+        (
+            "@type",
+            literal("type.googleapis.com/google.protobuf.Struct"),
+        ),
+        ("value", policy),
+    ]);
+    let wasm_type = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+    let extension = map(vec![
+        ("name", literal(ISTIO_EXTENSION_NAME)),
+        (
+            "typed_config",
+            map(vec![("@type", literal(wasm_type)), ("config", config)]),
+        ),
+    ]);
+    let http_filter = parse(&format!(
+        "name: {ISTIO_EXTENSION_NAME}
+config_discovery:
+  config_source:
+    ads: {{}}
+    initial_fetch_timeout: 0s
+  type_urls: [{wasm_type}]
+"
+    ));
+    Ok(map(vec![
+        ("apiVersion", literal("networking.istio.io/v1alpha3")),
+        ("kind", literal("EnvoyFilter")),
+        ("metadata", parse("{name: sluice}")),
+        (
+            "spec",
+            map(vec![
+                // The workloads whose istio-proxy loads sluice: your LLM
+                // gateway's pods (here the ingress gateway's labels).
+                (
+                    "workloadSelector",
+                    parse("{labels: {istio: ingressgateway}}"),
+                ),
+                (
+                    "configPatches",
+                    Value::Sequence(vec![
+                        map(vec![
+                            ("applyTo", literal("EXTENSION_CONFIG")),
+                            (
+                                "patch",
+                                map(vec![("operation", literal("ADD")), ("value", extension)]),
+                            ),
+                        ]),
+                        map(vec![
+                            ("applyTo", literal("HTTP_FILTER")),
+                            (
+                                "match",
+                                parse(
+                                    "context: GATEWAY
+listener:
+  filterChain:
+    filter:
+      name: envoy.filters.network.http_connection_manager
+      subFilter:
+        name: envoy.filters.http.router
+",
+                                ),
+                            ),
+                            (
+                                "patch",
+                                map(vec![
+                                    ("operation", literal("INSERT_BEFORE")),
+                                    ("value", http_filter),
+                                ]),
+                            ),
+                        ]),
+                    ]),
+                ),
+            ]),
+        ),
+    ]))
+}
+
+/// The Gateway, its namespace and listener (gateway.yaml) the
+/// EnvoyExtensionPolicy and the EnvoyPatchPolicy target.
+pub const EG_GATEWAY: &str = "llm-gateway";
+pub const EG_LISTENER: &str = "http";
+/// The EnvoyExtensionPolicy's name and the index of sluice in its `wasm`.
+pub const EG_POLICY: &str = "sluice";
+
+/// The name Envoy Gateway gives the HTTP filter of the `index`th `wasm`
+/// entry of an EnvoyExtensionPolicy: `envoy.filters.http.wasm/` and the
+/// IR name `envoyextensionpolicy/<namespace>/<policy>/wasm/<index>`
+/// (Envoy Gateway's xDS translator, internal/xds/translator/wasm.go).
+pub fn eg_wasm_filter_name(index: usize) -> String {
+    format!("envoy.filters.http.wasm/envoyextensionpolicy/{NAMESPACE}/{EG_POLICY}/wasm/{index}")
+}
+
+/// The name of the xDS Listener Envoy Gateway makes for a Gateway listener:
+/// `<namespace>/<gateway>/<listener>`.
+pub fn eg_listener_name() -> String {
+    format!("{NAMESPACE}/{EG_GATEWAY}/{EG_LISTENER}")
+}
+
+/// The Envoy Gateway overlay's `EnvoyPatchPolicy`: sets
+/// `allow_on_headers_stop_iteration: true` on the wasm filter the
+/// EnvoyExtensionPolicy generates (the API has no field for it). The filter
+/// is found by name with `jsonPath` (wherever the HTTP connection manager
+/// sits in the listener), and `path` is appended to each match.
+/// EnvoyPatchPolicy is off in Envoy Gateway until its own config sets
+/// `extensionApis.enableEnvoyPatchPolicy: true`.
+pub fn eg_patch_policy() -> Value {
+    map(vec![
+        ("apiVersion", literal("gateway.envoyproxy.io/v1alpha1")),
+        ("kind", literal("EnvoyPatchPolicy")),
+        (
+            "metadata",
+            parse("{name: sluice-allow-on-headers-stop-iteration}"),
+        ),
+        (
+            "spec",
+            map(vec![
+                (
+                    "targetRef",
+                    parse(&format!(
+                        "{{group: gateway.networking.k8s.io, kind: Gateway, name: {EG_GATEWAY}}}"
+                    )),
+                ),
+                ("type", literal("JSONPatch")),
+                (
+                    "jsonPatches",
+                    Value::Sequence(vec![map(vec![
+                        (
+                            "type",
+                            literal("type.googleapis.com/envoy.config.listener.v3.Listener"),
+                        ),
+                        ("name", Value::String(eg_listener_name())),
+                        (
+                            "operation",
+                            map(vec![
+                                ("op", literal("add")),
+                                (
+                                    "jsonPath",
+                                    Value::String(format!(
+                                        "..http_filters[?(@.name=='{}')]",
+                                        eg_wasm_filter_name(0)
+                                    )),
+                                ),
+                                (
+                                    "path",
+                                    literal("/typed_config/config/allow_on_headers_stop_iteration"),
+                                ),
+                                ("value", Value::Bool(true)),
+                            ]),
+                        ),
+                    ])]),
+                ),
+            ]),
+        ),
+    ])
 }

@@ -799,7 +799,7 @@ fn every_deploy_yaml_parses_and_every_kustomization_path_exists() {
 }
 
 /// Runs `sluice-sidecar check-config` on every policy the objects carry (a
-/// `policy.yaml` ConfigMap, a WasmPlugin's pluginConfig, an
+/// `policy.yaml` ConfigMap, the Istio EnvoyFilter's extension config, an
 /// EnvoyExtensionPolicy's config); returns how many.
 fn check_policies(what: &str, objects: &[Value]) -> usize {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -810,7 +810,9 @@ fn check_policies(what: &str, objects: &[Value]) -> usize {
                 serde_yaml::from_str::<Value>(d["data"]["policy.yaml"].as_str().unwrap_or(""))
                     .expect("policy.yaml parses")
             }
-            Some("WasmPlugin") => d["spec"]["pluginConfig"].clone(),
+            Some("EnvoyFilter") => {
+                istio_extension(d)["typed_config"]["config"]["configuration"]["value"].clone()
+            }
             Some("EnvoyExtensionPolicy") => d["spec"]["wasm"][0]["config"].clone(),
             _ => continue,
         };
@@ -936,29 +938,53 @@ fn check_objects(
         }
         let s = &o["spec"];
         match kind {
-            "WasmPlugin" => {
-                assert_eq!(o["apiVersion"], "extensions.istio.io/v1alpha1", "{what}");
+            "EnvoyFilter" => {
+                assert_eq!(o["apiVersion"], "networking.istio.io/v1alpha3", "{what}");
+                assert!(
+                    s["workloadSelector"]["labels"].is_mapping(),
+                    "{what}: workloadSelector"
+                );
+                let config = &istio_extension(o)["typed_config"]["config"];
                 assert_eq!(
-                    s["url"],
+                    config["allow_on_headers_stop_iteration"], true,
+                    "{what}: sluice reads the body before the route is chosen"
+                );
+                assert_eq!(config["failure_policy"], "FAIL_CLOSED", "{what}");
+                let remote = &config["vm_config"]["code"]["remote"];
+                assert_eq!(
+                    remote["http_uri"]["uri"],
                     format!("oci://{}", release.filter_ref()).as_str(),
                     "{what}"
                 );
                 assert_eq!(
-                    s["sha256"],
+                    remote["sha256"],
                     release.filter_digest.trim_start_matches("sha256:"),
                     "{what}"
                 );
-                assert_eq!(s["failStrategy"], "FAIL_CLOSE", "{what}");
-                assert!(s["phase"].is_string(), "{what}: phase");
-                assert!(
-                    s["selector"]["matchLabels"].is_mapping(),
-                    "{what}: selector"
-                );
                 assert_eq!(
-                    s["pluginConfig"]["sidecar"]["cluster"],
+                    config["configuration"]["value"]["sidecar"]["cluster"],
                     deploy::istio_sidecar_cluster().as_str(),
                     "{what}"
                 );
+                let filter = &istio_http_filter_patch(o)["patch"]["value"];
+                assert_eq!(filter["name"], deploy::ISTIO_EXTENSION_NAME, "{what}");
+                assert!(
+                    filter["config_discovery"]["config_source"]["ads"].is_mapping(),
+                    "{what}: the filter loads the extension over ADS"
+                );
+            }
+            "EnvoyPatchPolicy" => {
+                assert_eq!(o["apiVersion"], "gateway.envoyproxy.io/v1alpha1", "{what}");
+                assert_eq!(s["type"], "JSONPatch", "{what}");
+                assert_eq!(s["targetRef"]["kind"], "Gateway", "{what}");
+                assert_eq!(s["targetRef"]["name"], deploy::EG_GATEWAY, "{what}");
+                let patch = &s["jsonPatches"][0];
+                assert_eq!(
+                    patch["type"], "type.googleapis.com/envoy.config.listener.v3.Listener",
+                    "{what}"
+                );
+                assert_eq!(patch["name"], deploy::eg_listener_name().as_str(), "{what}");
+                assert_eq!(patch["operation"]["value"], true, "{what}");
             }
             "EnvoyExtensionPolicy" => {
                 assert_eq!(o["apiVersion"], "gateway.envoyproxy.io/v1alpha1", "{what}");
@@ -1024,7 +1050,8 @@ fn deploy_objects_pin_images_and_carry_the_mesh_fields() {
         ));
     }
     for kind in [
-        "WasmPlugin",
+        "EnvoyFilter",
+        "EnvoyPatchPolicy",
         "EnvoyExtensionPolicy",
         "EnvoyProxy",
         "PrometheusRule",
@@ -1083,7 +1110,8 @@ fn overlays_render_with_kubectl_kustomize() {
         "PodDisruptionBudget",
         "NetworkPolicy",
         "StatefulSet",
-        "WasmPlugin",
+        "EnvoyFilter",
+        "EnvoyPatchPolicy",
         "EnvoyExtensionPolicy",
         "EnvoyProxy",
         "PrometheusRule",
@@ -1125,9 +1153,9 @@ fn images_in(v: &Value) -> Vec<String> {
 /// Without it Envoy 1.40 turns sluice's pause on the request headers into
 /// StopAllIterationAndWatermark and never hands it the body: a POST to an
 /// LLM API hangs. It fails safe (nothing reaches the upstream unread), but
-/// it does not serve: the README's Istio and Envoy Gateway walk-throughs
-/// say so and set the flag with a patch. This test pins the behaviour so a
-/// change (in Envoy or in sluice) is noticed.
+/// it does not serve: why the Istio overlay ships an EnvoyFilter instead of
+/// a WasmPlugin and the Envoy Gateway overlay an EnvoyPatchPolicy (tested
+/// below). This test pins the behaviour so a change is noticed.
 #[test]
 fn without_allow_on_headers_stop_iteration_a_post_never_reaches_the_upstream() {
     let stack = sluice_tests::Stack::start(|cfg| {
@@ -1151,4 +1179,330 @@ fn without_allow_on_headers_stop_iteration_a_post_never_reaches_the_upstream() {
         "a POST is held (not answered): {answer:?}"
     );
     assert_eq!(stack.upstream_requests(), 0, "nothing reached the upstream");
+}
+
+// ---------------------------------------------------------------------------
+// The shipped mesh patches, in a real Envoy
+// ---------------------------------------------------------------------------
+
+/// The Istio EnvoyFilter's `EXTENSION_CONFIG` patch (the ECDS resource).
+fn istio_extension(envoyfilter: &Value) -> &Value {
+    let patches = envoyfilter["spec"]["configPatches"]
+        .as_sequence()
+        .expect("configPatches");
+    let p = patches
+        .iter()
+        .find(|p| p["applyTo"] == "EXTENSION_CONFIG")
+        .expect("an EXTENSION_CONFIG patch");
+    assert_eq!(p["patch"]["operation"], "ADD", "{p:?}");
+    &p["patch"]["value"]
+}
+
+/// The Istio EnvoyFilter's `HTTP_FILTER` patch.
+fn istio_http_filter_patch(envoyfilter: &Value) -> &Value {
+    envoyfilter["spec"]["configPatches"]
+        .as_sequence()
+        .expect("configPatches")
+        .iter()
+        .find(|p| p["applyTo"] == "HTTP_FILTER")
+        .expect("an HTTP_FILTER patch")
+}
+
+/// One admitted chat completion (with sluice's headers), then a refusal
+/// that needs the body: a free-tier request whose prompt alone (about 40 KB,
+/// some 10 000 tokens by sluice's estimate) is more than the tier's daily
+/// budget (5000 tokens) is refused 429 `daily_budget_exceeded` before
+/// anything reaches the upstream. The headers of both are alike: only the
+/// body tells them apart.
+fn serves_and_reads_the_body(envoy: &Envoy, upstream: &MockLlm) {
+    chat_ok(envoy, upstream);
+    let before = upstream.stats()["requests_total"].as_u64().unwrap_or(0);
+    let mut body = chat_body("llama3.1:8b");
+    body["messages"][0]["content"] = json!("Please summarise this. ".repeat(40 * 1024 / 23));
+    let r = post_json(
+        &envoy.url("/v1/chat/completions"),
+        &[("x-api-key", "demo-free-key")],
+        &body,
+    );
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(
+        r.header("x-sluice-reason"),
+        Some("daily_budget_exceeded"),
+        "{r:?}"
+    );
+    assert_eq!(
+        upstream.stats()["requests_total"].as_u64().unwrap_or(0),
+        before,
+        "the refused request never reached the upstream"
+    );
+}
+
+/// `code.local` with the built module: what istio-agent hands Envoy after
+/// pulling the image an ECDS Wasm config names (it rewrites
+/// `remote.http_uri` to the file it downloaded and checked).
+fn local_code() -> Value {
+    serde_yaml::from_str(&format!(
+        "local: {{ filename: {:?} }}",
+        wasm_path().display().to_string()
+    ))
+    .expect("yaml")
+}
+
+/// The shipped Istio EnvoyFilter (deploy/overlays/istio/envoyfilter.yaml)
+/// in a real Envoy: in place of the shipped filter, the HTTP filter its
+/// `HTTP_FILTER` patch inserts (`config_discovery`, the config source
+/// swapped from ADS to a file), and in that file, as the ECDS resource, the
+/// Wasm filter config exactly as its `EXTENSION_CONFIG` carries it, with
+/// the module from the local build (as istio-agent rewrites it) and the
+/// Istio policy's sidecar cluster: a POST is served through sluice, and a
+/// budget refusal shows that sluice read the body.
+#[test]
+fn istio_envoyfilter_extension_config_serves_posts_in_envoy() {
+    let root = repo_root();
+    let file = root.join("deploy/overlays/istio/envoyfilter.yaml");
+    let envoyfilter = &docs(&file)[0];
+    assert_eq!(envoyfilter["kind"], "EnvoyFilter");
+    let extension = istio_extension(envoyfilter).clone();
+    assert_eq!(
+        istio_http_filter_patch(envoyfilter)["patch"]["value"]["name"],
+        extension["name"],
+        "the HTTP filter loads the extension config by its name"
+    );
+    let mut typed_config = extension["typed_config"].clone();
+    assert_eq!(
+        typed_config["config"]["vm_config"]["code"]["remote"]["http_uri"]["uri"]
+            .as_str()
+            .map(|u| u.starts_with("oci://")),
+        Some(true)
+    );
+    typed_config["config"]["vm_config"]["code"] = local_code();
+    // The test-only edit of every stack: no penalty box from 127.0.0.1.
+    if let Some(policy) = typed_config["config"]["configuration"]["value"].as_mapping_mut() {
+        policy.remove("abuse");
+    }
+
+    let upstream = MockLlm::start("primary");
+    let mut cfg = shipped_config_for(&upstream);
+    // The sidecar cluster under Istio's name (down here: on_stale fail_open).
+    let istio_name = deploy::istio_sidecar_cluster();
+    cfg.cluster_mut("sluice_sidecar")
+        .as_mapping_mut()
+        .expect("cluster map")
+        .insert("name".into(), istio_name.clone().into());
+    cfg.cluster_mut(&istio_name)
+        .get_mut("load_assignment")
+        .and_then(Value::as_mapping_mut)
+        .expect("load_assignment")
+        .insert("cluster_name".into(), istio_name.clone().into());
+    // The HTTP filter exactly as the HTTP_FILTER patch inserts it, its
+    // extension config delivered by ECDS: from a file here (Envoy's
+    // filesystem subscription), over ADS from istiod in a cluster.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ecds = dir.path().join("sluice-ecds.yaml");
+    let resource = json!({
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+            "name": extension["name"].as_str().expect("name"),
+            "typed_config": serde_json::to_value(&typed_config).expect("json"),
+        }]
+    });
+    fs::write(&ecds, serde_json::to_string(&resource).expect("json")).expect("write ecds");
+    let mut filter = istio_http_filter_patch(envoyfilter)["patch"]["value"].clone();
+    let source = filter["config_discovery"]["config_source"]
+        .as_mapping_mut()
+        .expect("config_source");
+    assert!(source.remove("ads").is_some(), "the filter reads ADS");
+    source.insert(
+        "path_config_source".into(),
+        serde_yaml::from_str(&format!("{{ path: {:?} }}", ecds.display().to_string()))
+            .expect("yaml"),
+    );
+    *cfg.http_filter_mut("sluice") = filter;
+    let envoy = Envoy::start(&cfg, 1);
+    serves_and_reads_the_body(&envoy, &upstream);
+}
+
+/// Applies one `add` operation of an EnvoyPatchPolicy as Envoy Gateway does
+/// for the shape the shipped policy uses: `jsonPath`
+/// `..http_filters[?(@.name=='N')]` selects every HTTP filter named N
+/// anywhere in the listener, and `path` (a JSON pointer) is appended to
+/// each. Returns how many places it changed; panics on another shape.
+fn apply_eg_add(listener: &mut Value, op: &Value) -> usize {
+    assert_eq!(op["op"], "add", "{op:?}");
+    let json_path = op["jsonPath"].as_str().expect("jsonPath");
+    let name = json_path
+        .strip_prefix("..http_filters[?(@.name=='")
+        .and_then(|r| r.strip_suffix("')]"))
+        .unwrap_or_else(|| panic!("unexpected jsonPath {json_path}"));
+    let pointer: Vec<String> = op["path"]
+        .as_str()
+        .expect("path")
+        .strip_prefix('/')
+        .expect("a JSON pointer")
+        .split('/')
+        .map(|t| t.replace("~1", "/").replace("~0", "~"))
+        .collect();
+    fn walk(v: &mut Value, name: &str, pointer: &[String], value: &Value) -> usize {
+        let mut n = 0;
+        match v {
+            Value::Mapping(m) => {
+                for (k, child) in m.iter_mut() {
+                    if k.as_str() == Some("http_filters") {
+                        for f in child.as_sequence_mut().into_iter().flatten() {
+                            if f["name"].as_str() == Some(name) {
+                                let (last, parents) = pointer.split_last().expect("path");
+                                let mut at = &mut *f;
+                                for p in parents {
+                                    at = at.get_mut(p.as_str()).unwrap_or_else(|| {
+                                        panic!("add: no `{p}` on the way to {pointer:?}")
+                                    });
+                                }
+                                at.as_mapping_mut()
+                                    .expect("add into an object")
+                                    .insert(last.as_str().into(), value.clone());
+                                n += 1;
+                            }
+                        }
+                    } else {
+                        n += walk(child, name, pointer, value);
+                    }
+                }
+            }
+            Value::Sequence(s) => {
+                for x in s {
+                    n += walk(x, name, pointer, value);
+                }
+            }
+            _ => {}
+        }
+        n
+    }
+    walk(listener, name, &pointer, &op["value"])
+}
+
+/// The shipped EnvoyPatchPolicy applied to a listener holding sluice as
+/// Envoy Gateway generates it from the shipped EnvoyExtensionPolicy, then
+/// loaded in a real Envoy: POSTs are served through sluice and a budget
+/// refusal shows the body is read. The generated shape (Envoy Gateway's
+/// xDS translator, internal/xds/translator/wasm.go, as this was written):
+/// the listener named `<namespace>/<gateway>/<listener>`; in its HTTP
+/// connection manager an `envoy.extensions.filters.http.wasm.v3.Wasm`
+/// filter named `envoy.filters.http.wasm/envoyextensionpolicy/<ns>/<policy>
+/// /wasm/<index>`, `disabled: true` and enabled on the routes the policy
+/// targets (`typed_per_filter_config`, an empty `FilterConfig`), whose
+/// PluginConfig has the policy's `rootID`, `failOpen: false` as
+/// FAIL_CLOSED, the `config` as a JSON `StringValue`, and no
+/// `allow_on_headers_stop_iteration` (code: EG's wasm cache; here the
+/// local build). Without the patch the same listener holds every POST
+/// (checked here too, the shape stays honest).
+#[test]
+fn eg_patch_policy_on_the_generated_wasm_filter_serves_posts_in_envoy() {
+    let root = repo_root();
+    let eep = &docs(&root.join("deploy/overlays/envoy-gateway/envoyextensionpolicy.yaml"))[0];
+    let epp = &docs(&root.join("deploy/overlays/envoy-gateway/envoypatchpolicy.yaml"))[0];
+    assert_eq!(epp["kind"], "EnvoyPatchPolicy");
+    assert_eq!(eep["metadata"]["name"], deploy::EG_POLICY);
+    let wasm = &eep["spec"]["wasm"][0];
+    let mut policy = wasm["config"].clone();
+    if let Some(p) = policy.as_mapping_mut() {
+        p.remove("abuse");
+    }
+    let filter_name = deploy::eg_wasm_filter_name(0);
+    let generated = |upstream: &MockLlm| {
+        let mut cfg = shipped_config_for(upstream);
+        let filter: Value = serde_yaml::from_str(&format!(
+            "name: {filter_name:?}
+disabled: true
+typed_config:
+  \"@type\": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+  config:
+    name: {filter_name:?}
+    root_id: {root_id}
+    failure_policy: FAIL_CLOSED
+    vm_config:
+      vm_id: {filter_name:?}
+      runtime: envoy.wasm.runtime.v8
+    configuration:
+      \"@type\": type.googleapis.com/google.protobuf.StringValue
+      value: {json:?}
+",
+            root_id = wasm["rootID"].as_str().expect("rootID"),
+            json = serde_json::to_string(&policy).expect("json"),
+        ))
+        .expect("filter yaml");
+        let mut filter = filter;
+        filter["typed_config"]["config"]["vm_config"]["code"] = local_code();
+        *cfg.http_filter_mut("sluice") = filter;
+        let enable: Value = serde_yaml::from_str(&format!(
+            "{filter_name:?}: {{ \"@type\": type.googleapis.com/envoy.config.route.v3.FilterConfig, config: {{}} }}"
+        ))
+        .expect("yaml");
+        for vh in cfg.hcm_mut()["route_config"]["virtual_hosts"]
+            .as_sequence_mut()
+            .expect("virtual_hosts")
+        {
+            for route in vh["routes"].as_sequence_mut().expect("routes") {
+                route
+                    .as_mapping_mut()
+                    .expect("route")
+                    .insert("typed_per_filter_config".into(), enable.clone());
+            }
+        }
+        cfg.listener_mut()
+            .as_mapping_mut()
+            .expect("listener")
+            .insert("name".into(), deploy::eg_listener_name().into());
+        cfg
+    };
+
+    // The shipped patch, on that listener.
+    let upstream = MockLlm::start("primary");
+    let mut cfg = generated(&upstream);
+    let patches = epp["spec"]["jsonPatches"]
+        .as_sequence()
+        .expect("jsonPatches");
+    assert!(!patches.is_empty());
+    for patch in patches {
+        assert_eq!(
+            patch["type"],
+            "type.googleapis.com/envoy.config.listener.v3.Listener"
+        );
+        assert_eq!(
+            patch["name"],
+            cfg.listener_mut()["name"],
+            "the listener's name"
+        );
+        assert_eq!(
+            apply_eg_add(cfg.listener_mut(), &patch["operation"]),
+            1,
+            "the patch finds the generated wasm filter"
+        );
+    }
+    assert_eq!(
+        cfg.http_filter_mut(&filter_name)["typed_config"]["config"]
+            ["allow_on_headers_stop_iteration"],
+        true
+    );
+    let envoy = Envoy::start(&cfg, 1);
+    serves_and_reads_the_body(&envoy, &upstream);
+    drop(envoy);
+
+    // The same listener without the patch holds a POST.
+    let upstream = MockLlm::start("primary");
+    let envoy = Envoy::start(&generated(&upstream), 1);
+    let client = sluice_tests::client_builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .expect("client");
+    let answer = client
+        .post(envoy.url("/v1/chat/completions"))
+        .header("x-api-key", "demo-pro-key")
+        .header("content-type", "application/json")
+        .body(chat_body("llama3.1:8b").to_string())
+        .send();
+    assert!(
+        answer.as_ref().is_err_and(|e| e.is_timeout()),
+        "without the patch a POST is held: {answer:?}"
+    );
+    assert_eq!(upstream.stats()["requests_total"].as_u64(), Some(0));
 }
