@@ -22,10 +22,10 @@
 pub mod entry;
 pub mod memory;
 pub mod metrics;
+pub mod recent;
 pub mod redis;
 pub mod semantic;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -37,6 +37,7 @@ use self::entry::lock;
 pub use self::entry::{Limits, Stored};
 use self::memory::{MemoryStore, Removed};
 use self::metrics::Stats;
+use self::recent::Recent;
 use self::semantic::{Embedder, Index};
 pub use crate::config::cache::{Backend, CacheConfig, EmbeddingsConfig};
 
@@ -66,16 +67,30 @@ pub enum CacheError {
     Invalid(String),
 }
 
-/// Recently embedded texts, so the store after a miss does not embed the
-/// same question again (bounded; cleared when full).
-const RECENT_EMBEDDINGS: usize = 1024;
+/// The most vectors one semantic lookup compares, whatever the request's
+/// `top_k` (the filter's policy allows more; more is searched as this).
+pub const MAX_TOP_K: u32 = 20;
+
+/// The similarity and breadth a semantic lookup is searched with: the
+/// request's, but never below the sidecar's `min_threshold` nor wider
+/// than [`MAX_TOP_K`] (a caller that reaches the endpoint cannot ask for
+/// "the nearest entry, however far").
+fn search_bounds(threshold: Option<f32>, top_k: Option<u32>, min_threshold: f32) -> (f32, usize) {
+    let t = threshold.unwrap_or(0.95);
+    let t = if t.is_nan() { 1.0 } else { t };
+    let t = t.max(min_threshold).clamp(f32::MIN_POSITIVE, 1.0);
+    let k = top_k.unwrap_or(5).clamp(1, MAX_TOP_K);
+    (t, k as usize)
+}
 
 pub struct Cache {
     config: CacheConfig,
     store: Store,
     index: Mutex<Index>,
     embedder: Option<Embedder>,
-    recent: Mutex<HashMap<String, Vec<f32>>>,
+    /// Recently embedded texts (by SHA-256), so the store after a miss
+    /// does not embed the same question again.
+    recent: Mutex<Recent>,
     pub stats: Stats,
 }
 
@@ -101,7 +116,7 @@ impl Cache {
         Ok(Arc::new(Cache {
             index: Mutex::new(Index::new(vectors)),
             embedder,
-            recent: Mutex::new(HashMap::new()),
+            recent: Mutex::new(Recent::default()),
             store,
             stats: Stats::default(),
             config,
@@ -159,16 +174,12 @@ impl Cache {
     async fn embed(&self, text: &str) -> Option<Vec<f32>> {
         let e = self.embedder.as_ref()?;
         if let Some(v) = lock(&self.recent).get(text) {
-            return Some(v.clone());
+            return Some(v);
         }
         self.stats.embedding_call();
         match e.embed(text).await {
             Ok(v) => {
-                let mut recent = lock(&self.recent);
-                if recent.len() >= RECENT_EMBEDDINGS {
-                    recent.clear();
-                }
-                recent.insert(text.to_string(), v.clone());
+                lock(&self.recent).put(text, v.clone());
                 Some(v)
             }
             Err(why) => {
@@ -212,8 +223,13 @@ impl Cache {
         let Some(sem) = &req.semantic else {
             return LookupAnswer { hit: None };
         };
-        let threshold = req.threshold.unwrap_or(0.95).clamp(f32::MIN_POSITIVE, 1.0);
-        let top_k = req.top_k.unwrap_or(5).clamp(1, 100) as usize;
+        if !semantic::embeddable(&sem.text) {
+            // Too long to embed whole: exact only (a cut text would make
+            // two questions sharing their start look the same).
+            self.stats.count(&req.model, Kind::Semantic, "skip");
+            return LookupAnswer { hit: None };
+        }
+        let (threshold, top_k) = search_bounds(req.threshold, req.top_k, self.config.min_threshold);
         let found = match self.embed(&sem.text).await {
             Some(q) => lock(&self.index).search(&sem.context, &q, threshold, top_k, now_ms),
             None => Vec::new(),
@@ -250,6 +266,10 @@ impl Cache {
             .min(self.config.max_ttl.as_secs())
             .saturating_mul(1000);
         let (context, vector) = match &req.semantic {
+            Some(sem) if !semantic::embeddable(&sem.text) => {
+                self.stats.count(&req.model, Kind::Semantic, "skip");
+                (None, None)
+            }
             Some(sem) => match self.embed(&sem.text).await {
                 Some(v) => (Some(sem.context.clone()), Some(v)),
                 None => (None, None),

@@ -236,9 +236,15 @@ struct EmbeddingItem {
     embedding: Vec<f32>,
 }
 
-/// Longest text sent to be embedded (bytes): the last user message is cut
-/// here, at a character boundary (a longer one still has its exact key).
+/// Longest text embedded (bytes). A longer last user message gets no
+/// semantic lookup or store, only its exact key: cutting it would make two
+/// long messages that share their first `MAX_TEXT_BYTES` embed the same.
 pub const MAX_TEXT_BYTES: usize = 32 << 10;
+
+/// Whether `text` is short enough to be embedded whole.
+pub fn embeddable(text: &str) -> bool {
+    text.len() <= MAX_TEXT_BYTES
+}
 
 pub struct Embedder {
     target: Target,
@@ -267,11 +273,10 @@ impl Embedder {
     /// The normalised embedding of `text`; any failure is an error (the
     /// caller counts it and treats it as a miss).
     pub async fn embed(&self, text: &str) -> Result<Vec<f32>, String> {
-        let mut end = text.len().min(MAX_TEXT_BYTES);
-        while !text.is_char_boundary(end) {
-            end -= 1;
+        if !embeddable(text) {
+            return Err(format!("text over {MAX_TEXT_BYTES} bytes"));
         }
-        let body = serde_json::json!({"model": self.model, "input": &text[..end]});
+        let body = serde_json::json!({"model": self.model, "input": text});
         let auth = self.key.as_ref().map(|k| format!("Bearer {k}"));
         let headers: Vec<(&str, &str)> = auth
             .as_deref()

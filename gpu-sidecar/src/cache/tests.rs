@@ -252,14 +252,15 @@ async fn semantic_paraphrase_hits_only_in_its_context() {
         .await
         .unwrap();
     assert!(body_of(&opposite).is_none());
-    // A lower threshold asked for lets it through (the rule is the threshold).
+    // A lower threshold asked for is raised to the sidecar's
+    // `min_threshold` (0.9): the near miss (0.87) still misses.
     let mut loose = lookup_req(
         "k4",
         Some(("conv-a", "How do I disable 2FA on my account?")),
     );
     loose.threshold = Some(0.8);
-    assert!(c.lookup(&loose, 0).await.unwrap().hit.is_some());
-    assert_eq!(c.stats.get("m", Kind::Semantic, "hit"), 2);
+    assert!(c.lookup(&loose, 0).await.unwrap().hit.is_none());
+    assert_eq!(c.stats.get("m", Kind::Semantic, "hit"), 1);
     // Expired: the vector no longer answers.
     assert!(c
         .lookup(&lookup_req("k2", Some(("conv-a", q))), 61_000)
@@ -354,6 +355,9 @@ fn config_checks_name_the_field() {
             "cache.max_entry_bytes",
         ),
         ("cache: {backend: redis}", "cache.backend"),
+        ("cache: {min_threshold: 0}", "cache.min_threshold"),
+        ("cache: {min_threshold: 1.5}", "cache.min_threshold"),
+        ("cache: {min_threshold: -0.1}", "cache.min_threshold"),
         (
             "cache: {embeddings: {url: 'ftp://x', model: m}}",
             "cache.embeddings.url",
@@ -574,4 +578,137 @@ fn check_config_knows_the_sidecars_cache_section() {
     assert!(ok.is_ok(), "{ok:?}");
     let bad = crate::check_config::check_any("cache: {max_entries: 0}").unwrap_err();
     assert!(bad.contains("cache.max_entries"), "{bad}");
+    let bad = crate::check_config::check_any("cache: {min_threshold: 0}").unwrap_err();
+    assert!(bad.contains("cache.min_threshold"), "{bad}");
+    let ok = crate::check_config::check_any("cache: {min_threshold: 0.85}");
+    assert!(ok.is_ok(), "{ok:?}");
+}
+
+fn semantic_cache(url: String, min_threshold: f32) -> Arc<Cache> {
+    Cache::new(
+        CacheConfig {
+            embeddings: Some(EmbeddingsConfig {
+                url,
+                model: "embed".into(),
+                timeout: Duration::from_secs(5),
+                api_key_env: None,
+            }),
+            min_threshold,
+            ..CacheConfig::default()
+        },
+        None,
+    )
+    .unwrap()
+}
+
+/// A caller reaching the endpoint cannot ask for "the nearest entry of
+/// this context, however far": its threshold is raised to the sidecar's.
+#[tokio::test]
+async fn a_requests_threshold_is_raised_to_the_sidecars_minimum() {
+    let url = mock_llm().await;
+    let c = semantic_cache(url.clone(), 0.9);
+    let q = "How do I enable 2FA on my account?";
+    c.store(store_req("k1", "turn it on", Some(("conv", q))), 0)
+        .await
+        .unwrap();
+    for t in [0.0, f32::MIN_POSITIVE, 0.01, 0.5, 0.89] {
+        let mut far = lookup_req("k2", Some(("conv", "Tell me a joke about penguins")));
+        far.threshold = Some(t);
+        far.top_k = Some(u32::MAX);
+        assert!(c.lookup(&far, 0).await.unwrap().hit.is_none(), "{t}");
+        let mut near = lookup_req("k3", Some(("conv", "How do I disable 2FA on my account?")));
+        near.threshold = Some(t);
+        assert!(c.lookup(&near, 0).await.unwrap().hit.is_none(), "{t}");
+    }
+    assert_eq!(c.stats.get("m", Kind::Semantic, "hit"), 0);
+    // The operator may lower it: then a request's 0.8 lets the near one in.
+    let loose = semantic_cache(url, 0.8);
+    loose
+        .store(store_req("k1", "turn it on", Some(("conv", q))), 0)
+        .await
+        .unwrap();
+    let mut near = lookup_req("k3", Some(("conv", "How do I disable 2FA on my account?")));
+    near.threshold = Some(0.8);
+    assert!(loose.lookup(&near, 0).await.unwrap().hit.is_some());
+    // A request stricter than the minimum keeps its own.
+    near.threshold = Some(0.99);
+    assert!(loose.lookup(&near, 0).await.unwrap().hit.is_none());
+}
+
+#[test]
+fn search_bounds_clamp_threshold_and_top_k() {
+    assert_eq!(
+        search_bounds(Some(0.0), Some(1000), 0.9),
+        (0.9, MAX_TOP_K as usize)
+    );
+    assert_eq!(search_bounds(Some(f32::NAN), Some(0), 0.9), (1.0, 1));
+    assert_eq!(search_bounds(Some(0.97), Some(3), 0.9), (0.97, 3));
+    assert_eq!(search_bounds(Some(2.0), None, 0.9), (1.0, 5));
+    assert_eq!(search_bounds(None, Some(u32::MAX), 0.5), (0.95, 20));
+}
+
+/// Two long last user messages sharing their first `MAX_TEXT_BYTES` are
+/// different questions: neither answers the other (they used to be cut
+/// there and embed the same).
+#[tokio::test]
+async fn texts_over_the_embedding_limit_are_exact_only() {
+    use super::semantic::MAX_TEXT_BYTES;
+    let c = semantic_cache(mock_llm().await, 0.9);
+    let shared = "word ".repeat(MAX_TEXT_BYTES / 5 + 10);
+    let a = format!("{shared} so how do I enable 2FA?");
+    let b = format!("{shared} so how do I delete my account?");
+    let stored = c
+        .store(store_req("ka", "enable answer", Some(("conv", &a))), 0)
+        .await
+        .unwrap();
+    assert!(stored.stored, "the exact entry is kept");
+    let other = c
+        .lookup(&lookup_req("kb", Some(("conv", &b))), 0)
+        .await
+        .unwrap();
+    assert!(other.hit.is_none(), "{:?}", body_of(&other));
+    assert_eq!(c.vectors(), 0, "no vector for a text over the limit");
+    // Its exact key still answers it.
+    let same = c
+        .lookup(&lookup_req("ka", Some(("conv", &a))), 0)
+        .await
+        .unwrap();
+    assert_eq!(same.hit.map(|h| h.kind), Some(Kind::Exact));
+    assert_eq!(c.stats.get("m", Kind::Semantic, "skip"), 2);
+    assert_eq!(
+        c.stats
+            .embedding_calls
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    // One at the limit is still embedded whole.
+    let at = "a".repeat(MAX_TEXT_BYTES);
+    c.store(store_req("kc", "x", Some(("conv", &at))), 0)
+        .await
+        .unwrap();
+    assert_eq!(c.vectors(), 1);
+}
+
+/// The remembered embeddings hold hashes, not texts: 64 distinct 30 KiB
+/// questions take a few vectors' worth, not 2 MiB of text.
+#[tokio::test]
+async fn recent_embeddings_do_not_keep_the_texts() {
+    let c = semantic_cache(mock_llm().await, 0.9);
+    let long = "y".repeat(30 << 10);
+    for i in 0..64 {
+        c.store(
+            store_req(
+                &format!("k{i}"),
+                "a",
+                Some(("conv", &format!("{long} {i}"))),
+            ),
+            0,
+        )
+        .await
+        .unwrap();
+    }
+    let recent = lock(&c.recent);
+    assert_eq!(recent.len(), 64);
+    assert!(recent.bytes() < 64 * 4096, "{}", recent.bytes());
+    assert!(recent.bytes() <= recent::RECENT_BYTES);
 }

@@ -34,6 +34,9 @@ pub struct CacheConfig {
     pub max_vectors: Option<usize>,
     /// Absent: no semantic cache (semantic lookups are misses).
     pub embeddings: Option<EmbeddingsConfig>,
+    /// The lowest similarity a semantic lookup is searched with, whatever
+    /// the request asks (a lower `threshold` is raised to this).
+    pub min_threshold: f32,
 }
 
 impl Default for CacheConfig {
@@ -46,6 +49,7 @@ impl Default for CacheConfig {
             max_ttl: Duration::from_secs(30 * 86_400),
             max_vectors: None,
             embeddings: None,
+            min_threshold: 0.9,
         }
     }
 }
@@ -75,6 +79,12 @@ impl CacheConfig {
         }
         if self.max_vectors.is_some_and(|v| v > MAX_ENTRIES) {
             return bad("max_vectors", format!("at most {MAX_ENTRIES}"));
+        }
+        if !(self.min_threshold > 0.0 && self.min_threshold <= 1.0) {
+            return bad(
+                "min_threshold",
+                format!("a cosine similarity in (0, 1], not {}", self.min_threshold),
+            );
         }
         if self.backend == Backend::Redis && !fleet {
             return bad(
