@@ -90,7 +90,8 @@ fn a_hit_is_answered_here_and_counts_a_request() {
     assert_eq!(reply.header("age"), Some("7"));
     assert_eq!(String::from_utf8(reply.body.clone()).unwrap(), STORED);
     assert_eq!(
-        host.metric("sluice_cache_total_result=hit;.kind=exact;.model=m;"),
+        // `m` is not in the policy's `models`: labelled as any unknown model.
+        host.metric("sluice_cache_total_result=hit;.kind=exact;.model=other;"),
         Some(1)
     );
     // It counted a request: two more hits, then the third is refused by
@@ -150,7 +151,7 @@ fn no_answer_is_a_miss_and_errors_are_not_stored() {
     *host.call_response_body.borrow_mut() = vec![];
     req.on_call_response(&host, token, 0);
     assert_eq!(
-        host.metric("sluice_cache_total_result=timeout;.kind=exact;.model=m;"),
+        host.metric("sluice_cache_total_result=timeout;.kind=exact;.model=other;"),
         Some(1)
     );
     host.respond(&[(":status", "500"), ("content-type", "application/json")]);
@@ -253,4 +254,35 @@ fn a_route_rule_caches_models_without_their_own() {
     p["cache"]["routes"] = json!({"nope": {"exact": true}});
     let err = Policy::from_value(p).unwrap_err();
     assert!(err.to_string().contains("cache.routes.nope"), "{err}");
+}
+
+#[test]
+fn metric_labels_never_carry_a_model_the_policy_does_not_know() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["routes"] = json!([{"name": "chat", "path_prefix": "/v1/chat/", "requests": "100/s"}]);
+    p["cache"]["routes"] = json!({"chat": {"exact": true}});
+    p["models"] = json!({"m": {}});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    for (i, model) in ["m", "made-up-1", "made-up-2"].iter().enumerate() {
+        let mut b = body();
+        b["model"] = json!(model);
+        let (mut req, action) = start(&host, &poller, &format!("10.0.0.{}", 20 + i), &b);
+        assert_eq!(action, Action::Pause);
+        let (token, _, _) = last_post(&host);
+        deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    }
+    assert_eq!(
+        host.metric("sluice_cache_total_result=miss;.kind=exact;.model=m;"),
+        Some(1)
+    );
+    assert_eq!(
+        host.metric("sluice_cache_total_result=miss;.kind=exact;.model=other;"),
+        Some(2)
+    );
+    assert_eq!(
+        host.metric("sluice_cache_total_result=miss;.kind=exact;.model=made-up-1;"),
+        None
+    );
 }
