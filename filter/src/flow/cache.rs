@@ -514,8 +514,17 @@ impl Stream {
     }
 
     /// A piece of the upstream's answer (before any rewrite); at its end,
-    /// the store when it is complete and successful.
-    pub(super) fn cache_feed(&mut self, host: &dyn Host, chunk: &[u8], end: bool) {
+    /// the store when it is complete and successful. `cut`: sluice ended
+    /// the client's stream (past its allowance, an oversized event), so
+    /// the client never got this answer whole: nothing is stored.
+    pub(super) fn cache_feed(&mut self, host: &dyn Host, chunk: &[u8], end: bool, cut: bool) {
+        if cut {
+            if let Some(s) = self.cache_store.take() {
+                let label = self.filter.engine.model_label(Some(&s.model));
+                metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
+            }
+            return;
+        }
         let Some(s) = self.cache_store.as_mut() else {
             return;
         };

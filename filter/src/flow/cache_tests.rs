@@ -286,3 +286,38 @@ fn metric_labels_never_carry_a_model_the_policy_does_not_know() {
         None
     );
 }
+
+#[test]
+fn a_stream_sluice_cut_is_never_stored() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, policy().to_string().as_bytes()));
+    let mut b = body();
+    b["stream"] = json!(true);
+    b["max_tokens"] = json!(2);
+    let (mut req, _) = start(&host, &poller, "10.0.0.30", &b);
+    let (token, _, _) = last_post(&host);
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    host.respond(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    req.on_response_headers(&host);
+    let posts = host.posted.borrow().len();
+    // The upstream ignores max_tokens: 5 output events for an allowance
+    // of 2; sluice ends the client's stream after the second.
+    let mut sse = String::new();
+    for i in 0..5 {
+        sse.push_str(&format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"w{i} \"}},\"finish_reason\":null}}]}}\n\n"
+        ));
+    }
+    sse.push_str("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n");
+    sse.push_str("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":5,\"total_tokens\":10}}\n\ndata: [DONE]\n\n");
+    *host.response_body.borrow_mut() = sse.as_bytes().to_vec();
+    req.on_response_body(&host, sse.len(), true);
+    let sent = String::from_utf8(host.response_body.borrow().clone()).unwrap();
+    assert!(!sent.contains("w4"), "the client's stream was cut: {sent}");
+    assert_eq!(host.posted.borrow().len(), posts, "nothing stored");
+    assert_eq!(
+        host.metric("sluice_cache_total_result=skip;.kind=exact;.model=other;"),
+        Some(1)
+    );
+}

@@ -969,7 +969,6 @@ impl Stream {
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
-        self.cache_feed(host, &chunk, end);
         if let Some(hash) = self.response_hash.as_mut() {
             sha2::Digest::update(hash, &chunk);
             if end {
@@ -982,6 +981,12 @@ impl Stream {
             .upstream()
             .and_then(|up| up.meter.as_mut())
             .and_then(|m| m.feed(&chunk, end));
+        // After the meter: a stream it cut is never stored.
+        let cut = self
+            .upstream()
+            .and_then(|up| up.meter.as_ref())
+            .is_some_and(|m| m.cut);
+        self.cache_feed(host, &chunk, end, cut);
         if let Some(out) = out.filter(|out| *out != chunk) {
             host.replace_response_body(body_size, &out);
         }
