@@ -553,6 +553,11 @@ impl Stream {
         if served.is_some_and(|m| m != model) {
             return skip(host);
         }
+        // Produced under an output limit lowered to fit a budget: the key
+        // is the client's body (its own limit), so the answer is not its.
+        if plan.is_some_and(|p| p.output_lowered) {
+            return skip(host);
+        }
         let Some(buf) = s.buf else {
             return skip(host);
         };

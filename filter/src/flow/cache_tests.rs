@@ -321,3 +321,28 @@ fn a_stream_sluice_cut_is_never_stored() {
         Some(1)
     );
 }
+
+#[test]
+fn an_answer_under_a_lowered_output_limit_is_not_stored() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, policy().to_string().as_bytes()));
+    // 500 output tokens asked, a 100-token budget: admitted with a lower
+    // max_tokens.
+    let mut b = body();
+    b["max_tokens"] = json!(500);
+    let (mut req, _) = start(&host, &poller, "10.0.0.40", &b);
+    let (token, _, _) = last_post(&host);
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    let sent: Value = serde_json::from_slice(&host.request_body.borrow()).unwrap();
+    assert!(
+        sent["max_tokens"].as_u64().is_some_and(|m| m < 500),
+        "lowered: {sent}"
+    );
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    req.on_response_headers(&host);
+    let posts = host.posted.borrow().len();
+    *host.response_body.borrow_mut() = STORED.as_bytes().to_vec();
+    req.on_response_body(&host, STORED.len(), true);
+    assert_eq!(host.posted.borrow().len(), posts, "nothing stored");
+}
