@@ -9,9 +9,12 @@
 //!   default it counts as a request and reserves and charges 0 tokens, so
 //!   a caller over its request rate is refused as ever, and one over its
 //!   token budget still gets the cached answer (`hit_cost.tokens: true`
-//!   reserves the stored answer's tokens instead).
+//!   reserves the stored answer's tokens instead). In fleet mode the hit
+//!   passes the fleet's gate too, its reply kept until the fleet admits it.
 //! - Stored only when complete and successful (`usage::cache_answer`),
-//!   and never larger than `cache.max_entry_bytes` (buffered here).
+//!   and never larger than `cache.max_entry_bytes` (buffered here); never
+//!   a stream sluice cut, nor an answer under an output limit lowered to
+//!   fit a budget (the key is the client's body, with its own limit).
 
 use serde_json::Value;
 use sluice_wire::cache::{Entry, LookupAnswer, LookupRequest, Semantic, StoreRequest};
