@@ -781,3 +781,53 @@ fn a_cache_hit_refused_fleet_wide_is_the_buckets_429() {
         Some(1)
     );
 }
+
+#[test]
+fn a_cache_hit_charged_tokens_takes_and_settles_the_fleet_token_budget_too() {
+    let host = MockHost::new(T0);
+    let mut p = policy(
+        json!({"requests": "100/day", "daily_tokens": 100000}),
+        json!({}),
+    );
+    p["cache"] = json!({"salt": "s", "models": {"m": {"exact": true}},
+        "hit_cost": {"tokens": true}});
+    let poller = load(&host, p);
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (lookup, _) = last_post(&host);
+    sidecar_says(&host, &mut req, lookup, "200", hit());
+    let (take, body) = last_post(&host);
+    let claims = body["claims"].as_array().unwrap();
+    assert_eq!(claims.len(), 2, "requests and tokens: {body}");
+    let tokens = claims
+        .iter()
+        .find(|c| c["rule"] == "tier/t/daily_tokens")
+        .unwrap();
+    // Reserved as the request's estimate, as locally.
+    let reserved = tokens["need"].as_u64().unwrap();
+    assert!(reserved > 6, "{tokens}");
+    let grants: Vec<u64> = claims
+        .iter()
+        .map(|c| {
+            if c["rule"] == "tier/t/daily_tokens" {
+                500
+            } else {
+                5
+            }
+        })
+        .collect();
+    sidecar_says(
+        &host,
+        &mut req,
+        take,
+        "200",
+        json!({"ok": true, "grants": grants, "left": [95, 99500]}),
+    );
+    assert_eq!(host.last_reply().unwrap().status, 200);
+    // Settled fleet-wide at the stored answer's 5 + 1 tokens: the rest of
+    // the reservation is back in the lease.
+    let key = (0..64)
+        .map(|s| lease_table("tier/t/daily_tokens", 64).key(s))
+        .find(|k| lease(&host, k).owner != 0)
+        .unwrap();
+    assert_eq!(lease(&host, &key).balance, 500 - 6);
+}
