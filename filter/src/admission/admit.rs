@@ -169,6 +169,7 @@ impl Engine {
             stream: a.demand.stream,
             strip_usage,
             pricing,
+            output_lowered: lowered,
         });
         Verdict {
             reply: None,

@@ -145,6 +145,9 @@ pub struct Plan {
     /// sluice asked for the usage chunk; the client did not.
     pub strip_usage: bool,
     pub pricing: Pricing,
+    /// The output limit was lowered to fit a budget: the upstream's
+    /// answer is not what the client's request would get (not cached).
+    pub output_lowered: bool,
 }
 
 impl Plan {

@@ -712,3 +712,122 @@ fn answers_about_unknown_claims_degrade_instead_of_panicking() {
         Gate::Pass(done) if done.is_empty()
     ));
 }
+
+/// Fleet mode with an exact cache for `m`.
+fn cached_policy() -> Value {
+    let mut p = policy(json!({"requests": "100/day"}), json!({}));
+    p["cache"] = json!({"salt": "s", "models": {"m": {"exact": true}}});
+    p
+}
+
+fn hit() -> Value {
+    let stored = r#"{"id":"c1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
+    json!({"hit": {"kind": "exact", "age_s": 1, "entry": {"body": stored,
+        "prompt_tokens": 5, "completion_tokens": 1, "spend_micros": 0}}})
+}
+
+#[test]
+fn a_cache_hit_is_counted_fleet_wide_its_reply_kept_until_the_fleet_admits_it() {
+    let host = MockHost::new(T0);
+    let poller = load(&host, cached_policy());
+    let (mut req, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Pause, "paused for the lookup");
+    let (lookup, _) = last_post(&host);
+    sidecar_says(&host, &mut req, lookup, "200", hit());
+    assert!(
+        host.replies.borrow().is_empty(),
+        "the hit waits for the fleet"
+    );
+    let (take, body) = last_post(&host);
+    assert_ne!(take, lookup);
+    assert_eq!(body["claims"][0]["rule"], "tier/t/requests");
+    assert_eq!(body["claims"][0]["need"], 1);
+    sidecar_says(
+        &host,
+        &mut req,
+        take,
+        "200",
+        json!({"ok": true, "grants": [5], "left": [95]}),
+    );
+    let replies = host.replies.borrow();
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 200);
+    assert_eq!(replies[0].header("x-sluice-cache"), Some("hit"));
+    assert_eq!(host.resumed.borrow().len(), 0, "never goes upstream");
+    assert_eq!(lease_of_requests(&host).balance, 4, "the hit took one");
+}
+
+#[test]
+fn a_cache_hit_refused_fleet_wide_is_the_buckets_429() {
+    let host = MockHost::new(T0);
+    let poller = load(&host, cached_policy());
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (lookup, _) = last_post(&host);
+    sidecar_says(&host, &mut req, lookup, "200", hit());
+    let (take, _) = last_post(&host);
+    sidecar_says(
+        &host,
+        &mut req,
+        take,
+        "200",
+        json!({"ok": false, "refused": 0, "left": [0]}),
+    );
+    let replies = host.replies.borrow();
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 429);
+    assert_eq!(replies[0].header("x-sluice-cache"), None);
+    assert_eq!(
+        host.metric("sluice_cache_total_result=refused;.kind=exact;.model=other;"),
+        Some(1)
+    );
+}
+
+#[test]
+fn a_cache_hit_charged_tokens_takes_and_settles_the_fleet_token_budget_too() {
+    let host = MockHost::new(T0);
+    let mut p = policy(
+        json!({"requests": "100/day", "daily_tokens": 100000}),
+        json!({}),
+    );
+    p["cache"] = json!({"salt": "s", "models": {"m": {"exact": true}},
+        "hit_cost": {"tokens": true}});
+    let poller = load(&host, p);
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", 4);
+    let (lookup, _) = last_post(&host);
+    sidecar_says(&host, &mut req, lookup, "200", hit());
+    let (take, body) = last_post(&host);
+    let claims = body["claims"].as_array().unwrap();
+    assert_eq!(claims.len(), 2, "requests and tokens: {body}");
+    let tokens = claims
+        .iter()
+        .find(|c| c["rule"] == "tier/t/daily_tokens")
+        .unwrap();
+    // Reserved as the request's estimate, as locally.
+    let reserved = tokens["need"].as_u64().unwrap();
+    assert!(reserved > 6, "{tokens}");
+    let grants: Vec<u64> = claims
+        .iter()
+        .map(|c| {
+            if c["rule"] == "tier/t/daily_tokens" {
+                500
+            } else {
+                5
+            }
+        })
+        .collect();
+    sidecar_says(
+        &host,
+        &mut req,
+        take,
+        "200",
+        json!({"ok": true, "grants": grants, "left": [95, 99500]}),
+    );
+    assert_eq!(host.last_reply().unwrap().status, 200);
+    // Settled fleet-wide at the stored answer's 5 + 1 tokens: the rest of
+    // the reservation is back in the lease.
+    let key = (0..64)
+        .map(|s| lease_table("tier/t/daily_tokens", 64).key(s))
+        .find(|k| lease(&host, k).owner != 0)
+        .unwrap();
+    assert_eq!(lease(&host, &key).balance, 500 - 6);
+}

@@ -9,9 +9,12 @@
 //!   default it counts as a request and reserves and charges 0 tokens, so
 //!   a caller over its request rate is refused as ever, and one over its
 //!   token budget still gets the cached answer (`hit_cost.tokens: true`
-//!   reserves the stored answer's tokens instead).
+//!   reserves the stored answer's tokens instead). In fleet mode the hit
+//!   passes the fleet's gate too, its reply kept until the fleet admits it.
 //! - Stored only when complete and successful (`usage::cache_answer`),
-//!   and never larger than `cache.max_entry_bytes` (buffered here).
+//!   and never larger than `cache.max_entry_bytes` (buffered here); never
+//!   a stream sluice cut, nor an answer under an output limit lowered to
+//!   fit a budget (the key is the client's body, with its own limit).
 
 use serde_json::Value;
 use sluice_wire::cache::{Entry, LookupAnswer, LookupRequest, Semantic, StoreRequest};
@@ -34,6 +37,28 @@ pub(super) struct Wait {
     model: String,
     stream: bool,
     include_usage: bool,
+}
+
+/// A hit admitted locally, kept while the fleet decides.
+pub(super) struct HeldHit {
+    rendered: Rendered,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    /// What the hit is charged (its `hit_cost`).
+    input: u64,
+    output: u64,
+    age_s: u64,
+    kind: &'static str,
+    /// The model as metrics name it (`Engine::model_label`).
+    label: String,
+    model: String,
+    asked: Option<Asked>,
+}
+
+impl HeldHit {
+    pub(super) fn refused(&self, host: &dyn Host) {
+        metrics::CACHE.add_at(host, &["refused", self.kind, &self.label], 1);
+    }
 }
 
 /// What to store once the answer is complete.
@@ -112,6 +137,12 @@ fn post_lookup(
     host.dispatch_post(&sidecar.cluster, &headers, payload, timeout)
 }
 
+/// The model as metrics name it: the client's name only for a model the
+/// policy knows, so a client cannot mint label values.
+fn policy_label(filter: &super::Filter, model: &str) -> String {
+    filter.engine.model_label(Some(model))
+}
+
 /// Whether a streaming request asked for the usage chunk.
 fn include_usage(body: &Value) -> bool {
     body.get("stream_options")
@@ -155,7 +186,8 @@ impl Stream {
             cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
         let body = &asked.body;
         if !rule.temperature_ok(body, api.is_ollama()) || !(allowed.read || allowed.store) {
-            metrics::CACHE.add_at(host, &["skip", "exact", model], 1);
+            let label = policy_label(&filter, model);
+            metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
             return None;
         }
         let caller = Caller {
@@ -211,7 +243,8 @@ impl Stream {
                 Some(Action::Pause)
             }
             Err(why) => {
-                metrics::CACHE.add_at(host, &["timeout", "exact", model], 1);
+                let label = policy_label(&filter, model);
+                metrics::CACHE.add_at(host, &["timeout", "exact", &label], 1);
                 host.log(LogLevel::Warn, &format!("cache lookup not sent: {why}"));
                 None
             }
@@ -239,11 +272,27 @@ impl Stream {
         let hit = match answer {
             Some(LookupAnswer { hit: Some(hit) }) => Some(hit),
             Some(_) => {
-                metrics::CACHE.add_at(host, &["miss", "exact", &wait.model], 1);
+                metrics::CACHE.add_at(
+                    host,
+                    &[
+                        "miss",
+                        "exact",
+                        &self.filter.engine.model_label(Some(&wait.model)),
+                    ],
+                    1,
+                );
                 None
             }
             None => {
-                metrics::CACHE.add_at(host, &["timeout", "exact", &wait.model], 1);
+                metrics::CACHE.add_at(
+                    host,
+                    &[
+                        "timeout",
+                        "exact",
+                        &self.filter.engine.model_label(Some(&wait.model)),
+                    ],
+                    1,
+                );
                 None
             }
         };
@@ -264,7 +313,8 @@ impl Stream {
         }
     }
 
-    /// A hit: admission at the hit's cost, then the stored answer.
+    /// A hit: admission at the hit's cost (locally, then in fleet mode
+    /// fleet-wide, like a normal request), then the stored answer.
     fn serve_hit(
         &mut self,
         host: &dyn Host,
@@ -272,7 +322,7 @@ impl Stream {
         rendered: Rendered,
         entry: &Entry,
         age_s: u64,
-        kind: &str,
+        kind: &'static str,
     ) {
         let filter = self.filter.clone();
         let engine = &filter.engine;
@@ -302,39 +352,101 @@ impl Stream {
             asked: asked.as_ref(),
             now_ms: self.started_ms,
         };
-        let mut verdict = engine.admit(host, &ctx);
+        let verdict = engine.admit(host, &ctx);
+        let hit = HeldHit {
+            rendered,
+            prompt_tokens: entry.prompt_tokens,
+            completion_tokens: entry.completion_tokens,
+            input,
+            output,
+            age_s,
+            kind,
+            label: engine.model_label(Some(&wait.model)),
+            model: wait.model.clone(),
+            asked,
+        };
         if verdict.reply.is_some() {
-            metrics::CACHE.add_at(host, &["refused", kind, &wait.model], 1);
+            hit.refused(host);
             self.finish(host, verdict);
             return;
         }
+        // The fleet's buckets count the hit as they count any request.
+        let held = verdict.plan.as_ref().map(|p| (&p.held, &p.meters));
+        let (Some(fleet), Some((held, meters))) = (filter.fleet.as_ref(), held) else {
+            return self.deliver_hit(host, hit, verdict, Vec::new());
+        };
+        match fleet.admit(engine, host, held, meters, &identity, self.started_ms) {
+            crate::fleet::Gate::Pass(claims) => self.deliver_hit(host, hit, verdict, claims),
+            crate::fleet::Gate::Wait(pending) => {
+                if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
+                    calls.insert(pending.token, (self.me.clone(), self.context_id));
+                }
+                self.cache_hit = Some(hit);
+                self.phase = super::Phase::Fleet {
+                    pending,
+                    verdict: Box::new(verdict),
+                };
+            }
+            crate::fleet::Gate::Refuse { rule, quota } => {
+                hit.refused(host);
+                self.fleet_refuse(host, verdict, &rule, quota);
+            }
+        }
+    }
+
+    /// An admitted hit: its reservation (and fleet claims) settled at the
+    /// hit's cost, then the stored answer sent.
+    pub(super) fn deliver_hit(
+        &mut self,
+        host: &dyn Host,
+        hit: HeldHit,
+        mut verdict: super::Verdict,
+        claims: Vec<crate::fleet::Claimed>,
+    ) {
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let Some(identity) = self.identity.clone() else {
+            return;
+        };
+        let kind = hit.kind;
         if let Some(plan) = verdict.plan.take() {
-            let found = Found::Usage(Usage { input, output });
+            let found = Found::Usage(Usage {
+                input: hit.input,
+                output: hit.output,
+            });
             let now = host.now_ms();
-            let (_, effort) = engine.settle(host, &plan, found, output, true, now);
+            let (settled, effort) = engine.settle(host, &plan, found, hit.output, true, now);
             super::count_contention(host, effort);
+            if let Some(fleet) = &filter.fleet {
+                let used = crate::fleet::Used {
+                    input: settled.input,
+                    output: settled.output,
+                    pricing: plan.pricing,
+                };
+                fleet.settle(engine, host, &claims, used, now);
+            }
         }
         self.phase = super::Phase::Answered;
         self.record(host, &verdict);
         self.audit_decision(host, &verdict);
         self.audit(host, "sluice_cache", kind);
-        metrics::CACHE.add_at(host, &["hit", kind, &wait.model], 1);
-        let saved = entry.prompt_tokens.saturating_add(entry.completion_tokens);
+        metrics::CACHE.add_at(host, &["hit", kind, &hit.label], 1);
+        let saved = hit.prompt_tokens.saturating_add(hit.completion_tokens);
         metrics::CACHE_SAVED_TOKENS.add_at(
             host,
-            &[&wait.model],
+            &[&hit.label],
             i64::try_from(saved).unwrap_or(i64::MAX),
         );
-        let age = age_s.to_string();
+        let age = hit.age_s.to_string();
         // When the primary is out and the static answer would come, the
         // cached one comes first, marked as the degraded answer it is.
-        let out = self.primary_out(host, &identity, asked.as_ref(), &wait.model);
+        let out = self.primary_out(host, &identity, hit.asked.as_ref(), &hit.model);
         if out {
-            metrics::DEGRADED.add_at(host, &["cache", &identity.tier, &wait.model], 1);
+            metrics::DEGRADED.add_at(host, &["cache", &identity.tier, &hit.label], 1);
         }
         let mut headers: Vec<(&str, &str)> = vec![
             ("x-sluice-degraded", if out { "cache" } else { "" }),
-            ("content-type", rendered.content_type),
+            ("content-type", hit.rendered.content_type),
             ("x-sluice-cache", "hit"),
             ("x-sluice-cache-kind", kind),
             ("age", age.as_str()),
@@ -345,7 +457,7 @@ impl Stream {
         headers.retain(|(_, v)| !v.is_empty());
         // The reply passes the response callbacks: nothing to store.
         self.cache_store = None;
-        host.send_reply(200, &headers, &rendered.body);
+        host.send_reply(200, &headers, &hit.rendered.body);
     }
 
     /// Would this request get the static answer (every upstream out)?
@@ -384,7 +496,8 @@ impl Stream {
     pub(super) fn cache_response_headers(&mut self, host: &dyn Host) {
         if self.status != 200 {
             if let Some(s) = self.cache_store.take() {
-                metrics::CACHE.add_at(host, &["skip", "exact", &s.model], 1);
+                let label = self.filter.engine.model_label(Some(&s.model));
+                metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
             }
             return;
         }
@@ -404,8 +517,17 @@ impl Stream {
     }
 
     /// A piece of the upstream's answer (before any rewrite); at its end,
-    /// the store when it is complete and successful.
-    pub(super) fn cache_feed(&mut self, host: &dyn Host, chunk: &[u8], end: bool) {
+    /// the store when it is complete and successful. `cut`: sluice ended
+    /// the client's stream (past its allowance, an oversized event), so
+    /// the client never got this answer whole: nothing is stored.
+    pub(super) fn cache_feed(&mut self, host: &dyn Host, chunk: &[u8], end: bool, cut: bool) {
+        if cut {
+            if let Some(s) = self.cache_store.take() {
+                let label = self.filter.engine.model_label(Some(&s.model));
+                metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
+            }
+            return;
+        }
         let Some(s) = self.cache_store.as_mut() else {
             return;
         };
@@ -423,13 +545,20 @@ impl Stream {
             return;
         };
         let model = s.model.clone();
-        let skip = |host: &dyn Host| metrics::CACHE.add_at(host, &["skip", "exact", &model], 1);
+        // Metrics name the model as everywhere (unknown models: "other").
+        let label = self.filter.engine.model_label(Some(&model));
+        let skip = |host: &dyn Host| metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
         // Downshifted to a cheaper model: its answer is not the requested
         // model's, and the key names the requested one.
         let plan = self.upstream().and_then(|up| up.plan.as_ref());
         let served = plan.and_then(|p| p.model.clone());
         let pricing = plan.map(|p| p.pricing);
         if served.is_some_and(|m| m != model) {
+            return skip(host);
+        }
+        // Produced under an output limit lowered to fit a budget: the key
+        // is the client's body (its own limit), so the answer is not its.
+        if plan.is_some_and(|p| p.output_lowered) {
             return skip(host);
         }
         let Some(buf) = s.buf else {
@@ -491,7 +620,7 @@ impl Stream {
             }
         };
         if sent.is_ok() {
-            metrics::CACHE.add_at(host, &["store", "exact", &model], 1);
+            metrics::CACHE.add_at(host, &["store", "exact", &label], 1);
         } else {
             skip(host);
         }

@@ -90,7 +90,8 @@ fn a_hit_is_answered_here_and_counts_a_request() {
     assert_eq!(reply.header("age"), Some("7"));
     assert_eq!(String::from_utf8(reply.body.clone()).unwrap(), STORED);
     assert_eq!(
-        host.metric("sluice_cache_total_result=hit;.kind=exact;.model=m;"),
+        // `m` is not in the policy's `models`: labelled as any unknown model.
+        host.metric("sluice_cache_total_result=hit;.kind=exact;.model=other;"),
         Some(1)
     );
     // It counted a request: two more hits, then the third is refused by
@@ -150,7 +151,7 @@ fn no_answer_is_a_miss_and_errors_are_not_stored() {
     *host.call_response_body.borrow_mut() = vec![];
     req.on_call_response(&host, token, 0);
     assert_eq!(
-        host.metric("sluice_cache_total_result=timeout;.kind=exact;.model=m;"),
+        host.metric("sluice_cache_total_result=timeout;.kind=exact;.model=other;"),
         Some(1)
     );
     host.respond(&[(":status", "500"), ("content-type", "application/json")]);
@@ -253,4 +254,95 @@ fn a_route_rule_caches_models_without_their_own() {
     p["cache"]["routes"] = json!({"nope": {"exact": true}});
     let err = Policy::from_value(p).unwrap_err();
     assert!(err.to_string().contains("cache.routes.nope"), "{err}");
+}
+
+#[test]
+fn metric_labels_never_carry_a_model_the_policy_does_not_know() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["routes"] = json!([{"name": "chat", "path_prefix": "/v1/chat/", "requests": "100/s"}]);
+    p["cache"]["routes"] = json!({"chat": {"exact": true}});
+    p["models"] = json!({"m": {}});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    for (i, model) in ["m", "made-up-1", "made-up-2"].iter().enumerate() {
+        let mut b = body();
+        b["model"] = json!(model);
+        let (mut req, action) = start(&host, &poller, &format!("10.0.0.{}", 20 + i), &b);
+        assert_eq!(action, Action::Pause);
+        let (token, _, _) = last_post(&host);
+        deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    }
+    assert_eq!(
+        host.metric("sluice_cache_total_result=miss;.kind=exact;.model=m;"),
+        Some(1)
+    );
+    assert_eq!(
+        host.metric("sluice_cache_total_result=miss;.kind=exact;.model=other;"),
+        Some(2)
+    );
+    assert_eq!(
+        host.metric("sluice_cache_total_result=miss;.kind=exact;.model=made-up-1;"),
+        None
+    );
+}
+
+#[test]
+fn a_stream_sluice_cut_is_never_stored() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, policy().to_string().as_bytes()));
+    let mut b = body();
+    b["stream"] = json!(true);
+    b["max_tokens"] = json!(2);
+    let (mut req, _) = start(&host, &poller, "10.0.0.30", &b);
+    let (token, _, _) = last_post(&host);
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    host.respond(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    req.on_response_headers(&host);
+    let posts = host.posted.borrow().len();
+    // The upstream ignores max_tokens: 5 output events for an allowance
+    // of 2; sluice ends the client's stream after the second.
+    let mut sse = String::new();
+    for i in 0..5 {
+        sse.push_str(&format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"w{i} \"}},\"finish_reason\":null}}]}}\n\n"
+        ));
+    }
+    sse.push_str("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n");
+    sse.push_str("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":5,\"total_tokens\":10}}\n\ndata: [DONE]\n\n");
+    *host.response_body.borrow_mut() = sse.as_bytes().to_vec();
+    req.on_response_body(&host, sse.len(), true);
+    let sent = String::from_utf8(host.response_body.borrow().clone()).unwrap();
+    assert!(!sent.contains("w4"), "the client's stream was cut: {sent}");
+    assert_eq!(host.posted.borrow().len(), posts, "nothing stored");
+    assert_eq!(
+        host.metric("sluice_cache_total_result=skip;.kind=exact;.model=other;"),
+        Some(1)
+    );
+}
+
+#[test]
+fn an_answer_under_a_lowered_output_limit_is_not_stored() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, policy().to_string().as_bytes()));
+    // 500 output tokens asked, a 100-token budget: admitted with a lower
+    // max_tokens.
+    let mut b = body();
+    b["max_tokens"] = json!(500);
+    let (mut req, _) = start(&host, &poller, "10.0.0.40", &b);
+    let (token, _, _) = last_post(&host);
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    let sent: Value = serde_json::from_slice(&host.request_body.borrow()).unwrap();
+    assert!(
+        sent["max_tokens"].as_u64().is_some_and(|m| m < 500),
+        "lowered: {sent}"
+    );
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    req.on_response_headers(&host);
+    let posts = host.posted.borrow().len();
+    *host.response_body.borrow_mut() = STORED.as_bytes().to_vec();
+    req.on_response_body(&host, STORED.len(), true);
+    assert_eq!(host.posted.borrow().len(), posts, "nothing stored");
 }

@@ -649,6 +649,8 @@ pub struct Stream {
     cache_looked: bool,
     cache_wait: Option<cache::Wait>,
     cache_store: Option<cache::ToStore>,
+    /// A hit admitted locally, its reply kept until the fleet admits it.
+    cache_hit: Option<cache::HeldHit>,
 }
 
 /// A stream's phase, each holding what exists in it. `Undecided` →
@@ -709,6 +711,7 @@ impl Stream {
             cache_looked: false,
             cache_wait: None,
             cache_store: None,
+            cache_hit: None,
         }
     }
 
@@ -966,7 +969,6 @@ impl Stream {
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
-        self.cache_feed(host, &chunk, end);
         if let Some(hash) = self.response_hash.as_mut() {
             sha2::Digest::update(hash, &chunk);
             if end {
@@ -979,6 +981,12 @@ impl Stream {
             .upstream()
             .and_then(|up| up.meter.as_mut())
             .and_then(|m| m.feed(&chunk, end));
+        // After the meter: a stream it cut is never stored.
+        let cut = self
+            .upstream()
+            .and_then(|up| up.meter.as_ref())
+            .is_some_and(|m| m.cut);
+        self.cache_feed(host, &chunk, end, cut);
         if let Some(out) = out.filter(|out| *out != chunk) {
             host.replace_response_body(body_size, &out);
         }
@@ -1380,7 +1388,20 @@ impl Stream {
             return;
         };
         let now = host.now_ms();
-        match fleet.answer(&filter.engine, host, pending, body_size, &identity, now) {
+        let gate = fleet.answer(&filter.engine, host, pending, body_size, &identity, now);
+        // A cache hit waiting for the fleet: its kept reply, or the 429.
+        if let Some(hit) = self.cache_hit.take() {
+            match gate {
+                crate::fleet::Gate::Refuse { rule, quota } => {
+                    hit.refused(host);
+                    self.fleet_refuse(host, verdict, &rule, quota);
+                }
+                crate::fleet::Gate::Pass(claims) => self.deliver_hit(host, hit, verdict, claims),
+                crate::fleet::Gate::Wait(_) => self.deliver_hit(host, hit, verdict, Vec::new()),
+            }
+            return;
+        }
+        match gate {
             crate::fleet::Gate::Refuse { rule, quota } => {
                 self.fleet_refuse(host, verdict, &rule, quota);
             }

@@ -61,7 +61,11 @@ pub fn storable(
     }
     if let Some(cc) = upstream_cache_control {
         let d = directives(cc);
-        if d.iter().any(|x| x == "no-store" || x == "private") {
+        // `no-cache`: each use must be revalidated with the upstream, which
+        // a stored answer never is.
+        if d.iter()
+            .any(|x| x == "no-store" || x == "private" || x == "no-cache")
+        {
             return Err(NotStorable::UpstreamNoStore);
         }
     }
@@ -536,6 +540,18 @@ mod tests {
             ),
             Err(NotStorable::UpstreamNoStore)
         );
+        for cc in [
+            "no-cache",
+            "max-age=60, No-Cache",
+            "no-cache=\"set-cookie\"",
+        ] {
+            assert_eq!(
+                storable(Api::OpenAiChat, 200, Some(cc), ok.as_bytes()),
+                Err(NotStorable::UpstreamNoStore),
+                "{cc}"
+            );
+        }
+        assert!(storable(Api::OpenAiChat, 200, Some("max-age=60"), ok.as_bytes()).is_ok());
         assert_eq!(
             storable(Api::OpenAiChat, 200, None, b"{\"choi"),
             Err(NotStorable::NotJson)

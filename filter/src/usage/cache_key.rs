@@ -139,6 +139,11 @@ fn content_text(content: &Value) -> Option<String> {
 /// The semantic parts, when the request has a last user message to embed:
 /// chat APIs whose last message is the user's (text only; Ollama `images`
 /// make it `None`), completion APIs with one string prompt.
+/// The most text a semantic lookup carries: the sidecar embeds only the
+/// first `MAX_TEXT_BYTES` (gpu-sidecar/src/cache/semantic.rs, 32 KiB) of
+/// the text, so longer texts get the exact key only.
+pub const SEMANTIC_TEXT_MAX_BYTES: usize = 32 << 10;
+
 pub fn semantic_parts(
     salt: &str,
     scope: &str,
@@ -159,15 +164,14 @@ pub fn semantic_parts(
                 Api::OpenAiChat => &["role", "content", "name"],
                 _ => &["role", "content"],
             };
-            let other = last
+            // Every field of the last message is one the text stands for;
+            // the user's `name` (a string) must match too: kept in context.
+            let plain = last
                 .as_object()?
                 .iter()
-                .find(|(k, _)| !allowed.contains(&k.as_str()));
-            if let Some((k, v)) = other {
-                // e.g. the user's `name` must match too: keep it in context.
-                if k != "name" || !v.is_string() {
-                    return None;
-                }
+                .all(|(k, v)| allowed.contains(&k.as_str()) && (k != "name" || v.is_string()));
+            if !plain {
+                return None;
             }
             if let Some(name) = last.get("name") {
                 rest.insert("sluice_last_user_name".into(), name.clone());
@@ -184,7 +188,9 @@ pub fn semantic_parts(
             prompt
         }
     };
-    if text.trim().is_empty() {
+    // Longer than the sidecar embeds: questions sharing their first
+    // `SEMANTIC_TEXT_MAX_BYTES` would match; the exact key only.
+    if text.trim().is_empty() || text.len() > SEMANTIC_TEXT_MAX_BYTES {
         return None;
     }
     let c = canonical(api, &Value::Object(rest)).ok()?;
@@ -435,5 +441,42 @@ mod tests {
         assert!(Api::OpenAiChat.streams(&json!({"stream": true})));
         assert!(Api::OllamaChat.streams(&json!({})));
         assert!(!Api::OllamaChat.streams(&json!({"stream": false})));
+    }
+
+    #[test]
+    fn every_field_of_the_last_message_is_checked() {
+        // Each field: an unexpected one, or a `name` that is no string,
+        // makes it no semantic candidate.
+        for extra in [
+            json!({"tool_calls": []}),
+            json!({"zzz": 1}),
+            json!({"name": {"not": "a string"}}),
+            json!({"name": 7, "zzz": 1}),
+        ] {
+            let mut last =
+                json!({"role": "user", "content": "how do I enable 2FA?", "name": "bob"});
+            for (k, v) in extra.as_object().unwrap() {
+                last[k] = v.clone();
+            }
+            let body = json!({"model": "m", "messages": [last]});
+            assert!(
+                semantic_parts("s", "g", "m", Api::OpenAiChat, &body).is_none(),
+                "{body}"
+            );
+        }
+        let ok = json!({"model": "m", "messages": [
+            {"role": "user", "content": "how do I enable 2FA?", "name": "bob"}]});
+        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, &ok).is_some());
+    }
+
+    #[test]
+    fn a_text_longer_than_the_sidecar_embeds_gets_the_exact_key_only() {
+        let at = "a".repeat(SEMANTIC_TEXT_MAX_BYTES);
+        let over = "a".repeat(SEMANTIC_TEXT_MAX_BYTES + 1);
+        let body = |t: &str| json!({"model": "m", "messages": [{"role": "user", "content": t}]});
+        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, &body(&at)).is_some());
+        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, &body(&over)).is_none());
+        let prompt = json!({"model": "m", "prompt": over});
+        assert!(semantic_parts("s", "g", "m", Api::OpenAiCompletions, &prompt).is_none());
     }
 }
