@@ -1023,6 +1023,19 @@ impl Fleet {
         self.settle_with(engine, host, claims, now, |_| 0);
     }
 
+    /// A take whose request went away before its answer came (the client
+    /// left): what it claimed from leases goes back, and the take itself is
+    /// undone by id (once; refused if it reaches Redis later).
+    pub fn abandon(&self, engine: &Engine, host: &dyn Host, pending: Pending, now: u64) {
+        self.give_back(engine, host, &pending.done, now);
+        let cancels = pending
+            .short
+            .iter()
+            .map(|s| cancel_item(&s.rule, s.owner, s.window_end, &pending.id))
+            .collect();
+        self.outbox(host, engine, cancels);
+    }
+
     /// After the response: each claim's real usage replaces its amount.
     pub fn settle(
         &self,

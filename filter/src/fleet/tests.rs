@@ -831,3 +831,37 @@ fn a_cache_hit_charged_tokens_takes_and_settles_the_fleet_token_budget_too() {
         .unwrap();
     assert_eq!(lease(&host, &key).balance, 500 - 6);
 }
+
+/// A client that leaves while its request waits for the fleet's answer
+/// gets back everything the request held: its local reservation (before,
+/// nothing released it: it never reached the upstream phase, so the
+/// caller's local buckets stayed charged) and the take, undone by its id.
+#[test]
+fn a_client_gone_while_waiting_for_the_fleet_leaves_nothing_held() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(
+            json!({"requests": "2/day", "daily_tokens": 100000}),
+            json!({"local": ["tier/t/requests"], "lease": {"max": 0}}),
+        ),
+    );
+    for _ in 0..3 {
+        let (mut req, action) = post(&poller, &host, "10.0.0.1:1", 4);
+        assert_eq!(action, Action::Pause, "waits for the fleet, not refused");
+        let (_, body) = last_post(&host);
+        let id = body["id"].as_str().unwrap().to_string();
+        req.on_log(&host);
+        assert!(
+            outbox(&host)
+                .iter()
+                .any(|i| i.take.as_deref() == Some(id.as_str())),
+            "the take {id} is undone by its id: {:?}",
+            outbox(&host)
+        );
+    }
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(0)
+    );
+}

@@ -998,10 +998,14 @@ impl Stream {
     }
 
     pub fn on_log(&mut self, host: &dyn Host) {
-        // Still waiting for the fleet: the answer has no one to go to.
-        if let Phase::Fleet { pending, .. } = &self.phase {
-            if let Ok(mut calls) = self.filter.stream_calls.try_borrow_mut() {
-                calls.remove(&pending.token);
+        // Still waiting for the fleet: the answer has no one to go to, and
+        // what the request holds (its local reservation, the take) is given
+        // back — nothing else would (it never reached the upstream phase).
+        if matches!(self.phase, Phase::Fleet { .. }) {
+            if let Phase::Fleet { pending, verdict } =
+                std::mem::replace(&mut self.phase, Phase::Answered)
+            {
+                self.abandon_fleet_wait(host, pending, *verdict);
             }
         }
         // Client gone, upstream reset or timeout: settle from what was seen.
@@ -1423,6 +1427,32 @@ impl Stream {
 
     /// Refused fleet-wide: what the request took locally is given back and
     /// the bucket answers 429.
+    /// The client left while its request waited for the fleet.
+    fn abandon_fleet_wait(
+        &mut self,
+        host: &dyn Host,
+        pending: crate::fleet::Pending,
+        verdict: Verdict,
+    ) {
+        let filter = self.filter.clone();
+        if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
+            calls.remove(&pending.token);
+        }
+        let engine = &filter.engine;
+        let now = host.now_ms();
+        if let Some(fleet) = &filter.fleet {
+            fleet.abandon(engine, host, pending, now);
+        }
+        // (Counted outstanding only once `finish` sends it on: not yet.)
+        if let Some(plan) = &verdict.plan {
+            count_contention(host, engine.release(host, plan, now));
+        }
+        if let Some((held, _)) = &verdict.held {
+            count_contention(host, engine.release_held(host, held, now));
+        }
+        self.cache_hit = None;
+    }
+
     fn fleet_refuse(
         &mut self,
         host: &dyn Host,
