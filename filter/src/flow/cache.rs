@@ -113,23 +113,25 @@ fn request_route<'p>(policy: &'p crate::policy::Policy, path: &str) -> Option<&'
         .map(|r| r.name.as_str())
 }
 
-/// Sends a lookup to the sidecar: through the fleet's channel (its secret
-/// and fingerprint) in fleet mode, else straight to the sidecar cluster.
-fn post_lookup(
+/// Sends a lookup or a store to the sidecar: through the fleet's channel
+/// (its secret and fingerprint) in fleet mode, else straight to the
+/// sidecar cluster.
+fn post_to_sidecar(
     filter: &super::Filter,
     sidecar: &crate::policy::SidecarConfig,
     host: &dyn Host,
+    path: &str,
     payload: &[u8],
     timeout: u64,
 ) -> Result<u32, String> {
     if let Some(fleet) = &filter.fleet {
-        return fleet.post_within(host, sluice_wire::cache::LOOKUP_PATH, payload, timeout);
+        return fleet.post_within(host, path, payload, timeout);
     }
     let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
     let len = payload.len().to_string();
     let headers = [
         (":method", "POST"),
-        (":path", sluice_wire::cache::LOOKUP_PATH),
+        (":path", path),
         (":authority", authority),
         ("content-type", "application/json"),
         ("content-length", len.as_str()),
@@ -230,7 +232,8 @@ impl Stream {
             semantic,
         };
         let payload = serde_json::to_vec(&req).ok()?;
-        match post_lookup(&filter, sidecar, host, &payload, cache.lookup_timeout_ms) {
+        let (path, timeout) = (sluice_wire::cache::LOOKUP_PATH, cache.lookup_timeout_ms);
+        match post_to_sidecar(&filter, sidecar, host, path, &payload, timeout) {
             Ok(token) => {
                 self.cache_wait = Some(Wait {
                     token,
@@ -601,25 +604,8 @@ impl Stream {
         let Some(sidecar) = filter.engine.policy.sidecar.as_ref() else {
             return;
         };
-        let timeout = 5_000;
-        let sent = match &filter.fleet {
-            Some(fleet) => {
-                fleet.post_within(host, sluice_wire::cache::STORE_PATH, &payload, timeout)
-            }
-            None => {
-                let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
-                let len = payload.len().to_string();
-                let headers = [
-                    (":method", "POST"),
-                    (":path", sluice_wire::cache::STORE_PATH),
-                    (":authority", authority),
-                    ("content-type", "application/json"),
-                    ("content-length", len.as_str()),
-                ];
-                host.dispatch_post(&sidecar.cluster, &headers, &payload, timeout)
-            }
-        };
-        if sent.is_ok() {
+        let path = sluice_wire::cache::STORE_PATH;
+        if post_to_sidecar(&filter, sidecar, host, path, &payload, 5_000).is_ok() {
             metrics::CACHE.add_at(host, &["store", "exact", &label], 1);
         } else {
             skip(host);
