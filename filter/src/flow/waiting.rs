@@ -862,91 +862,84 @@ fn bucket_retry_ms(verdict: &Verdict) -> Option<u64> {
     verdict.retry_after_ms
 }
 
-/// The waiter of `ticket`, out of this VM's map, with its stream; `None`
-/// when gone (its `on_log` withdrew it and gave the slot back).
-fn take_waiter(filter: &Filter, ticket: u64) -> Option<(Waiter, Rc<RefCell<Stream>>)> {
-    let waiter = filter.waiters.try_borrow_mut().ok()?.remove(&ticket)?;
-    let stream = waiter.stream.upgrade()?;
-    Some((waiter, stream))
+/// Acts on the waiter of `ticket`, taken out of this VM's map, with its
+/// stream and Envoy's context id; nothing when it is gone (its `on_log`
+/// withdrew it and gave the slot back) or its stream is busy.
+fn on_waiter(filter: &Filter, ticket: u64, act: impl FnOnce(u32, &mut Stream)) {
+    let Some(waiter) = filter
+        .waiters
+        .try_borrow_mut()
+        .ok()
+        .and_then(|mut w| w.remove(&ticket))
+    else {
+        return;
+    };
+    let Some(stream) = waiter.stream.upgrade() else {
+        return;
+    };
+    let Ok(mut stream) = stream.try_borrow_mut() else {
+        return;
+    };
+    act(waiter.context_id, &mut stream);
 }
 
 /// Resumes a queued stream of this VM that holds a slot now; `via`: the
 /// wake-up message, or the tick that found the grant (a lost or late
 /// wake-up), counted in `sluice_queue_resumed_total{via}`.
 fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
-    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
-        return;
-    };
-    if !host.set_effective_context(waiter.context_id) {
-        return;
-    }
-    let Ok(mut stream) = stream.try_borrow_mut() else {
-        return;
-    };
-    metrics::QUEUE_RESUMED.add_at(host, &[via], 1);
-    if stream.dispatch(host, true) == Action::Continue && !host.resume_request() {
-        host.log(LogLevel::Warn, "a dispatched request could not be resumed");
-    }
+    on_waiter(filter, ticket, |context, stream| {
+        if !host.set_effective_context(context) {
+            return;
+        }
+        metrics::QUEUE_RESUMED.add_at(host, &[via], 1);
+        if stream.dispatch(host, true) == Action::Continue && !host.resume_request() {
+            host.log(LogLevel::Warn, "a dispatched request could not be resumed");
+        }
+    });
 }
 
 fn expire(filter: &Filter, host: &dyn Host, ticket: u64) {
-    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
-        return;
-    };
-    let Ok(mut stream) = stream.try_borrow_mut() else {
-        return;
-    };
-    if host.set_effective_context(waiter.context_id) {
-        stream.expire(host);
-    }
+    on_waiter(filter, ticket, |context, stream| {
+        if host.set_effective_context(context) {
+            stream.expire(host);
+        }
+    });
 }
 
 /// Its place was taken by a caller holding fewer: `queue_full`.
 fn evict(filter: &Filter, host: &dyn Host, ticket: u64) {
-    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
-        return;
-    };
-    let Ok(mut stream) = stream.try_borrow_mut() else {
-        return;
-    };
-    if host.set_effective_context(waiter.context_id) {
-        stream.evicted(host);
-    }
+    on_waiter(filter, ticket, |context, stream| {
+        if host.set_effective_context(context) {
+            stream.evicted(host);
+        }
+    });
 }
 
 /// Out of the queue without a slot (it will not use the primary's):
 /// dispatched now, routed as a new request would be.
 fn dispatch_off_primary(filter: &Filter, host: &dyn Host, ticket: u64) {
-    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
-        return;
-    };
-    let Ok(mut stream) = stream.try_borrow_mut() else {
-        return;
-    };
-    if host.set_effective_context(waiter.context_id)
-        && stream.dispatch(host, false) == Action::Continue
-        && !host.resume_request()
-    {
-        host.log(LogLevel::Warn, "a rerouted request could not be resumed");
-    }
+    on_waiter(filter, ticket, |context, stream| {
+        if host.set_effective_context(context)
+            && stream.dispatch(host, false) == Action::Continue
+            && !host.resume_request()
+        {
+            host.log(LogLevel::Warn, "a rerouted request could not be resumed");
+        }
+    });
 }
 
 fn wake_sleeper(filter: &Filter, host: &dyn Host, ticket: u64) {
-    let Some((waiter, stream)) = take_waiter(filter, ticket) else {
-        return;
-    };
-    let Ok(mut stream) = stream.try_borrow_mut() else {
-        return;
-    };
-    if let Some(g) = stream.gate.as_mut() {
-        g.sleeper = None;
-    }
-    if host.set_effective_context(waiter.context_id)
-        && stream.retry(host) == Action::Continue
-        && !host.resume_request()
-    {
-        host.log(LogLevel::Warn, "a deferred request could not be resumed");
-    }
+    on_waiter(filter, ticket, |context, stream| {
+        if let Some(g) = stream.gate.as_mut() {
+            g.sleeper = None;
+        }
+        if host.set_effective_context(context)
+            && stream.retry(host) == Action::Continue
+            && !host.resume_request()
+        {
+            host.log(LogLevel::Warn, "a deferred request could not be resumed");
+        }
+    });
 }
 
 /// Wake-up messages: each is the ticket of a granted entry of this VM.
