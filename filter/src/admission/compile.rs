@@ -283,6 +283,16 @@ impl Engine {
             .collect()
     }
 
+    /// The policy route a canonical path falls under (the first whose
+    /// compiled prefix it starts with, as its route bucket is found).
+    pub fn route_of(&self, path: &str) -> Option<&str> {
+        let j = self
+            .route_buckets
+            .iter()
+            .position(|(prefix, _)| path.starts_with(prefix.as_str()))?;
+        self.policy.routes.get(j).map(|r| r.name.as_str())
+    }
+
     /// The most output one choice of `model` may ask for.
     pub(super) fn output_cap(&self, model: &str) -> u64 {
         self.policy

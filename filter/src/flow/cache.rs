@@ -99,20 +99,6 @@ fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
     }
 }
 
-/// The request's route (the policy's `routes`, by path prefix in
-/// canonical form), for models without a cache rule of their own.
-fn request_route<'p>(policy: &'p crate::policy::Policy, path: &str) -> Option<&'p str> {
-    policy
-        .routes
-        .iter()
-        .find(|r| {
-            let prefix = crate::usage::demand::canonical_path(&r.path_prefix)
-                .unwrap_or_else(|_| r.path_prefix.to_ascii_lowercase());
-            path.starts_with(&prefix)
-        })
-        .map(|r| r.name.as_str())
-}
-
 /// Sends a lookup or a store to the sidecar: through the fleet's channel
 /// (its secret and fingerprint) in fleet mode, else straight to the
 /// sidecar cluster.
@@ -181,7 +167,7 @@ impl Stream {
         let route = if cache.routes.is_empty() {
             None
         } else {
-            request_route(policy, &self.path)
+            filter.engine.route_of(&self.path)
         };
         let rule = cache.rule(model, route)?;
         let allowed =
