@@ -69,6 +69,17 @@ fn set_gauge(host: &dyn Host, gauge: Metric, value: u64) {
     gauge.record(host, value);
 }
 
+/// Gives back what an admitted verdict holds locally (a body request's
+/// plan, or what a GET took): it will not go upstream after all.
+fn release_local(host: &dyn Host, engine: &Engine, verdict: &Verdict, now: u64) {
+    if let Some(plan) = &verdict.plan {
+        count_contention(host, engine.release(host, plan, now));
+    }
+    if let Some((held, _)) = &verdict.held {
+        count_contention(host, engine.release_held(host, held, now));
+    }
+}
+
 /// A stream reached by the root context: its handle and Envoy's context id.
 type StreamCall = (Weak<RefCell<Stream>>, u32);
 
@@ -1444,12 +1455,7 @@ impl Stream {
             fleet.abandon(engine, host, pending, now);
         }
         // (Counted outstanding only once `finish` sends it on: not yet.)
-        if let Some(plan) = &verdict.plan {
-            count_contention(host, engine.release(host, plan, now));
-        }
-        if let Some((held, _)) = &verdict.held {
-            count_contention(host, engine.release_held(host, held, now));
-        }
+        release_local(host, engine, &verdict, now);
         self.cache_hit = None;
     }
 
@@ -1463,12 +1469,7 @@ impl Stream {
         let engine = &self.filter.engine;
         let now = host.now_ms();
         let model = verdict.plan.as_ref().and_then(|p| p.model.clone());
-        if let Some(plan) = &verdict.plan {
-            count_contention(host, engine.release(host, plan, now));
-        }
-        if let Some((held, _)) = &verdict.held {
-            count_contention(host, engine.release_held(host, held, now));
-        }
+        release_local(host, engine, &verdict, now);
         let refusal = self.identity.as_ref().and_then(|identity| {
             engine.fleet_refusal(rule, quota, identity, model.as_deref(), now)
         });
