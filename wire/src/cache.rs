@@ -113,12 +113,18 @@ pub struct StoreAnswer {
     pub reason: Option<NotStored>,
 }
 
-/// Admin purge: everything, or only a model's entries.
+/// Admin purge: everything, or only a model's entries, or only a scope's
+/// (both: the entries of that model in that scope).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PurgeRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The scope value as the filter computes it: `principal:<principal>`
+    /// (e.g. `principal:jwt:alice`), `team:<team>`, `org:<org>`,
+    /// `tier:<tier>` or `global`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<String>,
 }
 
 #[cfg(test)]

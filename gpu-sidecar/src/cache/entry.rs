@@ -29,6 +29,11 @@ pub struct Stored {
     pub context: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vector: Option<Vec<f32>>,
+    /// The filter's scope id (hex SHA-256 of the scope value, e.g. of
+    /// `team:blue`), for the bounds per scope and purges by scope; never
+    /// part of matching (the scope is in the key already).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<String>,
 }
 
 /// Per entry beyond what it holds (map slots, order, counters).
@@ -42,6 +47,7 @@ impl Stored {
             + self.model.len()
             + self.entry.body.len()
             + self.context.as_ref().map_or(0, String::len)
+            + self.scope.as_ref().map_or(0, String::len)
             + vector;
         (n as u64).saturating_add(OVERHEAD)
     }

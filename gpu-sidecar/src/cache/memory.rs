@@ -1,9 +1,22 @@
-//! The in-memory store: entries by key, bounded by count and bytes, least
-//! recently used evicted first, each with its own expiry. Time is given
-//! (`now_ms`), never read here. One mutex around it (lookups and stores
-//! are O(1) here; the semantic search is in [`super::semantic`]).
+//! The in-memory store: entries by key, bounded by count and bytes, each
+//! with its own expiry. Time is given (`now_ms`), never read here. One
+//! mutex around it (lookups and stores are O(log scopes) here; the
+//! semantic search is in [`super::semantic`]).
+//!
+//! Bounds per scope (the filter's scope id, [`Stored::scope`]; entries
+//! without one share the scope `""`): when a store takes the cache over
+//! `max_entries`, the entry evicted is the least recently used of the
+//! scope holding the **most entries** (over `max_bytes`: the most bytes);
+//! among scopes holding as much, the one whose oldest entry is the least
+//! recently used. So one scope's stores never push out an entry of a scope
+//! holding less than the largest, and a scope within its fair share
+//! (`max_entries / scopes holding entries`, likewise for bytes) never
+//! loses an entry to another scope's store: only to its own stores, its
+//! TTL and purges. A single caller flooding the cache ends up evicting its
+//! own oldest entries. The entry being stored is never the one evicted.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 pub use super::entry::Limits;
@@ -11,8 +24,24 @@ use super::entry::Stored;
 
 struct Slot {
     stored: Arc<Stored>,
+    scope: String,
     bytes: u64,
     tick: u64,
+}
+
+/// What one scope holds, and its use order (tick → key; first: least
+/// recently used).
+#[derive(Default)]
+struct ScopeUse {
+    entries: usize,
+    bytes: u64,
+    lru: BTreeMap<u64, String>,
+}
+
+impl ScopeUse {
+    fn oldest(&self) -> u64 {
+        self.lru.keys().next().copied().unwrap_or(0)
+    }
 }
 
 /// What a `put` or `get` removed, so the semantic index forgets it too.
@@ -24,11 +53,16 @@ pub struct Removed {
     pub expired: Vec<(String, String)>,
 }
 
+/// Scopes ranked by what they hold, then by how long their oldest entry
+/// has gone unused: the last is the next to lose an entry.
+type Ranking<T> = BTreeSet<(T, Reverse<u64>, String)>;
+
 pub struct MemoryStore {
     limits: Limits,
     slots: HashMap<String, Slot>,
-    /// Use order: tick → key; the first is the least recently used.
-    lru: BTreeMap<u64, String>,
+    scopes: HashMap<String, ScopeUse>,
+    by_entries: Ranking<usize>,
+    by_bytes: Ranking<u64>,
     tick: u64,
     bytes: u64,
 }
@@ -38,7 +72,9 @@ impl MemoryStore {
         MemoryStore {
             limits,
             slots: HashMap::new(),
-            lru: BTreeMap::new(),
+            scopes: HashMap::new(),
+            by_entries: BTreeSet::new(),
+            by_bytes: BTreeSet::new(),
             tick: 0,
             bytes: 0,
         }
@@ -56,15 +92,48 @@ impl MemoryStore {
         self.bytes
     }
 
+    /// Scopes holding at least one entry.
+    pub fn scopes(&self) -> usize {
+        self.scopes.len()
+    }
+
+    /// Entries and bytes `scope` holds.
+    pub fn scope_use(&self, scope: &str) -> (usize, u64) {
+        self.scopes
+            .get(scope)
+            .map_or((0, 0), |u| (u.entries, u.bytes))
+    }
+
     fn next_tick(&mut self) -> u64 {
         self.tick = self.tick.wrapping_add(1);
         self.tick
     }
 
+    /// Changes `scope`'s use through `change`, keeping the rankings.
+    fn with_scope(&mut self, scope: &str, change: impl FnOnce(&mut ScopeUse)) {
+        let u = self.scopes.entry(scope.to_string()).or_default();
+        let old = Reverse(u.oldest());
+        self.by_entries.remove(&(u.entries, old, scope.to_string()));
+        self.by_bytes.remove(&(u.bytes, old, scope.to_string()));
+        change(u);
+        if u.entries == 0 {
+            self.scopes.remove(scope);
+            return;
+        }
+        let old = Reverse(u.oldest());
+        self.by_entries.insert((u.entries, old, scope.to_string()));
+        self.by_bytes.insert((u.bytes, old, scope.to_string()));
+    }
+
     fn remove(&mut self, key: &str) -> Option<Slot> {
         let slot = self.slots.remove(key)?;
-        self.lru.remove(&slot.tick);
         self.bytes = self.bytes.saturating_sub(slot.bytes);
+        let (tick, bytes) = (slot.tick, slot.bytes);
+        self.with_scope(&slot.scope, |u| {
+            u.entries = u.entries.saturating_sub(1);
+            u.bytes = u.bytes.saturating_sub(bytes);
+            u.lru.remove(&tick);
+        });
         Some(slot)
     }
 
@@ -82,14 +151,16 @@ impl MemoryStore {
         let tick = self.next_tick();
         let slot = self.slots.get_mut(key)?;
         let old = std::mem::replace(&mut slot.tick, tick);
-        let stored = slot.stored.clone();
-        self.lru.remove(&old);
-        self.lru.insert(tick, key.to_string());
+        let (stored, scope) = (slot.stored.clone(), slot.scope.clone());
+        self.with_scope(&scope, |u| {
+            u.lru.remove(&old);
+            u.lru.insert(tick, key.to_string());
+        });
         Some(stored)
     }
 
-    /// Stores (replacing any entry under `key`), then evicts least
-    /// recently used entries until both bounds hold. An entry larger than
+    /// Stores (replacing any entry under `key`), then evicts until both
+    /// bounds hold (see the module's rule). An entry larger than
     /// `max_bytes` alone is not stored (`false`).
     pub fn put(&mut self, key: String, stored: Arc<Stored>, removed: &mut Removed) -> bool {
         let bytes = stored.bytes(&key);
@@ -98,29 +169,79 @@ impl MemoryStore {
         }
         self.remove(&key);
         let tick = self.next_tick();
-        self.lru.insert(tick, key.clone());
+        let scope = stored.scope.clone().unwrap_or_default();
         self.bytes = self.bytes.saturating_add(bytes);
+        self.with_scope(&scope, |u| {
+            u.entries += 1;
+            u.bytes = u.bytes.saturating_add(bytes);
+            u.lru.insert(tick, key.clone());
+        });
         self.slots.insert(
             key.clone(),
             Slot {
                 stored,
+                scope: scope.clone(),
                 bytes,
                 tick,
             },
         );
-        while self.slots.len() > self.limits.max_entries || self.bytes > self.limits.max_bytes {
-            let Some((_, oldest)) = self.lru.pop_first() else {
+        while self.slots.len() > self.limits.max_entries {
+            let Some(victim) = self.victim(&scope, &key, true) else {
                 break;
             };
-            if let Some(slot) = self.slots.remove(&oldest) {
-                self.bytes = self.bytes.saturating_sub(slot.bytes);
-                removed.evicted.push((oldest, slot.stored.model.clone()));
-            }
+            self.evict(&victim, removed);
+        }
+        while self.bytes > self.limits.max_bytes {
+            let Some(victim) = self.victim(&scope, &key, false) else {
+                break;
+            };
+            self.evict(&victim, removed);
         }
         true
     }
 
-    /// Removes every entry `which` selects; how many.
+    /// The scope to lose an entry: the largest (by entries or by bytes),
+    /// never the one whose only entry is `key`, the entry being stored.
+    fn victim(&self, storing: &str, key: &str, by_entries: bool) -> Option<String> {
+        let only_new = |scope: &str| {
+            scope == storing
+                && self
+                    .scopes
+                    .get(scope)
+                    .is_some_and(|u| u.lru.len() == 1 && u.lru.values().all(|k| k == key))
+        };
+        if by_entries {
+            self.by_entries
+                .iter()
+                .rev()
+                .map(|(_, _, s)| s)
+                .find(|s| !only_new(s))
+                .cloned()
+        } else {
+            self.by_bytes
+                .iter()
+                .rev()
+                .map(|(_, _, s)| s)
+                .find(|s| !only_new(s))
+                .cloned()
+        }
+    }
+
+    /// Evicts `scope`'s least recently used entry.
+    fn evict(&mut self, scope: &str, removed: &mut Removed) {
+        let Some(oldest) = self
+            .scopes
+            .get(scope)
+            .and_then(|u| u.lru.values().next().cloned())
+        else {
+            return;
+        };
+        if let Some(slot) = self.remove(&oldest) {
+            removed.evicted.push((oldest, slot.stored.model.clone()));
+        }
+    }
+
+    /// Removes every entry `which` selects; their keys.
     pub fn purge(&mut self, which: impl Fn(&Stored) -> bool) -> Vec<String> {
         let keys: Vec<String> = self
             .slots
@@ -153,6 +274,7 @@ mod tests {
             expires_at_ms: ttl_ms,
             context: None,
             vector: None,
+            scope: None,
         })
     }
 

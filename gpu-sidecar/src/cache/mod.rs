@@ -58,6 +58,17 @@ fn valid_hash(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
+/// The header the filter names an answer's scope with on a store: the
+/// lower-case hex SHA-256 of the scope value (`principal:…`, `team:…`,
+/// `org:…`, `tier:…`, `global`). Only the bounds per scope and purges by
+/// scope use it; matching never does (the scope is in every key).
+pub const SCOPE_HEADER: &str = "x-sluice-cache-scope";
+
+/// The scope id of a scope value: what [`SCOPE_HEADER`] carries.
+pub fn scope_id(value: &str) -> String {
+    sluice_filter::policy::keys::sha256_hex(value.as_bytes())
+}
+
 /// The longest model name taken (a metric label).
 const MAX_MODEL: usize = 256;
 
@@ -249,8 +260,27 @@ impl Cache {
         LookupAnswer { hit: None }
     }
 
+    /// Stores an answer without a scope id (it shares the bounds of every
+    /// other entry without one).
     pub async fn store(&self, req: StoreRequest, now_ms: u64) -> Result<StoreAnswer, CacheError> {
+        self.store_scoped(req, None, now_ms).await
+    }
+
+    /// Stores an answer under its scope id (the filter's
+    /// [`SCOPE_HEADER`]: hex SHA-256 of the scope value), which the bounds
+    /// per scope and purges by scope go by.
+    pub async fn store_scoped(
+        &self,
+        req: StoreRequest,
+        scope: Option<&str>,
+        now_ms: u64,
+    ) -> Result<StoreAnswer, CacheError> {
         check_request(&req.key, &req.model, req.semantic.as_ref())?;
+        if scope.is_some_and(|s| !valid_hash(s)) {
+            return Err(CacheError::Invalid(format!(
+                "{SCOPE_HEADER}: 64 hex digits expected (SHA-256 of the scope value)"
+            )));
+        }
         if req.ttl_s == 0 {
             return Err(CacheError::Invalid("ttl_s: at least 1".into()));
         }
@@ -283,6 +313,7 @@ impl Cache {
             expires_at_ms: now_ms.saturating_add(ttl_ms),
             context,
             vector,
+            scope: scope.map(str::to_ascii_lowercase),
         };
         let kept = match &self.store {
             Store::Memory(m) => {
@@ -330,9 +361,28 @@ impl Cache {
 
     /// Removes every entry, or a model's; how many.
     pub async fn purge(&self, model: Option<&str>) -> Result<u64, CacheError> {
+        self.purge_where(model, None).await
+    }
+
+    /// Removes the entries of `model` (any when `None`) and of `scope`
+    /// (the scope value as the filter writes it, e.g. `team:blue`,
+    /// `principal:key:…`; any when `None`); how many. Their vectors leave
+    /// this sidecar's index too (in fleet mode the other sidecars' indexes
+    /// drop them at their next match: the entry is gone from Redis).
+    pub async fn purge_where(
+        &self,
+        model: Option<&str>,
+        scope: Option<&str>,
+    ) -> Result<u64, CacheError> {
+        let scope = scope.map(scope_id);
         match &self.store {
             Store::Memory(m) => {
-                let keys = lock(m).purge(|s| model.is_none_or(|want| s.model == want));
+                let keys = lock(m).purge(|s| {
+                    model.is_none_or(|want| s.model == want)
+                        && scope
+                            .as_deref()
+                            .is_none_or(|want| s.scope.as_deref() == Some(want))
+                });
                 let mut index = lock(&self.index);
                 for k in &keys {
                     index.remove(k);
@@ -340,15 +390,27 @@ impl Cache {
                 Ok(keys.len() as u64)
             }
             Store::Redis(r) => {
-                let n = r.purge(model).await.map_err(|e| {
+                let removed = r.purge(model, scope.as_deref()).await.map_err(|e| {
                     self.stats.unavailable();
                     CacheError::Invalid(format!("redis: {e}"))
                 })?;
-                if model.is_none() {
-                    lock(&self.index).clear();
+                let mut index = lock(&self.index);
+                if model.is_none() && scope.is_none() {
+                    index.clear();
                 }
-                Ok(n)
+                for k in &removed {
+                    index.remove(k);
+                }
+                Ok(removed.len() as u64)
             }
+        }
+    }
+
+    /// Scopes holding entries (memory; `None` in Redis).
+    pub fn scopes(&self) -> Option<usize> {
+        match &self.store {
+            Store::Memory(m) => Some(lock(m).scopes()),
+            Store::Redis(_) => None,
         }
     }
 

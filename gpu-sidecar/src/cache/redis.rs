@@ -23,11 +23,14 @@ const LRU: &str = "sluice:cache:lru";
 const SIZES: &str = "sluice:cache:size";
 const MODELS: &str = "sluice:cache:model";
 const BYTES: &str = "sluice:cache:bytes";
+/// member → the filter's scope id (purges by scope).
+const SCOPES: &str = "sluice:cache:scope";
 pub const LEARN: &str = "sluice:cache:learn";
 
-/// KEYS: entry, lru, sizes, models, bytes, learn. ARGV: value, ttl_ms,
-/// now_ms, size, max_entries, max_bytes, member, model, prefix, and when
-/// semantic: context, vector (JSON), expires_at_ms.
+/// KEYS: entry, lru, sizes, models, bytes, learn, scopes. ARGV: value,
+/// ttl_ms, now_ms, size, max_entries, max_bytes, member, model, prefix,
+/// scope id ('' = none), and when semantic: context, vector (JSON),
+/// expires_at_ms.
 const STORE: &str = r#"
 local member = ARGV[7]
 local old = redis.call('HGET', KEYS[3], member)
@@ -36,6 +39,7 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], member)
 redis.call('HSET', KEYS[3], member, ARGV[4])
 redis.call('HSET', KEYS[4], member, ARGV[8])
+if ARGV[10] ~= '' then redis.call('HSET', KEYS[7], member, ARGV[10]) end
 redis.call('INCRBY', KEYS[5], ARGV[4])
 local max_entries = tonumber(ARGV[5])
 local max_bytes = tonumber(ARGV[6])
@@ -50,36 +54,40 @@ while redis.call('ZCARD', KEYS[2]) > max_entries
   local model = redis.call('HGET', KEYS[4], m) or ''
   redis.call('HDEL', KEYS[3], m)
   redis.call('HDEL', KEYS[4], m)
+  redis.call('HDEL', KEYS[7], m)
   if redis.call('DEL', ARGV[9] .. m) == 1 then
     table.insert(evicted, model)
   end
 end
-if ARGV[10] then
+if ARGV[11] then
   redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*',
-             'k', member, 'c', ARGV[10], 'v', ARGV[11], 'x', ARGV[12])
+             'k', member, 'c', ARGV[11], 'v', ARGV[12], 'x', ARGV[13])
 end
 return evicted
 "#;
 
-/// KEYS: lru, sizes, models, bytes, learn. ARGV: prefix, model ('' = all).
+/// KEYS: lru, sizes, models, bytes, learn, scopes. ARGV: prefix, model
+/// ('' = any), scope id ('' = any). Returns the members removed.
 const PURGE: &str = r#"
-local n = 0
+local removed = {}
 local all = redis.call('HGETALL', KEYS[3])
 for i = 1, #all, 2 do
   local m, model = all[i], all[i + 1]
-  if ARGV[2] == '' or ARGV[2] == model then
-    n = n + redis.call('DEL', ARGV[1] .. m)
+  local scope = redis.call('HGET', KEYS[6], m) or ''
+  if (ARGV[2] == '' or ARGV[2] == model) and (ARGV[3] == '' or ARGV[3] == scope) then
+    if redis.call('DEL', ARGV[1] .. m) == 1 then table.insert(removed, m) end
     redis.call('ZREM', KEYS[1], m)
     local s = redis.call('HGET', KEYS[2], m)
     if s then redis.call('DECRBY', KEYS[4], s) end
     redis.call('HDEL', KEYS[2], m)
     redis.call('HDEL', KEYS[3], m)
+    redis.call('HDEL', KEYS[6], m)
   end
 end
-if ARGV[2] == '' then
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+if ARGV[2] == '' and ARGV[3] == '' then
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 end
-return n
+return removed
 "#;
 
 pub struct RedisStore {
@@ -146,6 +154,7 @@ impl RedisStore {
             .key(MODELS)
             .key(BYTES)
             .key(LEARN)
+            .key(SCOPES)
             .arg(value)
             .arg(ttl_ms)
             .arg(now_ms)
@@ -154,7 +163,8 @@ impl RedisStore {
             .arg(self.limits.max_bytes)
             .arg(key)
             .arg(&stored.model)
-            .arg(PREFIX);
+            .arg(PREFIX)
+            .arg(stored.scope.as_deref().unwrap_or(""));
         if let (Some(c), Some(v)) = (&stored.context, &stored.vector) {
             let vector =
                 serde_json::to_string(v).map_err(|e| FleetError::Invalid(e.to_string()))?;
@@ -163,16 +173,23 @@ impl RedisStore {
         self.fleet.run(inv).await
     }
 
-    /// Removes every entry (or a model's); how many.
-    pub async fn purge(&self, model: Option<&str>) -> Result<u64, FleetError> {
+    /// Removes every entry (or a model's, a scope id's, or both); the
+    /// keys removed.
+    pub async fn purge(
+        &self,
+        model: Option<&str>,
+        scope: Option<&str>,
+    ) -> Result<Vec<String>, FleetError> {
         let mut inv = self.purge.prepare_invoke();
         inv.key(LRU)
             .key(SIZES)
             .key(MODELS)
             .key(BYTES)
             .key(LEARN)
+            .key(SCOPES)
             .arg(PREFIX)
-            .arg(model.unwrap_or(""));
+            .arg(model.unwrap_or(""))
+            .arg(scope.unwrap_or(""));
         self.fleet.run(inv).await
     }
 

@@ -339,6 +339,162 @@ async fn purge_by_model() {
     assert_eq!(c.size().await.0, 0);
 }
 
+fn bounded_cache(max_entries: usize, max_bytes: u64, embeddings: Option<String>) -> Arc<Cache> {
+    Cache::new(
+        CacheConfig {
+            max_entries,
+            max_bytes,
+            max_entry_bytes: max_bytes.min(1 << 20),
+            embeddings: embeddings.map(|url| EmbeddingsConfig {
+                url,
+                model: "embed".into(),
+                timeout: Duration::from_secs(5),
+                api_key_env: None,
+            }),
+            ..CacheConfig::default()
+        },
+        None,
+    )
+    .unwrap()
+}
+
+/// Stores `n` answers of `body_len` bytes for `scope` (keys `{scope}/{i}`).
+async fn fill(c: &Cache, scope: &str, n: usize, body_len: usize, now: u64) {
+    let id = scope_id(scope);
+    for i in 0..n {
+        let req = store_req(&format!("{scope}/{i}"), &"x".repeat(body_len), None);
+        assert!(c.store_scoped(req, Some(&id), now).await.unwrap().stored);
+    }
+}
+
+async fn held(c: &Cache, scope: &str, n: usize, now: u64) -> usize {
+    let mut held = 0;
+    for i in 0..n {
+        let req = lookup_req(&format!("{scope}/{i}"), None);
+        held += usize::from(c.lookup(&req, now).await.unwrap().hit.is_some());
+    }
+    held
+}
+
+#[tokio::test]
+async fn one_scope_flooding_evicts_only_its_own() {
+    // 100 entries: four callers hold 10 each, then one stores 1,000.
+    let c = bounded_cache(100, 64 << 20, None);
+    for who in ["team:a", "team:b", "team:c", "team:d"] {
+        fill(&c, who, 10, 10, 0).await;
+    }
+    fill(&c, "principal:ip:10.9.9.9", 1000, 10, 0).await;
+    for who in ["team:a", "team:b", "team:c", "team:d"] {
+        assert_eq!(held(&c, who, 10, 1).await, 10, "{who} kept all");
+    }
+    // The flood holds the rest, its newest.
+    assert_eq!(c.size().await.0, 100);
+    assert_eq!(held(&c, "principal:ip:10.9.9.9", 1000, 1).await, 60);
+    let flood = "principal:ip:10.9.9.9";
+    assert!(c
+        .lookup(&lookup_req(&format!("{flood}/999"), None), 1)
+        .await
+        .unwrap()
+        .hit
+        .is_some());
+    assert_eq!(c.stats.get("m", Kind::Exact, "evict"), 940);
+    // A store without a scope id shares the scope "" (bounded the same way).
+    assert!(
+        c.store(store_req("plain", "p", None), 1)
+            .await
+            .unwrap()
+            .stored
+    );
+    assert_eq!(held(&c, "team:a", 10, 1).await, 10);
+}
+
+#[tokio::test]
+async fn many_scopes_cut_only_those_over_their_share() {
+    // 100 entries; one caller holds 40, then 30 scopes store 5 each: the
+    // large one shrinks towards the share (100 / 31 scopes), nobody
+    // within it loses anything.
+    let c = bounded_cache(100, 64 << 20, None);
+    fill(&c, "team:big", 40, 10, 0).await;
+    for i in 0..30 {
+        fill(&c, &format!("principal:ip:10.0.0.{i}"), 5, 10, 0).await;
+    }
+    let big = held(&c, "team:big", 40, 1).await;
+    let mut small = Vec::new();
+    for i in 0..30 {
+        small.push(held(&c, &format!("principal:ip:10.0.0.{i}"), 5, 1).await);
+    }
+    assert_eq!(c.size().await.0, 100);
+    // Every scope ends within one entry of the others: 3 or 4 each.
+    assert!((3..=4).contains(&big), "big kept {big}");
+    assert!(small.iter().all(|n| (3..=4).contains(n)), "{small:?}");
+}
+
+#[tokio::test]
+async fn the_byte_bound_is_shared_by_scope_too() {
+    let one = Stored {
+        model: "m".into(),
+        entry: entry(&"x".repeat(1000), 3),
+        stored_at_ms: 0,
+        expires_at_ms: 0,
+        context: None,
+        vector: None,
+        scope: Some(scope_id("team:a")),
+    }
+    .bytes(&hash("team:a/0"));
+    // Room for 20 such answers; a holds 5, then b stores 100.
+    let c = bounded_cache(1000, one * 20, None);
+    fill(&c, "team:a", 5, 1000, 0).await;
+    fill(&c, "team:b", 100, 1000, 0).await;
+    assert_eq!(held(&c, "team:a", 5, 1).await, 5);
+    assert_eq!(held(&c, "team:b", 100, 1).await, 15);
+    assert!(c.size().await.1 <= one * 20);
+    // A bad scope id is refused, naming the header.
+    let bad = c
+        .store_scoped(store_req("z", "z", None), Some("team:a"), 0)
+        .await
+        .unwrap_err();
+    assert!(bad.to_string().starts_with(SCOPE_HEADER), "{bad}");
+}
+
+#[tokio::test]
+async fn purge_by_scope_and_model_takes_the_vectors_too() {
+    let url = mock_llm().await;
+    let c = bounded_cache(1000, 64 << 20, Some(url));
+    let (a, b) = (scope_id("team:a"), scope_id("team:b"));
+    for (who, id) in [("a", &a), ("b", &b)] {
+        for (i, model) in ["m", "m2"].into_iter().enumerate() {
+            let mut req = store_req(
+                &format!("{who}{i}"),
+                "answer",
+                Some((&format!("ctx-{who}-{model}"), "how do I enable 2FA")),
+            );
+            req.model = model.into();
+            assert!(c.store_scoped(req, Some(id), 0).await.unwrap().stored);
+        }
+    }
+    assert_eq!(c.vectors(), 4);
+    // Scope a, model m2 only.
+    assert_eq!(c.purge_where(Some("m2"), Some("team:a")).await.unwrap(), 1);
+    assert_eq!(c.vectors(), 3);
+    // The rest of scope a.
+    assert_eq!(c.purge_where(None, Some("team:a")).await.unwrap(), 1);
+    assert_eq!(c.vectors(), 2);
+    let para = |who: &str, model: &str| {
+        let mut r = lookup_req(
+            "other",
+            Some((&format!("ctx-{who}-{model}"), "How do I enable 2FA?")),
+        );
+        r.model = model.into();
+        r
+    };
+    assert!(c.lookup(&para("a", "m"), 1).await.unwrap().hit.is_none());
+    assert!(c.lookup(&para("b", "m"), 1).await.unwrap().hit.is_some());
+    assert!(c.lookup(&para("b", "m2"), 1).await.unwrap().hit.is_some());
+    // A scope nobody stored under: nothing.
+    assert_eq!(c.purge_where(None, Some("team:zz")).await.unwrap(), 0);
+    assert_eq!(c.size().await.0, 2);
+}
+
 #[test]
 fn config_checks_name_the_field() {
     let parse = |y: &str| {
@@ -439,6 +595,43 @@ mod in_redis {
     }
 
     #[tokio::test]
+    async fn purge_by_scope_in_redis() {
+        let Some(redis) = server() else { return };
+        let a = redis_cache(&redis.url, None, (100, 1 << 20));
+        let b = redis_cache(&redis.url, None, (100, 1 << 20));
+        let now = now_ms();
+        for (k, scope, model) in [
+            ("k1", "team:a", "m"),
+            ("k2", "team:a", "m2"),
+            ("k3", "team:b", "m"),
+        ] {
+            let mut req = store_req(k, "v", None);
+            req.model = model.into();
+            let id = scope_id(scope);
+            assert!(a.store_scoped(req, Some(&id), now).await.unwrap().stored);
+        }
+        let mut plain = store_req("k4", "v", None);
+        plain.model = "m".into();
+        a.store(plain, now).await.unwrap();
+        assert_eq!(b.purge_where(Some("m"), Some("team:a")).await.unwrap(), 1);
+        assert_eq!(b.purge_where(None, Some("team:a")).await.unwrap(), 1);
+        let hit = |k: &'static str| {
+            let a = a.clone();
+            async move {
+                a.lookup(&lookup_req(k, None), now)
+                    .await
+                    .unwrap()
+                    .hit
+                    .is_some()
+            }
+        };
+        assert!(!hit("k1").await && !hit("k2").await);
+        assert!(hit("k3").await && hit("k4").await);
+        assert_eq!(a.size().await.0, 2);
+        assert_eq!(b.purge_where(None, None).await.unwrap(), 2);
+    }
+
+    #[tokio::test]
     async fn bounds_hold_in_redis() {
         let Some(redis) = server() else { return };
         let c = redis_cache(&redis.url, None, (5, 1 << 20));
@@ -471,6 +664,7 @@ mod in_redis {
             expires_at_ms: 0,
             context: None,
             vector: None,
+            scope: None,
         }
         .bytes(&hash("b0"));
         let c = redis_cache(&redis.url, None, (1000, one * 3));

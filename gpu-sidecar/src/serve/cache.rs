@@ -108,7 +108,14 @@ async fn store(
         Ok(r) => r,
         Err(r) => return *r,
     };
-    match api.cache.store(req, crate::cache::now_ms()).await {
+    let scope = headers
+        .get(crate::cache::SCOPE_HEADER)
+        .map(|v| v.to_str().unwrap_or("?"));
+    match api
+        .cache
+        .store_scoped(req, scope, crate::cache::now_ms())
+        .await
+    {
         Ok(a) => reply(StatusCode::OK, json!(a)),
         Err(e) => invalid(e),
     }
@@ -147,7 +154,8 @@ async fn purge(
             Err(r) => return *r,
         }
     };
-    match api.cache.purge(req.model.as_deref()).await {
+    let scope = req.scope.as_deref();
+    match api.cache.purge_where(req.model.as_deref(), scope).await {
         Ok(n) => {
             api.cache.note_size().await;
             reply(StatusCode::OK, json!({"purged": n}))
