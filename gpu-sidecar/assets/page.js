@@ -260,6 +260,26 @@ function renderTraffic(h) {
   $("#traffic tbody").replaceChildren(...rows);
 }
 
+// ---- the response cache ----------------------------------------------------
+
+function renderCache(h) {
+  const c = h.cache;
+  $("#cache-section").hidden = !c;
+  if (!c) return;
+  $("#cache-where").textContent = "(entries in " + c.where + (c.scopes === null ? "" : ", " + c.scopes + " scopes") + ")";
+  const rate = c.hit_rate === null ? "no lookups yet" : num(100 * c.hit_rate, 1) + " %";
+  const row = el("tr", {},
+    el("td", { class: "hit-rate" }, rate),
+    el("td", {}, c.hits + " (" + c.hits_exact + " / " + c.hits_semantic + ")"),
+    el("td", {}, String(c.lookups)),
+    el("td", {}, c.entries + " of " + c.max_entries),
+    el("td", {}, c.bytes + " of " + c.max_bytes),
+    el("td", {}, String(c.vectors)),
+    el("td", {}, String(c.saved_tokens)),
+    el("td", {}, num(c.saved_spend_micros / 1e6, 4)));
+  $("#cache tbody").replaceChildren(row);
+}
+
 // ---- the loop ------------------------------------------------------------
 
 async function refresh() {
@@ -275,6 +295,7 @@ async function refresh() {
     renderBreakers(h);
     renderTimeline(h);
     renderTraffic(h);
+    renderCache(h);
     const st = $("#status");
     st.textContent = "State version " + h.state.version + " · updated " + fmtTime(h.state.updated_at) +
       " · read " + fmtTime(h.now) + (h.state.stale ? " · some data is STALE" : "");

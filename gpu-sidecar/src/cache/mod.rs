@@ -430,6 +430,51 @@ impl Cache {
         lock(&self.index).len()
     }
 
+    /// What the operator page shows (`/v1/history`'s `cache`): counts
+    /// since start, entries and bytes as of the last store, purge or sync
+    /// (no Redis call per page refresh).
+    pub fn summary(&self) -> serde_json::Value {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (mut hits_exact, mut hits_semantic, mut lookups) = (0u64, 0u64, 0u64);
+        for (_, kind, result, n) in self.stats.counts() {
+            match (kind, result) {
+                ("exact", "hit") => {
+                    hits_exact += n;
+                    lookups += n;
+                }
+                ("exact", "miss") => lookups += n,
+                ("semantic", "hit") => hits_semantic += n,
+                _ => {}
+            }
+        }
+        let hits = hits_exact.saturating_add(hits_semantic);
+        let (tokens, spend) = self
+            .stats
+            .saved_by_model()
+            .iter()
+            .fold((0u64, 0u64), |(t, s), (_, a, b)| {
+                (t.saturating_add(*a), s.saturating_add(*b))
+            });
+        let hit_rate = (lookups > 0).then(|| hits as f64 / lookups as f64);
+        serde_json::json!({
+            "where": if self.in_redis() { "redis" } else { "memory" },
+            "lookups": lookups,
+            "hits": hits,
+            "hits_exact": hits_exact,
+            "hits_semantic": hits_semantic,
+            "hit_rate": hit_rate,
+            "entries": self.stats.entries.load(Relaxed),
+            "bytes": self.stats.bytes.load(Relaxed),
+            "max_entries": self.config.max_entries,
+            "max_bytes": self.config.max_bytes,
+            "vectors": self.vectors(),
+            "scopes": self.scopes(),
+            "saved_tokens": tokens,
+            "saved_spend_micros": spend,
+            "embedding_failures": self.stats.embedding_failures.load(Relaxed),
+        })
+    }
+
     /// Fleet mode: learns the vectors other sidecars stored, every sync
     /// interval, until closing. Redis down: tried again next round.
     pub async fn learn(self: Arc<Self>, mut closing: tokio::sync::watch::Receiver<bool>) {

@@ -94,6 +94,9 @@ pub async fn history(State(api): State<Arc<Api>>) -> Response {
         o.insert("gpu_source".into(), json!(snap.gpu_source));
         o.insert("gpu_error".into(), json!(snap.gpu_error));
         o.insert("backends".into(), json!(backends));
+        // The response cache's panel: hit rate, entries, bytes, savings.
+        let cache = api.cache.as_ref().map(|c| c.summary());
+        o.insert("cache".into(), json!(cache));
     }
     crate::reply::json(axum::http::StatusCode::OK, body)
 }
