@@ -83,7 +83,7 @@ fn is_sidecar_config(doc: &Value) -> bool {
         // The sidecar's `cache:` (where entries live) vs the policy's (which
         // models): keys only the sidecar's has.
         || map.get("cache").and_then(Value::as_object).is_some_and(|c| {
-            ["backend", "max_entries", "max_bytes", "max_ttl", "max_vectors", "embeddings", "min_threshold"]
+            ["backend", "max_entries", "max_bytes", "max_ttl", "max_vectors", "embeddings", "min_threshold", "scope_floor"]
                 .iter()
                 .any(|k| c.contains_key(*k))
         })

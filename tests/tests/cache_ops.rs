@@ -202,18 +202,29 @@ fn one_scope_flooding_cannot_evict_the_others() {
 }
 
 #[test]
-fn many_scopes_flooding_leave_each_scope_its_share() {
-    // 40 entries; a caller holds 20, then 30 new scopes store 3 each: the
-    // large scope shrinks to about the share (40 / 31), no small scope
-    // loses an entry to another's store beyond that share.
-    let ops = start("  max_entries: 40\n");
+fn many_scopes_flooding_never_push_a_scope_below_its_floor() {
+    // 40 entries, so a floor of 4 per scope: a caller holds 20, then 30
+    // new scopes store 3 each (each within the floor). The large scope
+    // gives way down to its floor; the newcomers fill the rest; once every
+    // scope is within its floor, later scopes' answers are not stored
+    // (`full`), and nobody already there loses an entry to them.
+    let ops = start(
+        "  max_entries: 40
+",
+    );
     for i in 0..20 {
         ops.stored("team:big", &format!("big/{i}"), "m", None);
     }
+    let mut refused = 0;
     for s in 0..30 {
         let scope = format!("principal:ip:198.51.100.{s}");
         for i in 0..3 {
-            ops.stored(&scope, &format!("{scope}/{i}"), "m", None);
+            let r = ops.store(&scope, &format!("{scope}/{i}"), "m", None).ok();
+            let a = r.json();
+            if a["stored"] == false {
+                assert_eq!(a["reason"], "full", "{a}");
+                refused += 1;
+            }
         }
     }
     let big = (0..20)
@@ -227,9 +238,12 @@ fn many_scopes_flooding_leave_each_scope_its_share() {
                 .count()
         })
         .collect();
-    assert!((1..=2).contains(&big), "big kept {big}");
-    assert!(small.iter().all(|n| (1..=2).contains(n)), "{small:?}");
-    assert_eq!(big + small.iter().sum::<usize>(), 40);
+    assert_eq!(big, 4, "the large scope keeps its floor");
+    assert_eq!(small[..12], [3; 12], "{small:?}");
+    assert_eq!(small[12..], [0; 18], "{small:?}");
+    assert_eq!(refused, 18 * 3);
+    // The newest 4 of the large scope are what it kept.
+    assert!((16..20).all(|i| ops.exact(&format!("big/{i}"), "m").is_some()));
 }
 
 #[test]

@@ -103,6 +103,10 @@ pub enum NotStored {
     TooLarge,
     /// The store (Redis) did not answer in time.
     Unavailable,
+    /// The sidecar's bounds are taken by scopes each within their floor
+    /// (`cache.scope_floor`), and this answer's scope has no older entry
+    /// to make room from.
+    Full,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -11,6 +11,8 @@ use sluice_wire::cache::Entry;
 pub struct Limits {
     pub max_entries: usize,
     pub max_bytes: u64,
+    /// Entries per scope that other scopes' stores never evict (memory).
+    pub scope_floor: usize,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

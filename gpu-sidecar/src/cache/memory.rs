@@ -14,6 +14,18 @@
 //! loses an entry to another scope's store: only to its own stores, its
 //! TTL and purges. A single caller flooding the cache ends up evicting its
 //! own oldest entries. The entry being stored is never the one evicted.
+//!
+//! The floor (`scope_floor`, default 4): a scope holding at most
+//! `scope_floor` entries never loses one to another scope's store over
+//! the entry bound, nor, holding at most the same share of `max_bytes`
+//! (`max_bytes × scope_floor / max_entries`), over the byte bound.
+//! Only scopes holding more are chosen as above; when none does, the
+//! storing scope makes room from its own older entries, and if it has
+//! none the answer is not stored (a later miss for that caller, never an
+//! eviction of someone else's floor). At most `max_entries / scope_floor`
+//! scopes can hold a full floor at once: a flood of more new scopes than
+//! that leaves the floors of those already there, and stores nothing more
+//! for newcomers until entries expire or are purged.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -187,44 +199,74 @@ impl MemoryStore {
         );
         while self.slots.len() > self.limits.max_entries {
             let Some(victim) = self.victim(&scope, &key, true) else {
-                break;
+                return self.refuse(&key);
             };
             self.evict(&victim, removed);
         }
         while self.bytes > self.limits.max_bytes {
             let Some(victim) = self.victim(&scope, &key, false) else {
-                break;
+                return self.refuse(&key);
             };
             self.evict(&victim, removed);
         }
         true
     }
 
-    /// The scope to lose an entry: the largest (by entries or by bytes),
-    /// never the one whose only entry is `key`, the entry being stored.
+    /// The floor in bytes: the same share of `max_bytes` as `scope_floor`
+    /// is of `max_entries`.
+    fn floor_bytes(&self) -> u64 {
+        let (f, n) = (
+            self.limits.scope_floor as u64,
+            self.limits.max_entries as u64,
+        );
+        u64::try_from(u128::from(self.limits.max_bytes) * u128::from(f) / u128::from(n.max(1)))
+            .unwrap_or(u64::MAX)
+    }
+
+    /// Takes back the entry just stored: no scope may give way for it.
+    fn refuse(&mut self, key: &str) -> bool {
+        self.remove(key);
+        false
+    }
+
+    /// The scope to lose an entry: the largest (by entries or by bytes)
+    /// of those holding more than the floor, else the storing scope itself
+    /// (when it holds more than the entry being stored), else none.
     fn victim(&self, storing: &str, key: &str, by_entries: bool) -> Option<String> {
-        let only_new = |scope: &str| {
-            scope == storing
-                && self
-                    .scopes
-                    .get(scope)
-                    .is_some_and(|u| u.lru.len() == 1 && u.lru.values().all(|k| k == key))
+        let floor = self.limits.scope_floor;
+        let floor_bytes = self.floor_bytes();
+        let over = |scope: &str| {
+            self.scopes.get(scope).is_some_and(|u| {
+                if by_entries {
+                    u.entries > floor
+                } else {
+                    u.bytes > floor_bytes
+                }
+            })
         };
-        if by_entries {
+        let largest = if by_entries {
             self.by_entries
                 .iter()
                 .rev()
                 .map(|(_, _, s)| s)
-                .find(|s| !only_new(s))
-                .cloned()
+                .find(|s| over(s))
         } else {
             self.by_bytes
                 .iter()
                 .rev()
                 .map(|(_, _, s)| s)
-                .find(|s| !only_new(s))
-                .cloned()
+                .find(|s| over(s))
+        };
+        if let Some(s) = largest {
+            return Some(s.clone());
         }
+        // Every scope within the floor: the storing one makes room from
+        // its own older entries, or the answer is not kept.
+        let own = self
+            .scopes
+            .get(storing)
+            .is_some_and(|u| u.lru.values().any(|k| k != key));
+        own.then(|| storing.to_string())
     }
 
     /// Evicts `scope`'s least recently used entry.
@@ -287,6 +329,7 @@ mod tests {
         let mut s = MemoryStore::new(Limits {
             max_entries: 2,
             max_bytes: 1 << 20,
+            scope_floor: 4,
         });
         let mut r = Removed::default();
         assert!(s.put("a".into(), stored("m", 10, 1000), &mut r));
@@ -306,6 +349,7 @@ mod tests {
         let mut s = MemoryStore::new(Limits {
             max_entries: 1000,
             max_bytes: one * 3,
+            scope_floor: 4,
         });
         let mut r = Removed::default();
         for i in 0..50 {
@@ -328,6 +372,7 @@ mod tests {
         let mut s = MemoryStore::new(Limits {
             max_entries: 10,
             max_bytes: 1 << 20,
+            scope_floor: 4,
         });
         let mut r = Removed::default();
         s.put("a".into(), stored("m", 1, 500), &mut r);
@@ -343,6 +388,7 @@ mod tests {
         let mut s = MemoryStore::new(Limits {
             max_entries: 10,
             max_bytes: 1 << 20,
+            scope_floor: 4,
         });
         let mut r = Removed::default();
         s.put("a".into(), stored("m1", 1, 500), &mut r);

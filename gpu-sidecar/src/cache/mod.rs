@@ -45,6 +45,7 @@ fn limits(c: &CacheConfig) -> Limits {
     Limits {
         max_entries: c.max_entries,
         max_bytes: c.max_bytes,
+        scope_floor: c.scope_floor(),
     }
 }
 
@@ -340,9 +341,15 @@ impl Cache {
         };
         if !kept {
             self.stats.count(&req.model, Kind::Exact, "skip");
+            // Not too large alone: every other scope is within its floor.
+            let reason = if stored.bytes(&req.key) > self.config.max_bytes {
+                NotStored::TooLarge
+            } else {
+                NotStored::Full
+            };
             return Ok(StoreAnswer {
                 stored: false,
-                reason: Some(NotStored::TooLarge),
+                reason: Some(reason),
             });
         }
         self.stats.count(&req.model, Kind::Exact, "store");

@@ -358,13 +358,18 @@ fn bounded_cache(max_entries: usize, max_bytes: u64, embeddings: Option<String>)
     .unwrap()
 }
 
-/// Stores `n` answers of `body_len` bytes for `scope` (keys `{scope}/{i}`).
-async fn fill(c: &Cache, scope: &str, n: usize, body_len: usize, now: u64) {
+/// Stores `n` answers of `body_len` bytes for `scope` (keys `{scope}/{i}`);
+/// how many were kept.
+async fn fill(c: &Cache, scope: &str, n: usize, body_len: usize, now: u64) -> usize {
     let id = scope_id(scope);
+    let mut kept = 0;
     for i in 0..n {
         let req = store_req(&format!("{scope}/{i}"), &"x".repeat(body_len), None);
-        assert!(c.store_scoped(req, Some(&id), now).await.unwrap().stored);
+        let a = c.store_scoped(req, Some(&id), now).await.unwrap();
+        assert!(a.stored || a.reason == Some(NotStored::Full), "{a:?}");
+        kept += usize::from(a.stored);
     }
+    kept
 }
 
 async fn held(c: &Cache, scope: &str, n: usize, now: u64) -> usize {
@@ -409,14 +414,16 @@ async fn one_scope_flooding_evicts_only_its_own() {
 }
 
 #[tokio::test]
-async fn many_scopes_cut_only_those_over_their_share() {
-    // 100 entries; one caller holds 40, then 30 scopes store 5 each: the
-    // large one shrinks towards the share (100 / 31 scopes), nobody
-    // within it loses anything.
+async fn many_scopes_cut_only_those_over_the_floor() {
+    // 100 entries, floor 4: one caller holds 40, then 30 scopes store 5
+    // each. The large one gives way down to the floor, each newcomer keeps
+    // its newest 4; once every scope is within its floor (25 × 4), the
+    // scopes still coming store nothing (`full`) and evict nobody.
     let c = bounded_cache(100, 64 << 20, None);
-    fill(&c, "team:big", 40, 10, 0).await;
+    assert_eq!(fill(&c, "team:big", 40, 10, 0).await, 40);
+    let mut kept = Vec::new();
     for i in 0..30 {
-        fill(&c, &format!("principal:ip:10.0.0.{i}"), 5, 10, 0).await;
+        kept.push(fill(&c, &format!("principal:ip:10.0.0.{i}"), 5, 10, 0).await);
     }
     let big = held(&c, "team:big", 40, 1).await;
     let mut small = Vec::new();
@@ -424,9 +431,33 @@ async fn many_scopes_cut_only_those_over_their_share() {
         small.push(held(&c, &format!("principal:ip:10.0.0.{i}"), 5, 1).await);
     }
     assert_eq!(c.size().await.0, 100);
-    // Every scope ends within one entry of the others: 3 or 4 each.
-    assert!((3..=4).contains(&big), "big kept {big}");
-    assert!(small.iter().all(|n| (3..=4).contains(n)), "{small:?}");
+    assert_eq!(big, 4, "the large scope keeps its floor");
+    assert_eq!(small[..24], [4; 24], "{small:?}");
+    assert_eq!(small[24..], [0; 6], "{small:?}");
+    assert_eq!(kept[24..], [0; 6], "{kept:?}");
+    // Without a floor, the largest always gives way: everyone ends with
+    // its share (100 / 31 scopes: 3 or 4).
+    let c = Cache::new(
+        CacheConfig {
+            max_entries: 100,
+            scope_floor: Some(0),
+            ..CacheConfig::default()
+        },
+        None,
+    )
+    .unwrap();
+    fill(&c, "team:big", 40, 10, 0).await;
+    for i in 0..30 {
+        assert_eq!(
+            fill(&c, &format!("principal:ip:10.0.0.{i}"), 5, 10, 0).await,
+            5
+        );
+    }
+    assert!((3..=4).contains(&held(&c, "team:big", 40, 1).await));
+    for i in 0..30 {
+        let n = held(&c, &format!("principal:ip:10.0.0.{i}"), 5, 1).await;
+        assert!((3..=4).contains(&n), "{n}");
+    }
 }
 
 #[tokio::test]
@@ -514,6 +545,10 @@ fn config_checks_name_the_field() {
         ("cache: {min_threshold: 0}", "cache.min_threshold"),
         ("cache: {min_threshold: 1.5}", "cache.min_threshold"),
         ("cache: {min_threshold: -0.1}", "cache.min_threshold"),
+        (
+            "cache: {max_entries: 10, scope_floor: 11}",
+            "cache.scope_floor",
+        ),
         (
             "cache: {embeddings: {url: 'ftp://x', model: m}}",
             "cache.embeddings.url",

@@ -37,6 +37,13 @@ pub struct CacheConfig {
     /// The lowest similarity a semantic lookup is searched with, whatever
     /// the request asks (a lower `threshold` is raised to this).
     pub min_threshold: f32,
+    /// Entries of a scope that another scope's store never evicts (memory
+    /// mode; see `crate::cache::memory`): the largest scope above this
+    /// loses its oldest; when no other scope is above it, an answer that
+    /// would need one of them is not stored.
+    /// Default: 4, or a tenth of `max_entries` when that is less (at
+    /// least 1); 0: no floor (the largest scope always gives way).
+    pub scope_floor: Option<usize>,
 }
 
 impl Default for CacheConfig {
@@ -50,6 +57,7 @@ impl Default for CacheConfig {
             max_vectors: None,
             embeddings: None,
             min_threshold: 0.9,
+            scope_floor: None,
         }
     }
 }
@@ -59,6 +67,13 @@ const MAX_ENTRIES: usize = 10_000_000;
 const MAX_BYTES: u64 = 64 << 30;
 
 impl CacheConfig {
+    /// The floor per scope in entries (see `scope_floor`).
+    pub fn scope_floor(&self) -> usize {
+        self.scope_floor
+            .unwrap_or_else(|| 4.min(self.max_entries / 10).max(1))
+            .min(self.max_entries)
+    }
+
     /// Checks the section; `fleet`: whether a `fleet:` section is there.
     pub fn check(&self, fleet: bool) -> Result<(), (String, String)> {
         let bad = |p: &str, m: String| Err((format!("cache.{p}"), m));
@@ -72,6 +87,12 @@ impl CacheConfig {
             return bad(
                 "max_entry_bytes",
                 format!("between 1 and max_bytes ({})", self.max_bytes),
+            );
+        }
+        if self.scope_floor.is_some_and(|f| f > self.max_entries) {
+            return bad(
+                "scope_floor",
+                format!("at most max_entries ({})", self.max_entries),
             );
         }
         if self.max_ttl.as_secs() == 0 {
