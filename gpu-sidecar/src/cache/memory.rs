@@ -231,17 +231,22 @@ impl MemoryStore {
 
     /// The scope to lose an entry: the largest (by entries or by bytes)
     /// of those holding more than the floor, else the storing scope itself
-    /// (when it holds more than the entry being stored), else none.
+    /// (when it holds more than the entry being stored), else none. The
+    /// entry being stored is never the one evicted.
     fn victim(&self, storing: &str, key: &str, by_entries: bool) -> Option<String> {
         let floor = self.limits.scope_floor;
         let floor_bytes = self.floor_bytes();
+        // Never the entry being stored: a scope whose only entry it is
+        // is passed over.
         let over = |scope: &str| {
             self.scopes.get(scope).is_some_and(|u| {
-                if by_entries {
-                    u.entries > floor
-                } else {
-                    u.bytes > floor_bytes
-                }
+                let only_new = scope == storing && u.lru.values().all(|k| k == key);
+                !only_new
+                    && if by_entries {
+                        u.entries > floor
+                    } else {
+                        u.bytes > floor_bytes
+                    }
             })
         };
         let largest = if by_entries {
@@ -365,6 +370,43 @@ mod tests {
         // Replacing a key does not double count.
         assert!(s.put("k049".into(), stored("m", 1000, 1000), &mut r));
         assert_eq!(s.bytes(), one * 3);
+    }
+
+    fn scoped(scope: &str, body_len: usize) -> Arc<Stored> {
+        let mut s = (*stored("m", body_len, 1000)).clone();
+        s.scope = Some(scope.into());
+        Arc::new(s)
+    }
+
+    #[test]
+    fn the_entry_being_stored_is_never_the_one_evicted() {
+        // No floor, every scope holding one entry: a new scope's store
+        // evicts the least recently used other scope's, never its own.
+        let mut s = MemoryStore::new(Limits {
+            max_entries: 3,
+            max_bytes: 1 << 20,
+            scope_floor: 0,
+        });
+        let mut r = Removed::default();
+        for (k, scope) in [("a", "s1"), ("b", "s2"), ("c", "s3"), ("d", "s4")] {
+            assert!(s.put(k.into(), scoped(scope, 10), &mut r));
+            assert!(s.get(k, 0, &mut r).is_some(), "{k} kept");
+        }
+        assert_eq!(keys(&r.evicted), ["a"]);
+        // A larger answer than any other, bytes bound: others give way.
+        let one = scoped("s", 100).bytes("k");
+        let mut s = MemoryStore::new(Limits {
+            max_entries: 100,
+            max_bytes: one * 4,
+            scope_floor: 0,
+        });
+        for (k, scope) in [("a", "s1"), ("b", "s2"), ("c", "s3")] {
+            assert!(s.put(k.into(), scoped(scope, 100), &mut r));
+        }
+        assert!(s.put("big".into(), scoped("s4", 250), &mut r));
+        assert!(s.get("big", 0, &mut r).is_some());
+        assert!(s.bytes() <= one * 4);
+        assert_eq!(s.scope_use("s4").0, 1);
     }
 
     #[test]
