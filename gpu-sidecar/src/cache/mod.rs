@@ -324,11 +324,11 @@ impl Cache {
                 kept
             }
             Store::Redis(r) => match r.put(&req.key, &stored, now_ms).await {
-                Ok(evicted) => {
+                Ok((kept, evicted)) => {
                     for model in evicted {
                         self.stats.count(&model, Kind::Exact, "evict");
                     }
-                    true
+                    kept
                 }
                 Err(_) => {
                     self.stats.unavailable();

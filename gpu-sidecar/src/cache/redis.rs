@@ -4,9 +4,13 @@
 //!
 //! Key names are the filter's salted hashes (`sluice:cache:e:<key>`), each
 //! with its own expiry (`PX`). The bounds are kept in one script, atomic
-//! in Redis: a sorted set by last use and a byte counter; a store evicts
-//! least recently used entries until both hold. An entry that expired on
-//! its own still counts until it reaches the end of the use order (the
+//! in Redis: a sorted set by last use, a byte counter, and per scope its
+//! members by last use and its entries and bytes; a store evicts by the
+//! memory store's rule (the largest scope over the floor gives way, least
+//! recently used first; see `super::memory`; among scopes holding as much,
+//! by name rather than by use) until both bounds hold. Members stored
+//! before scopes were kept (no scope) are evicted first. An
+//! entry that expired on its own still counts until it is evicted (the
 //! count is then over, never under, what Redis holds).
 //!
 //! Semantic entries are also appended to a stream (`sluice:cache:learn`,
@@ -27,65 +31,136 @@ const BYTES: &str = "sluice:cache:bytes";
 const SCOPES: &str = "sluice:cache:scope";
 pub const LEARN: &str = "sluice:cache:learn";
 
-/// KEYS: entry, lru, sizes, models, bytes, learn, scopes. ARGV: value,
-/// ttl_ms, now_ms, size, max_entries, max_bytes, member, model, prefix,
-/// scope id ('' = none), and when semantic: context, vector (JSON),
-/// expires_at_ms.
-const STORE: &str = r#"
-local member = ARGV[7]
-local old = redis.call('HGET', KEYS[3], member)
-if old then redis.call('DECRBY', KEYS[5], old) end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[3], member)
-redis.call('HSET', KEYS[3], member, ARGV[4])
-redis.call('HSET', KEYS[4], member, ARGV[8])
-if ARGV[10] ~= '' then redis.call('HSET', KEYS[7], member, ARGV[10]) end
-redis.call('INCRBY', KEYS[5], ARGV[4])
-local max_entries = tonumber(ARGV[5])
-local max_bytes = tonumber(ARGV[6])
-local evicted = {}
-while redis.call('ZCARD', KEYS[2]) > max_entries
-      or tonumber(redis.call('GET', KEYS[5]) or '0') > max_bytes do
-  local m = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
-  if (not m) or m == member then break end
+/// Per scope: its members by last use (`<SCOPE_LRU><scope>`), and every
+/// scope's entries and bytes (`SCOPE_COUNT`, `SCOPE_BYTES`). `-` is the
+/// scope of answers stored without a scope id.
+const SCOPE_LRU: &str = "sluice:cache:slru:";
+const SCOPE_COUNT: &str = "sluice:cache:scount";
+const SCOPE_BYTES: &str = "sluice:cache:sbytes";
+
+/// Shared by the scripts. KEYS (all of them): 1 entry, 2 lru, 3 sizes,
+/// 4 models, 5 bytes, 6 learn, 7 scopes, 8 scope counts, 9 scope bytes.
+/// `forget(m, prefix, slru)` removes member `m` everywhere; true when its
+/// entry was still there.
+const FORGET: &str = r#"
+local function forget(m, prefix, slru)
   redis.call('ZREM', KEYS[2], m)
-  local s = redis.call('HGET', KEYS[3], m)
-  if s then redis.call('DECRBY', KEYS[5], s) end
-  local model = redis.call('HGET', KEYS[4], m) or ''
+  local size = tonumber(redis.call('HGET', KEYS[3], m) or '0')
+  redis.call('DECRBY', KEYS[5], size)
+  local sc = redis.call('HGET', KEYS[7], m)
+  if sc then
+    redis.call('ZREM', slru .. sc, m)
+    if tonumber(redis.call('ZINCRBY', KEYS[8], -1, sc)) <= 0 then
+      redis.call('ZREM', KEYS[8], sc)
+      redis.call('ZREM', KEYS[9], sc)
+    else
+      redis.call('ZINCRBY', KEYS[9], -size, sc)
+    end
+  end
   redis.call('HDEL', KEYS[3], m)
   redis.call('HDEL', KEYS[4], m)
   redis.call('HDEL', KEYS[7], m)
-  if redis.call('DEL', ARGV[9] .. m) == 1 then
-    table.insert(evicted, model)
-  end
+  return redis.call('DEL', prefix .. m) == 1
 end
-if ARGV[11] then
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*',
-             'k', member, 'c', ARGV[11], 'v', ARGV[12], 'x', ARGV[13])
-end
-return evicted
 "#;
 
-/// KEYS: lru, sizes, models, bytes, learn, scopes. ARGV: prefix, model
-/// ('' = any), scope id ('' = any). Returns the members removed.
+/// ARGV: 1 value, 2 ttl_ms, 3 now_ms, 4 size, 5 max_entries, 6 max_bytes,
+/// 7 member, 8 model, 9 prefix, 10 scope ('-' = none), 11 scope lru
+/// prefix, 12 floor entries, 13 floor bytes, and when semantic: 14
+/// context, 15 vector (JSON), 16 expires_at_ms. Returns {kept (1/0),
+/// evicted models…}. The rule is the memory store's: the largest scope
+/// over the floor gives way, else the storing scope from its own older
+/// entries, else the answer is not kept.
+const STORE: &str = r#"
+local member, sc, slru = ARGV[7], ARGV[10], ARGV[11]
+if redis.call('HEXISTS', KEYS[3], member) == 1 then forget(member, ARGV[9], slru) end
+local size = tonumber(ARGV[4])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], member)
+redis.call('HSET', KEYS[3], member, size)
+redis.call('HSET', KEYS[4], member, ARGV[8])
+redis.call('HSET', KEYS[7], member, sc)
+redis.call('INCRBY', KEYS[5], size)
+redis.call('ZADD', slru .. sc, ARGV[3], member)
+redis.call('ZINCRBY', KEYS[8], 1, sc)
+redis.call('ZINCRBY', KEYS[9], size, sc)
+local floors = {[8] = tonumber(ARGV[12]), [9] = tonumber(ARGV[13])}
+local function only_new(s)
+  return s == sc and tonumber(redis.call('ZSCORE', KEYS[8], s) or '0') <= 1
+end
+-- The scope to lose an entry by ranking k (8: entries, 9: bytes).
+local function victim(k)
+  local top = redis.call('ZREVRANGE', KEYS[k], 0, 1, 'WITHSCORES')
+  for i = 1, #top, 2 do
+    if tonumber(top[i + 1]) > floors[k] and not only_new(top[i]) then return top[i] end
+  end
+  if not only_new(sc) then return sc end
+  return nil
+end
+local evicted = {}
+local function over(k)
+  if k == 8 then return redis.call('ZCARD', KEYS[2]) > tonumber(ARGV[5]) end
+  return tonumber(redis.call('GET', KEYS[5]) or '0') > tonumber(ARGV[6])
+end
+for _, k in ipairs({8, 9}) do
+  while over(k) do
+    local v = victim(k)
+    -- A member without a scope (stored before scopes were kept) goes
+    -- first, least recently used: it is in no ranking.
+    local old = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    if old and old ~= member and not redis.call('HGET', KEYS[7], old) then
+      local model = redis.call('HGET', KEYS[4], old) or ''
+      if forget(old, ARGV[9], slru) then table.insert(evicted, model) end
+    elseif not v then
+      forget(member, ARGV[9], slru)
+      return {0, unpack(evicted)}
+    else
+      local m = nil
+      for _, c in ipairs(redis.call('ZRANGE', slru .. v, 0, 1)) do
+        if c ~= member and not m then m = c end
+      end
+      if not m then break end
+      local model = redis.call('HGET', KEYS[4], m) or ''
+      if forget(m, ARGV[9], slru) then table.insert(evicted, model) end
+    end
+  end
+end
+if ARGV[14] then
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*',
+             'k', member, 'c', ARGV[14], 'v', ARGV[15], 'x', ARGV[16])
+end
+return {1, unpack(evicted)}
+"#;
+
+/// KEYS: as [`FORGET`]'s. ARGV: 1 member, 2 now_ms, 3 scope lru prefix.
+/// The entry's value, marked used (in its scope too).
+const GET: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v then
+  redis.call('ZADD', KEYS[2], 'XX', ARGV[2], ARGV[1])
+  local sc = redis.call('HGET', KEYS[7], ARGV[1])
+  if sc then redis.call('ZADD', ARGV[3] .. sc, 'XX', ARGV[2], ARGV[1]) end
+end
+return v
+"#;
+
+/// KEYS: as [`FORGET`]'s. ARGV: 1 prefix, 2 model ('' = any), 3 scope id
+/// ('' = any), 4 scope lru prefix. Returns the members removed.
 const PURGE: &str = r#"
 local removed = {}
-local all = redis.call('HGETALL', KEYS[3])
+local all = redis.call('HGETALL', KEYS[4])
 for i = 1, #all, 2 do
   local m, model = all[i], all[i + 1]
-  local scope = redis.call('HGET', KEYS[6], m) or ''
+  local scope = redis.call('HGET', KEYS[7], m) or ''
   if (ARGV[2] == '' or ARGV[2] == model) and (ARGV[3] == '' or ARGV[3] == scope) then
-    if redis.call('DEL', ARGV[1] .. m) == 1 then table.insert(removed, m) end
-    redis.call('ZREM', KEYS[1], m)
-    local s = redis.call('HGET', KEYS[2], m)
-    if s then redis.call('DECRBY', KEYS[4], s) end
-    redis.call('HDEL', KEYS[2], m)
-    redis.call('HDEL', KEYS[3], m)
-    redis.call('HDEL', KEYS[6], m)
+    if forget(m, ARGV[1], ARGV[4]) then table.insert(removed, m) end
   end
 end
 if ARGV[2] == '' and ARGV[3] == '' then
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+  for _, sc in ipairs(redis.call('ZRANGE', KEYS[8], 0, -1)) do
+    redis.call('DEL', ARGV[4] .. sc)
+  end
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9])
 end
 return removed
 "#;
@@ -94,6 +169,7 @@ pub struct RedisStore {
     fleet: Arc<Fleet>,
     limits: Limits,
     store: redis::Script,
+    get: redis::Script,
     purge: redis::Script,
 }
 
@@ -111,8 +187,9 @@ impl RedisStore {
         RedisStore {
             fleet,
             limits,
-            store: redis::Script::new(STORE),
-            purge: redis::Script::new(PURGE),
+            store: redis::Script::new(&format!("{FORGET}{STORE}")),
+            get: redis::Script::new(GET),
+            purge: redis::Script::new(&format!("{FORGET}{PURGE}")),
         }
     }
 
@@ -120,34 +197,9 @@ impl RedisStore {
         &self.fleet
     }
 
-    /// The entry under `key` (marked used), if Redis has it and it is live.
-    pub async fn get(&self, key: &str, now_ms: u64) -> Result<Option<Stored>, FleetError> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("GET")
-            .arg(format!("{PREFIX}{key}"))
-            .cmd("ZADD")
-            .arg(LRU)
-            .arg("XX")
-            .arg(now_ms)
-            .arg(key)
-            .ignore();
-        let (value,): (Option<String>,) = self.fleet.query(&pipe).await?;
-        Ok(value
-            .and_then(|v| serde_json::from_str::<Stored>(&v).ok())
-            .filter(|s| s.expires_at_ms > now_ms))
-    }
-
-    /// Stores; the models of the entries it evicted.
-    pub async fn put(
-        &self,
-        key: &str,
-        stored: &Stored,
-        now_ms: u64,
-    ) -> Result<Vec<String>, FleetError> {
-        let value =
-            serde_json::to_string(stored).map_err(|e| FleetError::Invalid(e.to_string()))?;
-        let ttl_ms = stored.expires_at_ms.saturating_sub(now_ms).max(1);
-        let mut inv = self.store.prepare_invoke();
+    /// Every key the scripts touch, in [`FORGET`]'s order (the entry's
+    /// first).
+    fn keys<'a>(&self, inv: &mut redis::ScriptInvocation<'a>, key: &str) {
         inv.key(format!("{PREFIX}{key}"))
             .key(LRU)
             .key(SIZES)
@@ -155,7 +207,37 @@ impl RedisStore {
             .key(BYTES)
             .key(LEARN)
             .key(SCOPES)
-            .arg(value)
+            .key(SCOPE_COUNT)
+            .key(SCOPE_BYTES);
+    }
+
+    /// The entry under `key` (marked used), if Redis has it and it is live.
+    pub async fn get(&self, key: &str, now_ms: u64) -> Result<Option<Stored>, FleetError> {
+        let mut inv = self.get.prepare_invoke();
+        self.keys(&mut inv, key);
+        inv.arg(key).arg(now_ms).arg(SCOPE_LRU);
+        let value: Option<String> = self.fleet.run(inv).await?;
+        Ok(value
+            .and_then(|v| serde_json::from_str::<Stored>(&v).ok())
+            .filter(|s| s.expires_at_ms > now_ms))
+    }
+
+    /// Stores: whether it was kept (see [`STORE`]), and the models of the
+    /// entries it evicted.
+    pub async fn put(
+        &self,
+        key: &str,
+        stored: &Stored,
+        now_ms: u64,
+    ) -> Result<(bool, Vec<String>), FleetError> {
+        let value =
+            serde_json::to_string(stored).map_err(|e| FleetError::Invalid(e.to_string()))?;
+        let ttl_ms = stored.expires_at_ms.saturating_sub(now_ms).max(1);
+        let floor_bytes = u128::from(self.limits.max_bytes) * self.limits.scope_floor as u128
+            / (self.limits.max_entries.max(1) as u128);
+        let mut inv = self.store.prepare_invoke();
+        self.keys(&mut inv, key);
+        inv.arg(value)
             .arg(ttl_ms)
             .arg(now_ms)
             .arg(stored.bytes(key))
@@ -164,13 +246,19 @@ impl RedisStore {
             .arg(key)
             .arg(&stored.model)
             .arg(PREFIX)
-            .arg(stored.scope.as_deref().unwrap_or(""));
+            .arg(stored.scope.as_deref().unwrap_or("-"))
+            .arg(SCOPE_LRU)
+            .arg(self.limits.scope_floor)
+            .arg(u64::try_from(floor_bytes).unwrap_or(u64::MAX));
         if let (Some(c), Some(v)) = (&stored.context, &stored.vector) {
             let vector =
                 serde_json::to_string(v).map_err(|e| FleetError::Invalid(e.to_string()))?;
             inv.arg(c).arg(vector).arg(stored.expires_at_ms);
         }
-        self.fleet.run(inv).await
+        let reply: Vec<redis::Value> = self.fleet.run(inv).await?;
+        let kept = matches!(reply.first(), Some(redis::Value::Int(1)));
+        let evicted = reply.iter().skip(1).filter_map(text).collect();
+        Ok((kept, evicted))
     }
 
     /// Removes every entry (or a model's, a scope id's, or both); the
@@ -181,15 +269,11 @@ impl RedisStore {
         scope: Option<&str>,
     ) -> Result<Vec<String>, FleetError> {
         let mut inv = self.purge.prepare_invoke();
-        inv.key(LRU)
-            .key(SIZES)
-            .key(MODELS)
-            .key(BYTES)
-            .key(LEARN)
-            .key(SCOPES)
-            .arg(PREFIX)
+        self.keys(&mut inv, "-");
+        inv.arg(PREFIX)
             .arg(model.unwrap_or(""))
-            .arg(scope.unwrap_or(""));
+            .arg(scope.unwrap_or(""))
+            .arg(SCOPE_LRU);
         self.fleet.run(inv).await
     }
 

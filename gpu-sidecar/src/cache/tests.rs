@@ -667,6 +667,45 @@ mod in_redis {
     }
 
     #[tokio::test]
+    async fn bounds_per_scope_in_redis() {
+        let Some(redis) = server() else { return };
+        let c = redis_cache(&redis.url, None, (100, 64 << 20));
+        let now = now_ms();
+        for who in ["team:a", "team:b", "team:c", "team:d"] {
+            assert_eq!(fill(&c, who, 10, 10, now).await, 10);
+        }
+        let flood = "principal:ip:10.9.9.9";
+        assert_eq!(fill(&c, flood, 1000, 10, now).await, 1000);
+        for who in ["team:a", "team:b", "team:c", "team:d"] {
+            assert_eq!(held(&c, who, 10, now).await, 10, "{who} kept all");
+        }
+        assert_eq!(held(&c, flood, 1000, now).await, 60);
+        assert_eq!(c.size().await.0, 100);
+        // A purge of the flood's scope frees its share, and the counts
+        // per scope follow it: another scope fills the room again without
+        // evicting a.
+        assert_eq!(c.purge_where(None, Some(flood)).await.unwrap(), 60);
+        assert_eq!(c.size().await.0, 40);
+        assert_eq!(fill(&c, "team:e", 60, 10, now).await, 60);
+        assert_eq!(held(&c, "team:a", 10, now).await, 10);
+        // The floor: once every scope is within it, newcomers are not
+        // stored, and nobody loses an entry to them.
+        c.purge(None).await.unwrap();
+        assert_eq!(fill(&c, "team:big", 40, 10, now).await, 40);
+        for i in 0..30 {
+            fill(&c, &format!("principal:ip:10.0.0.{i}"), 5, 10, now).await;
+        }
+        assert_eq!(held(&c, "team:big", 40, now).await, 4);
+        let mut small = Vec::new();
+        for i in 0..30 {
+            small.push(held(&c, &format!("principal:ip:10.0.0.{i}"), 5, now).await);
+        }
+        assert_eq!(small[..24], [4; 24], "{small:?}");
+        assert_eq!(small[24..], [0; 6], "{small:?}");
+        assert_eq!(c.size().await.0, 100);
+    }
+
+    #[tokio::test]
     async fn bounds_hold_in_redis() {
         let Some(redis) = server() else { return };
         let c = redis_cache(&redis.url, None, (5, 1 << 20));

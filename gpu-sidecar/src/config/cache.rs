@@ -37,8 +37,8 @@ pub struct CacheConfig {
     /// The lowest similarity a semantic lookup is searched with, whatever
     /// the request asks (a lower `threshold` is raised to this).
     pub min_threshold: f32,
-    /// Entries of a scope that another scope's store never evicts (memory
-    /// mode; see `crate::cache::memory`): the largest scope above this
+    /// Entries of a scope that another scope's store never evicts (see
+    /// `crate::cache::memory`; Redis keeps the same rule): the largest scope above this
     /// loses its oldest; when no other scope is above it, an answer that
     /// would need one of them is not stored.
     /// Default: 4, or a tenth of `max_entries` when that is less (at
