@@ -276,7 +276,7 @@ function renderCache(h) {
     el("td", {}, c.bytes + " of " + c.max_bytes),
     el("td", {}, String(c.vectors)),
     el("td", {}, String(c.saved_tokens)),
-    el("td", {}, num(c.saved_spend_micros / 1e6, 4)));
+    el("td", {}, num(c.saved_spend_micros / 1e6, 6)));
   $("#cache tbody").replaceChildren(row);
 }
 

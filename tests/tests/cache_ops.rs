@@ -1,14 +1,17 @@
 //! Operating the response cache (issue 20, item 8) against the real
 //! sidecar binary: the admin purge by scope and by model (entries and
 //! their vectors), the bounds per scope under a flood from one scope and
-//! from many, and the operator page's cache panel. The filter is not
+//! from many, and the operator page's cache panel (its data, and drawn in
+//! headless Chromium when it is installed). The filter is not
 //! involved (the sidecar is spoken to as the Envoy beside it speaks:
 //! loopback, JSON, the store's `x-sluice-cache-scope` header).
 
 use std::fs;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use sluice_filter::policy::keys::sha256_hex;
+use sluice_tests::browser::Browser;
 use sluice_tests::{get, post_json, MockLlm, Response, Sidecar};
 
 const TOKEN: &str = "cache-ops-admin-token-0123";
@@ -285,4 +288,37 @@ fn without_a_cache_the_page_has_no_panel_data() {
     let sidecar = Sidecar::start();
     let h = get(&sidecar.url("/v1/history"), &[]).ok().json();
     assert_eq!(h["cache"], Value::Null);
+}
+
+#[test]
+fn the_cache_panel_draws_in_headless_chromium() {
+    let Some(browser) = Browser::start() else {
+        return;
+    };
+    let ops = start("");
+    ops.stored("team:a", "q1", "m", None);
+    assert!(ops.exact("q1", "m").is_some());
+    assert!(ops.exact("q2", "m").is_none());
+    browser.goto(&ops.sidecar.url("/"));
+    let drawn = browser.wait_until(
+        Duration::from_secs(15),
+        "const s = document.querySelector('#cache-section'); \
+         const r = document.querySelector('#cache tbody td.hit-rate'); \
+         return !!s && !s.hidden && !!r && r.textContent === '50.0 %';",
+    );
+    let text = browser.eval(
+        "return document.querySelector('#cache-section').textContent;",
+        &[],
+    );
+    assert!(drawn, "{text}");
+    let text = text.as_str().unwrap_or_default().to_string();
+    for shown in [
+        "1 (1 / 0)",
+        "1 of 10000",
+        "15",
+        "0.000040",
+        "entries in memory",
+    ] {
+        assert!(text.contains(shown), "{shown} in {text}");
+    }
 }
