@@ -288,6 +288,21 @@ impl MemoryStore {
         }
     }
 
+    /// Removes every entry past its expiry (into `removed.expired`).
+    pub fn sweep(&mut self, now_ms: u64, removed: &mut Removed) {
+        let gone: Vec<String> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.stored.expires_at_ms <= now_ms)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in gone {
+            if let Some(s) = self.remove(&k) {
+                removed.expired.push((k, s.stored.model.clone()));
+            }
+        }
+    }
+
     /// Removes every entry `which` selects; their keys.
     pub fn purge(&mut self, which: impl Fn(&Stored) -> bool) -> Vec<String> {
         let keys: Vec<String> = self

@@ -103,8 +103,13 @@ pub struct Cache {
     /// Recently embedded texts (by SHA-256), so the store after a miss
     /// does not embed the same question again.
     recent: Mutex<Recent>,
+    /// Stores so far (for the sweep of expired entries).
+    stores: std::sync::atomic::AtomicU64,
     pub stats: Stats,
 }
+
+/// Stores between two sweeps of expired entries and vectors.
+pub const SWEEP_EVERY: u64 = 1024;
 
 impl Cache {
     /// The cache for this sidecar: in Redis when `fleet` is given and the
@@ -129,6 +134,7 @@ impl Cache {
             index: Mutex::new(Index::new(vectors)),
             embedder,
             recent: Mutex::new(Recent::default()),
+            stores: std::sync::atomic::AtomicU64::new(0),
             store,
             stats: Stats::default(),
             config,
@@ -316,6 +322,7 @@ impl Cache {
             vector,
             scope: scope.map(str::to_ascii_lowercase),
         };
+        self.sweep_now_and_then(now_ms);
         let kept = match &self.store {
             Store::Memory(m) => {
                 let mut removed = Removed::default();
@@ -364,6 +371,24 @@ impl Cache {
             stored: true,
             reason: None,
         })
+    }
+
+    /// Every [`SWEEP_EVERY`] stores: expired entries leave the memory store
+    /// and expired vectors the index (in Redis, entries expire there on
+    /// their own). Linear in what is held, so amortised over the stores.
+    fn sweep_now_and_then(&self, now_ms: u64) {
+        let n = self
+            .stores
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n % SWEEP_EVERY != SWEEP_EVERY - 1 {
+            return;
+        }
+        if let Store::Memory(m) = &self.store {
+            let mut removed = Removed::default();
+            lock(m).sweep(now_ms, &mut removed);
+            self.forget(removed);
+        }
+        lock(&self.index).sweep(now_ms);
     }
 
     /// Removes every entry, or a model's; how many.

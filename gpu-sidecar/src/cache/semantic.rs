@@ -280,6 +280,25 @@ impl Index {
         }
     }
 
+    /// Forgets every vector past its expiry; how many.
+    pub fn sweep(&mut self, now_ms: u64) -> usize {
+        let gone: Vec<String> = self
+            .partitions
+            .values()
+            .flat_map(|p| {
+                p.keys
+                    .iter()
+                    .zip(&p.expires)
+                    .filter(|(_, &x)| x <= now_ms)
+                    .map(|(k, _)| k.clone())
+            })
+            .collect();
+        for k in &gone {
+            self.remove(k);
+        }
+        gone.len()
+    }
+
     pub fn clear(&mut self) {
         self.by_key.clear();
         self.partitions.clear();
@@ -570,6 +589,25 @@ mod tests {
             .search("c", &random_unit(5, dims), 0.9, 5, 1000)
             .is_empty());
         assert!(i.search("c2", &random_unit(5, dims), 0.9, 5, 0).is_empty());
+    }
+
+    #[test]
+    fn sweep_forgets_the_expired() {
+        let mut i = Index::new(100);
+        for n in 0..10u64 {
+            let x = n as f32;
+            i.insert(
+                format!("k{n}"),
+                format!("c{}", n % 3),
+                unit(&[1.0, x]),
+                n * 100,
+            );
+        }
+        assert_eq!(i.sweep(450), 5);
+        assert_eq!(i.len(), 5);
+        assert!(!i.contains("k4") && i.contains("k5"));
+        let found = i.search("c0", &unit(&[1.0, 6.0]), 0.999, 1, 0);
+        assert_eq!(found[0].key, "k6");
     }
 
     #[test]

@@ -327,6 +327,24 @@ async fn evicted_entries_leave_the_index() {
 }
 
 #[tokio::test]
+async fn expired_entries_and_vectors_are_swept() {
+    let url = mock_llm().await;
+    let c = bounded_cache(10_000, 64 << 20, Some(url));
+    // One semantic entry with a short TTL, never looked up again.
+    let mut short = store_req("short", "a", Some(("c", "how do I enable 2FA")));
+    short.ttl_s = 1;
+    assert!(c.store(short, 0).await.unwrap().stored);
+    assert_eq!((c.vectors(), c.size().await.0), (1, 1));
+    // Long-lived stores after its expiry: the sweep takes it out.
+    for i in 0..SWEEP_EVERY {
+        let req = store_req(&format!("long{i}"), "b", None);
+        assert!(c.store(req, 5_000).await.unwrap().stored);
+    }
+    assert_eq!(c.vectors(), 0);
+    assert_eq!(c.size().await.0, SWEEP_EVERY);
+}
+
+#[tokio::test]
 async fn purge_by_model() {
     let c = memory_cache(None);
     c.store(store_req("a", "1", None), 0).await.unwrap();
