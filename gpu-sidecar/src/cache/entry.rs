@@ -38,8 +38,9 @@ pub struct Stored {
     pub scope: Option<String>,
 }
 
-/// Per entry beyond what it holds (map slots, order, counters).
-const OVERHEAD: u64 = 160;
+/// Per entry beyond what it holds (map slots, the use orders, global and
+/// per scope, each with a copy of the key; counters).
+const OVERHEAD: u64 = 256;
 
 impl Stored {
     /// What it costs to keep, for the byte bound.
