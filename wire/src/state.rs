@@ -46,6 +46,11 @@ pub struct State {
     /// Some scope has had no fresh data for the sidecar's `stale_after`.
     #[serde(default)]
     pub stale: bool,
+    /// Changes on every cache purge (and on a sidecar restart): entries
+    /// the filter keeps in Envoy were stored under a generation and are
+    /// served only while it is the current one.
+    #[serde(default)]
+    pub cache_generation: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]

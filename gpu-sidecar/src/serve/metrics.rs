@@ -96,6 +96,20 @@ fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
         out.family(name, "counter", help);
         out.sample(name, &[], c.load(Ordering::Relaxed) as f64);
     }
+    let r = "sluice_sidecar_cache_refused_total";
+    out.family(
+        r,
+        "counter",
+        "Calls to the cache endpoints refused: door (not loopback, an Origin, not JSON), \
+         missing or wrong (the cache secret).",
+    );
+    for why in crate::serve::cache::Refused::ALL {
+        out.sample(
+            r,
+            &[("reason", why.label())],
+            crate::serve::cache::refused_count(why) as f64,
+        );
+    }
     let h = "sluice_sidecar_cache_lookup_seconds";
     out.family(h, "histogram", "Time the sidecar took to answer a lookup.");
     let bucket = format!("{h}_bucket");
