@@ -536,8 +536,8 @@ impl Stream {
             i64::try_from(saved).unwrap_or(i64::MAX),
         );
         let age = hit.age_s.to_string();
-        // When the primary is out and the static answer would come, the
-        // cached one comes first, marked as the degraded answer it is.
+        // When the primary is out (kill switch, breaker, every upstream
+        // down), the cached answer comes first, marked as degraded.
         let out = self.primary_out(host, &identity, hit.asked.as_ref(), &hit.model);
         if out {
             metrics::DEGRADED.add_at(host, &["cache", &identity.tier, &hit.label], 1);
@@ -558,7 +558,8 @@ impl Stream {
         host.send_reply(200, &headers, &hit.rendered.body);
     }
 
-    /// Would this request get the static answer (every upstream out)?
+    /// Would this request not go to the primary (kill switch, an open
+    /// breaker, every upstream out)?
     fn primary_out(
         &self,
         host: &dyn Host,
@@ -583,10 +584,12 @@ impl Stream {
             now_ms: self.started_ms,
         };
         let dice = filter.roll(self.started_ms);
-        matches!(
+        // Out: the kill switch (to the fallback provider), an open breaker
+        // (a 503), every upstream down (the static answer). The hit is
+        // served in each case, marked as the degraded answer it is.
+        !matches!(
             engine.route(&ctx, &seen, &pushback, dice),
-            crate::admission::Routed::Answered(v)
-                if v.degraded == Some(crate::admission::answer::Degraded::Static)
+            crate::admission::Routed::Primary | crate::admission::Routed::Probe
         )
     }
 
