@@ -247,12 +247,12 @@ fn start_cache(
 fn with_cache(
     app: axum::Router,
     cache: Option<Arc<cache::Cache>>,
-    config: Option<&config::cache::CacheConfig>,
+    config: &Config,
     fleet: Option<&Arc<fleet::Fleet>>,
     token: &AdminToken,
     state: &StateStore,
 ) -> anyhow::Result<axum::Router> {
-    let (Some(cache), Some(config)) = (cache, config) else {
+    let (Some(cache), Some(config)) = (cache, config.cache.as_ref()) else {
         return Ok(app);
     };
     let secret = cache_secret(config)?;
@@ -354,14 +354,7 @@ pub async fn serve(
         failures: Arc::new(door::FailureGate::default()),
         cache: cache.clone(),
     });
-    app = with_cache(
-        app,
-        cache,
-        config.cache.as_ref(),
-        fleet.as_ref(),
-        &opts.token,
-        &store,
-    )?;
+    app = with_cache(app, cache, config, fleet.as_ref(), &opts.token, &store)?;
     if let Some(f) = fleet {
         app = app.merge(fleet::routes::router(f));
     }

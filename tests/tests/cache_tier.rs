@@ -173,6 +173,22 @@ fn the_tier_in_envoy_answers_without_the_sidecar_and_a_purge_still_empties_it() 
         0.0,
         "kept in Envoy, not in the sidecar"
     );
+    // A streaming request of the same question: an SSE stream from Envoy.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let sse = s.chat(A, &streamed);
+    assert_eq!(sse.header("x-sluice-cache"), Some("hit"), "{sse:?}");
+    assert!(
+        sse.header("content-type")
+            .is_some_and(|t| t.starts_with("text/event-stream")),
+        "{sse:?}"
+    );
+    assert!(
+        sse.body.trim_end().ends_with("data: [DONE]"),
+        "{}",
+        sse.body
+    );
+    assert_eq!(s.upstream_requests(), upstream);
     // Another caller (scope principal): its own miss.
     assert_eq!(s.chat(B, &body).header("x-sluice-cache"), Some("miss"));
     // The admin purge at the sidecar reaches the entries in Envoy (its

@@ -235,17 +235,15 @@ impl Stream {
             cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
         let body = &asked.body;
         if !rule.temperature_ok(body, api.is_ollama()) || !(allowed.read || allowed.store) {
-            let label = policy_label(&filter, model);
-            metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
+            metrics::CACHE.add_at(host, &["skip", "exact", &policy_label(&filter, model)], 1);
             return None;
         }
-        let caller = Caller {
+        let scope = rule.scope.value(&Caller {
             principal: &identity.principal,
             team: identity.team.as_deref(),
             org: identity.org.as_deref(),
             tier: &identity.tier,
-        };
-        let scope = rule.scope.value(&caller);
+        });
         let key = cache_key::exact_key(&cache.salt, &scope, model, api, body).ok()?;
         let semantic = rule
             .semantic
@@ -282,19 +280,8 @@ impl Stream {
             stream: api.streams(body),
             include_usage: include_usage(body),
         };
-        if let Some(t) = tier {
-            match self.tier_lookup(host, &t, &key, &wait) {
-                InEnvoy::Hit(_) => return Some(Action::Pause),
-                // Too large for the tier: the sidecar holds it.
-                InEnvoy::Remote => {}
-                // The semantic cache may still answer; else a miss, here.
-                InEnvoy::Miss if semantic.is_some() => {}
-                InEnvoy::Miss => {
-                    let label = policy_label(&filter, model);
-                    metrics::CACHE.add_at(host, &["miss", "exact", &label], 1);
-                    return None;
-                }
-            }
+        if let Some(decided) = self.tier_first(host, tier, &key, &wait, semantic.is_some()) {
+            return decided;
         }
         let req = LookupRequest {
             key,
@@ -304,15 +291,52 @@ impl Stream {
             top_k: semantic.as_ref().map(|_| rule.top_k),
             semantic,
         };
-        let payload = serde_json::to_vec(&req).ok()?;
-        let (path, timeout) = (sluice_wire::cache::LOOKUP_PATH, cache.lookup_timeout_ms);
+        self.ask_sidecar(host, sidecar, cache.lookup_timeout_ms, &req, wait)
+    }
+
+    /// The tier in Envoy, first: `Some` when it decided (a hit served, or
+    /// a miss with nothing more to ask), `None`: ask the sidecar.
+    fn tier_first(
+        &mut self,
+        host: &dyn Host,
+        tier: Option<Tier>,
+        key: &str,
+        wait: &Wait,
+        semantic: bool,
+    ) -> Option<Option<Action>> {
+        match self.tier_lookup(host, &tier?, key, wait) {
+            InEnvoy::Hit(_) => Some(Some(Action::Pause)),
+            // Too large for the tier: the sidecar holds it.
+            InEnvoy::Remote => None,
+            // The semantic cache may still answer; else a miss, here.
+            InEnvoy::Miss if semantic => None,
+            InEnvoy::Miss => {
+                let label = policy_label(&self.filter, &wait.model);
+                metrics::CACHE.add_at(host, &["miss", "exact", &label], 1);
+                Some(None)
+            }
+        }
+    }
+
+    /// The lookup callout; the request pauses until its answer.
+    fn ask_sidecar(
+        &mut self,
+        host: &dyn Host,
+        sidecar: &crate::policy::SidecarConfig,
+        timeout: u64,
+        req: &LookupRequest,
+        wait: Wait,
+    ) -> Option<Action> {
+        let filter = self.filter.clone();
+        let payload = serde_json::to_vec(req).ok()?;
+        let path = sluice_wire::cache::LOOKUP_PATH;
         match post_to_sidecar(&filter, sidecar, host, path, &payload, timeout) {
             Ok(token) => {
                 self.cache_wait = Some(Wait { token, ..wait });
                 Some(Action::Pause)
             }
             Err(why) => {
-                let label = policy_label(&filter, model);
+                let label = policy_label(&filter, &req.model);
                 metrics::CACHE.add_at(host, &["timeout", "exact", &label], 1);
                 host.log(LogLevel::Warn, &format!("cache lookup not sent: {why}"));
                 None

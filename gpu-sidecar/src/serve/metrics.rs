@@ -96,6 +96,21 @@ fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
         out.family(name, "counter", help);
         out.sample(name, &[], c.load(Ordering::Relaxed) as f64);
     }
+    cache_door(out);
+    let h = "sluice_sidecar_cache_lookup_seconds";
+    out.family(h, "histogram", "Time the sidecar took to answer a lookup.");
+    let bucket = format!("{h}_bucket");
+    let (buckets, count, micros) = s.lookup_histogram();
+    for (le, n) in LOOKUP_BUCKETS.iter().zip(&buckets) {
+        out.sample(&bucket, &[("le", &le.to_string())], *n as f64);
+    }
+    out.sample(&bucket, &[("le", "+Inf")], count as f64);
+    out.sample(&format!("{h}_sum"), &[], micros as f64 / 1e6);
+    out.sample(&format!("{h}_count"), &[], count as f64);
+}
+
+/// Refusals of the cache endpoints' door (`serve::cache`).
+fn cache_door(out: &mut Exposition) {
     let r = "sluice_sidecar_cache_refused_total";
     out.family(
         r,
@@ -110,16 +125,6 @@ fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
             crate::serve::cache::refused_count(why) as f64,
         );
     }
-    let h = "sluice_sidecar_cache_lookup_seconds";
-    out.family(h, "histogram", "Time the sidecar took to answer a lookup.");
-    let bucket = format!("{h}_bucket");
-    let (buckets, count, micros) = s.lookup_histogram();
-    for (le, n) in LOOKUP_BUCKETS.iter().zip(&buckets) {
-        out.sample(&bucket, &[("le", &le.to_string())], *n as f64);
-    }
-    out.sample(&bucket, &[("le", "+Inf")], count as f64);
-    out.sample(&format!("{h}_sum"), &[], micros as f64 / 1e6);
-    out.sample(&format!("{h}_count"), &[], count as f64);
 }
 
 pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String {
