@@ -91,9 +91,11 @@ pub struct InEnvoyConfig {
 
 impl Default for InEnvoyConfig {
     fn default() -> Self {
+        // 32 MiB at most; a chat answer is a few KiB, a larger one is
+        // kept by the sidecar.
         InEnvoyConfig {
-            slots: 1024,
-            max_entry_bytes: 32 << 10,
+            slots: 2048,
+            max_entry_bytes: 16 << 10,
         }
     }
 }
@@ -581,7 +583,7 @@ mod tests {
         let p = parse(json!({"models": {"m": {"exact": true}}})).unwrap();
         let w = p.warnings();
         assert!(w[0].starts_with("cache.in_envoy: "), "{w:?}");
-        assert!(w[0].contains("1024 slots, at most 32889 KiB"), "{w:?}");
+        assert!(w[0].contains("2048 slots, at most 33010 KiB"), "{w:?}");
         assert!(w[1].starts_with("cache.secret_env: unset"), "{w:?}");
         assert!(w[2].starts_with("cache.salt"), "{w:?}");
     }
