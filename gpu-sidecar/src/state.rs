@@ -224,6 +224,7 @@ mod tests {
                 "breakers": [],
                 "updated_at": "1970-01-01T00:00:00Z",
                 "stale": false,
+                "cache_generation": 1,
             })
         );
     }
