@@ -453,3 +453,31 @@ fn check_config_reads_the_secret_fields() {
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("cache.secret_env"), "{text}");
 }
+
+#[test]
+fn the_tier_in_envoy_shares_within_a_team_scope_only() {
+    let s = start(
+        Setup {
+            cache: json!({"salt": SALT, "models": {"llama3.1:8b": {"exact": true, "scope": "team"}}}),
+            ..Setup::default()
+        },
+        |_| {},
+    );
+    let body = chat("llama3.1:8b", "Shared within the team, in Envoy?");
+    assert_eq!(
+        s.chat("demo-search-key-1", &body).header("x-sluice-cache"),
+        Some("miss")
+    );
+    let before = s.upstream_requests();
+    let mate = s.chat("demo-search-key-2", &body);
+    assert_eq!(
+        mate.header("x-sluice-cache"),
+        Some("hit"),
+        "a key of the same team: {mate:?}"
+    );
+    assert_eq!(s.upstream_requests(), before);
+    // A caller of no team is scoped to itself: never the team's entry.
+    let other = s.chat(A, &body);
+    assert_eq!(other.header("x-sluice-cache"), Some("miss"), "{other:?}");
+    assert_eq!(s.upstream_requests(), before + 1);
+}
