@@ -42,7 +42,8 @@ grep -q "filename: $logs/jwks.json" "$logs/sluice.yaml" || {
 
 # The response cache, in the demo's copy only (the shipped file, which the
 # tests load, caches nothing): exact on llama3.1:8b, semantic on mistral:7b
-# with mock-llm's embeddings; entries in the sidecar's memory.
+# with mock-llm's embeddings; exact entries in Envoy (cache.in_envoy),
+# semantic ones in the sidecar's memory.
 cache_policy='                            cache:\
                               salt: "demo-cache-salt-change-me"\
                               models:\

@@ -22,6 +22,7 @@ pub fn check(text: &str) -> Result<String, String> {
         let policy = policy_value(policy).map_err(|e| format!("{at}: {e}"))?;
         let policy = load(policy).map_err(|e| format!("{at}: {e}"))?;
         fleet_secret_reaches_the_vm(&doc, &at, &policy)?;
+        cache_secret_reaches_the_vm(&doc, &at, &policy)?;
         lines.push(format!("{at}: {}", summary(&policy)));
         if let Some(cache) = &policy.cache_compiled {
             lines.extend(cache.warnings().into_iter().map(|w| format!("{at}: {w}")));
@@ -83,7 +84,7 @@ fn is_sidecar_config(doc: &Value) -> bool {
         // The sidecar's `cache:` (where entries live) vs the policy's (which
         // models): keys only the sidecar's has.
         || map.get("cache").and_then(Value::as_object).is_some_and(|c| {
-            ["backend", "max_entries", "max_bytes", "max_ttl", "max_vectors", "embeddings", "min_threshold", "scope_floor"]
+            ["backend", "max_entries", "max_bytes", "max_ttl", "max_vectors", "embeddings", "min_threshold", "scope_floor", "secret_file"]
                 .iter()
                 .any(|k| c.contains_key(*k))
         })
@@ -101,6 +102,15 @@ pub fn check_sidecar(text: &str) -> Result<String, String> {
     let mut out = format!("sidecar config: scopes {}", scopes.join(", "));
     for w in crate::config::dcgm_warnings(&config, &plans) {
         out.push_str(&format!("; warning: {w}"));
+    }
+    if let Some(cache) = &config.cache {
+        match cache.secret().map_err(|(p, m)| format!("{p}: {m}"))? {
+            Some(_) => out.push_str("; cache endpoints: shared secret"),
+            None => out.push_str(
+                "; warning: cache.secret_file: unset: the cache endpoints trust loopback alone \
+                 (under a mesh, every pod allowed to reach this port)",
+            ),
+        }
     }
     if let Some(fleet) = &config.fleet {
         let loaded = fleet.load().map_err(|e| e.to_string())?;
@@ -127,26 +137,49 @@ fn fleet_secret_reaches_the_vm(doc: &Value, at: &str, policy: &Policy) -> Result
         return Ok(());
     };
     let filter_at = at.strip_suffix(".configuration").unwrap_or(at);
-    let filter = pointer(doc, filter_at);
-    let env = filter
-        .and_then(|f| f.get("vm_config"))
-        .and_then(|v| v.get("environment_variables"));
     let name = fleet.secret_env.as_str();
-    let passed = env.is_some_and(|e| {
-        e.get("host_env_keys")
-            .and_then(Value::as_array)
-            .is_some_and(|keys| keys.iter().any(|k| k.as_str() == Some(name)))
-            || e.get("key_values")
-                .and_then(Value::as_object)
-                .is_some_and(|kv| kv.contains_key(name))
-    });
-    if passed {
+    if vm_gets(doc, filter_at, name) {
         return Ok(());
     }
     Err(format!(
         "{filter_at}.vm_config.environment_variables: the fleet secret's variable {name} \
          (fleet.secret_env) does not reach the VM; add `host_env_keys: [{name}]`"
     ))
+}
+
+/// The same for the cache endpoints' secret (`cache.secret_env`): the
+/// filter refuses the policy when the variable is not in its VM.
+fn cache_secret_reaches_the_vm(doc: &Value, at: &str, policy: &Policy) -> Result<(), String> {
+    let Some(name) = policy
+        .cache_compiled
+        .as_ref()
+        .and_then(|c| c.secret_env.as_deref())
+    else {
+        return Ok(());
+    };
+    let filter_at = at.strip_suffix(".configuration").unwrap_or(at);
+    if vm_gets(doc, filter_at, name) {
+        return Ok(());
+    }
+    Err(format!(
+        "{filter_at}.vm_config.environment_variables: the cache secret's variable {name} \
+         (cache.secret_env) does not reach the VM; add `host_env_keys: [{name}]`"
+    ))
+}
+
+/// Whether the wasm filter at `filter_at` hands its VM the variable `name`.
+fn vm_gets(doc: &Value, filter_at: &str, name: &str) -> bool {
+    let env = pointer(doc, filter_at)
+        .and_then(|f| f.get("vm_config"))
+        .and_then(|v| v.get("environment_variables"));
+    env.is_some_and(|e| {
+        e.get("host_env_keys")
+            .and_then(Value::as_array)
+            .is_some_and(|keys| keys.iter().any(|k| k.as_str() == Some(name)))
+            || e.get("key_values")
+                .and_then(Value::as_object)
+                .is_some_and(|kv| kv.contains_key(name))
+    })
 }
 
 /// The value at a location written by [`find_policies`] (`.a.b[0].c`).
@@ -414,6 +447,46 @@ mod tests {
         // A salt too short is refused as the filter would.
         let short = passed.replace("check-config-salt-0123", "short");
         assert!(check(&short).unwrap_err().contains("fleet.salt"));
+    }
+
+    #[test]
+    fn the_cache_secret_is_checked_on_both_sides() {
+        let shipped = include_str!("../../envoy/sluice.yaml");
+        let marker = "                              on_stale: fail_open\n";
+        let cache = format!(
+            "{marker}                            cache: {{ salt: s, secret_env: SLUICE_CACHE_SECRET, \
+             models: {{ m: {{ exact: true }} }} }}\n"
+        );
+        let with_cache = shipped.replace(marker, &cache);
+        let err = check(&with_cache).unwrap_err();
+        assert!(
+            err.contains("vm_config.environment_variables") && err.contains("SLUICE_CACHE_SECRET"),
+            "{err}"
+        );
+        let vm = "                          vm_id: sluice\n";
+        let passed = with_cache.replace(
+            vm,
+            &format!("{vm}                          environment_variables: {{ host_env_keys: [SLUICE_CACHE_SECRET] }}\n"),
+        );
+        let ok = check(&passed).unwrap();
+        assert!(!ok.contains("cache.secret_env: unset"), "{ok}");
+        // The sidecar's side: a file, at least 16 bytes, named when wrong.
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "short").unwrap();
+        let config = format!("cache: {{ secret_file: {} }}\n", secret.display());
+        assert!(check_any(&config)
+            .unwrap_err()
+            .contains("cache.secret_file"));
+        std::fs::write(&secret, "check-config-cache-secret-0123").unwrap();
+        assert!(check_any(&config)
+            .unwrap()
+            .contains("cache endpoints: shared secret"));
+        let unset = check_any("cache: { max_entries: 10 }\n").unwrap();
+        assert!(
+            unset.contains("warning: cache.secret_file: unset"),
+            "{unset}"
+        );
     }
 
     #[test]

@@ -129,6 +129,7 @@ fn first_state(config: &Config, now: SystemTime) -> anyhow::Result<SidecarState>
         .duration_since(UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(1).max(1));
     first.kill_switch = kill_switch;
+    first.cache_generation = first.version;
     Ok(first)
 }
 
@@ -246,17 +247,37 @@ fn start_cache(
 fn with_cache(
     app: axum::Router,
     cache: Option<Arc<cache::Cache>>,
+    config: &Config,
     fleet: Option<&Arc<fleet::Fleet>>,
     token: &AdminToken,
-) -> axum::Router {
-    match cache {
-        Some(cache) => app.merge(serve::cache::router(serve::cache::CacheApi {
-            cache,
-            fleet: fleet.cloned(),
-            token: token.clone(),
-        })),
-        None => app,
+    state: &StateStore,
+) -> anyhow::Result<axum::Router> {
+    let (Some(cache), Some(config)) = (cache, config.cache.as_ref()) else {
+        return Ok(app);
+    };
+    let secret = cache_secret(config)?;
+    Ok(app.merge(serve::cache::router(serve::cache::CacheApi {
+        cache,
+        fleet: fleet.cloned(),
+        token: token.clone(),
+        secret,
+        state: Some(state.clone()),
+    })))
+}
+
+/// The cache endpoints' secret, when the sidecar's `cache:` names one.
+fn cache_secret(config: &config::cache::CacheConfig) -> anyhow::Result<Option<Arc<str>>> {
+    let secret = config
+        .secret()
+        .map_err(|(p, m)| anyhow::anyhow!("{p}: {m}"))?;
+    if secret.is_none() {
+        eprintln!(
+            "sluice-sidecar: cache endpoints without a secret (cache.secret_file): any local \
+             process, and under a mesh any pod allowed to reach this port, can read and write \
+             entries whose key it can compute"
+        );
     }
+    Ok(secret.map(Arc::from))
 }
 
 /// Serves until `shutdown` resolves: the monitor rounds, the API on
@@ -333,7 +354,7 @@ pub async fn serve(
         failures: Arc::new(door::FailureGate::default()),
         cache: cache.clone(),
     });
-    app = with_cache(app, cache, fleet.as_ref(), &opts.token);
+    app = with_cache(app, cache, config, fleet.as_ref(), &opts.token, &store)?;
     if let Some(f) = fleet {
         app = app.merge(fleet::routes::router(f));
     }

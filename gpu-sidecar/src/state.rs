@@ -29,6 +29,11 @@ pub struct SidecarState {
     /// Some scope has had no fresh data for `stale_after` (and follows the
     /// stale-data policy: by default its breaker is closed).
     pub stale: bool,
+    /// Changes on every cache purge: the filter serves the entries it
+    /// keeps in Envoy only while they were stored under the current one.
+    /// `serve` starts it at the start time (as `version`), so a restart
+    /// never brings back a generation purged before it.
+    pub cache_generation: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +113,7 @@ impl SidecarState {
             breakers: Vec::new(),
             updated_at: now,
             stale: false,
+            cache_generation: 1,
         }
     }
 
@@ -116,6 +122,7 @@ impl SidecarState {
         self.kill_switch == other.kill_switch
             && self.breakers == other.breakers
             && self.stale == other.stale
+            && self.cache_generation == other.cache_generation
     }
 }
 
@@ -217,6 +224,7 @@ mod tests {
                 "breakers": [],
                 "updated_at": "1970-01-01T00:00:00Z",
                 "stale": false,
+                "cache_generation": 1,
             })
         );
     }
@@ -243,6 +251,7 @@ mod tests {
                 from_fleet: true,
             }],
             stale: true,
+            cache_generation: 77,
         };
         let text = serde_json::to_string(&state).unwrap();
         let read: sluice_wire::state::State = serde_json::from_str(&text).unwrap();
@@ -262,6 +271,7 @@ mod tests {
                     reason: Some("recovered".into()),
                 }],
                 stale: true,
+                cache_generation: 77,
             }
         );
     }

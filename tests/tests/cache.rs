@@ -61,6 +61,9 @@ fn start(cache: Value, sidecar_cache: &str, edit: impl FnOnce(&mut EnvoyConfig))
 fn default_cache() -> Value {
     json!({
         "salt": SALT,
+        // The exact tier in Envoy off: these tests check the sidecar's
+        // store (tests/tests/cache_tier.rs checks the tier, the default).
+        "in_envoy": {"slots": 0},
         "models": {
             "llama3.1:8b": {"exact": true},
             "mistral:7b": {"exact": true, "semantic": true},

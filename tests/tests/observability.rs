@@ -768,7 +768,7 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
     set(
         &mut cfg,
         &["cache"],
-        "{salt: observability-cache-salt-0123456789, models: {\"mistral:7b\": {exact: true}}}",
+        "{salt: observability-cache-salt-0123456789, in_envoy: {slots: 0}, models: {\"mistral:7b\": {exact: true}}}",
     );
     let envoy = sluice_tests::Envoy::start(&cfg, 2);
     let stack = Stack {

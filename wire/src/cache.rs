@@ -42,6 +42,10 @@ pub struct LookupRequest {
     /// Present only for models with the semantic cache on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub semantic: Option<Semantic>,
+    /// Whether an entry stored under `key` itself may answer (`false`: a
+    /// model with `exact: false`, served by the semantic cache only).
+    #[serde(default = "yes", skip_serializing_if = "is_yes")]
+    pub exact: bool,
     /// Cosine similarity at least this (semantic only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub threshold: Option<f32>,
@@ -49,6 +53,19 @@ pub struct LookupRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_k: Option<u32>,
 }
+
+fn yes() -> bool {
+    true
+}
+
+fn is_yes(b: &bool) -> bool {
+    *b
+}
+
+/// The header that carries the secret the filter and its sidecar share
+/// for the cache endpoints (`cache.secret_env` in the policy, the
+/// sidecar's `cache.secret_file` / `cache.secret_env`).
+pub const SECRET_HEADER: &str = "x-sluice-cache-secret";
 
 /// A stored answer: the completion as a non-streaming request gets it,
 /// and its usage (what a hit saves).
@@ -151,12 +168,23 @@ mod tests {
             key: "ab".into(),
             model: "m".into(),
             semantic: None,
+            exact: true,
             threshold: None,
             top_k: None,
         };
         assert_eq!(
             serde_json::to_value(&exact).unwrap(),
             json!({"key": "ab", "model": "m"})
+        );
+        let only_semantic = LookupRequest {
+            exact: false,
+            ..exact.clone()
+        };
+        let v = serde_json::to_value(&only_semantic).unwrap();
+        assert_eq!(v, json!({"key": "ab", "model": "m", "exact": false}));
+        assert_eq!(
+            serde_json::from_value::<LookupRequest>(v).unwrap(),
+            only_semantic
         );
         let sem = LookupRequest {
             semantic: Some(Semantic {

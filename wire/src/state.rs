@@ -46,6 +46,11 @@ pub struct State {
     /// Some scope has had no fresh data for the sidecar's `stale_after`.
     #[serde(default)]
     pub stale: bool,
+    /// Changes on every cache purge (and on a sidecar restart): entries
+    /// the filter keeps in Envoy were stored under a generation and are
+    /// served only while it is the current one.
+    #[serde(default)]
+    pub cache_generation: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
@@ -97,9 +102,10 @@ mod tests {
 
     #[test]
     fn state() {
-        let json = r#"{"version":7,"kill_switch":{"active":true,"reason":"drill"},"breakers":[{"scope":"model:big","state":"open","half_open_fraction":0.0,"retry_after_seconds":30,"reason":"gpu_memory_pct 97 >= 95"},{"scope":"backend:vllm","state":"saturated","half_open_fraction":0.0,"retry_after_seconds":null,"reason":null}],"stale":false}"#;
+        let json = r#"{"version":7,"kill_switch":{"active":true,"reason":"drill"},"breakers":[{"scope":"model:big","state":"open","half_open_fraction":0.0,"retry_after_seconds":30,"reason":"gpu_memory_pct 97 >= 95"},{"scope":"backend:vllm","state":"saturated","half_open_fraction":0.0,"retry_after_seconds":null,"reason":null}],"stale":false,"cache_generation":5}"#;
         let s: State = serde_json::from_str(json).unwrap();
         assert_eq!(serde_json::to_string(&s).unwrap(), json);
+        assert_eq!(s.cache_generation, 5);
         assert_eq!(s.breakers[0].state, BreakerState::Open);
         assert_eq!(s.breakers[1].state, BreakerState::Saturated);
         // What the sidecar adds is ignored; what it leaves out defaults.

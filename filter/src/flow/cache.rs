@@ -26,6 +26,7 @@ use crate::host::{Action, Host, LogLevel};
 use crate::policy::cache::Caller;
 use crate::usage::cache_answer::{self, Rendered};
 use crate::usage::cache_key::{self, Api as CacheApi};
+use crate::usage::cache_tier::{self, Found as InEnvoy, Tier};
 use crate::usage::demand::Api;
 use crate::usage::reconcile::{Found, Usage};
 
@@ -73,6 +74,11 @@ pub(super) struct ToStore {
     buf: Option<Vec<u8>>,
     framing: Framing,
     upstream_cache_control: Option<String>,
+    /// The exact tier in Envoy keeps it (single-Envoy mode, `exact` on).
+    tier: Option<Tier>,
+    /// The sidecar keeps it too: the semantic cache needs it (and fleet
+    /// mode, or no tier, keeps every entry there).
+    sidecar: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -115,14 +121,69 @@ fn post_to_sidecar(
     }
     let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
     let len = payload.len().to_string();
-    let headers = [
+    let secret = SECRET.with(|s| s.borrow().clone());
+    let mut headers = vec![
         (":method", "POST"),
         (":path", path),
         (":authority", authority),
         ("content-type", "application/json"),
         ("content-length", len.as_str()),
     ];
+    if let Some(secret) = secret.as_deref() {
+        headers.push((sluice_wire::cache::SECRET_HEADER, secret));
+    }
     host.dispatch_post(&sidecar.cluster, &headers, payload, timeout)
+}
+
+thread_local! {
+    /// The cache endpoints' secret (`cache.secret_env`), read once per
+    /// policy load: one VM per worker thread.
+    static SECRET: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Reads the secret `cache.secret_env` names, when it names one: the
+/// policy is refused if the variable is unset or shorter than 16 bytes.
+pub(super) fn prepare(host: &dyn Host, engine: &crate::admission::Engine) -> Result<(), String> {
+    let name = engine
+        .policy
+        .cache_compiled
+        .as_ref()
+        .and_then(|c| c.secret_env.as_deref());
+    let secret = match name {
+        None => None,
+        Some(name) => {
+            let value = host.env_var(name).unwrap_or_default();
+            let value = value.trim();
+            if value.len() < crate::policy::fleet::MIN_SECRET {
+                return Err(format!(
+                    "cache.secret_env: the environment variable {name} must hold the secret the \
+                     sidecar's cache endpoints require (at least {} bytes); give it to the VM \
+                     with vm_config.environment_variables (host_env_keys: [{name}])",
+                    crate::policy::fleet::MIN_SECRET
+                ));
+            }
+            Some(value.to_string())
+        }
+    };
+    SECRET.with(|s| *s.borrow_mut() = secret);
+    Ok(())
+}
+
+/// The tier in Envoy for this request's rule: single-Envoy mode only
+/// (fleet mode keeps entries in Redis, shared by every Envoy).
+fn tier_for(filter: &super::Filter, rule: &crate::policy::cache::Rule) -> Option<Tier> {
+    let c = filter.engine.policy.cache_compiled.as_ref()?.in_envoy?;
+    (filter.fleet.is_none() && rule.exact).then(|| Tier::new(c))
+}
+
+/// The sidecar's cache generation, as its last state push said (0 before
+/// any): entries in Envoy answer only under the one they were stored in.
+fn generation(filter: &super::Filter, host: &dyn Host) -> u64 {
+    filter
+        .seen(host)
+        .state
+        .as_ref()
+        .map_or(0, |s| s.cache_generation)
 }
 
 /// The model as metrics name it: the client's name only for a model the
@@ -174,17 +235,15 @@ impl Stream {
             cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
         let body = &asked.body;
         if !rule.temperature_ok(body, api.is_ollama()) || !(allowed.read || allowed.store) {
-            let label = policy_label(&filter, model);
-            metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
+            metrics::CACHE.add_at(host, &["skip", "exact", &policy_label(&filter, model)], 1);
             return None;
         }
-        let caller = Caller {
+        let scope = rule.scope.value(&Caller {
             principal: &identity.principal,
             team: identity.team.as_deref(),
             org: identity.org.as_deref(),
             tier: &identity.tier,
-        };
-        let scope = rule.scope.value(&caller);
+        });
         let key = cache_key::exact_key(&cache.salt, &scope, model, api, body).ok()?;
         let semantic = rule
             .semantic
@@ -194,6 +253,7 @@ impl Stream {
                 context: p.context,
                 text: p.text,
             });
+        let tier = tier_for(&filter, rule);
         if allowed.store {
             self.cache_store = Some(ToStore {
                 api,
@@ -205,38 +265,111 @@ impl Stream {
                 buf: Some(Vec::new()),
                 framing: Framing::Json,
                 upstream_cache_control: None,
+                tier,
+                sidecar: tier.is_none() || rule.semantic,
             });
         }
         if !allowed.read {
             return None;
         }
+        let wait = Wait {
+            token: 0,
+            asked: Some(asked.clone()),
+            api,
+            model: model.to_string(),
+            stream: api.streams(body),
+            include_usage: include_usage(body),
+        };
+        if let Some(decided) = self.tier_first(host, tier, &key, &wait, semantic.is_some()) {
+            return decided;
+        }
         let req = LookupRequest {
             key,
             model: model.to_string(),
+            exact: rule.exact,
             threshold: semantic.as_ref().map(|_| rule.threshold),
             top_k: semantic.as_ref().map(|_| rule.top_k),
             semantic,
         };
-        let payload = serde_json::to_vec(&req).ok()?;
-        let (path, timeout) = (sluice_wire::cache::LOOKUP_PATH, cache.lookup_timeout_ms);
+        self.ask_sidecar(host, sidecar, cache.lookup_timeout_ms, &req, wait)
+    }
+
+    /// The tier in Envoy, first: `Some` when it decided (a hit served, or
+    /// a miss with nothing more to ask), `None`: ask the sidecar.
+    fn tier_first(
+        &mut self,
+        host: &dyn Host,
+        tier: Option<Tier>,
+        key: &str,
+        wait: &Wait,
+        semantic: bool,
+    ) -> Option<Option<Action>> {
+        match self.tier_lookup(host, &tier?, key, wait) {
+            InEnvoy::Hit(_) => Some(Some(Action::Pause)),
+            // Too large for the tier: the sidecar holds it.
+            InEnvoy::Remote => None,
+            // The semantic cache may still answer; else a miss, here.
+            InEnvoy::Miss if semantic => None,
+            InEnvoy::Miss => {
+                let label = policy_label(&self.filter, &wait.model);
+                metrics::CACHE.add_at(host, &["miss", "exact", &label], 1);
+                Some(None)
+            }
+        }
+    }
+
+    /// The lookup callout; the request pauses until its answer.
+    fn ask_sidecar(
+        &mut self,
+        host: &dyn Host,
+        sidecar: &crate::policy::SidecarConfig,
+        timeout: u64,
+        req: &LookupRequest,
+        wait: Wait,
+    ) -> Option<Action> {
+        let filter = self.filter.clone();
+        let payload = serde_json::to_vec(req).ok()?;
+        let path = sluice_wire::cache::LOOKUP_PATH;
         match post_to_sidecar(&filter, sidecar, host, path, &payload, timeout) {
             Ok(token) => {
-                self.cache_wait = Some(Wait {
-                    token,
-                    asked: Some(asked.clone()),
-                    api,
-                    model: model.to_string(),
-                    stream: api.streams(body),
-                    include_usage: include_usage(body),
-                });
+                self.cache_wait = Some(Wait { token, ..wait });
                 Some(Action::Pause)
             }
             Err(why) => {
-                let label = policy_label(&filter, model);
+                let label = policy_label(&filter, &req.model);
                 metrics::CACHE.add_at(host, &["timeout", "exact", &label], 1);
                 host.log(LogLevel::Warn, &format!("cache lookup not sent: {why}"));
                 None
             }
+        }
+    }
+
+    /// The exact tier in Envoy: a hit is served here at once (no callout);
+    /// what it found otherwise. A hit that cannot be rendered is a miss.
+    fn tier_lookup(&mut self, host: &dyn Host, tier: &Tier, key: &str, wait: &Wait) -> InEnvoy {
+        let Some(raw) = cache_tier::key_of_hex(key) else {
+            return InEnvoy::Miss;
+        };
+        let filter = self.filter.clone();
+        let now = self.started_ms;
+        match tier.lookup(host, &raw, now, generation(&filter, host)) {
+            InEnvoy::Hit(s) => {
+                let Some(r) =
+                    cache_answer::render(wait.api, &s.body, wait.stream, wait.include_usage)
+                else {
+                    return InEnvoy::Miss;
+                };
+                let age_s = now.saturating_sub(s.stored_ms) / 1000;
+                let entry = Entry {
+                    body: String::new(),
+                    prompt_tokens: s.prompt_tokens,
+                    completion_tokens: s.completion_tokens,
+                    spend_micros: s.spend_micros,
+                };
+                self.serve_hit(host, wait, r, &entry, age_s, "exact");
+                InEnvoy::Hit(s)
+            }
+            other => other,
         }
     }
 
@@ -427,8 +560,8 @@ impl Stream {
             i64::try_from(saved).unwrap_or(i64::MAX),
         );
         let age = hit.age_s.to_string();
-        // When the primary is out and the static answer would come, the
-        // cached one comes first, marked as the degraded answer it is.
+        // When the primary is out (kill switch, breaker, every upstream
+        // down), the cached answer comes first, marked as degraded.
         let out = self.primary_out(host, &identity, hit.asked.as_ref(), &hit.model);
         if out {
             metrics::DEGRADED.add_at(host, &["cache", &identity.tier, &hit.label], 1);
@@ -449,7 +582,8 @@ impl Stream {
         host.send_reply(200, &headers, &hit.rendered.body);
     }
 
-    /// Would this request get the static answer (every upstream out)?
+    /// Would this request not go to the primary (kill switch, an open
+    /// breaker, every upstream out)?
     fn primary_out(
         &self,
         host: &dyn Host,
@@ -474,10 +608,12 @@ impl Stream {
             now_ms: self.started_ms,
         };
         let dice = filter.roll(self.started_ms);
-        matches!(
+        // Out: the kill switch (to the fallback provider), an open breaker
+        // (a 503), every upstream down (the static answer). The hit is
+        // served in each case, marked as the degraded answer it is.
+        !matches!(
             engine.route(&ctx, &seen, &pushback, dice),
-            crate::admission::Routed::Answered(v)
-                if v.degraded == Some(crate::admission::answer::Degraded::Static)
+            crate::admission::Routed::Primary | crate::admission::Routed::Probe
         )
     }
 
@@ -583,6 +719,15 @@ impl Stream {
                 spend_micros: spend,
             },
         };
+        let mut to_sidecar = s.sidecar;
+        if let Some(tier) = s.tier {
+            let kept = self.tier_store(host, &tier, &req);
+            // Too large for the tier (or not kept there): the sidecar's.
+            to_sidecar |= !kept;
+        }
+        if !to_sidecar {
+            return metrics::CACHE.add_at(host, &["store", "exact", &label], 1);
+        }
         let Ok(payload) = serde_json::to_vec(&req) else {
             return skip(host);
         };
@@ -595,6 +740,35 @@ impl Stream {
             metrics::CACHE.add_at(host, &["store", "exact", &label], 1);
         } else {
             skip(host);
+        }
+    }
+
+    /// Keeps an answer in the tier in Envoy; `false` when only its marker
+    /// is there (larger than the tier takes) or nothing could be written.
+    fn tier_store(&self, host: &dyn Host, tier: &Tier, req: &StoreRequest) -> bool {
+        let Some(raw) = cache_tier::key_of_hex(&req.key) else {
+            return false;
+        };
+        let now = host.now_ms();
+        let fits = req.entry.body.len() as u64 <= tier.max_entry_bytes;
+        let stored = cache_tier::Stored {
+            body: req.entry.body.clone(),
+            prompt_tokens: req.entry.prompt_tokens,
+            completion_tokens: req.entry.completion_tokens,
+            spend_micros: req.entry.spend_micros,
+            stored_ms: now,
+        };
+        let ttl_ms = req.ttl_s.saturating_mul(1000);
+        let gen = generation(&self.filter, host);
+        match tier.store(host, &raw, fits.then_some(&stored), ttl_ms, now, gen) {
+            Ok(()) => fits,
+            Err(why) => {
+                host.log(
+                    LogLevel::Warn,
+                    &format!("cache: not kept in Envoy: {why:?}"),
+                );
+                false
+            }
         }
     }
 }

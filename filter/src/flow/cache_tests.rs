@@ -15,8 +15,16 @@ fn policy() -> Value {
         "tiers": {"t": {"requests": "3/min", "daily_tokens": "100"}},
         "identity": {"sources": ["client_address"]},
         "sidecar": {"cluster": "sluice_sidecar"},
-        "cache": {"salt": "s", "models": {"m": {"exact": true}}},
+        // The tier in Envoy off: these tests drive the sidecar's callouts
+        // (`tier_*` below drive the tier).
+        "cache": {"salt": "s", "in_envoy": {"slots": 0}, "models": {"m": {"exact": true}}},
     })
+}
+
+fn tier_policy() -> Value {
+    let mut p = policy();
+    p["cache"].as_object_mut().unwrap().remove("in_envoy");
+    p
 }
 
 fn body() -> Value {
@@ -345,4 +353,161 @@ fn an_answer_under_a_lowered_output_limit_is_not_stored() {
     *host.response_body.borrow_mut() = STORED.as_bytes().to_vec();
     req.on_response_body(&host, STORED.len(), true);
     assert_eq!(host.posted.borrow().len(), posts, "nothing stored");
+}
+
+/// The upstream's answer to `req`, complete.
+fn answer(host: &MockHost, req: &mut Request) {
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    assert_eq!(req.on_response_headers(host), Action::Continue);
+    *host.response_body.borrow_mut() = STORED.as_bytes().to_vec();
+    req.on_response_body(host, STORED.len(), true);
+}
+
+#[test]
+fn tier_in_envoy_a_miss_and_its_store_make_no_callout_and_the_hit_none() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, tier_policy().to_string().as_bytes()));
+    let (mut req, action) = start(&host, &poller, "10.0.0.50", &body());
+    assert_eq!(action, Action::Continue, "a miss goes on at once");
+    assert!(host.posted.borrow().is_empty(), "no lookup callout");
+    answer(&host, &mut req);
+    assert_eq!(host.resp_header("x-sluice-cache").as_deref(), Some("miss"));
+    assert!(host.posted.borrow().is_empty(), "no store callout");
+    assert_eq!(
+        host.metric("sluice_cache_total_result=store;.kind=exact;.model=other;"),
+        Some(1)
+    );
+    // The same question: answered by the filter, the same body, a request
+    // counted (3/min: the third more is refused although cached).
+    for i in 0..3 {
+        let (_r, action) = start(&host, &poller, "10.0.0.50", &body());
+        assert_eq!(action, Action::Pause);
+        let reply = host.last_reply().expect("answered here");
+        if i < 2 {
+            assert_eq!(reply.status, 200);
+            assert_eq!(reply.header("x-sluice-cache"), Some("hit"));
+            assert_eq!(String::from_utf8(reply.body.clone()).unwrap(), STORED);
+        } else {
+            assert_eq!(reply.status, 429);
+        }
+    }
+    assert!(host.posted.borrow().is_empty(), "never a callout");
+    // Another caller (scope principal): its own miss.
+    let (_r, action) = start(&host, &poller, "10.0.0.51", &body());
+    assert_eq!(action, Action::Continue);
+}
+
+#[test]
+fn tier_in_envoy_is_not_used_for_the_semantic_only_model() {
+    let host = MockHost::new(T0);
+    let mut p = tier_policy();
+    p["cache"]["models"]["m"] = json!({"exact": false, "semantic": true});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (mut req, action) = start(&host, &poller, "10.0.0.52", &body());
+    assert_eq!(action, Action::Pause, "the sidecar is asked");
+    let (token, path, lookup) = last_post(&host);
+    assert_eq!(path, "/v1/cache/lookup");
+    assert_eq!(
+        lookup["exact"], false,
+        "its own key must not answer: {lookup}"
+    );
+    assert_eq!(lookup["semantic"]["text"], "hello");
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    answer(&host, &mut req);
+    let (_, path, store) = last_post(&host);
+    assert_eq!(path, "/v1/cache/store", "stored at the sidecar only");
+    assert_eq!(store["semantic"]["text"], "hello");
+    let (_r, action) = start(&host, &poller, "10.0.0.52", &body());
+    assert_eq!(action, Action::Pause, "asked again: nothing in Envoy");
+}
+
+#[test]
+fn tier_in_envoy_with_semantic_keeps_the_answer_in_both() {
+    let host = MockHost::new(T0);
+    let mut p = tier_policy();
+    p["cache"]["models"]["m"] = json!({"exact": true, "semantic": true});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (mut req, action) = start(&host, &poller, "10.0.0.53", &body());
+    assert_eq!(action, Action::Pause, "a tier miss asks the semantic cache");
+    let (token, _, lookup) = last_post(&host);
+    assert_eq!(lookup.get("exact"), None, "exact: true is the default");
+    deliver(&host, &mut req, token, "200", &json!({"hit": null}));
+    answer(&host, &mut req);
+    let (_, path, _) = last_post(&host);
+    assert_eq!(
+        path, "/v1/cache/store",
+        "the sidecar needs it for paraphrases"
+    );
+    let posts = host.posted.borrow().len();
+    let (_r, action) = start(&host, &poller, "10.0.0.53", &body());
+    assert_eq!(action, Action::Pause);
+    assert_eq!(
+        host.last_reply().unwrap().header("x-sluice-cache"),
+        Some("hit")
+    );
+    assert_eq!(
+        host.posted.borrow().len(),
+        posts,
+        "the exact hit: no callout"
+    );
+}
+
+#[test]
+fn tier_in_envoy_sends_larger_answers_to_the_sidecar() {
+    let host = MockHost::new(T0);
+    let mut p = tier_policy();
+    p["cache"]["in_envoy"] = json!({"max_entry_bytes": 16});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (mut req, _) = start(&host, &poller, "10.0.0.54", &body());
+    assert!(host.posted.borrow().is_empty());
+    answer(&host, &mut req);
+    let (_, path, store) = last_post(&host);
+    assert_eq!(path, "/v1/cache/store");
+    assert_eq!(store["entry"]["body"], STORED);
+    // Envoy knows it is there: the same question asks the sidecar.
+    let (_r, action) = start(&host, &poller, "10.0.0.54", &body());
+    assert_eq!(action, Action::Pause);
+    let (_, path, lookup) = last_post(&host);
+    assert_eq!(path, "/v1/cache/lookup");
+    assert_eq!(lookup["key"], store["key"]);
+}
+
+#[test]
+fn the_cache_secret_is_sent_and_required() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["cache"]["secret_env"] = json!("SLUICE_CACHE_SECRET");
+    let mut poller = Poller::new();
+    assert!(
+        !poller.configure(&host, p.to_string().as_bytes()),
+        "refused without the variable"
+    );
+    assert!(host
+        .logs
+        .borrow()
+        .iter()
+        .any(|(_, m)| m.contains("cache.secret_env")));
+    host.env
+        .borrow_mut()
+        .insert("SLUICE_CACHE_SECRET".into(), "short".into());
+    assert!(!poller.configure(&host, p.to_string().as_bytes()));
+    host.env.borrow_mut().insert(
+        "SLUICE_CACHE_SECRET".into(),
+        "0123456789abcdef-cache\n".into(),
+    );
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (_r, _) = start(&host, &poller, "10.0.0.55", &body());
+    let (token, _, _) = last_post(&host);
+    let callouts = host.callouts.borrow();
+    let c = callouts.iter().find(|c| c.token == token).unwrap();
+    let sent = c
+        .headers
+        .iter()
+        .find(|(n, _)| n == "x-sluice-cache-secret")
+        .map(|(_, v)| v.as_str());
+    assert_eq!(sent, Some("0123456789abcdef-cache"));
 }

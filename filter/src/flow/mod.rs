@@ -333,6 +333,10 @@ impl Poller {
                 }
             }
         }
+        if let Err(err) = cache::prepare(host, engine) {
+            host.log(LogLevel::Error, &err);
+            return false;
+        }
         if engine.policy.sidecar.is_some() || !filter.gates.is_empty() {
             // Distinct per VM: VMs start at different nanoseconds.
             let ns = host.now_ns();

@@ -77,6 +77,54 @@ pub struct HitCost {
     pub tokens: bool,
 }
 
+/// The exact cache's tier inside Envoy (`cache.in_envoy`): single-Envoy
+/// mode keeps exact entries in Envoy's shared data, so an exact lookup or
+/// store needs no callout (`usage::cache_tier`). `slots: 0` turns it off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InEnvoyConfig {
+    /// Entries at most (rounded up to sets of 4).
+    pub slots: u32,
+    /// Larger answers are kept by the sidecar (bytes).
+    pub max_entry_bytes: u64,
+}
+
+impl Default for InEnvoyConfig {
+    fn default() -> Self {
+        // 32 MiB at most; a chat answer is a few KiB, a larger one is
+        // kept by the sidecar.
+        InEnvoyConfig {
+            slots: 2048,
+            max_entry_bytes: 16 << 10,
+        }
+    }
+}
+
+/// Slots per set of the tier in Envoy.
+pub const IN_ENVOY_WAYS: u32 = 4;
+/// Bytes an entry of the tier takes beyond its answer (key, generation,
+/// times, usage), and one slot's share of its set's index record.
+pub const IN_ENVOY_ENTRY_HEADER: u64 = 32 + 8 * 6;
+pub const IN_ENVOY_WAY_BYTES: u64 = 16 + 8 * 3 + 1;
+
+impl InEnvoyConfig {
+    /// Slots, rounded up to whole sets.
+    pub fn slots_used(&self) -> u64 {
+        u64::from(self.slots.div_ceil(IN_ENVOY_WAYS) * IN_ENVOY_WAYS)
+    }
+
+    /// The most bytes its values take in Envoy's shared data.
+    pub fn memory_bound(&self) -> u64 {
+        let slots = self.slots_used();
+        slots.saturating_mul(self.max_entry_bytes + IN_ENVOY_ENTRY_HEADER + IN_ENVOY_WAY_BYTES)
+    }
+}
+
+/// The most slots the tier in Envoy may have.
+pub const MAX_IN_ENVOY_SLOTS: u32 = 1 << 16;
+/// The largest answer the tier in Envoy keeps.
+pub const MAX_IN_ENVOY_ENTRY_BYTES: u64 = 1 << 20;
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheConfig {
@@ -104,6 +152,14 @@ pub struct CacheConfig {
     /// Mixed into every key: without it nobody can compute the key of a
     /// caller's question. Set your own.
     pub salt: String,
+    /// The exact tier in Envoy (single-Envoy mode only; fleet mode keeps
+    /// every entry in Redis, so each Envoy's answer is every Envoy's).
+    pub in_envoy: InEnvoyConfig,
+    /// The environment variable (of Envoy's wasm VM:
+    /// `vm_config.environment_variables`) holding the secret the
+    /// sidecar's cache endpoints require (`x-sluice-cache-secret`; the
+    /// sidecar's `cache.secret_file`). Fleet mode sends the fleet secret.
+    pub secret_env: Option<String>,
 }
 
 impl Default for CacheConfig {
@@ -120,6 +176,8 @@ impl Default for CacheConfig {
             hit_cost: HitCost::default(),
             lookup_timeout: "100ms".into(),
             salt: String::new(),
+            in_envoy: InEnvoyConfig::default(),
+            secret_env: None,
         }
     }
 }
@@ -160,6 +218,9 @@ pub struct CachePolicy {
     pub hit_cost: HitCost,
     pub lookup_timeout_ms: u64,
     pub salt: String,
+    /// `None`: off (`slots: 0`).
+    pub in_envoy: Option<InEnvoyConfig>,
+    pub secret_env: Option<String>,
 }
 
 /// Longest TTL a policy may ask for (the sidecar caps it again).
@@ -227,6 +288,15 @@ impl CacheConfig {
                 format!("between 1ms and {MAX_LOOKUP_TIMEOUT_MS}ms (a slow cache is a miss, never a wait)"),
             ));
         }
+        let in_envoy = self.in_envoy_checked()?;
+        if self.secret_env.as_deref().is_some_and(|n| {
+            n.is_empty() || !n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        }) {
+            return Err(err(
+                "cache.secret_env",
+                "an environment variable's name (letters, digits, `_`)",
+            ));
+        }
         let compile = |what: &str, name: &str, r: &RuleConfig| -> Result<Rule, CacheConfigError> {
             let at = format!("cache.{what}.{name}");
             let threshold = r.threshold.unwrap_or(self.threshold);
@@ -279,7 +349,36 @@ impl CacheConfig {
             hit_cost: self.hit_cost,
             lookup_timeout_ms,
             salt: self.salt.clone(),
+            in_envoy,
+            secret_env: self.secret_env.clone(),
         })
+    }
+
+    fn in_envoy_checked(&self) -> Result<Option<InEnvoyConfig>, CacheConfigError> {
+        let t = self.in_envoy;
+        if t.slots == 0 {
+            return Ok(None);
+        }
+        if t.slots > MAX_IN_ENVOY_SLOTS {
+            return Err(err(
+                "cache.in_envoy.slots",
+                format!(
+                    "at most {MAX_IN_ENVOY_SLOTS} (0 turns the tier off), not {}",
+                    t.slots
+                ),
+            ));
+        }
+        let most = self.max_entry_bytes.min(MAX_IN_ENVOY_ENTRY_BYTES);
+        if t.max_entry_bytes == 0 || t.max_entry_bytes > most {
+            return Err(err(
+                "cache.in_envoy.max_entry_bytes",
+                format!(
+                    "between 1 and {most} (cache.max_entry_bytes, at most 1 MiB), not {}",
+                    t.max_entry_bytes
+                ),
+            ));
+        }
+        Ok(Some(t))
     }
 }
 
@@ -316,7 +415,24 @@ impl CachePolicy {
                 _ => {}
             }
         }
-        if self.salt.is_empty() && !(self.models.is_empty() && self.routes.is_empty()) {
+        let cached = !(self.models.is_empty() && self.routes.is_empty());
+        if let (Some(t), true) = (self.in_envoy, cached) {
+            out.push(format!(
+                "cache.in_envoy: without fleet, exact entries live in Envoy's shared data: {} \
+                 slots, at most {} KiB (slots × (max_entry_bytes + 121))",
+                t.slots_used(),
+                t.memory_bound().div_ceil(1024)
+            ));
+        }
+        if self.secret_env.is_none() && cached {
+            out.push(
+                "cache.secret_env: unset: outside fleet mode the sidecar's cache endpoints trust \
+                 loopback alone, which under a mesh (Istio) is every pod allowed to reach it; set \
+                 a secret here and in the sidecar's cache.secret_file"
+                    .into(),
+            );
+        }
+        if self.salt.is_empty() && cached {
             out.push(
                 "cache.salt: empty: anyone who can reach the sidecar could compute cache keys; \
                  set a secret salt"
@@ -373,6 +489,15 @@ mod tests {
         assert_eq!(p.hit_cost, HitCost { tokens: false });
         assert_eq!(p.lookup_timeout_ms, 100);
         assert!(p.rule("other", None).is_none());
+        assert_eq!(p.in_envoy, Some(InEnvoyConfig::default()));
+        assert_eq!(p.secret_env, None);
+        assert!(parse(json!({"in_envoy": {"slots": 0}}))
+            .unwrap()
+            .in_envoy
+            .is_none());
+        assert!(parse(json!({"in_envoy": {"slot": 1}}))
+            .unwrap_err()
+            .contains("unknown field"));
     }
 
     #[test]
@@ -407,6 +532,19 @@ mod tests {
             (json!({"lookup_timeout": "1h"}), "cache.lookup_timeout"),
             (json!({"max_temperature": -1.0}), "cache.max_temperature"),
             (
+                json!({"in_envoy": {"slots": 70000}}),
+                "cache.in_envoy.slots",
+            ),
+            (
+                json!({"in_envoy": {"max_entry_bytes": 0}}),
+                "cache.in_envoy.max_entry_bytes",
+            ),
+            (
+                json!({"max_entry_bytes": 1000, "in_envoy": {"max_entry_bytes": 2000}}),
+                "cache.in_envoy.max_entry_bytes",
+            ),
+            (json!({"secret_env": "A B"}), "cache.secret_env"),
+            (
                 json!({"models": {"m": {"exact": true, "ttl": "31d"}}}),
                 "cache.models.m.ttl",
             ),
@@ -434,13 +572,20 @@ mod tests {
 
     #[test]
     fn global_is_said() {
-        let p = parse(json!({"salt": "s", "models": {"m": {"exact": true, "scope": "global"}}}))
-            .unwrap();
+        let p = parse(
+            json!({"salt": "s", "secret_env": "S", "in_envoy": {"slots": 0},
+                             "models": {"m": {"exact": true, "scope": "global"}}}),
+        )
+        .unwrap();
         let w = p.warnings();
         assert_eq!(w.len(), 1);
         assert!(w[0].contains("cache.models.m: scope global"));
         let p = parse(json!({"models": {"m": {"exact": true}}})).unwrap();
-        assert!(p.warnings()[0].starts_with("cache.salt"));
+        let w = p.warnings();
+        assert!(w[0].starts_with("cache.in_envoy: "), "{w:?}");
+        assert!(w[0].contains("2048 slots, at most 33010 KiB"), "{w:?}");
+        assert!(w[1].starts_with("cache.secret_env: unset"), "{w:?}");
+        assert!(w[2].starts_with("cache.salt"), "{w:?}");
     }
 
     #[test]

@@ -5,6 +5,7 @@ pub mod anomaly;
 /// The response cache's keys and the answers it stores and renders (SPEC §9).
 pub mod cache_answer;
 pub mod cache_key;
+pub mod cache_tier;
 pub mod demand;
 pub mod estimate;
 pub mod reconcile;

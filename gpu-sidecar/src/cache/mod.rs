@@ -234,10 +234,13 @@ impl Cache {
     }
 
     async fn lookup_inner(&self, req: &LookupRequest, now_ms: u64) -> LookupAnswer {
-        if let Ok(Some(s)) = self.get(&req.key, now_ms).await {
-            return self.hit(Kind::Exact, s, None, now_ms);
+        // `exact: false`: a semantic-only model; its own key never answers.
+        if req.exact {
+            if let Ok(Some(s)) = self.get(&req.key, now_ms).await {
+                return self.hit(Kind::Exact, s, None, now_ms);
+            }
+            self.stats.count(&req.model, Kind::Exact, "miss");
         }
-        self.stats.count(&req.model, Kind::Exact, "miss");
         let Some(sem) = &req.semantic else {
             return LookupAnswer { hit: None };
         };

@@ -57,6 +57,7 @@ pub(crate) fn lookup_req(key: &str, semantic: Option<(&str, &str)>) -> LookupReq
             context: hash(c),
             text: t.into(),
         }),
+        exact: true,
         threshold: None,
         top_k: None,
     }

@@ -44,6 +44,14 @@ pub struct CacheConfig {
     /// Default: 4, or a tenth of `max_entries` when that is less (at
     /// least 1); 0: no floor (the largest scope always gives way).
     pub scope_floor: Option<usize>,
+    /// A file holding the secret the Envoy beside this sidecar sends on
+    /// every lookup and store (`x-sluice-cache-secret`; the policy's
+    /// `cache.secret_env`). Set, or `secret_env`: a call without it is
+    /// refused 401, whatever its address (under a mesh every pod's call
+    /// arrives from loopback). In fleet mode the fleet secret does this.
+    pub secret_file: Option<std::path::PathBuf>,
+    /// The environment variable holding that secret (instead of a file).
+    pub secret_env: Option<String>,
 }
 
 impl Default for CacheConfig {
@@ -58,6 +66,8 @@ impl Default for CacheConfig {
             embeddings: None,
             min_threshold: 0.9,
             scope_floor: None,
+            secret_file: None,
+            secret_env: None,
         }
     }
 }
@@ -107,6 +117,18 @@ impl CacheConfig {
                 format!("a cosine similarity in (0, 1], not {}", self.min_threshold),
             );
         }
+        if self.secret_file.is_some() && self.secret_env.is_some() {
+            return bad(
+                "secret_env",
+                "give the secret once: secret_file or secret_env, not both".into(),
+            );
+        }
+        if self.secret_env.as_deref().is_some_and(|n| !env_name(n)) {
+            return bad(
+                "secret_env",
+                "an environment variable's name (letters, digits, `_`)".into(),
+            );
+        }
         if self.backend == Backend::Redis && !fleet {
             return bad(
                 "backend",
@@ -124,6 +146,45 @@ impl CacheConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// The shortest cache secret taken (bytes), as for the fleet secret.
+pub const MIN_SECRET: usize = 16;
+
+fn env_name(n: &str) -> bool {
+    !n.is_empty() && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+impl CacheConfig {
+    /// The secret the cache endpoints require, when one is configured:
+    /// read from `secret_file` or `secret_env` (trimmed), at least
+    /// [`MIN_SECRET`] bytes; the error names the field.
+    pub fn secret(&self) -> Result<Option<String>, (String, String)> {
+        let (field, text) = match (&self.secret_file, &self.secret_env) {
+            (Some(p), _) => (
+                "cache.secret_file",
+                std::fs::read_to_string(p).map_err(|e| {
+                    (
+                        "cache.secret_file".to_string(),
+                        format!("reading {}: {e}", p.display()),
+                    )
+                })?,
+            ),
+            (None, Some(n)) => ("cache.secret_env", std::env::var(n).unwrap_or_default()),
+            (None, None) => return Ok(None),
+        };
+        let text = text.trim();
+        if text.len() < MIN_SECRET {
+            return Err((
+                field.to_string(),
+                format!(
+                    "the secret shared with the Envoy beside this sidecar must be at least \
+                     {MIN_SECRET} bytes (`openssl rand -hex 16` makes one)"
+                ),
+            ));
+        }
+        Ok(Some(text.to_string()))
     }
 }
 
@@ -149,4 +210,42 @@ pub struct EmbeddingsConfig {
 
 fn default_timeout() -> Duration {
     Duration::from_secs(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(yaml: &str) -> CacheConfig {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn the_secret_is_checked_and_read() {
+        assert_eq!(parse("{}").secret(), Ok(None));
+        let both = parse("{secret_file: /x, secret_env: X}");
+        assert_eq!(both.check(false).unwrap_err().0, "cache.secret_env");
+        let bad = parse("{secret_env: \"not a name\"}");
+        assert_eq!(bad.check(false).unwrap_err().0, "cache.secret_env");
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("s");
+        std::fs::write(&file, "short\n").unwrap();
+        let c = CacheConfig {
+            secret_file: Some(file.clone()),
+            ..CacheConfig::default()
+        };
+        assert_eq!(c.secret().unwrap_err().0, "cache.secret_file");
+        std::fs::write(&file, "0123456789abcdef0123\n").unwrap();
+        assert_eq!(c.secret().unwrap().as_deref(), Some("0123456789abcdef0123"));
+        let gone = CacheConfig {
+            secret_file: Some(dir.path().join("none")),
+            ..CacheConfig::default()
+        };
+        assert_eq!(gone.secret().unwrap_err().0, "cache.secret_file");
+        let unset = CacheConfig {
+            secret_env: Some("SLUICE_TEST_UNSET_CACHE_SECRET".into()),
+            ..CacheConfig::default()
+        };
+        assert_eq!(unset.secret().unwrap_err().0, "cache.secret_env");
+    }
 }

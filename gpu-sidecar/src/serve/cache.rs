@@ -1,6 +1,14 @@
 //! `POST /v1/cache/lookup`, `POST /v1/cache/store` (the Envoy beside this
 //! sidecar only) and `POST /v1/cache/purge` (admin token).
+//!
+//! "The Envoy beside this sidecar" is proven by loopback, no `Origin`,
+//! JSON and, when one is configured, the shared secret
+//! (`x-sluice-cache-secret`, compared in constant time; in fleet mode the
+//! fleet secret): under a mesh every inbound call arrives from loopback
+//! (127.0.0.6), so the address alone proves nothing there. Refusals are
+//! counted in `sluice_sidecar_cache_refused_total{reason}`.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, State};
@@ -9,13 +17,14 @@ use axum::response::Response;
 use bytes::Bytes;
 use serde_json::json;
 use sluice_wire::cache::{
-    LookupRequest, PurgeRequest, StoreRequest, LOOKUP_PATH, PURGE_PATH, STORE_PATH,
+    LookupRequest, PurgeRequest, StoreRequest, LOOKUP_PATH, PURGE_PATH, SECRET_HEADER, STORE_PATH,
 };
 
 use crate::cache::{Cache, CacheError};
 use crate::fleet::Fleet;
 use crate::reply::{json as reply, Peer};
 use crate::serve::admin::AdminToken;
+use crate::state::StateStore;
 
 #[derive(Clone)]
 pub struct CacheApi {
@@ -23,6 +32,48 @@ pub struct CacheApi {
     /// In fleet mode: the fleet's door (secret, fingerprint) applies too.
     pub fleet: Option<Arc<Fleet>>,
     pub token: AdminToken,
+    /// The secret every lookup and store must carry (`cache.secret_file`
+    /// or `cache.secret_env`); `None`: loopback alone, as before.
+    pub secret: Option<Arc<str>>,
+    /// Where a purge bumps `cache_generation`, so the entries the filter
+    /// keeps in Envoy go too.
+    pub state: Option<StateStore>,
+}
+
+/// Why a call to the cache endpoints was refused, for
+/// `sluice_sidecar_cache_refused_total{reason}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Not from loopback, or from a web page (`Origin`), or not JSON.
+    Door,
+    /// No `x-sluice-cache-secret` (a secret is configured).
+    Missing,
+    /// The wrong secret.
+    Wrong,
+}
+
+impl Refused {
+    pub const ALL: [Refused; 3] = [Refused::Door, Refused::Missing, Refused::Wrong];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Refused::Door => "door",
+            Refused::Missing => "missing",
+            Refused::Wrong => "wrong",
+        }
+    }
+}
+
+/// Process-wide: one sidecar serves one cache.
+static REFUSED: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+/// How many calls were refused for `why`.
+pub fn refused_count(why: Refused) -> u64 {
+    REFUSED[why as usize].load(Ordering::Relaxed)
+}
+
+fn count(why: Refused) {
+    REFUSED[why as usize].fetch_add(1, Ordering::Relaxed);
 }
 
 fn error(status: StatusCode, code: &str, message: &str) -> Response {
@@ -38,27 +89,53 @@ fn refuse(api: &CacheApi, peer: &Peer, headers: &HeaderMap) -> Option<Response> 
     if let Some(f) = &api.fleet {
         return crate::fleet::routes::refuse(f, peer, headers);
     }
-    if !loopback(peer) {
-        Some(error(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            "the cache endpoints answer the Envoy beside this sidecar (loopback) only",
-        ))
+    let (why, answer) = if !loopback(peer) {
+        (
+            Refused::Door,
+            error(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "the cache endpoints answer the Envoy beside this sidecar (loopback) only",
+            ),
+        )
     } else if headers.contains_key(axum::http::header::ORIGIN) {
-        Some(error(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            "the cache endpoints refuse requests with an Origin (web pages)",
-        ))
+        (
+            Refused::Door,
+            error(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "the cache endpoints refuse requests with an Origin (web pages)",
+            ),
+        )
     } else if !crate::fleet::routes::json_content(headers) {
-        Some(error(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "invalid_request",
-            "content-type: application/json expected",
-        ))
+        (
+            Refused::Door,
+            error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "invalid_request",
+                "content-type: application/json expected",
+            ),
+        )
     } else {
-        None
-    }
+        let secret = api.secret.as_ref()?;
+        let given = headers.get(SECRET_HEADER).map(|v| v.as_bytes());
+        let why = match given {
+            None => Refused::Missing,
+            Some(g) if crate::door::secret_eq(g, secret.as_bytes()) => return None,
+            Some(_) => Refused::Wrong,
+        };
+        (
+            why,
+            error(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "the cache secret (x-sluice-cache-secret) is missing or wrong: compare the \
+                 policy's cache.secret_env with this sidecar's cache.secret_file or secret_env",
+            ),
+        )
+    };
+    count(why);
+    Some(answer)
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
@@ -157,6 +234,13 @@ async fn purge(
     let scope = req.scope.as_deref();
     match api.cache.purge_where(req.model.as_deref(), scope).await {
         Ok(n) => {
+            // The entries the filter keeps in Envoy: gone with the next
+            // state push (any purge drops all of them: they carry no model).
+            if let Some(state) = &api.state {
+                state.update(std::time::SystemTime::now(), |s| {
+                    s.cache_generation = s.cache_generation.saturating_add(1);
+                });
+            }
             api.cache.note_size().await;
             reply(StatusCode::OK, json!({"purged": n}))
         }
@@ -226,6 +310,8 @@ mod tests {
             cache: cache.clone(),
             fleet: None,
             token: crate::serve::admin::AdminToken::new("t0ken"),
+            secret: None,
+            state: None,
         });
         let local = "127.0.0.1:5000";
         let store = serde_json::to_string(&store_req("k", "answer", None)).unwrap();
@@ -290,6 +376,61 @@ mod tests {
         assert_eq!((s, v["purged"].clone()), (StatusCode::OK, json!(1)));
         let (_, v) = send(&app, post("/v1/cache/lookup", local, &lookup, &[])).await;
         assert_eq!(v["hit"], Value::Null);
+    }
+
+    #[tokio::test]
+    async fn with_a_secret_only_its_holder_reads_and_writes() {
+        let cache = memory_cache(None);
+        let state = StateStore::new(std::time::SystemTime::UNIX_EPOCH);
+        let app = router(CacheApi {
+            cache: cache.clone(),
+            fleet: None,
+            token: crate::serve::admin::AdminToken::new("t0ken"),
+            secret: Some(Arc::from("the-cache-secret-0123")),
+            state: Some(state.clone()),
+        });
+        let local = "127.0.0.1:5000";
+        let store = serde_json::to_string(&store_req("k", "answer", None)).unwrap();
+        let lookup = serde_json::to_string(&lookup_req("k", None)).unwrap();
+        let (missing, wrong) = (
+            refused_count(Refused::Missing),
+            refused_count(Refused::Wrong),
+        );
+        for (path, body) in [("/v1/cache/store", &store), ("/v1/cache/lookup", &lookup)] {
+            let (s, v) = send(&app, post(path, local, body, &[])).await;
+            assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}: {v}");
+            assert!(v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("x-sluice-cache-secret"));
+            let wrong = [(SECRET_HEADER, "the-cache-secret-0124")];
+            let (s, _) = send(&app, post(path, local, body, &wrong)).await;
+            assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
+        }
+        assert!(refused_count(Refused::Missing) >= missing + 2);
+        assert!(refused_count(Refused::Wrong) >= wrong + 2);
+        assert_eq!(
+            cache.lookup(&lookup_req("k", None), 0).await.unwrap().hit,
+            None
+        );
+        let right = [(SECRET_HEADER, "the-cache-secret-0123")];
+        let (s, _) = send(&app, post("/v1/cache/store", local, &store, &right)).await;
+        assert_eq!(s, StatusCode::OK);
+        let (_, v) = send(&app, post("/v1/cache/lookup", local, &lookup, &right)).await;
+        assert_eq!(v["hit"]["entry"]["body"], "answer");
+        // The right secret from elsewhere is still refused.
+        let (s, _) = send(
+            &app,
+            post("/v1/cache/lookup", "10.0.0.9:1", &lookup, &right),
+        )
+        .await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        // A purge moves the generation the filter's tier in Envoy reads.
+        let before = state.current().cache_generation;
+        let auth = [("authorization", "Bearer t0ken")];
+        let (s, _) = send(&app, post("/v1/cache/purge", local, "{}", &auth)).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(state.current().cache_generation, before + 1);
     }
 
     #[tokio::test]

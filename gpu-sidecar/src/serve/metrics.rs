@@ -96,6 +96,7 @@ fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
         out.family(name, "counter", help);
         out.sample(name, &[], c.load(Ordering::Relaxed) as f64);
     }
+    cache_door(out);
     let h = "sluice_sidecar_cache_lookup_seconds";
     out.family(h, "histogram", "Time the sidecar took to answer a lookup.");
     let bucket = format!("{h}_bucket");
@@ -106,6 +107,24 @@ fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
     out.sample(&bucket, &[("le", "+Inf")], count as f64);
     out.sample(&format!("{h}_sum"), &[], micros as f64 / 1e6);
     out.sample(&format!("{h}_count"), &[], count as f64);
+}
+
+/// Refusals of the cache endpoints' door (`serve::cache`).
+fn cache_door(out: &mut Exposition) {
+    let r = "sluice_sidecar_cache_refused_total";
+    out.family(
+        r,
+        "counter",
+        "Calls to the cache endpoints refused: door (not loopback, an Origin, not JSON), \
+         missing or wrong (the cache secret).",
+    );
+    for why in crate::serve::cache::Refused::ALL {
+        out.sample(
+            r,
+            &[("reason", why.label())],
+            crate::serve::cache::refused_count(why) as f64,
+        );
+    }
 }
 
 pub fn render(state: &SidecarState, snap: &Snapshot, tel: &Telemetry) -> String {
