@@ -110,6 +110,13 @@ pub struct StoreRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub semantic: Option<Semantic>,
     pub entry: Entry,
+    /// The answer's scope id: lower-case hex SHA-256 of the scope value
+    /// (`principal:…`, `team:…`, `org:…`, `tier:…`, `global`). The
+    /// sidecar's bounds per scope and purges by scope go by it; matching
+    /// never does (the scope is in every key). Absent: the sidecar's
+    /// `x-sluice-cache-scope` header, else one shared scope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<String>,
 }
 
 /// Why a store was not kept, when it was not.
@@ -238,6 +245,7 @@ mod tests {
             ttl_s: 86400,
             semantic: None,
             entry: entry(),
+            scope: None,
         };
         let v = serde_json::to_value(&req).unwrap();
         assert_eq!(
@@ -247,6 +255,13 @@ mod tests {
                              "completion_tokens": 7, "spend_micros": 30}})
         );
         assert_eq!(serde_json::from_value::<StoreRequest>(v).unwrap(), req);
+        let scoped = StoreRequest {
+            scope: Some("cd".into()),
+            ..req.clone()
+        };
+        let v = serde_json::to_value(&scoped).unwrap();
+        assert_eq!(v["scope"], "cd");
+        assert_eq!(serde_json::from_value::<StoreRequest>(v).unwrap(), scoped);
         let no = StoreAnswer {
             stored: false,
             reason: Some(NotStored::TooLarge),

@@ -76,6 +76,9 @@ pub(super) struct ToStore {
     upstream_cache_control: Option<String>,
     /// The exact tier in Envoy keeps it (single-Envoy mode, `exact` on).
     tier: Option<Tier>,
+    /// Hex SHA-256 of the scope value: the sidecar's bounds per scope and
+    /// purges by scope go by it.
+    scope_id: String,
     /// The sidecar keeps it too: the semantic cache needs it (and fleet
     /// mode, or no tier, keeps every entry there).
     sidecar: bool,
@@ -266,6 +269,7 @@ impl Stream {
                 framing: Framing::Json,
                 upstream_cache_control: None,
                 tier,
+                scope_id: crate::policy::keys::sha256_hex(scope.as_bytes()),
                 sidecar: tier.is_none() || rule.semantic,
             });
         }
@@ -718,6 +722,7 @@ impl Stream {
                 completion_tokens: usage.completion_tokens,
                 spend_micros: spend,
             },
+            scope: Some(s.scope_id),
         };
         let mut to_sidecar = s.sidecar;
         if let Some(tier) = s.tier {

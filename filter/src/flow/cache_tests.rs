@@ -144,6 +144,12 @@ fn a_miss_is_admitted_and_its_answer_stored() {
     assert_eq!(store["entry"]["body"], STORED);
     assert_eq!(store["entry"]["completion_tokens"], 1);
     assert_eq!(store["ttl_s"], 86_400);
+    // The sidecar's bounds per scope and purges by scope go by the
+    // scope's id (hex SHA-256 of the scope value), never its text.
+    let scope = store["scope"].as_str().unwrap();
+    assert_eq!(scope.len(), 64);
+    assert!(scope.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert!(!store.to_string().contains("10.0.0.2"));
 }
 
 #[test]

@@ -288,7 +288,7 @@ impl Cache {
         check_request(&req.key, &req.model, req.semantic.as_ref())?;
         if scope.is_some_and(|s| !valid_hash(s)) {
             return Err(CacheError::Invalid(format!(
-                "{SCOPE_HEADER}: 64 hex digits expected (SHA-256 of the scope value)"
+                "scope ({SCOPE_HEADER}): 64 hex digits expected (SHA-256 of the scope value)"
             )));
         }
         if req.ttl_s == 0 {

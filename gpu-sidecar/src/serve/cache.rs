@@ -185,12 +185,14 @@ async fn store(
         Ok(r) => r,
         Err(r) => return *r,
     };
+    // The filter names the scope in the body; the header is the older way.
     let scope = headers
         .get(crate::cache::SCOPE_HEADER)
-        .map(|v| v.to_str().unwrap_or("?"));
+        .map(|v| v.to_str().unwrap_or("?").to_string())
+        .or_else(|| req.scope.clone());
     match api
         .cache
-        .store_scoped(req, scope, crate::cache::now_ms())
+        .store_scoped(req, scope.as_deref(), crate::cache::now_ms())
         .await
     {
         Ok(a) => reply(StatusCode::OK, json!(a)),
