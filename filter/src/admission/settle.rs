@@ -25,15 +25,16 @@ impl Engine {
         };
         let reserver = self.reserver(store);
         let mut effort = Contention::default();
-        let mut charges_unwritten = 0;
-        for (held, meter) in plan.held.iter().zip(&plan.meters) {
-            if *meter != Meter::Requests {
-                let actual = meter.amount(input, output, plan.pricing);
-                if !reserver.settle(held, actual, now_ms, &mut effort) && actual > held.amount {
-                    charges_unwritten += 1;
-                }
-            }
-        }
+        // One update per record the plan holds (its buckets' settlements
+        // together); a request bucket costs what it reserved.
+        let items: Vec<(&Held, u64)> = plan
+            .held
+            .iter()
+            .zip(&plan.meters)
+            .filter(|(_, meter)| **meter != Meter::Requests)
+            .map(|(held, meter)| (held, meter.amount(input, output, plan.pricing)))
+            .collect();
+        let charges_unwritten = reserver.settle_all(&items, now_ms, &mut effort);
         if from_usage && input > 0 {
             if let Some(model) = &plan.model {
                 self.learn(store, model, plan.input_raw, input, &mut effort);
