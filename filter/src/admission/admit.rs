@@ -221,10 +221,11 @@ impl Engine {
                             table,
                             group: table.group_of(&identity.tier, identity.declared),
                         }),
+                        lease: None,
                     }
                 })
                 .collect();
-            match reserver.reserve(&claims, caller(identity), ctx.now_ms, effort) {
+            match self.reserve_leased(reserver, &claims, caller(identity), ctx.now_ms, effort) {
                 Ok(reservation) => {
                     return Ok(Reserved {
                         reservation,

@@ -149,6 +149,27 @@ pub struct Claim<'a> {
     /// A global bucket's fair shares and the caller's group in them (see
     /// `crate::limits::shares`); `None`: one pool for everyone.
     pub share: Option<Share<'a>>,
+    /// Take a worker lease on top, when the bucket is far from its end
+    /// (`crate::limits::lease`); `None`: exactly `amount`.
+    pub lease: Option<LeaseAsk>,
+}
+
+/// How big a worker lease may be: at most `left ÷ divisor` of what the
+/// bucket has left after the request, and at most `max_permille` of its
+/// capacity. Less than one unit: no lease (the strict path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseAsk {
+    pub divisor: u64,
+    pub max_permille: u32,
+}
+
+impl LeaseAsk {
+    /// The extra units to lease when `left` units are left after the
+    /// request, under `limit`.
+    pub fn extra(&self, left: u64, limit: &Limit) -> u64 {
+        let max = (limit.capacity() as u128 * u128::from(self.max_permille) / 1000) as u64;
+        (left / self.divisor.max(1)).min(max)
+    }
 }
 
 /// A shared bucket's shares, and the group the caller draws from.
@@ -165,6 +186,7 @@ impl<'a> Claim<'a> {
             amount,
             soft: false,
             share: None,
+            lease: None,
         }
     }
 }
@@ -206,6 +228,9 @@ pub struct Reservation {
     pub tightest: Option<(usize, Quota)>,
     /// Indexes of soft claims that were past their cap.
     pub over_soft: Vec<usize>,
+    /// Worker leases taken on top (claims with a [`LeaseAsk`]): the claim's
+    /// index, the units held (`amount`), the bucket's quota then.
+    pub leases: Vec<(usize, Held, Quota)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -312,8 +337,9 @@ struct Located {
     placement: Placement,
 }
 
-/// What one record's take gave each of its claims.
-type Taken = Vec<(usize, Held, Quota, bool)>;
+/// What one record's take gave each of its claims: the claim's index, what
+/// it holds, its quota, whether past a soft cap, a worker lease on top.
+type Taken = Vec<(usize, Held, Quota, bool, Option<Held>)>;
 
 /// The usage a read of the committed count in shared data reports for a
 /// shared bucket (tests and tools): millionths in use, as last written.
@@ -339,11 +365,16 @@ impl Reserver<'_> {
     ) -> Result<Reservation, Refusal> {
         let mut taken: Vec<Option<(Held, Quota, bool)>> = vec![None; claims.len()];
         let mut held_so_far: Vec<Held> = Vec::new();
+        let mut leases = Vec::new();
         for group in groups(claims) {
             match self.take_record(claims, &group, caller, now_ms, effort) {
                 Ok(items) => {
-                    for (i, held, quota, over) in items {
+                    for (i, held, quota, over, lease) in items {
                         held_so_far.push(held.clone());
+                        if let Some(lease) = lease {
+                            held_so_far.push(lease.clone());
+                            leases.push((i, lease, quota));
+                        }
                         taken[i] = Some((held, quota, over));
                     }
                 }
@@ -361,7 +392,9 @@ impl Reserver<'_> {
                 }
             }
         }
-        Ok(assemble(taken))
+        let mut reservation = assemble(taken);
+        reservation.leases = leases;
+        Ok(reservation)
     }
 
     /// Gives back what `held` took.
@@ -530,6 +563,25 @@ impl Reserver<'_> {
         store::update(self.store, key, tries, effort, |bytes| f(bytes?))
     }
 
+    /// Where a worker lease of this claim's bucket lives, known without a
+    /// read: a shared record (the caller's group in its shares) or a
+    /// declared caller's own; `None`: never leased (a hashed record).
+    pub fn lease_place(&self, claim: &Claim, caller: Caller) -> Option<(String, u64, Placement)> {
+        let scope = claim.rule.record();
+        match (claim.rule.scope, caller.declared) {
+            (Scope::Global, _) => {
+                let group = claim.share.filter(|_| !claim.soft).map_or(0, |s| s.group);
+                Some((global_key(scope), group, Placement::Global))
+            }
+            (Scope::PerPrincipal, Some(name)) => Some((
+                dedicated_key(scope, name),
+                caller.hash.max(GLOBAL_OWNER + 1),
+                Placement::Dedicated,
+            )),
+            (Scope::PerPrincipal, None) => None,
+        }
+    }
+
     /// What a claim's bucket holds now, without taking anything.
     pub fn peek(&self, claim: &Claim, caller: Caller, now_ms: u64) -> Quota {
         let rule = claim.rule;
@@ -614,7 +666,7 @@ impl Reserver<'_> {
         let items: Taken = group
             .iter()
             .zip(quotas)
-            .map(|(&i, (quota, over))| {
+            .map(|(&i, (quota, over, extra))| {
                 let c = &claims[i];
                 let held = Held {
                     key: at.key.clone(),
@@ -629,13 +681,17 @@ impl Reserver<'_> {
                     limit: c.rule.limit,
                     taken_ms: now_ms,
                 };
-                (i, held, quota, over)
+                let lease = (extra > 0).then(|| Held {
+                    amount: extra,
+                    ..held.clone()
+                });
+                (i, held, quota, over, lease)
             })
             .collect();
         // After the record (just touched, so nobody takes it meanwhile):
         // the sketch never lags a budget's count.
         if at.placement == Placement::Hashed && !self.sketch_takes(&items, now_ms, effort) {
-            let held: Vec<Held> = items.into_iter().map(|(_, h, _, _)| h).collect();
+            let held: Vec<Held> = items.into_iter().map(|(_, h, _, _, _)| h).collect();
             self.release(&held, now_ms, effort);
             return Err((first, TakeError::Contended));
         }
@@ -647,7 +703,7 @@ impl Reserver<'_> {
     fn sketch_takes(&self, items: &Taken, now_ms: u64, effort: &mut Contention) -> bool {
         let tries = self.tries.take();
         let mut added: Vec<&Held> = Vec::new();
-        for (_, h, _, _) in items {
+        for (_, h, _, _, _) in items {
             let Some(window) = h.limit.window else {
                 continue;
             };
@@ -674,7 +730,7 @@ impl Reserver<'_> {
         group: &[usize],
         now_ms: u64,
     ) -> (
-        Result<Vec<(Quota, bool)>, (usize, TakeError)>,
+        Result<Vec<(Quota, bool, u64)>, (usize, TakeError)>,
         Option<(u64, Pool)>,
     ) {
         let mut quotas = Vec::with_capacity(group.len());
@@ -683,10 +739,11 @@ impl Reserver<'_> {
             let (limit, id) = (&c.rule.limit, rule_hash(&c.rule.id));
             if at.placement == Placement::Global {
                 let pool = Pool::decode(at.bundle.get(id).unwrap_or_default());
-                match take_pool(pool, c, now_ms) {
+                match take_pool(pool.clone(), c, now_ms) {
                     Ok((next, quota, over)) => {
+                        let (next, quota, extra) = lease_pool(pool, next, quota, c, now_ms);
                         at.bundle.put(id, next.encode());
-                        quotas.push((quota, over));
+                        quotas.push((quota, over, extra));
                     }
                     Err((shortfall, mark)) => {
                         return (Err((i, TakeError::Full(shortfall))), mark.map(|m| (id, m)))
@@ -700,8 +757,24 @@ impl Reserver<'_> {
                 Err(_) if c.soft => (state.charge(c.amount, limit, now_ms), true),
                 Err(shortfall) => return (Err((i, TakeError::Full(shortfall))), None),
             };
+            // A lease on top, never from a hashed record (it may change
+            // hands) nor past a soft cap.
+            let extra = match (c.lease, at.placement, over) {
+                (Some(ask), Placement::Dedicated, false) => {
+                    let left = next.quota(limit, now_ms).remaining;
+                    ask.extra(left, limit)
+                }
+                _ => 0,
+            };
+            let next = match state.take(c.amount.saturating_add(extra), limit, now_ms) {
+                Ok(leased) if extra > 0 => leased,
+                _ => next,
+            };
             at.bundle.put(id, Kept::of(next, limit, now_ms).encode());
-            quotas.push((next.quota(limit, now_ms), over));
+            let mut quota = next.quota(limit, now_ms);
+            // The leased units are still this caller's to use.
+            quota.remaining = quota.remaining.saturating_add(extra);
+            quotas.push((quota, over, extra));
         }
         at.bundle.owner = at.owner;
         if at.placement == Placement::Hashed {
@@ -966,7 +1039,7 @@ fn groups(claims: &[Claim]) -> Vec<Vec<usize>> {
 }
 
 /// The reservation of every claim taken, in claim order.
-fn assemble(taken: Vec<Option<(Held, Quota, bool)>>) -> Reservation {
+pub fn assemble(taken: Vec<Option<(Held, Quota, bool)>>) -> Reservation {
     let mut reservation = Reservation::default();
     for (index, (held, quota, over)) in taken.into_iter().flatten().enumerate() {
         reservation.held.push(held);
@@ -1022,6 +1095,31 @@ fn take_pool(
     };
     let quota = state.quota(limit, now_ms);
     Ok((Pool { state, ..pool }, quota, over))
+}
+
+/// A lease on top of a shared bucket's take (`next`, from `pool`), when the
+/// claim asks for one and the bucket is far from its end: the record, the
+/// quota (the leased units counted as still there), the units leased.
+fn lease_pool(pool: Pool, next: Pool, quota: Quota, c: &Claim, now_ms: u64) -> (Pool, Quota, u64) {
+    let Some(ask) = c.lease.filter(|_| !c.soft) else {
+        return (next, quota, 0);
+    };
+    let extra = ask.extra(quota.remaining, &c.rule.limit);
+    if extra == 0 {
+        return (next, quota, 0);
+    }
+    let bigger = Claim {
+        amount: c.amount.saturating_add(extra),
+        ..*c
+    };
+    match take_pool(pool, &bigger, now_ms) {
+        Ok((leased, mut q, _)) => {
+            q.remaining = q.remaining.saturating_add(extra);
+            (leased, q, extra)
+        }
+        // The group's share allows the request, not the lease on top.
+        Err(_) => (next, quota, 0),
+    }
 }
 
 /// Replaces what `h` reserved with `actual` in its record: gives back the
