@@ -6,7 +6,7 @@
 use super::*;
 use crate::limits::bucket::{next_window, window_start};
 use crate::limits::lease::{self, Leases};
-use crate::limits::reservation::{assemble, LeaseAsk, Reservation};
+use crate::limits::reservation::{assemble, LeaseAsk, Reservation, Share};
 
 impl Engine {
     /// The lease every strict take asks for, when leases are on.
@@ -202,6 +202,33 @@ impl Engine {
         effort
     }
 
+    /// Does a live lease of this worker cover `claim` now? (A peek: the
+    /// bucket's group in its shares, if any, as admission would take it.)
+    pub(super) fn lease_covers(
+        &self,
+        reserver: &Reserver,
+        claim: &Claim,
+        identity: &Identity,
+        now_ms: u64,
+    ) -> bool {
+        if self.lease_ask().is_none() {
+            return false;
+        }
+        let b = self.buckets.iter().find(|b| b.rule.id == claim.rule.id);
+        let share = b.and_then(|b| b.shares.as_ref()).map(|table| Share {
+            table,
+            group: table.group_of(&identity.tier, identity.declared),
+        });
+        let claim = Claim { share, ..*claim };
+        let caller = admit::caller(identity);
+        let Some((key, owner, _)) = reserver.lease_place(&claim, caller) else {
+            return false;
+        };
+        self.leases()
+            .balance(&key, &claim.rule.id, owner, now_ms)
+            .is_some_and(|left| left >= claim.amount)
+    }
+
     /// Units of `rule` this worker holds in leases (tests, tools).
     pub fn leased_units(&self, rule: &str) -> u64 {
         self.leases().held_of(rule)
@@ -319,6 +346,30 @@ mod tests {
         engines[0].leases_tick(&host, 2_000);
         assert!(get(2_000));
         assert!(host.take_calls().get("set").copied().unwrap_or(0) >= 1);
+    }
+
+    #[test]
+    fn a_worker_uses_its_lease_after_the_shared_bucket_is_empty() {
+        let (engines, store) = workers(2);
+        let (a, b) = (&engines[0], &engines[1]);
+        assert!(get(a, &store, 0));
+        let held = a.leased_units("tier/pro/requests");
+        assert!(held > 0);
+        // Worker b takes what is left (its own leases included).
+        while get(b, &store, 0) {}
+        // Worker a is not refused before the body: its lease still covers
+        // a request, and admission takes it from there.
+        let id = a.identify(&Keyed).unwrap();
+        assert!(a
+            .refusal_before_body(&store, &id, "/v1/chat/completions", 0, 0)
+            .is_none());
+        for _ in 0..held {
+            assert!(get(a, &store, 0));
+        }
+        assert!(!get(a, &store, 0));
+        assert!(a
+            .refusal_before_body(&store, &id, "/v1/chat/completions", 0, 0)
+            .is_some());
     }
 
     proptest! {

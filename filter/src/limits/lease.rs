@@ -94,6 +94,11 @@ impl Leases {
             .sum()
     }
 
+    /// What a live lease of the bucket has left (`None`: none held).
+    pub fn balance(&mut self, key: &str, rule: &str, owner: u64, now_ms: u64) -> Option<u64> {
+        self.find(key, rule, owner, now_ms).map(|l| l.balance)
+    }
+
     /// Takes `amount` from a live lease of the bucket, if it covers it:
     /// what the request holds (the lease's place, `amount`, taken now) and
     /// the bucket's quota as this worker sees it.
