@@ -9,6 +9,14 @@ use crate::limits::lease::{self, Leases};
 use crate::limits::reservation::{assemble, LeaseAsk, Reservation, Share};
 
 impl Engine {
+    /// The lease every strict take asks for, when leases are on, and how
+    /// long a lease is held at most (the fleet's leases are sub-leased to
+    /// workers the same way).
+    pub fn worker_lease(&self) -> Option<(LeaseAsk, u64)> {
+        let ttl = self.policy.state.worker_leases.ttl_ms;
+        self.lease_ask().map(|ask| (ask, ttl))
+    }
+
     /// The lease every strict take asks for, when leases are on.
     fn lease_ask(&self) -> Option<LeaseAsk> {
         let w = &self.policy.state.worker_leases;

@@ -388,6 +388,9 @@ impl Poller {
         // This worker's leases due back (`state.worker_leases`).
         if let Some(filter) = self.filter.clone() {
             count_contention(host, filter.engine.leases_tick(host, now));
+            if let Some(fleet) = &filter.fleet {
+                fleet.return_sub_leases(&filter.engine, host, now);
+            }
             if filter.engine.policy.sidecar.is_none() && filter.gates.is_empty() {
                 return;
             }

@@ -124,6 +124,24 @@ impl Leases {
         Some((held, lease.quota))
     }
 
+    /// [`Leases::debit`] from a live lease of `rule` for `owner`, wherever
+    /// it lives (a fleet lease's slot, found when it was taken).
+    pub fn debit_by(&mut self, rule: &str, owner: u64, amount: u64, now_ms: u64) -> Option<Held> {
+        let lease = self
+            .list
+            .iter_mut()
+            .find(|l| l.expires_ms > now_ms && l.held.owner == owner && l.held.rule == rule)?;
+        if lease.balance < amount {
+            return None;
+        }
+        lease.balance -= amount;
+        Some(Held {
+            amount,
+            taken_ms: now_ms,
+            ..lease.held.clone()
+        })
+    }
+
     /// Puts back what [`Leases::debit`] took (the request was refused by
     /// another bucket); `false`: the lease is gone, give it to the shared
     /// bucket.
