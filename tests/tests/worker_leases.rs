@@ -100,3 +100,65 @@ fn what_workers_strand_while_others_refuse_stays_within_the_bound() {
     assert_eq!(admitted, C);
     assert_eq!(stack.upstream_requests(), C as u64, "0 overshoot");
 }
+
+/// Three Envoys of two workers each, fleet leases from Redis and worker
+/// sub-leases of them (one mechanism, two levels): 0 overshoot, and every
+/// unit is admitted once the leases are back.
+#[test]
+fn a_fleet_with_worker_sub_leases_never_overshoots() {
+    use sluice_tests::fleet::{policy, Node, Redis};
+    use sluice_tests::MockLlm;
+    const C: usize = 100;
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let p = policy(&format!(
+        "default_tier: free\nidentity: {{ sources: [client_address] }}\n\
+         tiers: {{ free: {{ requests: {C}/day }} }}\n\
+         sidecar: {{ cluster: sluice_sidecar, stale_after: 60s, on_stale: fail_open, poll_wait: 5s }}\n\
+         fleet: {{ expected_replicas: 3, salt: fleet-test-salt-0123, lease: {{ idle: 300ms }} }}\n\
+         state: {{ worker_leases: {{ enabled: true, workers: 2, max_permille: 100, ttl: 500ms }} }}\n"
+    ));
+    let nodes: Vec<Node> = (0..3)
+        .map(|_| Node::start(&redis.url(), &upstream, None, &p, 2))
+        .collect();
+    let urls: Vec<String> = nodes
+        .iter()
+        .map(|n| n.envoy.url("/v1/chat/completions"))
+        .collect();
+    let statuses = runtime().block_on(async {
+        let client = async_client();
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(48));
+        let tasks: Vec<_> = (0..1_000)
+            .map(|i| {
+                let (url, client, sem) = (urls[i % 3].clone(), client.clone(), sem.clone());
+                tokio::spawn(async move {
+                    let _permit = sem.acquire().await;
+                    post_json_async(&client, &url, &[], &chat_body(MODEL))
+                        .await
+                        .map_or(0, |r| r.status)
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap_or(0));
+        }
+        out
+    });
+    let in_burst = statuses.iter().filter(|s| **s == 200).count();
+    let seen = || upstream.stats()["requests_total"].as_u64().unwrap_or(0) as usize;
+    assert!(in_burst <= C, "{in_burst} admitted");
+    assert_eq!(seen(), in_burst, "0 overshoot upstream");
+    let mut admitted = in_burst;
+    let mut n = 0;
+    wait_for(Duration::from_secs(20), || {
+        n += 1;
+        let r = sluice_tests::post_json(&urls[n % 3], &[], &chat_body(MODEL));
+        admitted += usize::from(r.status == 200);
+        assert!(admitted <= C, "over capacity: {admitted}");
+        admitted == C
+    });
+    println!("fleet of 3 × 2 workers: {in_burst} admitted in the burst, {admitted} in all");
+    assert_eq!(admitted, C);
+    assert_eq!(seen(), C, "0 overshoot upstream");
+}
