@@ -436,3 +436,116 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod settlement_tests {
+    use super::*;
+    use crate::state::store::MemStore;
+    use crate::usage::reconcile::Usage;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    const BUDGET: u64 = 20_000;
+
+    struct Keyed;
+    impl RequestView for Keyed {
+        fn header(&self, name: &str) -> Option<String> {
+            (name == "x-api-key").then(|| "k".to_string())
+        }
+        fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
+            None
+        }
+        fn client_address(&self) -> Option<String> {
+            Some("1.2.3.4:5".into())
+        }
+    }
+
+    proptest! {
+        /// Workers admitting and settling (under or over what they
+        /// reserved) through their leases: once every lease is back, the
+        /// shared budget holds exactly the sum of what was really used.
+        /// (Leases of at most 40 tokens: settlements overrun them.)
+        #[test]
+        fn settlements_through_leases_are_exact(
+            n in 1u32..=3,
+            ops in prop::collection::vec((0u32..3, any::<bool>(), 0u64..120), 1..80)
+        ) {
+            let policy = json!({
+                "default_tier": "free",
+                "identity": {"sources": ["api_key"],
+                             "api_key": {"header": "x-api-key", "keys": {"k": "pro"}}},
+                "tiers": {"free": {}, "pro": {"daily_tokens": BUDGET}},
+                "state": {"worker_leases": {"enabled": true, "workers": n,
+                                            "max_permille": 2}},
+            });
+            let store = MemStore::default();
+            let engines: Vec<Engine> = (0..n)
+                .map(|_| Engine::new(Policy::from_value(policy.clone()).unwrap()))
+                .collect();
+            engines[0].prepare(&store).unwrap();
+            let body = json!({"model": "m", "max_tokens": 50,
+                              "messages": [{"role": "user", "content": "hi"}]}).to_string();
+            let mut pending: Vec<(usize, Plan)> = Vec::new();
+            let mut used = 0u64;
+            for (w, settle, actual) in ops {
+                let w = (w % n) as usize;
+                let e = &engines[w];
+                if settle && !pending.is_empty() {
+                    let (at, plan) = pending.remove(0);
+                    let usage = Found::Usage(Usage { input: actual / 2, output: actual - actual / 2 });
+                    engines[at].settle(&store, &plan, usage, 0, true, 1);
+                    used += actual;
+                    continue;
+                }
+                let id = e.identify(&Keyed).unwrap();
+                let asked = e.demand(&id, Api::OpenAiChat, body.as_bytes()).unwrap();
+                let ctx = ctx(&id, Api::OpenAiChat, "/v1/chat/completions", asked.as_ref(), 1);
+                let v = e.admit(&store, &ctx);
+                if let (None, Some(plan)) = (v.reply, v.plan) {
+                    pending.push((w, plan));
+                }
+            }
+            for (at, plan) in pending {
+                engines[at].settle(&store, &plan, Found::Usage(Usage { input: 1, output: 1 }), 0, true, 1);
+                used += 2;
+            }
+            for e in &engines {
+                e.leases_tick(&store, 10_000);
+            }
+            let e = &engines[0];
+            let b = e.buckets.iter().find(|b| b.rule.id == "tier/pro/daily_tokens").unwrap();
+            let id = e.identify(&Keyed).unwrap();
+            let left = e.reserver(&store).peek(&Claim::hard(&b.rule, 0), admit::caller(&id), 10_000);
+            prop_assert_eq!(BUDGET.saturating_sub(used), left.remaining, "used {}", used);
+        }
+    }
+}
+
+#[cfg(test)]
+mod config_tests {
+    use crate::policy::Policy;
+    use serde_json::json;
+
+    #[test]
+    fn worker_leases_are_checked_with_field_paths() {
+        let with = |leases| {
+            Policy::from_value(json!({"default_tier": "t", "tiers": {"t": {}},
+                                      "state": {"worker_leases": leases}}))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+        };
+        assert!(with(json!({"enabled": true})).is_ok());
+        for (bad, field) in [
+            (json!({"workers": 0}), "state.worker_leases.workers"),
+            (
+                json!({"max_permille": 501}),
+                "state.worker_leases.max_permille",
+            ),
+            (json!({"ttl": "5ms"}), "state.worker_leases.ttl"),
+            (json!({"wrkers": 2}), "state.worker_leases"),
+        ] {
+            let err = with(bad).unwrap_err();
+            assert!(err.contains(field), "{err}");
+        }
+    }
+}

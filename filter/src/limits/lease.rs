@@ -234,3 +234,81 @@ impl Lease {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limits::reservation::Placement;
+    use crate::policy::units::Rate;
+    use crate::policy::Limit;
+
+    fn held(amount: u64) -> Held {
+        Held {
+            key: "sluice:v1:rec:model/m".into(),
+            rule: "model/m/tokens".into(),
+            placement: Placement::Global,
+            owner: 0,
+            amount,
+            limit: Limit {
+                rate: Rate {
+                    amount: 1_000,
+                    period_ms: 60_000,
+                },
+                burst: 1_000,
+                window: None,
+            },
+            taken_ms: 0,
+        }
+    }
+
+    fn quota() -> Quota {
+        Quota {
+            limit: 1_000,
+            remaining: 500,
+            reset_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_lease_pays_what_it_can_and_the_rest_goes_to_the_shared_bucket() {
+        let mut l = Leases::default();
+        assert!(l.add(held(50), quota(), 1_000, 0).is_none());
+        let (h, q) = l.debit(&held(0).key, "model/m/tokens", 0, 30, 1).unwrap();
+        assert_eq!((h.amount, q.remaining), (30, 470));
+        assert!(l.debit(&h.key, &h.rule, 0, 21, 1).is_none(), "20 left");
+        // Used 10 of 30: 20 back into the lease.
+        assert_eq!(l.settle(&h, 10, false, 2), Settled::Absorbed(0));
+        assert_eq!(l.held_of("model/m/tokens"), 40);
+        // Used 100 of 30: the lease pays 40, 30 go to the shared bucket.
+        assert_eq!(l.settle(&h, 100, false, 3), Settled::Absorbed(30));
+        assert_eq!(l.held_of("model/m/tokens"), 0);
+        // A give-back from an earlier window is owed nothing.
+        assert_eq!(l.settle(&h, 0, true, 4), Settled::Absorbed(0));
+        assert_eq!(l.held_of("model/m/tokens"), 0);
+    }
+
+    #[test]
+    fn a_lease_is_due_at_its_time_and_bounded_in_number() {
+        let mut l = Leases::default();
+        l.add(held(50), quota(), 1_000, 0);
+        assert_eq!(l.next_due(), 1_000);
+        assert!(l.due(999).is_empty());
+        assert!(
+            l.debit(&held(0).key, "model/m/tokens", 0, 1, 1_000)
+                .is_none(),
+            "expired"
+        );
+        let back = l.due(1_000);
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].amount, 50, "its unused balance");
+        assert_eq!(l.settle(&held(1), 0, false, 1_000), Settled::NotHeld);
+        for owner in 0..(MAX_LEASES as u64 + 1) {
+            let h = Held { owner, ..held(1) };
+            let evicted = l.add(h, quota(), 5_000, 0);
+            assert_eq!(evicted.is_some(), owner == MAX_LEASES as u64);
+        }
+        assert_eq!(l.len(), MAX_LEASES);
+        assert_eq!(l.drain().len(), MAX_LEASES);
+        assert!(l.is_empty());
+    }
+}
