@@ -162,3 +162,104 @@ fn a_fleet_with_worker_sub_leases_never_overshoots() {
     assert_eq!(admitted, C);
     assert_eq!(seen(), C, "0 overshoot upstream");
 }
+
+/// Connections each Envoy worker accepted so far.
+fn connections_per_worker(stack: &Stack, workers: u32) -> Vec<u64> {
+    let addr = stack.envoy.addr();
+    let listener = format!("listener.{}_{}", addr.ip(), addr.port());
+    (0..workers)
+        .map(|w| {
+            let stat = format!("{listener}.worker_{w}.downstream_cx_total");
+            stack.envoy.counter_value(&stat).unwrap_or(0)
+        })
+        .collect()
+}
+
+/// One keep-alive connection (a client that keeps it): every request on
+/// it goes to the worker that accepted it.
+struct Connection {
+    client: reqwest::blocking::Client,
+    url: String,
+    worker: usize,
+}
+
+impl Connection {
+    /// Opens a connection with its first request (admitted or not: its
+    /// status) and finds the worker that accepted it.
+    fn open(stack: &Stack, workers: u32) -> (Connection, u16) {
+        let before = connections_per_worker(stack, workers);
+        let client = reqwest::blocking::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(1)
+            .build()
+            .expect("client");
+        let mut c = Connection {
+            client,
+            url: stack.envoy.url("/v1/chat/completions"),
+            worker: usize::MAX,
+        };
+        let status = c.chat();
+        let after = connections_per_worker(stack, workers);
+        c.worker = (0..workers as usize)
+            .find(|&w| after[w] > before[w])
+            .expect("a worker accepted the connection");
+        (c, status)
+    }
+
+    fn chat(&mut self) -> u16 {
+        self.client
+            .post(&self.url)
+            .header("content-type", "application/json")
+            .header(KEY.0, KEY.1)
+            .body(chat_body(MODEL).to_string())
+            .send()
+            .expect("request")
+            .status()
+            .as_u16()
+    }
+}
+
+/// The stranding bound, observed: worker A takes a lease on one
+/// connection; another worker B spends the shared bucket until it is
+/// refused; A still admits what its lease holds (stranded from B's point
+/// of view: at least 1, at most `max_permille × C`), and not a unit more.
+#[test]
+fn a_lease_held_by_one_worker_is_what_another_cannot_have_and_no_more() {
+    const C: usize = 100;
+    const WORKERS: u32 = 4;
+    // 20 % of C at most per lease, held for up to 60 s (longer than the
+    // test: no ttl return in between).
+    let stack = stack(WORKERS, C as u64, 200, "60s");
+    let (mut a, first) = Connection::open(&stack, WORKERS);
+    assert_eq!(first, 200);
+    let mut admitted = 1;
+    // A connection on another worker.
+    let mut b = loop {
+        let (b, status) = Connection::open(&stack, WORKERS);
+        admitted += usize::from(status == 200);
+        if b.worker != a.worker {
+            break b;
+        }
+    };
+    while b.chat() == 200 {
+        admitted += 1;
+        assert!(admitted <= C);
+    }
+    // B is refused: what is left is A's lease.
+    let mut stranded = 0;
+    while a.chat() == 200 {
+        stranded += 1;
+        assert!(admitted + stranded <= C, "over capacity");
+    }
+    println!(
+        "worker {} held {stranded} while worker {} was refused (bound {})",
+        a.worker,
+        b.worker,
+        C / 5
+    );
+    assert!(stranded >= 1, "A's lease served after B was refused");
+    assert!(stranded <= C / 5, "{stranded} over the bound");
+    assert_eq!(admitted + stranded, C, "every unit, once");
+    assert_eq!(b.chat(), 429);
+    assert_eq!(stack.upstream_requests(), C as u64, "0 overshoot");
+}
