@@ -7,7 +7,8 @@ use crate::policy::{de_duration, ConfigError, Policy};
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StateConfig {
-    /// Shared-data slots per per-principal rule: the bound on the key set.
+    /// Shared-data slots (records) per per-caller scope (a tier's per-caller
+    /// limits, all in one record): the bound on the key set.
     #[serde(default = "default_slots")]
     pub principal_slots: u32,
     /// Compare-and-swap attempts on one bucket before the request is refused.
