@@ -287,9 +287,11 @@ pub fn prepare(
             }
         }
     }
+    // A scope's records are listed once per rule in it: created once.
+    let mut seen = std::collections::HashSet::new();
     let mut created = 0;
     for (key, value) in keys {
-        if store.get(&key).is_none() {
+        if seen.insert(key.clone()) && store.get(&key).is_none() {
             store.set(&key, value, 0)?;
             created += 1;
         }
