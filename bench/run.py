@@ -49,6 +49,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "envoy/sluice.yaml"
+# SLUICE_WORKER_LEASES=1: variants (c) and (d) run with `state.worker_leases`
+# on (issue 21); (h)/(i) keep the policy as is (see the variants table).
+WORKER_LEASES = os.environ.get("SLUICE_WORKER_LEASES") == "1"
 # SLUICE_WASM: measure another build of the filter (A/B runs of the hot path).
 WASM = Path(os.environ.get("SLUICE_WASM") or ROOT / "target/wasm32-wasip1/release/sluice_filter.wasm")
 MOCK_LLM = ROOT / "target/release/mock-llm"
@@ -1372,6 +1375,13 @@ def main(argv):
                     floor_wasm()
                 if policy is not None:
                     policy = bench_policy(shipped, policy, args.access_log)
+                if policy is not None and WORKER_LEASES and key in "cd":
+                    # SLUICE_WORKER_LEASES=1: (c)/(d) with state.worker_leases
+                    # on, (h)/(i) as shipped (an A/B of issue 21's lever 2
+                    # with --base-wasm set to the same build).
+                    policy = copy.deepcopy(policy)
+                    policy.setdefault("state", {})["worker_leases"] = {
+                        "enabled": True, "workers": args.envoy_concurrency}
                 wasm = args.base_wasm if key in "hi" else WASM
                 cfg = envoy_config(shipped, mock.port, filters, policy, args.access_log, wasm)
                 server = Envoy(procs, workdir, key, cfg, args.envoy_concurrency)

@@ -160,3 +160,15 @@ impl Shape {
         poller
     }
 }
+
+impl Shape {
+    /// A VM with this shape's policy and worker leases on
+    /// (`state.worker_leases`, issue 21).
+    pub fn load_leased(self, host: &MockHost) -> Poller {
+        let mut policy = self.policy();
+        policy["state"] = json!({"worker_leases": {"enabled": true}});
+        let mut poller = Poller::new();
+        assert!(poller.configure(host, policy.to_string().as_bytes()));
+        poller
+    }
+}

@@ -221,10 +221,11 @@ impl Engine {
                             table,
                             group: table.group_of(&identity.tier, identity.declared),
                         }),
+                        lease: None,
                     }
                 })
                 .collect();
-            match reserver.reserve(&claims, caller(identity), ctx.now_ms, effort) {
+            match self.reserve_leased(reserver, &claims, caller(identity), ctx.now_ms, effort) {
                 Ok(reservation) => {
                     return Ok(Reserved {
                         reservation,
@@ -559,8 +560,13 @@ impl Engine {
         buckets.iter().enumerate().filter_map(move |(n, &i)| {
             let b = &self.buckets[i];
             let amount = need(b)?;
-            let shortfall =
-                reserver.shortfall(&Claim::hard(&b.rule, amount), caller(identity), now_ms)?;
+            let claim = Claim::hard(&b.rule, amount);
+            // What this worker's lease of the bucket covers is not short,
+            // whatever the shared bucket has left.
+            if self.lease_covers(reserver, &claim, identity, now_ms) {
+                return None;
+            }
+            let shortfall = reserver.shortfall(&claim, caller(identity), now_ms)?;
             Some((n, shortfall))
         })
     }

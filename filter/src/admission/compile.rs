@@ -194,6 +194,7 @@ impl Engine {
             route_buckets,
             passthrough,
             penalty,
+            leases: std::sync::Mutex::default(),
         }
     }
 

@@ -83,7 +83,8 @@ impl Engine {
     /// Gives back what a request without a plan (a GET) took.
     pub fn release_held(&self, store: &dyn SharedStore, held: &[Held], now_ms: u64) -> Contention {
         let mut effort = Contention::default();
-        self.reserver(store).release(held, now_ms, &mut effort);
+        let items: Vec<(&Held, u64)> = held.iter().map(|h| (h, 0)).collect();
+        self.settle_leased(&self.reserver(store), &items, now_ms, &mut effort);
         effort
     }
 

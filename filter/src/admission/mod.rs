@@ -43,6 +43,7 @@ pub mod early;
 pub mod for_fleet;
 pub mod health;
 pub mod identity;
+mod leased;
 pub mod passthrough;
 pub mod penalty;
 pub(crate) mod pushback;
@@ -200,6 +201,8 @@ pub struct Engine {
     pricing: HashMap<String, Pricing>,
     /// The penalty box, when the policy has `abuse`.
     pub(crate) penalty: Option<crate::admission::penalty::PenaltyBox>,
+    /// This worker's leases of the shared buckets (`state.worker_leases`).
+    leases: std::sync::Mutex<crate::limits::lease::Leases>,
 }
 
 const CORRECTION_KEY: &str = "sluice:v1:estimate/";

@@ -25,15 +25,16 @@ impl Engine {
         };
         let reserver = self.reserver(store);
         let mut effort = Contention::default();
-        let mut charges_unwritten = 0;
-        for (held, meter) in plan.held.iter().zip(&plan.meters) {
-            if *meter != Meter::Requests {
-                let actual = meter.amount(input, output, plan.pricing);
-                if !reserver.settle(held, actual, now_ms, &mut effort) && actual > held.amount {
-                    charges_unwritten += 1;
-                }
-            }
-        }
+        // One update per record the plan holds (its buckets' settlements
+        // together); a request bucket costs what it reserved.
+        let items: Vec<(&Held, u64)> = plan
+            .held
+            .iter()
+            .zip(&plan.meters)
+            .filter(|(_, meter)| **meter != Meter::Requests)
+            .map(|(held, meter)| (held, meter.amount(input, output, plan.pricing)))
+            .collect();
+        let charges_unwritten = self.settle_leased(&reserver, &items, now_ms, &mut effort);
         if from_usage && input > 0 {
             if let Some(model) = &plan.model {
                 self.learn(store, model, plan.input_raw, input, &mut effort);
@@ -59,8 +60,8 @@ impl Engine {
     /// answered here after all (it lost the half-open probe to another).
     pub fn release(&self, store: &dyn SharedStore, plan: &Plan, now_ms: u64) -> Contention {
         let mut effort = Contention::default();
-        self.reserver(store)
-            .release(&plan.held, now_ms, &mut effort);
+        let items: Vec<(&Held, u64)> = plan.held.iter().map(|h| (h, 0)).collect();
+        self.settle_leased(&self.reserver(store), &items, now_ms, &mut effort);
         effort
     }
 

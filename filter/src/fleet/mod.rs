@@ -60,7 +60,8 @@ use crate::admission::{Engine, Meter, Pricing};
 use crate::host::metrics;
 use crate::host::{Host, LogLevel};
 use crate::limits::bucket::{next_window, Quota};
-use crate::limits::reservation::{Held, Rule, Scope};
+use crate::limits::lease::{self, Leases};
+use crate::limits::reservation::{Held, LeaseAsk, Placement, Rule, Scope};
 use crate::limits::slots::{self, Seen, Table};
 use crate::policy::fleet::{FleetConfig, Unavailable, MIN_SECRET};
 use crate::policy::keys::hex;
@@ -417,6 +418,11 @@ pub struct Fleet {
     secret: std::cell::RefCell<Secret>,
     /// Take ids: this VM's prefix (set at load) and a counter.
     take_ids: std::cell::Cell<(u64, u64)>,
+    /// `state.worker_leases`: this worker's sub-leases of the Envoy's fleet
+    /// leases (`crate::limits::lease`, one level down), and how they are
+    /// sized and how long they are held.
+    sub: std::cell::RefCell<Leases>,
+    sub_ask: Option<(LeaseAsk, u64)>,
 }
 
 /// The fleet secret; never printed.
@@ -511,6 +517,8 @@ impl Fleet {
             fingerprint: fingerprint(engine),
             secret: Default::default(),
             take_ids: Default::default(),
+            sub: Default::default(),
+            sub_ask: engine.worker_lease(),
         })
     }
 
@@ -583,6 +591,7 @@ impl Fleet {
     ) -> Gate {
         let mut done = Vec::new();
         let mut short = Vec::new();
+        self.return_sub_leases(engine, host, now);
         let mut cas = Cas::new(host, engine.tries().take());
         for (h, &meter) in held.iter().zip(meters) {
             let Some(rule) = self.rules.get(&h.rule) else {
@@ -594,7 +603,25 @@ impl Fleet {
             let owner = Self::owner(rule, identity);
             let window_end = window_end(&rule.rule.limit, now);
             let amount = h.amount;
-            let (slot, debited, have) = Self::debit(&mut cas, rule, owner, window_end, amount, now);
+            // This worker's sub-lease first: no host call.
+            let sub = self.sub.borrow_mut().debit_by(&h.rule, owner, amount, now);
+            if let Some(sub) = sub {
+                done.push(Claimed {
+                    rule: h.rule.clone(),
+                    owner,
+                    amount,
+                    window_end,
+                    meter,
+                    via: Via::Lease(sub.key),
+                });
+                continue;
+            }
+            let ask = self.sub_ask.filter(|_| !rule.soft).map(|(ask, _)| ask);
+            let (slot, debited, have, extra) =
+                Self::debit(&mut cas, rule, owner, window_end, amount, ask, now);
+            if let (Some(key), Some((extra, lease_expires))) = (&slot, extra) {
+                self.keep_sub_lease(engine, host, key, rule, owner, extra, lease_expires, now);
+            }
             if debited {
                 done.push(Claimed {
                     rule: h.rule.clone(),
@@ -652,26 +679,35 @@ impl Fleet {
     /// every probed slot is another caller's), whether the lease covered
     /// all of it, and what it took when it covered only part (Redis is
     /// then asked for the rest).
+    ///
+    /// With `ask` (worker leases on) a lease that covers the request by far
+    /// gives this worker a sub-lease on top: the units and when the
+    /// Envoy's lease expires.
+    #[allow(clippy::type_complexity)]
     fn debit(
         cas: &mut Cas,
         rule: &FleetRule,
         owner: u64,
         window_end: u64,
         amount: u64,
+        ask: Option<LeaseAsk>,
         now: u64,
-    ) -> (Option<String>, bool, u64) {
+    ) -> (Option<String>, bool, u64, Option<(u64, u64)>) {
         let mut debited = false;
         let mut have = 0u64;
+        let mut sub = None;
         let table = lease_table(&rule.rule.id, rule.slots);
         let slot = slots::claim(table.probe(owner), |key| {
             // One read and, when it is ours and live, one write: the
             // same cost as a local bucket.
             let mut seen = 0;
             let mut part = 0;
+            let mut extra = (0u64, 0u64);
             let written = cas.update(key, |bytes| {
                 let mut l = Lease::decode(bytes.unwrap_or_default());
                 seen = l.owner;
                 part = 0;
+                extra = (0, 0);
                 if !l.live(owner, window_end, now) || l.balance <= 0 {
                     return None;
                 }
@@ -681,12 +717,19 @@ impl Fleet {
                 l.balance -= debit;
                 l.last_ms = now;
                 part = debit as u64;
+                // A sub-lease for this worker, from what is left after it.
+                if let (Some(ask), true) = (ask, part == amount) {
+                    let units = ask.extra(l.balance.max(0) as u64, &rule.rule.limit);
+                    l.balance -= units as i64;
+                    extra = (units, l.expires_ms);
+                }
                 Some(l.encode())
             });
             if seen == owner {
                 if written == Updated::Written {
                     debited = part == amount;
                     have = if debited { 0 } else { part };
+                    sub = (extra.0 > 0).then_some(extra);
                 }
                 Seen::Mine
             } else if seen == 0 {
@@ -696,7 +739,79 @@ impl Fleet {
             }
         })
         .slot();
-        (slot, debited, have)
+        (slot, debited, have, sub)
+    }
+
+    /// Keeps a sub-lease just debited from the Envoy's lease at `key`: until
+    /// the worker's ttl, never past the Envoy's lease (nor its window).
+    #[allow(clippy::too_many_arguments)]
+    fn keep_sub_lease(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        key: &str,
+        rule: &FleetRule,
+        owner: u64,
+        units: u64,
+        lease_expires: u64,
+        now: u64,
+    ) {
+        let Some((_, ttl)) = self.sub_ask else {
+            return;
+        };
+        let held = Held {
+            key: key.to_string(),
+            rule: rule.rule.id.clone(),
+            placement: Placement::Global,
+            owner,
+            amount: units,
+            limit: rule.rule.limit,
+            taken_ms: now,
+        };
+        let quota = Quota {
+            limit: rule.rule.limit.capacity(),
+            remaining: units,
+            reset_ms: 0,
+        };
+        let expires = now.saturating_add(ttl).min(lease_expires);
+        let evicted = self.sub.borrow_mut().add(held, quota, expires, now);
+        if let Some(l) = evicted {
+            self.give_sub_leases(engine, host, vec![lease::Lease::returned(&l)], now);
+        }
+    }
+
+    /// Gives this worker's sub-leases that are due back to the Envoy's
+    /// lease they came from (or, when that lease is gone, to Redis through
+    /// the outbox). Runs on the worker's requests and ticks.
+    pub fn return_sub_leases(&self, engine: &Engine, host: &dyn Host, now: u64) {
+        let due = {
+            let mut sub = self.sub.borrow_mut();
+            if sub.next_due() > now {
+                return;
+            }
+            sub.due(now)
+        };
+        self.give_sub_leases(engine, host, due, now);
+    }
+
+    fn give_sub_leases(&self, engine: &Engine, host: &dyn Host, due: Vec<Held>, now: u64) {
+        let mut items = Vec::new();
+        let mut cas = Cas::new(host, engine.tries().settle());
+        for h in due.into_iter().filter(|h| h.amount > 0) {
+            let window_end = window_end(&h.limit, h.taken_ms);
+            let written = cas.update(&h.key, |bytes| {
+                let mut l = Lease::decode(bytes.unwrap_or_default());
+                if !l.live(h.owner, window_end, now) {
+                    return None;
+                }
+                l.balance = l.balance.saturating_add(h.amount as i64);
+                Some(l.encode())
+            });
+            if written != Updated::Written {
+                items.push(give_item(&h.rule, h.owner, window_end, h.amount as i64));
+            }
+        }
+        self.outbox(host, engine, items);
     }
 
     /// What to ask Redis for each claim the leases fell short of: the need,
@@ -1065,8 +1180,26 @@ impl Fleet {
                 continue;
             }
             let used = actual(c.meter);
-            let delta = c.amount as i64 - used as i64;
+            let mut delta = c.amount as i64 - used as i64;
             let item = |delta| give_item(&c.rule, c.owner, c.window_end, delta);
+            // Into this worker's sub-lease while it holds one.
+            if let (Via::Lease(key), true) = (&c.via, delta != 0) {
+                if let Some(limit) = self.rules.get(&c.rule).map(|r| r.rule.limit) {
+                    let h = Held {
+                        key: key.clone(),
+                        rule: c.rule.clone(),
+                        placement: Placement::Global,
+                        owner: c.owner,
+                        amount: c.amount,
+                        limit,
+                        taken_ms: now,
+                    };
+                    match self.sub.borrow_mut().settle(&h, used, false, now) {
+                        lease::Settled::NotHeld => {}
+                        lease::Settled::Absorbed(rest) => delta = -(rest as i64),
+                    }
+                }
+            }
             match &c.via {
                 Via::Lease(key) if delta != 0 => {
                     let written = cas.update(key, |bytes| {

@@ -865,3 +865,49 @@ fn a_client_gone_while_waiting_for_the_fleet_leaves_nothing_held() {
         Some(0)
     );
 }
+
+/// `state.worker_leases` one level down the fleet: a worker debits a
+/// sub-lease from the Envoy's fleet lease once, admits the next requests
+/// from it with no call for the fleet lease, and gives back what it did
+/// not use.
+#[test]
+fn a_worker_sub_leases_the_fleet_lease_and_gives_back_what_it_did_not_use() {
+    let host = MockHost::new(T0);
+    let mut p = policy(
+        json!({"requests": "1000/day"}),
+        json!({"expected_replicas": 1}),
+    );
+    p["state"] = json!({"worker_leases": {"enabled": true, "workers": 1,
+                                          "max_permille": 500, "ttl": "1s"}});
+    let mut poller = load(&host, p);
+    let (mut req, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Pause);
+    let (token, _) = last_post(&host);
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": true, "grants": [101], "left": [899]}),
+    );
+    assert_eq!(lease_of_requests(&host).balance, 100);
+    // The next request takes 1 and a sub-lease of half of what is left
+    // (1 worker: left ÷ 2).
+    let (_, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(lease_of_requests(&host).balance, 50);
+    // Ten more from the sub-lease: the Envoy's lease is not touched.
+    host.take_calls();
+    for _ in 0..10 {
+        let (_, action) = post(&poller, &host, "10.0.0.1:1", 4);
+        assert_eq!(action, Action::Continue);
+    }
+    let calls = host.take_calls();
+    println!("fleet path, sub-leased, 10 requests: {calls:?}");
+    assert_eq!(lease_of_requests(&host).balance, 50);
+    assert_eq!(host.posted.borrow().len(), 1, "no call to the sidecar");
+    // At its ttl the worker's tick gives back the 39 it did not use.
+    host.advance(1_000);
+    poller.tick(&host);
+    assert_eq!(lease_of_requests(&host).balance, 89);
+}

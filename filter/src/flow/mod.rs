@@ -337,7 +337,8 @@ impl Poller {
             host.log(LogLevel::Error, &err);
             return false;
         }
-        if engine.policy.sidecar.is_some() || !filter.gates.is_empty() {
+        let leases = engine.policy.state.worker_leases.enabled;
+        if engine.policy.sidecar.is_some() || !filter.gates.is_empty() || leases {
             // Distinct per VM: VMs start at different nanoseconds.
             let ns = host.now_ns();
             let (subsec, ms) = (ns % 1_000_000_000, ns / 1_000_000);
@@ -357,6 +358,11 @@ impl Poller {
         let filter = Rc::new(filter);
         self.vm.loaded(&filter);
         waiting::after_configure(&filter, host);
+        // The policy replaced gives back this worker's leases (else they
+        // would count as used until they drain).
+        if let Some(old) = &self.filter {
+            count_contention(host, old.engine.return_leases(host, host.now_ms()));
+        }
         self.filter = Some(filter);
         true
     }
@@ -383,6 +389,16 @@ impl Poller {
 
     pub fn tick(&mut self, host: &dyn Host) {
         let now = host.now_ms();
+        // This worker's leases due back (`state.worker_leases`).
+        if let Some(filter) = self.filter.clone() {
+            count_contention(host, filter.engine.leases_tick(host, now));
+            if let Some(fleet) = &filter.fleet {
+                fleet.return_sub_leases(&filter.engine, host, now);
+            }
+            if filter.engine.policy.sidecar.is_none() && filter.gates.is_empty() {
+                return;
+            }
+        }
         if let Some(filter) = self
             .filter
             .clone()

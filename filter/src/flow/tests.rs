@@ -929,8 +929,8 @@ fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_
                "state": {"cas_max_retries": 2}}),
     );
     let used = || {
-        let (bytes, _) = host.get("sluice:v1:model/m/tokens").unwrap();
-        crate::limits::bucket::BucketState::decode(&bytes).used / crate::policy::units::SCALE
+        crate::limits::reservation::shared_used(&host, "model/m/tokens")
+            / crate::policy::units::SCALE
     };
     let usage = |completion: u64| {
         format!(

@@ -2,6 +2,8 @@
 //! nothing, and the fair shares of common buckets.
 
 pub mod bucket;
+pub mod lease;
+pub mod record;
 pub mod reservation;
 pub mod shares;
 pub mod slots;

@@ -13,7 +13,8 @@
 //! | record | bytes | fields |
 //! |---|---|---|
 //! | [`BucketState`](crate::limits::bucket::BucketState) | 24 | owner, used, updated_ms |
-//! | [`Slot`](crate::limits::reservation) | 32 | bucket state, touched_ms (a 24-byte prepared key reads as untouched since `updated_ms`) |
+//! | [`Bundle`](crate::limits::record::Bundle) (the buckets of one scope; no `Record`: variable) | 19 + Σ (10 + entry) | version 1 (u8), owner, touched_ms, u16 count × (rule hash, u16 length, entry); any other version reads as empty |
+//! | [`Kept`](crate::limits::record::Kept) (a per-caller entry of a `Bundle`) | 25 | used, updated_ms, idle_at_ms, budget (u8) |
 //! | [`SketchCell`](crate::limits::reservation) | 16 | window, used (by prefix) |
 //! | [`Pool`](crate::limits::shares::Pool) (a shared bucket with fair shares; coded in `shares`) | 24 + 32 × groups | bucket state, then per group: id, used, seen_ms, lent (by prefix; no groups: a plain `BucketState`) |
 //! | [`Upstream`](crate::admission::health::Upstream) | 96 | 7 × u64 times, failures, barred, 8 × caller |
@@ -162,7 +163,8 @@ mod tests {
     use crate::fleet::{Lease, Status};
     use crate::flow::PollLease;
     use crate::limits::bucket::BucketState;
-    use crate::limits::reservation::{SketchCell, Slot};
+    use crate::limits::record::{Bundle, Kept};
+    use crate::limits::reservation::SketchCell;
     use crate::usage::anomaly::{UsageRing, MINUTES};
     use crate::usage::estimate::Correction;
     use proptest::prelude::*;
@@ -215,7 +217,7 @@ mod tests {
             correction in Correction::MIN..=Correction::MAX,
         ) {
             round_trips(bucket);
-            round_trips(Slot { state: bucket, touched_ms: touched });
+            round_trips(Kept { used: bucket.used, updated_ms: bucket.updated_ms, idle_at_ms: touched, budget: touched % 2 == 0 });
             round_trips(SketchCell { window: words.0, used: words.1 });
             round_trips(upstream);
             round_trips(CredentialPause { fingerprint: words.0, until_ms: words.1 });
@@ -244,7 +246,8 @@ mod tests {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..1100)) {
             let _ = BucketState::decode(&bytes);
-            let _ = Slot::decode(&bytes);
+            let _ = Kept::decode(&bytes);
+            let _ = Bundle::decode(&bytes);
             let _ = SketchCell::decode(&bytes);
             let _ = Upstream::decode(&bytes);
             let _ = CredentialPause::decode(&bytes);
@@ -287,9 +290,11 @@ mod tests {
         };
         vec![
             both(bucket),
-            both(Slot {
-                state: bucket,
-                touched_ms: 4,
+            both(Kept {
+                used: 2,
+                updated_ms: 3,
+                idle_at_ms: 4,
+                budget: true,
             }),
             both(SketchCell { window: 1, used: 2 }),
             both(Upstream {
@@ -429,14 +434,15 @@ mod tests {
         assert_eq!(UsageRing::decode(b"junk"), UsageRing::default());
         assert_eq!(Correction::decode(&[1, 2, 3]), Correction::default());
         assert_eq!(Correction::decode(&0u32.to_le_bytes()).0, Correction::MIN);
-        // A prepared slot key (an empty bucket state) is an untouched slot.
-        let prepared = BucketState {
+        // A value an older layout wrote (a bare bucket state) reads as an
+        // empty record.
+        let older = BucketState {
             owner: 3,
             used: 4,
             updated_ms: 5,
         }
         .encode();
-        assert_eq!(Slot::decode(&prepared).touched_ms, 5);
+        assert_eq!(Bundle::decode(&older), Bundle::default());
         assert_eq!(SketchCell::decode(&[0; 24]), SketchCell::default());
         assert_eq!(
             PollLease::decode(&9u64.to_le_bytes()),
