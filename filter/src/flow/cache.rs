@@ -417,8 +417,8 @@ impl Stream {
         }
         self.phase = super::Phase::Answered;
         self.record(host, &verdict);
-        self.audit_decision(host, &verdict);
-        self.audit(host, "sluice_cache", kind);
+        self.audit_decision(&verdict);
+        self.audit.code(super::audit::Field::Cache, kind);
         metrics::CACHE.add_at(host, &["hit", kind, &hit.label], 1);
         let saved = hit.prompt_tokens.saturating_add(hit.completion_tokens);
         metrics::CACHE_SAVED_TOKENS.add_at(

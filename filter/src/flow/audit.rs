@@ -1,0 +1,262 @@
+//! The audit record: every field sluice adds to a request's access-log
+//! line, kept in the stream as the request goes and handed to Envoy once,
+//! at the end of the stream (`on_log`, which Envoy runs before its access
+//! loggers), as one filter-state value: `wasm.sluice_audit`.
+//!
+//! The value is a JSON fragment — `,"request_id":"…","principal":"…",…` —
+//! that the shipped access log's `text_format_source` splices after
+//! Envoy's own fields (`time`, `status`, `latency_ms`, `upstream_cluster`):
+//! one host call per request instead of one `set_property` per field (up to
+//! 20). Every sluice field is in every fragment (`null` when it does not
+//! apply), counts are JSON numbers, and every string is escaped here
+//! (quotes, backslashes, control characters; values are already UTF-8,
+//! header bytes above 0x7F having been replaced as they were read), so a
+//! hostile model name or header cannot end the line, add a field or break
+//! the JSON. A line Envoy writes without sluice having seen the request
+//! (a codec error) has Envoy's fields only.
+
+use std::cell::RefCell;
+
+use crate::admission::answer::truncate;
+
+use super::MAX_AUDIT_BYTES;
+
+/// The filter-state name the access log reads
+/// (`%FILTER_STATE(wasm.sluice_audit:PLAIN)%`).
+pub const PROPERTY: &str = "sluice_audit";
+
+/// One field of the record; its position is its place in the line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    RequestId,
+    Method,
+    Route,
+    Principal,
+    Tier,
+    Team,
+    Org,
+    Decision,
+    Reason,
+    Bucket,
+    Degraded,
+    ModelRequested,
+    ModelServed,
+    TokensEstimated,
+    TokensInput,
+    TokensOutput,
+    UsageSource,
+    CostMicros,
+    TtftMs,
+    RequestSha256,
+    ResponseSha256,
+    Cache,
+}
+
+/// Every field's name in the access log, in [`Field`] order.
+pub const NAMES: [&str; 22] = [
+    "request_id",
+    "method",
+    "route",
+    "principal",
+    "tier",
+    "team",
+    "org",
+    "decision",
+    "reason",
+    "bucket",
+    "degraded",
+    "model_requested",
+    "model_served",
+    "tokens_estimated",
+    "tokens_input",
+    "tokens_output",
+    "usage_source",
+    "cost_micros",
+    "ttft_ms",
+    "request_sha256",
+    "response_sha256",
+    "cache",
+];
+
+#[derive(Debug, Clone, Default)]
+enum Value {
+    #[default]
+    Null,
+    Code(&'static str),
+    Text(String),
+    Number(u64),
+}
+
+/// The fields one request has so far; a field written again is replaced.
+#[derive(Debug, Clone, Default)]
+pub struct Record {
+    values: [Value; NAMES.len()],
+}
+
+impl Record {
+    /// A text field, cut to [`MAX_AUDIT_BYTES`] in whole characters.
+    pub fn text(&mut self, field: Field, value: &str) {
+        let value = truncate(value, MAX_AUDIT_BYTES);
+        match &mut self.values[field as usize] {
+            Value::Text(held) => {
+                held.clear();
+                held.push_str(value);
+            }
+            slot => *slot = Value::Text(value.to_string()),
+        }
+    }
+
+    /// A fixed text (a decision's code): nothing copied.
+    pub fn code(&mut self, field: Field, value: &'static str) {
+        self.values[field as usize] = Value::Code(truncate(value, MAX_AUDIT_BYTES));
+    }
+
+    pub fn number(&mut self, field: Field, value: u64) {
+        self.values[field as usize] = Value::Number(value);
+    }
+
+    /// The fragment the access log splices: `,"name":value` per field.
+    pub fn render(&self, out: &mut String) {
+        out.clear();
+        for (name, value) in NAMES.iter().zip(&self.values) {
+            out.push_str(",\"");
+            out.push_str(name);
+            out.push_str("\":");
+            match value {
+                Value::Null => out.push_str("null"),
+                Value::Code(text) => quoted(out, text),
+                Value::Text(text) => quoted(out, text),
+                Value::Number(n) => push_u64(out, *n),
+            }
+        }
+    }
+}
+
+/// A VM's render buffer, reused by every stream (kept at its high mark).
+#[derive(Debug, Default)]
+pub struct Buffer(RefCell<String>);
+
+impl Buffer {
+    pub fn with(&self, use_it: impl FnOnce(&mut String)) {
+        match self.0.try_borrow_mut() {
+            Ok(mut line) => use_it(&mut line),
+            Err(_) => use_it(&mut String::new()),
+        }
+    }
+}
+
+/// `text` as a JSON string: `"`, `\` and control characters escaped
+/// (DEL and the line separators U+2028/U+2029 too, for log tools that
+/// split on them).
+fn quoted(out: &mut String, text: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push('"');
+    let mut plain = 0;
+    for (i, c) in text.char_indices() {
+        let escape = match c {
+            '"' => Some("\\\""),
+            '\\' => Some("\\\\"),
+            '\n' => Some("\\n"),
+            '\r' => Some("\\r"),
+            '\t' => Some("\\t"),
+            '\u{0}'..='\u{1f}' | '\u{7f}' | '\u{2028}' | '\u{2029}' => None,
+            _ => continue,
+        };
+        out.push_str(&text[plain..i]);
+        plain = i + c.len_utf8();
+        match escape {
+            Some(e) => out.push_str(e),
+            None => {
+                let code = c as u32;
+                out.push_str("\\u");
+                for shift in [12, 8, 4, 0] {
+                    out.push(char::from(HEX[((code >> shift) & 0xf) as usize]));
+                }
+            }
+        }
+    }
+    out.push_str(&text[plain..]);
+    out.push('"');
+}
+
+/// A number in decimal, without a formatter.
+fn push_u64(out: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for d in &digits[at..] {
+        out.push(char::from(*d));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(record: &Record) -> serde_json::Value {
+        let mut fragment = String::new();
+        record.render(&mut fragment);
+        let text = format!("{{\"status\":200{fragment}}}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+    }
+
+    #[test]
+    fn every_field_is_in_every_fragment_null_when_unset() {
+        let v = line(&Record::default());
+        for name in NAMES {
+            assert!(v[name].is_null(), "{name}: {v}");
+        }
+        assert_eq!(v.as_object().unwrap().len(), NAMES.len() + 1);
+    }
+
+    #[test]
+    fn counts_are_numbers_and_texts_strings() {
+        let mut r = Record::default();
+        r.number(Field::TokensInput, 0);
+        r.number(Field::CostMicros, u64::MAX);
+        r.code(Field::Decision, "admit");
+        r.text(Field::Tier, "free");
+        r.text(Field::Tier, "pro");
+        let v = line(&r);
+        assert_eq!(v["tokens_input"], 0);
+        assert_eq!(v["cost_micros"], u64::MAX);
+        assert_eq!(v["decision"], "admit");
+        assert_eq!(v["tier"], "pro");
+    }
+
+    #[test]
+    fn hostile_texts_stay_one_field_of_one_line() {
+        let hostile = "a\"b\\c\n\r\t\u{0}\u{1b}\u{7f}\u{2028}é\u{fffd}\",\"decision\":\"x";
+        let mut r = Record::default();
+        r.text(Field::ModelRequested, hostile);
+        let mut fragment = String::new();
+        r.render(&mut fragment);
+        assert!(!fragment.contains('\n') && !fragment.contains('\u{2028}'));
+        let v = line(&r);
+        assert_eq!(v["model_requested"], hostile);
+        assert!(v["decision"].is_null());
+    }
+
+    #[test]
+    fn a_text_is_cut_to_the_bound_in_whole_characters() {
+        let mut r = Record::default();
+        r.text(Field::Route, &"é".repeat(1_000));
+        let v = line(&r);
+        let route = v["route"].as_str().unwrap();
+        assert!(route.len() <= MAX_AUDIT_BYTES && route.len() >= MAX_AUDIT_BYTES - 4);
+    }
+
+    #[test]
+    fn names_follow_the_fields() {
+        assert_eq!(NAMES[Field::Cache as usize], "cache");
+        assert_eq!(NAMES[Field::RequestId as usize], "request_id");
+        assert_eq!(NAMES[Field::TtftMs as usize], "ttft_ms");
+    }
+}
