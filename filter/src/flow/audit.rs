@@ -115,13 +115,23 @@ impl Record {
         self.values[field as usize] = Value::Number(value);
     }
 
-    /// The fragment the access log splices: `,"name":value` per field.
-    pub fn render(&self, out: &mut String) {
+    /// The fragment the access log splices: `,"name":value` per field;
+    /// a field in `lent` takes that text instead of the record's (the
+    /// request's own headers, borrowed rather than copied in; `None`:
+    /// null), cut to the bound like any other.
+    pub fn render(&self, out: &mut String, lent: &[(Field, Option<&str>)]) {
         out.clear();
-        for (name, value) in NAMES.iter().zip(&self.values) {
+        for (i, (name, value)) in NAMES.iter().zip(&self.values).enumerate() {
             out.push_str(",\"");
             out.push_str(name);
             out.push_str("\":");
+            if let Some((_, text)) = lent.iter().find(|(f, _)| *f as usize == i) {
+                match text {
+                    Some(text) => quoted(out, truncate(text, MAX_AUDIT_BYTES)),
+                    None => out.push_str("null"),
+                }
+                continue;
+            }
             match value {
                 Value::Null => out.push_str("null"),
                 Value::Code(text) => quoted(out, text),
@@ -202,7 +212,10 @@ mod tests {
 
     fn line(record: &Record) -> serde_json::Value {
         let mut fragment = String::new();
-        record.render(&mut fragment);
+        record.render(
+            &mut fragment,
+            &[(Field::Method, Some("GET")), (Field::Route, None)],
+        );
         let text = format!("{{\"status\":200{fragment}}}");
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
     }
@@ -210,9 +223,10 @@ mod tests {
     #[test]
     fn every_field_is_in_every_fragment_null_when_unset() {
         let v = line(&Record::default());
-        for name in NAMES {
+        for name in NAMES.iter().filter(|n| **n != "method") {
             assert!(v[name].is_null(), "{name}: {v}");
         }
+        assert_eq!(v["method"], "GET");
         assert_eq!(v.as_object().unwrap().len(), NAMES.len() + 1);
     }
 
@@ -237,7 +251,7 @@ mod tests {
         let mut r = Record::default();
         r.text(Field::ModelRequested, hostile);
         let mut fragment = String::new();
-        r.render(&mut fragment);
+        r.render(&mut fragment, &[]);
         assert!(!fragment.contains('\n') && !fragment.contains('\u{2028}'));
         let v = line(&r);
         assert_eq!(v["model_requested"], hostile);
@@ -247,10 +261,16 @@ mod tests {
     #[test]
     fn a_text_is_cut_to_the_bound_in_whole_characters() {
         let mut r = Record::default();
-        r.text(Field::Route, &"é".repeat(1_000));
-        let v = line(&r);
-        let route = v["route"].as_str().unwrap();
-        assert!(route.len() <= MAX_AUDIT_BYTES && route.len() >= MAX_AUDIT_BYTES - 4);
+        r.text(Field::Tier, &"é".repeat(1_000));
+        let long = "é".repeat(1_000);
+        let mut fragment = String::new();
+        r.render(&mut fragment, &[(Field::Route, Some(&long))]);
+        let v: serde_json::Value =
+            serde_json::from_str(&format!("{{{}}}", &fragment[1..])).unwrap();
+        for field in ["tier", "route"] {
+            let text = v[field].as_str().unwrap();
+            assert!(text.len() <= MAX_AUDIT_BYTES && text.len() >= MAX_AUDIT_BYTES - 4);
+        }
     }
 
     #[test]

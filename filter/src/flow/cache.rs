@@ -490,9 +490,10 @@ impl Stream {
             }
             return;
         }
-        let content_type = host.response_header("content-type").unwrap_or_default();
-        let cc = host.response_header("cache-control");
+        // Read only for an answer to store (no host call otherwise).
         if let Some(s) = self.cache_store.as_mut() {
+            let content_type = host.response_header("content-type").unwrap_or_default();
+            let cc = host.response_header("cache-control");
             s.framing = if content_type.contains("event-stream") {
                 Framing::Sse
             } else if content_type.contains("ndjson") {

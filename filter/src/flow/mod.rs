@@ -631,7 +631,7 @@ impl Request {
     fn audit_line(&self) -> serde_json::Value {
         let mut fragment = String::new();
         if let Ok(s) = self.stream.try_borrow() {
-            s.audit.render(&mut fragment);
+            s.audit.render(&mut fragment, &[]);
         }
         let text = format!("{{\"status\":0{fragment}}}");
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
@@ -682,6 +682,11 @@ pub struct Stream {
     cache_hit: Option<cache::HeldHit>,
     /// The audit fields so far, written once at the end (`audit`).
     audit: audit::Record,
+    /// The clock of the response callback running now (one read per
+    /// event: its first byte, its settlement), and when the response
+    /// ended (the log's end-to-end latency reads it, not the clock again).
+    event_ms: Option<u64>,
+    ended_ms: Option<u64>,
 }
 
 /// A stream's phase, each holding what exists in it. `Undecided` →
@@ -744,7 +749,14 @@ impl Stream {
             cache_store: None,
             cache_hit: None,
             audit: audit::Record::default(),
+            event_ms: None,
+            ended_ms: None,
         }
+    }
+
+    /// The clock of this event: read once, whatever asks for it.
+    fn event_now(&mut self, host: &dyn Host) -> u64 {
+        *self.event_ms.get_or_insert_with(|| host.now_ms())
     }
 
     fn engine(&self) -> &Engine {
@@ -991,13 +1003,19 @@ impl Stream {
             }
             _ => None,
         };
+        self.event_ms = None;
         if let Some(model) = first {
-            let ttft = host.now_ms().saturating_sub(self.started_ms);
+            let ttft = self.event_now(host).saturating_sub(self.started_ms);
             metrics::TTFT_MS.record_at(host, &[&model], ttft);
             self.audit.number(audit::Field::TtftMs, ttft);
         }
+        if end && self.api.reads_body() {
+            // The log's end-to-end latency ends here (no second clock read).
+            self.ended_ms = Some(self.event_now(host));
+        }
         let metered = matches!(&self.phase, Phase::Upstream(up) if up.meter.is_some());
         if !metered && self.response_hash.is_none() && self.cache_store.is_none() {
+            self.event_ms = None;
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
@@ -1026,6 +1044,7 @@ impl Stream {
             self.settle(host);
             self.release_slot(host);
         }
+        self.event_ms = None;
         Action::Continue
     }
 
@@ -1054,9 +1073,11 @@ impl Stream {
         }
         let answered = self.status != 0 && self.api.reads_body();
         let started_ms = self.started_ms;
+        let ended_ms = self.ended_ms;
         if let Some(up) = self.upstream().filter(|_| answered) {
             let model = &up.labels.1;
-            let elapsed = host.now_ms().saturating_sub(started_ms);
+            let ended = ended_ms.unwrap_or_else(|| host.now_ms());
+            let elapsed = ended.saturating_sub(started_ms);
             metrics::E2E_MS.record_at(host, &[model], elapsed);
         }
         self.write_audit(host);
@@ -1071,17 +1092,28 @@ impl Stream {
         if self.engine().policy.audit.is_none() {
             return;
         }
-        for (field, name) in [
-            (audit::Field::RequestId, "x-request-id"),
-            (audit::Field::Method, ":method"),
-            (audit::Field::Route, ":path"),
-        ] {
-            if let Some(value) = self.header(host, name) {
-                self.audit.text(field, &value);
+        let read;
+        let request = match self.request_headers.as_deref() {
+            Some(headers) => headers,
+            // Never read (a stream Envoy ended before its headers): ask.
+            None => {
+                read = host.request_headers().unwrap_or_default();
+                &read[..]
             }
-        }
+        };
+        let find = |name: &str| {
+            request
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        let own = [
+            (audit::Field::RequestId, find("x-request-id")),
+            (audit::Field::Method, find(":method")),
+            (audit::Field::Route, find(":path")),
+        ];
         self.filter.audit_line.with(|line| {
-            self.audit.render(line);
+            self.audit.render(line, &own);
             host.set_property(audit::PROPERTY, line.as_bytes());
         });
     }
@@ -1585,7 +1617,7 @@ impl Stream {
         };
         let (tier, model) = up.labels.clone();
         let upstream_ok = self.status == 0 || self.status < 400;
-        let now = host.now_ms();
+        let now = self.event_ms.unwrap_or_else(|| host.now_ms());
         let (settled, effort) =
             self.filter
                 .engine
