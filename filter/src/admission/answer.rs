@@ -634,7 +634,8 @@ fn decimal(mut n: u64) -> String {
             break;
         }
     }
-    digits[at..].iter().map(|d| char::from(*d)).collect()
+    // ASCII digits only: always UTF-8.
+    String::from(std::str::from_utf8(&digits[at..]).unwrap_or("0"))
 }
 
 /// What the IETF `RateLimit-Policy` item of a bucket says beyond its

@@ -78,6 +78,33 @@ pub const NAMES: [&str; 22] = [
     "cache",
 ];
 
+/// `,"<name>":` of every field, in [`Field`] order (built at compile
+/// time; a test checks them against [`NAMES`]).
+const PREFIXES: [&str; 22] = [
+    ",\"request_id\":",
+    ",\"method\":",
+    ",\"route\":",
+    ",\"principal\":",
+    ",\"tier\":",
+    ",\"team\":",
+    ",\"org\":",
+    ",\"decision\":",
+    ",\"reason\":",
+    ",\"bucket\":",
+    ",\"degraded\":",
+    ",\"model_requested\":",
+    ",\"model_served\":",
+    ",\"tokens_estimated\":",
+    ",\"tokens_input\":",
+    ",\"tokens_output\":",
+    ",\"usage_source\":",
+    ",\"cost_micros\":",
+    ",\"ttft_ms\":",
+    ",\"request_sha256\":",
+    ",\"response_sha256\":",
+    ",\"cache\":",
+];
+
 #[derive(Debug, Clone, Default)]
 enum Value {
     #[default]
@@ -121,10 +148,8 @@ impl Record {
     /// null), cut to the bound like any other.
     pub fn render(&self, out: &mut String, lent: &[(Field, Option<&str>)]) {
         out.clear();
-        for (i, (name, value)) in NAMES.iter().zip(&self.values).enumerate() {
-            out.push_str(",\"");
-            out.push_str(name);
-            out.push_str("\":");
+        for (i, (prefix, value)) in PREFIXES.iter().zip(&self.values).enumerate() {
+            out.push_str(prefix);
             if let Some((_, text)) = lent.iter().find(|(f, _)| *f as usize == i) {
                 match text {
                     Some(text) => quoted(out, truncate(text, MAX_AUDIT_BYTES)),
@@ -157,33 +182,46 @@ impl Buffer {
 
 /// `text` as a JSON string: `"`, `\` and control characters escaped
 /// (DEL and the line separators U+2028/U+2029 too, for log tools that
-/// split on them).
+/// split on them). Scanned byte by byte: every byte to escape is ASCII
+/// but the separators' (`E2 80 A8`/`A9`), so the plain runs between them
+/// are copied whole.
 fn quoted(out: &mut String, text: &str) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     out.push('"');
+    let bytes = text.as_bytes();
     let mut plain = 0;
-    for (i, c) in text.char_indices() {
-        let escape = match c {
-            '"' => Some("\\\""),
-            '\\' => Some("\\\\"),
-            '\n' => Some("\\n"),
-            '\r' => Some("\\r"),
-            '\t' => Some("\\t"),
-            '\u{0}'..='\u{1f}' | '\u{7f}' | '\u{2028}' | '\u{2029}' => None,
-            _ => continue,
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        let (escape, len): (Option<&str>, usize) = match b {
+            b'"' => (Some("\\\""), 1),
+            b'\\' => (Some("\\\\"), 1),
+            b'\n' => (Some("\\n"), 1),
+            b'\r' => (Some("\\r"), 1),
+            b'\t' => (Some("\\t"), 1),
+            0..=0x1f | 0x7f => (None, 1),
+            0xe2 if matches!(bytes.get(i + 1..i + 3), Some([0x80, 0xa8 | 0xa9])) => (None, 3),
+            _ => {
+                i += 1;
+                continue;
+            }
         };
         out.push_str(&text[plain..i]);
-        plain = i + c.len_utf8();
         match escape {
             Some(e) => out.push_str(e),
             None => {
-                let code = c as u32;
+                let code = match len {
+                    3 => 0x2028 + u32::from(bytes[i + 2] - 0xa8),
+                    _ => u32::from(b),
+                };
                 out.push_str("\\u");
                 for shift in [12, 8, 4, 0] {
                     out.push(char::from(HEX[((code >> shift) & 0xf) as usize]));
                 }
             }
         }
+        i += len;
+        plain = i;
     }
     out.push_str(&text[plain..]);
     out.push('"');
@@ -271,6 +309,27 @@ mod tests {
             let text = v[field].as_str().unwrap();
             assert!(text.len() <= MAX_AUDIT_BYTES && text.len() >= MAX_AUDIT_BYTES - 4);
         }
+    }
+
+    #[test]
+    fn prefixes_are_the_names() {
+        for (prefix, name) in PREFIXES.iter().zip(NAMES) {
+            assert_eq!(*prefix, format!(",\"{name}\":"));
+        }
+    }
+
+    #[test]
+    fn every_char_is_escaped_as_serde_reads_it_back() {
+        let mut all = String::new();
+        for c in (0u32..0x3000).filter_map(char::from_u32) {
+            all.push(c);
+        }
+        let mut out = String::new();
+        quoted(&mut out, &all);
+        let back: String = serde_json::from_str(&out).unwrap();
+        assert_eq!(back, all);
+        assert!(!out.contains('\u{2028}') && !out.contains('\u{2029}') && !out.contains('\u{7f}'));
+        assert!(!out.bytes().any(|b| b < 0x20));
     }
 
     #[test]
