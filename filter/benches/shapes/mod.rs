@@ -82,6 +82,20 @@ impl Shape {
 /// One request through every callback Envoy makes, as in the bench: the
 /// headers Envoy passes on, the body whole, mock-llm's answer.
 pub fn one_request(poller: &Poller, host: &MockHost, shape: Shape, body: &[u8]) {
+    one_request_watched(poller, host, shape, body, &mut |_| {});
+}
+
+/// [`one_request`], calling `watch(true)` before each callback of the
+/// filter and `watch(false)` after it: what runs in between is the
+/// filter's (and the host's answers to it), not the harness building the
+/// request (`tests/allocations.rs` counts allocations there).
+pub fn one_request_watched(
+    poller: &Poller,
+    host: &MockHost,
+    shape: Shape,
+    body: &[u8],
+    watch: &mut dyn FnMut(bool),
+) {
     let get = matches!(shape, Shape::HeaderGet);
     let len = body.len().to_string();
     let mut headers = vec![
@@ -107,16 +121,12 @@ pub fn one_request(poller: &Poller, host: &MockHost, shape: Shape, body: &[u8]) 
     }
     host.begin(&headers, if get { b"" } else { body });
     host.set_prop(&["source", "address"], b"127.0.0.1:40000");
-    let mut req = poller.request().expect("a policy is loaded");
-    if get {
-        assert_eq!(req.on_request_headers(host, true), Action::Continue);
-    } else {
-        assert_eq!(req.on_request_headers(host, false), Action::Pause);
-        assert_eq!(
-            req.on_request_body(host, body.len(), true),
-            Action::Continue
-        );
-    }
+    watch(true);
+    let (req, headers_done, body_done) = request_part(poller, host, get, body.len());
+    watch(false);
+    let expected = if get { Action::Continue } else { Action::Pause };
+    assert_eq!(headers_done, expected);
+    assert_eq!(body_done, Action::Continue);
     assert!(host.last_reply().is_none(), "{:?}", host.last_reply());
     let answer = if get {
         json!({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
@@ -134,13 +144,47 @@ pub fn one_request(poller: &Poller, host: &MockHost, shape: Shape, body: &[u8]) 
         ("content-length", &answer_len),
     ]);
     host.set_prop(&["response", "code_details"], b"via_upstream");
-    assert_eq!(req.on_response_headers(host), Action::Continue);
+    let body_len = answer.len();
     *host.response_body.borrow_mut() = answer.into_bytes();
-    assert_eq!(
-        req.on_response_body(host, answer_len.parse().unwrap(), true),
-        Action::Continue
-    );
+    watch(true);
+    let (headers_done, body_done) = response_part(host, req, body_len);
+    watch(false);
+    assert_eq!(headers_done, Action::Continue);
+    assert_eq!(body_done, Action::Continue);
+}
+
+/// The filter's request callbacks (not inlined: `bench/instructions.sh`
+/// counts instructions inside this and [`response_part`] only).
+#[inline(never)]
+pub fn request_part(
+    poller: &Poller,
+    host: &MockHost,
+    get: bool,
+    body_len: usize,
+) -> (sluice_filter::flow::Request, Action, Action) {
+    let mut req = poller.request().expect("a policy is loaded");
+    if get {
+        let done = req.on_request_headers(host, true);
+        (req, done, Action::Continue)
+    } else {
+        let paused = req.on_request_headers(host, false);
+        let done = req.on_request_body(host, body_len, true);
+        (req, paused, done)
+    }
+}
+
+/// The filter's response callbacks and its log, the stream dropped.
+#[inline(never)]
+pub fn response_part(
+    host: &MockHost,
+    mut req: sluice_filter::flow::Request,
+    body_len: usize,
+) -> (Action, Action) {
+    let headers_done = req.on_response_headers(host);
+    let body_done = req.on_response_body(host, body_len, true);
     req.on_log(host);
+    drop(req);
+    (headers_done, body_done)
 }
 
 impl Shape {

@@ -612,15 +612,30 @@ pub fn static_answer(
 }
 
 /// `X-RateLimit-*` of one bucket; `Reset` is seconds until it is full.
+/// On every admitted request: the values are written digit by digit, not
+/// through the formatter.
 pub fn rate_limit_headers(q: &Quota) -> Vec<(String, String)> {
     vec![
-        ("x-ratelimit-limit".into(), q.limit.to_string()),
-        ("x-ratelimit-remaining".into(), q.remaining.to_string()),
-        (
-            "x-ratelimit-reset".into(),
-            ceil_secs(q.reset_ms).to_string(),
-        ),
+        ("x-ratelimit-limit".into(), decimal(q.limit)),
+        ("x-ratelimit-remaining".into(), decimal(q.remaining)),
+        ("x-ratelimit-reset".into(), decimal(ceil_secs(q.reset_ms))),
     ]
+}
+
+/// `n` in decimal, as `n.to_string()` writes it.
+fn decimal(mut n: u64) -> String {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // ASCII digits only: always UTF-8.
+    String::from(std::str::from_utf8(&digits[at..]).unwrap_or("0"))
 }
 
 /// What the IETF `RateLimit-Policy` item of a bucket says beyond its
@@ -730,6 +745,24 @@ pub fn truncate(text: &str, max: usize) -> &str {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn decimal_writes_what_to_string_writes() {
+        for n in [
+            0,
+            1,
+            9,
+            10,
+            99,
+            100,
+            12_345,
+            u64::from(u32::MAX),
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
+            assert_eq!(super::decimal(n), n.to_string());
+        }
+    }
+
     use super::*;
 
     #[test]

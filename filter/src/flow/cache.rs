@@ -554,8 +554,8 @@ impl Stream {
         }
         self.phase = super::Phase::Answered;
         self.record(host, &verdict);
-        self.audit_decision(host, &verdict);
-        self.audit(host, "sluice_cache", kind);
+        self.audit_decision(&verdict);
+        self.audit.code(super::audit::Field::Cache, kind);
         metrics::CACHE.add_at(host, &["hit", kind, &hit.label], 1);
         let saved = hit.prompt_tokens.saturating_add(hit.completion_tokens);
         metrics::CACHE_SAVED_TOKENS.add_at(
@@ -630,9 +630,10 @@ impl Stream {
             }
             return;
         }
-        let content_type = host.response_header("content-type").unwrap_or_default();
-        let cc = host.response_header("cache-control");
+        // Read only for an answer to store (no host call otherwise).
         if let Some(s) = self.cache_store.as_mut() {
+            let content_type = host.response_header("content-type").unwrap_or_default();
+            let cc = host.response_header("cache-control");
             s.framing = if content_type.contains("event-stream") {
                 Framing::Sse
             } else if content_type.contains("ndjson") {

@@ -143,6 +143,9 @@ pub struct Filter {
     vm: Rc<Vm>,
     /// The sidecar state's version the queue last re-routed its waiters by.
     seen_by_queue: Cell<u32>,
+    /// The buffer each stream's audit fragment is rendered in (one per VM:
+    /// no allocation per request once it has grown).
+    audit_line: audit::Buffer,
 }
 
 impl Filter {
@@ -159,6 +162,7 @@ impl Filter {
             seen: RefCell::new((0, Rc::new(Seen::default()))),
             dice: Cell::new(0),
             audit_principals: RefCell::default(),
+            audit_line: audit::Buffer::default(),
         }
     }
 
@@ -182,6 +186,16 @@ impl Filter {
         }
         cache.insert(identity.principal.clone(), hash.clone());
         hash
+    }
+
+    /// [`Filter::audit_principal`] lent to `with`: no copy of a cached hash.
+    fn audit_principal_with(&self, identity: &Identity, with: impl FnOnce(&str)) {
+        if let Ok(cache) = self.audit_principals.try_borrow() {
+            if let Some(hash) = cache.get(&identity.principal) {
+                return with(hash);
+            }
+        }
+        with(&self.audit_principal(identity));
     }
 
     /// The sidecar state in shared data, decoded again only when it changed.
@@ -632,11 +646,15 @@ impl Request {
         });
     }
 
+    /// The audit fragment this stream would write now, as a JSON object.
     #[cfg(test)]
-    fn audit(&self, host: &dyn Host, name: &str, value: &str) {
+    fn audit_line(&self) -> serde_json::Value {
+        let mut fragment = String::new();
         if let Ok(s) = self.stream.try_borrow() {
-            s.audit(host, name, value);
+            s.audit.render(&mut fragment, &[]);
         }
+        let text = format!("{{\"status\":0{fragment}}}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
     }
 }
 
@@ -682,6 +700,13 @@ pub struct Stream {
     cache_store: Option<cache::ToStore>,
     /// A hit admitted locally, its reply kept until the fleet admits it.
     cache_hit: Option<cache::HeldHit>,
+    /// The audit fields so far, written once at the end (`audit`).
+    audit: audit::Record,
+    /// The clock of the response callback running now (one read per
+    /// event: its first byte, its settlement), and when the response
+    /// ended (the log's end-to-end latency reads it, not the clock again).
+    event_ms: Option<u64>,
+    ended_ms: Option<u64>,
 }
 
 /// A stream's phase, each holding what exists in it. `Undecided` →
@@ -743,7 +768,15 @@ impl Stream {
             cache_wait: None,
             cache_store: None,
             cache_hit: None,
+            audit: audit::Record::default(),
+            event_ms: None,
+            ended_ms: None,
         }
+    }
+
+    /// The clock of this event: read once, whatever asks for it.
+    fn event_now(&mut self, host: &dyn Host) -> u64 {
+        *self.event_ms.get_or_insert_with(|| host.now_ms())
     }
 
     fn engine(&self) -> &Engine {
@@ -990,13 +1023,19 @@ impl Stream {
             }
             _ => None,
         };
+        self.event_ms = None;
         if let Some(model) = first {
-            let ttft = host.now_ms().saturating_sub(self.started_ms);
+            let ttft = self.event_now(host).saturating_sub(self.started_ms);
             metrics::TTFT_MS.record_at(host, &[&model], ttft);
-            self.audit(host, "sluice_ttft_ms", &ttft.to_string());
+            self.audit.number(audit::Field::TtftMs, ttft);
+        }
+        if end && self.api.reads_body() {
+            // The log's end-to-end latency ends here (no second clock read).
+            self.ended_ms = Some(self.event_now(host));
         }
         let metered = matches!(&self.phase, Phase::Upstream(up) if up.meter.is_some());
         if !metered && self.response_hash.is_none() && self.cache_store.is_none() {
+            self.event_ms = None;
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
@@ -1005,7 +1044,7 @@ impl Stream {
             if end {
                 let digest = sha2::Digest::finalize(hash.clone());
                 let hex = crate::policy::keys::hex(&digest);
-                self.audit(host, "sluice_response_sha256", &hex);
+                self.audit.text(audit::Field::ResponseSha256, &hex);
             }
         }
         let out = self
@@ -1025,6 +1064,7 @@ impl Stream {
             self.settle(host);
             self.release_slot(host);
         }
+        self.event_ms = None;
         Action::Continue
     }
 
@@ -1053,20 +1093,49 @@ impl Stream {
         }
         let answered = self.status != 0 && self.api.reads_body();
         let started_ms = self.started_ms;
+        let ended_ms = self.ended_ms;
         if let Some(up) = self.upstream().filter(|_| answered) {
             let model = &up.labels.1;
-            let elapsed = host.now_ms().saturating_sub(started_ms);
+            let ended = ended_ms.unwrap_or_else(|| host.now_ms());
+            let elapsed = ended.saturating_sub(started_ms);
             metrics::E2E_MS.record_at(host, &[model], elapsed);
         }
+        self.write_audit(host);
     }
 
-    /// One audit field in filter state, read by Envoy's access log as
-    /// `%FILTER_STATE(wasm.<name>:PLAIN)%`; only with an `audit` policy.
-    fn audit(&self, host: &dyn Host, name: &str, value: &str) {
-        if self.engine().policy.audit.is_some() {
-            let value = crate::admission::answer::truncate(value, MAX_AUDIT_BYTES);
-            host.set_property(name, value.as_bytes());
+    /// The audit record in filter state, in one host call: the fragment
+    /// Envoy's access log splices in as
+    /// `%FILTER_STATE(wasm.sluice_audit:PLAIN)%` (see `audit`); only with
+    /// an `audit` policy. The request's own fields come from the headers
+    /// read at its start (no host call when they were read).
+    fn write_audit(&mut self, host: &dyn Host) {
+        if self.engine().policy.audit.is_none() {
+            return;
         }
+        let read;
+        let request = match self.request_headers.as_deref() {
+            Some(headers) => headers,
+            // Never read (a stream Envoy ended before its headers): ask.
+            None => {
+                read = host.request_headers().unwrap_or_default();
+                &read[..]
+            }
+        };
+        let find = |name: &str| {
+            request
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        let own = [
+            (audit::Field::RequestId, find("x-request-id")),
+            (audit::Field::Method, find(":method")),
+            (audit::Field::Route, find(":path")),
+        ];
+        self.filter.audit_line.with(|line| {
+            self.audit.render(line, &own);
+            host.set_property(audit::PROPERTY, line.as_bytes());
+        });
     }
 
     /// Applies a verdict: answer locally, or let the request go upstream.
@@ -1082,7 +1151,7 @@ impl Stream {
             // fall under the ceiling, until a settlement).
             set_gauge(host, metrics::GLOBAL_BREAKER, 0);
         }
-        self.audit_decision(host, &verdict);
+        self.audit_decision(&verdict);
         if verdict.reply.is_some() {
             // Refused after it took a slot (a budget at dispatch).
             self.release_slot(host);
@@ -1179,38 +1248,36 @@ impl Stream {
     }
 
     /// The decision's audit fields (nothing without an `audit` policy).
-    fn audit_decision(&self, host: &dyn Host, verdict: &Verdict) {
+    fn audit_decision(&mut self, verdict: &Verdict) {
+        use audit::Field;
         if self.engine().policy.audit.is_none() {
             return;
         }
         let l = &verdict.labels;
-        self.audit(host, "sluice_decision", l.decision.code());
-        self.audit(host, "sluice_reason", l.decision.reason_code());
-        self.audit(host, "sluice_tier", &l.tier);
+        let record = &mut self.audit;
+        record.code(Field::Decision, l.decision.code());
+        record.code(Field::Reason, l.decision.reason_code());
+        record.text(Field::Tier, &l.tier);
         if let Some(identity) = &self.identity {
-            let principal = self.filter.audit_principal(identity);
-            self.audit(host, "sluice_principal", &principal);
+            self.filter
+                .audit_principal_with(identity, |hash| record.text(Field::Principal, hash));
             if let Some(team) = &identity.team {
-                self.audit(host, "sluice_team", team);
+                record.text(Field::Team, team);
             }
             if let Some(org) = &identity.org {
-                self.audit(host, "sluice_org", org);
+                record.text(Field::Org, org);
             }
         }
         if let Some(bucket) = &verdict.bucket {
-            self.audit(host, "sluice_bucket", bucket);
+            record.text(Field::Bucket, bucket);
         }
         if let Some(kind) = verdict.degraded {
-            self.audit(host, "sluice_degraded", kind.code());
+            record.code(Field::Degraded, kind.code());
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
-            self.audit(
-                host,
-                "sluice_model_served",
-                plan.model.as_deref().unwrap_or(""),
-            );
+            record.text(Field::ModelServed, plan.model.as_deref().unwrap_or(""));
             let reserved = plan.input_estimate.saturating_add(plan.max_output);
-            self.audit(host, "sluice_tokens_estimated", &reserved.to_string());
+            record.number(Field::TokensEstimated, reserved);
         }
     }
 
@@ -1237,7 +1304,7 @@ impl Stream {
             .as_ref()
             .and_then(|a| a.demand.model.as_deref())
             .or(engine.passthrough_model(self.api));
-        self.audit_request(host, model, body);
+        self.audit_request(model, body);
         if let Some(action) = self.cache_lookup(host, asked.as_ref(), model) {
             return action;
         }
@@ -1308,22 +1375,17 @@ impl Stream {
     }
 
     /// The request's audit fields known once its body is read.
-    fn audit_request(&mut self, host: &dyn Host, model: Option<&str>, body: &[u8]) {
+    fn audit_request(&mut self, model: Option<&str>, body: &[u8]) {
+        let Some(config) = self.engine().policy.audit.as_ref() else {
+            return;
+        };
+        let hash_bodies = config.hash_bodies;
         if let Some(model) = model {
-            self.audit(host, "sluice_model_requested", model);
+            self.audit.text(audit::Field::ModelRequested, model);
         }
-        if self
-            .engine()
-            .policy
-            .audit
-            .as_ref()
-            .is_some_and(|a| a.hash_bodies)
-        {
-            self.audit(
-                host,
-                "sluice_request_sha256",
-                &crate::policy::keys::sha256_hex(body),
-            );
+        if hash_bodies {
+            let hash = crate::policy::keys::sha256_hex(body);
+            self.audit.text(audit::Field::RequestSha256, &hash);
             self.response_hash = Some(sha2::Digest::new());
         }
     }
@@ -1575,7 +1637,7 @@ impl Stream {
         };
         let (tier, model) = up.labels.clone();
         let upstream_ok = self.status == 0 || self.status < 400;
-        let now = host.now_ms();
+        let now = self.event_ms.unwrap_or_else(|| host.now_ms());
         let (settled, effort) =
             self.filter
                 .engine
@@ -1620,15 +1682,16 @@ impl Stream {
                 u64::from(settled.global_open),
             );
         }
-        self.audit(host, "sluice_tokens_input", &settled.input.to_string());
-        self.audit(host, "sluice_tokens_output", &settled.output.to_string());
-        self.audit(host, "sluice_cost_micros", &settled.cost.to_string());
+        self.audit.number(audit::Field::TokensInput, settled.input);
+        self.audit
+            .number(audit::Field::TokensOutput, settled.output);
+        self.audit.number(audit::Field::CostMicros, settled.cost);
         let source = if settled.from_usage {
             "upstream"
         } else {
             "estimate"
         };
-        self.audit(host, "sluice_usage_source", source);
+        self.audit.code(audit::Field::UsageSource, source);
         add(host, metrics::SPEND_MICROS, settled.cost as i64);
         add(
             host,
@@ -1644,6 +1707,7 @@ impl Stream {
     }
 }
 
+mod audit;
 mod cache;
 #[cfg(test)]
 mod cache_tests;

@@ -177,9 +177,24 @@ impl MockHost {
         self.metrics.borrow().get(name).map(|(_, v)| *v)
     }
 
+    /// A filter-state value; a `sluice_<field>` not written on its own is
+    /// looked up in the audit record (`sluice_audit`, a JSON fragment):
+    /// its text, or its number in decimal; `None` when null.
     pub fn state(&self, name: &str) -> Option<String> {
         let state = self.filter_state.borrow();
-        Some(String::from_utf8_lossy(state.get(name)?).into_owned())
+        if let Some(value) = state.get(name) {
+            return Some(String::from_utf8_lossy(value).into_owned());
+        }
+        let field = name.strip_prefix("sluice_")?;
+        let fragment = String::from_utf8_lossy(state.get("sluice_audit")?).into_owned();
+        let fragment = fragment.strip_prefix(',').unwrap_or(&fragment);
+        // Not JSON: no field (the tests that parse it say why).
+        let line: serde_json::Value = serde_json::from_str(&format!("{{{fragment}}}")).ok()?;
+        match &line[field] {
+            serde_json::Value::Null => None,
+            serde_json::Value::String(text) => Some(text.clone()),
+            other => Some(other.to_string()),
+        }
     }
 
     pub fn last_reply(&self) -> Option<SentReply> {

@@ -42,7 +42,13 @@ pub struct Bundle {
     pub owner: u64,
     /// When the owner last took or settled (per-caller records).
     pub touched_ms: u64,
-    entries: Vec<(u64, Vec<u8>)>,
+    /// Every entry's bytes, side by side in entry order: one allocation
+    /// for the record, not one per bucket (the hot path decodes a record
+    /// per scope per request).
+    data: Vec<u8>,
+    /// Per entry, oldest written first: its rule hash, where its bytes
+    /// start in `data`, and how many.
+    index: Vec<(u64, usize, usize)>,
 }
 
 impl Bundle {
@@ -50,7 +56,8 @@ impl Bundle {
         Bundle {
             owner,
             touched_ms,
-            entries: Vec::new(),
+            data: Vec::new(),
+            index: Vec::new(),
         }
     }
 
@@ -65,7 +72,9 @@ impl Bundle {
         else {
             return Bundle::default();
         };
-        let mut entries = Vec::with_capacity(usize::from(count).min(MAX_ENTRIES));
+        let count = usize::from(count).min(MAX_ENTRIES);
+        let mut data = Vec::with_capacity(bytes.len());
+        let mut index = Vec::with_capacity(count);
         for _ in 0..count {
             let (Some(id), Some(len)) = (r.try_u64(), r.try_u16()) else {
                 break;
@@ -73,49 +82,69 @@ impl Bundle {
             let Some(bytes) = r.try_bytes(usize::from(len)) else {
                 break;
             };
-            entries.push((id, bytes.to_vec()));
+            index.push((id, data.len(), bytes.len()));
+            data.extend_from_slice(bytes);
         }
         Bundle {
             owner,
             touched_ms,
-            entries,
+            data,
+            index,
         }
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let len: usize = self.entries.iter().map(|(_, b)| 10 + b.len()).sum();
-        let mut w = Writer::with_capacity(19 + len);
+        let mut w = Writer::with_capacity(19 + 10 * self.index.len() + self.data.len());
         w.u8(VERSION).u64(self.owner).u64(self.touched_ms);
-        w.u16(self.entries.len() as u16);
-        for (id, bytes) in &self.entries {
-            w.u64(*id)
-                .u16(bytes.len().min(usize::from(u16::MAX)) as u16);
+        w.u16(self.index.len() as u16);
+        for (id, bytes) in self.pairs() {
+            w.u64(id).u16(bytes.len().min(usize::from(u16::MAX)) as u16);
             w.bytes(bytes.get(..usize::from(u16::MAX)).unwrap_or(bytes));
         }
         w.into_bytes()
     }
 
+    fn pairs(&self) -> impl Iterator<Item = (u64, &[u8])> {
+        self.index
+            .iter()
+            .map(|&(id, at, len)| (id, self.data.get(at..at + len).unwrap_or_default()))
+    }
+
     /// The entry of rule `id`, if the record has one.
     pub fn get(&self, id: u64) -> Option<&[u8]> {
-        self.entries
-            .iter()
-            .find(|(i, _)| *i == id)
-            .map(|(_, b)| b.as_slice())
+        self.pairs().find(|(i, _)| *i == id).map(|(_, b)| b)
     }
 
     /// Writes the entry of rule `id` (moved to the end: the most recently
     /// written), dropping the oldest beyond [`MAX_ENTRIES`].
     pub fn put(&mut self, id: u64, bytes: Vec<u8>) {
-        self.entries.retain(|(i, _)| *i != id);
-        self.entries.push((id, bytes));
-        if self.entries.len() > MAX_ENTRIES {
-            self.entries.remove(0);
+        self.remove(|i| i == id);
+        self.index.push((id, self.data.len(), bytes.len()));
+        self.data.extend_from_slice(&bytes);
+        if self.index.len() > MAX_ENTRIES {
+            if let Some(&(oldest, _, _)) = self.index.first() {
+                self.remove(|i| i == oldest);
+            }
+        }
+    }
+
+    /// Takes out the first entry whose id `matches`, closing the gap.
+    fn remove(&mut self, matches: impl Fn(u64) -> bool) {
+        let Some(pos) = self.index.iter().position(|&(i, _, _)| matches(i)) else {
+            return;
+        };
+        let (_, at, len) = self.index.remove(pos);
+        self.data.drain(at..at + len);
+        for e in &mut self.index {
+            if e.1 > at {
+                e.1 -= len;
+            }
         }
     }
 
     /// Every entry's bytes.
     pub fn entries(&self) -> impl Iterator<Item = &[u8]> {
-        self.entries.iter().map(|(_, b)| b.as_slice())
+        self.pairs().map(|(_, b)| b)
     }
 }
 

@@ -98,7 +98,7 @@ pub struct Policy {
     #[serde(default)]
     pub protection: ProtectionConfig,
     pub static_fallback: Option<StaticFallback>,
-    /// Absent: no audit fields are written (they cost a host call each).
+    /// Absent: no audit record is written (one host call per request).
     pub audit: Option<AuditConfig>,
     pub anomaly: Option<AnomalyConfig>,
     /// The response cache (see `policy/cache.rs`); absent: no cache.

@@ -28,8 +28,8 @@ fn default_baseline_minutes() -> u32 {
     15
 }
 
-/// The per-request audit fields Envoy's access log reads from filter state
-/// (`%FILTER_STATE(wasm.sluice_…:PLAIN)%`).
+/// The per-request audit record Envoy's access log reads from filter state
+/// (`%FILTER_STATE(wasm.sluice_audit:PLAIN)%`, one value: `flow/audit.rs`).
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AuditConfig {
