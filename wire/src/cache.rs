@@ -117,6 +117,11 @@ pub struct StoreRequest {
     /// `x-sluice-cache-scope` header, else one shared scope.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scope: Option<String>,
+    /// The sidecar's `cache_generation` the filter had seen when it looked
+    /// the request up: an answer that comes back after a purge (a long
+    /// stream in flight across it) is not stored. Absent: not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
 }
 
 /// Why a store was not kept, when it was not.
@@ -131,6 +136,9 @@ pub enum NotStored {
     /// (`cache.scope_floor`), and this answer's scope has no older entry
     /// to make room from.
     Full,
+    /// Asked for before a purge (its `generation` is older than the
+    /// sidecar's): what was in flight at a purge is not kept.
+    Purged,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -153,6 +161,11 @@ pub struct PurgeRequest {
     /// `tier:<tier>` or `global`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scope: Option<String>,
+    /// The sidecar's `cache_generation` the filter had seen when it looked
+    /// the request up: an answer that comes back after a purge (a long
+    /// stream in flight across it) is not stored. Absent: not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
 }
 
 #[cfg(test)]
@@ -246,6 +259,7 @@ mod tests {
             semantic: None,
             entry: entry(),
             scope: None,
+            generation: None,
         };
         let v = serde_json::to_value(&req).unwrap();
         assert_eq!(

@@ -205,7 +205,9 @@ impl Engine {
     /// Gives back every lease this worker holds (its policy is replaced).
     pub fn return_leases(&self, store: &dyn SharedStore, now_ms: u64) -> Contention {
         let mut effort = Contention::default();
-        let all = self.leases().drain();
+        // For good: a request of this policy still in flight that takes a
+        // lease after this gives it straight back.
+        let all = self.leases().close();
         self.reserver(store).release(&all, now_ms, &mut effort);
         effort
     }

@@ -41,8 +41,13 @@ impl Engine {
             }
         }
         let cost = plan.pricing.cost(input, output);
-        let (surge, global_open) =
-            self.record_usage(store, input + output, cost, now_ms, &mut effort);
+        let (surge, global_open) = self.record_usage(
+            store,
+            input.saturating_add(output),
+            cost,
+            now_ms,
+            &mut effort,
+        );
         let settled = Settled {
             input,
             output,

@@ -95,6 +95,12 @@ pub const FINGERPRINT_HEADER: &str = "x-sluice-fleet-fingerprint";
 pub const FLEET_AUTHORITY: &str = "localhost";
 
 /// The end of `limit`'s calendar window at `now_ms`; 0 for a token bucket.
+/// Units as a signed count for lease balances and give-backs (saturated:
+/// a count past `i64::MAX` never turns into its opposite).
+fn units_i64(units: u64) -> i64 {
+    i64::try_from(units).unwrap_or(i64::MAX)
+}
+
 pub fn window_end(limit: &Limit, now_ms: u64) -> u64 {
     limit.window.map_or(0, |w| next_window(w, now_ms))
 }
@@ -713,14 +719,14 @@ impl Fleet {
                 }
                 // All of it when it covers the request; else what it
                 // has, and Redis is asked for the rest.
-                let debit = l.balance.min(amount as i64);
+                let debit = l.balance.min(units_i64(amount));
                 l.balance -= debit;
                 l.last_ms = now;
                 part = debit as u64;
                 // A sub-lease for this worker, from what is left after it.
                 if let (Some(ask), true) = (ask, part == amount) {
                     let units = ask.extra(l.balance.max(0) as u64, &rule.rule.limit);
-                    l.balance -= units as i64;
+                    l.balance = l.balance.saturating_sub(units_i64(units));
                     extra = (units, l.expires_ms);
                 }
                 Some(l.encode())
@@ -773,11 +779,23 @@ impl Fleet {
             remaining: units,
             reset_ms: 0,
         };
-        let expires = now.saturating_add(ttl).min(lease_expires);
+        // Never past the Envoy's lease, nor the end of the bucket's window.
+        let mut expires = now.saturating_add(ttl).min(lease_expires);
+        if rule.rule.limit.window.is_some() {
+            expires = expires.min(window_end(&rule.rule.limit, now));
+        }
         let evicted = self.sub.borrow_mut().add(held, quota, expires, now);
         if let Some(l) = evicted {
             self.give_sub_leases(engine, host, vec![lease::Lease::returned(&l)], now);
         }
+    }
+
+    /// Gives every sub-lease of this worker back, for good (the policy
+    /// that took them was replaced): a request of the old policy still in
+    /// flight that takes one after this gives it straight back.
+    pub fn close_sub_leases(&self, engine: &Engine, host: &dyn Host, now: u64) {
+        let all = self.sub.borrow_mut().close();
+        self.give_sub_leases(engine, host, all, now);
     }
 
     /// Gives this worker's sub-leases that are due back to the Envoy's
@@ -804,11 +822,11 @@ impl Fleet {
                 if !l.live(h.owner, window_end, now) {
                     return None;
                 }
-                l.balance = l.balance.saturating_add(h.amount as i64);
+                l.balance = l.balance.saturating_add(units_i64(h.amount));
                 Some(l.encode())
             });
             if written != Updated::Written {
-                items.push(give_item(&h.rule, h.owner, window_end, h.amount as i64));
+                items.push(give_item(&h.rule, h.owner, window_end, units_i64(h.amount)));
             }
         }
         self.outbox(host, engine, items);
@@ -928,7 +946,7 @@ impl Fleet {
         self.mark(host, true, now);
         let mut cas = Cas::new(host, engine.tries().take());
         for (s, &grant) in short.iter().zip(&answer.grants) {
-            let surplus = grant.saturating_sub(s.amount.saturating_sub(s.have)) as i64;
+            let surplus = units_i64(grant.saturating_sub(s.amount.saturating_sub(s.have)));
             let via = match &s.slot {
                 Some(key) if self.keep(&mut cas, key, s, grant, surplus, now) => {
                     Via::Lease(key.clone())
@@ -1099,7 +1117,7 @@ impl Fleet {
                 &s.rule,
                 s.owner,
                 s.window_end,
-                -(s.amount as i64),
+                -units_i64(s.amount),
             ));
             done.push(Claimed {
                 rule: s.rule,
@@ -1180,7 +1198,7 @@ impl Fleet {
                 continue;
             }
             let used = actual(c.meter);
-            let mut delta = c.amount as i64 - used as i64;
+            let mut delta = units_i64(c.amount).saturating_sub(units_i64(used));
             let item = |delta| give_item(&c.rule, c.owner, c.window_end, delta);
             // Into this worker's sub-lease while it holds one.
             if let (Via::Lease(key), true) = (&c.via, delta != 0) {
@@ -1194,9 +1212,12 @@ impl Fleet {
                         limit,
                         taken_ms: now,
                     };
-                    match self.sub.borrow_mut().settle(&h, used, false, now) {
+                    // A request taken in an earlier window gives nothing
+                    // back to this window's sub-lease.
+                    let moved = c.window_end != window_end(&limit, now);
+                    match self.sub.borrow_mut().settle(&h, used, moved, now) {
                         lease::Settled::NotHeld => {}
-                        lease::Settled::Absorbed(rest) => delta = -(rest as i64),
+                        lease::Settled::Absorbed(rest) => delta = -units_i64(rest),
                     }
                 }
             }
@@ -1446,7 +1467,10 @@ impl Agent {
             };
             let current = window_end(&rule.rule.limit, now);
             let in_use = l.owner != 0 && l.last_ms + cfg.idle_ms > now && l.expires_ms > now;
-            if !in_use || l.window_end != current || l.balance.saturating_mul(4) >= l.grant as i64 {
+            if !in_use
+                || l.window_end != current
+                || l.balance.saturating_mul(4) >= units_i64(l.grant)
+            {
                 continue;
             }
             let want = cfg.max.map_or(l.grant, |m| l.grant.min(m));
@@ -1531,13 +1555,13 @@ impl Agent {
                 if l.owner != w.owner || l.window_end != w.window_end || l.expires_ms <= now {
                     return None;
                 }
-                l.balance = l.balance.saturating_add(grant as i64);
+                l.balance = l.balance.saturating_add(units_i64(grant));
                 l.expires_ms = now + ttl;
                 l.grant = grant;
                 Some(l.encode())
             });
             if written != Updated::Written {
-                back.push(give_item(&w.rule, w.owner, w.window_end, grant as i64));
+                back.push(give_item(&w.rule, w.owner, w.window_end, units_i64(grant)));
             }
         }
         fleet.outbox(host, engine, back);

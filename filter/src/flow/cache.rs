@@ -79,6 +79,10 @@ pub(super) struct ToStore {
     /// Hex SHA-256 of the scope value: the sidecar's bounds per scope and
     /// purges by scope go by it.
     scope_id: String,
+    /// The sidecar's cache generation when the request was looked up: an
+    /// answer that comes back after a purge is stored dead (the purge is a
+    /// barrier for what was in flight).
+    generation: u64,
     /// The sidecar keeps it too: the semantic cache needs it (and fleet
     /// mode, or no tier, keeps every entry there).
     sidecar: bool,
@@ -270,6 +274,7 @@ impl Stream {
                 upstream_cache_control: None,
                 tier,
                 scope_id: crate::policy::keys::sha256_hex(scope.as_bytes()),
+                generation: generation(&filter, host),
                 sidecar: tier.is_none() || rule.semantic,
             });
         }
@@ -724,10 +729,11 @@ impl Stream {
                 spend_micros: spend,
             },
             scope: Some(s.scope_id),
+            generation: (s.generation > 0).then_some(s.generation),
         };
         let mut to_sidecar = s.sidecar;
         if let Some(tier) = s.tier {
-            let kept = self.tier_store(host, &tier, &req);
+            let kept = self.tier_store(host, &tier, &req, s.generation);
             // Too large for the tier (or not kept there): the sidecar's.
             to_sidecar |= !kept;
         }
@@ -751,7 +757,7 @@ impl Stream {
 
     /// Keeps an answer in the tier in Envoy; `false` when only its marker
     /// is there (larger than the tier takes) or nothing could be written.
-    fn tier_store(&self, host: &dyn Host, tier: &Tier, req: &StoreRequest) -> bool {
+    fn tier_store(&self, host: &dyn Host, tier: &Tier, req: &StoreRequest, gen: u64) -> bool {
         let Some(raw) = cache_tier::key_of_hex(&req.key) else {
             return false;
         };
@@ -765,7 +771,6 @@ impl Stream {
             stored_ms: now,
         };
         let ttl_ms = req.ttl_s.saturating_mul(1000);
-        let gen = generation(&self.filter, host);
         match tier.store(host, &raw, fits.then_some(&stored), ttl_ms, now, gen) {
             Ok(()) => fits,
             Err(why) => {

@@ -517,3 +517,38 @@ fn the_cache_secret_is_sent_and_required() {
         .map(|(_, v)| v.as_str());
     assert_eq!(sent, Some("0123456789abcdef-cache"));
 }
+
+/// The sidecar's state as its push leaves it for every worker, with the
+/// cache generation `g` (a purge moves it).
+fn push_generation(host: &MockHost, g: u64) {
+    use crate::state::store::SharedStore;
+    let json = json!({"version": g, "cache_generation": g}).to_string();
+    let value = crate::admission::health::encode_seen(host.now_ms(), json.as_bytes());
+    let cas = host.get(SIDECAR_KEY).map_or(0, |(_, c)| c);
+    host.set(SIDECAR_KEY, &value, cas).unwrap();
+}
+
+#[test]
+fn tier_in_envoy_a_purge_is_a_barrier_for_answers_in_flight() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, tier_policy().to_string().as_bytes()));
+    push_generation(&host, 1);
+    let (mut req, action) = start(&host, &poller, "10.0.0.60", &body());
+    assert_eq!(action, Action::Continue, "a miss");
+    // Purged while the answer is on its way: it is stored dead.
+    push_generation(&host, 2);
+    answer(&host, &mut req);
+    let (mut again, action) = start(&host, &poller, "10.0.0.60", &body());
+    assert_eq!(
+        action,
+        Action::Continue,
+        "what was in flight at the purge never answers"
+    );
+    // An answer asked for after the purge is kept and answers.
+    answer(&host, &mut again);
+    let (_r, action) = start(&host, &poller, "10.0.0.60", &body());
+    assert_eq!(action, Action::Pause);
+    let reply = host.last_reply().expect("answered here");
+    assert_eq!(reply.header("x-sluice-cache"), Some("hit"));
+}

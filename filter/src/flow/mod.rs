@@ -375,7 +375,11 @@ impl Poller {
         // The policy replaced gives back this worker's leases (else they
         // would count as used until they drain).
         if let Some(old) = &self.filter {
-            count_contention(host, old.engine.return_leases(host, host.now_ms()));
+            let now = host.now_ms();
+            count_contention(host, old.engine.return_leases(host, now));
+            if let Some(fleet) = &old.fleet {
+                fleet.close_sub_leases(&old.engine, host, now);
+            }
         }
         self.filter = Some(filter);
         true

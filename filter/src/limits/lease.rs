@@ -65,6 +65,19 @@ pub enum Settled {
 #[derive(Debug, Default)]
 pub struct Leases {
     list: Vec<Lease>,
+    /// Drained for good (the policy that took them was replaced): a lease
+    /// added now is handed straight back, so a request of the old policy
+    /// still in flight cannot strand one where no tick looks.
+    closed: bool,
+}
+
+/// Whether `a` and `b` fall in the same calendar window of `limit` (any
+/// two times do for a token bucket): a lease never serves, nor takes a
+/// give-back for, a window other than its own.
+fn same_window(limit: &crate::policy::Limit, a: u64, b: u64) -> bool {
+    limit.window.is_none_or(|w| {
+        crate::limits::bucket::next_window(w, a) == crate::limits::bucket::next_window(w, b)
+    })
 }
 
 impl Leases {
@@ -74,6 +87,7 @@ impl Leases {
                 && l.held.owner == owner
                 && l.held.rule == rule
                 && l.held.key == key
+                && same_window(&l.held.limit, l.held.taken_ms, now_ms)
         })
     }
 
@@ -127,10 +141,12 @@ impl Leases {
     /// [`Leases::debit`] from a live lease of `rule` for `owner`, wherever
     /// it lives (a fleet lease's slot, found when it was taken).
     pub fn debit_by(&mut self, rule: &str, owner: u64, amount: u64, now_ms: u64) -> Option<Held> {
-        let lease = self
-            .list
-            .iter_mut()
-            .find(|l| l.expires_ms > now_ms && l.held.owner == owner && l.held.rule == rule)?;
+        let lease = self.list.iter_mut().find(|l| {
+            l.expires_ms > now_ms
+                && l.held.owner == owner
+                && l.held.rule == rule
+                && same_window(&l.held.limit, l.held.taken_ms, now_ms)
+        })?;
         if lease.balance < amount {
             return None;
         }
@@ -160,6 +176,14 @@ impl Leases {
     /// one of the same bucket (whose give-back time stays). Returns the
     /// lease that no longer fits, to give back.
     pub fn add(&mut self, held: Held, quota: Quota, expires_ms: u64, now_ms: u64) -> Option<Lease> {
+        if self.closed {
+            return Some(Lease {
+                balance: held.amount,
+                held,
+                quota,
+                expires_ms,
+            });
+        }
         if let Some(lease) = self.find(&held.key, &held.rule, held.owner, now_ms) {
             lease.balance = lease.balance.saturating_add(held.amount);
             lease.held.amount = lease.held.amount.saturating_add(held.amount);
@@ -213,6 +237,13 @@ impl Leases {
     /// Every lease, removed (a policy reload, a shutdown).
     pub fn drain(&mut self) -> Vec<Held> {
         self.list.drain(..).map(|l| Lease::returned(&l)).collect()
+    }
+
+    /// [`Leases::drain`], for good: every later [`Leases::add`] hands its
+    /// lease straight back.
+    pub fn close(&mut self) -> Vec<Held> {
+        self.closed = true;
+        self.drain()
     }
 
     /// The earliest time a lease is due back (`u64::MAX`: none).
@@ -310,5 +341,42 @@ mod tests {
         assert_eq!(l.len(), MAX_LEASES);
         assert_eq!(l.drain().len(), MAX_LEASES);
         assert!(l.is_empty());
+    }
+
+    #[test]
+    fn a_budget_lease_never_serves_nor_takes_back_for_another_window() {
+        const DAY: u64 = 86_400_000;
+        let mut daily = held(100);
+        daily.limit.window = Some(crate::policy::Window::Day(crate::policy::zone::Zone::UTC));
+        daily.taken_ms = DAY - 10;
+        let mut l = Leases::default();
+        // Live for a minute by its ttl, but the day ends in 10 ms.
+        assert!(l
+            .add(daily.clone(), quota(), DAY + 60_000, DAY - 10)
+            .is_none());
+        assert!(l.debit_by(&daily.rule, 0, 10, DAY - 5).is_some());
+        assert!(
+            l.debit_by(&daily.rule, 0, 10, DAY + 5).is_none(),
+            "yesterday's units"
+        );
+        assert!(l.debit(&daily.key, &daily.rule, 0, 10, DAY + 5).is_none());
+        // A request of yesterday settled today gives nothing to a lease.
+        let asked = Held {
+            amount: 50,
+            taken_ms: DAY - 5,
+            ..daily.clone()
+        };
+        assert_eq!(l.settle(&asked, 0, true, DAY + 5), Settled::NotHeld);
+    }
+
+    #[test]
+    fn a_closed_table_hands_every_new_lease_straight_back() {
+        let mut l = Leases::default();
+        assert!(l.add(held(50), quota(), 1_000, 0).is_none());
+        assert_eq!(l.close().iter().map(|h| h.amount).sum::<u64>(), 50);
+        let back = l.add(held(20), quota(), 1_000, 1).expect("handed back");
+        assert_eq!(back.balance, 20);
+        assert!(l.debit(&held(0).key, "model/m/tokens", 0, 1, 2).is_none());
+        assert_eq!(l.len(), 0);
     }
 }

@@ -768,9 +768,11 @@ impl Reserver<'_> {
                 }
                 _ => 0,
             };
-            let next = match state.take(c.amount.saturating_add(extra), limit, now_ms) {
-                Ok(leased) if extra > 0 => leased,
-                _ => next,
+            // A lease is only what was really taken: if the larger take
+            // does not fit after all, no lease (never one not taken).
+            let (next, extra) = match state.take(c.amount.saturating_add(extra), limit, now_ms) {
+                Ok(leased) if extra > 0 => (leased, extra),
+                _ => (next, 0),
             };
             at.bundle.put(id, Kept::of(next, limit, now_ms).encode());
             let mut quota = next.quota(limit, now_ms);

@@ -124,6 +124,8 @@ impl InEnvoyConfig {
 pub const MAX_IN_ENVOY_SLOTS: u32 = 1 << 16;
 /// The largest answer the tier in Envoy keeps.
 pub const MAX_IN_ENVOY_ENTRY_BYTES: u64 = 1 << 20;
+/// The most memory the tier in Envoy may take (its key set is never freed).
+pub const MAX_IN_ENVOY_BYTES: u64 = 1 << 30;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -378,6 +380,19 @@ impl CacheConfig {
                 ),
             ));
         }
+        if t.memory_bound() > MAX_IN_ENVOY_BYTES {
+            return Err(err(
+                "cache.in_envoy",
+                format!(
+                    "slots × (max_entry_bytes + {}) is {} bytes, over the {} MiB the tier may \
+                     take of Envoy's memory (shared data is never freed): fewer slots or a \
+                     smaller max_entry_bytes",
+                    IN_ENVOY_ENTRY_HEADER + IN_ENVOY_WAY_BYTES,
+                    t.memory_bound(),
+                    MAX_IN_ENVOY_BYTES >> 20
+                ),
+            ));
+        }
         Ok(Some(t))
     }
 }
@@ -542,6 +557,11 @@ mod tests {
             (
                 json!({"max_entry_bytes": 1000, "in_envoy": {"max_entry_bytes": 2000}}),
                 "cache.in_envoy.max_entry_bytes",
+            ),
+            (
+                // 65,536 × (1 MiB + header): about 64 GiB never freed.
+                json!({"max_entry_bytes": 1048576, "in_envoy": {"slots": 65536, "max_entry_bytes": 1048576}}),
+                "cache.in_envoy",
             ),
             (json!({"secret_env": "A B"}), "cache.secret_env"),
             (

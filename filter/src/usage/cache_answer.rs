@@ -45,7 +45,9 @@ fn finish_ok(reason: Option<&Value>) -> Result<(), NotStorable> {
 }
 
 fn count(v: Option<&Value>) -> Option<u64> {
+    // What settlement would not believe is no usage: never stored.
     v.and_then(Value::as_u64)
+        .filter(|n| *n <= crate::usage::reconcile::MAX_BELIEVABLE)
 }
 
 /// Whether a complete answer may be stored, and its usage. `status` and

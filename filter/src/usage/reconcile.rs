@@ -37,7 +37,7 @@ const EXTRA_INPUT_PATHS: &[&[&str]] = &[
 ];
 
 /// Counts above this are not believed (a misbehaving upstream, not a model).
-const MAX_BELIEVABLE: u64 = 100_000_000;
+pub(crate) const MAX_BELIEVABLE: u64 = 100_000_000;
 
 /// Usage reported by the upstream.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

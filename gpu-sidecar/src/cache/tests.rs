@@ -47,6 +47,7 @@ pub(crate) fn store_req(key: &str, body: &str, semantic: Option<(&str, &str)>) -
         }),
         entry: entry(body, 3),
         scope: None,
+        generation: None,
     }
 }
 

@@ -17,7 +17,8 @@ use axum::response::Response;
 use bytes::Bytes;
 use serde_json::json;
 use sluice_wire::cache::{
-    LookupRequest, PurgeRequest, StoreRequest, LOOKUP_PATH, PURGE_PATH, SECRET_HEADER, STORE_PATH,
+    LookupRequest, NotStored, PurgeRequest, StoreAnswer, StoreRequest, LOOKUP_PATH, PURGE_PATH,
+    SECRET_HEADER, STORE_PATH,
 };
 
 use crate::cache::{Cache, CacheError};
@@ -185,6 +186,17 @@ async fn store(
         Ok(r) => r,
         Err(r) => return *r,
     };
+    // Asked for before a purge: what was in flight at the purge is not kept.
+    let current = api.state.as_ref().map(|s| s.current().cache_generation);
+    if let (Some(asked), Some(current)) = (req.generation, current) {
+        if asked < current {
+            let no = StoreAnswer {
+                stored: false,
+                reason: Some(NotStored::Purged),
+            };
+            return reply(StatusCode::OK, json!(no));
+        }
+    }
     // The filter names the scope in the body; the header is the older way.
     let scope = headers
         .get(crate::cache::SCOPE_HEADER)
@@ -433,6 +445,22 @@ mod tests {
         let (s, _) = send(&app, post("/v1/cache/purge", local, "{}", &auth)).await;
         assert_eq!(s, StatusCode::OK);
         assert_eq!(state.current().cache_generation, before + 1);
+        // An answer asked for before that purge (a stream in flight across
+        // it) is not kept; one asked for after it is.
+        let lookup2 = serde_json::to_string(&lookup_req("k2", None)).unwrap();
+        for (generation, kept) in [(before, false), (before + 1, true)] {
+            let mut req = store_req("k2", "late answer", None);
+            req.generation = Some(generation);
+            let body = serde_json::to_string(&req).unwrap();
+            let (s, v) = send(&app, post("/v1/cache/store", local, &body, &right)).await;
+            assert_eq!(s, StatusCode::OK);
+            assert_eq!(v["stored"], kept, "{v}");
+            if !kept {
+                assert_eq!(v["reason"], "purged");
+            }
+            let (_, v) = send(&app, post("/v1/cache/lookup", local, &lookup2, &right)).await;
+            assert_eq!(v["hit"].is_null(), !kept, "{v}");
+        }
     }
 
     #[tokio::test]
