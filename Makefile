@@ -46,12 +46,14 @@ $(CLIENTS_STAMP):
 build: tools
 	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
 	$(CARGO) build --release -p sluice-sidecar -p mock-llm
+	@# The native path loop the instruction-budget test counts under callgrind.
+	$(CARGO) build --release -p sluice-filter --example path_loop
 	@ls -l $(WASM)
 
 ## test: every test — native unit/property tests and real-Envoy integration tests
 test: build clients browser
 	$(CARGO) test --workspace --exclude sluice-tests
-	SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 $(CARGO) test -p sluice-tests -- --test-threads=2
+	SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=2
 
 ## browser: headless Chromium and chromedriver (Debian `chromium`,
 ## `chromium-driver`) for tests/tests/operator_page.rs, installed when missing.
@@ -101,6 +103,20 @@ redis:
 	@redis-server --version
 
 test: redis
+
+## valgrind: Debian's valgrind, installed when missing (tests/tests/instructions.rs
+## counts the filter's instructions per request with callgrind)
+.PHONY: valgrind
+valgrind:
+	@command -v valgrind >/dev/null 2>&1 || { \
+	  echo "valgrind: installing Debian's valgrind (apt-get install -y valgrind)"; \
+	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300"; \
+	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
+	  $$apt install -y valgrind >/dev/null 2>&1 || \
+	    { $$apt update >/dev/null && $$apt install -y valgrind >/dev/null; } || \
+	    { echo "valgrind: install failed; tests/tests/instructions.rs needs it" >&2; exit 1; }; }
+
+test: valgrind
 
 ## demo-fleet: Redis, two Envoys :10000/:10001 (admin :9901/:9902), each with
 ## its own sidecar (:9911/:9912), one set of limits; Ctrl-C stops all
