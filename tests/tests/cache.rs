@@ -479,13 +479,19 @@ fn primary_out_answers_from_the_cache_before_the_static_answer() {
         &json!({"active": true, "reason": "cache test"}),
     );
     assert_eq!(on.status, 200, "{}", on.body);
-    let uncached = chat("llama3.1:8b", "Never asked before?");
+    // Waited for by Envoy's gauge, not by polling requests: those would
+    // spend the caller's and the model's request rates while the switch
+    // travels, so the machine's speed would decide the outcome.
     assert!(
-        wait_for(Duration::from_secs(10), || {
-            s.chat(A, &uncached, &[]).header("x-sluice-degraded") == Some("static")
-        }),
+        wait_for(Duration::from_secs(10), || s
+            .envoy
+            .metric("sluice_kill_switch_active", &[])
+            == Some(1.0)),
         "the kill switch never reached Envoy"
     );
+    let uncached = chat("llama3.1:8b", "Never asked before?");
+    let r = s.chat(A, &uncached, &[]);
+    assert_eq!(r.header("x-sluice-degraded"), Some("static"), "{r:?}");
     let before = s.upstream_requests();
     let r = s.chat(A, &body, &[]);
     assert_eq!(r.status, 200, "{}", r.body);

@@ -308,13 +308,19 @@ fn under_the_kill_switch_a_hit_is_served_and_marked_degraded() {
         &json!({"active": true, "reason": "cache tier test"}),
     );
     assert_eq!(on.status, 200, "{}", on.body);
-    let uncached = chat("llama3.1:8b", "Never asked before the switch?");
+    // Waited for by Envoy's gauge, not by polling requests: those would
+    // spend the model's request rate while the switch travels, so how many
+    // were sent (the machine's speed) would decide the outcome.
     assert!(
-        wait_for(Duration::from_secs(10), || {
-            s.chat(B, &uncached).header("x-sluice-provider") == Some("fallback")
-        }),
+        wait_for(Duration::from_secs(10), || s
+            .envoy
+            .metric("sluice_kill_switch_active", &[])
+            == Some(1.0)),
         "the kill switch never reached Envoy"
     );
+    let uncached = chat("llama3.1:8b", "Never asked before the switch?");
+    let r = s.chat(B, &uncached);
+    assert_eq!(r.header("x-sluice-provider"), Some("fallback"), "{r:?}");
     let before = s.upstream_requests();
     let r = s.chat(A, &body);
     assert_eq!(r.status, 200, "{}", r.body);
