@@ -4,7 +4,7 @@
 //! on top; settlements and give-backs go to the lease while it is held.
 
 use super::*;
-use crate::limits::bucket::{next_window, window_start};
+use crate::limits::bucket::{next_window, same_window};
 use crate::limits::lease::{self, Leases};
 use crate::limits::reservation::{assemble, LeaseAsk, Reservation, Share};
 
@@ -157,10 +157,7 @@ impl Engine {
         {
             let mut table = self.leases();
             for &(h, actual) in items {
-                let moved = h
-                    .limit
-                    .window
-                    .is_some_and(|w| window_start(w, h.taken_ms) != window_start(w, now_ms));
+                let moved = !same_window(&h.limit, h.taken_ms, now_ms);
                 match table.settle(h, actual, moved, now_ms) {
                     lease::Settled::NotHeld => shared.push((h.clone(), actual)),
                     lease::Settled::Absorbed(0) => {}

@@ -129,10 +129,8 @@ impl BucketState {
     /// fixed window that has rolled over since owes nothing back.
     pub fn give_back(self, amount: u64, limit: &Limit, taken_ms: u64, now_ms: u64) -> BucketState {
         let now = self.at(limit, now_ms);
-        if let Some(window) = limit.window {
-            if window_start(window, taken_ms) != window_start(window, now_ms) {
-                return now;
-            }
+        if !same_window(limit, taken_ms, now_ms) {
+            return now;
         }
         BucketState {
             used: now.used.saturating_sub(amount.saturating_mul(SCALE)),
@@ -164,6 +162,15 @@ pub fn window_start(window: Window, ms: u64) -> u64 {
             (days_from_civil(y, m, 1) as u64).saturating_mul(DAY_MS)
         }),
     }
+}
+
+/// Whether `a` and `b` fall in the same calendar window of `limit` (any
+/// two times do for a token bucket): what was taken in one window is owed
+/// nothing back, and serves nothing, in the next.
+pub fn same_window(limit: &Limit, a: u64, b: u64) -> bool {
+    limit
+        .window
+        .is_none_or(|w| window_start(w, a) == window_start(w, b))
 }
 
 /// Start of the window after the one holding `ms`.

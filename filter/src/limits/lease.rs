@@ -34,7 +34,7 @@
 //! restarted loses its leases: they count as used until the bucket refills
 //! them or their window ends (under-admission, never over).
 
-use crate::limits::bucket::Quota;
+use crate::limits::bucket::{same_window, Quota};
 use crate::limits::reservation::Held;
 
 /// Most leases one worker holds; beyond, the oldest is given back.
@@ -69,15 +69,6 @@ pub struct Leases {
     /// added now is handed straight back, so a request of the old policy
     /// still in flight cannot strand one where no tick looks.
     closed: bool,
-}
-
-/// Whether `a` and `b` fall in the same calendar window of `limit` (any
-/// two times do for a token bucket): a lease never serves, nor takes a
-/// give-back for, a window other than its own.
-fn same_window(limit: &crate::policy::Limit, a: u64, b: u64) -> bool {
-    limit.window.is_none_or(|w| {
-        crate::limits::bucket::next_window(w, a) == crate::limits::bucket::next_window(w, b)
-    })
 }
 
 impl Leases {

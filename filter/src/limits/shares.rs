@@ -76,7 +76,7 @@
 //! lease still bounds the total (see README, "Fair shares").
 
 use crate::limits::bucket::{
-    next_window, window_start, BucketState, Quota, Shortfall, MAX_WAIT_MS,
+    next_window, same_window, window_start, BucketState, Quota, Shortfall, MAX_WAIT_MS,
 };
 use crate::policy::shares::{SharesConfig, ANONYMOUS, MAX_GROUPS};
 use crate::policy::units::SCALE;
@@ -479,9 +479,7 @@ impl Pool {
         now_ms: u64,
     ) -> Pool {
         let mut pool = self.at(limit, now_ms);
-        let rolled = limit
-            .window
-            .is_some_and(|w| window_start(w, taken_ms) != window_start(w, now_ms));
+        let rolled = !same_window(limit, taken_ms, now_ms);
         pool.state = pool.state.give_back(amount, limit, taken_ms, now_ms);
         if !rolled {
             if let Some(a) = pool.account_mut(group) {
