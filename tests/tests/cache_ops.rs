@@ -4,7 +4,7 @@
 //! from many, and the operator page's cache panel (its data, and drawn in
 //! headless Chromium when it is installed). The filter is not
 //! involved (the sidecar is spoken to as the Envoy beside it speaks:
-//! loopback, JSON, the store's `x-sluice-cache-scope` header).
+//! loopback, JSON, the store's `scope` id).
 
 use std::fs;
 use std::time::Duration;
@@ -64,12 +64,8 @@ impl Ops {
         if let Some(t) = text {
             body["semantic"] = json!({"context": hex(&format!("{scope}/{model}")), "text": t});
         }
-        let id = hex(scope);
-        post_json(
-            &self.sidecar.url("/v1/cache/store"),
-            &[("x-sluice-cache-scope", id.as_str())],
-            &body,
-        )
+        body["scope"] = json!(hex(scope));
+        post_json(&self.sidecar.url("/v1/cache/store"), &[], &body)
     }
 
     fn stored(&self, scope: &str, name: &str, model: &str, text: Option<&str>) {
@@ -193,15 +189,15 @@ fn one_scope_flooding_cannot_evict_the_others() {
     assert_eq!(kept, 30);
     assert!(ops.exact(&format!("{flood}/299"), "m").is_some());
     assert_eq!(ops.cache_panel()["scopes"], 3);
-    // A scope id that is not a hash is refused, naming the header.
+    // A scope id that is not a hash is refused, naming the field.
     let r = post_json(
         &ops.sidecar.url("/v1/cache/store"),
-        &[("x-sluice-cache-scope", "team:a")],
-        &json!({"key": hex("x"), "model": "m", "ttl_s": 60,
+        &[],
+        &json!({"key": hex("x"), "model": "m", "ttl_s": 60, "scope": "team:a",
                 "entry": {"body": "b", "prompt_tokens": 1, "completion_tokens": 1}}),
     );
     assert_eq!(r.status, 400);
-    assert!(r.body.contains("x-sluice-cache-scope"), "{}", r.body);
+    assert!(r.body.contains("scope: 64 hex digits"), "{}", r.body);
 }
 
 #[test]

@@ -113,8 +113,8 @@ pub struct StoreRequest {
     /// The answer's scope id: lower-case hex SHA-256 of the scope value
     /// (`principal:…`, `team:…`, `org:…`, `tier:…`, `global`). The
     /// sidecar's bounds per scope and purges by scope go by it; matching
-    /// never does (the scope is in every key). Absent: the sidecar's
-    /// `x-sluice-cache-scope` header, else one shared scope.
+    /// never does (the scope is in every key). Absent: one scope shared
+    /// by every entry without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scope: Option<String>,
     /// The sidecar's `cache_generation` the filter had seen when it looked

@@ -59,13 +59,10 @@ fn valid_hash(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-/// The header the filter names an answer's scope with on a store: the
-/// lower-case hex SHA-256 of the scope value (`principal:…`, `team:…`,
-/// `org:…`, `tier:…`, `global`). Only the bounds per scope and purges by
-/// scope use it; matching never does (the scope is in every key).
-pub const SCOPE_HEADER: &str = "x-sluice-cache-scope";
-
-/// The scope id of a scope value: what [`SCOPE_HEADER`] carries.
+/// The scope id of a scope value: what a store's `scope` carries (the
+/// lower-case hex SHA-256 of `principal:…`, `team:…`, `org:…`, `tier:…`,
+/// `global`). Only the bounds per scope and purges by scope use it;
+/// matching never does (the scope is in every key).
 pub fn scope_id(value: &str) -> String {
     sluice_filter::policy::keys::sha256_hex(value.as_bytes())
 }
@@ -270,16 +267,15 @@ impl Cache {
         LookupAnswer { hit: None }
     }
 
-    /// Stores an answer without a scope id (it shares the bounds of every
-    /// other entry without one).
+    /// Stores an answer under its scope id (`req.scope`: hex SHA-256 of
+    /// the scope value), which the bounds per scope and purges by scope go
+    /// by; without one it shares the bounds of every other entry without.
     pub async fn store(&self, req: StoreRequest, now_ms: u64) -> Result<StoreAnswer, CacheError> {
-        self.store_scoped(req, None, now_ms).await
+        let scope = req.scope.clone();
+        self.store_scoped(req, scope.as_deref(), now_ms).await
     }
 
-    /// Stores an answer under its scope id (the filter's
-    /// [`SCOPE_HEADER`]: hex SHA-256 of the scope value), which the bounds
-    /// per scope and purges by scope go by.
-    pub async fn store_scoped(
+    async fn store_scoped(
         &self,
         req: StoreRequest,
         scope: Option<&str>,
@@ -287,9 +283,9 @@ impl Cache {
     ) -> Result<StoreAnswer, CacheError> {
         check_request(&req.key, &req.model, req.semantic.as_ref())?;
         if scope.is_some_and(|s| !valid_hash(s)) {
-            return Err(CacheError::Invalid(format!(
-                "scope ({SCOPE_HEADER}): 64 hex digits expected (SHA-256 of the scope value)"
-            )));
+            return Err(CacheError::Invalid(
+                "scope: 64 hex digits expected (SHA-256 of the scope value)".into(),
+            ));
         }
         if req.ttl_s == 0 {
             return Err(CacheError::Invalid("ttl_s: at least 1".into()));

@@ -385,8 +385,9 @@ async fn fill(c: &Cache, scope: &str, n: usize, body_len: usize, now: u64) -> us
     let id = scope_id(scope);
     let mut kept = 0;
     for i in 0..n {
-        let req = store_req(&format!("{scope}/{i}"), &"x".repeat(body_len), None);
-        let a = c.store_scoped(req, Some(&id), now).await.unwrap();
+        let mut req = store_req(&format!("{scope}/{i}"), &"x".repeat(body_len), None);
+        req.scope = Some(id.clone());
+        let a = c.store(req, now).await.unwrap();
         assert!(a.stored || a.reason == Some(NotStored::Full), "{a:?}");
         kept += usize::from(a.stored);
     }
@@ -500,12 +501,11 @@ async fn the_byte_bound_is_shared_by_scope_too() {
     assert_eq!(held(&c, "team:a", 5, 1).await, 5);
     assert_eq!(held(&c, "team:b", 100, 1).await, 15);
     assert!(c.size().await.1 <= one * 20);
-    // A bad scope id is refused, naming the header.
-    let bad = c
-        .store_scoped(store_req("z", "z", None), Some("team:a"), 0)
-        .await
-        .unwrap_err();
-    assert!(bad.to_string().contains(SCOPE_HEADER), "{bad}");
+    // A bad scope id is refused, naming the field.
+    let mut req = store_req("z", "z", None);
+    req.scope = Some("team:a".into());
+    let bad = c.store(req, 0).await.unwrap_err();
+    assert!(bad.to_string().starts_with("scope:"), "{bad}");
 }
 
 #[tokio::test]
@@ -521,7 +521,8 @@ async fn purge_by_scope_and_model_takes_the_vectors_too() {
                 Some((&format!("ctx-{who}-{model}"), "how do I enable 2FA")),
             );
             req.model = model.into();
-            assert!(c.store_scoped(req, Some(id), 0).await.unwrap().stored);
+            req.scope = Some(id.clone());
+            assert!(c.store(req, 0).await.unwrap().stored);
         }
     }
     assert_eq!(c.vectors(), 4);
@@ -663,8 +664,8 @@ mod in_redis {
         ] {
             let mut req = store_req(k, "v", None);
             req.model = model.into();
-            let id = scope_id(scope);
-            assert!(a.store_scoped(req, Some(&id), now).await.unwrap().stored);
+            req.scope = Some(scope_id(scope));
+            assert!(a.store(req, now).await.unwrap().stored);
         }
         let mut plain = store_req("k4", "v", None);
         plain.model = "m".into();

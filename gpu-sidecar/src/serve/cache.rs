@@ -197,16 +197,7 @@ async fn store(
             return reply(StatusCode::OK, json!(no));
         }
     }
-    // The filter names the scope in the body; the header is the older way.
-    let scope = headers
-        .get(crate::cache::SCOPE_HEADER)
-        .map(|v| v.to_str().unwrap_or("?").to_string())
-        .or_else(|| req.scope.clone());
-    match api
-        .cache
-        .store_scoped(req, scope.as_deref(), crate::cache::now_ms())
-        .await
-    {
+    match api.cache.store(req, crate::cache::now_ms()).await {
         Ok(a) => reply(StatusCode::OK, json!(a)),
         Err(e) => invalid(e),
     }
