@@ -1005,6 +1005,16 @@ impl Envoy {
         prometheus_value(&self.stats_prometheus(), name, labels)
     }
 
+    /// Waits until the filter's `sluice_kill_switch_active` gauge is 1: the
+    /// kill switch reached this Envoy. Waits by the gauge, never by sending
+    /// requests (they would spend request rates while the switch travels,
+    /// so the machine's speed would decide a test's outcome).
+    pub fn kill_switch_reached(&self, timeout: Duration) -> bool {
+        wait_for(timeout, || {
+            self.metric("sluice_kill_switch_active", &[]) == Some(1.0)
+        })
+    }
+
     /// A counter or gauge by its Envoy stat name
     /// (e.g. `listener_manager.lds.update_success`); `None` if absent.
     pub fn counter_value(&self, stat_name: &str) -> Option<u64> {

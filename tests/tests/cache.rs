@@ -479,14 +479,8 @@ fn primary_out_answers_from_the_cache_before_the_static_answer() {
         &json!({"active": true, "reason": "cache test"}),
     );
     assert_eq!(on.status, 200, "{}", on.body);
-    // Waited for by Envoy's gauge, not by polling requests: those would
-    // spend the caller's and the model's request rates while the switch
-    // travels, so the machine's speed would decide the outcome.
     assert!(
-        wait_for(Duration::from_secs(10), || s
-            .envoy
-            .metric("sluice_kill_switch_active", &[])
-            == Some(1.0)),
+        s.envoy.kill_switch_reached(Duration::from_secs(10)),
         "the kill switch never reached Envoy"
     );
     let uncached = chat("llama3.1:8b", "Never asked before?");

@@ -308,14 +308,8 @@ fn under_the_kill_switch_a_hit_is_served_and_marked_degraded() {
         &json!({"active": true, "reason": "cache tier test"}),
     );
     assert_eq!(on.status, 200, "{}", on.body);
-    // Waited for by Envoy's gauge, not by polling requests: those would
-    // spend the model's request rate while the switch travels, so how many
-    // were sent (the machine's speed) would decide the outcome.
     assert!(
-        wait_for(Duration::from_secs(10), || s
-            .envoy
-            .metric("sluice_kill_switch_active", &[])
-            == Some(1.0)),
+        s.envoy.kill_switch_reached(Duration::from_secs(10)),
         "the kill switch never reached Envoy"
     );
     let uncached = chat("llama3.1:8b", "Never asked before the switch?");
