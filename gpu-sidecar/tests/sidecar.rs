@@ -116,7 +116,7 @@ async fn mock_llm() -> SocketAddr {
     let app = mock_llm::app(mock_llm::Config {
         name: "primary".into(),
         model: "mock-model".into(),
-        ratelimit: None,
+        ..mock_llm::Config::default()
     })
     .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -21,7 +21,9 @@ pub fn message(g: &Generation) -> Reply {
         "content": [{"type": "text", "text": output_text(g.output_tokens)}],
         "stop_reason": stop, "stop_sequence": null,
     });
-    if let Some(u) = usage::anthropic(g.usage, g.input_tokens, g.output_tokens) {
+    let usage =
+        |output| usage::anthropic_for(g.personality, g.usage, g.input_tokens, output, &g.details);
+    if let Some(u) = usage(g.output_tokens) {
         full["usage"] = u;
     }
     if !g.stream {
@@ -30,7 +32,7 @@ pub fn message(g: &Generation) -> Reply {
     let mut start = full.clone();
     start["content"] = json!([]);
     start["stop_reason"] = Value::Null;
-    if let Some(u) = usage::anthropic(g.usage, g.input_tokens, 1) {
+    if let Some(u) = usage(1) {
         start["usage"] = u;
     }
     let mut frames = vec![
@@ -57,7 +59,7 @@ pub fn message(g: &Generation) -> Reply {
     ));
     let mut delta = json!({"type": "message_delta",
                            "delta": {"stop_reason": stop, "stop_sequence": null}});
-    if let Some(u) = usage::anthropic(g.usage, g.input_tokens, g.output_tokens) {
+    if let Some(u) = usage(g.output_tokens) {
         // Only the output, cumulative, as Anthropic sends it.
         delta["usage"] = json!({"output_tokens": u["output_tokens"]});
     }
@@ -90,6 +92,9 @@ mod tests {
             prompts: 1,
             n: 1,
             best_of: 1,
+            personality: Default::default(),
+            details: Default::default(),
+            chunk_usage: Default::default(),
         }
     }
 

@@ -96,6 +96,11 @@ pub struct Generation<'a> {
     pub prompts: u64,
     pub n: u64,
     pub best_of: u64,
+    /// The server played, and the usage parts it reports.
+    pub personality: crate::personality::Personality,
+    pub details: crate::usage::Details,
+    /// Where content chunks of a stream carry usage.
+    pub chunk_usage: crate::personality::StreamUsage,
 }
 
 impl Generation<'_> {

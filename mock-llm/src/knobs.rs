@@ -14,6 +14,10 @@ pub const RETRY_AFTER: &str = "x-mock-retry-after";
 pub const RESET_AFTER_CHUNKS: &str = "x-mock-reset-after-chunks";
 pub const USAGE: &str = "x-mock-usage";
 pub const SSE_NEWLINE: &str = "x-mock-sse-newline";
+pub const CACHED_TOKENS: &str = "x-mock-cached-tokens";
+pub const CACHE_CREATION_TOKENS: &str = "x-mock-cache-creation-tokens";
+pub const REASONING_TOKENS: &str = "x-mock-reasoning-tokens";
+pub const CACHE_COUNTING: &str = "x-mock-cache-counting";
 
 /// Output longer than this would only exhaust the mock's memory.
 const MAX_OUTPUT_TOKENS: u64 = 1_000_000;
@@ -52,6 +56,9 @@ pub struct Knobs {
     /// Delay between stream chunks.
     pub chunk_delay: Duration,
     pub output_tokens: Option<u64>,
+    /// `x-mock-output-tokens: allowed`: generate all the server allows,
+    /// i.e. the limit field it obeys, else what the context leaves.
+    pub generate_allowed: bool,
     /// Answer with this error status instead of a completion.
     pub status: Option<StatusCode>,
     pub retry_after: Option<HeaderValue>,
@@ -59,6 +66,9 @@ pub struct Knobs {
     pub reset_after_chunks: Option<usize>,
     pub usage: UsageMode,
     pub sse_newline: Newline,
+    /// Prompt tokens served from the prefix cache, reasoning tokens inside
+    /// the output, and the cache counting of older Ollama.
+    pub details: crate::usage::Details,
 }
 
 /// A knob whose value cannot be used; the message names the knob.
@@ -88,7 +98,12 @@ impl Knobs {
                 .transpose()
         };
 
-        let output_tokens = number(OUTPUT_TOKENS)?;
+        let generate_allowed = get(OUTPUT_TOKENS)?.as_deref() == Some("allowed");
+        let output_tokens = if generate_allowed {
+            None
+        } else {
+            number(OUTPUT_TOKENS)?
+        };
         if let Some(n) = output_tokens {
             if n > MAX_OUTPUT_TOKENS {
                 return Err(KnobError(format!(
@@ -138,7 +153,25 @@ impl Knobs {
             }
         };
 
+        let ollama_uncounted_cache = match get(CACHE_COUNTING)?.as_deref() {
+            None | Some("included") => false,
+            Some("excluded") => true,
+            Some(other) => {
+                return Err(KnobError(format!(
+                    "{CACHE_COUNTING}: expected included or excluded, got {other:?}"
+                )))
+            }
+        };
+        let details = crate::usage::Details {
+            cached: number(CACHED_TOKENS)?.unwrap_or(0),
+            cache_write: number(CACHE_CREATION_TOKENS)?.unwrap_or(0),
+            reasoning: number(REASONING_TOKENS)?.unwrap_or(0),
+            ollama_uncounted_cache,
+        };
+
         Ok(Knobs {
+            generate_allowed,
+            details,
             latency: Duration::from_millis(number(LATENCY_MS)?.unwrap_or(0)),
             chunk_delay: Duration::from_millis(number(CHUNK_DELAY_MS)?.unwrap_or(0)),
             output_tokens,
@@ -212,5 +245,23 @@ mod tests {
         assert!(err.0.contains(USAGE), "{}", err.0);
         let err = parse(&[(SSE_NEWLINE, "nel")], &[]).unwrap_err();
         assert!(err.0.contains(SSE_NEWLINE), "{}", err.0);
+        let err = parse(&[(CACHED_TOKENS, "-1")], &[]).unwrap_err();
+        assert!(err.0.contains(CACHED_TOKENS), "{}", err.0);
+        let err = parse(&[(CACHE_COUNTING, "maybe")], &[]).unwrap_err();
+        assert!(err.0.contains(CACHE_COUNTING), "{}", err.0);
+    }
+
+    #[test]
+    fn allowed_and_detail_knobs() {
+        let k = parse(
+            &[(OUTPUT_TOKENS, "allowed"), (CACHED_TOKENS, "7")],
+            &[(REASONING_TOKENS, "2"), (CACHE_COUNTING, "excluded")],
+        )
+        .unwrap();
+        assert!(k.generate_allowed);
+        assert_eq!(k.output_tokens, None);
+        assert_eq!(k.details.cached, 7);
+        assert_eq!(k.details.reasoning, 2);
+        assert!(k.details.ollama_uncounted_cache);
     }
 }

@@ -6,6 +6,10 @@
 //! `/pooling`, `/classify`, `/tokenize`); a prompt array is answered with
 //! one choice per prompt × `n`, the usage summed over all of them.
 //!
+//! `--personality vllm|openai|ollama|anthropic` makes it play one real
+//! server faithfully (see [`personality`]); the default, `mock`, serves
+//! everything and reads every limit field.
+//!
 //! Answers are deterministic (see [`tokens`] for the token rule) and bent
 //! per request by the knobs in [`knobs`]. `/admin/stats` shows what reached
 //! the server; `/metrics` speaks vLLM's Prometheus names.
@@ -16,7 +20,9 @@ pub mod generate;
 pub mod knobs;
 pub mod load;
 pub mod metrics;
+pub mod personality;
 pub mod stats;
+pub mod store;
 pub mod tokens;
 pub mod usage;
 
@@ -28,7 +34,8 @@ mod server;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-pub use server::{app, serve, Config, DEFAULT_MODEL};
+pub use personality::Personality;
+pub use server::{app, serve, Config, DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL};
 
 /// Locks a mutex; a panic elsewhere leaves plain counters usable, so a
 /// poisoned lock is taken over rather than propagated.

@@ -120,29 +120,41 @@ impl Load {
 #[derive(Debug, Clone, Copy)]
 pub struct RateLimit {
     pub requests: u64,
+    /// Tokens (input + output) per window, when limited (`--ratelimit-tokens`).
+    pub tokens: Option<u64>,
     pub window: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Window {
+    /// None before the first request.
+    start: Option<Instant>,
+    requests: u64,
+    tokens: u64,
 }
 
 #[derive(Debug)]
 pub struct Limiter {
     limit: RateLimit,
-    /// When the current window started (none before the first request)
-    /// and how many it has taken.
-    window: Mutex<(Option<Instant>, u64)>,
+    window: Mutex<Window>,
 }
 
 /// What the limiter says about one request.
+#[derive(Debug, Clone)]
 pub struct Verdict {
     pub allowed: bool,
+    pub limit: u64,
     pub remaining: u64,
     pub reset: Duration,
+    /// (limit, remaining) of the token budget, when there is one.
+    pub tokens: Option<(u64, u64)>,
 }
 
 impl Limiter {
     pub fn new(limit: RateLimit) -> Limiter {
         Limiter {
             limit,
-            window: Mutex::new((None, 0)),
+            window: Mutex::default(),
         }
     }
 
@@ -152,24 +164,40 @@ impl Limiter {
 
     fn take_at(&self, now: Instant) -> Verdict {
         let mut w = lock(&self.window);
-        let start = match w.0 {
+        let start = match w.start {
             Some(start) if now.saturating_duration_since(start) < self.limit.window => start,
             _ => {
-                *w = (Some(now), 0);
+                *w = Window {
+                    start: Some(now),
+                    ..Window::default()
+                };
                 now
             }
         };
-        let allowed = w.1 < self.limit.requests;
+        let allowed =
+            w.requests < self.limit.requests && self.limit.tokens.is_none_or(|t| w.tokens < t);
         if allowed {
-            w.1 += 1;
+            w.requests += 1;
         }
         Verdict {
             allowed,
-            remaining: self.limit.requests.saturating_sub(w.1),
+            limit: self.limit.requests,
+            remaining: self.limit.requests.saturating_sub(w.requests),
             reset: self
                 .limit
                 .window
                 .saturating_sub(now.saturating_duration_since(start)),
+            tokens: self.limit.tokens.map(|t| (t, t.saturating_sub(w.tokens))),
+        }
+    }
+
+    /// Charges a served request's tokens to the window; the verdict's
+    /// token figures then include them.
+    pub fn charge(&self, tokens: u64, verdict: &mut Verdict) {
+        let mut w = lock(&self.window);
+        w.tokens = w.tokens.saturating_add(tokens);
+        if let Some(t) = self.limit.tokens {
+            verdict.tokens = Some((t, t.saturating_sub(w.tokens)));
         }
     }
 }
@@ -211,6 +239,7 @@ mod tests {
     fn the_first_window_starts_at_the_first_request() {
         let l = Limiter::new(RateLimit {
             requests: 1,
+            tokens: None,
             window: Duration::from_millis(1_500),
         });
         // However long after start-up the first request comes, it opens a
@@ -231,6 +260,7 @@ mod tests {
     fn limiter_counts_a_window() {
         let l = Limiter::new(RateLimit {
             requests: 2,
+            tokens: None,
             window: Duration::from_secs(60),
         });
         assert!(l.take().allowed);
@@ -242,5 +272,20 @@ mod tests {
         assert_eq!(reset_text(Duration::from_millis(2_000)), "2s");
         assert_eq!(reset_text(Duration::from_millis(1_500)), "1.5s");
         assert_eq!(reset_text(Duration::from_secs(360)), "6m0s");
+    }
+
+    #[test]
+    fn a_token_budget_refuses_once_spent() {
+        let l = Limiter::new(RateLimit {
+            requests: 100,
+            tokens: Some(50),
+            window: Duration::from_secs(60),
+        });
+        let mut v = l.take();
+        assert!(v.allowed);
+        l.charge(60, &mut v);
+        assert_eq!(v.tokens, Some((50, 0)));
+        let v = l.take();
+        assert!(!v.allowed, "the window's tokens are spent");
     }
 }

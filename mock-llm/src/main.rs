@@ -25,8 +25,28 @@ struct Cli {
     /// `x-ratelimit-remaining-requests`/`x-ratelimit-reset-requests` (429 past it).
     #[arg(long)]
     ratelimit_requests: Option<u64>,
+    /// Tokens (input + output) allowed per window, with
+    /// `x-ratelimit-*-tokens` headers (Anthropic: `anthropic-ratelimit-tokens-*`).
+    #[arg(long)]
+    ratelimit_tokens: Option<u64>,
     #[arg(long, default_value_t = 2_000)]
     ratelimit_window_ms: u64,
+    /// The real server to play: mock (everything, the default), vllm,
+    /// openai, ollama or anthropic.
+    #[arg(long, default_value = "mock")]
+    personality: mock_llm::Personality,
+    /// Models served, comma-separated; any other gets the server's 404.
+    /// Without it every model is served.
+    #[arg(long, value_delimiter = ',')]
+    models: Vec<String>,
+    /// Context length: what a request without a limit may generate, and
+    /// what vLLM checks `max_tokens` against.
+    #[arg(long, default_value_t = mock_llm::DEFAULT_MAX_MODEL_LEN)]
+    max_model_len: u64,
+    /// Generate all each request is allowed (the obeyed limit field, else
+    /// the context), as `x-mock-output-tokens: allowed` does per request.
+    #[arg(long)]
+    generate_allowed: bool,
 }
 
 #[tokio::main]
@@ -35,12 +55,18 @@ async fn main() -> anyhow::Result<()> {
     let app = mock_llm::app(mock_llm::Config {
         name: cli.name,
         model: cli.model,
-        ratelimit: cli
-            .ratelimit_requests
-            .map(|requests| mock_llm::load::RateLimit {
-                requests,
+        ratelimit: match (cli.ratelimit_requests, cli.ratelimit_tokens) {
+            (None, None) => None,
+            (requests, tokens) => Some(mock_llm::load::RateLimit {
+                requests: requests.unwrap_or(u64::MAX),
+                tokens,
                 window: std::time::Duration::from_millis(cli.ratelimit_window_ms),
             }),
+        },
+        personality: cli.personality,
+        models: cli.models.into_iter().filter(|m| !m.is_empty()).collect(),
+        max_model_len: cli.max_model_len,
+        generate_allowed: cli.generate_allowed,
     })?;
     let listener = TcpListener::bind(&cli.listen)
         .await

@@ -51,7 +51,13 @@ fn answer(g: &Generation, shape: Shape) -> Reply {
         obj.insert("load_duration".into(), json!(0));
         obj.insert("prompt_eval_duration".into(), json!(0));
         obj.insert("eval_duration".into(), json!(0));
-        usage::add_ollama(&mut obj, g.usage, g.input_tokens, g.output_tokens);
+        usage::add_ollama_for(
+            &mut obj,
+            g.usage,
+            g.input_tokens,
+            g.output_tokens,
+            &g.details,
+        );
         Value::Object(obj)
     };
     if !g.stream {
@@ -67,14 +73,20 @@ fn answer(g: &Generation, shape: Shape) -> Reply {
     }
 }
 
-/// `/api/ps`: the one model this server "has loaded".
-pub fn ps(model: &str) -> Value {
-    json!({"models": [{
-        "name": model, "model": model, "size": 0, "digest": "mock",
-        "details": {"format": "gguf", "family": "mock", "parameter_size": "0B",
-                    "quantization_level": "none"},
-        "expires_at": "2099-01-01T00:00:00Z", "size_vram": 0,
-    }]})
+/// `/api/ps`: the models this server "has loaded".
+pub fn ps(models: &[String]) -> Value {
+    let loaded: Vec<Value> = models
+        .iter()
+        .map(|model| {
+            json!({
+                "name": model, "model": model, "size": 0, "digest": "mock",
+                "details": {"format": "gguf", "family": "mock", "parameter_size": "0B",
+                            "quantization_level": "none"},
+                "expires_at": "2099-01-01T00:00:00Z", "size_vram": 0,
+            })
+        })
+        .collect();
+    json!({"models": loaded})
 }
 
 #[cfg(test)]
@@ -98,6 +110,9 @@ mod tests {
             prompts: 1,
             n: 1,
             best_of: 1,
+            personality: Default::default(),
+            details: Default::default(),
+            chunk_usage: Default::default(),
         }
     }
 

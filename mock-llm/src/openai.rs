@@ -6,8 +6,34 @@ use serde_json::{json, Map, Value};
 
 use crate::framing::{sse_data, sse_event, SSE_DONE};
 use crate::generate::{piece, Generation, Reply, SSE};
+use crate::personality::{Personality, StreamUsage};
 use crate::tokens::output_text;
 use crate::usage;
+
+/// The answer's whole `usage`, as the personality reports it.
+fn full_usage(g: &Generation) -> Option<Value> {
+    usage::openai_for(
+        g.personality,
+        g.usage,
+        g.input_tokens,
+        g.total_output(),
+        &g.details,
+    )
+}
+
+/// The `usage` a content chunk carries, `so_far` output tokens into its
+/// choice: nothing, null, zeros (Ollama), or the running count (vLLM's
+/// `continuous_usage_stats`).
+fn chunk_usage(g: &Generation, so_far: u64) -> Option<Value> {
+    match g.chunk_usage {
+        StreamUsage::Omitted => None,
+        StreamUsage::Null => Some(Value::Null),
+        StreamUsage::Zeros => {
+            Some(json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}))
+        }
+        StreamUsage::Continuous => usage::openai(g.usage, g.input_tokens, so_far),
+    }
+}
 
 /// Sets `usage` on an object, or leaves it out when the knob says `missing`.
 fn with_usage(mut v: Value, usage: Option<Value>) -> Value {
@@ -21,7 +47,7 @@ fn with_usage(mut v: Value, usage: Option<Value>) -> Value {
 /// knocked out by the knob), then `[DONE]`.
 fn finish_sse(frames: &mut Vec<Bytes>, g: &Generation, base: &Value) {
     if g.include_usage {
-        if let Some(u) = usage::openai(g.usage, g.input_tokens, g.total_output()) {
+        if let Some(u) = full_usage(g) {
             let mut chunk = base.clone();
             chunk["choices"] = json!([]);
             chunk["usage"] = u;
@@ -49,37 +75,42 @@ pub fn chat_completion(g: &Generation) -> Reply {
             "system_fingerprint": "mock",
             "choices": choices,
         });
-        return Reply::Json(with_usage(
-            v,
-            usage::openai(g.usage, g.input_tokens, g.total_output()),
-        ));
+        return Reply::Json(with_usage(v, full_usage(g)));
     }
 
-    let mut base = json!({
+    let base = json!({
         "id": id, "object": "chat.completion.chunk", "created": g.created, "model": g.model,
         "system_fingerprint": "mock",
     });
-    if g.include_usage {
-        // OpenAI marks every chunk but the last with `"usage": null`.
-        base["usage"] = Value::Null;
-    }
-    let chunk = |index: u64, delta: Value, finish: Value| {
+    // OpenAI marks every chunk but the last with `"usage": null`; vLLM
+    // leaves it out, or counts on every chunk when asked.
+    let chunk = |index: u64, so_far: u64, delta: Value, finish: Value| {
         let mut c = base.clone();
         c["choices"] =
             json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish}]);
+        if let Some(u) = chunk_usage(g, so_far) {
+            c["usage"] = u;
+        }
         sse_data(&c)
     };
     let mut frames = Vec::new();
     for index in 0..g.returned() {
         frames.push(chunk(
             index,
+            0,
             json!({"role": "assistant", "content": ""}),
             Value::Null,
         ));
         frames.extend(
-            (0..g.output_tokens).map(|i| chunk(index, json!({"content": piece(i)}), Value::Null)),
+            (0..g.output_tokens)
+                .map(|i| chunk(index, i + 1, json!({"content": piece(i)}), Value::Null)),
         );
-        frames.push(chunk(index, json!({}), json!(g.finish_reason)));
+        frames.push(chunk(
+            index,
+            g.output_tokens,
+            json!({}),
+            json!(g.finish_reason),
+        ));
     }
     finish_sse(&mut frames, g, &base);
     Reply::Stream {
@@ -95,9 +126,12 @@ pub fn completion(g: &Generation) -> Reply {
     let base =
         json!({"id": id, "object": "text_completion", "created": g.created, "model": g.model});
     let choice = |index: u64, text: String, finish: Value| json!({"text": text, "index": index, "logprobs": null, "finish_reason": finish});
-    let event = |c: Value| {
+    let event = |c: Value, so_far: u64| {
         let mut e = base.clone();
         e["choices"] = json!([c]);
+        if let Some(u) = chunk_usage(g, so_far) {
+            e["usage"] = u;
+        }
         sse_data(&e)
     };
     if !g.stream {
@@ -105,15 +139,17 @@ pub fn completion(g: &Generation) -> Reply {
         v["choices"] = (0..g.returned())
             .map(|i| choice(i, output_text(g.output_tokens), json!(g.finish_reason)))
             .collect();
-        return Reply::Json(with_usage(
-            v,
-            usage::openai(g.usage, g.input_tokens, g.total_output()),
-        ));
+        return Reply::Json(with_usage(v, full_usage(g)));
     }
     let mut frames = Vec::new();
     for index in 0..g.returned() {
-        frames.extend((0..g.output_tokens).map(|i| event(choice(index, piece(i), Value::Null))));
-        frames.push(event(choice(index, String::new(), json!(g.finish_reason))));
+        frames.extend(
+            (0..g.output_tokens).map(|i| event(choice(index, piece(i), Value::Null), i + 1)),
+        );
+        frames.push(event(
+            choice(index, String::new(), json!(g.finish_reason)),
+            g.output_tokens,
+        ));
     }
     finish_sse(&mut frames, g, &base);
     Reply::Stream {
@@ -161,8 +197,13 @@ fn text_of(v: &Value) -> String {
 
 /// Responses API. Streams as named events ending in `response.completed`,
 /// which carries the usage (no `[DONE]`, as the real API).
+/// The id of the `n`-th answer of the Responses API.
+pub fn response_id(n: u64) -> String {
+    format!("resp_mock_{n}")
+}
+
 pub fn response(g: &Generation) -> Reply {
-    let id = format!("resp_mock_{}", g.id);
+    let id = response_id(g.id);
     let item_id = format!("msg_mock_{}", g.id);
     let text = output_text(g.output_tokens);
     let mut full = json!({
@@ -176,9 +217,14 @@ pub fn response(g: &Generation) -> Reply {
     if let Some(limit) = g.body.get("max_output_tokens") {
         full["max_output_tokens"] = limit.clone();
     }
+    for echoed in ["previous_response_id", "store"] {
+        if let Some(v) = g.body.get(echoed) {
+            full[echoed] = v.clone();
+        }
+    }
     let full = with_usage(
         full,
-        usage::responses(g.usage, g.input_tokens, g.output_tokens),
+        usage::responses_for(g.usage, g.input_tokens, g.output_tokens, &g.details),
     );
     if !g.stream {
         return Reply::Json(full);
@@ -219,10 +265,38 @@ pub fn response(g: &Generation) -> Reply {
     }
 }
 
-pub fn models(model: &str) -> Value {
-    json!({"object": "list", "data": [
-        {"id": model, "object": "model", "created": 0, "owned_by": "mock-llm"}
-    ]})
+/// `GET /v1/models` as each server lists its models: OpenAI's list
+/// (vLLM adds `root` and `max_model_len`, owned by "vllm"; Ollama's are
+/// owned by "library"), Anthropic's paged `{"data", "has_more", …}`.
+pub fn models(p: Personality, models: &[String], max_model_len: u64) -> Value {
+    if p == Personality::Anthropic {
+        let data: Vec<Value> = models
+            .iter()
+            .map(|m| {
+                json!({"type": "model", "id": m, "display_name": m,
+                            "created_at": "2025-01-01T00:00:00Z"})
+            })
+            .collect();
+        return json!({"data": data, "has_more": false,
+                      "first_id": models.first(), "last_id": models.last()});
+    }
+    let data: Vec<Value> = models
+        .iter()
+        .map(|m| {
+            let mut card = json!({"id": m, "object": "model", "created": 0, "owned_by": match p {
+                Personality::Vllm => "vllm",
+                Personality::Ollama => "library",
+                Personality::Openai => "system",
+                _ => "mock-llm",
+            }});
+            if p == Personality::Vllm {
+                card["root"] = json!(m);
+                card["max_model_len"] = json!(max_model_len);
+            }
+            card
+        })
+        .collect();
+    json!({"object": "list", "data": data})
 }
 
 #[cfg(test)]
@@ -246,6 +320,9 @@ mod tests {
             prompts: 1,
             n: 1,
             best_of: 1,
+            personality: Default::default(),
+            details: Default::default(),
+            chunk_usage: Default::default(),
         }
     }
 

@@ -21,6 +21,7 @@ use crate::framing::{paced_body, sse_newlines, Pacing};
 use crate::generate::{Api, Generation, Reply, SSE};
 use crate::knobs::Knobs;
 use crate::metrics::{GaugeUpdate, Metrics};
+use crate::personality::{Personality, Refusal, Surface};
 use crate::stats::Stats;
 use crate::{lock, ollama, openai, tokens};
 
@@ -40,8 +41,20 @@ pub struct Config {
     /// Listed by `/v1/models` and `/api/ps`, used as the `model_name` metric
     /// label, and answered for when a request names no model.
     pub model: String,
-    /// A provider-style request limit (`x-ratelimit-*` headers, 429 past it).
+    /// A provider-style limit (`x-ratelimit-*` or `anthropic-ratelimit-*`
+    /// headers, 429 past it; vLLM and Ollama answer 503).
     pub ratelimit: Option<crate::load::RateLimit>,
+    /// The real server played (see [`crate::personality`]).
+    pub personality: Personality,
+    /// The models served (`--models a,b`): a request naming another gets
+    /// the server's own 404. Empty: any model is served.
+    pub models: Vec<String>,
+    /// The context length: what a request without a limit may generate,
+    /// and what vLLM checks a limit against.
+    pub max_model_len: u64,
+    /// Every request generates all it is allowed (as the knob
+    /// `x-mock-output-tokens: allowed`).
+    pub generate_allowed: bool,
 }
 
 impl Default for Config {
@@ -50,9 +63,16 @@ impl Default for Config {
             name: "mock-llm".into(),
             model: DEFAULT_MODEL.into(),
             ratelimit: None,
+            personality: Personality::Mock,
+            models: Vec::new(),
+            max_model_len: DEFAULT_MAX_MODEL_LEN,
+            generate_allowed: false,
         }
     }
 }
+
+/// Default `--max-model-len`.
+pub const DEFAULT_MAX_MODEL_LEN: u64 = 32_768;
 
 struct AppState {
     name: HeaderValue,
@@ -61,6 +81,22 @@ struct AppState {
     metrics: Arc<Metrics>,
     next_id: AtomicU64,
     limiter: Option<crate::load::Limiter>,
+    personality: Personality,
+    allowed_models: Vec<String>,
+    max_model_len: u64,
+    generate_allowed: bool,
+    responses: crate::store::Store,
+}
+
+impl AppState {
+    /// The models listed by `/v1/models` and `/api/ps`.
+    fn listed(&self) -> Vec<String> {
+        if self.allowed_models.is_empty() {
+            vec![self.model.clone()]
+        } else {
+            self.allowed_models.clone()
+        }
+    }
 }
 
 type Shared = Arc<AppState>;
@@ -76,6 +112,11 @@ pub fn app(config: Config) -> anyhow::Result<Router> {
         stats: Mutex::default(),
         next_id: AtomicU64::new(1),
         limiter: config.ratelimit.map(crate::load::Limiter::new),
+        personality: config.personality,
+        allowed_models: config.models,
+        max_model_len: config.max_model_len.max(1),
+        generate_allowed: config.generate_allowed,
+        responses: crate::store::Store::default(),
     });
     let infer_route =
         |api: Api| post(move |State(s): State<Shared>, req: Request| infer(s, Some(api), req));
@@ -105,11 +146,19 @@ pub fn app(config: Config) -> anyhow::Result<Router> {
         .route("/api/chat", infer_route(Api::OllamaChat))
         .route(
             "/v1/models",
-            get(|State(s): State<Shared>, req: Request| listing(s, req, openai::models)),
+            get(|State(s): State<Shared>, req: Request| {
+                let list = s.listed();
+                let body = openai::models(s.personality, &list, s.max_model_len);
+                listing(s.clone(), req, body, true)
+            }),
         )
         .route(
             "/api/ps",
-            get(|State(s): State<Shared>, req: Request| listing(s, req, ollama::ps)),
+            get(|State(s): State<Shared>, req: Request| {
+                let body = ollama::ps(&s.listed());
+                let served = matches!(s.personality, Personality::Mock | Personality::Ollama);
+                listing(s.clone(), req, body, served)
+            }),
         )
         .route("/metrics", get(metrics))
         .route("/admin/metrics", post(set_metrics))
@@ -248,14 +297,18 @@ impl Arrival {
     }
 
     /// Applies the knobs that come before any answer: a bad knob is a 400,
-    /// then the latency, then an injected error status.
-    async fn gate(&self) -> Result<&Knobs, Response> {
+    /// then the latency, then an injected error status, shaped as the
+    /// personality sends it.
+    async fn gate(&self, p: Personality, surface: Surface) -> Result<&Knobs, Response> {
         let knobs = self
             .knobs
             .as_ref()
             .map_err(|e| invalid_request(e.clone()))?;
         if !knobs.latency.is_zero() {
             tokio::time::sleep(knobs.latency).await;
+        }
+        if let Some(status) = knobs.status.filter(|_| p != Personality::Mock) {
+            return Err(Refusal::for_status(status, injected_message(p, status)).render(p, surface));
         }
         if let Some(status) = knobs.status {
             let (kind, code) = match status {
@@ -291,37 +344,56 @@ impl Arrival {
     }
 }
 
+/// What a server says with an error status (the knob's injected errors).
+fn injected_message(p: Personality, status: StatusCode) -> String {
+    match (p, status.as_u16()) {
+        // ollama server/sched.go ErrMaxQueue, answered 503.
+        (Personality::Ollama, 503) => {
+            "server busy, please try again.  maximum pending requests exceeded".into()
+        }
+        // Anthropic API reference, "Errors": 529 overloaded_error.
+        (Personality::Anthropic, 529) => "Overloaded".into(),
+        (Personality::Anthropic, 429) => {
+            "This request would exceed your organization's rate limit.".into()
+        }
+        (Personality::Openai, 429) => "Rate limit reached for requests".into(),
+        _ => format!("mock-llm answered {status} as asked by x-mock-status"),
+    }
+}
+
 /// Every inference endpoint: chat, completions, embeddings, responses,
 /// Anthropic messages, Ollama, the scoring family; `api: None` is
 /// `/invocations`, whose body's shape says which.
 async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
+    let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
     let arrival = match Arrival::read(&s, req).await {
         Ok(a) => a,
         Err(res) => return res,
     };
+    let p = s.personality;
+    // A server without the endpoint answers its own 404.
+    if !p.serves(api) {
+        return p.unknown_path(&method, &path);
+    }
     let model = arrival.model().unwrap_or(&s.model).to_owned();
     // Counts as running from here, through the latency, until the body ends.
     let mut timer = s.metrics.start_request(arrival.started);
-    let knobs = match arrival.gate().await {
+    let knobs = match arrival.gate(p, Surface::of(api)).await {
         Ok(k) => k,
         Err(res) => return arrival.decorate(res, Some(&model)),
     };
-    let limited_by = s.limiter.as_ref().map(|l| l.take());
+    let mut limited_by = s.limiter.as_ref().map(|l| l.take());
     if let Some(v) = limited_by.as_ref().filter(|v| !v.allowed) {
-        let res = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "requests",
-            "rate_limit_exceeded",
-            String::from("mock-llm: request limit of the window reached"),
-        );
-        return ratelimit_headers(arrival.decorate(res, Some(&model)), v);
+        let res = limiter_refusal(p, Surface::of(api));
+        return ratelimit_headers(arrival.decorate(res, Some(&model)), v, p);
     }
     let body = match &arrival.body {
         Ok(b @ Value::Object(_)) => b,
         Ok(_) => {
-            return arrival.decorate(invalid_request("request body must be a JSON object"), None)
+            let refusal = Refusal::invalid("request body must be a JSON object", None);
+            return arrival.decorate(refuse(p, api, refusal), None);
         }
-        Err(e) => return arrival.decorate(invalid_request(e.clone()), None),
+        Err(e) => return arrival.decorate(refuse(p, api, Refusal::invalid(e.clone(), None)), None),
     };
 
     let Some(api) = api.or_else(|| Api::of_invocation(body)) else {
@@ -330,20 +402,9 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
             None,
         );
     };
-    let (output_tokens, limited) = if api.generates() {
-        tokens::output_tokens(body, knobs.output_tokens)
-    } else {
-        (0, false)
-    };
-    // Choices: `n` returned of `best_of` generated, per prompt (chat and
-    // completions only, as upstreams do).
-    let count = |field: &str| {
-        let multiplies = matches!(api, Api::ChatCompletions | Api::Completions);
-        body.get(field)
-            .and_then(Value::as_u64)
-            .filter(|_| multiplies)
-            .unwrap_or(1)
-            .clamp(1, 128)
+    let prepared = match prepare(&s, api, body, knobs) {
+        Ok(prepared) => prepared,
+        Err(refusal) => return arrival.decorate(refuse(p, Some(api), refusal), Some(&model)),
     };
     let now = SystemTime::now();
     let g = Generation {
@@ -355,23 +416,31 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
         created_at: humantime::format_rfc3339_millis(now).to_string(),
         model: &model,
         body,
-        input_tokens: tokens::input_tokens(body),
-        output_tokens,
-        finish_reason: if limited { "length" } else { "stop" },
+        input_tokens: prepared.input_tokens,
+        output_tokens: prepared.output_tokens,
+        finish_reason: if prepared.limited { "length" } else { "stop" },
         usage: knobs.usage,
         stream: api.wants_stream(body),
-        include_usage: body
-            .pointer("/stream_options/include_usage")
-            .and_then(Value::as_bool)
-            == Some(true),
-        prompts: if api == Api::Completions {
-            crate::generate::prompt_count(body)
-        } else {
-            1
-        },
-        n: count("n"),
-        best_of: count("best_of"),
+        include_usage: prepared.report.include_usage,
+        prompts: prepared.choices.prompts,
+        n: prepared.choices.n,
+        best_of: prepared.choices.best_of,
+        personality: p,
+        details: prepared.details,
+        chunk_usage: prepared.report.chunks,
     };
+    if api == Api::Responses
+        && p.stores_responses()
+        && body.get("store").and_then(Value::as_bool) != Some(false)
+    {
+        s.responses.put(
+            openai::response_id(g.id),
+            g.input_tokens.saturating_add(g.output_tokens),
+        );
+    }
+    if let (Some(limiter), Some(v)) = (s.limiter.as_ref(), limited_by.as_mut()) {
+        limiter.charge(g.input_tokens.saturating_add(g.total_output()), v);
+    }
     let reply = match api {
         Api::ChatCompletions => openai::chat_completion(&g),
         Api::Completions => openai::completion(&g),
@@ -424,50 +493,221 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
     };
     let res = arrival.decorate(res, Some(&model));
     match &limited_by {
-        Some(v) => ratelimit_headers(res, v),
+        Some(v) => ratelimit_headers(res, v, p),
         None => res,
     }
 }
 
-/// OpenAI's `x-ratelimit-remaining-requests` / `x-ratelimit-reset-requests`.
-fn ratelimit_headers(mut res: Response, v: &crate::load::Verdict) -> Response {
-    let h = res.headers_mut();
-    if let Ok(value) = HeaderValue::from_str(&v.remaining.to_string()) {
-        h.insert("x-ratelimit-remaining-requests", value);
+/// A refusal as the personality sends it on this API's surface. mock-llm's
+/// own keeps its historical `invalid_request` code on 400s.
+fn refuse(p: Personality, api: Option<Api>, refusal: Refusal) -> Response {
+    if p == Personality::Mock && refusal.status == StatusCode::BAD_REQUEST {
+        return invalid_request(refusal.message);
     }
-    if let Ok(value) = HeaderValue::from_str(&crate::load::reset_text(v.reset)) {
-        h.insert("x-ratelimit-reset-requests", value);
+    refusal.render(p, Surface::of(api))
+}
+
+/// What the request turns into before an answer is written.
+struct Prepared {
+    input_tokens: u64,
+    output_tokens: u64,
+    limited: bool,
+    choices: crate::personality::Choices,
+    report: crate::personality::StreamReport,
+    details: crate::usage::Details,
+}
+
+/// The personality's checks and counts: the model, the fields it refuses,
+/// the stored conversation a Responses request carries, the limit it obeys
+/// and how much it generates.
+fn prepare(s: &AppState, api: Api, body: &Value, knobs: &Knobs) -> Result<Prepared, Refusal> {
+    let p = s.personality;
+    if let Some(m) = body.get("model").and_then(Value::as_str) {
+        if !s.allowed_models.is_empty() && !s.allowed_models.iter().any(|a| a == m) {
+            return Err(p.model_not_found(Some(api), m));
+        }
+    }
+    p.check(api, body)?;
+    let mut carried = 0;
+    if api == Api::Responses && p.stores_responses() {
+        if let Some(id) = body.get("previous_response_id").and_then(Value::as_str) {
+            carried = s
+                .responses
+                .conversation(id)
+                .ok_or_else(|| p.previous_response_not_found(id))?;
+        }
+    }
+    let input = tokens::input_tokens(body).saturating_add(carried);
+    let limit = p
+        .output_limit(api, body)
+        .and_then(|n| u64::try_from(n).ok());
+    let max = s.max_model_len;
+    if p.checks_context(api) {
+        // vllm serving.py _validate_input.
+        if input >= max {
+            return Err(Refusal::invalid(
+                format!(
+                    "This model's maximum context length is {max} tokens. However, your \
+                     request has {input} input tokens. Please reduce the length of the input \
+                     messages."
+                ),
+                Some("input_tokens"),
+            ));
+        }
+        if let Some(l) = limit.filter(|l| input.saturating_add(*l) > max) {
+            return Err(Refusal::invalid(
+                format!(
+                    "'max_tokens' or 'max_completion_tokens' is too large: {l}. This model's \
+                     maximum context length is {max} tokens and your request has {input} input \
+                     tokens ({l} > {max} - {input})."
+                ),
+                Some("max_tokens"),
+            ));
+        }
+    }
+    let allowed = knobs.generate_allowed || s.generate_allowed;
+    let ceiling = if p == Personality::Mock && !allowed {
+        u64::MAX
+    } else {
+        max.saturating_sub(input)
+    };
+    let (output_tokens, limited) = if api.generates() {
+        tokens::generate(limit, knobs.output_tokens, allowed, ceiling)
+    } else {
+        (0, false)
+    };
+    let mut details = knobs.details;
+    details.cached = details.cached.min(input);
+    details.cache_write = details.cache_write.min(input - details.cached);
+    details.reasoning = details.reasoning.min(output_tokens);
+    Ok(Prepared {
+        input_tokens: input,
+        output_tokens,
+        limited,
+        choices: p.choices(api, body),
+        report: p.stream_usage(api, body),
+        details,
+    })
+}
+
+/// The answer past `--ratelimit-requests`/`--ratelimit-tokens`: OpenAI's
+/// and Anthropic's 429; vLLM and Ollama have no request limit of their own
+/// and push back with a 503 (Ollama's ErrMaxQueue, server/sched.go).
+fn limiter_refusal(p: Personality, surface: Surface) -> Response {
+    match p {
+        Personality::Mock => error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "requests",
+            "rate_limit_exceeded",
+            String::from("mock-llm: request limit of the window reached"),
+        ),
+        Personality::Openai => {
+            let mut r = Refusal::for_status(
+                StatusCode::TOO_MANY_REQUESTS,
+                injected_message(p, StatusCode::TOO_MANY_REQUESTS),
+            );
+            r.code = Some("rate_limit_exceeded");
+            r.render(p, surface)
+        }
+        Personality::Anthropic => Refusal::for_status(
+            StatusCode::TOO_MANY_REQUESTS,
+            injected_message(p, StatusCode::TOO_MANY_REQUESTS),
+        )
+        .render(p, surface),
+        Personality::Vllm | Personality::Ollama => Refusal::for_status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            injected_message(p, StatusCode::SERVICE_UNAVAILABLE),
+        )
+        .render(p, surface),
+    }
+}
+
+/// The limiter's state in the server's own headers:
+/// * OpenAI (and mock-llm's own): `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`,
+///   resets as durations like `6m0s` (OpenAI docs, "Rate limits": headers);
+/// * Anthropic: `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`,
+///   resets as RFC 3339 times, and `retry-after` seconds on a 429
+///   (Anthropic docs, "Rate limits": response headers);
+/// * vLLM and Ollama send none.
+fn ratelimit_headers(mut res: Response, v: &crate::load::Verdict, p: Personality) -> Response {
+    let refused = res.status() == StatusCode::TOO_MANY_REQUESTS;
+    let h = res.headers_mut();
+    let mut put = |name: String, value: String| {
+        if let (Ok(n), Ok(v)) = (HeaderName::try_from(name), HeaderValue::from_str(&value)) {
+            h.insert(n, v);
+        }
+    };
+    let mut families = vec![("requests", v.limit, v.remaining)];
+    if let Some((limit, remaining)) = v.tokens {
+        families.push(("tokens", limit, remaining));
+    }
+    match p {
+        Personality::Mock | Personality::Openai => {
+            let reset = crate::load::reset_text(v.reset);
+            for (family, limit, remaining) in families {
+                put(format!("x-ratelimit-limit-{family}"), limit.to_string());
+                put(
+                    format!("x-ratelimit-remaining-{family}"),
+                    remaining.to_string(),
+                );
+                put(format!("x-ratelimit-reset-{family}"), reset.clone());
+            }
+        }
+        Personality::Anthropic => {
+            let at = humantime::format_rfc3339_seconds(SystemTime::now() + v.reset).to_string();
+            for (family, limit, remaining) in families {
+                put(
+                    format!("anthropic-ratelimit-{family}-limit"),
+                    limit.to_string(),
+                );
+                put(
+                    format!("anthropic-ratelimit-{family}-remaining"),
+                    remaining.to_string(),
+                );
+                put(format!("anthropic-ratelimit-{family}-reset"), at.clone());
+            }
+            if refused {
+                let secs = v.reset.as_millis().div_ceil(1000).max(1);
+                put("retry-after".into(), secs.to_string());
+            }
+        }
+        Personality::Vllm | Personality::Ollama => {}
     }
     res
 }
 
-/// `GET /v1/models`, `GET /api/ps`: counted and subject to the knobs.
-async fn listing(s: Shared, req: Request, answer: fn(&str) -> Value) -> Response {
+/// `GET /v1/models`, `GET /api/ps`: counted and subject to the knobs; a
+/// server without the endpoint answers its own 404.
+async fn listing(s: Shared, req: Request, answer: Value, served: bool) -> Response {
+    let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
     let arrival = match Arrival::read(&s, req).await {
         Ok(a) => a,
         Err(res) => return res,
     };
-    let res = match arrival.gate().await {
-        Ok(_) => Json(answer(&s.model)).into_response(),
+    if !served {
+        return s.personality.unknown_path(&method, &path);
+    }
+    let res = match arrival.gate(s.personality, Surface::OpenAi).await {
+        Ok(_) => Json(answer).into_response(),
         Err(res) => res,
     };
     arrival.decorate(res, None)
 }
 
 async fn not_found(State(s): State<Shared>, req: Request) -> Response {
-    let path = req.uri().path().to_owned();
+    let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
     if let Err(res) = Arrival::read(&s, req).await {
         return res;
     }
-    error(
-        StatusCode::NOT_FOUND,
-        "invalid_request_error",
-        "unknown_url",
-        format!("mock-llm has no endpoint {path}"),
-    )
+    s.personality.unknown_path(&method, &path)
 }
 
-async fn metrics(State(s): State<Shared>) -> Response {
+async fn metrics(State(s): State<Shared>, req: Request) -> Response {
+    if !s.personality.serves_metrics() {
+        return s
+            .personality
+            .unknown_path(req.method().as_str(), req.uri().path());
+    }
     (
         [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         s.metrics.render(),
@@ -511,6 +751,7 @@ async fn stats(State(s): State<Shared>) -> Response {
 async fn reset(State(s): State<Shared>) -> Response {
     *lock(&s.stats) = Stats::default();
     s.metrics.reset();
+    s.responses.clear();
     Json(json!({"ok": true})).into_response()
 }
 
@@ -543,9 +784,9 @@ mod tests {
 
     fn app_named(name: &str) -> Router {
         app(Config {
-            ratelimit: None,
             name: name.into(),
             model: "served".into(),
+            ..Config::default()
         })
         .unwrap()
     }
@@ -752,9 +993,8 @@ mod tests {
     #[test]
     fn bad_name_is_refused() {
         assert!(app(Config {
-            ratelimit: None,
             name: "bad\nname".into(),
-            model: "m".into()
+            ..Config::default()
         })
         .is_err());
     }

@@ -90,14 +90,33 @@ pub fn requested_output_limit(body: &Value) -> Option<u64> {
 /// How many tokens to generate, and whether the request's limit cut it short
 /// (which makes the finish reason `length`).
 pub fn output_tokens(body: &Value, knob: Option<u64>) -> (u64, bool) {
+    generate(requested_output_limit(body), knob, false, u64::MAX)
+}
+
+/// How many tokens to generate given the limit the server obeys (`limit`)
+/// and what its context leaves (`ceiling`): the knob's count when given;
+/// with `allowed`, everything the limit (else the ceiling) allows, as a
+/// model that never stops early; otherwise the limit capped at
+/// [`DEFAULT_OUTPUT_TOKENS`]. The flag says whether a limit cut it.
+pub fn generate(limit: Option<u64>, knob: Option<u64>, allowed: bool, ceiling: u64) -> (u64, bool) {
     if let Some(n) = knob {
         return (n, false);
     }
-    match requested_output_limit(body) {
-        Some(limit) if limit <= DEFAULT_OUTPUT_TOKENS => (limit, true),
-        _ => (DEFAULT_OUTPUT_TOKENS, false),
+    if allowed {
+        let cap = ceiling.min(MAX_ALLOWED_OUTPUT);
+        return match limit {
+            Some(l) => (l.min(cap), true),
+            None => (cap, true),
+        };
+    }
+    match limit {
+        Some(limit) if limit <= DEFAULT_OUTPUT_TOKENS => (limit.min(ceiling), true),
+        _ => (DEFAULT_OUTPUT_TOKENS.min(ceiling), false),
     }
 }
+
+/// "Generate all that is allowed" stops here, to keep a reply in memory.
+pub const MAX_ALLOWED_OUTPUT: u64 = 1_000_000;
 
 /// The words of the output, one token each: `tok0`, `tok1`, …
 pub fn output_word(i: u64) -> String {
@@ -193,6 +212,15 @@ mod tests {
             output_tokens(&json!({"max_tokens": 5}), Some(40)),
             (40, false)
         );
+    }
+
+    #[test]
+    fn allowed_generates_the_whole_limit_or_the_context() {
+        assert_eq!(generate(Some(500), None, true, 4000), (500, true));
+        assert_eq!(generate(None, None, true, 4000), (4000, true));
+        assert_eq!(generate(Some(9000), None, true, 4000), (4000, true));
+        assert_eq!(generate(Some(500), None, false, 4000), (16, false));
+        assert_eq!(generate(Some(500), Some(3), true, 4000), (3, false));
     }
 
     #[test]

@@ -291,16 +291,39 @@ impl Announced {
     }
 }
 
-/// A running `mock-llm` (fake OpenAI/Ollama server), killed on drop.
+/// The real server a [`MockLlm`] plays (`mock-llm --personality`): how it
+/// reads limit fields, refuses requests, reports usage and pushes back.
+pub use mock_llm::Personality;
+
+/// A running `mock-llm` (fake inference server), killed on drop.
+///
+/// [`MockLlm::start`] and [`Stack::start`] run mock-llm's own personality,
+/// [`Personality::Mock`]: every endpoint, the first output-limit field
+/// found, nothing refused. [`MockLlm::start_as`] and [`Stack::start_as`]
+/// play vLLM, OpenAI, Ollama or Anthropic as their sources show them.
 pub struct MockLlm {
     proc: Announced,
 }
 
 impl MockLlm {
-    /// Starts `mock-llm --listen 127.0.0.1:0 --name NAME`. Panics with its
-    /// output if it does not come up.
+    /// Starts `mock-llm --listen 127.0.0.1:0 --name NAME` (personality
+    /// [`Personality::Mock`]). Panics with its output if it does not come up.
     pub fn start(name: &str) -> MockLlm {
         MockLlm::start_with_args(name, &[])
+    }
+
+    /// Starts one that plays `personality` (`--personality`).
+    pub fn start_as(name: &str, personality: Personality) -> MockLlm {
+        MockLlm::start_as_with_args(name, personality, &[])
+    }
+
+    /// Like [`MockLlm::start_as`], with extra command-line arguments
+    /// (`--models a,b`, `--generate-allowed`, `--ratelimit-requests N`, …).
+    pub fn start_as_with_args(name: &str, personality: Personality, extra: &[&str]) -> MockLlm {
+        let personality = personality.to_string();
+        let mut args = vec!["--personality", personality.as_str()];
+        args.extend_from_slice(extra);
+        MockLlm::start_with_args(name, &args)
     }
 
     /// Like [`MockLlm::start`], with extra command-line arguments.
@@ -1382,7 +1405,8 @@ pub fn shipped_config_for(upstream: &MockLlm) -> EnvoyConfig {
     cfg
 }
 
-/// `mock-llm` behind a real Envoy running the sluice filter.
+/// `mock-llm` behind a real Envoy running the sluice filter. The upstream
+/// plays [`Personality::Mock`] unless started with [`Stack::start_as`].
 pub struct Stack {
     /// Declared first so Envoy stops before its upstream does.
     pub envoy: Envoy,
@@ -1398,9 +1422,22 @@ impl Stack {
         Stack::start_with(2, edit)
     }
 
+    /// Like [`Stack::start`] with an upstream that plays `personality`.
+    pub fn start_as(personality: Personality, edit: impl FnOnce(&mut EnvoyConfig)) -> Stack {
+        Stack::start_upstream(2, MockLlm::start_as("primary", personality), edit)
+    }
+
     /// Like [`Stack::start`] with `concurrency` Envoy worker threads.
     pub fn start_with(concurrency: u32, edit: impl FnOnce(&mut EnvoyConfig)) -> Stack {
-        let upstream = MockLlm::start("primary");
+        Stack::start_upstream(concurrency, MockLlm::start("primary"), edit)
+    }
+
+    /// Envoy with `concurrency` workers in front of `upstream`.
+    pub fn start_upstream(
+        concurrency: u32,
+        upstream: MockLlm,
+        edit: impl FnOnce(&mut EnvoyConfig),
+    ) -> Stack {
         let mut config = shipped_config_for(&upstream);
         edit(&mut config);
         let envoy = Envoy::start(&config, concurrency);
