@@ -9,9 +9,10 @@
 //!   request headers (kill-switch header stripped, API, identity and the
 //!   penalty box, canonical path, declared size, the refusal before the
 //!   body: `early`) → body (size, then the whole body at its end or at the
-//!   trailers) → decision (`Stream::decide`: demand → pushback → route →
-//!   the model's gate, `waiting` → admit → probe claim → reroute/rewrite →
-//!   the fleet's gate) → response headers (upstream answer fed to the
+//!   trailers) → decision (`Stream::decide`: demand → cache lookup →
+//!   `Stream::conclude`, the tail a queued request's dispatch runs too:
+//!   route → the model's gate, `waiting` → admit → probe claim →
+//!   reroute/rewrite → the fleet's gate) → response headers (upstream answer fed to the
 //!   route's record, meter set up) → response body (first byte, meter,
 //!   settlement) → log (settle what is left, give back an unanswered
 //!   probe, leave the queue).
@@ -1285,9 +1286,8 @@ impl Stream {
         }
     }
 
-    /// Admission once everything the policy needs is known: demand →
-    /// pushback → route → the model's gate → admit → probe claim → on to
-    /// the upstream (rerouted or rewritten) through the fleet's gate.
+    /// Admission once everything the policy needs is known: demand → the
+    /// cache → the decision's tail (`conclude`).
     fn decide(&mut self, host: &dyn Host, body: &[u8]) -> Action {
         let Some(identity) = self.identity.clone() else {
             return Action::Continue;
@@ -1312,49 +1312,83 @@ impl Stream {
         if let Some(action) = self.cache_lookup(host, asked.as_ref(), model) {
             return action;
         }
-        let view = HostRequest(host, self.request_headers.as_deref());
-        let mut pushback = engine.pushback(host, model, &view, &identity, now);
-        let seen = if engine.policy.sidecar.is_some() {
-            filter.seen(host)
-        } else {
-            Rc::new(Seen::default())
+        let parked = waiting::Parked {
+            asked,
+            body_len: body.len(),
         };
-        let dice = filter.roll(now);
+        self.conclude(host, identity, parked, now)
+    }
+
+    /// The decision's tail, the same for a request as it arrives and for
+    /// one whose turn in the queue came (`dispatch`): route (as of `now`)
+    /// → the model's gate unless it holds a slot already → admit → a
+    /// bucket wait → probe claim → on to the upstream (`send_on`: rerouted
+    /// or watched, rewritten, through the fleet's gate).
+    fn conclude(
+        &mut self,
+        host: &dyn Host,
+        identity: Identity,
+        parked: waiting::Parked,
+        now: u64,
+    ) -> Action {
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let path = self.path.clone();
         let ctx = RequestContext {
             identity: &identity,
             api: self.api,
-            path: &self.path,
-            asked: asked.as_ref(),
+            path: &path,
+            asked: parked.asked.as_ref(),
             now_ms: now,
         };
+        let model = ctx
+            .asked
+            .and_then(|a| a.demand.model.as_deref())
+            .or(engine.passthrough_model(self.api));
+        let (mut pushback, seen, dice) = self.world(host, &identity, model, now);
         let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
-        let (fallback, probe) = match route(&pushback) {
+        let holds_slot = self.gate.as_ref().is_some_and(|g| g.slot);
+        let (fallback, probe, gate) = match route(&pushback) {
             // A route paused by the upstream's Retry-After: a caller whose
-            // class may wait that long waits in the model's queue instead.
+            // class may wait that long waits the pause out in the model's
+            // queue (a slot it held goes to the next waiter meanwhile).
             Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
-                (false, false)
+                self.release_slot(host);
+                (false, false, true)
             }
+            // A 503 or the static answer (a slot it held is given back
+            // as the answer goes).
             Routed::Answered(verdict) => return self.finish(host, *verdict),
-            Routed::Fallback => (true, false),
-            Routed::Primary => (false, false),
-            Routed::Probe => (false, true),
+            Routed::Fallback => {
+                // A queued request's slot of the primary goes to the next
+                // waiter.
+                self.leave_for_fallback(host);
+                (true, false, false)
+            }
+            // The model's concurrency gate, unless its turn in the queue
+            // already gave it a slot.
+            Routed::Primary => (false, false, !holds_slot),
+            // The half-open probe is one request: it takes no slot.
+            Routed::Probe => (false, true, false),
         };
-        if !fallback && !probe {
-            // The model's concurrency gate: a slot, a place in the queue
-            // (budgets are reserved when its turn comes), or a refusal.
-            let (gated, gate) = self.pass_gate(host, &identity, asked.as_ref(), now, now);
+        if gate {
+            // A slot, a place in the queue (budgets are reserved when its
+            // turn comes), or a refusal; a request that waited already
+            // waits at most what is left of its class's wait.
+            let since = self.gate.as_ref().map_or(now, |g| g.arrived_ms);
+            let (gated, gate) = self.pass_gate(host, &identity, ctx.asked, since, now);
             self.gate = gate;
             match gated {
                 waiting::Gated::Go => {}
                 waiting::Gated::Answered(verdict) => return self.finish(host, *verdict),
                 waiting::Gated::Wait => {
-                    self.park(asked, body.len());
+                    self.phase = Phase::Parked(parked);
                     return Action::Pause;
                 }
                 waiting::Gated::Sleep(until) => {
                     // Its buckets free up within its wait: it sleeps,
                     // holding no place, then tries the gate again.
-                    self.park(asked, body.len());
+                    self.phase = Phase::Parked(parked);
                     return self.sleep(host, until);
                 }
             }
@@ -1363,7 +1397,7 @@ impl Stream {
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
             // A bucket frees up within the class's wait: the request
             // gives its slot back and tries again then, instead of a 429.
-            self.park(asked, body.len());
+            self.phase = Phase::Parked(parked);
             return self.sleep(host, now + retry_ms);
         }
         if probe {
@@ -1375,7 +1409,7 @@ impl Stream {
             self.probe_lease = lease;
         }
         self.pushback = Some(pushback);
-        self.send_on(host, verdict, fallback, body.len())
+        self.send_on(host, verdict, fallback, parked.body_len)
     }
 
     /// The request's audit fields known once its body is read.
@@ -1392,11 +1426,6 @@ impl Stream {
             self.audit.text(audit::Field::RequestSha256, &hash);
             self.response_hash = Some(sha2::Digest::new());
         }
-    }
-
-    /// Keeps what a waiting request needs to be decided again.
-    fn park(&mut self, asked: Option<crate::admission::Asked>, body_len: usize) {
-        self.phase = Phase::Parked(waiting::Parked { asked, body_len });
     }
 
     /// An admitted request goes on: rerouted to the fallback or watched on

@@ -70,11 +70,11 @@ pub struct GateState {
     model: String,
     /// The class label (`none` without a class).
     class: String,
-    arrived_ms: u64,
+    pub(super) arrived_ms: u64,
     /// In the queue under this ticket.
     ticket: Option<u64>,
     /// Holds a concurrency slot.
-    slot: bool,
+    pub(super) slot: bool,
     pub waited_ms: u64,
     /// The longest it may wait in all, from `arrived_ms` (0: no waiting).
     wait_ms: u64,
@@ -508,79 +508,23 @@ impl Stream {
         let Some(identity) = self.identity.clone() else {
             return Action::Continue;
         };
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let path = self.path.clone();
-        let ctx = RequestContext {
-            identity: &identity,
-            api: self.api,
-            path: &path,
-            asked: parked.asked.as_ref(),
-            now_ms: now,
-        };
-        let model = ctx.asked.and_then(|a| a.demand.model.as_deref());
-        let (mut pushback, seen, dice) = self.world(host, &identity, model, now);
-        let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
-        let (fallback, probe) = match route(&pushback) {
-            // Out of the queue without a slot, and the primary is back
-            // (the switch flipped again): through the gate once more.
-            Routed::Primary | Routed::Probe if !slot => {
-                self.phase = Phase::Parked(parked);
-                return self.retry(host);
-            }
-            Routed::Primary => (false, false),
-            Routed::Probe => (false, true),
-            // The upstream paused the route just as its slot came: it
-            // waits the pause out in the queue like a new request would.
-            Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
-                self.release_slot(host);
-                self.phase = Phase::Parked(parked);
-                return self.retry(host);
-            }
-            Routed::Fallback => {
-                // The primary's slot goes to the next waiter.
-                self.release_slot(host);
-                if let Some(g) = self.gate.as_ref() {
-                    count(host, "rerouted", "fallback", g);
-                }
-                (true, false)
-            }
-            // A 503 or the static answer, as a new request gets now (the
-            // slot is given back as the answer goes).
-            Routed::Answered(verdict) => return self.finish(host, *verdict),
-        };
-        let mut verdict = engine.admit(host, &ctx);
-        if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
-            self.phase = Phase::Parked(parked);
-            return self.sleep(host, now + retry_ms);
+        // Decided as a new request would be now (`Stream::conclude`, the
+        // one decision's tail), holding the slot its turn gave it.
+        self.conclude(host, identity, parked, now)
+    }
+
+    /// Routed to the fallback: a slot of the primary it held goes to the
+    /// next waiter, and a request that was gated counts as rerouted.
+    pub(super) fn leave_for_fallback(&mut self, host: &dyn Host) {
+        self.release_slot(host);
+        if let Some(g) = self.gate.as_ref() {
+            count(host, "rerouted", "fallback", g);
         }
-        if probe {
-            let (decided, lease) =
-                engine.take_probe(host, &mut pushback, verdict, &identity, now, route);
-            verdict = decided;
-            self.probe_lease = lease;
-        }
-        self.pushback = Some(pushback);
-        if verdict.reply.is_none() {
-            if fallback {
-                self.reroute(host, &mut verdict);
-            } else {
-                self.watch_upstream = true;
-            }
-        }
-        if let Some(new_body) = verdict.body.take() {
-            host.replace_request_body(parked.body_len, &new_body);
-            host.set_request_header("content-length", Some(&new_body.len().to_string()));
-        }
-        // The fleet's buckets too, as for a request that went at once (a
-        // strict take's callout made here is the stream's: the effective
-        // context is set, so its answer comes to the stream).
-        self.fleet_gate(host, verdict)
     }
 
     /// What routing reads, as of now: the route's pushback, the sidecar's
     /// state, a dice for the half-open trickle.
-    fn world(
+    pub(super) fn world(
         &self,
         host: &dyn Host,
         identity: &Identity,
