@@ -626,3 +626,100 @@ fn a_team_scope_shares_between_two_keys_of_the_team_only() {
     );
     assert_eq!(s.upstream_requests(), before + 1);
 }
+
+/// Issue 29 item 6: a request for a cached model waits in the queue, the
+/// kill switch flips and the fallback answers it. That answer is another
+/// provider's: it is never stored under the primary's key, so once the
+/// switch is released the same question is a miss that the primary
+/// answers, as for a request that went to the fallback at once.
+#[test]
+fn a_queued_request_the_fallback_answers_is_never_stored_as_the_primarys() {
+    let fallback = MockLlm::start("fallback");
+    let cache = json!({"salt": SALT, "models": {"mistral:7b": {"exact": true}}});
+    let s = start(cache, "", |cfg| {
+        cfg.set_cluster_addr("llm_fallback", fallback.addr());
+        // Waits long enough for the switch to travel on a loaded machine.
+        cfg.policy_mut()["classes"]["standard"]["max_wait"] = serde_yaml::Value::from("40s");
+    });
+    let switch = |active: bool| {
+        let r = post_json(
+            &s.sidecar.url("/v1/kill-switch"),
+            &[("authorization", &format!("Bearer {TOKEN}"))],
+            &json!({"active": active, "reason": "queued fallback test"}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    };
+    let question = chat("mistral:7b", "Answered by whom, while I waited?");
+    let fallback_chats = || {
+        fallback.stats()["by_path"]["/v1/chat/completions"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    std::thread::scope(|scope| {
+        // Two slow calls (pro: a class that never queues) hold both of
+        // mistral's slots.
+        let slow: Vec<_> = (0..2)
+            .map(|i| {
+                let s = &s;
+                scope.spawn(move || {
+                    let body = chat("mistral:7b", &format!("slow call {i}"));
+                    s.chat(A, &body, &[("x-mock-latency-ms", "15000")])
+                })
+            })
+            .collect();
+        assert!(
+            wait_for(Duration::from_secs(10), || s.upstream.stats()["in_flight"]
+                == 2),
+            "the slow calls never reached the upstream"
+        );
+        let queued = scope.spawn(|| s.chat("demo-free-key", &question, &[]));
+        let depth = || {
+            s.envoy
+                .metric(
+                    "sluice_queue_depth",
+                    &[("model", "mistral:7b"), ("class", "standard")],
+                )
+                .unwrap_or(0.0)
+        };
+        assert!(
+            wait_for(Duration::from_secs(10), || depth() == 1.0),
+            "the free caller's request never queued"
+        );
+        switch(true);
+        assert!(
+            s.envoy.kill_switch_reached(Duration::from_secs(10)),
+            "the kill switch never reached Envoy"
+        );
+        let r = queued.join().expect("queued request");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.header("x-sluice-provider"),
+            Some("fallback"),
+            "the queued request left the queue for the fallback: {:?}",
+            r.headers
+        );
+        assert_eq!(fallback_chats(), 1);
+        switch(false);
+        assert!(
+            wait_for(Duration::from_secs(10), || s
+                .envoy
+                .metric("sluice_kill_switch_active", &[])
+                == Some(0.0)),
+            "the release never reached Envoy"
+        );
+        for call in slow {
+            assert_eq!(call.join().expect("slow call").status, 200);
+        }
+    });
+    let before = s.upstream_requests();
+    let again = s.chat("demo-free-key", &question, &[]);
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(
+        again.header("x-sluice-cache"),
+        Some("miss"),
+        "the fallback's answer was served as the primary's: {:?}",
+        again.headers
+    );
+    assert_eq!(s.upstream_requests(), before + 1, "the primary answers it");
+    assert_eq!(fallback_chats(), 1);
+}
