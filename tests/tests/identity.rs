@@ -330,3 +330,110 @@ fn non_utf8_credentials_are_refused_without_killing_the_vm() {
     );
     assert_eq!(stack.upstream_requests(), 4);
 }
+
+/// Two identity providers (two `jwt_authn` providers, each pinned to its
+/// issuer) may both have an `alice`: OpenID Connect makes a subject unique
+/// only within its issuer. They are two callers: separate request limits,
+/// and neither is served the other's cached answer. A token that names no
+/// issuer (verified by a provider that pins none) is refused.
+#[test]
+fn the_same_subject_of_two_issuers_is_two_callers() {
+    const ISSUER_B: &str = "https://idp-b.example/realms/b";
+    let (key_a, key_b, key_any) = (fresh_key(), fresh_key(), fresh_key());
+    let stack = Stack::start(|cfg| {
+        let inline = |key: &[u8]| serde_json::json!({"inline_string": jwks(key)});
+        let provider = |issuer: Option<&str>, key: &[u8]| {
+            let mut p = serde_json::json!({
+                "local_jwks": inline(key),
+                "from_headers": [{"name": "authorization", "value_prefix": "Bearer "}],
+                "forward": true,
+                // One metadata key for every provider: sluice reads one.
+                "payload_in_metadata": "jwt_payload",
+            });
+            if let Some(issuer) = issuer {
+                p["issuer"] = issuer.into();
+            }
+            p
+        };
+        let jwt = serde_json::json!({
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {
+                "a": provider(Some("sluice-demo"), &key_a),
+                "b": provider(Some(ISSUER_B), &key_b),
+                // Pins no issuer: it verifies a token without `iss`.
+                "any": provider(None, &key_any),
+            },
+            "rules": [{"match": {"prefix": "/"}, "requires": {"requires_any": {"requirements": [
+                {"provider_name": "a"},
+                {"provider_name": "b"},
+                {"provider_name": "any"},
+                {"allow_missing_or_failed": {}},
+            ]}}}],
+        });
+        cfg.http_filter_mut("envoy.filters.http.jwt_authn")["typed_config"] =
+            serde_yaml::to_value(&jwt).unwrap();
+        cfg.policy_mut()["cache"] = serde_yaml::to_value(serde_json::json!({
+            "salt": "identity-test-salt-0123456789",
+            "models": {MODEL: {"exact": true}},
+        }))
+        .unwrap();
+    });
+    let bearer = |token: String| format!("Bearer {token}");
+    let alice_a = bearer(mint(&key_a, &claims("alice", "free")));
+    let mut of_b = claims("alice", "free");
+    of_b["iss"] = ISSUER_B.into();
+    let alice_b = bearer(mint(&key_b, &of_b));
+    let chat = |auth: &str, question: &str| {
+        let mut body = sluice_tests::chat_body(MODEL);
+        body["messages"] = serde_json::json!([{"role": "user", "content": question}]);
+        body["temperature"] = 0.into();
+        sluice_tests::post_json(
+            &stack.envoy.url("/v1/chat/completions"),
+            &[("authorization", auth)],
+            &body,
+        )
+    };
+
+    // alice of A asks; her answer is stored for her.
+    let first = chat(&alice_a, "What is on my calendar?");
+    assert_eq!(first.status, 200, "{first:?}\n{}", stack.envoy.log());
+    assert_eq!(first.header("x-sluice-cache"), Some("miss"), "{first:?}");
+    let again = chat(&alice_a, "What is on my calendar?");
+    assert_eq!(again.header("x-sluice-cache"), Some("hit"), "{again:?}");
+    // alice of B asking the same is not served A's alice's answer.
+    let other = chat(&alice_b, "What is on my calendar?");
+    assert_eq!(other.status, 200, "{other:?}");
+    assert_eq!(
+        other.header("x-sluice-cache"),
+        Some("miss"),
+        "issuer B's alice was served issuer A's alice's answer: {other:?}"
+    );
+
+    // alice of A spends her free 10/min (one went on the hit above, one on
+    // the first ask); alice of B keeps her own.
+    for i in 2..10 {
+        let resp = chat(&alice_a, &format!("question {i}"));
+        assert_eq!(resp.status, 200, "alice of A, call {i}: {resp:?}");
+    }
+    let resp = chat(&alice_a, "one too many");
+    assert_eq!(resp.status, 429, "{resp:?}");
+    assert_eq!(resp.header("x-sluice-reason"), Some("user_rate_limit"));
+    let resp = chat(&alice_b, "still mine?");
+    assert_eq!(
+        resp.status, 200,
+        "alice of B shares A's alice's limit: {resp:?}"
+    );
+    assert_eq!(resp.header("x-ratelimit-remaining"), Some("8"), "{resp:?}");
+
+    // Verified by the provider that pins no issuer, but naming none.
+    let mut anonymous = claims("alice", "free");
+    anonymous.as_object_mut().unwrap().remove("iss");
+    let resp = chat(&bearer(mint(&key_any, &anonymous)), "who am I?");
+    assert_invalid_api_key(&resp);
+    // The same provider with an issuer in the token: a caller again.
+    let mut named = claims("alice", "free");
+    named["iss"] = "https://idp-c.example".into();
+    let resp = chat(&bearer(mint(&key_any, &named)), "who am I?");
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert_eq!(resp.header("x-ratelimit-remaining"), Some("9"), "{resp:?}");
+}

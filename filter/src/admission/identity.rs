@@ -47,8 +47,9 @@ pub trait RequestView {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
-    /// Printable and safe to log: `jwt:<sub>`, `header:<value>`,
-    /// `key:<hash prefix>`, `ip:<address>`. Never a raw key.
+    /// Printable and safe to log: `jwt:<iss>#<sub>` (see [`jwt_principal`]),
+    /// `header:<value>`, `key:<hash prefix>`, `ip:<address>`. Never a raw
+    /// key.
     pub principal: String,
     /// Stable 64-bit hash of `principal`, used to place its buckets.
     pub hash: u64,
@@ -90,7 +91,7 @@ pub enum Refusal {
     /// An API key the policy does not know (`unknown_keys: reject`).
     UnknownKey,
     /// A bearer JWT that `jwt_authn` did not verify, or that names no
-    /// principal.
+    /// principal or no issuer.
     UnverifiedJwt,
     /// Two different credentials in one request.
     ConflictingCredentials,
@@ -113,7 +114,7 @@ impl Refusal {
         match self {
             Refusal::UnknownKey => "The API key is not valid.",
             Refusal::UnverifiedJwt => {
-                "The bearer token is a JWT that could not be verified (or names no subject)."
+                "The bearer token is a JWT that could not be verified (or names no subject or no issuer)."
             }
             Refusal::ConflictingCredentials => {
                 "The request carries more than one credential (Authorization, the API key header, or one of them twice); send one."
@@ -256,7 +257,7 @@ impl Resolver {
             if bearer_keys && (known || !looks_jwt) {
                 bearer_key = Some(token);
             } else if looks_jwt {
-                if self.jwt_subject(req).is_none() {
+                if self.jwt_caller(req).is_none() {
                     return Err(Refusal::UnverifiedJwt);
                 }
                 if header_key.is_some() {
@@ -272,15 +273,20 @@ impl Resolver {
         Ok(Presented { key })
     }
 
-    /// The principal claim of a JWT `jwt_authn` verified, if any.
-    fn jwt_subject(&self, req: &dyn RequestView) -> Option<String> {
+    /// The principal of a JWT `jwt_authn` verified: its issuer and its
+    /// principal claim, both required. A subject is unique only within its
+    /// issuer (OpenID Connect Core §2), so with two providers the same `sub`
+    /// may be two people; a token without `iss` could be anyone's and is
+    /// refused rather than given a principal another issuer's token shares.
+    fn jwt_caller(&self, req: &dyn RequestView) -> Option<String> {
         let jwt = self.config.jwt.as_ref()?;
-        req.jwt_claim(
-            &jwt.metadata_namespace,
-            &jwt.payload_key,
-            &jwt.principal_claim,
-        )
-        .filter(|s| !s.is_empty())
+        let claim = |name: &str| {
+            req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, name)
+                .filter(|s| !s.is_empty())
+        };
+        let subject = claim(&jwt.principal_claim)?;
+        let issuer = claim(ISSUER_CLAIM)?;
+        Some(jwt_principal(&issuer, &subject))
     }
 
     fn try_source(
@@ -292,12 +298,12 @@ impl Resolver {
         let cfg = &self.config;
         Ok(match source {
             IdentitySource::Jwt => cfg.jwt.as_ref().and_then(|jwt| {
-                let subject = self.jwt_subject(req)?;
+                let principal = self.jwt_caller(req)?;
                 let claim = |name: Option<&String>| {
                     name.and_then(|n| req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, n))
                 };
                 Some(Claimed {
-                    principal: format!("jwt:{subject}"),
+                    principal,
                     tier: claim(jwt.tier_claim.as_ref()),
                     team: claim(jwt.team_claim.as_ref()),
                     org: claim(jwt.org_claim.as_ref()),
@@ -360,6 +366,27 @@ impl Resolver {
             org,
         }
     }
+}
+
+/// The registered claim naming who issued a JWT (RFC 7519 §4.1.1).
+const ISSUER_CLAIM: &str = "iss";
+
+/// `jwt:<issuer>#<subject>`, with `%` and `#` in the issuer written `%25`
+/// and `%23`: the first `#` always ends the issuer, so no two (issuer,
+/// subject) pairs share a principal, whatever characters either holds.
+fn jwt_principal(issuer: &str, subject: &str) -> String {
+    let mut principal = String::with_capacity(5 + issuer.len() + subject.len());
+    principal.push_str("jwt:");
+    for c in issuer.chars() {
+        match c {
+            '%' => principal.push_str("%25"),
+            '#' => principal.push_str("%23"),
+            c => principal.push(c),
+        }
+    }
+    principal.push('#');
+    principal.push_str(subject);
+    principal
 }
 
 /// The token of `Bearer <token>`, the scheme in any case (RFC 9110 §11.1);
@@ -488,13 +515,13 @@ mod tests {
         let id = r
             .resolve(&req(
                 &[("x-api-key", "k-pro")],
-                &[("sub", "alice"), ("tier", "enterprise")],
+                &[("iss", "idp"), ("sub", "alice"), ("tier", "enterprise")],
                 "10.0.0.1:5",
             ))
             .unwrap();
         assert_eq!(
             (id.principal.as_str(), id.tier.as_str()),
-            ("jwt:alice", "enterprise")
+            ("jwt:idp#alice", "enterprise")
         );
         let id = r
             .resolve(&req(&[("x-api-key", "k-pro")], &[], "10.0.0.1:5"))
@@ -657,7 +684,7 @@ mod tests {
             who(
                 &r,
                 &[("authorization", "Bearer h.p.s"), ("x-api-key", "k-pro")],
-                &[("sub", "alice")]
+                &[("iss", "idp"), ("sub", "alice")]
             ),
             Err(Refusal::ConflictingCredentials)
         );
@@ -669,9 +696,17 @@ mod tests {
         let jwt = [("authorization", "Bearer eyJh.eyJz.c2ln")];
         // jwt_authn verified it: its claims, and only those.
         assert_eq!(
-            who(&r, &jwt, &[("sub", "alice"), ("tier", "pro")]),
-            Ok(("jwt:alice".into(), "pro".into()))
+            who(
+                &r,
+                &jwt,
+                &[("iss", "idp"), ("sub", "alice"), ("tier", "pro")]
+            ),
+            Ok(("jwt:idp#alice".into(), "pro".into()))
         );
+        // Verified, but naming no issuer: whose alice would it be?
+        for claims in [&[("sub", "alice")][..], &[("iss", ""), ("sub", "alice")]] {
+            assert_eq!(who(&r, &jwt, claims), Err(Refusal::UnverifiedJwt));
+        }
         // Not verified (no metadata), or verified but with no subject.
         assert_eq!(who(&r, &jwt, &[]), Err(Refusal::UnverifiedJwt));
         assert_eq!(
@@ -703,6 +738,53 @@ mod tests {
                 .unwrap()
                 .1,
             "pro"
+        );
+    }
+
+    #[test]
+    fn a_jwt_subject_is_a_principal_only_with_its_issuer() {
+        let r = front_door();
+        let jwt = [("authorization", "Bearer eyJh.eyJz.c2ln")];
+        let principal =
+            |iss: &str, sub: &str| who(&r, &jwt, &[("iss", iss), ("sub", sub)]).map(|(p, _)| p);
+        assert_ne!(
+            principal("https://a.example", "alice"),
+            principal("https://b.example", "alice")
+        );
+        // Pairs that a plain `iss#sub` (or `iss:sub`) would join into one
+        // string stay apart, and each reads back as what it was.
+        let pairs = [
+            ("a", "b#c"),
+            ("a#b", "c"),
+            ("a%23b", "c"),
+            ("a", "%23b#c"),
+            ("a%", "23#b"),
+            ("a:b", "c"),
+            ("a", "b:c"),
+            ("", "x"),
+        ];
+        let mut seen = HashSet::new();
+        for (iss, sub) in pairs {
+            let p = jwt_principal(iss, sub);
+            assert!(seen.insert(p.clone()), "{iss:?} {sub:?} → {p:?} collides");
+            let (enc, back_sub) = p["jwt:".len()..].split_once('#').unwrap();
+            let mut back_iss = String::new();
+            let mut rest = enc;
+            while let Some((head, tail)) = rest.split_once('%') {
+                back_iss.push_str(head);
+                back_iss.push(match &tail[..2] {
+                    "23" => '#',
+                    "25" => '%',
+                    other => unreachable!("an escape sluice never writes: %{other}"),
+                });
+                rest = &tail[2..];
+            }
+            back_iss.push_str(rest);
+            assert_eq!((back_iss.as_str(), back_sub), (iss, sub), "{p}");
+        }
+        assert_eq!(
+            principal("https://idp.example/realms/x#y%z", "alice").unwrap(),
+            "jwt:https://idp.example/realms/x%23y%25z#alice"
         );
     }
 

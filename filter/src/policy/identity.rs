@@ -53,6 +53,8 @@ pub struct JwtConfig {
     pub metadata_namespace: String,
     #[serde(default = "default_jwt_payload_key")]
     pub payload_key: String,
+    /// The claim naming the caller within its issuer; the principal is it
+    /// together with the token's `iss`.
     #[serde(default = "default_principal_claim")]
     pub principal_claim: String,
     pub tier_claim: Option<String>,
