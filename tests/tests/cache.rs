@@ -218,6 +218,57 @@ fn any_output_parameter_or_earlier_turn_misses() {
     }
 }
 
+/// What the upstream reads is what is keyed: the query string (an
+/// `?api-version=` route), and integers a float cannot hold exactly (a
+/// Python server reads `2^64` and `2^64 + 1` as two seeds).
+#[test]
+fn the_query_string_and_big_integers_are_keyed_as_the_upstream_reads_them() {
+    let s = start(default_cache(), "", |_| {});
+    let base = chat("llama3.1:8b", "Name a number.");
+    let url = |q: &str| {
+        s.envoy
+            .url(&format!("/v1/chat/completions?api-version={q}"))
+    };
+    let first = post_json(&url("1"), &[("x-api-key", A)], &base);
+    assert_eq!(first.status, 200, "{}", first.body);
+    s.wait_stores(1.0);
+    let again = post_json(&url("1"), &[("x-api-key", A)], &base);
+    assert_eq!(
+        again.header("x-sluice-cache"),
+        Some("hit"),
+        "same query: a hit"
+    );
+    let before = s.upstream_requests();
+    let other = post_json(&url("2"), &[("x-api-key", A)], &base);
+    assert_eq!(other.status, 200, "{}", other.body);
+    assert_eq!(
+        other.header("x-sluice-cache"),
+        Some("miss"),
+        "another query misses"
+    );
+    assert_eq!(s.upstream_requests(), before + 1);
+
+    for seed in ["18446744073709551616", "18446744073709551617"] {
+        let mut text = base.to_string();
+        text.insert_str(text.len() - 1, &format!(",\"seed\":{seed}"));
+        let before = s.upstream_requests();
+        let r = sluice_tests::request(
+            "POST",
+            &s.envoy.url("/v1/chat/completions"),
+            &[("x-api-key", A), ("content-type", "application/json")],
+            Some(text.into_bytes()),
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_ne!(r.header("x-sluice-cache"), Some("hit"), "seed {seed}");
+        assert_eq!(
+            s.upstream_requests(),
+            before + 1,
+            "seed {seed} reached the upstream"
+        );
+    }
+}
+
 #[test]
 fn nothing_crosses_scopes() {
     let s = start(default_cache(), "", |_| {});

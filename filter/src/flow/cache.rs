@@ -251,10 +251,12 @@ impl Stream {
             org: identity.org.as_deref(),
             tier: &identity.tier,
         });
-        let key = cache_key::exact_key(&cache.salt, &scope, model, api, body).ok()?;
+        let raw_path = self.header(host, ":path").unwrap_or_default();
+        let query = cache_key::query_of(&raw_path);
+        let key = cache_key::exact_key(&cache.salt, &scope, model, api, query, body).ok()?;
         let semantic = rule
             .semantic
-            .then(|| cache_key::semantic_parts(&cache.salt, &scope, model, api, body))
+            .then(|| cache_key::semantic_parts(&cache.salt, &scope, model, api, query, body))
             .flatten()
             .map(|p| Semantic {
                 context: p.context,

@@ -61,12 +61,46 @@ impl Api {
 pub enum Uncacheable {
     /// The body is no JSON object.
     NotAnObject,
+    /// A number the body's parse cannot hold exactly: an integer beyond
+    /// 2^53 read as a float (`"seed": 18446744073709551616` and `…617`
+    /// both become 1.8446744073709552e19 here, while Python servers such
+    /// as vLLM read arbitrary-precision ints), so two requests the upstream
+    /// tells apart would share a key. Such a request is a miss, never a
+    /// wrong hit.
+    ImpreciseNumber,
+}
+
+/// Whether every number in `v` is held exactly: integers as `u64`/`i64`,
+/// and floats only where no integer the client could have meant is lost
+/// (an integral float at or above 2^53 may stand for several literals).
+fn numbers_exact(v: &Value) -> bool {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    match v {
+        Value::Number(n) => match n.as_f64() {
+            Some(f) if n.is_f64() => !(f.fract() == 0.0 && f.abs() >= EXACT) && f.is_finite(),
+            _ => true,
+        },
+        Value::Array(items) => items.iter().all(numbers_exact),
+        Value::Object(fields) => fields.values().all(numbers_exact),
+        _ => true,
+    }
+}
+
+/// The query string of a raw `:path` (after `?`, before `#`): part of what
+/// the upstream reads (`?api-version=…` on Azure-style routes), so part of
+/// the key, byte for byte.
+pub fn query_of(raw_path: &str) -> &str {
+    let before_fragment = raw_path.split('#').next().unwrap_or(raw_path);
+    before_fragment.split_once('?').map_or("", |(_, q)| q)
 }
 
 /// The body without the ignored fields, serialised with sorted keys
 /// (serde_json's map is ordered). Deterministic for equal JSON values.
 pub fn canonical(api: Api, body: &Value) -> Result<String, Uncacheable> {
     let obj = body.as_object().ok_or(Uncacheable::NotAnObject)?;
+    if !numbers_exact(body) {
+        return Err(Uncacheable::ImpreciseNumber);
+    }
     let kept: Map<String, Value> = obj
         .iter()
         .filter(|(k, _)| !api.ignored_fields().contains(&k.as_str()))
@@ -88,19 +122,21 @@ fn digest(salt: &str, domain: &str, parts: &[&str]) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The exact key (hex SHA-256).
+/// The exact key (hex SHA-256) of a request: its scope, model, API, query
+/// string (see [`query_of`]) and canonical body.
 pub fn exact_key(
     salt: &str,
     scope: &str,
     model: &str,
     api: Api,
+    query: &str,
     body: &Value,
 ) -> Result<String, Uncacheable> {
     let c = canonical(api, body)?;
     Ok(digest(
         salt,
-        "sluice-cache-exact-v1",
-        &[scope, model, api.name(), &c],
+        "sluice-cache-exact-v2",
+        &[scope, model, api.name(), query, &c],
     ))
 }
 
@@ -149,10 +185,12 @@ pub fn semantic_parts(
     scope: &str,
     model: &str,
     api: Api,
+    query: &str,
     body: &Value,
 ) -> Option<SemanticParts> {
     let obj = body.as_object()?;
     let mut rest = obj.clone();
+    let mut user_name = None;
     let text = match api {
         Api::OpenAiChat | Api::OllamaChat => {
             let mut messages = obj.get("messages")?.as_array()?.clone();
@@ -173,9 +211,9 @@ pub fn semantic_parts(
             if !plain {
                 return None;
             }
-            if let Some(name) = last.get("name") {
-                rest.insert("sluice_last_user_name".into(), name.clone());
-            }
+            // The user's `name` is hashed as a part of its own below: a body
+            // field could not stand in for it.
+            user_name = last.get("name").and_then(Value::as_str).map(str::to_string);
             rest.insert("messages".into(), Value::Array(messages));
             content_text(last.get("content")?)?
         }
@@ -194,11 +232,13 @@ pub fn semantic_parts(
         return None;
     }
     let c = canonical(api, &Value::Object(rest)).ok()?;
+    // Tagged, so no name stands for "no name".
+    let name = user_name.map_or_else(|| "-".to_string(), |n| format!("+{n}"));
     Some(SemanticParts {
         context: digest(
             salt,
-            "sluice-cache-context-v1",
-            &[scope, model, api.name(), &c],
+            "sluice-cache-context-v2",
+            &[scope, model, api.name(), query, &name, &c],
         ),
         text,
     })
@@ -224,7 +264,7 @@ mod tests {
     }
 
     fn key(body: &Value) -> String {
-        exact_key("salt", "principal:a", "m", Api::OpenAiChat, body).unwrap()
+        exact_key("salt", "principal:a", "m", Api::OpenAiChat, "", body).unwrap()
     }
 
     #[test]
@@ -250,29 +290,80 @@ mod tests {
         let base = key(&b);
         assert_ne!(
             base,
-            exact_key("salt", "principal:b", "m", Api::OpenAiChat, &b).unwrap()
+            exact_key("salt", "principal:b", "m", Api::OpenAiChat, "", &b).unwrap()
         );
         assert_ne!(
             base,
-            exact_key("salt", "principal:a", "m2", Api::OpenAiChat, &b).unwrap()
+            exact_key("salt", "principal:a", "m2", Api::OpenAiChat, "", &b).unwrap()
         );
         assert_ne!(
             base,
-            exact_key("salt", "principal:a", "m", Api::OllamaChat, &b).unwrap()
+            exact_key("salt", "principal:a", "m", Api::OllamaChat, "", &b).unwrap()
         );
         assert_ne!(
             base,
-            exact_key("pepper", "principal:a", "m", Api::OpenAiChat, &b).unwrap()
+            exact_key("pepper", "principal:a", "m", Api::OpenAiChat, "", &b).unwrap()
         );
         // Length prefixes: moving a character between parts changes the key.
         assert_ne!(
-            exact_key("s", "ab", "c", Api::OpenAiChat, &json!({})).unwrap(),
-            exact_key("s", "a", "bc", Api::OpenAiChat, &json!({})).unwrap()
+            exact_key("s", "ab", "c", Api::OpenAiChat, "", &json!({})).unwrap(),
+            exact_key("s", "a", "bc", Api::OpenAiChat, "", &json!({})).unwrap()
         );
         assert_eq!(
-            exact_key("s", "p", "m", Api::OpenAiChat, &json!([])),
+            exact_key("s", "p", "m", Api::OpenAiChat, "", &json!([])),
             Err(Uncacheable::NotAnObject)
         );
+    }
+
+    #[test]
+    fn the_query_string_is_keyed() {
+        let b = chat();
+        let k = |q: &str| exact_key("s", "p", "m", Api::OpenAiChat, q, &b).unwrap();
+        assert_ne!(k("api-version=1"), k("api-version=2"));
+        assert_ne!(k(""), k("api-version=1"));
+        assert_eq!(
+            query_of("/v1/chat/completions?api-version=2#x"),
+            "api-version=2"
+        );
+        assert_eq!(query_of("/v1/chat/completions"), "");
+        let s = |q: &str| semantic_parts("s", "p", "m", Api::OpenAiChat, q, &b).unwrap();
+        assert_ne!(s("a=1").context, s("a=2").context);
+    }
+
+    #[test]
+    fn integers_past_what_a_float_holds_are_not_cacheable() {
+        let body = |seed: &str| -> Value {
+            serde_json::from_str(&format!(r#"{{"model":"m","seed":{seed},"prompt":"x"}}"#)).unwrap()
+        };
+        let k = |seed: &str| exact_key("s", "p", "m", Api::OpenAiCompletions, "", &body(seed));
+        // 2^64 and 2^64 + 1 parse to the same float: neither gets a key.
+        assert_eq!(k("18446744073709551616"), Err(Uncacheable::ImpreciseNumber));
+        assert_eq!(k("18446744073709551617"), Err(Uncacheable::ImpreciseNumber));
+        assert_eq!(k("-9223372036854775809"), Err(Uncacheable::ImpreciseNumber));
+        assert_eq!(k("1e300"), Err(Uncacheable::ImpreciseNumber));
+        // u64 and i64 are exact, and so are ordinary floats.
+        assert_ne!(
+            k("18446744073709551615").unwrap(),
+            k("18446744073709551614").unwrap()
+        );
+        assert!(k("0.7").is_ok() && k("-3").is_ok() && k("1.5e3").is_ok());
+        let nested = json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "logit_bias": {"1": 1e20}});
+        assert!(semantic_parts("s", "p", "m", Api::OpenAiChat, "", &nested).is_none());
+    }
+
+    #[test]
+    fn a_body_field_cannot_stand_for_the_users_name() {
+        let mut named = chat();
+        named["messages"][3]["name"] = json!("bob");
+        let mut forged = chat();
+        forged["sluice_last_user_name"] = json!("bob");
+        let c = |b: &Value| {
+            semantic_parts("s", "p", "m", Api::OpenAiChat, "", b)
+                .unwrap()
+                .context
+        };
+        assert_ne!(c(&named), c(&forged));
     }
 
     /// Every field that can change the output, with a value it can have.
@@ -332,7 +423,7 @@ mod tests {
     #[test]
     fn ollama_options_and_keep_alive() {
         let b = json!({"model": "m", "prompt": "p", "options": {"temperature": 0}});
-        let k = |v: &Value| exact_key("s", "p", "m", Api::OllamaGenerate, v).unwrap();
+        let k = |v: &Value| exact_key("s", "p", "m", Api::OllamaGenerate, "", v).unwrap();
         let mut same = b.clone();
         same["keep_alive"] = json!("5m");
         same["stream"] = json!(false);
@@ -352,7 +443,7 @@ mod tests {
     }
 
     fn parts(body: &Value) -> Option<SemanticParts> {
-        semantic_parts("salt", "principal:a", "m", Api::OpenAiChat, body)
+        semantic_parts("salt", "principal:a", "m", Api::OpenAiChat, "", body)
     }
 
     #[test]
@@ -377,9 +468,9 @@ mod tests {
         let mut o = chat();
         o["seed"] = json!(1);
         assert_ne!(parts(&o).unwrap().context, a.context);
-        let b = semantic_parts("salt", "principal:b", "m", Api::OpenAiChat, &chat()).unwrap();
+        let b = semantic_parts("salt", "principal:b", "m", Api::OpenAiChat, "", &chat()).unwrap();
         assert_ne!(b.context, a.context);
-        let m = semantic_parts("salt", "principal:a", "m2", Api::OpenAiChat, &chat()).unwrap();
+        let m = semantic_parts("salt", "principal:a", "m2", Api::OpenAiChat, "", &chat()).unwrap();
         assert_ne!(m.context, a.context);
         // Delivery fields do not matter here either.
         let mut s = chat();
@@ -412,6 +503,7 @@ mod tests {
             "p",
             "m",
             Api::OllamaGenerate,
+            "",
             &json!({"prompt": "why?", "system": "x"}),
         )
         .unwrap();
@@ -421,6 +513,7 @@ mod tests {
             "p",
             "m",
             Api::OllamaGenerate,
+            "",
             &json!({"prompt": "how?", "system": "y"}),
         )
         .unwrap();
@@ -430,6 +523,7 @@ mod tests {
             "p",
             "m",
             Api::OpenAiCompletions,
+            "",
             &json!({"prompt": ["a", "b"]})
         )
         .is_none());
@@ -460,13 +554,13 @@ mod tests {
             }
             let body = json!({"model": "m", "messages": [last]});
             assert!(
-                semantic_parts("s", "g", "m", Api::OpenAiChat, &body).is_none(),
+                semantic_parts("s", "g", "m", Api::OpenAiChat, "", &body).is_none(),
                 "{body}"
             );
         }
         let ok = json!({"model": "m", "messages": [
             {"role": "user", "content": "how do I enable 2FA?", "name": "bob"}]});
-        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, &ok).is_some());
+        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, "", &ok).is_some());
     }
 
     #[test]
@@ -474,9 +568,9 @@ mod tests {
         let at = "a".repeat(SEMANTIC_TEXT_MAX_BYTES);
         let over = "a".repeat(SEMANTIC_TEXT_MAX_BYTES + 1);
         let body = |t: &str| json!({"model": "m", "messages": [{"role": "user", "content": t}]});
-        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, &body(&at)).is_some());
-        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, &body(&over)).is_none());
+        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, "", &body(&at)).is_some());
+        assert!(semantic_parts("s", "g", "m", Api::OpenAiChat, "", &body(&over)).is_none());
         let prompt = json!({"model": "m", "prompt": over});
-        assert!(semantic_parts("s", "g", "m", Api::OpenAiCompletions, &prompt).is_none());
+        assert!(semantic_parts("s", "g", "m", Api::OpenAiCompletions, "", &prompt).is_none());
     }
 }
