@@ -1,9 +1,16 @@
 //! vLLM-shaped Prometheus metrics: gauges the tests set through
 //! `POST /admin/metrics`, and TTFT / end-to-end histograms of served requests.
 //!
-//! The exposition is written by hand: it is a few fixed series whose names and
-//! labels must match vLLM's byte for byte (`vllm:` names, `model_name`,
-//! `engine`), which is simpler to read here than to coax out of a registry.
+//! The exposition is written by hand: it is a few fixed series whose names,
+//! types, buckets and labels must match vLLM's byte for byte (`vllm:`
+//! names, `engine` and `model_name` labels, written in sorted order as
+//! prometheus_client does, so a bucket's `le` sits between them), which is
+//! simpler to read here than to coax out of a registry. Names, types and
+//! buckets as vLLM's PrometheusStatLogger declares them
+//! (vllm/v1/metrics/loggers.py): gauges `vllm:num_requests_running`,
+//! `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` and the
+//! deprecated `vllm:gpu_cache_usage_perc`; histograms
+//! `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -101,7 +108,10 @@ impl Histogram {
         self.count += 1;
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+    /// `engine` and `model` are the two labels; `le` goes between them, as
+    /// prometheus_client (vLLM's exporter) writes labels in sorted order.
+    fn render(&self, out: &mut String, name: &str, help: &str, engine: &str, model: &str) {
+        let labels = format!("{engine},{model}");
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
         for (i, n) in self.counts.iter().enumerate() {
@@ -112,7 +122,7 @@ impl Histogram {
             };
             let _ = writeln!(
                 out,
-                "{name}_bucket{{{labels},le=\"{le}\"}} {:?}",
+                "{name}_bucket{{{engine},le=\"{le}\",{model}}} {:?}",
                 cumulative as f64
             );
         }
@@ -181,10 +191,12 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        let labels = format!(
-            "engine=\"0\",model_name=\"{}\"",
+        let engine = "engine=\"0\"";
+        let model = format!(
+            "model_name=\"{}\"",
             self.model.replace('\\', "\\\\").replace('"', "\\\"")
         );
+        let labels = format!("{engine},{model}");
         let (waiting, running, kv, gpu) = {
             let g = lock(&self.gauges);
             let live = self.in_flight.load(Ordering::Relaxed).max(0) as f64;
@@ -228,13 +240,15 @@ impl Metrics {
             &mut out,
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            &labels,
+            engine,
+            &model,
         );
         lock(&self.e2e).render(
             &mut out,
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            &labels,
+            engine,
+            &model,
         );
         out
     }
@@ -301,7 +315,7 @@ mod tests {
         assert!(text.contains("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m1\"} 0.95"));
         assert!(text.contains("vllm:gpu_cache_usage_perc{engine=\"0\",model_name=\"m1\"} 0.95"));
         assert!(text.contains(
-            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m1\",le=\"+Inf\"} 1.0"
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m1\"} 1.0"
         ));
         assert!(text.contains(
             "vllm:e2e_request_latency_seconds_count{engine=\"0\",model_name=\"m1\"} 1.0"
