@@ -654,7 +654,10 @@ fn ratelimit_headers(mut res: Response, v: &crate::load::Verdict, p: Personality
             }
         }
         Personality::Anthropic => {
-            let at = humantime::format_rfc3339_seconds(SystemTime::now() + v.reset).to_string();
+            // Whole seconds as Anthropic writes them, rounded up so the
+            // time is never before the real reset.
+            let at = SystemTime::now() + v.reset + std::time::Duration::from_millis(999);
+            let at = humantime::format_rfc3339_seconds(at).to_string();
             for (family, limit, remaining) in families {
                 put(
                     format!("anthropic-ratelimit-{family}-limit"),
