@@ -266,3 +266,107 @@ fn a_reload_that_raises_concurrency_drains_the_backlog_at_the_new_limit() {
     assert_eq!(count(&shots, 200, None), 12, "{shots:?}");
     assert_eq!(s.upstream.stats()["peak_in_flight"], 8);
 }
+
+/// Issue 29 item 5, the shipped policy (it declares API keys, so
+/// undeclared callers together are entitled to half of every queue):
+/// `mistral:7b` (2 in flight) is held by two slow calls, 150 one-request
+/// anonymous addresses queue standard requests (100 places), and the
+/// declared free key still gets a place and is served; the flood's
+/// newest places went to it. Before: the flood held all 100 places and
+/// the free key got 429 `queue_full`.
+#[test]
+fn an_anonymous_flood_leaves_a_declared_key_a_place() {
+    use sluice_tests::org::client_from;
+    let upstream = MockLlm::start("primary");
+    let mut cfg = shipped_config_for(&upstream);
+    // Room for a loaded machine: the flood takes a while to queue.
+    cfg.policy_mut()["classes"]["standard"]["max_wait"] = serde_yaml::Value::from("50s");
+    let envoy = Envoy::start(&cfg, WORKERS);
+    let url = envoy.url("/v1/chat/completions");
+    let chat = |client: &reqwest::blocking::Client, key: Option<&str>, latency: u64| {
+        let mut req = client.post(&url).json(&json!({
+            "model": "mistral:7b", "max_tokens": 5,
+            "messages": [{"role": "user", "content": "hi"}]}));
+        if let Some(key) = key {
+            req = req.header("x-api-key", key);
+        }
+        let resp = req
+            .header("x-mock-latency-ms", latency.to_string())
+            .send()
+            .expect("POST to Envoy");
+        let reason = resp
+            .headers()
+            .get("x-sluice-reason")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let queued = resp.headers().contains_key("x-sluice-queued-ms");
+        (resp.status().as_u16(), reason, queued)
+    };
+    let depth = || {
+        envoy
+            .metric(
+                "sluice_queue_depth",
+                &[("model", "mistral:7b"), ("class", "standard")],
+            )
+            .unwrap_or(0.0)
+    };
+    let (declared, flood) = std::thread::scope(|scope| {
+        let chat = &chat;
+        // pro: the interactive class, which never queues.
+        let slow: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(move || chat(&client_from("127.0.0.1"), Some("demo-pro-key"), 15_000))
+            })
+            .collect();
+        assert!(
+            wait_for(Duration::from_secs(10), || in_flight(&upstream) == 2),
+            "the slow calls never reached the upstream"
+        );
+        let flood: Vec<_> = (0..150u32)
+            .map(|a| {
+                let from = format!("127.0.{}.{}", 1 + a / 250, 1 + a % 250);
+                scope.spawn(move || chat(&client_from(&from), None, 0))
+            })
+            .collect();
+        assert!(
+            wait_for(Duration::from_secs(20), || depth() == 100.0),
+            "the flood never filled the queue (depth {})",
+            depth()
+        );
+        assert_eq!(
+            in_flight(&upstream),
+            2,
+            "the slow calls still hold both slots"
+        );
+        let declared = chat(&client_from("127.0.0.1"), Some("demo-free-key"), 0);
+        for s in slow {
+            assert_eq!(s.join().expect("slow call").0, 200);
+        }
+        let flood: Vec<_> = flood
+            .into_iter()
+            .map(|t| t.join().expect("flood"))
+            .collect();
+        (declared, flood)
+    });
+    let of = |status: u16, reason: Option<&str>| {
+        flood
+            .iter()
+            .filter(|(s, r, _)| *s == status && r.as_deref() == reason)
+            .count()
+    };
+    eprintln!(
+        "anonymous flood of 150: {} served, {} queue_full, {} model_rate_limit; declared: {declared:?}",
+        of(200, None),
+        of(429, Some("queue_full")),
+        of(429, Some("model_rate_limit")),
+    );
+    assert_eq!(
+        declared.0, 200,
+        "the declared key got a place: {declared:?}"
+    );
+    assert!(declared.2, "it waited in the queue: {declared:?}");
+    assert!(
+        of(429, Some("queue_full")) >= 50,
+        "the flood held more than its half of the places"
+    );
+}

@@ -354,6 +354,12 @@ impl Stream {
             wait,
             max_per_principal: class_cfg.map_or(0, |c| c.principal_cap()),
             principal: identity.hash,
+            group: group
+                .shares
+                .get(model)
+                .map_or(crate::limits::shares::REST, |t| {
+                    t.group_of(&identity.tier, identity.declared)
+                }),
             wake: wake.unwrap_or(0),
             saturated: filter.saturated(host, model, backend, now),
             now_ms: now,

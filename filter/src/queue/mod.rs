@@ -46,6 +46,24 @@
 //! still means "granted"); it never counts, is never granted, and is
 //! dropped by any writer [`EVICTED_GRACE_MS`] past its deadline.
 //!
+//! Shared places. Principals are cheap for an undeclared caller (one
+//! address, one JWT subject each), so max-min per principal alone lets a
+//! flood of one-request identities hold every place. Places are therefore
+//! also shared by the groups of the model's fair shares (the same table
+//! as its rate bucket, `limits::shares`: a declared tier named there, the
+//! undeclared callers together as `anonymous`, the unnamed rest). In a
+//! queue `max_depth` deep, a group with share s is entitled to
+//! `floor(s × max_depth)` places: a tier's guaranteed floor, anonymous's
+//! ceiling. Work-conserving: any group may take a free place; at a full
+//! queue a declared newcomer takes the newest place of the undeclared
+//! callers while they hold more than their ceiling, and a tier below its
+//! floor takes one from the group most over its entitlement (the rest is
+//! entitled to none). Only then does max-min per principal apply, and it
+//! never takes a place from a tier at or below its floor, nor gives one
+//! to the undeclared callers at their ceiling from anyone else. So with
+//! `anonymous: 50%` (the default when keys are declared) a flood of
+//! addresses leaves half of every queue to declared keys.
+//!
 //! Contention: a give-back (release, withdrawal) must not be lost, so it
 //! retries `SETTLE_TRIES_FACTOR` times as often as a take; a take that
 //! loses every race refuses the request (429 `model_concurrency`), counted
@@ -53,6 +71,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::limits::shares::{Table, REST};
 use crate::policy::Policy;
 use crate::state::codec::{Reader, Writer};
 use crate::state::store::{self, Contention, SharedStore, Updated};
@@ -85,6 +104,9 @@ pub struct Group {
     /// Fleet-wide: this Envoy may use only the slots it leased (see
     /// `flow::slots`), never more than the limits above.
     pub fleet: bool,
+    /// Model → the fair shares of its places (its rate bucket's table:
+    /// the model's `shares`, else the policy's default).
+    pub shares: BTreeMap<String, Table>,
 }
 
 impl Group {
@@ -119,6 +141,7 @@ impl Group {
 impl Gates {
     pub fn new(p: &Policy) -> Gates {
         let mut gates = Gates::default();
+        let default_shares = crate::policy::shares::default_for(p);
         let fleet = |backend: &str| {
             p.fleet
                 .as_ref()
@@ -143,8 +166,13 @@ impl Gates {
                         .map(|(n, c)| (n.clone(), c.weight))
                         .collect(),
                     fleet: fleet(&m.backend),
+                    shares: BTreeMap::new(),
                 });
             group.model_limits.insert(name.clone(), m.concurrency);
+            let written = m.shares.clone().unwrap_or_else(|| default_shares.clone());
+            if let Some(table) = Table::compile(&written) {
+                group.shares.insert(name.clone(), table);
+            }
         }
         gates
     }
@@ -228,6 +256,8 @@ pub struct Entry {
     /// Lost its place to a newcomer (fair places): counts for nothing,
     /// never granted; its worker answers `queue_full` and takes it out.
     pub evicted: bool,
+    /// The caller's group in the model's fair shares (`REST`: none).
+    pub group: u64,
 }
 
 /// One backend's slots and queue, as stored. Models and classes are kept
@@ -301,6 +331,11 @@ impl State {
         for t in evicted {
             w.u64(t);
         }
+        // Each entry's group, in entry order, last for the same reason.
+        w.u32(self.entries.len() as u32);
+        for e in &self.entries {
+            w.u64(e.group);
+        }
         w.into_bytes()
     }
 
@@ -342,6 +377,7 @@ impl State {
                 enqueued_ms: r.try_u64()?,
                 deadline_ms: r.try_u64()?,
                 evicted: false,
+                group: REST,
             });
         }
         if let Some(leased) = r.try_u32() {
@@ -356,6 +392,15 @@ impl State {
                 if let Some(e) = s.entries.iter_mut().find(|e| e.ticket == ticket) {
                     e.evicted = true;
                 }
+            }
+        }
+        if !r.rest().is_empty() {
+            let n = r.try_u32()? as usize;
+            if n != s.entries.len() {
+                return None;
+            }
+            for e in &mut s.entries {
+                e.group = r.try_u64()?;
             }
         }
         Some(s)
@@ -423,13 +468,22 @@ impl State {
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
-    /// The queue (model, class) is full and a principal holding `mine`
-    /// places asks for one more: the principal holding the most gives up
-    /// its newest place when it holds at least `mine + 2` (see the module
-    /// comment). `true`: a place was freed.
-    fn evict_for(&mut self, model: usize, class: usize, mine: u32) -> bool {
+    /// The queue (model, class) is full: among the entries of the groups
+    /// `allowed`, the principal holding the most gives up its newest place
+    /// when it holds at least `least` (a newcomer holding `mine`: `mine +
+    /// 2`, see the module comment). `true`: a place was freed.
+    fn evict_for(
+        &mut self,
+        model: usize,
+        class: usize,
+        least: u32,
+        allowed: &dyn Fn(u64) -> bool,
+    ) -> bool {
         let here = |e: &Entry| {
-            !e.evicted && usize::from(e.model) == model && usize::from(e.class) == class
+            !e.evicted
+                && usize::from(e.model) == model
+                && usize::from(e.class) == class
+                && allowed(e.group)
         };
         let mut counts: BTreeMap<u64, (u32, u64)> = BTreeMap::new();
         for e in self.entries.iter().filter(|e| here(e)) {
@@ -442,7 +496,7 @@ impl State {
         else {
             return false;
         };
-        if most < mine.saturating_add(2) {
+        if most < least.max(1) {
             return false;
         }
         let newest = self
@@ -455,6 +509,55 @@ impl State {
                 e.evicted = true;
                 true
             }
+            None => false,
+        }
+    }
+
+    /// Places a group holds for one model in one class.
+    fn held_by_group(&self, model: usize, class: usize, group: u64) -> u32 {
+        let n = self
+            .entries
+            .iter()
+            .filter(|e| {
+                !e.evicted
+                    && usize::from(e.model) == model
+                    && usize::from(e.class) == class
+                    && e.group == group
+            })
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// The queue (model, class) is full and a caller of `group` asks for a
+    /// place: a group over its entitlement gives up the newest place of
+    /// its principal holding the most, when the newcomer has a claim on it
+    /// (see "Shared places" in the module comment). `true`: a place was
+    /// freed.
+    fn evict_for_group(&mut self, model: usize, class: usize, group: u64, places: &Places) -> bool {
+        let mine = self.held_by_group(model, class, group);
+        let below_floor = places.is_tier(group) && mine < places.entitled(group);
+        let mut groups: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|e| {
+                !e.evicted && usize::from(e.model) == model && usize::from(e.class) == class
+            })
+            .map(|e| e.group)
+            .filter(|g| *g != group)
+            .collect();
+        groups.sort_unstable();
+        groups.dedup();
+        let victim = groups
+            .into_iter()
+            .filter(|g| below_floor || (places.is_anonymous(*g) && !places.is_anonymous(group)))
+            .map(|g| {
+                let held = self.held_by_group(model, class, g);
+                (held.saturating_sub(places.entitled(g)), g)
+            })
+            .filter(|(excess, _)| *excess > 0)
+            .max();
+        match victim {
+            Some((_, v)) => self.evict_for(model, class, 1, &|g| g == v),
             None => false,
         }
     }
@@ -517,6 +620,43 @@ impl State {
     }
 }
 
+/// The fair shares of one queue's places (see "Shared places" in the
+/// module comment): no table, no groups (everyone is the rest).
+struct Places<'a> {
+    table: Option<&'a Table>,
+    depth: u32,
+}
+
+impl Places<'_> {
+    fn share(&self, group: u64) -> Option<&crate::limits::shares::GroupShare> {
+        self.table?.groups.iter().find(|g| g.id == group)
+    }
+
+    /// A tier's floor, anonymous's ceiling, in places; the rest: none.
+    fn entitled(&self, group: u64) -> u32 {
+        self.share(group).map_or(0, |g| {
+            let places = u64::from(self.depth) * u64::from(g.permille) / 1000;
+            u32::try_from(places).unwrap_or(u32::MAX)
+        })
+    }
+
+    fn is_anonymous(&self, group: u64) -> bool {
+        self.share(group).is_some_and(|g| g.capped)
+    }
+
+    /// A declared tier with a share (a floor).
+    fn is_tier(&self, group: u64) -> bool {
+        self.share(group).is_some_and(|g| !g.capped)
+    }
+
+    /// The named groups.
+    fn groups(&self) -> impl Iterator<Item = u64> + '_ {
+        self.table
+            .into_iter()
+            .flat_map(|t| t.groups.iter().map(|g| g.id))
+    }
+}
+
 /// A queued entry handed a slot: its worker is woken with the ticket.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
@@ -537,6 +677,9 @@ pub struct Arrival<'a> {
     /// The most places of that queue one principal may hold (0: all).
     pub max_per_principal: u32,
     pub principal: u64,
+    /// Its group in the model's fair shares (`Table::group_of`; `REST`
+    /// when the model has none).
+    pub group: u64,
     /// This worker's wake-up queue.
     pub wake: u32,
     pub saturated: bool,
@@ -668,8 +811,31 @@ pub fn enter_checked(
             if mine >= cap {
                 return Some(Entered::Full);
             }
-            if s.depth(a.model, a.class) >= max_depth as usize && !s.evict_for(model, class, mine) {
-                return Some(Entered::Full);
+            if s.depth(a.model, a.class) >= max_depth as usize {
+                let places = Places {
+                    table: g.shares.get(a.model),
+                    depth: max_depth,
+                };
+                let freed = s.evict_for_group(model, class, a.group, &places) || {
+                    // Max-min per principal, within what the groups allow:
+                    // never a place of a tier at or below its floor, never
+                    // one more for the undeclared callers at their ceiling.
+                    let anon_full = places.is_anonymous(a.group)
+                        && s.held_by_group(model, class, a.group) >= places.entitled(a.group);
+                    let held: BTreeMap<u64, u32> = places
+                        .groups()
+                        .map(|v| (v, s.held_by_group(model, class, v)))
+                        .collect();
+                    let at_floor = |v: u64| {
+                        places.is_tier(v)
+                            && held.get(&v).copied().unwrap_or(0) <= places.entitled(v)
+                    };
+                    let allowed = |v: u64| v == a.group || !(anon_full || at_floor(v));
+                    s.evict_for(model, class, mine.saturating_add(2), &allowed)
+                };
+                if !freed {
+                    return Some(Entered::Full);
+                }
             }
             let waiting = s
                 .entries
@@ -703,6 +869,7 @@ pub fn enter_checked(
                 enqueued_ms: a.now_ms,
                 deadline_ms,
                 evicted: false,
+                group: a.group,
             });
             Some(Entered::Queued {
                 ticket,

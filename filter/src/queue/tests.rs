@@ -8,6 +8,7 @@ fn group(model_limit: u32, weights: &[(&str, u32)]) -> Group {
         model_limits: [("m".to_string(), Some(model_limit))].into(),
         weights: weights.iter().map(|(n, w)| (n.to_string(), *w)).collect(),
         fleet: false,
+        shares: BTreeMap::new(),
     }
 }
 
@@ -18,6 +19,7 @@ fn arrive(store: &MemStore, g: &Group, class: &str, principal: u64, now: u64) ->
         wait: Some((10_000, 1_000)),
         max_per_principal: 0,
         principal,
+        group: REST,
         wake: 7,
         saturated: false,
         now_ms: now,
@@ -60,6 +62,7 @@ fn refusal_without_queue_and_full_queue() {
         wait: None,
         max_per_principal: 0,
         principal: 1,
+        group: REST,
         wake: 1,
         saturated: false,
         now_ms: 0,
@@ -179,6 +182,7 @@ fn saturation_holds_the_queue() {
         wait: Some((1000, 10)),
         max_per_principal: 0,
         principal: 1,
+        group: REST,
         wake: 1,
         saturated: true,
         now_ms: 0,
@@ -224,6 +228,7 @@ fn arrive_in(store: &MemStore, g: &Group, principal: u64, depth: u32, cap: u32) 
         wait: Some((10_000, depth)),
         max_per_principal: cap,
         principal,
+        group: REST,
         wake: 7,
         saturated: false,
         now_ms: 0,
@@ -324,6 +329,7 @@ fn a_declined_check_takes_no_place_and_evicts_no_one() {
         wait: Some((10_000, 2)),
         max_per_principal: 0,
         principal,
+        group: REST,
         wake: 7,
         saturated: false,
         now_ms: 0,
@@ -382,4 +388,133 @@ fn max_per_principal_is_checked_against_max_depth() {
     }
     let ok = Policy::from_value(policy(3)).unwrap();
     assert_eq!(ok.classes["b"].principal_cap(), 3);
+}
+
+/// A group with `permille` of the places of model `m`, and anonymous 50 %.
+fn shared(pro_permille: Option<u32>) -> (Group, Table) {
+    let mut cfg = BTreeMap::from([(crate::policy::shares::ANONYMOUS.to_string(), 500)]);
+    if let Some(p) = pro_permille {
+        cfg.insert("pro".to_string(), p);
+    }
+    let table = Table::compile(&crate::policy::shares::SharesConfig(cfg)).unwrap();
+    let mut g = group(1, &[]);
+    g.shares.insert("m".into(), table.clone());
+    (g, table)
+}
+
+fn arrive_as(store: &MemStore, g: &Group, principal: u64, group: u64, depth: u32) -> Entered {
+    let a = Arrival {
+        model: "m",
+        class: "b",
+        wait: Some((10_000, depth)),
+        max_per_principal: 0,
+        principal,
+        group,
+        wake: 7,
+        saturated: false,
+        now_ms: 0,
+    };
+    enter(store, g, 8, &a).value
+}
+
+/// Issue 29 item 5: 150 one-request anonymous principals fill a queue of
+/// 10; a declared caller still gets a place (the newest anonymous one),
+/// and every declared newcomer does until anonymous holds its ceiling
+/// (5); then a declared newcomer is `Full` like anyone at a full queue.
+/// Before, the flood held every place and declared callers got `Full`.
+#[test]
+fn an_anonymous_flood_leaves_declared_callers_their_places() {
+    let store = MemStore::default();
+    let (g, t) = shared(None);
+    let anon = t.group_of("free", false);
+    let declared = t.group_of("free", true);
+    assert_eq!(declared, REST);
+    assert_eq!(arrive_as(&store, &g, 1_000, declared, 10), Entered::Go);
+    let mut queued = 0;
+    for p in 0..150 {
+        if matches!(arrive_as(&store, &g, p, anon, 10), Entered::Queued { .. }) {
+            queued += 1;
+        }
+    }
+    assert_eq!(queued, 10, "alone, anonymous may fill the queue");
+    for k in 0..5 {
+        let got = arrive_as(&store, &g, 2_000 + k, declared, 10);
+        assert!(
+            matches!(got, Entered::Queued { .. }),
+            "declared #{k}: {got:?}"
+        );
+    }
+    let s = state(&store, &g);
+    let live = |grp: u64| {
+        s.entries
+            .iter()
+            .filter(|e| !e.evicted && e.group == grp)
+            .count()
+    };
+    assert_eq!((live(anon), live(declared)), (5, 5));
+    // The newest anonymous places went: the first five still wait.
+    let evicted: Vec<u64> = s
+        .entries
+        .iter()
+        .filter(|e| e.evicted)
+        .map(|e| e.principal)
+        .collect();
+    assert!(evicted.iter().all(|p| (5..10).contains(p)), "{evicted:?}");
+    assert_eq!(arrive_as(&store, &g, 3_000, declared, 10), Entered::Full);
+    // Anonymous at its ceiling never takes a declared place back.
+    assert_eq!(arrive_as(&store, &g, 500, anon, 10), Entered::Full);
+    assert_eq!(
+        State::decode(&s.encode()),
+        Some(s.clone()),
+        "groups survive the codec"
+    );
+}
+
+/// A tier with a floor (40 % of 10 places) takes its places back from the
+/// rest (no share) at a full queue; past its floor it is one of many, and
+/// max-min per principal never takes a place of a tier at its floor.
+#[test]
+fn a_tier_keeps_its_floor_of_places() {
+    let store = MemStore::default();
+    let (g, t) = shared(Some(400));
+    let pro = t.group_of("pro", true);
+    let rest = t.group_of("free", true);
+    assert_eq!(arrive_as(&store, &g, 1_000, rest, 10), Entered::Go);
+    for _ in 0..10 {
+        assert!(matches!(
+            arrive_as(&store, &g, 1, rest, 10),
+            Entered::Queued { .. }
+        ));
+    }
+    for k in 0..4 {
+        let got = arrive_as(&store, &g, 100 + k, pro, 10);
+        assert!(matches!(got, Entered::Queued { .. }), "pro #{k}: {got:?}");
+    }
+    let s = state(&store, &g);
+    assert_eq!(s.held_by_group(0, 0, pro), 4);
+    // Principal 1 (rest) still holds 6; a newcomer of the rest holding 0
+    // takes one of its places by max-min, never one of pro's four.
+    assert!(matches!(
+        arrive_as(&store, &g, 2, rest, 10),
+        Entered::Queued { .. }
+    ));
+    let s = state(&store, &g);
+    assert_eq!(s.held_by_group(0, 0, pro), 4);
+    assert_eq!(s.held_by(0, 0, 1), 5);
+}
+
+/// Without shares (no declared keys: nobody to protect) places behave as
+/// before: max-min per principal only.
+#[test]
+fn without_shares_places_are_max_min_per_principal() {
+    let store = MemStore::default();
+    let g = group(1, &[]);
+    assert_eq!(arrive_as(&store, &g, 1, REST, 3), Entered::Go);
+    for p in 10..13 {
+        assert!(matches!(
+            arrive_as(&store, &g, p, REST, 3),
+            Entered::Queued { .. }
+        ));
+    }
+    assert_eq!(arrive_as(&store, &g, 99, REST, 3), Entered::Full);
 }
