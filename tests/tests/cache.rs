@@ -380,6 +380,45 @@ fn semantic_paraphrase_hits_and_the_near_miss_does_not() {
     );
 }
 
+/// The semantic guard: mock-llm's embeddings ignore word order (like real
+/// ones weigh a swapped name or an added "not" little), so without it
+/// these pairs were hits. Each stored question, then its twin: a miss that
+/// reaches the upstream; the same question reworded is still a hit.
+#[test]
+fn semantic_near_misses_in_numbers_negations_and_names_miss() {
+    let s = start(default_cache(), "", |_| {});
+    let pairs = [
+        (
+            "Transfer 100 dollars from Alice to Bob",
+            "Transfer 100 dollars from Bob to Alice",
+        ),
+        (
+            "Should I buy this stock now",
+            "Should I not buy this stock now",
+        ),
+        ("What is 2 plus 2", "What is 2 plus 3"),
+    ];
+    for (n, (stored, twin)) in pairs.iter().enumerate() {
+        assert_eq!(s.chat(A, &chat("mistral:7b", stored), &[]).status, 200);
+        s.wait_stores((n + 1) as f64);
+        let again = s.chat(A, &chat("mistral:7b", &format!("{stored}?")), &[]);
+        assert_eq!(
+            again.header("x-sluice-cache"),
+            Some("hit"),
+            "{stored}: reworded"
+        );
+        let before = s.upstream_requests();
+        let r = s.chat(A, &chat("mistral:7b", twin), &[]);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.header("x-sluice-cache"),
+            Some("miss"),
+            "{twin} is not {stored}"
+        );
+        assert_eq!(s.upstream_requests(), before + 1);
+    }
+}
+
 #[test]
 fn a_hit_counts_a_request_and_no_tokens() {
     let s = start(default_cache(), "", |cfg| {
