@@ -202,12 +202,12 @@ pub fn guard_of(text: &str) -> String {
                 .filter(|c| c.is_ascii_digit() || *c == '.' || *c == ',')
                 .collect();
             if core.chars().any(|c| c.is_ascii_digit()) {
-                out.push_str("#");
+                out.push('#');
                 out.push_str(digits.trim_matches(['.', ',']));
                 out.push(' ');
             }
             if NEGATIONS.contains(&lower.as_str()) || lower.ends_with("n't") {
-                out.push_str("!");
+                out.push('!');
                 out.push_str(&lower);
                 out.push(' ');
             } else if !sentence_start
