@@ -148,6 +148,8 @@ pub struct Verdict {
     pub reset: Duration,
     /// (limit, remaining) of the token budget, when there is one.
     pub tokens: Option<(u64, u64)>,
+    /// Refused by the token budget (the requests had room).
+    pub by_tokens: bool,
 }
 
 impl Limiter {
@@ -174,8 +176,8 @@ impl Limiter {
                 now
             }
         };
-        let allowed =
-            w.requests < self.limit.requests && self.limit.tokens.is_none_or(|t| w.tokens < t);
+        let requests_left = w.requests < self.limit.requests;
+        let allowed = requests_left && self.limit.tokens.is_none_or(|t| w.tokens < t);
         if allowed {
             w.requests += 1;
         }
@@ -188,6 +190,7 @@ impl Limiter {
                 .window
                 .saturating_sub(now.saturating_duration_since(start)),
             tokens: self.limit.tokens.map(|t| (t, t.saturating_sub(w.tokens))),
+            by_tokens: !allowed && requests_left,
         }
     }
 
@@ -287,5 +290,6 @@ mod tests {
         assert_eq!(v.tokens, Some((50, 0)));
         let v = l.take();
         assert!(!v.allowed, "the window's tokens are spent");
+        assert!(v.by_tokens);
     }
 }

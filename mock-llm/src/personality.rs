@@ -103,6 +103,8 @@ pub enum Kind {
     ModelNotFound,
     NotFound,
     RateLimited,
+    /// Refused by a token budget (OpenAI's type `tokens`).
+    TokensRateLimited,
     /// Anthropic's 529.
     Overloaded,
     Unavailable,
@@ -189,7 +191,7 @@ impl Refusal {
                     Kind::ModelNotFound | Kind::NotFound => "NotFoundError",
                     Kind::InvalidRequest => "BadRequestError",
                     Kind::Unavailable => "ServiceUnavailableError",
-                    Kind::RateLimited => "TooManyRequestsError",
+                    Kind::RateLimited | Kind::TokensRateLimited => "TooManyRequestsError",
                     Kind::Overloaded | Kind::Server => "InternalServerError",
                 };
                 json!({"error": {"message": self.message, "type": kind, "param": self.param,
@@ -199,7 +201,9 @@ impl Refusal {
             // with a string code (OpenAI API reference, "Error codes").
             (Personality::Openai | Personality::Mock, _) => {
                 let kind = match self.kind {
+                    // OpenAI names the limit that refused: requests or tokens.
                     Kind::RateLimited => "requests",
+                    Kind::TokensRateLimited => "tokens",
                     Kind::Server | Kind::Unavailable | Kind::Overloaded => "server_error",
                     _ => "invalid_request_error",
                 };
@@ -215,7 +219,7 @@ impl Refusal {
         match self.kind {
             Kind::InvalidRequest => "invalid_request_error",
             Kind::ModelNotFound | Kind::NotFound => "not_found_error",
-            Kind::RateLimited => "rate_limit_error",
+            Kind::RateLimited | Kind::TokensRateLimited => "rate_limit_error",
             Kind::Overloaded | Kind::Unavailable => "overloaded_error",
             Kind::Server => "api_error",
         }

@@ -384,7 +384,7 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
     };
     let mut limited_by = s.limiter.as_ref().map(|l| l.take());
     if let Some(v) = limited_by.as_ref().filter(|v| !v.allowed) {
-        let res = limiter_refusal(p, Surface::of(api));
+        let res = limiter_refusal(p, Surface::of(api), v.by_tokens);
         return ratelimit_headers(arrival.decorate(res, Some(&model)), v, p);
     }
     let body = match &arrival.body {
@@ -593,7 +593,7 @@ fn prepare(s: &AppState, api: Api, body: &Value, knobs: &Knobs) -> Result<Prepar
 /// The answer past `--ratelimit-requests`/`--ratelimit-tokens`: OpenAI's
 /// and Anthropic's 429; vLLM and Ollama have no request limit of their own
 /// and push back with a 503 (Ollama's ErrMaxQueue, server/sched.go).
-fn limiter_refusal(p: Personality, surface: Surface) -> Response {
+fn limiter_refusal(p: Personality, surface: Surface, by_tokens: bool) -> Response {
     match p {
         Personality::Mock => error(
             StatusCode::TOO_MANY_REQUESTS,
@@ -604,9 +604,16 @@ fn limiter_refusal(p: Personality, surface: Surface) -> Response {
         Personality::Openai => {
             let mut r = Refusal::for_status(
                 StatusCode::TOO_MANY_REQUESTS,
-                injected_message(p, StatusCode::TOO_MANY_REQUESTS),
+                if by_tokens {
+                    "Rate limit reached for tokens".to_owned()
+                } else {
+                    injected_message(p, StatusCode::TOO_MANY_REQUESTS)
+                },
             );
             r.code = Some("rate_limit_exceeded");
+            if by_tokens {
+                r.kind = crate::personality::Kind::TokensRateLimited;
+            }
             r.render(p, surface)
         }
         Personality::Anthropic => Refusal::for_status(

@@ -426,6 +426,23 @@ async fn rate_limits_in_each_servers_headers() {
     let refused = send(&openai, "/v1/chat/completions", &[], body.clone()).await;
     assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(refused.json()["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(refused.json()["error"]["type"], "requests");
+    let tokens = app(Personality::Openai, |c| {
+        c.ratelimit = Some(mock_llm::load::RateLimit {
+            requests: 100,
+            tokens: Some(3),
+            window: Duration::from_secs(60),
+        })
+    });
+    send(&tokens, "/v1/chat/completions", &[], body.clone()).await;
+    let refused = send(&tokens, "/v1/chat/completions", &[], body.clone()).await;
+    assert_eq!(
+        refused.json()["error"]["type"],
+        "tokens",
+        "{}",
+        refused.text
+    );
+    assert_eq!(refused.headers["x-ratelimit-remaining-tokens"], "0");
 
     let anthropic = app(Personality::Anthropic, limit);
     let msg = json!({"model": "c", "messages": [], "max_tokens": 2});
