@@ -561,6 +561,37 @@ async fn metrics_only_where_vllm_serves_them() {
             .status()
     };
     assert_eq!(get(app(Personality::Vllm, |_| {})).await, StatusCode::OK);
+    // Names, types and label order as vLLM's prometheus_client exports
+    // them (vllm/v1/metrics/loggers.py), which the sidecar's vLLM source reads.
+    let vllm = app(Personality::Vllm, |c| c.model = "served".into());
+    send(
+        &vllm,
+        "/v1/chat/completions",
+        &[],
+        chat(json!({"max_tokens": 1})),
+    )
+    .await;
+    let res = vllm
+        .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(
+        &axum::body::to_bytes(res.into_body(), usize::MAX)
+            .await
+            .unwrap(),
+    )
+    .into_owned();
+    for line in [
+        "# TYPE vllm:num_requests_running gauge",
+        "# TYPE vllm:num_requests_waiting gauge",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        "# TYPE vllm:e2e_request_latency_seconds histogram",
+        "vllm:e2e_request_latency_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"served\"} 1.0",
+        "vllm:e2e_request_latency_seconds_count{engine=\"0\",model_name=\"served\"} 1.0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+    }
     assert_eq!(
         get(app(Personality::Openai, |_| {})).await,
         StatusCode::NOT_FOUND
