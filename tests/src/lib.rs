@@ -535,6 +535,16 @@ impl EnvoyConfig {
             .expect("envoy config has at least one listener")
     }
 
+    /// The address the first listener binds (`127.0.0.1` unless a test
+    /// sets another, such as `::1` for an IPv6 listener); the port is the
+    /// harness's.
+    pub fn listener_ip(&self) -> std::net::IpAddr {
+        self.root["static_resources"]["listeners"][0]["address"]["socket_address"]["address"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]))
+    }
+
     /// The `typed_config` of the listener's HTTP connection manager
     /// (routes, `http_filters`, access logs).
     pub fn hcm_mut(&mut self) -> &mut Value {
@@ -864,7 +874,7 @@ impl Envoy {
     pub fn try_start(cfg: &EnvoyConfig, concurrency: u32) -> Result<Envoy, String> {
         let dir = temp_dir("sluice-envoy-");
         let d = dir.path();
-        let listener = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let listener = SocketAddr::new(cfg.listener_ip(), free_port());
         let (bootstrap, lds) = cfg.render(listener.port(), &d.join("lds.yaml"));
         let io_err = |e: io::Error| format!("preparing Envoy in {}: {e}", d.display());
         fs::write(d.join("lds.yaml"), to_yaml(&lds)).map_err(io_err)?;

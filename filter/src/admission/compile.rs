@@ -178,10 +178,11 @@ impl Engine {
                 }
             }
         }
+        let ipv6_prefix = crate::policy::identity::ipv6_prefix(&policy);
         let penalty = policy
             .abuse
             .as_ref()
-            .map(crate::admission::penalty::PenaltyBox::new);
+            .map(|abuse| crate::admission::penalty::PenaltyBox::new(abuse, ipv6_prefix));
         Engine {
             resolver: Resolver::new(&policy),
             pricing: pricing(&policy),

@@ -25,6 +25,7 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, Ipv6Addr};
 
 use crate::policy::keys::{fnv1a, key_principal, sha256_hex};
 use crate::policy::{IdentityConfig, IdentitySource, KeyEntry, Policy, UnknownKeys};
@@ -48,8 +49,8 @@ pub trait RequestView {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
     /// Printable and safe to log: `jwt:<iss>#<sub>` (see [`jwt_principal`]),
-    /// `header:<value>`, `key:<hash prefix>`, `ip:<address>`. Never a raw
-    /// key.
+    /// `header:<value>`, `key:<hash prefix>`, `ip:<address>` (see
+    /// [`caller_address`]). Never a raw key.
     pub principal: String,
     /// Stable 64-bit hash of `principal`, used to place its buckets.
     pub hash: u64,
@@ -147,6 +148,8 @@ pub struct Resolver {
     /// every request, and hashing it each time was a measurable part of the
     /// request path. Bounded (see [`KEY_HASH_CACHE`]).
     key_hashes: RefCell<HashMap<String, String>>,
+    /// The prefix an IPv6 client address counts by.
+    ipv6_prefix: u8,
 }
 
 /// Most API keys whose hash one VM remembers. When full, the cache starts
@@ -179,6 +182,7 @@ impl Resolver {
             orgs: policy.orgs.keys().cloned().collect(),
             key_tiers,
             key_hashes: RefCell::default(),
+            ipv6_prefix: crate::policy::identity::ipv6_prefix(policy),
         }
     }
 
@@ -337,7 +341,7 @@ impl Resolver {
             },
             IdentitySource::ClientAddress => req
                 .client_address()
-                .map(|addr| Claimed::new(format!("ip:{}", strip_port(&addr)), None)),
+                .map(|addr| Claimed::new(address_principal(&addr, self.ipv6_prefix), None)),
         })
     }
 
@@ -411,30 +415,39 @@ fn principal_hash(principal: &str) -> u64 {
     fnv1a(principal.as_bytes())
 }
 
-/// The hash of a client address as a principal (`ip:<address>`), port
-/// dropped: what the penalty box counts by.
-pub(crate) fn address_hash(addr: &str) -> u64 {
-    principal_hash(&format!("ip:{}", strip_port(addr)))
-}
-
-/// What the penalty box counts an address as: an IPv4 address whole (the
-/// same hash as [`address_hash`]), an IPv6 address by its first `v6_prefix`
-/// bits (a provider hands each subscriber a `/64`, or a `/48`), an IPv4
-/// address mapped into IPv6 as IPv4. Anything unparsable counts whole.
-pub(crate) fn address_prefix_hash(addr: &str, v6_prefix: u8) -> u64 {
+/// The one place that says which addresses are one caller: an IPv4
+/// address whole, an IPv4 address mapped into IPv6 (`::ffff:1.2.3.4`, how a
+/// dual-stack listener sees IPv4 clients) as that IPv4 address, an IPv6
+/// address by its first `v6_prefix` bits, written `<network>/<bits>`
+/// (whole, without `/128`, at 128). The port is dropped; anything that does
+/// not parse as an address counts as written.
+pub(crate) fn caller_address(addr: &str, v6_prefix: u8) -> String {
     let bare = strip_port(addr);
-    match bare.parse::<std::net::IpAddr>() {
-        Ok(std::net::IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
-            Some(v4) => principal_hash(&format!("ip:{v4}")),
+    match bare.parse::<IpAddr>() {
+        Ok(IpAddr::V4(v4)) => v4.to_string(),
+        Ok(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None if v6_prefix >= 128 => v6.to_string(),
             None => {
-                let bits = u32::from(v6_prefix.min(128));
+                let bits = u32::from(v6_prefix);
                 let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
-                let net = std::net::Ipv6Addr::from(u128::from(v6) & mask);
-                principal_hash(&format!("ip:{net}/{bits}"))
+                format!("{}/{bits}", Ipv6Addr::from(u128::from(v6) & mask))
             }
         },
-        _ => address_hash(addr),
+        Err(_) => bare.to_string(),
     }
+}
+
+/// The principal of a caller known by its address, `ip:<caller_address>`.
+fn address_principal(addr: &str, v6_prefix: u8) -> String {
+    format!("ip:{}", caller_address(addr, v6_prefix))
+}
+
+/// The hash of a client address as a principal: what the penalty box
+/// counts an address by, the same value the address's buckets are placed
+/// by.
+pub(crate) fn address_hash(addr: &str, v6_prefix: u8) -> u64 {
+    principal_hash(&address_principal(addr, v6_prefix))
 }
 
 /// `1.2.3.4:5678` → `1.2.3.4`, `[::1]:5678` → `::1`.
@@ -823,6 +836,76 @@ mod tests {
             first,
             "after the cache started over"
         );
+    }
+
+    #[test]
+    fn an_ipv6_caller_is_its_prefix_and_a_mapped_ipv4_its_ipv4() {
+        let at = |addr: &str| caller_address(addr, 64);
+        assert_eq!(at("[2001:db8:1:2::1]:443"), "2001:db8:1:2::/64");
+        assert_eq!(
+            at("[2001:db8:1:2:ffff:ffff:ffff:ffff]:1"),
+            "2001:db8:1:2::/64"
+        );
+        assert_eq!(at("2001:db8:1:3::1"), "2001:db8:1:3::/64");
+        assert_eq!(at("[::ffff:10.1.2.3]:80"), "10.1.2.3");
+        assert_eq!(at("10.1.2.3:80"), "10.1.2.3");
+        assert_eq!(caller_address("[2001:db8:1:2::1]:1", 48), "2001:db8:1::/48");
+        assert_eq!(caller_address("[2001:db8::1]:1", 128), "2001:db8::1");
+        assert_eq!(caller_address("[::1]:1", 1), "::/1");
+        assert_eq!(at("not-an-address"), "not-an-address");
+        // Principal, bucket placement and the penalty box's count all
+        // follow: one /64 is one caller.
+        let r = resolver(json!({"sources": ["client_address"]}));
+        let id = |addr: &str| r.resolve(&req(&[], &[], addr)).unwrap();
+        let (a, b) = (id("[2001:db8:1:2::1]:5"), id("[2001:db8:1:2::beef]:6"));
+        assert_eq!(a, b);
+        assert_eq!(a.principal, "ip:2001:db8:1:2::/64");
+        assert_eq!(a.hash, address_hash("[2001:db8:1:2::77]:9", 64));
+        assert_ne!(a.hash, id("[2001:db8:1:3::1]:5").hash);
+        assert_eq!(id("[::ffff:1.2.3.4]:5"), id("1.2.3.4:6"));
+        // The prefix is the policy's, written once.
+        let wide = resolver(json!({"sources": ["client_address"], "ipv6_prefix": 48}));
+        let w = |addr: &str| wide.resolve(&req(&[], &[], addr)).unwrap().principal;
+        assert_eq!(w("[2001:db8:1:2::1]:5"), w("[2001:db8:1:ff::1]:5"));
+        assert_eq!(w("[2001:db8:1:2::1]:5"), "ip:2001:db8:1::/48");
+    }
+
+    #[test]
+    fn the_ipv6_prefix_is_one_value_checked_with_its_path() {
+        let policy = |identity: serde_json::Value, abuse: Option<serde_json::Value>| {
+            let mut v =
+                json!({"default_tier": "free", "tiers": {"free": {}}, "identity": identity});
+            if let Some(a) = abuse {
+                v["abuse"] = a;
+            }
+            Policy::from_value(v)
+        };
+        let abuse =
+            |bits: u8| json!({"threshold": "5/min", "block_for": "1m", "ipv6_prefix": bits});
+        let prefix = |p: Result<Policy, crate::policy::ConfigError>| {
+            crate::policy::identity::ipv6_prefix(&p.unwrap())
+        };
+        assert_eq!(prefix(policy(json!({}), None)), 64);
+        assert_eq!(prefix(policy(json!({"ipv6_prefix": 56}), None)), 56);
+        // Where older configs wrote it: it counts for identity too.
+        assert_eq!(prefix(policy(json!({}), Some(abuse(48)))), 48);
+        assert_eq!(
+            prefix(policy(json!({"ipv6_prefix": 48}), Some(abuse(48)))),
+            48
+        );
+        for (identity, abuse, path) in [
+            (json!({"ipv6_prefix": 0}), None, "identity.ipv6_prefix"),
+            (json!({"ipv6_prefix": 129}), None, "identity.ipv6_prefix"),
+            (json!({}), Some(abuse(0)), "abuse.ipv6_prefix"),
+            (
+                json!({"ipv6_prefix": 64}),
+                Some(abuse(48)),
+                "abuse.ipv6_prefix",
+            ),
+        ] {
+            let err = policy(identity, abuse).unwrap_err();
+            assert_eq!(err.path, path, "{err}");
+        }
     }
 
     #[test]

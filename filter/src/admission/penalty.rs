@@ -1,8 +1,9 @@
 //! The penalty box (`abuse`): a caller that sends more than `threshold`
 //! requests within one period is refused 429 `temporarily_blocked`, with
 //! `Retry-After`, for `block_for`; then its count starts again from zero.
-//! Counted per client address (IPv6 by `/ipv6_prefix`, default `/64`) or per
-//! principal (`by`); declared API keys can be exempt. Every request counts,
+//! Counted per client address (IPv6 by `identity.ipv6_prefix`, default
+//! `/64`, as everywhere) or per principal (`by`); declared API keys can be
+//! exempt. Every request counts,
 //! admitted or not, and so does every failed authentication (a 401): the box
 //! is about the pressure a caller puts on the gateway, before any bucket.
 //!
@@ -232,7 +233,9 @@ fn mix(x: u64) -> u64 {
 }
 
 impl PenaltyBox {
-    pub fn new(config: &AbuseConfig) -> PenaltyBox {
+    /// `ipv6_prefix`: the policy's (`policy::identity::ipv6_prefix`), so
+    /// that the box counts an address as the caller identity makes of it.
+    pub fn new(config: &AbuseConfig, ipv6_prefix: u8) -> PenaltyBox {
         PenaltyBox {
             threshold: config.threshold,
             block_for_ms: config.block_for_ms,
@@ -243,7 +246,7 @@ impl PenaltyBox {
                 .map(|k| crate::policy::keys::principal_of_key(k))
                 .collect(),
             exempt_declared: config.exempt_declared,
-            ipv6_prefix: config.ipv6_prefix,
+            ipv6_prefix,
         }
     }
 
@@ -272,7 +275,7 @@ impl PenaltyBox {
     /// principal: its address is what the box counts).
     pub fn who_by_address(&self, req: &dyn RequestView) -> Option<u64> {
         req.client_address()
-            .map(|a| crate::admission::identity::address_prefix_hash(&a, self.ipv6_prefix))
+            .map(|a| crate::admission::identity::address_hash(&a, self.ipv6_prefix))
             // 0 marks a free record.
             .map(|h| h.max(1))
     }
@@ -448,7 +451,7 @@ mod tests {
     }
 
     fn boxed(threshold: &str, block_for: &str, slots: u32) -> (PenaltyBox, MemStore) {
-        let pb = PenaltyBox::new(&config(threshold, block_for, slots));
+        let pb = PenaltyBox::new(&config(threshold, block_for, slots), 64);
         let store = MemStore::default();
         pb.prepare(&store).unwrap();
         (pb, store)
@@ -524,7 +527,7 @@ mod tests {
         let until = pb.check(&store, abuser, 100, 8).blocked_until_ms;
         assert_eq!(until, Some(60 + 600_000));
         for i in 0..6_000u64 {
-            let who = crate::admission::identity::address_prefix_hash(
+            let who = crate::admission::identity::address_hash(
                 &format!("10.{}.{}.{}:40000", i >> 16, (i >> 8) & 255, i & 255),
                 64,
             );
@@ -635,7 +638,7 @@ mod tests {
         for t in 0..4 {
             pb.check(&store, 43, t, 8);
         }
-        let reloaded = PenaltyBox::new(&config("5/min", "10m", 4099));
+        let reloaded = PenaltyBox::new(&config("5/min", "10m", 4099), 64);
         assert_eq!(reloaded.prepare(&store).unwrap(), 0, "same keys");
         assert_eq!(
             reloaded.check(&store, 42, 100, 8).blocked_until_ms,
@@ -650,7 +653,7 @@ mod tests {
 
     #[test]
     fn ipv6_callers_are_counted_by_prefix() {
-        let c = |a: &str, p: u8| crate::admission::identity::address_prefix_hash(a, p);
+        let c = |a: &str, p: u8| crate::admission::identity::address_hash(a, p);
         assert_eq!(
             c("[2001:db8:1:2::1]:443", 64),
             c("[2001:db8:1:2:ffff::9]:1", 64)
@@ -667,11 +670,7 @@ mod tests {
         // IPv4 (and IPv4 mapped into IPv6) is the whole address.
         assert_eq!(c("1.2.3.4:5", 64), c("[::ffff:1.2.3.4]:5", 64));
         assert_ne!(c("1.2.3.4:5", 64), c("1.2.3.5:5", 64));
-        assert_eq!(
-            c("1.2.3.4:5", 64),
-            crate::admission::identity::address_hash("1.2.3.4:7"),
-            "IPv4 counts as before"
-        );
+        assert_eq!(c("1.2.3.4:5", 64), c("1.2.3.4:7", 48), "IPv4 counts whole");
     }
 
     #[test]
@@ -721,7 +720,10 @@ mod tests {
         v["abuse"] =
             serde_json::json!({"threshold": "60/min", "block_for": "10m", "exempt": ["k1"]});
         let p = Policy::from_value(v).unwrap();
-        let pb = PenaltyBox::new(p.abuse.as_ref().unwrap());
+        let pb = PenaltyBox::new(
+            p.abuse.as_ref().unwrap(),
+            crate::policy::identity::ipv6_prefix(&p),
+        );
         assert!(pb
             .exempt
             .contains(&crate::policy::keys::principal_of_key("k1")));

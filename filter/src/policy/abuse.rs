@@ -15,7 +15,8 @@ const MAX_MS: u64 = 7 * 86_400_000;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum By {
-    /// The connection's address (port dropped; IPv6 by prefix).
+    /// The connection's address (port dropped; IPv6 by
+    /// `identity.ipv6_prefix`, as everywhere).
     #[default]
     ClientAddress,
     /// The resolved principal (key, JWT subject, header, or address).
@@ -44,19 +45,15 @@ pub struct AbuseConfig {
     /// module comment), so this no longer sizes or places anything.
     #[serde(default = "default_slots")]
     pub slots: u32,
-    /// IPv6 addresses are counted by this prefix (an IPv6 caller gets a
-    /// `/64` from its provider: counting whole addresses would give it
-    /// 2^64 callers).
-    #[serde(default = "default_ipv6_prefix")]
-    pub ipv6_prefix: u8,
+    /// Where older configs wrote `identity.ipv6_prefix` (the penalty box
+    /// was once alone in counting IPv6 by prefix); the same value for
+    /// everything either way (`policy::identity::ipv6_prefix`).
+    #[serde(default)]
+    pub ipv6_prefix: Option<u8>,
 }
 
 fn default_slots() -> u32 {
     4096
-}
-
-fn default_ipv6_prefix() -> u8 {
-    64
 }
 
 fn de_rate<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Rate, D::Error> {
@@ -102,12 +99,6 @@ impl AbuseConfig {
             return Err(ConfigError::at(
                 "abuse.slots",
                 "must be between 1 and 65536",
-            ));
-        }
-        if !(1..=128).contains(&self.ipv6_prefix) {
-            return Err(ConfigError::at(
-                "abuse.ipv6_prefix",
-                "must be between 1 and 128 (bits of an IPv6 address counted as one caller)",
             ));
         }
         let declared: HashSet<String> = policy

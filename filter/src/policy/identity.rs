@@ -27,6 +27,13 @@ pub struct IdentityConfig {
     pub jwt: Option<JwtConfig>,
     pub trusted_header: Option<TrustedHeaderConfig>,
     pub api_key: Option<ApiKeyConfig>,
+    /// An IPv6 client address is one caller per this prefix (bits), in
+    /// every place that tells callers apart by address: principal,
+    /// buckets, cache scope, penalty box. A provider hands a subscriber a
+    /// `/64` (or a `/56`, `/48`): counting whole addresses would give one
+    /// subscriber 2^64 callers. Unset: `abuse.ipv6_prefix` if written,
+    /// else 64. See [`ipv6_prefix`].
+    pub ipv6_prefix: Option<u8>,
 }
 
 impl Default for IdentityConfig {
@@ -36,6 +43,7 @@ impl Default for IdentityConfig {
             jwt: None,
             trusted_header: None,
             api_key: None,
+            ipv6_prefix: None,
         }
     }
 }
@@ -178,6 +186,20 @@ pub(crate) fn redact_key(key: &str) -> String {
     }
 }
 
+/// The prefix an IPv6 client address counts by: `identity.ipv6_prefix`,
+/// else `abuse.ipv6_prefix` (where older configs wrote it), else 64. One
+/// value for everything, so that no part of sluice counts a `/64` as many
+/// callers while another counts it as one.
+pub fn ipv6_prefix(p: &Policy) -> u8 {
+    p.identity
+        .ipv6_prefix
+        .or(p.abuse.as_ref().and_then(|a| a.ipv6_prefix))
+        .unwrap_or(DEFAULT_IPV6_PREFIX)
+}
+
+/// What an IPv6 subscriber is usually given.
+pub const DEFAULT_IPV6_PREFIX: u8 = 64;
+
 /// Every listed source is configured; every declared key names a declared
 /// tier, team and org, and a `sha256:` key is a whole digest.
 pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
@@ -201,6 +223,31 @@ pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
             return Err(ConfigError::at(
                 format!("identity.sources[{i}]"),
                 format!("`{section}` is listed but `identity.{section}` is not configured"),
+            ));
+        }
+    }
+    for (path, bits) in [
+        ("identity.ipv6_prefix", id.ipv6_prefix),
+        (
+            "abuse.ipv6_prefix",
+            p.abuse.as_ref().and_then(|a| a.ipv6_prefix),
+        ),
+    ] {
+        if bits.is_some_and(|b| !(1..=128).contains(&b)) {
+            return Err(ConfigError::at(
+                path,
+                "must be between 1 and 128 (bits of an IPv6 address counted as one caller)",
+            ));
+        }
+    }
+    if let (Some(a), Some(b)) = (id.ipv6_prefix, p.abuse.as_ref().and_then(|a| a.ipv6_prefix)) {
+        if a != b {
+            return Err(ConfigError::at(
+                "abuse.ipv6_prefix",
+                format!(
+                    "is {b} while identity.ipv6_prefix is {a}: an IPv6 caller is one prefix \
+                     everywhere; write it once, under identity"
+                ),
             ));
         }
     }
