@@ -42,6 +42,24 @@ $(CLIENTS_STAMP):
 	  openai==$(OPENAI_VERSION) ollama==$(OLLAMA_VERSION)
 	@touch $@
 
+## third-party: guidellm's mock-server, an OpenAI-compatible upstream nobody
+## here wrote (tests/tests/third_party.rs), in its own venv .venv/third-party.
+## Every version is pinned in bench/third-party/guidellm.txt and installed with
+## --no-deps: guidellm 0.8.1 also declares torch (whose Linux wheel pulls the
+## CUDA wheels, gigabytes) and datasets, which its mock-server never imports.
+THIRD_PARTY_VENV  := $(VENV)/third-party
+THIRD_PARTY_REQS  := bench/third-party/guidellm.txt
+THIRD_PARTY_STAMP := $(THIRD_PARTY_VENV)/.installed-$(shell cksum < $(THIRD_PARTY_REQS) | cut -d' ' -f1)
+.PHONY: third-party
+third-party: $(THIRD_PARTY_STAMP)
+
+$(THIRD_PARTY_STAMP): $(THIRD_PARTY_REQS)
+	@[ -x $(THIRD_PARTY_VENV)/bin/python ] || $(PYTHON) -m venv $(THIRD_PARTY_VENV)
+	$(THIRD_PARTY_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r $(THIRD_PARTY_REQS)
+	@$(THIRD_PARTY_VENV)/bin/guidellm --version
+	@rm -f $(THIRD_PARTY_VENV)/.installed-*
+	@touch $@
+
 ## build: the filter (.wasm), the sidecar and mock-llm, release
 build: tools
 	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
@@ -51,9 +69,9 @@ build: tools
 	@ls -l $(WASM)
 
 ## test: every test — native unit/property tests and real-Envoy integration tests
-test: build clients browser
+test: build clients browser third-party
 	$(CARGO) test --workspace --exclude sluice-tests
-	SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=2
+	SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=2
 
 ## browser: headless Chromium and chromedriver (Debian `chromium`,
 ## `chromium-driver`) for tests/tests/operator_page.rs, installed when missing.

@@ -26,6 +26,7 @@ use serde_yaml::Value;
 pub mod fleet;
 pub mod layers;
 pub mod org;
+pub mod third_party;
 
 /// How long a process may take to come up, and a reload to be applied.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
