@@ -68,9 +68,6 @@ fn openai_pushback_makes_the_queue_wait_for_the_reset() {
 }
 
 #[test]
-#[ignore = "sluice reads only OpenAI's x-ratelimit-remaining-*/x-ratelimit-reset-* \
-            (filter/src/flow/waiting.rs observe_provider_limits), not Anthropic's \
-            anthropic-ratelimit-*-remaining/-reset (RFC 3339 times)"]
 fn anthropic_pushback_makes_the_queue_wait_for_the_reset() {
     waits_for_the_reset(Personality::Anthropic);
 }

@@ -768,8 +768,9 @@ impl Stream {
         }
     }
 
-    /// OpenAI-style `x-ratelimit-remaining-*: 0` with `x-ratelimit-reset-*`:
-    /// the provider has nothing left until the reset, so the model's queue
+    /// A provider's "nothing left until the reset" (OpenAI's
+    /// `x-ratelimit-*` or Anthropic's `anthropic-ratelimit-*`, read by
+    /// [`queue::provider_reset_ms`]): the model's queue
     /// waits for it instead of sending requests into 429s.
     pub(super) fn observe_provider_limits(&mut self, host: &dyn Host) {
         let Some(g) = self.gate.clone() else { return };
@@ -785,17 +786,7 @@ impl Stream {
         }
         let now = host.now_ms();
         let cap = filter.engine.policy.protection.max_pause_ms;
-        let reset = ["requests", "tokens"]
-            .into_iter()
-            .filter(|kind| {
-                host.response_header(&format!("x-ratelimit-remaining-{kind}"))
-                    .is_some_and(|v| v.trim() == "0")
-            })
-            .filter_map(|kind| {
-                let reset = host.response_header(&format!("x-ratelimit-reset-{kind}"))?;
-                queue::parse_reset(&reset)
-            })
-            .max();
+        let reset = queue::provider_reset_ms(&|name| host.response_header(name), now);
         if let Some(reset) = reset.filter(|r| *r > 0) {
             let until = now.saturating_add(reset.min(cap));
             let changed = queue::pause(host, group, filter.tries(), &g.model, until);

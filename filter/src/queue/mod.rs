@@ -1019,6 +1019,39 @@ pub fn lease(
     )
 }
 
+/// How long (ms) a provider says it has nothing left, from its answer's
+/// headers, in either dialect:
+/// - OpenAI: `x-ratelimit-remaining-{requests,tokens}: 0` with
+///   `x-ratelimit-reset-{requests,tokens}` a duration (`6m0s`, `1.5s`);
+///   OpenAI's rate-limits guide, "Rate limits in headers".
+/// - Anthropic: `anthropic-ratelimit-{requests,tokens,input-tokens,
+///   output-tokens}-remaining: 0` with `…-reset` an RFC 3339 time (when the
+///   limit is fully replenished); Anthropic's API reference, "Rate limits",
+///   response headers.
+///
+/// The longest wait of the exhausted limits; `None` when none is, or its
+/// reset does not parse (a malformed header never pauses anything).
+pub fn provider_reset_ms(header: &dyn Fn(&str) -> Option<String>, now_ms: u64) -> Option<u64> {
+    let openai = ["requests", "tokens"].into_iter().filter_map(|kind| {
+        exhausted(header(&format!("x-ratelimit-remaining-{kind}")))?;
+        parse_reset(&header(&format!("x-ratelimit-reset-{kind}"))?)
+    });
+    let anthropic = ["requests", "tokens", "input-tokens", "output-tokens"]
+        .into_iter()
+        .filter_map(|kind| {
+            exhausted(header(&format!("anthropic-ratelimit-{kind}-remaining")))?;
+            let at = header(&format!("anthropic-ratelimit-{kind}-reset"))?;
+            let at: jiff::Timestamp = at.trim().parse().ok()?;
+            let at_ms = u64::try_from(at.as_millisecond()).ok()?;
+            Some(at_ms.saturating_sub(now_ms))
+        });
+    openai.chain(anthropic).max()
+}
+
+fn exhausted(remaining: Option<String>) -> Option<()> {
+    (remaining?.trim() == "0").then_some(())
+}
+
 /// Parses an OpenAI-style reset (`1s`, `6m0s`, `20ms`, `1h2m3.5s`) or a
 /// plain number of seconds, in ms. `None`: not a duration.
 pub fn parse_reset(text: &str) -> Option<u64> {

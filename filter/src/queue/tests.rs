@@ -518,3 +518,53 @@ fn without_shares_places_are_max_min_per_principal() {
     }
     assert_eq!(arrive_as(&store, &g, 99, REST, 3), Entered::Full);
 }
+
+#[test]
+fn a_providers_reset_in_either_dialect() {
+    let headers = |pairs: &'static [(&'static str, &'static str)]| {
+        move |name: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+    };
+    // 2026-12-01T00:00:00Z
+    let now = 1_796_083_200_000;
+    let openai = headers(&[
+        ("x-ratelimit-remaining-requests", "0"),
+        ("x-ratelimit-reset-requests", "6m0s"),
+        ("x-ratelimit-remaining-tokens", "10"),
+        ("x-ratelimit-reset-tokens", "1h"),
+    ]);
+    assert_eq!(provider_reset_ms(&openai, now), Some(360_000));
+    let anthropic = headers(&[
+        ("anthropic-ratelimit-requests-remaining", "0"),
+        (
+            "anthropic-ratelimit-requests-reset",
+            "2026-12-01T00:00:01.500Z",
+        ),
+        ("anthropic-ratelimit-output-tokens-remaining", "0"),
+        (
+            "anthropic-ratelimit-output-tokens-reset",
+            "2026-12-01T00:00:03Z",
+        ),
+        ("anthropic-ratelimit-tokens-remaining", "5"),
+        ("anthropic-ratelimit-tokens-reset", "2026-12-01T01:00:00Z"),
+    ]);
+    assert_eq!(provider_reset_ms(&anthropic, now), Some(3_000));
+    // A reset already past waits for nothing; a malformed one pauses nothing.
+    let past = headers(&[
+        ("anthropic-ratelimit-requests-remaining", "0"),
+        ("anthropic-ratelimit-requests-reset", "2026-11-30T23:00:00Z"),
+    ]);
+    assert_eq!(provider_reset_ms(&past, now), Some(0));
+    let bad = headers(&[
+        ("anthropic-ratelimit-requests-remaining", "0"),
+        ("anthropic-ratelimit-requests-reset", "soon"),
+        ("x-ratelimit-remaining-requests", "0"),
+        ("x-ratelimit-reset-requests", "forever"),
+    ]);
+    assert_eq!(provider_reset_ms(&bad, now), None);
+    assert_eq!(provider_reset_ms(&headers(&[]), now), None);
+}
