@@ -813,3 +813,48 @@ fn a_queued_request_the_fallback_answers_is_never_stored_as_the_primarys() {
     assert_eq!(s.upstream_requests(), before + 1, "the primary answers it");
     assert_eq!(fallback_chats(), 1);
 }
+
+/// Issue 29 item 7, the cache stampede: identical questions asked at once
+/// make one upstream call, the others wait for its answer and are served
+/// from the store; for a model without a queue (llama3.1:8b) and for one
+/// whose requests queue for 2 slots (mistral:7b). Before: 150 identical
+/// questions made about as many upstream calls, and queued ones never
+/// looked at the cache again.
+#[test]
+fn identical_questions_asked_at_once_make_one_upstream_call() {
+    let cache = json!({"salt": SALT, "models": {
+        "llama3.1:8b": {"exact": true}, "mistral:7b": {"exact": true}}});
+    let s = start(cache, "", |_| {});
+    for (model, n) in [("llama3.1:8b", 150), ("mistral:7b", 100)] {
+        let body = chat(model, &format!("Asked by everyone at once ({model})?"));
+        let before = s.upstream_requests();
+        let answers: Vec<Response> = std::thread::scope(|scope| {
+            let calls: Vec<_> = (0..n)
+                .map(|_| {
+                    let (s, body) = (&s, &body);
+                    // The upstream slow enough that all of them ask before
+                    // its answer is stored.
+                    scope.spawn(move || s.chat(B, body, &[("x-mock-latency-ms", "1500")]))
+                })
+                .collect();
+            calls
+                .into_iter()
+                .map(|c| c.join().expect("request"))
+                .collect()
+        });
+        let calls = s.upstream_requests() - before;
+        let hits = answers
+            .iter()
+            .filter(|r| r.header("x-sluice-cache") == Some("hit"))
+            .count();
+        eprintln!("{n} identical questions to {model}: {calls} upstream call(s), {hits} hits");
+        for r in &answers {
+            assert_eq!(r.status, 200, "{model}: {r:?}");
+        }
+        assert_eq!(
+            calls, 1,
+            "{model}: one upstream call for {n} identical questions"
+        );
+        assert_eq!(hits, n - 1, "{model}: the others answered from the store");
+    }
+}

@@ -33,6 +33,8 @@ use crate::usage::reconcile::{Found, Usage};
 /// A lookup in flight.
 pub(super) struct Wait {
     token: u32,
+    /// The exact key (hex), for the flight of a miss (`flight`).
+    key: String,
     asked: Option<Asked>,
     api: CacheApi,
     model: String,
@@ -86,6 +88,8 @@ pub(super) struct ToStore {
     /// The sidecar keeps it too: the semantic cache needs it (and fleet
     /// mode, or no tier, keeps every entry there).
     sidecar: bool,
+    /// The caller lets the cache answer it (not `no-cache`).
+    read: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -173,6 +177,9 @@ pub(super) fn prepare(host: &dyn Host, engine: &crate::admission::Engine) -> Res
         }
     };
     SECRET.with(|s| *s.borrow_mut() = secret);
+    if engine.policy.cache_compiled.is_some() {
+        super::flight::prepare(host);
+    }
     Ok(())
 }
 
@@ -278,6 +285,7 @@ impl Stream {
                 scope_id: crate::policy::keys::sha256_hex(scope.as_bytes()),
                 generation: generation(&filter, host),
                 sidecar: tier.is_none() || rule.semantic,
+                read: allowed.read,
             });
         }
         if !allowed.read {
@@ -285,14 +293,19 @@ impl Stream {
         }
         let wait = Wait {
             token: 0,
+            key: key.clone(),
             asked: Some(asked.clone()),
             api,
             model: model.to_string(),
             stream: api.streams(body),
             include_usage: include_usage(body),
         };
-        if let Some(decided) = self.tier_first(host, tier, &key, &wait, semantic.is_some()) {
-            return decided;
+        match self.tier_first(host, tier, &key, &wait, semantic.is_some()) {
+            // A miss, decided here: one upstream call per question in
+            // flight (`flight`).
+            Some(None) => return self.take_flight(host, &key, model),
+            Some(decided) => return decided,
+            None => {}
         }
         let req = LookupRequest {
             key,
@@ -303,6 +316,36 @@ impl Stream {
             semantic,
         };
         self.ask_sidecar(host, sidecar, cache.lookup_timeout_ms, &req, wait)
+    }
+
+    /// A queued request's turn came: its answer may have been stored while
+    /// it waited (an identical question answered meanwhile). The tier in
+    /// Envoy is read again (no callout); `Some`: served from it, its slot
+    /// given back.
+    pub(super) fn cache_at_dispatch(
+        &mut self,
+        host: &dyn Host,
+        asked: Option<&Asked>,
+    ) -> Option<Action> {
+        let s = self.cache_store.as_ref().filter(|s| s.read)?;
+        let (tier, key, api, model) = (s.tier?, s.key.clone(), s.api, s.model.clone());
+        let asked = asked?;
+        let wait = Wait {
+            token: 0,
+            key: key.clone(),
+            stream: api.streams(&asked.body),
+            include_usage: include_usage(&asked.body),
+            asked: Some(asked.clone()),
+            api,
+            model,
+        };
+        match self.tier_lookup(host, &tier, &key, &wait) {
+            InEnvoy::Hit(_) => {
+                self.release_slot(host);
+                Some(Action::Pause)
+            }
+            _ => None,
+        }
     }
 
     /// The tier in Envoy, first: `Some` when it decided (a hit served, or
@@ -438,8 +481,12 @@ impl Stream {
                 return;
             }
         }
-        // A miss: admission as if there were no cache (the body is still
+        // A miss: the same question in flight is waited for (`flight`),
+        // else admission as if there were no cache (the body is still
         // buffered in Envoy).
+        if self.take_flight(host, &wait.key, &wait.model).is_some() {
+            return;
+        }
         let body = host.request_body(self.body_size);
         if self.decide(host, &body) == Action::Continue {
             host.resume_request();

@@ -147,6 +147,8 @@ pub struct Filter {
     /// The buffer each stream's audit fragment is rendered in (one per VM:
     /// no allocation per request once it has grown).
     audit_line: audit::Buffer,
+    /// Requests waiting for an identical question's answer (`flight`).
+    followers: RefCell<Vec<flight::Follower>>,
 }
 
 impl Filter {
@@ -164,6 +166,7 @@ impl Filter {
             dice: Cell::new(0),
             audit_principals: RefCell::default(),
             audit_line: audit::Buffer::default(),
+            followers: RefCell::default(),
         }
     }
 
@@ -408,6 +411,9 @@ impl Poller {
 
     pub fn tick(&mut self, host: &dyn Host) {
         let now = host.now_ms();
+        if let Some(filter) = self.filter.clone() {
+            flight::tick(&filter, host, now);
+        }
         // This worker's leases due back (`state.worker_leases`).
         if let Some(filter) = self.filter.clone() {
             count_contention(host, filter.engine.leases_tick(host, now));
@@ -705,6 +711,10 @@ pub struct Stream {
     cache_store: Option<cache::ToStore>,
     /// A hit admitted locally, its reply kept until the fleet admits it.
     cache_hit: Option<cache::HeldHit>,
+    /// This request's claim on its question in flight (it leads), and
+    /// until when it may follow another's (see `flight`).
+    flight: Option<flight::Claim>,
+    follow_until: Option<u64>,
     /// The audit fields so far, written once at the end (`audit`).
     audit: audit::Record,
     /// The clock of the response callback running now (one read per
@@ -773,6 +783,8 @@ impl Stream {
             cache_wait: None,
             cache_store: None,
             cache_hit: None,
+            flight: None,
+            follow_until: None,
             audit: audit::Record::default(),
             event_ms: None,
             ended_ms: None,
@@ -1062,6 +1074,10 @@ impl Stream {
             .and_then(|up| up.meter.as_ref())
             .is_some_and(|m| m.cut);
         self.cache_feed(host, &chunk, end, cut);
+        if end {
+            // Stored (or not): the followers look again.
+            self.land_flight(host);
+        }
         if let Some(out) = out.filter(|out| *out != chunk) {
             host.replace_response_body(body_size, &out);
         }
@@ -1086,6 +1102,8 @@ impl Stream {
         }
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle(host);
+        // A claim on its question goes back (no answer will be stored).
+        self.land_flight(host);
         // Its slot or queue entry is given back (once, whichever came first).
         self.leave_gate(host);
         // A probe whose answer never came (the client left first) is given
@@ -1747,6 +1765,7 @@ mod cache_tests;
 mod early;
 #[cfg(test)]
 mod endpoint_tests;
+mod flight;
 pub(crate) mod slots;
 pub mod telemetry;
 /// Which VM polls the sidecar (see `flow::POLLER_KEY`).

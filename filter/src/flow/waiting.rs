@@ -514,6 +514,10 @@ impl Stream {
         let Some(identity) = self.identity.clone() else {
             return Action::Continue;
         };
+        // Answered meanwhile: the stored answer, not another upstream call.
+        if let Some(action) = self.cache_at_dispatch(host, parked.asked.as_ref()) {
+            return action;
+        }
         // Decided as a new request would be now (`Stream::conclude`, the
         // one decision's tail), holding the slot its turn gave it.
         self.conclude(host, identity, parked, now)
