@@ -440,3 +440,97 @@ fn a_take_arriving_after_the_filter_gave_up_charges_nothing() {
         node.fleet_stats()
     );
 }
+
+/// Two Envoys sharing a 5,000-token daily budget, a caller spread evenly
+/// over them; `FLUSHALL` once ~4,000 are spent. Returns what was served
+/// in all, the statuses after the flush, and the two nodes (to read their
+/// gauges).
+fn data_loss_drill(on_unavailable: &str) -> (u64, Vec<u16>, Node, Node, Redis) {
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let p = fleet_policy(
+        "tiers: { free: { requests: 100000/day, daily_tokens: 5000 } }",
+        &format!("fleet: {{ expected_replicas: 2, lease: {{ max: 0 }}{on_unavailable} }}"),
+    );
+    let node = Node::start(&redis.url(), &upstream, None, &p, 1);
+    let other = Node::start(&redis.url(), &upstream, None, &p, 1);
+    let urls = [chat(&node), chat(&other)];
+    let mut served = 0;
+    for i in 0..8 {
+        let (status, used) = full(&urls[i % 2], 488);
+        assert_eq!(status, 200);
+        served += used;
+    }
+    assert!(
+        wait_for(Duration::from_secs(10), || redis.window_used()
+            == Some(served as i64)),
+        "Redis counts {:?}, served {served}",
+        redis.window_used()
+    );
+    assert_eq!(redis.command(&["FLUSHALL"]).as_deref(), Some("+OK\r\n"));
+    let mut statuses = Vec::new();
+    while statuses.len() < 40 && !statuses.ends_with(&[429, 429, 429, 429]) {
+        let (status, used) = full(&urls[statuses.len() % 2], 488);
+        statuses.push(status);
+        served += used;
+    }
+    (served, statuses, node, other, redis)
+}
+
+/// Issue 29, item 4: after a detected data loss each Envoy used to start
+/// a fresh local share (`limit ÷ replicas`) of the hard budget: a caller
+/// who had used 4,910 of 5,000 got 4,910 more. By default the budget now
+/// refuses for the rest of its window, and the gauge holds for the window
+/// (that a good fleet call does not drop it: `fleet::tests` in the filter).
+#[test]
+fn a_data_loss_never_hands_out_a_hard_budget_twice_by_default() {
+    let (served, statuses, node, other, _redis) = data_loss_drill("");
+    assert!(
+        served <= 5_000,
+        "overshoot after the flush: served {served} of 5000: {statuses:?}"
+    );
+    assert!(
+        statuses.iter().all(|s| *s == 429),
+        "the lost window's budget refuses: {statuses:?}"
+    );
+    for n in [&node, &other] {
+        assert!(
+            wait_for(Duration::from_secs(20), || {
+                let _ = full(&chat(n), 488);
+                n.envoy.metric("sluice_fleet_data_lost", &[]) == Some(1.0)
+            }),
+            "sluice_fleet_data_lost: {:?}",
+            n.envoy.metric("sluice_fleet_data_lost", &[])
+        );
+        // Past a sweep of the agent (1 s), still up.
+        std::thread::sleep(Duration::from_millis(1_500));
+        assert_eq!(
+            n.envoy.metric("sluice_fleet_data_lost", &[]),
+            Some(1.0),
+            "the gauge holds for the window"
+        );
+        let log = n.envoy.log();
+        assert_eq!(
+            log.matches("Redis lost its data").count(),
+            1,
+            "said once per Envoy: {log}"
+        );
+    }
+}
+
+/// `on_unavailable.data_lost: local_share`: each Envoy's share is charged
+/// with what it admitted in the window before the loss (its own count of
+/// it), so a caller spread evenly gets no second budget either.
+#[test]
+fn a_data_loss_on_local_share_counts_what_each_envoy_already_admitted() {
+    let (served, statuses, _node, _other, _redis) =
+        data_loss_drill(", on_unavailable: { data_lost: local_share }");
+    assert!(
+        served <= 5_000,
+        "overshoot after the flush: served {served} of 5000: {statuses:?}"
+    );
+    assert!(
+        statuses.ends_with(&[429, 429, 429, 429]),
+        "never refused after the flush: {statuses:?}"
+    );
+}

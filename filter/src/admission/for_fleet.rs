@@ -66,6 +66,24 @@ impl Engine {
         }
     }
 
+    /// What this Envoy's own bucket `rule_id` holds for the caller now (a
+    /// peek: nothing taken). A fleet budget's `local_share` counts what
+    /// this Envoy admitted in the window against it.
+    pub fn local_quota(
+        &self,
+        store: &dyn SharedStore,
+        rule_id: &str,
+        identity: &Identity,
+        now_ms: u64,
+    ) -> Option<Quota> {
+        let bucket = self.buckets.iter().find(|b| b.rule.id == rule_id)?;
+        let claim = Claim::hard(&bucket.rule, 0);
+        Some(
+            self.reserver(store)
+                .peek(&claim, admit::caller(identity), now_ms),
+        )
+    }
+
     /// Settles a local hold (a `local_share` stand-in) to what was used.
     pub fn settle_held(
         &self,

@@ -266,11 +266,40 @@ fn why_down(status: Option<&str>, body: &[u8]) -> &'static str {
 pub const FLEET_MISMATCH: &str = "fleet_mismatch";
 pub const FLEET_DATA_LOST: &str = "fleet_data_lost";
 
-/// Sets the mismatch and data-loss gauges from an answer's error code
-/// (`None`: a good answer, both 0).
+/// Sets the mismatch gauge from an answer's error code (`None`: a good
+/// answer, 0) and records a data loss the answer reports. A good answer
+/// does not clear the loss: it lasts until the window it happened in ends
+/// ([`Fleet::expire_data_loss`]), and so does its gauge.
 pub(crate) fn note_refusal(host: &dyn Host, code: Option<&str>) {
     metrics::FLEET_MISMATCH.record(host, u64::from(code == Some(FLEET_MISMATCH)));
-    metrics::FLEET_DATA_LOST.record(host, u64::from(code == Some(FLEET_DATA_LOST)));
+    if code == Some(FLEET_DATA_LOST) {
+        note_data_loss(host, host.now_ms());
+    }
+}
+
+/// Records that Redis lost its data (first report: `now`), in shared data
+/// for every worker; the worker that records it logs it.
+fn note_data_loss(host: &dyn Host, now: u64) {
+    let mut first = false;
+    let mut cas = Cas::new(host, 4);
+    cas.update(STATUS_KEY, |bytes| {
+        let mut s = Status::decode(bytes.unwrap_or_default());
+        first = s.lost_at_ms == 0;
+        if !first {
+            return None;
+        }
+        s.lost_at_ms = now;
+        Some(s.encode())
+    });
+    metrics::FLEET_DATA_LOST.record(host, 1);
+    if first {
+        host.log(
+            LogLevel::Warn,
+            "fleet: the sidecar reports that Redis lost its data in this window (fleet_data_lost); \
+             the hard budgets of the window in progress follow on_unavailable.data_lost until \
+             it ends (their fleet count is unknown)",
+        );
+    }
 }
 
 // ---------------------------------------------------------------- leases
@@ -286,6 +315,20 @@ pub(crate) struct Lease {
     pub last_ms: u64,
     /// The last grant, to size the next one.
     pub grant: u64,
+}
+
+impl FleetRule {
+    /// A hard budget (a calendar window that refuses): what a data loss
+    /// in its window makes unknown.
+    fn hard_budget(&self) -> bool {
+        self.rule.limit.window.is_some() && !self.soft
+    }
+
+    /// Whether a loss at `lost_at` (0: none) falls in the window ending
+    /// at `window_end`, for this bucket.
+    fn lost_in(&self, lost_at: u64, window_end_ms: u64) -> bool {
+        lost_at > 0 && self.hard_budget() && window_end(&self.rule.limit, lost_at) == window_end_ms
+    }
 }
 
 impl Lease {
@@ -353,6 +396,9 @@ pub enum Via {
     Share(Held),
     /// `fail_open` while the fleet was unavailable.
     Open,
+    /// `local_share` of a budget while the fleet was unavailable: this
+    /// Envoy's own count of the window was under its share.
+    Counted,
 }
 
 /// A fleet bucket's part of an admitted request, until it is settled.
@@ -563,11 +609,12 @@ impl Fleet {
                 created += 1;
             }
         }
-        // Stand-ins only where `local_share` may need them.
+        // Stand-ins only where `local_share` may need them: rates (a
+        // budget's share counts on the Envoy's own bucket).
         let shares: Vec<Rule> = self
             .rules
             .values()
-            .filter(|r| r.mode == Unavailable::LocalShare)
+            .filter(|r| r.mode == Unavailable::LocalShare && r.rule.limit.window.is_none())
             .map(|r| r.share.clone())
             .collect();
         created += engine
@@ -647,6 +694,27 @@ impl Fleet {
                     slot,
                     have,
                 });
+            }
+        }
+        if short.is_empty() {
+            return Gate::Pass(done);
+        }
+        // Hard budgets of a window whose fleet count Redis lost: never
+        // asked (the sidecar would refuse them), covered by
+        // `on_unavailable.data_lost`; the rest is asked as usual.
+        let lost_at = self.status(host).lost_at_ms;
+        let (lost, short): (Vec<Short>, Vec<Short>) = short.into_iter().partition(|s| {
+            self.rules
+                .get(&s.rule)
+                .is_some_and(|r| r.lost_in(lost_at, s.window_end))
+        });
+        if !lost.is_empty() {
+            match self.unavailable(engine, host, done, lost, identity, now) {
+                Gate::Pass(covered) => done = covered,
+                refused => {
+                    self.restore(engine, host, &short, now);
+                    return refused;
+                }
             }
         }
         if short.is_empty() {
@@ -938,7 +1006,11 @@ impl Fleet {
                         .collect();
                     self.outbox(host, engine, cancels);
                 }
-                self.mark_why(host, false, now, why_down(status.as_deref(), &body));
+                // A data loss is no outage: the sidecar goes on counting
+                // everything but the lost window's hard budgets.
+                if self.status(host).lost_at_ms == 0 {
+                    self.mark_why(host, false, now, why_down(status.as_deref(), &body));
+                }
                 return self.unavailable(engine, host, done, short, identity, now);
             }
         };
@@ -1062,6 +1134,7 @@ impl Fleet {
     ) -> Gate {
         // The modes cover whole requests: what the leases gave goes back.
         self.restore(engine, host, &short, now);
+        let lost_at = self.status(host).lost_at_ms;
         let mut charges = Vec::new();
         for s in short {
             let Some(rule) = self.rules.get(&s.rule) else {
@@ -1070,46 +1143,19 @@ impl Fleet {
                 // skips it.
                 continue;
             };
-            // A soft cap never refuses, the fleet away or not.
-            let mode = if rule.soft {
-                Unavailable::FailOpen
-            } else {
-                rule.mode
-            };
-            let via = match mode {
-                Unavailable::FailOpen => Via::Open,
-                Unavailable::FailClosed => {
+            let lost = rule.lost_in(lost_at, s.window_end);
+            let via = match self.cover(engine, host, rule, &s, lost, identity, now) {
+                Ok(via) => via,
+                Err(quota) => {
+                    // The charges of the claims covered so far meet their
+                    // give-backs in the outbox (merged per bucket: nothing
+                    // is sent for them).
+                    self.outbox(host, engine, charges);
                     self.give_back(engine, host, &done, now);
                     return Gate::Refuse {
                         rule: s.rule.clone(),
-                        quota: Quota {
-                            limit: rule.rule.limit.capacity(),
-                            remaining: 0,
-                            reset_ms: 1_000,
-                        },
+                        quota,
                     };
-                }
-                Unavailable::LocalShare => {
-                    let mut effort = Default::default();
-                    match engine.reserve_rules(
-                        host,
-                        &[(&rule.share, s.amount)],
-                        identity,
-                        now,
-                        &mut effort,
-                    ) {
-                        Ok(mut held) => match held.pop() {
-                            Some(h) => Via::Share(h),
-                            None => Via::Open,
-                        },
-                        Err((_, quota)) => {
-                            self.give_back(engine, host, &done, now);
-                            return Gate::Refuse {
-                                rule: s.rule.clone(),
-                                quota,
-                            };
-                        }
-                    }
                 }
             };
             // What is admitted without Redis is charged there later.
@@ -1130,6 +1176,74 @@ impl Fleet {
         }
         self.outbox(host, engine, charges);
         Gate::Pass(done)
+    }
+
+    /// One claim without the fleet, by its mode: `on_unavailable.data_lost`
+    /// for a hard budget whose window's count Redis lost (`lost`), else
+    /// `on_unavailable` for its kind; a soft cap never refuses. `Err`: the
+    /// quota it is refused with.
+    #[allow(clippy::too_many_arguments)]
+    fn cover(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        rule: &FleetRule,
+        s: &Short,
+        lost: bool,
+        identity: &Identity,
+        now: u64,
+    ) -> Result<Via, Quota> {
+        let limit = &rule.rule.limit;
+        let mode = match (rule.soft, lost) {
+            (true, _) => Unavailable::FailOpen,
+            (false, true) => self.config.on_unavailable.data_lost,
+            (false, false) => rule.mode,
+        };
+        let refused = |limit_units: u64| Quota {
+            limit: limit_units,
+            remaining: 0,
+            // A lost window's count stays unknown until the window ends.
+            reset_ms: if lost {
+                retry_ms(limit, s.window_end, now)
+            } else {
+                1_000
+            },
+        };
+        match mode {
+            Unavailable::FailOpen => Ok(Via::Open),
+            Unavailable::FailClosed => Err(refused(limit.capacity())),
+            Unavailable::LocalShare if limit.window.is_some() => {
+                // This Envoy's own bucket has counted everything it
+                // admitted in the window (this request included, taken
+                // just before): a budget's share starts from that, never
+                // afresh — the fleet outage or the data loss does not hand
+                // out a second share of the window.
+                let share = rule.share.limit.capacity();
+                let used = engine
+                    .local_quota(host, &s.rule, identity, now)
+                    .map(|q| q.limit.saturating_sub(q.remaining));
+                match used {
+                    Some(used) if used <= share => Ok(Via::Counted),
+                    _ => Err(Quota {
+                        reset_ms: retry_ms(limit, s.window_end, now),
+                        ..refused(share)
+                    }),
+                }
+            }
+            Unavailable::LocalShare => {
+                let mut effort = Default::default();
+                match engine.reserve_rules(
+                    host,
+                    &[(&rule.share, s.amount)],
+                    identity,
+                    now,
+                    &mut effort,
+                ) {
+                    Ok(mut held) => Ok(held.pop().map_or(Via::Open, Via::Share)),
+                    Err((_, quota)) => Err(quota),
+                }
+            }
+        }
     }
 
     /// Gives the units the leases had put towards `short` back to them.
@@ -1242,7 +1356,7 @@ impl Fleet {
                         items.push(item(delta));
                     }
                 }
-                Via::Open if delta != 0 => items.push(item(delta)),
+                Via::Open | Via::Counted if delta != 0 => items.push(item(delta)),
                 _ => {}
             }
         }
@@ -1288,10 +1402,48 @@ impl Fleet {
         }
     }
 
+    fn status(&self, host: &dyn Host) -> Status {
+        let status = host.get(STATUS_KEY).map(|(b, _)| b).unwrap_or_default();
+        Status::decode(&status)
+    }
+
     /// Whether the fleet failed just now (then skip straight to the policy).
     fn down(&self, host: &dyn Host, now: u64) -> bool {
-        let status = host.get(STATUS_KEY).map(|(b, _)| b).unwrap_or_default();
-        Status::decode(&status).retry_at_ms > now
+        self.status(host).retry_at_ms > now
+    }
+
+    /// Forgets a data loss once no hard budget is in the window it
+    /// happened in any more (run on the agent's ticks); until then its
+    /// gauge stays 1.
+    pub(crate) fn expire_data_loss(&self, host: &dyn Host, now: u64) {
+        let lost_at = self.status(host).lost_at_ms;
+        if lost_at == 0 {
+            return;
+        }
+        let current = self
+            .rules
+            .values()
+            .any(|r| r.lost_in(lost_at, window_end(&r.rule.limit, now)));
+        if current {
+            metrics::FLEET_DATA_LOST.record(host, 1);
+            return;
+        }
+        let mut cas = Cas::new(host, 4);
+        let written = cas.update(STATUS_KEY, |bytes| {
+            let mut s = Status::decode(bytes.unwrap_or_default());
+            if s.lost_at_ms != lost_at {
+                return None;
+            }
+            s.lost_at_ms = 0;
+            Some(s.encode())
+        });
+        metrics::FLEET_DATA_LOST.record(host, 0);
+        if written == Updated::Written {
+            host.log(
+                LogLevel::Info,
+                "fleet: the window of the data loss is over; hard budgets count in Redis again",
+            );
+        }
     }
 
     /// Records the fleet up or down; the worker that flips it logs it.
@@ -1309,6 +1461,7 @@ impl Fleet {
             let next = Status {
                 down: !up,
                 retry_at_ms: if up { 0 } else { now + DOWN_RETRY_MS },
+                ..s
             };
             (next != s).then(|| next.encode())
         });
@@ -1343,29 +1496,34 @@ fn retry_ms(limit: &Limit, window_end: u64, now: u64) -> u64 {
     }
 }
 
-/// Whether the fleet is down, and until when calls are not tried (9
-/// bytes).
+/// Whether the fleet is down, until when calls are not tried, and when the
+/// sidecar first reported that Redis lost its data (0: no loss in a window
+/// still in progress) (17 bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Status {
     pub down: bool,
     pub retry_at_ms: u64,
+    pub lost_at_ms: u64,
 }
 
 impl Record for Status {
-    const LEN: usize = 9;
+    const LEN: usize = 17;
 
     fn write(&self, w: &mut Writer) {
-        w.u8(u8::from(self.down)).u64(self.retry_at_ms);
+        w.u8(u8::from(self.down))
+            .u64(self.retry_at_ms)
+            .u64(self.lost_at_ms);
     }
 
     fn read(r: &mut Reader) -> Self {
         Status {
             down: r.u8() == 1,
             retry_at_ms: r.u64(),
+            lost_at_ms: r.u64(),
         }
     }
 
-    /// By prefix: a missing field reads as up, no retry time.
+    /// By prefix: a missing field reads as up, no retry time, no loss.
     fn decode(bytes: &[u8]) -> Self {
         Self::read(&mut Reader::new(bytes))
     }
@@ -1411,6 +1569,7 @@ impl Agent {
         if now >= self.last_sweep_ms + SWEEP_MS {
             self.last_sweep_ms = now;
             self.sweep(fleet, engine, host, now);
+            fleet.expire_data_loss(host, now);
         }
         if self.topping.is_none() && now >= self.retry_at_ms && !fleet.down(host, now) {
             self.top_up(fleet, host, now);

@@ -911,3 +911,135 @@ fn a_worker_sub_leases_the_fleet_lease_and_gives_back_what_it_did_not_use() {
     poller.tick(&host);
     assert_eq!(lease_of_requests(&host).balance, 89);
 }
+
+fn budget_policy(data_lost: Option<&str>) -> Value {
+    let mut on = json!({});
+    if let Some(mode) = data_lost {
+        on["data_lost"] = json!(mode);
+    }
+    policy(
+        json!({"requests": "1000/min", "daily_tokens": 5000}),
+        json!({"expected_replicas": 2, "lease": {"max": 0}, "on_unavailable": on}),
+    )
+}
+
+/// A request whose take the sidecar grants in full (`None`), or answers
+/// 503 `fleet_data_lost`; its reply status (`None`: admitted) and the
+/// claims it asked for (empty: nothing asked).
+fn budget_request(
+    host: &MockHost,
+    poller: &Poller,
+    max_tokens: u64,
+    lost: bool,
+) -> (Option<u32>, Vec<String>) {
+    let posted = host.posted.borrow().len();
+    let (mut req, action) = post(poller, host, "10.0.0.1:1", max_tokens);
+    let mut asked = Vec::new();
+    if action == Action::Pause && host.posted.borrow().len() > posted {
+        let (token, take) = last_post(host);
+        let claims = take["claims"].as_array().cloned().unwrap_or_default();
+        asked = claims
+            .iter()
+            .map(|c| c["rule"].as_str().unwrap().to_string())
+            .collect();
+        if lost {
+            let body = json!({"error": {"code": "fleet_data_lost", "message": "lost"}});
+            sidecar_says(host, &mut req, token, "503", body);
+        } else {
+            let grants: Vec<Value> = claims.iter().map(|c| c["need"].clone()).collect();
+            let left: Vec<Value> = claims.iter().map(|_| json!(1000)).collect();
+            sidecar_says(
+                host,
+                &mut req,
+                token,
+                "200",
+                json!({"ok": true, "grants": grants, "left": left}),
+            );
+        }
+    }
+    (host.replies.borrow_mut().pop().map(|r| r.status), asked)
+}
+
+#[test]
+fn after_a_data_loss_a_hard_budget_is_refused_for_the_rest_of_its_window_by_default() {
+    let host = MockHost::new(T0);
+    let poller = load(&host, budget_policy(None));
+    // 2,400 tokens admitted through the fleet.
+    let (status, asked) = budget_request(&host, &poller, 2_400, false);
+    assert_eq!(status, None);
+    assert_eq!(asked.len(), 2, "{asked:?}");
+    // The sidecar reports the loss: the budget's count is unknown.
+    let (status, _) = budget_request(&host, &poller, 10, true);
+    assert_eq!(status, Some(429));
+    let gauge = || host.metrics.borrow()[crate::host::metrics::FLEET_DATA_LOST.name].1;
+    assert_eq!(gauge(), 1);
+    // Later requests are refused by the budget without asking for it,
+    // while the rate is still asked of the fleet (it counts on in Redis).
+    host.advance(5_000);
+    let (status, asked) = budget_request(&host, &poller, 10, false);
+    assert_eq!(status, Some(429));
+    assert!(
+        asked.is_empty(),
+        "refused before anything is asked: {asked:?}"
+    );
+    // A good fleet call (a GET: the rate only) keeps the gauge up.
+    host.begin(&[(":method", "GET"), (":path", "/v1/models")], b"");
+    host.set_prop(&["source", "address"], b"10.0.0.1:1");
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(&host, true), Action::Pause);
+    let (token, take) = last_post(&host);
+    assert_eq!(take["claims"][0]["rule"], "tier/t/requests");
+    sidecar_says(
+        &host,
+        &mut req,
+        token,
+        "200",
+        json!({"ok": true, "grants": [1], "left": [999]}),
+    );
+    let mut poller = poller;
+    poller.tick(&host);
+    assert_eq!(gauge(), 1, "held while the window lasts");
+    let logged = host
+        .logs
+        .borrow()
+        .iter()
+        .filter(|(_, m)| m.contains("lost its data"))
+        .count();
+    assert_eq!(logged, 1, "logged once: {:?}", host.logs.borrow());
+    // The next day counts in Redis again; the gauge drops.
+    host.advance(86_400_000);
+    poller.tick(&host);
+    assert_eq!(gauge(), 0);
+    let (status, asked) = budget_request(&host, &poller, 10, false);
+    assert_eq!(status, None);
+    assert_eq!(asked.len(), 2, "{asked:?}");
+}
+
+#[test]
+fn local_share_after_a_data_loss_counts_what_this_envoy_admitted_in_the_window() {
+    let host = MockHost::new(T0);
+    let poller = load(&host, budget_policy(Some("local_share")));
+    // 2,400 of this Envoy's 2,500 share used before the loss.
+    assert_eq!(budget_request(&host, &poller, 2_380, false).0, None);
+    // Under the share: admitted without the fleet.
+    assert_eq!(budget_request(&host, &poller, 40, true).0, None);
+    // Past it: refused, however fresh the loss (before: a new 2,500).
+    let (status, asked) = budget_request(&host, &poller, 200, false);
+    assert_eq!(status, Some(429));
+    assert!(asked.is_empty(), "{asked:?}");
+    // A plain outage of a budget on local_share counts the same way.
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        policy(
+            json!({"requests": "1000/min", "daily_tokens": 5000}),
+            json!({"expected_replicas": 2, "lease": {"max": 0}}),
+        ),
+    );
+    assert_eq!(budget_request(&host, &poller, 2_495, false).0, None);
+    assert_eq!(
+        during_outage(&host, &poller),
+        Some(429),
+        "over the share already"
+    );
+}

@@ -129,14 +129,16 @@ impl Default for LeaseConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Unavailable {
-    /// `limit ÷ expected_replicas`, enforced here exactly.
+    /// `limit ÷ expected_replicas`, enforced here exactly: a rate on a
+    /// local stand-in bucket, a budget on this Envoy's own count of the
+    /// window (what it admitted before the fleet went away included).
     #[default]
     LocalShare,
     FailClosed,
     FailOpen,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OnUnavailable {
     /// Rate buckets (requests, tokens per minute …).
@@ -145,6 +147,27 @@ pub struct OnUnavailable {
     /// Daily and monthly budgets.
     #[serde(default)]
     pub budgets: Unavailable,
+    /// Hard budgets of a window in which Redis lost its data (the sidecar
+    /// answers `fleet_data_lost`): what the fleet admitted before the loss
+    /// is unknown, so only refusing cannot overshoot (the default). Its
+    /// `local_share` counts what this Envoy admitted in the window, before
+    /// the loss too, against `limit ÷ expected_replicas`.
+    #[serde(default = "fail_closed")]
+    pub data_lost: Unavailable,
+}
+
+fn fail_closed() -> Unavailable {
+    Unavailable::FailClosed
+}
+
+impl Default for OnUnavailable {
+    fn default() -> Self {
+        OnUnavailable {
+            requests: Unavailable::default(),
+            budgets: Unavailable::default(),
+            data_lost: fail_closed(),
+        }
+    }
 }
 
 /// The fleet has a sidecar to be its agent, bounded counts and windows, a

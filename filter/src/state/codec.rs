@@ -26,7 +26,7 @@
 //! | [`Correction`](crate::usage::estimate::Correction) | 4 | thousandths (clamped on read) |
 //! | [`PollLease`](crate::flow::PollLease) | 16 | owner, expires_ms (by prefix) |
 //! | `Lease` ([`fleet`](crate::fleet)) | 48 | owner, window_end, balance (i64), expires_ms, last_ms, grant (by prefix) |
-//! | `Status` ([`fleet`](crate::fleet)) | 9 | down (u8), retry_at_ms (by prefix) |
+//! | `Status` ([`fleet`](crate::fleet)) | 17 | down (u8), retry_at_ms, lost_at_ms (by prefix) |
 //! | [`queue::State`](crate::queue::State) (no `Record`: variable, versioned) | 1 + … | version 1; u16 models × (u8 name length, name, u32 inflight, u64 paused_until_ms); u16 classes × (name, u64 pass, u64 round); u64 vtime, u64 next_ticket; u32 entries × 48 bytes; u32 leased, models × u32 leased; u32 evicted × u64 ticket |
 //! | sidecar state ([`encode_seen`](crate::admission::health::encode_seen)) | 8 + n | received_ms, the state's JSON |
 
@@ -235,7 +235,7 @@ mod tests {
                 last_ms: bucket.used,
                 grant: bucket.updated_ms,
             });
-            round_trips(Status { down: touched % 2 == 1, retry_at_ms: words.0 });
+            round_trips(Status { down: touched % 2 == 1, retry_at_ms: words.0, lost_at_ms: words.1 });
             let block = Block { owner: words.0, blocked_until_ms: words.1, period_start_ms: touched, forgiven: bucket.used };
             round_trips(block);
             round_trips(Blocks([block; crate::admission::penalty::RECORDS]));
@@ -325,6 +325,7 @@ mod tests {
             both(Status {
                 down: true,
                 retry_at_ms: 6,
+                lost_at_ms: 7,
             }),
         ]
     }
@@ -338,7 +339,7 @@ mod tests {
             assert_eq!(filled.0, filled.1, "{name}");
         }
         assert_eq!(Sketch::LEN, 1032);
-        assert_eq!((Lease::LEN, Status::LEN), (48, 9));
+        assert_eq!((Lease::LEN, Status::LEN), (48, 17));
     }
 
     /// Every `impl Record` of the crate is a row of the table in this
@@ -412,16 +413,17 @@ mod tests {
         assert_eq!(
             Status {
                 down: true,
-                retry_at_ms: 5
+                retry_at_ms: 5,
+                lost_at_ms: 0,
             }
             .encode(),
-            [1, 5, 0, 0, 0, 0, 0, 0, 0]
+            [1, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         );
         assert_eq!(
             Status::decode(&[1]),
             Status {
                 down: true,
-                retry_at_ms: 0
+                ..Status::default()
             }
         );
         assert_eq!(Status::decode(&[]), Status::default());

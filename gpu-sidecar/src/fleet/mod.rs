@@ -718,7 +718,7 @@ impl Fleet {
                 "sluice-sidecar: fleet: Redis is not the one this sidecar counted in (its epoch key \
                  is gone or other: FLUSHALL, a restart without persistence, another server); hard \
                  budgets of the window in progress at the loss answer fleet_data_lost (the Envoy \
-                 follows on_unavailable.budgets) until that window ends"
+                 follows on_unavailable.data_lost) until that window ends"
             );
         }
         *slot = Some(epoch.clone());
@@ -1738,7 +1738,7 @@ pub(crate) mod redis_tests {
         );
         cmd(&redis.url, &["FLUSHALL"]).await;
         // The budget's count is gone: refused, on both sidecars, for the
-        // rest of the window (the filter follows on_unavailable.budgets).
+        // rest of the window (the filter follows on_unavailable.data_lost).
         for (fleet, id) in [(&one, "e3"), (&two, "e4"), (&one, "e5")] {
             let r = fleet
                 .take(&req(id, soon, vec![budget(7, end, 4_000)]))
