@@ -151,7 +151,8 @@ bench-core:
 
 ## bench: overhead vs bare Envoy, local_ratelimit, the floor filters
 ## (bench/floor-filter) and LiteLLM, exactness, criterion, the fleet and the
-## cache replay (bench/cache_replay.py) → BENCHMARKS.md
+## cache replay (bench/cache_replay.py), aiperf through sluice (bench/loadgen.py)
+## → BENCHMARKS.md
 ## (minutes). BENCH_SMOKE=1: seconds, target/bench/smoke.md (checks the
 ## scripts, not figures). BENCH_ARGS: more bench/run.py flags. Installs wrk
 ## (Debian package) when missing, so every machine measures with the same
@@ -174,6 +175,10 @@ bench: build
 	$(PYTHON) bench/fleet.py $(if $(BENCH_SMOKE),--smoke)
 	@# The cache section (issue 20): a replay, cache off / exact / exact + semantic.
 	$(PYTHON) bench/cache_replay.py $(if $(BENCH_SMOKE),--smoke)
+	@# A real LLM load generator (issue 27): aiperf, streaming chat at guidellm's
+	@# mock-server, direct / bare Envoy / Envoy + sluice (TTFT, ITL, latency).
+	$(MAKE) --no-print-directory third-party
+	$(PYTHON) bench/loadgen.py $(if $(BENCH_SMOKE),--smoke,--install-aiperf)
 
 ## lint: what CI-quality commits pass
 lint:
