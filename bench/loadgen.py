@@ -143,7 +143,7 @@ def table(rows):
         t, i, q = r["time_to_first_token"], r["inter_token_latency"], r["request_latency"]
         lines.append(f"| {name} | {fmt(t[0])} | {fmt(t[1])} | {fmt(i[0])} | {fmt(i[1])} "
                      f"| {fmt(q[0])} | {fmt(q[1])} | {fmt(r['throughput'])} "
-                     f"| {r['count'] if r['count'] is not None else '–'} | {r['errors']} |")
+                     f"| {int(r['count']) if r['count'] is not None else '–'} | {r['errors']} |")
     return "\n".join(lines)
 
 
