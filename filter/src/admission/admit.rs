@@ -3,7 +3,7 @@
 //! cannot cover the maximum; a downshift over a soft cap; the 429 of the
 //! bucket that refused, or the headers of an admission.
 
-use super::rewrite::rewrite;
+use super::rewrite::{carries_max_output, rewrite};
 use super::*;
 use crate::limits::bucket::Shortfall;
 use crate::limits::reservation::{Reservation, Share};
@@ -113,7 +113,6 @@ impl Engine {
         }
         let reserver = self.reserver(store);
         let mut sized = self.size(store, api, asked);
-        let requested_out = asked.and_then(|a| a.demand.max_output);
         let input_raw = asked.map_or(0.0, |a| a.input_raw);
         let downshift = asked.and_then(|_| {
             let model = sized.requested_model.as_deref();
@@ -149,8 +148,11 @@ impl Engine {
         }
         let (body, strip_usage) = match asked {
             Some(asked) => {
-                let new_output = (sized.produces_output && (lowered || requested_out.is_none()))
-                    .then_some(sized.per_choice);
+                // The reserved limit goes into every field the API's
+                // servers read, unless the body carries it there already.
+                let new_output = (sized.produces_output
+                    && !carries_max_output(sized.api, &asked.body, sized.per_choice))
+                .then_some(sized.per_choice);
                 rewrite(sized.api, asked, downshift.as_deref(), new_output)
             }
             None => (None, false),

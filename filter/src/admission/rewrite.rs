@@ -65,33 +65,25 @@ pub(super) fn rewrite(
     (Some(json.to_string().into_bytes()), wants_usage)
 }
 
-/// Writes the output limit where each API reads it.
+/// Writes the reserved output limit into every field the API's servers
+/// read (see `usage/output_limit.rs` for which and why), so the body
+/// bounds the generation whichever field the server picks.
 pub(super) fn set_max_output(api: Api, json: &mut Value, max: u64) {
-    match api {
-        Api::OpenAiChat
-            if json
-                .get("max_completion_tokens")
-                .is_some_and(|v| !v.is_null()) =>
-        {
-            json["max_completion_tokens"] = max.into();
-        }
-        Api::OpenAiChat | Api::OpenAiCompletions | Api::AnthropicMessages => {
-            json["max_tokens"] = max.into()
-        }
-        Api::OpenAiResponses => json["max_output_tokens"] = max.into(),
-        Api::OllamaGenerate | Api::OllamaChat => {
-            if !json.get("options").is_some_and(Value::is_object) {
-                json["options"] = Value::Object(Default::default());
-            }
-            json["options"]["num_predict"] = max.into();
-        }
-        Api::OpenAiEmbeddings
-        | Api::OllamaEmbed
-        | Api::Scoring
-        | Api::Invocations
-        | Api::Passthrough(_)
-        | Api::Other => {}
+    let limit = api.output_limit();
+    let written = match json.as_object() {
+        Some(fields) => limit.written(fields),
+        None => return,
+    };
+    for field in written {
+        field.set(json, max);
     }
+}
+
+/// Does the client's body already carry `max` in every field the API's
+/// servers read (then it needs no rewrite for the limit)?
+pub(super) fn carries_max_output(api: Api, body: &Value, max: u64) -> bool {
+    body.as_object()
+        .is_none_or(|fields| api.output_limit().carries(fields, max))
 }
 
 impl Engine {
@@ -106,5 +98,201 @@ impl Engine {
             .iter()
             .find(|(k, _)| health::normalize_prompt(k) == key)
             .map_or_else(|| cfg.message.clone(), |(_, v)| v.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::ctx;
+    use crate::admission::tests::Caller;
+    use crate::state::store::MemStore;
+    use serde_json::json;
+
+    /// Admits `body` on `api` under a daily hard budget of `budget`
+    /// tokens: the body the upstream gets (`None`: the client's, unchanged)
+    /// and the output reserved per completion.
+    struct Bench {
+        engine: Engine,
+        store: MemStore,
+    }
+
+    impl Bench {
+        fn new(budget: u64) -> Bench {
+            let engine = Engine::new(
+                crate::policy::Policy::from_value(json!({
+                    "default_tier": "t",
+                    "tiers": {"t": {"daily_tokens": budget}},
+                    "defaults": {"max_output_tokens": 64},
+                }))
+                .unwrap(),
+            );
+            let store = MemStore::default();
+            engine.prepare(&store).unwrap();
+            Bench { engine, store }
+        }
+
+        fn admit(&self, api: Api, path: &str, body: Value) -> (Value, u64) {
+            let id = self.engine.identify(&Caller("7.7.7.7:1")).unwrap();
+            let asked = self
+                .engine
+                .demand(&id, api, body.to_string().as_bytes())
+                .unwrap()
+                .unwrap();
+            let v = self
+                .engine
+                .admit(&self.store, &ctx(&id, api, path, Some(&asked), 0));
+            assert!(v.reply.is_none(), "{body} refused");
+            let plan = v.plan.unwrap();
+            let per_choice = plan.max_output / asked.demand.completions();
+            let sent = v.body.map_or(body, |b| serde_json::from_slice(&b).unwrap());
+            (sent, per_choice)
+        }
+    }
+
+    fn limits(sent: &Value) -> Value {
+        json!({
+            "max_tokens": sent["max_tokens"],
+            "max_completion_tokens": sent["max_completion_tokens"],
+            "max_output_tokens": sent["max_output_tokens"],
+            "num_predict": sent["options"]["num_predict"],
+        })
+    }
+
+    #[test]
+    fn chat_gets_the_larger_limit_in_both_fields() {
+        let b = Bench::new(1_000_000);
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let path = "/v1/chat/completions";
+        // The reported overshoot: vLLM obeys max_completion_tokens.
+        let (sent, per) = b.admit(
+            Api::OpenAiChat,
+            path,
+            json!({"model": "m", "messages": msgs, "max_tokens": 10, "max_completion_tokens": 2000}),
+        );
+        assert_eq!(per, 2000);
+        assert_eq!(
+            limits(&sent),
+            json!({"max_tokens": 2000, "max_completion_tokens": 2000, "max_output_tokens": null, "num_predict": null})
+        );
+        // Only max_completion_tokens: Ollama reads max_tokens alone.
+        let (sent, per) = b.admit(
+            Api::OpenAiChat,
+            path,
+            json!({"model": "m", "messages": msgs, "max_completion_tokens": 30}),
+        );
+        assert_eq!(
+            (per, &sent["max_tokens"], &sent["max_completion_tokens"]),
+            (30, &json!(30), &json!(30))
+        );
+        // Only max_tokens, as reserved: the body goes up untouched.
+        let body = json!({"model": "m", "messages": msgs, "max_tokens": 30});
+        let (sent, _) = b.admit(Api::OpenAiChat, path, body.clone());
+        assert_eq!(sent, body);
+        assert!(sent.get("max_completion_tokens").is_none(), "not added");
+        // None: the default, in max_tokens only.
+        let (sent, per) = b.admit(
+            Api::OpenAiChat,
+            path,
+            json!({"model": "m", "messages": msgs}),
+        );
+        assert_eq!(per, 64);
+        assert_eq!(
+            limits(&sent),
+            json!({"max_tokens": 64, "max_completion_tokens": null, "max_output_tokens": null, "num_predict": null})
+        );
+    }
+
+    #[test]
+    fn every_api_gets_its_servers_fields() {
+        let b = Bench::new(1_000_000);
+        let cases = [
+            (
+                Api::OpenAiCompletions,
+                "/v1/completions",
+                json!({"model": "m", "prompt": "hi"}),
+                json!({"max_tokens": 64, "max_completion_tokens": null, "max_output_tokens": null, "num_predict": null}),
+            ),
+            (
+                Api::OpenAiResponses,
+                "/v1/responses",
+                json!({"model": "m", "input": "hi"}),
+                json!({"max_tokens": null, "max_completion_tokens": null, "max_output_tokens": 64, "num_predict": null}),
+            ),
+            (
+                Api::OllamaChat,
+                "/api/chat",
+                json!({"model": "m", "messages": [], "options": {"num_predict": -1, "temperature": 0}}),
+                json!({"max_tokens": null, "max_completion_tokens": null, "max_output_tokens": null, "num_predict": 64}),
+            ),
+            (
+                Api::OllamaGenerate,
+                "/api/generate",
+                json!({"model": "m", "prompt": "hi", "stream": false}),
+                json!({"max_tokens": null, "max_completion_tokens": null, "max_output_tokens": null, "num_predict": 64}),
+            ),
+        ];
+        for (api, path, body, want) in cases {
+            let (sent, per) = b.admit(api, path, body.clone());
+            assert_eq!(per, 64, "{api:?}");
+            assert_eq!(limits(&sent), want, "{api:?} {body}");
+        }
+        // Ollama keeps its other options.
+        let (sent, _) = b.admit(
+            Api::OllamaChat,
+            "/api/chat",
+            json!({"model": "m", "messages": [], "options": {"num_predict": -1, "temperature": 0}}),
+        );
+        assert_eq!(sent["options"]["temperature"], 0);
+        // Anthropic's required max_tokens, as reserved: untouched.
+        let body = json!({"model": "m", "messages": [], "max_tokens": 9});
+        let (sent, per) = b.admit(Api::AnthropicMessages, "/v1/messages", body.clone());
+        assert_eq!((sent, per), (body, 9));
+        // An embedding has no limit to write.
+        let body = json!({"model": "m", "input": "x"});
+        let (sent, per) = b.admit(Api::OpenAiEmbeddings, "/v1/embeddings", body.clone());
+        assert_eq!((sent, per), (body, 0));
+    }
+
+    #[test]
+    fn a_lowered_limit_is_written_into_every_field() {
+        // 300 tokens a day: the second request's 200 no longer fit and are
+        // lowered; both chat fields carry the lowered value.
+        let b = Bench::new(300);
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5, "max_completion_tokens": 200});
+        let (first, per) = b.admit(Api::OpenAiChat, "/v1/chat/completions", body.clone());
+        assert_eq!((per, &first["max_tokens"]), (200, &json!(200)));
+        let (second, per) = b.admit(Api::OpenAiChat, "/v1/chat/completions", body);
+        assert!(per < 200, "{per}");
+        assert_eq!(second["max_tokens"], per);
+        assert_eq!(second["max_completion_tokens"], per);
+    }
+
+    #[test]
+    fn carries_reads_every_written_field() {
+        let chat = Api::OpenAiChat;
+        assert!(carries_max_output(chat, &json!({"max_tokens": 5}), 5));
+        assert!(!carries_max_output(chat, &json!({"max_tokens": 5}), 4));
+        assert!(
+            !carries_max_output(chat, &json!({}), 5),
+            "max_tokens missing"
+        );
+        assert!(!carries_max_output(
+            chat,
+            &json!({"max_tokens": 5, "max_completion_tokens": 6}),
+            5
+        ));
+        assert!(!carries_max_output(
+            chat,
+            &json!({"max_completion_tokens": 5}),
+            5
+        ));
+        assert!(!carries_max_output(
+            Api::OllamaChat,
+            &json!({"options": {"num_predict": -1}}),
+            5
+        ));
+        assert!(carries_max_output(Api::OpenAiEmbeddings, &json!({}), 0));
     }
 }

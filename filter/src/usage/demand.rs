@@ -5,6 +5,8 @@
 
 use serde_json::Value;
 
+use super::output_limit::max_output_of;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
     OpenAiChat,
@@ -177,11 +179,6 @@ impl Api {
     fn is_ollama(self) -> bool {
         matches!(self, Api::OllamaGenerate | Api::OllamaChat)
     }
-
-    /// The output limit is required (Anthropic's `max_tokens`).
-    fn requires_max_output(self) -> bool {
-        self == Api::AnthropicMessages
-    }
 }
 
 /// The API of an `/invocations` body, by its shape as vLLM dispatches it:
@@ -353,7 +350,7 @@ pub struct BadBody {
 }
 
 impl BadBody {
-    fn at(param: &str, message: impl Into<String>) -> BadBody {
+    pub(crate) fn at(param: &str, message: impl Into<String>) -> BadBody {
         BadBody {
             message: message.into(),
             param: Some(param.to_string()),
@@ -398,10 +395,7 @@ pub fn parse_body(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(BadBody::at("stream", "`stream` must be a boolean")),
     } && api.produces_output();
-    let max_output = max_output_of(fields, &|| output_cap(&model))?;
-    if api.requires_max_output() && max_output.is_none() {
-        return Err(BadBody::at("max_tokens", "`max_tokens` is required"));
-    }
+    let max_output = max_output_of(api, fields, &|| output_cap(&model))?;
     let (choices, prompts) = multiplied(api, fields)?;
     let demand = Demand {
         api,
@@ -452,51 +446,6 @@ fn model_of(fields: &serde_json::Map<String, Value>) -> Result<String, BadBody> 
         Some(Value::String(_)) | None => Err(BadBody::at("model", "`model` is required")),
         Some(_) => Err(BadBody::at("model", "`model` must be a string")),
     }
-}
-
-/// The smallest maximum output any of the APIs' fields sets (each one
-/// checked against the model's cap, asked only when one is set), or none.
-fn max_output_of(
-    fields: &serde_json::Map<String, Value>,
-    output_cap: &dyn Fn() -> u64,
-) -> Result<Option<u64>, BadBody> {
-    let num_predict = match fields.get("options") {
-        None | Some(Value::Null) => None,
-        Some(Value::Object(o)) => o.get("num_predict"),
-        Some(_) => return Err(BadBody::at("options", "`options` must be an object")),
-    };
-    let mut max_output = None;
-    for (param, value) in [
-        ("max_tokens", fields.get("max_tokens")),
-        ("max_completion_tokens", fields.get("max_completion_tokens")),
-        ("max_output_tokens", fields.get("max_output_tokens")),
-        ("options.num_predict", num_predict),
-    ] {
-        match value {
-            None | Some(Value::Null) => {}
-            // Ollama's "no limit" values.
-            Some(Value::Number(n))
-                if param == "options.num_predict" && n.as_i64().is_some_and(|v| v < 0) => {}
-            Some(Value::Number(n)) if n.as_u64().is_some() => {
-                let v = n.as_u64().unwrap_or(u64::MAX);
-                let cap = output_cap();
-                if v > cap {
-                    return Err(BadBody::at(
-                        param,
-                        format!("`{param}` is {v}, above the {cap} output tokens allowed for this model"),
-                    ));
-                }
-                max_output = Some(max_output.map_or(v, |m: u64| m.min(v)));
-            }
-            Some(_) => {
-                return Err(BadBody::at(
-                    param,
-                    format!("`{param}` must be a non-negative integer"),
-                ))
-            }
-        }
-    }
-    Ok(max_output)
 }
 
 /// Reads every multiplier of `api` from a body: (choices, prompts), each
@@ -863,25 +812,29 @@ mod tests {
 
     #[test]
     fn a_maximum_above_the_cap_is_refused_by_name() {
-        for (field, body) in [
+        for (api, field, body) in [
             (
+                Api::OpenAiChat,
                 "max_tokens",
                 r#"{"model":"m","max_tokens":18446744073709551615}"#,
             ),
             (
+                Api::OpenAiChat,
                 "max_tokens",
                 r#"{"model":"m","max_tokens":18446744073709551610}"#,
             ),
             (
+                Api::OpenAiChat,
                 "max_completion_tokens",
                 r#"{"model":"m","max_completion_tokens":1048577}"#,
             ),
             (
+                Api::OllamaChat,
                 "options.num_predict",
                 r#"{"model":"m","options":{"num_predict":4294967296}}"#,
             ),
         ] {
-            let e = demand_of(Api::OpenAiChat, body.as_bytes()).unwrap_err();
+            let e = demand_of(api, body.as_bytes()).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{body}");
             assert!(e.message.contains("above"), "{e:?}");
         }
@@ -953,7 +906,10 @@ mod tests {
             br#"{"model":"m","max_tokens":100,"max_completion_tokens":50}"#,
         )
         .unwrap();
-        assert_eq!(d.max_output, Some(50), "the stricter of two limits");
+        // Servers pick different fields (vLLM `max_completion_tokens`,
+        // Ollama `max_tokens`): the larger bounds both, and is written into
+        // both.
+        assert_eq!(d.max_output, Some(100), "the larger of two limits");
     }
 
     #[test]

@@ -8,4 +8,5 @@ pub mod cache_key;
 pub mod cache_tier;
 pub mod demand;
 pub mod estimate;
+pub mod output_limit;
 pub mod reconcile;
