@@ -565,10 +565,6 @@ fn cached_prompt_tokens_are_charged_as_the_server_counts_them() {
 /// `max_tokens`; native Ollama only `options.num_predict`): reserving by
 /// the smaller lets the upstream spend past a hard budget.
 #[test]
-#[ignore = "sluice reserves by the smallest limit field of any API \
-            (usage/demand.rs max_output_of), not the one the server obeys; \
-            passes with the limits helper's fix (1d62fb5, output_limit.rs): \
-            drop this ignore when it lands"]
 fn the_reservation_follows_the_limit_field_the_server_obeys() {
     let real = [Personality::Vllm, Personality::Openai, Personality::Ollama];
     against(&real, |p| {

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value as Json};
 use sluice_tests::{
-    post_json, shipped_config_for, wait_for, Envoy, EnvoyConfig, MockLlm, Response,
+    post_json, shipped_config_for, wait_for, Envoy, EnvoyConfig, MockLlm, Personality, Response,
 };
 
 /// A model the policy does not list (its estimate is never corrected).
@@ -27,13 +27,28 @@ const MODEL: &str = "sluice-test-model";
 /// The output reserved when a request sets no limit.
 const DEFAULT_OUTPUT: u64 = 64;
 
-/// The server personalities of mock-llm the request-shape tests run
-/// against: `None` is mock-llm's plain reading (the first limit field
-/// present, capped at 16 generated tokens). When mock-llm gains
-/// `--personality vllm|openai|ollama` (each server's own field
-/// precedence), add `Some("vllm"), Some("openai"), Some("ollama")` here and
-/// every test below runs against each.
-const PERSONALITIES: &[Option<&str>] = &[None];
+/// The servers mock-llm plays for these tests, each generating all a
+/// request allows (`--generate-allowed`): its own plain reading (the first
+/// limit field present) and vLLM's, OpenAI's and Ollama's, each with its
+/// own field precedence (`mock-llm/src/personality.rs`), so a field read
+/// differently by one server fails a test.
+const PERSONALITIES: [Personality; 4] = [
+    Personality::Mock,
+    Personality::Vllm,
+    Personality::Openai,
+    Personality::Ollama,
+];
+
+/// Does the server `p` plays have the API at `path`?
+fn serves(p: Personality, path: &str) -> bool {
+    match p {
+        Personality::Mock => true,
+        Personality::Vllm => !path.starts_with("/api/"),
+        Personality::Openai => !path.starts_with("/api/") && path != "/v1/messages",
+        Personality::Ollama => true,
+        Personality::Anthropic => path == "/v1/messages",
+    }
+}
 
 /// The limit fields each API's servers read, by path.
 fn read_fields(path: &str) -> &'static [&'static str] {
@@ -80,11 +95,8 @@ struct Bench {
 }
 
 impl Bench {
-    fn start(personality: Option<&str>, budget: u64) -> Bench {
-        let upstream = match personality {
-            Some(p) => MockLlm::start_with_args("primary", &["--personality", p]),
-            None => MockLlm::start("primary"),
-        };
+    fn start(personality: Personality, budget: u64) -> Bench {
+        let upstream = MockLlm::start_as_with_args("primary", personality, &["--generate-allowed"]);
         let mut cfg: EnvoyConfig = shipped_config_for(&upstream);
         let policy = json!({
             "default_tier": "t",
@@ -166,8 +178,9 @@ fn limit(name: &str, v: i64) -> Json {
 
 #[test]
 fn a_limit_field_of_another_api_is_refused_by_name() {
-    for &personality in PERSONALITIES {
-        let bench = Bench::start(personality, 1_000_000);
+    // Refused before any upstream: one personality is enough.
+    {
+        let bench = Bench::start(Personality::Mock, 1_000_000);
         let all = [
             "max_tokens",
             "max_completion_tokens",
@@ -229,7 +242,7 @@ fn a_limit_field_of_another_api_is_refused_by_name() {
 
 #[test]
 fn the_upstream_gets_the_reserved_limit_in_every_field_its_servers_read() {
-    for &personality in PERSONALITIES {
+    for personality in PERSONALITIES {
         let bench = Bench::start(personality, 1_000_000);
         // (path, the client's limit fields, the limit reserved per choice)
         let cases = [
@@ -266,6 +279,9 @@ fn the_upstream_gets_the_reserved_limit_in_every_field_its_servers_read() {
             ("/api/chat", json!({}), DEFAULT_OUTPUT),
         ];
         for (path, limits, reserved) in cases {
+            if !serves(personality, path) {
+                continue;
+            }
             let sent = body(path, limits.clone());
             let resp = bench.post(path, &sent);
             assert_eq!(resp.status, 200, "{path} {sent}: {resp:?}");
@@ -308,7 +324,7 @@ fn the_upstream_gets_the_reserved_limit_in_every_field_its_servers_read() {
 #[test]
 fn a_hard_budget_is_never_overshot_whatever_field_the_server_reads() {
     const BUDGET: u64 = 400;
-    for &personality in PERSONALITIES {
+    for personality in PERSONALITIES {
         let bench = Bench::start(personality, BUDGET);
         // Bodies whose fields disagree: each server reads a different one
         // (mock-llm's plain reading takes `max_tokens` first, like Ollama;
@@ -334,6 +350,9 @@ fn a_hard_budget_is_never_overshot_whatever_field_the_server_reads() {
         for round in 0..40 {
             let admitted_before = admitted;
             for (path, limits) in &mixed {
+                if !serves(personality, path) {
+                    continue;
+                }
                 let sent = body(path, limits.clone());
                 let resp = bench.post(path, &sent);
                 match resp.status {
