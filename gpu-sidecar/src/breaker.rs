@@ -13,8 +13,11 @@
 //! - half-open → open: any fresh sample `>= open_at` (the trickle hurt);
 //! - half-open → closed: `half_open_for` passed without that. With a
 //!   half-open fraction or duration of 0, open goes straight to closed;
-//! - stale (no source of the scope answered for `stale_after`): fail open →
-//!   closed, fail closed → open, whatever the rules say.
+//! - stale (no source of the scope answered for `stale_after`): fail closed
+//!   → open; fail open → a closed breaker stays closed, but an open (or
+//!   half-open) one stays open until fresh data lets it close: a GPU that
+//!   falls off the bus often takes its exporter with it, and a breaker
+//!   opened for that GPU must not reopen traffic because the data stopped.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -349,7 +352,14 @@ impl Engine {
                     humantime::format_duration(policy.stale_after)
                 );
                 match policy.on_stale {
-                    OnStale::FailOpen => Some((BreakerState::Closed, format!("{why}: fail open"))),
+                    OnStale::FailOpen if s.state == BreakerState::Closed => {
+                        Some((BreakerState::Closed, format!("{why}: fail open")))
+                    }
+                    // Open when its data stopped: held open while stale.
+                    OnStale::FailOpen => Some((
+                        BreakerState::Open,
+                        format!("{why}: held open (it was open when its data stopped)"),
+                    )),
                     OnStale::FailClosed => {
                         Some((BreakerState::Open, format!("{why}: fail closed")))
                     }
@@ -712,19 +722,12 @@ mod tests {
     #[test]
     fn stale_data_fails_open_by_default() {
         let mut sim = Sim::new(Policy::default());
-        sim.gpu(95.0, 31);
-        assert_eq!(sim.state(), Open);
-        sim.silence(29);
-        assert_eq!(sim.state(), Open);
-        assert!(!sim.view(GPU).stale);
-        sim.silence(1);
+        sim.gpu(50.0, 5);
+        assert_eq!(sim.state(), Closed);
+        sim.silence(30);
         let v = sim.view(GPU);
         assert_eq!(v.state, Closed);
         assert!(v.stale);
-        assert_eq!(
-            v.reason.as_deref(),
-            Some("no fresh data for 30s: fail open")
-        );
         // Data comes back hot: the sustain time starts over.
         sim.gpu(95.0, 1);
         assert!(!sim.view(GPU).stale);
@@ -732,6 +735,28 @@ mod tests {
         assert_eq!(sim.state(), Closed);
         sim.gpu(95.0, 1);
         assert_eq!(sim.state(), Open);
+    }
+
+    /// Issue 29, item 9: the exporter of a hot GPU hangs after the breaker
+    /// opened; fail open used to close it 30 s later.
+    #[test]
+    fn an_open_breaker_stays_open_while_its_data_is_stale() {
+        let mut sim = Sim::new(Policy::default());
+        sim.gpu(95.0, 31);
+        assert_eq!(sim.state(), Open);
+        sim.silence(30);
+        let v = sim.view(GPU);
+        assert!(v.stale);
+        assert_eq!(v.state, Open, "held open while stale");
+        assert!(
+            v.reason.as_deref().is_some_and(|r| r.contains(">= 90")),
+            "still open for its reason: {v:?}"
+        );
+        sim.silence(600);
+        assert_eq!(sim.state(), Open);
+        // Fresh and cool again: the rules close it as usual.
+        sim.gpu(50.0, 120);
+        assert_eq!(sim.state(), Closed);
     }
 
     #[test]

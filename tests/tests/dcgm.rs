@@ -482,8 +482,42 @@ fn a_hung_exporter_goes_stale_and_fails_closed_as_configured() {
 
 #[test]
 fn an_answer_without_the_pod_is_no_data_and_fails_open() {
+    let exporter = Exporter::start(fixture());
+    let sc = DcgmSidecar::start(exporter.addr, TEMPERATURE_RULE, "fail_open");
+    let stack = stack_for(&sc);
+    sc.wait_for_envoy();
+    exporter.wait_scrapes(3);
+    assert_served(&stack.chat(MODEL, &[]));
+
+    // The pod was rescheduled elsewhere: the exporter answers 200, but no
+    // GPU of it carries the pod's labels. That is no healthy reading: the
+    // scope goes stale and, closed, fails open (the default), as when NVML
+    // fails.
+    let moved = fixture().replace("pod=\"vllm-llama-0\"", "pod=\"batch-job-3\"");
+    exporter.set(Answer::Metrics(moved));
+    assert!(
+        wait_for(Duration::from_secs(15), || sc.state()["stale"] == true),
+        "never went stale: {}",
+        sc.state()
+    );
+    assert_served(&stack.chat(MODEL, &[]));
+    let status = sc.source_status();
+    assert!(
+        status["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("none of the 4 GPUs listed matches")),
+        "{status}"
+    );
+}
+
+/// Issue 29, item 9: a GPU that falls off the bus often takes its exporter
+/// with it. Its breaker opened hot; the exporter then hangs; with
+/// `on_stale: fail_open` the breaker used to close once the data went
+/// stale (about 7 s later). An open breaker stays open while stale.
+#[test]
+fn an_open_breaker_stays_open_when_its_exporter_then_hangs() {
     let hot = with(&fixture(), "DCGM_FI_DEV_GPU_TEMP", 0, "95");
-    let exporter = Exporter::start(hot.clone());
+    let exporter = Exporter::start(hot);
     let sc = DcgmSidecar::start(exporter.addr, TEMPERATURE_RULE, "fail_open");
     let stack = stack_for(&sc);
     sc.wait_for_envoy();
@@ -493,26 +527,17 @@ fn an_answer_without_the_pod_is_no_data_and_fails_open() {
         "the breaker never opened: {}",
         sc.state()
     );
-
-    // The pod was rescheduled elsewhere: the exporter answers 200, but no
-    // GPU of it carries the pod's labels. That is no healthy reading: the
-    // scope goes stale and fails open (the default), as when NVML fails.
-    let moved = hot.replace("pod=\"vllm-llama-0\"", "pod=\"batch-job-3\"");
-    exporter.set(Answer::Metrics(moved));
+    exporter.set(Answer::Hang);
     assert!(
-        wait_for(Duration::from_secs(15), || stack.chat(MODEL, &[]).status
-            == 200),
-        "never failed open: {}",
+        wait_for(Duration::from_secs(15), || sc.state()["stale"] == true),
+        "never went stale: {}",
         sc.state()
     );
-    assert_eq!(sc.state()["stale"], true);
-    let status = sc.source_status();
-    assert!(
-        status["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("none of the 4 GPUs listed matches")),
-        "{status}"
-    );
+    // Stale (past stale_after, 2 s): fail open used to close it in the
+    // same evaluation that marked the scope stale. Still refused.
+    assert_gpu_refused(&stack.chat(MODEL, &[]));
+    let b = sc.breaker(SCOPE).expect("the model's breaker");
+    assert_eq!(b["state"], "open", "{b}");
 }
 
 #[test]
