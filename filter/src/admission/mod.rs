@@ -165,6 +165,9 @@ pub struct Settled {
     pub output: u64,
     /// The counts came from the upstream's usage (not the estimate).
     pub from_usage: bool,
+    /// The upstream's usage left the input out (or said 0 for a prompt):
+    /// the input is the estimate, the output the upstream's.
+    pub input_estimated: bool,
     /// The upstream sent usage sluice could not believe.
     pub invalid_usage: bool,
     pub cost: u64,
@@ -302,6 +305,14 @@ impl Engine {
         let cap = |model: &str| self.output_cap(model);
         match demand::parse_body(api, body, &cap) {
             Ok((demand, body)) => {
+                if let Some(field) = self.refuses_stored_context(&demand, &body) {
+                    let refused = Refused::rejected(
+                        Reason::InvalidRequest,
+                        format!("`{field}` makes the server add stored context to this request's input, which this gateway cannot see or reserve against the token budget; send the whole context in `input` (the policy's `request.allow_stored_context` allows such requests)."),
+                        Some(field),
+                    );
+                    return Err(Box::new(self.refuse(&refused, &identity.tier, None)));
+                }
                 let input_raw = estimate::input_tokens_of(demand.api, &body);
                 Ok(Some(Asked {
                     demand,
@@ -315,6 +326,15 @@ impl Engine {
                 Err(Box::new(self.refuse(&refused, &identity.tier, None)))
             }
         }
+    }
+
+    /// The field by which the body asks the server for context it does not
+    /// show, unless the policy allows such requests.
+    fn refuses_stored_context(&self, demand: &Demand, body: &Value) -> Option<&'static str> {
+        if self.policy.request.allow_stored_context {
+            return None;
+        }
+        demand::stored_context(demand.api, body)
     }
 
     /// Step 3: where the request may go, given the sidecar's state and the
@@ -756,6 +776,37 @@ pub(crate) mod tests {
             (0, 0),
             "an upstream error costs nothing"
         );
+    }
+
+    #[test]
+    fn a_usage_without_its_input_settles_the_input_from_the_estimate() {
+        // Ollama's cached prompt: no `prompt_eval_count` (reads as 0), or
+        // `prompt_tokens: 0` through its OpenAI API.
+        let (e, store) =
+            engine_with(json!({"default_tier": "t", "tiers": {"t": {"tokens": "10000/min"}}}));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("m", 50));
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        let plan = v.plan.unwrap();
+        assert!(plan.input_estimate > 0);
+        let usage = Found::Usage(Usage {
+            input: 0,
+            output: 9,
+        });
+        let (s, _) = e.settle(&store, &plan, usage, 3, true, 0);
+        assert_eq!(
+            (s.input, s.output, s.from_usage, s.input_estimated),
+            (plan.input_estimate, 9, true, true)
+        );
+        let usage = Found::Usage(Usage {
+            input: 4,
+            output: 9,
+        });
+        let (s, _) = e.settle(&store, &plan, usage, 3, true, 0);
+        assert_eq!((s.input, s.output, s.input_estimated), (4, 9, false));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! feeds the surge warning and the spend breaker.
 
 use super::*;
+use crate::usage::reconcile::Usage;
 
 impl Engine {
     /// Step 5: replace the reservation with what the response really cost.
@@ -18,11 +19,20 @@ impl Engine {
         upstream_ok: bool,
         now_ms: u64,
     ) -> (Settled, Contention) {
+        let reported_input = |u: Usage| u.input > 0 || plan.input_estimate == 0;
         let (input, output, from_usage) = match found {
-            Found::Usage(u) => (u.input, u.output, true),
+            Found::Usage(u) if reported_input(u) => (u.input, u.output, true),
+            // No prompt reads as 0 tokens: a 0 is a count the upstream
+            // left out (Ollama drops `prompt_eval_count` when it is 0,
+            // and its OpenAI and Anthropic APIs then say `prompt_tokens: 0`
+            // / `input_tokens: 0`: ollama/ollama#2068, #5370). The
+            // estimate stands in for the input; the output is the
+            // upstream's.
+            Found::Usage(u) => (plan.input_estimate, u.output, true),
             _ if !upstream_ok => (0, 0, false),
             _ => (plan.input_estimate, output_counted, false),
         };
+        let input_estimated = matches!(found, Found::Usage(u) if !reported_input(u));
         let reserver = self.reserver(store);
         let mut effort = Contention::default();
         // One update per record the plan holds (its buckets' settlements
@@ -35,7 +45,7 @@ impl Engine {
             .map(|(held, meter)| (held, meter.amount(input, output, plan.pricing)))
             .collect();
         let charges_unwritten = self.settle_leased(&reserver, &items, now_ms, &mut effort);
-        if from_usage && input > 0 {
+        if from_usage && !input_estimated && input > 0 {
             if let Some(model) = &plan.model {
                 self.learn(store, model, plan.input_raw, input, &mut effort);
             }
@@ -52,6 +62,7 @@ impl Engine {
             input,
             output,
             from_usage,
+            input_estimated,
             invalid_usage: found == Found::Invalid,
             cost,
             surge,

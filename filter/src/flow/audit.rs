@@ -18,6 +18,8 @@
 use std::cell::RefCell;
 
 use crate::admission::answer::truncate;
+use crate::host::{metrics, Host};
+use crate::usage::reconcile::Details;
 
 use super::MAX_AUDIT_BYTES;
 
@@ -44,6 +46,9 @@ pub enum Field {
     TokensEstimated,
     TokensInput,
     TokensOutput,
+    TokensInputCached,
+    TokensInputCacheWrite,
+    TokensOutputReasoning,
     UsageSource,
     CostMicros,
     TtftMs,
@@ -53,7 +58,7 @@ pub enum Field {
 }
 
 /// Every field's name in the access log, in [`Field`] order.
-pub const NAMES: [&str; 22] = [
+pub const NAMES: [&str; 25] = [
     "request_id",
     "method",
     "route",
@@ -70,6 +75,9 @@ pub const NAMES: [&str; 22] = [
     "tokens_estimated",
     "tokens_input",
     "tokens_output",
+    "tokens_input_cached",
+    "tokens_input_cache_write",
+    "tokens_output_reasoning",
     "usage_source",
     "cost_micros",
     "ttft_ms",
@@ -80,7 +88,7 @@ pub const NAMES: [&str; 22] = [
 
 /// `,"<name>":` of every field, in [`Field`] order (built at compile
 /// time; a test checks them against [`NAMES`]).
-const PREFIXES: [&str; 22] = [
+const PREFIXES: [&str; 25] = [
     ",\"request_id\":",
     ",\"method\":",
     ",\"route\":",
@@ -97,6 +105,9 @@ const PREFIXES: [&str; 22] = [
     ",\"tokens_estimated\":",
     ",\"tokens_input\":",
     ",\"tokens_output\":",
+    ",\"tokens_input_cached\":",
+    ",\"tokens_input_cache_write\":",
+    ",\"tokens_output_reasoning\":",
     ",\"usage_source\":",
     ",\"cost_micros\":",
     ",\"ttft_ms\":",
@@ -164,6 +175,45 @@ impl Record {
                 Value::Number(n) => push_u64(out, *n),
             }
         }
+    }
+}
+
+/// The parts of a settled usage priced apart, in the record and in
+/// `sluice_tokens_total` (kinds `cached` and `cache_write` of the input,
+/// `reasoning` of the output: shares of the `actual` counts, not added to
+/// them). `None` (settled from the estimate: it has no parts) leaves the
+/// fields null; a request settled from the upstream's usage says 0 for a
+/// part it did not use.
+pub fn details(
+    host: &dyn Host,
+    record: &mut Record,
+    details: Option<Details>,
+    tier: &str,
+    model: &str,
+) {
+    let Some(details) = details else { return };
+    for (field, direction, kind, n) in [
+        (
+            Field::TokensInputCached,
+            "input",
+            "cached",
+            details.cached_input,
+        ),
+        (
+            Field::TokensInputCacheWrite,
+            "input",
+            "cache_write",
+            details.cache_write_input,
+        ),
+        (
+            Field::TokensOutputReasoning,
+            "output",
+            "reasoning",
+            details.reasoning_output,
+        ),
+    ] {
+        record.number(field, n);
+        metrics::TOKENS.add_at(host, &[direction, kind, tier, model], n as i64);
     }
 }
 

@@ -34,7 +34,7 @@ use crate::policy::Policy;
 use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Contention, Updated};
 use crate::usage::demand::Api;
-use crate::usage::reconcile::{Format, Found, ResponseMeter};
+use crate::usage::reconcile::{Details, Format, Found, ResponseMeter};
 
 /// Longest audit field value: every field, whatever a client sent.
 pub const MAX_AUDIT_BYTES: usize = 256;
@@ -1682,9 +1682,9 @@ impl Stream {
         let claims = std::mem::take(&mut self.fleet_claims);
         let Some(up) = self.upstream() else { return };
         let Some(plan) = up.plan.take() else { return };
-        let (found, counted, cut) = match &up.meter {
-            Some(m) => (m.found, m.output_events, m.cut),
-            None => (Found::Nothing, 0, false),
+        let (found, counted, cut, details) = match &up.meter {
+            Some(m) => (m.found, m.output_events, m.cut, m.details()),
+            None => (Found::Nothing, 0, false, Details::default()),
         };
         let (tier, model) = up.labels.clone();
         let upstream_ok = self.status == 0 || self.status < 400;
@@ -1725,6 +1725,8 @@ impl Stream {
             &["output", "actual", &tier, &model],
             settled.output as i64,
         );
+        let details = settled.from_usage.then_some(details);
+        audit::details(host, &mut self.audit, details, &tier, &model);
         add(host, metrics::USAGE_SURGES, i64::from(settled.surge));
         if self.engine().policy.anomaly.is_some() {
             set_gauge(
@@ -1737,10 +1739,10 @@ impl Stream {
         self.audit
             .number(audit::Field::TokensOutput, settled.output);
         self.audit.number(audit::Field::CostMicros, settled.cost);
-        let source = if settled.from_usage {
-            "upstream"
-        } else {
-            "estimate"
+        let source = match (settled.from_usage, settled.input_estimated) {
+            (true, false) => "upstream",
+            (true, true) => "upstream_input_estimated",
+            (false, _) => "estimate",
         };
         self.audit.code(audit::Field::UsageSource, source);
         add(host, metrics::SPEND_MICROS, settled.cost as i64);

@@ -104,7 +104,11 @@ pub const TEAM_REQUESTS: Metric = counter(
     "sluice_team_requests_total",
     &["decision", "reason", "team", "org"],
 );
-/// `direction` input|output; `kind` estimated (reserved) | actual (settled).
+/// `direction` input|output; `kind` estimated (reserved) | actual
+/// (settled) | the parts of `actual` the upstream reported apart, priced
+/// differently and already inside `actual` (never add them to it): input
+/// `cached` (read from its prompt cache) and `cache_write` (written to
+/// it), output `reasoning`.
 pub const TOKENS: Metric = counter(
     "sluice_tokens_total",
     &["direction", "kind", "tier", "model"],

@@ -23,6 +23,14 @@ pub struct RequestConfig {
     /// Which rate-limit fields answers carry besides `X-RateLimit-*`.
     #[serde(default)]
     pub rate_limit_headers: RateLimitHeaders,
+    /// Admit Responses API requests that have the server add stored
+    /// context (`previous_response_id`, `conversation`, a stored `prompt`,
+    /// an `item_reference` input). Off: they are 400s naming the field,
+    /// since that context is billed as input sluice cannot see or reserve.
+    /// On: it is charged when the answer's usage settles, but not
+    /// reserved, so a hard budget can be overshot by it.
+    #[serde(default)]
+    pub allow_stored_context: bool,
 }
 
 impl Default for RequestConfig {
@@ -31,6 +39,7 @@ impl Default for RequestConfig {
             max_body_bytes: default_max_body(),
             max_output: default_output_cap(),
             rate_limit_headers: RateLimitHeaders::default(),
+            allow_stored_context: false,
         }
     }
 }
@@ -151,5 +160,21 @@ mod tests {
             "{err:?}"
         );
         assert!(err.message.contains("draft"), "{err:?}");
+    }
+
+    #[test]
+    fn stored_context_is_refused_unless_allowed_and_the_field_is_a_boolean() {
+        assert!(
+            !with_request(json!({}))
+                .unwrap()
+                .request
+                .allow_stored_context
+        );
+        let p = with_request(json!({"allow_stored_context": true})).unwrap();
+        assert!(p.request.allow_stored_context);
+        let err = with_request(json!({"allow_stored_context": "yes"})).unwrap_err();
+        assert_eq!(err.path, "request.allow_stored_context", "{err:?}");
+        let err = with_request(json!({"allow_stored_contexts": true})).unwrap_err();
+        assert!(err.message.contains("allow_stored_contexts"), "{err:?}");
     }
 }

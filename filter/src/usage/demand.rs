@@ -790,6 +790,42 @@ impl<'de> serde::de::Visitor<'de> for Strict<'_> {
     }
 }
 
+/// The field by which a Responses API body has the server add input it
+/// does not show, or `None`. The server bills that input (a stored
+/// conversation, earlier responses, a stored prompt) as input tokens of
+/// this request, so an estimate of the body alone under-reserves by all
+/// of it, and a hard budget can be overshot by a whole conversation:
+/// - `previous_response_id`: the earlier response's input and output are
+///   prepended (OpenAI's Responses API reference; vLLM keeps stored
+///   responses and reads the field, vllm/entrypoints/openai/engine/
+///   protocol.py `ResponsesRequest`);
+/// - `conversation`: a stored conversation's items are prepended (OpenAI);
+/// - `prompt`: a stored prompt template by id (OpenAI; vLLM refuses it);
+/// - an `input` item of type `item_reference`: a stored item by id.
+///
+/// Other APIs carry their whole context in the body.
+pub fn stored_context(api: Api, body: &Value) -> Option<&'static str> {
+    if api != Api::OpenAiResponses {
+        return None;
+    }
+    const BY_ID: [&str; 3] = ["previous_response_id", "conversation", "prompt"];
+    if let Some(field) = BY_ID
+        .into_iter()
+        .find(|f| body.get(*f).is_some_and(|v| !v.is_null()))
+    {
+        return Some(field);
+    }
+    let references = body
+        .get("input")
+        .and_then(Value::as_array)
+        .is_some_and(|items| {
+            items
+                .iter()
+                .any(|i| i.get("type").and_then(Value::as_str) == Some("item_reference"))
+        });
+    references.then_some("input")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1309,5 +1345,61 @@ mod tests {
         // Duplicate keys are still found, at any depth.
         let dup = parse(r#"{"model":"m","input":[{"a":1,"a":2}]}"#).unwrap_err();
         assert_eq!(dup.param.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn stored_context_is_named_on_the_responses_api_only() {
+        use serde_json::json;
+        let on = |api, body: Value| stored_context(api, &body);
+        let r = Api::OpenAiResponses;
+        assert_eq!(on(r, json!({"model": "m", "input": "hi"})), None);
+        assert_eq!(
+            on(
+                r,
+                json!({"model": "m", "input": "hi", "previous_response_id": "resp_1"})
+            ),
+            Some("previous_response_id")
+        );
+        assert_eq!(
+            on(
+                r,
+                json!({"model": "m", "input": "hi", "conversation": {"id": "conv_1"}})
+            ),
+            Some("conversation")
+        );
+        assert_eq!(
+            on(r, json!({"model": "m", "conversation": "conv_1"})),
+            Some("conversation")
+        );
+        assert_eq!(
+            on(r, json!({"model": "m", "prompt": {"id": "pmpt_1"}})),
+            Some("prompt")
+        );
+        assert_eq!(
+            on(
+                r,
+                json!({"model": "m", "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "item_reference", "id": "msg_1"}]})
+            ),
+            Some("input")
+        );
+        // Explicit nulls carry nothing.
+        assert_eq!(
+            on(
+                r,
+                json!({"model": "m", "input": "hi", "previous_response_id": null,
+                         "conversation": null, "prompt": null})
+            ),
+            None
+        );
+        // Chat has no stored context (its `store` only keeps the answer).
+        assert_eq!(
+            on(
+                Api::OpenAiChat,
+                json!({"model": "m", "previous_response_id": "x"})
+            ),
+            None
+        );
     }
 }

@@ -28,12 +28,59 @@ const OUTPUT_PATHS: &[&[&str]] = &[
     &["eval_count"],
 ];
 /// Input counted apart from `input_tokens` (Anthropic's prompt cache):
-/// added to it, so cached input is charged too.
+/// added to it, so cached input is charged too. Anthropic's Messages API
+/// reference: `input_tokens` is the input after the last cache breakpoint;
+/// the total input is it plus `cache_creation_input_tokens` plus
+/// `cache_read_input_tokens`. (vLLM's Anthropic endpoint reports the whole
+/// prompt as `input_tokens` and neither cache field:
+/// vllm/entrypoints/anthropic/serving.py.)
 const EXTRA_INPUT_PATHS: &[&[&str]] = &[
     &["usage", "cache_creation_input_tokens"],
     &["usage", "cache_read_input_tokens"],
     &["message", "usage", "cache_creation_input_tokens"],
     &["message", "usage", "cache_read_input_tokens"],
+];
+
+/// Input the upstream read from its prompt cache: a part of the input
+/// count, never added to it.
+/// - OpenAI chat and completions, vLLM (with
+///   `--enable-prompt-tokens-details`, vllm/entrypoints/openai/engine/
+///   protocol.py `PromptTokenUsageInfo`): `usage.prompt_tokens_details.
+///   cached_tokens`, included in `prompt_tokens`;
+/// - the Responses API (OpenAI; vLLM; Ollama writes 0, openai/responses.go):
+///   `usage.input_tokens_details.cached_tokens`, included in `input_tokens`;
+/// - Anthropic: `cache_read_input_tokens`, which [`EXTRA_INPUT_PATHS`]
+///   adds to the input, so it is part of the total sluice reads.
+///
+/// Ollama's own API reports no cached count (api/types.go `Metrics`).
+const CACHED_INPUT_PATHS: &[&[&str]] = &[
+    &["usage", "prompt_tokens_details", "cached_tokens"],
+    &["usage", "input_tokens_details", "cached_tokens"],
+    &["response", "usage", "input_tokens_details", "cached_tokens"],
+    &["usage", "cache_read_input_tokens"],
+    &["message", "usage", "cache_read_input_tokens"],
+];
+/// Input written to the prompt cache (Anthropic's
+/// `cache_creation_input_tokens`, priced above plain input): part of the
+/// input total, as above.
+const CACHE_WRITE_PATHS: &[&[&str]] = &[
+    &["usage", "cache_creation_input_tokens"],
+    &["message", "usage", "cache_creation_input_tokens"],
+];
+/// Output spent reasoning, included in the output count: OpenAI chat and
+/// completions `usage.completion_tokens_details.reasoning_tokens`; the
+/// Responses API `usage.output_tokens_details.reasoning_tokens` (vLLM's
+/// Responses API writes it too). Anthropic counts thinking inside
+/// `output_tokens` without a separate figure.
+const REASONING_PATHS: &[&[&str]] = &[
+    &["usage", "completion_tokens_details", "reasoning_tokens"],
+    &["usage", "output_tokens_details", "reasoning_tokens"],
+    &[
+        "response",
+        "usage",
+        "output_tokens_details",
+        "reasoning_tokens",
+    ],
 ];
 
 /// Counts above this are not believed (a misbehaving upstream, not a model).
@@ -44,6 +91,70 @@ pub(crate) const MAX_BELIEVABLE: u64 = 100_000_000;
 pub struct Usage {
     pub input: u64,
     pub output: u64,
+}
+
+/// The parts of a usage that are priced apart. Each is a share of the
+/// input or output count it belongs to (cached and cache-written input of
+/// the input, reasoning of the output), never added to it: a total is
+/// charged once, whatever its parts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Details {
+    /// Input the upstream read from its prompt cache.
+    pub cached_input: u64,
+    /// Input the upstream wrote to its prompt cache.
+    pub cache_write_input: u64,
+    /// Output the model spent reasoning.
+    pub reasoning_output: u64,
+}
+
+impl Details {
+    /// The larger of each part (stream counts are cumulative).
+    fn max(self, other: Details) -> Details {
+        Details {
+            cached_input: self.cached_input.max(other.cached_input),
+            cache_write_input: self.cache_write_input.max(other.cache_write_input),
+            reasoning_output: self.reasoning_output.max(other.reasoning_output),
+        }
+    }
+
+    /// The parts bounded by the totals they belong to: an upstream that
+    /// says more was cached than it read, or more reasoning than output,
+    /// cannot make a part larger than its whole.
+    pub fn within(self, usage: Usage) -> Details {
+        let cached_input = self.cached_input.min(usage.input);
+        Details {
+            cached_input,
+            cache_write_input: self.cache_write_input.min(usage.input - cached_input),
+            reasoning_output: self.reasoning_output.min(usage.output),
+        }
+    }
+}
+
+/// The detail counts of one response object or stream event. A detail
+/// that is no sane count reads as 0: the totals it belongs to are read
+/// (and checked) on their own, and a part is never charged twice.
+pub fn details_in(v: &Value) -> Details {
+    let part = |paths: &[&[&str]]| match count(v, paths) {
+        Found::Usage(u) => u.input,
+        _ => 0,
+    };
+    Details {
+        cached_input: part(CACHED_INPUT_PATHS),
+        cache_write_input: part(CACHE_WRITE_PATHS),
+        reasoning_output: part(REASONING_PATHS),
+    }
+}
+
+/// Ollama's final object (`done: true` with the output count) without a
+/// `prompt_eval_count`: Ollama leaves the field out when it is 0
+/// (api/types.go, `omitempty`), which older versions did whenever the
+/// whole prompt came from the prompt cache (ollama/ollama#2068, #3427).
+/// Its input is not 0 but unknown: it reads as a reported 0, which
+/// settlement replaces with the estimate.
+fn ollama_without_input(v: &Value) -> bool {
+    v.get("done").and_then(Value::as_bool) == Some(true)
+        && v.get("eval_count").is_some_and(|c| !c.is_null())
+        && v.get("prompt_eval_count").is_none_or(Value::is_null)
 }
 
 /// What a JSON object says about usage.
@@ -81,7 +192,10 @@ fn count(v: &Value, paths: &[&[&str]]) -> Found {
 /// The input count with the extra input fields added; `Invalid` if any of
 /// them is not a sane count.
 fn input_count(v: &Value) -> Found {
-    let found = count(v, INPUT_PATHS);
+    let found = match count(v, INPUT_PATHS) {
+        Found::Nothing if ollama_without_input(v) => return Found::Usage(Usage::default()),
+        found => found,
+    };
     let Found::Usage(mut base) = found else {
         return found;
     };
@@ -240,6 +354,8 @@ pub struct ResponseMeter {
     /// a JSON answer without believable usage.
     pub output_events: u64,
     pub found: Found,
+    /// The parts of the usage priced apart, as read (see [`Self::details`]).
+    details: Details,
     /// Drop the usage-only chunk (sluice asked for it, the client did not).
     strip_usage: bool,
     /// End the stream once this many output events went by.
@@ -274,6 +390,7 @@ impl ResponseMeter {
             pending: Vec::new(),
             output_events: 0,
             found: Found::Nothing,
+            details: Details::default(),
             strip_usage,
             allowance,
             cut: false,
@@ -295,6 +412,7 @@ impl ResponseMeter {
                 if end {
                     if let Ok(v) = serde_json::from_slice::<Value>(&self.pending) {
                         self.found = usage_in(&v);
+                        self.details = details_in(&v);
                         if !matches!(self.found, Found::Usage(_)) {
                             self.output_events = answer_tokens(&v);
                         }
@@ -393,6 +511,7 @@ impl ResponseMeter {
                 Found::Nothing => {}
                 _ => {
                     self.merge(input, output);
+                    self.details = self.details.max(details_in(v));
                     let usage_only = v
                         .get("choices")
                         .and_then(Value::as_array)
@@ -431,6 +550,15 @@ impl ResponseMeter {
             }),
             None => Found::Invalid,
         };
+    }
+
+    /// The parts of the settled usage priced apart, bounded by its
+    /// totals; none without believable usage (the estimate has no parts).
+    pub fn details(&self) -> Details {
+        match self.found {
+            Found::Usage(u) => self.details.within(u),
+            _ => Details::default(),
+        }
     }
 
     fn cut_message(&self) -> Vec<u8> {
@@ -977,5 +1105,194 @@ mod tests {
                 output: 0
             })
         );
+    }
+
+    /// Feeds `body` in pieces of `size` bytes; the meter at the end.
+    fn fed_in_pieces(format: Format, body: &[u8], size: usize) -> ResponseMeter {
+        let mut m = ResponseMeter::new(format, false, None);
+        let pieces: Vec<&[u8]> = body.chunks(size.max(1)).collect();
+        for (i, piece) in pieces.iter().enumerate() {
+            let out = m.feed(piece, i + 1 == pieces.len());
+            if format != Format::Json {
+                assert!(out.is_some());
+            }
+        }
+        m
+    }
+
+    fn usage(input: u64, output: u64) -> Found {
+        Found::Usage(Usage { input, output })
+    }
+
+    fn details(cached_input: u64, cache_write_input: u64, reasoning_output: u64) -> Details {
+        Details {
+            cached_input,
+            cache_write_input,
+            reasoning_output,
+        }
+    }
+
+    #[test]
+    fn openai_and_vllm_details_are_parts_of_their_totals() {
+        // OpenAI chat / vLLM: cached inside prompt_tokens, reasoning inside
+        // completion_tokens.
+        let body = json!({"choices": [{"message": {"content": "x"}}],
+            "usage": {"prompt_tokens": 1200, "completion_tokens": 300, "total_tokens": 1500,
+                      "prompt_tokens_details": {"cached_tokens": 1024, "audio_tokens": 0},
+                      "completion_tokens_details": {"reasoning_tokens": 256, "audio_tokens": 0}}});
+        let bytes = body.to_string().into_bytes();
+        for size in [1, 7, bytes.len()] {
+            let m = fed_in_pieces(Format::Json, &bytes, size);
+            assert_eq!(m.found, usage(1200, 300), "not added: {size}");
+            assert_eq!(m.details(), details(1024, 0, 256));
+        }
+        // vLLM without the details flag writes `prompt_tokens_details: null`.
+        let plain = json!({"usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                     "prompt_tokens_details": null}});
+        assert_eq!(usage_in(&plain), usage(5, 2));
+        assert_eq!(details_in(&plain), Details::default());
+    }
+
+    #[test]
+    fn responses_api_details_json_and_stream_split_anywhere() {
+        let u = json!({"input_tokens": 900, "input_tokens_details": {"cached_tokens": 512},
+                       "output_tokens": 120, "output_tokens_details": {"reasoning_tokens": 100},
+                       "total_tokens": 1020});
+        let body = json!({"object": "response", "output": [], "usage": u});
+        let m = fed_in_pieces(Format::Json, body.to_string().as_bytes(), 5);
+        assert_eq!(
+            (m.found, m.details()),
+            (usage(900, 120), details(512, 0, 100))
+        );
+        let mut stream = String::new();
+        for e in [
+            json!({"type": "response.created", "response": {"usage": null}}),
+            json!({"type": "response.output_text.delta", "delta": "hi"}),
+            json!({"type": "response.completed", "response": {"usage": u}}),
+        ] {
+            stream.push_str(&format!(
+                "event: {}\ndata: {e}\n\n",
+                e["type"].as_str().unwrap()
+            ));
+        }
+        let bytes = stream.into_bytes();
+        for size in 1..=bytes.len() {
+            let m = fed_in_pieces(Format::Sse, &bytes, size);
+            assert_eq!(m.found, usage(900, 120), "pieces of {size}");
+            assert_eq!(m.details(), details(512, 0, 100), "pieces of {size}");
+        }
+    }
+
+    #[test]
+    fn anthropic_cache_counts_are_added_once_and_recorded_apart() {
+        // input_tokens excludes both cache counts: the total is the sum.
+        let body = json!({"type": "message", "content": [{"type": "text", "text": "hi"}],
+            "usage": {"input_tokens": 50, "cache_creation_input_tokens": 2000,
+                      "cache_read_input_tokens": 3000, "output_tokens": 40}});
+        assert_eq!(usage_in(&body), usage(5050, 40));
+        let m = fed_in_pieces(Format::Json, body.to_string().as_bytes(), 3);
+        assert_eq!(m.details(), details(3000, 2000, 0));
+        // The stream: input in message_start, cumulative output in
+        // message_delta (which may repeat the input counts), split anywhere.
+        let mut stream = String::new();
+        for (name, e) in [
+            (
+                "message_start",
+                json!({"type": "message_start", "message": {"id": "m", "content": [],
+                "usage": {"input_tokens": 50, "cache_creation_input_tokens": 2000,
+                          "cache_read_input_tokens": 3000, "output_tokens": 1}}}),
+            ),
+            (
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": "hello"}}),
+            ),
+            (
+                "message_delta",
+                json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                "usage": {"input_tokens": 50, "cache_creation_input_tokens": 2000,
+                          "cache_read_input_tokens": 3000, "output_tokens": 40}}),
+            ),
+            ("message_stop", json!({"type": "message_stop"})),
+        ] {
+            stream.push_str(&format!("event: {name}\ndata: {e}\n\n"));
+        }
+        let bytes = stream.into_bytes();
+        for size in 1..=bytes.len() {
+            let m = fed_in_pieces(Format::Sse, &bytes, size);
+            assert_eq!(m.found, usage(5050, 40), "pieces of {size}");
+            assert_eq!(m.details(), details(3000, 2000, 0), "pieces of {size}");
+        }
+    }
+
+    #[test]
+    fn ollama_without_prompt_eval_count_reports_its_output_and_no_input() {
+        // The cached-prompt answer: input unknown (read as 0, which
+        // settlement replaces with the estimate), output believed.
+        let body = json!({"model": "m", "message": {"role": "assistant", "content": "hi"},
+                          "done": true, "eval_count": 6});
+        assert_eq!(usage_in(&body), usage(0, 6));
+        let lines = b"{\"message\":{\"content\":\"a\"},\"done\":false}\n{\"message\":{\"content\":\"b\"},\"done\":false}\n{\"message\":{\"content\":\"\"},\"done\":true,\"done_reason\":\"stop\",\"eval_count\":2}\n";
+        for size in 1..=lines.len() {
+            let m = fed_in_pieces(Format::Ndjson, lines, size);
+            assert_eq!(
+                (m.found, m.output_events),
+                (usage(0, 2), 2),
+                "pieces of {size}"
+            );
+            assert_eq!(m.details(), Details::default());
+        }
+        // A line that is not done, or has no output count, is no usage.
+        assert_eq!(
+            usage_in(&json!({"done": false, "eval_count": 3})),
+            Found::Invalid
+        );
+        assert_eq!(usage_in(&json!({"done": true})), Found::Nothing);
+    }
+
+    #[test]
+    fn details_never_exceed_their_totals_and_garbage_details_read_as_none() {
+        let lying = json!({"usage": {"prompt_tokens": 10, "completion_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 99},
+            "completion_tokens_details": {"reasoning_tokens": 1_000_000}}});
+        let m = fed_in_pieces(Format::Json, lying.to_string().as_bytes(), 4096);
+        assert_eq!((m.found, m.details()), (usage(10, 4), details(10, 0, 4)));
+        let garbage = json!({"usage": {"prompt_tokens": 10, "completion_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": "lots"},
+            "completion_tokens_details": {"reasoning_tokens": -3}}});
+        let m = fed_in_pieces(Format::Json, garbage.to_string().as_bytes(), 4096);
+        assert_eq!((m.found, m.details()), (usage(10, 4), Details::default()));
+        // Cached and cache-written together stay within the input.
+        assert_eq!(
+            details(8, 8, 0).within(Usage {
+                input: 10,
+                output: 0
+            }),
+            details(8, 2, 0)
+        );
+        // Without believable usage there are no parts.
+        let bad = json!({"usage": {"prompt_tokens": "x", "completion_tokens": 1,
+                                   "prompt_tokens_details": {"cached_tokens": 5}}});
+        let m = fed_in_pieces(Format::Json, bad.to_string().as_bytes(), 4096);
+        assert_eq!((m.found, m.details()), (Found::Invalid, Details::default()));
+    }
+
+    #[test]
+    fn streamed_details_settle_at_their_largest_count() {
+        // vLLM's continuous usage stats repeat the (cumulative) details.
+        let events: Vec<Value> = (1..=4u64)
+            .map(|n| {
+                let mut c = chunk("x");
+                c["usage"] = json!({"prompt_tokens": 30, "completion_tokens": n,
+                                    "prompt_tokens_details": {"cached_tokens": 16},
+                                    "completion_tokens_details": {"reasoning_tokens": n / 2}});
+                c
+            })
+            .collect();
+        let body = sse(&events, true);
+        for size in [1, 13, body.len()] {
+            let m = fed_in_pieces(Format::Sse, &body, size);
+            assert_eq!((m.found, m.details()), (usage(30, 4), details(16, 0, 2)));
+        }
     }
 }
