@@ -726,6 +726,9 @@ pub struct Stream {
 
 /// A stream's phase, each holding what exists in it. `Undecided` →
 /// (`Parked` ⇄ `Undecided`)* → (`Fleet`)? → `Answered` or `Upstream`.
+/// One per stream, moved rarely: the upstream phase's meter (with the
+/// usage details it reads) is kept inline rather than boxed.
+#[allow(clippy::large_enum_variant)]
 enum Phase {
     /// Its headers and body are being read, or it is between two tries
     /// of the gate: nothing is decided.
