@@ -44,20 +44,36 @@ grep -q "filename: $logs/jwks.json" "$logs/sluice.yaml" || {
 # tests load, caches nothing): exact on llama3.1:8b, semantic on mistral:7b
 # with mock-llm's embeddings; exact entries in Envoy (cache.in_envoy),
 # semantic ones in the sidecar's memory.
+# Not real secrets, made fresh at every start: the salt keys the cache (a
+# public salt lets anyone compute keys), and the cache secret proves to the
+# sidecar that a store or lookup comes from this Envoy (Envoy hands it to the
+# wasm VM from its environment, the sidecar reads the same variable), so no
+# other local process can plant an answer.
+random_hex() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
+cache_salt=$(random_hex)
+export SLUICE_CACHE_SECRET
+SLUICE_CACHE_SECRET=$(random_hex)
 cache_policy='                            cache:\
-                              salt: "demo-cache-salt-change-me"\
+                              salt: "'"$cache_salt"'"\
+                              secret_env: SLUICE_CACHE_SECRET\
                               models:\
                                 "llama3.1:8b": { exact: true }\
                                 "mistral:7b": { exact: true, semantic: true }'
 sed -i "/^                            static_fallback:/i\\
 $cache_policy" "$logs/sluice.yaml"
-grep -q 'demo-cache-salt-change-me' "$logs/sluice.yaml" || {
+grep -q "$cache_salt" "$logs/sluice.yaml" || {
   echo "demo: envoy/sluice.yaml has no static_fallback line to put the cache before" >&2
+  exit 1
+}
+sed -i "s|^\( *\)vm_id: sluice$|&\n\1environment_variables: { host_env_keys: [SLUICE_CACHE_SECRET] }|" "$logs/sluice.yaml"
+grep -q "host_env_keys: \[SLUICE_CACHE_SECRET\]" "$logs/sluice.yaml" || {
+  echo "demo: envoy/sluice.yaml has no vm_id line to hand the cache secret to" >&2
   exit 1
 }
 cat >"$logs/sidecar.yaml" <<'YAML'
 cache:
   embeddings: { url: "http://127.0.0.1:8000/v1/embeddings", model: mock-embed, timeout: 2s }
+  secret_env: SLUICE_CACHE_SECRET
 YAML
 
 pids=()

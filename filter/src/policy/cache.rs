@@ -231,6 +231,25 @@ pub const MAX_ENTRY_BYTES: u64 = 16 << 20;
 pub const MAX_TOP_K: u32 = 100;
 pub const MAX_LOOKUP_TIMEOUT_MS: u64 = 2_000;
 
+/// The shortest salt not warned of: 16 bytes (128 bits) if random.
+const MIN_SALT_BYTES: usize = 16;
+
+/// A salt that is short or a placeholder copied from an example
+/// ("…-change-me"): public in effect.
+fn public_salt(salt: &str) -> bool {
+    let lower = salt.to_ascii_lowercase();
+    salt.len() < MIN_SALT_BYTES
+        || [
+            "change-me",
+            "changeme",
+            "change_me",
+            "example",
+            "placeholder",
+        ]
+        .iter()
+        .any(|p| lower.contains(p))
+}
+
 fn duration_ms(text: &str) -> Result<u64, String> {
     crate::policy::units::parse_duration(text)
 }
@@ -453,6 +472,17 @@ impl CachePolicy {
                  set a secret salt"
                     .into(),
             );
+        } else if cached && public_salt(&self.salt) {
+            out.push(format!(
+                "cache.salt: looks public ({} bytes{}): anyone who knows it can compute the key \
+                 of another caller's question; set at least {MIN_SALT_BYTES} random bytes",
+                self.salt.len(),
+                if self.salt.to_ascii_lowercase().contains("change") {
+                    ", a placeholder"
+                } else {
+                    ""
+                }
+            ));
         }
         out
     }
@@ -593,7 +623,7 @@ mod tests {
     #[test]
     fn global_is_said() {
         let p = parse(
-            json!({"salt": "s", "secret_env": "S", "in_envoy": {"slots": 0},
+            json!({"salt": "a5f0c3e19b7d2468ac13", "secret_env": "S", "in_envoy": {"slots": 0},
                              "models": {"m": {"exact": true, "scope": "global"}}}),
         )
         .unwrap();
@@ -606,6 +636,25 @@ mod tests {
         assert!(w[0].contains("2048 slots, at most 33010 KiB"), "{w:?}");
         assert!(w[1].starts_with("cache.secret_env: unset"), "{w:?}");
         assert!(w[2].starts_with("cache.salt"), "{w:?}");
+    }
+
+    #[test]
+    fn a_public_salt_is_said() {
+        let warned = |salt: &str| {
+            parse(
+                json!({"salt": salt, "secret_env": "S", "in_envoy": {"slots": 0},
+                         "models": {"m": {"exact": true}}}),
+            )
+            .unwrap()
+            .warnings()
+            .iter()
+            .any(|w| w.starts_with("cache.salt: looks public"))
+        };
+        // The demo's old salt, an example's placeholder, a short one.
+        assert!(warned("demo-cache-salt-change-me"));
+        assert!(warned("please-CHANGEME-before-prod-000"));
+        assert!(warned("short"));
+        assert!(!warned("ae705ee6031692bf35f5a8cc29d66ecf"));
     }
 
     #[test]
