@@ -429,6 +429,34 @@ fn image_round_trips_through_a_local_registry_with_its_digest() {
     );
 }
 
+/// Every pin of the module is the module `make build` produces: a stale
+/// pin ships an Envoy that is `/ready` LIVE while every request gets 503
+/// (its log says "retry limit exceeded" for the remote fetch, not that the
+/// hash differs). `make image` rewrites the pins and the manifests.
+#[test]
+fn every_pin_of_the_wasm_is_the_built_one() {
+    let root = repo_root();
+    let built = sha256_hex(&fs::read(wasm_path()).expect("built filter"));
+    let release = Release::load(&root).expect("release.env");
+    assert_eq!(
+        release.wasm_sha256, built,
+        "deploy/release.env WASM_SHA256 is not the built filter's SHA-256: run `make image`"
+    );
+    let remote = fs::read_to_string(root.join("envoy/sluice-remote.yaml")).expect("remote");
+    let pins: Vec<&str> = remote
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("sha256:"))
+        .map(str::trim)
+        .collect();
+    assert!(!pins.is_empty(), "envoy/sluice-remote.yaml pins no sha256");
+    for pin in pins {
+        assert_eq!(
+            pin, built,
+            "envoy/sluice-remote.yaml pins another module than the built one: run `make image`"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Envoy's remote code source
 // ---------------------------------------------------------------------------
