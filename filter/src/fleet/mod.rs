@@ -699,6 +699,22 @@ impl Fleet {
         if short.is_empty() {
             return Gate::Pass(done);
         }
+        self.ask_fleet(engine, host, done, short, identity, now)
+    }
+
+    /// What the worker's leases could not cover: a hard budget of a window
+    /// whose fleet count Redis lost goes to `on_unavailable.data_lost`,
+    /// the rest is asked of the fleet (or `on_unavailable` while it is
+    /// down).
+    fn ask_fleet(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        mut done: Vec<Claimed>,
+        short: Vec<Short>,
+        identity: &Identity,
+        now: u64,
+    ) -> Gate {
         // Hard budgets of a window whose fleet count Redis lost: never
         // asked (the sidecar would refuse them), covered by
         // `on_unavailable.data_lost`; the rest is asked as usual.

@@ -533,6 +533,47 @@ impl State {
     /// its principal holding the most, when the newcomer has a claim on it
     /// (see "Shared places" in the module comment). `true`: a place was
     /// freed.
+    /// The round a new entry of `principal` in `class` joins: after the
+    /// class's current round and after the principal's last waiting entry.
+    fn next_round(&self, class: usize, principal: u64) -> u64 {
+        let last = self
+            .entries
+            .iter()
+            .filter(|e| !e.evicted && usize::from(e.class) == class && e.principal == principal)
+            .map(|e| e.round)
+            .max()
+            .unwrap_or(0);
+        self.classes[class].round.max(last).saturating_add(1)
+    }
+
+    /// Frees a place at a full queue for an arrival of `group` holding
+    /// `mine`: first by the groups' entitlements, then max-min per
+    /// principal within what the groups allow (never a place of a tier at
+    /// or below its floor, never one more for the undeclared callers at
+    /// their ceiling). Whether a place was freed.
+    fn make_room(
+        &mut self,
+        model: usize,
+        class: usize,
+        group: u64,
+        mine: u32,
+        places: &Places,
+    ) -> bool {
+        if self.evict_for_group(model, class, group, places) {
+            return true;
+        }
+        let anon_full = places.is_anonymous(group)
+            && self.held_by_group(model, class, group) >= places.entitled(group);
+        let held: BTreeMap<u64, u32> = places
+            .groups()
+            .map(|v| (v, self.held_by_group(model, class, v)))
+            .collect();
+        let at_floor =
+            |v: u64| places.is_tier(v) && held.get(&v).copied().unwrap_or(0) <= places.entitled(v);
+        let allowed = |v: u64| v == group || !(anon_full || at_floor(v));
+        self.evict_for(model, class, mine.saturating_add(2), &allowed)
+    }
+
     fn evict_for_group(&mut self, model: usize, class: usize, group: u64, places: &Places) -> bool {
         let mine = self.held_by_group(model, class, group);
         let below_floor = places.is_tier(group) && mine < places.entitled(group);
@@ -816,24 +857,7 @@ pub fn enter_checked(
                     table: g.shares.get(a.model),
                     depth: max_depth,
                 };
-                let freed = s.evict_for_group(model, class, a.group, &places) || {
-                    // Max-min per principal, within what the groups allow:
-                    // never a place of a tier at or below its floor, never
-                    // one more for the undeclared callers at their ceiling.
-                    let anon_full = places.is_anonymous(a.group)
-                        && s.held_by_group(model, class, a.group) >= places.entitled(a.group);
-                    let held: BTreeMap<u64, u32> = places
-                        .groups()
-                        .map(|v| (v, s.held_by_group(model, class, v)))
-                        .collect();
-                    let at_floor = |v: u64| {
-                        places.is_tier(v)
-                            && held.get(&v).copied().unwrap_or(0) <= places.entitled(v)
-                    };
-                    let allowed = |v: u64| v == a.group || !(anon_full || at_floor(v));
-                    s.evict_for(model, class, mine.saturating_add(2), &allowed)
-                };
-                if !freed {
+                if !s.make_room(model, class, a.group, mine, &places) {
                     return Some(Entered::Full);
                 }
             }
@@ -847,16 +871,7 @@ pub fn enter_checked(
                 // No credit for idle time.
                 c.pass = c.pass.max(vtime);
             }
-            let last = s
-                .entries
-                .iter()
-                .filter(|e| {
-                    !e.evicted && usize::from(e.class) == class && e.principal == a.principal
-                })
-                .map(|e| e.round)
-                .max()
-                .unwrap_or(0);
-            let round = s.classes[class].round.max(last).saturating_add(1);
+            let round = s.next_round(class, a.principal);
             s.next_ticket = s.next_ticket.wrapping_add(1).max(1);
             let ticket = s.next_ticket;
             s.entries.push(Entry {
