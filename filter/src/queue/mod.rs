@@ -453,8 +453,9 @@ impl State {
             .map_or(0, |m| m.inflight)
     }
 
-    /// Places one principal holds for one model in one class.
-    fn held_by(&self, model: usize, class: usize, principal: u64) -> u32 {
+    /// Places held for one model in one class by the entries `whose`
+    /// picks.
+    fn held(&self, model: usize, class: usize, whose: impl Fn(&Entry) -> bool) -> u32 {
         let n = self
             .entries
             .iter()
@@ -462,10 +463,15 @@ impl State {
                 !e.evicted
                     && usize::from(e.model) == model
                     && usize::from(e.class) == class
-                    && e.principal == principal
+                    && whose(e)
             })
             .count();
         u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// Places one principal holds for one model in one class.
+    fn held_by(&self, model: usize, class: usize, principal: u64) -> u32 {
+        self.held(model, class, |e| e.principal == principal)
     }
 
     /// The queue (model, class) is full: among the entries of the groups
@@ -515,17 +521,7 @@ impl State {
 
     /// Places a group holds for one model in one class.
     fn held_by_group(&self, model: usize, class: usize, group: u64) -> u32 {
-        let n = self
-            .entries
-            .iter()
-            .filter(|e| {
-                !e.evicted
-                    && usize::from(e.model) == model
-                    && usize::from(e.class) == class
-                    && e.group == group
-            })
-            .count();
-        u32::try_from(n).unwrap_or(u32::MAX)
+        self.held(model, class, |e| e.group == group)
     }
 
     /// The queue (model, class) is full and a caller of `group` asks for a
