@@ -196,6 +196,19 @@ impl Engine {
             passthrough,
             penalty,
             leases: std::sync::Mutex::default(),
+            hash_key: Default::default(),
+        }
+    }
+
+    /// Places every caller-chosen name (principals, addresses, unlisted
+    /// models) under the deployment's key from now on: called once the
+    /// key is known (`crate::admission::hash_key`), before the first
+    /// request. Until then the unkeyed default (native tests).
+    pub fn set_hash_key(&mut self, key: crate::policy::keys::HashKey) {
+        self.hash_key = key;
+        self.resolver.set_key(key);
+        if let Some(pb) = &mut self.penalty {
+            pb.set_key(key);
         }
     }
 

@@ -27,7 +27,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv6Addr};
 
-use crate::policy::keys::{fnv1a, key_principal, sha256_hex};
+use crate::policy::keys::{key_principal, sha256_hex, HashKey};
 use crate::policy::{IdentityConfig, IdentitySource, KeyEntry, Policy, UnknownKeys};
 
 /// What the identity step may read of a request.
@@ -150,6 +150,9 @@ pub struct Resolver {
     key_hashes: RefCell<HashMap<String, String>>,
     /// The prefix an IPv6 client address counts by.
     ipv6_prefix: u8,
+    /// The deployment's hash key (see [`HashKey`]); set when the policy
+    /// loads, the unkeyed default until then (tests).
+    key: HashKey,
 }
 
 /// Most API keys whose hash one VM remembers. When full, the cache starts
@@ -183,7 +186,13 @@ impl Resolver {
             key_tiers,
             key_hashes: RefCell::default(),
             ipv6_prefix: crate::policy::identity::ipv6_prefix(policy),
+            key: HashKey::default(),
         }
+    }
+
+    /// Places callers with `key` from now on.
+    pub fn set_key(&mut self, key: HashKey) {
+        self.key = key;
     }
 
     /// `(principal, tier)` of every API key the policy declares, as
@@ -359,7 +368,7 @@ impl Resolver {
         // as none (its members keep their tier's limits).
         let team = team.filter(|t| self.teams.contains(t));
         let org = org.filter(|o| self.orgs.contains(o));
-        let hash = principal_hash(&principal);
+        let hash = self.key.hash(principal.as_bytes());
         Identity {
             principal,
             hash,
@@ -407,14 +416,6 @@ fn bearer_token(value: &str) -> Result<Option<String>, Refusal> {
     }
 }
 
-/// FNV-1a, 64 bits: stable across builds (slots survive an upgrade) and
-/// cheap on every request. It only places buckets: a crafted collision can
-/// at worst share a slot chain or budget-sketch cells, which refuses early,
-/// never admits more.
-fn principal_hash(principal: &str) -> u64 {
-    fnv1a(principal.as_bytes())
-}
-
 /// The one place that says which addresses are one caller: an IPv4
 /// address whole, an IPv4 address mapped into IPv6 (`::ffff:1.2.3.4`, how a
 /// dual-stack listener sees IPv4 clients) as that IPv4 address, an IPv6
@@ -445,9 +446,9 @@ fn address_principal(addr: &str, v6_prefix: u8) -> String {
 
 /// The hash of a client address as a principal: what the penalty box
 /// counts an address by, the same value the address's buckets are placed
-/// by.
-pub(crate) fn address_hash(addr: &str, v6_prefix: u8) -> u64 {
-    principal_hash(&address_principal(addr, v6_prefix))
+/// by (both under the deployment's key).
+pub(crate) fn address_hash(key: &HashKey, addr: &str, v6_prefix: u8) -> u64 {
+    key.hash(address_principal(addr, v6_prefix).as_bytes())
 }
 
 /// `1.2.3.4:5678` → `1.2.3.4`, `[::1]:5678` → `::1`.
@@ -860,7 +861,10 @@ mod tests {
         let (a, b) = (id("[2001:db8:1:2::1]:5"), id("[2001:db8:1:2::beef]:6"));
         assert_eq!(a, b);
         assert_eq!(a.principal, "ip:2001:db8:1:2::/64");
-        assert_eq!(a.hash, address_hash("[2001:db8:1:2::77]:9", 64));
+        assert_eq!(
+            a.hash,
+            address_hash(&HashKey::default(), "[2001:db8:1:2::77]:9", 64)
+        );
         assert_ne!(a.hash, id("[2001:db8:1:3::1]:5").hash);
         assert_eq!(id("[::ffff:1.2.3.4]:5"), id("1.2.3.4:6"));
         // The prefix is the policy's, written once.
@@ -868,6 +872,27 @@ mod tests {
         let w = |addr: &str| wide.resolve(&req(&[], &[], addr)).unwrap().principal;
         assert_eq!(w("[2001:db8:1:2::1]:5"), w("[2001:db8:1:ff::1]:5"));
         assert_eq!(w("[2001:db8:1:2::1]:5"), "ip:2001:db8:1::/48");
+    }
+
+    #[test]
+    fn where_a_caller_lands_depends_on_the_deployment_key() {
+        let keyed = |key: HashKey| {
+            let mut r = resolver(json!({"sources": ["client_address"]}));
+            r.set_key(key);
+            r.resolve(&req(&[], &[], "10.0.0.7:1")).unwrap()
+        };
+        let (a, b) = (HashKey::derive("t", b"one"), HashKey::derive("t", b"two"));
+        // The same key places a caller the same way in every worker and
+        // every Envoy that holds it; another key, elsewhere: an outsider
+        // who does not hold it cannot compute where anyone lands.
+        assert_eq!(keyed(a).hash, keyed(a).hash);
+        assert_ne!(keyed(a).hash, keyed(b).hash);
+        assert_eq!(keyed(a).principal, keyed(b).principal);
+        assert_eq!(
+            keyed(a).hash,
+            address_hash(&a, "10.0.0.7:2", 64),
+            "the penalty box counts an address where its buckets are"
+        );
     }
 
     #[test]

@@ -41,6 +41,7 @@ pub mod bucket;
 pub mod compile;
 pub mod early;
 pub mod for_fleet;
+pub mod hash_key;
 pub mod health;
 pub mod identity;
 mod leased;
@@ -206,6 +207,9 @@ pub struct Engine {
     pub(crate) penalty: Option<crate::admission::penalty::PenaltyBox>,
     /// This worker's leases of the shared buckets (`state.worker_leases`).
     leases: std::sync::Mutex<crate::limits::lease::Leases>,
+    /// The deployment's key of every hash a caller can aim (see
+    /// [`Engine::set_hash_key`]).
+    pub(crate) hash_key: crate::policy::keys::HashKey,
 }
 
 const CORRECTION_KEY: &str = "sluice:v1:estimate/";

@@ -199,6 +199,8 @@ pub struct PenaltyBox {
     exempt: HashSet<String>,
     exempt_declared: bool,
     ipv6_prefix: u8,
+    /// The deployment's hash key: where an address counts.
+    key: crate::policy::keys::HashKey,
 }
 
 /// Where one caller lives: its sub-sketch, its counter in each row, its
@@ -224,7 +226,8 @@ fn place(who: u64) -> Place {
     }
 }
 
-/// splitmix64's finalizer: spreads FNV's low-entropy bits over the word.
+/// splitmix64's finalizer: an independent mix per row of the (already
+/// keyed) caller hash.
 fn mix(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -247,7 +250,14 @@ impl PenaltyBox {
                 .collect(),
             exempt_declared: config.exempt_declared,
             ipv6_prefix,
+            key: Default::default(),
         }
+    }
+
+    /// Counts addresses under `key` from now on (the principal's hash is
+    /// already keyed).
+    pub fn set_key(&mut self, key: crate::policy::keys::HashKey) {
+        self.key = key;
     }
 
     /// Creates the box's keys (empty) unless they exist: the same fixed
@@ -275,7 +285,7 @@ impl PenaltyBox {
     /// principal: its address is what the box counts).
     pub fn who_by_address(&self, req: &dyn RequestView) -> Option<u64> {
         req.client_address()
-            .map(|a| crate::admission::identity::address_hash(&a, self.ipv6_prefix))
+            .map(|a| crate::admission::identity::address_hash(&self.key, &a, self.ipv6_prefix))
             // 0 marks a free record.
             .map(|h| h.max(1))
     }
@@ -528,6 +538,7 @@ mod tests {
         assert_eq!(until, Some(60 + 600_000));
         for i in 0..6_000u64 {
             let who = crate::admission::identity::address_hash(
+                &Default::default(),
                 &format!("10.{}.{}.{}:40000", i >> 16, (i >> 8) & 255, i & 255),
                 64,
             );
@@ -653,7 +664,8 @@ mod tests {
 
     #[test]
     fn ipv6_callers_are_counted_by_prefix() {
-        let c = |a: &str, p: u8| crate::admission::identity::address_hash(a, p);
+        let c =
+            |a: &str, p: u8| crate::admission::identity::address_hash(&Default::default(), a, p);
         assert_eq!(
             c("[2001:db8:1:2::1]:443", 64),
             c("[2001:db8:1:2:ffff::9]:1", 64)

@@ -20,7 +20,6 @@
 //! unlisted models in one slot share a breaker and pauses), and
 //! `credential_slots` pause slots. Nothing grows with traffic.
 
-use crate::policy::keys::fnv1a;
 use sha2::{Digest, Sha256};
 
 use crate::admission::answer::{Reason, Refused};
@@ -69,11 +68,12 @@ impl Engine {
             None => format!("{UPSTREAM_KEY}none"),
             Some(m) if self.policy.models.contains_key(m) => format!("{UPSTREAM_KEY}{m}"),
             Some(m) => {
-                // A crafted name can share another unlisted model's slot;
-                // that shares its breaker, which still needs `min_callers`
-                // callers' 5xx to open.
+                // Placed under the deployment's key: an outsider cannot
+                // pick a name that shares a given unlisted model's slot
+                // (and so its breaker); a chance collision still needs
+                // `min_callers` callers' 5xx to open it.
                 Table::flat(UNLISTED_KEY, self.policy.protection.unlisted_slots, 1)
-                    .place(fnv1a(m.as_bytes()))
+                    .place(self.hash_key.hash(m.as_bytes()))
             }
         }
     }
@@ -393,8 +393,11 @@ mod tests {
         let (e, _) = engine_with(json!({}));
         let n = u64::from(e.policy.protection.unlisted_slots);
         for m in ["gpt-a", "made-up-7", ""] {
-            let old = format!("{UPSTREAM_KEY}other#{}", fnv1a(m.as_bytes()) % n);
-            assert_eq!(e.upstream_key(Some(m)), old);
+            let slot = e.hash_key.hash(m.as_bytes()) % n;
+            assert_eq!(
+                e.upstream_key(Some(m)),
+                format!("{UPSTREAM_KEY}other#{slot}")
+            );
         }
         let n = e.policy.protection.credential_slots;
         let pauses = Table::flat(PAUSE_KEY, n, 1);

@@ -303,7 +303,7 @@ impl Poller {
                 return false;
             }
         };
-        let engine = match Engine::compile(policy) {
+        let mut engine = match Engine::compile(policy) {
             Ok(engine) => engine,
             Err(err) => {
                 host.log(LogLevel::Error, &err.to_string());
@@ -311,6 +311,14 @@ impl Poller {
                 return false;
             }
         };
+        match crate::admission::hash_key::load(host, &engine.policy) {
+            Ok(key) => engine.set_hash_key(key),
+            Err(err) => {
+                host.log(LogLevel::Error, &err);
+                add(host, metrics::CONFIG_REJECTED, 1);
+                return false;
+            }
+        }
         let mut filter = Filter::new(engine);
         filter.vm = self.vm.clone();
         filter.waiters = self.vm.waiters.clone();

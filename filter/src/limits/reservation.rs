@@ -35,9 +35,17 @@
 //! eviction can refuse a caller early, never let it past a hard budget. A
 //! record in use is never taken: a flood of new identities cannot take an
 //! active caller's capacity. When every probed record is in use the caller
-//! is refused with [`Refusal::NoSlot`] (429 `capacity_exhausted`, counted),
-//! with the time until a probed record frees as its Retry-After; never a
-//! misleading budget refusal. Each bucket's entry says when it will be
+//! falls back to the scope's *overflow* record
+//! (`sluice:v1:rec:{scope}:overflow`), shared by every caller in that
+//! position: its rates are one bucket for all of them, its budgets are each
+//! caller's own sketch estimate (so a caller who did nothing is never
+//! refused because others share its probe window, and no budget is
+//! overshot). When the overflow's shared rate is spent too the caller is
+//! refused with [`Refusal::NoSlot`] (429 `capacity_exhausted`, counted),
+//! with the time until it refills as its Retry-After; never a misleading
+//! budget refusal. Where a caller probes is keyed by the deployment's
+//! hash key (`crate::policy::keys::HashKey`), so an outsider cannot
+//! choose identities that share a victim's window. Each bucket's entry says when it will be
 //! idle, so whether a record may change hands is read from the record
 //! alone (for a limit changed by a reload, from the limit it was last
 //! written under).
@@ -199,6 +207,9 @@ pub enum Placement {
     Dedicated,
     /// A record of the hashed table (may change hands).
     Hashed,
+    /// The scope's overflow record, for callers whose probed records are
+    /// all in use: rates shared, budgets in the sketch only.
+    Overflow,
 }
 
 /// Units held in one bucket, enough to give them back later.
@@ -271,6 +282,7 @@ pub fn prepare(
             Scope::Global => keys.push((global_key(scope), &empty)),
             Scope::PerPrincipal => {
                 keys.extend(slot_table(scope, layout).keys().map(|k| (k, &empty[..])));
+                keys.push((overflow_key(scope), &empty[..]));
                 keys.extend(
                     declared
                         .iter()
@@ -305,6 +317,9 @@ fn global_key(scope: &str) -> String {
 /// The hashed records of a per-caller scope (`{RECORD_PREFIX}{scope}:{slot}`).
 fn slot_table<'a>(scope: &'a str, layout: &Layout) -> Table<'a> {
     Table::named(RECORD_PREFIX, scope, layout.slots, PROBES)
+}
+fn overflow_key(scope: &str) -> String {
+    format!("{RECORD_PREFIX}{scope}:overflow")
 }
 fn dedicated_key(scope: &str, principal: &str) -> String {
     format!("{RECORD_PREFIX}{scope}:declared:{principal}")
@@ -457,6 +472,9 @@ impl Reserver<'_> {
                 .filter(|(h, actual)| lost && *actual > h.amount)
                 .count() as u32
         };
+        if first.placement == Placement::Overflow {
+            return self.settle_overflow(group, now_ms, effort);
+        }
         if first.placement != Placement::Hashed {
             let written = self.update(&first.key, tries, effort, |bytes| {
                 let mut bundle = Bundle::decode(bytes);
@@ -495,6 +513,30 @@ impl Reserver<'_> {
             self.settle_sketch(h, actual, now_ms, effort);
         }
         unwritten.min(group.len() as u32)
+    }
+
+    /// [`Self::settle_record`] for the overflow record: its shared rates in
+    /// the record, each budget in the caller's sketch.
+    fn settle_overflow(&self, group: &[(&Held, u64)], now_ms: u64, effort: &mut Contention) -> u32 {
+        let mut rates: Vec<(&Held, u64)> = Vec::new();
+        for &(h, actual) in group {
+            match h.limit.window {
+                Some(_) => self.settle_sketch(h, actual, now_ms, effort),
+                None => rates.push((h, actual)),
+            }
+        }
+        let Some(&(first, _)) = rates.first() else {
+            return 0;
+        };
+        let written = self.update(&first.key, self.tries.settle(), effort, |bytes| {
+            let mut bundle = Bundle::decode(bytes);
+            for &(h, actual) in &rates {
+                apply_settlement(&mut bundle, h, actual, None, now_ms);
+            }
+            Some(bundle.encode())
+        });
+        let lost = matches!(written, Updated::Exhausted | Updated::Failed);
+        rates.iter().filter(|(h, a)| lost && *a > h.amount).count() as u32
     }
 
     /// A hashed budget's sketch after its record was settled: a give-back
@@ -611,9 +653,13 @@ impl Reserver<'_> {
     fn current(&self, at: &Located, rule: &Rule, now_ms: u64) -> BucketState {
         match (at.placement, at.bundle.get(rule_hash(&rule.id))) {
             (Placement::Global, bytes) => Pool::decode(bytes.unwrap_or_default()).state,
+            // An overflow budget is the caller's own, in the sketch.
+            (Placement::Overflow, _) if rule.limit.window.is_some() => {
+                self.seed_rule(rule, at.owner, now_ms)
+            }
             (_, Some(bytes)) => Kept::decode(bytes).state(at.owner),
             (Placement::Hashed, None) => self.seed_rule(rule, at.owner, now_ms),
-            (Placement::Dedicated, None) => BucketState {
+            (Placement::Dedicated | Placement::Overflow, None) => BucketState {
                 owner: at.owner,
                 ..BucketState::default()
             },
@@ -692,7 +738,8 @@ impl Reserver<'_> {
             .collect();
         // After the record (just touched, so nobody takes it meanwhile):
         // the sketch never lags a budget's count.
-        if at.placement == Placement::Hashed && !self.sketch_takes(&items, now_ms, effort) {
+        let sketched = matches!(at.placement, Placement::Hashed | Placement::Overflow);
+        if sketched && !self.sketch_takes(&items, now_ms, effort) {
             let held: Vec<Held> = items.into_iter().map(|(_, h, _, _, _)| h).collect();
             self.release(&held, now_ms, effort);
             return Err((first, TakeError::Contended));
@@ -754,9 +801,15 @@ impl Reserver<'_> {
                 continue;
             }
             let state = self.current(at, c.rule, now_ms);
+            let shared_rate = at.placement == Placement::Overflow && limit.window.is_none();
             let (next, over) = match state.take(c.amount, limit, now_ms) {
                 Ok(next) => (next, false),
                 Err(_) if c.soft => (state.charge(c.amount, limit, now_ms), true),
+                // The overflow's rate is everyone's there: not this
+                // caller's own limit, so not its refusal.
+                Err(shortfall) if shared_rate => {
+                    return (Err((i, TakeError::NoSlot(shortfall.retry_after_ms))), None)
+                }
                 Err(shortfall) => return (Err((i, TakeError::Full(shortfall))), None),
             };
             // A lease on top, never from a hashed record (it may change
@@ -774,13 +827,20 @@ impl Reserver<'_> {
                 Ok(leased) if extra > 0 => (leased, extra),
                 _ => (next, 0),
             };
-            at.bundle.put(id, Kept::of(next, limit, now_ms).encode());
+            // An overflow budget lives in the sketch alone (added after
+            // the record is written, like a hashed record's).
+            if !(at.placement == Placement::Overflow && limit.window.is_some()) {
+                at.bundle.put(id, Kept::of(next, limit, now_ms).encode());
+            }
             let mut quota = next.quota(limit, now_ms);
             // The leased units are still this caller's to use.
             quota.remaining = quota.remaining.saturating_add(extra);
             quotas.push((quota, over, extra));
         }
-        at.bundle.owner = at.owner;
+        at.bundle.owner = match at.placement {
+            Placement::Overflow => GLOBAL_OWNER,
+            _ => at.owner,
+        };
         if at.placement == Placement::Hashed {
             at.bundle.touched_ms = now_ms;
         }
@@ -879,8 +939,22 @@ impl Reserver<'_> {
                 owner,
                 placement: Placement::Hashed,
             }),
-            Found::Full => Err(frees_in),
+            Found::Full => self.overflow(scope, owner).ok_or(frees_in),
         }
+    }
+
+    /// The scope's overflow record for `owner` (`None`: not prepared, a
+    /// scope made by a policy this VM has not loaded).
+    fn overflow(&self, scope: &str, owner: u64) -> Option<Located> {
+        let key = overflow_key(scope);
+        let (bytes, cas) = self.store.get(&key)?;
+        Some(Located {
+            bundle: Bundle::decode(&bytes),
+            key,
+            cas,
+            owner,
+            placement: Placement::Overflow,
+        })
     }
 
     /// May another caller take this record? Never used, or every bucket
@@ -1238,7 +1312,8 @@ mod tests {
         ];
         assert_eq!(
             prepare(&store, &plain(&rules), &layout(16)).unwrap(),
-            16 + 1
+            16 + 1 + 1,
+            "16 slots and the overflow record of tier/free, model/m's record"
         );
         assert_eq!(
             prepare(&store, &plain(&rules), &layout(16)).unwrap(),
@@ -1255,7 +1330,7 @@ mod tests {
                 &mut Contention::default(),
             );
         }
-        assert_eq!(store.len(), 17);
+        assert_eq!(store.len(), 18);
     }
 
     /// Counts the calls made through it.
@@ -1328,14 +1403,8 @@ mod tests {
             .unwrap();
         r.reserve(&[Claim::hard(&requests, 1)], by(10), 0, &mut e)
             .unwrap();
-        let refused = r.reserve(&[Claim::hard(&requests, 1)], by(20), 1_000, &mut e);
-        assert_eq!(
-            refused.unwrap_err(),
-            Refusal::NoSlot {
-                index: 0,
-                retry_after_ms: 35_000
-            }
-        );
+        let elsewhere = r.reserve(&[Claim::hard(&requests, 1)], by(20), 1_000, &mut e);
+        assert_eq!(elsewhere.unwrap().held[0].placement, Placement::Overflow);
         // Once both drained the record goes to caller 2, empty.
         let got = r.reserve(&[Claim::hard(&tokens, 10)], by(20), 36_000, &mut e);
         assert_eq!(got.unwrap().quotas[0].remaining, 0);
@@ -1373,9 +1442,14 @@ mod tests {
         let c = [Claim::hard(&user, 1)];
         let mut e = Contention::default();
         assert!(r.reserve(&c, by(100), 0, &mut e).is_ok());
-        // Principal 200 finds the only slot in use: refused, told when the
-        // slot drains (one unit of 2/min: 30 s), never counted elsewhere.
-        let refused = r.reserve(&c, by(200), 0, &mut e).unwrap_err();
+        // Principals 200 and 300 find the only slot in use: they share the
+        // overflow record's 2/min; 400 is refused, told when it refills
+        // (one unit of 2/min: 30 s), never counted in 100's bucket.
+        for p in [200, 300] {
+            let got = r.reserve(&c, by(p), 0, &mut e).unwrap();
+            assert_eq!(got.held[0].placement, Placement::Overflow);
+        }
+        let refused = r.reserve(&c, by(400), 0, &mut e).unwrap_err();
         assert_eq!(
             refused,
             Refusal::NoSlot {
@@ -1385,7 +1459,8 @@ mod tests {
         );
         // Once principal 100's bucket drained, 200 may take its slot.
         let mut e = Contention::default();
-        assert!(r.reserve(&c, by(200), 30_000, &mut e).is_ok());
+        let got = r.reserve(&c, by(200), 30_000, &mut e).unwrap();
+        assert_eq!(got.held[0].placement, Placement::Hashed);
     }
 
     #[test]
@@ -1594,29 +1669,55 @@ mod tests {
     }
 
     #[test]
-    fn a_full_table_refuses_new_callers_with_no_slot_not_a_budget() {
+    fn a_full_probe_window_falls_back_to_the_shared_overflow_record() {
         let store = MemStore::default();
         let budget = day_budget("tier/free/daily_tokens", 5_000);
-        prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(8)).unwrap();
+        let requests = rule("tier/free/requests", 3, Scope::PerPrincipal);
+        let rules = [budget.clone(), requests.clone()];
+        prepare(&store, &plain(&rules), &layout(8)).unwrap();
         let r = reserver(&store, 8);
-        let c = [Claim::hard(&budget, 10)];
+        let c = [Claim::hard(&budget, 10), Claim::hard(&requests, 1)];
         let mut e = Contention::default();
+        // Every slot of the table is active (a budget's record is held
+        // for `slot_hold` after its last charge).
         for p in 0..200u64 {
-            let _ = r.reserve(&c, by(p * 8), 0, &mut e);
+            let _ = r.reserve(&c[..1], by(p * 8), 0, &mut e);
         }
-        // Every slot of a fresh caller's chain is active (touched now).
-        let refused = r.reserve(&c, by(5_000_000), 1_000, &mut e).unwrap_err();
+        // A caller who did nothing is not refused for its neighbours: it
+        // draws on the overflow record (one shared rate, its own budget).
+        let first = r.reserve(&c, by(5_000_000), 1_000, &mut e).unwrap();
+        assert_eq!(first.held[0].placement, Placement::Overflow);
+        assert_eq!(first.held[0].key, "sluice:v1:rec:tier/free:overflow");
+        assert!(first.quotas[0].remaining <= 4_990, "its own budget");
+        assert!(r.reserve(&c, by(5_000_001), 1_000, &mut e).is_ok());
+        assert!(r.reserve(&c, by(5_000_002), 1_000, &mut e).is_ok());
+        // The shared rate spent: capacity, not the caller's own limit.
         assert_eq!(
-            refused,
+            r.reserve(&c, by(5_000_003), 1_000, &mut e).unwrap_err(),
             Refusal::NoSlot {
-                index: 0,
-                retry_after_ms: 59_000
+                index: 1,
+                retry_after_ms: 20_000
             }
         );
-        // After `slot_hold` the oldest goes to the new caller, seeded from
-        // the sketch (it never called: nothing, up to sketch collisions).
-        let res = r.reserve(&c, by(5_000_000), 61_000, &mut e).unwrap();
-        assert!(res.quotas[0].remaining <= 4_990);
+        // Given back at settlement: the overflow's rate is whole again
+        // for one more, and the budget charged in the sketch.
+        for h in &first.held {
+            r.settle(
+                h,
+                if h.limit.window.is_some() { 4_000 } else { 0 },
+                1_001,
+                &mut e,
+            );
+        }
+        let again = r.reserve(&c, by(5_000_000), 1_002, &mut e).unwrap();
+        assert!(again.quotas[0].remaining <= 990, "{again:?}");
+        // Its own budget refuses it (a budget refusal, never past the hard
+        // budget); the shared rate is not what answers.
+        let big = [Claim::hard(&budget, 1_000), Claim::hard(&requests, 1)];
+        assert!(matches!(
+            r.reserve(&big, by(5_000_000), 1_003, &mut e),
+            Err(Refusal::Full { index: 0, .. })
+        ));
     }
 
     #[test]
@@ -1630,12 +1731,13 @@ mod tests {
             r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), t, e)
         };
         let held = take(60, 1, 0, &mut e).unwrap();
-        assert!(matches!(
-            take(1, 2, 1_000, &mut e),
-            Err(Refusal::NoSlot { .. })
-        ));
+        // The one slot is held: caller 2 is served from the overflow.
+        let overflowed = take(1, 2, 1_000, &mut e).unwrap();
+        assert_eq!(overflowed.held[0].placement, Placement::Overflow);
+        r.release(&overflowed.held, 1_000, &mut e);
         // Caller 1 went quiet: caller 2 takes the slot.
-        assert!(take(1, 2, 61_000, &mut e).is_ok());
+        let moved = take(1, 2, 61_000, &mut e).unwrap();
+        assert_eq!(moved.held[0].placement, Placement::Hashed);
         // Caller 1's request settles late, over its reservation: the charge
         // follows it (into the sketch), it is not dropped with the slot.
         r.settle(&held.held[0], 90, 62_000, &mut e);

@@ -34,6 +34,13 @@ pub struct IdentityConfig {
     /// subscriber 2^64 callers. Unset: `abuse.ipv6_prefix` if written,
     /// else 64. See [`ipv6_prefix`].
     pub ipv6_prefix: Option<u8>,
+    /// The environment variable (given to the VM with
+    /// `vm_config.environment_variables`) holding the secret every hash of
+    /// a caller-chosen name is keyed with (slots, sketches, penalty box,
+    /// fleet keys). Unset: `SLUICE_HASH_KEY`; when that is not set either,
+    /// a fleet derives the key from its secret, and a single Envoy
+    /// generates one (see `admission::hash_key`).
+    pub hash_key_env: Option<String>,
 }
 
 impl Default for IdentityConfig {
@@ -44,6 +51,7 @@ impl Default for IdentityConfig {
             trusted_header: None,
             api_key: None,
             ipv6_prefix: None,
+            hash_key_env: None,
         }
     }
 }
