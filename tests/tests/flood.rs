@@ -1,8 +1,11 @@
-//! A flood of new identities through a real Envoy (SPEC §8, issue 9 item
-//! 7): it cannot take the capacity of a caller whose API key the policy
-//! declares; a new caller who finds the per-caller table full gets a plain
-//! 429 `capacity_exhausted` (counted), never a misleading budget refusal;
-//! and a tier's `anonymous_total` bounds all undeclared callers together.
+//! A flood of new identities through a real Envoy (issue 9 item 7, issue
+//! 29 item 2): it cannot take the capacity of a caller whose API key the
+//! policy declares; a new caller who finds its probe window full draws on
+//! the scope's shared overflow record, and once that is spent too gets a
+//! plain 429 `capacity_exhausted` (counted), never a misleading budget
+//! refusal; callers are placed under the deployment's hash key, so
+//! identities an outsider computes to share a victim's window do not; and
+//! a tier's `anonymous_total` bounds all undeclared callers together.
 //!
 //! Distinct identities come cheap from a header the test's policy trusts
 //! (`x-test-user`), the way an auth filter in front of sluice would set it.
@@ -43,8 +46,9 @@ fn models(stack: &Stack, headers: &[(&str, &str)]) -> sluice_tests::Response {
 #[test]
 fn a_flood_of_new_callers_takes_nothing_from_declared_ones() {
     let stack = start();
-    // 100 new callers, one request each: 8 fit in the 8 slots, the rest
-    // find every slot in use by a caller who has something in it.
+    // 100 new callers, one request each: 8 fit in the 8 slots, 10 more in
+    // the overflow record (its 10/hour shared by all of them), the rest
+    // find every slot in use and the overflow spent.
     let mut admitted = 0;
     for i in 0..100 {
         let user = format!("flood-{i}");
@@ -59,7 +63,7 @@ fn a_flood_of_new_callers_takes_nothing_from_declared_ones() {
             _ => panic!("flood call {i}: {resp:?}"),
         }
     }
-    assert_eq!(admitted, 8, "one per slot");
+    assert_eq!(admitted, 8 + 10, "one per slot, then the overflow's rate");
 
     // The declared key has its own bucket: all of its 10, then its own 429.
     for i in 0..10 {
@@ -69,8 +73,8 @@ fn a_flood_of_new_callers_takes_nothing_from_declared_ones() {
     let resp = models(&stack, &[("x-api-key", DECLARED_KEY)]);
     assert_eq!(resp.header("x-sluice-reason"), Some("user_rate_limit"));
 
-    // A new caller: a clear 429 with a Retry-After (a slot drains one
-    // request of 10/hour in 6 min), not `daily_budget_exceeded`.
+    // A new caller: a clear 429 with a Retry-After (the overflow refills
+    // one request of 10/hour in 6 min), not `daily_budget_exceeded`.
     let resp = models(&stack, &[("x-test-user", "late-comer")]);
     assert_eq!(resp.status, 429, "{resp:?}");
     assert_eq!(resp.header("x-sluice-reason"), Some("capacity_exhausted"));
@@ -87,15 +91,68 @@ fn a_flood_of_new_callers_takes_nothing_from_declared_ones() {
     let metric = |name, labels: &[(&str, &str)]| {
         sluice_tests::prometheus_value(&text, name, labels).unwrap_or(0.0)
     };
-    assert_eq!(metric("sluice_capacity_exhausted_total", &[]), 93.0);
+    assert_eq!(metric("sluice_capacity_exhausted_total", &[]), 83.0);
     assert_eq!(
         metric(
             "sluice_requests_total",
             &[("reason", "capacity_exhausted"), ("tier", "free")]
         ),
-        93.0
+        83.0
     );
-    assert_eq!(stack.upstream_requests(), 8 + 10);
+    assert_eq!(stack.upstream_requests(), 18 + 10);
+}
+
+/// 64-bit FNV-1a: how sluice placed callers before its hashes were keyed,
+/// which anyone could compute.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The attack of issue 29: eight identities computed to share a victim's
+/// home slot took its whole probe window (renewable at eight requests an
+/// hour), and the victim got `capacity_exhausted` for doing nothing.
+#[test]
+fn identities_computed_to_share_a_victims_window_do_not_take_it() {
+    let stack = Stack::start(|cfg| {
+        let policy = cfg.policy_mut();
+        policy["identity"] = yaml(
+            "sources: [trusted_header]
+trusted_header: {principal: x-test-user}",
+        );
+        policy["tiers"] = yaml("free: {requests: 10/hour, daily_tokens: 5000}");
+        policy["state"] = yaml("principal_slots: 64");
+    });
+    let home = |user: &str| fnv1a(format!("header:{user}").as_bytes()) % 64;
+    let victim = "victim";
+    let attackers: Vec<String> = (0..)
+        .map(|i| format!("attacker-{i}"))
+        .filter(|a| home(a) == home(victim))
+        .take(8)
+        .collect();
+    for a in &attackers {
+        let resp = models(&stack, &[("x-test-user", a)]);
+        assert_eq!(resp.status, 200, "{a}: {resp:?}");
+    }
+    // Placed under a key the attacker does not have, the eight landed
+    // where chance put them; the victim is served, all of its 10/hour.
+    for i in 0..10 {
+        let resp = models(&stack, &[("x-test-user", victim)]);
+        assert_eq!(resp.status, 200, "victim call {i}: {resp:?}");
+    }
+    let resp = models(&stack, &[("x-test-user", victim)]);
+    assert_eq!(resp.header("x-sluice-reason"), Some("user_rate_limit"));
+    let text = stack.envoy.stats_prometheus();
+    let exhausted = sluice_tests::prometheus_value(&text, "sluice_capacity_exhausted_total", &[]);
+    assert_eq!(
+        exhausted.unwrap_or(0.0),
+        0.0,
+        "nobody was refused for a slot"
+    );
+    // The key's source is logged, never the key.
+    let log = stack.envoy.log();
+    assert!(log.contains("hash key: generated for this Envoy"), "{log}");
 }
 
 #[test]

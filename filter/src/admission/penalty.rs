@@ -662,6 +662,47 @@ mod tests {
         );
     }
 
+    /// Issue 29: four addresses computed to share a victim's counters,
+    /// 61 requests each, blocked an address that sent nothing. That needs
+    /// the key: computed under one key, the same addresses leave the
+    /// victim alone under the deployment's.
+    #[test]
+    fn addresses_computed_to_collide_under_one_key_do_not_under_another() {
+        use crate::policy::keys::HashKey;
+        let known = HashKey::derive("test", b"a key the attacker knows");
+        let who = |key: &HashKey, a: &str| {
+            crate::admission::identity::address_hash(key, a, 64).max(1)
+        };
+        let victim = "192.0.2.1:1";
+        let aim = place(who(&known, victim));
+        let address = |i: u32| format!("10.{}.{}.{}:1", i >> 16, (i >> 8) & 255, i & 255);
+        let colliders: Vec<String> = (0..DEPTH)
+            .map(|row| {
+                (0..1u32 << 24)
+                    .map(address)
+                    .find(|a| {
+                        let p = place(who(&known, a));
+                        p.sketch == aim.sketch && p.cells[row] == aim.cells[row]
+                    })
+                    .unwrap()
+            })
+            .collect();
+        let victim_blocked = |key: &HashKey| {
+            let (pb, store) = boxed("60/min", "10m", 4096);
+            for (n, a) in colliders.iter().enumerate() {
+                for i in 0..61 {
+                    pb.check(&store, who(key, a), (n * 61 + i) as u64, 8);
+                }
+            }
+            pb.check(&store, who(key, victim), 1_000, 8)
+                .blocked_until_ms
+                .is_some()
+        };
+        assert!(victim_blocked(&known), "the attack, with the key");
+        let deployment = HashKey::derive("test", b"the deployment's own key");
+        assert!(!victim_blocked(&deployment), "the same addresses, keyed");
+    }
+
     #[test]
     fn ipv6_callers_are_counted_by_prefix() {
         let c =
