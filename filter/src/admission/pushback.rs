@@ -201,10 +201,12 @@ impl Engine {
         health::record(&mut cas, pb, &p, answer, now_ms)
     }
 
-    /// 64 bits of SHA-256 over the route and the credential headers the
-    /// upstream receives (or, without any, the principal). Keyed by route:
-    /// an upstream's 429 for one model says nothing about another. Not
-    /// reversible, and not forgeable without the credential itself.
+    /// 64 bits of SHA-256 over the deployment's hash key, the route and the
+    /// credential headers the upstream receives (or, without any, the
+    /// principal). Per route: an upstream's 429 for one model says nothing
+    /// about another. Not reversible, not forgeable without the credential
+    /// itself, and (the key) not computable from outside, so nobody can
+    /// pick a credential whose pause slot is a known principal's.
     fn credential_fingerprint(
         &self,
         route_key: &str,
@@ -212,7 +214,8 @@ impl Engine {
         identity: &Identity,
     ) -> u64 {
         // The exact bytes hashed: route, then each credential header sent.
-        let mut input = Vec::with_capacity(128);
+        let mut input = Vec::with_capacity(144);
+        input.extend_from_slice(self.hash_key.bytes());
         input.extend_from_slice(route_key.as_bytes());
         let mut any = false;
         for name in &self.policy.protection.credential_headers {
