@@ -14,7 +14,7 @@ WASM          := target/wasm32-wasip1/release/sluice_filter.wasm
 CARGO         ?= cargo
 PYTHON        ?= python3
 
-.PHONY: all tools clients build test demo lint fmt clean bench-core
+.PHONY: all tools clients build check-build test demo lint fmt clean bench-core
 
 all: build
 
@@ -63,13 +63,23 @@ $(THIRD_PARTY_STAMP): $(THIRD_PARTY_REQS)
 ## build: the filter (.wasm), the sidecar and mock-llm, release
 build: tools
 	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
-	$(CARGO) build --release -p sluice-sidecar -p mock-llm
-	@# The native path loop the instruction-budget test counts under callgrind.
-	$(CARGO) build --release -p sluice-filter --example path_loop
+	@# One native invocation: the sidecar, mock-llm and the path loop the
+	@# instruction-budget test counts under callgrind. The filter is a cdylib
+	@# too, whose file name carries no feature hash, so two invocations that
+	@# resolve its features differently (the example brings dev-dependencies)
+	@# overwrite each other's build and every `make build` recompiled both.
+	$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-filter --example path_loop
 	@ls -l $(WASM)
 
+## check-build: a second `make build` with nothing changed compiles nothing
+check-build: build
+	@out=$$($(MAKE) -s build 2>&1); \
+	if echo "$$out" | grep -q "Compiling"; then \
+	  echo "$$out"; echo "make build recompiled with nothing changed"; exit 1; \
+	fi; echo "make build with nothing changed: nothing compiled"
+
 ## test: every test — native unit/property tests and real-Envoy integration tests
-test: build clients browser third-party
+test: build check-build clients browser third-party
 	$(CARGO) test --workspace --exclude sluice-tests
 	SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=2
 
