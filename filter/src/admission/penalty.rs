@@ -670,9 +670,8 @@ mod tests {
     fn addresses_computed_to_collide_under_one_key_do_not_under_another() {
         use crate::policy::keys::HashKey;
         let known = HashKey::derive("test", b"a key the attacker knows");
-        let who = |key: &HashKey, a: &str| {
-            crate::admission::identity::address_hash(key, a, 64).max(1)
-        };
+        let who =
+            |key: &HashKey, a: &str| crate::admission::identity::address_hash(key, a, 64).max(1);
         let victim = "192.0.2.1:1";
         let aim = place(who(&known, victim));
         let address = |i: u32| format!("10.{}.{}.{}:1", i >> 16, (i >> 8) & 255, i & 255);

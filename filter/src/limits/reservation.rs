@@ -644,6 +644,11 @@ impl Reserver<'_> {
         let at = self
             .locate(rule.record(), rule.scope, caller, now_ms)
             .ok()?;
+        // The overflow's shared rate is not the caller's own limit: only a
+        // reservation answers for it (`capacity_exhausted`).
+        if at.placement == Placement::Overflow && rule.limit.window.is_none() {
+            return None;
+        }
         let state = self.current(&at, rule, now_ms);
         state.take(claim.amount, &rule.limit, now_ms).err()
     }
@@ -1691,7 +1696,9 @@ mod tests {
         assert!(first.quotas[0].remaining <= 4_990, "its own budget");
         assert!(r.reserve(&c, by(5_000_001), 1_000, &mut e).is_ok());
         assert!(r.reserve(&c, by(5_000_002), 1_000, &mut e).is_ok());
-        // The shared rate spent: capacity, not the caller's own limit.
+        // The shared rate spent: capacity, not the caller's own limit (and
+        // no early refusal names it as the caller's).
+        assert_eq!(r.shortfall(&c[1], by(5_000_003), 1_000), None);
         assert_eq!(
             r.reserve(&c, by(5_000_003), 1_000, &mut e).unwrap_err(),
             Refusal::NoSlot {
