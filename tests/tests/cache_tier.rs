@@ -481,3 +481,42 @@ fn the_tier_in_envoy_shares_within_a_team_scope_only() {
     assert_eq!(other.header("x-sluice-cache"), Some("miss"), "{other:?}");
     assert_eq!(s.upstream_requests(), before + 1);
 }
+
+/// Issue 29 item 5's sibling, cache entries: undeclared callers storing
+/// ever-new answers held every way of the tier's sets, so a flood pushed
+/// the declared callers' answers out. They now hold at most half of each
+/// set and evict only each other's entries.
+#[test]
+fn an_undeclared_flood_keeps_the_declared_callers_answers_in_envoy() {
+    // One set of four ways: every answer competes for the same places.
+    let s = start(
+        Setup {
+            cache: json!({
+                "salt": SALT,
+                "in_envoy": {"slots": 4},
+                "models": {"llama3.1:8b": {"exact": true}},
+            }),
+            ..Setup::default()
+        },
+        |_| {},
+    );
+    let mine: Vec<Value> = (0..3)
+        .map(|i| chat("llama3.1:8b", &format!("declared question {i}")))
+        .collect();
+    for q in &mine {
+        assert_eq!(s.chat(A, q).header("x-sluice-cache"), Some("miss"));
+    }
+    // Eight anonymous questions (the free tier's 10/min from one
+    // address), each new, each stored.
+    for i in 0..8 {
+        let body = chat("llama3.1:8b", &format!("anonymous question {i}"));
+        let r = post_json(&s.envoy.url("/v1/chat/completions"), &[], &body);
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    let before = s.upstream_requests();
+    for q in &mine {
+        let r = s.chat(A, q);
+        assert_eq!(r.header("x-sluice-cache"), Some("hit"), "{r:?}");
+    }
+    assert_eq!(s.upstream_requests(), before, "answered from the cache");
+}

@@ -90,6 +90,9 @@ pub(super) struct ToStore {
     sidecar: bool,
     /// The caller lets the cache answer it (not `no-cache`).
     read: bool,
+    /// The caller is not declared in the policy: its answers hold at most
+    /// part of each set of the tier in Envoy (`cache_tier`, "Eviction").
+    undeclared: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -286,6 +289,7 @@ impl Stream {
                 generation: generation(&filter, host),
                 sidecar: tier.is_none() || rule.semantic,
                 read: allowed.read,
+                undeclared: !identity.declared,
             });
         }
         if !allowed.read {
@@ -782,7 +786,7 @@ impl Stream {
         };
         let mut to_sidecar = s.sidecar;
         if let Some(tier) = s.tier {
-            let kept = self.tier_store(host, &tier, &req, s.generation);
+            let kept = self.tier_store(host, &tier, &req, s.generation, s.undeclared);
             // Too large for the tier (or not kept there): the sidecar's.
             to_sidecar |= !kept;
         }
@@ -806,7 +810,14 @@ impl Stream {
 
     /// Keeps an answer in the tier in Envoy; `false` when only its marker
     /// is there (larger than the tier takes) or nothing could be written.
-    fn tier_store(&self, host: &dyn Host, tier: &Tier, req: &StoreRequest, gen: u64) -> bool {
+    fn tier_store(
+        &self,
+        host: &dyn Host,
+        tier: &Tier,
+        req: &StoreRequest,
+        gen: u64,
+        undeclared: bool,
+    ) -> bool {
         let Some(raw) = cache_tier::key_of_hex(&req.key) else {
             return false;
         };
@@ -820,8 +831,18 @@ impl Stream {
             stored_ms: now,
         };
         let ttl_ms = req.ttl_s.saturating_mul(1000);
-        match tier.store(host, &raw, fits.then_some(&stored), ttl_ms, now, gen) {
+        match tier.store(
+            host,
+            &raw,
+            fits.then_some(&stored),
+            ttl_ms,
+            now,
+            gen,
+            undeclared,
+        ) {
             Ok(()) => fits,
+            // The set's ways are the declared callers': not an error.
+            Err(cache_tier::NotKept::Reserved) => false,
             Err(why) => {
                 host.log(
                     LogLevel::Warn,

@@ -23,6 +23,12 @@
 //!   it, and the state push that says so makes every entry a miss.
 //! - **Eviction**: a full set drops its oldest-stored entry (expired or
 //!   purged ones first); one scope can evict another's, never read it.
+//!   Undeclared callers (anonymous addresses, undeclared keys, any caller
+//!   whose API key the policy does not list) hold at most
+//!   [`UNDECLARED_WAYS`] ways of a set and evict only each other's
+//!   entries there, so a flood of new identities storing ever-new answers
+//!   cannot push the declared callers' answers out; a declared caller's
+//!   store evicts an undeclared entry first.
 
 use crate::state::codec::{Reader, Writer};
 use crate::state::store::{SharedStore, StoreError};
@@ -42,6 +48,8 @@ pub const INDEX_BYTES: usize = WAYS * WAY_BYTES;
 /// An entry before its body: key, generation, stored at, expires at,
 /// prompt and completion tokens, spend.
 pub const ENTRY_HEADER: usize = IN_ENVOY_ENTRY_HEADER as usize;
+/// The most ways of one set undeclared callers' answers hold.
+pub const UNDECLARED_WAYS: usize = WAYS / 2;
 /// Index writes lost to another worker before the store gives up.
 const TRIES: u32 = 4;
 
@@ -70,7 +78,13 @@ struct Way {
     generation: u64,
     /// The answer is at the sidecar (larger than the tier takes).
     remote: bool,
+    /// Stored by an undeclared caller (see "Eviction").
+    undeclared: bool,
 }
+
+/// The flag bits of a way.
+const REMOTE: u8 = 1;
+const UNDECLARED: u8 = 2;
 
 impl Way {
     fn live(&self, now_ms: u64, generation: u64) -> bool {
@@ -92,8 +106,12 @@ fn decode_index(bytes: &[u8]) -> [Way; WAYS] {
             stored_ms: r.u64(),
             expires_ms: r.u64(),
             generation: r.u64(),
-            remote: r.u8() == 1,
+            remote: false,
+            undeclared: false,
         };
+        let flags = r.u8();
+        w.remote = flags & REMOTE != 0;
+        w.undeclared = flags & UNDECLARED != 0;
     }
     ways
 }
@@ -105,7 +123,7 @@ fn encode_index(ways: &[Way; WAYS]) -> Vec<u8> {
         w.u64(way.stored_ms);
         w.u64(way.expires_ms);
         w.u64(way.generation);
-        w.u8(u8::from(way.remote));
+        w.u8(u8::from(way.remote) * REMOTE | u8::from(way.undeclared) * UNDECLARED);
     }
     w.into_bytes()
 }
@@ -133,6 +151,9 @@ pub enum Found {
 /// Why a store was not kept.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NotKept {
+    /// An undeclared caller's answer, in a set whose ways are all the
+    /// declared callers' (and live).
+    Reserved,
     /// Every index write lost to another worker.
     Contended,
     Host(String),
@@ -206,8 +227,10 @@ impl Tier {
     }
 
     /// Keeps `answer` under `key` for `ttl_ms` (`None`: only notes that the
-    /// sidecar holds it). An answer over `max_entry_bytes` is noted as
-    /// remote, never kept here.
+    /// sidecar holds it), for a caller the policy declares or not (see
+    /// "Eviction"). An answer over `max_entry_bytes` is noted as remote,
+    /// never kept here.
+    #[allow(clippy::too_many_arguments)]
     pub fn store(
         &self,
         store: &dyn SharedStore,
@@ -216,6 +239,7 @@ impl Tier {
         ttl_ms: u64,
         now_ms: u64,
         generation: u64,
+        undeclared: bool,
     ) -> Result<(), NotKept> {
         let answer = answer.filter(|a| a.body.len() as u64 <= self.max_entry_bytes);
         let set = self.set_of(key);
@@ -227,12 +251,15 @@ impl Tier {
             expires_ms: now_ms.saturating_add(ttl_ms),
             generation,
             remote: answer.is_none(),
+            undeclared,
         };
         let mut way = None;
         for _ in 0..TRIES {
             let (bytes, cas) = store.get(&index).unwrap_or_default();
             let mut ways = decode_index(&bytes);
-            let w = pick(&ways, &tag, now_ms, generation);
+            let Some(w) = pick(&ways, &tag, now_ms, generation, undeclared) else {
+                return Err(NotKept::Reserved);
+            };
             ways[w] = claimed;
             match store.set(&index, &encode_index(&ways), cas) {
                 Ok(()) => {
@@ -257,18 +284,39 @@ impl Tier {
 }
 
 /// The way a store takes: the key's own, else a free (expired, purged,
-/// empty) one, else the oldest stored.
-fn pick(ways: &[Way; WAYS], tag: &[u8; 16], now_ms: u64, generation: u64) -> usize {
+/// empty) one, else the oldest stored — an undeclared caller's first. An
+/// undeclared caller at [`UNDECLARED_WAYS`] live ways in the set takes
+/// only the oldest of those, and never a declared caller's live entry
+/// (`None`: not kept).
+fn pick(
+    ways: &[Way; WAYS],
+    tag: &[u8; 16],
+    now_ms: u64,
+    generation: u64,
+    undeclared: bool,
+) -> Option<usize> {
     if let Some(w) = ways.iter().position(|w| &w.tag == tag) {
-        return w;
+        return Some(w);
     }
-    if let Some(w) = ways.iter().position(|w| !w.live(now_ms, generation)) {
-        return w;
+    let live = |w: &Way| w.live(now_ms, generation);
+    let oldest = |of_undeclared: bool| {
+        ways.iter()
+            .enumerate()
+            .filter(|(_, w)| live(w) && (!of_undeclared || w.undeclared))
+            .min_by_key(|(_, w)| w.stored_ms)
+            .map(|(i, _)| i)
+    };
+    let theirs = ways.iter().filter(|w| live(w) && w.undeclared).count();
+    if undeclared && theirs >= UNDECLARED_WAYS {
+        return oldest(true);
     }
-    ways.iter()
-        .enumerate()
-        .min_by_key(|(_, w)| w.stored_ms)
-        .map_or(0, |(i, _)| i)
+    if let Some(w) = ways.iter().position(|w| !live(w)) {
+        return Some(w);
+    }
+    if undeclared {
+        return oldest(true);
+    }
+    oldest(true).or_else(|| oldest(false))
 }
 
 fn encode_entry(key: &Key, a: &Stored, expires_ms: u64, generation: u64) -> Vec<u8> {
@@ -334,8 +382,16 @@ mod tests {
             max_entry_bytes: 1024,
         });
         assert_eq!(t.lookup(&host, &key(1), 1_000, 7), Found::Miss);
-        t.store(&host, &key(1), Some(&answer("one")), 60_000, 1_000, 7)
-            .unwrap();
+        t.store(
+            &host,
+            &key(1),
+            Some(&answer("one")),
+            60_000,
+            1_000,
+            7,
+            false,
+        )
+        .unwrap();
         assert_eq!(
             t.lookup(&host, &key(1), 2_000, 7),
             Found::Hit(answer("one"))
@@ -356,8 +412,16 @@ mod tests {
             slots: 4,
             max_entry_bytes: 8,
         });
-        t.store(&host, &key(2), Some(&answer("far too long")), 60_000, 0, 1)
-            .unwrap();
+        t.store(
+            &host,
+            &key(2),
+            Some(&answer("far too long")),
+            60_000,
+            0,
+            1,
+            false,
+        )
+        .unwrap();
         assert_eq!(t.lookup(&host, &key(2), 1, 1), Found::Remote);
         // Many distinct keys: the tier never holds more than its slots.
         for n in 0..200u8 {
@@ -368,6 +432,7 @@ mod tests {
                 60_000,
                 u64::from(n),
                 1,
+                false,
             )
             .unwrap();
         }
@@ -386,6 +451,60 @@ mod tests {
         assert_eq!(t.lookup(&host, &key(0), 300, 1), Found::Miss);
     }
 
+    /// Issue 29 item 5's sibling: a flood of undeclared callers storing
+    /// ever-new answers keeps the declared callers' answers of a set.
+    #[test]
+    fn an_undeclared_flood_cannot_push_declared_answers_out() {
+        let host = MockHost::new(0);
+        let t = Tier::new(InEnvoyConfig {
+            slots: 4,
+            max_entry_bytes: 1024,
+        });
+        let keep = |n: u8, at: u64, undeclared: bool| {
+            t.store(
+                &host,
+                &key(n),
+                Some(&answer("a")),
+                600_000,
+                at,
+                1,
+                undeclared,
+            )
+        };
+        // Three declared answers and one undeclared fill the one set.
+        for n in 0..3 {
+            keep(n, u64::from(n), false).unwrap();
+        }
+        keep(100, 3, true).unwrap();
+        // 200 undeclared stores: they evict each other's answers, and the
+        // declared answers stay (the set holds 2 undeclared at most).
+        for n in 101..=255u8 {
+            keep(n, u64::from(n), true).unwrap();
+        }
+        for n in 0..3 {
+            assert!(
+                matches!(t.lookup(&host, &key(n), 300, 1), Found::Hit(_)),
+                "{n}"
+            );
+        }
+        assert!(matches!(t.lookup(&host, &key(255), 300, 1), Found::Hit(_)));
+        // A declared store evicts an undeclared entry first.
+        keep(3, 400, false).unwrap();
+        assert_eq!(t.lookup(&host, &key(255), 401, 1), Found::Miss);
+        for n in 0..4 {
+            assert!(
+                matches!(t.lookup(&host, &key(n), 401, 1), Found::Hit(_)),
+                "{n}"
+            );
+        }
+        // Now every way is a declared caller's and live: an undeclared
+        // answer is not kept here (the sidecar still may keep it).
+        assert_eq!(keep(9, 402, true), Err(NotKept::Reserved));
+        // Declared callers still evict each other, oldest first.
+        keep(4, 403, false).unwrap();
+        assert_eq!(t.lookup(&host, &key(0), 404, 1), Found::Miss);
+    }
+
     #[test]
     fn a_slot_claimed_by_another_key_answers_neither_wrongly() {
         // One set, one way taken by key 5 in the index while the entry
@@ -395,7 +514,7 @@ mod tests {
             slots: 1,
             max_entry_bytes: 1024,
         });
-        t.store(&host, &key(6), Some(&answer("six")), 60_000, 0, 1)
+        t.store(&host, &key(6), Some(&answer("six")), 60_000, 0, 1, false)
             .unwrap();
         let (bytes, cas) = host.get(&Tier::index_key(0)).unwrap();
         let mut ways = decode_index(&bytes);
