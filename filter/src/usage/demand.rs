@@ -370,6 +370,10 @@ pub const MAX_MODEL_BYTES: usize = 256;
 /// which of two `model`s (or `max_tokens`, or `messages`) wins, so sluice
 /// could decide on one value while the upstream acts on the other.
 ///
+/// A key that a server matching keys without case (Ollama's Go) would
+/// read as one sluice reads, spelled otherwise, is refused too
+/// (`usage/spelling.rs`).
+///
 /// `output_cap` is the most output one choice may ask for, by model: a
 /// larger maximum is refused, never wrapped or silently trusted.
 pub fn parse_body(
@@ -385,6 +389,7 @@ pub fn parse_body(
             param: None,
         });
     };
+    super::spelling::refuse_case_variants(fields)?;
     let api = match api {
         Api::Invocations => invocation_api(&value)?,
         api => api,
@@ -1046,6 +1051,44 @@ mod tests {
         demand_of(
             Api::OpenAiChat,
             br#"{"model":"m","messages":[{"role":"user"},{"role":"user"}]}"#,
+        )
+        .unwrap();
+    }
+
+    /// Ollama's Go decoder reads `MODEL` as `model` and `Stream` as
+    /// `stream` (last one wins): such a body is refused before it is read.
+    #[test]
+    fn a_key_a_go_server_reads_as_a_read_key_is_refused_by_name() {
+        for (api, body, param) in [
+            (Api::OllamaChat, r#"{"model":"a","MODEL":"b"}"#, "MODEL"),
+            (
+                Api::OllamaChat,
+                r#"{"model":"a","stream":false,"Stream":true}"#,
+                "Stream",
+            ),
+            (
+                Api::OllamaGenerate,
+                r#"{"model":"a","Prompt":"long text"}"#,
+                "Prompt",
+            ),
+            (
+                Api::OpenAiChat,
+                r#"{"model":"a","Messages":[]}"#,
+                "Messages",
+            ),
+            (
+                Api::Invocations,
+                r#"{"model":"a","messages":[],"Input":"x"}"#,
+                "Input",
+            ),
+        ] {
+            let e = demand_of(api, body.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
+        }
+        // Keys sluice reads nothing from may be spelled any way.
+        demand_of(
+            Api::OllamaChat,
+            br#"{"model":"a","Think":true,"KEEP_ALIVE":"1m"}"#,
         )
         .unwrap();
     }

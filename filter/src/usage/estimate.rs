@@ -177,6 +177,23 @@ fn is_cjk(c: char) -> bool {
         | 0xF900..=0xFAFF) // CJK Compatibility Ideographs
 }
 
+/// Top-level fields whose text is input (besides `messages`).
+pub const TEXT_FIELDS: &[&str] = &[
+    "prompt",
+    "input",
+    "system",
+    "instructions",
+    "suffix",
+    // The scoring family (vLLM score, rerank) and Ollama's embed.
+    "text_1",
+    "text_2",
+    "query",
+    "documents",
+];
+
+/// Top-level fields the model sees as JSON: tools and schemas.
+pub const JSON_FIELDS: &[&str] = &["tools", "functions", "response_format", "format", "text"];
+
 /// Estimated input tokens of a parsed request body, before correction:
 /// chat messages (string or multi-part content), system prompts, tools and
 /// their schemas, `response_format` schemas, prompts and Ollama fields.
@@ -201,24 +218,13 @@ pub fn input_tokens(body: &Value) -> f64 {
         }
         tokens += REPLY_PRIMING;
     }
-    for key in [
-        "prompt",
-        "input",
-        "system",
-        "instructions",
-        "suffix",
-        // The scoring family (vLLM score, rerank) and Ollama's embed.
-        "text_1",
-        "text_2",
-        "query",
-        "documents",
-    ] {
-        if let Some(v) = obj.get(key) {
+    for key in TEXT_FIELDS {
+        if let Some(v) = obj.get(*key) {
             tokens += content_tokens(v);
         }
     }
-    for key in ["tools", "functions", "response_format", "format", "text"] {
-        if let Some(v) = obj.get(key) {
+    for key in JSON_FIELDS {
+        if let Some(v) = obj.get(*key) {
             tokens += json_tokens(v);
         }
     }

@@ -10,3 +10,4 @@ pub mod demand;
 pub mod estimate;
 pub mod output_limit;
 pub mod reconcile;
+pub mod spelling;

@@ -216,7 +216,6 @@ pub fn max_output_of(
         None | Some(Value::Null | Value::Object(_)) => {}
         Some(_) => return Err(BadBody::at("options", "`options` must be an object")),
     }
-    refuse_case_variants(fields)?;
     let limit = api.output_limit();
     let mut max_output = None;
     for field in LimitField::ALL {
@@ -254,41 +253,6 @@ pub fn max_output_of(
         }
     }
     Ok(max_output)
-}
-
-/// The top-level keys whose spelling matters to the limit.
-const LIMIT_KEYS: [&str; 4] = [
-    "max_tokens",
-    "max_completion_tokens",
-    "max_output_tokens",
-    "options",
-];
-
-/// Go's `encoding/json` (Ollama, and its OpenAI and Anthropic layers)
-/// matches keys case-insensitively, by Unicode simple folding, and the last
-/// match wins: `{"max_tokens":5,"MAX_TOKENS":99999}` is 99,999 to Ollama
-/// and 5 to sluice. A key that folds to a limit key but is spelled
-/// otherwise is a 400 naming it.
-fn refuse_case_variants(fields: &Map<String, Value>) -> Result<(), BadBody> {
-    for key in fields.keys() {
-        let folded: String = key
-            .chars()
-            .map(|c| match c {
-                // The two non-ASCII letters that fold into ASCII ones.
-                '\u{212A}' => 'k', // KELVIN SIGN
-                '\u{017F}' => 's', // LATIN SMALL LETTER LONG S
-                c => c.to_ascii_lowercase(),
-            })
-            .collect();
-        if let Some(name) = LIMIT_KEYS.iter().find(|n| **n == folded && **n != key) {
-            let shown: String = key.chars().take(64).collect();
-            return Err(BadBody::at(
-                &shown,
-                format!("`{shown}` is another spelling of `{name}`, which a server that matches keys without case would read: spell it `{name}`"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Why a limit field of another API is refused.
@@ -438,30 +402,6 @@ mod tests {
         assert_eq!(
             read(Api::OpenAiChat, json!({"options": {"temperature": 0}})),
             Ok(None)
-        );
-    }
-
-    #[test]
-    fn case_variants_of_a_limit_key_are_refused() {
-        for key in [
-            "MAX_TOKENS",
-            "Max_Tokens",
-            "max_to\u{212A}ens",
-            "max_output_to\u{212A}en\u{017F}",
-            "Options",
-            "max_Completion_tokens",
-        ] {
-            let mut body = json!({"max_tokens": 5, "options": {}});
-            body[key] = json!(99_999);
-            for api in [Api::OpenAiChat, Api::OllamaChat, Api::OpenAiEmbeddings] {
-                let e = read(api, body.clone()).unwrap_err();
-                assert_eq!(e.param.as_deref(), Some(key), "{api:?} {body}");
-            }
-        }
-        // Other keys are not limit keys, whatever their case.
-        assert_eq!(
-            read(Api::OpenAiChat, json!({"Temperature": 1, "max_tokens": 5})),
-            Ok(Some(5))
         );
     }
 
