@@ -17,6 +17,7 @@
 pub mod embed;
 pub mod framing;
 pub mod generate;
+pub mod go_json;
 pub mod knobs;
 pub mod load;
 pub mod metrics;

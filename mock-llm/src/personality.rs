@@ -11,7 +11,9 @@
 //! * [`Personality::output_limit`]: which limit field is obeyed;
 //! * [`Personality::choices`]: `n`, `best_of` and prompt arrays;
 //! * [`Personality::stream_usage`]: where a stream carries its usage;
-//! * [`Refusal::render`]: the error body, per server and API surface.
+//! * [`Refusal::render`]: the error body, per server and API surface;
+//! * [`crate::go_json`]: Ollama's body as Go's decoder reads it (keys
+//!   without case, the last one winning), before any of the above.
 
 use std::fmt;
 use std::str::FromStr;

@@ -261,7 +261,10 @@ struct Arrival {
 }
 
 impl Arrival {
-    async fn read(s: &AppState, req: Request) -> Result<Self, Response> {
+    /// Reads the request; `api`'s body as its server reads it (Ollama: as
+    /// Go's decoder fills its request struct, `go_json.rs`), the stats
+    /// keep it as sent.
+    async fn read(s: &AppState, req: Request, api: Option<Api>) -> Result<Self, Response> {
         let started = Instant::now();
         let (parts, body) = req.into_parts();
         let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES)
@@ -289,6 +292,14 @@ impl Arrival {
             &parts.headers,
             body.clone().unwrap_or(Value::Null),
         );
+        let go = api
+            .filter(|_| s.personality == Personality::Ollama)
+            .and_then(crate::go_json::ollama_request);
+        let body = match (body, go) {
+            (Ok(Value::Object(_)), Some(shape)) => crate::go_json::read(&bytes, shape)
+                .map_err(|e| format!("request body is not valid JSON: {e}")),
+            (body, _) => body,
+        };
         Ok(Arrival {
             started,
             knobs: Knobs::parse(&parts.headers, &query).map_err(|e| e.0),
@@ -366,7 +377,7 @@ fn injected_message(p: Personality, status: StatusCode) -> String {
 /// `/invocations`, whose body's shape says which.
 async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
     let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
-    let arrival = match Arrival::read(&s, req).await {
+    let arrival = match Arrival::read(&s, req, api).await {
         Ok(a) => a,
         Err(res) => return res,
     };
@@ -690,7 +701,7 @@ fn ratelimit_headers(mut res: Response, v: &crate::load::Verdict, p: Personality
 /// server without the endpoint answers its own 404.
 async fn listing(s: Shared, req: Request, answer: Value, served: bool) -> Response {
     let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
-    let arrival = match Arrival::read(&s, req).await {
+    let arrival = match Arrival::read(&s, req, None).await {
         Ok(a) => a,
         Err(res) => return res,
     };
@@ -706,7 +717,7 @@ async fn listing(s: Shared, req: Request, answer: Value, served: bool) -> Respon
 
 async fn not_found(State(s): State<Shared>, req: Request) -> Response {
     let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
-    if let Err(res) = Arrival::read(&s, req).await {
+    if let Err(res) = Arrival::read(&s, req, None).await {
         return res;
     }
     s.personality.unknown_path(&method, &path)
@@ -876,6 +887,44 @@ mod tests {
         assert_eq!(last["done"], true);
         assert_eq!(last["eval_count"], 16);
         assert_eq!(last["prompt_eval_count"], 1);
+    }
+
+    /// Ollama reads keys as Go does: `MODEL` and `Stream` are its model
+    /// and stream flag (the last spelling wins); the stats keep the body
+    /// as sent.
+    #[tokio::test]
+    async fn ollama_reads_keys_without_case_like_go() {
+        let mut app = app(Config {
+            name: "p".into(),
+            model: "served".into(),
+            personality: Personality::Ollama,
+            ..Config::default()
+        })
+        .unwrap();
+        let body = r#"{"model":"small","stream":false,"MODEL":"big","Stream":true,
+            "options":{"NUM_PREDICT":2,"num_predict":3}}"#;
+        let (status, headers, body) = call(&mut app, post_json("/api/chat", body)).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers["x-mock-model"], "big");
+        assert_eq!(headers["content-type"], "application/x-ndjson");
+        let lines: Vec<&[u8]> = body
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .collect();
+        let last: Value = serde_json::from_slice(lines[lines.len() - 1]).unwrap();
+        assert_eq!(last["eval_count"], 3, "options keys are read exactly");
+        let req = HttpRequest::get("/admin/stats")
+            .body(Body::empty())
+            .unwrap();
+        let (_, _, stats) = call(&mut app, req).await;
+        let v: Value = serde_json::from_slice(&stats).unwrap();
+        assert_eq!(v["last_request"]["body"]["MODEL"], "big");
+        // Mock's own reads keys exactly.
+        let mut app = app_named("p");
+        let body = r#"{"model":"small","stream":false,"MODEL":"big"}"#;
+        let (_, headers, _) = call(&mut app, post_json("/api/chat", body)).await;
+        assert_eq!(headers["x-mock-model"], "small");
+        assert_eq!(headers["content-type"], "application/json");
     }
 
     #[tokio::test]
