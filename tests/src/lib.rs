@@ -296,6 +296,37 @@ impl Announced {
 /// reads limit fields, refuses requests, reports usage and pushes back.
 pub use mock_llm::Personality;
 
+/// The personalities whose real server serves `api` (mock-llm's own
+/// first): the upstreams a request-shape test of that API runs against.
+pub fn speaking(api: mock_llm::generate::Api) -> Vec<Personality> {
+    Personality::ALL
+        .into_iter()
+        .filter(|p| p.serves(Some(api)))
+        .collect()
+}
+
+/// Runs `test` against each of `personalities` and reports every one it
+/// failed against, with its message (all are run, a failure does not stop
+/// the others). A request-shape test runs against every server that
+/// speaks its API, so a field one server reads differently fails it.
+pub fn against(personalities: &[Personality], test: impl Fn(Personality)) {
+    let failed: Vec<String> = personalities
+        .iter()
+        .filter_map(|&p| {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| test(p)));
+            outcome.err().map(|e| {
+                let text = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                format!("--- against {p}: {text}")
+            })
+        })
+        .collect();
+    assert!(failed.is_empty(), "\n{}", failed.join("\n"));
+}
+
 /// A running `mock-llm` (fake inference server), killed on drop.
 ///
 /// [`MockLlm::start`] and [`Stack::start`] run mock-llm's own personality,

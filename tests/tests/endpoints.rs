@@ -7,15 +7,14 @@
 //! Anthropic), each generating all a request allows, so a reservation made
 //! from a field the server ignores shows as an overshoot.
 
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use mock_llm::generate::Api;
 use serde_json::{json, Value};
 use serde_yaml::Value as Yaml;
 use sluice_tests::{
-    get, post_chunked, post_json, request, wait_for, EnvoyConfig, MockLlm, Personality, Response,
-    Stack,
+    against, get, post_chunked, post_json, request, wait_for, EnvoyConfig, MockLlm, Personality,
+    Response, Stack,
 };
 
 const MODEL: &str = "llama3.1:8b";
@@ -40,26 +39,6 @@ fn with_budget(budget: u64) -> impl FnOnce(&mut EnvoyConfig) {
 fn stack_as(p: Personality, edit: impl FnOnce(&mut EnvoyConfig)) -> Stack {
     let upstream = MockLlm::start_as_with_args("primary", p, &["--generate-allowed"]);
     Stack::start_upstream(2, upstream, edit)
-}
-
-/// Runs `test` against each of `personalities` and reports every one it
-/// failed against, with its message.
-fn against(personalities: &[Personality], test: impl Fn(Personality)) {
-    let failed: Vec<String> = personalities
-        .iter()
-        .filter_map(|&p| {
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| test(p)));
-            outcome.err().map(|e| {
-                let text = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                format!("--- against {p}: {text}")
-            })
-        })
-        .collect();
-    assert!(failed.is_empty(), "\n{}", failed.join("\n"));
 }
 
 /// Servers that answer a prompt array on `/v1/completions` (Ollama's

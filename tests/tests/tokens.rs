@@ -9,16 +9,23 @@
 //! such a model never gets a learned estimate correction, so its input
 //! estimate is exactly `ceil(input_tokens(body))` and every reservation here
 //! is computed, not guessed.
+//!
+//! Upstream: the tests of what a chat server reads and answers (the stream
+//! cut, usage sluice cannot believe, the limit and usage chunk the upstream
+//! gets) run against every personality that speaks chat
+//! ([`sluice_tests::speaking`]); the others test the policy's arithmetic
+//! and run against mock-llm's own (`Personality::Mock`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use mock_llm::generate::Api;
 use serde_json::{json, Value as Json};
 use sluice_filter::usage::estimate::{input_tokens, text_tokens};
 use sluice_tests::{
-    async_client, get, post_json, post_json_async, prometheus_value, runtime, wait_for,
-    EnvoyConfig, Response, Stack,
+    against, async_client, get, post_json, post_json_async, prometheus_value, runtime, speaking,
+    wait_for, EnvoyConfig, Personality, Response, Stack,
 };
 
 /// A model the policy does not list: its estimate is never corrected.
@@ -311,8 +318,14 @@ fn concurrent_requests_fill_a_daily_budget_exactly_and_never_overshoot() {
 
 #[test]
 fn a_stream_crossing_the_budget_ends_with_an_error_event_at_the_budget() {
+    against(&speaking(Api::ChatCompletions), stream_cut_at_the_budget);
+}
+
+/// The stream cut, against an upstream playing `p`: every chat server
+/// frames its stream and its usage its own way.
+fn stream_cut_at_the_budget(p: Personality) {
     const BUDGET: u64 = 1_000;
-    let stack = Stack::start(|cfg| {
+    let stack = Stack::start_as(p, |cfg| {
         install(
             cfg,
             &policy(
@@ -527,9 +540,15 @@ fn five_hundred_streams_with_random_disconnects_leave_no_reservation() {
 
 #[test]
 fn missing_or_unbelievable_usage_settles_from_the_estimate() {
+    against(&speaking(Api::ChatCompletions), settles_unbelievable_usage);
+}
+
+/// Usage sluice cannot believe, from an upstream playing `p`: each chat
+/// server reports usage its own way (a usage chunk, zeros on every chunk).
+fn settles_unbelievable_usage(p: Personality) {
     const BUDGET: u64 = 1_000_000;
     const MAX: u64 = 20;
-    let stack = Stack::start(|cfg| {
+    let stack = Stack::start_as(p, |cfg| {
         install(
             cfg,
             &policy(
@@ -652,13 +671,19 @@ fn over_a_soft_cap_the_upstream_sees_the_cheaper_model() {
 
 #[test]
 fn the_upstream_gets_the_reserved_max_output_and_a_usage_chunk_the_client_does_not_see() {
-    let stack = Stack::start(|cfg| {
-        let mut p = policy(
+    against(&speaking(Api::ChatCompletions), what_the_upstream_gets);
+}
+
+/// What an upstream playing `p` gets and answers: the limit it reads and
+/// the usage chunk it sends are each server's own.
+fn what_the_upstream_gets(p: Personality) {
+    let stack = Stack::start_as(p, |cfg| {
+        let mut shape = policy(
             json!({"requests": "1000/min", "daily_tokens": 1_000_000}),
             json!({SMALL: {"default_max_output": 77}}),
         );
-        p["defaults"]["max_output_tokens"] = 300.into();
-        install(cfg, &p);
+        shape["defaults"]["max_output_tokens"] = 300.into();
+        install(cfg, &shape);
     });
     let url = stack.envoy.url("/v1/chat/completions");
 
