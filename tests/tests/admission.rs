@@ -1,6 +1,9 @@
 //! Admission against a real Envoy (SPEC §2.3, §3): per-caller and per-model
 //! buckets, the 429 contract, isolation between principals, exactness when
 //! every worker thread races for one bucket, and the decision metric.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): buckets, the
+//! 429 contract and the decision metric are sluice's, whatever server answers.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 

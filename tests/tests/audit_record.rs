@@ -8,6 +8,9 @@
 //! with the field names and types operators read (counts as numbers), and
 //! hostile values (quotes, backslashes, control characters, line
 //! separators, bytes that are not UTF-8) escaped inside their own field.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the audit line
+//! is sluice's record of the request, whichever server answered it.
 
 use std::io::{Read as _, Write as _};
 use std::net::TcpStream;

@@ -6,6 +6,10 @@
 //! a paraphrase in the same conversation is a semantic hit and the
 //! "enable 2FA" / "disable 2FA" near miss is not; a hit costs a request
 //! and no tokens.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`) (its chat,
+//! completions and embeddings): what the cache stores and serves does not
+//! depend on which server wrote the answer.
 
 use std::fs;
 use std::time::Duration;

@@ -5,6 +5,9 @@
 //! headless Chromium when it is installed). The filter is not
 //! involved (the sidecar is spoken to as the Envoy beside it speaks:
 //! loopback, JSON, the store's `scope` id).
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): purges and
+//! bounds are the sidecar's, whichever server wrote the entries.
 
 use std::fs;
 use std::time::Duration;

@@ -9,6 +9,9 @@
 //!   `x-sluice-degraded: cache`;
 //! - the cache endpoints' shared secret: without it, or with a wrong one,
 //!   a caller (from loopback) can neither read nor write entries.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the tiers and
+//! the door are the cache's own, whichever server wrote the entries.
 
 use std::fs;
 use std::time::Duration;

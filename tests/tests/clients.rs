@@ -8,6 +8,9 @@
 //! `make test` installs the clients (`make clients`) and sets
 //! `SLUICE_REQUIRE_CLIENTS=1`, so the test runs there; run by hand without
 //! them, it says so and skips. `SLUICE_CLIENTS_PYTHON` picks another Python.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`), which serves
+//! both the OpenAI and the Ollama APIs the clients speak.
 
 use std::fs;
 use std::path::PathBuf;

@@ -2,6 +2,9 @@
 //! its field path at start and at reload (the last good one keeps serving),
 //! a reload keeps the live counts, and the JSON-string form works like the
 //! native YAML one.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the policy is
+//! read and reloaded before any server is involved.
 
 use serde_json::json;
 use serde_yaml::Value;

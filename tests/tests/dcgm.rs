@@ -8,6 +8,9 @@
 //! `llm/vllm-mistral-0`, GPU 3 to nobody; the sidecar's DCGM source selects
 //! the llama pod's GPUs for model `llama3.1:8b`, so only that model's
 //! breaker moves, and `mistral:7b` is served throughout.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): GPU health
+//! comes from the exporter, not from the inference server.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};

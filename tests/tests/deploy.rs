@@ -9,6 +9,9 @@
 //! kubectl is in no package registry these machines reach: its absence is
 //! always a printed skip, and everything it would check that needs no
 //! rendering runs anyway.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): what is
+//! deployed, not how a server reads a request.
 
 use std::collections::BTreeSet;
 use std::fs;

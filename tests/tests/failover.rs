@@ -1,6 +1,9 @@
 //! The failover chain of envoy/failover.yaml (SPEC §2.4): primary →
 //! secondary (Envoy priorities and retries) → static answer (sluice's error
 //! breaker with `static_fallback.when_primary_out`), and back.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`) on every hop:
+//! priorities, retries and the breaker are Envoy's and sluice's.
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};

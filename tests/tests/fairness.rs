@@ -10,6 +10,9 @@
 //! The model's bucket is `{rate: 1/day, burst: 40}`: 40 requests, with a
 //! refill too slow to change any count during a test, so every figure
 //! below is exact whatever the machine's speed.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): shares of a
+//! bucket are sluice's arithmetic, whatever server answers.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};

@@ -4,6 +4,9 @@
 //! only degrades instead of doubling; a Redis that lost its data does not
 //! reset a hard budget; a take that arrives after the filter gave up on it
 //! charges nothing.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): what the fleet
+//! agent trusts is between sidecars, Envoys and Redis.
 
 use std::time::Duration;
 

@@ -9,6 +9,9 @@
 //!
 //! Distinct identities come cheap from a header the test's policy trusts
 //! (`x-test-user`), the way an auth filter in front of sluice would set it.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the per-caller
+//! table is sluice's, whatever server answers.
 
 use serde_yaml::Value;
 use sluice_tests::{get, Stack};

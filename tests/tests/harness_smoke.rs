@@ -1,6 +1,7 @@
 //! Checks the harness itself against a real Envoy, without sluice's own
 //! binaries: the shipped config minus the wasm and JWT filters, in front of a
-//! tiny upstream written here.
+//! tiny upstream written here (a fixed-answer server, no mock-llm
+//! personality).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -213,4 +214,37 @@ fn inline_jwks_is_enforced_by_jwt_authn() {
     assert_eq!(get(&envoy.url("/"), &[]).status, 200);
     let bad = get(&envoy.url("/"), &[("authorization", "Bearer not.a.jwt")]);
     assert_eq!(bad.status, 401, "{}", bad.body);
+}
+
+/// Every integration test that starts an upstream says, in its file's
+/// opening comment, which server that upstream plays (a mock-llm
+/// personality, or a server written in the file), so a reader knows what
+/// the test proves of which real server.
+#[test]
+fn every_test_file_with_an_upstream_names_its_personality() {
+    let dir = sluice_tests::repo_root().join("tests/tests");
+    let mut silent = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("tests/tests") {
+        let path = entry.expect("entry").path();
+        let text = std::fs::read_to_string(&path).expect("a test file");
+        let starts_one = ["Stack::start", "MockLlm::start", "start_upstream("]
+            .iter()
+            .any(|s| text.contains(s));
+        let opening: String = text
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .collect::<Vec<_>>()
+            .join("\n")
+            .to_lowercase();
+        let says = ["personality", "fixed-answer"]
+            .iter()
+            .any(|s| opening.contains(s));
+        if starts_one && !says {
+            silent.push(path.display().to_string());
+        }
+    }
+    assert!(
+        silent.is_empty(),
+        "these start an upstream without saying which personality it plays: {silent:?}"
+    );
 }

@@ -1,6 +1,11 @@
 //! Hostile clients (SPEC §8): however a request ends and however its path or
 //! body is spelled, it reaches the upstream only through one admission
 //! decision, and no client number wraps a reservation.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): paths, numbers
+//! and duplicate keys are refused before any server reads them (the body
+//! fields each server reads are endpoints.rs', output_limits.rs' and
+//! parsing.rs' tests, against each personality).
 
 use std::net::SocketAddr;
 use std::time::Duration;

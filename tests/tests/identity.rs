@@ -1,6 +1,9 @@
 //! Identity through a real Envoy (SPEC §2.1): headers a client makes up are
 //! never believed, and tiers claimed in a JWT count only once Envoy's own
 //! `jwt_authn` has verified the token.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): who the caller
+//! is is decided before the upstream.
 
 use sluice_tests::jwt::{b64, claims, fresh_key, jwks, mint};
 use sluice_tests::{Response, Stack};

@@ -6,6 +6,9 @@
 //! breaker opens at the spend ceiling with 503 `global_breaker_open`; and
 //! every metric the alert rules and the dashboard in `envoy/` use is
 //! exported by Envoy or the sidecar.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the counters
+//! and the audit are sluice's, whatever server answers.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

@@ -9,6 +9,9 @@
 //! Needs Debian's `chromium` and `chromium-driver` (`make test` installs
 //! them and sets `SLUICE_REQUIRE_BROWSER=1`); without them and without that
 //! variable the test says so and skips.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the page shows
+//! the sidecar's state.
 
 use std::fs;
 use std::time::Duration;

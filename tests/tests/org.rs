@@ -1,5 +1,8 @@
 //! Teams and orgs, the penalty box and budget windows in a named timezone,
 //! through a real Envoy (issue 13).
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): teams, orgs and
+//! budget windows are the policy's.
 
 use std::time::{Duration, Instant};
 

@@ -14,6 +14,10 @@
 //! chat `max_completion_tokens` (vLLM first, OpenAI) and `max_tokens`
 //! (vLLM second, Ollama only); completions and Anthropic `max_tokens`;
 //! Responses `max_output_tokens`; Ollama native `options.num_predict`.
+//!
+//! Upstream: each personality whose server speaks the API under test
+//! (`PERSONALITIES`, filtered by the endpoints each serves), each
+//! generating all a request allows.
 
 use std::time::Duration;
 

@@ -11,6 +11,9 @@
 //! Distinct addresses come from `x-forwarded-for`: the tests' Envoy trusts
 //! one hop (`xff_num_trusted_hops: 1`), so the rightmost entry is the
 //! client address sluice reads (`source.address`), IPv6 included.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the penalty box
+//! is sluice's, whatever server answers.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -3,6 +3,10 @@
 //! answers 5xx or 429 with `Retry-After` on the requests that ask for it
 //! (`x-mock-status`, `x-mock-retry-after`), and callers are told apart by
 //! the shipped policy's demo API keys (passed through to the upstream).
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`), whose knobs
+//! inject the 5xx and 429s; the servers' own pushback shapes are
+//! provider_pushback.rs'.
 
 use std::time::{Duration, Instant};
 

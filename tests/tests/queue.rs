@@ -2,6 +2,10 @@
 //! workers: concurrency limits across workers, fair dispatch, deadlines,
 //! disconnects and provider limits. Latencies are short to keep the file
 //! at a few seconds.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the queue is
+//! sluice's, whatever server answers (the providers' own limits:
+//! provider_pushback.rs).
 
 use std::time::{Duration, Instant};
 

@@ -3,6 +3,9 @@
 //! tenant cannot fill a class's queue, a caller its buckets would refuse
 //! takes no place, the kill switch reaches queued requests, and a reload
 //! governs what waits and what is in flight.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the queue's
+//! fairness is sluice's, whatever server answers.
 
 use std::time::Duration;
 

@@ -4,6 +4,9 @@
 //! bucket `X-RateLimit-*` reports by its rule id and agree with it on the
 //! same response, admitted or refused; `check-config` refuses a bad value
 //! with its field path.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the fields are
+//! sluice's answer, whatever server is behind.
 
 use std::collections::BTreeMap;
 

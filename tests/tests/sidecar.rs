@@ -8,6 +8,9 @@
 //! every Envoy points its `sluice_sidecar` and `llm_fallback` clusters at
 //! processes of the test (or at the harness's closed address), never at a
 //! developer's demo.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): breakers come
+//! from the GPU sidecar, not from the inference server.
 
 use std::collections::BTreeSet;
 use std::fs;

@@ -3,6 +3,9 @@
 //! the shipped Envoy config's polls and fleet callouts still get through;
 //! the admin token has a minimum length; wrong tokens are slowed down per
 //! client, counted and logged without the guess.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): the door is the
+//! sidecar's.
 
 use std::fs;
 use std::io::{Read as _, Write as _};

@@ -7,6 +7,10 @@
 //! Anthropic's prompt-cache counts, the Responses API's stream, Ollama's
 //! final line without `prompt_eval_count`, Ollama's OpenAI API saying
 //! `prompt_tokens: 0`), split over several writes.
+//!
+//! Upstream: no mock-llm personality but a fixed-answer server written here,
+//! which sends each real server's usage shapes (OpenAI/vLLM details,
+//! Anthropic's cache counts, Ollama's lines) as they are.
 
 use std::collections::HashMap;
 use std::io::{Read as _, Write as _};

@@ -3,6 +3,9 @@
 //! capacity whatever the worker count (never more; what a worker's lease
 //! still holds comes back at its ttl), and what one worker can strand
 //! while the others refuse stays within the stated bound.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): leases are
+//! sluice's arithmetic, whatever server answers.
 
 use std::time::Duration;
 
