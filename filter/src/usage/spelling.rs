@@ -12,9 +12,12 @@
 //! (`middleware/openai.go`, `middleware/anthropic.go`) bind the body with
 //! gin's `ShouldBindJSON`, which is `encoding/json` in a default build
 //! (gin `internal/json/json.go`), into structs (`api.ChatRequest`,
-//! `api.GenerateRequest`, `openai.ChatCompletionRequest`, …). vLLM
-//! (pydantic) and OpenAI's and Anthropic's APIs match keys exactly: there
-//! `MODEL` is an extra field that server and sluice both ignore. Since any
+//! `api.GenerateRequest`, `openai.ChatCompletionRequest`, …). vLLM's
+//! pydantic models match field names exactly and keep an unknown key as an
+//! ignored extra (vllm `entrypoints/openai/engine/protocol.py`,
+//! `OpenAIBaseModel`: `extra="allow"`, logged as ignored), and OpenAI's and
+//! Anthropic's APIs refuse unknown fields: there `MODEL` is a key both the
+//! server and sluice leave alone, so those servers need nothing. Since any
 //! route may have Ollama behind it, a key that folds onto a key sluice
 //! reads, spelled otherwise, is a 400 naming it, whatever the API.
 //!
