@@ -278,6 +278,19 @@ pub struct Poller {
     vm: Rc<Vm>,
 }
 
+/// The policy compiled, its callers placed under the deployment's hash
+/// key (`crate::admission::hash_key`); `None` (logged): refused.
+fn compile_keyed(host: &dyn Host, policy: Policy) -> Option<Engine> {
+    let mut engine = Engine::compile(policy)
+        .map_err(|err| host.log(LogLevel::Error, &err.to_string()))
+        .ok()?;
+    let key = crate::admission::hash_key::load(host, &engine.policy)
+        .map_err(|err| host.log(LogLevel::Error, &err))
+        .ok()?;
+    engine.set_hash_key(key);
+    Some(engine)
+}
+
 impl Poller {
     pub fn new() -> Poller {
         Poller::default()
@@ -303,22 +316,10 @@ impl Poller {
                 return false;
             }
         };
-        let mut engine = match Engine::compile(policy) {
-            Ok(engine) => engine,
-            Err(err) => {
-                host.log(LogLevel::Error, &err.to_string());
-                add(host, metrics::CONFIG_REJECTED, 1);
-                return false;
-            }
+        let Some(engine) = compile_keyed(host, policy) else {
+            add(host, metrics::CONFIG_REJECTED, 1);
+            return false;
         };
-        match crate::admission::hash_key::load(host, &engine.policy) {
-            Ok(key) => engine.set_hash_key(key),
-            Err(err) => {
-                host.log(LogLevel::Error, &err);
-                add(host, metrics::CONFIG_REJECTED, 1);
-                return false;
-            }
-        }
         let mut filter = Filter::new(engine);
         filter.vm = self.vm.clone();
         filter.waiters = self.vm.waiters.clone();
