@@ -110,8 +110,8 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// The defaults of SPEC §5: GPU ≥ 90 %, waiting ≥ 50, KV cache ≥ 0.9,
-    /// each for 30 s; recovered under 80 % / 40 / 0.8 for 10 s.
+    /// The default rules (docs/design.md, "Sidecar"): GPU ≥ 90 %, waiting ≥ 50,
+    /// KV cache ≥ 0.9, each for 30 s; recovered under 80 % / 40 / 0.8 for 10 s.
     pub fn defaults() -> Vec<Rule> {
         let rule = |metric, open_at, close_below| Rule {
             metric,
@@ -133,7 +133,7 @@ impl Rule {
 #[serde(rename_all = "snake_case")]
 pub enum OnStale {
     /// Closed: a breaker that blocks on no data takes the service down with
-    /// the sidecar (SPEC §5).
+    /// the sidecar (docs/design.md, "Sidecar").
     #[default]
     FailOpen,
     /// Open until data comes back.

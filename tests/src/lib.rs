@@ -1206,7 +1206,7 @@ type Sample = (String, Vec<(String, String)>);
 
 /// Parses one sample line, `name{a="x",b="y"} value [timestamp]`. Hand-written
 /// because the format is this small and the crates that parse it drop names
-/// with colons (see ENVOY-FACTS).
+/// with colons (vLLM's `vllm:…`; `prometheus-parse` skips them silently).
 fn parse_sample(line: &str) -> Option<(Sample, f64)> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {

@@ -1,6 +1,6 @@
-//! The response cache (SPEC §9, issue 20) against a real Envoy, the real
-//! sidecar (entries in its memory, mock-llm's embeddings) and mock-llm:
-//! exact hits never reach the upstream and carry `x-sluice-cache: hit`;
+//! The response cache (docs/design.md, "Response cache"; issue 20) against a real
+//! Envoy, the real sidecar (entries in its memory, mock-llm's embeddings) and
+//! mock-llm: exact hits never reach the upstream and carry `x-sluice-cache: hit`;
 //! any output parameter, system prompt or earlier turn misses; nothing
 //! crosses scopes; errors, cut streams and `no-store` are never stored;
 //! a paraphrase in the same conversation is a semantic hit and the

@@ -1,6 +1,6 @@
-//! The policy as operators give it (SPEC §4): a bad policy is refused with
-//! its field path at start and at reload (the last good one keeps serving),
-//! a reload keeps the live counts, and the JSON-string form works like the
+//! The policy as operators give it (docs/design.md, "Policy"): a bad policy is
+//! refused with its field path at start and at reload (the last good one keeps
+//! serving), a reload keeps the live counts, and the JSON-string form works like the
 //! native YAML one.
 //!
 //! Upstream: mock-llm's own personality (`Personality::Mock`): the policy is

@@ -1,5 +1,5 @@
-//! The fleet (SPEC §7): several real Envoys, each with its own sidecar, one
-//! real Redis. Exactness across Envoys, budgets settled once, stranding,
+//! The fleet (docs/design.md, "Fleet"): several real Envoys, each with its own
+//! sidecar, one real Redis. Exactness across Envoys, budgets settled once, stranding,
 //! Redis and sidecar outages, the fleet-wide kill switch.
 //!
 //! Upstream: mock-llm's own personality (`Personality::Mock`): the fleet's

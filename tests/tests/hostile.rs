@@ -1,5 +1,5 @@
-//! Hostile clients (SPEC §8): however a request ends and however its path or
-//! body is spelled, it reaches the upstream only through one admission
+//! Hostile clients (docs/design.md, "Guarantees"): however a request ends and however
+//! its path or body is spelled, it reaches the upstream only through one admission
 //! decision, and no client number wraps a reservation.
 //!
 //! Upstream: mock-llm's own personality (`Personality::Mock`): paths, numbers

@@ -1,5 +1,5 @@
-//! Identity through a real Envoy (SPEC §2.1): headers a client makes up are
-//! never believed, and tiers claimed in a JWT count only once Envoy's own
+//! Identity through a real Envoy (docs/design.md, "Identify"): headers a client makes
+//! up are never believed, and tiers claimed in a JWT count only once Envoy's own
 //! `jwt_authn` has verified the token.
 //!
 //! Upstream: mock-llm's own personality (`Personality::Mock`): who the caller

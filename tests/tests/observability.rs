@@ -1,6 +1,6 @@
-//! Observability and audit against a real Envoy (SPEC §6; issue 5): after a
-//! scripted mix of admitted, refused, degraded, streamed and rerouted
-//! requests the labeled counters and the latency histograms hold exactly
+//! Observability and audit against a real Envoy (docs/design.md, "Observability and
+//! audit"; issue 5): after a scripted mix of admitted, refused, degraded, streamed
+//! and rerouted requests the labeled counters and the latency histograms hold exactly
 //! what was sent; the access log has one JSON line per request with the
 //! audit fields and no API key, JWT or prompt in it; the global anomaly
 //! breaker opens at the spend ceiling with 503 `global_breaker_open`; and

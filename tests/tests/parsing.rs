@@ -1,5 +1,5 @@
-//! Bodies sluice cannot accept (SPEC §2.2, §3): over the size cap → 413,
-//! not JSON or without a model → 400, a key a Go server reads as another
+//! Bodies sluice cannot accept (docs/design.md, "Demand and estimate"): over the size
+//! cap → 413, not JSON or without a model → 400, a key a Go server reads as another
 //! → 400. None of them reaches the upstream.
 //!
 //! Size and syntax are the server's no matter which it is: those tests run

@@ -1,5 +1,5 @@
-//! The GPU sidecar in the data path, against a real Envoy (SPEC §2.4, §2.8,
-//! §5; issue 4): breakers pushed into Envoy by long poll and how fast they
+//! The GPU sidecar in the data path, against a real Envoy (docs/design.md, "Route",
+//! "Sidecar"; issue 4): breakers pushed into Envoy by long poll and how fast they
 //! land, the stale-data policy, the kill switch and its failover provider,
 //! admin authentication, upstream pushback (`Retry-After` pause, error
 //! breaker with half-open probes) and the static fallback.

@@ -1,5 +1,5 @@
-//! The response cache's messages (SPEC §9): the filter asks its sidecar
-//! `POST /v1/cache/lookup` before admission and `POST /v1/cache/store`
+//! The response cache's messages (docs/design.md, "Response cache"): the filter asks
+//! its sidecar `POST /v1/cache/lookup` before admission and `POST /v1/cache/store`
 //! after a complete successful answer. Keys are the filter's salted
 //! SHA-256s (hex); the sidecar never sees a principal, only the hashes, so
 //! it cannot put one scope's entry into another's answer: the scope is in

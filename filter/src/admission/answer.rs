@@ -1,5 +1,5 @@
-//! What the client sees (SPEC §3): OpenAI-shaped refusals that SDKs parse
-//! and back off from, and the `X-RateLimit-*` headers of admitted requests.
+//! OpenAI-shaped refusals that SDKs parse and back off from, and the `X-RateLimit-*`
+//! headers of admitted requests (docs/design.md, "What the client sees").
 
 use serde_json::json;
 

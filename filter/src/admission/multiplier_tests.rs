@@ -1,5 +1,5 @@
-//! Every multiplier of work is reserved (SPEC §8): prompts × choices ×
-//! max output, lowered per completion or refused, through the engine.
+//! Every multiplier of work is reserved (docs/design.md, "Guarantees"): prompts ×
+//! choices × max output, lowered per completion or refused, through the engine.
 
 use super::*;
 use crate::state::store::MemStore;

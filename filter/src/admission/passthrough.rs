@@ -1,5 +1,5 @@
-//! Deny by default (SPEC §8): a request on the LLM listener is either
-//! classified (its API known, its whole demand reserved: `request::Api`)
+//! Deny by default (docs/design.md, "Guarantees"): a request on the LLM listener
+//! is either classified (its API known, its whole demand reserved: `request::Api`)
 //! or let through by one of these rules, or refused with 404
 //! `unknown_endpoint`. A bodyless GET/HEAD/OPTIONS/DELETE to an unknown
 //! path (`/v1/models`, `/healthz`) carries no work and goes on under the

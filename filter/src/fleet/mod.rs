@@ -1,5 +1,5 @@
-//! One set of limits across every Envoy of a fleet (SPEC §7), through the
-//! sidecar beside each Envoy and the Redis behind them. The filter never
+//! One set of limits across every Envoy of a fleet (docs/design.md, "Fleet"),
+//! through the sidecar beside each Envoy and the Redis behind them. The filter never
 //! talks to Redis: it asks its sidecar (`/v1/fleet/take`, `/v1/fleet/give`).
 //!
 //! Leases. For each fleet bucket in use (per caller, or global), this Envoy

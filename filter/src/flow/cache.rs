@@ -1,5 +1,5 @@
-//! The response cache on the request path (SPEC §9): a lookup in the
-//! sidecar before admission for requests of cache-enabled models, a hit
+//! The response cache on the request path (docs/design.md, "Response cache"): a
+//! lookup in the sidecar before admission for requests of cache-enabled models, a hit
 //! answered here, a complete successful answer stored after it.
 //!
 //! - Never blocks a request on the cache: the lookup waits at most

@@ -1,6 +1,6 @@
 //! All-or-nothing reservation across the buckets that apply to a request
-//! (SPEC §2.3), on shared data with compare-and-swap so that every Envoy
-//! worker sees one exact count.
+//! (docs/design.md, "Admit"), on shared data with compare-and-swap so that
+//! every Envoy worker sees one exact count.
 //!
 //! Records. The buckets of one scope live in one shared-data value, a
 //! [`Bundle`](crate::limits::record::Bundle): a scope is a rule id's parent

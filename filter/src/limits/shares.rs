@@ -1,5 +1,5 @@
-//! Fair shares of a shared bucket (SPEC §8): a model's or a route's rate
-//! bucket is a commons that no group of callers may drain for the others.
+//! Fair shares of a shared bucket (docs/design.md, "Guarantees"): a model's or a
+//! route's rate bucket is a commons that no group of callers may drain for the others.
 //!
 //! Groups. Each tier named in a bucket's `shares` is a group of that tier's
 //! *declared* callers (API keys listed in the policy); `anonymous` is every

@@ -1,6 +1,6 @@
-//! The policy as operators write it (SPEC §4), its parsing from the two forms
-//! Envoy hands the plugin (protobuf `Struct` bytes or a JSON string), and the
-//! checks that span fields. Every error names the field path.
+//! The policy as operators write it (docs/design.md, "Policy"), its parsing
+//! from the two forms Envoy hands the plugin (protobuf `Struct` bytes or a JSON
+//! string), and the checks that span fields. Every error names the field path.
 
 //!
 //! One file per section: its types, their defaults, and its

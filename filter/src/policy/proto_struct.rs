@@ -1,6 +1,6 @@
 //! `google.protobuf.Struct` → JSON value. Envoy hands a Struct-typed plugin
-//! configuration to the plugin as protobuf bytes (ENVOY-FACTS), so native
-//! YAML in the Envoy config arrives here.
+//! configuration to the plugin as protobuf bytes (docs/design.md, "Plugin
+//! configuration"), so native YAML in the Envoy config arrives here.
 
 use prost::Message;
 use prost_types::value::Kind;

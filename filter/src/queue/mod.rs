@@ -1,5 +1,5 @@
-//! Concurrency slots and the wait queue (SPEC §2.6): how many requests a
-//! model (and its backend) has in flight across every worker of one Envoy,
+//! Concurrency slots and the wait queue (docs/design.md, "Queue"): how many requests
+//! a model (and its backend) has in flight across every worker of one Envoy,
 //! and who waits, in what order, when none is free.
 //!
 //! State: one shared-data key per gated backend (`sluice:v1:queue:<backend>`,

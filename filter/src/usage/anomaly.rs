@@ -1,6 +1,6 @@
-//! Consumption anomalies across all callers (SPEC §6): tokens per minute
-//! against a trailing baseline (a surge is a warning), and spend per hour
-//! against a ceiling (past it, the global breaker refuses new requests).
+//! Consumption anomalies across all callers (docs/design.md, "Observability and
+//! audit"): tokens per minute against a trailing baseline (a surge is a warning), and
+//! spend per hour against a ceiling (past it, the global breaker refuses new requests).
 //!
 //! Computed in shared data rather than in the sidecar: settlement already
 //! holds the numbers, one compare-and-swap on one small key adds them, and

@@ -1,6 +1,6 @@
-//! What a request asks for (SPEC §2.2): which API, which model, streamed or
-//! not, how much output at most, and how many times over (the multipliers
-//! of work, one table per API). Read from OpenAI-, Anthropic-, vLLM- and
+//! What a request asks for (docs/design.md, "Demand and estimate"): which API, which
+//! model, streamed or not, how much output at most, and how many times over (the
+//! multipliers of work, one table per API). Read from OpenAI-, Anthropic-, vLLM- and
 //! Ollama-shaped bodies; only the fields sluice needs are looked at.
 
 use serde_json::Value;

@@ -1,5 +1,5 @@
-//! Demand estimate (SPEC §2.2): how many input tokens a request will cost,
-//! without a tokenizer in the wasm binary.
+//! Demand estimate (docs/design.md, "Demand and estimate"): how many input
+//! tokens a request will cost, without a tokenizer in the wasm binary.
 //!
 //! Text is scored by character class, calibrated against BPE tokenizers of
 //! the cl100k/o200k family: a word of ASCII letters is one token up to six

@@ -2,7 +2,7 @@
 //! tokens, the reconciliation with the real usage, and usage anomalies.
 
 pub mod anomaly;
-/// The response cache's keys and the answers it stores and renders (SPEC §9).
+/// The response cache's keys and stored answers (docs/design.md, "Response cache").
 pub mod cache_answer;
 pub mod cache_key;
 pub mod cache_tier;

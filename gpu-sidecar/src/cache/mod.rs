@@ -1,5 +1,5 @@
-//! The response cache's store (SPEC §9): the filter asks here before
-//! admission (`POST /v1/cache/lookup`) and after a complete successful
+//! The response cache's store (docs/design.md, "Response cache"): the filter asks
+//! here before admission (`POST /v1/cache/lookup`) and after a complete successful
 //! answer (`POST /v1/cache/store`), over the HTTP channel it already has
 //! (messages: `sluice_wire::cache`).
 //!

@@ -1,6 +1,6 @@
 //! The fleet agent: this sidecar's Redis connection, on behalf of the one
-//! Envoy beside it (SPEC §7). The filter never talks to Redis; it asks
-//! here over the HTTP channel it already has:
+//! Envoy beside it (docs/design.md, "Fleet"). The filter never talks to
+//! Redis; it asks here over the HTTP channel it already has:
 //!
 //! - `POST /v1/fleet/take`: every claim of one request, all or nothing,
 //!   in one Lua script (atomic in Redis). Each claim names its bucket

@@ -1,5 +1,5 @@
-//! Concurrency slots across the fleet (SPEC §2.6, §7): how many requests a
-//! gated backend (and each of its models) has in flight, summed over every
+//! Concurrency slots across the fleet (docs/design.md, "Queue", "Fleet"): how many
+//! requests a gated backend (and each of its models) has in flight, summed over every
 //! Envoy, stays within its `concurrency`.
 //!
 //! `POST /v1/fleet/slots` (the Envoy beside this sidecar only, as the
