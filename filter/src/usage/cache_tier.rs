@@ -123,7 +123,7 @@ fn encode_index(ways: &[Way; WAYS]) -> Vec<u8> {
         w.u64(way.stored_ms);
         w.u64(way.expires_ms);
         w.u64(way.generation);
-        w.u8(u8::from(way.remote) * REMOTE | u8::from(way.undeclared) * UNDECLARED);
+        w.u8((u8::from(way.remote) * REMOTE) | (u8::from(way.undeclared) * UNDECLARED));
     }
     w.into_bytes()
 }
