@@ -88,7 +88,9 @@ target/release/mock-llm --listen 127.0.0.1:8000 --name primary >"$logs/mock-llm.
 watched+=($!)
 target/release/mock-llm --listen 127.0.0.1:8001 --name fallback >"$logs/mock-llm-fallback.log" 2>&1 &
 watched+=($!)
-export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-demo-admin-token}
+# A fresh admin token at every start (printed below): the right token is
+# never throttled, so it must be one no other local process can guess.
+export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-$(random_hex)}
 for n in 1 2; do
   target/release/sluice-sidecar serve --listen 127.0.0.1:$((9910 + n)) --simulate \
     --config "$logs/sidecar-$n.yaml" >"$logs/sidecar-$n.log" 2>&1 &

@@ -91,7 +91,9 @@ target/release/mock-llm --listen 127.0.0.1:8000 --name primary >"$logs/mock-llm.
 pids+=($!)
 target/release/mock-llm --listen 127.0.0.1:8001 --name fallback >"$logs/mock-llm-fallback.log" 2>&1 &
 pids+=($!)
-export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-demo-admin-token}
+# A fresh admin token at every start (printed below): the right token is
+# never throttled, so it must be one no other local process can guess.
+export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-$(random_hex)}
 target/release/sluice-sidecar serve --listen 127.0.0.1:9911 --simulate \
   --config "$logs/sidecar.yaml" --state-file "$logs/sidecar-state.json" --envoy-admin http://127.0.0.1:9901 \
   >"$logs/sidecar.log" 2>&1 &

@@ -14,6 +14,9 @@ chromium=$(command -v chromium || command -v chromium-browser || true)
 logs=target/demo
 mkdir -p "$logs"
 
+# The demo takes its admin token from here (else it makes a random one).
+export SLUICE_ADMIN_TOKEN
+SLUICE_ADMIN_TOKEN=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
 ./scripts/demo.sh >"$logs/screenshot-demo.log" 2>&1 &
 demo=$!
 stop() { kill "$demo" 2>/dev/null || true; wait "$demo" 2>/dev/null || true; }
@@ -26,7 +29,7 @@ for _ in $(seq 1 300); do
 done
 curl -s -m 1 http://127.0.0.1:9911/healthz >/dev/null || { echo "screenshot: the demo did not come up" >&2; exit 1; }
 
-token=demo-admin-token
+token=$SLUICE_ADMIN_TOKEN
 simulate() {
   curl -s -o /dev/null -H "authorization: Bearer $token" -H 'content-type: application/json' \
     http://127.0.0.1:9911/v1/simulate -d "{\"gpus\": [

@@ -13,17 +13,37 @@
 //! name, which no DNS name can be), and the names in `allowed_hosts`. Any
 //! port.
 //!
-//! **Guessing.** A client that presents a wrong bearer token draws on its
-//! own failure bucket: [`FAILURE_BURST`] failures, refilled at one per
-//! [`FAILURE_REFILL`] (10 per minute). An empty bucket is answered 429 with
-//! `Retry-After` *before* the token is looked at, so a throttled client
-//! learns nothing, right token or not. Clients are told apart by address
-//! (IPv6 by its /64: one host holds a whole /64). The table holds at most
-//! [`MAX_CLIENTS`]; when full, a client whose bucket has refilled is
-//! forgotten first, else the one closest to refilled (it had the fewest
-//! recent failures), so memory is bounded and a known guesser is the last
-//! to be forgotten. The bound: with B failures and refill r, one client
-//! gets at most B + r·t guesses in t.
+//! **Guessing, and a door no co-tenant can hold shut.** Admin calls come
+//! from loopback unless `admin.allow_remote`, so every local process (each
+//! container of a pod) is the same client. A throttle that answers 429
+//! *before* the token is read would let any of them keep the operator's
+//! correct token refused, at one wrong guess per refill. So the token is
+//! read first, in constant time ([`secret_eq`]), and **the right token is
+//! always served, whatever anyone guessed**. A wrong one draws on its
+//! client's failure bucket: [`FAILURE_BURST`] failures, refilled at one per
+//! [`FAILURE_REFILL`] (10 per minute); past them it is answered 429 with
+//! `Retry-After` instead of 401 (and not charged again). Clients are told
+//! apart by address (IPv6 by its /64: one host holds a whole /64).
+//!
+//! What the throttle no longer does: bound how fast a token can be tested.
+//! A throttled client still learns "right" (200) from "wrong" (429), so
+//! the check is an oracle at the sidecar's request rate. What makes that
+//! hopeless is the token: at least `MIN_TOKEN_BYTES` (32) bytes with
+//! `MIN_TOKEN_DISTINCT` (8) different ones, refused at start otherwise
+//! (`serve::admin`). `openssl rand -hex 16` makes 32 hex digits, 128 bits:
+//! at 10^5 guesses a second (a loopback flood on many cores) the expected
+//! search is about 5·10^25 years. A token a person chose is the one thing
+//! this cannot save, hence the minimum length and the docs' `openssl` line.
+//! The 429 stays for what it still gives: a guesser is visible at once
+//! (counted apart, `throttled`), its log lines are bounded (one per
+//! charged failure: B + r·t in t), and a script that backs off on 429 is
+//! slowed. (The fleet and cache secrets were never throttled: they rest
+//! on their length alone, as this token now does.)
+//!
+//! The table holds at most [`MAX_CLIENTS`]; when full, a client whose
+//! bucket has refilled is forgotten first, else the one closest to
+//! refilled (it had the fewest recent failures), so memory is bounded and
+//! a known guesser is the last to be forgotten.
 //!
 //! Time is passed in (`now`), so the rules are tested without a clock.
 
@@ -176,7 +196,7 @@ impl Client {
     }
 }
 
-/// What the failure bucket says before a token is checked.
+/// What a client's failure bucket says of its next wrong token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gate {
     Open,
@@ -200,7 +220,8 @@ impl FailureGate {
         self.full_at.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether `client` may try a token now.
+    /// Whether a wrong token from `client` now is answered 401 (and
+    /// charged) or 429. Never asked for the right token.
     pub fn check(&self, client: Client, now: Instant) -> Gate {
         let Some(full_at) = self.table().get(&client).copied() else {
             return Gate::Open;
@@ -286,7 +307,7 @@ pub enum Failure {
     Wrong,
     /// No admin token is configured (nothing to guess: not throttled).
     NotConfigured,
-    /// Refused before the token was looked at.
+    /// A wrong token from a client past its allowance (429, not charged).
     Throttled,
 }
 

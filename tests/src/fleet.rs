@@ -15,7 +15,7 @@ use crate::{
 };
 
 /// The admin token of every fleet test sidecar.
-pub const TOKEN: &str = "fleet-test-admin-token";
+pub const TOKEN: &str = "fleet-test-admin-token-0123456789";
 /// The fleet secret each test Envoy and its sidecar share (the Envoy's VM
 /// gets it in `vm_config.environment_variables`, the sidecar from a file).
 pub const SECRET: &str = "fleet-test-secret-0123456789";

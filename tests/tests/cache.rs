@@ -20,7 +20,7 @@ use sluice_tests::{
 };
 
 const SALT: &str = "cache-test-salt-0123456789";
-const TOKEN: &str = "cache-test-admin-token";
+const TOKEN: &str = "cache-test-admin-token-0123456789";
 
 /// mock-llm, a sidecar holding the cache, and Envoy with the shipped
 /// policy plus a `cache:` section.

@@ -17,7 +17,7 @@ use sluice_filter::policy::keys::sha256_hex;
 use sluice_tests::browser::Browser;
 use sluice_tests::{get, post_json, MockLlm, Response, Sidecar};
 
-const TOKEN: &str = "cache-ops-admin-token-0123";
+const TOKEN: &str = "cache-ops-admin-token-0123456789abcdef";
 
 struct Ops {
     sidecar: Sidecar,

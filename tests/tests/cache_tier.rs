@@ -22,7 +22,7 @@ use sluice_tests::{
 };
 
 const SALT: &str = "cache-tier-test-salt-0123456789";
-const TOKEN: &str = "cache-tier-test-admin-token";
+const TOKEN: &str = "cache-tier-test-admin-token-0123456789";
 const SECRET: &str = "cache-tier-test-secret-0123456789";
 const A: &str = "demo-pro-key";
 const B: &str = "demo-enterprise-key";

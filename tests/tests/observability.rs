@@ -26,7 +26,7 @@ use sluice_tests::{
 const BIG: &str = "llama3.1:70b";
 const SMALL: &str = "llama3.1:8b";
 const MISTRAL: &str = "mistral:7b";
-const ADMIN_TOKEN: &str = "observability-test-admin-token";
+const ADMIN_TOKEN: &str = "observability-test-admin-token-0123456789";
 
 // ---------------------------------------------------------------------------
 // Helpers

@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use sluice_tests::browser::Browser;
 use sluice_tests::{get, post_json, repo_root, wait_for, Sidecar, Stack};
 
-const TOKEN: &str = "operator-page-test-token";
+const TOKEN: &str = "operator-page-test-token-0123456789";
 const MODEL: &str = "llama3.1:8b";
 /// Operator text that would run if the page treated it as markup.
 const EVIL_REASON: &str = "drill <img src=x onerror=\"window.__pwned=1\"> & <b>bold</b>";

@@ -28,7 +28,7 @@ use sluice_tests::{
 
 const MODEL: &str = "llama3.1:8b";
 const OTHER_MODEL: &str = "mistral:7b";
-const TOKEN: &str = "sidecar-test-admin-token";
+const TOKEN: &str = "sidecar-test-admin-token-0123456789";
 /// The sidecar's scope when it has no backends: every model's default.
 const SCOPE: &str = "backend:local";
 /// `retry_after` of the test sidecar's breakers.

@@ -1,16 +1,24 @@
 //! Who may make an admin call (flip the kill switch, set the simulated
-//! GPUs): a bearer token of at least [`MIN_TOKEN_BYTES`] compared in
-//! constant time. How fast a client may guess the token is
-//! [`crate::door`]'s; what the switch does is [`crate::watch::kill_switch`]'s.
+//! GPUs): a bearer token of at least [`MIN_TOKEN_BYTES`] with at least
+//! [`MIN_TOKEN_DISTINCT`] different bytes, compared in constant time. The
+//! right token is always served, whoever guessed before (see
+//! [`crate::door`]), so the check is an oracle at any rate: the token's
+//! length is what makes guessing hopeless. What the switch does is
+//! [`crate::watch::kill_switch`]'s.
 
 use std::path::{Path, PathBuf};
 
 use crate::door::Failure;
 
-/// The shortest admin token accepted at start: 16 bytes (`openssl rand
-/// -hex 16` makes 32). Shorter ones are refused, so the token cannot be a
-/// word a guesser tries first.
-pub const MIN_TOKEN_BYTES: usize = 16;
+/// The shortest admin token accepted at start: 32 bytes, what `openssl
+/// rand -hex 16` makes (128 bits). Shorter ones are refused: nothing
+/// throttles a guesser's rate (the right token must never be locked out),
+/// so only a token no search can reach is safe.
+pub const MIN_TOKEN_BYTES: usize = 32;
+/// The fewest different bytes a token may hold (a hex token of 32 digits
+/// has fewer than 8 with odds of about 4·10^-8): refuses `aaaa…` and short
+/// patterns repeated, which a guesser tries first.
+pub const MIN_TOKEN_DISTINCT: usize = 8;
 
 /// The admin bearer token; `None`: no admin call is accepted.
 #[derive(Clone, Default)]
@@ -33,10 +41,16 @@ pub enum AdminError {
     #[error("the admin token file {0} is empty")]
     EmptyToken(PathBuf),
     #[error(
-        "the admin token from {from} is {len} bytes; at least {MIN_TOKEN_BYTES} are required \
-         (make one with `openssl rand -hex 16`)"
+        "the admin token from {from} is {len} bytes; at least {MIN_TOKEN_BYTES} are required, \
+         since the right token is never throttled (make one with `openssl rand -hex 16`)"
     )]
     ShortToken { from: String, len: usize },
+    #[error(
+        "the admin token from {from} holds only {distinct} different characters; at least \
+         {MIN_TOKEN_DISTINCT} are required: a repeated pattern is guessed first (make one \
+         with `openssl rand -hex 16`)"
+    )]
+    PlainToken { from: String, distinct: usize },
 }
 
 impl AdminToken {
@@ -71,6 +85,10 @@ impl AdminToken {
                 from,
                 len: token.len(),
             });
+        }
+        let distinct = distinct_bytes(token.as_bytes());
+        if distinct < MIN_TOKEN_DISTINCT {
+            return Err(AdminError::PlainToken { from, distinct });
         }
         Ok(AdminToken(Some(token.into_bytes())))
     }
@@ -112,6 +130,15 @@ impl AdminToken {
     }
 }
 
+/// How many different byte values `token` holds.
+fn distinct_bytes(token: &[u8]) -> usize {
+    let mut seen = [false; 256];
+    for &b in token {
+        seen[usize::from(b)] = true;
+    }
+    seen.iter().filter(|s| **s).count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,12 +174,12 @@ mod tests {
     fn token_sources() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("token");
-        std::fs::write(&file, "  from-file-0123456789\n").unwrap();
-        let env = || Some("from-env-0123456789".to_string());
+        std::fs::write(&file, "  from-file-0123456789abcdef-01234\n").unwrap();
+        let env = || Some("from-env-0123456789abcdef-012345".to_string());
         let t = AdminToken::load(Some(&file), "--admin-token-file", env()).unwrap();
-        assert!(t.accepts(Some(b"Bearer from-file-0123456789")));
+        assert!(t.accepts(Some(b"Bearer from-file-0123456789abcdef-01234")));
         let t = AdminToken::load(None, "-", env()).unwrap();
-        assert!(t.accepts(Some(b"Bearer from-env-0123456789")));
+        assert!(t.accepts(Some(b"Bearer from-env-0123456789abcdef-012345")));
         assert!(!AdminToken::load(None, "-", Some("  ".into()))
             .unwrap()
             .is_set());
@@ -162,7 +189,7 @@ mod tests {
     }
 
     #[test]
-    fn short_tokens_are_refused_naming_where_they_came_from() {
+    fn short_or_plain_tokens_are_refused_naming_where_they_came_from() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("token");
         std::fs::write(&file, "x\n").unwrap();
@@ -170,15 +197,45 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("admin.token_file"), "{err}");
-        assert!(err.contains("is 1 bytes; at least 16"), "{err}");
-        let err = AdminToken::load(None, "-", Some("fifteen-bytes!!".into()))
+        assert!(err.contains("is 1 bytes; at least 32"), "{err}");
+        // 16 bytes were enough while a throttled client could not try the
+        // right token; now they are not.
+        let err = AdminToken::load(None, "-", Some("sixteen-bytes!!!".into()))
             .unwrap_err()
             .to_string();
         assert!(err.contains("SLUICE_ADMIN_TOKEN"), "{err}");
-        let ok = "sixteen-bytes!!!";
+        assert!(err.contains("is 16 bytes; at least 32"), "{err}");
+        for plain in ["a".repeat(40), "abcabcabcabcabcabcabcabcabcabcabc".into()] {
+            let err = AdminToken::load(None, "-", Some(plain.clone()))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("different characters; at least 8"), "{err}");
+            assert!(!err.contains(&plain), "never the token: {err}");
+        }
+        let ok = "0123456789abcdef0123456789abcdef";
         assert_eq!(ok.len(), MIN_TOKEN_BYTES);
         assert!(AdminToken::load(None, "-", Some(ok.into()))
             .unwrap()
             .is_set());
+    }
+
+    #[test]
+    fn hex_tokens_of_openssl_rand_pass_the_distinct_check() {
+        // 32 hex digits from a fixed generator, many times: none refused.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..10_000 {
+            let token: String = (0..32)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    char::from(b"0123456789abcdef"[(x >> 60) as usize])
+                })
+                .collect();
+            assert!(
+                distinct_bytes(token.as_bytes()) >= MIN_TOKEN_DISTINCT,
+                "{token}"
+            );
+        }
     }
 }
