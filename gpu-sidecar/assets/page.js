@@ -170,8 +170,11 @@ function renderGpus(h) {
   }
   if (!cards.length) cards.push(el("p", { class: "muted" }, "No GPU reading in the window."));
   const note = $("#gpu-note");
-  note.textContent = h.gpu_error ? "GPU source failing: " + h.gpu_error : "source: " + (h.gpu_source || "none");
-  note.className = h.gpu_error ? "bad" : "muted";
+  const bad = h.gpu_error || h.gpu_missing;
+  note.textContent = h.gpu_error ? "GPU source failing: " + h.gpu_error
+    : h.gpu_missing ? "No GPU source: " + h.gpu_missing + ". GPU rules see no data."
+    : "source: " + (h.gpu_source || "none");
+  note.className = bad ? "bad" : "muted";
   box.replaceChildren(...cards);
 }
 

@@ -69,39 +69,51 @@ pub struct Options {
     pub token: AdminToken,
 }
 
-/// Picks the GPU source. Missing NVML is said once, here.
-fn gpu_source(opts: &Options) -> (Option<Box<dyn GpuSource>>, Option<SimHandle>) {
-    let simulated = || {
-        let handle = SimHandle::default();
-        let src = SimulatedGpus::new(handle.clone(), opts.config.sources.simulated_file.clone());
-        (Some(Box::new(src) as Box<dyn GpuSource>), Some(handle))
-    };
+/// Picks the GPU source. Missing NVML is said once, here, at error level:
+/// the sidecar then runs on its other sources, and GPU rules see no data
+/// (their scopes go stale and follow `on_stale`). Made-up readings come
+/// only when asked for (`--simulate`, `sources.gpu: simulated`): a sidecar
+/// that quietly fell back to them would keep every GPU scope fresh and
+/// healthy on a host whose driver is gone. Why it is missing goes into
+/// `telemetry` for `/metrics` and the operator page.
+fn gpu_source(
+    opts: &Options,
+    telemetry: &Telemetry,
+) -> (Option<Box<dyn GpuSource>>, Option<SimHandle>) {
     let mode = if opts.simulate {
         GpuMode::Simulated
     } else {
         opts.config.sources.gpu
     };
-    // With DCGM exporters, `auto` never falls back to made-up readings:
-    // they would keep a DCGM-fed scope fresh while its exporter is down.
-    let mode = if mode == GpuMode::Auto && !opts.config.sources.dcgm.is_empty() {
-        GpuMode::Nvml
-    } else {
-        mode
-    };
     match mode {
-        GpuMode::Simulated => simulated(),
+        GpuMode::Simulated => {
+            let handle = SimHandle::default();
+            let file = opts.config.sources.simulated_file.clone();
+            let src = SimulatedGpus::new(handle.clone(), file);
+            (Some(Box::new(src)), Some(handle))
+        }
         GpuMode::None => (None, None),
         GpuMode::Auto | GpuMode::Nvml => match NvmlSource::open() {
             Ok(src) => (Some(Box::new(src)), None),
+            // With DCGM exporters and `auto`, the GPUs are on other nodes:
+            // no local NVML is what was expected.
+            Err(e) if mode == GpuMode::Auto && !opts.config.sources.dcgm.is_empty() => {
+                let why = NvmlSource::why_missing(&e);
+                eprintln!("sluice-sidecar: {why}: GPU readings come from the DCGM exporters");
+                (None, None)
+            }
             Err(e) => {
                 let why = NvmlSource::why_missing(&e);
-                if mode == GpuMode::Auto {
-                    eprintln!("sluice-sidecar: {why}: using the simulated GPU source");
-                    simulated()
-                } else {
-                    eprintln!("sluice-sidecar: {why}: running on the other sources");
-                    (None, None)
-                }
+                eprintln!(
+                    "sluice-sidecar: error: {why}: no GPU readings; running on the other \
+                     sources (GPU rules see no data and their scopes go stale). Give \
+                     --simulate (or sources.gpu: simulated) for the simulated GPU, or \
+                     sources.gpu: none to run without GPUs on purpose"
+                );
+                let mut snap = telemetry.snapshot();
+                snap.gpu_missing = Some(why);
+                telemetry.replace(snap);
+                (None, None)
             }
         },
     }
@@ -302,7 +314,7 @@ pub async fn serve(
     history.set_rules(&plans);
     let alerts = Alerts::start(config.alerts.clone(), telemetry.clone());
 
-    let (gpu, sim) = gpu_source(&opts);
+    let (gpu, sim) = gpu_source(&opts, &telemetry);
     let outputs = Outputs {
         store: store.clone(),
         telemetry: telemetry.clone(),
@@ -353,6 +365,7 @@ pub async fn serve(
         history,
         failures: Arc::new(door::FailureGate::default()),
         cache: cache.clone(),
+        fleet: fleet.clone(),
     });
     app = with_cache(app, cache, config, fleet.as_ref(), &opts.token, &store)?;
     if let Some(f) = fleet {

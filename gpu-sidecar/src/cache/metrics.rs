@@ -32,6 +32,8 @@ pub struct Stats {
     lookup_micros: AtomicU64,
     pub embedding_calls: AtomicU64,
     pub embedding_failures: AtomicU64,
+    /// Embeddings not asked for: the endpoint was out ([`super::backoff`]).
+    pub embedding_skipped: AtomicU64,
     /// Redis calls that failed (each a miss or an unstored answer).
     pub unavailable: AtomicU64,
     /// Entries and bytes, as of the last store, purge or sync.
@@ -102,13 +104,21 @@ impl Stats {
         self.embedding_calls.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn embedding_failed(&self, why: &str) {
+    /// A failed embedding. `refused`: the endpoint refused this text (its
+    /// reason), logged at the first and then every power of two, so an
+    /// operator learns of it and a flood cannot fill the log; an outage
+    /// (none) is logged by the backoff, once per run.
+    pub fn embedding_failed(&self, refused: Option<&str>) {
         let n = self.embedding_failures.fetch_add(1, Ordering::Relaxed) + 1;
-        // The first and then every power of two: an operator learns of it,
-        // a flood cannot fill the log.
-        if n.is_power_of_two() {
-            eprintln!("sluice-sidecar: cache: embedding failed ({why}): a miss; {n} so far");
+        if let Some(why) = refused.filter(|_| n.is_power_of_two()) {
+            eprintln!(
+                "sluice-sidecar: cache: embedding refused ({why}): a miss; {n} failures so far"
+            );
         }
+    }
+
+    pub fn embedding_skipped(&self) {
+        self.embedding_skipped.fetch_add(1, Ordering::Relaxed);
     }
 
     /// (model, kind, result, count), for `/metrics`.

@@ -19,6 +19,7 @@
 //!   whoever cannot compute them can neither read nor plant an answer for
 //!   a given caller's question.
 
+pub mod backoff;
 pub mod entry;
 pub mod memory;
 pub mod metrics;
@@ -38,7 +39,7 @@ pub use self::entry::{Limits, Stored};
 use self::memory::{MemoryStore, Removed};
 use self::metrics::Stats;
 use self::recent::Recent;
-use self::semantic::{Embedder, Index};
+use self::semantic::{EmbedError, Embedder, Index};
 pub use crate::config::cache::{Backend, CacheConfig, EmbeddingsConfig};
 
 fn limits(c: &CacheConfig) -> Limits {
@@ -97,6 +98,8 @@ pub struct Cache {
     store: Store,
     index: Mutex<Index>,
     embedder: Option<Embedder>,
+    /// Pauses semantic lookups while the embeddings endpoint is out.
+    backoff: backoff::Backoff,
     /// Recently embedded texts (by SHA-256), so the store after a miss
     /// does not embed the same question again.
     recent: Mutex<Recent>,
@@ -130,6 +133,7 @@ impl Cache {
         Ok(Arc::new(Cache {
             index: Mutex::new(Index::new(vectors)),
             embedder,
+            backoff: backoff::Backoff::default(),
             recent: Mutex::new(Recent::default()),
             stores: std::sync::atomic::AtomicU64::new(0),
             store,
@@ -191,17 +195,29 @@ impl Cache {
         if let Some(v) = lock(&self.recent).get(text) {
             return Some(v);
         }
+        let Some(call) = self.backoff.call(Instant::now(), e.timeout()) else {
+            self.stats.embedding_skipped();
+            return None;
+        };
         self.stats.embedding_call();
-        match e.embed(text).await {
+        let (line, v) = match e.embed(text).await {
             Ok(v) => {
                 lock(&self.recent).put(text, v.clone());
-                Some(v)
+                (call.answered(), Some(v))
             }
-            Err(why) => {
-                self.stats.embedding_failed(&why);
-                None
+            Err(EmbedError::Out(why)) => {
+                self.stats.embedding_failed(None);
+                (call.out(&why, Instant::now()), None)
             }
+            Err(EmbedError::Refused(why)) => {
+                self.stats.embedding_failed(Some(&why));
+                (call.answered(), None)
+            }
+        };
+        if let Some(line) = line {
+            eprintln!("{line}");
         }
+        v
     }
 
     fn hit(&self, kind: Kind, s: Stored, similarity: Option<f32>, now_ms: u64) -> LookupAnswer {
@@ -503,6 +519,7 @@ impl Cache {
             "saved_tokens": tokens,
             "saved_spend_micros": spend,
             "embedding_failures": self.stats.embedding_failures.load(Relaxed),
+            "embedding_skipped": self.stats.embedding_skipped.load(Relaxed),
         })
     }
 

@@ -426,11 +426,19 @@ impl Embedder {
         })
     }
 
+    /// How long one call may take.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The normalised embedding of `text`; any failure is an error (the
-    /// caller counts it and treats it as a miss).
-    pub async fn embed(&self, text: &str) -> Result<Vec<f32>, String> {
+    /// caller counts it and treats it as a miss), told apart by whether the
+    /// endpoint is out or only refused this text (see [`super::backoff`]).
+    pub async fn embed(&self, text: &str) -> Result<Vec<f32>, EmbedError> {
         if !embeddable(text) {
-            return Err(format!("text over {MAX_TEXT_BYTES} bytes"));
+            return Err(EmbedError::Refused(format!(
+                "text over {MAX_TEXT_BYTES} bytes"
+            )));
         }
         let body = serde_json::json!({"model": self.model, "input": text});
         let auth = self.key.as_ref().map(|k| format!("Bearer {k}"));
@@ -446,20 +454,38 @@ impl Embedder {
             self.timeout,
         )
         .await
-        .map_err(|e| e.to_string())?;
-        if status != 200 {
-            return Err(format!("status {status}"));
+        .map_err(|e| EmbedError::Out(e.to_string()))?;
+        match status {
+            200 => {}
+            // A 4xx other than these is about this text, not the endpoint.
+            400..=499 if status != 408 && status != 429 => {
+                return Err(EmbedError::Refused(format!("status {status}")))
+            }
+            _ => return Err(EmbedError::Out(format!("status {status}"))),
         }
-        let a: EmbeddingsAnswer =
-            serde_json::from_slice(&bytes).map_err(|e| format!("not an embeddings answer: {e}"))?;
+        let a: EmbeddingsAnswer = serde_json::from_slice(&bytes)
+            .map_err(|e| EmbedError::Out(format!("not an embeddings answer: {e}")))?;
         let v = a
             .data
             .into_iter()
             .next()
-            .ok_or("no embedding in the answer")?
+            .ok_or_else(|| EmbedError::Out("no embedding in the answer".into()))?
             .embedding;
-        normalise(v).ok_or_else(|| "a zero or non-finite embedding".to_string())
+        normalise(v).ok_or_else(|| EmbedError::Refused("a zero or non-finite embedding".into()))
     }
+}
+
+/// Why an embedding failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EmbedError {
+    /// The endpoint is out: unreachable, timed out, a 5xx, 408 or 429, an
+    /// answer that is not an embedding. Semantic lookups back off.
+    #[error("{0}")]
+    Out(String),
+    /// The endpoint refused this text (another 4xx, a zero vector): no
+    /// outage, nothing backs off.
+    #[error("{0}")]
+    Refused(String),
 }
 
 #[cfg(test)]
@@ -647,6 +673,6 @@ mod tests {
             api_key_env: None,
         })
         .unwrap();
-        assert!(down.embed("x").await.is_err());
+        assert!(matches!(down.embed("x").await, Err(EmbedError::Out(_))));
     }
 }

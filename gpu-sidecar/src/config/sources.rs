@@ -13,10 +13,13 @@ use super::field::{duration, invalid, ConfigError};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GpuMode {
-    /// NVML; when it is missing, say so once and use the simulated source.
+    /// NVML; when it is missing, say so once (an error) and run on the
+    /// other sources, without GPU readings. Never the simulated source:
+    /// that takes `simulated` or `--simulate`. (Once, `auto` fell back to
+    /// it: a host whose driver was gone looked healthy.)
     #[default]
     Auto,
-    /// NVML only; when missing, say so once and run without GPU signals.
+    /// The same as `auto`.
     Nvml,
     /// The simulated source (settable by `POST /v1/simulate` or a file).
     Simulated,

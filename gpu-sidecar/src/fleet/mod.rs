@@ -42,6 +42,7 @@
 //! Envoy through the long poll); [`sync_breakers`] publishes this sidecar's
 //! open breakers and serves every other live sidecar's.
 
+pub mod link;
 pub mod routes;
 pub mod slots;
 pub mod sync;
@@ -478,12 +479,12 @@ pub struct FleetStats {
     pub takes_late: AtomicU64,
     pub gives: AtomicU64,
     pub gives_repeated: AtomicU64,
-    pub errors: AtomicU64,
     /// Calls refused: no or a wrong secret, an `Origin`, not JSON.
     pub refused_calls: AtomicU64,
     /// Times this sidecar found Redis without the epoch it knew.
     pub data_lost: AtomicU64,
-    pub up: AtomicBool,
+    /// The connection: up, failed calls, and the lines they log.
+    pub link: link::Link,
     /// A live sidecar publishes another fingerprint.
     pub mismatch: AtomicBool,
 }
@@ -616,7 +617,7 @@ impl Fleet {
     }
 
     /// The connection, made now if there is none (bounded by `timeout`).
-    async fn connection(&self) -> Result<ConnectionManager, FleetError> {
+    async fn connection(&self) -> Result<ConnectionManager, String> {
         let mut slot = self.conn.lock().await;
         if let Some(c) = slot.as_ref() {
             return Ok(c.clone());
@@ -630,25 +631,25 @@ impl Fleet {
             self.client.get_connection_manager_with_config(cfg),
         )
         .await
-        .map_err(|_| FleetError::Unavailable("connect timed out".into()))?
-        .map_err(|e| FleetError::Unavailable(e.to_string()))?;
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
         *slot = Some(made.clone());
         Ok(made)
     }
 
+    /// A failed Redis call: counted, and logged when it starts a run of
+    /// failures ([`link`]).
     fn failed(&self, e: impl std::fmt::Display) -> FleetError {
-        self.stats.errors.fetch_add(1, Ordering::Relaxed);
-        if self.stats.up.swap(false, Ordering::Relaxed) {
-            eprintln!(
-                "sluice-sidecar: fleet: Redis unavailable ({e}); answering 503 fleet_unavailable"
-            );
+        let reason = e.to_string();
+        if let Some(line) = self.stats.link.failed(&self.config.redis, &reason) {
+            eprintln!("{line}");
         }
-        FleetError::Unavailable(e.to_string())
+        FleetError::Unavailable(reason)
     }
 
     fn ok(&self) {
-        if !self.stats.up.swap(true, Ordering::Relaxed) {
-            eprintln!("sluice-sidecar: fleet: Redis reachable");
+        if let Some(line) = self.stats.link.ok(&self.config.redis) {
+            eprintln!("{line}");
         }
     }
 
@@ -1009,6 +1010,7 @@ impl Fleet {
         .await
         .map_err(|_| self.failed("timed out"))?
         .map_err(|e| self.failed(e))?;
+        self.ok();
         if now.as_deref() != Some(known.value.as_str()) {
             self.epoch(Some(&known)).await?;
         }
@@ -1032,6 +1034,7 @@ impl Fleet {
                 .await
                 .map_err(|_| self.failed("timed out"))?
                 .map_err(|e| self.failed(e))?;
+        self.ok();
         let mut agree = true;
         let mut gone = Vec::new();
         for (other, raw) in all {
@@ -1091,6 +1094,7 @@ impl Fleet {
                 .await
                 .map_err(|_| self.failed("timed out"))?
                 .map_err(|e| self.failed(e))?;
+        self.ok();
         Ok(all)
     }
 
@@ -1123,6 +1127,7 @@ impl Fleet {
         .await
         .map_err(|_| self.failed("timed out"))?
         .map_err(|e| self.failed(e))?;
+        self.ok();
         Ok(())
     }
 }
@@ -1910,12 +1915,27 @@ pub(crate) mod redis_tests {
             .take(&req("tls-1", now_ms() + 60_000, vec![rate()]))
             .await;
         assert!(got.as_ref().is_ok_and(|a| a.ok), "{got:?}");
-        // Without the password, or without trusting the CA: no Redis.
-        for c in [config(false, true), config(true, false)] {
-            let got = fleet(c)
-                .take(&req("tls-2", now_ms() + 60_000, vec![rate()]))
-                .await;
-            assert!(matches!(got, Err(FleetError::Unavailable(_))), "{got:?}");
+        // Without the password, without trusting the CA, or in plain text
+        // to the TLS port: no Redis, and the reason says which.
+        let plain = FleetConfig {
+            redis: format!("redis://localhost:{port}"),
+            ..config(true, false)
+        };
+        for (c, says) in [
+            (config(false, true), "wants a password"),
+            (config(true, false), "not signed by fleet.tls_ca_file"),
+            (plain, "plain text (`redis://`) to a TLS port"),
+        ] {
+            let f = fleet(c);
+            let got = f.take(&req("tls-2", now_ms() + 60_000, vec![rate()])).await;
+            let Err(FleetError::Unavailable(why)) = &got else {
+                panic!("{got:?}");
+            };
+            let hint = link::hint(why).unwrap_or_default();
+            assert!(hint.contains(says), "{why}: {hint}");
+            assert!(!why.contains("tls-test-password"), "{why}");
+            assert_eq!(f.stats.link.errors(), 1);
+            assert!(!f.stats.link.up());
         }
     }
 

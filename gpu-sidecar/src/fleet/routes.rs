@@ -201,13 +201,13 @@ async fn stats(
     reply(
         axum::http::StatusCode::OK,
         serde_json::json!({
-            "redis_up": s.up.load(Ordering::Relaxed),
+            "redis_up": s.link.up(),
             "takes": n(&s.takes),
             "takes_refused": n(&s.takes_refused),
             "takes_late": n(&s.takes_late),
             "gives": n(&s.gives),
             "gives_repeated": n(&s.gives_repeated),
-            "errors": n(&s.errors),
+            "errors": s.link.errors(),
             "refused_calls": n(&s.refused_calls),
             "data_lost": n(&s.data_lost),
             "data_lost_at_ms": lost_at,

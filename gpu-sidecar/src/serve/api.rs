@@ -200,6 +200,9 @@ async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
     if let Some(cache) = &api.cache {
         text.push_str(&crate::serve::metrics::render_cache(cache));
     }
+    if let Some(fleet) = &api.fleet {
+        text.push_str(&crate::serve::metrics::render_fleet(fleet));
+    }
     (
         [
             (CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8"),
@@ -463,6 +466,7 @@ mod tests {
             history: Arc::new(History::default()),
             failures: Arc::new(FailureGate::default()),
             cache: None,
+            fleet: None,
         }
     }
 

@@ -87,6 +87,12 @@ fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
             &s.embedding_failures,
         ),
         (
+            "sluice_sidecar_cache_embedding_skipped_total",
+            "Embeddings not asked for while the endpoint backs off after an outage \
+             (each a semantic miss at once).",
+            &s.embedding_skipped,
+        ),
+        (
             "sluice_sidecar_cache_unavailable_total",
             "Redis calls of the cache that failed (each a miss or an unstored answer).",
             &s.unavailable,
@@ -107,6 +113,34 @@ fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
     out.sample(&bucket, &[("le", "+Inf")], count as f64);
     out.sample(&format!("{h}_sum"), &[], micros as f64 / 1e6);
     out.sample(&format!("{h}_count"), &[], count as f64);
+}
+
+/// The fleet agent's Redis connection ([`crate::fleet::link`]).
+pub fn render_fleet(fleet: &crate::fleet::Fleet) -> String {
+    let mut out = Exposition::default();
+    let link = &fleet.stats.link;
+    out.family(
+        "sluice_sidecar_redis_up",
+        "gauge",
+        "1 when the last Redis call of the fleet agent succeeded (0 before the first).",
+    );
+    out.sample(
+        "sluice_sidecar_redis_up",
+        &[],
+        f64::from(u8::from(link.up())),
+    );
+    out.family(
+        "sluice_sidecar_redis_errors_total",
+        "counter",
+        "Redis calls of the fleet agent and the cache tier that failed: connect, TLS, \
+         authentication, timeout or a refused command (the first of each outage is logged).",
+    );
+    out.sample(
+        "sluice_sidecar_redis_errors_total",
+        &[],
+        link.errors() as f64,
+    );
+    out.text
 }
 
 /// Refusals of the cache endpoints' door (`serve::cache`).
@@ -159,6 +193,17 @@ fn gpus(out: &mut Exposition, snap: &Snapshot) {
         "sluice_sidecar_nvml_available",
         &[],
         f64::from(u8::from(snap.nvml_available)),
+    );
+    out.family(
+        "sluice_sidecar_gpu_source_missing",
+        "gauge",
+        "1 when the GPU source asked for (NVML: sources.gpu auto or nvml) could not be \
+         opened: no GPU readings, GPU rules see no data.",
+    );
+    out.sample(
+        "sluice_sidecar_gpu_source_missing",
+        &[],
+        f64::from(u8::from(snap.gpu_missing.is_some())),
     );
 
     let gpu_families: [(&str, &str, GpuField); 5] = [

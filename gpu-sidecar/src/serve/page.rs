@@ -93,6 +93,7 @@ pub async fn history(State(api): State<Arc<Api>>) -> Response {
     if let Some(o) = body.as_object_mut() {
         o.insert("gpu_source".into(), json!(snap.gpu_source));
         o.insert("gpu_error".into(), json!(snap.gpu_error));
+        o.insert("gpu_missing".into(), json!(snap.gpu_missing));
         o.insert("backends".into(), json!(backends));
         // The response cache's panel: hit rate, entries, bytes, savings.
         let cache = api.cache.as_ref().map(|c| c.summary());

@@ -19,6 +19,9 @@ pub struct Snapshot {
     /// The last good GPU read (empty when the last read failed).
     pub gpus: Vec<GpuReading>,
     pub gpu_error: Option<String>,
+    /// Why the GPU source asked for (NVML: `sources.gpu` `auto` or `nvml`)
+    /// could not be opened; none when it runs or none was asked for.
+    pub gpu_missing: Option<String>,
     pub backends: Vec<BackendStatus>,
     /// Every scope, closed ones too.
     pub breakers: Vec<View>,
