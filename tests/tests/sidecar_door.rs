@@ -430,16 +430,22 @@ fn a_guessing_co_tenant_cannot_hold_the_kill_switch_shut() {
     };
     // The guesser keeps going, in its own thread, while the operator acts.
     let stop = std::sync::atomic::AtomicBool::new(false);
+    let sent = std::sync::atomic::AtomicUsize::new(0);
     let (answers, took) = std::thread::scope(|s| {
         let guesser = s.spawn(|| {
             let mut answers = Vec::new();
             let mut i = 100;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 answers.push(guess(i));
+                sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 i += 1;
             }
             answers
         });
+        // The operator acts once the guesser is well under way.
+        assert!(wait_for(Duration::from_secs(20), || sent
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 20));
         let took: Vec<Duration> = [true, false, true].into_iter().map(operator).collect();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         (guesser.join().expect("guesser"), took)

@@ -7,14 +7,16 @@
 //! level, in `/metrics` and on the operator page, and fakes no GPU.
 
 use std::fs;
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use sluice_filter::policy::keys::sha256_hex;
 use sluice_tests::fleet::{policy, salted, Redis};
-use sluice_tests::{get, post_json, prometheus_value, wait_for, Sidecar};
+use sluice_tests::{
+    get, post_json, prometheus_value, shipped_config_for, wait_for, Envoy, MockLlm, Sidecar,
+};
 
 fn metric(sc: &Sidecar, name: &str, labels: &[(&str, &str)]) -> f64 {
     prometheus_value(&get(&sc.url("/metrics"), &[]).body, name, labels).unwrap_or(0.0)
@@ -164,22 +166,28 @@ fn tls_to_a_plain_redis_port_is_named() {
     );
 }
 
-/// An embeddings endpoint that accepts connections and never answers
-/// (hung): the first semantic lookup waits the timeout, then lookups miss
-/// at once while it stays out (one probe per pause); logged once, skips
-/// counted. Before, every miss waited the whole timeout.
-#[test]
-fn a_hung_embeddings_endpoint_costs_one_timeout_not_every_miss() {
+/// A listener that accepts connections and holds them, never reading or
+/// answering (a hung endpoint); the connections it took.
+fn hung_endpoint() -> (SocketAddr, Arc<Mutex<Vec<TcpStream>>>) {
     let hung = TcpListener::bind("127.0.0.1:0").expect("listener");
     let addr = hung.local_addr().expect("addr");
     let held = Arc::new(Mutex::new(Vec::new()));
     let keep = held.clone();
     std::thread::spawn(move || {
         for conn in hung.incoming().flatten() {
-            // Held open, never read nor answered.
             keep.lock().expect("lock").push(conn);
         }
     });
+    (addr, held)
+}
+
+/// An embeddings endpoint that accepts connections and never answers
+/// (hung): the first semantic lookup waits the timeout, then lookups miss
+/// at once while it stays out (one probe per pause); logged once, skips
+/// counted. Before, every miss waited the whole timeout.
+#[test]
+fn a_hung_embeddings_endpoint_costs_one_timeout_not_every_miss() {
+    let (addr, held) = hung_endpoint();
     let dir = tempfile::tempdir().expect("temp dir");
     let config = dir.path().join("sidecar.yaml");
     let timeout = Duration::from_secs(3);
@@ -230,6 +238,78 @@ fn a_hung_embeddings_endpoint_costs_one_timeout_not_every_miss() {
          (slowest {:?}), {calls} call(s) reached it, {skipped} skipped",
         took.iter().sum::<Duration>(),
         took.iter().max()
+    );
+}
+
+/// The same through Envoy, where the filter waits `lookup_timeout` (100 ms)
+/// and drops the lookup while the sidecar still waits for the endpoint:
+/// the abandoned call counts as the endpoint out, so the next lookups and
+/// stores skip it instead of each holding a call to the hung endpoint (and
+/// the request its 100 ms). Every request is served by the upstream.
+#[test]
+fn through_envoy_an_abandoned_embedding_pauses_the_hung_endpoint() {
+    let (addr, held) = hung_endpoint();
+    let upstream = MockLlm::start("primary");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("sidecar.yaml");
+    fs::write(
+        &config,
+        format!(
+            "cache:\n  backend: memory\n  embeddings: {{url: \"http://{addr}/v1/embeddings\", \
+             model: e, timeout: 30s}}\n"
+        ),
+    )
+    .expect("config");
+    let sc = Sidecar::start_with_args(&["--simulate", "--config", &config.display().to_string()]);
+    let mut cfg = shipped_config_for(&upstream);
+    cfg.policy_mut()["cache"] = serde_yaml::to_value(json!({
+        "salt": "sidecar-faults-cache-salt-0123456789",
+        "in_envoy": {"slots": 0},
+        "models": {"mistral:7b": {"exact": true, "semantic": true}},
+    }))
+    .expect("YAML");
+    cfg.set_cluster_addr("sluice_sidecar", sc.addr());
+    let envoy = Envoy::start(&cfg, 1);
+    let started = Instant::now();
+    let n = 10;
+    for i in 0..n {
+        let body = json!({"model": "mistral:7b", "max_tokens": 8, "messages": [
+            {"role": "user", "content": format!("How do I enable 2FA, take {i}?")}]});
+        let r = post_json(
+            &envoy.url("/v1/chat/completions"),
+            &[("x-api-key", "demo-pro-key")],
+            &body,
+        );
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    let took = started.elapsed();
+    assert!(
+        wait_for(Duration::from_secs(10), || sc
+            .log()
+            .contains("the lookup was abandoned before it answered")),
+        "{}",
+        sc.log()
+    );
+    let calls = held.lock().expect("lock").len();
+    // One call per pause at most (1 s, 2 s, 4 s …) while the requests ran,
+    // against two per request (lookup and store) before.
+    let pauses = 2 + usize::try_from(took.as_secs()).unwrap_or(usize::MAX);
+    assert!(
+        calls <= pauses.min(n),
+        "{calls} calls reached the hung endpoint in {took:?}\n{}",
+        sc.log()
+    );
+    let skipped = metric(&sc, "sluice_sidecar_cache_embedding_skipped_total", &[]);
+    assert!(skipped >= 1.0, "skipped {skipped}");
+    assert_eq!(
+        sc.log().matches("the embeddings endpoint is out").count(),
+        1,
+        "{}",
+        sc.log()
+    );
+    println!(
+        "through Envoy: {n} requests in {took:?}; {calls} call(s) reached the hung endpoint, \
+         {skipped} embeddings skipped"
     );
 }
 
