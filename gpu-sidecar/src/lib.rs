@@ -390,3 +390,43 @@ pub async fn serve(
     let _ = tokio::time::timeout(Duration::from_secs(5), monitor_task).await;
     served
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(yaml: &str, simulate: bool) -> Options {
+        Options {
+            config: Config::from_yaml(yaml).unwrap(),
+            simulate,
+            token: AdminToken::default(),
+        }
+    }
+
+    #[test]
+    fn the_simulated_gpu_runs_only_when_asked_for() {
+        let t = Telemetry::default();
+        let (gpu, sim) = gpu_source(&opts("{}", true), &t);
+        assert_eq!(gpu.map(|g| g.kind()), Some("simulated"));
+        assert!(sim.is_some());
+        let (gpu, sim) = gpu_source(&opts("sources: {gpu: simulated}\n", false), &t);
+        assert_eq!(gpu.map(|g| g.kind()), Some("simulated"));
+        assert!(sim.is_some());
+        let (gpu, sim) = gpu_source(&opts("sources: {gpu: none}\n", false), &t);
+        assert!(gpu.is_none() && sim.is_none());
+        assert_eq!(t.snapshot().gpu_missing, None, "none was asked for");
+        for mode in ["auto", "nvml"] {
+            let t = Telemetry::default();
+            let (gpu, sim) = gpu_source(&opts(&format!("sources: {{gpu: {mode}}}\n"), false), &t);
+            assert!(sim.is_none(), "{mode}: never the simulated GPU");
+            match gpu {
+                // A host with the driver.
+                Some(g) => assert_eq!(g.kind(), "nvml"),
+                None => {
+                    let why = t.snapshot().gpu_missing.unwrap_or_default();
+                    assert!(why.starts_with("no NVML"), "{mode}: {why}");
+                }
+            }
+        }
+    }
+}
