@@ -311,7 +311,7 @@ breaker: {{stale_after: 2s, half_open_for: 400ms}}
 async fn kill_switch_needs_the_token_and_survives_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let state_file = dir.path().join("state.json");
-    let token_file = write(dir.path(), "token", "s3cret-s3cret-s3cret\n");
+    let token_file = write(dir.path(), "token", "s3cret-s3cret-s3cret-0123456789ab\n");
     let args = [
         "--simulate",
         "--state-file",
@@ -325,7 +325,7 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
         None,
         Some("Bearer wrong"),
         Some("Bearer s3cret-s3cret-s3cre"),
-        Some("s3cret-s3cret-s3cret"),
+        Some("s3cret-s3cret-s3cret-0123456789ab"),
     ] {
         let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", *a)).collect();
         let (status, body) = sc
@@ -338,7 +338,7 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
     assert_eq!(sc.json("/v1/state").await["kill_switch"]["active"], false);
     assert!(!state_file.exists());
 
-    let auth = [("authorization", "Bearer s3cret-s3cret-s3cret")];
+    let auth = [("authorization", "Bearer s3cret-s3cret-s3cret-0123456789ab")];
     let (status, body) = sc
         .call(Method::POST, "/v1/kill-switch", &auth, Some(on.clone()))
         .await;
@@ -359,7 +359,7 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
     let sc = Sidecar::start(
         dir.path(),
         &args,
-        &[("SLUICE_ADMIN_TOKEN", "env-token-0123456789")],
+        &[("SLUICE_ADMIN_TOKEN", "env-token-0123456789abcdef-0123456")],
     );
     let after = sc.json("/v1/state").await;
     assert_eq!(after["kill_switch"], before["kill_switch"]);
@@ -378,7 +378,7 @@ async fn kill_switch_needs_the_token_and_survives_a_restart() {
         )
         .await;
     assert_eq!(status, 401, "the old token is gone");
-    let env_auth = [("authorization", "Bearer env-token-0123456789")];
+    let env_auth = [("authorization", "Bearer env-token-0123456789abcdef-0123456")];
     let (status, _) = sc
         .call(
             Method::POST,
@@ -410,9 +410,9 @@ breaker: {stale_after: 1s}
     let sc = Sidecar::start(
         dir.path(),
         &["--config", config.to_str().unwrap()],
-        &[("SLUICE_ADMIN_TOKEN", "sim-token-0123456789")],
+        &[("SLUICE_ADMIN_TOKEN", "sim-token-0123456789abcdef-0123456")],
     );
-    let auth = [("authorization", "Bearer sim-token-0123456789")];
+    let auth = [("authorization", "Bearer sim-token-0123456789abcdef-0123456")];
     let (status, body) = sc
         .call(
             Method::POST,
@@ -500,7 +500,7 @@ async fn serves_with_no_config_at_all() {
     assert_eq!(s["breakers"], json!([]));
     assert_eq!(s["kill_switch"]["active"], false);
     let metrics = sc.text("/metrics").await;
-    // Simulated here (no NVML); NVML on a GPU machine.
+    // `none` here (no NVML: no made-up GPU); `nvml` on a GPU machine.
     assert!(
         metrics.contains("sluice_sidecar_gpu_source_info{source="),
         "{metrics}"
@@ -524,11 +524,11 @@ async fn no_simulate_route_without_the_simulated_source() {
     let sc = Sidecar::start(
         dir.path(),
         &["--config", config.to_str().unwrap()],
-        &[("SLUICE_ADMIN_TOKEN", "t-0123456789abcdef")],
+        &[("SLUICE_ADMIN_TOKEN", "t-0123456789abcdef-0123456789abcd")],
     );
     for auth in [
         &[][..],
-        &[("authorization", "Bearer t-0123456789abcdef")][..],
+        &[("authorization", "Bearer t-0123456789abcdef-0123456789abcd")][..],
     ] {
         let (status, _) = sc
             .call(
