@@ -5,6 +5,9 @@
 //! in `/metrics`; a hung embeddings endpoint costs one timeout, then
 //! semantic lookups miss at once; a sidecar without NVML says so at error
 //! level, in `/metrics` and on the operator page, and fakes no GPU.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`), only behind
+//! the Envoy of the embeddings test; the faults are the sidecar's.
 
 use std::fs;
 use std::net::{SocketAddr, TcpListener, TcpStream};
