@@ -68,8 +68,9 @@ build: tools
 	@# too, whose file name carries no feature hash, so two invocations that
 	@# resolve its features differently (the example brings dev-dependencies)
 	@# overwrite each other's build and every `make build` recompiled both.
-	$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-filter --example path_loop
-	@ls -l $(WASM)
+	$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-filter --bins --example path_loop
+	@# A binary missing here fails the build (a target filter once left them out).
+	@ls -l $(WASM) target/release/sluice-sidecar target/release/mock-llm
 
 ## check-build: a second `make build` with nothing changed compiles nothing
 check-build: build
