@@ -117,7 +117,7 @@ pub struct RequestContext<'a> {
     pub now_ms: u64,
 }
 
-/// Where a request that passed identity and parsing goes (step 4).
+/// Where a request that passed identity and parsing goes (step 3, routing).
 #[derive(Debug)]
 pub enum Routed {
     Primary,
