@@ -191,6 +191,16 @@ bench: build
 	$(MAKE) --no-print-directory third-party
 	$(PYTHON) bench/loadgen.py $(if $(BENCH_SMOKE),--smoke,--install-aiperf)
 
+## soak: a long run with every feature on (cache, semantic cache, queue,
+## fleet with Redis, penalty box, streaming, policy reloads), sampling
+## Envoy's and the sidecar's memory; prints the table and a verdict (growth
+## per 100k requests, second half vs first) into target/bench/soak.md.
+## 25 minutes by default; SOAK_ARGS: more bench/soak.py flags (--duration,
+## --rate, --features to bisect). Not part of `make test`.
+.PHONY: soak
+soak: build redis
+	$(PYTHON) bench/soak.py $(SOAK_ARGS)
+
 ## lint: what CI-quality commits pass
 lint:
 	$(CARGO) fmt --all -- --check
