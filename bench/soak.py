@@ -9,20 +9,23 @@ grow with the requests it serves, or plateau?
 
 The stack is the shipped one (envoy/sluice.yaml, jwt_authn + sluice, two
 workers) with its policy plus what `make demo` and `make demo-fleet` add:
-the exact cache on llama3.1:8b and exact + semantic on mistral:7b (exact
-entries in Envoy, semantic ones in the sidecar, embeddings from mock-llm),
-a cache salt and secret, a fleet section (Redis on loopback, a fleet salt
-and secret), the queue (mistral:7b: 2 in flight, batch and standard callers
-wait), the penalty box and streaming. The listener comes from a file (LDS),
-so the policy can be reloaded in the middle, as operators do. The model
-rate limits are raised (llama3.1:8b 6,000/min, mistral:7b 3,000/min) so the
+the exact cache on llama3.1:8b and exact + semantic on mistral:7b
+(embeddings from mock-llm), a cache salt and secret, a fleet section
+(Redis on loopback, a fleet salt and secret; with it, cache entries live in
+Redis through the sidecar; `--features` without `fleet`: no fleet, exact
+entries in Envoy's shared data, the `cache.in_envoy` tier), the queue
+(mistral:7b: 2 in flight, batch and standard callers wait), the penalty box
+and streaming. The listener comes from a file (LDS), so the policy can be
+reloaded in the middle, as operators do (each reload closes the old
+listener's connections 2 s later: `--drain-time-s 2`). The model rate
+limits are raised (llama3.1:8b 6,000/min, mistral:7b 3,000/min) so the
 load reaches the upstream instead of being refused at the door; every
 other limit is the shipped one.
 
 The load (--rate requests a second, --workers at once, each request on a
 fresh connection): declared API keys of every tier (--keys of them),
-JWT subjects (a pool and ever-new ones; unknown subjects are anonymous),
-anonymous callers by client address (loopback source addresses
+JWT subjects (a pool and ever-new ones; a subject no key declares is
+anonymous), anonymous callers by client address (loopback source addresses
 127.x.y.z, ever-new ones and a pool), one flooding address at a time
 (rotated every minute: the penalty box blocks it), cache repeats and
 ever-new prompts, paraphrases for the semantic cache, queued requests with
@@ -30,15 +33,19 @@ deadlines (x-sluice-max-wait-ms) and clients that give up while queued,
 streaming (some read to the end, some dropped mid-stream), refusals (429s of
 every kind, 401 unknown keys, 400 hostile bodies, 404 unknown endpoints,
 413 oversize bodies) and, every --reload-every seconds, a policy reload.
---features picks parts of the mix (bisecting a growth).
+--features picks parts of the mix (bisecting a growth). --burst-every adds,
+off the steady mix, bursts of big bodies at once (what a peak costs and
+whether it comes back); --release-memory turns on tcmalloc's background
+release in Envoy's bootstrap.
 
 Every --sample seconds: Envoy's VmRSS (/proc/<pid>/status), the resident
 part of its wasm VMs' linear memories (/proc/<pid>/smaps, see
-`wasm_memories`), tcmalloc's allocated and heap bytes (admin
-/memory), the number of stats, live wasm VMs, draining listeners; the
-sidecar's and Redis' VmRSS. The verdict: Envoy RSS growth per 100,000
-requests (least squares over the samples) in the second half against the
-first.
+`wasm_memories`), tcmalloc's allocated and heap bytes (admin /memory), the
+number of stats; the sidecar's and Redis' VmRSS (samples.json in the work
+dir also has Redis' used_memory, live wasm VMs and draining listeners).
+The verdict: growth per 100,000 requests (least squares over the samples)
+in the second half against the first, of Envoy's RSS, its live heap and
+its wasm memories (see `report`).
 
 Standard library only; reuses bench/run.py's process helpers.
 """
@@ -70,7 +77,7 @@ ROOT = run.ROOT
 SIDECAR = ROOT / "target/release/sluice-sidecar"
 ISSUER = "sluice-demo"  # the shipped jwt_authn provider's issuer
 FEATURES = ("keys", "jwt", "anon", "flood", "cache", "semantic", "queue", "stream",
-            "refuse", "reload")
+            "refuse", "reload", "fleet")
 TIERS = ("free", "pro", "enterprise")
 WORDS = ("invoice webhook password export ledger quota token region cluster shard "
          "backup replica tenant billing audit session cookie schema index cursor").split()
@@ -139,9 +146,10 @@ def sluice_filter(cfg):
     return run._named(hcm["http_filters"], "sluice", "http filter")["typed_config"]["config"]
 
 
-def soak_policy(shipped, keys, secrets_):
-    """The shipped policy with the demo's cache, the fleet, many keys and the
-    model rate limits raised."""
+def soak_policy(shipped, keys, secrets_, fleet):
+    """The shipped policy with the demo's cache, the fleet (unless not
+    `fleet`: then the exact entries live in Envoy's shared data, the
+    `cache.in_envoy` tier), many keys and the model rate limits raised."""
     p = copy.deepcopy(run.shipped_policy(shipped))
     p["identity"]["api_key"]["keys"].update({k: t for k, t in keys})
     p["models"]["llama3.1:8b"]["requests"] = "6000/min"
@@ -149,6 +157,8 @@ def soak_policy(shipped, keys, secrets_):
     p["cache"] = {"salt": secrets_["cache_salt"], "secret_env": "SLUICE_CACHE_SECRET",
                   "models": {"llama3.1:8b": {"exact": True},
                              "mistral:7b": {"exact": True, "semantic": True}}}
+    if not fleet:
+        return p
     p["fleet"] = {"expected_replicas": 1, "lease": {"idle": "2s", "ttl": "30s"},
                   "on_unavailable": {"requests": "local_share", "budgets": "local_share"},
                   "salt": secrets_["fleet_salt"]}
@@ -164,12 +174,8 @@ def reloaded(policy, n):
     return p
 
 
-def free_port():
-    return run.free_port()
-
-
 class Stack:
-    def __init__(self, procs, workdir, keys, workers, release_memory=0):
+    def __init__(self, procs, workdir, keys, workers, release_memory=0, fleet=True):
         self.workdir = workdir
         self.release_memory = release_memory
         self.secrets = {k: secrets.token_hex(24) for k in
@@ -179,7 +185,7 @@ class Stack:
                    SLUICE_FLEET_SECRET=self.secrets["SLUICE_FLEET_SECRET"],
                    SLUICE_ADMIN_TOKEN="soak-admin-token")
         # Redis as demo-fleet runs it, without the append-only file.
-        self.redis_port = free_port()
+        self.redis_port = run.free_port()
         self.redis = procs.spawn("redis", [
             "redis-server", "--port", self.redis_port, "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", workdir], workdir / "redis.log")
@@ -188,12 +194,12 @@ class Stack:
         self.fallback = self.mock_llm(procs, "fallback")
         self.jwt = Jwt(workdir / "jwks.json")
         shipped = run.load_shipped()
-        self.policy = soak_policy(shipped, keys, self.secrets)
-        self.admin_port, self.port = free_port(), free_port()
+        self.policy = soak_policy(shipped, keys, self.secrets, fleet)
+        self.admin_port, self.port = run.free_port(), run.free_port()
         (workdir / "policy.json").write_text(json.dumps(self.policy))
         (workdir / "sidecar.yaml").write_text(
-            f"fleet:\n  redis: redis://127.0.0.1:{self.redis_port}\n"
-            f"  policy: {workdir / 'policy.json'}\n"
+            (f"fleet:\n  redis: redis://127.0.0.1:{self.redis_port}\n"
+             f"  policy: {workdir / 'policy.json'}\n" if fleet else "") +
             f"cache:\n  embeddings: {{url: \"http://127.0.0.1:{self.mock}/v1/embeddings\", "
             f"model: mock-embed, timeout: 2s}}\n  secret_env: SLUICE_CACHE_SECRET\n")
         self.sidecar = procs.spawn("sidecar", [
@@ -853,7 +859,8 @@ def main(argv):
     procs = run.Procs()
     samples = []
     try:
-        stack = Stack(procs, args.workdir, keys, args.concurrency, args.release_memory)
+        stack = Stack(procs, args.workdir, keys, args.concurrency, args.release_memory,
+                      "fleet" in args.features)
         load = Load(Mix(stack, args, keys), args)
         t0 = time.monotonic()
         samples.append(sample(stack, load, t0))
