@@ -554,8 +554,13 @@ def burst(stack, args, keys, rng):
     def one(i):
         model = {"both": ("llama3.1:8b", "mistral:7b")[i % 2], "direct": "llama3.1:8b",
                  "queued": "mistral:7b"}[args.burst_to]
-        body = json.dumps({"model": model, "max_tokens": 8, "messages": [
-            {"role": "user", "content": f"burst {i} {time.time()} {filler}"}]}).encode()
+        if args.burst_shape == "messages":  # the same bytes as many small messages
+            one = {"role": "user", "content": "hi"}
+            n = args.burst_bytes // len(json.dumps(one))
+            msgs = [{"role": "user", "content": f"burst {i} {time.time()}"}] + [one] * n
+        else:
+            msgs = [{"role": "user", "content": f"burst {i} {time.time()} {filler}"}]
+        body = json.dumps({"model": model, "max_tokens": 8, "messages": msgs}).encode()
         h = {"content-type": "application/json", "x-api-key": rng.choice(enterprise),
              "x-mock-latency-ms": "2000" if model == "llama3.1:8b" else "300"}
         out.append(request(stack.port, "POST", "/v1/chat/completions", body, h, None, 60)[0])
@@ -790,7 +795,8 @@ def report(args, samples, load, stack, started_utc):
                   for k, v in sorted(load.kinds.items())) + ".",
         "",
         *([f"Bursts: {args.bursts_sent} × "
-           f"{args.burst_size} requests at once with {args.burst_bytes:,}-byte bodies, every "
+           f"{args.burst_size} requests at once with {args.burst_bytes:,}-byte bodies "
+           f"({args.burst_shape}, to {args.burst_to}), every "
            f"{args.burst_every:g} s; statuses: " +
            ", ".join(f"{k or 'transport error'}: {v:,}"
                      for k, v in sorted(args.burst_statuses.items())) + ".", ""]
@@ -825,6 +831,8 @@ def parse_args(argv):
                     help="seconds between bursts of big bodies at once; 0: never (default)")
     ap.add_argument("--burst-size", type=int, default=40, help="requests in a burst")
     ap.add_argument("--burst-bytes", type=int, default=900_000, help="body bytes in a burst")
+    ap.add_argument("--burst-shape", choices=("text", "messages"), default="text",
+                    help="a burst body: one long message, or many small ones")
     ap.add_argument("--burst-to", choices=("both", "direct", "queued"), default="both",
                     help="a burst's model: llama3.1:8b (direct), mistral:7b (queued), or half each")
     ap.add_argument("--release-memory", type=int, default=0, metavar="BYTES",
