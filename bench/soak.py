@@ -581,7 +581,7 @@ def request(port, method, path, body, headers, source, timeout, drop=False):
     try:
         conn.request(method, path, body, headers)
         resp = conn.getresponse()
-        if drop:
+        if drop and resp.status < 400:
             resp.read(200)  # a client that leaves mid-stream
             return resp.status, "dropped"
         resp.read()
