@@ -877,7 +877,7 @@ def main(argv):
         next_sample, next_reload = t0 + args.sample, t0 + (args.reload_every or 1e12)
         # Half a period after the reloads (each closes the old listener's
         # connections 2 s later): a burst is not cut short by one.
-        next_burst = t0 + (args.burst_every or 1e12) + 30
+        next_burst = t0 + (args.burst_every or 1e12) + (args.reload_every or 60) / 2
         bursts = []
         burst_rng = random.Random(args.seed)
         while time.monotonic() < t0 + args.duration:
