@@ -453,3 +453,32 @@ fn a_queued_request_is_rewritten_at_dispatch() {
     assert!(last["body"]["max_tokens"].as_u64().is_some(), "{last}");
     // (A wrong content-length would have failed the upstream's parse.)
 }
+
+/// A waiting request keeps its parsed body in the worker's wasm memory,
+/// which never shrinks (the soak of issue 29 item 15: a burst of large
+/// queued bodies crashed a VM). One worker holds at most
+/// `request.max_waiting_body_bytes` of waiting bodies: here room for two
+/// of the volley's bodies, so of twelve at once one goes, two wait and
+/// the rest are refused `queue_full` before they take a place.
+#[test]
+fn a_worker_holds_only_its_bound_of_waiting_bodies() {
+    let body_len = serde_json::json!({"model": MODEL, "max_tokens": 5,
+                      "messages": [{"role": "user", "content": "hi"}]})
+    .to_string()
+    .len();
+    let mut policy = sluice_tests::queue::policy(1);
+    policy["request"] = serde_json::json!({"max_waiting_body_bytes": 2 * body_len + body_len / 2});
+    let s = sluice_tests::queue::stack_with_policy(1, policy, &[]);
+    let aims = (0..12)
+        .map(|i| Aim::new(&format!("u{i}"), "batch").latency_ms(1_500))
+        .collect();
+    let shots = volley(&s.envoy, aims);
+    let served = shots.iter().filter(|s| s.status == 200).count();
+    let full: Vec<_> = shots
+        .iter()
+        .filter(|s| s.reason.as_deref() == Some("queue_full"))
+        .collect();
+    assert_eq!((served, full.len()), (3, 9), "{shots:?}");
+    assert!(full.iter().all(|s| s.status == 429), "{shots:?}");
+    assert_eq!(s.upstream.stats()["requests_total"], 3);
+}

@@ -96,6 +96,9 @@ type StreamCall = (Weak<RefCell<Stream>>, u32);
 pub struct Vm {
     filters: RefCell<Vec<Weak<Filter>>>,
     waiters: Waiters,
+    /// Body bytes of this VM's waiting requests
+    /// (`request.max_waiting_body_bytes`; see `waiting::BodyHold`).
+    waiting_bytes: Rc<Cell<u64>>,
 }
 
 /// Queued and sleeping streams of one VM, by ticket.
@@ -1345,6 +1348,7 @@ impl Stream {
         let parked = waiting::Parked {
             asked,
             body_len: body.len(),
+            hold: None,
         };
         self.conclude(host, identity, parked, now)
     }
@@ -1358,7 +1362,7 @@ impl Stream {
         &mut self,
         host: &dyn Host,
         identity: Identity,
-        parked: waiting::Parked,
+        mut parked: waiting::Parked,
         now: u64,
     ) -> Action {
         let filter = self.filter.clone();
@@ -1402,6 +1406,11 @@ impl Stream {
             Routed::Probe => (false, true, false),
         };
         if gate {
+            // Its body must fit the VM's bound on waiting bodies, should it
+            // wait: else 429 `queue_full` before it takes a place.
+            if !self.hold_body(&mut parked.hold, parked.body_len) {
+                return self.refuse_waiting_body(host, &identity, model);
+            }
             // A slot, a place in the queue (budgets are reserved when its
             // turn comes), or a refusal; a request that waited already
             // waits at most what is left of its class's wait.
@@ -1426,9 +1435,12 @@ impl Stream {
         let mut verdict = engine.admit(host, &ctx);
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
             // A bucket frees up within the class's wait: the request
-            // gives its slot back and tries again then, instead of a 429.
-            self.phase = Phase::Parked(parked);
-            return self.sleep(host, now + retry_ms);
+            // gives its slot back and tries again then, instead of a 429
+            // (which it gets if the VM cannot hold its body meanwhile).
+            if self.hold_body(&mut parked.hold, parked.body_len) {
+                self.phase = Phase::Parked(parked);
+                return self.sleep(host, now + retry_ms);
+            }
         }
         if probe {
             // Claimed only now, by an admitted request: a refused one never

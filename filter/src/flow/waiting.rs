@@ -29,7 +29,7 @@
 //! Slots live in shared data only (one count per model), so nothing is
 //! counted twice.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::{Rc, Weak};
 
 use super::{count_contention, Filter, Phase, Request, Stream};
@@ -86,6 +86,35 @@ pub struct GateState {
 pub struct Parked {
     pub asked: Option<Asked>,
     pub body_len: usize,
+    /// Its body counted against the VM's `request.max_waiting_body_bytes`
+    /// while it waits (`None`: not waiting yet).
+    pub hold: Option<BodyHold>,
+}
+
+/// A waiting request's body bytes, counted in its VM's total until the
+/// request stops waiting (dispatched, refused, or gone: dropped).
+pub struct BodyHold {
+    total: Rc<Cell<u64>>,
+    bytes: u64,
+}
+
+impl BodyHold {
+    /// Counts `bytes` more in `total`, if that stays within `max`.
+    pub fn take(total: &Rc<Cell<u64>>, bytes: usize, max: u64) -> Option<BodyHold> {
+        let bytes = bytes as u64;
+        let now = total.get().checked_add(bytes).filter(|&n| n <= max)?;
+        total.set(now);
+        Some(BodyHold {
+            total: total.clone(),
+            bytes,
+        })
+    }
+}
+
+impl Drop for BodyHold {
+    fn drop(&mut self) {
+        self.total.set(self.total.get().saturating_sub(self.bytes));
+    }
 }
 
 pub enum Gated {
@@ -480,6 +509,32 @@ impl Stream {
         let changed = queue::pause(host, group, filter.tries(), model, until);
         filter.applied(host, backend, &changed);
         true
+    }
+
+    /// Counts a request's body against its VM's bound on waiting bodies
+    /// (once: a request that waited already holds its count). `false`:
+    /// the VM holds too many waiting bodies to keep this one too.
+    pub(super) fn hold_body(&self, hold: &mut Option<BodyHold>, body_len: usize) -> bool {
+        if hold.is_none() {
+            let max = self.filter.engine.policy.request.max_waiting_body_bytes;
+            *hold = BodyHold::take(&self.filter.vm.waiting_bytes, body_len, max);
+        }
+        hold.is_some()
+    }
+
+    /// 429 `queue_full`: the request would have to wait, and its VM
+    /// already holds `request.max_waiting_body_bytes` of waiting bodies.
+    pub(super) fn refuse_waiting_body(
+        &mut self,
+        host: &dyn Host,
+        identity: &Identity,
+        model: Option<&str>,
+    ) -> Action {
+        let message = "Too many large requests are waiting here: this one's body cannot be held \
+                       until its turn. Try again in 1 s.";
+        let refused = Refused::retry_later(Reason::QueueFull, message, 1);
+        let verdict = self.filter.engine.refuse(&refused, &identity.tier, model);
+        self.finish(host, verdict)
     }
 
     /// Out of the queue or asleep no more: what it kept for its next try

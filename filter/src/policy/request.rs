@@ -31,6 +31,15 @@ pub struct RequestConfig {
     /// reserved, so a hard budget can be overshot by it.
     #[serde(default)]
     pub allow_stored_context: bool,
+    /// The most body bytes one worker holds for requests that wait (in a
+    /// model's queue, or asleep until a bucket refills). A waiting request
+    /// keeps its parsed body, which can weigh 15 times the bytes sent, in
+    /// the worker's wasm memory, and that memory never shrinks: unbounded,
+    /// a burst of large queued bodies grew a worker past 800 MB and
+    /// crashed its VM. A request that must wait and whose body would go
+    /// past it is refused 429 `queue_full` instead.
+    #[serde(default = "default_max_waiting_body", deserialize_with = "de_size")]
+    pub max_waiting_body_bytes: u64,
 }
 
 impl Default for RequestConfig {
@@ -40,8 +49,16 @@ impl Default for RequestConfig {
             max_output: default_output_cap(),
             rate_limit_headers: RateLimitHeaders::default(),
             allow_stored_context: false,
+            max_waiting_body_bytes: default_max_waiting_body(),
         }
     }
+}
+
+/// 16 MiB: sixteen requests at the default body cap, a few hundred MB of
+/// parsed bodies at worst (measured: about 14 MB per 950 KB body of many
+/// small messages), far below where a VM failed (866 MB).
+fn default_max_waiting_body() -> u64 {
+    16 << 20
 }
 
 /// `request.rate_limit_headers`: the IETF `RateLimit-Policy` / `RateLimit`

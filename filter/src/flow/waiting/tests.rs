@@ -670,3 +670,37 @@ fn a_pause_that_starts_while_queued_is_waited_out() {
     assert_eq!(*w.resumed.borrow(), vec![2]);
     assert_eq!(inflight(&w), 1);
 }
+
+/// Issue 29 item 15's finding: a waiting request keeps its parsed body in
+/// the worker's wasm memory, which never shrinks; a burst of large queued
+/// bodies crashed a VM. The bytes a VM holds for waiting requests are
+/// bounded; past the bound a request that would wait is refused
+/// `queue_full`, and a dispatched or departed one gives its bytes back.
+#[test]
+fn a_vm_holds_at_most_its_bound_of_waiting_bodies() {
+    let w = MockHost::new(T0);
+    let mut p = policy();
+    p["classes"]["standard"]["max_depth"] = json!(10);
+    // Two chat bodies of `post` (79 bytes each) fit, a third does not.
+    p["request"] = json!({"max_waiting_body_bytes": 200});
+    let poller = load(&w, &p);
+    let (mut a, action) = post(&poller, &w, 1, &[("x-user", "a")]);
+    assert_eq!(action, Action::Continue, "a slot: holds nothing after");
+    let (mut b, _) = post(&poller, &w, 2, &[("x-user", "b")]);
+    let (_c, _) = post(&poller, &w, 3, &[("x-user", "c")]);
+    assert!(w.replies.borrow().is_empty(), "two wait");
+    let (_d, _) = post(&poller, &w, 4, &[("x-user", "d")]);
+    let reply = w.last_reply().unwrap();
+    assert_eq!(reply.status, 429);
+    assert_eq!(reply.header("x-sluice-reason"), Some("queue_full"));
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    assert_eq!(depth(&w), 2, "the refused one took no place");
+    // a finishes, b is dispatched: its bytes are given back.
+    finish(&w, &mut a);
+    let mut poller = poller;
+    poller.on_wake(&w);
+    w.replies.borrow_mut().clear();
+    let (_e, _) = post(&poller, &w, 5, &[("x-user", "e")]);
+    assert!(w.replies.borrow().is_empty(), "room again: e waits");
+    finish(&w, &mut b);
+}
