@@ -464,26 +464,21 @@ impl Reserver<'_> {
         let Some(&(first, _)) = group.first() else {
             return 0;
         };
-        let tries = self.tries.settle();
-        let failed = |written: Updated| {
-            let lost = matches!(written, Updated::Exhausted | Updated::Failed);
-            group
-                .iter()
-                .filter(|(h, actual)| lost && *actual > h.amount)
-                .count() as u32
-        };
-        if first.placement == Placement::Overflow {
-            return self.settle_overflow(group, now_ms, effort);
-        }
-        if first.placement != Placement::Hashed {
-            let written = self.update(&first.key, tries, effort, |bytes| {
-                let mut bundle = Bundle::decode(bytes);
+        match first.placement {
+            Placement::Hashed => {}
+            // The overflow's budgets live in the sketch alone; its shared
+            // rates are settled in place like any record's.
+            Placement::Overflow => {
+                let mut rates: Vec<(&Held, u64)> = Vec::new();
                 for &(h, actual) in group {
-                    apply_settlement(&mut bundle, h, actual, None, now_ms);
+                    match h.limit.window {
+                        Some(_) => self.settle_sketch(h, actual, now_ms, effort),
+                        None => rates.push((h, actual)),
+                    }
                 }
-                Some(bundle.encode())
-            });
-            return failed(written);
+                return self.settle_in_place(&rates, now_ms, effort);
+            }
+            _ => return self.settle_in_place(group, now_ms, effort),
         }
         let mine = |bytes: &[u8]| {
             let mut bundle = Bundle::decode(bytes);
@@ -496,10 +491,10 @@ impl Reserver<'_> {
                 bundle.encode()
             })
         };
-        let written = self.update(&first.key, tries, effort, mine);
+        let written = self.update(&first.key, self.tries.settle(), effort, mine);
         let unwritten = match written {
             Updated::Written => 0,
-            Updated::Exhausted | Updated::Failed => failed(written),
+            Updated::Exhausted | Updated::Failed => lost_charges(group, written),
             // The record changed hands since the take (it drained, or a
             // budget went untouched): settle where the caller lives now.
             Updated::Unchanged => group
@@ -515,28 +510,21 @@ impl Reserver<'_> {
         unwritten.min(group.len() as u32)
     }
 
-    /// [`Self::settle_record`] for the overflow record: its shared rates in
-    /// the record, each budget in the caller's sketch.
-    fn settle_overflow(&self, group: &[(&Held, u64)], now_ms: u64, effort: &mut Contention) -> u32 {
-        let mut rates: Vec<(&Held, u64)> = Vec::new();
-        for &(h, actual) in group {
-            match h.limit.window {
-                Some(_) => self.settle_sketch(h, actual, now_ms, effort),
-                None => rates.push((h, actual)),
-            }
-        }
-        let Some(&(first, _)) = rates.first() else {
+    /// Settles the buckets of one record that never changes hands (a
+    /// shared, dedicated or overflow record) in one update; the charges
+    /// that could not be written.
+    fn settle_in_place(&self, group: &[(&Held, u64)], now_ms: u64, effort: &mut Contention) -> u32 {
+        let Some(&(first, _)) = group.first() else {
             return 0;
         };
         let written = self.update(&first.key, self.tries.settle(), effort, |bytes| {
             let mut bundle = Bundle::decode(bytes);
-            for &(h, actual) in &rates {
+            for &(h, actual) in group {
                 apply_settlement(&mut bundle, h, actual, None, now_ms);
             }
             Some(bundle.encode())
         });
-        let lost = matches!(written, Updated::Exhausted | Updated::Failed);
-        rates.iter().filter(|(h, a)| lost && *a > h.amount).count() as u32
+        lost_charges(group, written)
     }
 
     /// A hashed budget's sketch after its record was settled: a give-back
@@ -1100,6 +1088,16 @@ enum TakeError {
     NoSlot(u64),
     Contended,
     Host(String),
+}
+
+/// The charges of `group` a failed write lost (give-backs lost only
+/// over-count, the safe side).
+fn lost_charges(group: &[(&Held, u64)], written: Updated) -> u32 {
+    let lost = matches!(written, Updated::Exhausted | Updated::Failed);
+    group
+        .iter()
+        .filter(|(h, actual)| lost && *actual > h.amount)
+        .count() as u32
 }
 
 /// The scope of a rule id: its parent (`tier/free` of `tier/free/tokens`).
