@@ -64,11 +64,9 @@ $(THIRD_PARTY_STAMP): $(THIRD_PARTY_REQS)
 build: tools
 	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
 	@# One native invocation: the sidecar, mock-llm and the path loop the
-	@# instruction-budget test counts under callgrind. The filter is a cdylib
-	@# too, whose file name carries no feature hash, so two invocations that
-	@# resolve its features differently (the example brings dev-dependencies)
-	@# overwrite each other's build and every `make build` recompiled both.
-	$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-filter --bins --example path_loop
+	@# instruction-budget test counts under callgrind (an example of the
+	@# core crate, on the mock host).
+	$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-core --bins --example path_loop
 	@# A binary missing here fails the build (a target filter once left them out).
 	@ls -l $(WASM) target/release/sluice-sidecar target/release/mock-llm
 
@@ -158,7 +156,7 @@ demo: build
 
 ## bench-core: criterion micro-benchmarks of the policy core (admission, estimate, SSE)
 bench-core:
-	$(CARGO) bench -p sluice-filter --bench core
+	$(CARGO) bench -p sluice-core --bench core
 
 ## bench: overhead vs bare Envoy, local_ratelimit, the floor filters
 ## (bench/floor-filter) and LiteLLM, exactness, criterion, the fleet and the

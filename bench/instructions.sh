@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Instructions per request of the filter's whole request path, natively
-# (filter/examples/path_loop.rs on the mock host, under valgrind's
+# (core/examples/path_loop.rs on the mock host, under valgrind's
 # callgrind): a deterministic count a loaded machine cannot blur. Only the
 # filter's callbacks are counted (--toggle-collect on the harness's
-# request_part and response_part, filter/benches/shapes: the mock host's
+# request_part and response_part, core/benches/shapes: the mock host's
 # answers to them included, the harness building each request not). Each shape runs twice (N and N + 500
 # requests); the difference over 500 is the per-request figure, the
 # policy load and warm-up cancelled out.
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "valgrind missing: apt-get install -y valgrind" >&2; exit 1; }
-cargo build -q --release -p sluice-filter --example path_loop
+cargo build -q --release -p sluice-core --example path_loop
 bin=target/release/examples/path_loop
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -817,8 +817,8 @@ def exactness(args, procs, workdir, shipped, mock):
 
 
 def run_criterion():
-    """`cargo bench -p sluice-filter --bench core`; returns [(name, time, thrpt)]."""
-    r = subprocess.run(["cargo", "bench", "-p", "sluice-filter", "--bench", "core"],
+    """`cargo bench -p sluice-core --bench core`; returns [(name, time, thrpt)]."""
+    r = subprocess.run(["cargo", "bench", "-p", "sluice-core", "--bench", "core"],
                        cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
         return None, r.stderr[-2000:]
@@ -1127,7 +1127,7 @@ def criterion_section(criterion, w):
     w("## Micro-benchmarks of the policy core (criterion)")
     w("")
     if criterion and criterion[0]:
-        w("`make bench-core` (`cargo bench -p sluice-filter --bench core`), native, "
+        w("`make bench-core` (`cargo bench -p sluice-core --bench core`), native, "
           "in-process store (no wasm runtime, no Envoy); median estimate of criterion.")
         w("")
         w("| benchmark | time | throughput |")

@@ -1,34 +1,9 @@
-//! sluice: admission control for LLM traffic, as an Envoy proxy-wasm filter.
+//! sluice as an Envoy proxy-wasm filter: the `.wasm` Envoy loads.
 //!
-//! One folder per layer; each imports only the layers below it (the order
-//! is declared once, in `tests/tests/layers.rs`, which fails on an import
-//! that points up or on a cycle):
-//!
-//! - [`flow`] — one method per Envoy event (root, stream, waiting, slots,
-//!   telemetry), driving the layers below against the [`host::Host`] trait;
-//! - [`fleet`] — the fleet's leases from Redis through the sidecar;
-//! - [`admission`] — every decision that produces a verdict: identity,
-//!   compile, admit, rewrite, settle, penalty box, route health, answers;
-//! - [`queue`], [`limits`], [`usage`], [`host`] — the queue's places; bucket
-//!   arithmetic and reservations; demand, estimate, reconcile; the `Host`
-//!   trait and the mock host;
-//! - [`state`] — the shared-data store and the one codec;
-//! - [`policy`] — the policy model and its checks, importing nothing else.
-//!
-//! `shim` (wasm32 only) is the entry point: it implements `Host` with
-//! proxy-wasm hostcalls and forwards callbacks to [`flow`]; everything else
-//! is tested natively (the whole path through [`host::mock::MockHost`]).
-#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
-
-pub mod admission;
-pub mod fleet;
-pub mod flow;
-pub mod host;
-pub mod limits;
-pub mod policy;
-pub mod queue;
-pub mod state;
-pub mod usage;
+//! This crate decides nothing. [`sluice_core`] holds every decision behind
+//! its `Host` trait; `shim` (wasm32 only) implements that trait with
+//! proxy-wasm hostcalls and forwards each Envoy callback to the core's
+//! `flow` layer. Built natively, the crate is empty.
 
 #[cfg(target_arch = "wasm32")]
 mod shim;

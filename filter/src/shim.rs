@@ -1,5 +1,5 @@
 //! The proxy-wasm adapter: implements [`Host`] with hostcalls and forwards
-//! each Envoy callback to [`crate::flow`]. Nothing is decided here.
+//! each Envoy callback to [`sluice_core::flow`]. Nothing is decided here.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -10,9 +10,9 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
-use crate::flow::{Poller, Request, Vm};
-use crate::host::{self, Host, MetricKind};
-use crate::state::store::{SharedStore, StoreError};
+use sluice_core::flow::{Poller, Request, Vm};
+use sluice_core::host::{self, Host, MetricKind};
+use sluice_core::state::store::{SharedStore, StoreError};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);

@@ -1,5 +1,5 @@
 //! Instructions per request of the filter's whole request path, natively,
-//! held to a budget (issue 21, lever 4): `filter/examples/path_loop.rs`
+//! held to a budget (issue 21, lever 4): `core/examples/path_loop.rs`
 //! runs the bench shapes on the mock host under valgrind's callgrind,
 //! counting only inside the filter's callbacks (`--toggle-collect` on the
 //! harness's `request_part` / `response_part`: the mock host's answers

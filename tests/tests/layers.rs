@@ -60,15 +60,15 @@ const SIDECAR: &[Layer] = &[
 /// The longest production function the sidecar may have (issue #19).
 const MAX_FUNCTION_LINES: usize = 100;
 
-/// The filter, top first (README, "The filter's layers"): the wasm entry;
-/// one method per Envoy event; the fleet's leases; every decision that
-/// produces a verdict; the queue, bucket arithmetic, what a request costs
-/// and the Host trait; shared data and the codec; the policy model, which
-/// imports nothing else of the crate.
-const FILTER: &[Layer] = &[
+/// The policy core (crate `sluice-core`), top first (docs/design.md, "The
+/// layers"): one method per proxy event; the fleet's leases; every decision
+/// that produces a verdict; the queue, bucket arithmetic, what a request
+/// costs and the Host trait; shared data and the codec; the policy model,
+/// which imports nothing else of the crate.
+const CORE: &[Layer] = &[
     Layer {
         name: "root",
-        modules: &["lib", "shim"],
+        modules: &["lib"],
     },
     Layer {
         name: "flow",
@@ -97,15 +97,15 @@ const FILTER: &[Layer] = &[
 ];
 
 #[test]
-fn filter_layers() {
-    // Between folders: strict. Inside a folder the filter still has
+fn core_layers() {
+    // Between folders: strict. Inside a folder the core still has
     // `mod.rs` ↔ child cycles: flow's stream and its event files (one
     // `Stream` whose methods live in the file of their event), and the
     // policy and its sections (a section's check reads the policy it is
     // a section of).
-    let figures = match layers::check_with(&src("filter"), FILTER, false) {
+    let figures = match layers::check_with(&src("core"), CORE, false) {
         Ok(f) => f,
-        Err(e) => panic!("filter/src:\n{e}"),
+        Err(e) => panic!("core/src:\n{e}"),
     };
     let long: Vec<String> = figures
         .longest
@@ -115,7 +115,7 @@ fn filter_layers() {
         .collect();
     assert!(
         long.is_empty(),
-        "filter: split functions over {MAX_FUNCTION_LINES} lines: {}",
+        "core: split functions over {MAX_FUNCTION_LINES} lines: {}",
         long.join("; ")
     );
 }
@@ -141,10 +141,106 @@ fn sidecar_layers() {
 
 #[test]
 fn figures() {
-    for krate in ["gpu-sidecar", "filter"] {
+    for krate in ["gpu-sidecar", "core", "filter"] {
         match layers::figures(&src(krate)) {
             Ok(f) => println!("{krate}/src:\n{f}\n"),
             Err(e) => panic!("{krate}/src: {e}"),
         }
     }
+}
+
+/// Each package's dependencies, from `cargo metadata` (the real resolution
+/// of every Cargo.toml, not a reading of the files): name → dependency names.
+fn dependencies() -> std::collections::BTreeMap<String, Vec<String>> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .current_dir(sluice_tests::repo_root())
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("cargo metadata is JSON");
+    let packages = meta["packages"].as_array().expect("packages");
+    packages
+        .iter()
+        .map(|p| {
+            let deps = p["dependencies"].as_array().expect("dependencies");
+            let names = deps
+                .iter()
+                .filter_map(|d| d["name"].as_str().map(String::from))
+                .collect();
+            (p["name"].as_str().expect("name").to_string(), names)
+        })
+        .collect()
+}
+
+/// The core knows no proxy: no proxy-wasm, no Envoy binding, no host
+/// crate. A second host (a native Envoy module) reuses it as it is.
+#[test]
+fn the_core_has_no_proxy_dependency() {
+    let deps = dependencies();
+    let core = &deps["sluice-core"];
+    let ours: Vec<&String> = core.iter().filter(|d| d.starts_with("sluice-")).collect();
+    assert_eq!(
+        ours,
+        ["sluice-wire"],
+        "the core depends on sluice-wire only of ours: {core:?}"
+    );
+    for forbidden in ["proxy-wasm", "envoy"] {
+        assert!(
+            !core.iter().any(|d| d.contains(forbidden)),
+            "sluice-core depends on a proxy crate ({forbidden}): {core:?}"
+        );
+    }
+    assert!(
+        deps.iter()
+            .all(|(name, d)| name == "sluice-filter" || !d.iter().any(|x| x == "sluice-filter")),
+        "the wasm filter is a leaf: nothing depends on it"
+    );
+}
+
+/// The wasm filter is a thin host: the core and proxy-wasm, and its
+/// source is the crate root and the shim, nothing that decides.
+#[test]
+fn the_filter_is_the_core_plus_the_shim() {
+    let deps = dependencies();
+    let mut filter = deps["sluice-filter"].clone();
+    filter.sort();
+    assert_eq!(filter, ["proxy-wasm", "sluice-core"]);
+    let mut files: Vec<String> = std::fs::read_dir(src("filter"))
+        .expect("filter/src")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        ["lib.rs", "shim.rs"],
+        "filter/src holds the root and the shim only"
+    );
+}
+
+/// The sidecar takes the core's policy model and decisions and the
+/// messages of `sluice-wire`; of our crates nothing else but the shared
+/// graceful-shutdown helper.
+#[test]
+fn the_sidecar_depends_on_the_core_and_wire_only() {
+    let deps = dependencies();
+    let mut ours: Vec<&String> = deps["sluice-sidecar"]
+        .iter()
+        .filter(|d| d.starts_with("sluice-"))
+        .collect();
+    ours.sort();
+    ours.dedup();
+    assert_eq!(ours, ["sluice-core", "sluice-shutdown", "sluice-wire"]);
 }

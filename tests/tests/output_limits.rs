@@ -10,7 +10,7 @@
 //! on chat were reserved and reached a server that reads neither.
 //!
 //! Which fields each API's servers read (independent of the filter's own
-//! table, `filter/src/usage/output_limit.rs`, which cites the sources):
+//! table, `core/src/usage/output_limit.rs`, which cites the sources):
 //! chat `max_completion_tokens` (vLLM first, OpenAI) and `max_tokens`
 //! (vLLM second, Ollama only); completions and Anthropic `max_tokens`;
 //! Responses `max_output_tokens`; Ollama native `options.num_predict`.

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{json, Value as Json};
-use sluice_filter::usage::estimate::input_tokens;
+use sluice_core::usage::estimate::input_tokens;
 use sluice_tests::third_party::{guidellm_bin, shipped_config_for_addr, GuidellmServer};
 use sluice_tests::{post_json, request, wait_for, Envoy, EnvoyConfig, Response};
 

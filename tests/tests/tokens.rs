@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use mock_llm::generate::Api;
 use serde_json::{json, Value as Json};
-use sluice_filter::usage::estimate::{input_tokens, text_tokens};
+use sluice_core::usage::estimate::{input_tokens, text_tokens};
 use sluice_tests::{
     against, async_client, get, post_json, post_json_async, prometheus_value, runtime, speaking,
     wait_for, EnvoyConfig, Personality, Response, Stack,
@@ -33,7 +33,7 @@ const UNLISTED: &str = "sluice-test-model";
 const BIG: &str = "llama3.1:70b";
 const SMALL: &str = "llama3.1:8b";
 /// The shortest output sluice lowers a request to before refusing it.
-const MIN_LOWERED_OUTPUT: u64 = sluice_filter::admission::MIN_LOWERED_OUTPUT;
+const MIN_LOWERED_OUTPUT: u64 = sluice_core::admission::MIN_LOWERED_OUTPUT;
 
 // ---------------------------------------------------------------------------
 // Helpers

@@ -1,4 +1,4 @@
-//! Accuracy of the filter's input-token estimate (`sluice_filter::usage::estimate`)
+//! Accuracy of the filter's input-token estimate (`sluice_core::usage::estimate`)
 //! against real BPE tokenizers (tiktoken's cl100k_base and o200k_base, both
 //! bundled in `tiktoken-rs`, so this runs offline).
 //!
@@ -262,8 +262,8 @@ pub fn reference_tokens(bpe: &CoreBPE, input: &Input) -> usize {
 /// The filter's estimate of an input.
 pub fn estimate(input: &Input) -> f64 {
     match input {
-        Input::Text(t) => sluice_filter::usage::estimate::text_tokens(t),
-        Input::Chat(body) => sluice_filter::usage::estimate::input_tokens(body),
+        Input::Text(t) => sluice_core::usage::estimate::text_tokens(t),
+        Input::Chat(body) => sluice_core::usage::estimate::input_tokens(body),
     }
 }
 

@@ -65,7 +65,7 @@ fn valid_hash(s: &str) -> bool {
 /// `global`). Only the bounds per scope and purges by scope use it;
 /// matching never does (the scope is in every key).
 pub fn scope_id(value: &str) -> String {
-    sluice_filter::policy::keys::sha256_hex(value.as_bytes())
+    sluice_core::policy::keys::sha256_hex(value.as_bytes())
 }
 
 /// The longest model name taken (a metric label).

@@ -39,7 +39,7 @@ impl Recent {
     }
 
     fn key(text: &str) -> String {
-        sluice_filter::policy::keys::sha256_hex(text.as_bytes())
+        sluice_core::policy::keys::sha256_hex(text.as_bytes())
     }
 
     pub fn get(&self, text: &str) -> Option<Vec<f32>> {

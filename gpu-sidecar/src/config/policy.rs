@@ -1,11 +1,11 @@
 //! The sluice policies in a file: a bare policy (YAML or JSON), or every
 //! sluice wasm filter's `configuration` in an Envoy config. Parsed by the
-//! filter's own parser (`sluice_filter::policy::Policy`), so a policy is
+//! filter's own parser (`sluice_core::policy::Policy`), so a policy is
 //! refused here exactly when Envoy would refuse it.
 
 use serde_json::Value;
-use sluice_filter::admission::Engine;
-use sluice_filter::policy::{ConfigError, Policy};
+use sluice_core::admission::Engine;
+use sluice_core::policy::{ConfigError, Policy};
 
 /// A policy as the filter loads it: parsed, checked, and compiled (the
 /// checks that need the compiled buckets, such as `fleet.local`, run there).

@@ -23,7 +23,7 @@
 //!
 //! Three ways a fleet's counts stop meaning one thing are detected rather
 //! than served: Envoys with different salts or rules (each sidecar
-//! publishes a [`fingerprint`](sluice_filter::fleet::fingerprint) in Redis
+//! publishes a [`fingerprint`](sluice_core::fleet::fingerprint) in Redis
 //! and refuses to count while a live one differs: `fleet_mismatch`); a
 //! Redis that lost its data (an epoch key written once, checked by every
 //! script; hard budgets of the window it happened in answer
@@ -55,9 +55,9 @@ use std::time::SystemTime;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
-use sluice_filter::fleet::window_end;
-use sluice_filter::limits::reservation::Scope as RuleScope;
-use sluice_filter::policy::Limit;
+use sluice_core::fleet::window_end;
+use sluice_core::limits::reservation::Scope as RuleScope;
+use sluice_core::policy::Limit;
 use tokio::sync::Mutex;
 
 pub use crate::config::fleet::FleetConfig;
@@ -266,7 +266,7 @@ pub struct PolicyView {
     replicas: u64,
     rules: HashMap<String, ViewRule>,
     slots: HashMap<String, u32>,
-    /// [`sluice_filter::fleet::fingerprint`] of the policy.
+    /// [`sluice_core::fleet::fingerprint`] of the policy.
     pub fingerprint: String,
 }
 
@@ -278,8 +278,8 @@ impl PolicyView {
         Ok(PolicyView::of(policy))
     }
 
-    pub fn of(policy: sluice_filter::policy::Policy) -> PolicyView {
-        let engine = sluice_filter::admission::Engine::new(policy);
+    pub fn of(policy: sluice_core::policy::Policy) -> PolicyView {
+        let engine = sluice_core::admission::Engine::new(policy);
         let (salt, replicas) = engine
             .policy
             .fleet
@@ -287,7 +287,7 @@ impl PolicyView {
             .map_or((String::new(), 1), |f| {
                 (f.salt.clone(), f.expected_replicas.max(1))
             });
-        let rules = sluice_filter::fleet::fleet_rules(&engine)
+        let rules = sluice_core::fleet::fleet_rules(&engine)
             .into_iter()
             .map(|d| {
                 (
@@ -301,10 +301,10 @@ impl PolicyView {
             })
             .collect();
         PolicyView {
-            slots: sluice_filter::fleet::fleet_slots(&engine.policy)
+            slots: sluice_core::fleet::fleet_slots(&engine.policy)
                 .into_iter()
                 .collect(),
-            fingerprint: sluice_filter::fleet::fingerprint(&engine),
+            fingerprint: sluice_core::fleet::fingerprint(&engine),
             salt,
             replicas,
             rules,
@@ -354,7 +354,7 @@ impl FleetConfig {
             None => std::env::var(&self.secret_env).unwrap_or_default(),
         };
         let secret = secret.trim().to_string();
-        if secret.len() < sluice_filter::policy::fleet::MIN_SECRET {
+        if secret.len() < sluice_core::policy::fleet::MIN_SECRET {
             let from = match &self.secret_file {
                 Some(p) => format!("secret_file ({})", p.display()),
                 None => format!("secret_env (${})", self.secret_env),
@@ -363,7 +363,7 @@ impl FleetConfig {
                 if self.secret_file.is_some() { "secret_file" } else { "secret_env" },
                 format!(
                     "{from}: the secret shared with the Envoy beside this sidecar is required, at least {} bytes",
-                    sluice_filter::policy::fleet::MIN_SECRET
+                    sluice_core::policy::fleet::MIN_SECRET
                 ),
             ));
         }
@@ -785,7 +785,7 @@ impl Fleet {
                 }
             )));
         }
-        let key = sluice_filter::fleet::redis_key(&view.salt, rule_id, owner);
+        let key = sluice_core::fleet::redis_key(&view.salt, rule_id, owner);
         Ok(Checked {
             key: format!("{PREFIX}{key}:{window_end_ms}"),
             rule,
@@ -1238,7 +1238,7 @@ pub(crate) mod tests {
             "sidecar": {"cluster": "sc"},
             "fleet": {"salt": salt, "expected_replicas": 2},
         });
-        PolicyView::of(sluice_filter::policy::Policy::from_value(policy).unwrap())
+        PolicyView::of(sluice_core::policy::Policy::from_value(policy).unwrap())
     }
 
     pub(crate) fn fleet_on(redis: &str, salt: &str) -> Arc<Fleet> {
@@ -1379,11 +1379,11 @@ pub(crate) mod tests {
             let mut h = HeaderMap::new();
             h.insert("content-type", HeaderValue::from_static("application/json"));
             h.insert(
-                sluice_filter::fleet::SECRET_HEADER,
+                sluice_core::fleet::SECRET_HEADER,
                 HeaderValue::from_static(SECRET),
             );
             h.insert(
-                sluice_filter::fleet::FINGERPRINT_HEADER,
+                sluice_core::fleet::FINGERPRINT_HEADER,
                 HeaderValue::from_str(&fleet.view().fingerprint).unwrap(),
             );
             h
@@ -1415,17 +1415,17 @@ pub(crate) mod tests {
         h.remove("content-type");
         assert_eq!(status(&local, &h), Some(415));
         let mut h = good();
-        h.remove(sluice_filter::fleet::SECRET_HEADER);
+        h.remove(sluice_core::fleet::SECRET_HEADER);
         assert_eq!(status(&local, &h), Some(401));
         let mut h = good();
         h.insert(
-            sluice_filter::fleet::SECRET_HEADER,
+            sluice_core::fleet::SECRET_HEADER,
             HeaderValue::from_static("guess-guess-guess-1"),
         );
         assert_eq!(status(&local, &h), Some(401));
         let mut h = good();
         h.insert(
-            sluice_filter::fleet::FINGERPRINT_HEADER,
+            sluice_core::fleet::FINGERPRINT_HEADER,
             HeaderValue::from_static("00"),
         );
         assert_eq!(
@@ -1642,7 +1642,7 @@ pub(crate) mod redis_tests {
     }
 
     async fn used(fleet: &Fleet, url: &str, owner: u64, end: u64) -> i64 {
-        let key = sluice_filter::fleet::redis_key(&fleet.view().salt, "tier/t/daily_tokens", owner);
+        let key = sluice_core::fleet::redis_key(&fleet.view().salt, "tier/t/daily_tokens", owner);
         match cmd(url, &["GET", &format!("{PREFIX}{key}:{end}")]).await {
             redis::Value::BulkString(b) => String::from_utf8_lossy(&b).parse().unwrap(),
             _ => 0,

@@ -53,7 +53,7 @@ pub(crate) fn refuse(
             "content-type: application/json expected",
         ))
     } else if !headers
-        .get(sluice_filter::fleet::SECRET_HEADER)
+        .get(sluice_core::fleet::SECRET_HEADER)
         .is_some_and(|v| fleet.secret_ok(v.as_bytes()))
     {
         Some(error(
@@ -62,13 +62,13 @@ pub(crate) fn refuse(
             "the fleet secret (x-sluice-fleet-secret) is missing or wrong",
         ))
     } else if headers
-        .get(sluice_filter::fleet::FINGERPRINT_HEADER)
+        .get(sluice_core::fleet::FINGERPRINT_HEADER)
         .and_then(|v| v.to_str().ok())
         != Some(fleet.view().fingerprint.as_str())
     {
         Some(error(
             StatusCode::CONFLICT,
-            sluice_filter::fleet::FLEET_MISMATCH,
+            sluice_core::fleet::FLEET_MISMATCH,
             "this Envoy's fleet policy (salt, expected_replicas or fleet rules) is not the one \
              this sidecar loaded (fleet.policy)",
         ))
@@ -102,12 +102,12 @@ pub(crate) fn failure(e: FleetError) -> axum::response::Response {
         }
         FleetError::Mismatch(m) => error(
             StatusCode::SERVICE_UNAVAILABLE,
-            sluice_filter::fleet::FLEET_MISMATCH,
+            sluice_core::fleet::FLEET_MISMATCH,
             &m,
         ),
         FleetError::DataLost(m) => error(
             StatusCode::SERVICE_UNAVAILABLE,
-            sluice_filter::fleet::FLEET_DATA_LOST,
+            sluice_core::fleet::FLEET_DATA_LOST,
             &m,
         ),
         FleetError::Late(m) => error(StatusCode::SERVICE_UNAVAILABLE, "fleet_late", &m),

@@ -1,5 +1,5 @@
 //! Micro-benchmarks of the policy core (run: `make bench-core` or
-//! `cargo bench -p sluice-filter --bench core`). The store is the in-process
+//! `cargo bench -p sluice-core --bench core`). The store is the in-process
 //! `MemStore` (a mutex-guarded map, like Envoy's shared data), so these
 //! figures are the core's own cost without the wasm runtime.
 #![allow(clippy::expect_used)]
@@ -8,12 +8,12 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use serde_json::json;
-use sluice_filter::admission::identity::RequestView;
-use sluice_filter::admission::{Engine, RequestContext};
-use sluice_filter::policy::Policy;
-use sluice_filter::state::store::MemStore;
-use sluice_filter::usage::demand::Api;
-use sluice_filter::usage::reconcile::{Format, ResponseMeter};
+use sluice_core::admission::identity::RequestView;
+use sluice_core::admission::{Engine, RequestContext};
+use sluice_core::policy::Policy;
+use sluice_core::state::store::MemStore;
+use sluice_core::usage::demand::Api;
+use sluice_core::usage::reconcile::{Format, ResponseMeter};
 
 struct Caller(String);
 impl RequestView for Caller {
@@ -101,8 +101,8 @@ fn admission(c: &mut Criterion) {
                 },
             );
             if let Some(plan) = v.plan {
-                let usage = sluice_filter::usage::reconcile::Found::Usage(
-                    sluice_filter::usage::reconcile::Usage {
+                let usage = sluice_core::usage::reconcile::Found::Usage(
+                    sluice_core::usage::reconcile::Usage {
                         input: 500,
                         output: 100,
                     },
@@ -134,7 +134,7 @@ fn admission(c: &mut Criterion) {
                 e.settle(
                     &store,
                     &plan,
-                    sluice_filter::usage::reconcile::Found::Nothing,
+                    sluice_core::usage::reconcile::Found::Nothing,
                     10,
                     true,
                     1_000,
@@ -169,7 +169,7 @@ fn admission(c: &mut Criterion) {
                 e.settle(
                     &store,
                     &plan,
-                    sluice_filter::usage::reconcile::Found::Nothing,
+                    sluice_core::usage::reconcile::Found::Nothing,
                     10,
                     true,
                     1_000,
@@ -189,7 +189,7 @@ fn estimate(c: &mut Criterion) {
         group.bench_with_input(
             BenchmarkId::new("input_tokens", format!("{kb}KB")),
             &value,
-            |b, v| b.iter(|| sluice_filter::usage::estimate::input_tokens(black_box(v))),
+            |b, v| b.iter(|| sluice_core::usage::estimate::input_tokens(black_box(v))),
         );
     }
     group.finish();

@@ -1,12 +1,12 @@
 //! The whole request path, natively, through the mock host, for the three
 //! shapes `make bench` measures: the filter's own work per request without
-//! V8 or Envoy (`cargo bench -p sluice-filter --bench path`). The mock's
+//! V8 or Envoy (`cargo bench -p sluice-core --bench path`). The mock's
 //! own bookkeeping (strings copied into maps) is included, as a hostcall's
 //! copy is in Envoy.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use sluice_filter::host::mock::MockHost;
+use sluice_core::host::mock::MockHost;
 
 mod shapes;
 use shapes::{chat_body, one_request, Shape, T0};

@@ -10,14 +10,14 @@
 //! `hostcalls.rs`. The count includes the mock host's answers (an owned
 //! `String` per header read, as the proxy-wasm SDK returns in Envoy too)
 //! and the whole request body's copy. Print the table:
-//! `cargo test -p sluice-filter --release --test allocations -- --nocapture`.
+//! `cargo test -p sluice-core --release --test allocations -- --nocapture`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use sluice_filter::host::mock::MockHost;
+use sluice_core::host::mock::MockHost;
 
 #[path = "../benches/shapes/mod.rs"]
 mod shapes;

@@ -6,13 +6,13 @@
 //! Each host call is a crossing of the wasm boundary in Envoy (strings
 //! copied both ways), so the count is a repeatable measure of the hot
 //! path's cost on a machine too loaded to time it. Print the table:
-//! `cargo test -p sluice-filter --test hostcalls -- --nocapture`.
+//! `cargo test -p sluice-core --test hostcalls -- --nocapture`.
 //! The bounds below keep a regression from slipping in unnoticed.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
 
-use sluice_filter::host::mock::MockHost;
+use sluice_core::host::mock::MockHost;
 
 #[path = "../benches/shapes/mod.rs"]
 mod shapes;
