@@ -18,6 +18,7 @@ pub mod keys;
 pub mod limit;
 pub mod models;
 pub mod passthrough;
+pub mod prices;
 pub mod protection;
 pub(crate) mod proto_struct;
 pub mod queue;
