@@ -12,6 +12,8 @@
 //! - [`fleet`] — the fleet's leases from Redis through the sidecar;
 //! - [`admission`] — every decision that produces a verdict: identity,
 //!   compile, admit, rewrite, settle, penalty box, route health, answers;
+//! - [`cache`] — the response cache: keys, storable and rendered answers,
+//!   the exact tier in shared data;
 //! - [`queue`], [`limits`], [`usage`], [`host`] — the queue's places; bucket
 //!   arithmetic and reservations; demand, estimate, reconcile; the `Host`
 //!   trait and the mock host;
@@ -24,6 +26,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod admission;
+pub mod cache;
 pub mod fleet;
 pub mod flow;
 pub mod host;

@@ -62,8 +62,9 @@ const MAX_FUNCTION_LINES: usize = 100;
 
 /// The policy core (crate `sluice-core`), top first (docs/design.md, "The
 /// layers"): one method per proxy event; the fleet's leases; every decision
-/// that produces a verdict; the queue, bucket arithmetic, what a request
-/// costs and the Host trait; shared data and the codec; the policy model,
+/// that produces a verdict; the response cache (above the usage types it
+/// reuses, below the request path that drives it); the queue, bucket
+/// arithmetic, what a request costs and the Host trait; shared data and the codec; the policy model,
 /// which imports nothing else of the crate.
 const CORE: &[Layer] = &[
     Layer {
@@ -81,6 +82,10 @@ const CORE: &[Layer] = &[
     Layer {
         name: "admission",
         modules: &["admission"],
+    },
+    Layer {
+        name: "cache",
+        modules: &["cache"],
     },
     Layer {
         name: "mechanisms",

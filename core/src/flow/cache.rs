@@ -11,7 +11,7 @@
 //!   token budget still gets the cached answer (`hit_cost.tokens: true`
 //!   reserves the stored answer's tokens instead). In fleet mode the hit
 //!   passes the fleet's gate too, its reply kept until the fleet admits it.
-//! - Stored only when complete and successful (`usage::cache_answer`),
+//! - Stored only when complete and successful (`cache::answer`),
 //!   and never larger than `cache.max_entry_bytes` (buffered here); never
 //!   a stream sluice cut, nor an answer under an output limit lowered to
 //!   fit a budget (the key is the client's body, with its own limit).
@@ -21,12 +21,12 @@ use sluice_wire::cache::{Entry, LookupAnswer, LookupRequest, Semantic, StoreRequ
 
 use super::Stream;
 use crate::admission::{Asked, RequestContext};
+use crate::cache::answer::{self as cache_answer, Rendered};
+use crate::cache::key::{self as cache_key, Api as CacheApi};
+use crate::cache::tier::{self as cache_tier, Found as InEnvoy, Tier};
 use crate::host::metrics;
 use crate::host::{Action, Host, LogLevel};
 use crate::policy::cache::Caller;
-use crate::usage::cache_answer::{self, Rendered};
-use crate::usage::cache_key::{self, Api as CacheApi};
-use crate::usage::cache_tier::{self, Found as InEnvoy, Tier};
 use crate::usage::demand::Api;
 use crate::usage::reconcile::{Found, Usage};
 
@@ -91,7 +91,7 @@ pub(super) struct ToStore {
     /// The caller lets the cache answer it (not `no-cache`).
     read: bool,
     /// The caller is not declared in the policy: its answers hold at most
-    /// part of each set of the tier in Envoy (`cache_tier`, "Eviction").
+    /// part of each set of the tier in Envoy (`cache::tier`, "Eviction").
     undeclared: bool,
 }
 

@@ -79,7 +79,7 @@ pub struct HitCost {
 
 /// The exact cache's tier inside Envoy (`cache.in_envoy`): single-Envoy
 /// mode keeps exact entries in Envoy's shared data, so an exact lookup or
-/// store needs no callout (`usage::cache_tier`). `slots: 0` turns it off.
+/// store needs no callout (`cache::tier`). `slots: 0` turns it off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct InEnvoyConfig {

@@ -10,7 +10,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::cache_key::Api;
+use super::key::Api;
 
 /// Why an answer is not stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
