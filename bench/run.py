@@ -70,7 +70,7 @@ HIGH_TOKENS = "1000000000000/s"
 NOTES_MARKER = "<!-- notes below are kept when bench/run.py rewrites this file -->"
 
 # ---------------------------------------------------------------------------
-# Policies (README "Policy")
+# Policies (docs/src/policy-reference.md)
 # ---------------------------------------------------------------------------
 
 IDENTITY = {

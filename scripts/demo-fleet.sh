@@ -71,7 +71,7 @@ stop() {
 trap stop EXIT
 trap 'stop; exit 0' INT TERM
 
-# Persistence the fleet's counts need (README, "What Redis must keep"):
+# Persistence the fleet's counts need (docs/src/fleet.md, "What Redis must keep"):
 # an append-only file fsynced every second.
 rm -rf "$logs/redis-data" && mkdir -p "$logs/redis-data"
 start_redis() {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make screenshot`: docs/operator-page.png, the operator page as `make demo`
+# `make screenshot`: docs/src/operator-page.png, the operator page as `make demo`
 # shows it. Starts the demo (scripts/demo.sh: mock-llm, the sidecar with its
 # simulated GPU, Envoy), sends it a minute of mixed traffic and GPU load
 # (POST /v1/simulate, as an operator would), and takes the page with headless
@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-out=${1:-docs/operator-page.png}
+out=${1:-docs/src/operator-page.png}
 chromium=$(command -v chromium || command -v chromium-browser || true)
 [ -n "$chromium" ] || { echo "screenshot: no chromium (make browser installs it)" >&2; exit 1; }
 logs=target/demo

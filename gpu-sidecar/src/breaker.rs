@@ -110,7 +110,7 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// The default rules (docs/design.md, "Sidecar"): GPU ≥ 90 %, waiting ≥ 50,
+    /// The default rules (docs/src/design.md, "Sidecar"): GPU ≥ 90 %, waiting ≥ 50,
     /// KV cache ≥ 0.9, each for 30 s; recovered under 80 % / 40 / 0.8 for 10 s.
     pub fn defaults() -> Vec<Rule> {
         let rule = |metric, open_at, close_below| Rule {
@@ -133,7 +133,7 @@ impl Rule {
 #[serde(rename_all = "snake_case")]
 pub enum OnStale {
     /// Closed: a breaker that blocks on no data takes the service down with
-    /// the sidecar (docs/design.md, "Sidecar").
+    /// the sidecar (docs/src/design.md, "Sidecar").
     #[default]
     FailOpen,
     /// Open until data comes back.

@@ -129,8 +129,8 @@ pub fn remote_envoy_yaml(sluice_yaml: &str, release: &Release) -> anyhow::Result
                           # its SHA-256 is this one. A module that does not match is
                           # never run: Envoy loads no filter and, as failure_policy
                           # is FAIL_CLOSED, answers every request 503 itself until
-                          # a listener update fetches a good one (README,
-                          # \"Deploying\"). `sha256sum sluice_filter.wasm` gives
+                          # a listener update fetches a good one (docs/src/deployment.md,
+                          # \"Plain Envoy\"). `sha256sum sluice_filter.wasm` gives
                           # the value; `make image` writes the current one here.
                           code:
                             remote:

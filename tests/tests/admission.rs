@@ -1,4 +1,4 @@
-//! Admission against a real Envoy (docs/design.md, "Admit", "What the client sees"):
+//! Admission against a real Envoy (docs/src/design.md, "Admit", "What the client sees"):
 //! per-caller and per-model buckets, the 429 contract, isolation between principals,
 //! exactness when every worker thread races for one bucket, and the decision metric.
 //!
@@ -30,7 +30,7 @@ fn int_header(resp: &Response, name: &str) -> u64 {
         .unwrap_or_else(|_| panic!("`{name}: {value}` is not an integer"))
 }
 
-/// The 429 contract (docs/design.md, "What the client sees"), for a bucket of `limit`.
+/// The 429 contract (docs/src/design.md, "What the client sees"), for a bucket of `limit`.
 fn assert_429_contract(resp: &Response, reason: &str, limit: u64, tier: &str) {
     assert_eq!(resp.status, 429, "{resp:?}");
     let retry_after = int_header(resp, "retry-after");

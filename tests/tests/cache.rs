@@ -1,4 +1,4 @@
-//! The response cache (docs/design.md, "Response cache"; issue 20) against a real
+//! The response cache (docs/src/design.md, "Response cache"; issue 20) against a real
 //! Envoy, the real sidecar (entries in its memory, mock-llm's embeddings) and
 //! mock-llm: exact hits never reach the upstream and carry `x-sluice-cache: hit`;
 //! any output parameter, system prompt or earlier turn misses; nothing

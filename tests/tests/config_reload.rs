@@ -1,4 +1,4 @@
-//! The policy as operators give it (docs/design.md, "Policy"): a bad policy is
+//! The policy as operators give it (docs/src/design.md, "Policy"): a bad policy is
 //! refused with its field path at start and at reload (the last good one keeps
 //! serving), a reload keeps the live counts, and the JSON-string form works like the
 //! native YAML one.

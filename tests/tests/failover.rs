@@ -1,4 +1,4 @@
-//! The failover chain of envoy/failover.yaml (docs/design.md, "Route"): primary →
+//! The failover chain of envoy/failover.yaml (docs/src/design.md, "Route"): primary →
 //! secondary (Envoy priorities and retries) → static answer (sluice's error
 //! breaker with `static_fallback.when_primary_out`), and back.
 //!

@@ -1,5 +1,5 @@
 //! Fair shares of a shared bucket through a real Envoy (issue 18 item 1,
-//! README "Fair shares"): a flood of anonymous callers from distinct
+//! docs/src/limits.md, "Fair shares"): a flood of anonymous callers from distinct
 //! addresses takes at most its share of a model's bucket, declared keys
 //! still get theirs, an idle share is lent, and what is admitted never
 //! passes the bucket, across Envoy's two workers.

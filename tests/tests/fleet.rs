@@ -1,4 +1,4 @@
-//! The fleet (docs/design.md, "Fleet"): several real Envoys, each with its own
+//! The fleet (docs/src/design.md, "Fleet"): several real Envoys, each with its own
 //! sidecar, one real Redis. Exactness across Envoys, budgets settled once, stranding,
 //! Redis and sidecar outages, the fleet-wide kill switch.
 //!

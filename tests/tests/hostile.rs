@@ -1,4 +1,4 @@
-//! Hostile clients (docs/design.md, "Guarantees"): however a request ends and however
+//! Hostile clients (docs/src/design.md, "Guarantees"): however a request ends and however
 //! its path or body is spelled, it reaches the upstream only through one admission
 //! decision, and no client number wraps a reservation.
 //!
@@ -83,7 +83,7 @@ fn assert_invalid(resp: &Response, param: Option<&str>) {
 fn requests_that_end_with_trailers_are_decided() {
     let stack = Stack::start(|cfg| {
         cfg.policy_mut()["models"][MODEL]["requests"] = Yaml::from("3/min");
-        // Anonymous callers here may use all of it (README, "Fair shares").
+        // Anonymous callers here may use all of it (docs/src/limits.md, "Fair shares").
         cfg.policy_mut()["models"][MODEL]["shares"] = all_to_anonymous();
     });
     let body = chat(None).to_string();

@@ -1,4 +1,4 @@
-//! Identity through a real Envoy (docs/design.md, "Identify"): headers a client makes
+//! Identity through a real Envoy (docs/src/design.md, "Identify"): headers a client makes
 //! up are never believed, and tiers claimed in a JWT count only once Envoy's own
 //! `jwt_authn` has verified the token.
 //!

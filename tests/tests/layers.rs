@@ -14,7 +14,7 @@ fn src(krate: &str) -> PathBuf {
     sluice_tests::repo_root().join(krate).join("src")
 }
 
-/// The sidecar, top first (README, "Layout"): the wiring and the offline
+/// The sidecar, top first (docs/src/layout.md, "The sidecar's layers"): the wiring and the offline
 /// checks; the HTTP API; the fleet agent; what it watches and concludes;
 /// the sources it reads; its config file; the pure breaker rules; an HTTP
 /// client, the door and the versioned state at the bottom.
@@ -60,8 +60,8 @@ const SIDECAR: &[Layer] = &[
 /// The longest production function the sidecar may have (issue #19).
 const MAX_FUNCTION_LINES: usize = 100;
 
-/// The policy core (crate `sluice-core`), top first (docs/design.md, "The
-/// layers"): one method per proxy event; the fleet's leases; every decision
+/// The policy core (crate `sluice-core`), top first (docs/src/design.md,
+/// "Layers"): one method per proxy event; the fleet's leases; every decision
 /// that produces a verdict; the response cache (above the usage types it
 /// reuses, below the request path that drives it); the queue, bucket
 /// arithmetic, what a request costs and the Host trait; shared data and the codec; the policy model,

@@ -1,4 +1,4 @@
-//! Observability and audit against a real Envoy (docs/design.md, "Observability and
+//! Observability and audit against a real Envoy (docs/src/design.md, "Observability and
 //! audit"; issue 5): after a scripted mix of admitted, refused, degraded, streamed
 //! and rerouted requests the labeled counters and the latency histograms hold exactly
 //! what was sent; the access log has one JSON line per request with the

@@ -205,7 +205,7 @@ fn operator_page_in_headless_chromium() {
     let pro = text("#traffic tr[data-tier='pro'] td.window");
     assert_eq!(pro, "3 admitted · 0 degraded · 0 refused");
 
-    // The screenshot for the README, with data in every section.
+    // The screenshot for the book (docs/src/operations.md), with data in every section.
     let png = browser.screenshot();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     let shot = repo_root().join("target/operator-page.png");

@@ -1,4 +1,4 @@
-//! Bodies sluice cannot accept (docs/design.md, "Demand and estimate"): over the size
+//! Bodies sluice cannot accept (docs/src/design.md, "Demand and estimate"): over the size
 //! cap → 413, not JSON or without a model → 400, a key a Go server reads as another
 //! → 400. None of them reaches the upstream.
 //!

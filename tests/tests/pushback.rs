@@ -1,5 +1,5 @@
 //! One caller cannot pause, break or probe-block a model route for the
-//! others (docs/design.md, "Route", "Guarantees"; issue 9 item 8), against a real
+//! others (docs/src/design.md, "Route", "Guarantees"; issue 9 item 8), against a real
 //! Envoy: mock-llm answers 5xx or 429 with `Retry-After` on the requests that ask
 //! for it (`x-mock-status`, `x-mock-retry-after`), and callers are told apart by
 //! the shipped policy's demo API keys (passed through to the upstream).

@@ -1,4 +1,4 @@
-//! The GPU sidecar in the data path, against a real Envoy (docs/design.md, "Route",
+//! The GPU sidecar in the data path, against a real Envoy (docs/src/design.md, "Route",
 //! "Sidecar"; issue 4): breakers pushed into Envoy by long poll and how fast they
 //! land, the stale-data policy, the kill switch and its failover provider,
 //! admin authentication, upstream pushback (`Retry-After` pause, error

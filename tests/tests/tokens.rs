@@ -1,4 +1,4 @@
-//! Token economics against a real Envoy (docs/design.md, "Demand and estimate",
+//! Token economics against a real Envoy (docs/src/design.md, "Demand and estimate",
 //! "Admit", "Settle"; issue 3): reservations of input estimate + max output that
 //! admit exactly what a budget holds, settlement at the upstream's usage, streams
 //! cut at their allowance, no leaked reservation when clients vanish, untrustworthy
@@ -180,7 +180,7 @@ fn now_secs() -> u64 {
         .as_secs()
 }
 
-/// A 429 by `reason` (docs/design.md, "What the client sees"); returns `error.sluice`.
+/// A 429 by `reason` (docs/src/design.md, "What the client sees"); returns `error.sluice`.
 fn assert_refused(resp: &Response, reason: &str) -> Json {
     assert_eq!(resp.status, 429, "{resp:?}");
     assert_eq!(resp.header("x-sluice-reason"), Some(reason), "{resp:?}");

@@ -1,4 +1,4 @@
-//! The response cache's messages (docs/design.md, "Response cache"): the filter asks
+//! The response cache's messages (docs/src/design.md, "Response cache"): the filter asks
 //! its sidecar `POST /v1/cache/lookup` before admission and `POST /v1/cache/store`
 //! after a complete successful answer. Keys are the filter's salted
 //! SHA-256s (hex); the sidecar never sees a principal, only the hashes, so

@@ -1,4 +1,4 @@
-//! The fleet endpoints' bodies (docs/design.md, "Fleet"): the filter posts
+//! The fleet endpoints' bodies (docs/src/design.md, "Fleet"): the filter posts
 //! `/v1/fleet/take`, `/v1/fleet/give` and `/v1/fleet/slots` to the sidecar
 //! beside it, which answers from Redis. Requests refuse unknown fields (a
 //! misspelt field is an error, not a default); answers do not (a newer

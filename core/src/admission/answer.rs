@@ -1,5 +1,5 @@
 //! OpenAI-shaped refusals that SDKs parse and back off from, and the `X-RateLimit-*`
-//! headers of admitted requests (docs/design.md, "What the client sees").
+//! headers of admitted requests (docs/src/design.md, "What the client sees").
 
 use serde_json::json;
 

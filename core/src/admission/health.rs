@@ -1,4 +1,4 @@
-//! Health and routing (docs/design.md, "Route"): where a request may go given what
+//! Health and routing (docs/src/design.md, "Route"): where a request may go given what
 //! the sidecar reports (GPU breakers, kill switch) and what the upstream
 //! itself said lately (failures, `Retry-After`). Pure: state comes in as
 //! values or through the [`SharedStore`] trait, time as `now_ms`, chance as

@@ -1,4 +1,4 @@
-//! Who is calling, and in which tier (docs/design.md, "Identify").
+//! Who is calling, and in which tier (docs/src/design.md, "Identify").
 //!
 //! Sources are tried in the configured order; the first that yields a
 //! principal wins. Only what Envoy verified (JWT claims in `jwt_authn`

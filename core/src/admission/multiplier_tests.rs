@@ -1,4 +1,4 @@
-//! Every multiplier of work is reserved (docs/design.md, "Guarantees"): prompts ×
+//! Every multiplier of work is reserved (docs/src/design.md, "Guarantees"): prompts ×
 //! choices × max output, lowered per completion or refused, through the engine.
 
 use super::*;

@@ -1,4 +1,4 @@
-//! Deny by default (docs/design.md, "Guarantees"): a request on the LLM listener
+//! Deny by default (docs/src/design.md, "Guarantees"): a request on the LLM listener
 //! is either classified (its API known, its whole demand reserved: `request::Api`)
 //! or let through by one of these rules, or refused with 404
 //! `unknown_endpoint`. A bodyless GET/HEAD/OPTIONS/DELETE to an unknown

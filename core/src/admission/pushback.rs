@@ -1,4 +1,4 @@
-//! Upstream pushback as the policy sets it up (docs/design.md, "Route"): which shared
+//! Upstream pushback as the policy sets it up (docs/src/design.md, "Route"): which shared
 //! record a request's model route uses, whose credential a 429 is about,
 //! and the three moments [`crate::flow`] reports (arrival, admission, answer).
 //! The record itself and its rules are in [`crate::admission::health`].

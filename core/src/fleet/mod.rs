@@ -1,4 +1,4 @@
-//! One set of limits across every Envoy of a fleet (docs/design.md, "Fleet"),
+//! One set of limits across every Envoy of a fleet (docs/src/design.md, "Fleet"),
 //! through the sidecar beside each Envoy and the Redis behind them. The filter never
 //! talks to Redis: it asks its sidecar (`/v1/fleet/take`, `/v1/fleet/give`).
 //!

@@ -1,4 +1,4 @@
-//! The response cache on the request path (docs/design.md, "Response cache"): a
+//! The response cache on the request path (docs/src/design.md, "Response cache"): a
 //! lookup in the sidecar before admission for requests of cache-enabled models, a hit
 //! answered here, a complete successful answer stored after it.
 //!

@@ -2,7 +2,7 @@
 //! its labels, as Envoy declares its own stats. Labels ride inside the
 //! name (`sluice_tokens_total_direction=input;.kind=actual;…`) and Envoy's
 //! `stats_tags` (shipped in every `envoy/` config) turn them into
-//! Prometheus labels; see docs/design.md, "Metrics and tags". A writer names
+//! Prometheus labels; see docs/src/design.md, "Metrics and tags". A writer names
 //! a [`Metric`] of this table, never a string, so the kind travels with it
 //! (no lookup by name on the request path) and no name is spelled twice.
 

@@ -1,5 +1,5 @@
 //! All-or-nothing reservation across the buckets that apply to a request
-//! (docs/design.md, "Admit"), on shared data with compare-and-swap so that
+//! (docs/src/design.md, "Admit"), on shared data with compare-and-swap so that
 //! every Envoy worker sees one exact count.
 //!
 //! Records. The buckets of one scope live in one shared-data value, a

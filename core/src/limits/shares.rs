@@ -1,4 +1,4 @@
-//! Fair shares of a shared bucket (docs/design.md, "Guarantees"): a model's or a
+//! Fair shares of a shared bucket (docs/src/design.md, "Guarantees"): a model's or a
 //! route's rate bucket is a commons that no group of callers may drain for the others.
 //!
 //! Groups. Each tier named in a bucket's `shares` is a group of that tier's
@@ -73,7 +73,7 @@
 //! caps `anonymous` at [`DEFAULT_ANONYMOUS_PERMILLE`] (50 %), so a flood
 //! of new identities leaves half of any model or route to declared keys.
 //! In fleet mode the shares hold in each Envoy's local bucket; the fleet's
-//! lease still bounds the total (see README, "Fair shares").
+//! lease still bounds the total (see docs/src/limits.md, "Fair shares").
 
 use crate::limits::bucket::{
     next_window, same_window, window_start, BucketState, Quota, Shortfall, MAX_WAIT_MS,

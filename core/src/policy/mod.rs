@@ -1,4 +1,4 @@
-//! The policy as operators write it (docs/design.md, "Policy"), its parsing
+//! The policy as operators write it (docs/src/design.md, "Policy"), its parsing
 //! from the two forms Envoy hands the plugin (protobuf `Struct` bytes or a JSON
 //! string), and the checks that span fields. Every error names the field path.
 

@@ -5,7 +5,7 @@ use serde::Deserialize;
 use crate::policy::health::{Credentials, MAX_CALLERS};
 use crate::policy::{de_duration, ConfigError, Policy};
 
-/// How sluice reacts to what the upstream says (docs/design.md, "Route"): pauses on
+/// How sluice reacts to what the upstream says (docs/src/design.md, "Route"): pauses on
 /// `Retry-After`, the per-route error breaker. One caller cannot pause,
 /// break or probe-block a route for the others; see `admission/health.rs`.
 #[derive(Debug, Clone, Deserialize)]

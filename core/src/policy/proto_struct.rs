@@ -1,5 +1,5 @@
 //! `google.protobuf.Struct` → JSON value. Envoy hands a Struct-typed plugin
-//! configuration to the plugin as protobuf bytes (docs/design.md, "Plugin
+//! configuration to the plugin as protobuf bytes (docs/src/design.md, "Plugin
 //! configuration"), so native YAML in the Envoy config arrives here.
 
 use prost::Message;

@@ -1,4 +1,4 @@
-//! Concurrency slots and the wait queue (docs/design.md, "Queue"): how many requests
+//! Concurrency slots and the wait queue (docs/src/design.md, "Queue"): how many requests
 //! a model (and its backend) has in flight across every worker of one Envoy,
 //! and who waits, in what order, when none is free.
 //!

@@ -1,4 +1,4 @@
-//! Consumption anomalies across all callers (docs/design.md, "Observability and
+//! Consumption anomalies across all callers (docs/src/design.md, "Observability and
 //! audit"): tokens per minute against a trailing baseline (a surge is a warning), and
 //! spend per hour against a ceiling (past it, the global breaker refuses new requests).
 //!

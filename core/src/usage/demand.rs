@@ -1,4 +1,4 @@
-//! What a request asks for (docs/design.md, "Demand and estimate"): which API, which
+//! What a request asks for (docs/src/design.md, "Demand and estimate"): which API, which
 //! model, streamed or not, how much output at most, and how many times over (the
 //! multipliers of work, one table per API). Read from OpenAI-, Anthropic-, vLLM- and
 //! Ollama-shaped bodies; only the fields sluice needs are looked at.

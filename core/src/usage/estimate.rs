@@ -1,4 +1,4 @@
-//! Demand estimate (docs/design.md, "Demand and estimate"): how many input
+//! Demand estimate (docs/src/design.md, "Demand and estimate"): how many input
 //! tokens a request will cost, without a tokenizer in the wasm binary.
 //!
 //! Text is scored by character class, calibrated against BPE tokenizers of

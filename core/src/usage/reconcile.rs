@@ -1,4 +1,4 @@
-//! Reconcile (docs/design.md, "Settle"): what a response really cost.
+//! Reconcile (docs/src/design.md, "Settle"): what a response really cost.
 //!
 //! One table says where each API puts its usage; one meter reads a response
 //! as it streams (JSON, SSE split at any byte, Ollama NDJSON), counts the

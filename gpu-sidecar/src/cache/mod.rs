@@ -1,4 +1,4 @@
-//! The response cache's store (docs/design.md, "Response cache"): the filter asks
+//! The response cache's store (docs/src/design.md, "Response cache"): the filter asks
 //! here before admission (`POST /v1/cache/lookup`) and after a complete successful
 //! answer (`POST /v1/cache/store`), over the HTTP channel it already has
 //! (messages: `sluice_wire::cache`).

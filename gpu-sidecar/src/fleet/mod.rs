@@ -1,5 +1,5 @@
 //! The fleet agent: this sidecar's Redis connection, on behalf of the one
-//! Envoy beside it (docs/design.md, "Fleet"). The filter never talks to
+//! Envoy beside it (docs/src/design.md, "Fleet"). The filter never talks to
 //! Redis; it asks here over the HTTP channel it already has:
 //!
 //! - `POST /v1/fleet/take`: every claim of one request, all or nothing,
@@ -13,7 +13,7 @@
 //!   batch with an id; the script records the id first (`SET NX`) so a
 //!   batch retried after a lost answer is applied once.
 //!
-//! What this sidecar trusts (see README, "What the fleet agent trusts"):
+//! What this sidecar trusts (see docs/src/fleet.md, "What the fleet agent trusts"):
 //! only the Envoy beside it, proven by the fleet secret both read from
 //! their own config (`x-sluice-fleet-secret`, compared in constant time),
 //! over loopback, as `application/json`, never with an `Origin` (no web

@@ -1,4 +1,4 @@
-//! Concurrency slots across the fleet (docs/design.md, "Queue", "Fleet"): how many
+//! Concurrency slots across the fleet (docs/src/design.md, "Queue", "Fleet"): how many
 //! requests a gated backend (and each of its models) has in flight, summed over every
 //! Envoy, stays within its `concurrency`.
 //!
