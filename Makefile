@@ -14,7 +14,7 @@ WASM          := target/wasm32-wasip1/release/sluice_filter.wasm
 CARGO         ?= cargo
 PYTHON        ?= python3
 
-.PHONY: all tools clients build check-build test demo lint fmt clean bench-core
+.PHONY: all tools clients build check-build test demo lint fmt clean bench-core docs
 
 all: build
 
@@ -81,6 +81,26 @@ check-build: build
 test: build check-build clients browser third-party
 	$(CARGO) test --workspace --exclude sluice-tests
 	SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=2
+
+## docs: the book (docs/, chapters in docs/src) built into target/book with
+## mdBook, installed from crates.io into target/tools on first use (pinned;
+## about 2.5 minutes to compile on a 2-core machine, then nothing)
+MDBOOK_VERSION := 0.5.4
+MDBOOK_ROOT    := target/tools
+MDBOOK         := $(MDBOOK_ROOT)/bin/mdbook
+MDBOOK_STAMP   := $(MDBOOK_ROOT)/.mdbook-$(MDBOOK_VERSION)
+docs: $(MDBOOK_STAMP)
+	$(MDBOOK) build docs
+	@echo "the book: target/book/index.html"
+
+# --no-default-features: `build` needs none of them (watch, serve and the
+# search index); the HTML renderer is always built.
+$(MDBOOK_STAMP):
+	$(CARGO) install --locked mdbook --version $(MDBOOK_VERSION) --no-default-features --root $(MDBOOK_ROOT)
+	@rm -f $(MDBOOK_ROOT)/.mdbook-*
+	@touch $@
+
+test: docs
 
 ## browser: headless Chromium and chromedriver (Debian `chromium`,
 ## `chromium-driver`) for tests/tests/operator_page.rs, installed when missing.
@@ -250,7 +270,7 @@ oci-tools:
 
 test: oci-tools
 
-## screenshot: docs/operator-page.png from `make demo` (scripts/screenshot.sh)
+## screenshot: docs/src/operator-page.png from `make demo` (scripts/screenshot.sh)
 .PHONY: screenshot
 screenshot: build browser
 	./scripts/screenshot.sh
