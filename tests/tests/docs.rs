@@ -324,6 +324,42 @@ fn every_relative_link_and_anchor_resolves() {
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
 
+/// Where `make docs` has built the book (`make test` builds it first), the
+/// ids mdBook gave each chapter's headings are the ones [`headings`]
+/// computes: the anchors checked above are the ones a reader's browser
+/// finds. A page older than its chapter (edited since) is not compared.
+#[test]
+fn heading_ids_are_the_ones_mdbook_made() {
+    let mut wrong = Vec::new();
+    for md in markdown_under(&book_src()) {
+        let name = md.strip_prefix(book_src()).expect("under docs/src");
+        let html = root().join("target/book").join(name).with_extension("html");
+        let modified = |p: &Path| fs::metadata(p).and_then(|m| m.modified()).ok();
+        match (modified(&html), modified(&md)) {
+            (Some(built), Some(written)) if built >= written => {}
+            _ => continue,
+        }
+        let page = read(&html);
+        let made: Vec<String> = page
+            .split("<h")
+            .skip(1)
+            .filter(|t| t.starts_with(|c: char| ('1'..='6').contains(&c)))
+            .filter_map(|t| t[1..].strip_prefix(" id=\""))
+            .filter_map(|t| t.split('"').next())
+            .map(str::to_string)
+            .collect();
+        let ours: Vec<String> = headings(&read(&md)).into_iter().map(|h| h.id).collect();
+        if made != ours {
+            wrong.push(format!("{}: mdBook {made:?}, ours {ours:?}", rel(&md)));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "heading ids differ:\n{}",
+        wrong.join("\n")
+    );
+}
+
 #[test]
 fn every_chapter_is_in_the_summary() {
     let summary_path = book_src().join("SUMMARY.md");
