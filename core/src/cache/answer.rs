@@ -10,7 +10,8 @@
 
 use serde_json::{json, Map, Value};
 
-use super::key::Api;
+use crate::usage::demand::Api;
+use crate::usage::reconcile::{self, Usage};
 
 /// Why an answer is not stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,25 +30,12 @@ pub enum NotStorable {
     UpstreamNoStore,
 }
 
-/// Usage of a stored answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-}
-
 fn finish_ok(reason: Option<&Value>) -> Result<(), NotStorable> {
     match reason.and_then(Value::as_str) {
         Some("stop") | Some("length") => Ok(()),
         Some(other) => Err(NotStorable::FinishReason(other.into())),
         None => Err(NotStorable::FinishReason("none".into())),
     }
-}
-
-fn count(v: Option<&Value>) -> Option<u64> {
-    // What settlement would not believe is no usage: never stored.
-    v.and_then(Value::as_u64)
-        .filter(|n| *n <= crate::usage::reconcile::MAX_BELIEVABLE)
 }
 
 /// Whether a complete answer may be stored, and its usage. `status` and
@@ -85,17 +73,6 @@ pub fn storable(
             for c in choices {
                 finish_ok(c.get("finish_reason"))?;
             }
-            let u = v.get("usage").ok_or(NotStorable::NoUsage)?;
-            match (
-                count(u.get("prompt_tokens")),
-                count(u.get("completion_tokens")),
-            ) {
-                (Some(p), Some(c)) => Ok(Usage {
-                    prompt_tokens: p,
-                    completion_tokens: c,
-                }),
-                _ => Err(NotStorable::NoUsage),
-            }
         }
         Api::OllamaChat | Api::OllamaGenerate => {
             if v.get("done") != Some(&Value::Bool(true)) {
@@ -106,18 +83,13 @@ pub fn storable(
             if let Some(r) = v.get("done_reason") {
                 finish_ok(Some(r))?;
             }
-            match (
-                count(v.get("prompt_eval_count")),
-                count(v.get("eval_count")),
-            ) {
-                (Some(p), Some(c)) => Ok(Usage {
-                    prompt_tokens: p,
-                    completion_tokens: c,
-                }),
-                _ => Err(NotStorable::NoUsage),
-            }
         }
+        // The cache serves no other API (`key::served`).
+        _ => return Err(NotStorable::Incomplete),
     }
+    // Read as settlement reads it; what settlement would not believe, or
+    // leaves to the estimate, is no usage: never stored.
+    reconcile::reported_in(&v).ok_or(NotStorable::NoUsage)
 }
 
 fn directives(header: &str) -> Vec<String> {
@@ -200,6 +172,7 @@ pub fn render(api: Api, stored: &str, stream: bool, include_usage: bool) -> Opti
             content_type: NDJSON,
             body: ollama_ndjson(api, &v)?,
         }),
+        _ => None,
     }
 }
 
@@ -329,7 +302,8 @@ fn ollama_ndjson(api: Api, v: &Value) -> Option<Vec<u8>> {
 /// non-streaming request gets; `None` unless it ended with `[DONE]`, every
 /// choice finished and usage came (the filter asks for it).
 pub fn assemble_sse(api: Api, stream: &[u8]) -> Option<String> {
-    let text = std::str::from_utf8(stream).ok()?;
+    // A stored answer is text.
+    std::str::from_utf8(stream).ok()?;
     let chat = api == Api::OpenAiChat;
     let mut base: Option<Map<String, Value>> = None;
     // index → (content, finish_reason, tool_calls by index)
@@ -337,16 +311,12 @@ pub fn assemble_sse(api: Api, stream: &[u8]) -> Option<String> {
         Default::default();
     let mut usage = None;
     let mut done = false;
-    for line in text.lines() {
-        let Some(data) = line.strip_prefix("data:") else {
-            continue;
-        };
-        let data = data.trim();
-        if data == "[DONE]" {
+    for data in reconcile::sse_data_events(stream) {
+        if data.trim_ascii() == b"[DONE]" {
             done = true;
             continue;
         }
-        let v: Value = serde_json::from_str(data).ok()?;
+        let v: Value = serde_json::from_slice(&data).ok()?;
         if v.get("error").is_some() {
             return None;
         }
@@ -513,8 +483,8 @@ mod tests {
         assert_eq!(
             storable(Api::OpenAiChat, 200, None, ok.as_bytes()),
             Ok(Usage {
-                prompt_tokens: 5,
-                completion_tokens: 2
+                input: 5,
+                output: 2
             })
         );
         assert!(storable(Api::OpenAiChat, 200, None, chat_body("length").as_bytes()).is_ok());

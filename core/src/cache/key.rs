@@ -13,46 +13,35 @@
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-/// The APIs the cache serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Api {
-    OpenAiChat,
-    OpenAiCompletions,
-    OllamaChat,
-    OllamaGenerate,
+use crate::usage::demand::Api;
+
+/// The APIs the cache serves, by the name their keys carry: a request of
+/// any other API is never looked up nor stored.
+const SERVED: [(Api, &str); 4] = [
+    (Api::OpenAiChat, "openai_chat"),
+    (Api::OpenAiCompletions, "openai_completions"),
+    (Api::OllamaChat, "ollama_chat"),
+    (Api::OllamaGenerate, "ollama_generate"),
+];
+
+/// The name an API's keys carry; `None`: the cache does not serve it.
+fn name_of(api: Api) -> Option<&'static str> {
+    SERVED.iter().find(|(a, _)| *a == api).map(|(_, n)| *n)
 }
 
-impl Api {
-    pub fn name(self) -> &'static str {
-        match self {
-            Api::OpenAiChat => "openai_chat",
-            Api::OpenAiCompletions => "openai_completions",
-            Api::OllamaChat => "ollama_chat",
-            Api::OllamaGenerate => "ollama_generate",
-        }
-    }
+/// `api`, when the cache serves it.
+pub fn served(api: Api) -> Option<Api> {
+    name_of(api).map(|_| api)
+}
 
-    pub fn is_ollama(self) -> bool {
-        matches!(self, Api::OllamaChat | Api::OllamaGenerate)
-    }
-
-    /// Fields that change how the answer is delivered or who is billed,
-    /// never what it says.
-    pub fn ignored_fields(self) -> &'static [&'static str] {
-        match self {
-            Api::OpenAiChat | Api::OpenAiCompletions => &["stream", "stream_options", "user"],
-            // `keep_alive`: how long the model stays loaded afterwards.
-            Api::OllamaChat | Api::OllamaGenerate => &["stream", "keep_alive"],
-        }
-    }
-
-    /// Whether a request of this API streams (Ollama streams unless told
-    /// `stream: false`; OpenAI only when told `stream: true`).
-    pub fn streams(self, body: &Value) -> bool {
-        match body.get("stream") {
-            Some(Value::Bool(b)) => *b,
-            _ => self.is_ollama(),
-        }
+/// Fields that change how the answer is delivered or who is billed,
+/// never what it says.
+fn ignored_fields(api: Api) -> &'static [&'static str] {
+    if api.is_ollama() {
+        // `keep_alive`: how long the model stays loaded afterwards.
+        &["stream", "keep_alive"]
+    } else {
+        &["stream", "stream_options", "user"]
     }
 }
 
@@ -68,6 +57,8 @@ pub enum Uncacheable {
     /// tells apart would share a key. Such a request is a miss, never a
     /// wrong hit.
     ImpreciseNumber,
+    /// An API the cache does not serve ([`served`]).
+    NotServed,
 }
 
 /// Whether every number in `v` is held exactly: integers as `u64`/`i64`,
@@ -103,7 +94,7 @@ pub fn canonical(api: Api, body: &Value) -> Result<String, Uncacheable> {
     }
     let kept: Map<String, Value> = obj
         .iter()
-        .filter(|(k, _)| !api.ignored_fields().contains(&k.as_str()))
+        .filter(|(k, _)| !ignored_fields(api).contains(&k.as_str()))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     Ok(Value::Object(kept).to_string())
@@ -132,11 +123,12 @@ pub fn exact_key(
     query: &str,
     body: &Value,
 ) -> Result<String, Uncacheable> {
+    let name = name_of(api).ok_or(Uncacheable::NotServed)?;
     let c = canonical(api, body)?;
     Ok(digest(
         salt,
         "sluice-cache-exact-v2",
-        &[scope, model, api.name(), query, &c],
+        &[scope, model, name, query, &c],
     ))
 }
 
@@ -280,6 +272,7 @@ pub fn semantic_parts(
             rest.remove("prompt");
             prompt
         }
+        _ => return None,
     };
     // Longer than the sidecar embeds: questions sharing their first
     // `SEMANTIC_TEXT_MAX_BYTES` would match; the exact key only.
@@ -287,6 +280,7 @@ pub fn semantic_parts(
         return None;
     }
     let c = canonical(api, &Value::Object(rest)).ok()?;
+    let api_name = name_of(api)?;
     let guard = guard_of(&text);
     // Tagged, so no name stands for "no name".
     let name = user_name.map_or_else(|| "-".to_string(), |n| format!("+{n}"));
@@ -294,7 +288,7 @@ pub fn semantic_parts(
         context: digest(
             salt,
             "sluice-cache-context-v2",
-            &[scope, model, api.name(), query, &name, &guard, &c],
+            &[scope, model, api_name, query, &name, &guard, &c],
         ),
         text,
     })
@@ -753,6 +747,34 @@ mod tests {
             &json!({"prompt": ["a", "b"]})
         )
         .is_none());
+    }
+
+    #[test]
+    fn keys_name_the_four_served_apis_and_no_other() {
+        let body = json!({"model": "m", "stream": true, "keep_alive": "5m", "temperature": 0,
+                          "messages": [{"role": "user", "content": "hi"}]});
+        // Pinned: a key computed by hand (length-prefixed SHA-256 of salt,
+        // domain, scope, model, "ollama_chat", query, canonical body), so
+        // the API's name in the key never changes under a stored entry.
+        assert_eq!(
+            exact_key("salt", "principal:a", "m", Api::OllamaChat, "", &body).unwrap(),
+            "749187766f634b52b2b4c644fb0f6cd8186c6537a73d5159b3b5db15ea815ab2"
+        );
+        for (api, _) in SERVED {
+            assert_eq!(served(api), Some(api));
+        }
+        for api in [
+            Api::OpenAiResponses,
+            Api::AnthropicMessages,
+            Api::OpenAiEmbeddings,
+        ] {
+            assert_eq!(served(api), None);
+            assert_eq!(
+                exact_key("s", "p", "m", api, "", &body),
+                Err(Uncacheable::NotServed)
+            );
+            assert!(semantic_parts("s", "p", "m", api, "", &body).is_none());
+        }
     }
 
     #[test]

@@ -22,7 +22,7 @@ use sluice_wire::cache::{Entry, LookupAnswer, LookupRequest, Semantic, StoreRequ
 use super::Stream;
 use crate::admission::{Asked, RequestContext};
 use crate::cache::answer::{self as cache_answer, Rendered};
-use crate::cache::key::{self as cache_key, Api as CacheApi};
+use crate::cache::key as cache_key;
 use crate::cache::tier::{self as cache_tier, Found as InEnvoy, Tier};
 use crate::host::metrics;
 use crate::host::{Action, Host, LogLevel};
@@ -36,7 +36,7 @@ pub(super) struct Wait {
     /// The exact key (hex), for the flight of a miss (`flight`).
     key: String,
     asked: Option<Asked>,
-    api: CacheApi,
+    api: Api,
     model: String,
     stream: bool,
     include_usage: bool,
@@ -66,7 +66,7 @@ impl HeldHit {
 
 /// What to store once the answer is complete.
 pub(super) struct ToStore {
-    api: CacheApi,
+    api: Api,
     key: String,
     model: String,
     ttl_s: u64,
@@ -100,16 +100,6 @@ enum Framing {
     Json,
     Sse,
     Ndjson,
-}
-
-fn cache_api(api: Api) -> Option<CacheApi> {
-    match api {
-        Api::OpenAiChat => Some(CacheApi::OpenAiChat),
-        Api::OpenAiCompletions => Some(CacheApi::OpenAiCompletions),
-        Api::OllamaChat => Some(CacheApi::OllamaChat),
-        Api::OllamaGenerate => Some(CacheApi::OllamaGenerate),
-        _ => None,
-    }
 }
 
 fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
@@ -237,7 +227,7 @@ impl Stream {
             policy.sidecar.as_ref(),
             asked,
             model,
-            cache_api(self.api),
+            cache_key::served(self.api),
             self.identity.as_ref(),
         ) else {
             return None;
@@ -769,7 +759,7 @@ impl Stream {
             Ok(u) => u,
             Err(_) => return skip(host),
         };
-        let spend = pricing.map_or(0, |p| p.cost(usage.prompt_tokens, usage.completion_tokens));
+        let spend = pricing.map_or(0, |p| p.cost(usage.input, usage.output));
         let req = StoreRequest {
             key: s.key,
             model: s.model,
@@ -777,8 +767,8 @@ impl Stream {
             semantic: s.semantic,
             entry: Entry {
                 body: json,
-                prompt_tokens: usage.prompt_tokens,
-                completion_tokens: usage.completion_tokens,
+                prompt_tokens: usage.input,
+                completion_tokens: usage.output,
                 spend_micros: spend,
             },
             scope: Some(s.scope_id),

@@ -176,8 +176,18 @@ impl Api {
         }
     }
 
-    fn is_ollama(self) -> bool {
+    pub fn is_ollama(self) -> bool {
         matches!(self, Api::OllamaGenerate | Api::OllamaChat)
+    }
+
+    /// Whether a request of this API streams, by its `stream` field:
+    /// Ollama streams unless told `stream: false`, the others only when
+    /// told `stream: true`.
+    pub fn streams(self, body: &Value) -> bool {
+        match body.get("stream") {
+            Some(Value::Bool(b)) => *b,
+            _ => self.is_ollama(),
+        }
     }
 }
 
@@ -396,8 +406,7 @@ pub fn parse_body(
     };
     let model = model_of(fields)?;
     let stream = match fields.get("stream") {
-        None | Some(Value::Null) => api.is_ollama(), // Ollama streams unless told not to
-        Some(Value::Bool(b)) => *b,
+        None | Some(Value::Null | Value::Bool(_)) => api.streams(&value),
         Some(_) => return Err(BadBody::at("stream", "`stream` must be a boolean")),
     } && api.produces_output();
     let max_output = max_output_of(api, fields, &|| output_cap(&model))?;

@@ -84,7 +84,7 @@ const REASONING_PATHS: &[&[&str]] = &[
 ];
 
 /// Counts above this are not believed (a misbehaving upstream, not a model).
-pub(crate) const MAX_BELIEVABLE: u64 = 100_000_000;
+const MAX_BELIEVABLE: u64 = 100_000_000;
 
 /// Usage reported by the upstream.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -192,10 +192,16 @@ fn count(v: &Value, paths: &[&[&str]]) -> Found {
 /// The input count with the extra input fields added; `Invalid` if any of
 /// them is not a sane count.
 fn input_count(v: &Value) -> Found {
-    let found = match count(v, INPUT_PATHS) {
-        Found::Nothing if ollama_without_input(v) => return Found::Usage(Usage::default()),
+    match reported_input(v) {
+        Found::Nothing if ollama_without_input(v) => Found::Usage(Usage::default()),
         found => found,
-    };
+    }
+}
+
+/// The input count as reported (with the extra input fields), with no
+/// count inferred for a field left out.
+fn reported_input(v: &Value) -> Found {
+    let found = count(v, INPUT_PATHS);
     let Found::Usage(mut base) = found else {
         return found;
     };
@@ -214,6 +220,19 @@ fn input_count(v: &Value) -> Found {
 /// Reads the usage of one response object (a JSON body or one stream event).
 pub fn usage_in(v: &Value) -> Found {
     usage_of(v, input_count(v), count(v, OUTPUT_PATHS))
+}
+
+/// The usage of one response object when it reports both its input and
+/// its output as sane counts: nothing left out, nothing to estimate (what
+/// the response cache records of an answer it stores).
+pub fn reported_in(v: &Value) -> Option<Usage> {
+    match (reported_input(v), count(v, OUTPUT_PATHS)) {
+        (Found::Usage(i), Found::Usage(o)) => Some(Usage {
+            input: i.input,
+            output: o.output,
+        }),
+        _ => None,
+    }
 }
 
 /// The usage of `v` from its input and output counts, read once.
@@ -629,6 +648,20 @@ fn sse_event_end(buf: &[u8], end: bool) -> Option<(usize, bool)> {
     None
 }
 
+/// The data of each event of a whole SSE stream, in order, read as
+/// [`ResponseMeter`] reads a stream split at any byte; a last event with
+/// no blank line after it counts too, as at a stream's end.
+pub fn sse_data_events(stream: &[u8]) -> Vec<Vec<u8>> {
+    let mut events = Vec::new();
+    let mut rest = stream;
+    while let Some((len, _)) = sse_event_end(rest, true) {
+        events.extend(sse_data(&rest[..len]));
+        rest = &rest[len..];
+    }
+    events.extend(sse_data(rest));
+    events
+}
+
 /// The lines of one SSE event, whatever their line ends.
 fn sse_lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
     event
@@ -664,6 +697,44 @@ fn sse_data(event: &[u8]) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_whole_stream_reads_event_by_event() {
+        let stream = b"data: {\"a\":1}\r\n\r\n: comment\n\nevent: x\ndata: {\"b\":\ndata: 2}\n\ndata: [DONE]";
+        assert_eq!(
+            sse_data_events(stream),
+            vec![
+                b"{\"a\":1}".to_vec(),
+                b"{\"b\":\n2}".to_vec(),
+                b"[DONE]".to_vec()
+            ]
+        );
+    }
+
+    #[test]
+    fn reported_usage_needs_both_counts() {
+        let ok = json!({"usage": {"prompt_tokens": 3, "completion_tokens": 4}});
+        assert_eq!(
+            reported_in(&ok),
+            Some(Usage {
+                input: 3,
+                output: 4
+            })
+        );
+        // Settlement reads Ollama's missing input as 0; a report it is not.
+        let ollama = json!({"done": true, "eval_count": 4});
+        assert_eq!(
+            usage_in(&ollama),
+            Found::Usage(Usage {
+                input: 0,
+                output: 4
+            })
+        );
+        assert_eq!(reported_in(&ollama), None);
+        assert_eq!(reported_in(&json!({"usage": {"prompt_tokens": 3}})), None);
+        let huge = json!({"usage": {"prompt_tokens": 3, "completion_tokens": MAX_BELIEVABLE + 1}});
+        assert_eq!(reported_in(&huge), None);
+    }
 
     #[test]
     fn usage_table_covers_every_shape() {
