@@ -49,6 +49,13 @@ pub const TICK_MS: u64 = 250;
 /// After a failed poll, wait this long before the next.
 const POLL_RETRY_MS: u64 = 1_000;
 
+#[cfg(test)]
+thread_local! {
+    /// Runs of the decision's tail (`Stream::conclude`) on this thread: the
+    /// tests see the direct and the queued request go through it.
+    static CONCLUDED: Cell<u32> = const { Cell::new(0) };
+}
+
 /// Adds to a metric; nothing for 0 (no host call on the common path).
 fn add(host: &dyn Host, metric: Metric, by: i64) {
     metric.add(host, by);
@@ -1365,6 +1372,8 @@ impl Stream {
         mut parked: waiting::Parked,
         now: u64,
     ) -> Action {
+        #[cfg(test)]
+        CONCLUDED.with(|c| c.set(c.get() + 1));
         let filter = self.filter.clone();
         let engine = &filter.engine;
         let path = self.path.clone();
@@ -1793,6 +1802,8 @@ mod early;
 mod endpoint_tests;
 mod flight;
 pub(crate) mod slots;
+#[cfg(test)]
+mod tail_tests;
 pub mod telemetry;
 /// Which VM polls the sidecar (see `flow::POLLER_KEY`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
