@@ -127,14 +127,13 @@ impl Engine {
         };
 
         let mut effort = Contention::default();
-        let pricing = self.pricing_of(model.as_deref());
+        let price = self.price_of(model.as_deref());
         let applying = self.drawn_on(identity, sized.api, model.as_deref(), path);
         let Reserved {
             reservation,
             taken,
             lowered,
-        } = match self.reserve_lowering(&reserver, ctx, &applying, &mut sized, pricing, &mut effort)
-        {
+        } = match self.reserve_lowering(&reserver, ctx, &applying, &mut sized, price, &mut effort) {
             Ok(reserved) => reserved,
             Err((refusal, taken)) => {
                 return self.refusal(refusal, &taken, identity, model.as_deref(), effort, now_ms)
@@ -170,7 +169,7 @@ impl Engine {
             max_output: sized.output(),
             stream: a.demand.stream,
             strip_usage,
-            pricing,
+            price,
             output_lowered: lowered,
         });
         Verdict {
@@ -199,7 +198,7 @@ impl Engine {
         ctx: &RequestContext,
         applying: &[usize],
         sized: &mut Sized,
-        pricing: Pricing,
+        price: ModelPrice,
         effort: &mut Contention,
     ) -> Result<Reserved, (Refusal, Vec<usize>)> {
         let identity = ctx.identity;
@@ -209,7 +208,7 @@ impl Engine {
             let taken: Vec<usize> = applying
                 .iter()
                 .copied()
-                .filter(|&i| self.buckets[i].meter.amount(input, output, pricing) > 0)
+                .filter(|&i| self.buckets[i].meter.amount(input, output, price) > 0)
                 .collect();
             let claims: Vec<Claim> = taken
                 .iter()
@@ -217,7 +216,7 @@ impl Engine {
                     let b = &self.buckets[i];
                     Claim {
                         rule: &b.rule,
-                        amount: b.meter.amount(input, output, pricing),
+                        amount: b.meter.amount(input, output, price),
                         soft: b.soft,
                         share: b.shares.as_ref().map(|table| Share {
                             table,
@@ -274,11 +273,11 @@ impl Engine {
             ..
         } = *ctx;
         let target = self.policy.models.get(model?)?.downshift_to.clone()?;
-        let pricing = self.pricing_of(model);
+        let price = self.price_of(model);
         let over_soft = self.applying(identity, model, path).iter().any(|&i| {
             let b = &self.buckets[i];
             b.soft && {
-                let claim = Claim::hard(&b.rule, b.meter.amount(input, output, pricing));
+                let claim = Claim::hard(&b.rule, b.meter.amount(input, output, price));
                 reserver.peek(&claim, caller(identity), now_ms).remaining < claim.amount
             }
         });
@@ -525,15 +524,15 @@ impl Engine {
             self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
         });
         let model = downshift.or(requested_model);
-        let pricing = self.pricing_of(model.as_deref());
+        let price = self.price_of(model.as_deref());
         // The least output admission would lower this request to.
         let least = per_choice.min(MIN_LOWERED_OUTPUT).saturating_mul(choices);
         let taken = self.drawn_on(identity, api, model.as_deref(), path);
         let need = |b: &Bucket| {
-            if b.soft || b.meter.amount(input, output, pricing) == 0 {
+            if b.soft || b.meter.amount(input, output, price) == 0 {
                 return None;
             }
-            let amount = b.meter.amount(input, least, pricing);
+            let amount = b.meter.amount(input, least, price);
             if b.meter != Meter::Requests {
                 return Some(amount);
             }

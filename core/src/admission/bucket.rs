@@ -1,9 +1,10 @@
-//! A compiled bucket: what it counts ([`Meter`]), what a model costs
-//! ([`Pricing`]), and what answers say about it. Made by `compile`, read
-//! by the rest of admission.
+//! A compiled bucket: what it counts ([`Meter`]) and what answers say
+//! about it. Made by `compile`, read by the rest of admission. What a
+//! model costs is the policy's [`ModelPrice`].
 
 use crate::admission::answer::Reason;
 use crate::limits::reservation::Rule;
+use crate::policy::prices::{Billed, ModelPrice};
 
 /// What a bucket counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,30 +19,33 @@ pub enum Meter {
 }
 
 impl Meter {
-    pub(crate) fn amount(self, input: u64, output: u64, pricing: Pricing) -> u64 {
+    /// What a request of these totals takes from a bucket before its
+    /// answer: for spend, the most its parts may cost (a cached or
+    /// reasoning token may be priced above a plain one).
+    pub(crate) fn amount(self, input: u64, output: u64, price: ModelPrice) -> u64 {
+        match self {
+            Meter::Spend => price.bound_micros(input, output),
+            _ => self.settled(
+                Billed {
+                    input,
+                    output,
+                    ..Billed::default()
+                },
+                price,
+            ),
+        }
+    }
+
+    /// What a request really cost this bucket, its parts priced apart.
+    pub(crate) fn settled(self, billed: Billed, price: ModelPrice) -> u64 {
+        let Billed { input, output, .. } = billed;
         match self {
             Meter::Requests => 1,
             Meter::Tokens => input.saturating_add(output),
             Meter::InputTokens => input,
             Meter::OutputTokens => output,
-            Meter::Spend => pricing.cost(input, output),
+            Meter::Spend => price.cost_micros(billed),
         }
-    }
-}
-
-/// Price of a model in micro-currency per 1,000 tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Pricing {
-    pub input_per_1k: u64,
-    pub output_per_1k: u64,
-}
-
-impl Pricing {
-    /// Micro-currency for a request, rounded up.
-    pub fn cost(self, input: u64, output: u64) -> u64 {
-        let micro_k =
-            input as u128 * self.input_per_1k as u128 + output as u128 * self.output_per_1k as u128;
-        micro_k.div_ceil(1000).min(u64::MAX as u128) as u64
     }
 }
 

@@ -185,7 +185,6 @@ impl Engine {
             .map(|abuse| crate::admission::penalty::PenaltyBox::new(abuse, ipv6_prefix));
         Engine {
             resolver: Resolver::new(&policy),
-            pricing: pricing(&policy),
             policy,
             buckets,
             tier_buckets,
@@ -324,39 +323,12 @@ impl Engine {
             .unwrap_or(self.policy.defaults.max_output_tokens)
     }
 
-    pub(super) fn pricing_of(&self, model: Option<&str>) -> Pricing {
+    pub(super) fn price_of(&self, model: Option<&str>) -> ModelPrice {
         model
-            .and_then(|m| self.pricing.get(m))
-            .copied()
+            .and_then(|m| self.policy.models.get(m))
+            .and_then(|m| m.priced)
             .unwrap_or_default()
     }
-}
-
-/// What each model costs, in micro-currency per 1,000 tokens: its price, or
-/// its GPU's cost per hour over the tokens it serves per hour.
-fn pricing(policy: &Policy) -> HashMap<String, Pricing> {
-    policy
-        .models
-        .iter()
-        .map(|(name, m)| {
-            let micro = |per_1k: f64| (per_1k * 1e6).round().max(0.0) as u64;
-            let p = match (m.price, m.gpu) {
-                (Some(p), _) => Pricing {
-                    input_per_1k: micro(p.input_per_1k),
-                    output_per_1k: micro(p.output_per_1k),
-                },
-                (None, Some(g)) => {
-                    let per_1k = micro(g.cost_per_hour * 1000.0 / (g.tokens_per_second * 3600.0));
-                    Pricing {
-                        input_per_1k: per_1k,
-                        output_per_1k: per_1k,
-                    }
-                }
-                (None, None) => Pricing::default(),
-            };
-            (name.clone(), p)
-        })
-        .collect()
 }
 
 /// The buckets being compiled, each section's in turn.

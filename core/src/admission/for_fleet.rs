@@ -14,9 +14,9 @@ impl Engine {
             .collect()
     }
 
-    /// The meter's units for this usage (requests: 1).
-    pub fn units(meter: Meter, input: u64, output: u64, pricing: Pricing) -> u64 {
-        meter.amount(input, output, pricing)
+    /// The meter's units for what a request really used (requests: 1).
+    pub fn units(meter: Meter, billed: Billed, price: ModelPrice) -> u64 {
+        meter.settled(billed, price)
     }
 
     /// Creates the shared-data keys of extra rules (the `local_share`

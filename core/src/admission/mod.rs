@@ -61,8 +61,9 @@ mod org_tests;
 #[cfg(test)]
 mod shares_tests;
 
+pub use crate::policy::prices::{Billed, ModelPrice};
 use bucket::Bucket;
-pub use bucket::{Meter, Pricing};
+pub use bucket::Meter;
 
 /// Metric labels of one decision. Bounded: tiers and models come from the
 /// policy (`other` for unlisted models), reasons from a fixed set.
@@ -146,7 +147,9 @@ pub struct Plan {
     pub stream: bool,
     /// sluice asked for the usage chunk; the client did not.
     pub strip_usage: bool,
-    pub pricing: Pricing,
+    /// What the model costs where it is sent: reserved at its bound,
+    /// settled at its rates.
+    pub price: ModelPrice,
     /// The output limit was lowered to fit a budget: the upstream's
     /// answer is not what the client's request would get (not cached).
     pub output_lowered: bool,
@@ -171,6 +174,9 @@ pub struct Settled {
     pub input_estimated: bool,
     /// The upstream sent usage sluice could not believe.
     pub invalid_usage: bool,
+    /// What is charged: the totals above with the parts the usage
+    /// priced apart (cached input, cache writes, reasoning).
+    pub billed: Billed,
     pub cost: u64,
     /// This request's minute is a consumption surge (first time flagged).
     pub surge: bool,
@@ -202,7 +208,6 @@ pub struct Engine {
     route_buckets: Vec<(String, usize)>,
     /// The policy's `passthrough` rules and the bucket of each.
     pub(crate) passthrough: Vec<(crate::admission::passthrough::Compiled, usize)>,
-    pricing: HashMap<String, Pricing>,
     /// The penalty box, when the policy has `abuse`.
     pub(crate) penalty: Option<crate::admission::penalty::PenaltyBox>,
     /// This worker's leases of the shared buckets (`state.worker_leases`).
@@ -730,6 +735,67 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn spend_is_settled_with_each_part_at_its_own_rate() {
+        // Per 1M tokens: input 2, cached input 0.5, output 8, reasoning 8.
+        let (e, store) = engine_with(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"daily_spend": 1.0}},
+            "models": {"paid": {"price": {"input": "2", "output": "8",
+                                          "cached_input": "0.5", "reasoning": "8"}}},
+        }));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("paid", 100));
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        let plan = v.plan.unwrap();
+        let usage = Found::Usage(Usage {
+            input: 1000,
+            output: 100,
+        });
+        let details = crate::usage::reconcile::Details {
+            cached_input: 800,
+            cache_write_input: 0,
+            reasoning_output: 40,
+        };
+        let (s, _) = e.settle_parts(&store, &plan, usage, details, 0, true, 0);
+        // 200 × 2 + 800 × 0.5 + 100 × 8 = 400 + 400 + 800 per 1M = 1,600 µ.
+        assert_eq!(s.cost, 1600);
+        assert_eq!(s.billed.cached_input, 800);
+        // Without parts every input token is plain: 1000 × 2 + 100 × 8.
+        let (plain, _) = e.settle(&store, &plan, usage, 0, true, 0);
+        assert_eq!(plain.cost, 2800);
+    }
+
+    #[test]
+    fn a_price_is_written_one_way_and_errors_name_its_field() {
+        let with = |model: Value| {
+            Policy::from_value(json!({"default_tier": "t", "tiers": {"t": {}},
+                                      "models": {"m": model}}))
+        };
+        let e = with(json!({"price": {"input": "1", "output": "1"}, "gpu":
+                            {"cost_per_hour": 1, "tokens_per_second": 1}}))
+        .unwrap_err();
+        assert_eq!(e.path, "models.m");
+        let e = with(json!({"price": {"input": "1", "output": "-2"}})).unwrap_err();
+        assert_eq!(e.path, "models.m.price.output");
+        let e = with(json!({"price": {"input_per_1k": 1, "output": 2}})).unwrap_err();
+        assert_eq!(e.path, "models.m.price.output");
+        let e = with(json!({"price_litellm": {"input_cost_per_token": 1e-6}})).unwrap_err();
+        assert_eq!(e.path, "models.m.price_litellm.output_cost_per_token");
+        let p = with(json!({"price_litellm": {"input_cost_per_token": 2.5e-6,
+                                              "output_cost_per_token": 1e-5,
+                                              "litellm_provider": "openai"}}))
+        .unwrap();
+        let written = with(json!({"price": {"input": "2.5", "output": "10"}})).unwrap();
+        assert_eq!(p.models["m"].priced, written.models["m"].priced);
+        // The per-1,000 form is the same price ×1000 per 1M, exactly.
+        let k = with(json!({"price": {"input_per_1k": 0.0025, "output_per_1k": 0.01}})).unwrap();
+        assert_eq!(k.models["m"].priced, written.models["m"].priced);
+    }
+
+    #[test]
     fn spend_caps_price_input_and_output() {
         let (e, store) = engine_with(json!({
             "default_tier": "t",
@@ -743,7 +809,7 @@ pub(crate) mod tests {
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         let plan = v.plan.unwrap();
-        let cost = plan.pricing.cost(plan.input_estimate, 4);
+        let cost = plan.price.bound_micros(plan.input_estimate, 4);
         assert_eq!(cost, plan.input_estimate * 1000 + 8000);
         let a = asked(&e, chat("paid", 5000));
         let v = e.admit(

@@ -108,8 +108,8 @@ fn an_org_spend_cap_is_shared_by_its_teams_to_the_micro_unit() {
     assert_eq!(v.bucket.as_deref(), Some("org/acme/daily_spend"));
     assert!(spent <= 10_000, "{spent} micro-units over a 0.01 cap");
     let per = e
-        .pricing_of(Some("paid"))
-        .cost(asked_input(&e, &store, &asked), 1);
+        .price_of(Some("paid"))
+        .bound_micros(asked_input(&e, &store, &asked), 1);
     assert!(
         10_000 - spent < per,
         "{spent}: the cap is used up to the last request that fits"

@@ -3,18 +3,45 @@
 //! feeds the surge warning and the spend breaker.
 
 use super::*;
-use crate::usage::reconcile::Usage;
+use crate::usage::reconcile::{Details, Usage};
 
 impl Engine {
     /// Step 5: replace the reservation with what the response really cost.
     /// Usage from the upstream wins; without (believable) usage, the input
     /// estimate and the output counted in the stream. An upstream error
-    /// costs nothing.
+    /// costs nothing. Every token at its plain rate: see
+    /// [`Engine::settle_parts`] for an answer whose usage prices parts apart.
     pub fn settle(
         &self,
         store: &dyn SharedStore,
         plan: &Plan,
         found: Found,
+        output_counted: u64,
+        upstream_ok: bool,
+        now_ms: u64,
+    ) -> (Settled, Contention) {
+        let parts = Details::default();
+        self.settle_parts(
+            store,
+            plan,
+            found,
+            parts,
+            output_counted,
+            upstream_ok,
+            now_ms,
+        )
+    }
+
+    /// [`Engine::settle`], with the usage's `details` (cached input, cache
+    /// writes, reasoning) priced at their own rates when the usage is
+    /// believed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn settle_parts(
+        &self,
+        store: &dyn SharedStore,
+        plan: &Plan,
+        found: Found,
+        details: Details,
         output_counted: u64,
         upstream_ok: bool,
         now_ms: u64,
@@ -33,6 +60,18 @@ impl Engine {
             _ => (plan.input_estimate, output_counted, false),
         };
         let input_estimated = matches!(found, Found::Usage(u) if !reported_input(u));
+        // Parts only of counts the upstream reported (bounded by them).
+        let parts = match from_usage && !input_estimated {
+            true => details.within(Usage { input, output }),
+            false => Details::default(),
+        };
+        let billed = Billed {
+            input,
+            output,
+            cached_input: parts.cached_input,
+            cache_write_input: parts.cache_write_input,
+            reasoning_output: parts.reasoning_output,
+        };
         let reserver = self.reserver(store);
         let mut effort = Contention::default();
         // One update per record the plan holds (its buckets' settlements
@@ -42,7 +81,7 @@ impl Engine {
             .iter()
             .zip(&plan.meters)
             .filter(|(_, meter)| **meter != Meter::Requests)
-            .map(|(held, meter)| (held, meter.amount(input, output, plan.pricing)))
+            .map(|(held, meter)| (held, meter.settled(billed, plan.price)))
             .collect();
         let charges_unwritten = self.settle_leased(&reserver, &items, now_ms, &mut effort);
         if from_usage && !input_estimated && input > 0 {
@@ -50,7 +89,7 @@ impl Engine {
                 self.learn(store, model, plan.input_raw, input, &mut effort);
             }
         }
-        let cost = plan.pricing.cost(input, output);
+        let cost = plan.price.cost_micros(billed);
         let (surge, global_open) = self.record_usage(
             store,
             input.saturating_add(output),
@@ -64,6 +103,7 @@ impl Engine {
             from_usage,
             input_estimated,
             invalid_usage: found == Found::Invalid,
+            billed,
             cost,
             surge,
             global_open,

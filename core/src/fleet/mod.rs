@@ -56,7 +56,7 @@ pub use sluice_wire::fleet::GiveItem;
 use sluice_wire::fleet::{GiveRequest, TakeAnswer, TakeClaim, TakeRequest};
 
 use crate::admission::identity::Identity;
-use crate::admission::{Engine, Meter, Pricing};
+use crate::admission::{Billed, Engine, Meter, ModelPrice};
 use crate::host::metrics;
 use crate::host::{Host, LogLevel};
 use crate::limits::bucket::{next_window, Quota};
@@ -439,9 +439,8 @@ struct Short {
 /// What a settled request really used.
 #[derive(Debug, Clone, Copy)]
 pub struct Used {
-    pub input: u64,
-    pub output: u64,
-    pub pricing: Pricing,
+    pub billed: Billed,
+    pub price: ModelPrice,
 }
 
 /// What the fleet says about an admitted request.
@@ -1309,7 +1308,7 @@ impl Fleet {
         now: u64,
     ) {
         self.settle_with(engine, host, claims, now, |m| {
-            Engine::units(m, used.input, used.output, used.pricing)
+            Engine::units(m, used.billed, used.price)
         });
     }
 

@@ -593,9 +593,8 @@ impl Stream {
             super::count_contention(host, effort);
             if let Some(fleet) = &filter.fleet {
                 let used = crate::fleet::Used {
-                    input: settled.input,
-                    output: settled.output,
-                    pricing: plan.pricing,
+                    billed: settled.billed,
+                    price: plan.price,
                 };
                 fleet.settle(engine, host, &claims, used, now);
             }
@@ -730,7 +729,7 @@ impl Stream {
         // model's, and the key names the requested one.
         let plan = self.upstream().and_then(|up| up.plan.as_ref());
         let served = plan.and_then(|p| p.model.clone());
-        let pricing = plan.map(|p| p.pricing);
+        let price = plan.map(|p| p.price);
         if served.is_some_and(|m| m != model) {
             return skip(host);
         }
@@ -759,7 +758,13 @@ impl Stream {
             Ok(u) => u,
             Err(_) => return skip(host),
         };
-        let spend = pricing.map_or(0, |p| p.cost(usage.input, usage.output));
+        let spend = price.map_or(0, |p| {
+            p.cost_micros(crate::admission::Billed {
+                input: usage.input,
+                output: usage.output,
+                ..Default::default()
+            })
+        });
         let req = StoreRequest {
             key: s.key,
             model: s.model,

@@ -1725,15 +1725,14 @@ impl Stream {
         let (settled, effort) =
             self.filter
                 .engine
-                .settle(host, &plan, found, counted, upstream_ok, now);
+                .settle_parts(host, &plan, found, details, counted, upstream_ok, now);
         add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
         count_contention(host, effort);
         if let Some(fleet) = &self.filter.fleet {
             let engine = &self.filter.engine;
             let used = crate::fleet::Used {
-                input: settled.input,
-                output: settled.output,
-                pricing: plan.pricing,
+                billed: settled.billed,
+                price: plan.price,
             };
             fleet.settle(engine, host, &claims, used, now);
         }

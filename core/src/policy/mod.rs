@@ -46,7 +46,7 @@ pub use crate::policy::identity::{
     UnknownKeys,
 };
 pub use crate::policy::limit::{Budget, Limit, Mode, Window, MAX_PERIOD_MS};
-pub use crate::policy::models::{default_backend, GpuCost, ModelConfig, Price};
+pub use crate::policy::models::{default_backend, GpuCost, ModelConfig};
 pub use crate::policy::protection::ProtectionConfig;
 pub use crate::policy::request::{Defaults, RequestConfig, MAX_OUTPUT_CAP};
 pub use crate::policy::routes::RouteConfig;
@@ -206,8 +206,9 @@ impl Policy {
             let path = err.path().to_string();
             ConfigError::at(path, err.into_inner().to_string())
         })?;
-        policy.check()?;
         let mut policy = policy;
+        models::read_prices(&mut policy)?;
+        policy.check()?;
         if let Some(c) = &policy.cache {
             let compiled = c.check().map_err(|e| ConfigError::at(e.path, e.message))?;
             if let Some(name) = compiled

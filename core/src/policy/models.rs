@@ -3,6 +3,7 @@
 use serde::Deserialize;
 
 use crate::policy::health::Credentials;
+use crate::policy::prices::{self, ModelPrice};
 use crate::policy::{de_number, ConfigError, Limit, Policy};
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -23,8 +24,17 @@ pub struct ModelConfig {
     /// The sidecar scope `backend:<name>` whose breaker guards this model.
     #[serde(default = "default_backend")]
     pub backend: String,
-    /// Price per 1,000 tokens.
-    pub price: Option<Price>,
+    /// What the model costs, per 1M tokens (`{input: "2.50", output: "10",
+    /// cached_input: "1.25", cache_write: …, reasoning: …, above: {200000:
+    /// {…}}}`), or per 1,000 (`{input_per_1k: 0.5, output_per_1k: 1.5}`).
+    /// Decimals are exact (see `policy/prices.rs`).
+    pub price: Option<serde_json::Value>,
+    /// The model's price as an entry of LiteLLM's
+    /// `model_prices_and_context_window.json` (instead of `price`).
+    pub price_litellm: Option<serde_json::Value>,
+    /// `price`, `price_litellm` or `gpu`, read at load.
+    #[serde(skip)]
+    pub priced: Option<ModelPrice>,
     /// Virtual cost of a self-hosted model: GPU cost per hour ÷ throughput.
     pub gpu: Option<GpuCost>,
     /// Whose credential this model's upstream sees; default:
@@ -43,15 +53,6 @@ pub fn default_backend() -> String {
 
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Price {
-    #[serde(deserialize_with = "de_number")]
-    pub input_per_1k: f64,
-    #[serde(deserialize_with = "de_number")]
-    pub output_per_1k: f64,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct GpuCost {
     #[serde(deserialize_with = "de_number")]
     pub cost_per_hour: f64,
@@ -59,8 +60,42 @@ pub struct GpuCost {
     pub tokens_per_second: f64,
 }
 
+/// Reads each model's price (`price`, `price_litellm` or `gpu`: one of
+/// them), exactly; an error names the field.
+pub(crate) fn read_prices(p: &mut Policy) -> Result<(), ConfigError> {
+    for (name, model) in p.models.iter_mut() {
+        let at = format!("models.{name}");
+        let err = |(path, message): (String, String)| ConfigError { path, message };
+        let written = [
+            model.price.is_some(),
+            model.price_litellm.is_some(),
+            model.gpu.is_some(),
+        ];
+        if written.iter().filter(|w| **w).count() > 1 {
+            return Err(ConfigError::at(
+                at,
+                "give one of `price`, `price_litellm` and `gpu`",
+            ));
+        }
+        model.priced = match (&model.price, &model.price_litellm, model.gpu) {
+            (Some(v), _, _) => Some(prices::written(v, &format!("{at}.price")).map_err(err)?),
+            (_, Some(v), _) => {
+                Some(prices::litellm(v, &format!("{at}.price_litellm")).map_err(err)?)
+            }
+            (_, _, Some(g)) if g.cost_per_hour >= 0.0 && g.tokens_per_second > 0.0 => {
+                // Micro-units per 1,000 tokens: the hour's cost over the
+                // tokens served in an hour.
+                let per_1k = g.cost_per_hour * 1000.0 / (g.tokens_per_second * 3600.0);
+                Some(ModelPrice::flat((per_1k * 1e6).round().max(0.0) as u64))
+            }
+            _ => None,
+        };
+    }
+    Ok(())
+}
+
 /// A model's downshift names another model, its output caps fit under
-/// `request.max_output`, and its prices are sane.
+/// `request.max_output`, and its GPU cost is sane.
 pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
     for (name, model) in &p.models {
         model.check(name, p)?;
@@ -102,14 +137,6 @@ impl ModelConfig {
                 format!("models.{name}.default_max_output"),
                 "must be at least 1",
             ));
-        }
-        if let Some(price) = self.price {
-            if !(price.input_per_1k >= 0.0 && price.output_per_1k >= 0.0) {
-                return Err(ConfigError::at(
-                    format!("models.{name}.price"),
-                    "prices must not be negative",
-                ));
-            }
         }
         if let Some(g) = self.gpu {
             if !(g.cost_per_hour >= 0.0 && g.tokens_per_second > 0.0) {

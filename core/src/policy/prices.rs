@@ -44,8 +44,9 @@ impl PerMillion {
     }
 
     /// From a JSON value: a string (exact) or a number (its shortest
-    /// decimal form).
-    fn from_value(v: &Value, per_token: bool) -> Result<PerMillion, String> {
+    /// decimal form), per 1M tokens, per token (LiteLLM) or per 1,000
+    /// tokens (the policy's older `input_per_1k`).
+    fn from_value(v: &Value, unit: Unit) -> Result<PerMillion, String> {
         let text = match v {
             Value::String(s) => s.clone(),
             Value::Number(n) => match (n.as_u64(), n.as_f64()) {
@@ -55,12 +56,21 @@ impl PerMillion {
             },
             other => return Err(format!("`{other}` is not a price")),
         };
-        if per_token {
-            PerMillion::per_token(&text)
-        } else {
-            PerMillion::parse(&text)
-        }
+        let shift = match unit {
+            Unit::Million => 0,
+            Unit::Thousand => 3,
+            Unit::Token => 6,
+        };
+        scaled(&text, NANOS as i32 + shift).map(PerMillion)
     }
+}
+
+/// The token count a price is written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unit {
+    Million,
+    Thousand,
+    Token,
 }
 
 /// `text` × 10^`shift`, which must be a whole non-negative number that
@@ -132,15 +142,19 @@ pub struct Rates {
     pub reasoning: Option<PerMillion>,
 }
 
-/// What one model costs at one provider.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// The most context-length tiers one price may have.
+pub const MAX_TIERS: usize = 4;
+
+/// What one model costs at one provider. `Copy`, so a request's plan
+/// carries its own price from admission to settlement.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ModelPrice {
     pub base: Rates,
-    /// Context-length tiers: a request whose input is above `above`
-    /// tokens is priced at the tier's rates for all its tokens (how
+    /// Context-length tiers: a request whose input is above a tier's
+    /// token count is priced at the tier's rates for all its tokens (how
     /// Anthropic and Google bill long prompts, and how LiteLLM's
-    /// `*_above_200k_tokens` fields are meant), ascending.
-    pub tiers: Vec<(u64, Rates)>,
+    /// `*_above_200k_tokens` fields are meant), ascending; unused at the end.
+    pub tiers: [Option<(u64, Rates)>; MAX_TIERS],
 }
 
 /// The counts of one request, each part a share of its total (as the
@@ -155,13 +169,53 @@ pub struct Billed {
 }
 
 impl ModelPrice {
+    /// One rate for every token (a GPU's virtual cost, a price per 1,000
+    /// tokens written as micro-units).
+    pub fn flat(micros_per_1k: u64) -> ModelPrice {
+        let rate = PerMillion(micros_per_1k.saturating_mul(1_000_000));
+        ModelPrice {
+            base: Rates {
+                input: rate,
+                output: rate,
+                ..Rates::default()
+            },
+            tiers: [None; MAX_TIERS],
+        }
+    }
+
     /// The rates a request of `input` tokens is billed at.
     pub fn rates(&self, input: u64) -> Rates {
         self.tiers
             .iter()
+            .flatten()
             .rev()
             .find(|(above, _)| input > *above)
             .map_or(self.base, |(_, r)| *r)
+    }
+
+    /// The most a request of these totals may cost, whatever its parts
+    /// turn out to be: what is reserved before the answer says.
+    pub fn bound_micros(&self, input: u64, output: u64) -> u64 {
+        let r = self.rates(input);
+        let input_rate = [r.cached_input, r.cache_write]
+            .into_iter()
+            .flatten()
+            .fold(r.input, PerMillion::max);
+        let output_rate = r.reasoning.map_or(r.output, |x| x.max(r.output));
+        let bound = Rates {
+            input: input_rate,
+            output: output_rate,
+            ..Rates::default()
+        };
+        ModelPrice {
+            base: bound,
+            tiers: [None; MAX_TIERS],
+        }
+        .cost_micros(Billed {
+            input,
+            output,
+            ..Billed::default()
+        })
     }
 
     /// The cost of a request in micro-units, rounded up once.
@@ -213,7 +267,7 @@ struct NativePrice {
 
 fn native_rates(r: &NativeRates, at: &str) -> Result<Rates, (String, String)> {
     let one = |v: &Value, field: &str| {
-        PerMillion::from_value(v, false).map_err(|e| (format!("{at}.{field}"), e))
+        PerMillion::from_value(v, Unit::Million).map_err(|e| (format!("{at}.{field}"), e))
     };
     let opt = |v: &Option<Value>, field: &str| v.as_ref().map(|v| one(v, field)).transpose();
     Ok(Rates {
@@ -248,8 +302,63 @@ pub fn native(v: &Value, at: &str) -> Result<ModelPrice, (String, String)> {
             .map_err(|_| (at.clone(), "must be a whole number of input tokens".into()))?;
         tiers.push((n, native_rates(rates, &at)?));
     }
+    with_tiers(base, tiers, &format!("{at}.above"))
+}
+
+/// A price with its tiers in ascending order, at most [`MAX_TIERS`].
+fn with_tiers(
+    base: Rates,
+    mut tiers: Vec<(u64, Rates)>,
+    at: &str,
+) -> Result<ModelPrice, (String, String)> {
+    if tiers.len() > MAX_TIERS {
+        return Err((
+            at.into(),
+            format!("at most {MAX_TIERS} context-length tiers"),
+        ));
+    }
     tiers.sort_by_key(|(n, _)| *n);
-    Ok(ModelPrice { base, tiers })
+    let mut array = [None; MAX_TIERS];
+    for (slot, tier) in array.iter_mut().zip(tiers) {
+        *slot = Some(tier);
+    }
+    Ok(ModelPrice { base, tiers: array })
+}
+
+/// A model's `price` as the policy writes it: per 1M tokens
+/// (`{input: "2.50", output: "10", cached_input: …, above: {…}}`), or the
+/// older per-1,000 form `{input_per_1k: 0.5, output_per_1k: 1.5}`.
+pub fn written(v: &Value, at: &str) -> Result<ModelPrice, (String, String)> {
+    let Some(map) = v.as_object() else {
+        return Err((at.into(), "must be a map of prices".into()));
+    };
+    if !map.keys().any(|k| k.ends_with("_per_1k")) {
+        return native(v, at);
+    }
+    let mut base = Rates::default();
+    for (key, value) in map {
+        let slot =
+            match key.as_str() {
+                "input_per_1k" => &mut base.input,
+                "output_per_1k" => &mut base.output,
+                other => return Err((
+                    format!("{at}.{other}"),
+                    "unknown field: a per-1,000 price has `input_per_1k` and `output_per_1k` only"
+                        .into(),
+                )),
+            };
+        *slot = PerMillion::from_value(value, Unit::Thousand)
+            .map_err(|e| (format!("{at}.{key}"), e))?;
+    }
+    for field in ["input_per_1k", "output_per_1k"] {
+        if !map.contains_key(field) {
+            return Err((format!("{at}.{field}"), "missing".into()));
+        }
+    }
+    Ok(ModelPrice {
+        base,
+        tiers: [None; MAX_TIERS],
+    })
 }
 
 /// LiteLLM's names for each rate (per token), base and tiered
@@ -300,8 +409,9 @@ pub fn litellm(entry: &Value, at: &str) -> Result<ModelPrice, (String, String)> 
             let Some(rest) = key.strip_prefix(name) else {
                 continue;
             };
-            let price =
-                |v: &Value| PerMillion::from_value(v, true).map_err(|e| (format!("{at}.{key}"), e));
+            let price = |v: &Value| {
+                PerMillion::from_value(v, Unit::Token).map_err(|e| (format!("{at}.{key}"), e))
+            };
             if rest.is_empty() {
                 set(&mut base, part, price(value)?);
             } else if let Some(k) = rest
@@ -324,7 +434,7 @@ pub fn litellm(entry: &Value, at: &str) -> Result<ModelPrice, (String, String)> 
             ));
         }
     }
-    let tiers = tiered
+    let tiers: Vec<(u64, Rates)> = tiered
         .into_iter()
         .map(|(above, parts)| {
             let mut rates = base;
@@ -334,7 +444,7 @@ pub fn litellm(entry: &Value, at: &str) -> Result<ModelPrice, (String, String)> 
             (above, rates)
         })
         .collect();
-    Ok(ModelPrice { base, tiers })
+    with_tiers(base, tiers, at)
 }
 
 #[cfg(test)]
@@ -382,7 +492,7 @@ mod tests {
     fn a_double_reads_back_as_the_decimal_written() {
         // Envoy hands YAML numbers over as protobuf doubles.
         for (f, nanos) in [(0.15, 150_000_000), (2.5e-6, 2_500), (0.1 + 0.2, 0)] {
-            let got = PerMillion::from_value(&json!(f), false);
+            let got = PerMillion::from_value(&json!(f), Unit::Million);
             if nanos == 0 {
                 // 0.30000000000000004 has 17 digits: finer than a nano-unit.
                 assert!(got.is_err());
