@@ -484,3 +484,49 @@ fn stored_context_is_refused_naming_its_field_unless_the_policy_allows_it() {
 fn stack_allowing(upstream: &Fixed) -> Stack {
     stack(upstream, true)
 }
+
+/// Spend is charged at each part's price, through a real Envoy: the
+/// model's price per 1M tokens is 2 input, 0.5 cached input, 2.5 cache
+/// write, 8 output and 10 reasoning (issue 28, prices as providers bill).
+#[test]
+fn spend_is_charged_at_each_parts_own_price() {
+    let upstream = Fixed::start(answers());
+    let addr = upstream.addr;
+    let stack = Stack::start(move |cfg: &mut EnvoyConfig| {
+        let mut p = policy(false);
+        p["tiers"]["t"]["daily_spend"] = json!(1.0);
+        p["models"] = json!({MODEL: {"price": {"input": "2", "output": "8",
+            "cached_input": "0.5", "cache_write": "2.5", "reasoning": "10"}}});
+        *cfg.policy_mut() = serde_yaml::to_value(p).expect("YAML");
+        cfg.set_cluster_addr("llm_upstream", addr);
+    });
+    let spent = || {
+        stack
+            .envoy
+            .metric("sluice_spend_micros_total", &[])
+            .unwrap_or(0.0) as u64
+    };
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
+                      "max_tokens": 400});
+    let messages = json!({"model": MODEL, "max_tokens": 400,
+                          "messages": [{"role": "user", "content": "hello there"}]});
+    // OpenAI: 1,200 input of which 1,024 cached, 300 output of which 256
+    // reasoning: 176 × 2 + 1,024 × 0.5 + 44 × 8 + 256 × 10 = 3,776 µ
+    // (every token plain would be 1,200 × 2 + 300 × 8 = 4,800 µ).
+    // Anthropic: 50 plain + 3,000 read + 2,000 written, 40 output:
+    // 50 × 2 + 3,000 × 0.5 + 2,000 × 2.5 + 40 × 8 = 6,920 µ.
+    for (path, answer, body, cost) in [
+        ("/v1/chat/completions", "openai", &chat, 3776),
+        ("/v1/messages", "anthropic", &messages, 6920),
+    ] {
+        let before = spent();
+        let resp = post_json(&stack.envoy.url(path), &[("x-test-answer", answer)], body);
+        assert_eq!(resp.status, 200, "{answer}: {resp:?}");
+        let settled = wait_for(Duration::from_secs(10), || spent() == before + cost);
+        assert!(
+            settled,
+            "{answer}: spend {} after {before}, not +{cost}",
+            spent()
+        );
+    }
+}
