@@ -6,16 +6,17 @@
 //! scrape interval, the pure [`breaker`] rules per scope, alerts, history,
 //! the kill switch) → [`state`] (versioned, in a watch channel) → [`serve`]
 //! (`/v1/state` long poll, `/metrics`, the operator page, admin calls).
-//! Beside it: [`fleet`] (the Redis agent for the Envoy beside it). The
-//! layers, each importing only those below it (checked by
+//! Beside it: [`fleet`] (the Redis agent for the Envoy beside it) and
+//! [`cache`] (the response cache), both through the one [`redis`]
+//! connection. The layers, each importing only those below it (checked by
 //! `tests/tests/layers.rs`):
 //!
 //! ```text
 //! lib, check_config   wiring (`serve`) and the offline checks
 //! serve/              the HTTP API: routes, admin token, /metrics, page
-//! fleet/              the fleet agent: Redis, take/give/slots, syncs
+//! fleet/, cache/      the fleet agent (take/give/slots, syncs); the response cache
 //! watch/              monitor rounds, alerts, history, traffic, kill switch, telemetry
-//! sources/            GPU and backend readings
+//! sources/, redis/    GPU and backend readings; the one Redis connection
 //! config/             the config file, one file per section with its check
 //! breaker             the pure rules engine (samples + clock → states)
 //! http, reply, door,  an HTTP client, the answers every endpoint shares,
@@ -29,6 +30,7 @@ pub mod config;
 pub mod door;
 pub mod fleet;
 pub mod http;
+pub mod redis;
 pub mod reply;
 pub mod serve;
 pub mod sources;
@@ -238,10 +240,10 @@ fn start_fleet(
 /// its loop learning the fleet's vectors (until `closing`).
 fn start_cache(
     config: &config::cache::CacheConfig,
-    fleet: Option<Arc<fleet::Fleet>>,
+    redis: Option<Arc<redis::Redis>>,
     closing: &tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<Arc<cache::Cache>> {
-    let c = cache::Cache::new(config.clone(), fleet).map_err(anyhow::Error::msg)?;
+    let c = cache::Cache::new(config.clone(), redis).map_err(anyhow::Error::msg)?;
     tokio::spawn(c.clone().learn(closing.clone()));
     eprintln!(
         "sluice-sidecar: response cache in {}, semantic {}",
@@ -349,7 +351,11 @@ pub async fn serve(
         None => None,
     };
     let cache = match &config.cache {
-        Some(c) => Some(start_cache(c, fleet.clone(), &closing_rx)?),
+        Some(c) => Some(start_cache(
+            c,
+            fleet.as_ref().map(|f| f.redis().clone()),
+            &closing_rx,
+        )?),
         None => None,
     };
     let door_telemetry = telemetry.clone();
@@ -365,7 +371,7 @@ pub async fn serve(
         history,
         failures: Arc::new(door::FailureGate::default()),
         cache: cache.clone(),
-        fleet: fleet.clone(),
+        redis: fleet.as_ref().map(|f| f.redis().clone()),
     });
     app = with_cache(app, cache, config, fleet.as_ref(), &opts.token, &store)?;
     if let Some(f) = fleet {

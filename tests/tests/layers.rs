@@ -14,10 +14,21 @@ fn src(krate: &str) -> PathBuf {
     sluice_tests::repo_root().join(krate).join("src")
 }
 
-/// The sidecar, top first (docs/src/layout.md, "The sidecar's layers"): the wiring and the offline
-/// checks; the HTTP API; the fleet agent; what it watches and concludes;
-/// the sources it reads; its config file; the pure breaker rules; an HTTP
-/// client, the door and the versioned state at the bottom.
+/// The sidecar, top first (docs/src/design.md and the crate's own doc):
+///
+/// 1. root: the wiring (`serve`) and the offline checks (`--check`);
+/// 2. serve: the HTTP API (routes, admin token, `/metrics`, the page);
+/// 3. fleet, cache: the two capabilities that keep state in Redis, side
+///    by side (neither imports the other): the fleet agent and the
+///    response cache;
+/// 4. watch: monitor rounds, alerts, history, traffic, the kill switch,
+///    telemetry;
+/// 5. sources, redis: the sidecar's ways out: the GPU and backend
+///    readings, and the one Redis connection;
+/// 6. config: the config file, one file per section with its check;
+/// 7. breaker: the pure rules engine (samples + clock → states);
+/// 8. base: an HTTP client, the answers every endpoint shares, the door,
+///    the versioned state.
 const SIDECAR: &[Layer] = &[
     Layer {
         name: "root",
@@ -28,20 +39,16 @@ const SIDECAR: &[Layer] = &[
         modules: &["serve"],
     },
     Layer {
-        name: "cache",
-        modules: &["cache"],
-    },
-    Layer {
-        name: "fleet",
-        modules: &["fleet"],
+        name: "capabilities",
+        modules: &["fleet", "cache"],
     },
     Layer {
         name: "watch",
         modules: &["watch"],
     },
     Layer {
-        name: "sources",
-        modules: &["sources"],
+        name: "outside",
+        modules: &["sources", "redis"],
     },
     Layer {
         name: "config",
@@ -56,6 +63,10 @@ const SIDECAR: &[Layer] = &[
         modules: &["http", "reply", "door", "state"],
     },
 ];
+
+/// The most floors (modules in the longest import chain) the sidecar may
+/// have (issue #30).
+const SIDECAR_MAX_LEVELS: usize = 8;
 
 /// The longest production function the sidecar may have (issue #19).
 const MAX_FUNCTION_LINES: usize = 100;
@@ -131,6 +142,13 @@ fn sidecar_layers() {
         Ok(f) => f,
         Err(e) => panic!("gpu-sidecar/src:\n{e}"),
     };
+    assert!(
+        figures.levels <= SIDECAR_MAX_LEVELS && SIDECAR.len() <= SIDECAR_MAX_LEVELS,
+        "gpu-sidecar: {} floors ({}), {} layers: at most {SIDECAR_MAX_LEVELS}",
+        figures.levels,
+        figures.chain.join(" → "),
+        SIDECAR.len()
+    );
     let long: Vec<String> = figures
         .longest
         .iter()

@@ -1,10 +1,38 @@
-//! The fleet endpoints' bodies (docs/src/design.md, "Fleet"): the filter posts
-//! `/v1/fleet/take`, `/v1/fleet/give` and `/v1/fleet/slots` to the sidecar
-//! beside it, which answers from Redis. Requests refuse unknown fields (a
-//! misspelt field is an error, not a default); answers do not (a newer
-//! sidecar may add one).
+//! The fleet endpoints' contract (docs/src/design.md, "Fleet"): the filter
+//! posts `/v1/fleet/take`, `/v1/fleet/give` and `/v1/fleet/slots` to the
+//! sidecar beside it, which answers from Redis. Here: the headers every
+//! call carries, the error codes the sidecar answers with, and the bodies.
+//! Requests refuse unknown fields (a misspelt field is an error, not a
+//! default); answers do not (a newer sidecar may add one).
 
 use serde::{Deserialize, Serialize};
+
+// ------------------------------------------------------------ headers, codes
+
+/// Header of every fleet call: the secret this Envoy and its sidecar share
+/// (the policy's `fleet.secret_env`, the sidecar's `fleet.secret_file` or
+/// `secret_env`), which the sidecar compares in constant time.
+pub const SECRET_HEADER: &str = "x-sluice-fleet-secret";
+/// Header of every fleet call: the fingerprint of the calling Envoy's
+/// fleet rules; the sidecar refuses a call whose rules differ from its own.
+pub const FINGERPRINT_HEADER: &str = "x-sluice-fleet-fingerprint";
+/// Shortest fleet secret (and `fleet.salt`) either side accepts, in bytes.
+pub const MIN_SECRET: usize = 16;
+/// The environment variable both sides read the fleet secret from by default.
+pub const DEFAULT_SECRET_ENV: &str = "SLUICE_FLEET_SECRET";
+
+/// `error.code` of a fleet answer (`{"error": {"code", "message"}}`, 503)
+/// when the fleet's fingerprints differ: the sidecar refuses to count.
+pub const FLEET_MISMATCH: &str = "fleet_mismatch";
+/// `error.code` when Redis lost the data of a hard budget's window.
+pub const FLEET_DATA_LOST: &str = "fleet_data_lost";
+/// `error.code` when Redis does not answer.
+pub const FLEET_UNAVAILABLE: &str = "fleet_unavailable";
+/// `error.code` of a take Redis did not apply: past its deadline, or
+/// undone before it arrived.
+pub const FLEET_LATE: &str = "fleet_late";
+
+// ------------------------------------------------------------ bodies
 
 /// One bucket's claim in a take.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]

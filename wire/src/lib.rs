@@ -1,7 +1,8 @@
 //! The messages the filter (wasm) and the sidecar (native) exchange over
 //! HTTP, defined once and used by both crates: a field renamed here is
 //! renamed on both sides, and a state is an enum on both sides, never a
-//! string compared with a literal. Serde only: this crate builds for
+//! string compared with a literal; a header name or an error code is a
+//! constant here, spelled once. Serde only: this crate builds for
 //! wasm32-wasip1 and natively, and holds no logic beyond (de)serialising.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 

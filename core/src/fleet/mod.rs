@@ -53,7 +53,11 @@
 use std::collections::HashMap;
 
 pub use sluice_wire::fleet::GiveItem;
+// The headers of every fleet call ([`fingerprint`] rides in the second)
+// and the sidecar's answer codes that put this Envoy on `on_unavailable`
+// for a reason other than an outage.
 use sluice_wire::fleet::{GiveRequest, TakeAnswer, TakeClaim, TakeRequest};
+use sluice_wire::fleet::{FINGERPRINT_HEADER, FLEET_DATA_LOST, FLEET_MISMATCH, SECRET_HEADER};
 
 use crate::admission::identity::Identity;
 use crate::admission::{Billed, Engine, Meter, ModelPrice};
@@ -84,12 +88,6 @@ const GLOBAL_OWNER: u64 = 1;
 
 // ---------------------------------------------------------------- wire
 
-/// Header of every fleet callout: the secret this Envoy and its sidecar
-/// share (`fleet.secret_env`), which the sidecar compares in constant time.
-pub const SECRET_HEADER: &str = "x-sluice-fleet-secret";
-/// Header of every fleet callout: [`fingerprint`] of this Envoy's fleet
-/// rules; the sidecar refuses a call whose rules differ from its own.
-pub const FINGERPRINT_HEADER: &str = "x-sluice-fleet-fingerprint";
 /// `:authority` of the fleet calls when neither `fleet.authority` nor
 /// `sidecar.authority` names one.
 pub const FLEET_AUTHORITY: &str = "localhost";
@@ -260,11 +258,6 @@ fn why_down(status: Option<&str>, body: &[u8]) -> &'static str {
         _ => "the sidecar or Redis does not answer",
     }
 }
-
-/// The sidecar's answer codes that put this Envoy on `on_unavailable`
-/// for a reason other than an outage.
-pub const FLEET_MISMATCH: &str = "fleet_mismatch";
-pub const FLEET_DATA_LOST: &str = "fleet_data_lost";
 
 /// Sets the mismatch gauge from an answer's error code (`None`: a good
 /// answer, 0) and records a data loss the answer reports. A good answer
@@ -484,20 +477,6 @@ impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Secret(..)")
     }
-}
-
-/// The Redis name of a bucket for one owner: a salted hash, never a raw key.
-pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
-    use sha2::Digest;
-    let mut h = sha2::Sha256::new();
-    h.update(b"sluice-fleet\0");
-    h.update(salt.as_bytes());
-    h.update(b"\0");
-    h.update(rule.as_bytes());
-    h.update(b"\0");
-    h.update(owner.to_le_bytes());
-    let digest = h.finalize();
-    hex(&digest[..16])
 }
 
 /// The lease slots of a fleet bucket (`{LEASE_PREFIX}{rule}:{slot}`).

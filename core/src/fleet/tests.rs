@@ -469,21 +469,6 @@ fn a_soft_cap_is_taken_past_its_limit_and_never_refused_when_the_fleet_is_away()
 }
 
 #[test]
-fn redis_key_names_are_salted_hashes() {
-    let a = super::redis_key("", "tier/free/requests", 42);
-    let b = super::redis_key("fleet-secret", "tier/free/requests", 42);
-    let c = super::redis_key("fleet-secret", "tier/free/requests", 43);
-    assert_ne!(a, b, "the salt changes every name");
-    assert_ne!(b, c, "owners have their own names");
-    assert_eq!(
-        b,
-        super::redis_key("fleet-secret", "tier/free/requests", 42)
-    );
-    assert_eq!(b.len(), 32);
-    assert!(b.bytes().all(|x| x.is_ascii_hexdigit()));
-}
-
-#[test]
 fn an_abandoned_take_is_undone_by_its_id_but_a_refusal_before_redis_is_not() {
     // The answer never came (timeout): the take may still run in Redis.
     let (host, poller) = outage("local_share");

@@ -6,10 +6,9 @@ use serde::Deserialize;
 
 use crate::policy::{ConfigError, Policy};
 
-/// Shortest `fleet.salt` and fleet secret accepted (bytes).
-pub const MIN_SECRET: usize = 16;
-/// The environment variable the fleet secret is read from by default.
-pub const DEFAULT_SECRET_ENV: &str = "SLUICE_FLEET_SECRET";
+/// The fleet secret's shortest length and default variable: shared with
+/// the sidecar, so defined in `sluice-wire`.
+pub use sluice_wire::fleet::{DEFAULT_SECRET_ENV, MIN_SECRET};
 
 /// The policy's `fleet:` section.
 #[derive(Debug, Clone, Deserialize, PartialEq)]

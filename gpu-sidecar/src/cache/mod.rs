@@ -112,20 +112,20 @@ pub struct Cache {
 pub const SWEEP_EVERY: u64 = 1024;
 
 impl Cache {
-    /// The cache for this sidecar: in Redis when `fleet` is given and the
-    /// backend is `auto` or `redis`.
+    /// The cache for this sidecar: in Redis when this sidecar has a Redis
+    /// connection (it is a fleet agent) and the backend is `auto` or `redis`.
     pub fn new(
         config: CacheConfig,
-        fleet: Option<Arc<crate::fleet::Fleet>>,
+        redis: Option<Arc<crate::redis::Redis>>,
     ) -> Result<Arc<Cache>, String> {
         config
-            .check(fleet.is_some())
+            .check(redis.is_some())
             .map_err(|(p, m)| format!("{p}: {m}"))?;
-        let store = match (config.backend, fleet) {
+        let store = match (config.backend, redis) {
             (Backend::Memory, _) | (Backend::Auto, None) => {
                 Store::Memory(Mutex::new(MemoryStore::new(limits(&config))))
             }
-            (_, Some(f)) => Store::Redis(redis::RedisStore::new(f, limits(&config))),
+            (_, Some(r)) => Store::Redis(redis::RedisStore::new(r, limits(&config))),
             (Backend::Redis, None) => return Err("cache.backend: redis needs fleet:".into()),
         };
         let embedder = config.embeddings.as_ref().map(Embedder::new).transpose()?;
@@ -529,7 +529,7 @@ impl Cache {
         let Store::Redis(r) = &self.store else {
             return;
         };
-        let every = r.fleet().sync_interval();
+        let every = r.redis().sync_interval();
         let mut after = "0".to_string();
         loop {
             self.note_size().await;

@@ -1,6 +1,6 @@
 //! The fleet's store: entries in Redis, so one Envoy's answer serves every
-//! Envoy of the fleet. Through the fleet agent's connection
-//! ([`crate::fleet::Fleet::query`] and its scripts), never a second client.
+//! Envoy of the fleet. Through the sidecar's one Redis connection
+//! ([`crate::redis`], the fleet agent's too), never a second client.
 //!
 //! Key names are the filter's salted hashes (`sluice:cache:e:<key>`), each
 //! with its own expiry (`PX`). The bounds are kept in one script, atomic
@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use super::entry::{Limits, Stored};
-use crate::fleet::{Fleet, FleetError};
+use crate::redis::{Redis, RedisError};
 
 pub const PREFIX: &str = "sluice:cache:e:";
 const LRU: &str = "sluice:cache:lru";
@@ -166,7 +166,7 @@ return removed
 "#;
 
 pub struct RedisStore {
-    fleet: Arc<Fleet>,
+    redis: Arc<Redis>,
     limits: Limits,
     store: redis::Script,
     get: redis::Script,
@@ -183,9 +183,9 @@ pub struct Learned {
 }
 
 impl RedisStore {
-    pub fn new(fleet: Arc<Fleet>, limits: Limits) -> RedisStore {
+    pub fn new(redis: Arc<Redis>, limits: Limits) -> RedisStore {
         RedisStore {
-            fleet,
+            redis,
             limits,
             store: redis::Script::new(&format!("{FORGET}{STORE}")),
             get: redis::Script::new(GET),
@@ -193,8 +193,8 @@ impl RedisStore {
         }
     }
 
-    pub fn fleet(&self) -> &Arc<Fleet> {
-        &self.fleet
+    pub fn redis(&self) -> &Arc<Redis> {
+        &self.redis
     }
 
     /// Every key the scripts touch, in [`FORGET`]'s order (the entry's
@@ -212,11 +212,11 @@ impl RedisStore {
     }
 
     /// The entry under `key` (marked used), if Redis has it and it is live.
-    pub async fn get(&self, key: &str, now_ms: u64) -> Result<Option<Stored>, FleetError> {
+    pub async fn get(&self, key: &str, now_ms: u64) -> Result<Option<Stored>, RedisError> {
         let mut inv = self.get.prepare_invoke();
         self.keys(&mut inv, key);
         inv.arg(key).arg(now_ms).arg(SCOPE_LRU);
-        let value: Option<String> = self.fleet.run(inv).await?;
+        let value: Option<String> = self.redis.run(inv).await?;
         Ok(value
             .and_then(|v| serde_json::from_str::<Stored>(&v).ok())
             .filter(|s| s.expires_at_ms > now_ms))
@@ -229,9 +229,9 @@ impl RedisStore {
         key: &str,
         stored: &Stored,
         now_ms: u64,
-    ) -> Result<(bool, Vec<String>), FleetError> {
+    ) -> Result<(bool, Vec<String>), RedisError> {
         let value =
-            serde_json::to_string(stored).map_err(|e| FleetError::Invalid(e.to_string()))?;
+            serde_json::to_string(stored).map_err(|e| RedisError::Invalid(e.to_string()))?;
         let ttl_ms = stored.expires_at_ms.saturating_sub(now_ms).max(1);
         let floor_bytes = u128::from(self.limits.max_bytes) * self.limits.scope_floor as u128
             / (self.limits.max_entries.max(1) as u128);
@@ -252,10 +252,10 @@ impl RedisStore {
             .arg(u64::try_from(floor_bytes).unwrap_or(u64::MAX));
         if let (Some(c), Some(v)) = (&stored.context, &stored.vector) {
             let vector =
-                serde_json::to_string(v).map_err(|e| FleetError::Invalid(e.to_string()))?;
+                serde_json::to_string(v).map_err(|e| RedisError::Invalid(e.to_string()))?;
             inv.arg(c).arg(vector).arg(stored.expires_at_ms);
         }
-        let reply: Vec<redis::Value> = self.fleet.run(inv).await?;
+        let reply: Vec<redis::Value> = self.redis.run(inv).await?;
         let kept = matches!(reply.first(), Some(redis::Value::Int(1)));
         let evicted = reply.iter().skip(1).filter_map(text).collect();
         Ok((kept, evicted))
@@ -267,27 +267,27 @@ impl RedisStore {
         &self,
         model: Option<&str>,
         scope: Option<&str>,
-    ) -> Result<Vec<String>, FleetError> {
+    ) -> Result<Vec<String>, RedisError> {
         let mut inv = self.purge.prepare_invoke();
         self.keys(&mut inv, "-");
         inv.arg(PREFIX)
             .arg(model.unwrap_or(""))
             .arg(scope.unwrap_or(""))
             .arg(SCOPE_LRU);
-        self.fleet.run(inv).await
+        self.redis.run(inv).await
     }
 
     /// Entries and bytes as Redis counts them.
-    pub async fn size(&self) -> Result<(u64, u64), FleetError> {
+    pub async fn size(&self) -> Result<(u64, u64), RedisError> {
         let mut pipe = redis::pipe();
         pipe.cmd("ZCARD").arg(LRU).cmd("GET").arg(BYTES);
-        let (n, b): (u64, Option<u64>) = self.fleet.query(&pipe).await?;
+        let (n, b): (u64, Option<u64>) = self.redis.query(&pipe).await?;
         Ok((n, b.unwrap_or(0)))
     }
 
     /// Vectors appended after stream id `after` (`0`: from the start), and
     /// the last id read.
-    pub async fn learn(&self, after: &str) -> Result<(Vec<Learned>, String), FleetError> {
+    pub async fn learn(&self, after: &str) -> Result<(Vec<Learned>, String), RedisError> {
         let mut pipe = redis::pipe();
         pipe.cmd("XREAD")
             .arg("COUNT")
@@ -295,7 +295,7 @@ impl RedisStore {
             .arg("STREAMS")
             .arg(LEARN)
             .arg(after);
-        let (reply,): (redis::Value,) = self.fleet.query(&pipe).await?;
+        let (reply,): (redis::Value,) = self.redis.query(&pipe).await?;
         let mut out = Vec::new();
         let mut last = after.to_string();
         for (id, fields) in stream_entries(&reply) {

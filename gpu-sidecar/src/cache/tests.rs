@@ -590,8 +590,7 @@ fn config_checks_name_the_field() {
 /// Against a real redis-server (skipped, saying so, where there is none).
 mod in_redis {
     use super::*;
-    use crate::fleet::redis_tests::server;
-    use crate::fleet::tests::fleet_on;
+    use crate::redis::testing::{connection, server};
 
     fn redis_cache(url: &str, embeddings: Option<String>, limits: (usize, u64)) -> Arc<Cache> {
         Cache::new(
@@ -607,7 +606,7 @@ mod in_redis {
                 }),
                 ..CacheConfig::default()
             },
-            Some(fleet_on(url, "a-salt-of-16-bytes-or-more")),
+            Some(connection(url)),
         )
         .unwrap()
     }

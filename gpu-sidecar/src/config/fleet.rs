@@ -47,7 +47,7 @@ impl Default for FleetConfig {
             sync_interval: Duration::from_millis(100),
             policy: None,
             secret_file: None,
-            secret_env: sluice_core::policy::fleet::DEFAULT_SECRET_ENV.into(),
+            secret_env: sluice_wire::fleet::DEFAULT_SECRET_ENV.into(),
             password_file: None,
             password_env: None,
             tls_ca_file: None,

@@ -42,7 +42,6 @@
 //! Envoy through the long poll); [`sync_breakers`] publishes this sidecar's
 //! open breakers and serves every other live sidecar's.
 
-pub mod link;
 pub mod routes;
 pub mod slots;
 pub mod sync;
@@ -53,7 +52,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
 use sluice_core::fleet::window_end;
 use sluice_core::limits::reservation::Scope as RuleScope;
@@ -61,6 +59,7 @@ use sluice_core::policy::Limit;
 use tokio::sync::Mutex;
 
 pub use crate::config::fleet::FleetConfig;
+use crate::redis::{Redis, RedisError};
 
 /// Longest batch or claim list accepted in one call.
 pub const MAX_ITEMS: usize = 1024;
@@ -76,6 +75,7 @@ const APPLIED_TTL_MS: u64 = 3_600_000;
 const TAKE_RECORD_TTL_MS: u64 = 120_000;
 /// Keys outlive their window by this much (clock skew between Envoys).
 const KEY_GRACE_MS: u64 = 60_000;
+/// Every fleet key starts so; a bucket's is `{PREFIX}{redis_key}:{window_end_ms}`.
 const PREFIX: &str = "sluice:fleet:";
 const EPOCH_KEY: &str = "sluice:fleet:epoch";
 const FINGERPRINTS_KEY: &str = "sluice:fleet:fingerprints";
@@ -250,6 +250,22 @@ end
 return v
 "#;
 
+/// The Redis name of a bucket for one owner: a salted hash, never a raw
+/// key (the filter never names one: only the sidecars of a fleet, which
+/// must all spell it so).
+pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"sluice-fleet\0");
+    h.update(salt.as_bytes());
+    h.update(b"\0");
+    h.update(rule.as_bytes());
+    h.update(b"\0");
+    h.update(owner.to_le_bytes());
+    let digest = h.finalize();
+    sluice_core::policy::keys::hex(&digest[..16])
+}
+
 /// A fleet bucket as this sidecar's policy defines it.
 #[derive(Debug, Clone)]
 struct ViewRule {
@@ -354,7 +370,7 @@ impl FleetConfig {
             None => std::env::var(&self.secret_env).unwrap_or_default(),
         };
         let secret = secret.trim().to_string();
-        if secret.len() < sluice_core::policy::fleet::MIN_SECRET {
+        if secret.len() < sluice_wire::fleet::MIN_SECRET {
             let from = match &self.secret_file {
                 Some(p) => format!("secret_file ({})", p.display()),
                 None => format!("secret_env (${})", self.secret_env),
@@ -363,89 +379,16 @@ impl FleetConfig {
                 if self.secret_file.is_some() { "secret_file" } else { "secret_env" },
                 format!(
                     "{from}: the secret shared with the Envoy beside this sidecar is required, at least {} bytes",
-                    sluice_core::policy::fleet::MIN_SECRET
+                    sluice_wire::fleet::MIN_SECRET
                 ),
             ));
         }
-        let client = self.client()?;
+        let client = crate::redis::client(self).map_err(FleetError::Invalid)?;
         Ok(Loaded {
             client,
             view,
             secret,
         })
-    }
-
-    fn client(&self) -> Result<redis::Client, FleetError> {
-        use redis::IntoConnectionInfo;
-        let bad = |field: &str, m: String| FleetError::Invalid(format!("fleet.{field}: {m}"));
-        let tls = self.redis.starts_with("rediss://");
-        if !tls && !self.redis.starts_with("redis://") {
-            return Err(bad(
-                "redis",
-                "`redis://host:port[/db]` or `rediss://` (TLS) expected".into(),
-            ));
-        }
-        let info = self
-            .redis
-            .as_str()
-            .into_connection_info()
-            .map_err(|e| bad("redis", e.to_string()))?;
-        if info.redis_settings().password().is_some() {
-            return Err(bad(
-                "redis",
-                "no password in the URL (configs get copied and logged): \
-                 use fleet.password_file or fleet.password_env"
-                    .into(),
-            ));
-        }
-        let password = match (&self.password_file, &self.password_env) {
-            (Some(_), Some(_)) => {
-                return Err(bad(
-                    "password_file",
-                    "give password_file or password_env, not both".into(),
-                ))
-            }
-            (Some(p), None) => Some(
-                std::fs::read_to_string(p)
-                    .map_err(|e| bad("password_file", format!("reading {}: {e}", p.display())))?
-                    .trim_end_matches(['\r', '\n'])
-                    .to_string(),
-            ),
-            (None, Some(name)) => Some(std::env::var(name).map_err(|_| {
-                bad(
-                    "password_env",
-                    format!("the environment variable {name} is not set"),
-                )
-            })?),
-            (None, None) => None,
-        };
-        let info = match password {
-            Some(p) if p.is_empty() => return Err(bad("password_file", "empty password".into())),
-            Some(p) => {
-                let settings = info.redis_settings().clone().set_password(p);
-                info.set_redis_settings(settings)
-            }
-            None => info,
-        };
-        // rustls needs a process-wide crypto provider; installing it twice
-        // is harmless (the first stays).
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        match &self.tls_ca_file {
-            Some(_) if !tls => Err(bad("tls_ca_file", "needs a `rediss://` URL (TLS)".into())),
-            Some(ca) => {
-                let pem = std::fs::read(ca)
-                    .map_err(|e| bad("tls_ca_file", format!("reading {}: {e}", ca.display())))?;
-                redis::Client::build_with_tls(
-                    info,
-                    redis::TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(pem),
-                    },
-                )
-                .map_err(|e| bad("tls_ca_file", e.to_string()))
-            }
-            None => redis::Client::open(info).map_err(|e| bad("redis", e.to_string())),
-        }
     }
 }
 
@@ -470,6 +413,15 @@ pub enum FleetError {
     Late(String),
 }
 
+impl From<RedisError> for FleetError {
+    fn from(e: RedisError) -> FleetError {
+        match e {
+            RedisError::Unavailable(m) => FleetError::Unavailable(m),
+            RedisError::Invalid(m) => FleetError::Invalid(m),
+        }
+    }
+}
+
 /// Counters for `/metrics`.
 #[derive(Debug, Default)]
 pub struct FleetStats {
@@ -483,8 +435,6 @@ pub struct FleetStats {
     pub refused_calls: AtomicU64,
     /// Times this sidecar found Redis without the epoch it knew.
     pub data_lost: AtomicU64,
-    /// The connection: up, failed calls, and the lines they log.
-    pub link: link::Link,
     /// A live sidecar publishes another fingerprint.
     pub mismatch: AtomicBool,
 }
@@ -508,16 +458,16 @@ impl Epoch {
     }
 }
 
-/// One Redis connection, reconnected on demand.
+/// The fleet agent: this sidecar's policy view and its way to Redis.
 pub struct Fleet {
-    client: redis::Client,
+    /// Shared with the cache tier.
+    redis: Arc<Redis>,
     config: FleetConfig,
     /// Swapped when `fleet.policy` changes on disk (the Envoy beside it
     /// reloaded its policy): see [`Fleet::reload_policy`].
     view: std::sync::RwLock<Arc<PolicyView>>,
     policy_mtime: std::sync::Mutex<Option<SystemTime>>,
     secret: String,
-    conn: Mutex<Option<ConnectionManager>>,
     epoch: Mutex<Option<Epoch>>,
     take: redis::Script,
     give: redis::Script,
@@ -553,12 +503,11 @@ impl Fleet {
             .as_ref()
             .and_then(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
         Arc::new(Fleet {
-            client: loaded.client,
+            redis: Arc::new(Redis::new(loaded.client, &config)),
             view: std::sync::RwLock::new(Arc::new(loaded.view)),
             policy_mtime: std::sync::Mutex::new(mtime),
             secret: loaded.secret,
             config,
-            conn: Mutex::new(None),
             epoch: Mutex::new(None),
             take: redis::Script::new(&format!("{EPOCH_CHECK}{TAKE}")),
             give: redis::Script::new(&format!("{EPOCH_CHECK}{GIVE}")),
@@ -616,79 +565,16 @@ impl Fleet {
         crate::door::secret_eq(given, self.secret.as_bytes())
     }
 
-    /// The connection, made now if there is none (bounded by `timeout`).
-    async fn connection(&self) -> Result<ConnectionManager, String> {
-        let mut slot = self.conn.lock().await;
-        if let Some(c) = slot.as_ref() {
-            return Ok(c.clone());
-        }
-        let cfg = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.config.timeout))
-            .set_response_timeout(Some(self.config.timeout))
-            .set_number_of_retries(1);
-        let made = tokio::time::timeout(
-            self.config.timeout * 2,
-            self.client.get_connection_manager_with_config(cfg),
-        )
-        .await
-        .map_err(|_| "connect timed out".to_string())?
-        .map_err(|e| e.to_string())?;
-        *slot = Some(made.clone());
-        Ok(made)
-    }
-
-    /// A failed Redis call: counted, and logged when it starts a run of
-    /// failures ([`link`]).
-    fn failed(&self, e: impl std::fmt::Display) -> FleetError {
-        let reason = e.to_string();
-        if let Some(line) = self.stats.link.failed(&self.config.redis, &reason) {
-            eprintln!("{line}");
-        }
-        FleetError::Unavailable(reason)
-    }
-
-    fn ok(&self) {
-        if let Some(line) = self.stats.link.ok(&self.config.redis) {
-            eprintln!("{line}");
-        }
+    /// The Redis connection, shared with the cache tier.
+    pub fn redis(&self) -> &Arc<Redis> {
+        &self.redis
     }
 
     pub(crate) async fn run<T: redis::FromRedisValue>(
         &self,
         invocation: redis::ScriptInvocation<'_>,
     ) -> Result<T, FleetError> {
-        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
-        let answer = tokio::time::timeout(
-            self.config.timeout * 2,
-            invocation.invoke_async::<T>(&mut conn),
-        )
-        .await
-        .map_err(|_| self.failed("timed out"))?
-        .map_err(|e| self.failed(e))?;
-        self.ok();
-        Ok(answer)
-    }
-
-    /// A command pipeline on this sidecar's Redis connection, bounded by
-    /// `timeout` as the scripts are (the response cache's way to Redis:
-    /// one connection, one client, for the whole sidecar).
-    pub(crate) async fn query<T: redis::FromRedisValue>(
-        &self,
-        pipe: &redis::Pipeline,
-    ) -> Result<T, FleetError> {
-        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
-        let answer =
-            tokio::time::timeout(self.config.timeout * 2, pipe.query_async::<T>(&mut conn))
-                .await
-                .map_err(|_| self.failed("timed out"))?
-                .map_err(|e| self.failed(e))?;
-        self.ok();
-        Ok(answer)
-    }
-
-    /// How often fleet state is compared with Redis.
-    pub(crate) fn sync_interval(&self) -> std::time::Duration {
-        self.config.sync_interval
+        Ok(self.redis.run(invocation).await?)
     }
 
     /// The epoch this sidecar counts in: read (or written) once, renewed
@@ -785,7 +671,7 @@ impl Fleet {
                 }
             )));
         }
-        let key = sluice_core::fleet::redis_key(&view.salt, rule_id, owner);
+        let key = redis_key(&view.salt, rule_id, owner);
         Ok(Checked {
             key: format!("{PREFIX}{key}:{window_end_ms}"),
             rule,
@@ -1002,15 +888,7 @@ impl Fleet {
         let Some(known) = self.epoch.lock().await.clone() else {
             return Ok(());
         };
-        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
-        let now: Option<String> = tokio::time::timeout(
-            self.config.timeout * 2,
-            redis::cmd("GET").arg(EPOCH_KEY).query_async(&mut conn),
-        )
-        .await
-        .map_err(|_| self.failed("timed out"))?
-        .map_err(|e| self.failed(e))?;
-        self.ok();
+        let now: Option<String> = self.redis.command(redis::cmd("GET").arg(EPOCH_KEY)).await?;
         if now.as_deref() != Some(known.value.as_str()) {
             self.epoch(Some(&known)).await?;
         }
@@ -1020,7 +898,6 @@ impl Fleet {
     /// Publishes this sidecar's fingerprint and compares every live one:
     /// whether they all agree.
     async fn compare_fingerprints(&self, id: &str) -> Result<bool, FleetError> {
-        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
         let now = now_ms();
         let mut pipe = redis::pipe();
         pipe.cmd("HSET")
@@ -1029,12 +906,7 @@ impl Fleet {
             .arg(format!("{}:{now}", self.view().fingerprint))
             .ignore();
         pipe.cmd("HGETALL").arg(FINGERPRINTS_KEY);
-        let (all,): (Vec<(String, String)>,) =
-            tokio::time::timeout(self.config.timeout * 2, pipe.query_async(&mut conn))
-                .await
-                .map_err(|_| self.failed("timed out"))?
-                .map_err(|e| self.failed(e))?;
-        self.ok();
+        let (all,): (Vec<(String, String)>,) = self.redis.query(&pipe).await?;
         let mut agree = true;
         let mut gone = Vec::new();
         for (other, raw) in all {
@@ -1050,30 +922,18 @@ impl Fleet {
             }
         }
         if !gone.is_empty() {
-            let _ = tokio::time::timeout(
-                self.config.timeout * 2,
-                redis::cmd("HDEL")
-                    .arg(FINGERPRINTS_KEY)
-                    .arg(&gone)
-                    .query_async::<i64>(&mut conn),
-            )
-            .await;
+            self.redis
+                .tidy(redis::cmd("HDEL").arg(FINGERPRINTS_KEY).arg(&gone))
+                .await;
         }
         Ok(agree)
     }
 
     async fn get_kill_switch(&self) -> Result<Option<Shared>, FleetError> {
-        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
-        let raw: Option<String> = tokio::time::timeout(
-            self.config.timeout * 2,
-            redis::cmd("GET")
-                .arg(format!("{PREFIX}kill_switch"))
-                .query_async(&mut conn),
-        )
-        .await
-        .map_err(|_| self.failed("timed out"))?
-        .map_err(|e| self.failed(e))?;
-        self.ok();
+        let raw: Option<String> = self
+            .redis
+            .command(redis::cmd("GET").arg(format!("{PREFIX}kill_switch")))
+            .await?;
         Ok(raw.and_then(|r| serde_json::from_str(&r).ok()))
     }
 
@@ -1084,17 +944,11 @@ impl Fleet {
         id: &str,
         body: &str,
     ) -> Result<Vec<(String, String)>, FleetError> {
-        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
         let key = format!("{PREFIX}breakers");
         let mut pipe = redis::pipe();
         pipe.cmd("HSET").arg(&key).arg(id).arg(body).ignore();
         pipe.cmd("HGETALL").arg(&key);
-        let (all,): (Vec<(String, String)>,) =
-            tokio::time::timeout(self.config.timeout * 2, pipe.query_async(&mut conn))
-                .await
-                .map_err(|_| self.failed("timed out"))?
-                .map_err(|e| self.failed(e))?;
-        self.ok();
+        let (all,): (Vec<(String, String)>,) = self.redis.query(&pipe).await?;
         Ok(all)
     }
 
@@ -1102,32 +956,20 @@ impl Fleet {
         if ids.is_empty() {
             return;
         }
-        if let Ok(mut conn) = self.connection().await {
-            let _ = tokio::time::timeout(
-                self.config.timeout * 2,
-                redis::cmd("HDEL")
-                    .arg(format!("{PREFIX}breakers"))
-                    .arg(ids)
-                    .query_async::<i64>(&mut conn),
-            )
+        self.redis
+            .tidy(redis::cmd("HDEL").arg(format!("{PREFIX}breakers")).arg(ids))
             .await;
-        }
     }
 
     async fn put_kill_switch(&self, value: &Shared) -> Result<(), FleetError> {
-        let mut conn = self.connection().await.map_err(|e| self.failed(e))?;
         let body = serde_json::to_string(value).map_err(|e| FleetError::Invalid(e.to_string()))?;
-        tokio::time::timeout(
-            self.config.timeout * 2,
-            redis::cmd("SET")
-                .arg(format!("{PREFIX}kill_switch"))
-                .arg(body)
-                .query_async::<()>(&mut conn),
-        )
-        .await
-        .map_err(|_| self.failed("timed out"))?
-        .map_err(|e| self.failed(e))?;
-        self.ok();
+        self.redis
+            .command::<()>(
+                redis::cmd("SET")
+                    .arg(format!("{PREFIX}kill_switch"))
+                    .arg(body),
+            )
+            .await?;
         Ok(())
     }
 }
@@ -1239,6 +1081,17 @@ pub(crate) mod tests {
             "fleet": {"salt": salt, "expected_replicas": 2},
         });
         PolicyView::of(sluice_core::policy::Policy::from_value(policy).unwrap())
+    }
+
+    #[test]
+    fn redis_key_names_are_salted_hashes() {
+        let a = redis_key("", "tier/free/requests", 42);
+        let b = redis_key("fleet-secret", "tier/free/requests", 42);
+        let c = redis_key("fleet-secret", "tier/free/requests", 43);
+        assert_ne!(a, b, "the salt changes every name");
+        assert_ne!(b, c, "owners have their own names");
+        // Pinned: a fleet's sidecars of two releases count in the same keys.
+        assert_eq!(b, "ad918153b31e4bad099618bb98f27676");
     }
 
     pub(crate) fn fleet_on(redis: &str, salt: &str) -> Arc<Fleet> {
@@ -1379,11 +1232,11 @@ pub(crate) mod tests {
             let mut h = HeaderMap::new();
             h.insert("content-type", HeaderValue::from_static("application/json"));
             h.insert(
-                sluice_core::fleet::SECRET_HEADER,
+                sluice_wire::fleet::SECRET_HEADER,
                 HeaderValue::from_static(SECRET),
             );
             h.insert(
-                sluice_core::fleet::FINGERPRINT_HEADER,
+                sluice_wire::fleet::FINGERPRINT_HEADER,
                 HeaderValue::from_str(&fleet.view().fingerprint).unwrap(),
             );
             h
@@ -1415,17 +1268,17 @@ pub(crate) mod tests {
         h.remove("content-type");
         assert_eq!(status(&local, &h), Some(415));
         let mut h = good();
-        h.remove(sluice_core::fleet::SECRET_HEADER);
+        h.remove(sluice_wire::fleet::SECRET_HEADER);
         assert_eq!(status(&local, &h), Some(401));
         let mut h = good();
         h.insert(
-            sluice_core::fleet::SECRET_HEADER,
+            sluice_wire::fleet::SECRET_HEADER,
             HeaderValue::from_static("guess-guess-guess-1"),
         );
         assert_eq!(status(&local, &h), Some(401));
         let mut h = good();
         h.insert(
-            sluice_core::fleet::FINGERPRINT_HEADER,
+            sluice_wire::fleet::FINGERPRINT_HEADER,
             HeaderValue::from_static("00"),
         );
         assert_eq!(
@@ -1576,60 +1429,8 @@ pub(crate) mod redis_tests {
     use super::routes::*;
     use super::tests::fleet_on;
     use super::*;
+    pub(crate) use crate::redis::testing::{server, Server};
     use std::time::Duration;
-
-    pub(crate) struct Server {
-        child: std::process::Child,
-        pub url: String,
-        _dir: tempfile::TempDir,
-    }
-
-    impl Drop for Server {
-        fn drop(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-
-    pub(crate) fn server() -> Option<Server> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .ok()?
-            .local_addr()
-            .ok()?
-            .port();
-        let dir = tempfile::tempdir().ok()?;
-        let child = std::process::Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(std::process::Stdio::null())
-            .spawn();
-        let Ok(child) = child else {
-            eprintln!("redis-server not found: skipping the real-Redis script tests");
-            return None;
-        };
-        let server = Server {
-            child,
-            url: format!("redis://127.0.0.1:{port}"),
-            _dir: dir,
-        };
-        for _ in 0..200 {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return Some(server);
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        panic!("redis-server did not listen on {port}");
-    }
 
     async fn cmd(url: &str, args: &[&str]) -> redis::Value {
         let client = redis::Client::open(url).unwrap();
@@ -1642,7 +1443,7 @@ pub(crate) mod redis_tests {
     }
 
     async fn used(fleet: &Fleet, url: &str, owner: u64, end: u64) -> i64 {
-        let key = sluice_core::fleet::redis_key(&fleet.view().salt, "tier/t/daily_tokens", owner);
+        let key = super::redis_key(&fleet.view().salt, "tier/t/daily_tokens", owner);
         match cmd(url, &["GET", &format!("{PREFIX}{key}:{end}")]).await {
             redis::Value::BulkString(b) => String::from_utf8_lossy(&b).parse().unwrap(),
             _ => 0,
@@ -1893,7 +1694,7 @@ pub(crate) mod redis_tests {
             ..FleetConfig::default()
         };
         let fleet = |c: FleetConfig| {
-            let client = c.client().unwrap();
+            let client = crate::redis::client(&c).unwrap();
             Fleet::with(
                 c,
                 Loaded {
@@ -1931,11 +1732,11 @@ pub(crate) mod redis_tests {
             let Err(FleetError::Unavailable(why)) = &got else {
                 panic!("{got:?}");
             };
-            let hint = link::hint(why).unwrap_or_default();
+            let hint = crate::redis::link::hint(why).unwrap_or_default();
             assert!(hint.contains(says), "{why}: {hint}");
             assert!(!why.contains("tls-test-password"), "{why}");
-            assert_eq!(f.stats.link.errors(), 1);
-            assert!(!f.stats.link.up());
+            assert_eq!(f.redis().link.errors(), 1);
+            assert!(!f.redis().link.up());
         }
     }
 

@@ -6,6 +6,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::Serialize;
+use sluice_wire::fleet::{
+    FINGERPRINT_HEADER, FLEET_DATA_LOST, FLEET_LATE, FLEET_MISMATCH, FLEET_UNAVAILABLE,
+    SECRET_HEADER,
+};
 
 use super::{slots, Fleet, FleetError, GiveRequest, TakeRequest};
 pub use crate::reply::Peer;
@@ -53,7 +57,7 @@ pub(crate) fn refuse(
             "content-type: application/json expected",
         ))
     } else if !headers
-        .get(sluice_core::fleet::SECRET_HEADER)
+        .get(SECRET_HEADER)
         .is_some_and(|v| fleet.secret_ok(v.as_bytes()))
     {
         Some(error(
@@ -62,13 +66,13 @@ pub(crate) fn refuse(
             "the fleet secret (x-sluice-fleet-secret) is missing or wrong",
         ))
     } else if headers
-        .get(sluice_core::fleet::FINGERPRINT_HEADER)
+        .get(FINGERPRINT_HEADER)
         .and_then(|v| v.to_str().ok())
         != Some(fleet.view().fingerprint.as_str())
     {
         Some(error(
             StatusCode::CONFLICT,
-            sluice_core::fleet::FLEET_MISMATCH,
+            FLEET_MISMATCH,
             "this Envoy's fleet policy (salt, expected_replicas or fleet rules) is not the one \
              this sidecar loaded (fleet.policy)",
         ))
@@ -97,20 +101,10 @@ pub(crate) fn failure(e: FleetError) -> axum::response::Response {
     use axum::http::StatusCode;
     match e {
         FleetError::Invalid(m) => error(StatusCode::BAD_REQUEST, "invalid_request", &m),
-        FleetError::Unavailable(m) => {
-            error(StatusCode::SERVICE_UNAVAILABLE, "fleet_unavailable", &m)
-        }
-        FleetError::Mismatch(m) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            sluice_core::fleet::FLEET_MISMATCH,
-            &m,
-        ),
-        FleetError::DataLost(m) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            sluice_core::fleet::FLEET_DATA_LOST,
-            &m,
-        ),
-        FleetError::Late(m) => error(StatusCode::SERVICE_UNAVAILABLE, "fleet_late", &m),
+        FleetError::Unavailable(m) => error(StatusCode::SERVICE_UNAVAILABLE, FLEET_UNAVAILABLE, &m),
+        FleetError::Mismatch(m) => error(StatusCode::SERVICE_UNAVAILABLE, FLEET_MISMATCH, &m),
+        FleetError::DataLost(m) => error(StatusCode::SERVICE_UNAVAILABLE, FLEET_DATA_LOST, &m),
+        FleetError::Late(m) => error(StatusCode::SERVICE_UNAVAILABLE, FLEET_LATE, &m),
     }
 }
 
@@ -201,13 +195,13 @@ async fn stats(
     reply(
         axum::http::StatusCode::OK,
         serde_json::json!({
-            "redis_up": s.link.up(),
+            "redis_up": fleet.redis().link.up(),
             "takes": n(&s.takes),
             "takes_refused": n(&s.takes_refused),
             "takes_late": n(&s.takes_late),
             "gives": n(&s.gives),
             "gives_repeated": n(&s.gives_repeated),
-            "errors": s.link.errors(),
+            "errors": fleet.redis().link.errors(),
             "refused_calls": n(&s.refused_calls),
             "data_lost": n(&s.data_lost),
             "data_lost_at_ms": lost_at,

@@ -200,8 +200,8 @@ async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
     if let Some(cache) = &api.cache {
         text.push_str(&crate::serve::metrics::render_cache(cache));
     }
-    if let Some(fleet) = &api.fleet {
-        text.push_str(&crate::serve::metrics::render_fleet(fleet));
+    if let Some(redis) = &api.redis {
+        text.push_str(&crate::serve::metrics::render_redis(redis));
     }
     (
         [
@@ -466,7 +466,7 @@ mod tests {
             history: Arc::new(History::default()),
             failures: Arc::new(FailureGate::default()),
             cache: None,
-            fleet: None,
+            redis: None,
         }
     }
 

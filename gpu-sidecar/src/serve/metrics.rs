@@ -115,10 +115,11 @@ fn cache_families(cache: &crate::cache::Cache, out: &mut Exposition) {
     out.sample(&format!("{h}_count"), &[], count as f64);
 }
 
-/// The fleet agent's Redis connection ([`crate::fleet::link`]).
-pub fn render_fleet(fleet: &crate::fleet::Fleet) -> String {
+/// The Redis connection of the fleet agent and the cache tier
+/// ([`crate::redis::link`]).
+pub fn render_redis(redis: &crate::redis::Redis) -> String {
     let mut out = Exposition::default();
-    let link = &fleet.stats.link;
+    let link = &redis.link;
     out.family(
         "sluice_sidecar_redis_up",
         "gauge",

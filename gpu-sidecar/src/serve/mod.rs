@@ -44,6 +44,6 @@ pub struct Api {
     pub failures: Arc<FailureGate>,
     /// The response cache, when this sidecar runs one (its `/metrics`).
     pub cache: Option<Arc<crate::cache::Cache>>,
-    /// The fleet agent, when this sidecar is one (its Redis in `/metrics`).
-    pub fleet: Option<Arc<crate::fleet::Fleet>>,
+    /// The Redis connection, when this sidecar is a fleet agent (in `/metrics`).
+    pub redis: Option<Arc<crate::redis::Redis>>,
 }
