@@ -27,7 +27,7 @@ use crate::admission::answer::{Decision, Reason};
 use crate::admission::health::{self, Pushback, Seen};
 use crate::admission::identity::Identity;
 use crate::admission::pushback::UpstreamReply;
-use crate::admission::{Engine, Plan, RequestContext, Routed, Verdict};
+use crate::admission::{Engine, RequestContext, Routed, Verdict};
 use crate::host::metrics::{self, Metric};
 use crate::host::{Action, Host, LogLevel};
 use crate::policy::Policy;
@@ -35,6 +35,7 @@ use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Contention, Updated};
 use crate::usage::demand::Api;
 use crate::usage::reconcile::{Details, Format, Found, ResponseMeter};
+use phase::{Phase, Upstream};
 
 /// Longest audit field value: every field, whatever a client sent.
 pub const MAX_AUDIT_BYTES: usize = 256;
@@ -741,44 +742,6 @@ pub struct Stream {
     /// ended (the log's end-to-end latency reads it, not the clock again).
     event_ms: Option<u64>,
     ended_ms: Option<u64>,
-}
-
-/// A stream's phase, each holding what exists in it. `Undecided` →
-/// (`Parked` ⇄ `Undecided`)* → (`Fleet`)? → `Answered` or `Upstream`.
-/// One per stream, moved rarely: the upstream phase's meter (with the
-/// usage details it reads) is kept inline rather than boxed.
-#[allow(clippy::large_enum_variant)]
-enum Phase {
-    /// Its headers and body are being read, or it is between two tries
-    /// of the gate: nothing is decided.
-    Undecided,
-    /// Queued for the model's gate, or asleep until its buckets free up
-    /// (its `gate` says which), with what it needs to be decided again.
-    Parked(waiting::Parked),
-    /// Admitted and paused for the fleet: the sidecar's answer decides
-    /// this verdict.
-    Fleet {
-        pending: crate::fleet::Pending,
-        verdict: Box<Verdict>,
-    },
-    /// Answered here (a refusal, a static answer).
-    Answered,
-    /// Let through to the upstream.
-    Upstream(Upstream),
-}
-
-/// What a request let through to the upstream carries until its log.
-struct Upstream {
-    /// Tier and model labels of the decision, for later metrics.
-    labels: (String, String),
-    /// Added to the upstream's response headers (rate limits, degraded).
-    response_headers: Vec<(String, String)>,
-    /// What admission reserved, until it is settled.
-    plan: Option<Plan>,
-    /// Reads the response as it passes (a request with a plan).
-    meter: Option<ResponseMeter>,
-    /// Whether its first response byte left.
-    first_byte: bool,
 }
 
 impl Stream {
@@ -1800,6 +1763,7 @@ mod early;
 #[cfg(test)]
 mod endpoint_tests;
 mod flight;
+mod phase;
 pub(crate) mod slots;
 #[cfg(test)]
 mod tail_tests;
