@@ -380,7 +380,7 @@ impl Stream {
         let path = sluice_wire::cache::LOOKUP_PATH;
         match post_to_sidecar(&filter, sidecar, host, path, &payload, timeout) {
             Ok(token) => {
-                self.cache_wait = Some(Wait { token, ..wait });
+                self.phase = super::Phase::LookingUp(Wait { token, ..wait });
                 Some(Action::Pause)
             }
             Err(why) => {
@@ -423,14 +423,18 @@ impl Stream {
 
     /// Whether `token` is this stream's lookup.
     pub(super) fn cache_owns(&self, token: u32) -> bool {
-        self.cache_wait.as_ref().is_some_and(|w| w.token == token)
+        matches!(&self.phase, super::Phase::LookingUp(w) if w.token == token)
     }
 
     /// The sidecar's answer to the lookup: a hit is answered here, a miss
     /// (or no answer) goes on to admission.
     pub(super) fn cache_answer(&mut self, host: &dyn Host, body_size: usize) {
-        let Some(wait) = self.cache_wait.take() else {
-            return;
+        let wait = match std::mem::replace(&mut self.phase, super::Phase::Undecided) {
+            super::Phase::LookingUp(wait) => wait,
+            other => {
+                self.phase = other;
+                return;
+            }
         };
         let status = host.call_response_header(":status");
         let answer = match status.as_deref() {
@@ -555,15 +559,16 @@ impl Stream {
                 if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
                     calls.insert(pending.token, (self.me.clone(), self.context_id));
                 }
-                self.cache_hit = Some(hit);
-                self.phase = super::Phase::Fleet {
+                self.phase = super::Phase::Fleet(Box::new(super::FleetWait {
                     pending,
-                    verdict: Box::new(verdict),
-                };
+                    verdict,
+                    watch: None,
+                    hit: Some(hit),
+                }));
             }
             crate::fleet::Gate::Refuse { rule, quota } => {
                 hit.refused(host);
-                self.fleet_refuse(host, verdict, &rule, quota);
+                self.fleet_refuse(host, verdict, None, &rule, quota);
             }
         }
     }

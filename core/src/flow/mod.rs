@@ -35,7 +35,7 @@ use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Contention, Updated};
 use crate::usage::demand::Api;
 use crate::usage::reconcile::{Details, Format, Found, ResponseMeter};
-use phase::{Phase, Upstream};
+use phase::{FleetWait, Phase, Upstream, Watch};
 
 /// Longest audit field value: every field, whatever a client sent.
 pub const MAX_AUDIT_BYTES: usize = 256;
@@ -693,13 +693,6 @@ impl Request {
 /// [`Request`], which the root context can also reach while it waits).
 pub struct Stream {
     filter: Rc<Filter>,
-    /// The request went to the primary upstream: its answer feeds the
-    /// route's pause and error breaker.
-    watch_upstream: bool,
-    /// The route's pushback state as the request found it.
-    pushback: Option<Pushback>,
-    /// This request holds the route's half-open probe (its lease).
-    probe_lease: Option<u64>,
     identity: Option<Identity>,
     api: Api,
     /// The canonical path (`demand::canonical_path`), for route buckets.
@@ -710,38 +703,30 @@ pub struct Stream {
     /// Request body bytes buffered so far (for a request that ends with
     /// trailers, the body is read in the trailers callback).
     body_size: usize,
-    /// Where the stream is: undecided, waiting, or decided.
+    /// Where the stream is, with what exists only there (`phase`).
     phase: Phase,
+    /// The response's status (0 before its headers).
     status: u32,
     /// When the request arrived.
     started_ms: u64,
     /// SHA-256 of the response body, when the audit asks for it.
     response_hash: Option<sha2::Sha256>,
-    /// What the fleet buckets hold for this request, until settled.
-    fleet_claims: Vec<crate::fleet::Claimed>,
     /// Envoy's id of this stream, and the handle the root wakes it by.
     context_id: u32,
     me: Weak<RefCell<Stream>>,
-    /// Its concurrency slot, queue entry or sleep.
+    /// Its concurrency slot, queue entry or sleep: from the gate to the
+    /// end of the answer, across phases (it is given back exactly once).
     gate: Option<waiting::GateState>,
-    /// The response cache: asked once per request; the lookup in flight;
-    /// what to store after the answer (see `cache`).
+    /// The response cache: asked once per request; what to store after
+    /// the answer, from the lookup to the answer's end (see `cache`).
     cache_looked: bool,
-    cache_wait: Option<cache::Wait>,
     cache_store: Option<cache::ToStore>,
-    /// A hit admitted locally, its reply kept until the fleet admits it.
-    cache_hit: Option<cache::HeldHit>,
     /// This request's claim on its question in flight (it leads), and
     /// until when it may follow another's (see `flight`).
     flight: Option<flight::Claim>,
     follow_until: Option<u64>,
     /// The audit fields so far, written once at the end (`audit`).
     audit: audit::Record,
-    /// The clock of the response callback running now (one read per
-    /// event: its first byte, its settlement), and when the response
-    /// ended (the log's end-to-end latency reads it, not the clock again).
-    event_ms: Option<u64>,
-    ended_ms: Option<u64>,
 }
 
 impl Stream {
@@ -751,9 +736,6 @@ impl Stream {
             me: Weak::new(),
             gate: None,
             filter,
-            watch_upstream: false,
-            pushback: None,
-            probe_lease: None,
             identity: None,
             api: Api::Other,
             path: String::new(),
@@ -763,22 +745,12 @@ impl Stream {
             status: 0,
             started_ms: 0,
             response_hash: None,
-            fleet_claims: Vec::new(),
             cache_looked: false,
-            cache_wait: None,
             cache_store: None,
-            cache_hit: None,
             flight: None,
             follow_until: None,
             audit: audit::Record::default(),
-            event_ms: None,
-            ended_ms: None,
         }
-    }
-
-    /// The clock of this event: read once, whatever asks for it.
-    fn event_now(&mut self, host: &dyn Host) -> u64 {
-        *self.event_ms.get_or_insert_with(|| host.now_ms())
     }
 
     fn engine(&self) -> &Engine {
@@ -980,7 +952,7 @@ impl Stream {
             .response_header(":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        if self.watch_upstream {
+        if matches!(&self.phase, Phase::Upstream(up) if up.watch.is_some()) {
             // The provider's own x-ratelimit-* headers, read before sluice
             // adds its own (same names: they describe the caller's buckets).
             self.observe_provider_limits(host);
@@ -992,8 +964,8 @@ impl Stream {
             host.set_response_header(&name, Some(&value));
         }
         self.cache_response_headers(host);
-        if std::mem::take(&mut self.watch_upstream) {
-            self.observe_upstream(host, self.status);
+        if let Some(watch) = self.upstream().and_then(|up| up.watch.take()) {
+            self.observe_upstream(host, self.status, watch);
         }
         let Some(up) = self.upstream() else {
             return Action::Continue;
@@ -1018,26 +990,23 @@ impl Stream {
         // Latency histograms describe model calls (the LLM APIs), not
         // `/v1/models` and the like.
         let model_call = body_size > 0 && self.api.reads_body();
-        let first = match &mut self.phase {
-            Phase::Upstream(up) if model_call && !up.first_byte => {
+        if let Phase::Upstream(up) = &mut self.phase {
+            up.event_ms = None;
+            if model_call && !up.first_byte {
                 up.first_byte = true;
-                Some(up.labels.1.clone())
+                let ttft = up.event_now(host).saturating_sub(self.started_ms);
+                metrics::TTFT_MS.record_at(host, &[&up.labels.1], ttft);
+                self.audit.number(audit::Field::TtftMs, ttft);
             }
-            _ => None,
-        };
-        self.event_ms = None;
-        if let Some(model) = first {
-            let ttft = self.event_now(host).saturating_sub(self.started_ms);
-            metrics::TTFT_MS.record_at(host, &[&model], ttft);
-            self.audit.number(audit::Field::TtftMs, ttft);
-        }
-        if end && self.api.reads_body() {
-            // The log's end-to-end latency ends here (no second clock read).
-            self.ended_ms = Some(self.event_now(host));
+            if end && self.api.reads_body() {
+                // The log's end-to-end latency ends here (no second clock
+                // read).
+                up.ended_ms = Some(up.event_now(host));
+            }
         }
         let metered = matches!(&self.phase, Phase::Upstream(up) if up.meter.is_some());
         if !metered && self.response_hash.is_none() && self.cache_store.is_none() {
-            self.event_ms = None;
+            self.end_event();
             return Action::Continue;
         }
         let chunk = host.response_body(body_size);
@@ -1070,19 +1039,24 @@ impl Stream {
             self.settle(host);
             self.release_slot(host);
         }
-        self.event_ms = None;
+        self.end_event();
         Action::Continue
+    }
+
+    /// The response callback is over: the next reads the clock again.
+    fn end_event(&mut self) {
+        if let Some(up) = self.upstream() {
+            up.event_ms = None;
+        }
     }
 
     pub fn on_log(&mut self, host: &dyn Host) {
         // Still waiting for the fleet: the answer has no one to go to, and
         // what the request holds (its local reservation, the take) is given
         // back — nothing else would (it never reached the upstream phase).
-        if matches!(self.phase, Phase::Fleet { .. }) {
-            if let Phase::Fleet { pending, verdict } =
-                std::mem::replace(&mut self.phase, Phase::Answered)
-            {
-                self.abandon_fleet_wait(host, pending, *verdict);
+        if matches!(self.phase, Phase::Fleet(_)) {
+            if let Phase::Fleet(wait) = std::mem::replace(&mut self.phase, Phase::Answered) {
+                self.abandon_fleet_wait(host, *wait);
             }
         }
         // Client gone, upstream reset or timeout: settle from what was seen.
@@ -1093,18 +1067,13 @@ impl Stream {
         self.leave_gate(host);
         // A probe whose answer never came (the client left first) is given
         // back, not left to block the route until its lease ends.
-        if let (Some(lease), Some(pushback)) = (self.probe_lease.take(), &self.pushback) {
-            // A release that cannot be written leaves the lease to expire.
-            let mut cas = Cas::new(host, self.engine().tries().take());
-            health::release_probe(&mut cas, &pushback.route_key, lease);
-            count_contention(host, cas.contention);
-        }
+        let watch = self.upstream().and_then(|up| up.watch.take());
+        self.give_back_probe(host, watch);
         let answered = self.status != 0 && self.api.reads_body();
         let started_ms = self.started_ms;
-        let ended_ms = self.ended_ms;
         if let Some(up) = self.upstream().filter(|_| answered) {
             let model = &up.labels.1;
-            let ended = ended_ms.unwrap_or_else(|| host.now_ms());
+            let ended = up.ended_ms.unwrap_or_else(|| host.now_ms());
             let elapsed = ended.saturating_sub(started_ms);
             metrics::E2E_MS.record_at(host, &[model], elapsed);
         }
@@ -1190,12 +1159,51 @@ impl Stream {
                     labels,
                     response_headers,
                     plan,
+                    watch: None,
+                    fleet_claims: Vec::new(),
                     meter: None,
                     first_byte: false,
+                    event_ms: None,
+                    ended_ms: None,
                 });
                 Action::Continue
             }
         }
+    }
+
+    /// Applies a verdict the fleet let through (or that never asked it):
+    /// the upstream phase keeps what the primary's answer will feed and
+    /// the fleet's claims until they are settled.
+    fn finish_onward(
+        &mut self,
+        host: &dyn Host,
+        verdict: Verdict,
+        watch: Option<Watch>,
+        fleet_claims: Vec<crate::fleet::Claimed>,
+    ) -> Action {
+        let action = self.finish(host, verdict);
+        match self.upstream() {
+            Some(up) => {
+                up.watch = watch;
+                up.fleet_claims = fleet_claims;
+            }
+            // Answered here after all: a probe it held learned nothing.
+            None => self.give_back_probe(host, watch),
+        }
+        action
+    }
+
+    /// The route's half-open probe, given back unanswered (the request
+    /// was answered here, or its client left first), so the next request
+    /// may probe at once instead of when the lease ends. A release that
+    /// cannot be written leaves the lease to expire.
+    fn give_back_probe(&self, host: &dyn Host, watch: Option<Watch>) {
+        let Some((lease, pushback)) = watch.and_then(|w| Some((w.probe_lease?, w.pushback))) else {
+            return;
+        };
+        let mut cas = Cas::new(host, self.engine().tries().take());
+        health::release_probe(&mut cas, &pushback.route_key, lease);
+        count_contention(host, cas.contention);
     }
 
     /// The decision's metrics.
@@ -1414,16 +1422,19 @@ impl Stream {
                 return self.sleep(host, now + retry_ms);
             }
         }
+        let mut probe_lease = None;
         if probe {
             // Claimed only now, by an admitted request: a refused one never
             // holds the probe.
             let (decided, lease) =
                 engine.take_probe(host, &mut pushback, verdict, &identity, now, route);
-            verdict = decided;
-            self.probe_lease = lease;
+            (verdict, probe_lease) = (decided, lease);
         }
-        self.pushback = Some(pushback);
-        self.send_on(host, verdict, fallback, parked.body_len)
+        let watch = Watch {
+            pushback,
+            probe_lease,
+        };
+        self.send_on(host, verdict, fallback, parked.body_len, watch)
     }
 
     /// The request's audit fields known once its body is read.
@@ -1450,14 +1461,16 @@ impl Stream {
         mut verdict: Verdict,
         fallback: bool,
         body_len: usize,
+        watch: Watch,
     ) -> Action {
+        let mut watched = None;
         if verdict.reply.is_none() {
             if fallback {
                 self.reroute(host, &mut verdict);
                 // Another provider's answer is not the primary's to cache.
                 self.cache_store = None;
             } else {
-                self.watch_upstream = true;
+                watched = Some(watch);
             }
         }
         if let Some(new_body) = verdict.body.take() {
@@ -1466,12 +1479,12 @@ impl Stream {
             host.replace_request_body(body_len, &new_body);
             host.set_request_header("content-length", Some(&new_body.len().to_string()));
         }
-        self.fleet_gate(host, verdict)
+        self.fleet_gate(host, verdict, watched)
     }
 
     /// An admitted request's fleet buckets: covered by the leases (go on),
     /// waiting for the sidecar (pause), or refused fleet-wide.
-    fn fleet_gate(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
+    fn fleet_gate(&mut self, host: &dyn Host, verdict: Verdict, watch: Option<Watch>) -> Action {
         let filter = self.filter.clone();
         // A body request's plan, or what a GET took.
         let held = verdict
@@ -1485,28 +1498,27 @@ impl Stream {
             verdict.reply.as_ref(),
             self.identity.clone(),
         ) else {
-            return self.finish(host, verdict);
+            return self.finish_onward(host, verdict, watch, Vec::new());
         };
         let now = self.started_ms;
         match fleet.admit(&filter.engine, host, held, meters, &identity, now) {
-            crate::fleet::Gate::Pass(claims) => {
-                self.fleet_claims = claims;
-                self.finish(host, verdict)
-            }
+            crate::fleet::Gate::Pass(claims) => self.finish_onward(host, verdict, watch, claims),
             crate::fleet::Gate::Wait(pending) => {
                 // Its answer comes to this stream, or to the root when the
                 // root made the call while resuming this stream.
                 if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
                     calls.insert(pending.token, (self.me.clone(), self.context_id));
                 }
-                self.phase = Phase::Fleet {
+                self.phase = Phase::Fleet(Box::new(FleetWait {
                     pending,
-                    verdict: Box::new(verdict),
-                };
+                    verdict,
+                    watch,
+                    hit: None,
+                }));
                 Action::Pause
             }
             crate::fleet::Gate::Refuse { rule, quota } => {
-                self.fleet_refuse(host, verdict, &rule, quota)
+                self.fleet_refuse(host, verdict, watch, &rule, quota)
             }
         }
     }
@@ -1517,63 +1529,65 @@ impl Stream {
             self.cache_answer(host, body_size);
             return;
         }
-        let (pending, verdict) = match std::mem::replace(&mut self.phase, Phase::Undecided) {
-            Phase::Fleet { pending, verdict } if pending.token == token => (pending, *verdict),
+        let wait = match std::mem::replace(&mut self.phase, Phase::Undecided) {
+            Phase::Fleet(wait) if wait.pending.token == token => wait,
             other => {
                 self.phase = other;
                 return;
             }
         };
+        let FleetWait {
+            pending,
+            verdict,
+            watch,
+            hit,
+        } = *wait;
         let filter = self.filter.clone();
         if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
             calls.remove(&token);
         }
         let (Some(fleet), Some(identity)) = (filter.fleet.as_ref(), self.identity.clone()) else {
-            return;
+            return self.give_back_probe(host, watch);
         };
         let now = host.now_ms();
         let gate = fleet.answer(&filter.engine, host, pending, body_size, &identity, now);
         // A cache hit waiting for the fleet: its kept reply, or the 429.
-        if let Some(hit) = self.cache_hit.take() {
+        if let Some(hit) = hit {
             match gate {
                 crate::fleet::Gate::Refuse { rule, quota } => {
                     hit.refused(host);
-                    self.fleet_refuse(host, verdict, &rule, quota);
+                    self.fleet_refuse(host, verdict, None, &rule, quota);
                 }
                 crate::fleet::Gate::Pass(claims) => self.deliver_hit(host, hit, verdict, claims),
                 crate::fleet::Gate::Wait(_) => self.deliver_hit(host, hit, verdict, Vec::new()),
             }
             return;
         }
-        match gate {
+        let claims = match gate {
             crate::fleet::Gate::Refuse { rule, quota } => {
-                self.fleet_refuse(host, verdict, &rule, quota);
+                self.fleet_refuse(host, verdict, watch, &rule, quota);
+                return;
             }
-            crate::fleet::Gate::Pass(claims) => {
-                self.fleet_claims = claims;
-                if self.finish(host, verdict) == Action::Continue {
-                    host.resume_request();
-                }
-            }
+            crate::fleet::Gate::Pass(claims) => claims,
             // `answer` never waits again; should it, the request goes on
             // covered locally rather than hang.
-            crate::fleet::Gate::Wait(_) => {
-                if self.finish(host, verdict) == Action::Continue {
-                    host.resume_request();
-                }
-            }
+            crate::fleet::Gate::Wait(_) => Vec::new(),
+        };
+        if self.finish_onward(host, verdict, watch, claims) == Action::Continue {
+            host.resume_request();
         }
     }
 
-    /// Refused fleet-wide: what the request took locally is given back and
-    /// the bucket answers 429.
-    /// The client left while its request waited for the fleet.
-    fn abandon_fleet_wait(
-        &mut self,
-        host: &dyn Host,
-        pending: crate::fleet::Pending,
-        verdict: Verdict,
-    ) {
+    /// The client left while its request waited for the fleet: the take,
+    /// what the request holds here and a probe it claimed go back (a cache
+    /// hit's kept reply is dropped).
+    fn abandon_fleet_wait(&mut self, host: &dyn Host, wait: FleetWait) {
+        let FleetWait {
+            pending,
+            verdict,
+            watch,
+            ..
+        } = wait;
         let filter = self.filter.clone();
         if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
             calls.remove(&pending.token);
@@ -1585,13 +1599,16 @@ impl Stream {
         }
         // (Counted outstanding only once `finish` sends it on: not yet.)
         release_local(host, engine, &verdict, now);
-        self.cache_hit = None;
+        self.give_back_probe(host, watch);
     }
 
+    /// Refused fleet-wide: what the request took locally is given back
+    /// (a probe it claimed too) and the bucket answers 429.
     fn fleet_refuse(
         &mut self,
         host: &dyn Host,
         verdict: Verdict,
+        watch: Option<Watch>,
         rule: &str,
         quota: crate::limits::bucket::Quota,
     ) -> Action {
@@ -1603,8 +1620,11 @@ impl Stream {
             engine.fleet_refusal(rule, quota, identity, model.as_deref(), now)
         });
         match refusal {
-            Some(r) => self.finish(host, r),
-            None => self.finish(host, verdict),
+            Some(r) => {
+                self.give_back_probe(host, watch);
+                self.finish(host, r)
+            }
+            None => self.finish_onward(host, verdict, watch, Vec::new()),
         }
     }
 
@@ -1628,15 +1648,11 @@ impl Stream {
     }
 
     /// Feeds the upstream's answer to the route's pause and error breaker.
-    fn observe_upstream(&mut self, host: &dyn Host, status: u32) {
-        let lease = self.probe_lease.take();
-        let Some(pushback) = self
-            .pushback
-            .as_ref()
-            .filter(|p| p.must_record(status, lease))
-        else {
+    fn observe_upstream(&mut self, host: &dyn Host, status: u32, watch: Watch) {
+        let (pushback, lease) = (&watch.pushback, watch.probe_lease);
+        if !pushback.must_record(status, lease) {
             return;
-        };
+        }
         let now = host.now_ms();
         let retry_after = host.response_header("retry-after");
         let dice = self.filter.roll(now);
@@ -1675,16 +1691,16 @@ impl Stream {
 
     /// Replaces the reservation with the real cost; runs once per request.
     fn settle(&mut self, host: &dyn Host) {
-        let claims = std::mem::take(&mut self.fleet_claims);
         let Some(up) = self.upstream() else { return };
+        let claims = std::mem::take(&mut up.fleet_claims);
         let Some(plan) = up.plan.take() else { return };
         let (found, counted, cut, details) = match &up.meter {
             Some(m) => (m.found, m.output_events, m.cut, m.details()),
             None => (Found::Nothing, 0, false, Details::default()),
         };
         let (tier, model) = up.labels.clone();
+        let now = up.event_ms.unwrap_or_else(|| host.now_ms());
         let upstream_ok = self.status == 0 || self.status < 400;
-        let now = self.event_ms.unwrap_or_else(|| host.now_ms());
         let (settled, effort) =
             self.filter
                 .engine
