@@ -763,13 +763,7 @@ impl Stream {
             Ok(u) => u,
             Err(_) => return skip(host),
         };
-        let spend = price.map_or(0, |p| {
-            p.cost_micros(crate::admission::Billed {
-                input: usage.input,
-                output: usage.output,
-                ..Default::default()
-            })
-        });
+        let spend = price.map_or(0, |p| p.plain_micros(usage.input, usage.output));
         let req = StoreRequest {
             key: s.key,
             model: s.model,

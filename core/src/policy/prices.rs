@@ -193,6 +193,15 @@ impl ModelPrice {
             .map_or(self.base, |(_, r)| *r)
     }
 
+    /// The cost of these totals with no part priced apart.
+    pub fn plain_micros(&self, input: u64, output: u64) -> u64 {
+        self.cost_micros(Billed {
+            input,
+            output,
+            ..Billed::default()
+        })
+    }
+
     /// The most a request of these totals may cost, whatever its parts
     /// turn out to be: what is reserved before the answer says.
     pub fn bound_micros(&self, input: u64, output: u64) -> u64 {
