@@ -4,7 +4,7 @@
 //! values or through the [`SharedStore`] trait, time as `now_ms`, chance as
 //! a number in 0..1000.
 //!
-//! Upstream pushback record (one per model route, fixed size). Invariants:
+//! The upstream pushback record, [`RouteHealth`] (one per model route, fixed size). Invariants:
 //! - The error breaker opens only on `failures_to_open` failures in a row,
 //!   within `failure_window`, from `min_callers` distinct callers (their
 //!   32-bit fingerprints, at most [`MAX_CALLERS`] kept; two callers that
@@ -48,7 +48,7 @@ pub const PROBE_LEASE_MS: u64 = 30_000;
 /// shared data so every worker pauses and breaks together; fixed size,
 /// whatever the number of callers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Upstream {
+pub struct RouteHealth {
     /// Requests wait until then (an upstream `Retry-After` about the route).
     pub paused_until_ms: u64,
     /// The latest end of a per-credential pause on this route: until then
@@ -72,9 +72,9 @@ pub struct Upstream {
     pub barred_until_ms: u64,
 }
 
-impl Upstream {
+impl RouteHealth {
     pub fn is_blank(&self) -> bool {
-        *self == Upstream::default()
+        *self == RouteHealth::default()
     }
 
     /// The breaker is past its cooldown, no probe is in flight, and this
@@ -130,7 +130,7 @@ impl Upstream {
         caller: u32,
         lease: Option<u64>,
         now_ms: u64,
-    ) -> Upstream {
+    ) -> RouteHealth {
         // What has ended leaves no trace.
         if self.paused_until_ms <= now_ms {
             self.paused_until_ms = 0;
@@ -265,16 +265,18 @@ pub struct Pushback {
     pub credentials: Credentials,
     /// The caller's fingerprint for the breaker's distinct-caller count.
     pub caller: u32,
-    pub record: Upstream,
+    pub record: RouteHealth,
     /// This credential is paused until then (0: not paused).
     pub credential_paused_until_ms: u64,
 }
 
 /// A route's record and its CAS token (a missing key reads as clean).
-pub fn read(store: &dyn SharedStore, key: &str) -> (Upstream, u32) {
-    store.get(key).map_or((Upstream::default(), 0), |(b, cas)| {
-        (Upstream::decode(&b), cas)
-    })
+pub fn read(store: &dyn SharedStore, key: &str) -> (RouteHealth, u32) {
+    store
+        .get(key)
+        .map_or((RouteHealth::default(), 0), |(b, cas)| {
+            (RouteHealth::decode(&b), cas)
+        })
 }
 
 /// Applies `next` to a route's record. `None`: the change was dropped
@@ -282,11 +284,11 @@ pub fn read(store: &dyn SharedStore, key: &str) -> (Upstream, u32) {
 fn update_record(
     cas: &mut Cas,
     key: &str,
-    next: impl Fn(Upstream) -> Upstream,
-) -> Option<(Upstream, Upstream)> {
-    let mut seen = (Upstream::default(), Upstream::default());
+    next: impl Fn(RouteHealth) -> RouteHealth,
+) -> Option<(RouteHealth, RouteHealth)> {
+    let mut seen = (RouteHealth::default(), RouteHealth::default());
     match cas.update(key, |bytes| {
-        let current = bytes.map(Upstream::decode).unwrap_or_default();
+        let current = bytes.map(RouteHealth::decode).unwrap_or_default();
         let updated = next(current);
         seen = (current, updated);
         (updated != current).then(|| updated.encode())
@@ -302,7 +304,7 @@ pub fn claim_probe(cas: &mut Cas, key: &str, caller: u32, now_ms: u64) -> Option
     let lease = now_ms.saturating_add(PROBE_LEASE_MS);
     let (before, after) = update_record(cas, key, |u| {
         if u.may_probe(caller, now_ms) {
-            Upstream {
+            RouteHealth {
                 probe_until_ms: lease,
                 ..u
             }
@@ -319,7 +321,7 @@ pub fn claim_probe(cas: &mut Cas, key: &str, caller: u32, now_ms: u64) -> Option
 pub fn release_probe(cas: &mut Cas, key: &str, lease: u64) -> bool {
     update_record(cas, key, |u| {
         if u.probe_until_ms == lease {
-            Upstream {
+            RouteHealth {
                 probe_until_ms: 0,
                 ..u
             }
@@ -409,7 +411,7 @@ pub fn record(
         } else if answer.lease.is_some_and(|l| l == u.probe_until_ms) {
             // Answered locally after its claim: the probe learned nothing,
             // the next request may probe.
-            Upstream {
+            RouteHealth {
                 probe_until_ms: 0,
                 ..u
             }
@@ -462,7 +464,7 @@ pub struct Situation<'a> {
     pub on_stale: OnStale,
     pub model: Option<&'a str>,
     pub backend: &'a str,
-    pub upstream: Upstream,
+    pub upstream: RouteHealth,
     /// The request's credential is paused until then (0: it is not).
     pub credential_paused_until_ms: u64,
     /// The caller's fingerprint (a caller whose probe just failed waits).
@@ -607,7 +609,7 @@ pub fn normalize_prompt(text: &str) -> String {
     out
 }
 
-impl Record for Upstream {
+impl Record for RouteHealth {
     const LEN: usize = 7 * 8 + (2 + MAX_CALLERS) * 4;
 
     fn write(&self, w: &mut Writer) {
@@ -626,7 +628,7 @@ impl Record for Upstream {
     }
 
     fn read(r: &mut Reader) -> Self {
-        let mut u = Upstream {
+        let mut u = RouteHealth {
             paused_until_ms: r.u64(),
             credential_pauses_until_ms: r.u64(),
             streak_since_ms: r.u64(),
@@ -692,7 +694,12 @@ mod tests {
         ))
     }
 
-    fn situation<'a>(seen: &'a Seen, upstream: Upstream, now_ms: u64, dice: u32) -> Situation<'a> {
+    fn situation<'a>(
+        seen: &'a Seen,
+        upstream: RouteHealth,
+        now_ms: u64,
+        dice: u32,
+    ) -> Situation<'a> {
         Situation {
             seen,
             stale_after_ms: 10_000,
@@ -717,7 +724,7 @@ mod tests {
     #[test]
     fn an_open_breaker_refuses_its_scope_only() {
         let s = seen(OPEN, 1_000);
-        let r = route(&situation(&s, Upstream::default(), 2_000, 0));
+        let r = route(&situation(&s, RouteHealth::default(), 2_000, 0));
         assert!(
             matches!(
                 r,
@@ -729,7 +736,7 @@ mod tests {
             ),
             "{r:?}"
         );
-        let mut other = situation(&s, Upstream::default(), 2_000, 0);
+        let mut other = situation(&s, RouteHealth::default(), 2_000, 0);
         other.model = Some("small");
         assert_eq!(route(&other), Route::Primary);
     }
@@ -743,7 +750,7 @@ mod tests {
             0,
         );
         let through = (0..1000)
-            .filter(|d| route(&situation(&s, Upstream::default(), 0, *d)) == Route::Primary)
+            .filter(|d| route(&situation(&s, RouteHealth::default(), 0, *d)) == Route::Primary)
             .count();
         assert_eq!(through, 100);
     }
@@ -752,10 +759,10 @@ mod tests {
     fn a_stale_sidecar_fails_open_but_keeps_the_kill_switch() {
         let s = seen(OPEN, 0);
         assert_eq!(
-            route(&situation(&s, Upstream::default(), 20_000, 0)),
+            route(&situation(&s, RouteHealth::default(), 20_000, 0)),
             Route::Primary
         );
-        let mut closed = situation(&s, Upstream::default(), 20_000, 0);
+        let mut closed = situation(&s, RouteHealth::default(), 20_000, 0);
         closed.on_stale = OnStale::FailClosed;
         assert!(matches!(route(&closed), Route::Refuse { .. }));
         let killed = seen(
@@ -763,10 +770,10 @@ mod tests {
             0,
         );
         assert_eq!(
-            route(&situation(&killed, Upstream::default(), 20_000, 0)),
+            route(&situation(&killed, RouteHealth::default(), 20_000, 0)),
             Route::Fallback
         );
-        let mut no_fallback = situation(&killed, Upstream::default(), 0, 0);
+        let mut no_fallback = situation(&killed, RouteHealth::default(), 0, 0);
         no_fallback.has_fallback = false;
         assert_eq!(route(&no_fallback), Route::Static);
     }
@@ -787,7 +794,7 @@ mod tests {
         }
     }
 
-    fn fail(u: Upstream, caller: u32, now: u64) -> Upstream {
+    fn fail(u: RouteHealth, caller: u32, now: u64) -> RouteHealth {
         u.observe(&protection(), 500, caller, None, now)
     }
 
@@ -805,15 +812,15 @@ mod tests {
     #[test]
     fn a_route_pause_refuses_until_it_ends() {
         let none = Seen::default();
-        let paused = Upstream {
+        let paused = RouteHealth {
             paused_until_ms: 6_000,
-            ..Upstream::default()
+            ..RouteHealth::default()
         };
         let r = route(&situation(&none, paused, 2_000, 0));
         assert_eq!(refused_with(&r), Some(("upstream_paused", 4)), "{r:?}");
         assert_eq!(route(&situation(&none, paused, 6_001, 0)), Route::Primary);
         // A credential's pause refuses that credential only.
-        let mut mine = situation(&none, Upstream::default(), 2_000, 0);
+        let mut mine = situation(&none, RouteHealth::default(), 2_000, 0);
         mine.credential_paused_until_ms = 9_000;
         assert_eq!(refused_with(&route(&mine)), Some(("upstream_paused", 7)));
     }
@@ -821,7 +828,7 @@ mod tests {
     #[test]
     fn one_callers_failures_never_open_the_breaker() {
         let none = Seen::default();
-        let mut u = Upstream::default();
+        let mut u = RouteHealth::default();
         for i in 0..50 {
             u = fail(u, A, i);
         }
@@ -839,13 +846,13 @@ mod tests {
     #[test]
     fn failures_count_in_a_row_and_within_the_window() {
         let p = protection();
-        let mut u = fail(fail(Upstream::default(), A, 0), B, 1);
+        let mut u = fail(fail(RouteHealth::default(), A, 0), B, 1);
         // A good answer resets the streak.
         u = u.observe(&p, 200, A, None, 2);
         u = fail(u, A, 3);
         assert_eq!((u.failures, u.open_until_ms), (1, 0));
         // Failures spread wider than the window do not add up.
-        let mut u = fail(fail(Upstream::default(), A, 0), B, 1);
+        let mut u = fail(fail(RouteHealth::default(), A, 0), B, 1);
         u = fail(u, B, 60_002);
         assert_eq!((u.failures, u.open_until_ms), (1, 0));
         u = fail(fail(u, A, 60_003), B, 60_004);
@@ -855,7 +862,7 @@ mod tests {
             min_callers: 1,
             ..p
         };
-        let mut u = Upstream::default();
+        let mut u = RouteHealth::default();
         for t in 0..3 {
             u = u.observe(&solo, 502, A, None, t);
         }
@@ -869,13 +876,13 @@ mod tests {
             min_callers: MAX_CALLERS as u32,
             ..protection()
         };
-        let mut u = Upstream::default();
+        let mut u = RouteHealth::default();
         for c in 1..=50u32 {
             u = u.observe(&p, 500, c, None, u64::from(c));
         }
         assert_eq!(u.distinct_callers(), MAX_CALLERS as u32);
-        assert_eq!(Upstream::decode(&u.encode()), u);
-        assert_eq!(Upstream::decode(&[1, 2, 3]), Upstream::default());
+        assert_eq!(RouteHealth::decode(&u.encode()), u);
+        assert_eq!(RouteHealth::decode(&[1, 2, 3]), RouteHealth::default());
     }
 
     #[test]
@@ -883,7 +890,7 @@ mod tests {
         let store = crate::state::store::MemStore::default();
         let p = protection();
         let key = "sluice:v1:upstream/big";
-        let opened = fail(fail(fail(Upstream::default(), A, 0), B, 1), A, 2);
+        let opened = fail(fail(fail(RouteHealth::default(), A, 0), B, 1), A, 2);
         store.set(key, &opened.encode(), 0).unwrap();
         assert_eq!(
             claim_probe(&mut Cas::new(&store, 16), key, A, 1_000),
@@ -902,7 +909,7 @@ mod tests {
             credential: None,
             credentials: Credentials::PassThrough,
             caller,
-            record: Upstream::default(),
+            record: RouteHealth::default(),
             credential_paused_until_ms: 0,
         };
         let failed = Answer {
@@ -957,10 +964,10 @@ mod tests {
         let store = crate::state::store::MemStore::default();
         let p = protection();
         let key = "k";
-        let open = Upstream {
+        let open = RouteHealth {
             open_until_ms: 10,
             cooldown_ms: 10,
-            ..Upstream::default()
+            ..RouteHealth::default()
         };
         store.set(key, &open.encode(), 0).unwrap();
         let pb = Pushback {
@@ -968,7 +975,7 @@ mod tests {
             credential: None,
             credentials: Credentials::Injected,
             caller: A,
-            record: Upstream::default(),
+            record: RouteHealth::default(),
             credential_paused_until_ms: 0,
         };
         // Envoy itself answered the probe (a 413 after the claim, a later
@@ -1012,10 +1019,10 @@ mod tests {
     fn a_probe_given_back_or_expired_frees_the_route() {
         let store = crate::state::store::MemStore::default();
         let key = "k";
-        let open = Upstream {
+        let open = RouteHealth {
             open_until_ms: 10,
             cooldown_ms: 10,
-            ..Upstream::default()
+            ..RouteHealth::default()
         };
         store.set(key, &open.encode(), 0).unwrap();
         let lease = claim_probe(&mut Cas::new(&store, 16), key, A, 20).unwrap();
@@ -1037,7 +1044,7 @@ mod tests {
             credential: Some(("sluice:v1:pause/7".into(), 0xAAAA)),
             credentials: Credentials::PassThrough,
             caller: A,
-            record: Upstream::default(),
+            record: RouteHealth::default(),
             credential_paused_until_ms: 0,
         };
         let answer = Answer {

@@ -88,7 +88,7 @@ impl Claimed {
 /// Why the front door refused a request (401 `invalid_api_key`). The
 /// messages never echo what the client sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
+pub enum AuthRefusal {
     /// An API key the policy does not know (`unknown_keys: reject`).
     UnknownKey,
     /// A bearer JWT that `jwt_authn` did not verify, or that names no
@@ -100,27 +100,27 @@ pub enum Refusal {
     EmptyCredential,
 }
 
-impl Refusal {
+impl AuthRefusal {
     /// The label of `sluice_auth_failures_total{reason}`.
     pub fn code(self) -> &'static str {
         match self {
-            Refusal::UnknownKey => "unknown_key",
-            Refusal::UnverifiedJwt => "unverified_jwt",
-            Refusal::ConflictingCredentials => "conflicting_credentials",
-            Refusal::EmptyCredential => "empty_credential",
+            AuthRefusal::UnknownKey => "unknown_key",
+            AuthRefusal::UnverifiedJwt => "unverified_jwt",
+            AuthRefusal::ConflictingCredentials => "conflicting_credentials",
+            AuthRefusal::EmptyCredential => "empty_credential",
         }
     }
 
     pub fn message(self) -> &'static str {
         match self {
-            Refusal::UnknownKey => "The API key is not valid.",
-            Refusal::UnverifiedJwt => {
+            AuthRefusal::UnknownKey => "The API key is not valid.",
+            AuthRefusal::UnverifiedJwt => {
                 "The bearer token is a JWT that could not be verified (or names no subject or no issuer)."
             }
-            Refusal::ConflictingCredentials => {
+            AuthRefusal::ConflictingCredentials => {
                 "The request carries more than one credential (Authorization, the API key header, or one of them twice); send one."
             }
-            Refusal::EmptyCredential => "The credential header is empty.",
+            AuthRefusal::EmptyCredential => "The credential header is empty.",
         }
     }
 }
@@ -221,7 +221,7 @@ impl Resolver {
         hash
     }
 
-    pub fn resolve(&self, req: &dyn RequestView) -> Result<Identity, Refusal> {
+    pub fn resolve(&self, req: &dyn RequestView) -> Result<Identity, AuthRefusal> {
         let presented = self.presented(req)?;
         for source in &self.config.sources {
             if let Some(claimed) = self.try_source(*source, req, &presented)? {
@@ -237,20 +237,20 @@ impl Resolver {
 
     /// Reads and checks the request's credentials (the rules are in the
     /// module comment).
-    fn presented(&self, req: &dyn RequestView) -> Result<Presented, Refusal> {
+    fn presented(&self, req: &dyn RequestView) -> Result<Presented, AuthRefusal> {
         let key_cfg = self.config.api_key.as_ref();
         let is_auth = |name: &str| name.eq_ignore_ascii_case("authorization");
         let bearer_keys = key_cfg.is_some_and(|k| k.bearer || is_auth(&k.header));
         // Envoy hands sluice the first of repeated headers; the upstream may
         // read another.
         let once = |name: &str| match req.header(name) {
-            Some(_) if req.header_count(name) > 1 => Err(Refusal::ConflictingCredentials),
+            Some(_) if req.header_count(name) > 1 => Err(AuthRefusal::ConflictingCredentials),
             value => Ok(value),
         };
         let header_key = match key_cfg {
             Some(k) if !is_auth(&k.header) => match once(&k.header)? {
                 None => None,
-                Some(v) if v.trim().is_empty() => return Err(Refusal::EmptyCredential),
+                Some(v) if v.trim().is_empty() => return Err(AuthRefusal::EmptyCredential),
                 Some(v) => Some(v.trim().to_string()),
             },
             _ => None,
@@ -271,16 +271,16 @@ impl Resolver {
                 bearer_key = Some(token);
             } else if looks_jwt {
                 if self.jwt_caller(req).is_none() {
-                    return Err(Refusal::UnverifiedJwt);
+                    return Err(AuthRefusal::UnverifiedJwt);
                 }
                 if header_key.is_some() {
-                    return Err(Refusal::ConflictingCredentials);
+                    return Err(AuthRefusal::ConflictingCredentials);
                 }
             }
             // Else bearer keys are off and this is no JWT: not sluice's.
         }
         let key = match (bearer_key, header_key) {
-            (Some(a), Some(b)) if a != b => return Err(Refusal::ConflictingCredentials),
+            (Some(a), Some(b)) if a != b => return Err(AuthRefusal::ConflictingCredentials),
             (a, b) => a.or(b),
         };
         Ok(Presented { key })
@@ -307,7 +307,7 @@ impl Resolver {
         source: IdentitySource,
         req: &dyn RequestView,
         presented: &Presented,
-    ) -> Result<Option<Claimed>, Refusal> {
+    ) -> Result<Option<Claimed>, AuthRefusal> {
         let cfg = &self.config;
         Ok(match source {
             IdentitySource::Jwt => cfg.jwt.as_ref().and_then(|jwt| {
@@ -337,7 +337,7 @@ impl Resolver {
                     let hash = self.key_hash(raw);
                     let entry = self.key_tiers.get(&hash);
                     if entry.is_none() && k.unknown_keys == UnknownKeys::Reject {
-                        return Err(Refusal::UnknownKey);
+                        return Err(AuthRefusal::UnknownKey);
                     }
                     Some(Claimed {
                         principal: key_principal(&hash),
@@ -404,14 +404,14 @@ fn jwt_principal(issuer: &str, subject: &str) -> String {
 
 /// The token of `Bearer <token>`, the scheme in any case (RFC 9110 §11.1);
 /// `None` for another scheme, a refusal for a bearer with no token.
-fn bearer_token(value: &str) -> Result<Option<String>, Refusal> {
+fn bearer_token(value: &str) -> Result<Option<String>, AuthRefusal> {
     let value = value.trim();
     let (scheme, token) = value.split_once([' ', '\t']).unwrap_or((value, ""));
     if !scheme.eq_ignore_ascii_case("bearer") {
         return Ok(None);
     }
     match token.trim() {
-        "" => Err(Refusal::EmptyCredential),
+        "" => Err(AuthRefusal::EmptyCredential),
         token => Ok(Some(token.to_string())),
     }
 }
@@ -589,7 +589,7 @@ mod tests {
         let r = resolver(json!({"sources": ["api_key"], "api_key": {"keys": {"good": "pro"}}}));
         assert_eq!(
             r.resolve(&req(&[("x-api-key", "made-up")], &[], "1.1.1.1:1")),
-            Err(Refusal::UnknownKey)
+            Err(AuthRefusal::UnknownKey)
         );
         let r = resolver(json!({"sources": ["api_key"],
             "api_key": {"header": "authorization", "unknown_keys": "default_tier",
@@ -617,7 +617,7 @@ mod tests {
         r: &Resolver,
         headers: &[(&str, &str)],
         claims: &[(&str, &str)],
-    ) -> Result<(String, String), Refusal> {
+    ) -> Result<(String, String), AuthRefusal> {
         r.resolve(&req(headers, claims, "10.0.0.9:1"))
             .map(|id| (id.principal, id.tier))
     }
@@ -642,7 +642,7 @@ mod tests {
         );
         assert_eq!(
             who(&r, &[("authorization", "Bearer made-up")], &[]),
-            Err(Refusal::UnknownKey)
+            Err(AuthRefusal::UnknownKey)
         );
         // Another scheme is not sluice's (it may be the upstream's).
         let (principal, _) = who(&r, &[("authorization", "Basic a2V5OnB3")], &[]).unwrap();
@@ -660,7 +660,7 @@ mod tests {
         ] {
             assert_eq!(
                 who(&r, headers, &[]),
-                Err(Refusal::EmptyCredential),
+                Err(AuthRefusal::EmptyCredential),
                 "{headers:?}"
             );
         }
@@ -673,11 +673,11 @@ mod tests {
         assert_eq!(both("Bearer k-pro", "k-pro").unwrap().1, "pro");
         assert_eq!(
             both("Bearer k-free", "k-pro"),
-            Err(Refusal::ConflictingCredentials)
+            Err(AuthRefusal::ConflictingCredentials)
         );
         assert_eq!(
             both("Bearer made-up", "k-pro"),
-            Err(Refusal::ConflictingCredentials)
+            Err(AuthRefusal::ConflictingCredentials)
         );
         // One credential header twice, even with one value.
         for name in ["authorization", "x-api-key"] {
@@ -689,7 +689,7 @@ mod tests {
             twice.repeated.push(name.into());
             assert_eq!(
                 r.resolve(&twice),
-                Err(Refusal::ConflictingCredentials),
+                Err(AuthRefusal::ConflictingCredentials),
                 "{name}"
             );
         }
@@ -700,7 +700,7 @@ mod tests {
                 &[("authorization", "Bearer h.p.s"), ("x-api-key", "k-pro")],
                 &[("iss", "idp"), ("sub", "alice")]
             ),
-            Err(Refusal::ConflictingCredentials)
+            Err(AuthRefusal::ConflictingCredentials)
         );
     }
 
@@ -719,13 +719,13 @@ mod tests {
         );
         // Verified, but naming no issuer: whose alice would it be?
         for claims in [&[("sub", "alice")][..], &[("iss", ""), ("sub", "alice")]] {
-            assert_eq!(who(&r, &jwt, claims), Err(Refusal::UnverifiedJwt));
+            assert_eq!(who(&r, &jwt, claims), Err(AuthRefusal::UnverifiedJwt));
         }
         // Not verified (no metadata), or verified but with no subject.
-        assert_eq!(who(&r, &jwt, &[]), Err(Refusal::UnverifiedJwt));
+        assert_eq!(who(&r, &jwt, &[]), Err(AuthRefusal::UnverifiedJwt));
         assert_eq!(
             who(&r, &jwt, &[("tier", "pro")]),
-            Err(Refusal::UnverifiedJwt)
+            Err(AuthRefusal::UnverifiedJwt)
         );
         // Anything with a dot is a JWT to jwt_authn: never a key lookup,
         // even where unknown keys would get the default tier.
@@ -735,7 +735,7 @@ mod tests {
         }));
         assert_eq!(
             who(&lenient, &[("authorization", "Bearer not.a-key")], &[]),
-            Err(Refusal::UnverifiedJwt)
+            Err(AuthRefusal::UnverifiedJwt)
         );
         assert_eq!(
             who(&lenient, &[("authorization", "Bearer other")], &[])

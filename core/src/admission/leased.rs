@@ -134,7 +134,7 @@ impl Engine {
                     };
                     table.add(h.clone(), *q, expires, now_ms)
                 })
-                .map(|l| lease::Lease::returned(&l))
+                .map(|l| lease::WorkerLease::returned(&l))
                 .collect()
         };
         reserver.release(&evicted, now_ms, effort);

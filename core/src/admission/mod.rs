@@ -236,7 +236,7 @@ impl Engine {
     pub fn identify_why(
         &self,
         req: &dyn RequestView,
-    ) -> Result<Identity, (Box<Verdict>, crate::admission::identity::Refusal)> {
+    ) -> Result<Identity, (Box<Verdict>, crate::admission::identity::AuthRefusal)> {
         self.resolver.resolve(req).map_err(|refusal| {
             let refused = Refused::rejected(Reason::Unauthenticated, refusal.message(), None);
             let verdict = Box::new(self.refuse(&refused, &self.policy.default_tier, None));

@@ -298,7 +298,7 @@ mod tests {
     use super::*;
     use crate::admission::ctx;
 
-    use crate::admission::health::{Seen, Upstream};
+    use crate::admission::health::{RouteHealth, Seen};
     use crate::policy::Policy;
     use crate::state::store::MemStore;
     use crate::usage::demand::Api;
@@ -552,10 +552,10 @@ mod tests {
     #[test]
     fn a_request_that_loses_the_probe_gives_its_reservation_back() {
         let (e, store) = engine_with(json!({}));
-        let open = Upstream {
+        let open = RouteHealth {
             open_until_ms: 10,
             cooldown_ms: 10,
-            ..Upstream::default()
+            ..RouteHealth::default()
         };
         store
             .set("sluice:v1:upstream/big", &open.encode(), 0)
@@ -615,10 +615,10 @@ mod tests {
     #[test]
     fn a_refused_request_never_claims_the_probe() {
         let (e, store) = engine_with(json!({}));
-        let open = Upstream {
+        let open = RouteHealth {
             open_until_ms: 10,
             cooldown_ms: 10,
-            ..Upstream::default()
+            ..RouteHealth::default()
         };
         store
             .set("sluice:v1:upstream/big", &open.encode(), 0)

@@ -11,7 +11,7 @@
 //! - **Memory bound**: slots × (`max_entry_bytes` + [`ENTRY_HEADER`]) +
 //!   sets × [`INDEX_BYTES`] (`InEnvoyConfig::memory_bound`, which
 //!   check-config prints); an answer over `max_entry_bytes` is kept by the
-//!   sidecar instead and its slot only says so ([`Found::Remote`]).
+//!   sidecar instead and its slot only says so ([`Lookup::Remote`]).
 //! - **Never a wrong answer.** The set is chosen by the salted key; an
 //!   entry answers only if its own full 32-byte key is the request's, it
 //!   has not expired and its generation is the current one. A store claims
@@ -141,7 +141,7 @@ pub struct Stored {
 
 /// What a lookup found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Found {
+pub enum Lookup {
     Hit(Stored),
     /// Stored, but too large for the tier: ask the sidecar.
     Remote,
@@ -203,10 +203,10 @@ impl Tier {
         key: &Key,
         now_ms: u64,
         generation: u64,
-    ) -> Found {
+    ) -> Lookup {
         let set = self.set_of(key);
         let Some((bytes, _)) = store.get(&Self::index_key(set)) else {
-            return Found::Miss;
+            return Lookup::Miss;
         };
         let tag = Self::tag(key);
         let ways = decode_index(&bytes);
@@ -215,15 +215,15 @@ impl Tier {
             .enumerate()
             .find(|(_, w)| w.tag == tag && w.live(now_ms, generation))
         else {
-            return Found::Miss;
+            return Lookup::Miss;
         };
         if way.remote {
-            return Found::Remote;
+            return Lookup::Remote;
         }
         let Some((entry, _)) = store.get(&Self::entry_key(set, w)) else {
-            return Found::Miss;
+            return Lookup::Miss;
         };
-        decode_entry(&entry, key, now_ms, generation).map_or(Found::Miss, Found::Hit)
+        decode_entry(&entry, key, now_ms, generation).map_or(Lookup::Miss, Lookup::Hit)
     }
 
     /// Keeps `answer` under `key` for `ttl_ms` (`None`: only notes that the
@@ -381,7 +381,7 @@ mod tests {
             slots: 8,
             max_entry_bytes: 1024,
         });
-        assert_eq!(t.lookup(&host, &key(1), 1_000, 7), Found::Miss);
+        assert_eq!(t.lookup(&host, &key(1), 1_000, 7), Lookup::Miss);
         t.store(
             &host,
             &key(1),
@@ -394,15 +394,15 @@ mod tests {
         .unwrap();
         assert_eq!(
             t.lookup(&host, &key(1), 2_000, 7),
-            Found::Hit(answer("one"))
+            Lookup::Hit(answer("one"))
         );
         // The same set and tag, another key: never its answer.
         let mut twin = key(1);
         twin[20] ^= 1;
-        assert_eq!(t.lookup(&host, &twin, 2_000, 7), Found::Miss);
+        assert_eq!(t.lookup(&host, &twin, 2_000, 7), Lookup::Miss);
         // Expired, or purged (another generation): a miss.
-        assert_eq!(t.lookup(&host, &key(1), 61_000, 7), Found::Miss);
-        assert_eq!(t.lookup(&host, &key(1), 2_000, 8), Found::Miss);
+        assert_eq!(t.lookup(&host, &key(1), 61_000, 7), Lookup::Miss);
+        assert_eq!(t.lookup(&host, &key(1), 2_000, 8), Lookup::Miss);
     }
 
     #[test]
@@ -422,7 +422,7 @@ mod tests {
             false,
         )
         .unwrap();
-        assert_eq!(t.lookup(&host, &key(2), 1, 1), Found::Remote);
+        assert_eq!(t.lookup(&host, &key(2), 1, 1), Lookup::Remote);
         // Many distinct keys: the tier never holds more than its slots.
         for n in 0..200u8 {
             t.store(
@@ -447,8 +447,8 @@ mod tests {
             4 * (8 + ENTRY_HEADER as u64) + INDEX_BYTES as u64
         );
         // The newest are kept, the oldest went first.
-        assert!(matches!(t.lookup(&host, &key(199), 300, 1), Found::Hit(_)));
-        assert_eq!(t.lookup(&host, &key(0), 300, 1), Found::Miss);
+        assert!(matches!(t.lookup(&host, &key(199), 300, 1), Lookup::Hit(_)));
+        assert_eq!(t.lookup(&host, &key(0), 300, 1), Lookup::Miss);
     }
 
     /// Issue 29 item 5's sibling: a flood of undeclared callers storing
@@ -483,17 +483,17 @@ mod tests {
         }
         for n in 0..3 {
             assert!(
-                matches!(t.lookup(&host, &key(n), 300, 1), Found::Hit(_)),
+                matches!(t.lookup(&host, &key(n), 300, 1), Lookup::Hit(_)),
                 "{n}"
             );
         }
-        assert!(matches!(t.lookup(&host, &key(255), 300, 1), Found::Hit(_)));
+        assert!(matches!(t.lookup(&host, &key(255), 300, 1), Lookup::Hit(_)));
         // A declared store evicts an undeclared entry first.
         keep(3, 400, false).unwrap();
-        assert_eq!(t.lookup(&host, &key(255), 401, 1), Found::Miss);
+        assert_eq!(t.lookup(&host, &key(255), 401, 1), Lookup::Miss);
         for n in 0..4 {
             assert!(
-                matches!(t.lookup(&host, &key(n), 401, 1), Found::Hit(_)),
+                matches!(t.lookup(&host, &key(n), 401, 1), Lookup::Hit(_)),
                 "{n}"
             );
         }
@@ -502,7 +502,7 @@ mod tests {
         assert_eq!(keep(9, 402, true), Err(NotKept::Reserved));
         // Declared callers still evict each other, oldest first.
         keep(4, 403, false).unwrap();
-        assert_eq!(t.lookup(&host, &key(0), 404, 1), Found::Miss);
+        assert_eq!(t.lookup(&host, &key(0), 404, 1), Lookup::Miss);
     }
 
     #[test]
@@ -525,8 +525,8 @@ mod tests {
         ways[w].tag = Tier::tag(&key(5));
         host.set(&Tier::index_key(0), &encode_index(&ways), cas)
             .unwrap();
-        assert_eq!(t.lookup(&host, &key(5), 1, 1), Found::Miss);
-        assert_eq!(t.lookup(&host, &key(6), 1, 1), Found::Miss);
+        assert_eq!(t.lookup(&host, &key(5), 1, 1), Lookup::Miss);
+        assert_eq!(t.lookup(&host, &key(6), 1, 1), Lookup::Miss);
     }
 
     #[test]

@@ -299,7 +299,7 @@ fn note_data_loss(host: &dyn Host, now: u64) {
 
 /// A lease as kept in shared data (48 bytes; all zero: free).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Lease {
+pub(crate) struct FleetLease {
     pub owner: u64,
     pub window_end: u64,
     /// Units left to admit; below 0 after settlements charged more.
@@ -324,13 +324,13 @@ impl FleetRule {
     }
 }
 
-impl Lease {
+impl FleetLease {
     fn live(&self, owner: u64, window_end: u64, now: u64) -> bool {
         self.owner == owner && self.window_end == window_end && self.expires_ms > now
     }
 }
 
-impl Record for Lease {
+impl Record for FleetLease {
     const LEN: usize = 48;
 
     fn write(&self, w: &mut Writer) {
@@ -343,7 +343,7 @@ impl Record for Lease {
     }
 
     fn read(r: &mut Reader) -> Self {
-        Lease {
+        FleetLease {
             owner: r.u64(),
             window_end: r.u64(),
             balance: r.u64() as i64,
@@ -570,7 +570,7 @@ impl Fleet {
         let mut created = 0;
         for (_, key) in &self.lease_keys {
             if host.get(key).is_none() {
-                host.set(key, &Lease::default().encode(), 0)
+                host.set(key, &FleetLease::default().encode(), 0)
                     .map_err(|e| e.to_string())?;
                 created += 1;
             }
@@ -772,7 +772,7 @@ impl Fleet {
             let mut part = 0;
             let mut extra = (0u64, 0u64);
             let written = cas.update(key, |bytes| {
-                let mut l = Lease::decode(bytes.unwrap_or_default());
+                let mut l = FleetLease::decode(bytes.unwrap_or_default());
                 seen = l.owner;
                 part = 0;
                 extra = (0, 0);
@@ -848,7 +848,7 @@ impl Fleet {
         }
         let evicted = self.sub.borrow_mut().add(held, quota, expires, now);
         if let Some(l) = evicted {
-            self.give_sub_leases(engine, host, vec![lease::Lease::returned(&l)], now);
+            self.give_sub_leases(engine, host, vec![lease::WorkerLease::returned(&l)], now);
         }
     }
 
@@ -880,7 +880,7 @@ impl Fleet {
         for h in due.into_iter().filter(|h| h.amount > 0) {
             let window_end = window_end(&h.limit, h.taken_ms);
             let written = cas.update(&h.key, |bytes| {
-                let mut l = Lease::decode(bytes.unwrap_or_default());
+                let mut l = FleetLease::decode(bytes.unwrap_or_default());
                 if !l.live(h.owner, window_end, now) {
                     return None;
                 }
@@ -905,7 +905,9 @@ impl Fleet {
                 let want = match &s.slot {
                     None => s.amount,
                     Some(key) => {
-                        let last = host.get(key).map_or(0, |(b, _)| Lease::decode(&b).grant);
+                        let last = host
+                            .get(key)
+                            .map_or(0, |(b, _)| FleetLease::decode(&b).grant);
                         let top_up = last
                             .saturating_mul(2)
                             .max(self.config.lease.initial.saturating_mul(s.amount.max(1)));
@@ -1095,7 +1097,7 @@ impl Fleet {
     ) -> bool {
         let ttl = self.config.lease.ttl_ms;
         let written = cas.update(key, |bytes| {
-            let mut l = Lease::decode(bytes.unwrap_or_default());
+            let mut l = FleetLease::decode(bytes.unwrap_or_default());
             if l.owner != s.owner && l.owner != 0 {
                 return None; // taken meanwhile by another caller
             }
@@ -1103,7 +1105,7 @@ impl Fleet {
                 // A lease of an earlier window: its window is over.
                 l.balance = 0;
             } else if l.owner == 0 {
-                l = Lease::default();
+                l = FleetLease::default();
             }
             l.owner = s.owner;
             l.window_end = s.window_end;
@@ -1332,7 +1334,7 @@ impl Fleet {
             match &c.via {
                 Via::Lease(key) if delta != 0 => {
                     let written = cas.update(key, |bytes| {
-                        let mut l = Lease::decode(bytes.unwrap_or_default());
+                        let mut l = FleetLease::decode(bytes.unwrap_or_default());
                         if !l.live(c.owner, c.window_end, now) {
                             return None;
                         }
@@ -1529,7 +1531,7 @@ impl Record for Status {
 /// back idle and expired leases and sends the outbox, one batch at a time,
 /// retried with the same id until the sidecar says it is applied.
 #[derive(Debug, Default)]
-pub struct Agent {
+pub struct FleetAgent {
     inflight: Option<(u32, String, Vec<GiveItem>)>,
     /// A top-up in flight: its token and the leases it is for.
     topping: Option<(u32, String, Vec<TopUp>)>,
@@ -1553,7 +1555,7 @@ struct TopUp {
 /// Most leases topped up in one call.
 const TOP_UP_MAX: usize = 64;
 
-impl Agent {
+impl FleetAgent {
     pub fn owns(&self, token: u32) -> bool {
         self.inflight.as_ref().is_some_and(|(t, _, _)| *t == token)
             || self.topping.as_ref().is_some_and(|(t, _, _)| *t == token)
@@ -1614,7 +1616,7 @@ impl Agent {
             let Some((bytes, _)) = host.get(key) else {
                 continue;
             };
-            let l = Lease::decode(&bytes);
+            let l = FleetLease::decode(&bytes);
             let Some(rule) = fleet.rules.get(rule_id) else {
                 continue;
             };
@@ -1704,7 +1706,7 @@ impl Agent {
                 continue;
             }
             let written = cas.update(&w.slot, |bytes| {
-                let mut l = Lease::decode(bytes.unwrap_or_default());
+                let mut l = FleetLease::decode(bytes.unwrap_or_default());
                 if l.owner != w.owner || l.window_end != w.window_end || l.expires_ms <= now {
                     return None;
                 }
@@ -1778,7 +1780,7 @@ impl Agent {
             let Some((bytes, _)) = host.get(key) else {
                 continue;
             };
-            let l = Lease::decode(&bytes);
+            let l = FleetLease::decode(&bytes);
             if l.owner == 0 {
                 continue;
             }
@@ -1789,14 +1791,14 @@ impl Agent {
             }
             let mut freed = None;
             let written = cas.update(key, |bytes| {
-                let l = Lease::decode(bytes.unwrap_or_default());
+                let l = FleetLease::decode(bytes.unwrap_or_default());
                 let over = l.window_end != 0 && l.window_end <= now;
                 if l.owner == 0 || !(l.last_ms + cfg.idle_ms <= now || l.expires_ms <= now || over)
                 {
                     return None;
                 }
                 freed = Some(l);
-                Some(Lease::default().encode())
+                Some(FleetLease::default().encode())
             });
             if let (Updated::Written, Some(l)) = (written, freed) {
                 let over = l.window_end != 0 && l.window_end <= now;

@@ -74,11 +74,11 @@ fn sidecar_says(host: &MockHost, req: &mut Request, token: u32, status: &str, bo
     req.on_call_response(host, token, len);
 }
 
-fn lease(host: &MockHost, key: &str) -> Lease {
-    Lease::decode(&host.get(key).unwrap().0)
+fn lease(host: &MockHost, key: &str) -> FleetLease {
+    FleetLease::decode(&host.get(key).unwrap().0)
 }
 
-fn lease_of_requests(host: &MockHost) -> Lease {
+fn lease_of_requests(host: &MockHost) -> FleetLease {
     // One caller: its lease is in one of its probed slots.
     (0..64)
         .map(|s| lease(host, &lease_table("tier/t/requests", 64).key(s)))

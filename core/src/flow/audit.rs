@@ -127,11 +127,11 @@ enum Value {
 
 /// The fields one request has so far; a field written again is replaced.
 #[derive(Debug, Clone, Default)]
-pub struct Record {
+pub struct AuditRecord {
     values: [Value; NAMES.len()],
 }
 
-impl Record {
+impl AuditRecord {
     /// A text field, cut to [`MAX_AUDIT_BYTES`] in whole characters.
     pub fn text(&mut self, field: Field, value: &str) {
         let value = truncate(value, MAX_AUDIT_BYTES);
@@ -186,7 +186,7 @@ impl Record {
 /// part it did not use.
 pub fn details(
     host: &dyn Host,
-    record: &mut Record,
+    record: &mut AuditRecord,
     details: Option<Details>,
     tier: &str,
     model: &str,
@@ -298,7 +298,7 @@ fn push_u64(out: &mut String, mut n: u64) {
 mod tests {
     use super::*;
 
-    fn line(record: &Record) -> serde_json::Value {
+    fn line(record: &AuditRecord) -> serde_json::Value {
         let mut fragment = String::new();
         record.render(
             &mut fragment,
@@ -310,7 +310,7 @@ mod tests {
 
     #[test]
     fn every_field_is_in_every_fragment_null_when_unset() {
-        let v = line(&Record::default());
+        let v = line(&AuditRecord::default());
         for name in NAMES.iter().filter(|n| **n != "method") {
             assert!(v[name].is_null(), "{name}: {v}");
         }
@@ -320,7 +320,7 @@ mod tests {
 
     #[test]
     fn counts_are_numbers_and_texts_strings() {
-        let mut r = Record::default();
+        let mut r = AuditRecord::default();
         r.number(Field::TokensInput, 0);
         r.number(Field::CostMicros, u64::MAX);
         r.code(Field::Decision, "admit");
@@ -336,7 +336,7 @@ mod tests {
     #[test]
     fn hostile_texts_stay_one_field_of_one_line() {
         let hostile = "a\"b\\c\n\r\t\u{0}\u{1b}\u{7f}\u{2028}é\u{fffd}\",\"decision\":\"x";
-        let mut r = Record::default();
+        let mut r = AuditRecord::default();
         r.text(Field::ModelRequested, hostile);
         let mut fragment = String::new();
         r.render(&mut fragment, &[]);
@@ -348,7 +348,7 @@ mod tests {
 
     #[test]
     fn a_text_is_cut_to_the_bound_in_whole_characters() {
-        let mut r = Record::default();
+        let mut r = AuditRecord::default();
         r.text(Field::Tier, &"é".repeat(1_000));
         let long = "é".repeat(1_000);
         let mut fragment = String::new();

@@ -23,10 +23,10 @@ use super::Stream;
 use crate::admission::{Asked, RequestContext};
 use crate::cache::answer::{self as cache_answer, Rendered};
 use crate::cache::key as cache_key;
-use crate::cache::tier::{self as cache_tier, Found as InEnvoy, Tier};
+use crate::cache::tier::{self as cache_tier, Lookup as InEnvoy, Tier};
 use crate::host::metrics;
 use crate::host::{Action, Host, LogLevel};
-use crate::policy::cache::Caller;
+use crate::policy::cache::CacheCaller;
 use crate::usage::demand::Api;
 use crate::usage::reconcile::{Found, Usage};
 
@@ -178,7 +178,7 @@ pub(super) fn prepare(host: &dyn Host, engine: &crate::admission::Engine) -> Res
 
 /// The tier in Envoy for this request's rule: single-Envoy mode only
 /// (fleet mode keeps entries in Redis, shared by every Envoy).
-fn tier_for(filter: &super::Filter, rule: &crate::policy::cache::Rule) -> Option<Tier> {
+fn tier_for(filter: &super::Filter, rule: &crate::policy::cache::CacheRule) -> Option<Tier> {
     let c = filter.engine.policy.cache_compiled.as_ref()?.in_envoy?;
     (filter.fleet.is_none() && rule.exact).then(|| Tier::new(c))
 }
@@ -245,7 +245,7 @@ impl Stream {
             metrics::CACHE.add_at(host, &["skip", "exact", &policy_label(&filter, model)], 1);
             return None;
         }
-        let scope = rule.scope.value(&Caller {
+        let scope = rule.scope.value(&CacheCaller {
             principal: &identity.principal,
             team: identity.team.as_deref(),
             org: identity.org.as_deref(),

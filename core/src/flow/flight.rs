@@ -39,7 +39,7 @@ const PREFIX: &str = "sluice:v1:cache:flight:";
 
 /// A claimed slot: released by the one who holds it, once.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Claim {
+pub(super) struct FlightSlot {
     slot: String,
     id: u64,
     until_ms: u64,
@@ -56,7 +56,7 @@ pub(super) struct Follower {
 
 /// What a request that missed does.
 pub(super) enum Flight {
-    Lead(Claim),
+    Lead(FlightSlot),
     /// Another request asks the same question now: wait for it.
     Follow {
         slot: String,
@@ -124,7 +124,7 @@ pub(super) fn claim(host: &dyn Host, tries: u32, key_hex: &str, now: u64) -> Fli
     });
     count_contention(host, cas.contention);
     match written {
-        Updated::Written => Flight::Lead(Claim { slot, id, until_ms }),
+        Updated::Written => Flight::Lead(FlightSlot { slot, id, until_ms }),
         _ => found,
     }
 }
@@ -137,7 +137,7 @@ fn held(host: &dyn Host, slot: &str, id: u64, now: u64) -> bool {
 }
 
 /// Gives a claim back (its answer is stored, or will never be).
-pub(super) fn release(host: &dyn Host, tries: u32, claim: &Claim) {
+pub(super) fn release(host: &dyn Host, tries: u32, claim: &FlightSlot) {
     let mut cas = Cas::new(host, tries);
     cas.update(&claim.slot, |bytes| {
         let (held, until) = decode(bytes);

@@ -280,7 +280,7 @@ pub struct Poller {
     /// The last poll failed (logged once per outage).
     sidecar_failing: bool,
     /// Lease returns and settlement batches to the sidecar.
-    fleet: crate::fleet::Agent,
+    fleet: crate::fleet::FleetAgent,
     /// With queues the tick is fast; the lease still moves at `TICK_MS`.
     next_lease_ms: u64,
     /// Fleet-wide concurrency slots (see `slots`).
@@ -723,10 +723,10 @@ pub struct Stream {
     cache_store: Option<cache::ToStore>,
     /// This request's claim on its question in flight (it leads), and
     /// until when it may follow another's (see `flight`).
-    flight: Option<flight::Claim>,
+    flight: Option<flight::FlightSlot>,
     follow_until: Option<u64>,
     /// The audit fields so far, written once at the end (`audit`).
-    audit: audit::Record,
+    audit: audit::AuditRecord,
 }
 
 impl Stream {
@@ -749,7 +749,7 @@ impl Stream {
             cache_store: None,
             flight: None,
             follow_until: None,
-            audit: audit::Record::default(),
+            audit: audit::AuditRecord::default(),
         }
     }
 

@@ -4,16 +4,16 @@
 //! `sluice_auth_failures_total`, both kinds of upstream pause), so each
 //! exists at 0 and its first change is visible.
 
-use crate::admission::identity::Refusal;
+use crate::admission::identity::AuthRefusal;
 use crate::host::metrics::{self, AUTH_FAILURES, UPSTREAM_PAUSES};
 use crate::host::Host;
 
 /// Every identity refusal (the auth-failure alert reads each).
-pub const AUTH_REFUSALS: [Refusal; 4] = [
-    Refusal::UnknownKey,
-    Refusal::UnverifiedJwt,
-    Refusal::ConflictingCredentials,
-    Refusal::EmptyCredential,
+pub const AUTH_REFUSALS: [AuthRefusal; 4] = [
+    AuthRefusal::UnknownKey,
+    AuthRefusal::UnverifiedJwt,
+    AuthRefusal::ConflictingCredentials,
+    AuthRefusal::EmptyCredential,
 ];
 
 pub fn define(host: &dyn Host) {
@@ -30,16 +30,16 @@ pub fn define(host: &dyn Host) {
 mod tests {
     use super::*;
 
-    /// A new `Refusal` must be added to [`AUTH_REFUSALS`]: this match has
+    /// A new `AuthRefusal` must be added to [`AUTH_REFUSALS`]: this match has
     /// no wildcard, so it stops compiling until it is.
     #[test]
     fn every_auth_failure_reason_is_defined_at_load() {
         for why in AUTH_REFUSALS {
             match why {
-                Refusal::UnknownKey
-                | Refusal::UnverifiedJwt
-                | Refusal::ConflictingCredentials
-                | Refusal::EmptyCredential => {}
+                AuthRefusal::UnknownKey
+                | AuthRefusal::UnverifiedJwt
+                | AuthRefusal::ConflictingCredentials
+                | AuthRefusal::EmptyCredential => {}
             }
         }
         let host = crate::host::mock::MockHost::new(0);

@@ -62,7 +62,7 @@ fn answer(host: &MockHost, req: &mut Request, status: &str, headers: &[(&str, &s
     req.on_log(host);
 }
 
-fn record(host: &MockHost, model: &str) -> health::Upstream {
+fn record(host: &MockHost, model: &str) -> health::RouteHealth {
     health::read(host, &format!("sluice:v1:upstream/{model}")).0
 }
 

@@ -124,7 +124,7 @@ pub const DEGRADED: Metric = counter("sluice_degraded_total", &["kind", "tier", 
 pub const CACHE: Metric = counter("sluice_cache_total", &["result", "kind", "model"]);
 /// Tokens (prompt + completion) of the answers served from the cache.
 pub const CACHE_SAVED_TOKENS: Metric = counter("sluice_cache_saved_tokens_total", &["model"]);
-/// Requests refused 401 by identity, by why (`identity::Refusal::code`).
+/// Requests refused 401 by identity, by why (`identity::AuthRefusal::code`).
 pub const AUTH_FAILURES: Metric = counter("sluice_auth_failures_total", &["reason"]);
 /// Body requests refused in the headers phase by their caller's own empty
 /// bucket: their body was never buffered or parsed.

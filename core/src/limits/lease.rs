@@ -3,13 +3,18 @@
 //! the whole Envoy's. A worker that takes from a shared bucket (a caller's
 //! declared record, a model's, a route's) far from its end takes a little
 //! more, a *lease*, and admits the next requests against it in its own
-//! memory, with no host call. This is the fleet's lease (`crate::fleet`:
-//! Redis → Envoy) one level down (shared data → worker), sized the same
-//! way: a grant is at most a fair share of what is left
-//! (`left ÷ (2 × workers)`) and at most `max_permille` of the capacity;
-//! near the end of a bucket the share falls under one unit and every take
-//! is exact again (the strict path: one compare-and-swap per record, as
-//! without leases). Hashed per-caller records (which may change hands)
+//! memory, with no host call. This is the fleet's lease (`crate::fleet`,
+//! [`FleetLease`](crate::fleet): Redis → Envoy) one level down (shared
+//! data → worker), with the same bound — a grant is at most a fair share
+//! of what is left, so near the end of a bucket every take is exact
+//! again — but its own sizing
+//! ([`LeaseAsk::extra`](crate::limits::reservation::LeaseAsk::extra)): the fleet's grant
+//! follows demand (the last grant doubled, at most `lease.max` beyond the
+//! need and `left ÷ expected_replicas`), a worker's is a fixed fraction,
+//! at most `left ÷ (2 × workers)` and at most `max_permille` of the
+//! capacity; once that is under one unit the take is the strict path
+//! (one compare-and-swap per record, as without leases). The fleet's
+//! leases are sub-leased to its workers with this type and this sizing. Hashed per-caller records (which may change hands)
 //! and soft caps are never leased.
 //!
 //! Exactness: 0 overshoot. Every unit admitted from a lease was first
@@ -44,7 +49,7 @@ pub const MAX_LEASES: usize = 256;
 /// `amount` the units granted so far), what is left of them, the bucket's
 /// quota as this worker last saw it, when it is given back.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
+pub struct WorkerLease {
     pub held: Held,
     pub balance: u64,
     pub quota: Quota,
@@ -64,7 +69,7 @@ pub enum Settled {
 /// One worker's leases.
 #[derive(Debug, Default)]
 pub struct Leases {
-    list: Vec<Lease>,
+    list: Vec<WorkerLease>,
     /// Drained for good (the policy that took them was replaced): a lease
     /// added now is handed straight back, so a request of the old policy
     /// still in flight cannot strand one where no tick looks.
@@ -72,7 +77,7 @@ pub struct Leases {
 }
 
 impl Leases {
-    fn find(&mut self, key: &str, rule: &str, owner: u64, now_ms: u64) -> Option<&mut Lease> {
+    fn find(&mut self, key: &str, rule: &str, owner: u64, now_ms: u64) -> Option<&mut WorkerLease> {
         self.list.iter_mut().find(|l| {
             l.expires_ms > now_ms
                 && l.held.owner == owner
@@ -166,9 +171,15 @@ impl Leases {
     /// Adds a lease just taken (`held.amount` units), merged into a live
     /// one of the same bucket (whose give-back time stays). Returns the
     /// lease that no longer fits, to give back.
-    pub fn add(&mut self, held: Held, quota: Quota, expires_ms: u64, now_ms: u64) -> Option<Lease> {
+    pub fn add(
+        &mut self,
+        held: Held,
+        quota: Quota,
+        expires_ms: u64,
+        now_ms: u64,
+    ) -> Option<WorkerLease> {
         if self.closed {
-            return Some(Lease {
+            return Some(WorkerLease {
                 balance: held.amount,
                 held,
                 quota,
@@ -181,7 +192,7 @@ impl Leases {
             lease.quota = quota;
             return None;
         }
-        self.list.push(Lease {
+        self.list.push(WorkerLease {
             balance: held.amount,
             held,
             quota,
@@ -218,7 +229,7 @@ impl Leases {
         self.list.retain(|l| {
             let keep = l.expires_ms > now_ms;
             if !keep {
-                out.push(Lease::returned(l));
+                out.push(WorkerLease::returned(l));
             }
             keep
         });
@@ -227,7 +238,10 @@ impl Leases {
 
     /// Every lease, removed (a policy reload, a shutdown).
     pub fn drain(&mut self) -> Vec<Held> {
-        self.list.drain(..).map(|l| Lease::returned(&l)).collect()
+        self.list
+            .drain(..)
+            .map(|l| WorkerLease::returned(&l))
+            .collect()
     }
 
     /// [`Leases::drain`], for good: every later [`Leases::add`] hands its
@@ -247,9 +261,9 @@ impl Leases {
     }
 }
 
-impl Lease {
+impl WorkerLease {
     /// What giving the lease back returns: its unused balance.
-    pub fn returned(l: &Lease) -> Held {
+    pub fn returned(l: &WorkerLease) -> Held {
         Held {
             amount: l.balance,
             ..l.held.clone()

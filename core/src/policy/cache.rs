@@ -15,7 +15,7 @@ use serde::Deserialize;
 /// so two callers share an entry only if this says they may.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Scope {
+pub enum CacheScope {
     /// One caller (API key, JWT subject, address): the default.
     #[default]
     Principal,
@@ -28,7 +28,7 @@ pub enum Scope {
 
 /// Who a request is, as far as the scopes need it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Caller<'a> {
+pub struct CacheCaller<'a> {
     /// The principal's identity (already hashed or raw: it only enters
     /// the salted key).
     pub principal: &'a str,
@@ -37,15 +37,15 @@ pub struct Caller<'a> {
     pub tier: &'a str,
 }
 
-impl Scope {
+impl CacheScope {
     /// The scope value entering the key. A caller without the team (or
     /// org) the scope asks for is scoped to itself: narrower, never wider.
-    pub fn value(self, c: &Caller<'_>) -> String {
+    pub fn value(self, c: &CacheCaller<'_>) -> String {
         match (self, c.team, c.org) {
-            (Scope::Team, Some(t), _) => format!("team:{t}"),
-            (Scope::Org, _, Some(o)) => format!("org:{o}"),
-            (Scope::Tier, _, _) => format!("tier:{}", c.tier),
-            (Scope::Global, _, _) => "global".into(),
+            (CacheScope::Team, Some(t), _) => format!("team:{t}"),
+            (CacheScope::Org, _, Some(o)) => format!("org:{o}"),
+            (CacheScope::Tier, _, _) => format!("tier:{}", c.tier),
+            (CacheScope::Global, _, _) => "global".into(),
             _ => format!("principal:{}", c.principal),
         }
     }
@@ -59,7 +59,7 @@ pub struct RuleConfig {
     pub exact: bool,
     #[serde(default)]
     pub semantic: bool,
-    pub scope: Option<Scope>,
+    pub scope: Option<CacheScope>,
     pub ttl: Option<String>,
     pub max_temperature: Option<f64>,
     pub threshold: Option<f64>,
@@ -134,7 +134,7 @@ pub struct CacheConfig {
     pub models: BTreeMap<String, RuleConfig>,
     /// Per route name (used when the model has no rule of its own).
     pub routes: BTreeMap<String, RuleConfig>,
-    pub scope: Scope,
+    pub scope: CacheScope,
     /// Default `24h`.
     pub ttl: String,
     /// Only requests with `temperature` at most this are cached; absent:
@@ -169,7 +169,7 @@ impl Default for CacheConfig {
         CacheConfig {
             models: BTreeMap::new(),
             routes: BTreeMap::new(),
-            scope: Scope::Principal,
+            scope: CacheScope::Principal,
             ttl: "24h".into(),
             max_temperature: None,
             max_entry_bytes: 1 << 20,
@@ -201,10 +201,10 @@ fn err(path: impl Into<String>, message: impl Into<String>) -> CacheConfigError 
 
 /// One model's (or route's) compiled rule.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Rule {
+pub struct CacheRule {
     pub exact: bool,
     pub semantic: bool,
-    pub scope: Scope,
+    pub scope: CacheScope,
     pub ttl_s: u64,
     pub max_temperature: Option<f64>,
     pub threshold: f32,
@@ -214,8 +214,8 @@ pub struct Rule {
 /// The compiled section.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CachePolicy {
-    pub models: BTreeMap<String, Rule>,
-    pub routes: BTreeMap<String, Rule>,
+    pub models: BTreeMap<String, CacheRule>,
+    pub routes: BTreeMap<String, CacheRule>,
     pub max_entry_bytes: u64,
     pub hit_cost: HitCost,
     pub lookup_timeout_ms: u64,
@@ -318,7 +318,10 @@ impl CacheConfig {
                 "an environment variable's name (letters, digits, `_`)",
             ));
         }
-        let compile = |what: &str, name: &str, r: &RuleConfig| -> Result<Rule, CacheConfigError> {
+        let compile = |what: &str,
+                       name: &str,
+                       r: &RuleConfig|
+         -> Result<CacheRule, CacheConfigError> {
             let at = format!("cache.{what}.{name}");
             let threshold = r.threshold.unwrap_or(self.threshold);
             if !(threshold > 0.0 && threshold <= 1.0) {
@@ -340,7 +343,7 @@ impl CacheConfig {
                     "neither `exact` nor `semantic` is on: remove the entry or turn one on",
                 ));
             }
-            Ok(Rule {
+            Ok(CacheRule {
                 exact: r.exact,
                 semantic: r.semantic,
                 scope: r.scope.unwrap_or(self.scope),
@@ -419,7 +422,7 @@ impl CacheConfig {
 impl CachePolicy {
     /// The rule for a request: its model's, else its route's, else none
     /// (not cached: no lookup, no store, no sidecar call).
-    pub fn rule(&self, model: &str, route: Option<&str>) -> Option<&Rule> {
+    pub fn rule(&self, model: &str, route: Option<&str>) -> Option<&CacheRule> {
         self.models
             .get(model)
             .or_else(|| route.and_then(|r| self.routes.get(r)))
@@ -439,11 +442,11 @@ impl CachePolicy {
             );
         for (at, r) in rules {
             match r.scope {
-                Scope::Global => out.push(format!(
+                CacheScope::Global => out.push(format!(
                     "{at}: scope global: one caller's cached answer is served to every caller of \
                      this model"
                 )),
-                Scope::Tier => out.push(format!(
+                CacheScope::Tier => out.push(format!(
                     "{at}: scope tier: cached answers are shared by every caller of a tier"
                 )),
                 _ => {}
@@ -501,7 +504,7 @@ pub fn request_temperature(body: &serde_json::Value, ollama: bool) -> Option<f64
     }
 }
 
-impl Rule {
+impl CacheRule {
     /// Whether the request's temperature allows caching (a temperature
     /// that is no number is not cached).
     pub fn temperature_ok(&self, body: &serde_json::Value, ollama: bool) -> bool {
@@ -526,7 +529,7 @@ mod tests {
     fn defaults() {
         let p = parse(json!({"models": {"m": {"exact": true}}})).unwrap();
         let r = p.rule("m", None).unwrap();
-        assert_eq!(r.scope, Scope::Principal);
+        assert_eq!(r.scope, CacheScope::Principal);
         assert_eq!(r.ttl_s, 86_400);
         assert!((r.threshold - 0.95).abs() < 1e-6);
         assert_eq!(r.top_k, 5);
@@ -557,12 +560,12 @@ mod tests {
         let m = p.rule("m", Some("r")).unwrap();
         assert_eq!(
             (m.scope, m.ttl_s, m.top_k, m.semantic),
-            (Scope::Org, 600, 3, true)
+            (CacheScope::Org, 600, 3, true)
         );
         let r = p.rule("x", Some("r")).unwrap();
         assert_eq!(
             (r.scope, r.ttl_s, r.max_temperature),
-            (Scope::Team, 3600, Some(0.5))
+            (CacheScope::Team, 3600, Some(0.5))
         );
     }
 
@@ -659,17 +662,17 @@ mod tests {
 
     #[test]
     fn scope_values_never_widen() {
-        let c = Caller {
+        let c = CacheCaller {
             principal: "p",
             team: Some("t"),
             org: None,
             tier: "free",
         };
-        assert_eq!(Scope::Principal.value(&c), "principal:p");
-        assert_eq!(Scope::Team.value(&c), "team:t");
-        assert_eq!(Scope::Org.value(&c), "principal:p");
-        assert_eq!(Scope::Tier.value(&c), "tier:free");
-        assert_eq!(Scope::Global.value(&c), "global");
+        assert_eq!(CacheScope::Principal.value(&c), "principal:p");
+        assert_eq!(CacheScope::Team.value(&c), "team:t");
+        assert_eq!(CacheScope::Org.value(&c), "principal:p");
+        assert_eq!(CacheScope::Tier.value(&c), "tier:free");
+        assert_eq!(CacheScope::Global.value(&c), "global");
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //! | [`Kept`](crate::limits::record::Kept) (a per-caller entry of a `Bundle`) | 25 | used, updated_ms, idle_at_ms, budget (u8) |
 //! | [`SketchCell`](crate::limits::reservation) | 16 | window, used (by prefix) |
 //! | [`Pool`](crate::limits::shares::Pool) (a shared bucket with fair shares; coded in `shares`) | 24 + 32 × groups | bucket state, then per group: id, used, seen_ms, lent (by prefix; no groups: a plain `BucketState`) |
-//! | [`Upstream`](crate::admission::health::Upstream) | 96 | 7 × u64 times, failures, barred, 8 × caller |
+//! | [`RouteHealth`](crate::admission::health::RouteHealth) | 96 | 7 × u64 times, failures, barred, 8 × caller |
 //! | [`CredentialPause`](crate::admission::health::CredentialPause) | 16 | fingerprint, until_ms |
 //! | `Sketch` ([`penalty`](crate::admission::penalty)) | 8 + 4 × 64 × 4 | period_start_ms, 256 × u32 counters (row after row) |
 //! | `Block` ([`penalty`](crate::admission::penalty)) | 32 | owner, blocked_until_ms, period_start_ms, forgiven |
@@ -25,7 +25,7 @@
 //! | [`UsageRing`](crate::usage::anomaly::UsageRing) | 16 + 60 × 16 | newest, surge_flagged, tokens[60], spend[60] |
 //! | [`Correction`](crate::usage::estimate::Correction) | 4 | thousandths (clamped on read) |
 //! | [`PollLease`](crate::flow::PollLease) | 16 | owner, expires_ms (by prefix) |
-//! | `Lease` ([`fleet`](crate::fleet)) | 48 | owner, window_end, balance (i64), expires_ms, last_ms, grant (by prefix) |
+//! | `FleetLease` ([`fleet`](crate::fleet)) | 48 | owner, window_end, balance (i64), expires_ms, last_ms, grant (by prefix) |
 //! | `Status` ([`fleet`](crate::fleet)) | 17 | down (u8), retry_at_ms, lost_at_ms (by prefix) |
 //! | [`queue::State`](crate::queue::State) (no `Record`: variable, versioned) | 1 + … | version 1; u16 models × (u8 name length, name, u32 inflight, u64 paused_until_ms); u16 classes × (name, u64 pass, u64 round); u64 vtime, u64 next_ticket; u32 entries × 48 bytes; u32 leased, models × u32 leased; u32 evicted × u64 ticket |
 //! | sidecar state ([`encode_seen`](crate::admission::health::encode_seen)) | 8 + n | received_ms, the state's JSON |
@@ -158,9 +158,9 @@ pub trait Record: Default {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::health::{decode_seen, encode_seen, CredentialPause, Upstream};
+    use crate::admission::health::{decode_seen, encode_seen, CredentialPause, RouteHealth};
     use crate::admission::penalty::{Block, Blocks, Sketch};
-    use crate::fleet::{Lease, Status};
+    use crate::fleet::{FleetLease, Status};
     use crate::flow::PollLease;
     use crate::limits::bucket::BucketState;
     use crate::limits::record::{Bundle, Kept};
@@ -185,14 +185,14 @@ mod tests {
         })
     }
 
-    fn any_upstream() -> impl Strategy<Value = Upstream> {
+    fn any_upstream() -> impl Strategy<Value = RouteHealth> {
         (
             proptest::array::uniform7(any::<u64>()),
             any::<u32>(),
             any::<u32>(),
             proptest::array::uniform8(any::<u32>()),
         )
-            .prop_map(|(w, failures, barred, callers)| Upstream {
+            .prop_map(|(w, failures, barred, callers)| RouteHealth {
                 paused_until_ms: w[0],
                 credential_pauses_until_ms: w[1],
                 streak_since_ms: w[2],
@@ -227,7 +227,7 @@ mod tests {
             round_trips(ring);
             round_trips(Correction(correction));
             round_trips(PollLease { owner: words.0, expires_ms: words.1 });
-            round_trips(Lease {
+            round_trips(FleetLease {
                 owner: words.0,
                 window_end: words.1,
                 balance: touched as i64,
@@ -249,13 +249,13 @@ mod tests {
             let _ = Kept::decode(&bytes);
             let _ = Bundle::decode(&bytes);
             let _ = SketchCell::decode(&bytes);
-            let _ = Upstream::decode(&bytes);
+            let _ = RouteHealth::decode(&bytes);
             let _ = CredentialPause::decode(&bytes);
             let _ = UsageRing::decode(&bytes);
             let c = Correction::decode(&bytes);
             prop_assert!((Correction::MIN..=Correction::MAX).contains(&c.0));
             let _ = PollLease::decode(&bytes);
-            let _ = Lease::decode(&bytes);
+            let _ = FleetLease::decode(&bytes);
             let _ = Status::decode(&bytes);
             let _ = Sketch::decode(&bytes);
             let _ = Blocks::decode(&bytes);
@@ -297,9 +297,9 @@ mod tests {
                 budget: true,
             }),
             both(SketchCell { window: 1, used: 2 }),
-            both(Upstream {
+            both(RouteHealth {
                 failures: 3,
-                ..Upstream::default()
+                ..RouteHealth::default()
             }),
             both(CredentialPause {
                 fingerprint: 1,
@@ -317,10 +317,10 @@ mod tests {
                 owner: 1,
                 expires_ms: 2,
             }),
-            both(Lease {
+            both(FleetLease {
                 owner: 1,
                 balance: -5,
-                ..Lease::default()
+                ..FleetLease::default()
             }),
             both(Status {
                 down: true,
@@ -339,7 +339,7 @@ mod tests {
             assert_eq!(filled.0, filled.1, "{name}");
         }
         assert_eq!(Sketch::LEN, 1032);
-        assert_eq!((Lease::LEN, Status::LEN), (48, 17));
+        assert_eq!((FleetLease::LEN, Status::LEN), (48, 17));
     }
 
     /// Every `impl Record` of the crate is a row of the table in this
@@ -392,7 +392,7 @@ mod tests {
     /// by prefix, a missing word 0.
     #[test]
     fn fleet_records_read_by_prefix() {
-        let lease = Lease {
+        let lease = FleetLease {
             owner: 7,
             window_end: 8,
             balance: -3,
@@ -403,11 +403,11 @@ mod tests {
         let bytes = lease.encode();
         assert_eq!(&bytes[16..24], &(-3i64 as u64).to_le_bytes());
         assert_eq!(
-            Lease::decode(&bytes[..16]),
-            Lease {
+            FleetLease::decode(&bytes[..16]),
+            FleetLease {
                 owner: 7,
                 window_end: 8,
-                ..Lease::default()
+                ..FleetLease::default()
             }
         );
         assert_eq!(
@@ -432,7 +432,7 @@ mod tests {
     #[test]
     fn short_or_foreign_values_read_as_defaults() {
         assert_eq!(BucketState::decode(b"short"), BucketState::default());
-        assert_eq!(Upstream::decode(&[7; 95]), Upstream::default());
+        assert_eq!(RouteHealth::decode(&[7; 95]), RouteHealth::default());
         assert_eq!(UsageRing::decode(b"junk"), UsageRing::default());
         assert_eq!(Correction::decode(&[1, 2, 3]), Correction::default());
         assert_eq!(Correction::decode(&0u32.to_le_bytes()).0, Correction::MIN);
