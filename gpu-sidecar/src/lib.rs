@@ -59,7 +59,7 @@ use crate::watch::alerts::Alerts;
 use crate::watch::history::History;
 use crate::watch::kill_switch::KillSwitchControl;
 use crate::watch::monitor::{Monitor, Outputs};
-use crate::watch::telemetry::Telemetry;
+use crate::watch::snapshot::Telemetry;
 use crate::watch::traffic::Traffic;
 
 /// What `serve` runs with: the config plus what the command line adds.

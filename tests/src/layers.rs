@@ -95,7 +95,7 @@ pub struct Figures {
     pub back_imports: usize,
     /// Each cycle's members (strongly connected modules), sorted.
     pub cycles: Vec<Vec<String>>,
-    /// Cycles between the files of one folder (`fleet, fleet::slots`).
+    /// Cycles between the files of one folder (`fleet, fleet::concurrency`).
     pub inner_cycles: Vec<Vec<String>>,
     /// The longest production functions, longest first (at most 5).
     pub longest: Vec<Function>,

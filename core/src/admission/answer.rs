@@ -623,7 +623,15 @@ pub fn rate_limit_headers(q: &Quota) -> Vec<(String, String)> {
 }
 
 /// `n` in decimal, as `n.to_string()` writes it.
-fn decimal(mut n: u64) -> String {
+fn decimal(n: u64) -> String {
+    let mut out = String::with_capacity(20);
+    push_decimal(&mut out, n);
+    out
+}
+
+/// Appends `n` in decimal, digit by digit (no formatter on the hot path):
+/// the one decimal writer of the answers and the audit record.
+pub fn push_decimal(out: &mut String, mut n: u64) {
     let mut digits = [0u8; 20];
     let mut at = digits.len();
     loop {
@@ -634,8 +642,7 @@ fn decimal(mut n: u64) -> String {
             break;
         }
     }
-    // ASCII digits only: always UTF-8.
-    String::from(std::str::from_utf8(&digits[at..]).unwrap_or("0"))
+    out.extend(digits[at..].iter().map(|&d| char::from(d)));
 }
 
 /// What the IETF `RateLimit-Policy` item of a bucket says beyond its
@@ -718,17 +725,14 @@ fn ceil_secs(ms: u64) -> u64 {
     ms.div_ceil(1000)
 }
 
-/// Milliseconds since the epoch as `2026-11-30T00:00:00Z`.
+/// Milliseconds since the epoch as `2026-11-30T00:00:00Z` (whole seconds,
+/// UTC). A time past jiff's range (late 9999) is written as its last instant.
 pub fn rfc3339(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (year, month, day) = crate::limits::bucket::civil_from_days(days as i64);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    let ts = i64::try_from(ms / 1000)
+        .ok()
+        .and_then(|s| jiff::Timestamp::from_second(s).ok())
+        .unwrap_or(jiff::Timestamp::MAX);
+    ts.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
 /// `text` cut to at most `max` bytes, at a character boundary.
@@ -770,6 +774,7 @@ mod tests {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
         assert_eq!(rfc3339(1_795_996_800_000), "2026-11-30T00:00:00Z");
         assert_eq!(rfc3339(951_782_400_000 + 3_661_000), "2000-02-29T01:01:01Z");
+        assert_eq!(rfc3339(u64::MAX), "9999-12-30T22:00:00Z");
     }
 
     #[test]

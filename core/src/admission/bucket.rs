@@ -63,5 +63,5 @@ pub(crate) struct Bucket {
     pub(crate) soft: bool,
     pub(crate) alert_permille: Option<u32>,
     /// Fair shares of a shared bucket (models, routes; see `shares`).
-    pub(crate) shares: Option<crate::limits::shares::Table>,
+    pub(crate) shares: Option<crate::limits::shares::ShareTable>,
 }

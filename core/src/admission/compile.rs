@@ -383,8 +383,9 @@ impl Builder {
         written: &Option<crate::policy::shares::SharesConfig>,
     ) -> usize {
         let i = self.add(id, name, Scope::Global, l.reason, l);
-        let table =
-            crate::limits::shares::Table::compile(written.as_ref().unwrap_or(&self.default_shares));
+        let table = crate::limits::shares::ShareTable::compile(
+            written.as_ref().unwrap_or(&self.default_shares),
+        );
         self.buckets[i].shares = table;
         i
     }

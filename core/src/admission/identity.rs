@@ -67,16 +67,16 @@ pub struct Identity {
 
 /// What a source says about the caller, before it is checked against the
 /// policy.
-struct Claimed {
+struct Asserted {
     principal: String,
     tier: Option<String>,
     team: Option<String>,
     org: Option<String>,
 }
 
-impl Claimed {
-    fn new(principal: String, tier: Option<String>) -> Claimed {
-        Claimed {
+impl Asserted {
+    fn new(principal: String, tier: Option<String>) -> Asserted {
+        Asserted {
             principal,
             tier,
             team: None,
@@ -232,7 +232,7 @@ impl Resolver {
                 return Ok(id);
             }
         }
-        Ok(self.identity(Claimed::new("anonymous".into(), None), None))
+        Ok(self.identity(Asserted::new("anonymous".into(), None), None))
     }
 
     /// Reads and checks the request's credentials (the rules are in the
@@ -307,7 +307,7 @@ impl Resolver {
         source: IdentitySource,
         req: &dyn RequestView,
         presented: &Presented,
-    ) -> Result<Option<Claimed>, AuthRefusal> {
+    ) -> Result<Option<Asserted>, AuthRefusal> {
         let cfg = &self.config;
         Ok(match source {
             IdentitySource::Jwt => cfg.jwt.as_ref().and_then(|jwt| {
@@ -315,7 +315,7 @@ impl Resolver {
                 let claim = |name: Option<&String>| {
                     name.and_then(|n| req.jwt_claim(&jwt.metadata_namespace, &jwt.payload_key, n))
                 };
-                Some(Claimed {
+                Some(Asserted {
                     principal,
                     tier: claim(jwt.tier_claim.as_ref()),
                     team: claim(jwt.team_claim.as_ref()),
@@ -325,7 +325,7 @@ impl Resolver {
             IdentitySource::TrustedHeader => cfg.trusted_header.as_ref().and_then(|h| {
                 let who = req.header(&h.principal).filter(|s| !s.is_empty())?;
                 let header = |name: Option<&String>| name.and_then(|n| req.header(n));
-                Some(Claimed {
+                Some(Asserted {
                     principal: format!("header:{who}"),
                     tier: header(h.tier.as_ref()),
                     team: header(h.team.as_ref()),
@@ -339,7 +339,7 @@ impl Resolver {
                     if entry.is_none() && k.unknown_keys == UnknownKeys::Reject {
                         return Err(AuthRefusal::UnknownKey);
                     }
-                    Some(Claimed {
+                    Some(Asserted {
                         principal: key_principal(&hash),
                         tier: entry.map(|e| e.tier.clone()),
                         team: entry.and_then(|e| e.team.clone()),
@@ -350,12 +350,12 @@ impl Resolver {
             },
             IdentitySource::ClientAddress => req
                 .client_address()
-                .map(|addr| Claimed::new(address_principal(&addr, self.ipv6_prefix), None)),
+                .map(|addr| Asserted::new(address_principal(&addr, self.ipv6_prefix), None)),
         })
     }
 
-    fn identity(&self, claimed: Claimed, source: Option<IdentitySource>) -> Identity {
-        let Claimed {
+    fn identity(&self, claimed: Asserted, source: Option<IdentitySource>) -> Identity {
+        let Asserted {
             principal,
             tier,
             team,

@@ -159,10 +159,10 @@ impl Engine {
             for &(h, actual) in items {
                 let moved = !same_window(&h.limit, h.taken_ms, now_ms);
                 match table.settle(h, actual, moved, now_ms) {
-                    lease::Settled::NotHeld => shared.push((h.clone(), actual)),
-                    lease::Settled::Absorbed(0) => {}
+                    lease::LeaseSettled::NotHeld => shared.push((h.clone(), actual)),
+                    lease::LeaseSettled::Absorbed(0) => {}
                     // What the lease could not pay: charged at once.
-                    lease::Settled::Absorbed(rest) => shared.push((
+                    lease::LeaseSettled::Absorbed(rest) => shared.push((
                         Held {
                             amount: 0,
                             ..h.clone()

@@ -23,7 +23,7 @@ use crate::limits::bucket::Quota;
 use crate::limits::reservation::{
     prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope,
 };
-use crate::policy::health::OnStale;
+use crate::policy::sidecar::OnStale;
 use crate::policy::zone::Zone;
 use crate::policy::{Budget, Limit, Mode, Policy, Window};
 use crate::state::codec::Record;
@@ -33,22 +33,22 @@ use crate::usage::demand::{self, Api, Demand};
 use crate::usage::estimate::{self, Correction};
 use crate::usage::reconcile::Found;
 use answer::{BucketRefusal, Decision, Degraded, Reason, Refused, Reply};
-use health::{Pushback, Route, Seen, Situation};
+use route::{Pushback, Route, SidecarSeen, Situation};
 
 pub mod admit;
 pub mod answer;
 pub mod bucket;
 pub mod compile;
-pub mod early;
 pub mod for_fleet;
 pub mod hash_key;
-pub mod health;
 pub mod identity;
 mod leased;
+pub mod no_body;
 pub mod passthrough;
 pub mod penalty;
 pub(crate) mod pushback;
 pub mod rewrite;
+pub mod route;
 mod screen;
 pub mod settle;
 
@@ -352,7 +352,7 @@ impl Engine {
     pub fn route(
         &self,
         ctx: &RequestContext,
-        seen: &Seen,
+        seen: &SidecarSeen,
         pushback: &Pushback,
         dice: u32,
     ) -> Routed {
@@ -387,7 +387,7 @@ impl Engine {
             now_ms,
             dice,
         };
-        match health::route(&situation) {
+        match route::route(&situation) {
             Route::Primary => Routed::Primary,
             Route::Fallback => Routed::Fallback,
             Route::Probe => Routed::Probe,

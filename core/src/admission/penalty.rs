@@ -60,7 +60,7 @@
 use std::collections::HashSet;
 
 use crate::admission::identity::{Identity, RequestView};
-use crate::limits::slots::{self, Seen, Table};
+use crate::limits::slot_table::{self, SlotSeen, SlotTable};
 use crate::policy::abuse::{AbuseConfig, By};
 use crate::policy::units::Rate;
 use crate::state::codec::{Reader, Record, Writer};
@@ -79,10 +79,10 @@ pub const RECORDS: usize = 8;
 const SKETCH_PREFIX: &str = "sluice:v2:abuse:cm:";
 const BLOCK_PREFIX: &str = "sluice:v2:abuse:block:";
 /// The sub-sketches, one key each (`{SKETCH_PREFIX}{i}`), placed by hash.
-const SKETCHES: Table<'static> = Table::flat(SKETCH_PREFIX, SKETCH_KEYS, 1);
+const SKETCHES: SlotTable<'static> = SlotTable::flat(SKETCH_PREFIX, SKETCH_KEYS, 1);
 /// The block keys (`{BLOCK_PREFIX}{i}`): a caller's one key, then one of
 /// its [`RECORDS`] records (see [`PenaltyBox::record`]).
-const BLOCKS: Table<'static> = Table::flat(BLOCK_PREFIX, BLOCK_KEYS, 1);
+const BLOCKS: SlotTable<'static> = SlotTable::flat(BLOCK_PREFIX, BLOCK_KEYS, 1);
 
 /// One sub-sketch: when its period started, and its counters, row after
 /// row.
@@ -427,10 +427,10 @@ impl PenaltyBox {
             };
             // The key's records are the slots probed: the caller's own
             // record, else the first free one.
-            let at = slots::claim(0..RECORDS, |&i| match blocks.0.get(i) {
-                Some(r) if r.owner == block.owner => Seen::Mine,
-                Some(r) if free(r) => Seen::Free(()),
-                _ => Seen::Busy,
+            let at = slot_table::claim(0..RECORDS, |&i| match blocks.0.get(i) {
+                Some(r) if r.owner == block.owner => SlotSeen::Mine,
+                Some(r) if free(r) => SlotSeen::Free(()),
+                _ => SlotSeen::Busy,
             })
             .slot();
             let Some(slot) = blocks.0.get_mut(at.unwrap_or(RECORDS)) else {

@@ -1,7 +1,7 @@
 //! Upstream pushback as the policy sets it up (docs/src/design.md, "Route"): which shared
 //! record a request's model route uses, whose credential a 429 is about,
 //! and the three moments [`crate::flow`] reports (arrival, admission, answer).
-//! The record itself and its rules are in [`crate::admission::health`].
+//! The record itself and its rules are in [`crate::admission::route`].
 //!
 //! Who can pause or break what:
 //! - A 429 with `Retry-After` on a pass-through route (the client's own
@@ -23,11 +23,11 @@
 use sha2::{Digest, Sha256};
 
 use crate::admission::answer::{Reason, Refused};
-use crate::admission::health::{self, Answer, Protection, Pushback, Recorded};
 use crate::admission::identity::{Identity, RequestView};
+use crate::admission::route::{self, Answer, Protection, Pushback, Recorded};
 use crate::admission::{Engine, Routed, Verdict};
-use crate::limits::slots::Table;
-use crate::policy::health::Credentials;
+use crate::limits::slot_table::SlotTable;
+use crate::policy::protection::Credentials;
 use crate::state::codec::Record;
 use crate::state::store::{Cas, SharedStore};
 
@@ -72,7 +72,7 @@ impl Engine {
                 // pick a name that shares a given unlisted model's slot
                 // (and so its breaker); a chance collision still needs
                 // `min_callers` callers' 5xx to open it.
-                Table::flat(UNLISTED_KEY, self.policy.protection.unlisted_slots, 1)
+                SlotTable::flat(UNLISTED_KEY, self.policy.protection.unlisted_slots, 1)
                     .place(self.hash_key.hash(m.as_bytes()))
             }
         }
@@ -91,16 +91,16 @@ impl Engine {
     ) -> Pushback {
         let route_key = self.upstream_key(model);
         let credentials = self.credentials_of(model);
-        let (record, _) = health::read(store, &route_key);
+        let (record, _) = route::read(store, &route_key);
         let credential = (credentials == Credentials::PassThrough).then(|| {
             let fingerprint = self.credential_fingerprint(&route_key, req, identity);
-            let slots = Table::flat(PAUSE_KEY, self.policy.protection.credential_slots, 1);
+            let slots = SlotTable::flat(PAUSE_KEY, self.policy.protection.credential_slots, 1);
             (slots.place(fingerprint), fingerprint)
         });
         let credential_paused_until_ms = match &credential {
             Some((slot, fingerprint)) if record.credential_pauses_until_ms > now_ms => {
                 store.get(slot).map_or(0, |(b, _)| {
-                    health::CredentialPause::decode(&b).until_for(*fingerprint, now_ms)
+                    route::CredentialPause::decode(&b).until_for(*fingerprint, now_ms)
                 })
             }
             _ => 0,
@@ -145,10 +145,10 @@ impl Engine {
             applied
         };
         for _ in 0..PROBE_TRIES {
-            if let Some(lease) = health::claim_probe(&mut cas, &pb.route_key, pb.caller, now_ms) {
+            if let Some(lease) = route::claim_probe(&mut cas, &pb.route_key, pb.caller, now_ms) {
                 return (with(verdict, &cas), Some(lease));
             }
-            pb.record = health::read(store, &pb.route_key).0;
+            pb.record = route::read(store, &pb.route_key).0;
             match reroute(pb) {
                 Routed::Probe => continue,
                 Routed::Answered(answer) => {
@@ -189,8 +189,8 @@ impl Engine {
         } = *reply;
         let p = self.protection();
         let pause_ms = retry_after
-            .and_then(|v| health::parse_retry_after(v, now_ms))
-            .and_then(|ms| health::pause_ms(ms, &p, dice));
+            .and_then(|v| route::parse_retry_after(v, now_ms))
+            .and_then(|ms| route::pause_ms(ms, &p, dice));
         let answer = Answer {
             status,
             pause_ms,
@@ -198,7 +198,7 @@ impl Engine {
             from_upstream,
         };
         let mut cas = Cas::new(store, self.tries().take());
-        health::record(&mut cas, pb, &p, answer, now_ms)
+        route::record(&mut cas, pb, &p, answer, now_ms)
     }
 
     /// 64 bits of SHA-256 over the deployment's hash key, the route and the
@@ -298,7 +298,7 @@ mod tests {
     use super::*;
     use crate::admission::ctx;
 
-    use crate::admission::health::{RouteHealth, Seen};
+    use crate::admission::route::{RouteHealth, SidecarSeen};
     use crate::policy::Policy;
     use crate::state::store::MemStore;
     use crate::usage::demand::Api;
@@ -377,7 +377,7 @@ mod tests {
             .unwrap();
         e.route(
             &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), now),
-            &Seen::default(),
+            &SidecarSeen::default(),
             pb,
             0,
         )
@@ -403,7 +403,7 @@ mod tests {
             );
         }
         let n = e.policy.protection.credential_slots;
-        let pauses = Table::flat(PAUSE_KEY, n, 1);
+        let pauses = SlotTable::flat(PAUSE_KEY, n, 1);
         assert_eq!(
             pauses.place(12_345),
             format!("{PAUSE_KEY}{}", 12_345 % u64::from(n))
@@ -475,7 +475,7 @@ mod tests {
             0,
             1_000,
         );
-        assert_eq!(r.paused, Some(health::PauseScope::Credential));
+        assert_eq!(r.paused, Some(route::PauseScope::Credential));
 
         let mine = pushback(&e, &store, "big", &ALICE, 2_000);
         assert_eq!(mine.credential_paused_until_ms, 301_000, "capped at 5 min");
@@ -569,7 +569,7 @@ mod tests {
         let reroute = |pb: &Pushback| {
             e.route(
                 &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), 20),
-                &Seen::default(),
+                &SidecarSeen::default(),
                 pb,
                 0,
             )
@@ -578,7 +578,7 @@ mod tests {
         // Bob's request, admitted first, holds the probe.
         let bob = e.identify(&BOB).unwrap();
         let bob_pb = e.pushback(&store, Some("big"), &BOB, &bob, 20);
-        assert!(health::claim_probe(
+        assert!(route::claim_probe(
             &mut Cas::new(&store, 16),
             &bob_pb.route_key,
             bob_pb.caller,
@@ -649,7 +649,7 @@ mod tests {
         let reroute = |pb: &Pushback| {
             e.route(
                 &ctx(&id, Api::OpenAiChat, "", asked.as_ref(), 20),
-                &Seen::default(),
+                &SidecarSeen::default(),
                 pb,
                 0,
             )
@@ -664,7 +664,7 @@ mod tests {
         let pb = e.pushback(&store, Some("big"), &BOB, &bob, 21);
         let r = e.route(
             &ctx(&bob, Api::OpenAiChat, "", asked.as_ref(), 21),
-            &Seen::default(),
+            &SidecarSeen::default(),
             &pb,
             0,
         );

@@ -93,10 +93,10 @@ impl Engine {
             return crate::policy::StaticFallback::default_message();
         };
         let prompt = body.map(prompt_text).unwrap_or_default();
-        let key = health::normalize_prompt(&prompt);
+        let key = route::normalize_prompt(&prompt);
         cfg.answers
             .iter()
-            .find(|(k, _)| health::normalize_prompt(k) == key)
+            .find(|(k, _)| route::normalize_prompt(k) == key)
             .map_or_else(|| cfg.message.clone(), |(_, v)| v.clone())
     }
 }

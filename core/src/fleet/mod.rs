@@ -66,7 +66,7 @@ use crate::host::{Host, LogLevel};
 use crate::limits::bucket::{next_window, Quota};
 use crate::limits::lease::{self, Leases};
 use crate::limits::reservation::{Held, LeaseAsk, Placement, Rule, Scope};
-use crate::limits::slots::{self, Seen, Table};
+use crate::limits::slot_table::{self, SlotSeen, SlotTable};
 use crate::policy::fleet::{FleetConfig, Unavailable, MIN_SECRET};
 use crate::policy::keys::hex;
 use crate::policy::{Limit, Policy};
@@ -480,8 +480,8 @@ impl std::fmt::Debug for Secret {
 }
 
 /// The lease slots of a fleet bucket (`{LEASE_PREFIX}{rule}:{slot}`).
-fn lease_table(rule: &str, slots: u32) -> Table<'_> {
-    Table::named(LEASE_PREFIX, rule, slots, PROBES)
+fn lease_table(rule: &str, slots: u32) -> SlotTable<'_> {
+    SlotTable::named(LEASE_PREFIX, rule, slots, PROBES)
 }
 
 impl Fleet {
@@ -765,7 +765,7 @@ impl Fleet {
         let mut have = 0u64;
         let mut sub = None;
         let table = lease_table(&rule.rule.id, rule.slots);
-        let slot = slots::claim(table.probe(owner), |key| {
+        let slot = slot_table::claim(table.probe(owner), |key| {
             // One read and, when it is ours and live, one write: the
             // same cost as a local bucket.
             let mut seen = 0;
@@ -799,11 +799,11 @@ impl Fleet {
                     have = if debited { 0 } else { part };
                     sub = (extra.0 > 0).then_some(extra);
                 }
-                Seen::Mine
+                SlotSeen::Mine
             } else if seen == 0 {
-                Seen::Free(())
+                SlotSeen::Free(())
             } else {
-                Seen::Busy
+                SlotSeen::Busy
             }
         })
         .slot();
@@ -1326,8 +1326,8 @@ impl Fleet {
                     // back to this window's sub-lease.
                     let moved = c.window_end != window_end(&limit, now);
                     match self.sub.borrow_mut().settle(&h, used, moved, now) {
-                        lease::Settled::NotHeld => {}
-                        lease::Settled::Absorbed(rest) => delta = -units_i64(rest),
+                        lease::LeaseSettled::NotHeld => {}
+                        lease::LeaseSettled::Absorbed(rest) => delta = -units_i64(rest),
                     }
                 }
             }

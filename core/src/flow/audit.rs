@@ -17,7 +17,7 @@
 
 use std::cell::RefCell;
 
-use crate::admission::answer::truncate;
+use crate::admission::answer::{push_decimal, truncate};
 use crate::host::{metrics, Host};
 use crate::usage::reconcile::Details;
 
@@ -172,7 +172,7 @@ impl AuditRecord {
                 Value::Null => out.push_str("null"),
                 Value::Code(text) => quoted(out, text),
                 Value::Text(text) => quoted(out, text),
-                Value::Number(n) => push_u64(out, *n),
+                Value::Number(n) => push_decimal(out, *n),
             }
         }
     }
@@ -275,23 +275,6 @@ fn quoted(out: &mut String, text: &str) {
     }
     out.push_str(&text[plain..]);
     out.push('"');
-}
-
-/// A number in decimal, without a formatter.
-fn push_u64(out: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    for d in &digits[at..] {
-        out.push(char::from(*d));
-    }
 }
 
 #[cfg(test)]

@@ -654,7 +654,7 @@ impl Stream {
         let seen = if engine.policy.sidecar.is_some() {
             filter.seen(host)
         } else {
-            std::rc::Rc::new(crate::admission::health::Seen::default())
+            std::rc::Rc::new(crate::admission::route::SidecarSeen::default())
         };
         let ctx = RequestContext {
             identity,

@@ -523,7 +523,7 @@ fn the_cache_secret_is_sent_and_required() {
 fn push_generation(host: &MockHost, g: u64) {
     use crate::state::store::SharedStore;
     let json = json!({"version": g, "cache_generation": g}).to_string();
-    let value = crate::admission::health::encode_seen(host.now_ms(), json.as_bytes());
+    let value = crate::admission::route::encode_seen(host.now_ms(), json.as_bytes());
     let cas = host.get(SIDECAR_KEY).map_or(0, |(_, c)| c);
     host.set(SIDECAR_KEY, &value, cas).unwrap();
 }

@@ -24,9 +24,9 @@ use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 
 use crate::admission::answer::{Decision, Reason};
-use crate::admission::health::{self, Pushback, Seen};
 use crate::admission::identity::Identity;
 use crate::admission::pushback::UpstreamReply;
+use crate::admission::route::{self, Pushback, SidecarSeen};
 use crate::admission::{Engine, RequestContext, Routed, Verdict};
 use crate::host::metrics::{self, Metric};
 use crate::host::{Action, Host, LogLevel};
@@ -132,7 +132,7 @@ impl Vm {
 /// half-open trickles and pause jitter.
 pub struct Filter {
     pub engine: Engine,
-    seen: RefCell<(u32, Rc<Seen>)>,
+    seen: RefCell<(u32, Rc<SidecarSeen>)>,
     dice: Cell<u64>,
     /// Principal → its salted audit hash: a SHA-256 per request saved for
     /// callers seen before. Bounded like the key-hash cache.
@@ -173,7 +173,7 @@ impl Filter {
             vm: Rc::default(),
             seen_by_queue: Cell::new(0),
             engine,
-            seen: RefCell::new((0, Rc::new(Seen::default()))),
+            seen: RefCell::new((0, Rc::new(SidecarSeen::default()))),
             dice: Cell::new(0),
             audit_principals: RefCell::default(),
             audit_line: audit::Buffer::default(),
@@ -214,15 +214,15 @@ impl Filter {
     }
 
     /// The sidecar state in shared data, decoded again only when it changed.
-    fn seen(&self, host: &dyn Host) -> Rc<Seen> {
+    fn seen(&self, host: &dyn Host) -> Rc<SidecarSeen> {
         let Some((bytes, cas)) = host.get(SIDECAR_KEY) else {
-            return Rc::new(Seen::default());
+            return Rc::new(SidecarSeen::default());
         };
         let Ok(mut cached) = self.seen.try_borrow_mut() else {
-            return Rc::new(crate::admission::health::decode_seen(&bytes));
+            return Rc::new(crate::admission::route::decode_seen(&bytes));
         };
         if cached.0 != cas {
-            *cached = (cas, Rc::new(crate::admission::health::decode_seen(&bytes)));
+            *cached = (cas, Rc::new(crate::admission::route::decode_seen(&bytes)));
         }
         cached.1.clone()
     }
@@ -246,7 +246,7 @@ impl Filter {
     /// surge, reroute or refusal by a bucket would never alert), and a
     /// gauge that is absent reads as "no data" rather than 0.
     fn define_metrics(&self, host: &dyn Host) {
-        telemetry::define(host);
+        predefined::define(host);
         for rule in self.engine.rules() {
             metrics::REFUSALS.define_at(host, &[&rule.id]);
         }
@@ -284,7 +284,7 @@ pub struct Poller {
     /// With queues the tick is fast; the lease still moves at `TICK_MS`.
     next_lease_ms: u64,
     /// Fleet-wide concurrency slots (see `slots`).
-    slots: slots::Agent,
+    slots: fleet_slots::Agent,
     /// What this VM's root contexts share.
     vm: Rc<Vm>,
 }
@@ -508,7 +508,7 @@ impl Poller {
             return;
         };
         let since = filter.seen(host).state.as_ref().map_or(0, |s| s.version);
-        let wait_s = health::poll_wait_s(sidecar.poll_wait_ms, sidecar.stale_after_ms);
+        let wait_s = route::poll_wait_s(sidecar.poll_wait_ms, sidecar.stale_after_ms);
         let path = format!("/v1/state?since={since}&wait={wait_s}");
         let authority = sidecar.authority.as_deref().unwrap_or(&sidecar.cluster);
         let headers = [
@@ -576,7 +576,7 @@ impl Poller {
         let body = host.call_response_body(body_size);
         let state = match (
             status.as_deref(),
-            serde_json::from_slice::<health::SidecarState>(&body),
+            serde_json::from_slice::<route::SidecarState>(&body),
         ) {
             (Some("200"), Ok(state)) => state,
             (status, parsed) => {
@@ -610,14 +610,14 @@ impl Poller {
         let open = state
             .breakers
             .iter()
-            .filter(|b| b.state == crate::admission::health::BreakerState::Open)
+            .filter(|b| b.state == crate::admission::route::BreakerState::Open)
             .count();
         set_gauge(host, metrics::BREAKERS_OPEN, open as u64);
         // One writer (the lease holder): no CAS needed. Every answer, even
         // an unchanged state, refreshes the receive time.
         let _ = host.set(
             SIDECAR_KEY,
-            &crate::admission::health::encode_seen(now, &body),
+            &crate::admission::route::encode_seen(now, &body),
             0,
         );
         if self.hold_lease(host, now) {
@@ -808,10 +808,10 @@ impl Stream {
         if let Some(verdict) = declared.and_then(|len| self.engine().too_large(&identity, len)) {
             return self.finish(host, verdict);
         }
-        let large = declared.is_none_or(|len| len > early::EARLY_REFUSAL_BYTES);
+        let large = declared.is_none_or(|len| len > precheck::EARLY_REFUSAL_BYTES);
         if self.api.reads_body() && !end_of_stream && large {
             // The caller's own empty bucket refuses it before its body is
-            // buffered and parsed (`flow/early.rs`).
+            // buffered and parsed (`flow/precheck.rs`).
             if let Some(verdict) = self.refused_before_body(host, &identity) {
                 add(host, metrics::REFUSED_BEFORE_BODY, 1);
                 self.identity = Some(identity);
@@ -1202,7 +1202,7 @@ impl Stream {
             return;
         };
         let mut cas = Cas::new(host, self.engine().tries().take());
-        health::release_probe(&mut cas, &pushback.route_key, lease);
+        route::release_probe(&mut cas, &pushback.route_key, lease);
         count_contention(host, cas.contention);
     }
 
@@ -1681,8 +1681,8 @@ impl Stream {
         add(host, metrics::PUSHBACK_DROPPED, i64::from(recorded.dropped));
         count_contention(host, recorded.contention);
         match recorded.paused {
-            Some(health::PauseScope::Route) => metrics::UPSTREAM_PAUSES.add_at(host, &["route"], 1),
-            Some(health::PauseScope::Credential) => {
+            Some(route::PauseScope::Route) => metrics::UPSTREAM_PAUSES.add_at(host, &["route"], 1),
+            Some(route::PauseScope::Credential) => {
                 metrics::UPSTREAM_PAUSES.add_at(host, &["credential"], 1)
             }
             None => {}
@@ -1775,15 +1775,15 @@ mod audit;
 mod cache;
 #[cfg(test)]
 mod cache_tests;
-mod early;
 #[cfg(test)]
 mod endpoint_tests;
+pub(crate) mod fleet_slots;
 mod flight;
 mod phase;
-pub(crate) mod slots;
+mod precheck;
+pub mod predefined;
 #[cfg(test)]
 mod tail_tests;
-pub mod telemetry;
 /// Which VM polls the sidecar (see `flow::POLLER_KEY`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PollLease {

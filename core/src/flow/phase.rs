@@ -2,7 +2,7 @@
 //! that means something only while the stream is in it (what a stream
 //! keeps for its whole life is on `Stream`).
 
-use crate::admission::health::Pushback;
+use crate::admission::route::Pushback;
 use crate::admission::{Plan, Verdict};
 use crate::host::Host;
 use crate::usage::reconcile::ResponseMeter;

@@ -39,7 +39,7 @@ fn load(host: &MockHost) -> Poller {
 fn kill_switch(host: &MockHost, version: u64, active: bool) {
     let state = json!({"version": version, "kill_switch": {"active": active}, "breakers": []});
     let bytes =
-        crate::admission::health::encode_seen(host.clock_ms.get(), state.to_string().as_bytes());
+        crate::admission::route::encode_seen(host.clock_ms.get(), state.to_string().as_bytes());
     let cas = host.get(SIDECAR_KEY).map_or(0, |(_, cas)| cas);
     host.set(SIDECAR_KEY, &bytes, cas).unwrap();
 }

@@ -62,8 +62,8 @@ fn answer(host: &MockHost, req: &mut Request, status: &str, headers: &[(&str, &s
     req.on_log(host);
 }
 
-fn record(host: &MockHost, model: &str) -> health::RouteHealth {
-    health::read(host, &format!("sluice:v1:upstream/{model}")).0
+fn record(host: &MockHost, model: &str) -> route::RouteHealth {
+    route::read(host, &format!("sluice:v1:upstream/{model}")).0
 }
 
 #[test]
@@ -432,7 +432,7 @@ fn sidecar_policy() -> Value {
 }
 
 fn publish(host: &MockHost, state: Value) {
-    let bytes = crate::admission::health::encode_seen(host.now_ms(), state.to_string().as_bytes());
+    let bytes = crate::admission::route::encode_seen(host.now_ms(), state.to_string().as_bytes());
     host.set(SIDECAR_KEY, &bytes, 0).unwrap();
 }
 
@@ -549,7 +549,7 @@ fn one_root_holds_the_poll_lease_and_renews_it_while_polling() {
     pa.on_call_response(&a, 99, 10); // not our token: ignored
     assert!(b.get(SIDECAR_KEY).is_none());
     pa.on_call_response(&a, poll.token, state.to_string().len());
-    let seen = crate::admission::health::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
+    let seen = crate::admission::route::decode_seen(&b.get(SIDECAR_KEY).unwrap().0);
     assert_eq!(seen.state.unwrap().version, 9);
     assert_eq!(a.metric(crate::host::metrics::KILL_SWITCH.name), Some(1));
     assert_eq!(a.metric(crate::host::metrics::BREAKERS_OPEN.name), Some(1));

@@ -34,8 +34,8 @@ use std::rc::{Rc, Weak};
 
 use super::{count_contention, Filter, Phase, Request, Stream};
 use crate::admission::answer::{Reason, Refused};
-use crate::admission::health::{BreakerState, Pushback, Seen};
 use crate::admission::identity::{Identity, RequestView};
+use crate::admission::route::{BreakerState, Pushback, SidecarSeen};
 use crate::admission::{Asked, RequestContext, Routed, Verdict};
 use crate::flow::HostRequest;
 use crate::host::metrics;
@@ -595,14 +595,14 @@ impl Stream {
         identity: &Identity,
         model: Option<&str>,
         now: u64,
-    ) -> (Pushback, Rc<Seen>, u32) {
+    ) -> (Pushback, Rc<SidecarSeen>, u32) {
         let engine = &self.filter.engine;
         let view = HostRequest(host, self.request_headers.as_deref());
         let pushback = engine.pushback(host, model, &view, identity, now);
         let seen = if engine.policy.sidecar.is_some() {
             self.filter.seen(host)
         } else {
-            Rc::new(Seen::default())
+            Rc::new(SidecarSeen::default())
         };
         (pushback, seen, self.filter.roll(now))
     }

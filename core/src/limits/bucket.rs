@@ -154,13 +154,9 @@ const DAY_MS: u64 = 86_400_000;
 
 /// Start of the local day or month holding `ms`, in the window's zone.
 pub fn window_start(window: Window, ms: u64) -> u64 {
-    let day = ms / DAY_MS;
     match window {
         Window::Day(zone) => zone.day_start(ms),
-        Window::Month(zone) => zone.month_start(ms).unwrap_or_else(|| {
-            let (y, m, _) = civil_from_days(day as i64);
-            (days_from_civil(y, m, 1) as u64).saturating_mul(DAY_MS)
-        }),
+        Window::Month(zone) => zone.month_start(ms),
     }
 }
 
@@ -177,35 +173,8 @@ pub fn same_window(limit: &Limit, a: u64, b: u64) -> bool {
 pub fn next_window(window: Window, ms: u64) -> u64 {
     match window {
         Window::Day(zone) => zone.next_day(ms),
-        Window::Month(zone) => zone.next_month(ms).unwrap_or_else(|| {
-            let (y, m, _) = civil_from_days((ms / DAY_MS) as i64);
-            let (y, m) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
-            (days_from_civil(y, m, 1) as u64).saturating_mul(DAY_MS)
-        }),
+        Window::Month(zone) => zone.next_month(ms),
     }
-}
-
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian.
-pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (yoe + era * 400 + i64::from(month <= 2), month, day)
-}
-
-fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m as i64 + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d as i64 - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 /// Milliseconds for the bucket to drain `used` millionths, rounded up, at

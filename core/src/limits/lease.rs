@@ -58,7 +58,7 @@ pub struct WorkerLease {
 
 /// What a settlement did to a lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Settled {
+pub enum LeaseSettled {
     /// No live lease of that bucket: settle the shared bucket.
     NotHeld,
     /// Taken by the lease; this many units are still to charge to the
@@ -203,9 +203,15 @@ impl Leases {
 
     /// A request's settlement (`actual` for the `h.amount` it reserved)
     /// into the live lease of its bucket, if this worker holds one.
-    pub fn settle(&mut self, h: &Held, actual: u64, window_moved: bool, now_ms: u64) -> Settled {
+    pub fn settle(
+        &mut self,
+        h: &Held,
+        actual: u64,
+        window_moved: bool,
+        now_ms: u64,
+    ) -> LeaseSettled {
         let Some(lease) = self.find(&h.key, &h.rule, h.owner, now_ms) else {
-            return Settled::NotHeld;
+            return LeaseSettled::NotHeld;
         };
         if actual <= h.amount {
             // A give-back from an earlier window is owed nothing (as in the
@@ -213,13 +219,13 @@ impl Leases {
             if !window_moved {
                 lease.balance = lease.balance.saturating_add(h.amount - actual);
             }
-            return Settled::Absorbed(0);
+            return LeaseSettled::Absorbed(0);
         }
         let charge = actual - h.amount;
         let paid = charge.min(lease.balance);
         lease.balance -= paid;
         lease.quota.remaining = lease.quota.remaining.saturating_sub(paid);
-        Settled::Absorbed(charge - paid)
+        LeaseSettled::Absorbed(charge - paid)
     }
 
     /// The leases due back at `now_ms` (expired), removed: each as the
@@ -313,13 +319,13 @@ mod tests {
         assert_eq!((h.amount, q.remaining), (30, 470));
         assert!(l.debit(&h.key, &h.rule, 0, 21, 1).is_none(), "20 left");
         // Used 10 of 30: 20 back into the lease.
-        assert_eq!(l.settle(&h, 10, false, 2), Settled::Absorbed(0));
+        assert_eq!(l.settle(&h, 10, false, 2), LeaseSettled::Absorbed(0));
         assert_eq!(l.held_of("model/m/tokens"), 40);
         // Used 100 of 30: the lease pays 40, 30 go to the shared bucket.
-        assert_eq!(l.settle(&h, 100, false, 3), Settled::Absorbed(30));
+        assert_eq!(l.settle(&h, 100, false, 3), LeaseSettled::Absorbed(30));
         assert_eq!(l.held_of("model/m/tokens"), 0);
         // A give-back from an earlier window is owed nothing.
-        assert_eq!(l.settle(&h, 0, true, 4), Settled::Absorbed(0));
+        assert_eq!(l.settle(&h, 0, true, 4), LeaseSettled::Absorbed(0));
         assert_eq!(l.held_of("model/m/tokens"), 0);
     }
 
@@ -337,7 +343,7 @@ mod tests {
         let back = l.due(1_000);
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].amount, 50, "its unused balance");
-        assert_eq!(l.settle(&held(1), 0, false, 1_000), Settled::NotHeld);
+        assert_eq!(l.settle(&held(1), 0, false, 1_000), LeaseSettled::NotHeld);
         for owner in 0..(MAX_LEASES as u64 + 1) {
             let h = Held { owner, ..held(1) };
             let evicted = l.add(h, quota(), 5_000, 0);
@@ -371,7 +377,7 @@ mod tests {
             taken_ms: DAY - 5,
             ..daily.clone()
         };
-        assert_eq!(l.settle(&asked, 0, true, DAY + 5), Settled::NotHeld);
+        assert_eq!(l.settle(&asked, 0, true, DAY + 5), LeaseSettled::NotHeld);
     }
 
     #[test]

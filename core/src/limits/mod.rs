@@ -6,4 +6,4 @@ pub mod lease;
 pub mod record;
 pub mod reservation;
 pub mod shares;
-pub mod slots;
+pub mod slot_table;

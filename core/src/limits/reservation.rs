@@ -80,7 +80,7 @@
 use crate::limits::bucket::{window_start, BucketState, Quota, Shortfall};
 use crate::limits::record::{rule_hash, Bundle, Kept};
 use crate::limits::shares::Pool;
-use crate::limits::slots::{self, Found, Seen, Table};
+use crate::limits::slot_table::{self, SlotClaim, SlotSeen, SlotTable};
 use crate::policy::units::SCALE;
 use crate::policy::Limit;
 use crate::state::codec::{Reader, Record, Writer};
@@ -183,7 +183,7 @@ impl LeaseAsk {
 /// A shared bucket's shares, and the group the caller draws from.
 #[derive(Debug, Clone, Copy)]
 pub struct Share<'a> {
-    pub table: &'a crate::limits::shares::Table,
+    pub table: &'a crate::limits::shares::ShareTable,
     pub group: u64,
 }
 
@@ -315,8 +315,8 @@ fn global_key(scope: &str) -> String {
     format!("{RECORD_PREFIX}{scope}")
 }
 /// The hashed records of a per-caller scope (`{RECORD_PREFIX}{scope}:{slot}`).
-fn slot_table<'a>(scope: &'a str, layout: &Layout) -> Table<'a> {
-    Table::named(RECORD_PREFIX, scope, layout.slots, PROBES)
+fn slot_table<'a>(scope: &'a str, layout: &Layout) -> SlotTable<'a> {
+    SlotTable::named(RECORD_PREFIX, scope, layout.slots, PROBES)
 }
 fn overflow_key(scope: &str) -> String {
     format!("{RECORD_PREFIX}{scope}:overflow")
@@ -890,24 +890,24 @@ impl Reserver<'_> {
             let (bytes, cas) = self.store.get(&key).unwrap_or_default();
             (key, cas, Bundle::decode(&bytes))
         });
-        let found = slots::claim(probed, |(_, _, bundle)| {
+        let found = slot_table::claim(probed, |(_, _, bundle)| {
             if bundle.owner == owner {
-                return Seen::Mine;
+                return SlotSeen::Mine;
             }
             // A never-used record ends the chain: the principal would hold
             // it or an earlier one if it had a record.
             if bundle.owner == 0 {
-                return Seen::Last((0u8, 0));
+                return SlotSeen::Last((0u8, 0));
             }
             let hold = self.layout.hold_ms;
             if bundle
                 .entries()
                 .all(|e| Kept::decode(e).idle_at_ms <= now_ms)
             {
-                return Seen::Free((0, 0));
+                return SlotSeen::Free((0, 0));
             }
             if self.takeable(bundle, now_ms) {
-                return Seen::Free((1, bundle.touched_ms));
+                return SlotSeen::Free((1, bundle.touched_ms));
             }
             let wait = bundle
                 .entries()
@@ -915,24 +915,24 @@ impl Reserver<'_> {
                 .max()
                 .unwrap_or(0);
             frees_in = frees_in.min(wait);
-            Seen::Busy
+            SlotSeen::Busy
         });
         match found {
-            Found::Mine((key, cas, bundle)) => Ok(Located {
+            SlotClaim::Mine((key, cas, bundle)) => Ok(Located {
                 key,
                 bundle,
                 cas,
                 owner,
                 placement: Placement::Hashed,
             }),
-            Found::Free((key, cas, _)) => Ok(Located {
+            SlotClaim::Free((key, cas, _)) => Ok(Located {
                 key,
                 bundle: Bundle::new(owner, now_ms),
                 cas,
                 owner,
                 placement: Placement::Hashed,
             }),
-            Found::Full => self.overflow(scope, owner).ok_or(frees_in),
+            SlotClaim::Full => self.overflow(scope, owner).ok_or(frees_in),
         }
     }
 

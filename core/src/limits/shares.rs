@@ -98,16 +98,16 @@ pub struct GroupShare {
 
 /// A bucket's shares, compiled once per policy load.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Table {
+pub struct ShareTable {
     pub groups: Vec<GroupShare>,
 }
 
 /// The unnamed rest (declared callers of tiers without a share).
 pub const REST: u64 = 0;
 
-impl Table {
+impl ShareTable {
     /// `None` when there is nothing to share (an empty map).
-    pub fn compile(cfg: &SharesConfig) -> Option<Table> {
+    pub fn compile(cfg: &SharesConfig) -> Option<ShareTable> {
         let groups: Vec<GroupShare> = cfg
             .0
             .iter()
@@ -119,7 +119,7 @@ impl Table {
                 capped: name == ANONYMOUS,
             })
             .collect();
-        (!groups.is_empty()).then_some(Table { groups })
+        (!groups.is_empty()).then_some(ShareTable { groups })
     }
 
     /// The group of a caller: `anonymous` when undeclared, its tier when
@@ -170,7 +170,7 @@ pub struct Pool {
 /// Guaranteed floors (millionths), per group of `table`: a tier's share.
 /// `anonymous` has none: its share is only a ceiling, so its callers never
 /// hold room back from declared keys.
-fn floors(table: &Table, capacity: u64) -> Vec<u64> {
+fn floors(table: &ShareTable, capacity: u64) -> Vec<u64> {
     table
         .groups
         .iter()
@@ -271,7 +271,7 @@ impl Pool {
 
     /// Accounts for exactly the table's groups (a reload may add or drop
     /// some: a dropped group's units stay in the total, as the rest's).
-    fn aligned(mut self, table: &Table) -> Pool {
+    fn aligned(mut self, table: &ShareTable) -> Pool {
         let mut accounts = Vec::with_capacity(table.groups.len());
         for g in &table.groups {
             let found = self.accounts.iter().find(|a| a.id == g.id).copied();
@@ -343,7 +343,7 @@ impl Pool {
     /// record whose lent parts are settled.
     fn room(
         &self,
-        table: &Table,
+        table: &ShareTable,
         floors: &[u64],
         mine: Option<usize>,
         free: u64,
@@ -386,12 +386,12 @@ impl Pool {
     /// the bucket's quota as the group sees it (its `X-RateLimit-*`).
     pub fn take(
         &self,
-        table: &Table,
+        table: &ShareTable,
         group: u64,
         amount: u64,
         limit: &Limit,
         now_ms: u64,
-    ) -> Result<(Pool, Quota), Refused> {
+    ) -> Result<(Pool, Quota), NoShare> {
         let mut pool = self.at(limit, now_ms).aligned(table);
         let capacity = limit.capacity().saturating_mul(SCALE);
         let want = amount.saturating_mul(SCALE);
@@ -465,7 +465,7 @@ impl Pool {
         // lent): written at most once a second.
         let floored = mine.is_some_and(|i| floors[i] > 0);
         let mark = (floored && last_seen.saturating_add(MARK_EVERY_MS) <= now_ms).then_some(pool);
-        Err(Refused { shortfall, mark })
+        Err(NoShare { shortfall, mark })
     }
 
     /// Gives back `amount` units taken at `taken_ms` by `group` (nothing
@@ -514,7 +514,7 @@ impl Pool {
 /// A take the shares refused, and the record to write anyway to mark the
 /// group active (`None`: nothing to write).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refused {
+pub struct NoShare {
     pub shortfall: Shortfall,
     pub mark: Option<Pool>,
 }
@@ -556,14 +556,14 @@ mod tests {
         }
     }
 
-    fn table(shares: &[(&str, u32)]) -> Table {
-        Table::compile(&SharesConfig(
+    fn table(shares: &[(&str, u32)]) -> ShareTable {
+        ShareTable::compile(&SharesConfig(
             shares.iter().map(|(n, p)| (n.to_string(), *p)).collect(),
         ))
         .unwrap()
     }
 
-    fn take(p: &mut Pool, t: &Table, g: u64, l: &Limit, now: u64) -> bool {
+    fn take(p: &mut Pool, t: &ShareTable, g: u64, l: &Limit, now: u64) -> bool {
         match p.take(t, g, 1, l, now) {
             Ok((next, _)) => {
                 *p = next;
@@ -682,7 +682,7 @@ mod tests {
             "alone, pro may borrow the rest"
         );
         let anon =
-            Table::compile(&SharesConfig(BTreeMap::from([(ANONYMOUS.into(), 500)]))).unwrap();
+            ShareTable::compile(&SharesConfig(BTreeMap::from([(ANONYMOUS.into(), 500)]))).unwrap();
         let (_, q) = Pool::default()
             .take(&anon, anon.groups[0].id, 100, &l, 0)
             .unwrap();
@@ -749,7 +749,7 @@ mod tests {
         assert_eq!(default_for(&p).0[ANONYMOUS], DEFAULT_ANONYMOUS_PERMILLE);
         let mut v = base();
         v["defaults"] = serde_json::json!({"shares": {}});
-        assert!(Table::compile(&default_for(&Policy::from_value(v).unwrap())).is_none());
+        assert!(ShareTable::compile(&default_for(&Policy::from_value(v).unwrap())).is_none());
         let mut v = base();
         v["identity"] = serde_json::json!({"sources": ["client_address"]});
         assert!(
@@ -759,7 +759,7 @@ mod tests {
     }
 
     /// Arrivals per step of each group: `asks[g]` requests (one unit each).
-    fn run(t: &Table, ids: &[u64], l: &Limit, steps: &[(Vec<u8>, u64)]) -> (Vec<u64>, bool) {
+    fn run(t: &ShareTable, ids: &[u64], l: &Limit, steps: &[(Vec<u8>, u64)]) -> (Vec<u64>, bool) {
         let mut p = Pool::default();
         let mut now = 1u64;
         let mut got = vec![0u64; ids.len()];

@@ -139,7 +139,7 @@ impl<'de> Deserialize<'de> for KeyEntry {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
-        struct Full {
+        struct KeyEntryFields {
             tier: String,
             team: Option<String>,
             org: Option<String>,
@@ -158,7 +158,7 @@ impl<'de> Deserialize<'de> for KeyEntry {
                 })
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<KeyEntry, A::Error> {
-                let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                let full = KeyEntryFields::deserialize(de::value::MapAccessDeserializer::new(map))?;
                 Ok(KeyEntry {
                     tier: full.tier,
                     team: full.team,

@@ -62,7 +62,7 @@ impl<'de> Deserialize<'de> for Budget {
 
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
-        struct Full {
+        struct BudgetFields {
             limit: serde_json::Value,
             #[serde(default)]
             mode: Mode,
@@ -105,7 +105,7 @@ impl<'de> Deserialize<'de> for Budget {
             }
 
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Budget, A::Error> {
-                let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                let full = BudgetFields::deserialize(de::value::MapAccessDeserializer::new(map))?;
                 Ok(Budget {
                     limit: budget_amount(&full.limit)?,
                     mode: full.mode,
@@ -194,7 +194,7 @@ impl<'de> Deserialize<'de> for Limit {
 
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
-        struct Full {
+        struct LimitFields {
             rate: String,
             burst: Option<u64>,
         }
@@ -216,7 +216,7 @@ impl<'de> Deserialize<'de> for Limit {
             }
 
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Limit, A::Error> {
-                let full = Full::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                let full = LimitFields::deserialize(de::value::MapAccessDeserializer::new(map))?;
                 let rate = bucket_rate(&full.rate).map_err(de::Error::custom)?;
                 let burst = full.burst.unwrap_or(rate.amount);
                 if burst == 0 {

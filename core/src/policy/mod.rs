@@ -9,10 +9,10 @@
 //! written in any section.
 
 pub mod abuse;
+pub mod anomaly_audit;
 pub mod cache;
 pub mod fallback;
 pub mod fleet;
-pub mod health;
 pub mod identity;
 pub mod keys;
 pub mod limit;
@@ -27,7 +27,6 @@ pub mod routes;
 pub mod shares;
 pub mod sidecar;
 pub mod state;
-pub mod telemetry;
 pub mod tiers;
 pub mod units;
 pub mod zone;
@@ -38,8 +37,8 @@ use std::fmt;
 use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
 
+pub use crate::policy::anomaly_audit::{AnomalyConfig, AuditConfig};
 pub use crate::policy::fallback::{FallbackConfig, StaticFallback};
-pub use crate::policy::health::Credentials;
 pub(crate) use crate::policy::identity::redact_key;
 pub use crate::policy::identity::{
     ApiKeyConfig, IdentityConfig, IdentitySource, JwtConfig, KeyEntry, TrustedHeaderConfig,
@@ -47,12 +46,12 @@ pub use crate::policy::identity::{
 };
 pub use crate::policy::limit::{Budget, Limit, Mode, Window, MAX_PERIOD_MS};
 pub use crate::policy::models::{default_backend, GpuCost, ModelConfig};
+pub use crate::policy::protection::Credentials;
 pub use crate::policy::protection::ProtectionConfig;
 pub use crate::policy::request::{Defaults, RequestConfig, MAX_OUTPUT_CAP};
 pub use crate::policy::routes::RouteConfig;
 pub use crate::policy::sidecar::SidecarConfig;
 pub use crate::policy::state::StateConfig;
-pub use crate::policy::telemetry::{AnomalyConfig, AuditConfig};
 pub use crate::policy::tiers::TierConfig;
 
 /// A policy that could not be loaded: where, and why.
@@ -248,7 +247,7 @@ impl Policy {
         fallback::check(self)?;
         protection::check(self)?;
         abuse::check(self)?;
-        telemetry::check(self)?;
+        anomaly_audit::check(self)?;
         request::check(self)?;
         state::check(self)?;
         shares::check(self)?;

@@ -2,8 +2,8 @@
 
 use serde::Deserialize;
 
-use crate::policy::health::Credentials;
 use crate::policy::prices::{self, ModelPrice};
+use crate::policy::protection::Credentials;
 use crate::policy::{de_number, ConfigError, Limit, Policy};
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -2,12 +2,11 @@
 
 use serde::Deserialize;
 
-use crate::policy::health::{Credentials, MAX_CALLERS};
 use crate::policy::{de_duration, ConfigError, Policy};
 
 /// How sluice reacts to what the upstream says (docs/src/design.md, "Route"): pauses on
 /// `Retry-After`, the per-route error breaker. One caller cannot pause,
-/// break or probe-block a route for the others; see `admission/health.rs`.
+/// break or probe-block a route for the others; see `admission/route.rs`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProtectionConfig {
@@ -173,3 +172,20 @@ pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
     }
     Ok(())
 }
+
+/// Whose credential an upstream sees (`protection.credentials`, per model
+/// `models.<name>.credentials`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Credentials {
+    /// The client's own `Authorization`/`x-api-key` goes upstream: a 429 is
+    /// about that credential.
+    #[default]
+    PassThrough,
+    /// Envoy injects one credential for everyone: a 429 is about the route.
+    Injected,
+}
+
+/// Distinct failing callers one route record remembers; the most
+/// `protection.min_callers` may ask for.
+pub const MAX_CALLERS: usize = 8;

@@ -26,7 +26,7 @@ pub struct SidecarConfig {
     )]
     pub stale_after_ms: u64,
     #[serde(default)]
-    pub on_stale: crate::policy::health::OnStale,
+    pub on_stale: OnStale,
     /// `Retry-After` of a `gpu_overloaded` 503 when the sidecar gives none.
     #[serde(
         default = "default_breaker_retry",
@@ -64,4 +64,18 @@ pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
         ));
     }
     Ok(())
+}
+
+/// What the sidecar's silence means once its last state is older than
+/// `stale_after`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStale {
+    /// Ignore the breakers (a breaker that blocks on no data takes the
+    /// service down with the sidecar). The kill switch keeps its last value:
+    /// it is an operator's decision, not a measurement.
+    #[default]
+    FailOpen,
+    /// Keep refusing what the last state refused.
+    FailClosed,
 }

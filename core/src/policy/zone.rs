@@ -80,7 +80,7 @@ impl Zone {
         let Some(n) = self.0 else {
             return ms / DAY_MS * DAY_MS;
         };
-        local(n, ms, |z| z.start_of_day()).unwrap_or(ms / DAY_MS * DAY_MS)
+        local(&n.tz, ms, |z| z.start_of_day()).unwrap_or(ms / DAY_MS * DAY_MS)
     }
 
     /// Start of the local day after the one holding `ms`.
@@ -88,7 +88,7 @@ impl Zone {
         let Some(n) = self.0 else {
             return (ms / DAY_MS * DAY_MS).saturating_add(DAY_MS);
         };
-        local(n, ms, |z| {
+        local(&n.tz, ms, |z| {
             z.date()
                 .tomorrow()?
                 .to_zoned_datetime(z.time_zone().clone())
@@ -96,39 +96,43 @@ impl Zone {
         .unwrap_or((ms / DAY_MS * DAY_MS).saturating_add(DAY_MS))
     }
 
-    /// Start of the local month holding `ms`; `None` for UTC (the caller's
-    /// UTC calendar arithmetic answers it).
-    pub fn month_start(self, ms: u64) -> Option<u64> {
-        let n = self.0?;
-        local(n, ms, |z| {
+    /// Start of the local month holding `ms`.
+    pub fn month_start(self, ms: u64) -> u64 {
+        local(self.tz(), ms, |z| {
             z.date()
                 .first_of_month()
                 .to_zoned_datetime(z.time_zone().clone())
         })
+        .unwrap_or(ms / DAY_MS * DAY_MS)
     }
 
-    /// Start of the local month after the one holding `ms`; `None` for UTC.
-    pub fn next_month(self, ms: u64) -> Option<u64> {
-        let n = self.0?;
-        local(n, ms, |z| {
+    /// Start of the local month after the one holding `ms`.
+    pub fn next_month(self, ms: u64) -> u64 {
+        local(self.tz(), ms, |z| {
             z.date()
                 .last_of_month()
                 .tomorrow()?
                 .to_zoned_datetime(z.time_zone().clone())
         })
+        .unwrap_or((ms / DAY_MS * DAY_MS).saturating_add(DAY_MS))
+    }
+
+    fn tz(self) -> &'static TimeZone {
+        static UTC: TimeZone = TimeZone::UTC;
+        self.0.map_or(&UTC, |n| &n.tz)
     }
 }
 
 /// `f` of the local date-time of `ms` in `n`, back in ms since the epoch.
 /// `None` only outside jiff's range (years ±9999): the caller falls back
-/// to UTC rather than fail a request.
+/// to a plain day rather than fail a request.
 fn local(
-    n: &Named,
+    tz: &TimeZone,
     ms: u64,
     f: impl FnOnce(&jiff::ZonedDateTime) -> Result<jiff::ZonedDateTime, jiff::Error>,
 ) -> Option<u64> {
     let ts = Timestamp::from_millisecond(i64::try_from(ms).ok()?).ok()?;
-    let zdt = ts.to_zoned_datetime(n.tz.clone());
+    let zdt = ts.to_zoned_datetime(tz.clone());
     let out = f(&zdt).ok()?.timestamp().as_millisecond();
     u64::try_from(out).ok()
 }
@@ -177,12 +181,28 @@ mod tests {
     const H: u64 = 3_600_000;
 
     #[test]
+    fn months_past_jiffs_range_fall_back_to_a_plain_day_without_a_panic() {
+        let z = Zone::default();
+        let far = u64::MAX - 5;
+        assert_eq!(z.month_start(far), far / 86_400_000 * 86_400_000);
+        assert!(z.next_month(far) >= z.month_start(far));
+        assert_eq!(
+            z.month_start(utc(2026, 12, 2, 15, 0)),
+            utc(2026, 12, 1, 0, 0)
+        );
+        assert_eq!(
+            z.next_month(utc(2026, 12, 31, 23, 59)),
+            utc(2027, 1, 1, 0, 0)
+        );
+    }
+
+    #[test]
     fn utc_is_the_default_and_days_are_24h() {
         let z = Zone::UTC;
         let noon = utc(2026, 3, 29, 12, 0);
         assert_eq!(z.day_start(noon), utc(2026, 3, 29, 0, 0));
         assert_eq!(z.next_day(noon), utc(2026, 3, 30, 0, 0));
-        assert_eq!(z.month_start(noon), None);
+        assert_eq!(z.month_start(noon), utc(2026, 3, 1, 0, 0));
         assert_eq!(Zone::named("UTC").unwrap(), Zone::UTC);
     }
 
@@ -244,11 +264,11 @@ mod tests {
         let rome = Zone::named("Europe/Rome").unwrap();
         // 2026-03-31 23:30 UTC is already April 1st in Rome (CEST).
         let t = utc(2026, 3, 31, 23, 30);
-        assert_eq!(rome.month_start(t), Some(utc(2026, 3, 31, 22, 0)));
-        assert_eq!(rome.next_month(t), Some(utc(2026, 4, 30, 22, 0)));
+        assert_eq!(rome.month_start(t), utc(2026, 3, 31, 22, 0));
+        assert_eq!(rome.next_month(t), utc(2026, 4, 30, 22, 0));
         // March in Rome spans the spring changeover: 31 days less an hour.
         let march = utc(2026, 3, 15, 0, 0);
-        let len = rome.next_month(march).unwrap() - rome.month_start(march).unwrap();
+        let len = rome.next_month(march) - rome.month_start(march);
         assert_eq!(len, 31 * 24 * H - H);
     }
 

@@ -71,7 +71,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::limits::shares::{Table, REST};
+use crate::limits::shares::{ShareTable, REST};
 use crate::policy::Policy;
 use crate::state::codec::{Reader, Writer};
 use crate::state::store::{self, Contention, SharedStore, Updated};
@@ -102,11 +102,11 @@ pub struct Group {
     /// Class → weight.
     pub weights: BTreeMap<String, u32>,
     /// Fleet-wide: this Envoy may use only the slots it leased (see
-    /// `flow::slots`), never more than the limits above.
+    /// `flow::fleet_slots`), never more than the limits above.
     pub fleet: bool,
     /// Model → the fair shares of its places (its rate bucket's table:
     /// the model's `shares`, else the policy's default).
-    pub shares: BTreeMap<String, Table>,
+    pub shares: BTreeMap<String, ShareTable>,
 }
 
 impl Group {
@@ -170,7 +170,7 @@ impl Gates {
                 });
             group.model_limits.insert(name.clone(), m.concurrency);
             let written = m.shares.clone().unwrap_or_else(|| default_shares.clone());
-            if let Some(table) = Table::compile(&written) {
+            if let Some(table) = ShareTable::compile(&written) {
                 group.shares.insert(name.clone(), table);
             }
         }
@@ -660,7 +660,7 @@ impl State {
 /// The fair shares of one queue's places (see "Shared places" in the
 /// module comment): no table, no groups (everyone is the rest).
 struct Places<'a> {
-    table: Option<&'a Table>,
+    table: Option<&'a ShareTable>,
     depth: u32,
 }
 
@@ -714,7 +714,7 @@ pub struct Arrival<'a> {
     /// The most places of that queue one principal may hold (0: all).
     pub max_per_principal: u32,
     pub principal: u64,
-    /// Its group in the model's fair shares (`Table::group_of`; `REST`
+    /// Its group in the model's fair shares (`ShareTable::group_of`; `REST`
     /// when the model has none).
     pub group: u64,
     /// This worker's wake-up queue.

@@ -391,12 +391,12 @@ fn max_per_principal_is_checked_against_max_depth() {
 }
 
 /// A group with `permille` of the places of model `m`, and anonymous 50 %.
-fn shared(pro_permille: Option<u32>) -> (Group, Table) {
+fn shared(pro_permille: Option<u32>) -> (Group, ShareTable) {
     let mut cfg = BTreeMap::from([(crate::policy::shares::ANONYMOUS.to_string(), 500)]);
     if let Some(p) = pro_permille {
         cfg.insert("pro".to_string(), p);
     }
-    let table = Table::compile(&crate::policy::shares::SharesConfig(cfg)).unwrap();
+    let table = ShareTable::compile(&crate::policy::shares::SharesConfig(cfg)).unwrap();
     let mut g = group(1, &[]);
     g.shares.insert("m".into(), table.clone());
     (g, table)

@@ -17,8 +17,8 @@
 //! | [`Kept`](crate::limits::record::Kept) (a per-caller entry of a `Bundle`) | 25 | used, updated_ms, idle_at_ms, budget (u8) |
 //! | [`SketchCell`](crate::limits::reservation) | 16 | window, used (by prefix) |
 //! | [`Pool`](crate::limits::shares::Pool) (a shared bucket with fair shares; coded in `shares`) | 24 + 32 × groups | bucket state, then per group: id, used, seen_ms, lent (by prefix; no groups: a plain `BucketState`) |
-//! | [`RouteHealth`](crate::admission::health::RouteHealth) | 96 | 7 × u64 times, failures, barred, 8 × caller |
-//! | [`CredentialPause`](crate::admission::health::CredentialPause) | 16 | fingerprint, until_ms |
+//! | [`RouteHealth`](crate::admission::route::RouteHealth) | 96 | 7 × u64 times, failures, barred, 8 × caller |
+//! | [`CredentialPause`](crate::admission::route::CredentialPause) | 16 | fingerprint, until_ms |
 //! | `Sketch` ([`penalty`](crate::admission::penalty)) | 8 + 4 × 64 × 4 | period_start_ms, 256 × u32 counters (row after row) |
 //! | `Block` ([`penalty`](crate::admission::penalty)) | 32 | owner, blocked_until_ms, period_start_ms, forgiven |
 //! | `Blocks` ([`penalty`](crate::admission::penalty)) | 8 × 32 | 8 × `Block` |
@@ -28,7 +28,7 @@
 //! | `FleetLease` ([`fleet`](crate::fleet)) | 48 | owner, window_end, balance (i64), expires_ms, last_ms, grant (by prefix) |
 //! | `Status` ([`fleet`](crate::fleet)) | 17 | down (u8), retry_at_ms, lost_at_ms (by prefix) |
 //! | [`queue::State`](crate::queue::State) (no `Record`: variable, versioned) | 1 + … | version 1; u16 models × (u8 name length, name, u32 inflight, u64 paused_until_ms); u16 classes × (name, u64 pass, u64 round); u64 vtime, u64 next_ticket; u32 entries × 48 bytes; u32 leased, models × u32 leased; u32 evicted × u64 ticket |
-//! | sidecar state ([`encode_seen`](crate::admission::health::encode_seen)) | 8 + n | received_ms, the state's JSON |
+//! | sidecar state ([`encode_seen`](crate::admission::route::encode_seen)) | 8 + n | received_ms, the state's JSON |
 
 /// Appends little-endian words.
 #[derive(Debug, Default)]
@@ -158,8 +158,8 @@ pub trait Record: Default {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::health::{decode_seen, encode_seen, CredentialPause, RouteHealth};
     use crate::admission::penalty::{Block, Blocks, Sketch};
+    use crate::admission::route::{decode_seen, encode_seen, CredentialPause, RouteHealth};
     use crate::fleet::{FleetLease, Status};
     use crate::flow::PollLease;
     use crate::limits::bucket::BucketState;

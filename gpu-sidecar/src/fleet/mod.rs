@@ -42,8 +42,8 @@
 //! Envoy through the long poll); [`sync_breakers`] publishes this sidecar's
 //! open breakers and serves every other live sidecar's.
 
+pub mod concurrency;
 pub mod routes;
-pub mod slots;
 pub mod sync;
 
 use std::collections::HashMap;

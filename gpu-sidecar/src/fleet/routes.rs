@@ -11,7 +11,7 @@ use sluice_wire::fleet::{
     SECRET_HEADER,
 };
 
-use super::{slots, Fleet, FleetError, GiveRequest, TakeRequest};
+use super::{concurrency, Fleet, FleetError, GiveRequest, TakeRequest};
 pub use crate::reply::Peer;
 
 /// `/v1/fleet/take`, `/v1/fleet/give`, `/v1/fleet/slots` (the Envoy beside
@@ -211,7 +211,7 @@ async fn stats(
     )
 }
 
-/// `/v1/fleet/slots` ([`slots::report`]).
+/// `/v1/fleet/slots` ([`concurrency::report`]).
 pub async fn slots_handle(
     axum::extract::State(fleet): axum::extract::State<Arc<Fleet>>,
     peer: Peer,
@@ -224,7 +224,7 @@ pub async fn slots_handle(
         &peer,
         &headers,
         &body,
-        |req: slots::SlotsRequest| async move { slots::report(&f, &req).await },
+        |req: concurrency::SlotsRequest| async move { concurrency::report(&f, &req).await },
     )
     .await
 }

@@ -200,7 +200,7 @@ pub async fn sync_kill_switch(
 /// differs, the fleet endpoints answer 503 `fleet_mismatch` (logged on
 /// each change).
 pub async fn sync_fingerprints(fleet: Arc<Fleet>, mut closing: tokio::sync::watch::Receiver<bool>) {
-    let id = super::slots::holder_id();
+    let id = super::concurrency::holder_id();
     let mut tick = tokio::time::interval(fleet.config.sync_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

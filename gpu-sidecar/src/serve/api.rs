@@ -30,7 +30,7 @@ use serde_json::json;
 
 use crate::door::{AllowedHosts, Client, Endpoint, Failure, Gate};
 use crate::sources::gpu::Simulation;
-use crate::watch::telemetry::{Subscriber, Telemetry};
+use crate::watch::snapshot::{Subscriber, Telemetry};
 
 /// How long a long poll is held when the request does not say.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use crate::breaker::Metric;
 use crate::state::SidecarState;
-use crate::watch::telemetry::{Snapshot, Telemetry};
+use crate::watch::snapshot::{Snapshot, Telemetry};
 
 /// The exposition, `text/plain; version=0.0.4`.
 /// The response cache's families (see [`crate::cache`]).
@@ -530,7 +530,7 @@ mod tests {
     use crate::sources::prom;
     use crate::sources::GpuReading;
     use crate::state::BreakerState;
-    use crate::watch::telemetry::BackendStatus;
+    use crate::watch::snapshot::BackendStatus;
     use std::time::SystemTime;
 
     #[test]

@@ -22,7 +22,7 @@ use crate::sources::gpu::SimHandle;
 use crate::state::StateStore;
 use crate::watch::history::History;
 use crate::watch::kill_switch::KillSwitchControl;
-use crate::watch::telemetry::Telemetry;
+use crate::watch::snapshot::Telemetry;
 
 /// Everything the handlers share.
 #[derive(Debug, Clone)]

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use crate::config::{AlertsConfig, WebhookConfig, WebhookFormat};
 use crate::http::{self, Target};
 use crate::state::BreakerState;
-use crate::watch::telemetry::Telemetry;
+use crate::watch::snapshot::Telemetry;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum AlertEvent {

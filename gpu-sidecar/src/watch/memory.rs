@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::watch::telemetry::Telemetry;
+use crate::watch::snapshot::Telemetry;
 
 /// How often the held-poll peak is looked at.
 pub const CHECK_EVERY: Duration = Duration::from_secs(5);

@@ -10,5 +10,5 @@ pub mod history;
 pub mod kill_switch;
 pub mod memory;
 pub mod monitor;
-pub mod telemetry;
+pub mod snapshot;
 pub mod traffic;

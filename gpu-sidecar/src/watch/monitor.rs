@@ -17,7 +17,7 @@ use crate::sources::{
 use crate::state::{Breaker, BreakerState, StateStore};
 use crate::watch::alerts::{AlertEvent, Alerts};
 use crate::watch::history::History;
-use crate::watch::telemetry::{BackendStatus, Snapshot, Telemetry};
+use crate::watch::snapshot::{BackendStatus, Snapshot, Telemetry};
 
 /// Where a monitor's results go.
 pub struct Outputs {

@@ -265,7 +265,7 @@ fn saturation_holds_batch_and_refuses_interactive() {
     let state = |breakers: Value| {
         let s = json!({"version": 2, "breakers": breakers});
         let bytes =
-            crate::admission::health::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
+            crate::admission::route::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
         crate::state::store::SharedStore::set(&w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
     };
     state(json!([{"scope": "backend:local", "state": "saturated"}]));
@@ -509,7 +509,7 @@ fn kill_switch_policy() -> Value {
 
 fn kill_switch(w: &MockHost, version: u64, active: bool) {
     let s = json!({"version": version, "kill_switch": {"active": active}, "breakers": []});
-    let bytes = crate::admission::health::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
+    let bytes = crate::admission::route::encode_seen(w.clock_ms.get(), s.to_string().as_bytes());
     crate::state::store::SharedStore::set(w, super::super::SIDECAR_KEY, &bytes, 0).unwrap();
 }
 

@@ -30,12 +30,13 @@ pub use sluice_wire::state::{
 };
 
 use crate::admission::answer::Reason;
-use crate::policy::health::{Credentials, OnStale, MAX_CALLERS};
+use crate::policy::protection::{Credentials, MAX_CALLERS};
+use crate::policy::sidecar::OnStale;
 use crate::state::store::{Cas, SharedStore, Updated};
 
 /// The sidecar state as one worker sees it: the last one received, and when.
 #[derive(Debug, Clone, Default)]
-pub struct Seen {
+pub struct SidecarSeen {
     pub state: Option<SidecarState>,
     pub received_ms: u64,
 }
@@ -459,7 +460,7 @@ pub enum Route {
 
 /// Inputs of the routing decision.
 pub struct Situation<'a> {
-    pub seen: &'a Seen,
+    pub seen: &'a SidecarSeen,
     pub stale_after_ms: u64,
     pub on_stale: OnStale,
     pub model: Option<&'a str>,
@@ -672,12 +673,12 @@ pub fn encode_seen(received_ms: u64, json: &[u8]) -> Vec<u8> {
 
 /// A value too short for its receive time reads as never received; JSON
 /// that does not parse as a state keeps the receive time, without state.
-pub fn decode_seen(bytes: &[u8]) -> Seen {
+pub fn decode_seen(bytes: &[u8]) -> SidecarSeen {
     let mut r = Reader::new(bytes);
     let Some(received_ms) = r.try_u64() else {
-        return Seen::default();
+        return SidecarSeen::default();
     };
-    Seen {
+    SidecarSeen {
         state: serde_json::from_slice(r.rest()).ok(),
         received_ms,
     }
@@ -687,15 +688,15 @@ pub fn decode_seen(bytes: &[u8]) -> Seen {
 mod tests {
     use super::*;
 
-    fn seen(json: &str, at: u64) -> Seen {
-        crate::admission::health::decode_seen(&crate::admission::health::encode_seen(
+    fn seen(json: &str, at: u64) -> SidecarSeen {
+        crate::admission::route::decode_seen(&crate::admission::route::encode_seen(
             at,
             json.as_bytes(),
         ))
     }
 
     fn situation<'a>(
-        seen: &'a Seen,
+        seen: &'a SidecarSeen,
         upstream: RouteHealth,
         now_ms: u64,
         dice: u32,
@@ -811,7 +812,7 @@ mod tests {
 
     #[test]
     fn a_route_pause_refuses_until_it_ends() {
-        let none = Seen::default();
+        let none = SidecarSeen::default();
         let paused = RouteHealth {
             paused_until_ms: 6_000,
             ..RouteHealth::default()
@@ -827,7 +828,7 @@ mod tests {
 
     #[test]
     fn one_callers_failures_never_open_the_breaker() {
-        let none = Seen::default();
+        let none = SidecarSeen::default();
         let mut u = RouteHealth::default();
         for i in 0..50 {
             u = fail(u, A, i);
@@ -925,7 +926,7 @@ mod tests {
             None,
             "A is barred"
         );
-        let none = Seen::default();
+        let none = SidecarSeen::default();
         let barred = read(&store, key).0;
         let mut s = situation(&none, barred, 60_011, 0);
         assert_eq!(refused_with(&route(&s)), Some(("upstream_unhealthy", 60)));

@@ -20,7 +20,7 @@ use crate::state::store::{SharedStore, StoreError};
 
 /// One table of hashed slot keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Table<'a> {
+pub struct SlotTable<'a> {
     prefix: &'static str,
     name: Option<&'a str>,
     /// At least 1.
@@ -28,10 +28,10 @@ pub struct Table<'a> {
     probes: u32,
 }
 
-impl<'a> Table<'a> {
+impl<'a> SlotTable<'a> {
     /// The table of rule `name`: keys `{prefix}{name}:{slot}`.
-    pub fn named(prefix: &'static str, name: &'a str, slots: u32, probes: u32) -> Table<'a> {
-        Table {
+    pub fn named(prefix: &'static str, name: &'a str, slots: u32, probes: u32) -> SlotTable<'a> {
+        SlotTable {
             prefix,
             name: Some(name),
             slots: slots.max(1),
@@ -40,8 +40,8 @@ impl<'a> Table<'a> {
     }
 
     /// A table of the whole filter: keys `{prefix}{slot}`.
-    pub const fn flat(prefix: &'static str, slots: u32, probes: u32) -> Table<'static> {
-        Table {
+    pub const fn flat(prefix: &'static str, slots: u32, probes: u32) -> SlotTable<'static> {
+        SlotTable {
             prefix,
             name: None,
             slots: if slots == 0 { 1 } else { slots },
@@ -98,7 +98,7 @@ impl<'a> Table<'a> {
 
 /// What a claim sees in one probed slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Seen<R> {
+pub enum SlotSeen<R> {
     /// The caller's own: taken at once, nothing further is probed.
     Mine,
     /// Free for the caller, ranked: the lowest rank wins, the first of
@@ -113,19 +113,19 @@ pub enum Seen<R> {
 
 /// How a claim ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Found<T> {
+pub enum SlotClaim<T> {
     Mine(T),
     Free(T),
     /// Every probed slot is in use.
     Full,
 }
 
-impl<T> Found<T> {
+impl<T> SlotClaim<T> {
     /// The slot claimed, the caller's own or a free one.
     pub fn slot(self) -> Option<T> {
         match self {
-            Found::Mine(t) | Found::Free(t) => Some(t),
-            Found::Full => None,
+            SlotClaim::Mine(t) | SlotClaim::Free(t) => Some(t),
+            SlotClaim::Full => None,
         }
     }
 }
@@ -136,15 +136,15 @@ impl<T> Found<T> {
 /// not past the slot that ends the claim).
 pub fn claim<T, R: Ord>(
     candidates: impl IntoIterator<Item = T>,
-    mut look: impl FnMut(&T) -> Seen<R>,
-) -> Found<T> {
+    mut look: impl FnMut(&T) -> SlotSeen<R>,
+) -> SlotClaim<T> {
     let mut best: Option<(R, T)> = None;
     for candidate in candidates {
         let (rank, last) = match look(&candidate) {
-            Seen::Mine => return Found::Mine(candidate),
-            Seen::Busy => continue,
-            Seen::Free(rank) => (rank, false),
-            Seen::Last(rank) => (rank, true),
+            SlotSeen::Mine => return SlotClaim::Mine(candidate),
+            SlotSeen::Busy => continue,
+            SlotSeen::Free(rank) => (rank, false),
+            SlotSeen::Last(rank) => (rank, true),
         };
         if best.as_ref().is_none_or(|(b, _)| rank < *b) {
             best = Some((rank, candidate));
@@ -153,7 +153,7 @@ pub fn claim<T, R: Ord>(
             break;
         }
     }
-    best.map_or(Found::Full, |(_, c)| Found::Free(c))
+    best.map_or(SlotClaim::Full, |(_, c)| SlotClaim::Free(c))
 }
 
 #[cfg(test)]
@@ -163,44 +163,47 @@ mod tests {
 
     #[test]
     fn key_names_are_the_ones_envoys_hold() {
-        let per_rule = Table::named("sluice:v1:", "tier/free/requests", 4, 8);
+        let per_rule = SlotTable::named("sluice:v1:", "tier/free/requests", 4, 8);
         assert_eq!(per_rule.key(3), "sluice:v1:tier/free/requests:3");
-        let fleet = Table::named("sluice:v1:fleet:lease:", "r", 2, 4);
+        let fleet = SlotTable::named("sluice:v1:fleet:lease:", "r", 2, 4);
         assert_eq!(fleet.key(1), "sluice:v1:fleet:lease:r:1");
-        let flat = Table::flat("sluice:v2:abuse:block:", 2048, 1);
+        let flat = SlotTable::flat("sluice:v2:abuse:block:", 2048, 1);
         assert_eq!(flat.key(7), "sluice:v2:abuse:block:7");
         assert_eq!(flat.keys().count(), 2048);
     }
 
     #[test]
     fn probes_wrap_from_home_and_never_repeat() {
-        let t = Table::named("p:", "r", 5, 8);
+        let t = SlotTable::named("p:", "r", 5, 8);
         let keys: Vec<String> = t.probe(13).collect();
         assert_eq!(keys, ["p:r:3", "p:r:4", "p:r:0", "p:r:1", "p:r:2"]);
-        let t = Table::named("p:", "r", 0, 8);
+        let t = SlotTable::named("p:", "r", 0, 8);
         assert_eq!(t.probe(99).collect::<Vec<_>>(), ["p:r:0"], "0 slots is 1");
     }
 
     #[test]
     fn claim_takes_mine_else_the_lowest_free_else_none() {
-        let seen = |s: &[(u32, Seen<u8>)]| {
+        let seen = |s: &[(u32, SlotSeen<u8>)]| {
             let s = s.to_vec();
             claim(s.iter().map(|(i, _)| *i), |i| s[*i as usize].1)
         };
-        use Seen::*;
-        assert_eq!(seen(&[(0, Free(1)), (1, Mine)]), Found::Mine(1));
+        use SlotSeen::*;
+        assert_eq!(seen(&[(0, Free(1)), (1, Mine)]), SlotClaim::Mine(1));
         assert_eq!(
             seen(&[(0, Free(2)), (1, Free(1)), (2, Free(1))]),
-            Found::Free(1)
+            SlotClaim::Free(1)
         );
-        assert_eq!(seen(&[(0, Busy), (1, Last(5)), (2, Mine)]), Found::Free(1));
-        assert_eq!(seen(&[(0, Busy), (1, Busy)]), Found::Full);
+        assert_eq!(
+            seen(&[(0, Busy), (1, Last(5)), (2, Mine)]),
+            SlotClaim::Free(1)
+        );
+        assert_eq!(seen(&[(0, Busy), (1, Busy)]), SlotClaim::Full);
     }
 
     #[test]
     fn prepare_keeps_live_slots() {
         let store = MemStore::default();
-        let t = Table::named("p:", "r", 3, 1);
+        let t = SlotTable::named("p:", "r", 3, 1);
         store.set("p:r:1", b"live", 0).unwrap();
         assert_eq!(t.prepare(&store, b"empty").unwrap(), 2);
         assert_eq!(store.get("p:r:1").unwrap().0, b"live");

@@ -1,6 +1,6 @@
 //! The headers-phase pre-check (issue 18 item 3): a body request whose
 //! caller's own bucket is already empty is refused before its body is
-//! buffered (the rule and why it is exact: `admission/early.rs`). Here only
+//! buffered (the rule and why it is exact: `admission/no_body.rs`). Here only
 //! how long the request could wait in a queue for that bucket, which the
 //! flow knows (its class, `x-sluice-max-wait-ms`).
 //!
