@@ -473,5 +473,11 @@ mod tests {
         assert_eq!(find("sluice_sidecar_cache_saved_tokens_total", None), 6.0);
         assert_eq!(find("sluice_sidecar_cache_entries", None), 1.0);
         assert_eq!(find("sluice_sidecar_cache_lookup_seconds_count", None), 1.0);
+        let cache_families: Vec<&str> = crate::serve::metric_table::ALL
+            .iter()
+            .map(|f| f.name)
+            .filter(|n| n.starts_with("sluice_sidecar_cache_"))
+            .collect();
+        assert_eq!(crate::serve::metrics::tests::declared(text), cache_families);
     }
 }

@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod api;
 pub mod cache;
+pub mod metric_table;
 pub mod metrics;
 pub mod page;
 
