@@ -1028,3 +1028,77 @@ fn local_share_after_a_data_loss_counts_what_this_envoy_admitted_in_the_window()
         "over the share already"
     );
 }
+
+/// The upstream answers `status`; the stream ends and is logged.
+fn upstream_says(host: &MockHost, req: &mut Request, status: &str) {
+    host.respond(&[(":status", status)]);
+    host.set_prop(&["response", "code_details"], b"via_upstream");
+    assert_eq!(req.on_response_headers(host), Action::Continue);
+    *host.response_body.borrow_mut() = b"{}".to_vec();
+    assert_eq!(req.on_response_body(host, 2, true), Action::Continue);
+    req.on_log(host);
+}
+
+fn route_record(host: &MockHost) -> crate::admission::route::RouteHealth {
+    crate::admission::route::read(host, "sluice:v1:upstream/m").0
+}
+
+#[test]
+fn a_probe_held_by_a_request_the_fleet_refuses_or_its_client_leaves_goes_back_at_once() {
+    let host = MockHost::new(T0);
+    let mut p = policy(json!({"requests": "100/day"}), json!({}));
+    p["models"] = json!({"m": {}});
+    p["protection"] = json!({"failures_to_open": 2, "min_callers": 2, "cooldown": "1s",
+                             "pause_jitter": "0s"});
+    let poller = load(&host, p);
+    let granted = json!({"ok": true, "grants": [10], "left": [90]});
+    // Two callers' 5xx open the route's breaker (each first takes a lease).
+    for addr in ["10.0.0.1:1", "10.0.0.2:1"] {
+        let (mut req, action) = post(&poller, &host, addr, 4);
+        assert_eq!(action, Action::Pause, "waits for the fleet");
+        let (token, _) = last_post(&host);
+        sidecar_says(&host, &mut req, token, "200", granted.clone());
+        upstream_says(&host, &mut req, "500");
+    }
+    assert_eq!(
+        host.metric(crate::host::metrics::ERROR_BREAKER_OPENED.name),
+        Some(1)
+    );
+    host.advance(1_500);
+    // Half-open. C claims the probe, then waits for the fleet, which
+    // refuses it: the probe goes back with the 429, not when it expires.
+    let (mut c, action) = post(&poller, &host, "10.0.0.3:1", 4);
+    assert_eq!(action, Action::Pause);
+    assert!(route_record(&host).probe_until_ms > T0, "C holds the probe");
+    let (token, _) = last_post(&host);
+    sidecar_says(
+        &host,
+        &mut c,
+        token,
+        "200",
+        json!({"ok": false, "refused": 0, "left": [0]}),
+    );
+    assert_eq!(host.last_reply().unwrap().status, 429);
+    assert_eq!(
+        route_record(&host).probe_until_ms,
+        0,
+        "given back on the refusal"
+    );
+    // D claims it and its client leaves while the fleet is asked.
+    let (mut d, action) = post(&poller, &host, "10.0.0.4:1", 4);
+    assert_eq!(action, Action::Pause);
+    assert!(route_record(&host).probe_until_ms > T0, "D holds the probe");
+    d.on_log(&host);
+    assert_eq!(
+        route_record(&host).probe_until_ms,
+        0,
+        "given back when D left"
+    );
+    // A (its lease covers it, no call) probes at once; its 200 closes it.
+    let calls = host.posted.borrow().len();
+    let (mut a, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.posted.borrow().len(), calls, "its lease covers it");
+    upstream_says(&host, &mut a, "200");
+    assert!(route_record(&host).is_blank(), "{:?}", route_record(&host));
+}
