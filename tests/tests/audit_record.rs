@@ -46,6 +46,7 @@ const SLUICE_FIELDS: &[(&str, Kind)] = &[
     ("degraded", Kind::Text),
     ("model_requested", Kind::Text),
     ("model_served", Kind::Text),
+    ("provider", Kind::Text),
     ("tokens_estimated", Kind::Count),
     ("tokens_input", Kind::Count),
     ("tokens_output", Kind::Count),

@@ -5,6 +5,7 @@
 
 use super::rewrite::{carries_max_output, rewrite};
 use super::*;
+use crate::admission::ladder::Served;
 use crate::limits::bucket::Shortfall;
 use crate::limits::reservation::{Reservation, Share};
 
@@ -98,9 +99,22 @@ impl Engine {
 }
 
 impl Engine {
+    /// Step 4 for the primary: see [`Engine::admit_on`].
+    pub fn admit(&self, store: &dyn SharedStore, ctx: &RequestContext) -> Verdict {
+        self.admit_on(store, ctx, None)
+    }
+
     /// Step 4: reserve every bucket that applies, all or nothing; lower the
     /// output a hard token budget cannot cover; downshift over a soft cap.
-    pub fn admit(&self, store: &dyn SharedStore, ctx: &RequestContext) -> Verdict {
+    /// For a rung of the ladder (`served`), spend is reserved at that
+    /// provider's price and the body rewritten for it (its model, its
+    /// limit field); the buckets are the requested model's.
+    pub fn admit_on(
+        &self,
+        store: &dyn SharedStore,
+        ctx: &RequestContext,
+        served: Option<&Served>,
+    ) -> Verdict {
         let RequestContext {
             identity,
             api,
@@ -114,7 +128,7 @@ impl Engine {
         let reserver = self.reserver(store);
         let mut sized = self.size(store, api, asked);
         let input_raw = asked.map_or(0.0, |a| a.input_raw);
-        let downshift = asked.and_then(|_| {
+        let downshift = asked.filter(|_| served.is_none()).and_then(|_| {
             let model = sized.requested_model.as_deref();
             self.downshift(&reserver, ctx, model, sized.input, sized.output())
         });
@@ -127,7 +141,9 @@ impl Engine {
         };
 
         let mut effort = Contention::default();
-        let price = self.price_of(model.as_deref());
+        let price = served
+            .and_then(|s| s.price)
+            .unwrap_or_else(|| self.price_of(model.as_deref()));
         let applying = self.drawn_on(identity, sized.api, model.as_deref(), path);
         let Reserved {
             reservation,
@@ -146,14 +162,7 @@ impl Engine {
             headers.push(("x-sluice-degraded".into(), kind.code().into()));
         }
         let (body, strip_usage) = match asked {
-            Some(asked) => {
-                // The reserved limit goes into every field the API's
-                // servers read, unless the body carries it there already.
-                let new_output = (sized.produces_output
-                    && !carries_max_output(sized.api, &asked.body, sized.per_choice))
-                .then_some(sized.per_choice);
-                rewrite(sized.api, asked, downshift.as_deref(), new_output)
-            }
+            Some(asked) => upstream_body(&sized, asked, downshift.as_deref(), served),
             None => (None, false),
         };
         let held = asked
@@ -164,6 +173,7 @@ impl Engine {
             meters,
             api: sized.api,
             model: model.clone(),
+            rung: served.map(|s| (s.provider.clone(), s.model.clone())),
             input_raw,
             input_estimate: sized.input,
             max_output: sized.output(),
@@ -593,4 +603,24 @@ impl Engine {
             now_ms,
         )
     }
+}
+
+/// The body the upstream gets: the served model (a downshift's, or the
+/// rung's), and the reserved limit in every field the API's servers read
+/// unless the body carries it there already — or, for a rung with a
+/// `limit_field`, in that one field only.
+fn upstream_body(
+    sized: &Sized,
+    asked: &Asked,
+    downshift: Option<&str>,
+    served: Option<&Served>,
+) -> (Option<Vec<u8>>, bool) {
+    let model = served.and_then(|s| s.model.as_deref()).or(downshift);
+    let only = served
+        .and_then(|s| s.limit_field)
+        .filter(|f| sized.api.output_limit().reads.contains(f));
+    let new_output = (sized.produces_output
+        && (only.is_some() || !carries_max_output(sized.api, &asked.body, sized.per_choice)))
+    .then_some(sized.per_choice);
+    rewrite(sized.api, asked, model, new_output, only)
 }

@@ -42,6 +42,7 @@ pub mod compile;
 pub mod for_fleet;
 pub mod hash_key;
 pub mod identity;
+pub mod ladder;
 mod leased;
 pub mod no_body;
 pub mod passthrough;
@@ -122,8 +123,8 @@ pub struct RequestContext<'a> {
 #[derive(Debug)]
 pub enum Routed {
     Primary,
-    /// Kill switch: to the fallback provider.
-    Fallback,
+    /// To a provider of the ladder (kill switch, or the primary is out).
+    Rung(Box<ladder::Served>),
     /// The error breaker's half-open probe.
     Probe,
     /// Answered here: a 503, or the static fallback.
@@ -137,8 +138,11 @@ pub struct Plan {
     pub held: Vec<Held>,
     pub meters: Vec<Meter>,
     pub api: Api,
-    /// The model sent upstream (after any downshift).
+    /// The model asked for (after any downshift): its buckets, its labels.
     pub model: Option<String>,
+    /// The provider of the ladder that serves it, and the provider's
+    /// model (`None`: the primary serves it as `model`).
+    pub rung: Option<(String, Option<String>)>,
     pub input_raw: f64,
     pub input_estimate: u64,
     /// Output reserved: the most the upstream may produce, every choice
@@ -368,6 +372,7 @@ impl Engine {
             .and_then(|m| self.policy.models.get(m))
             .map_or("local", |m| m.backend.as_str());
         let sidecar = self.policy.sidecar.as_ref();
+        let served = self.rung_for(api, model);
         let situation = Situation {
             seen,
             stale_after_ms: sidecar.map_or(u64::MAX, |s| s.stale_after_ms),
@@ -377,7 +382,8 @@ impl Engine {
             upstream: pushback.record,
             credential_paused_until_ms: pushback.credential_paused_until_ms,
             caller: pushback.caller,
-            has_fallback: self.policy.fallback.is_some(),
+            has_fallback: served.is_some(),
+            rung_when_out: served.is_some() && self.ladder_when_out(),
             static_when_out: self
                 .policy
                 .static_fallback
@@ -387,11 +393,15 @@ impl Engine {
             now_ms,
             dice,
         };
-        match route::route(&situation) {
+        let route = match (route::route(&situation), served) {
+            (Route::Fallback, Some(served)) => return Routed::Rung(Box::new(served)),
+            (Route::Fallback, None) => Route::Static,
+            (route, _) => route,
+        };
+        match route {
             Route::Primary => Routed::Primary,
-            Route::Fallback => Routed::Fallback,
             Route::Probe => Routed::Probe,
-            Route::Static => {
+            Route::Fallback | Route::Static => {
                 let text = self.static_text(asked.map(|a| &a.body));
                 let stream = asked.is_some_and(|a| a.demand.stream);
                 let reply = answer::static_answer(

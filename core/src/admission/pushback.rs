@@ -157,7 +157,11 @@ impl Engine {
                 }
                 // The breaker closed meanwhile (the sidecar view is the
                 // same snapshot, so no kill switch can appear here).
-                Routed::Primary | Routed::Fallback => return (with(verdict, &cas), None),
+                Routed::Primary => return (with(verdict, &cas), None),
+                // Another caller took the probe and the ladder would take
+                // this one: it was admitted for the primary, so it is
+                // refused like a request that found no probe.
+                Routed::Rung(_) => break,
             }
         }
         give_back(&verdict, &mut cas);

@@ -2,6 +2,7 @@
 //! in streams) and the canned static answer.
 
 use super::*;
+use crate::usage::output_limit::LimitField;
 
 /// The last user prompt of a request, as text.
 pub(super) fn prompt_text(body: &Value) -> String {
@@ -30,14 +31,17 @@ pub(super) fn prompt_text(body: &Value) -> String {
         .unwrap_or_default()
 }
 
-/// The body the upstream gets: the served model (downshift), the output
-/// reserved (`new_output`), and, for streams, a request for the usage chunk
-/// (which the client then does not see: the second value).
+/// The body the upstream gets: the served model (downshift, a rung's
+/// model), the output reserved (`new_output`: in every field the API's
+/// servers read, or in `only` with the API's other limit fields removed),
+/// and, for streams, a request for the usage chunk (which the client then
+/// does not see: the second value).
 pub(super) fn rewrite(
     api: Api,
     asked: &Asked,
     model: Option<&str>,
     new_output: Option<u64>,
+    only: Option<LimitField>,
 ) -> (Option<Vec<u8>>, bool) {
     let wants_usage = matches!(api, Api::OpenAiChat | Api::OpenAiCompletions)
         && asked.demand.stream
@@ -53,8 +57,17 @@ pub(super) fn rewrite(
     if let Some(m) = model {
         json["model"] = Value::String(m.to_string());
     }
-    if let Some(max) = new_output {
-        set_max_output(api, &mut json, max);
+    match (new_output, only) {
+        (Some(max), Some(field)) => {
+            if let Some(fields) = json.as_object_mut() {
+                for other in api.output_limit().reads.iter().filter(|f| **f != field) {
+                    fields.remove(other.name());
+                }
+            }
+            field.set(&mut json, max);
+        }
+        (Some(max), None) => set_max_output(api, &mut json, max),
+        (None, _) => {}
     }
     if wants_usage {
         if !json.get("stream_options").is_some_and(Value::is_object) {

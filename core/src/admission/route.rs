@@ -444,7 +444,8 @@ pub fn record(
 #[derive(Debug, Clone, PartialEq)]
 pub enum Route {
     Primary,
-    /// Kill switch: the fallback provider.
+    /// The ladder's first provider that serves the request: on the kill
+    /// switch, or (with a `ladder`) when the primary is out.
     Fallback,
     /// Nothing upstream may serve it: answer from the static table.
     Static,
@@ -470,7 +471,12 @@ pub struct Situation<'a> {
     pub credential_paused_until_ms: u64,
     /// The caller's fingerprint (a caller whose probe just failed waits).
     pub caller: u32,
+    /// A provider of the ladder (or the older `fallback`) serves this
+    /// request: the kill switch sends it there.
     pub has_fallback: bool,
+    /// The ladder also takes the request when the primary is out (open
+    /// breakers, a paused or failing upstream), before the static answer.
+    pub rung_when_out: bool,
     /// Serve the static table when the primary is out (breaker, error
     /// breaker) instead of refusing.
     pub static_when_out: bool,
@@ -481,7 +487,9 @@ pub struct Situation<'a> {
 }
 
 /// Decides the route. Order: kill switch, then the sidecar's breakers, then
-/// the upstream's own pushback (pause, error breaker).
+/// the upstream's own pushback (pause, error breaker). A primary that is
+/// out sends the request down the ladder when the policy has one
+/// (`rung_when_out`), else to the static answer or a 503.
 pub fn route(s: &Situation) -> Route {
     let fresh = s.now_ms.saturating_sub(s.seen.received_ms) <= s.stale_after_ms;
     let state = s.seen.state.as_ref();
@@ -506,6 +514,9 @@ pub fn route(s: &Situation) -> Route {
             let let_through = b.state == BreakerState::HalfOpen
                 && (s.dice as f64) < b.half_open_fraction * 1000.0;
             if !let_through {
+                if s.rung_when_out {
+                    return Route::Fallback;
+                }
                 if s.static_when_out {
                     return Route::Static;
                 }
@@ -538,6 +549,9 @@ pub fn route(s: &Situation) -> Route {
     .filter(|(until, _)| *until > s.now_ms)
     .max_by_key(|(until, _)| *until);
     if let Some((until, why)) = paused {
+        if s.rung_when_out {
+            return Route::Fallback;
+        }
         return Route::Refuse {
             reason: Reason::UpstreamPaused,
             retry_after_s: (until - s.now_ms).div_ceil(1000).max(1),
@@ -547,6 +561,9 @@ pub fn route(s: &Situation) -> Route {
     if up.open_until_ms > 0 {
         if up.may_probe(s.caller, s.now_ms) {
             return Route::Probe;
+        }
+        if s.rung_when_out {
+            return Route::Fallback;
         }
         if s.static_when_out {
             return Route::Static;
@@ -711,6 +728,7 @@ mod tests {
             credential_paused_until_ms: 0,
             caller: A,
             has_fallback: true,
+            rung_when_out: false,
             static_when_out: false,
             default_retry_after_s: 30,
             now_ms,
@@ -777,6 +795,40 @@ mod tests {
         let mut no_fallback = situation(&killed, RouteHealth::default(), 0, 0);
         no_fallback.has_fallback = false;
         assert_eq!(route(&no_fallback), Route::Static);
+    }
+
+    #[test]
+    fn with_a_ladder_a_primary_that_is_out_goes_to_the_rung_before_static_or_503() {
+        let open = seen(OPEN, 1_000);
+        let quiet = seen(
+            r#"{"version": 1, "kill_switch": {"active": false}, "breakers": []}"#,
+            1_000,
+        );
+        let paused = RouteHealth {
+            paused_until_ms: 9_000,
+            ..RouteHealth::default()
+        };
+        // Open until later, and a probe already out: no probe for this caller.
+        let failing = RouteHealth {
+            open_until_ms: 1_500,
+            probe_until_ms: 9_000,
+            ..RouteHealth::default()
+        };
+        for (s, up) in [
+            (&open, RouteHealth::default()),
+            (&quiet, paused),
+            (&quiet, failing),
+        ] {
+            let mut laddered = situation(s, up, 2_000, 0);
+            laddered.static_when_out = true;
+            assert_ne!(route(&laddered), Route::Fallback, "no ladder: as before");
+            laddered.rung_when_out = true;
+            assert_eq!(route(&laddered), Route::Fallback, "{up:?}");
+        }
+        // A healthy primary keeps the request.
+        let mut healthy = situation(&quiet, RouteHealth::default(), 2_000, 0);
+        healthy.rung_when_out = true;
+        assert_eq!(route(&healthy), Route::Primary);
     }
 
     const A: u32 = 11;

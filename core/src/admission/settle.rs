@@ -84,7 +84,8 @@ impl Engine {
             .map(|(held, meter)| (held, meter.settled(billed, plan.price)))
             .collect();
         let charges_unwritten = self.settle_leased(&reserver, &items, now_ms, &mut effort);
-        if from_usage && !input_estimated && input > 0 {
+        // Another provider's tokenizer says nothing about the primary's.
+        if from_usage && !input_estimated && input > 0 && plan.rung.is_none() {
             if let Some(model) = &plan.model {
                 self.learn(store, model, plan.input_raw, input, &mut effort);
             }

@@ -43,6 +43,8 @@ pub enum Field {
     Degraded,
     ModelRequested,
     ModelServed,
+    /// The provider of the ladder that served it (absent: the primary).
+    Provider,
     TokensEstimated,
     TokensInput,
     TokensOutput,
@@ -58,7 +60,7 @@ pub enum Field {
 }
 
 /// Every field's name in the access log, in [`Field`] order.
-pub const NAMES: [&str; 25] = [
+pub const NAMES: [&str; 26] = [
     "request_id",
     "method",
     "route",
@@ -72,6 +74,7 @@ pub const NAMES: [&str; 25] = [
     "degraded",
     "model_requested",
     "model_served",
+    "provider",
     "tokens_estimated",
     "tokens_input",
     "tokens_output",
@@ -88,7 +91,7 @@ pub const NAMES: [&str; 25] = [
 
 /// `,"<name>":` of every field, in [`Field`] order (built at compile
 /// time; a test checks them against [`NAMES`]).
-const PREFIXES: [&str; 25] = [
+const PREFIXES: [&str; 26] = [
     ",\"request_id\":",
     ",\"method\":",
     ",\"route\":",
@@ -102,6 +105,7 @@ const PREFIXES: [&str; 25] = [
     ",\"degraded\":",
     ",\"model_requested\":",
     ",\"model_served\":",
+    ",\"provider\":",
     ",\"tokens_estimated\":",
     ",\"tokens_input\":",
     ",\"tokens_output\":",

@@ -25,6 +25,7 @@ use std::rc::{Rc, Weak};
 
 use crate::admission::answer::{Decision, Reason};
 use crate::admission::identity::Identity;
+use crate::admission::ladder::Served;
 use crate::admission::pushback::UpstreamReply;
 use crate::admission::route::{self, Pushback, SidecarSeen};
 use crate::admission::{Engine, RequestContext, Routed, Verdict};
@@ -39,8 +40,9 @@ use phase::{FleetWait, Phase, Upstream, Watch};
 
 /// Longest audit field value: every field, whatever a client sent.
 pub const MAX_AUDIT_BYTES: usize = 256;
-/// The routing header the kill switch sets (see `FallbackConfig`).
-pub const DEFAULT_FALLBACK_HEADER: &str = "x-sluice-upstream";
+/// The headers that carry a client's credential: removed from a request
+/// sent to a provider of the ladder, whose own credentials Envoy injects.
+const CLIENT_CREDENTIALS: [&str; 4] = ["authorization", "x-api-key", "api-key", "x-goog-api-key"];
 /// The sidecar state as received: written by the one VM that polls.
 pub const SIDECAR_KEY: &str = "sluice:v1:sidecar";
 /// Which VM polls the sidecar: owner id and lease expiry.
@@ -829,8 +831,10 @@ impl Stream {
     /// no `fallback` section but the Envoy routes still match it: the
     /// routing header is removed, and the request headers kept without it.
     fn strip_fallback_header(&mut self, host: &dyn Host) {
-        let header = self.engine().policy.fallback.as_ref().map(|f| &f.header);
-        let header = header.map_or(DEFAULT_FALLBACK_HEADER, String::as_str);
+        let header = self
+            .engine()
+            .route_header()
+            .unwrap_or(crate::admission::ladder::DEFAULT_ROUTE_HEADER);
         let mut headers = host.request_headers();
         // Removed only when sent (a host call saved on every other
         // request); a host that cannot list the headers removes it anyway.
@@ -1291,7 +1295,14 @@ impl Stream {
             record.code(Field::Degraded, kind.code());
         }
         if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
-            record.text(Field::ModelServed, plan.model.as_deref().unwrap_or(""));
+            let served = plan.rung.as_ref().and_then(|(_, m)| m.as_deref());
+            record.text(
+                Field::ModelServed,
+                served.or(plan.model.as_deref()).unwrap_or(""),
+            );
+            if let Some((provider, _)) = &plan.rung {
+                record.text(Field::Provider, provider);
+            }
             let reserved = plan.input_estimate.saturating_add(plan.max_output);
             record.number(Field::TokensEstimated, reserved);
         }
@@ -1362,28 +1373,28 @@ impl Stream {
         let (mut pushback, seen, dice) = self.world(host, &identity, model, now);
         let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
         let holds_slot = self.gate.as_ref().is_some_and(|g| g.slot);
-        let (fallback, probe, gate) = match route(&pushback) {
+        let (rung, probe, gate) = match route(&pushback) {
             // A route paused by the upstream's Retry-After: a caller whose
             // class may wait that long waits the pause out in the model's
             // queue (a slot it held goes to the next waiter meanwhile).
             Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
                 self.release_slot(host);
-                (false, false, true)
+                (None, false, true)
             }
             // A 503 or the static answer (a slot it held is given back
             // as the answer goes).
             Routed::Answered(verdict) => return self.finish(host, *verdict),
-            Routed::Fallback => {
+            Routed::Rung(served) => {
                 // A queued request's slot of the primary goes to the next
                 // waiter.
                 self.leave_for_fallback(host);
-                (true, false, false)
+                (Some(served), false, false)
             }
             // The model's concurrency gate, unless its turn in the queue
             // already gave it a slot.
-            Routed::Primary => (false, false, !holds_slot),
+            Routed::Primary => (None, false, !holds_slot),
             // The half-open probe is one request: it takes no slot.
-            Routed::Probe => (false, true, false),
+            Routed::Probe => (None, true, false),
         };
         if gate {
             // Its body must fit the VM's bound on waiting bodies, should it
@@ -1412,7 +1423,7 @@ impl Stream {
                 }
             }
         }
-        let mut verdict = engine.admit(host, &ctx);
+        let mut verdict = engine.admit_on(host, &ctx, rung.as_deref());
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
             // A bucket frees up within the class's wait: the request
             // gives its slot back and tries again then, instead of a 429
@@ -1434,7 +1445,7 @@ impl Stream {
             pushback,
             probe_lease,
         };
-        self.send_on(host, verdict, fallback, parked.body_len, watch)
+        self.send_on(host, verdict, rung.as_deref(), parked.body_len, watch)
     }
 
     /// The request's audit fields known once its body is read.
@@ -1459,14 +1470,14 @@ impl Stream {
         &mut self,
         host: &dyn Host,
         mut verdict: Verdict,
-        fallback: bool,
+        rung: Option<&Served>,
         body_len: usize,
         watch: Watch,
     ) -> Action {
         let mut watched = None;
         if verdict.reply.is_none() {
-            if fallback {
-                self.reroute(host, &mut verdict);
+            if let Some(served) = rung {
+                self.reroute(host, &mut verdict, served);
                 // Another provider's answer is not the primary's to cache.
                 self.cache_store = None;
             } else {
@@ -1628,22 +1639,26 @@ impl Stream {
         }
     }
 
-    /// Kill switch: the request goes to the fallback route (header + route
-    /// cache refresh); Envoy's route injects the fallback's credentials.
-    fn reroute(&self, host: &dyn Host, verdict: &mut Verdict) {
-        let Some(fb) = self.engine().policy.fallback.as_ref() else {
-            return;
-        };
-        host.set_request_header(&fb.header, Some(&fb.value));
+    /// A rung of the ladder: the request goes to that provider's route
+    /// (header + route cache refresh), without the client's credentials
+    /// (Envoy's route injects the provider's).
+    fn reroute(&self, host: &dyn Host, verdict: &mut Verdict, served: &Served) {
+        for credential in CLIENT_CREDENTIALS {
+            host.set_request_header(credential, None);
+        }
+        host.set_request_header(&served.header, Some(&served.value));
         if let Err(why) = host.clear_route_cache() {
             host.log(LogLevel::Warn, &format!("clear_route_cache failed: {why}"));
         }
         verdict
             .response_headers
-            .push(("x-sluice-provider".into(), fb.provider.clone()));
-        verdict
-            .response_headers
-            .push(("x-sluice-kill-switch".into(), "1".into()));
+            .push(("x-sluice-provider".into(), served.provider.clone()));
+        let seen = self.filter.seen(host);
+        if seen.state.as_ref().is_some_and(|s| s.kill_switch.active) {
+            verdict
+                .response_headers
+                .push(("x-sluice-kill-switch".into(), "1".into()));
+        }
         add(host, metrics::REROUTED, 1);
     }
 
@@ -1779,6 +1794,8 @@ mod cache_tests;
 mod endpoint_tests;
 pub(crate) mod fleet_slots;
 mod flight;
+#[cfg(test)]
+mod ladder_tests;
 mod phase;
 mod precheck;
 pub mod predefined;

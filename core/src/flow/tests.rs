@@ -486,13 +486,16 @@ fn the_client_routing_header_is_stripped_without_a_fallback_section() {
         &[
             (":method", "GET"),
             (":path", "/v1/models"),
-            (DEFAULT_FALLBACK_HEADER, "x"),
+            (crate::admission::ladder::DEFAULT_ROUTE_HEADER, "x"),
         ],
         b"",
     );
     let mut req = poller.request().unwrap();
     assert_eq!(req.on_request_headers(&host, true), Action::Continue);
-    assert_eq!(host.req_header(DEFAULT_FALLBACK_HEADER), None);
+    assert_eq!(
+        host.req_header(crate::admission::ladder::DEFAULT_ROUTE_HEADER),
+        None
+    );
 }
 
 #[test]

@@ -625,7 +625,7 @@ impl Stream {
         let model = ctx.asked.and_then(|a| a.demand.model.as_deref());
         let (pushback, seen, dice) = self.world(host, identity, model, now);
         match self.filter.engine.route(&ctx, &seen, &pushback, dice) {
-            Routed::Fallback => true,
+            Routed::Rung(_) => true,
             // An upstream pause is the queue's to wait out; other answers
             // (open breaker, static) are what a new request gets.
             Routed::Answered(v) => {

@@ -21,6 +21,7 @@ pub mod passthrough;
 pub mod prices;
 pub mod protection;
 pub(crate) mod proto_struct;
+pub mod providers;
 pub mod queue;
 pub mod request;
 pub mod routes;
@@ -95,6 +96,15 @@ pub struct Policy {
     /// How the kill switch reroutes; absent: the kill switch serves the
     /// static fallback.
     pub fallback: Option<FallbackConfig>,
+    /// The other upstreams a request may be served by (see
+    /// `policy/providers.rs`), each reached by its route.
+    #[serde(default)]
+    pub providers: BTreeMap<String, crate::policy::providers::ProviderConfig>,
+    /// The providers tried, in order, when the primary cannot serve a
+    /// request (kill switch, open breakers, a paused or failing upstream);
+    /// the static answer is the last rung.
+    #[serde(default)]
+    pub ladder: Vec<String>,
     #[serde(default)]
     pub protection: ProtectionConfig,
     pub static_fallback: Option<StaticFallback>,
@@ -207,6 +217,7 @@ impl Policy {
         })?;
         let mut policy = policy;
         models::read_prices(&mut policy)?;
+        providers::read_prices(&mut policy)?;
         policy.check()?;
         if let Some(c) = &policy.cache {
             let compiled = c.check().map_err(|e| ConfigError::at(e.path, e.message))?;
@@ -245,6 +256,7 @@ impl Policy {
         models::check(self)?;
         sidecar::check(self)?;
         fallback::check(self)?;
+        providers::check(self)?;
         protection::check(self)?;
         abuse::check(self)?;
         anomaly_audit::check(self)?;

@@ -1,0 +1,158 @@
+//! The ladder (docs/src/design.md, "Rerouting"): which provider serves a
+//! request the primary cannot, and as what. A rung serves a request when it
+//! speaks the request's API and maps its model; the first such rung of
+//! `ladder` is chosen before dispatch, so the body is rewritten for it
+//! (model, limit field) and reserved at its prices. Without `providers`,
+//! the older `fallback` section is a ladder of one rung that takes any
+//! model unchanged, priced as the primary.
+
+use crate::admission::Engine;
+use crate::policy::prices::ModelPrice;
+use crate::policy::providers::Speaks;
+use crate::usage::demand::Api;
+use crate::usage::output_limit::LimitField;
+
+/// The routing header when the policy names none (`fallback.header`).
+pub const DEFAULT_ROUTE_HEADER: &str = "x-sluice-upstream";
+
+/// The rung a request goes to, and what it is sent as there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Served {
+    /// The provider's name (`x-sluice-provider`, audit `provider`).
+    pub provider: String,
+    /// The routing header and the value Envoy's route for it matches.
+    pub header: String,
+    pub value: String,
+    /// The provider's model; `None`: the model goes unchanged (`fallback`).
+    pub model: Option<String>,
+    /// Its price there; `None`: the primary's (`fallback`).
+    pub price: Option<ModelPrice>,
+    /// The one output-limit field the provider reads (`limit_field`);
+    /// `None`: every field the API's servers read.
+    pub limit_field: Option<LimitField>,
+}
+
+impl Engine {
+    /// The header sluice routes on: set by sluice for a rung, removed from
+    /// every client request. `None`: the policy reroutes nowhere.
+    pub fn route_header(&self) -> Option<&str> {
+        match (&self.policy.fallback, self.policy.providers.is_empty()) {
+            (Some(f), _) => Some(f.header.as_str()),
+            (None, false) => Some(DEFAULT_ROUTE_HEADER),
+            (None, true) => None,
+        }
+    }
+
+    /// The ladder takes requests when the primary is out (not only on the
+    /// kill switch): the policy has a `ladder`.
+    pub fn ladder_when_out(&self) -> bool {
+        !self.policy.ladder.is_empty()
+    }
+
+    /// The first rung that serves a request of `api` for `model`.
+    pub fn rung_for(&self, api: Api, model: Option<&str>) -> Option<Served> {
+        let header = self.route_header()?.to_string();
+        if self.policy.providers.is_empty() {
+            let fb = self.policy.fallback.as_ref()?;
+            return Some(Served {
+                provider: fb.provider.clone(),
+                header,
+                value: fb.value.clone(),
+                model: None,
+                price: None,
+                limit_field: None,
+            });
+        }
+        let speaks = Speaks::of(api)?;
+        self.policy.ladder.iter().find_map(|name| {
+            let provider = self.policy.providers.get(name)?;
+            if !provider.speaks.contains(&speaks) {
+                return None;
+            }
+            let target = provider.model_for(model)?;
+            Some(Served {
+                provider: name.clone(),
+                header: header.clone(),
+                value: provider.route.clone().unwrap_or_else(|| name.clone()),
+                model: Some(target.to_string()),
+                price: provider.priced.get(target).copied(),
+                limit_field: provider.limit_field.map(|f| f.field()),
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Policy;
+    use serde_json::json;
+
+    fn engine(extra: serde_json::Value) -> Engine {
+        let mut policy = json!({"default_tier": "t", "tiers": {"t": {}}});
+        for (k, v) in extra.as_object().unwrap() {
+            policy[k] = v.clone();
+        }
+        Engine::new(Policy::from_value(policy).unwrap())
+    }
+
+    fn priced(model: &str) -> serde_json::Value {
+        json!({ model: {"input": "1", "output": "2"} })
+    }
+
+    #[test]
+    fn the_first_rung_that_speaks_the_api_and_maps_the_model_serves() {
+        let e = engine(json!({
+            "providers": {
+                "anthropic": {"speaks": ["anthropic"], "default_model": "claude-haiku",
+                              "prices": priced("claude-haiku")},
+                "openai": {"models": {"llama3.1:8b": "gpt-4o-mini"}, "route": "oai",
+                           "limit_field": "max_completion_tokens",
+                           "prices": priced("gpt-4o-mini")},
+                "together": {"speaks": ["openai", "ollama"], "default_model": "meta-llama-3.1-8b",
+                             "prices": priced("meta-llama-3.1-8b")},
+            },
+            "ladder": ["anthropic", "openai", "together"],
+        }));
+        let chat = e.rung_for(Api::OpenAiChat, Some("llama3.1:8b")).unwrap();
+        assert_eq!(
+            (
+                chat.provider.as_str(),
+                chat.value.as_str(),
+                chat.model.as_deref()
+            ),
+            ("openai", "oai", Some("gpt-4o-mini"))
+        );
+        assert_eq!(chat.header, DEFAULT_ROUTE_HEADER);
+        assert_eq!(chat.limit_field, Some(LimitField::MaxCompletionTokens));
+        assert_eq!(chat.price.unwrap().base.output.0, 2_000_000_000);
+        // Unmapped by openai: the next rung's default.
+        let other = e.rung_for(Api::OpenAiChat, Some("mistral")).unwrap();
+        assert_eq!(other.provider, "together");
+        assert_eq!(other.limit_field, None);
+        // Only anthropic speaks Messages; nobody takes scoring.
+        let messages = e.rung_for(Api::AnthropicMessages, Some("x")).unwrap();
+        assert_eq!(messages.model.as_deref(), Some("claude-haiku"));
+        assert_eq!(e.rung_for(Api::Scoring, Some("llama3.1:8b")), None);
+        assert_eq!(
+            e.rung_for(Api::OllamaChat, Some("llama3.1:8b"))
+                .unwrap()
+                .provider,
+            "together"
+        );
+        assert!(e.ladder_when_out());
+    }
+
+    #[test]
+    fn the_older_fallback_is_one_rung_for_any_model_on_the_kill_switch_only() {
+        let e = engine(json!({"fallback": {"provider": "acme", "value": "backup"}}));
+        let s = e.rung_for(Api::OpenAiChat, Some("whatever")).unwrap();
+        assert_eq!(
+            (s.provider.as_str(), s.value.as_str(), s.model, s.price),
+            ("acme", "backup", None, None)
+        );
+        assert!(!e.ladder_when_out());
+        assert_eq!(engine(json!({})).rung_for(Api::OpenAiChat, None), None);
+        assert_eq!(engine(json!({})).route_header(), None);
+    }
+}

@@ -1,0 +1,186 @@
+//! The ladder through the whole request path: the rung a request goes to
+//! is chosen before dispatch, so the body is rewritten for it, the client's
+//! credentials stay behind and spend is settled at the rung's prices.
+
+use serde_json::{json, Value};
+
+use super::*;
+use crate::host::mock::MockHost;
+use crate::state::store::SharedStore;
+
+const T0: u64 = 1_700_000_000_000;
+
+fn policy() -> Value {
+    json!({
+        "default_tier": "t", "tiers": {"t": {"daily_spend": 1_000_000}},
+        "models": {"llama3.1:8b": {"price": {"input": "0.05", "output": "0.08"}},
+                   "mistral": {}},
+        "sidecar": {"cluster": "sluice_sidecar", "poll_wait": "20s", "stale_after": "10s"},
+        "providers": {"openai": {
+            "models": {"llama3.1:8b": "gpt-4o-mini"},
+            "limit_field": "max_completion_tokens",
+            "prices": {"gpt-4o-mini": {"input": "0.15", "output": "0.60", "cached_input": "0.075"}},
+        }},
+        "ladder": ["openai"],
+        "static_fallback": {"message": "resting"},
+    })
+}
+
+fn load(host: &MockHost) -> Poller {
+    let mut poller = Poller::new();
+    assert!(
+        poller.configure(host, policy().to_string().as_bytes()),
+        "{:?}",
+        host.logs.borrow()
+    );
+    poller
+}
+
+fn publish(host: &MockHost, state: Value) {
+    let bytes = crate::admission::route::encode_seen(host.now_ms(), state.to_string().as_bytes());
+    host.set(SIDECAR_KEY, &bytes, 0).unwrap();
+}
+
+fn post(poller: &Poller, host: &MockHost, model: &str) -> (Request, Action) {
+    let body = json!({"model": model, "max_tokens": 50,
+                      "messages": [{"role": "user", "content": "hello there"}]})
+    .to_string();
+    let len = body.len().to_string();
+    host.begin(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+            ("authorization", "Bearer sk-the-clients-own"),
+            ("x-api-key", "the-clients-own"),
+        ],
+        body.as_bytes(),
+    );
+    host.set_prop(&["source", "address"], b"10.0.0.1:1");
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(host, false), Action::Pause);
+    let action = req.on_request_body(host, body.len(), true);
+    (req, action)
+}
+
+fn answer(host: &MockHost, req: &mut Request, body: &Value) {
+    host.respond(&[(":status", "200"), ("content-type", "application/json")]);
+    host.set_prop(&["response", "code_details"], b"via_upstream");
+    assert_eq!(req.on_response_headers(host), Action::Continue);
+    let body = body.to_string();
+    *host.response_body.borrow_mut() = body.as_bytes().to_vec();
+    assert_eq!(
+        req.on_response_body(host, body.len(), true),
+        Action::Continue
+    );
+    req.on_log(host);
+}
+
+fn sent(host: &MockHost) -> Value {
+    serde_json::from_slice(&host.request_body.borrow()).unwrap()
+}
+
+#[test]
+fn the_kill_switch_sends_the_mapped_model_without_the_clients_key_at_the_providers_price() {
+    let host = MockHost::new(T0);
+    let poller = load(&host);
+    publish(
+        &host,
+        json!({"version": 2, "kill_switch": {"active": true}}),
+    );
+    let (mut req, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        host.req_header("x-sluice-upstream").as_deref(),
+        Some("openai")
+    );
+    assert_eq!(
+        host.req_header("authorization"),
+        None,
+        "the client's key stays behind"
+    );
+    assert_eq!(host.req_header("x-api-key"), None);
+    let body = sent(&host);
+    assert_eq!(body["model"], "gpt-4o-mini");
+    assert_eq!(body["max_completion_tokens"], 50, "its one limit field");
+    assert!(body.get("max_tokens").is_none(), "{body}");
+    // 1,000 prompt tokens, 400 of them cached, and 200 out, at openai's
+    // rates: (600 x 0.15 + 400 x 0.075 + 200 x 0.60) / 1M = 240 µ.
+    answer(
+        &host,
+        &mut req,
+        &json!({"choices": [{"message": {"content": "hi"}}],
+                "usage": {"prompt_tokens": 1000, "completion_tokens": 200, "total_tokens": 1200,
+                          "prompt_tokens_details": {"cached_tokens": 400}}}),
+    );
+    assert_eq!(
+        host.resp_header("x-sluice-provider").as_deref(),
+        Some("openai")
+    );
+    assert_eq!(
+        host.resp_header("x-sluice-kill-switch").as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        host.metric(crate::host::metrics::SPEND_MICROS.name),
+        Some(240)
+    );
+}
+
+#[test]
+fn a_model_no_rung_maps_ends_at_the_static_answer() {
+    let host = MockHost::new(T0);
+    let poller = load(&host);
+    publish(
+        &host,
+        json!({"version": 2, "kill_switch": {"active": true}}),
+    );
+    let (_, action) = post(&poller, &host, "mistral");
+    assert_eq!(action, Action::Pause);
+    let reply = host.last_reply().unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("x-sluice-degraded"), Some("static"));
+    assert_eq!(host.req_header("x-sluice-upstream"), None);
+}
+
+#[test]
+fn an_open_breaker_sends_the_request_down_the_ladder_too() {
+    let host = MockHost::new(T0);
+    let poller = load(&host);
+    publish(
+        &host,
+        json!({"version": 2, "kill_switch": {"active": false},
+               "breakers": [{"scope": "model:llama3.1:8b", "state": "open",
+                             "half_open_fraction": 0.0, "reason": "gpu hot"}]}),
+    );
+    let (mut req, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        host.req_header("x-sluice-upstream").as_deref(),
+        Some("openai")
+    );
+    assert_eq!(sent(&host)["model"], "gpt-4o-mini");
+    answer(
+        &host,
+        &mut req,
+        &json!({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 1}}),
+    );
+    assert_eq!(
+        host.resp_header("x-sluice-provider").as_deref(),
+        Some("openai")
+    );
+    assert_eq!(
+        host.resp_header("x-sluice-kill-switch"),
+        None,
+        "no kill switch"
+    );
+    // Another model's breaker is closed: it stays on the primary, as sent.
+    let (_, action) = post(&poller, &host, "mistral");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.req_header("x-sluice-upstream"), None);
+    assert_eq!(
+        host.req_header("authorization").as_deref(),
+        Some("Bearer sk-the-clients-own")
+    );
+}
