@@ -47,6 +47,11 @@ struct Cli {
     /// the context), as `x-mock-output-tokens: allowed` does per request.
     #[arg(long)]
     generate_allowed: bool,
+    /// The one credential the server takes, where the played server reads
+    /// it (`Authorization: Bearer`, Anthropic's `x-api-key`); any other
+    /// request gets that server's 401. Ollama takes none.
+    #[arg(long)]
+    api_key: Option<String>,
 }
 
 #[tokio::main]
@@ -67,6 +72,7 @@ async fn main() -> anyhow::Result<()> {
         models: cli.models.into_iter().filter(|m| !m.is_empty()).collect(),
         max_model_len: cli.max_model_len,
         generate_allowed: cli.generate_allowed,
+        api_key: cli.api_key,
     })?;
     let listener = TcpListener::bind(&cli.listen)
         .await

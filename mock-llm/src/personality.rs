@@ -347,6 +347,44 @@ impl Personality {
         }
     }
 
+    /// The answer to a request without the server's one credential
+    /// (`--api-key`), as the played server gives it; `None`: it may pass.
+    /// - OpenAI: `Authorization: Bearer <key>`, else 401 with code
+    ///   `invalid_api_key` (OpenAI API reference, "Error codes": 401
+    ///   "Invalid Authentication" / "Incorrect API key provided").
+    /// - vLLM `--api-key`: `Authorization: Bearer <key>` on `/v1` paths,
+    ///   else 401 `{"error": "Unauthorized"}` (vllm
+    ///   entrypoints/openai/server_utils.py, AuthenticationMiddleware).
+    /// - Anthropic: `x-api-key: <key>`, else 401 `authentication_error`
+    ///   "invalid x-api-key" (Anthropic API reference, "Errors").
+    /// - Ollama has no credential of its own: it lets everything pass.
+    pub fn unauthorized(
+        self,
+        surface: Surface,
+        headers: &axum::http::HeaderMap,
+        key: &str,
+    ) -> Option<Response> {
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let bearer = header("authorization").and_then(|v| v.strip_prefix("Bearer "));
+        let (ok, body) = match (self, surface) {
+            (Personality::Ollama, _) => return None,
+            (Personality::Anthropic, _) | (_, Surface::Anthropic) => (
+                header("x-api-key") == Some(key),
+                json!({"type": "error",
+                       "error": {"type": "authentication_error", "message": "invalid x-api-key"}}),
+            ),
+            (Personality::Vllm, _) => (bearer == Some(key), json!({"error": "Unauthorized"})),
+            (Personality::Openai | Personality::Mock, _) => (
+                bearer == Some(key),
+                json!({"error": {
+                    "message": "Incorrect API key provided. You can find your API key at \
+                                https://platform.openai.com/account/api-keys.",
+                    "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}),
+            ),
+        };
+        (!ok).then(|| (StatusCode::UNAUTHORIZED, Json(body)).into_response())
+    }
+
     /// The refusal for a model not in `--models`.
     pub fn model_not_found(self, api: Option<Api>, model: &str) -> Refusal {
         let message = match (self, Surface::of(api)) {

@@ -55,6 +55,9 @@ pub struct Config {
     /// Every request generates all it is allowed (as the knob
     /// `x-mock-output-tokens: allowed`).
     pub generate_allowed: bool,
+    /// The one credential the server takes (`--api-key`), in the header
+    /// and shape the played server reads it; `None`: no credential needed.
+    pub api_key: Option<String>,
 }
 
 impl Default for Config {
@@ -67,6 +70,7 @@ impl Default for Config {
             models: Vec::new(),
             max_model_len: DEFAULT_MAX_MODEL_LEN,
             generate_allowed: false,
+            api_key: None,
         }
     }
 }
@@ -85,6 +89,7 @@ struct AppState {
     allowed_models: Vec<String>,
     max_model_len: u64,
     generate_allowed: bool,
+    api_key: Option<String>,
     responses: crate::store::Store,
 }
 
@@ -116,6 +121,7 @@ pub fn app(config: Config) -> anyhow::Result<Router> {
         allowed_models: config.models,
         max_model_len: config.max_model_len.max(1),
         generate_allowed: config.generate_allowed,
+        api_key: config.api_key,
         responses: crate::store::Store::default(),
     });
     let infer_route =
@@ -377,6 +383,12 @@ fn injected_message(p: Personality, status: StatusCode) -> String {
 /// `/invocations`, whose body's shape says which.
 async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
     let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
+    if let Some(refused) = s.api_key.as_deref().and_then(|key| {
+        s.personality
+            .unauthorized(Surface::of(api), req.headers(), key)
+    }) {
+        return refused;
+    }
     let arrival = match Arrival::read(&s, req, api).await {
         Ok(a) => a,
         Err(res) => return res,
@@ -801,6 +813,72 @@ mod tests {
             .header("content-type", "application/json")
             .body(Body::from(body.to_owned()))
             .unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_api_key_is_asked_where_and_as_each_server_asks_it() {
+        let chat = r#"{"model": "m", "messages": [{"role": "user", "content": "hi"}]}"#;
+        let messages =
+            r#"{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}"#;
+        let cases = [
+            (
+                Personality::Openai,
+                "/v1/chat/completions",
+                chat,
+                "authorization",
+                "Bearer k",
+                "invalid_api_key",
+            ),
+            (
+                Personality::Vllm,
+                "/v1/chat/completions",
+                chat,
+                "authorization",
+                "Bearer k",
+                "Unauthorized",
+            ),
+            (
+                Personality::Anthropic,
+                "/v1/messages",
+                messages,
+                "x-api-key",
+                "k",
+                "authentication_error",
+            ),
+        ];
+        for (p, path, body, header, value, says) in cases {
+            let mut app = app(Config {
+                personality: p,
+                api_key: Some("k".into()),
+                ..Config::default()
+            })
+            .unwrap();
+            let (status, _, text) = call(&mut app, post_json(path, body)).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{p:?}");
+            assert!(
+                String::from_utf8_lossy(&text).contains(says),
+                "{p:?}: {text:?}"
+            );
+            let mut wrong = post_json(path, body);
+            wrong
+                .headers_mut()
+                .insert(header, "Bearer nope".parse().unwrap());
+            let (status, _, _) = call(&mut app, wrong).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{p:?}: a wrong key");
+            let mut right = post_json(path, body);
+            right.headers_mut().insert(header, value.parse().unwrap());
+            let (status, _, text) = call(&mut app, right).await;
+            assert_eq!(status, StatusCode::OK, "{p:?}: {text:?}");
+        }
+        // Ollama has no credential: everything passes.
+        let mut ollama = app(Config {
+            personality: Personality::Ollama,
+            api_key: Some("k".into()),
+            ..Config::default()
+        })
+        .unwrap();
+        let (status, _, _) = call(&mut ollama, post_json("/api/chat", chat)).await;
+        assert_eq!(status, StatusCode::OK);
     }
 
     fn app_named(name: &str) -> Router {

@@ -44,9 +44,9 @@ impl Engine {
     }
 
     /// The ladder takes requests when the primary is out (not only on the
-    /// kill switch): the policy has a `ladder`.
+    /// kill switch): the policy has a `ladder` and `ladder_when_out`.
     pub fn ladder_when_out(&self) -> bool {
-        !self.policy.ladder.is_empty()
+        !self.policy.ladder.is_empty() && self.policy.ladder_when_out
     }
 
     /// The first rung that serves a request of `api` for `model`.

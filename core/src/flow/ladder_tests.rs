@@ -175,6 +175,17 @@ fn an_open_breaker_sends_the_request_down_the_ladder_too() {
         None,
         "no kill switch"
     );
+    // `ladder_when_out: false`: the breaker sheds it as without a ladder.
+    let mut shedding = policy();
+    shedding["ladder_when_out"] = json!(false);
+    let mut strict = Poller::new();
+    assert!(strict.configure(&host, shedding.to_string().as_bytes()));
+    let (_, action) = post(&strict, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Pause);
+    assert_eq!(
+        host.last_reply().unwrap().header("x-sluice-degraded"),
+        Some("static")
+    );
     // Another model's breaker is closed: it stays on the primary, as sent.
     let (_, action) = post(&poller, &host, "mistral");
     assert_eq!(action, Action::Continue);

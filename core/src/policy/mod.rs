@@ -105,6 +105,11 @@ pub struct Policy {
     /// the static answer is the last rung.
     #[serde(default)]
     pub ladder: Vec<String>,
+    /// The ladder takes a request whose primary is out, not only under
+    /// the kill switch (`false`: open breakers and pauses answer 503 or
+    /// static, as without a ladder).
+    #[serde(default = "default_true")]
+    pub ladder_when_out: bool,
     #[serde(default)]
     pub protection: ProtectionConfig,
     pub static_fallback: Option<StaticFallback>,
