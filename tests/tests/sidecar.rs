@@ -10,7 +10,8 @@
 //! developer's demo.
 //!
 //! Upstream: mock-llm's own personality (`Personality::Mock`): breakers come
-//! from the GPU sidecar, not from the inference server.
+//! from the GPU sidecar, not from the inference server. The provider rung
+//! of the ladder plays OpenAI (its own model names, its own key).
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -1063,4 +1064,144 @@ fn static_fallback_answers_in_the_openai_shape_when_nothing_can_serve() {
         "a static answer reached the upstream"
     );
     assert_eq!(requests_total(&fallback), 0);
+}
+
+// ---------------------------------------------------------------------------
+// Providers and the ladder
+// ---------------------------------------------------------------------------
+
+/// The key Envoy's shipped `fallback` route injects for its provider.
+const PROVIDER_KEY: &str = "demo-fallback-credential";
+
+/// The shipped policy with its `fallback` section replaced by one provider
+/// on the shipped `fallback` route: a paid OpenAI-compatible API that knows
+/// only `gpt-4o-mini`, priced per 1M tokens, that reads one limit field.
+fn provider_policy(cfg: &mut EnvoyConfig, sidecar: SocketAddr, provider: SocketAddr) {
+    test_policy(cfg, Some(sidecar), Some(provider));
+    let p = cfg.policy_mut();
+    p.as_mapping_mut()
+        .expect("the policy is a map")
+        .remove("fallback")
+        .expect("the shipped policy has a fallback section");
+    p["providers"] = serde_yaml::from_str(&format!(
+        "openai:\n  route: fallback\n  models: {{ \"{MODEL}\": gpt-4o-mini }}\n  \
+         limit_field: max_completion_tokens\n  \
+         prices: {{ gpt-4o-mini: {{ input: \"0.15\", output: \"0.60\", cached_input: \"0.075\" }} }}\n"
+    ))
+    .expect("providers yaml");
+    p["ladder"] = serde_yaml::from_str("[openai]").expect("ladder yaml");
+    // Spend is settled only where a budget counts it.
+    p["tiers"]["pro"]["daily_spend"] = Value::from(1000);
+}
+
+/// The provider: OpenAI's own rules, its own model names, its own key.
+fn provider() -> MockLlm {
+    MockLlm::start_as_with_args(
+        "fallback",
+        sluice_tests::Personality::Openai,
+        &["--models", "gpt-4o-mini", "--api-key", PROVIDER_KEY],
+    )
+}
+
+#[test]
+fn the_kill_switch_sends_the_providers_model_with_its_key_and_bills_at_its_prices() {
+    let provider = provider();
+    let sc = TestSidecar::start("30s", "10s");
+    let stack = Stack::start(|cfg| provider_policy(cfg, sc.addr(), provider.addr()));
+    sc.wait_for_envoy();
+    let key = ("x-api-key", "demo-pro-key");
+    assert_primary(&stack.chat(MODEL, &[key]));
+
+    sc.kill_switch(true);
+    assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
+    let spent = |envoy: &sluice_tests::Envoy| {
+        envoy
+            .metric("sluice_spend_micros_total", &[])
+            .unwrap_or(0.0) as u64
+    };
+    let before = spent(&stack.envoy);
+    let body = json!({"model": MODEL, "max_tokens": 20,
+                      "messages": [{"role": "user", "content": "hello provider"}]});
+    let r = post_json(&stack.envoy.url("/v1/chat/completions"), &[key], &body);
+    // The provider would answer 404 model_not_found for llama3.1:8b and
+    // 401 invalid_api_key for the client's key: it answers 200.
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(served_by(&r), Some("fallback"), "{r:?}");
+    assert_eq!(r.header("x-mock-model"), Some("gpt-4o-mini"), "{r:?}");
+    assert_eq!(r.header("x-sluice-provider"), Some("openai"), "{r:?}");
+    assert_eq!(r.header("x-sluice-kill-switch"), Some("1"), "{r:?}");
+    let seen = provider.stats()["last_request"].clone();
+    assert_eq!(
+        seen["headers"]["authorization"],
+        format!("Bearer {PROVIDER_KEY}"),
+        "{seen}"
+    );
+    assert!(
+        seen["headers"].get("x-api-key").is_none(),
+        "client key leaked: {seen}"
+    );
+    assert_eq!(seen["body"]["model"], "gpt-4o-mini", "{seen}");
+    assert_eq!(seen["body"]["max_completion_tokens"], 20, "{seen}");
+    assert!(
+        seen["body"].get("max_tokens").is_none(),
+        "OpenAI refuses both: {seen}"
+    );
+    // Spend is the provider's invoice for the usage it reported: each part
+    // at its own rate per 1M tokens, rounded up once to a micro-unit.
+    let usage = &r.json()["usage"];
+    let count = |v: &Json| v.as_u64().unwrap_or(0);
+    let (input, output) = (
+        count(&usage["prompt_tokens"]),
+        count(&usage["completion_tokens"]),
+    );
+    let cached = count(&usage["prompt_tokens_details"]["cached_tokens"]);
+    assert!(input > 0 && output > 0, "{usage}");
+    let thousandths = 150 * (input - cached) + 75 * cached + 600 * output;
+    let settled = wait_for(Duration::from_secs(5), || {
+        spent(&stack.envoy) - before == thousandths.div_ceil(1000)
+    });
+    assert!(
+        settled,
+        "spent {} for {usage}, the invoice says {}",
+        spent(&stack.envoy) - before,
+        thousandths.div_ceil(1000)
+    );
+
+    // A model the provider has no name for skips its rung: the ladder ends
+    // at the static answer, and the provider never sees the request.
+    let asked = requests_total(&provider);
+    let r = stack.chat(OTHER_MODEL, &[key]);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-sluice-degraded"), Some("static"), "{r:?}");
+    assert_eq!(requests_total(&provider), asked);
+}
+
+#[test]
+fn with_a_ladder_an_open_breaker_sends_traffic_to_the_provider_and_back() {
+    let provider = provider();
+    let sc = TestSidecar::start("200ms", "200ms");
+    let stack = Stack::start(|cfg| provider_policy(cfg, sc.addr(), provider.addr()));
+    sc.wait_for_envoy();
+    let key = ("x-api-key", "demo-pro-key");
+    sc.simulate(99.0);
+    assert!(
+        wait_for(Duration::from_secs(10), || sc.breaker().as_deref()
+            == Some("open")),
+        "{}",
+        sc.state()
+    );
+    let moved = wait_for(Duration::from_secs(5), || {
+        let r = stack.chat(MODEL, &[key]);
+        r.header("x-sluice-provider") == Some("openai")
+    });
+    assert!(moved, "an open breaker sends the request down the ladder");
+    let r = stack.chat(MODEL, &[key]);
+    assert_eq!((r.status, served_by(&r)), (200, Some("fallback")), "{r:?}");
+    assert_eq!(r.header("x-mock-model"), Some("gpt-4o-mini"));
+    assert_eq!(r.header("x-sluice-kill-switch"), None, "{r:?}");
+    // Healthy again: back to the primary.
+    sc.simulate(10.0);
+    assert!(wait_for(Duration::from_secs(10), || served_by(
+        &stack.chat(MODEL, &[key])
+    ) == Some("primary")));
 }

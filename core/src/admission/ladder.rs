@@ -8,9 +8,29 @@
 
 use crate::admission::Engine;
 use crate::policy::prices::ModelPrice;
-use crate::policy::providers::Speaks;
+use crate::policy::providers::{ProviderLimit, Speaks};
 use crate::usage::demand::Api;
 use crate::usage::output_limit::LimitField;
+
+/// The family of `api`; `None` for what no provider is sent (scoring,
+/// `/invocations`, passthrough and unknown paths stay on the primary).
+pub fn speaks(api: Api) -> Option<Speaks> {
+    match api {
+        Api::OpenAiChat | Api::OpenAiCompletions | Api::OpenAiEmbeddings | Api::OpenAiResponses => {
+            Some(Speaks::Openai)
+        }
+        Api::AnthropicMessages => Some(Speaks::Anthropic),
+        Api::OllamaChat | Api::OllamaGenerate | Api::OllamaEmbed => Some(Speaks::Ollama),
+        Api::Scoring | Api::Invocations | Api::Passthrough(_) | Api::Other => None,
+    }
+}
+
+fn limit_field(limit: ProviderLimit) -> LimitField {
+    match limit {
+        ProviderLimit::MaxTokens => LimitField::MaxTokens,
+        ProviderLimit::MaxCompletionTokens => LimitField::MaxCompletionTokens,
+    }
+}
 
 /// The routing header when the policy names none (`fallback.header`).
 pub const DEFAULT_ROUTE_HEADER: &str = "x-sluice-upstream";
@@ -63,7 +83,7 @@ impl Engine {
                 limit_field: None,
             });
         }
-        let speaks = Speaks::of(api)?;
+        let speaks = speaks(api)?;
         self.policy.ladder.iter().find_map(|name| {
             let provider = self.policy.providers.get(name)?;
             if !provider.speaks.contains(&speaks) {
@@ -76,7 +96,7 @@ impl Engine {
                 value: provider.route.clone().unwrap_or_else(|| name.clone()),
                 model: Some(target.to_string()),
                 price: provider.priced.get(target).copied(),
-                limit_field: provider.limit_field.map(|f| f.field()),
+                limit_field: provider.limit_field.map(limit_field),
             })
         })
     }

@@ -17,8 +17,6 @@ use serde_json::Value;
 
 use crate::policy::prices::{self, ModelPrice};
 use crate::policy::{ConfigError, Policy};
-use crate::usage::demand::Api;
-use crate::usage::output_limit::LimitField;
 
 /// An API family a provider speaks: the shape of the request, the answer,
 /// the stream and the usage it reads and writes.
@@ -34,22 +32,6 @@ pub enum Speaks {
     Ollama,
 }
 
-impl Speaks {
-    /// The family of `api`; `None` for what no provider is sent (scoring,
-    /// `/invocations`, passthrough and unknown paths stay on the primary).
-    pub fn of(api: Api) -> Option<Speaks> {
-        match api {
-            Api::OpenAiChat
-            | Api::OpenAiCompletions
-            | Api::OpenAiEmbeddings
-            | Api::OpenAiResponses => Some(Speaks::Openai),
-            Api::AnthropicMessages => Some(Speaks::Anthropic),
-            Api::OllamaChat | Api::OllamaGenerate | Api::OllamaEmbed => Some(Speaks::Ollama),
-            Api::Scoring | Api::Invocations | Api::Passthrough(_) | Api::Other => None,
-        }
-    }
-}
-
 /// The one output-limit field a provider reads (`limit_field`), for the
 /// APIs whose servers read several: OpenAI's reasoning models refuse
 /// `max_tokens` and a body that sets both fields, so a rung that is OpenAI
@@ -59,15 +41,6 @@ impl Speaks {
 pub enum ProviderLimit {
     MaxTokens,
     MaxCompletionTokens,
-}
-
-impl ProviderLimit {
-    pub fn field(self) -> LimitField {
-        match self {
-            ProviderLimit::MaxTokens => LimitField::MaxTokens,
-            ProviderLimit::MaxCompletionTokens => LimitField::MaxCompletionTokens,
-        }
-    }
 }
 
 fn default_speaks() -> Vec<Speaks> {
