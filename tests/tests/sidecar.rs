@@ -1205,3 +1205,58 @@ fn with_a_ladder_an_open_breaker_sends_traffic_to_the_provider_and_back() {
         &stack.chat(MODEL, &[key])
     ) == Some("primary")));
 }
+
+#[test]
+fn a_spent_provider_budget_ends_the_ladder_at_static_without_overshoot() {
+    let provider = provider();
+    let sc = TestSidecar::start("30s", "10s");
+    let stack = Stack::start(|cfg| {
+        provider_policy(cfg, sc.addr(), provider.addr());
+        // 30 µ a day: a handful of 20-token answers at 0.60 per 1M out.
+        cfg.policy_mut()["providers"]["openai"]["daily_spend"] = Value::from(0.00003);
+    });
+    sc.wait_for_envoy();
+    sc.kill_switch(true);
+    assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
+    let key = ("x-api-key", "demo-pro-key");
+    let body = json!({"model": MODEL, "max_tokens": 20,
+                      "messages": [{"role": "user", "content": "hello provider"}]});
+    let ask = || post_json(&stack.envoy.url("/v1/chat/completions"), &[key], &body);
+    let mut served = 0;
+    let skipped = (0..20).find_map(|_| {
+        let r = ask();
+        if r.header("x-sluice-provider") == Some("openai") {
+            assert_eq!(r.status, 200, "{r:?}");
+            served += 1;
+            None
+        } else {
+            Some(r)
+        }
+    });
+    let r = skipped.expect("the provider's budget ran out within 20 requests");
+    assert!(served >= 1, "the budget held at least one request");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-sluice-degraded"), Some("static"), "{r:?}");
+    assert_eq!(r.header("x-sluice-skipped"), Some("openai=budget"), "{r:?}");
+    // It stays skipped for the window; the provider saw only what it served.
+    let asked = requests_total(&provider);
+    for _ in 0..3 {
+        assert_eq!(ask().header("x-sluice-skipped"), Some("openai=budget"));
+    }
+    assert_eq!(requests_total(&provider), asked);
+    assert_eq!(asked, served as u64);
+    // Reserved at the most a request may cost there: never over the budget.
+    let spend = stack
+        .envoy
+        .metric(
+            "sluice_provider_spend_micros_total",
+            &[("provider", "openai")],
+        )
+        .expect("the provider's spend, labelled");
+    assert!(spend > 0.0 && spend <= 30.0, "spent {spend} µ of 30");
+    let skips = stack.envoy.metric(
+        "sluice_provider_requests_total",
+        &[("provider", "openai"), ("outcome", "skipped_budget")],
+    );
+    assert_eq!(skips, Some(4.0));
+}

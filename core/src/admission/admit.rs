@@ -144,7 +144,10 @@ impl Engine {
         let price = served
             .and_then(|s| s.price)
             .unwrap_or_else(|| self.price_of(model.as_deref()));
-        let applying = self.drawn_on(identity, sized.api, model.as_deref(), path);
+        let mut applying = self.drawn_on(identity, sized.api, model.as_deref(), path);
+        if let Some(served) = served {
+            applying.extend(self.provider_buckets(&served.provider));
+        }
         let Reserved {
             reservation,
             taken,

@@ -168,6 +168,7 @@ impl Engine {
         let model_buckets = b.models(&policy);
         let route_buckets = b.routes(&policy);
         let passthrough = b.passthrough(&policy);
+        let provider_buckets = b.providers(&policy);
         let mut buckets = b.buckets;
         for (tier, list) in &tier_buckets {
             for &i in list {
@@ -192,6 +193,7 @@ impl Engine {
             org_buckets,
             model_buckets,
             route_buckets,
+            provider_buckets,
             passthrough,
             penalty,
             leases: std::sync::Mutex::default(),
@@ -510,6 +512,34 @@ impl Builder {
                 (prefix, i)
             })
             .collect()
+    }
+
+    /// Each provider's spend budgets, every request it serves together:
+    /// taken last, so a caller's own limit refuses first.
+    fn providers(&mut self, policy: &Policy) -> HashMap<String, Vec<usize>> {
+        let zone = policy.budgets.reset_timezone;
+        let mut out = HashMap::new();
+        for (name, provider) in &policy.providers {
+            let budgets = crate::policy::TierConfig {
+                daily_spend: provider.daily_spend,
+                monthly_spend: provider.monthly_spend,
+                ..Default::default()
+            };
+            let mine = tier_limits(&budgets, zone)
+                .iter()
+                .map(|l| {
+                    self.add(
+                        format!("provider/{name}/{}", l.what),
+                        format!("provider {name}: {}", l.what.replace('_', " ")),
+                        Scope::Global,
+                        l.reason,
+                        l,
+                    )
+                })
+                .collect();
+            out.insert(name.clone(), mine);
+        }
+        out
     }
 
     /// Each passthrough rule's own request limit, all callers together (a

@@ -6,9 +6,10 @@
 //! the older `fallback` section is a ladder of one rung that takes any
 //! model unchanged, priced as the primary.
 
-use crate::admission::Engine;
+use crate::admission::{Engine, RequestContext, Verdict};
 use crate::policy::prices::ModelPrice;
 use crate::policy::providers::{ProviderLimit, Speaks};
+use crate::state::store::SharedStore;
 use crate::usage::demand::Api;
 use crate::usage::output_limit::LimitField;
 
@@ -69,10 +70,78 @@ impl Engine {
         !self.policy.ladder.is_empty() && self.policy.ladder_when_out
     }
 
+    /// The buckets of `provider`'s own budgets.
+    pub(crate) fn provider_buckets(&self, provider: &str) -> impl Iterator<Item = usize> + '_ {
+        self.provider_buckets
+            .get(provider)
+            .into_iter()
+            .flatten()
+            .copied()
+    }
+
+    /// Was `verdict` refused by `served`'s own budget (then the next rung
+    /// is tried), not by the caller's?
+    pub fn refused_by_rung(&self, verdict: &Verdict, served: &Served) -> bool {
+        verdict.reply.is_some()
+            && verdict.bucket.as_deref().is_some_and(|refused| {
+                self.provider_buckets(&served.provider)
+                    .any(|i| self.buckets[i].rule.id == refused)
+            })
+    }
+
     /// The first rung that serves a request of `api` for `model`.
     pub fn rung_for(&self, api: Api, model: Option<&str>) -> Option<Served> {
+        self.rung_after(api, model, None)
+    }
+
+    /// Admits a request on `first` and, when a rung's own budget cannot
+    /// hold it, on the next rung that serves it, down to the static answer.
+    /// The verdict says which rungs were skipped
+    /// (`x-sluice-skipped: openai=budget`); the rung it goes to, if any,
+    /// and the providers skipped.
+    pub fn admit_down_the_ladder(
+        &self,
+        store: &dyn SharedStore,
+        ctx: &RequestContext,
+        first: Option<Box<Served>>,
+    ) -> (Verdict, Option<Box<Served>>, Vec<String>) {
+        let Some(mut served) = first else {
+            return (self.admit_on(store, ctx, None), None, Vec::new());
+        };
+        let model = ctx.asked.and_then(|a| a.demand.model.as_deref());
+        let mut skipped: Vec<String> = Vec::new();
+        let mark = |mut verdict: Verdict, skipped: &[String]| {
+            if !skipped.is_empty() {
+                let list: Vec<String> = skipped.iter().map(|p| format!("{p}=budget")).collect();
+                let header = ("x-sluice-skipped".to_string(), list.join(", "));
+                match verdict.reply.as_mut() {
+                    Some(reply) => reply.headers.push(header),
+                    None => verdict.response_headers.push(header),
+                }
+            }
+            verdict
+        };
+        loop {
+            let verdict = self.admit_on(store, ctx, Some(&served));
+            if !self.refused_by_rung(&verdict, &served) {
+                return (mark(verdict, &skipped), Some(served), skipped);
+            }
+            skipped.push(served.provider.clone());
+            match self.rung_after(ctx.api, model, Some(&served.provider)) {
+                Some(next) => served = Box::new(next),
+                None => return (mark(self.static_verdict(ctx), &skipped), None, skipped),
+            }
+        }
+    }
+
+    /// The first rung after `after` (from the top: `None`) that serves a
+    /// request of `api` for `model`.
+    fn rung_after(&self, api: Api, model: Option<&str>, after: Option<&str>) -> Option<Served> {
         let header = self.route_header()?.to_string();
         if self.policy.providers.is_empty() {
+            if after.is_some() {
+                return None;
+            }
             let fb = self.policy.fallback.as_ref()?;
             return Some(Served {
                 provider: fb.provider.clone(),
@@ -84,7 +153,10 @@ impl Engine {
             });
         }
         let speaks = speaks(api)?;
-        self.policy.ladder.iter().find_map(|name| {
+        let start = after
+            .and_then(|a| self.policy.ladder.iter().position(|n| n == a))
+            .map_or(0, |i| i + 1);
+        self.policy.ladder[start..].iter().find_map(|name| {
             let provider = self.policy.providers.get(name)?;
             if !provider.speaks.contains(&speaks) {
                 return None;

@@ -210,6 +210,8 @@ pub struct Engine {
     org_buckets: HashMap<String, Vec<usize>>,
     model_buckets: HashMap<String, Vec<usize>>,
     route_buckets: Vec<(String, usize)>,
+    /// Each provider's spend budgets (see `ladder`).
+    provider_buckets: HashMap<String, Vec<usize>>,
     /// The policy's `passthrough` rules and the bucket of each.
     pub(crate) passthrough: Vec<(crate::admission::passthrough::Compiled, usize)>,
     /// The penalty box, when the policy has `abuse`.
@@ -401,22 +403,7 @@ impl Engine {
         match route {
             Route::Primary => Routed::Primary,
             Route::Probe => Routed::Probe,
-            Route::Fallback | Route::Static => {
-                let text = self.static_text(asked.map(|a| &a.body));
-                let stream = asked.is_some_and(|a| a.demand.stream);
-                let reply = answer::static_answer(
-                    api,
-                    model.unwrap_or("sluice-static"),
-                    &text,
-                    stream,
-                    now_ms,
-                );
-                let mut verdict =
-                    self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
-                verdict.labels.decision = Decision::Degrade(Degraded::Static);
-                verdict.degraded = Some(Degraded::Static);
-                Routed::Answered(Box::new(verdict))
-            }
+            Route::Fallback | Route::Static => Routed::Answered(Box::new(self.static_verdict(ctx))),
             Route::Refuse {
                 reason,
                 retry_after_s,
@@ -426,6 +413,27 @@ impl Engine {
                 Routed::Answered(Box::new(self.refuse(&refused, &identity.tier, model)))
             }
         }
+    }
+
+    /// The static answer to a request nothing upstream may serve (a
+    /// degradation, not a refusal).
+    pub fn static_verdict(&self, ctx: &RequestContext) -> Verdict {
+        let RequestContext {
+            identity,
+            api,
+            asked,
+            now_ms,
+            ..
+        } = *ctx;
+        let model = asked.and_then(|a| a.demand.model.as_deref());
+        let text = self.static_text(asked.map(|a| &a.body));
+        let stream = asked.is_some_and(|a| a.demand.stream);
+        let reply =
+            answer::static_answer(api, model.unwrap_or("sluice-static"), &text, stream, now_ms);
+        let mut verdict = self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
+        verdict.labels.decision = Decision::Degrade(Degraded::Static);
+        verdict.degraded = Some(Degraded::Static);
+        verdict
     }
 
     /// `model` as a metric label: configured models by name, others as

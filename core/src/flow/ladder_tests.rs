@@ -195,3 +195,84 @@ fn an_open_breaker_sends_the_request_down_the_ladder_too() {
         Some("Bearer sk-the-clients-own")
     );
 }
+
+#[test]
+fn a_rung_whose_budget_cannot_hold_the_request_is_skipped_for_the_next_then_static() {
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    // 250 µ a day: one request billed 270 µ (1,000 in, 200 out) spends it.
+    p["providers"]["openai"]["daily_spend"] = json!({"limit": 0.00025, "alert_at": "50%"});
+    p["providers"]["together"] = json!({
+        "default_model": "llama-3.1-8b", "daily_spend": 0.00025,
+        "prices": {"llama-3.1-8b": {"input": "0.15", "output": "0.60"}},
+    });
+    p["ladder"] = json!(["openai", "together"]);
+    let mut poller = Poller::new();
+    assert!(
+        poller.configure(&host, p.to_string().as_bytes()),
+        "{:?}",
+        host.logs.borrow()
+    );
+    publish(
+        &host,
+        json!({"version": 2, "kill_switch": {"active": true}}),
+    );
+    let billed = json!({"choices": [], "usage": {"prompt_tokens": 1000, "completion_tokens": 200}});
+    let (mut req, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        host.req_header("x-sluice-upstream").as_deref(),
+        Some("openai")
+    );
+    answer(&host, &mut req, &billed);
+    assert_eq!(host.resp_header("x-sluice-skipped"), None);
+    // openai's day is spent: the next rung serves, with its own model.
+    let (mut req, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        host.req_header("x-sluice-upstream").as_deref(),
+        Some("together")
+    );
+    assert_eq!(sent(&host)["model"], "llama-3.1-8b");
+    answer(&host, &mut req, &billed);
+    assert_eq!(
+        host.resp_header("x-sluice-provider").as_deref(),
+        Some("together")
+    );
+    assert_eq!(
+        host.resp_header("x-sluice-skipped").as_deref(),
+        Some("openai=budget")
+    );
+    // Both spent: the static answer, saying why.
+    let (_, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Pause);
+    let reply = host.last_reply().unwrap();
+    assert_eq!(reply.header("x-sluice-degraded"), Some("static"));
+    assert_eq!(
+        reply.header("x-sluice-skipped"),
+        Some("openai=budget, together=budget")
+    );
+    let requests = |p: &str, outcome: &str| {
+        host.metric(&crate::host::metrics::PROVIDER_REQUESTS.named(&[p, outcome]))
+    };
+    assert_eq!(requests("openai", "served"), Some(1));
+    assert_eq!(requests("openai", "skipped_budget"), Some(2));
+    assert_eq!(requests("together", "served"), Some(1));
+    assert_eq!(requests("together", "skipped_budget"), Some(1));
+    let spend = |p: &str| host.metric(&crate::host::metrics::PROVIDER_SPEND.named(&[p]));
+    assert_eq!((spend("openai"), spend("together")), (Some(270), Some(270)));
+    // Nothing is left reserved by the skipped rungs.
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(0)
+    );
+    // The next day the first rung serves again.
+    host.advance(86_400_000);
+    let (_, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        host.req_header("x-sluice-upstream").as_deref(),
+        Some("openai")
+    );
+    let _ = &mut poller;
+}

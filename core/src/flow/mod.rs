@@ -80,6 +80,21 @@ fn set_gauge(host: &dyn Host, gauge: Metric, value: u64) {
     gauge.record(host, value);
 }
 
+/// Admission on the ladder's rungs (see `Engine::admit_down_the_ladder`),
+/// each rung skipped for its budget counted.
+fn admit_down_the_ladder(
+    host: &dyn Host,
+    engine: &Engine,
+    ctx: &RequestContext,
+    rung: Option<Box<Served>>,
+) -> (Verdict, Option<Box<Served>>) {
+    let (verdict, rung, skipped) = engine.admit_down_the_ladder(host, ctx, rung);
+    for provider in &skipped {
+        metrics::PROVIDER_REQUESTS.add_at(host, &[provider, "skipped_budget"], 1);
+    }
+    (verdict, rung)
+}
+
 /// Gives back what an admitted verdict holds locally (a body request's
 /// plan, or what a GET took): it will not go upstream after all.
 fn release_local(host: &dyn Host, engine: &Engine, verdict: &Verdict, now: u64) {
@@ -1423,7 +1438,7 @@ impl Stream {
                 }
             }
         }
-        let mut verdict = engine.admit_on(host, &ctx, rung.as_deref());
+        let (mut verdict, rung) = admit_down_the_ladder(host, engine, &ctx, rung);
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
             // A bucket frees up within the class's wait: the request
             // gives its slot back and tries again then, instead of a 429
@@ -1660,6 +1675,7 @@ impl Stream {
                 .push(("x-sluice-kill-switch".into(), "1".into()));
         }
         add(host, metrics::REROUTED, 1);
+        metrics::PROVIDER_REQUESTS.add_at(host, &[&served.provider, "served"], 1);
     }
 
     /// Feeds the upstream's answer to the route's pause and error breaker.
@@ -1722,6 +1738,9 @@ impl Stream {
                 .settle_parts(host, &plan, found, details, counted, upstream_ok, now);
         add(host, metrics::RESERVATIONS_OUTSTANDING, -1);
         count_contention(host, effort);
+        if let Some((provider, _)) = &plan.rung {
+            metrics::PROVIDER_SPEND.add_at(host, &[provider], settled.cost as i64);
+        }
         if let Some(fleet) = &self.filter.fleet {
             let engine = &self.filter.engine;
             let used = crate::fleet::Used {

@@ -177,8 +177,15 @@ pub const CONFIG_REJECTED: Metric = counter("sluice_config_rejected_total", &[])
 
 // ------------------------------------------------------------ routes and upstreams
 
-/// Requests sent to the fallback provider by the kill switch.
+/// Requests sent to a provider of the ladder (kill switch, or the primary
+/// out).
 pub const REROUTED: Metric = counter("sluice_rerouted_total", &[]);
+/// Requests of each provider of the ladder, by `outcome`: `served` (sent
+/// to it) or `skipped_budget` (its own budget could not hold the request).
+pub const PROVIDER_REQUESTS: Metric =
+    counter("sluice_provider_requests_total", &["provider", "outcome"]);
+/// Settled spend of the requests each provider served, micro-currency.
+pub const PROVIDER_SPEND: Metric = counter("sluice_provider_spend_micros_total", &["provider"]);
 /// Times a route's error breaker opened.
 pub const ERROR_BREAKER_OPENED: Metric = counter("sluice_error_breaker_opened_total", &[]);
 /// Upstream `Retry-After` pauses, by what they pause (`kind`: `route`, the
@@ -255,6 +262,8 @@ pub const ALL: &[Metric] = &[
     USAGE_SURGES,
     CONFIG_REJECTED,
     REROUTED,
+    PROVIDER_REQUESTS,
+    PROVIDER_SPEND,
     ERROR_BREAKER_OPENED,
     UPSTREAM_PAUSES,
     PUSHBACK_DROPPED,

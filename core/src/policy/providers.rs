@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::policy::limit::Budget;
 use crate::policy::prices::{self, ModelPrice};
 use crate::policy::{ConfigError, Policy};
 
@@ -75,6 +76,11 @@ pub struct ProviderConfig {
     /// entry of each provider model not priced in `prices`.
     #[serde(default)]
     pub prices_litellm: BTreeMap<String, Value>,
+    /// What the provider may cost per day and per month, all requests it
+    /// serves together (`alert_at`, `mode` as any budget). A request it
+    /// cannot hold skips it for the next rung.
+    pub daily_spend: Option<Budget>,
+    pub monthly_spend: Option<Budget>,
     /// `prices` and `prices_litellm`, read at load: a price per provider
     /// model this provider may be sent.
     #[serde(skip)]
