@@ -315,7 +315,6 @@ pub async fn serve(
     ));
     history.set_rules(&plans);
     let alerts = Alerts::start(config.alerts.clone(), telemetry.clone());
-
     let (gpu, sim) = gpu_source(&opts, &telemetry);
     let outputs = Outputs {
         store: store.clone(),
@@ -332,9 +331,10 @@ pub async fn serve(
         history.clone(),
         closing_rx.clone(),
     ));
+    let traffic = (history.traffic.clone(), config.scrape_timeout);
     tokio::spawn(watch::traffic::run(
-        history.traffic.clone(),
-        config.scrape_timeout,
+        traffic,
+        Some(alerts.clone()),
         closing_rx.clone(),
     ));
     tokio::spawn(watch::memory::trim_after_bursts(

@@ -1260,3 +1260,118 @@ fn a_spent_provider_budget_ends_the_ladder_at_static_without_overshoot() {
     );
     assert_eq!(skips, Some(4.0));
 }
+
+/// A webhook receiver: every JSON body posted to it, in order.
+struct WebhookSink {
+    addr: SocketAddr,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<Json>>>,
+}
+
+impl WebhookSink {
+    fn start() -> WebhookSink {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the sink");
+        let addr = listener.local_addr().expect("the sink's address");
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = bodies.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut raw = Vec::new();
+                let mut buf = [0u8; 4096];
+                // Headers, then content-length bytes of body.
+                let body = loop {
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => break None,
+                        Ok(n) => raw.extend_from_slice(&buf[..n]),
+                    }
+                    let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+                    let len = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if raw.len() >= end + 4 + len {
+                        break Some(raw[end + 4..end + 4 + len].to_vec());
+                    }
+                };
+                if let Some(v) = body.and_then(|b| serde_json::from_slice(&b).ok()) {
+                    kept.lock().expect("sink lock").push(v);
+                }
+                let _ = stream.write_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                );
+            }
+        });
+        WebhookSink { addr, bodies }
+    }
+
+    fn events(&self, event: &str) -> Vec<Json> {
+        let bodies = self.bodies.lock().expect("sink lock");
+        bodies
+            .iter()
+            .filter(|b| b["event"] == event)
+            .cloned()
+            .collect()
+    }
+}
+
+#[test]
+fn a_providers_budget_alert_reaches_the_webhook_once_per_window() {
+    let provider = provider();
+    let sink = WebhookSink::start();
+    let mut sc = TestSidecar::start("30s", "10s");
+    let stack = Stack::start(|cfg| {
+        provider_policy(cfg, sc.addr(), provider.addr());
+        cfg.policy_mut()["providers"]["openai"]["daily_spend"] =
+            serde_yaml::from_str("{ limit: 0.00003, alert_at: 50% }").expect("budget yaml");
+    });
+    // The sidecar reads Envoy's stats (where the filter counts the alert)
+    // and posts to the webhook: it needs Envoy's admin address, known now.
+    let config = sc.dir.path().join("sidecar.yaml");
+    let mut text = fs::read_to_string(&config).expect("the sidecar's config");
+    text.push_str(&format!(
+        "envoy_admin: {{ url: \"{}\", scrape_every: 100ms }}\n\
+         alerts: {{ webhooks: [{{ url: \"http://{}/hook\" }}] }}\n",
+        stack.envoy.admin_url(""),
+        sink.addr
+    ));
+    fs::write(&config, text).expect("the sidecar's config");
+    sc.restart();
+    sc.wait_for_envoy();
+    sc.kill_switch(true);
+    assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
+    let key = ("x-api-key", "demo-pro-key");
+    let body = json!({"model": MODEL, "max_tokens": 20,
+                      "messages": [{"role": "user", "content": "hello provider"}]});
+    let ask = || post_json(&stack.envoy.url("/v1/chat/completions"), &[key], &body);
+    // Past half the budget, and then past all of it.
+    let spent = (0..20).any(|_| ask().header("x-sluice-skipped").is_some());
+    assert!(spent, "the provider's budget ran out within 20 requests");
+    for _ in 0..3 {
+        ask();
+    }
+    let alerted = wait_for(Duration::from_secs(10), || {
+        !sink.events("provider_budget_alert").is_empty()
+    });
+    assert!(
+        alerted,
+        "no alert reached the webhook: {:?}",
+        sink.bodies.lock().unwrap()
+    );
+    let counted = stack.envoy.metric(
+        "sluice_provider_budget_alerts_total",
+        &[("provider", "openai")],
+    );
+    assert_eq!(counted, Some(1.0), "once in the window");
+    // A few more scrapes: still one post.
+    std::thread::sleep(Duration::from_millis(500));
+    let events = sink.events("provider_budget_alert");
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["provider"], "openai", "{}", events[0]);
+    assert_eq!(events[0]["scope"], "provider:openai");
+}

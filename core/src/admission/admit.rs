@@ -443,8 +443,14 @@ impl Engine {
                 }
             }
         }
-        if !alerts.is_empty() {
-            headers.push(("x-sluice-budget-alert".into(), alerts.join("; ")));
+        // A provider's budget is the operator's, not the caller's to see.
+        let callers: Vec<&str> = alerts
+            .iter()
+            .filter(|a| !a.starts_with("provider "))
+            .map(String::as_str)
+            .collect();
+        if !callers.is_empty() {
+            headers.push(("x-sluice-budget-alert".into(), callers.join("; ")));
         }
         (headers, alerts)
     }

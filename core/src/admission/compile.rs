@@ -235,7 +235,8 @@ impl Engine {
                 (b.rule.clone(), mine)
             })
             .collect();
-        let created = prepare(store, &rules, &self.layout())?;
+        let mut created = prepare(store, &rules, &self.layout())?;
+        created += self.prepare_provider_alerts(store)?;
         match &self.penalty {
             Some(pb) => Ok(created + pb.prepare(store)?),
             None => Ok(created),

@@ -9,7 +9,7 @@
 use crate::admission::{Engine, RequestContext, Verdict};
 use crate::policy::prices::ModelPrice;
 use crate::policy::providers::{ProviderLimit, Speaks};
-use crate::state::store::SharedStore;
+use crate::state::store::{SharedStore, StoreError};
 use crate::usage::demand::Api;
 use crate::usage::output_limit::LimitField;
 
@@ -31,6 +31,41 @@ fn limit_field(limit: ProviderLimit) -> LimitField {
         ProviderLimit::MaxTokens => LimitField::MaxTokens,
         ProviderLimit::MaxCompletionTokens => LimitField::MaxCompletionTokens,
     }
+}
+
+/// What admission on the ladder decided.
+#[derive(Debug)]
+pub struct Laddered {
+    pub verdict: Verdict,
+    /// The rung the request goes to (`None`: the primary, or answered).
+    pub rung: Option<Box<Served>>,
+    /// Providers passed over because their budget could not hold it.
+    pub skipped: Vec<String>,
+    /// (provider, budget) whose `alert_at` fired now, once in its window.
+    pub alerted: Vec<(String, String)>,
+}
+
+impl Laddered {
+    /// The verdict marked with the rungs skipped.
+    fn marked(mut self) -> Laddered {
+        if !self.skipped.is_empty() {
+            let list: Vec<String> = self.skipped.iter().map(|p| format!("{p}=budget")).collect();
+            let header = ("x-sluice-skipped".to_string(), list.join(", "));
+            match self.verdict.reply.as_mut() {
+                Some(reply) => reply.headers.push(header),
+                None => self.verdict.response_headers.push(header),
+            }
+        }
+        self
+    }
+}
+
+/// Compare-and-swap tries to mark a provider alert (another worker that
+/// wins has alerted it).
+const ALERT_TRIES: u32 = 4;
+
+fn alert_key(rule: &str) -> String {
+    format!("sluice:v1:alerted/{rule}")
 }
 
 /// The routing header when the policy names none (`fallback.header`).
@@ -89,6 +124,76 @@ impl Engine {
             })
     }
 
+    /// The record of each provider budget with an `alert_at`: the start of
+    /// the window last alerted (one key per budget, made at load).
+    pub(crate) fn prepare_provider_alerts(
+        &self,
+        store: &dyn SharedStore,
+    ) -> Result<usize, StoreError> {
+        let mut created = 0;
+        for i in self.provider_buckets.values().flatten() {
+            let b = &self.buckets[*i];
+            let key = alert_key(&b.rule.id);
+            if b.alert_permille.is_some() && store.get(&key).is_none() {
+                store.set(&key, &0u64.to_le_bytes(), 0)?;
+                created += 1;
+            }
+        }
+        Ok(created)
+    }
+
+    /// The budgets of `provider` whose `alert_at` `verdict` crossed (an
+    /// admission past it, or a refusal by it) and that were not alerted yet
+    /// in their window: marked alerted now, so each alerts once per window
+    /// (per Envoy: shared data is its own).
+    fn alerts_due(
+        &self,
+        store: &dyn SharedStore,
+        provider: &str,
+        verdict: &Verdict,
+        now_ms: u64,
+    ) -> Vec<String> {
+        self.provider_buckets(provider)
+            .filter(|&i| {
+                let b = &self.buckets[i];
+                let crossed = verdict.bucket.as_deref() == Some(b.rule.id.as_str())
+                    || verdict.alerts.iter().any(|a| {
+                        a.strip_prefix(b.name.as_str())
+                            .is_some_and(|rest| rest.starts_with(':'))
+                    });
+                crossed && b.alert_permille.is_some() && self.mark_alerted(store, i, now_ms)
+            })
+            .map(|i| self.buckets[i].name.clone())
+            .collect()
+    }
+
+    /// Marks bucket `i` alerted for its current window; `false` when it
+    /// already was (or another worker won the mark).
+    fn mark_alerted(&self, store: &dyn SharedStore, i: usize, now_ms: u64) -> bool {
+        let b = &self.buckets[i];
+        let Some(window) = b.rule.limit.window else {
+            return false;
+        };
+        let start = crate::limits::bucket::window_start(window, now_ms);
+        let key = alert_key(&b.rule.id);
+        for _ in 0..ALERT_TRIES {
+            let Some((bytes, cas)) = store.get(&key) else {
+                return false;
+            };
+            let seen = bytes
+                .get(..8)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_le_bytes);
+            if seen == start {
+                return false;
+            }
+            if store.set(&key, &start.to_le_bytes(), cas).is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+
     /// The first rung that serves a request of `api` for `model`.
     pub fn rung_for(&self, api: Api, model: Option<&str>) -> Option<Served> {
         self.rung_after(api, model, None)
@@ -97,39 +202,52 @@ impl Engine {
     /// Admits a request on `first` and, when a rung's own budget cannot
     /// hold it, on the next rung that serves it, down to the static answer.
     /// The verdict says which rungs were skipped
-    /// (`x-sluice-skipped: openai=budget`); the rung it goes to, if any,
-    /// and the providers skipped.
+    /// (`x-sluice-skipped: openai=budget`).
     pub fn admit_down_the_ladder(
         &self,
         store: &dyn SharedStore,
         ctx: &RequestContext,
         first: Option<Box<Served>>,
-    ) -> (Verdict, Option<Box<Served>>, Vec<String>) {
+    ) -> Laddered {
+        let (mut skipped, mut alerted) = (Vec::new(), Vec::new());
         let Some(mut served) = first else {
-            return (self.admit_on(store, ctx, None), None, Vec::new());
+            let verdict = self.admit_on(store, ctx, None);
+            return Laddered {
+                verdict,
+                rung: None,
+                skipped,
+                alerted,
+            };
         };
         let model = ctx.asked.and_then(|a| a.demand.model.as_deref());
-        let mut skipped: Vec<String> = Vec::new();
-        let mark = |mut verdict: Verdict, skipped: &[String]| {
-            if !skipped.is_empty() {
-                let list: Vec<String> = skipped.iter().map(|p| format!("{p}=budget")).collect();
-                let header = ("x-sluice-skipped".to_string(), list.join(", "));
-                match verdict.reply.as_mut() {
-                    Some(reply) => reply.headers.push(header),
-                    None => verdict.response_headers.push(header),
-                }
-            }
-            verdict
-        };
         loop {
             let verdict = self.admit_on(store, ctx, Some(&served));
+            for budget in self.alerts_due(store, &served.provider, &verdict, ctx.now_ms) {
+                alerted.push((served.provider.clone(), budget));
+            }
             if !self.refused_by_rung(&verdict, &served) {
-                return (mark(verdict, &skipped), Some(served), skipped);
+                let rung = Some(served);
+                return Laddered {
+                    verdict,
+                    rung,
+                    skipped,
+                    alerted,
+                }
+                .marked();
             }
             skipped.push(served.provider.clone());
             match self.rung_after(ctx.api, model, Some(&served.provider)) {
                 Some(next) => served = Box::new(next),
-                None => return (mark(self.static_verdict(ctx), &skipped), None, skipped),
+                None => {
+                    let verdict = self.static_verdict(ctx);
+                    return Laddered {
+                        verdict,
+                        rung: None,
+                        skipped,
+                        alerted,
+                    }
+                    .marked();
+                }
             }
         }
     }

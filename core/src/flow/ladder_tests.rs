@@ -261,6 +261,10 @@ fn a_rung_whose_budget_cannot_hold_the_request_is_skipped_for_the_next_then_stat
     assert_eq!(requests("together", "skipped_budget"), Some(1));
     let spend = |p: &str| host.metric(&crate::host::metrics::PROVIDER_SPEND.named(&[p]));
     assert_eq!((spend("openai"), spend("together")), (Some(270), Some(270)));
+    // openai's alert_at (50%) fired once in its day, however many requests
+    // it skipped since; together has none.
+    let alerts = |p: &str| host.metric(&crate::host::metrics::PROVIDER_BUDGET_ALERTS.named(&[p]));
+    assert_eq!((alerts("openai"), alerts("together")), (Some(1), None));
     // Nothing is left reserved by the skipped rungs.
     assert_eq!(
         host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),

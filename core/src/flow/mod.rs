@@ -88,11 +88,18 @@ fn admit_down_the_ladder(
     ctx: &RequestContext,
     rung: Option<Box<Served>>,
 ) -> (Verdict, Option<Box<Served>>) {
-    let (verdict, rung, skipped) = engine.admit_down_the_ladder(host, ctx, rung);
-    for provider in &skipped {
+    let laddered = engine.admit_down_the_ladder(host, ctx, rung);
+    for provider in &laddered.skipped {
         metrics::PROVIDER_REQUESTS.add_at(host, &[provider, "skipped_budget"], 1);
     }
-    (verdict, rung)
+    for (provider, budget) in &laddered.alerted {
+        metrics::PROVIDER_BUDGET_ALERTS.add_at(host, &[provider], 1);
+        host.log(
+            LogLevel::Warn,
+            &format!("{budget}: past its alert_at (alerted once this window)"),
+        );
+    }
+    (laddered.verdict, laddered.rung)
 }
 
 /// Gives back what an admitted verdict holds locally (a body request's

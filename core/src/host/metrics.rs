@@ -184,6 +184,10 @@ pub const REROUTED: Metric = counter("sluice_rerouted_total", &[]);
 /// to it) or `skipped_budget` (its own budget could not hold the request).
 pub const PROVIDER_REQUESTS: Metric =
     counter("sluice_provider_requests_total", &["provider", "outcome"]);
+/// A provider's spend budget crossed its `alert_at`: once per window (per
+/// Envoy); the sidecar sends it to its webhooks.
+pub const PROVIDER_BUDGET_ALERTS: Metric =
+    counter("sluice_provider_budget_alerts_total", &["provider"]);
 /// Settled spend of the requests each provider served, micro-currency.
 pub const PROVIDER_SPEND: Metric = counter("sluice_provider_spend_micros_total", &["provider"]);
 /// Times a route's error breaker opened.
@@ -264,6 +268,7 @@ pub const ALL: &[Metric] = &[
     REROUTED,
     PROVIDER_REQUESTS,
     PROVIDER_SPEND,
+    PROVIDER_BUDGET_ALERTS,
     ERROR_BREAKER_OPENED,
     UPSTREAM_PAUSES,
     PUSHBACK_DROPPED,

@@ -33,6 +33,9 @@ pub enum AlertEvent {
         reason: Option<String>,
         at: SystemTime,
     },
+    /// A provider's spend budget crossed its `alert_at` in Envoy (the
+    /// filter counts it once per window: `sluice_provider_budget_alerts_total`).
+    ProviderBudget { provider: String, at: SystemTime },
 }
 
 impl AlertEvent {
@@ -41,6 +44,7 @@ impl AlertEvent {
         match self {
             AlertEvent::Breaker { scope, .. } => scope.clone(),
             AlertEvent::KillSwitch { .. } => "kill_switch".into(),
+            AlertEvent::ProviderBudget { provider, .. } => format!("provider:{provider}"),
         }
     }
 
@@ -50,6 +54,7 @@ impl AlertEvent {
             AlertEvent::Breaker { to, .. } => to.as_str(),
             AlertEvent::KillSwitch { active: true, .. } => "on",
             AlertEvent::KillSwitch { active: false, .. } => "off",
+            AlertEvent::ProviderBudget { .. } => "alert",
         }
     }
 
@@ -57,6 +62,7 @@ impl AlertEvent {
         match self {
             AlertEvent::Breaker { to, .. } => format!("breaker_{}", to.as_str()),
             AlertEvent::KillSwitch { .. } => format!("kill_switch_{}", self.state()),
+            AlertEvent::ProviderBudget { .. } => "provider_budget_alert".into(),
         }
     }
 
@@ -88,6 +94,10 @@ impl AlertEvent {
                     format!("sluice: kill switch off: traffic back to primary ({why}){tail}")
                 }
             }
+            AlertEvent::ProviderBudget { provider, .. } => format!(
+                "sluice: provider {provider} passed its spend alert for this window; \
+                 at its budget the ladder skips it{tail}"
+            ),
         }
     }
 
@@ -118,6 +128,10 @@ impl AlertEvent {
                 "source": "sluice-sidecar", "event": self.name(), "scope": "kill_switch",
                 "active": active, "reason": reason, "at": at(t), "settled": settled,
                 "text": text,
+            }),
+            AlertEvent::ProviderBudget { provider, at: t } => json!({
+                "source": "sluice-sidecar", "event": self.name(), "scope": self.key(),
+                "provider": provider, "at": at(t), "settled": settled, "text": text,
             }),
         }
     }

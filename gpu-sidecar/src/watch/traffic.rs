@@ -29,6 +29,9 @@ pub const MAX_TIERS: usize = 32;
 pub const OTHER: &str = "(other)";
 /// The counter read, as Envoy's `stats_tags` export it.
 pub const COUNTER: &str = "sluice_requests_total";
+/// The filter's count of provider budget alerts (once per window each),
+/// read in the same scrape: each rise is a webhook alert.
+pub const ALERTS_COUNTER: &str = "sluice_provider_budget_alerts_total";
 /// The decisions, in the order of [`Counts`].
 pub const DECISIONS: [&str; 3] = ["admit", "degrade", "refuse"];
 
@@ -193,17 +196,62 @@ fn minute_of(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() / 60)
 }
 
-/// Scrapes Envoy every `scrape_every` until `closing` turns true. Each
-/// scrape is bounded by `timeout` and the HTTP client's body cap; the
-/// `filter` query keeps Envoy's answer to sluice's counter.
-pub async fn run(traffic: Arc<Traffic>, timeout: Duration, mut closing: watch::Receiver<bool>) {
+/// The rises of `sluice_provider_budget_alerts_total{provider}` between
+/// scrapes. The first scrape is a baseline (an alert Envoy counted before
+/// the sidecar looked was not seen: it is in Envoy's log and stats); a
+/// provider first seen later counts from 0; a counter that went down means
+/// Envoy restarted, and its new value is new.
+#[derive(Debug, Default)]
+pub struct ProviderAlerts {
+    last: Option<BTreeMap<String, f64>>,
+}
+
+impl ProviderAlerts {
+    /// The providers whose alert count rose, once each.
+    pub fn observe(&mut self, text: &str) -> Vec<String> {
+        let mut now: BTreeMap<String, f64> = BTreeMap::new();
+        for s in prom::parse(text) {
+            if s.name == ALERTS_COUNTER && s.value.is_finite() {
+                if let Some(p) = s.label("provider") {
+                    *now.entry(p.to_string()).or_default() += s.value;
+                }
+            }
+        }
+        let risen = match &self.last {
+            None => Vec::new(),
+            Some(last) => now
+                .iter()
+                .filter(|(p, v)| {
+                    let before = last.get(*p).copied().unwrap_or(0.0);
+                    **v > before || (**v < before && **v > 0.0)
+                })
+                .map(|(p, _)| p.clone())
+                .collect(),
+        };
+        self.last = Some(now);
+        risen
+    }
+}
+
+/// Scrapes Envoy every `scrape_every` until `closing` turns true, for the
+/// traffic and the provider alerts (handed to `alerts`). Each scrape is
+/// bounded by `timeout` and the HTTP client's body cap; the `filter` query
+/// keeps Envoy's answer to sluice's two counters.
+pub async fn run(
+    (traffic, timeout): (Arc<Traffic>, Duration),
+    alerts: Option<crate::watch::alerts::Alerts>,
+    mut closing: watch::Receiver<bool>,
+) {
     let Some(cfg) = traffic.cfg.clone() else {
         return;
     };
     let Ok(base) = Target::parse(&cfg.url) else {
         return; // refused when the config was read
     };
-    let target = base.join(&format!("/stats/prometheus?filter={COUNTER}"));
+    // Envoy's `filter` is a regular expression over stat names.
+    let target =
+        base.join("/stats/prometheus?filter=sluice_(requests|provider_budget_alerts)_total");
+    let mut provider_alerts = ProviderAlerts::default();
     let mut ticker = tokio::time::interval(cfg.scrape_every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -215,6 +263,14 @@ pub async fn run(traffic: Arc<Traffic>, timeout: Duration, mut closing: watch::R
             Ok(body) => {
                 let text = String::from_utf8_lossy(&body);
                 traffic.observe_text(SystemTime::now(), &text);
+                for provider in provider_alerts.observe(&text) {
+                    if let Some(a) = &alerts {
+                        a.send(crate::watch::alerts::AlertEvent::ProviderBudget {
+                            provider,
+                            at: SystemTime::now(),
+                        });
+                    }
+                }
             }
             Err(e) => traffic.failed(format!("reading Envoy's stats: {e}")),
         }
@@ -275,6 +331,38 @@ mod tests {
             .unwrap()
             .iter()
             .all(|m| m["tiers"] == json!({})));
+    }
+
+    #[test]
+    fn each_rise_of_a_providers_alert_count_is_one_alert() {
+        let text = |openai: u64, together: Option<u64>| {
+            let mut t =
+                format!("sluice_provider_budget_alerts_total{{provider=\"openai\"}} {openai}\n");
+            if let Some(n) = together {
+                t.push_str(&format!(
+                    "sluice_provider_budget_alerts_total{{provider=\"together\"}} {n}\n"
+                ));
+            }
+            t
+        };
+        let mut pa = ProviderAlerts::default();
+        assert!(
+            pa.observe(&text(3, None)).is_empty(),
+            "the first look is a baseline"
+        );
+        assert!(pa.observe(&text(3, None)).is_empty());
+        assert_eq!(pa.observe(&text(4, None)), vec!["openai".to_string()]);
+        assert_eq!(
+            pa.observe(&text(4, Some(1))),
+            vec!["together".to_string()],
+            "new: from 0"
+        );
+        assert_eq!(
+            pa.observe(&text(1, Some(1))),
+            vec!["openai".to_string()],
+            "Envoy restarted"
+        );
+        assert!(pa.observe(&text(1, Some(1))).is_empty());
     }
 
     #[test]
