@@ -1103,6 +1103,13 @@ fn provider() -> MockLlm {
     )
 }
 
+/// A chat for `MODEL` with `max_tokens: 20`, as the caller of `key`.
+fn ask_provider(stack: &Stack, key: (&str, &str)) -> Response {
+    let body = json!({"model": MODEL, "max_tokens": 20,
+                      "messages": [{"role": "user", "content": "hello provider"}]});
+    post_json(&stack.envoy.url("/v1/chat/completions"), &[key], &body)
+}
+
 #[test]
 fn the_kill_switch_sends_the_providers_model_with_its_key_and_bills_at_its_prices() {
     let provider = provider();
@@ -1120,9 +1127,7 @@ fn the_kill_switch_sends_the_providers_model_with_its_key_and_bills_at_its_price
             .unwrap_or(0.0) as u64
     };
     let before = spent(&stack.envoy);
-    let body = json!({"model": MODEL, "max_tokens": 20,
-                      "messages": [{"role": "user", "content": "hello provider"}]});
-    let r = post_json(&stack.envoy.url("/v1/chat/completions"), &[key], &body);
+    let r = ask_provider(&stack, key);
     // The provider would answer 404 model_not_found for llama3.1:8b and
     // 401 invalid_api_key for the client's key: it answers 200.
     assert_eq!(r.status, 200, "{r:?}");
@@ -1219,9 +1224,7 @@ fn a_spent_provider_budget_ends_the_ladder_at_static_without_overshoot() {
     sc.kill_switch(true);
     assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
     let key = ("x-api-key", "demo-pro-key");
-    let body = json!({"model": MODEL, "max_tokens": 20,
-                      "messages": [{"role": "user", "content": "hello provider"}]});
-    let ask = || post_json(&stack.envoy.url("/v1/chat/completions"), &[key], &body);
+    let ask = || ask_provider(&stack, key);
     let mut served = 0;
     let skipped = (0..20).find_map(|_| {
         let r = ask();
@@ -1346,9 +1349,7 @@ fn a_providers_budget_alert_reaches_the_webhook_once_per_window() {
     sc.kill_switch(true);
     assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
     let key = ("x-api-key", "demo-pro-key");
-    let body = json!({"model": MODEL, "max_tokens": 20,
-                      "messages": [{"role": "user", "content": "hello provider"}]});
-    let ask = || post_json(&stack.envoy.url("/v1/chat/completions"), &[key], &body);
+    let ask = || ask_provider(&stack, key);
     // Past half the budget, and then past all of it.
     let spent = (0..20).any(|_| ask().header("x-sluice-skipped").is_some());
     assert!(spent, "the provider's budget ran out within 20 requests");
