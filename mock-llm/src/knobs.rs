@@ -18,6 +18,8 @@ pub const CACHED_TOKENS: &str = "x-mock-cached-tokens";
 pub const CACHE_CREATION_TOKENS: &str = "x-mock-cache-creation-tokens";
 pub const REASONING_TOKENS: &str = "x-mock-reasoning-tokens";
 pub const CACHE_COUNTING: &str = "x-mock-cache-counting";
+/// Not a behaviour: recorded in `/stats` `tags`, in arrival order.
+pub const TAG: &str = "x-mock-tag";
 
 /// Output longer than this would only exhaust the mock's memory.
 const MAX_OUTPUT_TOKENS: u64 = 1_000_000;

@@ -13,7 +13,13 @@ pub struct Stats {
     pub requests_total: u64,
     pub by_path: BTreeMap<String, u64>,
     pub last_request: Option<LastRequest>,
+    /// The `x-mock-tag` of each tagged request, in the order they arrived
+    /// (the first `MAX_TAGS`): the order the proxy let them through, as the
+    /// server saw it, free of the client's clock.
+    pub tags: Vec<String>,
 }
+
+const MAX_TAGS: usize = 10_000;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LastRequest {
@@ -46,6 +52,11 @@ impl Stats {
                     v.push_str(&value);
                 })
                 .or_insert(value);
+        }
+        if let Some(tag) = seen.get(crate::knobs::TAG) {
+            if self.tags.len() < MAX_TAGS {
+                self.tags.push(tag.clone());
+            }
         }
         self.last_request = Some(LastRequest {
             method: method.to_string(),
@@ -95,5 +106,25 @@ mod tests {
         assert_eq!(v["by_path"]["/v1/chat/completions"], 2);
         assert_eq!(v["last_request"]["headers"]["x-tier"], "free, gold");
         assert_eq!(v["last_request"]["body"]["model"], "b");
+        assert_eq!(v["tags"], json!([]));
+    }
+
+    #[test]
+    fn tags_are_kept_in_arrival_order() {
+        let mut s = Stats::default();
+        for tag in ["B", "A", "B"] {
+            let mut h = HeaderMap::new();
+            h.append("X-Mock-Tag", HeaderValue::from_static(tag));
+            s.record(&Method::POST, "/v1/chat/completions", None, &h, Value::Null);
+        }
+        s.record(
+            &Method::POST,
+            "/v1/chat/completions",
+            None,
+            &HeaderMap::new(),
+            Value::Null,
+        );
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["tags"], json!(["B", "A", "B"]));
     }
 }

@@ -179,6 +179,8 @@ pub struct Filter {
     vm: Rc<Vm>,
     /// The sidecar state's version the queue last re-routed its waiters by.
     seen_by_queue: Cell<u32>,
+    /// Ticks since the gauges were last published from an idle tick.
+    idle_ticks: Cell<u32>,
     /// The buffer each stream's audit fragment is rendered in (one per VM:
     /// no allocation per request once it has grown).
     audit_line: audit::Buffer,
@@ -196,6 +198,7 @@ impl Filter {
             wake_queue: Cell::new(None),
             vm: Rc::default(),
             seen_by_queue: Cell::new(0),
+            idle_ticks: Cell::new(0),
             engine,
             seen: RefCell::new((0, Rc::new(SidecarSeen::default()))),
             dice: Cell::new(0),

@@ -46,6 +46,9 @@ use crate::queue::{self, Blocked, Changed, Entered, Grant, State};
 
 /// Tick period while a policy has gates: deadlines are kept within it.
 pub const QUEUE_TICK_MS: u64 = 20;
+
+/// An idle worker's ticks between two publishes of the gauges (1 s).
+const IDLE_PUBLISH_TICKS: u32 = 50;
 /// The header by which a client asks to wait less than its class would.
 pub const MAX_WAIT_HEADER: &str = "x-sluice-max-wait-ms";
 
@@ -135,7 +138,11 @@ fn count(host: &dyn Host, outcome: &str, reason: &str, g: &GateState) {
 }
 
 /// Gauges from the state just written: every gated model and class of the
-/// backend (a bounded set), so a gauge that went to 0 says so.
+/// backend (a bounded set), so a gauge that went to 0 says so. Workers
+/// write the same gauge, and one that wrote an older state may record it
+/// after another recorded a newer one: the tick publishes the state again
+/// (each tick on a worker with waiters, every `IDLE_PUBLISH_TICKS`
+/// otherwise), so a gauge is never stale for longer than that.
 fn publish(filter: &Filter, host: &dyn Host, backend: &str, state: &State) {
     let Some(group) = filter.gates.group(backend) else {
         return;
@@ -988,6 +995,15 @@ pub fn tick(filter: &Rc<Filter>, host: &dyn Host, now: u64) {
         Err(_) => return,
     };
     if mine.is_empty() {
+        let idle = filter.idle_ticks.get() + 1;
+        filter.idle_ticks.set(idle % IDLE_PUBLISH_TICKS);
+        if idle >= IDLE_PUBLISH_TICKS {
+            for (backend, group) in filter.gates.groups() {
+                if let Some(state) = host.get(&group.key).and_then(|(b, _)| State::decode(&b)) {
+                    publish(filter, host, backend, &state);
+                }
+            }
+        }
         return;
     }
     reroute_changed(filter, host, &mine);
@@ -1010,6 +1026,7 @@ pub fn tick(filter: &Rc<Filter>, host: &dyn Host, now: u64) {
         let Some(state) = host.get(&group.key).and_then(|(b, _)| State::decode(&b)) else {
             continue;
         };
+        publish(filter, host, backend, &state);
         for (ticket, b, deadline) in &mine {
             if b != backend {
                 continue;

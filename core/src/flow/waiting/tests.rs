@@ -223,6 +223,33 @@ fn a_lost_wake_up_is_found_by_the_tick() {
     assert_eq!(*w.resumed.borrow(), vec![2]);
 }
 
+/// Workers write the same gauge; one may record an older state after
+/// another recorded the newer one. The tick puts it right: each tick while
+/// the worker has waiters, every second when it has none.
+#[test]
+fn a_stale_queue_gauge_is_put_right_by_the_tick() {
+    let w = MockHost::new(T0);
+    let mut p = load(&w, &policy());
+    let (mut a, _) = post(&p, &w, 1, &[("x-user", "a")]);
+    let (mut b, _) = post(&p, &w, 2, &[("x-user", "b")]);
+    assert_eq!(depth(&w), 1);
+    let stale = |n: u64| crate::host::metrics::QUEUE_DEPTH.record_at(&w, &["m", "standard"], n);
+    stale(2);
+    p.tick(&w);
+    assert_eq!(depth(&w), 1, "a tick with a waiter publishes");
+    finish(&w, &mut a);
+    p.on_wake(&w);
+    finish(&w, &mut b);
+    assert_eq!(depth(&w), 0);
+    stale(1);
+    for _ in 1..super::IDLE_PUBLISH_TICKS {
+        p.tick(&w);
+    }
+    assert_eq!(depth(&w), 1, "idle ticks publish only now and then");
+    p.tick(&w);
+    assert_eq!(depth(&w), 0, "then the queue's state is published");
+}
+
 #[test]
 fn provider_limits_hold_the_queue_until_the_reset() {
     let w = MockHost::new(T0);
