@@ -89,7 +89,11 @@ trap 'stop; exit 0' INT TERM
 
 target/release/mock-llm --listen 127.0.0.1:8000 --name primary >"$logs/mock-llm.log" 2>&1 &
 pids+=($!)
-target/release/mock-llm --listen 127.0.0.1:8001 --name fallback >"$logs/mock-llm-fallback.log" 2>&1 &
+# The ladder's paid rung, as OpenAI would answer: its own model names only
+# (any other is its 404 model_not_found) and its own key, which the Envoy
+# route injects (the demo value in envoy/sluice.yaml).
+target/release/mock-llm --listen 127.0.0.1:8001 --name fallback --personality openai \
+  --models gpt-4o-mini,gpt-4o --api-key demo-fallback-credential >"$logs/mock-llm-fallback.log" 2>&1 &
 pids+=($!)
 # A fresh admin token at every start (printed below): the right token is
 # never throttled, so it must be one no other local process can guess.
@@ -116,7 +120,7 @@ cat <<TXT
 sluice demo is up.
   Envoy + sluice   http://127.0.0.1:10000   (admin http://127.0.0.1:9901)
   mock-llm         http://127.0.0.1:8000    (primary)
-  mock-llm         http://127.0.0.1:8001    (fallback provider)
+  mock-llm         http://127.0.0.1:8001    (provider 'openai': gpt-4o-mini and gpt-4o only, its own key)
   sidecar          http://127.0.0.1:9911/   (operator page: GPUs, breakers, kill switch; state at /v1/state)
   admin token      $SLUICE_ADMIN_TOKEN
 
@@ -141,6 +145,10 @@ Team `search` (demo-search-key-1, demo-search-key-2, both pro at 60/min) has
 15/min for the whole team; org `demo` a daily spend cap. Penalty box: an
 address sending over 60 requests a minute without a declared key is blocked
 for 10 minutes (429 temporarily_blocked).
+The ladder: under the kill switch, requests go to provider `openai`
+(llama3.1:8b and mistral:7b as gpt-4o-mini, llama3.1:70b as gpt-4o, at its
+prices, within its daily budget of 0.01), and when that budget is spent to
+the static answer.
 
 Try:
   # a chat completion as an anonymous (free) caller; the 11th in a minute gets 429
@@ -211,11 +219,25 @@ Try:
   curl -s http://127.0.0.1:9911/v1/simulate -H 'authorization: Bearer @ADMIN_TOKEN@' \
     -d '{"gpus":[{"utilization":97}]}'
 
-  # pull the kill switch: answers now come from the fallback provider
+  # pull the kill switch: answers now come from provider `openai`, which
+  # was sent its own model name (gpt-4o-mini) and key, never yours
   curl -s http://127.0.0.1:9911/v1/kill-switch -H 'authorization: Bearer @ADMIN_TOKEN@' \
     -d '{"active": true, "reason": "demo"}'
   curl -si http://127.0.0.1:10000/v1/chat/completions -H 'x-api-key: demo-pro-key' \
-    -d '{"model":"llama3.1:8b","messages":[]}' | grep -i -E 'x-sluice|x-mock-name'
+    -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"hello"}]}' \
+    | grep -i -E 'x-sluice|x-mock-name|"model"'
+  # answers of 500 tokens (mock-llm's x-mock-output-tokens) cost 0.0003
+  # each at its price: its daily budget (0.01) holds 33 of them, then the
+  # ladder ends at the static answer (x-sluice-skipped: openai=budget)
+  for i in $(seq 40); do curl -s -o /dev/null -H 'x-api-key: demo-enterprise-key' \
+    -H 'x-mock-output-tokens: 500' \
+    -w '%{http_code} %header{x-sluice-provider}%header{x-sluice-degraded}\n' \
+    http://127.0.0.1:10000/v1/chat/completions \
+    -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"hello"}]}'; done | uniq -c
+  curl -s http://127.0.0.1:9901/stats/prometheus | grep -E 'sluice_provider_'
+  # release it
+  curl -s http://127.0.0.1:9911/v1/kill-switch -H 'authorization: Bearer @ADMIN_TOKEN@' \
+    -d '{"active": false}'
 
   # metrics
   curl -s http://127.0.0.1:9901/stats/prometheus | grep sluice_

@@ -1430,6 +1430,18 @@ pub fn chat_body(model: &str) -> serde_json::Value {
     })
 }
 
+/// Takes every rung below the primary out of a policy (`providers`,
+/// `ladder`, `ladder_when_out`, the older `fallback`): what is left is the
+/// primary and the static answer. Says whether the policy had a ladder.
+pub fn without_rungs(policy: &mut serde_yaml::Value) -> bool {
+    let Some(map) = policy.as_mapping_mut() else {
+        return false;
+    };
+    map.remove("fallback");
+    map.remove("providers");
+    map.remove("ladder_when_out");
+    map.remove("ladder").is_some()
+}
 /// The shipped Envoy config pointed at `upstream` (ports and paths only;
 /// the policy is the shipped demo policy until a test edits it). The
 /// sidecar and fallback clusters point at [`closed_addr`] until the test

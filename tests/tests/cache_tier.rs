@@ -317,7 +317,7 @@ fn under_the_kill_switch_a_hit_is_served_and_marked_degraded() {
     );
     let uncached = chat("llama3.1:8b", "Never asked before the switch?");
     let r = s.chat(B, &uncached);
-    assert_eq!(r.header("x-sluice-provider"), Some("fallback"), "{r:?}");
+    assert_eq!(r.header("x-sluice-provider"), Some("openai"), "{r:?}");
     let before = s.upstream_requests();
     let r = s.chat(A, &body);
     assert_eq!(r.status, 200, "{}", r.body);
@@ -333,7 +333,7 @@ fn under_the_kill_switch_a_hit_is_served_and_marked_degraded() {
     let other = s.chat(A, &chat("llama3.1:8b", "Also never asked?"));
     assert_eq!(
         other.header("x-sluice-provider"),
-        Some("fallback"),
+        Some("openai"),
         "{other:?}"
     );
 }

@@ -125,13 +125,27 @@ fn sidecar(dir: &std::path::Path) -> Sidecar {
 }
 
 /// Six requests wait for the one slot of the model when the kill switch is
-/// pulled (the sidecar's admin API): every one of them is served by the
-/// fallback, none by the primary, and they do not wait for the primary's
-/// slot. Before: they were dispatched to the primary once the slot freed.
+/// pulled (the sidecar's admin API): every one of them takes the ladder at
+/// dispatch and is served by its provider rung, none by the primary, and
+/// they do not wait for the primary's slot. The provider plays OpenAI: it
+/// serves only its own model name and takes only its own key, so a queued
+/// request that left without its rung's model, limit field or credentials
+/// would be its 404 or 401. Before: they were dispatched to the primary
+/// once the slot freed.
 #[test]
 fn the_kill_switch_reaches_queued_requests() {
     let primary = MockLlm::start("primary");
-    let fallback = MockLlm::start("fallback");
+    // The key the shipped fallback route injects.
+    let fallback = MockLlm::start_as_with_args(
+        "fallback",
+        sluice_tests::Personality::Openai,
+        &[
+            "--models",
+            "gpt-4o-mini",
+            "--api-key",
+            "demo-fallback-credential",
+        ],
+    );
     let dir = tempfile::tempdir().expect("temp dir");
     let sc = sidecar(dir.path());
     let mut cfg = shipped_config_for(&primary);
@@ -139,8 +153,13 @@ fn the_kill_switch_reaches_queued_requests() {
     cfg.set_cluster_addr("llm_fallback", fallback.addr());
     let mut p = policy(1);
     p["sidecar"] = json!({"cluster": "sluice_sidecar", "stale_after": "10s"});
-    p["fallback"] = json!({"header": "x-sluice-upstream", "value": "fallback",
-                           "provider": "fallback"});
+    p["providers"] = json!({"openai": {
+        "route": "fallback",
+        "models": {MODEL: "gpt-4o-mini"},
+        "limit_field": "max_completion_tokens",
+        "prices": {"gpt-4o-mini": {"input": "0.15", "output": "0.60"}},
+    }});
+    p["ladder"] = json!(["openai"]);
     *cfg.policy_mut() = serde_yaml::to_value(p).expect("policy");
     let envoy = Envoy::start(&cfg, WORKERS);
     assert!(
@@ -188,7 +207,15 @@ fn the_kill_switch_reaches_queued_requests() {
     assert_eq!(
         requests(&fallback),
         6,
-        "the queued ones went to the fallback"
+        "the queued ones went to the provider"
+    );
+    let last = &fallback.stats()["last_request"];
+    assert_eq!(last["body"]["model"], "gpt-4o-mini", "{last}");
+    assert_eq!(last["body"]["max_completion_tokens"], 5, "{last}");
+    assert!(last["body"].get("max_tokens").is_none(), "{last}");
+    assert_eq!(
+        last["headers"]["authorization"], "Bearer demo-fallback-credential",
+        "{last}"
     );
     assert_eq!(requests(&primary), 1, "none of them reached the primary");
     assert_eq!(depth(&envoy, "batch"), 0.0);
