@@ -70,18 +70,32 @@ grep -q "host_env_keys: \[SLUICE_CACHE_SECRET\]" "$logs/sluice.yaml" || {
   echo "demo: envoy/sluice.yaml has no vm_id line to hand the cache secret to" >&2
   exit 1
 }
+# The provider rung is watched before a request needs it: Envoy probes its
+# model list with its key (2 failures in a row: down, 2 successes: up), the
+# sidecar reads the verdict from Envoy's admin and sluice skips a rung that
+# is down (x-sluice-skipped: openai=down).
+sed -i "s|^\( *\)- name: llm_fallback$|&\n\1  health_checks:\n\1    - { timeout: 2s, interval: 5s, no_traffic_interval: 5s, unhealthy_threshold: 2, healthy_threshold: 2, http_health_check: { path: /v1/models, request_headers_to_add: [{ header: { key: authorization, value: \"Bearer demo-fallback-credential\" } }] } }|" "$logs/sluice.yaml"
+grep -q "no_traffic_interval: 5s" "$logs/sluice.yaml" || {
+  echo "demo: envoy/sluice.yaml has no llm_fallback cluster to health-check" >&2
+  exit 1
+}
 cat >"$logs/sidecar.yaml" <<'YAML'
+envoy_admin:
+  url: http://127.0.0.1:9901
+  scrape_every: 2s
+  rungs: { openai: llm_fallback }
 cache:
   embeddings: { url: "http://127.0.0.1:8000/v1/embeddings", model: mock-embed, timeout: 2s }
   secret_env: SLUICE_CACHE_SECRET
 YAML
 
 pids=()
+provider_pid=""
 stop() {
   trap - EXIT INT TERM
   echo
   echo "stopping sluice demo..."
-  kill "${pids[@]}" 2>/dev/null || true
+  kill "${pids[@]}" "$provider_pid" 2>/dev/null || true
   wait "${pids[@]}" 2>/dev/null || true
 }
 trap stop EXIT
@@ -94,7 +108,9 @@ pids+=($!)
 # route injects (the demo value in envoy/sluice.yaml).
 target/release/mock-llm --listen 127.0.0.1:8001 --name fallback --personality openai \
   --models gpt-4o-mini,gpt-4o --api-key demo-fallback-credential >"$logs/mock-llm-fallback.log" 2>&1 &
-pids+=($!)
+# Not in `pids`: stopping the provider is part of the demo, not its end.
+provider_pid=$!
+echo "$provider_pid" >"$logs/provider.pid"
 # A fresh admin token at every start (printed below): the right token is
 # never throttled, so it must be one no other local process can guess.
 export SLUICE_ADMIN_TOKEN=${SLUICE_ADMIN_TOKEN:-$(random_hex)}
@@ -235,6 +251,13 @@ Try:
     http://127.0.0.1:10000/v1/chat/completions \
     -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"hello"}]}'; done | uniq -c
   curl -s http://127.0.0.1:9901/stats/prometheus | grep -E 'sluice_provider_'
+  # a rung that is down is skipped before anyone waits on it: stop the
+  # provider (its pid is in target/demo/provider.pid) and within ~15 s
+  # (Envoy's probes, then the sidecar's reading) answers say openai=down
+  kill "$(cat target/demo/provider.pid)"; sleep 20
+  curl -s -o /dev/null -w '%{http_code} %header{x-sluice-degraded} %header{x-sluice-skipped}\n' \
+    -H 'x-api-key: demo-pro-key' http://127.0.0.1:10000/v1/chat/completions \
+    -d '{"model":"llama3.1:8b","messages":[{"role":"user","content":"hello"}]}'
   # release it
   curl -s http://127.0.0.1:9911/v1/kill-switch -H 'authorization: Bearer @ADMIN_TOKEN@' \
     -d '{"active": false}'

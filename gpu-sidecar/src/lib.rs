@@ -294,6 +294,34 @@ fn cache_secret(config: &config::cache::CacheConfig) -> anyhow::Result<Option<Ar
     Ok(secret.map(Arc::from))
 }
 
+/// The watchers beside the monitor: the kill switch's history, Envoy's
+/// traffic, provider alerts and rungs, memory trimming after bursts.
+fn spawn_watchers(
+    config: &Config,
+    store: &StateStore,
+    history: &Arc<History>,
+    alerts: &Alerts,
+    telemetry: &Arc<Telemetry>,
+    closing: &tokio::sync::watch::Receiver<bool>,
+) {
+    tokio::spawn(watch::history::watch_kill_switch(
+        store.clone(),
+        history.clone(),
+        closing.clone(),
+    ));
+    let traffic = (history.traffic.clone(), config.scrape_timeout);
+    tokio::spawn(watch::traffic::run(
+        traffic,
+        Some(alerts.clone()),
+        store.clone(),
+        closing.clone(),
+    ));
+    tokio::spawn(watch::memory::trim_after_bursts(
+        telemetry.clone(),
+        closing.clone(),
+    ));
+}
+
 /// Serves until `shutdown` resolves: the monitor rounds, the API on
 /// `listener`. Held long polls are answered at once on shutdown.
 pub async fn serve(
@@ -326,21 +354,7 @@ pub async fn serve(
 
     let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
     let monitor_task = tokio::spawn(monitor.run(config.scrape_interval, closing_rx.clone()));
-    tokio::spawn(watch::history::watch_kill_switch(
-        store.clone(),
-        history.clone(),
-        closing_rx.clone(),
-    ));
-    let traffic = (history.traffic.clone(), config.scrape_timeout);
-    tokio::spawn(watch::traffic::run(
-        traffic,
-        Some(alerts.clone()),
-        closing_rx.clone(),
-    ));
-    tokio::spawn(watch::memory::trim_after_bursts(
-        telemetry.clone(),
-        closing_rx.clone(),
-    ));
+    spawn_watchers(config, &store, &history, &alerts, &telemetry, &closing_rx);
     let kill_switch = Arc::new(KillSwitchControl::new(
         store.clone(),
         config.state_file.clone(),

@@ -68,6 +68,9 @@ pub struct Breaker {
 /// `saturated`): one enum for both, defined in `sluice-wire`.
 pub use sluice_wire::state::BreakerState;
 
+/// The scope prefix of a ladder rung's breaker (`provider:<name>`).
+pub const RUNG_SCOPE: &str = "provider:";
+
 /// The `/metrics` value: 0 closed, 1 half-open, 2 open.
 pub fn gauge(state: BreakerState) -> u8 {
     match state {
@@ -134,6 +137,9 @@ pub struct StateStore {
     /// Breakers other sidecars of the fleet hold open: merged into every
     /// update, under the local ones of the same scope.
     fleet_breakers: Arc<std::sync::Mutex<Vec<Breaker>>>,
+    /// The ladder's rungs that are down (`provider:<name>`, see
+    /// `watch::rungs`): merged into every update.
+    rung_breakers: Arc<std::sync::Mutex<Vec<Breaker>>>,
 }
 
 impl StateStore {
@@ -148,6 +154,7 @@ impl StateStore {
         StateStore {
             tx: Arc::new(tx),
             fleet_breakers: Arc::default(),
+            rung_breakers: Arc::default(),
         }
     }
 
@@ -162,7 +169,11 @@ impl StateStore {
         self.tx.send_if_modified(|state| {
             let mut next = SidecarState::clone(state);
             change(&mut next);
-            next.breakers.retain(|b| !b.from_fleet);
+            next.breakers
+                .retain(|b| !b.from_fleet && !b.scope.starts_with(RUNG_SCOPE));
+            if let Ok(rungs) = self.rung_breakers.lock() {
+                next.breakers.extend(rungs.iter().cloned());
+            }
             if let Ok(fleet) = self.fleet_breakers.lock() {
                 for b in fleet.iter() {
                     if !next.breakers.iter().any(|l| l.scope == b.scope) {
@@ -183,6 +194,14 @@ impl StateStore {
     /// The long poll: the current state at once if its version is not
     /// `since`; otherwise the next state, or the current one when `wait`
     /// passes without a change.
+    /// The rungs down are now `breakers` (scopes `provider:<name>`).
+    pub fn set_rung_breakers(&self, now: SystemTime, breakers: Vec<Breaker>) -> bool {
+        if let Ok(mut rungs) = self.rung_breakers.lock() {
+            *rungs = breakers;
+        }
+        self.update(now, |_| {})
+    }
+
     /// The fleet's breakers (from other sidecars) are now `breakers`.
     pub fn set_fleet_breakers(&self, now: SystemTime, breakers: Vec<Breaker>) -> bool {
         if let Ok(mut fleet) = self.fleet_breakers.lock() {

@@ -1375,3 +1375,91 @@ fn a_providers_budget_alert_reaches_the_webhook_once_per_window() {
     assert_eq!(events[0]["provider"], "openai", "{}", events[0]);
     assert_eq!(events[0]["scope"], "provider:openai");
 }
+
+/// Envoy health-checks the provider's cluster (its model list, with its
+/// key); the sidecar reads the verdict from Envoy's admin
+/// (`envoy_admin.rungs`) and reports the rung down once the provider is
+/// gone, so under the kill switch a caller is passed over to the static
+/// answer (`x-sluice-skipped: openai=down`) instead of being sent to a
+/// provider that cannot answer (Envoy's 503 "upstream connect error").
+#[test]
+fn a_rung_whose_health_checks_fail_is_skipped_before_any_caller_waits_on_it() {
+    let provider = provider();
+    let mut sc = TestSidecar::start("30s", "10s");
+    let stack = Stack::start(|cfg| {
+        provider_policy(cfg, sc.addr(), provider.addr());
+        // Probed every 200 ms, also while it serves no traffic (Envoy's
+        // no_traffic_interval is 60 s otherwise); 2 failures in a row
+        // mark it down, 2 successes up.
+        cfg.cluster_mut("llm_fallback")["health_checks"] = serde_yaml::from_str(&format!(
+            "[{{ timeout: 1s, interval: 0.2s, no_traffic_interval: 0.2s, \
+               unhealthy_threshold: 2, healthy_threshold: 2, \
+               http_health_check: {{ path: /v1/models, request_headers_to_add: \
+               [{{ header: {{ key: authorization, value: \"Bearer {PROVIDER_KEY}\" }} }}] }} }}]"
+        ))
+        .expect("health check yaml");
+    });
+    let config = sc.dir.path().join("sidecar.yaml");
+    let mut text = fs::read_to_string(&config).expect("the sidecar's config");
+    text.push_str(&format!(
+        "envoy_admin: {{ url: \"{}\", scrape_every: 100ms, rungs: {{ openai: llm_fallback }} }}\n",
+        stack.envoy.admin_url("")
+    ));
+    fs::write(&config, text).expect("the sidecar's config");
+    sc.restart();
+    sc.wait_for_envoy();
+    sc.kill_switch(true);
+    assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
+    let key = ("x-api-key", "demo-pro-key");
+    // Healthy: the provider serves (its checks pass with its key).
+    let served = wait_for(Duration::from_secs(10), || {
+        served_by(&ask_provider(&stack, key)) == Some("fallback")
+    });
+    let state = || sc.state();
+    assert!(served, "{}", state());
+    assert!(
+        !state()["breakers"].to_string().contains("provider:openai"),
+        "{}",
+        state()
+    );
+    // The provider goes away: Envoy's checks fail, the sidecar says so.
+    drop(provider);
+    let down = wait_for(Duration::from_secs(10), || {
+        state()["breakers"].as_array().is_some_and(|b| {
+            b.iter()
+                .any(|b| b["scope"] == "provider:openai" && b["state"] == "open")
+        })
+    });
+    assert!(down, "{}\n{}", state(), sc.sidecar.log());
+    // The operator page lists the rung with Envoy's reason.
+    let page: Json =
+        serde_json::from_str(&get(&sc.sidecar.url("/v1/history"), &[]).body).expect("history");
+    let row = page["breakers"]
+        .as_array()
+        .and_then(|b| b.iter().find(|b| b["scope"] == "provider:openai").cloned())
+        .unwrap_or_default();
+    assert_eq!(row["state"], "open", "{page}");
+    assert!(
+        row["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("llm_fallback")),
+        "{row}"
+    );
+    let skipped = wait_for(Duration::from_secs(5), || {
+        ask_provider(&stack, key).header("x-sluice-skipped") == Some("openai=down")
+    });
+    assert!(skipped, "{}", state());
+    let r = ask_provider(&stack, key);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-sluice-degraded"), Some("static"), "{r:?}");
+    assert_eq!(
+        stack
+            .envoy
+            .metric(
+                "sluice_provider_requests_total",
+                &[("provider", "openai"), ("outcome", "skipped_down")]
+            )
+            .map(|n| n >= 2.0),
+        Some(true)
+    );
+}

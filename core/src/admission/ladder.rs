@@ -39,8 +39,9 @@ pub struct Laddered {
     pub verdict: Verdict,
     /// The rung the request goes to (`None`: the primary, or answered).
     pub rung: Option<Box<Served>>,
-    /// Providers passed over because their budget could not hold it.
-    pub skipped: Vec<String>,
+    /// Providers passed over, and why: `budget` (theirs could not hold
+    /// it) or `down` (the sidecar reports the rung down).
+    pub skipped: Vec<(String, Skip)>,
     /// (provider, budget) whose `alert_at` fired now, once in its window.
     pub alerted: Vec<(String, String)>,
 }
@@ -49,7 +50,11 @@ impl Laddered {
     /// The verdict marked with the rungs skipped.
     fn marked(mut self) -> Laddered {
         if !self.skipped.is_empty() {
-            let list: Vec<String> = self.skipped.iter().map(|p| format!("{p}=budget")).collect();
+            let list: Vec<String> = self
+                .skipped
+                .iter()
+                .map(|(p, why)| format!("{p}={}", why.as_str()))
+                .collect();
             let header = ("x-sluice-skipped".to_string(), list.join(", "));
             match self.verdict.reply.as_mut() {
                 Some(reply) => reply.headers.push(header),
@@ -58,6 +63,31 @@ impl Laddered {
         }
         self
     }
+}
+
+/// Why a rung was passed over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skip {
+    /// Its own budget cannot hold the request.
+    Budget,
+    /// The sidecar reports it down (its Envoy cluster's health checks).
+    Down,
+}
+
+impl Skip {
+    /// In `x-sluice-skipped` and the `outcome` label (`skipped_<it>`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::Budget => "budget",
+            Skip::Down => "down",
+        }
+    }
+}
+
+/// The scope of a provider's rung in the sidecar's state: an open breaker
+/// there means the rung is down.
+pub fn rung_scope(provider: &str) -> String {
+    format!("provider:{provider}")
 }
 
 /// Compare-and-swap tries to mark a provider alert (another worker that
@@ -199,15 +229,45 @@ impl Engine {
         self.rung_after(api, model, None)
     }
 
-    /// Admits a request on `first` and, when a rung's own budget cannot
-    /// hold it, on the next rung that serves it, down to the static answer.
-    /// The verdict says which rungs were skipped
-    /// (`x-sluice-skipped: openai=budget`).
+    /// The providers the sidecar reports down (an open `provider:<name>`
+    /// breaker), as far as its state is trusted now (fresh, or kept under
+    /// `on_stale: fail_closed`).
+    pub fn rungs_down(
+        &self,
+        seen: &crate::admission::route::SidecarSeen,
+        now_ms: u64,
+    ) -> Vec<String> {
+        let Some(sidecar) = self.policy.sidecar.as_ref() else {
+            return Vec::new();
+        };
+        let fresh = now_ms.saturating_sub(seen.received_ms) <= sidecar.stale_after_ms;
+        let trusted = fresh || sidecar.on_stale == crate::policy::sidecar::OnStale::FailClosed;
+        let Some(state) = seen.state.as_ref().filter(|_| trusted) else {
+            return Vec::new();
+        };
+        self.policy
+            .ladder
+            .iter()
+            .filter(|name| {
+                let scope = rung_scope(name);
+                state.breakers.iter().any(|b| {
+                    b.scope == scope && b.state == crate::admission::route::BreakerState::Open
+                })
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// Admits a request on `first` and, when a rung is `down` or its own
+    /// budget cannot hold the request, on the next rung that serves it,
+    /// down to the static answer. The verdict says which rungs were
+    /// skipped (`x-sluice-skipped: openai=budget`).
     pub fn admit_down_the_ladder(
         &self,
         store: &dyn SharedStore,
         ctx: &RequestContext,
         first: Option<Box<Served>>,
+        down: &[String],
     ) -> Laddered {
         let (mut skipped, mut alerted) = (Vec::new(), Vec::new());
         let Some(mut served) = first else {
@@ -221,21 +281,26 @@ impl Engine {
         };
         let model = ctx.asked.and_then(|a| a.demand.model.as_deref());
         loop {
-            let verdict = self.admit_on(store, ctx, Some(&served));
-            for budget in self.alerts_due(store, &served.provider, &verdict, ctx.now_ms) {
-                alerted.push((served.provider.clone(), budget));
-            }
-            if !self.refused_by_rung(&verdict, &served) {
-                let rung = Some(served);
-                return Laddered {
-                    verdict,
-                    rung,
-                    skipped,
-                    alerted,
+            let why = if down.contains(&served.provider) {
+                Skip::Down
+            } else {
+                let verdict = self.admit_on(store, ctx, Some(&served));
+                for budget in self.alerts_due(store, &served.provider, &verdict, ctx.now_ms) {
+                    alerted.push((served.provider.clone(), budget));
                 }
-                .marked();
-            }
-            skipped.push(served.provider.clone());
+                if !self.refused_by_rung(&verdict, &served) {
+                    let rung = Some(served);
+                    return Laddered {
+                        verdict,
+                        rung,
+                        skipped,
+                        alerted,
+                    }
+                    .marked();
+                }
+                Skip::Budget
+            };
+            skipped.push((served.provider.clone(), why));
             match self.rung_after(ctx.api, model, Some(&served.provider)) {
                 Some(next) => served = Box::new(next),
                 None => {

@@ -280,3 +280,50 @@ fn a_rung_whose_budget_cannot_hold_the_request_is_skipped_for_the_next_then_stat
     );
     let _ = &mut poller;
 }
+
+/// The sidecar reports a rung down (an open `provider:<name>` breaker,
+/// from its Envoy cluster's health checks): it is passed over before any
+/// request is sent to it, down to the static answer, and serves again once
+/// the sidecar says it is back. A stale report is not trusted (fail_open).
+#[test]
+fn a_rung_the_sidecar_reports_down_is_skipped_before_dispatch() {
+    let host = MockHost::new(T0);
+    let poller = load(&host);
+    let down = |version: u64, open: bool| {
+        let breakers = if open {
+            json!([{"scope": "provider:openai", "state": "open",
+                    "reason": "Envoy health checks: 0 of 1 hosts of llm_fallback healthy"}])
+        } else {
+            json!([])
+        };
+        json!({"version": version, "kill_switch": {"active": true}, "breakers": breakers})
+    };
+    publish(&host, down(2, true));
+    let (_, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Pause);
+    let reply = host.last_reply().unwrap();
+    assert_eq!(reply.header("x-sluice-degraded"), Some("static"));
+    assert_eq!(reply.header("x-sluice-skipped"), Some("openai=down"));
+    assert_eq!(
+        host.metric(&crate::host::metrics::PROVIDER_REQUESTS.named(&["openai", "skipped_down"])),
+        Some(1)
+    );
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(0),
+        "nothing reserved for a rung that is down"
+    );
+    // Back up: the rung serves.
+    publish(&host, down(3, false));
+    let (_, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        host.req_header("x-sluice-upstream").as_deref(),
+        Some("openai")
+    );
+    // A report older than stale_after (10 s) is not trusted.
+    publish(&host, down(4, true));
+    host.advance(11_000);
+    let (_, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Continue, "a stale down report fails open");
+}

@@ -25,7 +25,7 @@ use std::rc::{Rc, Weak};
 
 use crate::admission::answer::{Decision, Reason};
 use crate::admission::identity::Identity;
-use crate::admission::ladder::Served;
+use crate::admission::ladder::{Served, Skip};
 use crate::admission::pushback::UpstreamReply;
 use crate::admission::route::{self, Pushback, SidecarSeen};
 use crate::admission::{Engine, RequestContext, Routed, Verdict};
@@ -87,10 +87,19 @@ fn admit_down_the_ladder(
     engine: &Engine,
     ctx: &RequestContext,
     rung: Option<Box<Served>>,
+    seen: &SidecarSeen,
 ) -> (Verdict, Option<Box<Served>>) {
-    let laddered = engine.admit_down_the_ladder(host, ctx, rung);
-    for provider in &laddered.skipped {
-        metrics::PROVIDER_REQUESTS.add_at(host, &[provider, "skipped_budget"], 1);
+    let down = match rung {
+        Some(_) => engine.rungs_down(seen, ctx.now_ms),
+        None => Vec::new(),
+    };
+    let laddered = engine.admit_down_the_ladder(host, ctx, rung, &down);
+    for (provider, why) in &laddered.skipped {
+        let outcome = match why {
+            Skip::Budget => "skipped_budget",
+            Skip::Down => "skipped_down",
+        };
+        metrics::PROVIDER_REQUESTS.add_at(host, &[provider, outcome], 1);
     }
     for (provider, budget) in &laddered.alerted {
         metrics::PROVIDER_BUDGET_ALERTS.add_at(host, &[provider], 1);
@@ -1448,7 +1457,7 @@ impl Stream {
                 }
             }
         }
-        let (mut verdict, rung) = admit_down_the_ladder(host, engine, &ctx, rung);
+        let (mut verdict, rung) = admit_down_the_ladder(host, engine, &ctx, rung, &seen);
         if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
             // A bucket frees up within the class's wait: the request
             // gives its slot back and tries again then, instead of a 429

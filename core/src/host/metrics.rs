@@ -181,7 +181,8 @@ pub const CONFIG_REJECTED: Metric = counter("sluice_config_rejected_total", &[])
 /// out).
 pub const REROUTED: Metric = counter("sluice_rerouted_total", &[]);
 /// Requests of each provider of the ladder, by `outcome`: `served` (sent
-/// to it) or `skipped_budget` (its own budget could not hold the request).
+/// to it), `skipped_budget` (its own budget could not hold the request) or
+/// `skipped_down` (the sidecar reports the rung down).
 pub const PROVIDER_REQUESTS: Metric =
     counter("sluice_provider_requests_total", &["provider", "outcome"]);
 /// A provider's spend budget crossed its `alert_at`: once per window (per

@@ -1,6 +1,8 @@
 //! `envoy_admin:`: Envoy's admin, read for requests per tier (see
-//! [`crate::watch::traffic`]).
+//! [`crate::watch::traffic`]) and for the health of the ladder's rungs
+//! (see [`crate::watch::rungs`]).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -22,7 +24,15 @@ pub struct EnvoyAdminConfig {
     /// Minutes kept and shown.
     #[serde(default = "default_minutes")]
     pub minutes: usize,
+    /// The filter's providers (the names of its policy's `providers`) →
+    /// the Envoy cluster each one's route goes to: a rung whose cluster
+    /// has no host passing Envoy's health checks is reported down.
+    #[serde(default)]
+    pub rungs: BTreeMap<String, String>,
 }
+
+/// The most rungs watched.
+pub const MAX_RUNGS: usize = 32;
 
 fn default_scrape_every() -> Duration {
     Duration::from_secs(10)
@@ -38,6 +48,7 @@ impl EnvoyAdminConfig {
             url: url.into(),
             scrape_every: default_scrape_every(),
             minutes: default_minutes(),
+            rungs: BTreeMap::new(),
         }
     }
 
@@ -51,6 +62,20 @@ impl EnvoyAdminConfig {
                 "envoy_admin.scrape_every",
                 "must be between 10ms and 60s (the counts are per minute)",
             ));
+        }
+        if self.rungs.len() > MAX_RUNGS {
+            return Err(invalid(
+                "envoy_admin.rungs",
+                format!("{} rungs; at most {MAX_RUNGS}", self.rungs.len()),
+            ));
+        }
+        for (provider, cluster) in &self.rungs {
+            if provider.is_empty() || cluster.is_empty() {
+                return Err(invalid(
+                    format!("envoy_admin.rungs.{provider}"),
+                    "a provider and its Envoy cluster are both names, not empty",
+                ));
+            }
         }
         if self.minutes == 0 || self.minutes > MAX_MINUTES {
             return Err(invalid(

@@ -235,7 +235,7 @@ impl History {
             })
             .filter(|g| g["points"].as_array().is_some_and(|p| !p.is_empty()))
             .collect();
-        let breakers: Vec<Value> = breakers
+        let mut breakers: Vec<Value> = breakers
             .iter()
             .map(|v| {
                 let rules = inner.rules.get(&v.scope).map_or(&[][..], Vec::as_slice);
@@ -269,6 +269,24 @@ impl History {
                 })
             })
             .collect();
+        // The ladder's rungs that are down (Envoy's health checks, see
+        // `watch::rungs`): rows of their own, with no rule.
+        breakers.extend(
+            state
+                .breakers
+                .iter()
+                .filter(|b| b.scope.starts_with(crate::state::RUNG_SCOPE))
+                .map(|b| {
+                    json!({
+                        "scope": b.scope,
+                        "state": b.state.as_str(),
+                        "since": humantime::format_rfc3339_seconds(b.since).to_string(),
+                        "reason": b.reason,
+                        "stale": false,
+                        "rules": [],
+                    })
+                }),
+        );
         let events: Vec<&Event> = inner.events.iter().rev().collect();
         json!({
             "now": humantime::format_rfc3339_seconds(now).to_string(),

@@ -1,6 +1,7 @@
 //! What the sidecar sees and concludes: one [`monitor`] round per scrape
 //! interval feeds the breaker rules and publishes the state; [`alerts`]
 //! (webhooks), [`history`] and [`traffic`] (the operator page's series),
+//! [`rungs`] (the ladder's providers, from Envoy's health checks),
 //! the [`kill_switch`], [`telemetry`] (what the last round saw, counters)
 //! and [`memory`] (handing memory back after bursts). Imports `sources`,
 //! `config`, `breaker` and the bottom layer only.
@@ -10,5 +11,6 @@ pub mod history;
 pub mod kill_switch;
 pub mod memory;
 pub mod monitor;
+pub mod rungs;
 pub mod snapshot;
 pub mod traffic;

@@ -234,12 +234,15 @@ impl ProviderAlerts {
 }
 
 /// Scrapes Envoy every `scrape_every` until `closing` turns true, for the
-/// traffic and the provider alerts (handed to `alerts`). Each scrape is
-/// bounded by `timeout` and the HTTP client's body cap; the `filter` query
-/// keeps Envoy's answer to sluice's two counters.
+/// traffic and the provider alerts (handed to `alerts`), and, with
+/// `rungs`, its clusters' health for the ladder's rungs (published in
+/// `store`, see [`crate::watch::rungs`]). Each scrape is bounded by
+/// `timeout` and the HTTP client's body cap; the `filter` query keeps
+/// Envoy's answer to sluice's two counters.
 pub async fn run(
     (traffic, timeout): (Arc<Traffic>, Duration),
     alerts: Option<crate::watch::alerts::Alerts>,
+    store: crate::state::StateStore,
     mut closing: watch::Receiver<bool>,
 ) {
     let Some(cfg) = traffic.cfg.clone() else {
@@ -251,6 +254,8 @@ pub async fn run(
     // Envoy's `filter` is a regular expression over stat names.
     let target =
         base.join("/stats/prometheus?filter=sluice_(requests|provider_budget_alerts)_total");
+    let clusters = base.join("/clusters?format=json");
+    let mut rungs = crate::watch::rungs::Rungs::default();
     let mut provider_alerts = ProviderAlerts::default();
     let mut ticker = tokio::time::interval(cfg.scrape_every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -273,6 +278,17 @@ pub async fn run(
                 }
             }
             Err(e) => traffic.failed(format!("reading Envoy's stats: {e}")),
+        }
+        if !cfg.rungs.is_empty() {
+            let health = match crate::http::get(&clusters, timeout).await {
+                Ok(body) => serde_json::from_slice::<Value>(&body)
+                    .ok()
+                    .map(|v| crate::watch::rungs::cluster_health(&v)),
+                Err(_) => None,
+            };
+            let now = SystemTime::now();
+            let down = rungs.observe(&cfg.rungs, health.as_ref(), now);
+            store.set_rung_breakers(now, down);
         }
     }
 }
