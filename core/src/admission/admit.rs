@@ -398,7 +398,7 @@ impl Engine {
         &self,
         quotas: &[Quota],
         taken: &[usize],
-    ) -> (Vec<(String, String)>, Vec<String>) {
+    ) -> (Vec<(String, String)>, Vec<BudgetAlert>) {
         let share_left = |q: &Quota| {
             (
                 q.remaining as u128 * 1_000_000 / q.limit.max(1) as u128,
@@ -439,15 +439,16 @@ impl Engine {
                 let used_permille =
                     1000 - (q.remaining as u128 * 1000 / q.limit.max(1) as u128) as u32;
                 if used_permille >= alert {
-                    alerts.push(format!("{}: {}% used", b.name, used_permille / 10));
+                    let text = format!("{}: {}% used", b.name, used_permille / 10);
+                    alerts.push(BudgetAlert { bucket: i, text });
                 }
             }
         }
         // A provider's budget is the operator's, not the caller's to see.
         let callers: Vec<&str> = alerts
             .iter()
-            .filter(|a| !a.starts_with("provider "))
-            .map(String::as_str)
+            .filter(|a| !self.is_provider_bucket(a.bucket))
+            .map(|a| a.text.as_str())
             .collect();
         if !callers.is_empty() {
             headers.push(("x-sluice-budget-alert".into(), callers.join("; ")));

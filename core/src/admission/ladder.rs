@@ -144,6 +144,12 @@ impl Engine {
             .copied()
     }
 
+    /// Is bucket `i` a provider's own budget (the operator's, never shown
+    /// to a caller)?
+    pub(crate) fn is_provider_bucket(&self, i: usize) -> bool {
+        self.provider_buckets.values().any(|b| b.contains(&i))
+    }
+
     /// Was `verdict` refused by `served`'s own budget (then the next rung
     /// is tried), not by the caller's?
     pub fn refused_by_rung(&self, verdict: &Verdict, served: &Served) -> bool {
@@ -187,10 +193,7 @@ impl Engine {
             .filter(|&i| {
                 let b = &self.buckets[i];
                 let crossed = verdict.bucket.as_deref() == Some(b.rule.id.as_str())
-                    || verdict.alerts.iter().any(|a| {
-                        a.strip_prefix(b.name.as_str())
-                            .is_some_and(|rest| rest.starts_with(':'))
-                    });
+                    || verdict.alerts.iter().any(|a| a.bucket == i);
                 crossed && b.alert_permille.is_some() && self.mark_alerted(store, i, now_ms)
             })
             .map(|i| self.buckets[i].name.clone())

@@ -76,6 +76,15 @@ pub struct Labels {
 }
 
 /// What to do with a request.
+/// A budget's `alert_at` crossed by a request: which bucket, and the text
+/// the caller is shown (`tier/pro/daily_tokens: 82% used`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BudgetAlert {
+    /// Index into the engine's buckets.
+    pub bucket: usize,
+    pub text: String,
+}
+
 #[derive(Debug, Clone)]
 pub struct Verdict {
     /// `Some`: answer the client with this and stop. `None`: go upstream.
@@ -92,7 +101,7 @@ pub struct Verdict {
     /// What was reserved, to settle after the response.
     pub plan: Option<Plan>,
     /// Budget alert thresholds crossed by this request.
-    pub alerts: Vec<String>,
+    pub alerts: Vec<BudgetAlert>,
     /// A soft cap rewrote the model, or the static table answered.
     pub degraded: Option<Degraded>,
     /// The rule id of the bucket that refused (`tier/free/requests`).
