@@ -327,3 +327,50 @@ fn a_rung_the_sidecar_reports_down_is_skipped_before_dispatch() {
     let (_, action) = post(&poller, &host, "llama3.1:8b");
     assert_eq!(action, Action::Continue, "a stale down report fails open");
 }
+
+/// A request a rung serves is settled as it was admitted, whatever a
+/// reload changes meanwhile: at the rung's prices then (not the new ones,
+/// nor the primary's once the provider is gone from the policy), with its
+/// reservation given back in full.
+#[test]
+fn a_reload_while_a_rung_serves_settles_at_the_prices_it_was_admitted_with() {
+    let host = MockHost::new(T0);
+    let mut poller = load(&host);
+    publish(
+        &host,
+        json!({"version": 2, "kill_switch": {"active": true}}),
+    );
+    let (mut req, action) = post(&poller, &host, "llama3.1:8b");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(sent(&host)["model"], "gpt-4o-mini");
+    // Reloaded: the provider is gone, and the primary's price doubled.
+    let mut changed = policy();
+    changed.as_object_mut().unwrap().remove("providers");
+    changed.as_object_mut().unwrap().remove("ladder");
+    changed["models"]["llama3.1:8b"]["price"] = json!({"input": "0.10", "output": "0.16"});
+    assert!(
+        poller.configure(&host, changed.to_string().as_bytes()),
+        "{:?}",
+        host.logs.borrow()
+    );
+    answer(
+        &host,
+        &mut req,
+        &json!({"choices": [{"message": {"content": "hi"}}],
+                "usage": {"prompt_tokens": 1000, "completion_tokens": 200, "total_tokens": 1200,
+                          "prompt_tokens_details": {"cached_tokens": 400}}}),
+    );
+    // openai's rates: (600 x 0.15 + 400 x 0.075 + 200 x 0.60) / 1M = 240 µ.
+    assert_eq!(
+        host.metric(crate::host::metrics::SPEND_MICROS.name),
+        Some(240)
+    );
+    assert_eq!(
+        host.metric(&crate::host::metrics::PROVIDER_SPEND.named(&["openai"])),
+        Some(240)
+    );
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(0)
+    );
+}
