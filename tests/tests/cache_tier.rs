@@ -84,6 +84,17 @@ fn start(setup: Setup<'_>, edit: impl FnOnce(&mut EnvoyConfig)) -> Stack {
     cfg.policy_mut()["cache"] = serde_yaml::to_value(&setup.cache).unwrap();
     edit(&mut cfg);
     let envoy = Envoy::start(&cfg, 2);
+    // Entries are kept under the sidecar's cache generation: one stored
+    // before its first state reached Envoy (generation 0) is not live once
+    // it has. Tests start from the state a running Envoy is in.
+    assert!(
+        wait_for(Duration::from_secs(10), || envoy
+            .metric("sluice_sidecar_polls_total", &[])
+            .unwrap_or(0.0)
+            >= 1.0),
+        "Envoy never heard from the sidecar:\n{}",
+        sidecar.log()
+    );
     Stack {
         envoy,
         sidecar,
