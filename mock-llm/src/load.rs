@@ -205,15 +205,19 @@ impl Limiter {
     }
 }
 
-/// OpenAI's spelling of a reset: `1s`, `250ms`, `6m0s`.
+/// OpenAI's spelling of a reset: `1s`, `250ms`, `6m0s`. Rounded up to
+/// what it writes: a reset rounded down (1491.7 ms as `1.491s`) would tell
+/// a client that waits exactly that long to come back before the window
+/// opens, into a 429.
 pub fn reset_text(d: Duration) -> String {
-    let ms = d.as_millis();
+    let ms = d.as_nanos().div_ceil(1_000_000);
     if ms < 1_000 {
         format!("{ms}ms")
     } else if ms < 60_000 {
-        format!("{}s", (ms as f64 / 1000.0 * 1000.0).round() / 1000.0)
+        format!("{}s", ms as f64 / 1000.0)
     } else {
-        format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
+        let s = ms.div_ceil(1000);
+        format!("{}m{}s", s / 60, s % 60)
     }
 }
 
@@ -275,6 +279,11 @@ mod tests {
         assert_eq!(reset_text(Duration::from_millis(2_000)), "2s");
         assert_eq!(reset_text(Duration::from_millis(1_500)), "1.5s");
         assert_eq!(reset_text(Duration::from_secs(360)), "6m0s");
+        // Never earlier than the window opens.
+        assert_eq!(reset_text(Duration::from_micros(1_491_700)), "1.492s");
+        assert_eq!(reset_text(Duration::from_micros(999_100)), "1s");
+        assert_eq!(reset_text(Duration::from_micros(100)), "1ms");
+        assert_eq!(reset_text(Duration::from_millis(60_001)), "1m1s");
     }
 
     #[test]
