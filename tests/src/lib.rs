@@ -383,6 +383,19 @@ impl MockLlm {
         get(&self.url("/admin/stats"), &[]).ok().json()
     }
 
+    /// The `x-mock-tag` of each tagged request, in the order they arrived.
+    pub fn tags(&self) -> Vec<String> {
+        let stats = self.stats();
+        stats["tags"]
+            .as_array()
+            .map(|tags| {
+                tags.iter()
+                    .filter_map(|t| t.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// `POST /admin/reset`: forgets recorded requests and injected behaviour.
     pub fn reset(&self) {
         let resp = request("POST", &self.url("/admin/reset"), &[], None)

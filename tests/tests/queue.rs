@@ -69,14 +69,8 @@ fn a_big_backlog_cannot_delay_a_small_tenant() {
     aims.extend((0..5).map(|_| aim("B").after_ms(150)));
     let shots = volley(&s.envoy, aims);
     assert!(shots.iter().all(|s| s.status == 200), "{shots:?}");
-    let stats = s.upstream.stats();
-    let order: Vec<&str> = stats["tags"]
-        .as_array()
-        .expect("tags")
-        .iter()
-        .filter_map(|t| t.as_str())
-        .collect();
-    assert_eq!(order.len(), 35, "{stats}");
+    let order = s.upstream.tags();
+    assert_eq!(order.len(), 35, "{order:?}");
     let first_b = order.iter().position(|u| *u == "B").unwrap();
     let last_b = order.iter().rposition(|u| *u == "B").unwrap();
     // B came 150 ms into a backlog of 30 × 40 ms: A was far from done.
@@ -130,14 +124,8 @@ fn weights_share_the_slots() {
     assert!(shots.iter().all(|s| s.status == 200), "{shots:?}");
     // The upstream's arrival order (two granted together may swap, which
     // moves a share of 40 by at most one).
-    let stats = s.upstream.stats();
-    let order: Vec<&str> = stats["tags"]
-        .as_array()
-        .expect("tags")
-        .iter()
-        .filter_map(|t| t.as_str())
-        .collect();
-    assert_eq!(order.len(), 80, "{stats}");
+    let order = s.upstream.tags();
+    assert_eq!(order.len(), 80, "{order:?}");
     // The first 40 dispatches: both classes still have work waiting.
     let gold = order[..40].iter().filter(|c| **c == "gold").count() as f64 / 40.0;
     assert!((0.675..=0.825).contains(&gold), "gold share {gold}");
@@ -418,13 +406,7 @@ fn saturation_holds_batch_and_refuses_interactive() {
     };
     assert!(shots.iter().all(|s| s.status == 200), "{shots:?}");
     // The upstream's arrival order (one slot: the queue's grant order).
-    let stats = upstream.stats();
-    let users: Vec<&str> = stats["tags"]
-        .as_array()
-        .expect("tags")
-        .iter()
-        .filter_map(|t| t.as_str())
-        .collect();
+    let users = upstream.tags();
     // Fair order: A and B alternate while both wait.
     assert_eq!(users[..4], ["A", "B", "A", "B"], "{users:?}");
 }

@@ -165,6 +165,17 @@ impl TestSidecar {
     }
 
     /// Waits until Envoy has received the current state and polls for the next.
+    /// Restarts with `extra` added to its config (what needs an address
+    /// known only once Envoy runs), and waits for Envoy's poll.
+    fn restart_with(&mut self, extra: &str) {
+        let config = self.dir.path().join("sidecar.yaml");
+        let mut text = fs::read_to_string(&config).expect("the sidecar's config");
+        text.push_str(extra);
+        fs::write(&config, text).expect("the sidecar's config");
+        self.restart();
+        self.wait_for_envoy();
+    }
+
     fn wait_for_envoy(&self) {
         assert!(
             wait_for(Duration::from_secs(10), || self.subscribers() >= 1.0),
@@ -1334,17 +1345,12 @@ fn a_providers_budget_alert_reaches_the_webhook_once_per_window() {
     });
     // The sidecar reads Envoy's stats (where the filter counts the alert)
     // and posts to the webhook: it needs Envoy's admin address, known now.
-    let config = sc.dir.path().join("sidecar.yaml");
-    let mut text = fs::read_to_string(&config).expect("the sidecar's config");
-    text.push_str(&format!(
+    sc.restart_with(&format!(
         "envoy_admin: {{ url: \"{}\", scrape_every: 100ms }}\n\
          alerts: {{ webhooks: [{{ url: \"http://{}/hook\" }}] }}\n",
         stack.envoy.admin_url(""),
         sink.addr
     ));
-    fs::write(&config, text).expect("the sidecar's config");
-    sc.restart();
-    sc.wait_for_envoy();
     sc.kill_switch(true);
     assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
     let key = ("x-api-key", "demo-pro-key");
@@ -1399,15 +1405,10 @@ fn a_rung_whose_health_checks_fail_is_skipped_before_any_caller_waits_on_it() {
         ))
         .expect("health check yaml");
     });
-    let config = sc.dir.path().join("sidecar.yaml");
-    let mut text = fs::read_to_string(&config).expect("the sidecar's config");
-    text.push_str(&format!(
+    sc.restart_with(&format!(
         "envoy_admin: {{ url: \"{}\", scrape_every: 100ms, rungs: {{ openai: llm_fallback }} }}\n",
         stack.envoy.admin_url("")
     ));
-    fs::write(&config, text).expect("the sidecar's config");
-    sc.restart();
-    sc.wait_for_envoy();
     sc.kill_switch(true);
     assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
     let key = ("x-api-key", "demo-pro-key");

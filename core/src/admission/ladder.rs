@@ -243,9 +243,7 @@ impl Engine {
         let Some(sidecar) = self.policy.sidecar.as_ref() else {
             return Vec::new();
         };
-        let fresh = now_ms.saturating_sub(seen.received_ms) <= sidecar.stale_after_ms;
-        let trusted = fresh || sidecar.on_stale == crate::policy::sidecar::OnStale::FailClosed;
-        let Some(state) = seen.state.as_ref().filter(|_| trusted) else {
+        let Some(state) = seen.trusted(now_ms, sidecar.stale_after_ms, sidecar.on_stale) else {
             return Vec::new();
         };
         self.policy

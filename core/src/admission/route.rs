@@ -41,6 +41,22 @@ pub struct SidecarSeen {
     pub received_ms: u64,
 }
 
+impl SidecarSeen {
+    /// The state whose breakers count at `now_ms`: received within
+    /// `stale_after_ms`, or older under `on_stale: fail_closed`.
+    pub fn trusted(
+        &self,
+        now_ms: u64,
+        stale_after_ms: u64,
+        on_stale: OnStale,
+    ) -> Option<&SidecarState> {
+        let fresh = now_ms.saturating_sub(self.received_ms) <= stale_after_ms;
+        self.state
+            .as_ref()
+            .filter(|_| fresh || on_stale == OnStale::FailClosed)
+    }
+}
+
 /// How long a claimed half-open probe keeps other requests out, at most
 /// (a probe whose answer never comes must not block the route for good).
 pub const PROBE_LEASE_MS: u64 = 30_000;
@@ -491,7 +507,6 @@ pub struct Situation<'a> {
 /// out sends the request down the ladder when the policy has one
 /// (`rung_when_out`), else to the static answer or a 503.
 pub fn route(s: &Situation) -> Route {
-    let fresh = s.now_ms.saturating_sub(s.seen.received_ms) <= s.stale_after_ms;
     let state = s.seen.state.as_ref();
     if state.is_some_and(|st| st.kill_switch.active) {
         return if s.has_fallback {
@@ -500,8 +515,7 @@ pub fn route(s: &Situation) -> Route {
             Route::Static
         };
     }
-    let trust_breakers = fresh || s.on_stale == OnStale::FailClosed;
-    if let Some(st) = state.filter(|_| trust_breakers) {
+    if let Some(st) = s.seen.trusted(s.now_ms, s.stale_after_ms, s.on_stale) {
         let model_scope = s.model.map(|m| format!("model:{m}"));
         let backend_scope = format!("backend:{}", s.backend);
         for b in &st.breakers {

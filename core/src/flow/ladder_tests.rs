@@ -77,6 +77,14 @@ fn answer(host: &MockHost, req: &mut Request, body: &Value) {
     req.on_log(host);
 }
 
+/// 1,000 prompt tokens, 400 of them cached, and 200 out: at openai's
+/// rates (600 x 0.15 + 400 x 0.075 + 200 x 0.60) / 1M = 240 µ.
+fn cached_answer() -> Value {
+    json!({"choices": [{"message": {"content": "hi"}}],
+           "usage": {"prompt_tokens": 1000, "completion_tokens": 200, "total_tokens": 1200,
+                     "prompt_tokens_details": {"cached_tokens": 400}}})
+}
+
 fn sent(host: &MockHost) -> Value {
     serde_json::from_slice(&host.request_body.borrow()).unwrap()
 }
@@ -107,13 +115,7 @@ fn the_kill_switch_sends_the_mapped_model_without_the_clients_key_at_the_provide
     assert!(body.get("max_tokens").is_none(), "{body}");
     // 1,000 prompt tokens, 400 of them cached, and 200 out, at openai's
     // rates: (600 x 0.15 + 400 x 0.075 + 200 x 0.60) / 1M = 240 µ.
-    answer(
-        &host,
-        &mut req,
-        &json!({"choices": [{"message": {"content": "hi"}}],
-                "usage": {"prompt_tokens": 1000, "completion_tokens": 200, "total_tokens": 1200,
-                          "prompt_tokens_details": {"cached_tokens": 400}}}),
-    );
+    answer(&host, &mut req, &cached_answer());
     assert_eq!(
         host.resp_header("x-sluice-provider").as_deref(),
         Some("openai")
@@ -353,13 +355,7 @@ fn a_reload_while_a_rung_serves_settles_at_the_prices_it_was_admitted_with() {
         "{:?}",
         host.logs.borrow()
     );
-    answer(
-        &host,
-        &mut req,
-        &json!({"choices": [{"message": {"content": "hi"}}],
-                "usage": {"prompt_tokens": 1000, "completion_tokens": 200, "total_tokens": 1200,
-                          "prompt_tokens_details": {"cached_tokens": 400}}}),
-    );
+    answer(&host, &mut req, &cached_answer());
     // openai's rates: (600 x 0.15 + 400 x 0.075 + 200 x 0.60) / 1M = 240 µ.
     assert_eq!(
         host.metric(crate::host::metrics::SPEND_MICROS.name),
