@@ -8,6 +8,7 @@ use super::*;
 use crate::admission::ladder::Served;
 use crate::limits::bucket::Shortfall;
 use crate::limits::reservation::{Reservation, Share};
+use crate::usage::declared::Declared;
 
 /// Who takes from the buckets: declared API keys by name (they have
 /// dedicated keys), everyone else by hash.
@@ -165,7 +166,10 @@ impl Engine {
             headers.push(("x-sluice-degraded".into(), kind.code().into()));
         }
         let (body, strip_usage) = match asked {
-            Some(asked) => upstream_body(&sized, asked, downshift.as_deref(), served),
+            Some(asked) => {
+                let declared = self.declared(sized.api);
+                upstream_body(&sized, asked, downshift.as_deref(), served, declared)
+            }
             None => (None, false),
         };
         let held = asked
@@ -184,6 +188,7 @@ impl Engine {
             strip_usage,
             price,
             output_lowered: lowered,
+            answer_at: self.declared(sized.api).map(|d| d.answer.clone()),
         });
         Verdict {
             reply: None,
@@ -618,14 +623,21 @@ impl Engine {
 /// The body the upstream gets: the served model (a downshift's, or the
 /// rung's), and the reserved limit in every field the API's servers read
 /// unless the body carries it there already — or, for a rung with a
-/// `limit_field`, in that one field only.
+/// `limit_field`, in that one field only. A declared API's: both at its
+/// pointers.
 fn upstream_body(
     sized: &Sized,
     asked: &Asked,
     downshift: Option<&str>,
     served: Option<&Served>,
+    declared: Option<&Declared>,
 ) -> (Option<Vec<u8>>, bool) {
     let model = served.and_then(|s| s.model.as_deref()).or(downshift);
+    if let Some(declared) = declared {
+        let max = sized.per_choice;
+        let new_output = (!declared.carries(&asked.body, max)).then_some(max);
+        return (declared.rewrite(&asked.body, model, new_output), false);
+    }
     let only = served
         .and_then(|s| s.limit_field)
         .filter(|f| sized.api.output_limit().reads.contains(f));

@@ -595,6 +595,7 @@ pub fn static_answer(
             | Api::AnthropicMessages
             | Api::Invocations
             | Api::Passthrough(_)
+            | Api::Declared(_)
             | Api::Other,
             _,
         ) => {
@@ -608,6 +609,23 @@ pub fn static_answer(
             ("x-sluice-degraded".into(), "static".into()),
         ],
         body: body.into_bytes(),
+    }
+}
+
+/// The static answer of a declared API: the text where the service's
+/// answers hold theirs (`answer.text`); without one, no shape is known and
+/// the request gets the 503 any API without a static shape gets.
+pub fn declared_static(declared: &crate::usage::declared::Declared, text: &str) -> Reply {
+    let Some(body) = declared.answer.static_body(text) else {
+        return unavailable(Reason::UpstreamUnhealthy, "no upstream can serve it", 30);
+    };
+    Reply {
+        status: 200,
+        headers: vec![
+            ("content-type".into(), "application/json".into()),
+            ("x-sluice-degraded".into(), "static".into()),
+        ],
+        body,
     }
 }
 

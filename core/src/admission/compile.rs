@@ -137,6 +137,7 @@ impl Engine {
     /// against the compiled ids, team and organisation buckets included.
     pub fn compile(policy: Policy) -> Result<Engine, ConfigError> {
         passthrough::check(&policy).map_err(|(path, why)| ConfigError::at(&path, why))?;
+        super::declared::check(&policy).map_err(|(path, why)| ConfigError::at(&path, why))?;
         let engine = Engine::new(policy);
         if let Some(fleet) = &engine.policy.fleet {
             let gates = crate::queue::Gates::new(&engine.policy);
@@ -168,6 +169,7 @@ impl Engine {
         let model_buckets = b.models(&policy);
         let route_buckets = b.routes(&policy);
         let passthrough = b.passthrough(&policy);
+        let declared = super::declared::compile(&policy);
         let provider_buckets = b.providers(&policy);
         let mut buckets = b.buckets;
         for (tier, list) in &tier_buckets {
@@ -195,6 +197,7 @@ impl Engine {
             route_buckets,
             provider_buckets,
             passthrough,
+            declared,
             penalty,
             leases: std::sync::Mutex::default(),
             hash_key: Default::default(),

@@ -22,7 +22,10 @@ pub fn speaks(api: Api) -> Option<Speaks> {
         }
         Api::AnthropicMessages => Some(Speaks::Anthropic),
         Api::OllamaChat | Api::OllamaGenerate | Api::OllamaEmbed => Some(Speaks::Ollama),
-        Api::Scoring | Api::Invocations | Api::Passthrough(_) | Api::Other => None,
+        // A declared API is the application's own: no provider speaks it.
+        Api::Scoring | Api::Invocations | Api::Passthrough(_) | Api::Declared(_) | Api::Other => {
+            None
+        }
     }
 }
 

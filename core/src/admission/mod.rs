@@ -39,6 +39,7 @@ pub mod admit;
 pub mod answer;
 pub mod bucket;
 pub mod compile;
+pub mod declared;
 pub mod for_fleet;
 pub mod hash_key;
 pub mod identity;
@@ -166,6 +167,9 @@ pub struct Plan {
     /// The output limit was lowered to fit a budget: the upstream's
     /// answer is not what the client's request would get (not cached).
     pub output_lowered: bool,
+    /// A declared API's: where its answer reports usage and text (kept
+    /// with the request, so a reload does not change how it settles).
+    pub answer_at: Option<crate::usage::declared::AnswerAt>,
 }
 
 impl Plan {
@@ -223,6 +227,8 @@ pub struct Engine {
     provider_buckets: HashMap<String, Vec<usize>>,
     /// The policy's `passthrough` rules and the bucket of each.
     pub(crate) passthrough: Vec<(crate::admission::passthrough::Compiled, usize)>,
+    /// The policy's `apis`, compiled (`Api::Declared` indexes them).
+    pub(crate) declared: Vec<crate::usage::declared::Declared>,
     /// The penalty box, when the policy has `abuse`.
     pub(crate) penalty: Option<crate::admission::penalty::PenaltyBox>,
     /// This worker's leases of the shared buckets (`state.worker_leases`).
@@ -327,7 +333,11 @@ impl Engine {
             return Ok(None);
         }
         let cap = |model: &str| self.output_cap(model);
-        match demand::parse_body(api, body, &cap) {
+        let parsed = match (api, self.declared(api)) {
+            (Api::Declared(i), Some(declared)) => declared.parse(i, body, &cap),
+            _ => demand::parse_body(api, body, &cap),
+        };
+        match parsed {
             Ok((demand, body)) => {
                 if let Some(field) = self.refuses_stored_context(&demand, &body) {
                     let refused = Refused::rejected(
@@ -337,7 +347,10 @@ impl Engine {
                     );
                     return Err(Box::new(self.refuse(&refused, &identity.tier, None)));
                 }
-                let input_raw = estimate::input_tokens_of(demand.api, &body);
+                let input_raw = match self.declared(demand.api) {
+                    Some(declared) => declared.input_tokens(&body),
+                    None => estimate::input_tokens_of(demand.api, &body),
+                };
                 Ok(Some(Asked {
                     demand,
                     body,
@@ -435,10 +448,14 @@ impl Engine {
             ..
         } = *ctx;
         let model = asked.and_then(|a| a.demand.model.as_deref());
-        let text = self.static_text(asked.map(|a| &a.body));
+        let text = self.static_text(api, asked.map(|a| &a.body));
         let stream = asked.is_some_and(|a| a.demand.stream);
-        let reply =
-            answer::static_answer(api, model.unwrap_or("sluice-static"), &text, stream, now_ms);
+        let reply = match self.declared(api) {
+            Some(declared) => answer::declared_static(declared, &text),
+            None => {
+                answer::static_answer(api, model.unwrap_or("sluice-static"), &text, stream, now_ms)
+            }
+        };
         let mut verdict = self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
         verdict.labels.decision = Decision::Degrade(Degraded::Static);
         verdict.degraded = Some(Degraded::Static);

@@ -100,12 +100,17 @@ pub(super) fn carries_max_output(api: Api, body: &Value, max: u64) -> bool {
 }
 
 impl Engine {
-    /// The canned answer for a body's last user prompt, else the message.
-    pub(super) fn static_text(&self, body: Option<&Value>) -> String {
+    /// The canned answer for a body's last user prompt (a declared API's:
+    /// the text at its first `input`), else the message.
+    pub(super) fn static_text(&self, api: Api, body: Option<&Value>) -> String {
         let Some(cfg) = &self.policy.static_fallback else {
             return crate::policy::StaticFallback::default_message();
         };
-        let prompt = body.map(prompt_text).unwrap_or_default();
+        let prompt = match (body, self.declared(api)) {
+            (Some(body), Some(declared)) => declared.prompt(body),
+            (Some(body), None) => prompt_text(body),
+            (None, _) => String::new(),
+        };
         let key = route::normalize_prompt(&prompt);
         cfg.answers
             .iter()

@@ -937,7 +937,12 @@ impl Stream {
             Err(raw) => self.path = raw,
         }
         if self.api == Api::Other && work {
-            self.api = self.engine().passthrough(method, &self.path);
+            // A declared API first (the policy refuses a path that is
+            // both), then the passthrough rules.
+            self.api = self
+                .engine()
+                .declared_api(method, &self.path)
+                .unwrap_or_else(|| self.engine().passthrough(method, &self.path));
             if self.api == Api::Other {
                 return Some(self.engine().unknown_endpoint(identity));
             }
@@ -1011,7 +1016,11 @@ impl Stream {
         if let Some(plan) = &up.plan {
             let content_type = host.response_header("content-type");
             let ollama = matches!(plan.api, Api::OllamaChat | Api::OllamaGenerate);
-            let format = Format::detect(content_type.as_deref(), plan.stream && ollama);
+            // A declared API's answer passes as it comes, read whole.
+            let format = match plan.answer_at {
+                Some(_) => Format::Json,
+                None => Format::detect(content_type.as_deref(), plan.stream && ollama),
+            };
             // A stream may run past its allowance only if the upstream
             // ignores the max output it was given; then sluice ends it.
             let allowance = plan.stream.then_some(plan.max_output);
@@ -1019,7 +1028,10 @@ impl Stream {
                 // sluice may change the stream's length.
                 host.set_response_header("content-length", None);
             }
-            up.meter = Some(ResponseMeter::new(format, plan.strip_usage, allowance));
+            up.meter = Some(match &plan.answer_at {
+                Some(at) => ResponseMeter::declared(at.clone(), plan.max_output),
+                None => ResponseMeter::new(format, plan.strip_usage, allowance),
+            });
         }
         Action::Continue
     }
@@ -1828,6 +1840,8 @@ mod audit;
 mod cache;
 #[cfg(test)]
 mod cache_tests;
+#[cfg(test)]
+mod declared_tests;
 #[cfg(test)]
 mod endpoint_tests;
 pub(crate) mod fleet_slots;

@@ -10,6 +10,7 @@
 
 pub mod abuse;
 pub mod anomaly_audit;
+pub mod apis;
 pub mod cache;
 pub mod fallback;
 pub mod fleet;
@@ -149,6 +150,10 @@ pub struct Policy {
     /// body is refused (deny by default).
     #[serde(default)]
     pub passthrough: Vec<crate::policy::passthrough::PassthroughRule>,
+    /// An application's own endpoints, read and reserved like the
+    /// built-in APIs (see `apis`).
+    #[serde(default)]
+    pub apis: Vec<crate::policy::apis::DeclaredApi>,
 }
 
 pub(crate) fn default_true() -> bool {
@@ -268,6 +273,7 @@ impl Policy {
         request::check(self)?;
         state::check(self)?;
         shares::check(self)?;
+        apis::check(self)?;
         queue::check(self)
     }
 }

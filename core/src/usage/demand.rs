@@ -28,6 +28,9 @@ pub enum Api {
     /// Not an LLM API sluice reads, let through by the policy's
     /// `passthrough` rule of this index: only request limits apply.
     Passthrough(u16),
+    /// An application's own API, the policy's `apis` entry of this index
+    /// (`usage/declared.rs`): read at its pointers, reserved, settled.
+    Declared(u16),
     /// Anything else: no body is read, only the request buckets apply; with
     /// a body (or as a POST), refused unless a `passthrough` rule opens it.
     Other,
@@ -155,6 +158,7 @@ impl Api {
                 | Api::OllamaGenerate
                 | Api::OllamaChat
                 | Api::AnthropicMessages
+                | Api::Declared(_)
         )
     }
 
@@ -172,6 +176,7 @@ impl Api {
             | Api::AnthropicMessages
             | Api::Invocations
             | Api::Passthrough(_)
+            | Api::Declared(_)
             | Api::Other => NONE,
         }
     }
@@ -423,7 +428,7 @@ pub fn parse_body(
 }
 
 /// The body as JSON, read strictly (bounded, no duplicate key).
-fn read_json(body: &[u8]) -> Result<Value, BadBody> {
+pub(crate) fn read_json(body: &[u8]) -> Result<Value, BadBody> {
     let limits = ReadLimits::default();
     read_strict(body, &limits).map_err(|e| {
         if let Some(bounded) = limits.hit.take() {
@@ -447,18 +452,23 @@ fn read_json(body: &[u8]) -> Result<Value, BadBody> {
 
 /// `model`: a non-empty string, bounded, without control characters.
 fn model_of(fields: &serde_json::Map<String, Value>) -> Result<String, BadBody> {
-    match fields.get("model") {
+    model_at(fields.get("model"), "model")
+}
+
+/// A model name found at `param` (a field or a declared pointer).
+pub(crate) fn model_at(value: Option<&Value>, param: &str) -> Result<String, BadBody> {
+    match value {
         Some(Value::String(m)) if m.len() > MAX_MODEL_BYTES => Err(BadBody::at(
-            "model",
-            format!("`model` is longer than {MAX_MODEL_BYTES} bytes"),
+            param,
+            format!("`{param}` is longer than {MAX_MODEL_BYTES} bytes"),
         )),
         Some(Value::String(m)) if m.chars().any(char::is_control) => Err(BadBody::at(
-            "model",
-            "`model` must not contain control characters",
+            param,
+            format!("`{param}` must not contain control characters"),
         )),
         Some(Value::String(m)) if !m.trim().is_empty() => Ok(m.clone()),
-        Some(Value::String(_)) | None => Err(BadBody::at("model", "`model` is required")),
-        Some(_) => Err(BadBody::at("model", "`model` must be a string")),
+        Some(Value::String(_)) | None => Err(BadBody::at(param, format!("`{param}` is required"))),
+        Some(_) => Err(BadBody::at(param, format!("`{param}` must be a string"))),
     }
 }
 
@@ -581,7 +591,7 @@ pub const MAX_JSON_VALUES: u32 = 1 << 19;
 /// for it: `[[1],[1],…]` costs a byte scan, not a parse. Brackets inside
 /// strings do not count. The error names the top-level key the bound was
 /// hit under (`body` outside any). Malformed JSON is left to the parser.
-fn scan_bounds(body: &[u8]) -> Result<(), BadBody> {
+pub(crate) fn scan_bounds(body: &[u8]) -> Result<(), BadBody> {
     // Per open container: is it an array, and its items so far.
     let mut open = [(false, 0u32); MAX_JSON_DEPTH as usize];
     let mut depth = 0usize;

@@ -254,7 +254,7 @@ pub fn input_tokens_of(api: Api, body: &Value) -> f64 {
 
 /// A content value: a string, a list of parts (`{"type":"text","text":…}`,
 /// Responses-API items), or anything else scored as JSON.
-fn content_tokens(v: &Value) -> f64 {
+pub(crate) fn content_tokens(v: &Value) -> f64 {
     match v {
         Value::String(s) => text_tokens(s),
         Value::Array(items) => items.iter().map(content_tokens).sum(),

@@ -177,6 +177,8 @@ impl Api {
             | Api::Scoring
             | Api::Invocations
             | Api::Passthrough(_)
+            // A declared API's limit is at its own pointer.
+            | Api::Declared(_)
             | Api::Other => &NO_OUTPUT,
         }
     }

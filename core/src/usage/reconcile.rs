@@ -8,6 +8,8 @@
 
 use serde_json::Value;
 
+use super::declared::AnswerAt;
+
 use crate::usage::estimate::text_tokens;
 
 /// Where input and output token counts live, per API shape. The first path
@@ -84,7 +86,7 @@ const REASONING_PATHS: &[&[&str]] = &[
 ];
 
 /// Counts above this are not believed (a misbehaving upstream, not a model).
-const MAX_BELIEVABLE: u64 = 100_000_000;
+pub(crate) const MAX_BELIEVABLE: u64 = 100_000_000;
 
 /// Usage reported by the upstream.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -390,6 +392,9 @@ pub struct ResponseMeter {
     /// SSE: the last event ended with a CR at the end of a chunk; an LF
     /// starting the next chunk belongs to it (a CRLF split in two).
     open_cr: Option<LastEvent>,
+    /// A declared API's answer: where it reports usage and text, and the
+    /// output reserved (charged when it says nothing believable).
+    declared: Option<(AnswerAt, u64)>,
 }
 
 /// What happened to the SSE event whose CR may still get its LF.
@@ -417,7 +422,16 @@ impl ResponseMeter {
             stream_output: None,
             stream_invalid: false,
             open_cr: None,
+            declared: None,
         }
+    }
+
+    /// The meter of a declared API's answer: one JSON document, read at
+    /// the declaration's pointers (`usage/declared.rs`).
+    pub fn declared(at: AnswerAt, reserved: u64) -> ResponseMeter {
+        let mut meter = ResponseMeter::new(Format::Json, false, None);
+        meter.declared = Some((at, reserved));
+        meter
     }
 
     /// Feeds one chunk of the body; returns what to send the client in its
@@ -429,7 +443,10 @@ impl ResponseMeter {
                     self.pending.extend_from_slice(chunk);
                 }
                 if end {
-                    if let Ok(v) = serde_json::from_slice::<Value>(&self.pending) {
+                    if let Some((at, reserved)) = &self.declared {
+                        let v = serde_json::from_slice::<Value>(&self.pending).ok();
+                        (self.found, self.output_events) = at.read(v.as_ref(), *reserved);
+                    } else if let Ok(v) = serde_json::from_slice::<Value>(&self.pending) {
                         self.found = usage_in(&v);
                         self.details = details_in(&v);
                         if !matches!(self.found, Found::Usage(_)) {

@@ -1,0 +1,450 @@
+//! A declared API (`policy/apis.rs`) as requests meet it: its path and
+//! methods, its body read by the declaration's pointers (the same strict
+//! JSON read as every built-in API: bounds, duplicate keys), the body
+//! rewritten at those pointers only, and its answer read for usage.
+//!
+//! What such a request reserves: the text at the `input` pointers (counted
+//! as any API's text), plus the output limit at `output_limit` (the
+//! model's default when the body has none), one completion. What it
+//! settles at: the answer's reported counts when the declaration says
+//! where they are; else the answer's text estimated; else (no text
+//! declared, or an answer that is no JSON) what was reserved.
+
+use serde_json::{Map, Value};
+
+use super::demand::{self, Api, BadBody, Demand};
+use super::estimate;
+use super::reconcile::{Found, Usage};
+use crate::policy::apis::{segments, DeclaredAnswer, DeclaredApi};
+
+/// A JSON pointer, as written (what errors name) and as its segments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pointer {
+    written: String,
+    segments: Vec<String>,
+}
+
+impl Pointer {
+    fn new(written: &str) -> Option<Pointer> {
+        Some(Pointer {
+            written: written.to_string(),
+            segments: segments(written).ok()?,
+        })
+    }
+
+    /// The value it points at; `null` reads as absent. A numeric segment
+    /// indexes an array.
+    pub fn get<'a>(&self, v: &'a Value) -> Option<&'a Value> {
+        self.segments
+            .iter()
+            .try_fold(v, |v, key| match v {
+                Value::Object(fields) => fields.get(key),
+                Value::Array(items) => items.get(key.parse::<usize>().ok()?),
+                _ => None,
+            })
+            .filter(|v| !v.is_null())
+    }
+
+    /// A body whose value here sluice can write: every part of the path
+    /// that is present is an object. Else the 400 names the part that is
+    /// not.
+    fn writable(&self, body: &Value) -> Result<(), BadBody> {
+        let mut at = body;
+        for (n, key) in self.segments.iter().enumerate() {
+            let Value::Object(fields) = at else {
+                let part = self.prefix(n);
+                return Err(BadBody::at(&part, format!("`{part}` must be an object")));
+            };
+            match fields.get(key) {
+                Some(next) => at = next,
+                None => return Ok(()),
+            }
+        }
+        Ok(())
+    }
+
+    /// The first `n` segments, written as a pointer.
+    fn prefix(&self, n: usize) -> String {
+        let parts: Vec<String> = self.segments[..n]
+            .iter()
+            .map(|s| s.replace('~', "~0").replace('/', "~1"))
+            .collect();
+        format!("/{}", parts.join("/"))
+    }
+
+    /// Writes `new` here, creating the objects on the way (checked
+    /// [`Pointer::writable`] when the body was read).
+    fn set(&self, body: &mut Value, new: Value) {
+        let Some((last, path)) = self.segments.split_last() else {
+            return;
+        };
+        let mut at = body;
+        for key in path {
+            let Value::Object(fields) = at else {
+                return;
+            };
+            at = fields
+                .entry(key.clone())
+                .or_insert_with(|| Value::Object(Map::new()));
+        }
+        if let Value::Object(fields) = at {
+            fields.insert(last.clone(), new);
+        }
+    }
+}
+
+/// Where a declared API's answer holds its text and usage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnswerAt {
+    text: Option<Pointer>,
+    input_tokens: Option<Pointer>,
+    output_tokens: Option<Pointer>,
+}
+
+impl AnswerAt {
+    fn new(answer: &DeclaredAnswer) -> Option<AnswerAt> {
+        let at = |p: &Option<String>| match p {
+            Some(p) => Pointer::new(p).map(Some),
+            None => Some(None),
+        };
+        Some(AnswerAt {
+            text: at(&answer.text)?,
+            input_tokens: at(&answer.input_tokens)?,
+            output_tokens: at(&answer.output_tokens)?,
+        })
+    }
+
+    /// What an answer (`None`: not JSON) says it cost, and the output to
+    /// charge when it says nothing believable: its text's estimate, or
+    /// `reserved` when there is no text to count.
+    pub fn read(&self, answer: Option<&Value>, reserved: u64) -> (Found, u64) {
+        let Some(answer) = answer else {
+            return (Found::Invalid, reserved);
+        };
+        let count = |p: &Option<Pointer>| -> Option<Result<u64, ()>> {
+            let v = p.as_ref()?.get(answer)?;
+            Some(
+                v.as_u64()
+                    .filter(|n| *n <= super::reconcile::MAX_BELIEVABLE)
+                    .ok_or(()),
+            )
+        };
+        match (count(&self.output_tokens), count(&self.input_tokens)) {
+            (Some(Err(())), _) | (Some(Ok(_)), Some(Err(()))) => (Found::Invalid, reserved),
+            (Some(Ok(output)), input) => {
+                // An input left out is estimated (settle reads 0 so).
+                let input = input.and_then(Result::ok).unwrap_or(0);
+                (Found::Usage(Usage { input, output }), output)
+            }
+            (None, _) => match self.text.as_ref() {
+                Some(text) => {
+                    let tokens = text.get(answer).map_or(0.0, estimate::content_tokens);
+                    (Found::Nothing, tokens.ceil() as u64)
+                }
+                None => (Found::Nothing, reserved),
+            },
+        }
+    }
+
+    /// A static answer with `text` where the service's answers hold theirs.
+    pub fn static_body(&self, text: &str) -> Option<Vec<u8>> {
+        let at = self.text.as_ref()?;
+        let mut body = Value::Object(Map::new());
+        at.set(&mut body, Value::String(text.to_string()));
+        Some(body.to_string().into_bytes())
+    }
+}
+
+/// A declaration, compiled once.
+#[derive(Debug, Clone)]
+pub struct Declared {
+    /// Canonical.
+    path: String,
+    /// Upper-cased.
+    methods: Vec<String>,
+    model: Pointer,
+    input: Vec<Pointer>,
+    limit: Pointer,
+    pub answer: AnswerAt,
+}
+
+impl Declared {
+    /// `None` for a declaration the policy's check refuses.
+    pub fn compile(api: &DeclaredApi) -> Option<Declared> {
+        Some(Declared {
+            path: demand::canonical_path(&api.path).ok()?,
+            methods: api.methods.iter().map(|m| m.to_ascii_uppercase()).collect(),
+            model: Pointer::new(&api.model)?,
+            input: api
+                .input
+                .iter()
+                .map(|p| Pointer::new(p))
+                .collect::<Option<_>>()?,
+            limit: Pointer::new(&api.output_limit)?,
+            answer: AnswerAt::new(&api.answer)?,
+        })
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Is this API's path (canonical) and one of its methods?
+    pub fn matches(&self, method: &str, canonical: &str) -> bool {
+        canonical == self.path && self.methods.iter().any(|m| m.eq_ignore_ascii_case(method))
+    }
+
+    /// Reads a body of this API (the `index`-th declared): its model, its
+    /// output limit (a non-negative integer up to the model's cap), and
+    /// the JSON for the estimate and the rewrite. Every error names the
+    /// pointer of the field.
+    pub fn parse(
+        &self,
+        index: u16,
+        body: &[u8],
+        output_cap: &dyn Fn(&str) -> u64,
+    ) -> Result<(Demand, Value), BadBody> {
+        demand::scan_bounds(body)?;
+        let value = demand::read_json(body)?;
+        if !value.is_object() {
+            return Err(BadBody {
+                message: "request body must be a JSON object".into(),
+                param: None,
+            });
+        }
+        self.model.writable(&value)?;
+        let model = demand::model_at(self.model.get(&value), &self.model.written)?;
+        self.limit.writable(&value)?;
+        let param = &self.limit.written;
+        let max_output = match self.limit.get(&value) {
+            None => None,
+            Some(v) => {
+                let v = v.as_u64().ok_or_else(|| {
+                    BadBody::at(param, format!("`{param}` must be a non-negative integer"))
+                })?;
+                let cap = output_cap(&model);
+                if v > cap {
+                    return Err(BadBody::at(
+                        param,
+                        format!("`{param}` is {v}, above the {cap} output tokens allowed for this model"),
+                    ));
+                }
+                Some(v)
+            }
+        };
+        let demand = Demand {
+            api: Api::Declared(index),
+            model: Some(model),
+            stream: false,
+            max_output,
+            choices: 1,
+            prompts: 1,
+        };
+        Ok((demand, value))
+    }
+
+    /// Estimated input tokens: the text at each `input` pointer.
+    pub fn input_tokens(&self, body: &Value) -> f64 {
+        self.input
+            .iter()
+            .filter_map(|p| p.get(body))
+            .map(estimate::content_tokens)
+            .sum()
+    }
+
+    /// The prompt a canned static answer is matched by: the text at the
+    /// first `input` pointer that holds a string.
+    pub fn prompt(&self, body: &Value) -> String {
+        self.input
+            .iter()
+            .find_map(|p| p.get(body).and_then(Value::as_str))
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// Does the body carry exactly `max` at the output limit already?
+    pub fn carries(&self, body: &Value, max: u64) -> bool {
+        self.limit.get(body).and_then(Value::as_u64) == Some(max)
+    }
+
+    /// The body the service gets: `model` and the reserved output `max`
+    /// written at their pointers; `None` when neither changes.
+    pub fn rewrite(&self, body: &Value, model: Option<&str>, max: Option<u64>) -> Option<Vec<u8>> {
+        if model.is_none() && max.is_none() {
+            return None;
+        }
+        let mut json = body.clone();
+        if let Some(m) = model {
+            self.model.set(&mut json, Value::String(m.to_string()));
+        }
+        if let Some(max) = max {
+            self.limit.set(&mut json, max.into());
+        }
+        Some(json.to_string().into_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn declared(answer: Value) -> Declared {
+        let api: DeclaredApi = serde_json::from_value(json!({
+            "path": "/api/v1/ai/chat",
+            "model": "/model",
+            "input": ["/message", "/history"],
+            "output_limit": "/options/max_tokens",
+            "answer": answer,
+        }))
+        .unwrap();
+        Declared::compile(&api).unwrap()
+    }
+
+    fn parse(d: &Declared, body: Value) -> Result<(Demand, Value), BadBody> {
+        d.parse(3, body.to_string().as_bytes(), &|_| 1000)
+    }
+
+    #[test]
+    fn a_body_is_read_at_its_pointers() {
+        let d = declared(json!({}));
+        let body = json!({"model": "llama3.1:8b", "message": "hello there", "user_id": "u1",
+                          "options": {"max_tokens": 200}});
+        let (demand, value) = parse(&d, body).unwrap();
+        assert_eq!(demand.api, Api::Declared(3));
+        assert_eq!(demand.model.as_deref(), Some("llama3.1:8b"));
+        assert_eq!(demand.max_output, Some(200));
+        assert!(!demand.stream);
+        assert!(d.input_tokens(&value) > 0.0);
+        let (none, _) = parse(&d, json!({"model": "m", "message": "x"})).unwrap();
+        assert_eq!(none.max_output, None);
+        assert!(d.matches("post", "/api/v1/ai/chat"));
+        assert!(!d.matches("GET", "/api/v1/ai/chat"));
+    }
+
+    #[test]
+    fn only_the_declared_input_is_counted() {
+        let d = declared(json!({}));
+        let long = "word ".repeat(400);
+        let (_, counted) = parse(&d, json!({"model": "m", "message": long})).unwrap();
+        let (_, elsewhere) =
+            parse(&d, json!({"model": "m", "message": "x", "note": long})).unwrap();
+        assert!(d.input_tokens(&counted) > 300.0);
+        assert!(d.input_tokens(&elsewhere) < 10.0);
+        let history = json!({"model": "m", "history": [{"role": "user", "content": long}]});
+        let (_, v) = parse(&d, history).unwrap();
+        assert!(d.input_tokens(&v) > 300.0, "messages under a pointer count");
+    }
+
+    /// Every refusal names the declared pointer of its field.
+    #[test]
+    fn bad_bodies_are_refused_naming_the_pointer() {
+        let d = declared(json!({}));
+        let cases = [
+            (json!({"message": "x"}), "/model", "required"),
+            (json!({"model": 7}), "/model", "must be a string"),
+            (
+                json!({"model": "m", "options": {"max_tokens": -1}}),
+                "/options/max_tokens",
+                "non-negative",
+            ),
+            (
+                json!({"model": "m", "options": {"max_tokens": "9"}}),
+                "/options/max_tokens",
+                "non-negative",
+            ),
+            (
+                json!({"model": "m", "options": {"max_tokens": 5000}}),
+                "/options/max_tokens",
+                "above the 1000",
+            ),
+            (
+                json!({"model": "m", "options": 3}),
+                "/options",
+                "must be an object",
+            ),
+        ];
+        for (body, param, says) in cases {
+            let err = parse(&d, body.clone()).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{body}");
+            assert!(err.message.contains(says), "{body}: {}", err.message);
+        }
+        let dup = br#"{"model": "a", "model": "b"}"#;
+        let err = d.parse(0, dup, &|_| 1000).unwrap_err();
+        assert_eq!(
+            err.param.as_deref(),
+            Some("model"),
+            "duplicate keys refused"
+        );
+        assert!(d.parse(0, b"[1]", &|_| 1000).is_err());
+    }
+
+    #[test]
+    fn the_rewrite_touches_the_pointers_only() {
+        let d = declared(json!({}));
+        let body = json!({"model": "big", "message": "x", "extra": {"k": [1, 2]}});
+        let sent = d.rewrite(&body, Some("small"), Some(64)).unwrap();
+        let sent: Value = serde_json::from_slice(&sent).unwrap();
+        assert_eq!(
+            sent,
+            json!({"model": "small", "message": "x", "extra": {"k": [1, 2]}, "options": {"max_tokens": 64}})
+        );
+        assert!(d.carries(&sent, 64));
+        assert!(!d.carries(&sent, 63));
+        assert_eq!(d.rewrite(&body, None, None), None);
+    }
+
+    #[test]
+    fn an_answer_settles_from_its_counts_its_text_or_the_reservation() {
+        let full = declared(
+            json!({"text": "/reply", "input_tokens": "/usage/in", "output_tokens": "/usage/out"}),
+        );
+        let answer = json!({"reply": "hi", "usage": {"in": 12, "out": 34}});
+        assert_eq!(
+            full.answer.read(Some(&answer), 500),
+            (
+                Found::Usage(Usage {
+                    input: 12,
+                    output: 34
+                }),
+                34
+            )
+        );
+        let no_input = json!({"reply": "hi", "usage": {"out": 34}});
+        assert_eq!(
+            full.answer.read(Some(&no_input), 500).0,
+            Found::Usage(Usage {
+                input: 0,
+                output: 34
+            })
+        );
+        for insane in [
+            json!({"usage": {"out": -1}}),
+            json!({"usage": {"out": "34"}}),
+            json!({"usage": {"in": "x", "out": 3}}),
+            json!({"usage": {"out": 1e12}}),
+        ] {
+            assert_eq!(
+                full.answer.read(Some(&insane), 500),
+                (Found::Invalid, 500),
+                "{insane}"
+            );
+        }
+        let (found, counted) = full
+            .answer
+            .read(Some(&json!({"reply": "word ".repeat(100)})), 500);
+        assert_eq!(found, Found::Nothing);
+        assert!((80..200).contains(&counted), "{counted}");
+        assert_eq!(full.answer.read(None, 500), (Found::Invalid, 500));
+        let bare = declared(json!({}));
+        assert_eq!(bare.answer.read(Some(&answer), 500), (Found::Nothing, 500));
+    }
+
+    #[test]
+    fn the_static_answer_puts_its_text_where_the_service_does() {
+        let d = declared(json!({"text": "/data/reply"}));
+        let body: Value = serde_json::from_slice(&d.answer.static_body("sorry").unwrap()).unwrap();
+        assert_eq!(body, json!({"data": {"reply": "sorry"}}));
+        assert_eq!(declared(json!({})).answer.static_body("sorry"), None);
+    }
+}
