@@ -1191,6 +1191,39 @@ fn the_kill_switch_sends_the_providers_model_with_its_key_and_bills_at_its_price
     assert_eq!(requests_total(&provider), asked);
 }
 
+/// An application's own API (`apis`) under the kill switch: no provider
+/// speaks it, so it never goes down a rung (the provider would get a body
+/// it cannot read, with its key); it gets the static answer in the
+/// service's own shape, at the declared `answer.text`.
+#[test]
+fn under_the_kill_switch_a_declared_api_gets_its_static_answer_never_a_provider() {
+    let provider = provider();
+    let sc = TestSidecar::start("30s", "10s");
+    let stack = Stack::start(|cfg| {
+        provider_policy(cfg, sc.addr(), provider.addr());
+        cfg.policy_mut()["apis"] = serde_yaml::from_str(
+            "[{path: /api/v1/ai/chat, model: /model, input: [/message], \
+              output_limit: /max_tokens, answer: {text: /reply}}]",
+        )
+        .expect("apis yaml");
+    });
+    sc.wait_for_envoy();
+    sc.kill_switch(true);
+    assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
+    let body = json!({"model": MODEL, "message": "hello", "user_id": "u1"});
+    let key = ("x-api-key", "demo-pro-key");
+    let r = post_json(&stack.envoy.url("/api/v1/ai/chat"), &[key], &body);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-sluice-degraded"), Some("static"), "{r:?}");
+    assert!(r.json()["reply"].is_string(), "the service's shape: {r:?}");
+    assert_eq!(requests_total(&provider), 0, "no provider speaks it");
+    // A chat under the same switch still takes the rung.
+    assert_eq!(
+        ask_provider(&stack, key).header("x-sluice-provider"),
+        Some("openai")
+    );
+}
+
 #[test]
 fn with_a_ladder_an_open_breaker_sends_traffic_to_the_provider_and_back() {
     let provider = provider();
