@@ -1456,6 +1456,24 @@ fn a_rung_whose_health_checks_fail_is_skipped_before_any_caller_waits_on_it() {
         "{}",
         state()
     );
+    // The page lists the rung up, with the sidecar's connect time to it.
+    let rung_row = || {
+        let page: Json =
+            serde_json::from_str(&get(&sc.sidecar.url("/v1/history"), &[]).body).expect("history");
+        page["breakers"]
+            .as_array()
+            .and_then(|b| b.iter().find(|b| b["scope"] == "provider:openai").cloned())
+            .unwrap_or_default()
+    };
+    let listed = wait_for(Duration::from_secs(5), || rung_row()["connect_ms"].is_u64());
+    let row = rung_row();
+    assert!(listed && row["state"] == "closed", "{row}");
+    assert!(
+        row["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("1 of 1 hosts")),
+        "{row}"
+    );
     // The provider goes away: Envoy's checks fail, the sidecar says so.
     drop(provider);
     let down = wait_for(Duration::from_secs(10), || {
@@ -1465,18 +1483,14 @@ fn a_rung_whose_health_checks_fail_is_skipped_before_any_caller_waits_on_it() {
         })
     });
     assert!(down, "{}\n{}", state(), sc.sidecar.log());
-    // The operator page lists the rung with Envoy's reason.
-    let page: Json =
-        serde_json::from_str(&get(&sc.sidecar.url("/v1/history"), &[]).body).expect("history");
-    let row = page["breakers"]
-        .as_array()
-        .and_then(|b| b.iter().find(|b| b["scope"] == "provider:openai").cloned())
-        .unwrap_or_default();
-    assert_eq!(row["state"], "open", "{page}");
+    // The operator page lists the rung down with Envoy's reason, and that
+    // nothing answers a connect any more.
+    let row = rung_row();
+    assert_eq!(row["state"], "open", "{row}");
     assert!(
         row["reason"]
             .as_str()
-            .is_some_and(|r| r.contains("llm_fallback")),
+            .is_some_and(|r| r.contains("llm_fallback") && r.contains("TCP connect failed")),
         "{row}"
     );
     let skipped = wait_for(Duration::from_secs(5), || {

@@ -269,13 +269,17 @@ impl History {
                 })
             })
             .collect();
-        // The ladder's rungs that are down (Envoy's health checks, see
-        // `watch::rungs`): rows of their own, with no rule.
+        // The ladder's rungs, up or down (Envoy's health checks and the
+        // sidecar's connect time, see `watch::rungs`): rows of their own,
+        // with no rule.
+        breakers.extend(self.traffic.rung_rows());
+        // Another sidecar of the fleet's verdict on a rung this one does
+        // not watch.
         breakers.extend(
             state
                 .breakers
                 .iter()
-                .filter(|b| b.scope.starts_with(crate::state::RUNG_SCOPE))
+                .filter(|b| b.from_fleet && b.scope.starts_with(crate::state::RUNG_SCOPE))
                 .map(|b| {
                     json!({
                         "scope": b.scope,

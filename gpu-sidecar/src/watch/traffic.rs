@@ -46,6 +46,8 @@ struct Inner {
     minutes: VecDeque<(u64, BTreeMap<String, Counts>)>,
     last_ok: Option<SystemTime>,
     error: Option<String>,
+    /// The ladder's rungs as the last scrape of Envoy's clusters saw them.
+    rungs: Vec<crate::watch::rungs::RungView>,
 }
 
 /// The per-minute counts. Disabled (no `envoy_admin`): the page says so.
@@ -139,6 +141,16 @@ impl Traffic {
         while inner.minutes.len() > keep {
             inner.minutes.pop_front();
         }
+    }
+
+    /// The rungs as the last reading of Envoy's clusters saw them.
+    pub fn set_rungs(&self, views: Vec<crate::watch::rungs::RungView>) {
+        self.lock().rungs = views;
+    }
+
+    /// The rungs' rows of the page's breakers table.
+    pub fn rung_rows(&self) -> Vec<Value> {
+        self.lock().rungs.iter().map(|r| r.row()).collect()
     }
 
     /// A failed scrape: shown on the page; the baseline stays.
@@ -286,9 +298,14 @@ pub async fn run(
                     .map(|v| crate::watch::rungs::cluster_health(&v)),
                 Err(_) => None,
             };
+            let connect = match &health {
+                Some(h) => crate::watch::rungs::connect_times(&cfg.rungs, h, timeout).await,
+                None => BTreeMap::new(),
+            };
             let now = SystemTime::now();
             let down = rungs.observe(&cfg.rungs, health.as_ref(), now);
             store.set_rung_breakers(now, down);
+            traffic.set_rungs(rungs.views(&cfg.rungs, health.as_ref(), &connect));
         }
     }
 }
