@@ -6,10 +6,10 @@
 //! exact under a parallel burst; a bad body is a 400 naming the pointer and
 //! never reaches the service; `check-config` names a bad pointer.
 //!
-//! Upstream: a small service written here (not mock-llm, which plays the
-//! LLM servers sluice knows): it answers in its own shape and generates as
-//! many tokens as the body's `max_tokens` allows (64 when absent), which is
-//! what a service that obeys its limit does at worst.
+//! Upstream personality: a small service written here (not mock-llm,
+//! which plays the LLM servers sluice knows): it answers in its own shape
+//! and generates as many tokens as the body's `max_tokens` allows (64 when
+//! absent), which is what a service that obeys its limit does at worst.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
