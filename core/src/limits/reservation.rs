@@ -381,22 +381,28 @@ impl Reserver<'_> {
         effort: &mut Contention,
     ) -> Result<Reservation, Refusal> {
         let mut taken: Vec<Option<(Held, Quota, bool)>> = vec![None; claims.len()];
-        let mut held_so_far: Vec<Held> = Vec::new();
         let mut leases = Vec::new();
         for group in groups(claims) {
             match self.take_record(claims, &group, caller, now_ms, effort) {
                 Ok(items) => {
                     for (i, held, quota, over, lease) in items {
-                        held_so_far.push(held.clone());
                         if let Some(lease) = lease {
-                            held_so_far.push(lease.clone());
                             leases.push((i, lease, quota));
                         }
                         taken[i] = Some((held, quota, over));
                     }
                 }
                 Err((index, refusal)) => {
-                    self.release(&held_so_far, now_ms, effort);
+                    // Everything taken so far goes back: the claims' holds
+                    // and the leases on top of them.
+                    let held_so_far: Vec<(&Held, u64)> = taken
+                        .iter()
+                        .flatten()
+                        .map(|(held, _, _)| held)
+                        .chain(leases.iter().map(|(_, lease, _)| lease))
+                        .map(|h| (h, 0))
+                        .collect();
+                    self.settle_all(&held_so_far, now_ms, effort);
                     return Err(match refusal {
                         TakeError::Full(shortfall) => Refusal::Full { index, shortfall },
                         TakeError::NoSlot(retry_after_ms) => Refusal::NoSlot {

@@ -596,37 +596,44 @@ pub(crate) fn scan_bounds(body: &[u8]) -> Result<(), BadBody> {
     let mut open = [(false, 0u32); MAX_JSON_DEPTH as usize];
     let mut depth = 0usize;
     let mut containers = 0u32;
-    let (mut in_string, mut escaped) = (false, false);
     // The last string closed directly inside the root object, and the key
     // the scan is under now.
     let (mut last, mut field) = ((0, 0), None::<(usize, usize)>);
-    let mut string_start = 0;
     let name = |field: Option<(usize, usize)>| -> String {
         field.and_then(|(a, b)| body.get(a..b)).map_or_else(
             || "body".into(),
             |k| String::from_utf8_lossy(k).chars().take(64).collect(),
         )
     };
-    for (i, &byte) in body.iter().enumerate() {
-        if in_string {
-            match byte {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => {
-                    in_string = false;
-                    if depth == 1 {
-                        last = (string_start, i);
-                    }
+    let mut i = 0;
+    while let Some(&byte) = body.get(i) {
+        if byte == b'"' {
+            // A string: skipped to its closing quote at once (memchr's
+            // word-at-a-time search), its escapes stepped over.
+            let start = i + 1;
+            let mut at = start;
+            loop {
+                let Some(off) = body
+                    .get(at..)
+                    .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
+                else {
+                    return Ok(()); // unterminated: the parser says how
+                };
+                at += off;
+                if body.get(at) == Some(&b'\\') {
+                    at += 2;
+                    continue;
                 }
-                _ => {}
+                break;
             }
+            if depth == 1 {
+                last = (start, at);
+            }
+            i = at + 1;
             continue;
         }
+        i += 1;
         match byte {
-            b'"' => {
-                in_string = true;
-                string_start = i + 1;
-            }
             b':' if depth == 1 => field = Some(last),
             b'[' | b'{' => {
                 let Some(slot) = open.get_mut(depth) else {

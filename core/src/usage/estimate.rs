@@ -61,6 +61,7 @@ const fn ascii_class(b: u8) -> Class {
 
 /// What a finished run costs: `n` letters, digits or punctuation marks, or
 /// `n` spaces and tabs (and a line break when `newline`) for a blank run.
+#[inline(always)]
 fn run_tokens(run: Class, n: u32, newline: bool, tokens: &mut f64) {
     match run {
         // Common words (with their leading space) are one token; long or
@@ -85,13 +86,15 @@ fn run_tokens(run: Class, n: u32, newline: bool, tokens: &mut f64) {
     }
 }
 
-/// The class of each ASCII byte, computed at compile time: the common
-/// case is read from a table, not branched out per character.
-const ASCII_CLASS: [Class; 128] = {
-    let mut table = [Class::Other; 128];
+/// The class of each byte, computed at compile time: the common case is
+/// read from a table, not branched out per character. A byte of a
+/// multi-byte character (0x80 and up) reads `None`: it is classed whole,
+/// as a `char`, on the slow path.
+const BYTE_CLASS: [Option<Class>; 256] = {
+    let mut table = [None; 256];
     let mut b = 0;
     while b < 128 {
-        table[b] = ascii_class(b as u8);
+        table[b] = Some(ascii_class(b as u8));
         b += 1;
     }
     table
@@ -99,8 +102,9 @@ const ASCII_CLASS: [Class; 128] = {
 
 /// Estimated tokens of one text, by character class. Runs of one class are
 /// scored together, as a BPE pre-tokenizer splits text at class changes.
-/// Runs on every request body: one pass over the bytes, ASCII classed by
-/// table and only other characters decoded, a run scored where it ends.
+/// Runs on every request body: one pass over the bytes, each ASCII run of
+/// letters, digits or punctuation taken whole from the byte table, a
+/// multi-byte character decoded once.
 pub fn text_tokens(text: &str) -> f64 {
     let mut tokens = 0.0;
     let mut run = Class::Other;
@@ -108,17 +112,17 @@ pub fn text_tokens(text: &str) -> f64 {
     let mut newline = false; // the current blank run breaks a line
     let bytes = text.as_bytes();
     let mut i = 0;
-    while i < bytes.len() {
-        let b = bytes[i];
-        let (c, class) = if b < 0x80 {
-            (b as char, ASCII_CLASS[b as usize])
-        } else {
-            // A multi-byte character: `i` is on a boundary (every step
-            // is whole characters), so this always decodes one.
-            let Some(c) = text.get(i..).and_then(|rest| rest.chars().next()) else {
-                break;
-            };
-            (c, class(c))
+    while let Some(&b) = bytes.get(i) {
+        let (c, class) = match BYTE_CLASS[b as usize] {
+            Some(class) => (b as char, class),
+            None => {
+                // A multi-byte character: `i` is on a boundary (every step
+                // is whole characters), so this always decodes one.
+                let Some(c) = text.get(i..).and_then(|rest| rest.chars().next()) else {
+                    break;
+                };
+                (c, class(c))
+            }
         };
         i += c.len_utf8();
         if class != run {
@@ -127,7 +131,6 @@ pub fn text_tokens(text: &str) -> f64 {
         }
         match class {
             Class::Letter | Class::Digit | Class::Punct => {
-                n += 1;
                 // Accented Latin letters stay in the word but, two bytes
                 // long, are seldom merged: each costs about a token more.
                 if b >= 0x80 {
@@ -136,11 +139,33 @@ pub fn text_tokens(text: &str) -> f64 {
                 // The rest of an ASCII run at once (no float on the way,
                 // so the sum is added in the same order as per character).
                 let start = i;
-                while i < bytes.len() && bytes[i] < 0x80 && ASCII_CLASS[bytes[i] as usize] == class
+                while bytes
+                    .get(i)
+                    .is_some_and(|&next| BYTE_CLASS[next as usize] == Some(class))
                 {
                     i += 1;
                 }
-                n += (i - start) as u32;
+                n += 1 + (i - start) as u32;
+                // Prose: a word, one space, the next word. The space's run
+                // scores nothing (it rides with the word), so words are
+                // scored back to back without leaving this loop.
+                while class == Class::Letter
+                    && bytes.get(i) == Some(&b' ')
+                    && bytes
+                        .get(i + 1)
+                        .is_some_and(|&next| BYTE_CLASS[next as usize] == Some(Class::Letter))
+                {
+                    run_tokens(Class::Letter, n, false, &mut tokens);
+                    let start = i + 1;
+                    i += 2;
+                    while bytes
+                        .get(i)
+                        .is_some_and(|&next| BYTE_CLASS[next as usize] == Some(Class::Letter))
+                    {
+                        i += 1;
+                    }
+                    n = (i - start) as u32;
+                }
             }
             Class::Blank if c == '\n' || c == '\r' => newline = true,
             Class::Blank => n += 1,
@@ -446,11 +471,15 @@ mod tests {
 
     #[test]
     fn the_one_pass_estimate_equals_the_per_character_one_bit_for_bit() {
-        let alphabet: Vec<char> = "aZé€ü 7\t\n\r.,;\"{}今한ـ—«\u{1}\u{7f}😀ÿ9x "
+        let mixed: Vec<char> = "aZé€ü 7\t\n\r.,;\"{}今한ـ—«\u{1}\u{7f}😀ÿ9x "
             .chars()
             .collect();
+        // Prose: words and single spaces (the estimate's fast path), with
+        // a few of everything that breaks it.
+        let prose: Vec<char> = "abcdefghij  abcdefghij  é.\n7".chars().collect();
         let mut x = 0x2545_f491_4f6c_dd1du64;
-        for len in 0..400 {
+        for len in 0..800 {
+            let alphabet = if len % 2 == 0 { &mixed } else { &prose };
             let text: String = (0..len)
                 .map(|_| {
                     x ^= x << 13;

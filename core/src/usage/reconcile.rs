@@ -159,6 +159,46 @@ fn ollama_without_input(v: &Value) -> bool {
         && v.get("prompt_eval_count").is_none_or(Value::is_null)
 }
 
+/// The top-level fields of an answer that hold its usage (every path of
+/// the tables above starts at one of them), read without building the
+/// rest: serde skips the other fields (`choices`, `content`, …) as bytes,
+/// allocating nothing for their text.
+#[derive(serde::Deserialize)]
+struct UsageFields {
+    usage: Option<Value>,
+    response: Option<Value>,
+    message: Option<Value>,
+    prompt_eval_count: Option<Value>,
+    eval_count: Option<Value>,
+    done: Option<Value>,
+}
+
+impl UsageFields {
+    /// The answer reduced to its usage fields, when they report a usage
+    /// whole. `None` (the caller reads the whole answer instead, for the
+    /// text estimate or to say why it is invalid): no usage, no JSON
+    /// object, or a field twice (which the whole parse resolves as it
+    /// always did: the last one wins).
+    fn read(answer: &[u8]) -> Option<Value> {
+        let f: UsageFields = serde_json::from_slice(answer).ok()?;
+        let fields = [
+            ("usage", f.usage),
+            ("response", f.response),
+            ("message", f.message),
+            ("prompt_eval_count", f.prompt_eval_count),
+            ("eval_count", f.eval_count),
+            ("done", f.done),
+        ];
+        let heads = Value::Object(
+            fields
+                .into_iter()
+                .filter_map(|(k, v)| Some((k.to_string(), v?)))
+                .collect(),
+        );
+        matches!(usage_in(&heads), Found::Usage(_)).then_some(heads)
+    }
+}
+
 /// What a JSON object says about usage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Found {
@@ -446,6 +486,10 @@ impl ResponseMeter {
                     if let Some((at, reserved)) = &self.declared {
                         let v = serde_json::from_slice::<Value>(&self.pending).ok();
                         (self.found, self.output_events) = at.read(v.as_ref(), *reserved);
+                    } else if let Some(heads) = UsageFields::read(&self.pending) {
+                        // The usage fields alone, the answer's text skipped.
+                        self.found = usage_in(&heads);
+                        self.details = details_in(&heads);
                     } else if let Ok(v) = serde_json::from_slice::<Value>(&self.pending) {
                         self.found = usage_in(&v);
                         self.details = details_in(&v);
@@ -726,6 +770,49 @@ mod tests {
                 b"[DONE]".to_vec()
             ]
         );
+    }
+
+    /// The usage fields read alone give what the whole answer gives, for
+    /// every upstream's shape, and step aside (the whole answer is read)
+    /// where they cannot: no usage, a duplicate field, no object.
+    #[test]
+    fn an_answer_read_for_its_usage_alone_agrees_with_the_whole_answer() {
+        let answers = [
+            r#"{"id":"x","choices":[{"message":{"content":"hi \"there\""}}],"usage":{"prompt_tokens":12,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":8},"completion_tokens_details":{"reasoning_tokens":2}}}"#,
+            r#"{"content":[{"type":"text","text":"hi"}],"usage":{"input_tokens":5,"cache_read_input_tokens":100,"cache_creation_input_tokens":7,"output_tokens":9}}"#,
+            r#"{"model":"m","message":{"role":"assistant","content":"hi"},"done":true,"prompt_eval_count":4,"eval_count":6}"#,
+            r#"{"model":"m","response":"hi","done":true,"eval_count":6}"#,
+            r#"{"data":[{"embedding":[0.1]}],"usage":{"prompt_tokens":3,"total_tokens":3}}"#,
+            r#"{"output":[],"usage":{"input_tokens":3,"output_tokens":4,"output_tokens_details":{"reasoning_tokens":1}}}"#,
+            r#"{"choices":[{"message":{"content":"no usage here"}}]}"#,
+            r#"{"choices":[],"usage":null}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":"3","completion_tokens":4}}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4},"usage":{"prompt_tokens":30,"completion_tokens":40}}"#,
+            r#"{"choices":[],"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
+            r#"[{"usage":{"prompt_tokens":3,"completion_tokens":4}}]"#,
+            r#"{"choices":[{"message":{"content":"cut"#,
+        ];
+        for answer in answers {
+            let whole = |bytes: &[u8]| {
+                let mut m = ResponseMeter::new(Format::Json, false, None);
+                let v = serde_json::from_slice::<Value>(bytes).ok();
+                m.found = v.as_ref().map_or(Found::Nothing, usage_in);
+                m.details = v.as_ref().map_or_else(Details::default, details_in);
+                if let (Some(v), false) = (&v, matches!(m.found, Found::Usage(_))) {
+                    m.output_events = answer_tokens(v);
+                }
+                (m.found, m.details(), m.output_events)
+            };
+            let mut meter = ResponseMeter::new(Format::Json, false, None);
+            let (head, tail) = answer.as_bytes().split_at(answer.len() / 2);
+            assert_eq!(meter.feed(head, false), None);
+            assert_eq!(meter.feed(tail, true), None);
+            assert_eq!(
+                (meter.found, meter.details(), meter.output_events),
+                whole(answer.as_bytes()),
+                "{answer}"
+            );
+        }
     }
 
     #[test]
