@@ -221,5 +221,34 @@ fn sse(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, admission, estimate, sse);
+/// A body given the reserved output limit (one field added): the whole
+/// tree serialised again (what the rewrite did before) against the splice
+/// into the client's bytes (`usage/splice.rs`).
+fn rewrite(c: &mut Criterion) {
+    let mut group = c.benchmark_group("rewrite");
+    for kb in [2usize, 64] {
+        let body = chat_body(kb * 1024);
+        let before: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        let mut after = before.clone();
+        after["max_completion_tokens"] = json!(512);
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(
+            BenchmarkId::new("serialise", format!("{kb}KB")),
+            &after,
+            |b, v| b.iter(|| black_box(v).to_string().into_bytes()),
+        );
+        group.bench_with_input(
+            BenchmarkId::new("splice", format!("{kb}KB")),
+            &after,
+            |b, v| {
+                b.iter(|| {
+                    sluice_core::usage::splice::splice(black_box(&body), &before, black_box(v))
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, admission, estimate, sse, rewrite);
 criterion_main!(benches);

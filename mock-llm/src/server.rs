@@ -291,13 +291,19 @@ impl Arrival {
         };
         let query: std::collections::HashMap<String, String> =
             serde_urlencoded::from_str(parts.uri.query().unwrap_or_default()).unwrap_or_default();
-        lock(&s.stats).record(
-            &parts.method,
-            parts.uri.path(),
-            parts.uri.query(),
-            &parts.headers,
-            body.clone().unwrap_or(Value::Null),
-        );
+        {
+            let mut stats = lock(&s.stats);
+            stats.record(
+                &parts.method,
+                parts.uri.path(),
+                parts.uri.query(),
+                &parts.headers,
+                body.clone().unwrap_or(Value::Null),
+            );
+            if let Some(last) = stats.last_request.as_mut() {
+                last.raw = String::from_utf8_lossy(&bytes).into_owned();
+            }
+        }
         let go = api
             .filter(|_| s.personality == Personality::Ollama)
             .and_then(crate::go_json::ollama_request);

@@ -30,6 +30,9 @@ pub struct LastRequest {
     pub headers: BTreeMap<String, String>,
     /// The parsed JSON body, or `null` when empty or not JSON.
     pub body: Value,
+    /// The body's bytes as text (lossy), as the proxy sent them: what a
+    /// splice kept of the client's spelling.
+    pub raw: String,
 }
 
 impl Stats {
@@ -64,6 +67,7 @@ impl Stats {
             query: query.map(str::to_owned),
             headers: seen,
             body,
+            raw: String::new(),
         });
     }
 }

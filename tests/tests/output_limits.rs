@@ -23,7 +23,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value as Json};
 use sluice_tests::{
-    post_json, shipped_config_for, wait_for, Envoy, EnvoyConfig, MockLlm, Personality, Response,
+    post_json, request, shipped_config_for, wait_for, Envoy, EnvoyConfig, MockLlm, Personality,
+    Response,
 };
 
 /// A model the policy does not list (its estimate is never corrected).
@@ -323,6 +324,41 @@ fn the_upstream_gets_the_reserved_limit_in_every_field_its_servers_read() {
         );
         assert!(bench.settled());
     }
+}
+
+/// The limit sluice writes is spliced into the client's bytes: key order,
+/// spacing, escapes and number spellings reach the server as the client
+/// wrote them, the new field at the end of the object.
+#[test]
+fn the_rewritten_body_keeps_the_clients_bytes() {
+    let bench = Bench::start(Personality::Vllm, 1_000_000);
+    let sent = concat!(
+        "{ \"model\" : \"m\",\n  \"temperature\": 1.0,\n",
+        "  \"messages\": [{\"role\": \"user\", \"content\": \"caf\\u00e9 \\\"q\\\" 1e3\"}] }"
+    );
+    let resp = request(
+        "POST",
+        &bench.envoy.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        Some(sent.as_bytes().to_vec()),
+    )
+    .expect("the request");
+    assert_eq!(resp.status, 200, "{resp:?}");
+    let up = bench.upstream.stats()["last_request"]["raw"]
+        .as_str()
+        .expect("raw body")
+        .to_string();
+    let client_members = &sent[..sent.rfind(" }").expect("the closing brace")];
+    assert!(
+        up.starts_with(client_members) && up.ends_with(" }"),
+        "the client's bytes changed: {up}"
+    );
+    let added: Json = serde_json::from_str(&format!(
+        "{{{}}}",
+        &up[client_members.len() + 1..up.len() - 2]
+    ))
+    .expect("the added members");
+    assert_eq!(added, json!({"max_tokens": DEFAULT_OUTPUT}), "{up}");
 }
 
 #[test]

@@ -636,7 +636,11 @@ fn upstream_body(
     if let Some(declared) = declared {
         let max = sized.per_choice;
         let new_output = (!declared.carries(&asked.body, max)).then_some(max);
-        return (declared.rewrite(&asked.body, model, new_output), false);
+        let rewritten = declared.rewrite(&asked.body, model, new_output);
+        return (
+            rewritten.map(|json| super::rewrite::spliced(asked, &json)),
+            false,
+        );
     }
     let only = served
         .and_then(|s| s.limit_field)

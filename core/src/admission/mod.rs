@@ -210,6 +210,9 @@ pub struct Settled {
 pub struct Asked {
     pub demand: Demand,
     pub body: Value,
+    /// The body as the client sent it: a rewrite is spliced into these
+    /// bytes (`usage/splice.rs`), not serialised from `body`.
+    pub raw: Vec<u8>,
     pub input_raw: f64,
 }
 
@@ -327,15 +330,15 @@ impl Engine {
         &self,
         identity: &Identity,
         api: Api,
-        body: &[u8],
+        raw: &[u8],
     ) -> Result<Option<Asked>, Box<Verdict>> {
         if !api.reads_body() {
             return Ok(None);
         }
         let cap = |model: &str| self.output_cap(model);
         let parsed = match (api, self.declared(api)) {
-            (Api::Declared(i), Some(declared)) => declared.parse(i, body, &cap),
-            _ => demand::parse_body(api, body, &cap),
+            (Api::Declared(i), Some(declared)) => declared.parse(i, raw, &cap),
+            _ => demand::parse_body(api, raw, &cap),
         };
         match parsed {
             Ok((demand, body)) => {
@@ -354,6 +357,7 @@ impl Engine {
                 Ok(Some(Asked {
                     demand,
                     body,
+                    raw: raw.to_vec(),
                     input_raw,
                 }))
             }

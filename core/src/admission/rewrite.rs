@@ -75,7 +75,15 @@ pub(super) fn rewrite(
         }
         json["stream_options"]["include_usage"] = Value::Bool(true);
     }
-    (Some(json.to_string().into_bytes()), wants_usage)
+    (Some(spliced(asked, &json)), wants_usage)
+}
+
+/// `json` (the rewrite of the client's body) in the client's bytes, only
+/// what changed written again; serialised whole where the splice cannot
+/// follow the body.
+pub(super) fn spliced(asked: &Asked, json: &Value) -> Vec<u8> {
+    crate::usage::splice::splice(&asked.raw, &asked.body, json)
+        .unwrap_or_else(|| json.to_string().into_bytes())
 }
 
 /// Writes the reserved output limit into every field the API's servers

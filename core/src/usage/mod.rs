@@ -8,3 +8,4 @@ pub mod estimate;
 pub mod output_limit;
 pub mod reconcile;
 pub mod spelling;
+pub mod splice;
