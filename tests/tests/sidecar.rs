@@ -1191,6 +1191,72 @@ fn the_kill_switch_sends_the_providers_model_with_its_key_and_bills_at_its_price
     assert_eq!(requests_total(&provider), asked);
 }
 
+/// A provider priced from a LiteLLM `model_prices_and_context_window.json`
+/// (a fixture written in its format: its `sample_spec`, a non-token model,
+/// the provider's model under `openai/<name>`) bills its invoice for the
+/// parts the answer reports: input less cached at the input rate, cached
+/// input at the cache-read rate, output less reasoning at the output rate,
+/// reasoning at its own rate, rounded up once to a micro-unit.
+#[test]
+fn a_provider_priced_from_a_litellm_price_file_bills_its_invoice() {
+    let provider = provider();
+    let sc = TestSidecar::start("30s", "10s");
+    let file = fs::read_to_string(repo_root().join("tests/fixtures/litellm_prices.json"))
+        .expect("the LiteLLM price fixture");
+    let stack = Stack::start(|cfg| {
+        provider_policy(cfg, sc.addr(), provider.addr());
+        let openai = &mut cfg.policy_mut()["providers"]["openai"];
+        openai["prices"] = serde_yaml::from_str("{}").expect("no written prices");
+        // JSON is YAML: the file as it is.
+        openai["prices_litellm"] = serde_yaml::from_str(&file).expect("the file as YAML");
+    });
+    sc.wait_for_envoy();
+    sc.kill_switch(true);
+    assert!(stack.envoy.kill_switch_reached(Duration::from_secs(5)));
+    let spent = || {
+        stack
+            .envoy
+            .metric("sluice_spend_micros_total", &[])
+            .unwrap_or(0.0) as u64
+    };
+    let before = spent();
+    let body = json!({"model": MODEL, "max_tokens": 20,
+                      "messages": [{"role": "user", "content": "hello provider, at length"}]});
+    let r = post_json(
+        &stack.envoy.url("/v1/chat/completions"),
+        &[
+            ("x-api-key", "demo-pro-key"),
+            ("x-mock-cached-tokens", "4"),
+            ("x-mock-reasoning-tokens", "3"),
+        ],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-sluice-provider"), Some("openai"), "{r:?}");
+    let usage = &r.json()["usage"];
+    let count = |v: &Json| v.as_u64().unwrap_or(0);
+    let (input, output) = (
+        count(&usage["prompt_tokens"]),
+        count(&usage["completion_tokens"]),
+    );
+    let cached = count(&usage["prompt_tokens_details"]["cached_tokens"]);
+    let reasoning = count(&usage["completion_tokens_details"]["reasoning_tokens"]);
+    assert_eq!((cached, reasoning), (4, 3), "{usage}");
+    assert!(input > cached && output > reasoning, "{usage}");
+    // Rates per 1M tokens from the file: 0.15, 0.075, 0.60, 1.20.
+    let thousandths =
+        150 * (input - cached) + 75 * cached + 600 * (output - reasoning) + 1200 * reasoning;
+    let settled = wait_for(Duration::from_secs(5), || {
+        spent() - before == thousandths.div_ceil(1000)
+    });
+    assert!(
+        settled,
+        "spent {} for {usage}, the invoice says {}",
+        spent() - before,
+        thousandths.div_ceil(1000)
+    );
+}
+
 /// An application's own API (`apis`) under the kill switch: no provider
 /// speaks it, so it never goes down a rung (the provider would get a body
 /// it cannot read, with its key); it gets the static answer in the
