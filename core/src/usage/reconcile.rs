@@ -199,6 +199,120 @@ impl UsageFields {
     }
 }
 
+/// What the meter needs of one stream event: whether it carries output,
+/// its usage (input, output, details) when it reports any, and whether it
+/// is a usage-only chunk (an empty `choices`).
+#[derive(Debug, PartialEq)]
+struct StreamEvent {
+    carries: bool,
+    usage: Option<(Found, Found, Details)>,
+    usage_only: bool,
+}
+
+/// An event read for the meter without its tree: `choices` as far as
+/// output is told (each choice's delta text and tool calls, borrowed and
+/// only checked for being non-empty), the usage fields whole (they are
+/// small), every other field skipped as bytes.
+#[derive(serde::Deserialize)]
+struct EventFields<'a> {
+    #[serde(borrow)]
+    choices: Option<Vec<ChoiceFields<'a>>>,
+    delta: Option<Value>,
+    message: Option<Value>,
+    response: Option<Value>,
+    usage: Option<Value>,
+    prompt_eval_count: Option<Value>,
+    eval_count: Option<Value>,
+    done: Option<Value>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChoiceFields<'a> {
+    #[serde(borrow)]
+    delta: Option<DeltaFields<'a>>,
+    #[serde(borrow)]
+    text: Option<&'a serde_json::value::RawValue>,
+}
+
+#[derive(serde::Deserialize)]
+struct DeltaFields<'a> {
+    #[serde(borrow)]
+    content: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    reasoning_content: Option<&'a serde_json::value::RawValue>,
+    tool_calls: Option<serde::de::IgnoredAny>,
+}
+
+/// A raw JSON value that is a non-empty string (`""` is the only empty
+/// one, escapes or not).
+fn non_empty_text(raw: Option<&serde_json::value::RawValue>) -> bool {
+    raw.is_some_and(|r| r.get().starts_with('"') && r.get() != "\"\"")
+}
+
+impl StreamEvent {
+    /// The light read; `None` for what it does not take (not an object, a
+    /// field twice, a choice or delta of another type): the caller reads
+    /// the whole event with [`StreamEvent::of`], as before.
+    fn read(data: &[u8]) -> Option<StreamEvent> {
+        let f: EventFields = serde_json::from_slice(data).ok()?;
+        // Everything the usage and output checks read outside `choices`,
+        // as the one object they read (a missing field and a `null` one
+        // read the same in both).
+        let rest = Value::Object(
+            [
+                ("delta", f.delta),
+                ("message", f.message),
+                ("response", f.response),
+                ("usage", f.usage),
+                ("prompt_eval_count", f.prompt_eval_count),
+                ("eval_count", f.eval_count),
+                ("done", f.done),
+            ]
+            .into_iter()
+            .filter_map(|(k, v)| Some((k.to_string(), v?)))
+            .collect(),
+        );
+        let carries = match &f.choices {
+            Some(choices) => choices.iter().any(|c| {
+                let delta = c.delta.as_ref();
+                non_empty_text(delta.and_then(|d| d.content))
+                    || non_empty_text(c.text)
+                    || non_empty_text(delta.and_then(|d| d.reasoning_content))
+                    || delta.is_some_and(|d| d.tool_calls.is_some())
+            }),
+            None => carries_output(&rest),
+        };
+        let mut event = StreamEvent::usage_of(&rest);
+        event.carries = carries;
+        event.usage_only = f.choices.as_ref().is_some_and(Vec::is_empty);
+        Some(event)
+    }
+
+    /// The same, from the whole event.
+    fn of(v: &Value) -> StreamEvent {
+        let mut event = StreamEvent::usage_of(v);
+        event.carries = carries_output(v);
+        event.usage_only = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|c| c.is_empty());
+        event
+    }
+
+    fn usage_of(v: &Value) -> StreamEvent {
+        let (input, output) = (input_count(v), count(v, OUTPUT_PATHS));
+        let usage = match usage_of(v, input, output) {
+            Found::Nothing => None,
+            _ => Some((input, output, details_in(v))),
+        };
+        StreamEvent {
+            carries: false,
+            usage,
+            usage_only: false,
+        }
+    }
+}
+
 /// What a JSON object says about usage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Found {
@@ -524,19 +638,21 @@ impl ResponseMeter {
             }
         }
         self.pending.extend_from_slice(chunk);
+        // The events are read in place (the buffer is taken while they
+        // are, and put back with what is left of it).
+        let pending = std::mem::take(&mut self.pending);
         let mut start = 0;
         loop {
             let next = match self.format {
-                Format::Sse => sse_event_end(&self.pending[start..], end),
-                _ => find(&self.pending[start..], b"\n").map(|p| (p + 1, false)),
+                Format::Sse => sse_event_end(&pending[start..], end),
+                _ => find(&pending[start..], b"\n").map(|p| (p + 1, false)),
             };
             let Some((len, open_cr)) = next else { break };
             let stop = start + len;
-            let event = self.pending[start..stop].to_vec();
+            let event = &pending[start..stop];
             start = stop;
             let before = out.len();
-            if self.event(&event, &mut out) {
-                self.pending.clear();
+            if self.event(event, &mut out) {
                 return out;
             }
             if open_cr {
@@ -547,6 +663,7 @@ impl ResponseMeter {
                 });
             }
         }
+        self.pending = pending;
         self.pending.drain(..start);
         if end && !self.pending.is_empty() {
             let rest = std::mem::take(&mut self.pending);
@@ -568,14 +685,19 @@ impl ResponseMeter {
     fn event(&mut self, raw: &[u8], out: &mut Vec<u8>) -> bool {
         let json = match self.format {
             Format::Sse => sse_data(raw),
-            _ => Some(trim(raw).to_vec()),
+            _ => Some(std::borrow::Cow::Borrowed(trim(raw))),
         };
-        let value = json
-            .filter(|d| !trim(d).is_empty() && trim(d) != b"[DONE]")
-            .and_then(|d| serde_json::from_slice::<Value>(&d).ok());
+        let data = json.filter(|d| !trim(d).is_empty() && trim(d) != b"[DONE]");
+        let read = data.as_deref().and_then(|d| match StreamEvent::read(d) {
+            Some(event) => Some(event),
+            // A shape the light read does not take: the whole event.
+            None => serde_json::from_slice::<Value>(d)
+                .ok()
+                .map(|v| StreamEvent::of(&v)),
+        });
         let mut keep = true;
-        if let Some(v) = &value {
-            if carries_output(v) {
+        if let Some(event) = read {
+            if event.carries {
                 if self.allowance.is_some_and(|a| self.output_events >= a) {
                     // Output past what was reserved: end the stream here.
                     // (A stream that stops at its allowance passes whole,
@@ -586,19 +708,11 @@ impl ResponseMeter {
                 }
                 self.output_events += 1;
             }
-            let (input, output) = (input_count(v), count(v, OUTPUT_PATHS));
-            match usage_of(v, input, output) {
-                Found::Nothing => {}
-                _ => {
-                    self.merge(input, output);
-                    self.details = self.details.max(details_in(v));
-                    let usage_only = v
-                        .get("choices")
-                        .and_then(Value::as_array)
-                        .is_some_and(|c| c.is_empty());
-                    if self.strip_usage && usage_only {
-                        keep = false;
-                    }
+            if let Some((input, output, details)) = event.usage {
+                self.merge(input, output);
+                self.details = self.details.max(details);
+                if self.strip_usage && event.usage_only {
+                    keep = false;
                 }
             }
         }
@@ -669,7 +783,10 @@ impl ResponseMeter {
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+    match needle {
+        [byte] => memchr::memchr(*byte, haystack),
+        _ => haystack.windows(needle.len()).position(|w| w == needle),
+    }
 }
 
 fn trim(b: &[u8]) -> &[u8] {
@@ -693,7 +810,10 @@ fn trim(b: &[u8]) -> &[u8] {
 fn sse_event_end(buf: &[u8], end: bool) -> Option<(usize, bool)> {
     let mut line_start = 0;
     let mut i = 0;
-    while let Some(p) = buf[i..].iter().position(|b| *b == b'\r' || *b == b'\n') {
+    while let Some(p) = buf
+        .get(i..)
+        .and_then(|rest| memchr::memchr2(b'\r', b'\n', rest))
+    {
         let at = i + p;
         let (next, open_cr) = match (buf[at], buf.get(at + 1)) {
             (b'\r', Some(b'\n')) => (at + 2, false),
@@ -716,10 +836,10 @@ pub fn sse_data_events(stream: &[u8]) -> Vec<Vec<u8>> {
     let mut events = Vec::new();
     let mut rest = stream;
     while let Some((len, _)) = sse_event_end(rest, true) {
-        events.extend(sse_data(&rest[..len]));
+        events.extend(sse_data(&rest[..len]).map(|d| d.into_owned()));
         rest = &rest[len..];
     }
-    events.extend(sse_data(rest));
+    events.extend(sse_data(rest).map(|d| d.into_owned()));
     events
 }
 
@@ -732,8 +852,11 @@ fn sse_lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 /// The data of one SSE event: its `data:` lines joined with LF, as a client
 /// joins them (a JSON object may be spread over several data lines).
-fn sse_data(event: &[u8]) -> Option<Vec<u8>> {
-    let mut data: Option<Vec<u8>> = None;
+/// One data line is the event's data as it is (borrowed); several are
+/// joined into a copy.
+fn sse_data(event: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
+    use std::borrow::Cow;
+    let mut data: Option<Cow<[u8]>> = None;
     for line in sse_lines(event) {
         let Some(value) = line.strip_prefix(b"data") else {
             continue;
@@ -744,8 +867,9 @@ fn sse_data(event: &[u8]) -> Option<Vec<u8>> {
             _ => continue, // another field, e.g. `dataset:`
         };
         match &mut data {
-            None => data = Some(value.to_vec()),
+            None => data = Some(Cow::Borrowed(value)),
             Some(d) => {
+                let d = d.to_mut();
                 d.push(b'\n');
                 d.extend_from_slice(value);
             }
@@ -770,6 +894,150 @@ mod tests {
                 b"[DONE]".to_vec()
             ]
         );
+    }
+
+    /// A stream event read lightly tells the meter what the whole event
+    /// tells it, for every upstream's events and for shapes around them;
+    /// what the light read does not take it leaves to the whole read.
+    #[test]
+    fn a_stream_event_read_lightly_agrees_with_the_whole_event() {
+        let events = [
+            r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":" tok"}}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"é"}}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":null,"reasoning_content":"think"}}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"tool_calls":null}}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"text":"x","finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+            r#"{"id":"c","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":2},"completion_tokens_details":{"reasoning_tokens":1}}}"#,
+            r#"{"id":"c","choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":9,"completion_tokens":1}}"#,
+            r#"{"choices":null,"usage":null}"#,
+            r#"{"choices":"x"}"#,
+            r#"{"choices":[null]}"#,
+            r#"{"choices":[{"delta":"text"}]}"#,
+            r#"{"choices":[{"delta":{"content":["a"]}}]}"#,
+            r#"{"choices":[{"delta":{"content":7}}]}"#,
+            r#"{"choices":[{"delta":{"content":"a"},"delta":{"content":""}}]}"#,
+            r#"{"choices":[],"choices":[{"delta":{"content":"a"}}]}"#,
+            r#"{"type":"message_start","message":{"usage":{"input_tokens":12,"cache_read_input_tokens":5,"output_tokens":1}}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"hi"}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":"{"a"}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"hm"}}"#,
+            r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":7}}"#,
+            r#"{"type":"response.output_text.delta","delta":"hi"}"#,
+            r#"{"type":"response.completed","response":{"output":[],"usage":{"input_tokens":3,"output_tokens":4,"output_tokens_details":{"reasoning_tokens":2}}}}"#,
+            r#"{"model":"m","message":{"role":"assistant","content":"hi"},"done":false}"#,
+            r#"{"model":"m","response":"","done":true,"prompt_eval_count":4,"eval_count":6}"#,
+            r#"{"model":"m","message":{"content":""},"done":true,"eval_count":6}"#,
+            r#"{"usage":{"prompt_tokens":"3","completion_tokens":4}}"#,
+            r#"[1,2]"#,
+            r#"{"choices":[{"delta":{"content":"cut"#,
+        ];
+        for data in events {
+            let whole = serde_json::from_slice::<Value>(data.as_bytes())
+                .ok()
+                .map(|v| StreamEvent::of(&v));
+            if let Some(light) = StreamEvent::read(data.as_bytes()) {
+                assert_eq!(Some(light), whole, "{data}");
+            }
+        }
+        // The light read takes the common shapes (else it saves nothing).
+        for data in &events[..10] {
+            assert!(StreamEvent::read(data.as_bytes()).is_some(), "{data}");
+        }
+    }
+
+    fn event_value() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let key = prop::sample::select(vec![
+            "choices",
+            "delta",
+            "content",
+            "text",
+            "reasoning_content",
+            "tool_calls",
+            "usage",
+            "prompt_tokens",
+            "completion_tokens",
+            "input_tokens",
+            "output_tokens",
+            "message",
+            "response",
+            "done",
+            "eval_count",
+            "prompt_eval_count",
+            "cached_tokens",
+            "prompt_tokens_details",
+            "cache_read_input_tokens",
+            "partial_json",
+            "thinking",
+            "id",
+        ]);
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            (0u64..20).prop_map(Value::from),
+            prop::sample::select(vec!["", "a", "\u{e9}", "\"q\""]).prop_map(Value::from),
+        ];
+        let object = |key: BoxedStrategy<&'static str>, inner: BoxedStrategy<Value>| {
+            prop::collection::btree_map(key, inner, 0..4).prop_map(|m| {
+                Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+            })
+        };
+        let key = key.boxed();
+        let top_key = key.clone();
+        let value = leaf.prop_recursive(4, 32, 4, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..3).prop_map(Value::Array),
+                object(key.clone(), inner.boxed()),
+            ]
+        });
+        // Chat chunks' choices, with every delta field sometimes there.
+        let part = prop_oneof![
+            Just(Value::Null),
+            Just(Value::from("")),
+            Just(Value::from("tok")),
+            Just(serde_json::json!([{"index": 0}])),
+            Just(Value::from(3)),
+        ];
+        let delta = prop::collection::btree_map(
+            prop::sample::select(vec!["content", "reasoning_content", "tool_calls", "role"]),
+            part.clone(),
+            0..3,
+        )
+        .prop_map(|m| Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()));
+        let choice = (prop::option::of(delta), prop::option::of(part)).prop_map(|(d, t)| {
+            let mut c = serde_json::Map::new();
+            c.insert("index".into(), Value::from(0));
+            if let Some(d) = d {
+                c.insert("delta".into(), d);
+            }
+            if let Some(t) = t {
+                c.insert("text".into(), t);
+            }
+            Value::Object(c)
+        });
+        let choices = prop::option::of(prop::collection::vec(choice, 0..3));
+        // An event is an object.
+        (object(top_key, value.boxed()), choices).prop_map(|(mut event, choices)| {
+            if let (Some(c), Value::Object(m)) = (choices, &mut event) {
+                m.insert("choices".into(), Value::Array(c));
+            }
+            event
+        })
+    }
+
+    proptest::proptest! {
+        /// Random events built of the fields the meter reads: the light
+        /// read, where it reads, says what the whole read says.
+        #[test]
+        fn random_stream_events_read_the_same_lightly(v in event_value()) {
+            let data = serde_json::to_vec(&v).unwrap();
+            if let Some(light) = StreamEvent::read(&data) {
+                proptest::prop_assert_eq!(light, StreamEvent::of(&v));
+            }
+        }
     }
 
     /// The usage fields read alone give what the whole answer gives, for
@@ -1033,11 +1301,20 @@ mod tests {
 
     #[test]
     fn sse_data_lines_join_like_a_client() {
-        assert_eq!(sse_data(b"data: a\ndata: b\n\n"), Some(b"a\nb".to_vec()));
-        assert_eq!(sse_data(b"data:a\r\n\r\n"), Some(b"a".to_vec()));
-        assert_eq!(sse_data(b"event: x\rdata: {}\r\r"), Some(b"{}".to_vec()));
-        assert_eq!(sse_data(b"dataset: x\n\n"), None);
-        assert_eq!(sse_data(b": comment\n\n"), None);
+        assert_eq!(
+            sse_data(b"data: a\ndata: b\n\n").map(|d| d.into_owned()),
+            Some(b"a\nb".to_vec())
+        );
+        assert_eq!(
+            sse_data(b"data:a\r\n\r\n").map(|d| d.into_owned()),
+            Some(b"a".to_vec())
+        );
+        assert_eq!(
+            sse_data(b"event: x\rdata: {}\r\r").map(|d| d.into_owned()),
+            Some(b"{}".to_vec())
+        );
+        assert_eq!(sse_data(b"dataset: x\n\n").map(|d| d.into_owned()), None);
+        assert_eq!(sse_data(b": comment\n\n").map(|d| d.into_owned()), None);
     }
 
     #[test]
