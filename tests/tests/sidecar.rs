@@ -1113,6 +1113,18 @@ fn provider() -> MockLlm {
     )
 }
 
+/// An OpenAI usage object's counts: prompt, cached prompt, completion,
+/// reasoning (0 where absent).
+fn openai_usage(usage: &Json) -> [u64; 4] {
+    [
+        &usage["prompt_tokens"],
+        &usage["prompt_tokens_details"]["cached_tokens"],
+        &usage["completion_tokens"],
+        &usage["completion_tokens_details"]["reasoning_tokens"],
+    ]
+    .map(|v| v.as_u64().unwrap_or(0))
+}
+
 /// A chat for `MODEL` with `max_tokens: 20`, as the caller of `key`.
 fn ask_provider(stack: &Stack, key: (&str, &str)) -> Response {
     let body = json!({"model": MODEL, "max_tokens": 20,
@@ -1164,12 +1176,7 @@ fn the_kill_switch_sends_the_providers_model_with_its_key_and_bills_at_its_price
     // Spend is the provider's invoice for the usage it reported: each part
     // at its own rate per 1M tokens, rounded up once to a micro-unit.
     let usage = &r.json()["usage"];
-    let count = |v: &Json| v.as_u64().unwrap_or(0);
-    let (input, output) = (
-        count(&usage["prompt_tokens"]),
-        count(&usage["completion_tokens"]),
-    );
-    let cached = count(&usage["prompt_tokens_details"]["cached_tokens"]);
+    let [input, cached, output, _] = openai_usage(usage);
     assert!(input > 0 && output > 0, "{usage}");
     let thousandths = 150 * (input - cached) + 75 * cached + 600 * output;
     let settled = wait_for(Duration::from_secs(5), || {
@@ -1234,13 +1241,7 @@ fn a_provider_priced_from_a_litellm_price_file_bills_its_invoice() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(r.header("x-sluice-provider"), Some("openai"), "{r:?}");
     let usage = &r.json()["usage"];
-    let count = |v: &Json| v.as_u64().unwrap_or(0);
-    let (input, output) = (
-        count(&usage["prompt_tokens"]),
-        count(&usage["completion_tokens"]),
-    );
-    let cached = count(&usage["prompt_tokens_details"]["cached_tokens"]);
-    let reasoning = count(&usage["completion_tokens_details"]["reasoning_tokens"]);
+    let [input, cached, output, reasoning] = openai_usage(usage);
     assert_eq!((cached, reasoning), (4, 3), "{usage}");
     assert!(input > cached && output > reasoning, "{usage}");
     // Rates per 1M tokens from the file: 0.15, 0.075, 0.60, 1.20.

@@ -159,44 +159,15 @@ fn ollama_without_input(v: &Value) -> bool {
         && v.get("prompt_eval_count").is_none_or(Value::is_null)
 }
 
-/// The top-level fields of an answer that hold its usage (every path of
-/// the tables above starts at one of them), read without building the
-/// rest: serde skips the other fields (`choices`, `content`, …) as bytes,
-/// allocating nothing for their text.
-#[derive(serde::Deserialize)]
-struct UsageFields {
-    usage: Option<Value>,
-    response: Option<Value>,
-    message: Option<Value>,
-    prompt_eval_count: Option<Value>,
-    eval_count: Option<Value>,
-    done: Option<Value>,
-}
-
-impl UsageFields {
-    /// The answer reduced to its usage fields, when they report a usage
-    /// whole. `None` (the caller reads the whole answer instead, for the
-    /// text estimate or to say why it is invalid): no usage, no JSON
-    /// object, or a field twice (which the whole parse resolves as it
-    /// always did: the last one wins).
-    fn read(answer: &[u8]) -> Option<Value> {
-        let f: UsageFields = serde_json::from_slice(answer).ok()?;
-        let fields = [
-            ("usage", f.usage),
-            ("response", f.response),
-            ("message", f.message),
-            ("prompt_eval_count", f.prompt_eval_count),
-            ("eval_count", f.eval_count),
-            ("done", f.done),
-        ];
-        let heads = Value::Object(
-            fields
-                .into_iter()
-                .filter_map(|(k, v)| Some((k.to_string(), v?)))
-                .collect(),
-        );
-        matches!(usage_in(&heads), Found::Usage(_)).then_some(heads)
-    }
+/// An answer reduced to the fields that hold its usage (every path of the
+/// tables above starts at one of them), read without building the rest,
+/// when they report a usage whole. `None` (the caller reads the whole
+/// answer instead, for the text estimate or to say why it is invalid): no
+/// usage, no JSON object, or a field twice (which the whole parse resolves
+/// as it always did: the last one wins).
+fn usage_fields(answer: &[u8]) -> Option<Value> {
+    let (_, heads) = EventFields::read(answer)?;
+    matches!(usage_in(&heads), Found::Usage(_)).then_some(heads)
 }
 
 /// What the meter needs of one stream event: whether it carries output,
@@ -224,6 +195,29 @@ struct EventFields<'a> {
     prompt_eval_count: Option<Value>,
     eval_count: Option<Value>,
     done: Option<Value>,
+}
+
+impl<'a> EventFields<'a> {
+    /// The light read: `choices` as typed, and everything the usage and
+    /// output checks read outside it as the one object they read (a
+    /// missing field and a `null` one read the same in both).
+    #[allow(clippy::type_complexity)]
+    fn read(data: &'a [u8]) -> Option<(Option<Vec<ChoiceFields<'a>>>, Value)> {
+        let f: EventFields = serde_json::from_slice(data).ok()?;
+        let rest = [
+            ("delta", f.delta),
+            ("message", f.message),
+            ("response", f.response),
+            ("usage", f.usage),
+            ("prompt_eval_count", f.prompt_eval_count),
+            ("eval_count", f.eval_count),
+            ("done", f.done),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.to_string(), v?)))
+        .collect();
+        Some((f.choices, Value::Object(rest)))
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -254,25 +248,8 @@ impl StreamEvent {
     /// field twice, a choice or delta of another type): the caller reads
     /// the whole event with [`StreamEvent::of`], as before.
     fn read(data: &[u8]) -> Option<StreamEvent> {
-        let f: EventFields = serde_json::from_slice(data).ok()?;
-        // Everything the usage and output checks read outside `choices`,
-        // as the one object they read (a missing field and a `null` one
-        // read the same in both).
-        let rest = Value::Object(
-            [
-                ("delta", f.delta),
-                ("message", f.message),
-                ("response", f.response),
-                ("usage", f.usage),
-                ("prompt_eval_count", f.prompt_eval_count),
-                ("eval_count", f.eval_count),
-                ("done", f.done),
-            ]
-            .into_iter()
-            .filter_map(|(k, v)| Some((k.to_string(), v?)))
-            .collect(),
-        );
-        let carries = match &f.choices {
+        let (choices, rest) = EventFields::read(data)?;
+        let carries = match &choices {
             Some(choices) => choices.iter().any(|c| {
                 let delta = c.delta.as_ref();
                 non_empty_text(delta.and_then(|d| d.content))
@@ -284,7 +261,7 @@ impl StreamEvent {
         };
         let mut event = StreamEvent::usage_of(&rest);
         event.carries = carries;
-        event.usage_only = f.choices.as_ref().is_some_and(Vec::is_empty);
+        event.usage_only = choices.as_ref().is_some_and(Vec::is_empty);
         Some(event)
     }
 
@@ -600,7 +577,7 @@ impl ResponseMeter {
                     if let Some((at, reserved)) = &self.declared {
                         let v = serde_json::from_slice::<Value>(&self.pending).ok();
                         (self.found, self.output_events) = at.read(v.as_ref(), *reserved);
-                    } else if let Some(heads) = UsageFields::read(&self.pending) {
+                    } else if let Some(heads) = usage_fields(&self.pending) {
                         // The usage fields alone, the answer's text skipped.
                         self.found = usage_in(&heads);
                         self.details = details_in(&heads);
