@@ -172,11 +172,14 @@ impl Engine {
             }
             None => (None, false),
         };
-        let held = asked
-            .is_none()
-            .then(|| (reservation.held.clone(), meters.clone()));
-        let plan = asked.map(|a| Plan {
-            held: reservation.held,
+        // A request without a body settles from `held`, one with a body
+        // from its plan: the holds go to one of them, moved.
+        let (held, plan) = match asked {
+            None => (Some((reservation.held, meters)), None),
+            Some(a) => (None, Some((a, reservation.held, meters))),
+        };
+        let plan = plan.map(|(a, held, meters)| Plan {
+            held,
             meters,
             api: sized.api,
             model: model.clone(),
@@ -353,7 +356,7 @@ impl Engine {
         let mut verdict = self.refuse(&refused, &identity.tier, model);
         verdict.contention = effort;
         verdict.no_slot = matches!(refused, Refused::CapacityExhausted { .. });
-        verdict.bucket = Some(self.buckets[taken[index]].rule.id.clone());
+        verdict.bucket = Some(self.buckets[taken[index]].rule.id.to_string());
         verdict
     }
 
@@ -373,7 +376,7 @@ impl Engine {
             retry_after_ms,
             tier: tier.to_string(),
             bucket: bucket.name.clone(),
-            rule: bucket.rule.id.clone(),
+            rule: bucket.rule.id.to_string(),
             limit_text: bucket.rule.limit.describe(),
             now_ms,
             ietf: self.ietf_policy(bucket),

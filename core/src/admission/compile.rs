@@ -142,7 +142,7 @@ impl Engine {
         if let Some(fleet) = &engine.policy.fleet {
             let gates = crate::queue::Gates::new(&engine.policy);
             for (i, id) in fleet.local.iter().enumerate() {
-                let bucket = engine.buckets.iter().any(|b| b.rule.id == *id);
+                let bucket = engine.buckets.iter().any(|b| *b.rule.id == **id);
                 let gate = id
                     .strip_prefix("concurrency/")
                     .is_some_and(|backend| gates.group(backend).is_some());
@@ -362,11 +362,7 @@ impl Builder {
         l: &TierLimit,
     ) -> usize {
         self.buckets.push(Bucket {
-            rule: Rule {
-                id,
-                limit: l.limit,
-                scope,
-            },
+            rule: Rule::new(id, l.limit, scope),
             tier: None,
             anonymous: false,
             reason,

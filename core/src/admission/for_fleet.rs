@@ -10,7 +10,7 @@ impl Engine {
         self.buckets
             .iter()
             .filter(|b| b.soft)
-            .map(|b| b.rule.id.clone())
+            .map(|b| b.rule.id.to_string())
             .collect()
     }
 
@@ -76,7 +76,7 @@ impl Engine {
         identity: &Identity,
         now_ms: u64,
     ) -> Option<Quota> {
-        let bucket = self.buckets.iter().find(|b| b.rule.id == rule_id)?;
+        let bucket = self.buckets.iter().find(|b| *b.rule.id == *rule_id)?;
         let claim = Claim::hard(&bucket.rule, 0);
         Some(
             self.reserver(store)
@@ -115,11 +115,11 @@ impl Engine {
         model: Option<&str>,
         now_ms: u64,
     ) -> Option<Verdict> {
-        let bucket = self.buckets.iter().find(|b| b.rule.id == rule_id)?;
+        let bucket = self.buckets.iter().find(|b| *b.rule.id == *rule_id)?;
         let retry_after_ms = quota.reset_ms.clamp(1_000, 86_400_000);
         let refused = self.bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
         let mut verdict = self.refuse(&refused, &identity.tier, model);
-        verdict.bucket = Some(bucket.rule.id.clone());
+        verdict.bucket = Some(bucket.rule.id.to_string());
         Some(verdict)
     }
 }

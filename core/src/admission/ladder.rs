@@ -159,7 +159,7 @@ impl Engine {
         verdict.reply.is_some()
             && verdict.bucket.as_deref().is_some_and(|refused| {
                 self.provider_buckets(&served.provider)
-                    .any(|i| self.buckets[i].rule.id == refused)
+                    .any(|i| *self.buckets[i].rule.id == *refused)
             })
     }
 
@@ -195,7 +195,7 @@ impl Engine {
         self.provider_buckets(provider)
             .filter(|&i| {
                 let b = &self.buckets[i];
-                let crossed = verdict.bucket.as_deref() == Some(b.rule.id.as_str())
+                let crossed = verdict.bucket.as_deref() == Some(&*b.rule.id)
                     || verdict.alerts.iter().any(|a| a.bucket == i);
                 crossed && b.alert_permille.is_some() && self.mark_alerted(store, i, now_ms)
             })

@@ -514,7 +514,7 @@ mod settlement_tests {
                 e.leases_tick(&store, 10_000);
             }
             let e = &engines[0];
-            let b = e.buckets.iter().find(|b| b.rule.id == "tier/pro/daily_tokens").unwrap();
+            let b = e.buckets.iter().find(|b| &*b.rule.id == "tier/pro/daily_tokens").unwrap();
             let id = e.identify(&Keyed).unwrap();
             let left = e.reserver(&store).peek(&Claim::hard(&b.rule, 0), admit::caller(&id), 10_000);
             prop_assert_eq!(BUDGET.saturating_sub(used), left.remaining, "used {}", used);

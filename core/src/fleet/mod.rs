@@ -51,6 +51,7 @@
 //! (`sluice_fleet_unavailable_total`, gauge `sluice_fleet_degraded`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 pub use sluice_wire::fleet::GiveItem;
 // The headers of every fleet call ([`fingerprint`] rides in the second)
@@ -122,9 +123,9 @@ pub fn fleet_rules(engine: &Engine) -> Vec<FleetRuleDef> {
     engine
         .rules()
         .into_iter()
-        .filter(|r| !config.local.contains(&r.id))
+        .filter(|r| !config.local.iter().any(|l| **l == *r.id))
         .map(|rule| FleetRuleDef {
-            soft: soft.contains(&rule.id),
+            soft: soft.iter().any(|s| **s == *rule.id),
             rule,
         })
         .collect()
@@ -382,7 +383,7 @@ struct FleetRule {
 #[derive(Debug, Clone)]
 pub enum Via {
     /// From this lease slot.
-    Lease(String),
+    Lease(Arc<str>),
     /// Taken in Redis for this request alone (strict, no lease slot).
     Strict,
     /// `local_share` while the fleet was unavailable.
@@ -397,7 +398,7 @@ pub enum Via {
 /// A fleet bucket's part of an admitted request, until it is settled.
 #[derive(Debug, Clone)]
 pub struct Claimed {
-    rule: String,
+    rule: Arc<str>,
     owner: u64,
     amount: u64,
     window_end: u64,
@@ -417,7 +418,7 @@ pub struct Pending {
 
 #[derive(Debug, Clone)]
 struct Short {
-    rule: String,
+    rule: Arc<str>,
     owner: u64,
     amount: u64,
     window_end: u64,
@@ -453,9 +454,9 @@ pub struct Fleet {
     pub config: FleetConfig,
     cluster: String,
     authority: String,
-    rules: HashMap<String, FleetRule>,
+    rules: HashMap<Arc<str>, FleetRule>,
     /// Slot keys of every lease, for sweeps: bounded by the policy.
-    lease_keys: Vec<(String, String)>,
+    lease_keys: Vec<(Arc<str>, String)>,
     /// [`fingerprint`] of this policy, sent on every call.
     fingerprint: String,
     /// The fleet secret, read from the environment at load.
@@ -515,11 +516,7 @@ impl Fleet {
             let mut share_limit = rule.limit;
             share_limit.burst = (share_limit.burst / replicas).max(1);
             share_limit.rate.amount = (share_limit.rate.amount / replicas).max(1);
-            let share = Rule {
-                id: format!("fleet-share/{}", rule.id),
-                limit: share_limit,
-                scope: rule.scope,
-            };
+            let share = Rule::new(format!("fleet-share/{}", rule.id), share_limit, rule.scope);
             let slots = match rule.scope {
                 Scope::Global => 1,
                 Scope::PerPrincipal => config.lease.slots,
@@ -660,7 +657,7 @@ impl Fleet {
                     amount,
                     window_end,
                     meter,
-                    via: Via::Lease(slot.unwrap_or_default()),
+                    via: Via::Lease(slot.unwrap_or_default().into()),
                 });
             } else {
                 short.push(Short {
@@ -828,7 +825,7 @@ impl Fleet {
             return;
         };
         let held = Held {
-            key: key.to_string(),
+            key: key.into(),
             rule: rule.rule.id.clone(),
             placement: Placement::Global,
             owner,
@@ -923,7 +920,7 @@ impl Fleet {
                 };
                 let need = s.amount.saturating_sub(s.have);
                 TakeClaim {
-                    rule: s.rule.clone(),
+                    rule: s.rule.to_string(),
                     owner: s.owner,
                     window_end_ms: s.window_end,
                     need,
@@ -1017,7 +1014,7 @@ impl Fleet {
             let surplus = units_i64(grant.saturating_sub(s.amount.saturating_sub(s.have)));
             let via = match &s.slot {
                 Some(key) if self.keep(&mut cas, key, s, grant, surplus, now) => {
-                    Via::Lease(key.clone())
+                    Via::Lease(key.as_str().into())
                 }
                 _ => Via::Strict,
             };
@@ -1077,7 +1074,7 @@ impl Fleet {
         self.give_back(engine, host, done, now);
         self.restore(engine, host, short, now);
         Gate::Refuse {
-            rule: refused.rule.clone(),
+            rule: refused.rule.to_string(),
             quota,
         }
     }
@@ -1149,7 +1146,7 @@ impl Fleet {
                     self.outbox(host, engine, charges);
                     self.give_back(engine, host, &done, now);
                     return Gate::Refuse {
-                        rule: s.rule.clone(),
+                        rule: s.rule.to_string(),
                         quota,
                     };
                 }
@@ -1254,7 +1251,7 @@ impl Fleet {
                     amount: s.have,
                     window_end: s.window_end,
                     meter: s.meter,
-                    via: Via::Lease(s.slot.clone()?),
+                    via: Via::Lease(s.slot.as_deref()?.into()),
                 })
             })
             .collect();
@@ -1635,7 +1632,7 @@ impl FleetAgent {
             claims.push((rule_id.clone(), l.owner, current, want));
             wants.push(TopUp {
                 slot: key.clone(),
-                rule: rule_id.clone(),
+                rule: rule_id.to_string(),
                 owner: l.owner,
                 window_end: l.window_end,
             });

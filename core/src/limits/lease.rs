@@ -81,8 +81,8 @@ impl Leases {
         self.list.iter_mut().find(|l| {
             l.expires_ms > now_ms
                 && l.held.owner == owner
-                && l.held.rule == rule
-                && l.held.key == key
+                && *l.held.rule == *rule
+                && *l.held.key == *key
                 && same_window(&l.held.limit, l.held.taken_ms, now_ms)
         })
     }
@@ -99,7 +99,7 @@ impl Leases {
     pub fn held_of(&self, rule: &str) -> u64 {
         self.list
             .iter()
-            .filter(|l| l.held.rule == rule)
+            .filter(|l| *l.held.rule == *rule)
             .map(|l| l.balance)
             .sum()
     }
@@ -140,7 +140,7 @@ impl Leases {
         let lease = self.list.iter_mut().find(|l| {
             l.expires_ms > now_ms
                 && l.held.owner == owner
-                && l.held.rule == rule
+                && *l.held.rule == *rule
                 && same_window(&l.held.limit, l.held.taken_ms, now_ms)
         })?;
         if lease.balance < amount {

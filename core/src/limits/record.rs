@@ -118,9 +118,20 @@ impl Bundle {
     /// Writes the entry of rule `id` (moved to the end: the most recently
     /// written), dropping the oldest beyond [`MAX_ENTRIES`].
     pub fn put(&mut self, id: u64, bytes: Vec<u8>) {
+        self.put_with(id, |w| {
+            w.bytes(&bytes);
+        });
+    }
+
+    /// [`Self::put`], the entry written by `write` in place (no buffer of
+    /// its own on the hot path).
+    pub fn put_with(&mut self, id: u64, write: impl FnOnce(&mut Writer)) {
         self.remove(|i| i == id);
-        self.index.push((id, self.data.len(), bytes.len()));
-        self.data.extend_from_slice(&bytes);
+        let at = self.data.len();
+        let mut w = Writer::onto(std::mem::take(&mut self.data));
+        write(&mut w);
+        self.data = w.into_bytes();
+        self.index.push((id, at, self.data.len() - at));
         if self.index.len() > MAX_ENTRIES {
             if let Some(&(oldest, _, _)) = self.index.first() {
                 self.remove(|i| i == oldest);

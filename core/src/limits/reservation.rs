@@ -77,6 +77,8 @@
 //! give-back a concurrent request may see those units in use and be
 //! refused: the error is on the safe side.
 
+use std::sync::Arc;
+
 use crate::limits::bucket::{window_start, BucketState, Quota, Shortfall};
 use crate::limits::record::{rule_hash, Bundle, Kept};
 use crate::limits::shares::Pool;
@@ -108,12 +110,34 @@ pub enum Scope {
 /// the live count survives a policy change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
-    pub id: String,
+    /// Shared by every hold of the bucket (a hold names its rule).
+    pub id: Arc<str>,
     pub limit: Limit,
     pub scope: Scope,
+    /// Known from the id at load, so a request computes neither: the
+    /// entry's name in its record ([`rule_hash`]) and the key of its
+    /// scope's shared record.
+    hash: u64,
+    global_key: Arc<str>,
 }
 
 impl Rule {
+    pub fn new(id: impl Into<Arc<str>>, limit: Limit, scope: Scope) -> Rule {
+        let id: Arc<str> = id.into();
+        Rule {
+            hash: rule_hash(&id),
+            global_key: global_key(scope_of(&id)).into(),
+            id,
+            limit,
+            scope,
+        }
+    }
+
+    /// The entry's name in its record.
+    pub fn hash(&self) -> u64 {
+        self.hash
+    }
+
     /// The scope whose record holds this bucket: the id's parent.
     pub fn record(&self) -> &str {
         scope_of(&self.id)
@@ -216,8 +240,8 @@ pub enum Placement {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
     /// The record's key.
-    pub key: String,
-    pub rule: String,
+    pub key: Arc<str>,
+    pub rule: Arc<str>,
     pub placement: Placement,
     /// Principal hash that owns the record; for a shared bucket the
     /// caller's group in its shares (0: none, see
@@ -347,7 +371,7 @@ fn column(principal: u64, row: u32, width: u32) -> u32 {
 
 /// Where a scope's record lives right now, and what it holds.
 struct Located {
-    key: String,
+    key: Arc<str>,
     bundle: Bundle,
     cas: u32,
     owner: u64,
@@ -382,7 +406,11 @@ impl Reserver<'_> {
     ) -> Result<Reservation, Refusal> {
         let mut taken: Vec<Option<(Held, Quota, bool)>> = vec![None; claims.len()];
         let mut leases = Vec::new();
-        for group in groups(claims) {
+        let mut group = Vec::with_capacity(claims.len());
+        for first in 0..claims.len() {
+            if !next_group(claims, first, &mut group) {
+                continue;
+            }
             match self.take_record(claims, &group, caller, now_ms, effort) {
                 Ok(items) => {
                     for (i, held, quota, over, lease) in items {
@@ -557,7 +585,7 @@ impl Reserver<'_> {
         let charge = actual > h.amount;
         let scope = scope_of(&h.rule);
         let found = self
-            .locate(scope, Scope::PerPrincipal, Caller::hashed(h.owner), now_ms)
+            .locate_caller(scope, Caller::hashed(h.owner), now_ms)
             .ok()
             .filter(|at| charge || at.bundle.owner == h.owner)
             .map(|at| at.key);
@@ -623,9 +651,14 @@ impl Reserver<'_> {
     /// What a claim's bucket holds now, without taking anything.
     pub fn peek(&self, claim: &Claim, caller: Caller, now_ms: u64) -> Quota {
         let rule = claim.rule;
-        let state = match self.locate(rule.record(), rule.scope, caller, now_ms) {
+        let state = match self.locate(rule, caller, now_ms) {
             Ok(at) => self.current(&at, rule, now_ms),
-            Err(_) => self.seed_rule(rule, caller.hash.max(GLOBAL_OWNER + 1), now_ms),
+            Err(_) => self.seed_rule(
+                &rule.id,
+                &rule.limit,
+                caller.hash.max(GLOBAL_OWNER + 1),
+                now_ms,
+            ),
         };
         state.at(&rule.limit, now_ms).quota(&rule.limit, now_ms)
     }
@@ -635,9 +668,7 @@ impl Reserver<'_> {
     /// caller has no slot to read: only a reservation can tell then).
     pub fn shortfall(&self, claim: &Claim, caller: Caller, now_ms: u64) -> Option<Shortfall> {
         let rule = claim.rule;
-        let at = self
-            .locate(rule.record(), rule.scope, caller, now_ms)
-            .ok()?;
+        let at = self.locate(rule, caller, now_ms).ok()?;
         // The overflow's shared rate is not the caller's own limit: only a
         // reservation answers for it (`capacity_exhausted`).
         if at.placement == Placement::Overflow && rule.limit.window.is_none() {
@@ -650,14 +681,14 @@ impl Reserver<'_> {
     /// The state of `rule`'s bucket in a located record (a budget missing
     /// from a hashed record: its sketch estimate).
     fn current(&self, at: &Located, rule: &Rule, now_ms: u64) -> BucketState {
-        match (at.placement, at.bundle.get(rule_hash(&rule.id))) {
+        match (at.placement, at.bundle.get(rule.hash())) {
             (Placement::Global, bytes) => Pool::decode(bytes.unwrap_or_default()).state,
             // An overflow budget is the caller's own, in the sketch.
             (Placement::Overflow, _) if rule.limit.window.is_some() => {
-                self.seed_rule(rule, at.owner, now_ms)
+                self.seed_rule(&rule.id, &rule.limit, at.owner, now_ms)
             }
             (_, Some(bytes)) => Kept::decode(bytes).state(at.owner),
-            (Placement::Hashed, None) => self.seed_rule(rule, at.owner, now_ms),
+            (Placement::Hashed, None) => self.seed_rule(&rule.id, &rule.limit, at.owner, now_ms),
             (Placement::Dedicated | Placement::Overflow, None) => BucketState {
                 owner: at.owner,
                 ..BucketState::default()
@@ -679,25 +710,27 @@ impl Reserver<'_> {
         let Some(rule) = claims.get(first).map(|c| c.rule) else {
             return Ok(Vec::new());
         };
-        let (scope, kind) = (rule.record(), rule.scope);
         // The read spans several keys (the probed slots), so the loop is
         // `store::retry` around locate-then-write, not a one-key update.
         let taken = store::retry(self.tries.take(), effort, || {
-            let mut at = match self.locate(scope, kind, caller, now_ms) {
+            let mut at = match self.locate(rule, caller, now_ms) {
                 Ok(at) => at,
                 Err(frees_in) => return Attempt::Done(Err((first, TakeError::NoSlot(frees_in)))),
             };
-            let original = at.bundle.clone();
+            // Only a shared bucket with fair shares writes on a refusal
+            // (from the record as read): only then is a copy kept.
+            let shared = at.placement == Placement::Global;
+            let original = (shared && group.iter().any(|&i| claims[i].share.is_some()))
+                .then(|| at.bundle.clone());
             let (outcome, write) = self.fill(&mut at, claims, group, now_ms);
-            let bytes = match (&outcome, write) {
-                (Ok(_), _) => at.bundle.encode(),
+            let bytes = match (&outcome, write, original) {
+                (Ok(_), _, _) => at.bundle.encode(),
                 // A refusal that marks a group of shares active.
-                (Err(_), Some((id, pool))) => {
-                    let mut marked = original;
+                (Err(_), Some((id, pool)), Some(mut marked)) => {
                     marked.put(id, pool.encode());
                     marked.encode()
                 }
-                (Err(_), None) => return Attempt::Done(outcome.map(|q| (at, q))),
+                (Err(_), _, _) => return Attempt::Done(outcome.map(|q| (at, q))),
             };
             match self.store.set(&at.key, &bytes, at.cas) {
                 Ok(()) => Attempt::Done(outcome.map(|q| (at, q))),
@@ -784,13 +817,13 @@ impl Reserver<'_> {
         let mut quotas = Vec::with_capacity(group.len());
         for &i in group {
             let c = &claims[i];
-            let (limit, id) = (&c.rule.limit, rule_hash(&c.rule.id));
+            let (limit, id) = (&c.rule.limit, c.rule.hash());
             if at.placement == Placement::Global {
                 let pool = Pool::decode(at.bundle.get(id).unwrap_or_default());
                 match take_pool(pool.clone(), c, now_ms) {
                     Ok((next, quota, over)) => {
                         let (next, quota, extra) = lease_pool(pool, next, quota, c, now_ms);
-                        at.bundle.put(id, next.encode());
+                        at.bundle.put_with(id, |w| next.write(w));
                         quotas.push((quota, over, extra));
                     }
                     Err((shortfall, mark)) => {
@@ -829,7 +862,8 @@ impl Reserver<'_> {
             // An overflow budget lives in the sketch alone (added after
             // the record is written, like a hashed record's).
             if !(at.placement == Placement::Overflow && limit.window.is_some()) {
-                at.bundle.put(id, Kept::of(next, limit, now_ms).encode());
+                at.bundle
+                    .put_with(id, |w| Kept::of(next, limit, now_ms).write(w));
             }
             let mut quota = next.quota(limit, now_ms);
             // The leased units are still this caller's to use.
@@ -850,17 +884,10 @@ impl Reserver<'_> {
     /// record, its hashed record, or a record it may take (empty: each
     /// budget in it then starts from the sketch). `Err`: every probed
     /// record is in use; the value is when one frees.
-    fn locate(
-        &self,
-        scope: &str,
-        kind: Scope,
-        caller: Caller,
-        now_ms: u64,
-    ) -> Result<Located, u64> {
-        let read = |key: &str| self.store.get(key);
-        if kind == Scope::Global {
-            let key = global_key(scope);
-            let (bytes, cas) = read(&key).unwrap_or_default();
+    fn locate(&self, rule: &Rule, caller: Caller, now_ms: u64) -> Result<Located, u64> {
+        if rule.scope == Scope::Global {
+            let key = rule.global_key.clone();
+            let (bytes, cas) = self.store.get(&key).unwrap_or_default();
             return Ok(Located {
                 key,
                 bundle: Bundle::decode(&bytes),
@@ -869,6 +896,12 @@ impl Reserver<'_> {
                 placement: Placement::Global,
             });
         }
+        self.locate_caller(rule.record(), caller, now_ms)
+    }
+
+    /// The record of a per-caller `scope` for `caller` (see [`Self::locate`]).
+    fn locate_caller(&self, scope: &str, caller: Caller, now_ms: u64) -> Result<Located, u64> {
+        let read = |key: &str| self.store.get(key);
         let owner = caller.hash.max(GLOBAL_OWNER + 1);
         if let Some(name) = caller.declared {
             let key = dedicated_key(scope, name);
@@ -876,7 +909,7 @@ impl Reserver<'_> {
             // does not belong to) is placed like anyone else.
             if let Some((bytes, cas)) = read(&key) {
                 return Ok(Located {
-                    key,
+                    key: key.into(),
                     bundle: Bundle::decode(&bytes),
                     cas,
                     owner,
@@ -925,14 +958,14 @@ impl Reserver<'_> {
         });
         match found {
             SlotClaim::Mine((key, cas, bundle)) => Ok(Located {
-                key,
+                key: key.into(),
                 bundle,
                 cas,
                 owner,
                 placement: Placement::Hashed,
             }),
             SlotClaim::Free((key, cas, _)) => Ok(Located {
-                key,
+                key: key.into(),
                 bundle: Bundle::new(owner, now_ms),
                 cas,
                 owner,
@@ -949,7 +982,7 @@ impl Reserver<'_> {
         let (bytes, cas) = self.store.get(&key)?;
         Some(Located {
             bundle: Bundle::decode(&bytes),
-            key,
+            key: key.into(),
             cas,
             owner,
             placement: Placement::Overflow,
@@ -969,25 +1002,19 @@ impl Reserver<'_> {
 
     /// A fresh bucket for the holder of `h`: see [`Self::seed_rule`].
     fn seed(&self, h: &Held, now_ms: u64) -> BucketState {
-        let rule = Rule {
-            id: h.rule.clone(),
-            limit: h.limit,
-            scope: Scope::PerPrincipal,
-        };
-        self.seed_rule(&rule, h.owner, now_ms)
+        self.seed_rule(&h.rule, &h.limit, h.owner, now_ms)
     }
 
     /// A fresh bucket for `owner`: empty for a rate, and for a budget what
     /// the sketch says it was charged this window (never less than the
     /// truth).
-    fn seed_rule(&self, rule: &Rule, owner: u64, now_ms: u64) -> BucketState {
-        let used = match rule.limit.window {
+    fn seed_rule(&self, id: &str, limit: &Limit, owner: u64, now_ms: u64) -> BucketState {
+        let used = match limit.window {
             Some(window) => {
                 let start = window_start(window, now_ms);
                 (0..SKETCH_DEPTH)
                     .map(|row| {
-                        let key =
-                            cell_key(&rule.id, row, column(owner, row, self.layout.sketch_width));
+                        let key = cell_key(id, row, column(owner, row, self.layout.sketch_width));
                         let (bytes, _) = self.store.get(&key).unwrap_or_default();
                         let cell = SketchCell::decode(&bytes);
                         if cell.window == start {
@@ -1111,18 +1138,21 @@ fn scope_of(id: &str) -> &str {
     id.rsplit_once('/').map_or(id, |(parent, _)| parent)
 }
 
-/// The claims grouped by record, each group in claim order, the groups in
-/// the order of their first claim.
-fn groups(claims: &[Claim]) -> Vec<Vec<usize>> {
-    let mut out: Vec<(&str, Scope, Vec<usize>)> = Vec::new();
-    for (i, c) in claims.iter().enumerate() {
-        let key = (c.rule.record(), c.rule.scope);
-        match out.iter_mut().find(|(s, k, _)| (*s, *k) == key) {
-            Some((_, _, group)) => group.push(i),
-            None => out.push((key.0, key.1, vec![i])),
-        }
+/// The claims of one record, in claim order, into `group`, when claim
+/// `first` is the first of its record (`false`: an earlier claim's
+/// record, taken with it). Called for each claim in turn, it gives the
+/// groups in the order of their first claim, in one buffer.
+fn next_group<'a>(claims: &[Claim<'a>], first: usize, group: &mut Vec<usize>) -> bool {
+    fn record<'a>(c: &Claim<'a>) -> (&'a str, Scope) {
+        (c.rule.record(), c.rule.scope)
     }
-    out.into_iter().map(|(_, _, group)| group).collect()
+    let key = record(&claims[first]);
+    if claims[..first].iter().any(|c| record(c) == key) {
+        return false;
+    }
+    group.clear();
+    group.extend((first..claims.len()).filter(|&i| record(&claims[i]) == key));
+    true
 }
 
 /// The reservation of every claim taken, in claim order.
@@ -1230,7 +1260,7 @@ fn apply_settlement(
         } else {
             pool.give_back(h.owner, delta, limit, h.taken_ms, now_ms)
         };
-        bundle.put(id, next.encode());
+        bundle.put_with(id, |w| next.write(w));
         return;
     }
     let state = match bundle.get(id) {
@@ -1242,7 +1272,7 @@ fn apply_settlement(
     } else {
         state.give_back(delta, limit, h.taken_ms, now_ms)
     };
-    bundle.put(id, Kept::of(next, limit, now_ms).encode());
+    bundle.put_with(id, |w| Kept::of(next, limit, now_ms).write(w));
 }
 
 impl Record for SketchCell {
@@ -1274,9 +1304,9 @@ mod tests {
     use std::sync::Arc;
 
     fn rule(id: &str, amount: u64, scope: Scope) -> Rule {
-        Rule {
-            id: id.into(),
-            limit: Limit {
+        Rule::new(
+            id,
+            Limit {
                 rate: Rate {
                     amount,
                     period_ms: 60_000,
@@ -1285,7 +1315,7 @@ mod tests {
                 window: None,
             },
             scope,
-        }
+        )
     }
 
     fn layout(slots: u32) -> Layout {
@@ -1632,14 +1662,11 @@ mod tests {
     }
 
     fn day_budget(id: &str, amount: u64) -> Rule {
-        Rule {
-            id: id.into(),
-            limit: Limit::windowed(
-                amount,
-                crate::policy::Window::Day(crate::policy::zone::Zone::UTC),
-            ),
-            scope: Scope::PerPrincipal,
-        }
+        let limit = Limit::windowed(
+            amount,
+            crate::policy::Window::Day(crate::policy::zone::Zone::UTC),
+        );
+        Rule::new(id, limit, Scope::PerPrincipal)
     }
 
     /// Admissions of the declared caller `key:d` and of the hashed caller 7
@@ -1696,7 +1723,7 @@ mod tests {
         // draws on the overflow record (one shared rate, its own budget).
         let first = r.reserve(&c, by(5_000_000), 1_000, &mut e).unwrap();
         assert_eq!(first.held[0].placement, Placement::Overflow);
-        assert_eq!(first.held[0].key, "sluice:v1:rec:tier/free:overflow");
+        assert_eq!(&*first.held[0].key, "sluice:v1:rec:tier/free:overflow");
         assert!(first.quotas[0].remaining <= 4_990, "its own budget");
         assert!(r.reserve(&c, by(5_000_001), 1_000, &mut e).is_ok());
         assert!(r.reserve(&c, by(5_000_002), 1_000, &mut e).is_ok());

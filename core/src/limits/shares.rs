@@ -208,11 +208,15 @@ impl Pool {
 
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_capacity(BucketState::LEN + ACCOUNT_LEN * self.accounts.len());
-        self.state.write(&mut w);
+        self.write(&mut w);
+        w.into_bytes()
+    }
+
+    pub fn write(&self, w: &mut Writer) {
+        self.state.write(w);
         for a in &self.accounts {
             w.u64(a.id).u64(a.used).u64(a.seen_ms).u64(a.lent);
         }
-        w.into_bytes()
     }
 
     /// By prefix: a plain bucket reads with no accounts; a short value as

@@ -39,6 +39,11 @@ impl Writer {
         Writer(Vec::with_capacity(len))
     }
 
+    /// A writer appending to `bytes` (given back by [`Self::into_bytes`]).
+    pub fn onto(bytes: Vec<u8>) -> Writer {
+        Writer(bytes)
+    }
+
     pub fn u64(&mut self, v: u64) -> &mut Writer {
         self.0.extend_from_slice(&v.to_le_bytes());
         self

@@ -307,7 +307,7 @@ impl PolicyView {
             .into_iter()
             .map(|d| {
                 (
-                    d.rule.id.clone(),
+                    d.rule.id.to_string(),
                     ViewRule {
                         limit: d.rule.limit,
                         soft: d.soft,
