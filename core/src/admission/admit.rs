@@ -176,23 +176,25 @@ impl Engine {
         // from its plan: the holds go to one of them, moved.
         let (held, plan) = match asked {
             None => (Some((reservation.held, meters)), None),
-            Some(a) => (None, Some((a, reservation.held, meters))),
+            Some(a) => (
+                None,
+                Some(Plan {
+                    held: reservation.held,
+                    meters,
+                    api: sized.api,
+                    model: model.clone(),
+                    rung: served.map(|s| (s.provider.clone(), s.model.clone())),
+                    input_raw,
+                    input_estimate: sized.input,
+                    max_output: sized.output(),
+                    stream: a.demand.stream,
+                    strip_usage,
+                    price,
+                    output_lowered: lowered,
+                    answer_at: self.declared(sized.api).map(|d| d.answer.clone()),
+                }),
+            ),
         };
-        let plan = plan.map(|(a, held, meters)| Plan {
-            held,
-            meters,
-            api: sized.api,
-            model: model.clone(),
-            rung: served.map(|s| (s.provider.clone(), s.model.clone())),
-            input_raw,
-            input_estimate: sized.input,
-            max_output: sized.output(),
-            stream: a.demand.stream,
-            strip_usage,
-            price,
-            output_lowered: lowered,
-            answer_at: self.declared(sized.api).map(|d| d.answer.clone()),
-        });
         Verdict {
             reply: None,
             response_headers: headers,

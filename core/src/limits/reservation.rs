@@ -727,7 +727,7 @@ impl Reserver<'_> {
                 (Ok(_), _, _) => at.bundle.encode(),
                 // A refusal that marks a group of shares active.
                 (Err(_), Some((id, pool)), Some(mut marked)) => {
-                    marked.put(id, pool.encode());
+                    marked.put_with(id, |w| pool.write(w));
                     marked.encode()
                 }
                 (Err(_), _, _) => return Attempt::Done(outcome.map(|q| (at, q))),
