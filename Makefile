@@ -11,6 +11,7 @@ OPENAI_VERSION := 3.57.0
 OLLAMA_VERSION := 0.6.3
 CLIENTS_STAMP := $(VENV)/.clients-openai-$(OPENAI_VERSION)-ollama-$(OLLAMA_VERSION)
 WASM          := target/wasm32-wasip1/release/sluice_filter.wasm
+NATIVE_SO     := target/release-native/libsluice_native.so
 CARGO         ?= cargo
 PYTHON        ?= python3
 
@@ -60,15 +61,19 @@ $(THIRD_PARTY_STAMP): $(THIRD_PARTY_REQS)
 	@rm -f $(THIRD_PARTY_VENV)/.installed-*
 	@touch $@
 
-## build: the filter (.wasm), the sidecar and mock-llm, release
+## build: the filter (.wasm), the native module (.so), the sidecar and mock-llm, release
 build: tools
 	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
 	@# One native invocation: the sidecar, mock-llm and the path loop the
 	@# instruction-budget test counts under callgrind (an example of the
 	@# core crate, on the mock host).
 	$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-core --bins --example path_loop
+	@# The native module (issue 32, prototype): its own profile, release with
+	@# panic = "unwind" (Cargo.toml says why), so its own target directory
+	@# and nothing above is rebuilt for it.
+	$(CARGO) build --profile release-native -p sluice-native
 	@# A binary missing here fails the build (a target filter once left them out).
-	@ls -l $(WASM) target/release/sluice-sidecar target/release/mock-llm
+	@ls -l $(WASM) target/release/sluice-sidecar target/release/mock-llm $(NATIVE_SO)
 
 ## check-build: a second `make build` with nothing changed compiles nothing
 check-build: build

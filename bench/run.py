@@ -60,6 +60,10 @@ YAML2JSON_MANIFEST = ROOT / "bench/yaml2json/Cargo.toml"
 FLOOR_MANIFEST = ROOT / "bench/floor-filter/Cargo.toml"
 FLOOR_TARGET_DIR = ROOT / "target/bench/floor"
 FLOOR_WASM = FLOOR_TARGET_DIR / "wasm32-wasip1/release/sluice_bench_floor_filter.wasm"
+# Variant (n), issue 32: the policy core as an Envoy dynamic module
+# (native/, `make build`), loaded by name from this directory.
+NATIVE_DIR = Path(os.environ.get("SLUICE_NATIVE_DIR") or ROOT / "target/release-native")
+NATIVE_SO = NATIVE_DIR / "libsluice_native.so"
 LITELLM_VERSION = "1.108.7"  # newest whose [proxy] extra resolves from the index here (1.108.12+ pin builds it lacks)
 LITELLM_VENV = ROOT / "target/bench/venv-litellm"
 LITELLM_MASTER_KEY = "sk-bench-master-key"
@@ -168,15 +172,16 @@ VARIANTS = {
     "g": "floor: body-reading filter",
     "h": "as (c), baseline build (--base-wasm)",
     "i": "as (d), baseline build (--base-wasm)",
+    "n": "as (c), the native module (dynamic module, issue 32)",
 }
 # Table order: each floor just above the sluice variant it bounds, an A/B
 # baseline just above the build it is compared with.
-ROW_ORDER = "abfhcgide"
+ROW_ORDER = "abfhcngide"
 # Which workloads each variant runs (LiteLLM answers /v1/models itself; the
 # body-reading floor is the bound for (d), which only runs the POST).
 VARIANT_WORKLOADS = {"a": ["get", "chat"], "b": ["get", "chat"], "c": ["get", "chat"],
                      "d": ["chat"], "e": ["chat"], "f": ["get", "chat"], "g": ["chat"],
-                     "h": ["get", "chat"], "i": ["chat"]}
+                     "h": ["get", "chat"], "i": ["chat"], "n": ["get", "chat"]}
 # Floor variant → the plugin configuration bench/floor-filter reads.
 FLOOR_MODES = {"f": "empty", "g": "body-reading"}
 
@@ -450,6 +455,22 @@ def envoy_config(shipped, upstream_port, filters, policy=None, access_log=True, 
             "local": {"filename": str(wasm)}}
         kept.insert(kept.index(router), sluice)
         hcm["http_filters"] = kept
+    elif filters == "native":
+        # The same policy and position as (c), in Envoy's dynamic-modules
+        # filter: lib<name>.so from ENVOY_DYNAMIC_MODULES_SEARCH_PATH (set
+        # by Envoy() for this variant), the policy as the filter_config.
+        native = {
+            "name": "sluice",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+                "dynamic_module_config": {"name": "sluice_native", "do_not_close": True},
+                "filter_name": "sluice",
+                "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                  "value": json.dumps(policy)},
+            },
+        }
+        kept.insert(kept.index(router), native)
+        hcm["http_filters"] = kept
     elif filters.startswith("floor:"):
         floor = copy.deepcopy(sluice)
         floor["name"] = "floor"
@@ -499,7 +520,7 @@ class MockLlm:
 
 
 class Envoy:
-    def __init__(self, procs, workdir, name, cfg, concurrency):
+    def __init__(self, procs, workdir, name, cfg, concurrency, env=None):
         d = workdir / f"envoy-{name}"
         d.mkdir(parents=True, exist_ok=True)
         (d / "envoy.json").write_text(json.dumps(cfg, indent=1))
@@ -507,7 +528,8 @@ class Envoy:
         self.proc = procs.spawn(f"envoy-{name}", [
             envoy_bin(), "-c", d / "envoy.json", "--disable-hot-restart",
             "--concurrency", concurrency, "--admin-address-path", d / "admin.txt",
-            "-l", "info"], d / "envoy.log", cwd=d)
+            "-l", "info"], d / "envoy.log", cwd=d,
+            env=dict(os.environ, **env) if env else None)
         self.admin = wait_until(f"Envoy {name} admin",
                                 lambda: (d / "admin.txt").read_text().strip() or None,
                                 60, self.proc)
@@ -854,8 +876,8 @@ def _middle(triple):
     return " ".join(toks[2:4]) if len(toks) >= 6 else triple
 
 
-PROFILED = [("a", "get"), ("f", "get"), ("h", "get"), ("c", "get"), ("a", "chat"),
-            ("g", "chat"), ("i", "chat"), ("d", "chat")]
+PROFILED = [("a", "get"), ("f", "get"), ("h", "get"), ("c", "get"), ("n", "get"), ("a", "chat"),
+            ("g", "chat"), ("i", "chat"), ("d", "chat"), ("n", "chat")]
 
 
 def perf_profile(args, workdir, port, wl, pid):
@@ -1068,6 +1090,12 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
       "the body is complete, reads the whole request body (`get_http_request_body`) "
       "and each response chunk (`get_http_response_body`), does nothing with them. "
       "The least a filter that must read the body and the usage costs.")
+    if "n" in args.variants:
+        w("- (n) the (c) policy in Envoy's dynamic-modules HTTP filter: the same policy core "
+          "(sluice-core) compiled natively into target/release-native/libsluice_native.so "
+          "(native/, issue 32's prototype), loaded in-process through Envoy 1.40's C ABI; "
+          "counts in one process-wide in-memory store with Envoy's compare-and-swap "
+          "semantics, metrics as Envoy labelled stats. Same place in the filter chain.")
     if set(args.variants) & set("hi"):
         w(f"- (h) and (i): (c) and (d) with the filter built from another commit "
           f"(`--base-wasm {args.base_wasm.name}`), interleaved with (c) and (d) in each "
@@ -1259,7 +1287,8 @@ def parse_args(argv):
     p.add_argument("--variants", default="abcdefg",
                    help="letters: a bare Envoy, b local_ratelimit, c sluice header-only, "
                         "d sluice full, e LiteLLM, f floor: empty filter, g floor: "
-                        "body-reading filter, h/i: c/d with --base-wasm")
+                        "body-reading filter, h/i: c/d with --base-wasm, n: c as the "
+                        "native dynamic module")
     p.add_argument("--duration", type=float, default=6)
     p.add_argument("--warmup", type=float, default=2)
     p.add_argument("--reps", type=int, default=5)
@@ -1369,7 +1398,8 @@ def main(argv):
                                    "c": ("sluice", HEADER_POLICY),
                                    "d": ("sluice", FULL_POLICY),
                                    "h": ("sluice", HEADER_POLICY),
-                                   "i": ("sluice", FULL_POLICY)}.get(
+                                   "i": ("sluice", FULL_POLICY),
+                                   "n": ("native", HEADER_POLICY)}.get(
                                        key, (f"floor:{FLOOR_MODES.get(key)}", None))
                 if key in FLOOR_MODES:
                     floor_wasm()
@@ -1384,7 +1414,12 @@ def main(argv):
                         "enabled": True, "workers": args.envoy_concurrency}
                 wasm = args.base_wasm if key in "hi" else WASM
                 cfg = envoy_config(shipped, mock.port, filters, policy, args.access_log, wasm)
-                server = Envoy(procs, workdir, key, cfg, args.envoy_concurrency)
+                env = None
+                if key == "n":
+                    if not NATIVE_SO.exists():
+                        sys.exit(f"bench: {NATIVE_SO} is missing; run `make build` first")
+                    env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(NATIVE_DIR)}
+                server = Envoy(procs, workdir, key, cfg, args.envoy_concurrency, env)
             server.key = key
             for wl in VARIANT_WORKLOADS[key]:
                 servers[(key, wl)] = server
@@ -1397,13 +1432,16 @@ def main(argv):
                   f"p99 {res['p99_us']:.0f} µs, CPU {res['cpu_us_per_req']:.0f} µs/req; "
                   f"unloaded p50 {res['lat_p50_us']:.0f} µs, p99 {res['lat_p99_us']:.0f} µs; "
                   f"errors {res['errors']} non-2xx {res['non2xx']}", flush=True)
-        for key in "cd":
+        for key in "cdn":
             server = next((v for (k, _), v in servers.items() if k == key), None)
             if server is None:
                 continue
             prom = server.prometheus()
-            admit = prom_sum(prom, "sluice_requests_total", 'decision="admit"')
-            refuse = prom_sum(prom, "sluice_requests_total", 'decision="refuse"')
+            # The module's stats keep Envoy's default dynamic-module
+            # namespace in /stats/prometheus (the wasm filter's lose theirs).
+            requests = ("envoy_dynamicmodulescustom_" if key == "n" else "") + "sluice_requests_total"
+            admit = prom_sum(prom, requests, 'decision="admit"')
+            refuse = prom_sum(prom, requests, 'decision="refuse"')
             check = f"({key}) {admit:,.0f} admitted, {refuse:,.0f} refused"
             if key == "d":
                 settled = (prom_sum(prom, "sluice_tokens_total", 'direction="input"',

@@ -89,6 +89,30 @@ impl Metric {
     pub fn define_at(&self, host: &dyn Host, values: &[&str]) {
         host.metric_add(self.kind, &self.named(values), 0);
     }
+
+    /// The label values of `name` when it is this stat's
+    /// [`Metric::named`], `None` for any other name: the inverse of
+    /// `named`, for a host whose stats take their labels apart (the native
+    /// module's Envoy metrics), so the grammar stays in this one place.
+    pub fn values_in<'n>(&self, name: &'n str) -> Option<Vec<&'n str>> {
+        let mut rest = name.strip_prefix(self.name)?;
+        let mut values = Vec::with_capacity(self.labels.len());
+        for (i, label) in self.labels.iter().enumerate() {
+            rest = rest.strip_prefix(if i == 0 { "_" } else { "." })?;
+            rest = rest.strip_prefix(label)?.strip_prefix('=')?;
+            let (value, after) = rest.split_once(';')?;
+            values.push(value);
+            rest = after;
+        }
+        rest.is_empty().then_some(values)
+    }
+}
+
+/// The stat of [`ALL`] a name made by [`Metric::named`] belongs to, and
+/// its label values; `None` for a name of no stat of the table.
+pub fn find(name: &str) -> Option<(Metric, Vec<&str>)> {
+    ALL.iter()
+        .find_map(|m| m.values_in(name).map(|values| (*m, values)))
 }
 
 // ------------------------------------------------------------ decisions
@@ -333,6 +357,18 @@ mod tests {
         assert!(!defined.is_empty());
         let missing: Vec<_> = defined.difference(&listed).collect();
         assert!(missing.is_empty(), "not in ALL: {missing:?}");
+    }
+
+    #[test]
+    fn find_reads_back_every_name_named_writes() {
+        for m in ALL {
+            let values: Vec<String> = (0..m.labels.len()).map(|i| format!("v.{i}:x")).collect();
+            let refs: Vec<&str> = values.iter().map(String::as_str).collect();
+            let name = m.named(&refs);
+            assert_eq!(find(&name), Some((*m, refs.clone())), "{name}");
+        }
+        assert_eq!(find("sluice_no_such_stat"), None);
+        assert_eq!(find("sluice_requests_total_decision=admit;"), None);
     }
 
     #[test]
