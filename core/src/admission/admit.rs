@@ -640,8 +640,8 @@ fn upstream_body(
     let model = served.and_then(|s| s.model.as_deref()).or(downshift);
     if let Some(declared) = declared {
         let max = sized.per_choice;
-        let new_output = (!declared.carries(&asked.body, max)).then_some(max);
-        let rewritten = declared.rewrite(&asked.body, model, new_output);
+        let new_output = (!declared.carries(asked.body(), max)).then_some(max);
+        let rewritten = declared.rewrite(asked.body(), model, new_output);
         return (
             rewritten.map(|json| super::rewrite::spliced(asked, &json)),
             false,
@@ -651,7 +651,7 @@ fn upstream_body(
         .and_then(|s| s.limit_field)
         .filter(|f| sized.api.output_limit().reads.contains(f));
     let new_output = (sized.produces_output
-        && (only.is_some() || !carries_max_output(sized.api, &asked.body, sized.per_choice)))
+        && (only.is_some() || !carries_max_output(sized.api, &asked.sent, sized.per_choice)))
     .then_some(sized.per_choice);
     rewrite(sized.api, asked, model, new_output, only)
 }

@@ -29,9 +29,11 @@ use crate::policy::{Budget, Limit, Mode, Policy, Window};
 use crate::state::codec::Record;
 use crate::state::store::{self, Contention, SharedStore, StoreError, Updated};
 use crate::usage::anomaly::UsageRing;
-use crate::usage::demand::{self, Api, Demand};
+use crate::usage::demand::{self, Api, BadBody, Demand};
 use crate::usage::estimate::{self, Correction};
+use crate::usage::output_limit::SentLimits;
 use crate::usage::reconcile::Found;
+use crate::usage::view::View;
 use answer::{BucketRefusal, Decision, Degraded, Reason, Refused, Reply};
 use route::{Pushback, Route, SidecarSeen, Situation};
 
@@ -209,11 +211,26 @@ pub struct Settled {
 #[derive(Debug, Clone)]
 pub struct Asked {
     pub demand: Demand,
-    pub body: Value,
     /// The body as the client sent it: a rewrite is spliced into these
-    /// bytes (`usage/splice.rs`), not serialised from `body`.
+    /// bytes (`usage/splice.rs`), not serialised from a tree.
     pub raw: Vec<u8>,
     pub input_raw: f64,
+    /// The limit fields the body set, read with the rest of it.
+    pub sent: SentLimits,
+    /// `stream_options.include_usage` is `true`.
+    pub include_usage: bool,
+    /// The body as a tree: built only for what still reads one (a cache
+    /// key, a rewrite, a declared API's pointers, the static answer).
+    tree: std::sync::OnceLock<Value>,
+}
+
+impl Asked {
+    /// The body as a tree (built on the first call, from bytes already
+    /// read strictly).
+    pub fn body(&self) -> &Value {
+        self.tree
+            .get_or_init(|| serde_json::from_slice(&self.raw).unwrap_or(Value::Null))
+    }
 }
 
 pub struct Engine {
@@ -336,42 +353,65 @@ impl Engine {
             return Ok(None);
         }
         let cap = |model: &str| self.output_cap(model);
-        let parsed = match (api, self.declared(api)) {
-            (Api::Declared(i), Some(declared)) => declared.parse(i, raw, &cap),
-            _ => demand::parse_body(api, raw, &cap),
+        let refuse = |refused: Refused| Box::new(self.refuse(&refused, &identity.tier, None));
+        let invalid = |bad: BadBody| {
+            refuse(Refused::rejected(
+                Reason::InvalidRequest,
+                bad.message,
+                bad.param.as_deref(),
+            ))
         };
-        match parsed {
-            Ok((demand, body)) => {
-                if let Some(field) = self.refuses_stored_context(&demand, &body) {
-                    let refused = Refused::rejected(
-                        Reason::InvalidRequest,
-                        format!("`{field}` makes the server add stored context to this request's input, which this gateway cannot see or reserve against the token budget; send the whole context in `input` (the policy's `request.allow_stored_context` allows such requests)."),
-                        Some(field),
-                    );
-                    return Err(Box::new(self.refuse(&refused, &identity.tier, None)));
-                }
-                let input_raw = match self.declared(demand.api) {
-                    Some(declared) => declared.input_tokens(&body),
-                    None => estimate::input_tokens_of(demand.api, &body),
-                };
-                Ok(Some(Asked {
-                    demand,
-                    body,
-                    raw: raw.to_vec(),
-                    input_raw,
-                }))
+        let stored = |field: &'static str| {
+            refuse(Refused::rejected(
+                Reason::InvalidRequest,
+                format!("`{field}` makes the server add stored context to this request's input, which this gateway cannot see or reserve against the token budget; send the whole context in `input` (the policy's `request.allow_stored_context` allows such requests)."),
+                Some(field),
+            ))
+        };
+        if let (Api::Declared(i), Some(declared)) = (api, self.declared(api)) {
+            // A declared API's body is read at its pointers, from a tree.
+            let (demand, body) = declared.parse(i, raw, &cap).map_err(invalid)?;
+            if let Some(field) = self.refuses_stored_context(&demand, &body) {
+                return Err(stored(field));
             }
-            Err(bad) => {
-                let refused =
-                    Refused::rejected(Reason::InvalidRequest, bad.message, bad.param.as_deref());
-                Err(Box::new(self.refuse(&refused, &identity.tier, None)))
-            }
+            return Ok(Some(Asked {
+                input_raw: declared.input_tokens(&body),
+                sent: SentLimits::of(&body),
+                include_usage: false,
+                tree: body.into(),
+                demand,
+                raw: raw.to_vec(),
+            }));
         }
+        // Every other body: read once into a tape, no tree.
+        let tape = demand::read_tape(raw).map_err(invalid)?;
+        let body = tape.root();
+        let demand = demand::demand_of(api, body, &cap).map_err(invalid)?;
+        if let Some(field) = self.refuses_stored_context(&demand, body) {
+            return Err(stored(field));
+        }
+        let include_usage = body
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(View::bool)
+            == Some(true);
+        Ok(Some(Asked {
+            input_raw: estimate::input_tokens_of(demand.api, body),
+            sent: SentLimits::of(body),
+            include_usage,
+            tree: Default::default(),
+            demand,
+            raw: raw.to_vec(),
+        }))
     }
 
     /// The field by which the body asks the server for context it does not
     /// show, unless the policy allows such requests.
-    fn refuses_stored_context(&self, demand: &Demand, body: &Value) -> Option<&'static str> {
+    fn refuses_stored_context<'a>(
+        &self,
+        demand: &Demand,
+        body: impl View<'a>,
+    ) -> Option<&'static str> {
         if self.policy.request.allow_stored_context {
             return None;
         }
@@ -452,7 +492,7 @@ impl Engine {
             ..
         } = *ctx;
         let model = asked.and_then(|a| a.demand.model.as_deref());
-        let text = self.static_text(api, asked.map(|a| &a.body));
+        let text = self.static_text(api, asked.map(Asked::body));
         let stream = asked.is_some_and(|a| a.demand.stream);
         let reply = match self.declared(api) {
             Some(declared) => answer::declared_static(declared, &text),

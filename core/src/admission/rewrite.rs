@@ -45,15 +45,11 @@ pub(super) fn rewrite(
 ) -> (Option<Vec<u8>>, bool) {
     let wants_usage = matches!(api, Api::OpenAiChat | Api::OpenAiCompletions)
         && asked.demand.stream
-        && asked
-            .body
-            .pointer("/stream_options/include_usage")
-            .and_then(Value::as_bool)
-            != Some(true);
+        && !asked.include_usage;
     if model.is_none() && new_output.is_none() && !wants_usage {
         return (None, false); // the client's body goes up as it came
     }
-    let mut json = asked.body.clone();
+    let mut json = asked.body().clone();
     if let Some(m) = model {
         json["model"] = Value::String(m.to_string());
     }
@@ -82,7 +78,7 @@ pub(super) fn rewrite(
 /// what changed written again; serialised whole where the splice cannot
 /// follow the body.
 pub(super) fn spliced(asked: &Asked, json: &Value) -> Vec<u8> {
-    crate::usage::splice::splice(&asked.raw, &asked.body, json)
+    crate::usage::splice::splice(&asked.raw, asked.body(), json)
         .unwrap_or_else(|| json.to_string().into_bytes())
 }
 
@@ -91,10 +87,10 @@ pub(super) fn spliced(asked: &Asked, json: &Value) -> Vec<u8> {
 /// bounds the generation whichever field the server picks.
 pub(super) fn set_max_output(api: Api, json: &mut Value, max: u64) {
     let limit = api.output_limit();
-    let written = match json.as_object() {
-        Some(fields) => limit.written(fields),
-        None => return,
-    };
+    if !json.is_object() {
+        return;
+    }
+    let written = limit.written(&SentLimits::of(&*json));
     for field in written {
         field.set(json, max);
     }
@@ -102,9 +98,8 @@ pub(super) fn set_max_output(api: Api, json: &mut Value, max: u64) {
 
 /// Does the client's body already carry `max` in every field the API's
 /// servers read (then it needs no rewrite for the limit)?
-pub(super) fn carries_max_output(api: Api, body: &Value, max: u64) -> bool {
-    body.as_object()
-        .is_none_or(|fields| api.output_limit().carries(fields, max))
+pub(super) fn carries_max_output(api: Api, sent: &SentLimits, max: u64) -> bool {
+    api.output_limit().carries(sent, max)
 }
 
 impl Engine {
@@ -298,27 +293,30 @@ mod tests {
     #[test]
     fn carries_reads_every_written_field() {
         let chat = Api::OpenAiChat;
-        assert!(carries_max_output(chat, &json!({"max_tokens": 5}), 5));
-        assert!(!carries_max_output(chat, &json!({"max_tokens": 5}), 4));
+        let carries_max_output = |api: Api, body: Value, max: u64| {
+            super::carries_max_output(api, &SentLimits::of(&body), max)
+        };
+        assert!(carries_max_output(chat, json!({"max_tokens": 5}), 5));
+        assert!(!carries_max_output(chat, json!({"max_tokens": 5}), 4));
         assert!(
-            !carries_max_output(chat, &json!({}), 5),
+            !carries_max_output(chat, json!({}), 5),
             "max_tokens missing"
         );
         assert!(!carries_max_output(
             chat,
-            &json!({"max_tokens": 5, "max_completion_tokens": 6}),
+            json!({"max_tokens": 5, "max_completion_tokens": 6}),
             5
         ));
         assert!(!carries_max_output(
             chat,
-            &json!({"max_completion_tokens": 5}),
+            json!({"max_completion_tokens": 5}),
             5
         ));
         assert!(!carries_max_output(
             Api::OllamaChat,
-            &json!({"options": {"num_predict": -1}}),
+            json!({"options": {"num_predict": -1}}),
             5
         ));
-        assert!(carries_max_output(Api::OpenAiEmbeddings, &json!({}), 0));
+        assert!(carries_max_output(Api::OpenAiEmbeddings, json!({}), 0));
     }
 }

@@ -240,7 +240,7 @@ impl Stream {
         let rule = cache.rule(model, route)?;
         let allowed =
             cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
-        let body = &asked.body;
+        let body = asked.body();
         if !rule.temperature_ok(body, api.is_ollama()) || !(allowed.read || allowed.store) {
             metrics::CACHE.add_at(host, &["skip", "exact", &policy_label(&filter, model)], 1);
             return None;
@@ -327,8 +327,8 @@ impl Stream {
         let wait = Wait {
             token: 0,
             key: key.clone(),
-            stream: api.streams(&asked.body),
-            include_usage: include_usage(&asked.body),
+            stream: api.streams(asked.body()),
+            include_usage: asked.include_usage,
             asked: Some(asked.clone()),
             api,
             model,

@@ -6,6 +6,8 @@
 use serde_json::Value;
 
 use super::output_limit::max_output_of;
+use super::tape::Tape;
+use super::view::{Kind, View};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -188,10 +190,10 @@ impl Api {
     /// Whether a request of this API streams, by its `stream` field:
     /// Ollama streams unless told `stream: false`, the others only when
     /// told `stream: true`.
-    pub fn streams(self, body: &Value) -> bool {
-        match body.get("stream") {
-            Some(Value::Bool(b)) => *b,
-            _ => self.is_ollama(),
+    pub fn streams<'a>(self, body: impl View<'a>) -> bool {
+        match body.get("stream").and_then(View::bool) {
+            Some(b) => b,
+            None => self.is_ollama(),
         }
     }
 }
@@ -200,7 +202,7 @@ impl Api {
 /// `messages` → chat, `prompt` → completion, `input` → embedding. A body
 /// with none of them, or with more than one (two servers may pick two
 /// different ones), is a 400.
-pub fn invocation_api(body: &Value) -> Result<Api, BadBody> {
+pub fn invocation_api<'a>(body: impl View<'a>) -> Result<Api, BadBody> {
     let shapes = [
         ("messages", Api::OpenAiChat),
         ("prompt", Api::OpenAiCompletions),
@@ -208,7 +210,7 @@ pub fn invocation_api(body: &Value) -> Result<Api, BadBody> {
     ];
     let present: Vec<&(&str, Api)> = shapes
         .iter()
-        .filter(|(field, _)| body.get(field).is_some_and(|v| !v.is_null()))
+        .filter(|(field, _)| body.present(field).is_some())
         .collect();
     match present.as_slice() {
         [(_, api)] => Ok(*api),
@@ -395,27 +397,35 @@ pub fn parse_body(
     api: Api,
     body: &[u8],
     output_cap: &dyn Fn(&str) -> u64,
-) -> Result<(Demand, Value), BadBody> {
-    scan_bounds(body)?;
-    let value = read_json(body)?;
-    let Value::Object(fields) = &value else {
+) -> Result<Demand, BadBody> {
+    let tape = read_tape(body)?;
+    demand_of(api, tape.root(), output_cap)
+}
+
+/// What a body asks for, read from its value (the tape, or a tree).
+pub fn demand_of<'a>(
+    api: Api,
+    body: impl View<'a>,
+    output_cap: &dyn Fn(&str) -> u64,
+) -> Result<Demand, BadBody> {
+    if !body.is_object() {
         return Err(BadBody {
             message: "request body must be a JSON object".into(),
             param: None,
         });
-    };
-    super::spelling::refuse_case_variants(fields)?;
+    }
+    super::spelling::refuse_case_variants(body)?;
     let api = match api {
-        Api::Invocations => invocation_api(&value)?,
+        Api::Invocations => invocation_api(body)?,
         api => api,
     };
-    let model = model_of(fields)?;
-    let stream = match fields.get("stream") {
-        None | Some(Value::Null | Value::Bool(_)) => api.streams(&value),
+    let model = model_at(body.get("model"), "model")?;
+    let stream = match body.get("stream").map(View::kind) {
+        None | Some(Kind::Null | Kind::Bool(_)) => api.streams(body),
         Some(_) => return Err(BadBody::at("stream", "`stream` must be a boolean")),
     } && api.produces_output();
-    let max_output = max_output_of(api, fields, &|| output_cap(&model))?;
-    let (choices, prompts) = multiplied(api, fields)?;
+    let max_output = max_output_of(api, body, &|| output_cap(&model))?;
+    let (choices, prompts) = multiplied(api, body)?;
     let demand = Demand {
         api,
         model: Some(model),
@@ -424,7 +434,23 @@ pub fn parse_body(
         choices,
         prompts,
     };
-    Ok((demand, value))
+    Ok(demand)
+}
+
+/// The body read once, as strictly as [`read_json`] reads it, into a tape
+/// (`usage/tape.rs`): no tree. A body the tape refuses is read by
+/// [`read_json`] again for the exact message.
+pub fn read_tape(body: &[u8]) -> Result<Tape<'_>, BadBody> {
+    scan_bounds(body)?;
+    Tape::read(body).ok_or_else(|| match read_json(body) {
+        Err(bad) => bad,
+        // The tape refuses only what the strict read does (its property
+        // test); should they ever differ, the body is refused all the same.
+        Ok(_) => BadBody {
+            message: "request body is not valid JSON".into(),
+            param: None,
+        },
+    })
 }
 
 /// The body as JSON, read strictly (bounded, no duplicate key).
@@ -450,43 +476,42 @@ pub(crate) fn read_json(body: &[u8]) -> Result<Value, BadBody> {
     })
 }
 
-/// `model`: a non-empty string, bounded, without control characters.
-fn model_of(fields: &serde_json::Map<String, Value>) -> Result<String, BadBody> {
-    model_at(fields.get("model"), "model")
-}
-
-/// A model name found at `param` (a field or a declared pointer).
-pub(crate) fn model_at(value: Option<&Value>, param: &str) -> Result<String, BadBody> {
-    match value {
-        Some(Value::String(m)) if m.len() > MAX_MODEL_BYTES => Err(BadBody::at(
+/// A model name found at `param` (`model`, or a declared pointer): a
+/// non-empty string, bounded, without control characters.
+pub(crate) fn model_at<'a>(value: Option<impl View<'a>>, param: &str) -> Result<String, BadBody> {
+    let Some(value) = value else {
+        return Err(BadBody::at(param, format!("`{param}` is required")));
+    };
+    match value.str() {
+        Some(m) if m.len() > MAX_MODEL_BYTES => Err(BadBody::at(
             param,
             format!("`{param}` is longer than {MAX_MODEL_BYTES} bytes"),
         )),
-        Some(Value::String(m)) if m.chars().any(char::is_control) => Err(BadBody::at(
+        Some(m) if m.chars().any(char::is_control) => Err(BadBody::at(
             param,
             format!("`{param}` must not contain control characters"),
         )),
-        Some(Value::String(m)) if !m.trim().is_empty() => Ok(m.clone()),
-        Some(Value::String(_)) | None => Err(BadBody::at(param, format!("`{param}` is required"))),
-        Some(_) => Err(BadBody::at(param, format!("`{param}` must be a string"))),
+        Some(m) if !m.trim().is_empty() => Ok(m.into_owned()),
+        Some(_) => Err(BadBody::at(param, format!("`{param}` is required"))),
+        None => Err(BadBody::at(param, format!("`{param}` must be a string"))),
     }
 }
 
 /// Reads every multiplier of `api` from a body: (choices, prompts), each
 /// at least 1. Counts past a row's maximum, of the wrong type, or whose
 /// product passes [`MAX_COMPLETIONS`], are 400s naming the field.
-fn multiplied(api: Api, fields: &serde_json::Map<String, Value>) -> Result<(u64, u64), BadBody> {
+fn multiplied<'a>(api: Api, body: impl View<'a>) -> Result<(u64, u64), BadBody> {
     let mut choices = 1u64;
     let mut prompts = 0u64;
     let mut prompt_field = None;
     for m in api.multipliers() {
-        let Some(value) = fields.get(m.field).filter(|v| !v.is_null()) else {
+        let Some(value) = body.present(m.field) else {
             continue;
         };
         let field = m.field;
         let max = m.max;
         match m.multiplies {
-            Multiplies::Choices => match value.as_u64() {
+            Multiplies::Choices => match value.u64() {
                 Some(v) if (1..=max).contains(&v) => choices = choices.max(v),
                 _ => {
                     return Err(BadBody::at(
@@ -518,8 +543,8 @@ fn multiplied(api: Api, fields: &serde_json::Map<String, Value>) -> Result<(u64,
                 prompt_field = Some(field);
             }
             Multiplies::Inputs | Multiplies::PairedWith(_) => {
-                let count = match value {
-                    Value::Array(items) => items.len() as u64,
+                let count = match value.kind() {
+                    Kind::Array => value.items().count() as u64,
                     _ => 1,
                 };
                 if count > max {
@@ -546,17 +571,19 @@ fn multiplied(api: Api, fields: &serde_json::Map<String, Value>) -> Result<(u64,
 /// Prompts in a `prompt` value, as OpenAI and vLLM read it: a string or a
 /// flat token-id array is one; an array of strings or of token-id arrays
 /// is one per item. `None`: another shape (or an empty array).
-pub fn prompt_count(value: &Value) -> Option<u64> {
-    let token_ids = |v: &Value| {
-        v.as_array()
-            .is_some_and(|ids| ids.iter().all(Value::is_u64))
-    };
-    match value {
-        Value::String(_) => Some(1),
-        Value::Array(items) if items.is_empty() => None,
-        Value::Array(items) if items.iter().all(Value::is_u64) => Some(1),
-        Value::Array(items) if items.iter().all(|i| i.is_string() || token_ids(i)) => {
-            Some(items.len() as u64)
+pub fn prompt_count<'a>(value: impl View<'a>) -> Option<u64> {
+    fn id<'a>(v: impl View<'a>) -> bool {
+        v.u64().is_some()
+    }
+    fn ids<'a>(v: impl View<'a>) -> bool {
+        v.is_array() && v.items().all(id)
+    }
+    match value.kind() {
+        Kind::String => Some(1),
+        Kind::Array if value.items().next().is_none() => None,
+        Kind::Array if value.items().all(id) => Some(1),
+        Kind::Array if value.items().all(|i| i.is_string() || ids(i)) => {
+            Some(value.items().count() as u64)
         }
         _ => None,
     }
@@ -835,25 +862,19 @@ impl<'de> serde::de::Visitor<'de> for Strict<'_> {
 /// - an `input` item of type `item_reference`: a stored item by id.
 ///
 /// Other APIs carry their whole context in the body.
-pub fn stored_context(api: Api, body: &Value) -> Option<&'static str> {
+pub fn stored_context<'a>(api: Api, body: impl View<'a>) -> Option<&'static str> {
     if api != Api::OpenAiResponses {
         return None;
     }
     const BY_ID: [&str; 3] = ["previous_response_id", "conversation", "prompt"];
-    if let Some(field) = BY_ID
-        .into_iter()
-        .find(|f| body.get(*f).is_some_and(|v| !v.is_null()))
-    {
+    if let Some(field) = BY_ID.into_iter().find(|f| body.present(f).is_some()) {
         return Some(field);
     }
-    let references = body
-        .get("input")
-        .and_then(Value::as_array)
-        .is_some_and(|items| {
-            items
-                .iter()
-                .any(|i| i.get("type").and_then(Value::as_str) == Some("item_reference"))
-        });
+    let references = body.get("input").is_some_and(|input| {
+        input
+            .items()
+            .any(|i| i.get("type").and_then(View::str).as_deref() == Some("item_reference"))
+    });
     references.then_some("input")
 }
 
@@ -874,7 +895,7 @@ mod tests {
     }
 
     fn demand_of(api: Api, body: &[u8]) -> Result<Demand, BadBody> {
-        parse_body(api, body, &|_| CAP).map(|(d, _)| d)
+        parse_body(api, body, &|_| CAP)
     }
 
     #[test]
@@ -1281,9 +1302,8 @@ mod tests {
 
     #[test]
     fn invocations_resolve_by_shape_and_anthropic_needs_max_tokens() {
-        let api = |body: &str| {
-            parse_body(Api::Invocations, body.as_bytes(), &|_| CAP).map(|(d, _)| d.api)
-        };
+        let api =
+            |body: &str| parse_body(Api::Invocations, body.as_bytes(), &|_| CAP).map(|d| d.api);
         assert_eq!(api(r#"{"model":"m","messages":[]}"#), Ok(Api::OpenAiChat));
         assert_eq!(
             api(r#"{"model":"m","prompt":"x"}"#),

@@ -11,9 +11,10 @@
 //! `bench/estimator` measures the accuracy (`bench/ESTIMATOR.md`).
 
 use crate::state::codec::{Reader, Record, Writer};
-use serde_json::Value;
+use std::borrow::Cow;
 
 use crate::usage::demand::{Api, Multiplies};
+use crate::usage::view::{Kind, View};
 
 /// Tokens of chat framing per message, and to prime the reply (OpenAI's
 /// published accounting for chat models).
@@ -219,59 +220,79 @@ pub const TEXT_FIELDS: &[&str] = &[
 /// Top-level fields the model sees as JSON: tools and schemas.
 pub const JSON_FIELDS: &[&str] = &["tools", "functions", "response_format", "format", "text"];
 
-/// Estimated input tokens of a parsed request body, before correction:
-/// chat messages (string or multi-part content), system prompts, tools and
+/// Estimated input tokens of a request body, before correction: chat
+/// messages (string or multi-part content), system prompts, tools and
 /// their schemas, `response_format` schemas, prompts and Ollama fields.
-pub fn input_tokens(body: &Value) -> f64 {
-    let Some(obj) = body.as_object() else {
+pub fn input_tokens<'a>(body: impl View<'a>) -> f64 {
+    if !body.is_object() {
         return 0.0;
-    };
+    }
     let mut tokens = 0.0;
-    if let Some(messages) = obj.get("messages").and_then(Value::as_array) {
-        for m in messages {
-            tokens += PER_MESSAGE;
-            if let Some(m) = m.as_object() {
-                for (key, v) in m {
-                    tokens += match key.as_str() {
-                        "content" => content_tokens(v),
-                        "role" | "name" | "tool_call_id" => v.as_str().map_or(0.0, text_tokens),
-                        // Assistant tool calls, images' detail, etc.
-                        _ => json_tokens(v),
-                    };
-                }
-            }
+    if let Some(messages) = body.get("messages").filter(|m| m.is_array()) {
+        for m in messages.items() {
+            tokens += PER_MESSAGE + message_tokens(m);
         }
         tokens += REPLY_PRIMING;
     }
     for key in TEXT_FIELDS {
-        if let Some(v) = obj.get(*key) {
+        if let Some(v) = body.get(key) {
             tokens += content_tokens(v);
         }
     }
     for key in JSON_FIELDS {
-        if let Some(v) = obj.get(*key) {
+        if let Some(v) = body.get(key) {
             tokens += json_tokens(v);
         }
     }
     tokens
 }
 
+/// One chat message's keys, summed in byte order of the keys (a serde
+/// map's), so that every reader of the body gets the same sum bit for bit.
+fn message_tokens<'a>(message: impl View<'a>) -> f64 {
+    const MOST: usize = 8;
+    let mut terms = [const { (Cow::Borrowed(""), 0.0) }; MOST];
+    let mut more = Vec::new(); // a message with more keys than MOST
+    let mut n = 0;
+    for (key, v) in message.members() {
+        let tokens = match key.as_ref() {
+            "content" => content_tokens(v),
+            "role" | "name" | "tool_call_id" => v.str().map_or(0.0, |s| text_tokens(&s)),
+            // Assistant tool calls, images' detail, etc.
+            _ => json_tokens(v),
+        };
+        match terms.get_mut(n) {
+            Some(slot) => *slot = (key, tokens),
+            None => more.push((key, tokens)),
+        }
+        n += 1;
+    }
+    let terms: &mut [(Cow<str>, f64)] = if more.is_empty() {
+        terms.get_mut(..n).unwrap_or_default()
+    } else {
+        more.extend(terms);
+        &mut more
+    };
+    terms.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    terms.iter().map(|(_, t)| t).sum()
+}
+
 /// Estimated input tokens of a body of `api`: [`input_tokens`], plus each
 /// text its multiplier table says is processed once per item of another
 /// field (`text_1` with each `text_2`, the query with each document).
-pub fn input_tokens_of(api: Api, body: &Value) -> f64 {
+pub fn input_tokens_of<'a>(api: Api, body: impl View<'a>) -> f64 {
     let mut tokens = input_tokens(body);
     for m in api.multipliers() {
         let Multiplies::PairedWith(other) = m.multiplies else {
             continue;
         };
-        let (Some(text), Some(Value::Array(items))) = (body.get(m.field), body.get(other)) else {
+        let (Some(text), Some(items)) = (body.get(m.field), body.get(other)) else {
             continue;
         };
-        if text.is_array() {
+        if !items.is_array() || text.is_array() {
             continue; // pairs item by item: each text is counted once
         }
-        let again = items.len().saturating_sub(1) as f64;
+        let again = items.items().count().saturating_sub(1) as f64;
         tokens += again * content_tokens(text);
     }
     tokens
@@ -279,35 +300,35 @@ pub fn input_tokens_of(api: Api, body: &Value) -> f64 {
 
 /// A content value: a string, a list of parts (`{"type":"text","text":…}`,
 /// Responses-API items), or anything else scored as JSON.
-pub(crate) fn content_tokens(v: &Value) -> f64 {
-    match v {
-        Value::String(s) => text_tokens(s),
-        Value::Array(items) => items.iter().map(content_tokens).sum(),
-        Value::Object(part) => {
-            if let Some(text) = part.get("text").and_then(Value::as_str) {
-                return text_tokens(text) + 1.0;
+pub(crate) fn content_tokens<'a>(v: impl View<'a>) -> f64 {
+    match v.kind() {
+        Kind::String => v.str().map_or(0.0, |s| text_tokens(&s)),
+        Kind::Array => v.items().map(content_tokens).sum(),
+        Kind::Object => {
+            if let Some(text) = v.get("text").and_then(View::str) {
+                return text_tokens(&text) + 1.0;
             }
-            if let Some(content) = part.get("content") {
+            if let Some(content) = v.get("content") {
                 return content_tokens(content) + PER_MESSAGE;
             }
-            if part.contains_key("image_url")
-                || part.get("type").and_then(Value::as_str) == Some("image_url")
+            if v.get("image_url").is_some()
+                || v.get("type").and_then(View::str).as_deref() == Some("image_url")
             {
                 return 85.0; // a low-detail image tile
             }
             json_tokens(v)
         }
-        Value::Number(_) => 1.0, // token ids in a prompt array
+        Kind::Number => 1.0, // token ids in a prompt array
         _ => 0.0,
     }
 }
 
 /// A JSON value as the model sees it: its compact text.
-fn json_tokens(v: &Value) -> f64 {
-    match v {
-        Value::Null => 0.0,
-        Value::String(s) => text_tokens(s),
-        other => text_tokens(&other.to_string()),
+fn json_tokens<'a>(v: impl View<'a>) -> f64 {
+    match v.kind() {
+        Kind::Null => 0.0,
+        Kind::String => v.str().map_or(0.0, |s| text_tokens(&s)),
+        _ => text_tokens(&v.compact()),
     }
 }
 

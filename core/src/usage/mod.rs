@@ -9,3 +9,5 @@ pub mod output_limit;
 pub mod reconcile;
 pub mod spelling;
 pub mod splice;
+pub mod tape;
+pub mod view;

@@ -56,6 +56,7 @@
 use serde_json::{Map, Value};
 
 use super::demand::{Api, BadBody};
+use super::view::{Kind, View};
 
 /// A field of a request body that limits the output of one completion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,15 +89,11 @@ impl LimitField {
 
     /// The field's value in a body; `null` counts as absent (every server
     /// reads it so). `options` that is not an object is the caller's 400.
-    pub fn get(self, fields: &Map<String, Value>) -> Option<&Value> {
-        let value = match self {
-            LimitField::NumPredict => fields
-                .get("options")
-                .and_then(Value::as_object)
-                .and_then(|o| o.get("num_predict")),
-            field => fields.get(field.name()),
-        };
-        value.filter(|v| !v.is_null())
+    pub fn get<'a, J: View<'a>>(self, body: J) -> Option<J> {
+        match self {
+            LimitField::NumPredict => body.get("options")?.present("num_predict"),
+            field => body.present(field.name()),
+        }
     }
 
     /// Writes `max` into the field, creating `options` if needed.
@@ -184,23 +181,41 @@ impl Api {
     }
 }
 
+/// The limit fields a body sent, as read when it was (so that deciding on
+/// a rewrite needs no second read of the body): for each of
+/// [`LimitField::ALL`], absent, or set to this non-negative integer (or to
+/// something else: `Some(None)`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SentLimits([Option<Option<u64>>; 4]);
+
+impl SentLimits {
+    pub fn of<'a>(body: impl View<'a>) -> SentLimits {
+        SentLimits(LimitField::ALL.map(|f| f.get(body).map(View::u64)))
+    }
+
+    fn get(&self, field: LimitField) -> Option<Option<u64>> {
+        let at = LimitField::ALL.iter().position(|f| *f == field)?;
+        self.0.get(at).copied().flatten()
+    }
+}
+
 impl OutputLimit {
     /// The fields the upstream body must carry the reserved limit in: the
     /// ones always written, and the ones of `reads` the client sent.
-    pub fn written(&self, fields: &Map<String, Value>) -> Vec<LimitField> {
+    pub fn written(&self, sent: &SentLimits) -> Vec<LimitField> {
         self.reads
             .iter()
             .copied()
-            .filter(|f| self.always_written.contains(f) || f.get(fields).is_some())
+            .filter(|f| self.always_written.contains(f) || sent.get(*f).is_some())
             .collect()
     }
 
     /// Does the body already carry exactly `max` in every field written?
     /// Then it goes upstream as the client sent it.
-    pub fn carries(&self, fields: &Map<String, Value>, max: u64) -> bool {
-        self.written(fields)
+    pub fn carries(&self, sent: &SentLimits, max: u64) -> bool {
+        self.written(sent)
             .iter()
-            .all(|f| f.get(fields).and_then(Value::as_u64) == Some(max))
+            .all(|f| sent.get(*f) == Some(Some(max)))
     }
 }
 
@@ -209,29 +224,29 @@ impl OutputLimit {
 /// only when one is set), or none. A limit field of another API, a value
 /// that is not a non-negative integer (Ollama's negative `num_predict`
 /// aside) or one above the cap is a 400 naming the field.
-pub fn max_output_of(
+pub fn max_output_of<'a>(
     api: Api,
-    fields: &Map<String, Value>,
+    body: impl View<'a>,
     output_cap: &dyn Fn() -> u64,
 ) -> Result<Option<u64>, BadBody> {
-    match fields.get("options") {
-        None | Some(Value::Null | Value::Object(_)) => {}
+    match body.get("options").map(View::kind) {
+        None | Some(Kind::Null | Kind::Object) => {}
         Some(_) => return Err(BadBody::at("options", "`options` must be an object")),
     }
     let limit = api.output_limit();
     let mut max_output = None;
     for field in LimitField::ALL {
-        let Some(value) = field.get(fields) else {
+        let Some(value) = field.get(body) else {
             continue;
         };
         let param = field.name();
         if !limit.reads.contains(&field) {
             return Err(BadBody::at(param, foreign(api, limit, param)));
         }
-        let v = match value.as_u64() {
+        let v = match value.u64() {
             Some(v) => v,
             // Ollama's "no limit" values: the model's default applies.
-            None if field == NumPredict && value.as_i64().is_some_and(|v| v < 0) => continue,
+            None if field == NumPredict && value.i64().is_some_and(|v| v < 0) => continue,
             None => {
                 return Err(BadBody::at(
                     param,
@@ -281,10 +296,8 @@ mod tests {
     const CAP: u64 = 1_000;
 
     fn read(api: Api, body: Value) -> Result<Option<u64>, BadBody> {
-        let Value::Object(fields) = body else {
-            panic!("not an object");
-        };
-        max_output_of(api, &fields, &|| CAP)
+        assert!(body.is_object(), "not an object");
+        max_output_of(api, &body, &|| CAP)
     }
 
     /// Every API × every limit field: what is reserved, or which field the
@@ -410,11 +423,8 @@ mod tests {
     #[test]
     fn written_fields_are_the_servers_fields_the_client_used_plus_the_always_written() {
         let written = |api: Api, body: Value| -> Vec<&str> {
-            let Value::Object(fields) = body else {
-                panic!()
-            };
             api.output_limit()
-                .written(&fields)
+                .written(&SentLimits::of(&body))
                 .iter()
                 .map(|f| f.name())
                 .collect()

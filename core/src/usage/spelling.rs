@@ -29,7 +29,9 @@
 //! key is counted by the estimate whatever its spelling, and the semantic
 //! cache key takes no message with a key it does not know.
 
-use serde_json::{Map, Value};
+use std::borrow::Cow;
+
+use super::view::View;
 
 use super::demand::{BadBody, Multiplies};
 use super::output_limit::LimitField;
@@ -103,34 +105,41 @@ fn multiplier_fields() -> impl Iterator<Item = &'static str> {
     })
 }
 
-/// The key of `fields` that a Go server would read as one of `names` but
-/// that is spelled otherwise, and the name it stands for.
-fn misspelled<I>(fields: &Map<String, Value>, names: impl Fn() -> I) -> Option<(&str, &'static str)>
+/// The key of an object that a Go server would read as one of `names` but
+/// that is spelled otherwise, and the name it stands for; of several, the
+/// first in byte order (so the answer does not depend on the key order).
+fn misspelled<'a, I>(
+    object: impl View<'a>,
+    names: impl Fn() -> I,
+) -> Option<(Cow<'a, str>, &'static str)>
 where
     I: Iterator<Item = &'static str>,
 {
     // A key of lower-case ASCII folds onto nothing but itself: the common
     // case costs one pass over its bytes.
     let may_fold = |key: &str| key.bytes().any(|b| b.is_ascii_uppercase() || !b.is_ascii());
-    fields.keys().filter(|k| may_fold(k)).find_map(|key| {
-        names()
-            .find(|name| folds_to(key, name))
-            .map(|name| (key.as_str(), name))
-    })
+    object
+        .members()
+        .filter(|(k, _)| may_fold(k))
+        .filter_map(|(key, _)| {
+            let name = names().find(|name| folds_to(&key, name))?;
+            Some((key, name))
+        })
+        .min()
 }
 
 /// Refuses a body with a key that a server matching keys without case
 /// would read as a key sluice reads, spelled otherwise: a 400 naming it.
-pub fn refuse_case_variants(fields: &Map<String, Value>) -> Result<(), BadBody> {
-    if let Some((key, name)) = misspelled(fields, read_keys) {
-        return Err(refusal(key, name, None));
+pub fn refuse_case_variants<'a>(body: impl View<'a>) -> Result<(), BadBody> {
+    if let Some((key, name)) = misspelled(body, read_keys) {
+        return Err(refusal(&key, name, None));
     }
     for (outer, inner) in NESTED {
-        let Some(Value::Object(nested)) = fields.get(*outer) else {
+        let Some(nested) = body.get(outer) else {
             continue;
         };
         if let Some((key, name)) = misspelled(nested, || inner.iter().copied()) {
-            return Err(refusal(key, name, Some(outer)));
+            return Err(refusal(&key, name, Some(outer)));
         }
     }
     Ok(())
@@ -152,13 +161,11 @@ fn refusal(key: &str, name: &str, outer: Option<&str>) -> BadBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     fn check(body: Value) -> Result<(), BadBody> {
-        let Value::Object(fields) = body else {
-            panic!("not an object");
-        };
-        refuse_case_variants(&fields)
+        assert!(body.is_object(), "not an object");
+        refuse_case_variants(&body)
     }
 
     fn param(body: Value) -> Option<String> {
