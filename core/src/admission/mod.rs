@@ -390,11 +390,7 @@ impl Engine {
         if let Some(field) = self.refuses_stored_context(&demand, body) {
             return Err(stored(field));
         }
-        let include_usage = body
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            .and_then(View::bool)
-            == Some(true);
+        let include_usage = demand::include_usage(body);
         Ok(Some(Asked {
             input_raw: estimate::input_tokens_of(demand.api, body),
             sent: SentLimits::of(body),

@@ -201,10 +201,7 @@ fn policy_label(filter: &super::Filter, model: &str) -> String {
 
 /// Whether a streaming request asked for the usage chunk.
 fn include_usage(body: &Value) -> bool {
-    body.get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false)
+    crate::usage::demand::include_usage(body)
 }
 
 impl Stream {

@@ -437,6 +437,14 @@ pub fn demand_of<'a>(
     Ok(demand)
 }
 
+/// Does a stream ask for the usage chunk (`stream_options.include_usage`)?
+pub fn include_usage<'a>(body: impl View<'a>) -> bool {
+    body.get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(View::bool)
+        == Some(true)
+}
+
 /// The body read once, as strictly as [`read_json`] reads it, into a tape
 /// (`usage/tape.rs`): no tree. A body the tape refuses is read by
 /// [`read_json`] again for the exact message.
