@@ -105,7 +105,7 @@ fn allocations_per_request_stay_within_their_budget() {
         let bound = match shape {
             Shape::HeaderGet => 112,
             Shape::HeaderPost => 136,
-            Shape::FullPost => 236,
+            Shape::FullPost => 223,
         };
         assert!(
             allocations <= bound,

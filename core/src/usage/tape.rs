@@ -73,7 +73,8 @@ impl<'a> Tape<'a> {
         let mut reader = Reader {
             b: body,
             i: 0,
-            nodes: Vec::with_capacity(body.len() / 16 + 4),
+            // About a value per 8 bytes of a small body; a large one grows.
+            nodes: Vec::with_capacity((body.len() / 8).min(4096) + 4),
             values: 0,
         };
         reader.document()?;
@@ -103,6 +104,7 @@ impl Reader<'_> {
         }
     }
 
+    #[inline(always)]
     fn push(&mut self, tag: Tag, start: usize, end: usize) -> usize {
         let at = self.nodes.len();
         self.nodes.push(Node {
@@ -116,8 +118,9 @@ impl Reader<'_> {
 
     /// The whole body: one value, then only whitespace.
     fn document(&mut self) -> Option<()> {
-        // The open containers: entry, and whether it is an object.
-        let mut open = [(0usize, false); MAX_DEPTH];
+        // The open containers' entries (an entry's tag says whether it is
+        // an object).
+        let mut open = [0u32; MAX_DEPTH];
         let mut depth = 0usize;
         self.ws();
         'value: loop {
@@ -138,7 +141,7 @@ impl Reader<'_> {
                         self.i += 1;
                         self.close(at);
                     } else {
-                        *open.get_mut(depth)? = (at, object);
+                        *open.get_mut(depth)? = at as u32;
                         depth += 1;
                         if object {
                             self.key()?;
@@ -158,10 +161,12 @@ impl Reader<'_> {
             }
             // After a value: separators and the containers it closes.
             loop {
-                let Some(&(at, object)) = depth.checked_sub(1).and_then(|d| open.get(d)) else {
+                let Some(at) = depth.checked_sub(1).and_then(|d| open.get(d)) else {
                     self.ws();
                     return (self.i == self.b.len()).then_some(());
                 };
+                let at = *at as usize;
+                let object = self.nodes.get(at)?.tag == Tag::Object;
                 self.ws();
                 match (*self.b.get(self.i)?, object) {
                     (b',', _) => {
@@ -221,11 +226,14 @@ impl Reader<'_> {
         let mut escaped = false;
         loop {
             // Eight bytes at a time while none of them is a quote, a
-            // backslash or a control character (the common case: text).
+            // backslash or a control character (the common case: text),
+            // then straight to the first one that is.
             while let Some(word) = b.get(j..j + 8) {
                 let mut eight = [0u8; 8];
                 eight.copy_from_slice(word);
-                if stops(u64::from_le_bytes(eight)) {
+                let stop = stops(u64::from_le_bytes(eight));
+                if stop != 0 {
+                    j += (stop.trailing_zeros() / 8) as usize;
                     break;
                 }
                 j += 8;
@@ -306,35 +314,46 @@ impl Reader<'_> {
 
     /// Refuses an object (the entry `at`) with one key twice.
     fn unique(&self, at: usize) -> Option<()> {
+        const SMALL: usize = 16;
         let end = self.nodes.get(at)?.next as usize;
         let keys = || Members::new(&self.nodes, at + 1, end).map(|(key, _)| key);
-        let (mut count, mut escaped) = (0usize, false);
+        // Small objects without escaped keys (nearly all): each key's
+        // bytes (inside its quotes) gathered once, compared by length
+        // first, then byte for byte.
+        let mut small = [(0u32, 0u32); SMALL];
+        let mut count = 0usize;
         for key in keys() {
+            let node = self.nodes.get(key)?;
+            match small.get_mut(count) {
+                Some(slot) if node.tag == Tag::Plain => *slot = (node.start + 1, node.end - 1),
+                _ => return self.unique_sorted(keys()),
+            }
             count += 1;
-            escaped |= self.nodes.get(key)?.tag == Tag::Escaped;
         }
-        if count < 2 {
-            return Some(());
-        }
-        let raw = |k: usize| -> &[u8] {
-            self.nodes
-                .get(k)
-                .and_then(|n| self.b.get(n.start as usize + 1..n.end as usize - 1))
-                .unwrap_or_default()
-        };
-        if count <= 16 && !escaped {
-            // Small objects (nearly all): compared byte for byte.
-            for (i, a) in keys().enumerate() {
-                if keys().skip(i + 1).any(|b| raw(a) == raw(b)) {
+        let small = small.get(..count).unwrap_or_default();
+        let raw = |(start, end): (u32, u32)| self.b.get(start as usize..end as usize);
+        for (i, &a) in small.iter().enumerate() {
+            let len = a.1 - a.0;
+            for &b in small.get(i + 1..).unwrap_or_default() {
+                if b.1 - b.0 == len && raw(a) == raw(b) {
                     return None;
                 }
             }
-            return Some(());
         }
-        let mut texts: Vec<Cow<str>> = keys()
+        Some(())
+    }
+
+    /// [`Self::unique`] for a large object or one with an escaped key:
+    /// the keys' texts, unescaped, sorted.
+    fn unique_sorted(&self, keys: impl Iterator<Item = usize>) -> Option<()> {
+        let mut texts: Vec<Cow<str>> = keys
             .map(|k| {
-                let text = std::str::from_utf8(raw(k)).unwrap_or_default();
-                match self.nodes.get(k).map(|n| n.tag) {
+                let n = self.nodes.get(k).copied();
+                let raw = n
+                    .and_then(|n| self.b.get(n.start as usize + 1..n.end as usize - 1))
+                    .unwrap_or_default();
+                let text = std::str::from_utf8(raw).unwrap_or_default();
+                match n.map(|n| n.tag) {
                     Some(Tag::Escaped) => Cow::Owned(unescape(text)),
                     _ => Cow::Borrowed(text),
                 }
@@ -348,16 +367,17 @@ impl Reader<'_> {
     }
 }
 
-/// Has one of these eight bytes to stop a string's scan: `"`, `\\` or
-/// a control character (the bit tricks of "Bit Twiddling Hacks",
-/// "Determine if a word has a byte less than n").
-fn stops(word: u64) -> bool {
+/// Which of these eight bytes (little-endian) stop a string's scan: `"`,
+/// `\\` or a control character, each flagged by its high bit (the bit
+/// tricks of "Bit Twiddling Hacks", "Determine if a word has a byte less
+/// than n"). Only the lowest flag is exact (a borrow can flag a byte above
+/// a true one), and only it is read: the first byte that stops.
+fn stops(word: u64) -> u64 {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     let zero = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
     let below_space = word.wrapping_sub(ONES * 0x20) & !word & HIGH;
-    (zero(word ^ (ONES * u64::from(b'"'))) | zero(word ^ (ONES * u64::from(b'\\'))) | below_space)
-        != 0
+    zero(word ^ (ONES * u64::from(b'"'))) | zero(word ^ (ONES * u64::from(b'\\'))) | below_space
 }
 
 /// The index after the escape at `j` (a backslash), if it is one JSON has.
@@ -560,6 +580,11 @@ impl<'t> View<'t> for Json<'t> {
             Tag::Escaped => Some(Cow::Owned(unescape(inside))),
             _ => None,
         }
+    }
+
+    fn non_empty_str(self) -> bool {
+        // Quotes and at least one character (an escape is never empty).
+        matches!(self.node().tag, Tag::Plain | Tag::Escaped) && self.text().len() > 2
     }
 
     fn u64(self) -> Option<u64> {

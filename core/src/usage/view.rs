@@ -58,6 +58,10 @@ pub trait View<'a>: Copy {
             _ => None,
         }
     }
+    /// A string with at least one character.
+    fn non_empty_str(self) -> bool {
+        self.str().is_some_and(|s| !s.is_empty())
+    }
     /// The member `key`, unless absent or `null`.
     fn present(self, key: &str) -> Option<Self> {
         self.get(key).filter(|v| !v.is_null())
