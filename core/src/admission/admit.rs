@@ -425,7 +425,7 @@ impl Engine {
         };
         let mut headers = Vec::new();
         if let Some((q, i)) = tightest(|m| m == Meter::Requests).or_else(|| tightest(|_| true)) {
-            headers.extend(answer::rate_limit_headers(&q));
+            headers.extend(answer::rate_limit_headers(&q, answer::REQUEST_LIMIT_NAMES));
             let bucket = &self.buckets[i];
             if let Some(item) = self.ietf_policy(bucket) {
                 // `t` is `X-RateLimit-Reset`: until the bucket is full.
@@ -436,11 +436,7 @@ impl Engine {
         if let Some((q, _)) =
             tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
         {
-            headers.extend(
-                answer::rate_limit_headers(&q)
-                    .into_iter()
-                    .map(|(n, v)| (format!("{n}-tokens"), v)),
-            );
+            headers.extend(answer::rate_limit_headers(&q, answer::TOKEN_LIMIT_NAMES));
         }
         let mut alerts = Vec::new();
         for (q, &i) in quotas.iter().zip(taken) {
@@ -499,7 +495,7 @@ impl Engine {
             return Correction::default();
         }
         store
-            .get(&format!("{CORRECTION_KEY}{model}"))
+            .get(&[CORRECTION_KEY, model].concat())
             .map_or(Correction::default(), |(bytes, _)| {
                 Correction::decode(&bytes)
             })

@@ -411,7 +411,7 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
         }
     }});
     let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
-    headers.extend(rate_limit_headers(&l.quota));
+    headers.extend(rate_limit_headers(&l.quota, REQUEST_LIMIT_NAMES));
     if let Some(item) = l.ietf {
         // The effective window of a refusal is the wait: the draft wants
         // `Retry-After` no earlier than its end.
@@ -629,14 +629,29 @@ pub fn declared_static(declared: &crate::usage::declared::Declared, text: &str) 
     }
 }
 
-/// `X-RateLimit-*` of one bucket; `Reset` is seconds until it is full.
-/// On every admitted request: the values are written digit by digit, not
-/// through the formatter.
-pub fn rate_limit_headers(q: &Quota) -> Vec<(String, String)> {
+/// The `X-RateLimit-*` names of a request bucket.
+pub const REQUEST_LIMIT_NAMES: [&str; 3] = [
+    "x-ratelimit-limit",
+    "x-ratelimit-remaining",
+    "x-ratelimit-reset",
+];
+/// The `X-RateLimit-*-Tokens` names of a token bucket (OpenAI's).
+pub const TOKEN_LIMIT_NAMES: [&str; 3] = [
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+];
+
+/// `X-RateLimit-*` of one bucket under `names` (limit, remaining,
+/// reset); `Reset` is seconds until it is full. On every admitted
+/// request: the values are written digit by digit, not through the
+/// formatter.
+pub fn rate_limit_headers(q: &Quota, names: [&str; 3]) -> Vec<(String, String)> {
+    let [limit, remaining, reset] = names;
     vec![
-        ("x-ratelimit-limit".into(), decimal(q.limit)),
-        ("x-ratelimit-remaining".into(), decimal(q.remaining)),
-        ("x-ratelimit-reset".into(), decimal(ceil_secs(q.reset_ms))),
+        (limit.into(), decimal(q.limit)),
+        (remaining.into(), decimal(q.remaining)),
+        (reset.into(), decimal(ceil_secs(q.reset_ms))),
     ]
 }
 

@@ -65,8 +65,8 @@ impl Engine {
     /// The shared-data key of a model route's record.
     pub fn upstream_key(&self, model: Option<&str>) -> String {
         match model {
-            None => format!("{UPSTREAM_KEY}none"),
-            Some(m) if self.policy.models.contains_key(m) => format!("{UPSTREAM_KEY}{m}"),
+            None => [UPSTREAM_KEY, "none"].concat(),
+            Some(m) if self.policy.models.contains_key(m) => [UPSTREAM_KEY, m].concat(),
             Some(m) => {
                 // Placed under the deployment's key: an outsider cannot
                 // pick a name that shares a given unlisted model's slot

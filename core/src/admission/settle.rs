@@ -174,7 +174,7 @@ impl Engine {
         if !self.policy.models.contains_key(model) {
             return;
         }
-        let key = format!("{CORRECTION_KEY}{model}");
+        let key = [CORRECTION_KEY, model].concat();
         let tries = self.tries().take();
         store::update(store, &key, tries, contention, |bytes| {
             let current = bytes.map_or(Correction::default(), Correction::decode);

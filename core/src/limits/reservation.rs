@@ -336,17 +336,17 @@ pub fn prepare(
 }
 
 fn global_key(scope: &str) -> String {
-    format!("{RECORD_PREFIX}{scope}")
+    [RECORD_PREFIX, scope].concat()
 }
 /// The hashed records of a per-caller scope (`{RECORD_PREFIX}{scope}:{slot}`).
 fn slot_table<'a>(scope: &'a str, layout: &Layout) -> SlotTable<'a> {
     SlotTable::named(RECORD_PREFIX, scope, layout.slots, PROBES)
 }
 fn overflow_key(scope: &str) -> String {
-    format!("{RECORD_PREFIX}{scope}:overflow")
+    [RECORD_PREFIX, scope, ":overflow"].concat()
 }
 fn dedicated_key(scope: &str, principal: &str) -> String {
-    format!("{RECORD_PREFIX}{scope}:declared:{principal}")
+    [RECORD_PREFIX, scope, ":declared:", principal].concat()
 }
 fn cell_key(rule: &str, row: u32, col: u32) -> String {
     format!("{KEY_PREFIX}{rule}:sketch:{row}:{col}")

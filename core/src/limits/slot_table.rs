@@ -53,11 +53,19 @@ impl<'a> SlotTable<'a> {
         self.slots
     }
 
+    /// The key of `slot` (on every request that claims one: written into
+    /// a buffer of its size, the formatter only for the number).
     pub fn key(&self, slot: u32) -> String {
-        match self.name {
-            Some(name) => format!("{}{name}:{slot}", self.prefix),
-            None => format!("{}{slot}", self.prefix),
+        use std::fmt::Write as _;
+        let name = self.name.unwrap_or_default();
+        let mut key = String::with_capacity(self.prefix.len() + name.len() + 11);
+        key.push_str(self.prefix);
+        if self.name.is_some() {
+            key.push_str(name);
+            key.push(':');
         }
+        let _ = write!(key, "{slot}"); // writing to a String cannot fail
+        key
     }
 
     /// Every key of the table, in slot order.

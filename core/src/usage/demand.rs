@@ -248,7 +248,34 @@ pub struct AmbiguousPath;
 /// a path that still holds an escape after one decoding (`%2563`), which a
 /// server that decodes twice reads differently from one that decodes once.
 pub fn canonical_path(path: &str) -> Result<String, AmbiguousPath> {
-    let raw = path.split(['?', '#']).next().unwrap_or(path).as_bytes();
+    let raw = path.split(['?', '#']).next().unwrap_or(path);
+    if is_canonical(raw.as_bytes()) {
+        // Nothing to decode, resolve or lower-case (nearly every request).
+        return Ok(raw.to_owned());
+    }
+    decode_and_normalise(raw.as_bytes())
+}
+
+/// A path that is its own canonical form: `/`, then non-empty segments
+/// other than `.` and `..`, of lower-case ASCII letters, digits and
+/// `-._~` (no escape, no parameter, no backslash), no trailing slash.
+fn is_canonical(raw: &[u8]) -> bool {
+    let Some(rest) = raw.strip_prefix(b"/") else {
+        return false;
+    };
+    !rest.is_empty()
+        && rest.split(|b| *b == b'/').all(|segment| {
+            !segment.is_empty()
+                && segment != b"."
+                && segment != b".."
+                && segment
+                    .iter()
+                    .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~'))
+        })
+}
+
+/// [`canonical_path`] of a path that is not yet canonical.
+fn decode_and_normalise(raw: &[u8]) -> Result<String, AmbiguousPath> {
     let mut decoded = Vec::with_capacity(raw.len());
     let mut i = 0;
     while i < raw.len() {
@@ -1336,7 +1363,38 @@ mod tests {
         assert!(!d.stream, "embeddings never stream");
     }
 
+    #[test]
+    fn common_paths_take_the_fast_path_and_odd_ones_do_not() {
+        for path in [
+            "/v1/chat/completions",
+            "/v1/models",
+            "/api/chat",
+            "/a.b/c~d_e-f",
+        ] {
+            assert!(is_canonical(path.as_bytes()), "{path}");
+        }
+        for path in [
+            "/", "", "v1/x", "/v1/", "/v1//x", "/v1/./x", "/v1/../x", "/V1/x", "/v1/x;p",
+            "/v1/%78", "/v1\\x", "/v1/é",
+        ] {
+            assert!(!is_canonical(path.as_bytes()), "{path}");
+        }
+    }
+
     proptest::proptest! {
+        /// The fast path takes only paths the full reading leaves as they
+        /// are: for any path of these bytes, both say the same.
+        #[test]
+        fn a_path_taken_as_canonical_is_what_the_full_reading_gives(
+            path in "(/|/v1|[a-zA-Z0-9._~;%-]|\\\\){0,24}"
+        ) {
+            let full = decode_and_normalise(path.as_bytes());
+            if is_canonical(path.as_bytes()) {
+                proptest::prop_assert_eq!(full, Ok(path.clone()));
+            }
+            proptest::prop_assert_eq!(canonical_path(&path), decode_and_normalise(path.as_bytes()));
+        }
+
         /// Whatever number a client writes, parsing never panics and the
         /// maximum read is exactly the integer written, or a 400.
         #[test]
