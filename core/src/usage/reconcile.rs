@@ -138,6 +138,10 @@ impl Details {
 /// that is no sane count reads as 0: the totals it belongs to are read
 /// (and checked) on their own, and a part is never charged twice.
 pub fn details_in<'a>(v: impl View<'a>) -> Details {
+    details(&Heads::of(v))
+}
+
+fn details<'a, V: View<'a>>(v: &Heads<V>) -> Details {
     let part = |paths: &[&[&str]]| match count(v, paths) {
         Found::Usage(u) => u.input,
         _ => 0,
@@ -155,10 +159,64 @@ pub fn details_in<'a>(v: impl View<'a>) -> Details {
 /// whole prompt came from the prompt cache (ollama/ollama#2068, #3427).
 /// Its input is not 0 but unknown: it reads as a reported 0, which
 /// settlement replaces with the estimate.
-fn ollama_without_input<'a>(v: impl View<'a>) -> bool {
-    v.get("done").and_then(View::bool) == Some(true)
-        && v.present("eval_count").is_some()
-        && v.present("prompt_eval_count").is_none()
+fn ollama_without_input<'a, V: View<'a>>(v: &Heads<V>) -> bool {
+    let present = |v: Option<V>| v.is_some_and(|v| !v.is_null());
+    v.done.and_then(View::bool) == Some(true)
+        && present(v.eval_count)
+        && !present(v.prompt_eval_count)
+}
+
+/// The first step of every path of the tables above (and what the Ollama
+/// rule reads): the members of a response object they start at, found in
+/// one pass over its members. (Each path's first step was a lookup of its
+/// own: some thirty on every stream event.)
+#[derive(Clone, Copy)]
+struct Heads<V> {
+    usage: Option<V>,
+    response: Option<V>,
+    message: Option<V>,
+    prompt_eval_count: Option<V>,
+    eval_count: Option<V>,
+    done: Option<V>,
+}
+
+impl<'a, V: View<'a>> Heads<V> {
+    fn of(v: V) -> Heads<V> {
+        let mut heads = Heads {
+            usage: None,
+            response: None,
+            message: None,
+            prompt_eval_count: None,
+            eval_count: None,
+            done: None,
+        };
+        for (key, value) in v.members() {
+            *match key.as_ref() {
+                "usage" => &mut heads.usage,
+                "response" => &mut heads.response,
+                "message" => &mut heads.message,
+                "prompt_eval_count" => &mut heads.prompt_eval_count,
+                "eval_count" => &mut heads.eval_count,
+                "done" => &mut heads.done,
+                _ => continue,
+            } = Some(value);
+        }
+        heads
+    }
+
+    /// The value at `path`; `None` for a path that starts elsewhere.
+    fn at(&self, path: &[&str]) -> Option<V> {
+        let (first, rest) = path.split_first()?;
+        let head = match *first {
+            "usage" => self.usage,
+            "response" => self.response,
+            "message" => self.message,
+            "prompt_eval_count" => self.prompt_eval_count,
+            "eval_count" => self.eval_count,
+            _ => None,
+        };
+        at(head?, rest)
+    }
 }
 
 /// One response object (a JSON answer, one stream event) read once: into
@@ -195,10 +253,11 @@ struct Answer {
 
 impl Answer {
     fn of<'a>(v: impl View<'a>) -> Answer {
-        let found = usage_in(v);
+        let heads = Heads::of(v);
+        let found = usage(&heads);
         Answer {
             found,
-            details: details_in(v),
+            details: details(&heads),
             output: match found {
                 Found::Usage(_) => 0,
                 _ => answer_tokens(v),
@@ -227,10 +286,11 @@ impl StreamEvent {
     }
 
     fn of<'a>(v: impl View<'a>) -> StreamEvent {
-        let (input, output) = (input_count(v), count(v, OUTPUT_PATHS));
-        let usage = match usage_of(v, input, output) {
+        let heads = Heads::of(v);
+        let (input, output) = (input_count(&heads), count(&heads, OUTPUT_PATHS));
+        let usage = match usage_of(&heads, input, output) {
             Found::Nothing => None,
-            _ => Some((input, output, details_in(v))),
+            _ => Some((input, output, details(&heads))),
         };
         StreamEvent {
             carries: carries_output(v),
@@ -256,9 +316,9 @@ fn at<'a, V: View<'a>>(v: V, path: &[&str]) -> Option<V> {
     path.iter().try_fold(v, |v, key| v.get(key))
 }
 
-fn count<'a>(v: impl View<'a>, paths: &[&[&str]]) -> Found {
+fn count<'a, V: View<'a>>(v: &Heads<V>, paths: &[&[&str]]) -> Found {
     for path in paths {
-        match at(v, path) {
+        match v.at(path) {
             None => continue,
             Some(n) if n.is_null() => continue,
             Some(n) => {
@@ -277,7 +337,7 @@ fn count<'a>(v: impl View<'a>, paths: &[&[&str]]) -> Found {
 
 /// The input count with the extra input fields added; `Invalid` if any of
 /// them is not a sane count.
-fn input_count<'a>(v: impl View<'a>) -> Found {
+fn input_count<'a, V: View<'a>>(v: &Heads<V>) -> Found {
     match reported_input(v) {
         Found::Nothing if ollama_without_input(v) => Found::Usage(Usage::default()),
         found => found,
@@ -286,7 +346,7 @@ fn input_count<'a>(v: impl View<'a>) -> Found {
 
 /// The input count as reported (with the extra input fields), with no
 /// count inferred for a field left out.
-fn reported_input<'a>(v: impl View<'a>) -> Found {
+fn reported_input<'a, V: View<'a>>(v: &Heads<V>) -> Found {
     let found = count(v, INPUT_PATHS);
     let Found::Usage(mut base) = found else {
         return found;
@@ -305,6 +365,10 @@ fn reported_input<'a>(v: impl View<'a>) -> Found {
 
 /// Reads the usage of one response object (a JSON body or one stream event).
 pub fn usage_in<'a>(v: impl View<'a>) -> Found {
+    usage(&Heads::of(v))
+}
+
+fn usage<'a, V: View<'a>>(v: &Heads<V>) -> Found {
     usage_of(v, input_count(v), count(v, OUTPUT_PATHS))
 }
 
@@ -312,6 +376,7 @@ pub fn usage_in<'a>(v: impl View<'a>) -> Found {
 /// its output as sane counts: nothing left out, nothing to estimate (what
 /// the response cache records of an answer it stores).
 pub fn reported_in<'a>(v: impl View<'a>) -> Option<Usage> {
+    let v = &Heads::of(v);
     match (reported_input(v), count(v, OUTPUT_PATHS)) {
         (Found::Usage(i), Found::Usage(o)) => Some(Usage {
             input: i.input,
@@ -322,7 +387,7 @@ pub fn reported_in<'a>(v: impl View<'a>) -> Option<Usage> {
 }
 
 /// The usage of `v` from its input and output counts, read once.
-fn usage_of<'a>(v: impl View<'a>, input: Found, output: Found) -> Found {
+fn usage_of<'a, V: View<'a>>(v: &Heads<V>, input: Found, output: Found) -> Found {
     match (input, output) {
         (Found::Invalid, _) | (_, Found::Invalid) => Found::Invalid,
         (Found::Usage(i), Found::Usage(o)) => Found::Usage(Usage {
@@ -336,7 +401,7 @@ fn usage_of<'a>(v: impl View<'a>, input: Found, output: Found) -> Found {
         }),
         (Found::Nothing, Found::Usage(_)) => Found::Invalid,
         (Found::Nothing, Found::Nothing) => {
-            if v.present("usage").is_some() {
+            if v.usage.is_some_and(|u| !u.is_null()) {
                 Found::Invalid
             } else {
                 Found::Nothing
@@ -988,6 +1053,28 @@ mod tests {
                 whole(answer.as_bytes()),
                 "{answer}"
             );
+        }
+    }
+
+    /// Every path of the tables starts at a member [`Heads`] finds (one
+    /// that did not would never be read).
+    #[test]
+    fn every_usage_path_starts_at_a_head() {
+        let tables = [
+            INPUT_PATHS,
+            OUTPUT_PATHS,
+            EXTRA_INPUT_PATHS,
+            CACHED_INPUT_PATHS,
+            CACHE_WRITE_PATHS,
+            REASONING_PATHS,
+        ];
+        for path in tables.into_iter().flatten() {
+            let mut object = json!(7);
+            for key in path.iter().rev() {
+                object = json!({ *key: object });
+            }
+            let heads = Heads::of(&object);
+            assert_eq!(heads.at(path), Some(&json!(7)), "{path:?}");
         }
     }
 
