@@ -11,7 +11,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
 use sluice_core::flow::{Poller, Request, Vm};
-use sluice_core::host::{self, Host, MetricKind};
+use sluice_core::host::{self, Headers, Host, MetricKind};
 use sluice_core::state::store::{SharedStore, StoreError};
 
 proxy_wasm::main! {{
@@ -116,10 +116,28 @@ impl Host for WasmHost {
             .unwrap_or(usize::MAX)
     }
 
-    fn request_headers(&self) -> Option<Vec<(String, String)>> {
-        // Bytes, for the reason in `header_text`.
-        let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).ok()?;
-        Some(headers.into_iter().map(|(n, v)| (n, text(v))).collect())
+    fn request_headers(&self) -> Option<Headers> {
+        // Raw, not the SDK's `get_map_bytes`: that allocates a `String`
+        // and a `Vec` per header (and panics on a status it did not
+        // expect); bytes, for the reason in `header_text`.
+        let mut data: *mut u8 = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: both pointers are valid for the call; on OK the host
+        // hands over a buffer of `size` bytes it allocated through this
+        // module's `proxy_on_memory_allocate` (the SDK's, a `Vec<u8>` of
+        // that capacity), so it is taken back as that `Vec`.
+        let bytes = unsafe {
+            if raw::proxy_get_header_map_pairs(raw::HTTP_REQUEST_HEADERS, &mut data, &mut size)
+                != raw::OK
+            {
+                return None;
+            }
+            if data.is_null() {
+                return Some(Headers::default());
+            }
+            Vec::from_raw_parts(data, size, size)
+        };
+        crate::map::headers(&bytes)
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) {
@@ -272,6 +290,8 @@ impl Host for WasmHost {
 mod raw {
     pub const OK: u32 = 0;
     pub const HTTP_REQUEST: u32 = 0;
+    /// `MapType::HttpRequestHeaders`.
+    pub const HTTP_REQUEST_HEADERS: u32 = 0;
     #[link(wasm_import_module = "env")]
     extern "C" {
         pub fn proxy_register_shared_queue(
@@ -286,6 +306,11 @@ mod raw {
         ) -> u32;
         pub fn proxy_set_effective_context(context_id: u32) -> u32;
         pub fn proxy_continue_stream(stream_type: u32) -> u32;
+        pub fn proxy_get_header_map_pairs(
+            map_type: u32,
+            return_map_data: *mut *mut u8,
+            return_map_size: *mut usize,
+        ) -> u32;
     }
 }
 

@@ -28,7 +28,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use sluice_core::flow::{Poller, Request, Vm};
 use sluice_core::host::metrics::{self, Metric};
-use sluice_core::host::{self, Host, MetricKind};
+use sluice_core::host::{self, Headers, Host, MetricKind};
 use sluice_core::policy::Policy;
 use sluice_core::state::store::{MemStore, SharedStore, StoreError};
 
@@ -372,14 +372,14 @@ impl Host for NativeHost<'_> {
         self.envoy.header_count(HeaderMap::Request, name)
     }
 
-    fn request_headers(&self) -> Option<Vec<(String, String)>> {
+    fn request_headers(&self) -> Option<Headers> {
         let headers = self.envoy.headers(HeaderMap::Request)?;
-        Some(
-            headers
-                .into_iter()
-                .map(|(n, v)| (text(n), text(v)))
-                .collect(),
-        )
+        let bytes = headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        let mut snapshot = Headers::with_capacity(headers.len(), bytes);
+        for (name, value) in headers {
+            snapshot.push_bytes(name, value);
+        }
+        Some(snapshot)
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) {

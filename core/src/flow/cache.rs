@@ -646,7 +646,7 @@ impl Stream {
     ) -> bool {
         let filter = self.filter.clone();
         let engine = &filter.engine;
-        let view = super::HostRequest(host, self.request_headers.as_deref());
+        let view = super::HostRequest(host, self.request_headers.as_ref());
         let pushback = engine.pushback(host, Some(model), &view, identity, self.started_ms);
         let seen = if engine.policy.sidecar.is_some() {
             filter.seen(host)

@@ -30,7 +30,7 @@ use crate::admission::pushback::UpstreamReply;
 use crate::admission::route::{self, Pushback, SidecarSeen};
 use crate::admission::{Engine, RequestContext, Routed, Verdict};
 use crate::host::metrics::{self, Metric};
-use crate::host::{Action, Host, LogLevel};
+use crate::host::{Action, Headers, Host, LogLevel};
 use crate::policy::Policy;
 use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Contention, Updated};
@@ -735,7 +735,7 @@ pub struct Stream {
     path: String,
     /// The request headers, read once (after the fallback header is
     /// removed) for every header the path reads: one host call.
-    request_headers: Option<Vec<(String, String)>>,
+    request_headers: Option<Headers>,
     /// Request body bytes buffered so far (for a request that ends with
     /// trailers, the body is read in the trailers callback).
     body_size: usize,
@@ -808,7 +808,7 @@ impl Stream {
     /// A request header, from the snapshot of the request headers.
     fn header(&self, host: &dyn Host, name: &str) -> Option<String> {
         crate::admission::identity::RequestView::header(
-            &HostRequest(host, self.request_headers.as_deref()),
+            &HostRequest(host, self.request_headers.as_ref()),
             name,
         )
     }
@@ -872,13 +872,11 @@ impl Stream {
         let mut headers = host.request_headers();
         // Removed only when sent (a host call saved on every other
         // request); a host that cannot list the headers removes it anyway.
-        let sent = headers
-            .as_ref()
-            .is_none_or(|all| all.iter().any(|(n, _)| n.eq_ignore_ascii_case(header)));
+        let sent = headers.as_ref().is_none_or(|all| all.count(header) > 0);
         if sent {
             host.set_request_header(header, None);
             if let Some(all) = headers.as_mut() {
-                all.retain(|(n, _)| !n.eq_ignore_ascii_case(header));
+                all.remove(header);
             }
         }
         self.request_headers = headers;
@@ -888,7 +886,7 @@ impl Stream {
     /// the action of the refusal already answered (an unknown key's 401, or
     /// the box's 429).
     fn caller(&mut self, host: &dyn Host) -> Result<Identity, Action> {
-        let view = HostRequest(host, self.request_headers.as_deref());
+        let view = HostRequest(host, self.request_headers.as_ref());
         let identity = match self.engine().identify_why(&view) {
             Ok(identity) => identity,
             Err((verdict, why)) => {
@@ -1140,20 +1138,15 @@ impl Stream {
             return;
         }
         let read;
-        let request = match self.request_headers.as_deref() {
+        let request = match self.request_headers.as_ref() {
             Some(headers) => headers,
             // Never read (a stream Envoy ended before its headers): ask.
             None => {
                 read = host.request_headers().unwrap_or_default();
-                &read[..]
+                &read
             }
         };
-        let find = |name: &str| {
-            request
-                .iter()
-                .find(|(n, _)| n.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.as_str())
-        };
+        let find = |name: &str| request.get(name);
         let own = [
             (audit::Field::RequestId, find("x-request-id")),
             (audit::Field::Method, find(":method")),
@@ -1883,25 +1876,19 @@ impl Record for PollLease {
 /// The request as identity reads it: headers from a snapshot taken once
 /// (one host call instead of one per header), or from the host when there
 /// is none; claims and address through the host.
-pub struct HostRequest<'a>(pub &'a dyn Host, pub Option<&'a [(String, String)]>);
+pub struct HostRequest<'a>(pub &'a dyn Host, pub Option<&'a Headers>);
 
 impl crate::admission::identity::RequestView for HostRequest<'_> {
     fn header(&self, name: &str) -> Option<String> {
         match self.1 {
-            Some(headers) => headers
-                .iter()
-                .find(|(n, _)| n.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.clone()),
+            Some(headers) => headers.get(name).map(str::to_owned),
             None => self.0.request_header(name),
         }
     }
 
     fn header_count(&self, name: &str) -> usize {
         match self.1 {
-            Some(headers) => headers
-                .iter()
-                .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-                .count(),
+            Some(headers) => headers.count(name),
             None => self.0.request_header_count(name),
         }
     }

@@ -28,7 +28,7 @@ impl Stream {
         // The queue is the VM's latest policy's (as `pass_gate` sees it);
         // the buckets are this stream's own.
         let gates = self.filter.latest();
-        let view = HostRequest(host, self.request_headers.as_deref());
+        let view = HostRequest(host, self.request_headers.as_ref());
         // A gated model's queue may hold the request until the bucket
         // refills (`bucket_wait`): the most its class could wait, over
         // every gated model (the model is in the body).

@@ -368,7 +368,7 @@ impl Stream {
             return (Gated::Go, None);
         };
         let engine = &filter.engine;
-        let view = HostRequest(host, self.request_headers.as_deref());
+        let view = HostRequest(host, self.request_headers.as_ref());
         let Ok(asked_wait) = asked_wait(&view) else {
             let refused = Refused::rejected(
                 Reason::InvalidRequest,
@@ -604,7 +604,7 @@ impl Stream {
         now: u64,
     ) -> (Pushback, Rc<SidecarSeen>, u32) {
         let engine = &self.filter.engine;
-        let view = HostRequest(host, self.request_headers.as_deref());
+        let view = HostRequest(host, self.request_headers.as_ref());
         let pushback = engine.pushback(host, model, &view, identity, now);
         let seen = if engine.policy.sidecar.is_some() {
             self.filter.seen(host)

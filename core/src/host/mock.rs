@@ -7,7 +7,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use super::{Host, LogLevel, MetricKind};
+use super::{Headers, Host, LogLevel, MetricKind};
 use crate::state::store::{MemStore, SharedStore, StoreError};
 
 /// A local reply as the host was asked to send it.
@@ -242,9 +242,12 @@ impl Host for MockHost {
             .count()
     }
 
-    fn request_headers(&self) -> Option<Vec<(String, String)>> {
+    fn request_headers(&self) -> Option<Headers> {
         self.count("request_headers");
-        Some(self.request_headers.borrow().clone())
+        let headers = self.request_headers.borrow();
+        Some(Headers::of(
+            headers.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+        ))
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) {

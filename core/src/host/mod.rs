@@ -9,6 +9,9 @@
 
 use crate::state::store::SharedStore;
 
+pub use headers::Headers;
+
+mod headers;
 pub mod metrics;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod mock;
@@ -48,7 +51,7 @@ pub trait Host: SharedStore {
     fn request_header_count(&self, name: &str) -> usize;
     /// Every request header in order, repeats included, in one host call;
     /// `None` when the host cannot say.
-    fn request_headers(&self) -> Option<Vec<(String, String)>>;
+    fn request_headers(&self) -> Option<Headers>;
     /// Sets (`Some`) or removes (`None`) a request header.
     fn set_request_header(&self, name: &str, value: Option<&str>);
     fn response_header(&self, name: &str) -> Option<String>;

@@ -1,0 +1,162 @@
+//! A request's headers as one snapshot: every name and value in one text
+//! buffer, each pair a span of it. A list of owned `(String, String)`
+//! pairs costs two allocations per header (nineteen for a plain GET);
+//! this costs two in all, however many headers there are.
+
+/// Headers in order, repeats included; names compared ignoring ASCII case.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Headers {
+    text: String,
+    /// Per header: where its name ends and where its value ends in
+    /// `text`; the name starts where the previous value ended.
+    ends: Vec<(u32, u32)>,
+}
+
+impl Headers {
+    /// Room for `count` headers of `bytes` bytes of names and values.
+    pub fn with_capacity(count: usize, bytes: usize) -> Self {
+        Headers {
+            text: String::with_capacity(bytes),
+            ends: Vec::with_capacity(count),
+        }
+    }
+
+    /// Copies pairs into one snapshot.
+    pub fn of<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        let mut headers = Headers::default();
+        for (name, value) in pairs {
+            headers.push(name, value);
+        }
+        headers
+    }
+
+    /// Adds a header at the end. A snapshot past 4 GiB is not a request
+    /// any proxy forwards; its tail is dropped rather than miscounted.
+    pub fn push(&mut self, name: &str, value: &str) {
+        if self.text.len() + name.len() + value.len() > u32::MAX as usize {
+            return;
+        }
+        self.text.push_str(name);
+        let name_end = self.text.len() as u32;
+        self.text.push_str(value);
+        self.ends.push((name_end, self.text.len() as u32));
+    }
+
+    /// Adds a header read as bytes: valid UTF-8 (nearly always) is taken
+    /// as it is; anything else has its bad bytes replaced, as every other
+    /// header read does (a byte 0x80–0xFF from a client must never panic).
+    pub fn push_bytes(&mut self, name: &[u8], value: &[u8]) {
+        let name = String::from_utf8_lossy(name);
+        let value = String::from_utf8_lossy(value);
+        self.push(&name, &value);
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// Every header in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
+        let mut start = 0usize;
+        self.ends.iter().map(move |&(name_end, value_end)| {
+            let (name_end, value_end) = (name_end as usize, value_end as usize);
+            let pair = (&self.text[start..name_end], &self.text[name_end..value_end]);
+            start = value_end;
+            pair
+        })
+    }
+
+    /// The first value of `name`.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v)
+    }
+
+    /// How many times `name` appears.
+    pub fn count(&self, name: &str) -> usize {
+        self.iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .count()
+    }
+
+    /// Every `name` removed (a new snapshot: rare, so simple).
+    pub fn remove(&mut self, name: &str) {
+        if self.count(name) == 0 {
+            return;
+        }
+        let mut kept = Headers::with_capacity(self.len(), self.text.len());
+        for (n, v) in self.iter().filter(|(n, _)| !n.eq_ignore_ascii_case(name)) {
+            kept.push(n, v);
+        }
+        *self = kept;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn headers_keep_their_order_repeats_and_empty_values() {
+        let h = Headers::of([
+            (":path", "/v1/chat/completions"),
+            ("x-api-key", "a"),
+            ("", ""),
+            ("X-Api-Key", "b"),
+            ("x-empty", ""),
+        ]);
+        let all: Vec<_> = h.iter().collect();
+        assert_eq!(
+            all,
+            [
+                (":path", "/v1/chat/completions"),
+                ("x-api-key", "a"),
+                ("", ""),
+                ("X-Api-Key", "b"),
+                ("x-empty", ""),
+            ]
+        );
+        assert_eq!(h.get("X-API-KEY"), Some("a"));
+        assert_eq!(h.count("x-api-key"), 2);
+        assert_eq!(h.get("x-empty"), Some(""));
+        assert_eq!(h.get("absent"), None);
+        assert_eq!(h.len(), 5);
+    }
+
+    #[test]
+    fn removing_a_name_removes_every_repeat_and_keeps_the_rest() {
+        let mut h = Headers::of([("a", "1"), ("B", "2"), ("c", "3"), ("b", "4")]);
+        h.remove("b");
+        assert_eq!(h, Headers::of([("a", "1"), ("c", "3")]));
+        h.remove("zz");
+        assert_eq!(h.len(), 2);
+    }
+
+    #[test]
+    fn bytes_that_are_not_utf8_are_replaced_not_fatal() {
+        let mut h = Headers::default();
+        h.push_bytes(b"x-name", b"caf\xe9 \xff");
+        h.push_bytes(b"k", "é".as_bytes());
+        assert_eq!(h.get("x-name"), Some("caf\u{fffd} \u{fffd}"));
+        assert_eq!(h.get("k"), Some("é"));
+    }
+
+    proptest::proptest! {
+        /// Any pairs read back exactly as they were pushed.
+        #[test]
+        fn any_pairs_read_back_as_pushed(
+            pairs in proptest::collection::vec((".{0,12}", ".{0,24}"), 0..20)
+        ) {
+            let h = Headers::of(pairs.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+            let back: Vec<(String, String)> =
+                h.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
+            proptest::prop_assert_eq!(back, pairs);
+        }
+    }
+}
