@@ -45,16 +45,44 @@ impl Metric {
     /// The stat's name for these label values (one per label, in order):
     /// `name_l1=v1;.l2=v2;`.
     pub fn named(&self, values: &[&str]) -> String {
-        let mut out = String::with_capacity(self.name.len() + 16 * values.len());
+        let mut out = String::new();
+        self.write_name(&mut out, values);
+        out
+    }
+
+    /// Writes [`Metric::named`] into `out` (cleared first), sized once.
+    fn write_name(&self, out: &mut String, values: &[&str]) {
+        let pairs = self.labels.iter().zip(values);
+        let len = pairs
+            .clone()
+            .map(|(l, v)| l.len() + v.len() + 2)
+            .sum::<usize>();
+        out.clear();
+        out.reserve(self.name.len() + len);
         out.push_str(self.name);
-        for (i, (label, value)) in self.labels.iter().zip(values).enumerate() {
+        for (i, (label, value)) in pairs.enumerate() {
             out.push_str(if i == 0 { "_" } else { "." });
             out.push_str(label);
             out.push('=');
             out.push_str(value);
             out.push(';');
         }
-        out
+    }
+
+    /// Runs `f` on the stat's name for these values, written into one
+    /// buffer this thread keeps (a labelled stat costs no allocation per
+    /// write; a nested use, which nothing does, gets its own buffer).
+    fn with_name<R>(&self, values: &[&str], f: impl FnOnce(&str) -> R) -> R {
+        thread_local! {
+            static NAME: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+        }
+        NAME.with(|buffer| match buffer.try_borrow_mut() {
+            Ok(mut name) => {
+                self.write_name(&mut name, values);
+                f(&name)
+            }
+            Err(_) => f(&self.named(values)),
+        })
     }
 
     /// Adds `by` (nothing for 0: no host call on the common path).
@@ -67,7 +95,7 @@ impl Metric {
     /// Adds `by` to the stat of these label values (nothing for 0).
     pub fn add_at(&self, host: &dyn Host, values: &[&str], by: i64) {
         if by != 0 {
-            host.metric_add(self.kind, &self.named(values), by);
+            self.with_name(values, |name| host.metric_add(self.kind, name, by));
         }
     }
 
@@ -77,7 +105,7 @@ impl Metric {
     }
 
     pub fn record_at(&self, host: &dyn Host, values: &[&str], value: u64) {
-        host.metric_record(self.kind, &self.named(values), value);
+        self.with_name(values, |name| host.metric_record(self.kind, name, value));
     }
 
     /// Defines the stat at 0, so it exists (and its first change shows)
@@ -87,7 +115,7 @@ impl Metric {
     }
 
     pub fn define_at(&self, host: &dyn Host, values: &[&str]) {
-        host.metric_add(self.kind, &self.named(values), 0);
+        self.with_name(values, |name| host.metric_add(self.kind, name, 0));
     }
 
     /// The label values of `name` when it is this stat's
@@ -385,6 +413,28 @@ mod tests {
                 m.name
             );
         }
+    }
+
+    #[test]
+    fn a_labelled_write_names_the_stat_as_named_does_one_after_another() {
+        // The name is written into one buffer per thread: each write must
+        // see its own labels, a longer name after a shorter one and back.
+        let host = crate::host::mock::MockHost::default();
+        let writes: [&[&str]; 3] = [
+            &["admit", "none", "free", "llama3.1:8b"],
+            &["refuse", "rate_limited", "a-much-longer-tier-name", "m"],
+            &["admit", "none", "free", "llama3.1:8b"],
+        ];
+        for values in writes {
+            REQUESTS.add_at(&host, values, 1);
+        }
+        assert_eq!(host.metric(&REQUESTS.named(writes[0])), Some(2));
+        assert_eq!(host.metric(&REQUESTS.named(writes[1])), Some(1));
+        UPSTREAM_PAUSES.define_at(&host, &["route"]);
+        assert_eq!(
+            host.metric("sluice_upstream_pauses_total_kind=route;"),
+            Some(0)
+        );
     }
 
     #[test]

@@ -119,6 +119,9 @@ pub struct Rule {
     /// scope's shared record.
     hash: u64,
     global_key: Arc<str>,
+    /// The length of the id's parent ([`scope_of`]): a reservation
+    /// groups its claims by record, comparing each with the earlier ones.
+    record_len: usize,
 }
 
 impl Rule {
@@ -127,6 +130,7 @@ impl Rule {
         Rule {
             hash: rule_hash(&id),
             global_key: global_key(scope_of(&id)).into(),
+            record_len: scope_of(&id).len(),
             id,
             limit,
             scope,
@@ -140,7 +144,7 @@ impl Rule {
 
     /// The scope whose record holds this bucket: the id's parent.
     pub fn record(&self) -> &str {
-        scope_of(&self.id)
+        &self.id[..self.record_len]
     }
 }
 
@@ -1157,7 +1161,11 @@ fn next_group<'a>(claims: &[Claim<'a>], first: usize, group: &mut Vec<usize>) ->
 
 /// The reservation of every claim taken, in claim order.
 pub fn assemble(taken: Vec<Option<(Held, Quota, bool)>>) -> Reservation {
-    let mut reservation = Reservation::default();
+    let mut reservation = Reservation {
+        held: Vec::with_capacity(taken.len()),
+        quotas: Vec::with_capacity(taken.len()),
+        ..Reservation::default()
+    };
     for (index, (held, quota, over)) in taken.into_iter().flatten().enumerate() {
         reservation.held.push(held);
         reservation.quotas.push(quota);
@@ -1340,6 +1348,19 @@ mod tests {
 
     fn by(p: u64) -> Caller<'static> {
         Caller::hashed(p)
+    }
+
+    #[test]
+    fn a_rule_names_its_record_by_the_ids_parent() {
+        for (id, record) in [
+            ("tier/free/tokens", "tier/free"),
+            ("route/requests", "route"),
+            ("model/llama3.1:8b/requests", "model/llama3.1:8b"),
+            ("flat", "flat"),
+        ] {
+            assert_eq!(rule(id, 1, Scope::Global).record(), record);
+            assert_eq!(rule(id, 1, Scope::Global).record(), scope_of(id));
+        }
     }
 
     #[test]

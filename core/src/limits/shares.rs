@@ -227,7 +227,7 @@ impl Pool {
         }
         let mut r = Reader::new(bytes);
         let state = BucketState::read(&mut r);
-        let mut accounts = Vec::new();
+        let mut accounts = Vec::with_capacity((r.rest().len() / ACCOUNT_LEN).min(MAX_GROUPS));
         while accounts.len() < MAX_GROUPS && r.rest().len() >= ACCOUNT_LEN {
             accounts.push(Account {
                 id: r.u64(),
