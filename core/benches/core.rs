@@ -17,8 +17,8 @@ use sluice_core::usage::reconcile::{Format, ResponseMeter};
 
 struct Caller(String);
 impl RequestView for Caller {
-    fn header(&self, name: &str) -> Option<String> {
-        (name == "x-api-key").then(|| "bench-key".to_string())
+    fn header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+        (name == "x-api-key").then_some("bench-key".into())
     }
     fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
         None

@@ -163,7 +163,7 @@ impl Engine {
         let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
         let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
         if let Some(kind) = degraded {
-            headers.push(("x-sluice-degraded".into(), kind.code().into()));
+            headers.push("x-sluice-degraded", kind.code());
         }
         let (body, strip_usage) = match asked {
             Some(asked) => {
@@ -408,7 +408,7 @@ impl Engine {
         &self,
         quotas: &[Quota],
         taken: &[usize],
-    ) -> (Vec<(String, String)>, Vec<BudgetAlert>) {
+    ) -> (Headers, Vec<BudgetAlert>) {
         let share_left = |q: &Quota| {
             (
                 q.remaining as u128 * 1_000_000 / q.limit.max(1) as u128,
@@ -423,9 +423,12 @@ impl Engine {
                 .map(|(q, &i)| (*q, i))
                 .min_by_key(|(q, _)| share_left(q))
         };
-        let mut headers = Vec::new();
+        // Six headers at most (the IETF pair aside), in one buffer.
+        let mut headers = Headers::with_capacity(6, 160);
         if let Some((q, i)) = tightest(|m| m == Meter::Requests).or_else(|| tightest(|_| true)) {
-            headers.extend(answer::rate_limit_headers(&q, answer::REQUEST_LIMIT_NAMES));
+            for (name, n) in answer::rate_limit_headers(&q, answer::REQUEST_LIMIT_NAMES) {
+                headers.push_number(name, n);
+            }
             let bucket = &self.buckets[i];
             if let Some(item) = self.ietf_policy(bucket) {
                 // `t` is `X-RateLimit-Reset`: until the bucket is full.
@@ -436,7 +439,9 @@ impl Engine {
         if let Some((q, _)) =
             tightest(|m| matches!(m, Meter::Tokens | Meter::InputTokens | Meter::OutputTokens))
         {
-            headers.extend(answer::rate_limit_headers(&q, answer::TOKEN_LIMIT_NAMES));
+            for (name, n) in answer::rate_limit_headers(&q, answer::TOKEN_LIMIT_NAMES) {
+                headers.push_number(name, n);
+            }
         }
         let mut alerts = Vec::new();
         for (q, &i) in quotas.iter().zip(taken) {
@@ -457,7 +462,7 @@ impl Engine {
             .map(|a| a.text.as_str())
             .collect();
         if !callers.is_empty() {
-            headers.push(("x-sluice-budget-alert".into(), callers.join("; ")));
+            headers.push("x-sluice-budget-alert", &callers.join("; "));
         }
         (headers, alerts)
     }

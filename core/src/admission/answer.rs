@@ -411,7 +411,9 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
         }
     }});
     let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
-    headers.extend(rate_limit_headers(&l.quota, REQUEST_LIMIT_NAMES));
+    for (name, n) in rate_limit_headers(&l.quota, REQUEST_LIMIT_NAMES) {
+        headers.push((name.to_string(), n.to_string()));
+    }
     if let Some(item) = l.ietf {
         // The effective window of a refusal is the wait: the draft wants
         // `Retry-After` no earlier than its end.
@@ -643,39 +645,22 @@ pub const TOKEN_LIMIT_NAMES: [&str; 3] = [
 ];
 
 /// `X-RateLimit-*` of one bucket under `names` (limit, remaining,
-/// reset); `Reset` is seconds until it is full. On every admitted
-/// request: the values are written digit by digit, not through the
-/// formatter.
-pub fn rate_limit_headers(q: &Quota, names: [&str; 3]) -> Vec<(String, String)> {
+/// reset), each with its number; `Reset` is seconds until it is full. On
+/// every admitted request: the caller writes the numbers where they go,
+/// digit by digit, not through the formatter.
+pub fn rate_limit_headers(q: &Quota, names: [&'static str; 3]) -> [(&'static str, u64); 3] {
     let [limit, remaining, reset] = names;
-    vec![
-        (limit.into(), decimal(q.limit)),
-        (remaining.into(), decimal(q.remaining)),
-        (reset.into(), decimal(ceil_secs(q.reset_ms))),
+    [
+        (limit, q.limit),
+        (remaining, q.remaining),
+        (reset, ceil_secs(q.reset_ms)),
     ]
 }
 
-/// `n` in decimal, as `n.to_string()` writes it.
-fn decimal(n: u64) -> String {
-    let mut out = String::with_capacity(20);
-    push_decimal(&mut out, n);
-    out
-}
-
-/// Appends `n` in decimal, digit by digit (no formatter on the hot path):
-/// the one decimal writer of the answers and the audit record.
-pub fn push_decimal(out: &mut String, mut n: u64) {
+/// Appends `n` in decimal (see [`crate::host::decimal`]).
+pub fn push_decimal(out: &mut String, n: u64) {
     let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend(digits[at..].iter().map(|&d| char::from(d)));
+    out.push_str(crate::host::decimal(n, &mut digits));
 }
 
 /// What the IETF `RateLimit-Policy` item of a bucket says beyond its
@@ -796,7 +781,9 @@ mod tests {
             u64::MAX - 1,
             u64::MAX,
         ] {
-            assert_eq!(super::decimal(n), n.to_string());
+            let mut out = String::from("x");
+            super::push_decimal(&mut out, n);
+            assert_eq!(out, format!("x{n}"));
         }
     }
 

@@ -23,6 +23,7 @@
 //! - A credential header that is present but empty is refused, not taken as
 //!   "no credential".
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv6Addr};
@@ -32,8 +33,9 @@ use crate::policy::{IdentityConfig, IdentitySource, KeyEntry, Policy, UnknownKey
 
 /// What the identity step may read of a request.
 pub trait RequestView {
-    /// A request header, by lower-case name (the first, if repeated).
-    fn header(&self, name: &str) -> Option<String>;
+    /// A request header, by lower-case name (the first, if repeated);
+    /// borrowed where the view holds the headers (the request's snapshot).
+    fn header(&self, name: &str) -> Option<Cow<'_, str>>;
     /// How many times the header appears. Asked only of credential headers
     /// that are present, to refuse a repeated one.
     fn header_count(&self, name: &str) -> usize {
@@ -324,7 +326,8 @@ impl Resolver {
             }),
             IdentitySource::TrustedHeader => cfg.trusted_header.as_ref().and_then(|h| {
                 let who = req.header(&h.principal).filter(|s| !s.is_empty())?;
-                let header = |name: Option<&String>| name.and_then(|n| req.header(n));
+                let header =
+                    |name: Option<&String>| name.and_then(|n| req.header(n)).map(Cow::into_owned);
                 Some(Asserted {
                     principal: format!("header:{who}"),
                     tier: header(h.tier.as_ref()),
@@ -478,8 +481,8 @@ mod tests {
         addr: Option<String>,
     }
     impl RequestView for Req {
-        fn header(&self, name: &str) -> Option<String> {
-            self.headers.get(name).cloned()
+        fn header(&self, name: &str) -> Option<Cow<'_, str>> {
+            self.headers.get(name).cloned().map(Cow::Owned)
         }
         fn header_count(&self, name: &str) -> usize {
             usize::from(self.headers.contains_key(name))

@@ -8,7 +8,7 @@ use serde_json::json;
 
 struct Anonymous(&'static str);
 impl RequestView for Anonymous {
-    fn header(&self, _: &str) -> Option<String> {
+    fn header(&self, _: &str) -> Option<std::borrow::Cow<'_, str>> {
         None
     }
     fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
@@ -38,11 +38,8 @@ fn admit(e: &Engine, store: &MemStore, now: u64) -> Verdict {
     e.admit(store, &ctx(&id, Api::Other, "/v1/models", None, now))
 }
 
-fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v.as_str())
+fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a str> {
+    headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v)
 }
 
 #[test]

@@ -61,7 +61,7 @@ impl Laddered {
             let header = ("x-sluice-skipped".to_string(), list.join(", "));
             match self.verdict.reply.as_mut() {
                 Some(reply) => reply.headers.push(header),
-                None => self.verdict.response_headers.push(header),
+                None => self.verdict.response_headers.push(&header.0, &header.1),
             }
         }
         self

@@ -295,8 +295,10 @@ mod tests {
 
     struct Keyed;
     impl RequestView for Keyed {
-        fn header(&self, name: &str) -> Option<String> {
-            (name == "x-api-key").then(|| "k".to_string())
+        fn header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+            (name == "x-api-key")
+                .then(|| "k".to_string())
+                .map(std::borrow::Cow::Owned)
         }
         fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
             None
@@ -448,8 +450,10 @@ mod settlement_tests {
 
     struct Keyed;
     impl RequestView for Keyed {
-        fn header(&self, name: &str) -> Option<String> {
-            (name == "x-api-key").then(|| "k".to_string())
+        fn header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+            (name == "x-api-key")
+                .then(|| "k".to_string())
+                .map(std::borrow::Cow::Owned)
         }
         fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
             None

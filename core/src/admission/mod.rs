@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use serde_json::Value;
 
 use crate::admission::identity::{Identity, RequestView, Resolver};
+use crate::host::Headers;
 use crate::limits::bucket::Quota;
 use crate::limits::reservation::{
     prepare, Caller, Claim, Held, Layout, Refusal, Reserver, Rule, Scope,
@@ -93,7 +94,7 @@ pub struct Verdict {
     /// `Some`: answer the client with this and stop. `None`: go upstream.
     pub reply: Option<Reply>,
     /// Headers to add to the upstream's response when admitted.
-    pub response_headers: Vec<(String, String)>,
+    pub response_headers: Headers,
     /// The request body to send upstream instead of the client's.
     pub body: Option<Vec<u8>>,
     pub labels: Labels,
@@ -531,7 +532,7 @@ impl Engine {
     ) -> Verdict {
         Verdict {
             reply: Some(reply),
-            response_headers: Vec::new(),
+            response_headers: Headers::default(),
             body: None,
             labels: Labels {
                 decision: Decision::Refuse(reason),
@@ -588,7 +589,7 @@ pub(crate) mod tests {
     /// test modules).
     pub(crate) struct Caller(pub &'static str);
     impl RequestView for Caller {
-        fn header(&self, _: &str) -> Option<String> {
+        fn header(&self, _: &str) -> Option<std::borrow::Cow<'_, str>> {
             None
         }
         fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
@@ -658,8 +659,8 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 10);
         assert_eq!(
-            results[0].response_headers[1],
-            ("x-ratelimit-remaining".into(), "9".into())
+            results[0].response_headers.iter().nth(1),
+            Some(("x-ratelimit-remaining", "9"))
         );
         let refused = results[11].reply.as_ref().unwrap();
         assert_eq!(refused.status, 429);
@@ -813,9 +814,10 @@ pub(crate) mod tests {
         assert_eq!(second.degraded.map(Degraded::code), Some("downshift"));
         let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
         assert_eq!(body["model"], "small");
-        assert!(second
-            .response_headers
-            .contains(&("x-sluice-degraded".into(), "downshift".into())));
+        assert_eq!(
+            second.response_headers.get("x-sluice-degraded"),
+            Some("downshift")
+        );
     }
 
     #[test]
@@ -1008,8 +1010,10 @@ pub(crate) mod tests {
 
     struct Keyed(&'static str, &'static str);
     impl RequestView for Keyed {
-        fn header(&self, name: &str) -> Option<String> {
-            (name == "x-api-key" && !self.0.is_empty()).then(|| self.0.to_string())
+        fn header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+            (name == "x-api-key" && !self.0.is_empty())
+                .then(|| self.0.to_string())
+                .map(std::borrow::Cow::Owned)
         }
         fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
             None

@@ -7,8 +7,10 @@ use serde_json::json;
 
 struct Key(&'static str);
 impl RequestView for Key {
-    fn header(&self, name: &str) -> Option<String> {
-        (name == "x-api-key").then(|| self.0.to_string())
+    fn header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+        (name == "x-api-key")
+            .then(|| self.0.to_string())
+            .map(std::borrow::Cow::Owned)
     }
     fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
         None

@@ -330,8 +330,10 @@ mod tests {
         key: Option<&'static str>,
     }
     impl RequestView for Req {
-        fn header(&self, name: &str) -> Option<String> {
-            (name == "x-api-key").then_some(self.key?.to_string())
+        fn header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+            (name == "x-api-key")
+                .then_some(self.key?.to_string())
+                .map(std::borrow::Cow::Owned)
         }
         fn jwt_claim(&self, _: &str, _: &str, _: &str) -> Option<String> {
             None

@@ -626,9 +626,7 @@ impl Stream {
             ("x-sluice-cache-kind", kind),
             ("age", age.as_str()),
         ];
-        for (n, v) in &verdict.response_headers {
-            headers.push((n.as_str(), v.as_str()));
-        }
+        headers.extend(verdict.response_headers.iter());
         headers.retain(|(_, v)| !v.is_empty());
         // The reply passes the response callbacks: nothing to store.
         self.cache_store = None;

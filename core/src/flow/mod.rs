@@ -19,6 +19,7 @@
 //! - `slots` keeps the fleet's concurrency slots, [`telemetry`] the metric
 //!   names and audit fields.
 
+use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::{Rc, Weak};
@@ -811,6 +812,7 @@ impl Stream {
             &HostRequest(host, self.request_headers.as_ref()),
             name,
         )
+        .map(Cow::into_owned)
     }
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
@@ -1001,8 +1003,8 @@ impl Stream {
         let headers = self
             .upstream()
             .map(|up| std::mem::take(&mut up.response_headers));
-        for (name, value) in headers.unwrap_or_default() {
-            host.set_response_header(&name, Some(&value));
+        for (name, value) in headers.unwrap_or_default().iter() {
+            host.set_response_header(name, Some(value));
         }
         self.cache_response_headers(host);
         if let Some(watch) = self.upstream().and_then(|up| up.watch.take()) {
@@ -1191,7 +1193,7 @@ impl Stream {
             None => {
                 let mut response_headers = verdict.response_headers;
                 if let Some(waited) = self.gate.as_ref().map(|g| g.waited_ms) {
-                    response_headers.push(("x-sluice-queued-ms".into(), waited.to_string()));
+                    response_headers.push_number("x-sluice-queued-ms", waited);
                 }
                 let engine = &self.filter.engine;
                 let plan = verdict.plan.filter(|p| engine.settles(p));
@@ -1691,12 +1693,10 @@ impl Stream {
         }
         verdict
             .response_headers
-            .push(("x-sluice-provider".into(), served.provider.clone()));
+            .push("x-sluice-provider", &served.provider);
         let seen = self.filter.seen(host);
         if seen.state.as_ref().is_some_and(|s| s.kill_switch.active) {
-            verdict
-                .response_headers
-                .push(("x-sluice-kill-switch".into(), "1".into()));
+            verdict.response_headers.push("x-sluice-kill-switch", "1");
         }
         add(host, metrics::REROUTED, 1);
         metrics::PROVIDER_REQUESTS.add_at(host, &[&served.provider, "served"], 1);
@@ -1879,10 +1879,10 @@ impl Record for PollLease {
 pub struct HostRequest<'a>(pub &'a dyn Host, pub Option<&'a Headers>);
 
 impl crate::admission::identity::RequestView for HostRequest<'_> {
-    fn header(&self, name: &str) -> Option<String> {
+    fn header(&self, name: &str) -> Option<Cow<'_, str>> {
         match self.1 {
-            Some(headers) => headers.get(name).map(str::to_owned),
-            None => self.0.request_header(name),
+            Some(headers) => headers.get(name).map(Cow::Borrowed),
+            None => self.0.request_header(name).map(Cow::Owned),
         }
     }
 

@@ -56,7 +56,7 @@ pub(super) struct Upstream {
     /// Tier and model labels of the decision, for later metrics.
     pub(super) labels: (String, String),
     /// Added to the upstream's response headers (rate limits, degraded).
-    pub(super) response_headers: Vec<(String, String)>,
+    pub(super) response_headers: crate::host::Headers,
     /// What admission reserved, until it is settled.
     pub(super) plan: Option<Plan>,
     /// Sent to the primary: read once its answer's headers come.

@@ -258,7 +258,8 @@ pub(super) fn class_of(
             .identity
             .trusted_header
             .as_ref()
-            .and_then(|h| view.header(h.class.as_ref()?)),
+            .and_then(|h| view.header(h.class.as_ref()?))
+            .map(std::borrow::Cow::into_owned),
         _ => None,
     };
     named

@@ -9,7 +9,7 @@
 
 use crate::state::store::SharedStore;
 
-pub use headers::Headers;
+pub use headers::{decimal, Headers};
 
 mod headers;
 pub mod metrics;
