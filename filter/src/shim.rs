@@ -105,15 +105,9 @@ impl Host for WasmHost {
     }
 
     fn request_header_count(&self, name: &str) -> usize {
-        // Bytes again (see `header_text`); names are tokens, always ASCII.
-        hostcalls::get_map_bytes(MapType::HttpRequestHeaders)
-            .map(|headers| {
-                headers
-                    .iter()
-                    .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-                    .count()
-            })
-            .unwrap_or(usize::MAX)
+        // The same raw read as `request_headers` (the SDK's would panic on
+        // the status that made the snapshot fail).
+        self.request_headers().map_or(usize::MAX, |h| h.count(name))
     }
 
     fn request_headers(&self) -> Option<Headers> {

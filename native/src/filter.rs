@@ -373,13 +373,7 @@ impl Host for NativeHost<'_> {
     }
 
     fn request_headers(&self) -> Option<Headers> {
-        let headers = self.envoy.headers(HeaderMap::Request)?;
-        let bytes = headers.iter().map(|(n, v)| n.len() + v.len()).sum();
-        let mut snapshot = Headers::with_capacity(headers.len(), bytes);
-        for (name, value) in headers {
-            snapshot.push_bytes(name, value);
-        }
-        Some(snapshot)
+        Some(Headers::of(&self.envoy.headers(HeaderMap::Request)?))
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) {

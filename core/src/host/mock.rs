@@ -244,14 +244,7 @@ impl Host for MockHost {
 
     fn request_headers(&self) -> Option<Headers> {
         self.count("request_headers");
-        // Sized once, as the wasm host's snapshot is (from the map's size).
-        let headers = self.request_headers.borrow();
-        let bytes = headers.iter().map(|(n, v)| n.len() + v.len()).sum();
-        let mut snapshot = Headers::with_capacity(headers.len(), bytes);
-        for (name, value) in headers.iter() {
-            snapshot.push(name, value);
-        }
-        Some(snapshot)
+        Some(Headers::of(&self.request_headers.borrow()))
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) {
