@@ -508,6 +508,7 @@ impl Builder {
                     &route.shares,
                 );
                 let prefix = demand::canonical_path(&route.path_prefix)
+                    .map(std::borrow::Cow::into_owned)
                     .unwrap_or_else(|_| route.path_prefix.to_ascii_lowercase());
                 (prefix, i)
             })

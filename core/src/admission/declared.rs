@@ -52,7 +52,7 @@ pub fn check(policy: &Policy) -> Result<(), (String, String)> {
         }) {
             return Err((at, format!("`{written}` is declared by apis[{j}] too")));
         }
-        seen.push((canonical, &api.methods));
+        seen.push((canonical.into_owned(), &api.methods));
     }
     Ok(())
 }

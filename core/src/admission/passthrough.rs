@@ -50,7 +50,7 @@ pub fn compile(rules: &[PassthroughRule]) -> Vec<Compiled> {
                 (None, Some(p)) => (p, true),
                 _ => return None,
             };
-            let path = canonical_path(written).ok()?;
+            let path = canonical_path(written).ok()?.into_owned();
             Some(Compiled {
                 path,
                 prefix,

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 
 use crate::admission::answer::{Decision, Reason};
-use crate::admission::identity::Identity;
+use crate::admission::identity::{Identity, RequestView};
 use crate::admission::ladder::{Served, Skip};
 use crate::admission::pushback::UpstreamReply;
 use crate::admission::route::{self, Pushback, SidecarSeen};
@@ -726,14 +726,23 @@ impl Request {
     }
 }
 
+thread_local! {
+    /// A stream's path until its request headers are read (one per VM,
+    /// shared: a stream copies nothing for it).
+    static EMPTY_PATH: Rc<str> = Rc::from("");
+}
+
 /// One HTTP stream, from its request headers to its access log (behind
 /// [`Request`], which the root context can also reach while it waits).
 pub struct Stream {
     filter: Rc<Filter>,
-    identity: Option<Identity>,
+    /// Shared, not copied, by the steps that outlive a borrow of the
+    /// stream (its two strings were copied twice a request).
+    identity: Option<Rc<Identity>>,
     api: Api,
-    /// The canonical path (`demand::canonical_path`), for route buckets.
-    path: String,
+    /// The canonical path (`demand::canonical_path`), for route buckets
+    /// (shared by the steps that borrow the stream meanwhile).
+    path: Rc<str>,
     /// The request headers, read once (after the fallback header is
     /// removed) for every header the path reads: one host call.
     request_headers: Option<Headers>,
@@ -775,7 +784,7 @@ impl Stream {
             filter,
             identity: None,
             api: Api::Other,
-            path: String::new(),
+            path: EMPTY_PATH.with(Rc::clone),
             request_headers: None,
             body_size: 0,
             phase: Phase::Undecided,
@@ -818,15 +827,24 @@ impl Stream {
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         self.started_ms = host.now_ms();
         self.strip_fallback_header(host);
-        let raw_path = self.header(host, ":path").unwrap_or_default();
-        let method = self.header(host, ":method").unwrap_or_default();
-        let canonical = crate::usage::demand::canonical_path(&raw_path);
+        // The path, method and length are read where the snapshot holds
+        // them (not copied out): only the path the stream keeps is.
+        let view = HostRequest(host, self.request_headers.as_ref());
+        let raw_path = view.header(":path").unwrap_or_default();
+        let path = match crate::usage::demand::canonical_path(&raw_path) {
+            Ok(canonical) => Ok(Rc::<str>::from(canonical.as_ref())),
+            Err(_) => Err(Rc::<str>::from(raw_path.as_ref())),
+        };
         // A body on any method is read (a lenient server may serve it);
         // a bodyless POST is classified too (and refused if it is no API).
-        let length = self.header(host, "content-length");
+        let length = view.header("content-length");
         let with_body = self.carries_body(host, length.as_deref(), end_of_stream);
-        let work = with_body || method.eq_ignore_ascii_case("POST");
-        self.api = match canonical.as_deref() {
+        let post = view
+            .header(":method")
+            .is_some_and(|m| m.eq_ignore_ascii_case("POST"));
+        let work = with_body || post;
+        let length = length.and_then(|v| v.trim().parse::<u64>().ok());
+        self.api = match path.as_deref() {
             Ok(path) if work => Api::of_path(path),
             _ => Api::Other,
         };
@@ -834,15 +852,10 @@ impl Stream {
             Ok(identity) => identity,
             Err(refused) => return refused,
         };
-        let path = canonical.map_err(|_| raw_path);
-        if let Some(verdict) = self.endpoint(&identity, path, &method, work) {
+        if let Some(verdict) = self.endpoint(host, &identity, path, work) {
             return self.finish(host, verdict);
         }
-        let declared = if self.api.reads_body() {
-            length.and_then(|v| v.trim().parse::<u64>().ok())
-        } else {
-            None
-        };
+        let declared = if self.api.reads_body() { length } else { None };
         if let Some(verdict) = declared.and_then(|len| self.engine().too_large(&identity, len)) {
             return self.finish(host, verdict);
         }
@@ -852,11 +865,11 @@ impl Stream {
             // buffered and parsed (`flow/precheck.rs`).
             if let Some(verdict) = self.refused_before_body(host, &identity) {
                 add(host, metrics::REFUSED_BEFORE_BODY, 1);
-                self.identity = Some(identity);
+                self.identity = Some(Rc::new(identity));
                 return self.finish(host, verdict);
             }
         }
-        self.identity = Some(identity);
+        self.identity = Some(Rc::new(identity));
         if self.api.reads_body() && !end_of_stream {
             return Action::Pause; // wait for the body
         }
@@ -912,7 +925,7 @@ impl Stream {
             .penalty_box(host, &view, &identity, self.started_ms);
         count_penalty_box(host, &checked);
         if let Some(verdict) = blocked {
-            self.identity = Some(identity);
+            self.identity = Some(Rc::new(identity));
             return Err(self.finish(host, verdict));
         }
         count_contention(host, checked.contention);
@@ -926,9 +939,9 @@ impl Stream {
     /// know), or work outside every `passthrough` rule (deny by default).
     fn endpoint(
         &mut self,
+        host: &dyn Host,
         identity: &Identity,
-        path: Result<String, String>,
-        method: &str,
+        path: Result<Rc<str>, Rc<str>>,
         work: bool,
     ) -> Option<Verdict> {
         match path {
@@ -939,10 +952,12 @@ impl Stream {
         if self.api == Api::Other && work {
             // A declared API first (the policy refuses a path that is
             // both), then the passthrough rules.
+            let view = HostRequest(host, self.request_headers.as_ref());
+            let method = view.header(":method").unwrap_or_default();
             self.api = self
                 .engine()
-                .declared_api(method, &self.path)
-                .unwrap_or_else(|| self.engine().passthrough(method, &self.path));
+                .declared_api(&method, &self.path)
+                .unwrap_or_else(|| self.engine().passthrough(&method, &self.path));
             if self.api == Api::Other {
                 return Some(self.engine().unknown_endpoint(identity));
             }
@@ -1164,9 +1179,6 @@ impl Stream {
     fn finish(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
         self.phase = Phase::Answered;
         self.record(host, &verdict);
-        let l = &verdict.labels;
-        // Latency and token metrics describe requests that went upstream.
-        let labels = (l.tier.clone(), l.model.clone());
         if verdict.reply.is_none() && self.engine().policy.anomaly.is_some() {
             // Admission passed the global breaker: it is closed now (else
             // the gauge would stay at 1 after the hour's window let spend
@@ -1201,7 +1213,9 @@ impl Stream {
                     add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
                 }
                 self.phase = Phase::Upstream(Upstream {
-                    labels,
+                    // Latency and token metrics describe requests that
+                    // went upstream.
+                    labels: (verdict.labels.tier, verdict.labels.model),
                     response_headers,
                     plan,
                     watch: None,
@@ -1391,7 +1405,7 @@ impl Stream {
     fn conclude(
         &mut self,
         host: &dyn Host,
-        identity: Identity,
+        identity: Rc<Identity>,
         mut parked: waiting::Parked,
         now: u64,
     ) -> Action {

@@ -172,7 +172,7 @@ impl Declared {
     /// `None` for a declaration the policy's check refuses.
     pub fn compile(api: &DeclaredApi) -> Option<Declared> {
         Some(Declared {
-            path: demand::canonical_path(&api.path).ok()?,
+            path: demand::canonical_path(&api.path).ok()?.into_owned(),
             methods: api.methods.iter().map(|m| m.to_ascii_uppercase()).collect(),
             model: Pointer::new(&api.model)?,
             input: api

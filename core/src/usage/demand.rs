@@ -3,6 +3,8 @@
 //! multipliers of work, one table per API). Read from OpenAI-, Anthropic-, vLLM- and
 //! Ollama-shaped bodies; only the fields sluice needs are looked at.
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 use super::output_limit::max_output_of;
@@ -247,13 +249,14 @@ pub struct AmbiguousPath;
 /// Refused as ambiguous: an escape that decodes to a control character, and
 /// a path that still holds an escape after one decoding (`%2563`), which a
 /// server that decodes twice reads differently from one that decodes once.
-pub fn canonical_path(path: &str) -> Result<String, AmbiguousPath> {
+pub fn canonical_path(path: &str) -> Result<Cow<'_, str>, AmbiguousPath> {
     let raw = path.split(['?', '#']).next().unwrap_or(path);
     if is_canonical(raw.as_bytes()) {
-        // Nothing to decode, resolve or lower-case (nearly every request).
-        return Ok(raw.to_owned());
+        // Nothing to decode, resolve or lower-case (nearly every request):
+        // the path itself, lent.
+        return Ok(Cow::Borrowed(raw));
     }
-    decode_and_normalise(raw.as_bytes())
+    decode_and_normalise(raw.as_bytes()).map(Cow::Owned)
 }
 
 /// A path that is its own canonical form: `/`, then non-empty segments
@@ -1392,7 +1395,10 @@ mod tests {
             if is_canonical(path.as_bytes()) {
                 proptest::prop_assert_eq!(full, Ok(path.clone()));
             }
-            proptest::prop_assert_eq!(canonical_path(&path), decode_and_normalise(path.as_bytes()));
+            proptest::prop_assert_eq!(
+                canonical_path(&path).map(Cow::into_owned),
+                decode_and_normalise(path.as_bytes())
+            );
         }
 
         /// Whatever number a client writes, parsing never panics and the
