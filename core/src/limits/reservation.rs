@@ -225,6 +225,11 @@ impl<'a> Claim<'a> {
             lease: None,
         }
     }
+
+    /// Asks for a worker lease on top (a soft cap never takes one).
+    fn leases(&self) -> bool {
+        self.lease.is_some() && !self.soft
+    }
 }
 
 /// Where a bucket lives.
@@ -824,9 +829,14 @@ impl Reserver<'_> {
             let (limit, id) = (&c.rule.limit, c.rule.hash());
             if at.placement == Placement::Global {
                 let pool = Pool::decode(at.bundle.get(id).unwrap_or_default());
-                match take_pool(pool.clone(), c, now_ms) {
+                // The record as read is kept only for a lease's second take.
+                let before = c.leases().then(|| pool.clone());
+                match take_pool(pool, c, now_ms) {
                     Ok((next, quota, over)) => {
-                        let (next, quota, extra) = lease_pool(pool, next, quota, c, now_ms);
+                        let (next, quota, extra) = match before {
+                            Some(pool) => lease_pool(pool, next, quota, c, now_ms),
+                            None => (next, quota, 0),
+                        };
                         at.bundle.put_with(id, |w| next.write(w));
                         quotas.push((quota, over, extra));
                     }

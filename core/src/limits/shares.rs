@@ -169,19 +169,17 @@ pub struct Pool {
 
 /// Guaranteed floors (millionths), per group of `table`: a tier's share.
 /// `anonymous` has none: its share is only a ceiling, so its callers never
-/// hold room back from declared keys.
-fn floors(table: &ShareTable, capacity: u64) -> Vec<u64> {
-    table
-        .groups
-        .iter()
-        .map(|g| {
-            if g.capped {
-                0
-            } else {
-                floor(capacity, g.permille)
-            }
-        })
-        .collect()
+/// hold room back from declared keys. Written into `into` (on the stack:
+/// no allocation per take), the table's groups first.
+fn floors<'a>(table: &ShareTable, capacity: u64, into: &'a mut [u64; MAX_GROUPS]) -> &'a [u64] {
+    for (f, g) in into.iter_mut().zip(&table.groups) {
+        *f = if g.capped {
+            0
+        } else {
+            floor(capacity, g.permille)
+        };
+    }
+    &into[..table.groups.len().min(MAX_GROUPS)]
 }
 
 /// How long until a rate bucket's room grows by `need`: the total drains
@@ -241,10 +239,10 @@ impl Pool {
 
     /// The record at `now_ms`: the bucket refilled, each account drained
     /// in proportion, never summing past the total.
-    pub fn at(&self, limit: &Limit, now_ms: u64) -> Pool {
+    pub fn at(self, limit: &Limit, now_ms: u64) -> Pool {
         let before = self.state.used;
         let state = self.state.at(limit, now_ms);
-        let mut accounts = self.accounts.clone();
+        let mut accounts = self.accounts;
         if state.used < before {
             // Each account drains its part of the drain, rounded down, so
             // the accounts together never lose more than the total did
@@ -276,6 +274,10 @@ impl Pool {
     /// Accounts for exactly the table's groups (a reload may add or drop
     /// some: a dropped group's units stay in the total, as the rest's).
     fn aligned(mut self, table: &ShareTable) -> Pool {
+        let ids = self.accounts.iter().map(|a| a.id);
+        if ids.eq(table.groups.iter().map(|g| g.id)) {
+            return self; // as nearly always: the record is the table's
+        }
         let mut accounts = Vec::with_capacity(table.groups.len());
         for g in &table.groups {
             let found = self.accounts.iter().find(|a| a.id == g.id).copied();
@@ -389,7 +391,7 @@ impl Pool {
     /// and the others' active floors allow it (module comment); with what
     /// the bucket's quota as the group sees it (its `X-RateLimit-*`).
     pub fn take(
-        &self,
+        self,
         table: &ShareTable,
         group: u64,
         amount: u64,
@@ -401,7 +403,8 @@ impl Pool {
         let want = amount.saturating_mul(SCALE);
         let used = pool.state.used;
         let free = capacity.saturating_sub(used);
-        let floors = floors(table, capacity);
+        let mut buffer = [0; MAX_GROUPS];
+        let floors = floors(table, capacity, &mut buffer);
         let mine = pool
             .accounts
             .iter()
@@ -413,9 +416,9 @@ impl Pool {
         if let Some(i) = mine {
             pool.accounts[i].seen_ms = now_ms;
         }
-        pool.settle_lents(&floors, free, limit, now_ms, newcomer);
+        pool.settle_lents(floors, free, limit, now_ms, newcomer);
 
-        let (room, own_drain_only) = pool.room(table, &floors, mine, free, limit, now_ms);
+        let (room, own_drain_only) = pool.room(table, floors, mine, free, limit, now_ms);
         // What the client is told: for `anonymous` its share is its whole
         // bucket (`X-RateLimit-Limit`), for a tier the bucket; remaining is
         // what its group may still take.
@@ -434,7 +437,7 @@ impl Pool {
                 a.used = a.used.saturating_add(want);
                 a.lent = a.lent.min(floors[i].saturating_sub(a.used));
             }
-            let (left, _) = pool.room(table, &floors, mine, free - want, limit, now_ms);
+            let (left, _) = pool.room(table, floors, mine, free - want, limit, now_ms);
             return Ok((
                 pool,
                 Quota {
@@ -475,7 +478,7 @@ impl Pool {
     /// Gives back `amount` units taken at `taken_ms` by `group` (nothing
     /// when a calendar window rolled over since).
     pub fn give_back(
-        &self,
+        self,
         group: u64,
         amount: u64,
         limit: &Limit,
@@ -496,7 +499,7 @@ impl Pool {
 
     /// Charges `amount` units of usage that already happened to `group`
     /// (may go past capacity, as a plain bucket's charge).
-    pub fn charge(&self, group: u64, amount: u64, limit: &Limit, now_ms: u64) -> Pool {
+    pub fn charge(self, group: u64, amount: u64, limit: &Limit, now_ms: u64) -> Pool {
         let mut pool = self.at(limit, now_ms);
         pool.state = pool.state.charge(amount, limit, now_ms);
         if let Some(a) = pool.account_mut(group) {
@@ -568,7 +571,7 @@ mod tests {
     }
 
     fn take(p: &mut Pool, t: &ShareTable, g: u64, l: &Limit, now: u64) -> bool {
-        match p.take(t, g, 1, l, now) {
+        match p.clone().take(t, g, 1, l, now) {
             Ok((next, _)) => {
                 *p = next;
                 true
@@ -594,7 +597,7 @@ mod tests {
             .filter(|_| take(&mut p, &t, anon, &l, 1_000))
             .count();
         assert_eq!(got, 100, "half of 200");
-        let refused = p.take(&t, anon, 1, &l, 1_000).unwrap_err();
+        let refused = p.clone().take(&t, anon, 1, &l, 1_000).unwrap_err();
         assert_eq!(refused.shortfall.quota.remaining, 0);
         // Its own holding drains at r × 100/100 here: one unit in 300 ms.
         assert_eq!(refused.shortfall.retry_after_ms, 300);
@@ -658,11 +661,16 @@ mod tests {
             take(&mut p, &t, REST, &l, 1_000);
         }
         assert!(
-            p.take(&t, pro, 1, &l, 1_000).unwrap_err().mark.is_some(),
+            p.clone()
+                .take(&t, pro, 1, &l, 1_000)
+                .unwrap_err()
+                .mark
+                .is_some(),
             "returns"
         );
         let marked = p.take(&t, pro, 1, &l, 1_000).unwrap_err().mark.unwrap();
         assert!(marked
+            .clone()
             .take(&t, pro, 1, &l, 1_500)
             .unwrap_err()
             .mark
