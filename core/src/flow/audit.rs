@@ -246,7 +246,10 @@ fn quoted(out: &mut String, text: &str) {
     let mut plain = 0;
     let mut i = 0;
     while i < bytes.len() {
-        let b = bytes[i];
+        i = plain_until(bytes, i);
+        let Some(&b) = bytes.get(i) else {
+            break;
+        };
         let (escape, len): (Option<&str>, usize) = match b {
             b'"' => (Some("\\\""), 1),
             b'\\' => (Some("\\\\"), 1),
@@ -279,6 +282,24 @@ fn quoted(out: &mut String, text: &str) {
     }
     out.push_str(&text[plain..]);
     out.push('"');
+}
+
+/// From `i`, eight bytes at a time, the first byte that may need an
+/// escape in [`quoted`] (a quote, a backslash, a control character, DEL,
+/// or the first byte of a line separator); the rest byte by byte.
+fn plain_until(bytes: &[u8], mut i: usize) -> usize {
+    use crate::usage::tape::{equal_to, stops};
+    while let Some(word) = bytes.get(i..i + 8) {
+        let mut eight = [0u8; 8];
+        eight.copy_from_slice(word);
+        let w = u64::from_le_bytes(eight);
+        let stop = stops(w) | equal_to(w, 0x7f) | equal_to(w, 0xe2);
+        if stop != 0 {
+            return i + (stop.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    i
 }
 
 #[cfg(test)]
@@ -367,6 +388,32 @@ mod tests {
         assert_eq!(back, all);
         assert!(!out.contains('\u{2028}') && !out.contains('\u{2029}') && !out.contains('\u{7f}'));
         assert!(!out.bytes().any(|b| b < 0x20));
+    }
+
+    proptest::proptest! {
+        /// Eight bytes at a time find every byte to escape wherever it
+        /// falls in a word (plain runs of every length between them).
+        #[test]
+        fn escapes_are_found_at_any_offset(
+            parts in proptest::collection::vec(
+                (0usize..20, proptest::sample::select(
+                    vec!['"', '\\', '\n', '\u{1}', '\u{7f}', '\u{2028}', '\u{2029}', '\u{2027}', 'é', '—'])),
+                0..12,
+            )
+        ) {
+            let mut text = String::new();
+            for (run, c) in parts {
+                text.push_str(&"abcdefghijklmnopqrstu"[..run]);
+                text.push(c);
+            }
+            let mut out = String::new();
+            quoted(&mut out, &text);
+            let back: String = serde_json::from_str(&out).unwrap();
+            proptest::prop_assert_eq!(back, text);
+            let separators = ['\u{2028}', '\u{2029}'];
+            proptest::prop_assert!(!out.contains(separators), "a raw separator in {}", out);
+            proptest::prop_assert!(!out.bytes().any(|b| b < 0x20 || b == 0x7f));
+        }
     }
 
     #[test]

@@ -372,12 +372,21 @@ impl Reader<'_> {
 /// tricks of "Bit Twiddling Hacks", "Determine if a word has a byte less
 /// than n"). Only the lowest flag is exact (a borrow can flag a byte above
 /// a true one), and only it is read: the first byte that stops.
-fn stops(word: u64) -> u64 {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGH: u64 = 0x8080_8080_8080_8080;
-    let zero = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
+pub(crate) fn stops(word: u64) -> u64 {
     let below_space = word.wrapping_sub(ONES * 0x20) & !word & HIGH;
-    zero(word ^ (ONES * u64::from(b'"'))) | zero(word ^ (ONES * u64::from(b'\\'))) | below_space
+    equal_to(word, b'"') | equal_to(word, b'\\') | below_space
+}
+
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGH: u64 = 0x8080_8080_8080_8080;
+
+/// Which of these eight bytes (little-endian) equal `b`, each flagged by
+/// its high bit; as in [`stops`], only the lowest flag is exact (and an OR
+/// of such flags keeps its lowest exact: a false flag lies above a true
+/// one of its own).
+pub(crate) fn equal_to(word: u64, b: u8) -> u64 {
+    let x = word ^ (ONES * u64::from(b));
+    x.wrapping_sub(ONES) & !x & HIGH
 }
 
 /// The index after the escape at `j` (a backslash), if it is one JSON has.
