@@ -89,11 +89,23 @@ impl Headers {
         })
     }
 
-    /// The first value of `name`.
+    /// The first value of `name`: names compared as bytes, by length
+    /// first (no text sliced but the value found).
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v)
+        let bytes = self.text.as_bytes();
+        let mut start = 0usize;
+        for &(name_end, value_end) in &self.ends {
+            let (name_end, value_end) = (name_end as usize, value_end as usize);
+            if name_end - start == name.len()
+                && bytes
+                    .get(start..name_end)
+                    .is_some_and(|n| n.eq_ignore_ascii_case(name.as_bytes()))
+            {
+                return self.text.get(name_end..value_end);
+            }
+            start = value_end;
+        }
+        None
     }
 
     /// How many times `name` appears.
@@ -213,7 +225,13 @@ mod tests {
             let h = Headers::of(&pairs);
             let back: Vec<(String, String)> =
                 h.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
-            proptest::prop_assert_eq!(back, pairs);
+            proptest::prop_assert_eq!(&back, &pairs);
+            // A lookup finds the first pair of that name, in any case.
+            for (name, _) in &pairs {
+                let first = pairs.iter().find(|(n, _)| n.eq_ignore_ascii_case(name));
+                proptest::prop_assert_eq!(h.get(&name.to_ascii_uppercase()), first.map(|(_, v)| v.as_str()));
+            }
+            proptest::prop_assert_eq!(h.get("absent-name-xyz"), pairs.iter().find(|(n, _)| n == "absent-name-xyz").map(|(_, v)| v.as_str()));
         }
     }
 }

@@ -35,21 +35,34 @@ pub fn rule_hash(id: &str) -> u64 {
 }
 
 /// The buckets of one scope, as one shared-data value.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct Bundle {
     /// Hash of the caller holding a per-caller record (0: never used); 1
     /// for a shared record.
     pub owner: u64,
     /// When the owner last took or settled (per-caller records).
     pub touched_ms: u64,
-    /// Every entry's bytes, side by side in entry order: one allocation
-    /// for the record, not one per bucket (the hot path decodes a record
-    /// per scope per request).
+    /// Every entry's bytes: one allocation for the record, not one per
+    /// bucket (the hot path decodes a record per scope per request). A
+    /// record read from shared data keeps the value as it came, its
+    /// entries where they lie in it (the bytes between them, headers, are
+    /// never read again); an entry written goes at the end.
     data: Vec<u8>,
     /// Per entry, oldest written first: its rule hash, where its bytes
     /// start in `data`, and how many.
     index: Vec<(u64, usize, usize)>,
 }
+
+/// Two records are equal when their headers and entries are, in order
+/// (not the bytes they were read from).
+impl PartialEq for Bundle {
+    fn eq(&self, other: &Bundle) -> bool {
+        (self.owner, self.touched_ms) == (other.owner, other.touched_ms)
+            && self.pairs().eq(other.pairs())
+    }
+}
+
+impl Eq for Bundle {}
 
 impl Bundle {
     pub fn new(owner: u64, touched_ms: u64) -> Bundle {
@@ -62,9 +75,11 @@ impl Bundle {
     }
 
     /// Reads a record; a value of another layout (or garbled) reads as
-    /// empty, a truncated one as the entries it holds whole.
-    pub fn decode(bytes: &[u8]) -> Bundle {
-        let mut r = Reader::new(bytes);
+    /// empty, a truncated one as the entries it holds whole. A value
+    /// given owned (as shared data hands it over) is kept, not copied.
+    pub fn decode(value: impl Into<Vec<u8>>) -> Bundle {
+        let data = value.into();
+        let mut r = Reader::new(&data);
         if r.try_u8() != Some(VERSION) {
             return Bundle::default();
         }
@@ -73,17 +88,16 @@ impl Bundle {
             return Bundle::default();
         };
         let count = usize::from(count).min(MAX_ENTRIES);
-        let mut data = Vec::with_capacity(bytes.len());
         let mut index = Vec::with_capacity(count);
         for _ in 0..count {
             let (Some(id), Some(len)) = (r.try_u64(), r.try_u16()) else {
                 break;
             };
-            let Some(bytes) = r.try_bytes(usize::from(len)) else {
+            let at = data.len() - r.rest().len();
+            if r.try_bytes(usize::from(len)).is_none() {
                 break;
-            };
-            index.push((id, data.len(), bytes.len()));
-            data.extend_from_slice(bytes);
+            }
+            index.push((id, at, usize::from(len)));
         }
         Bundle {
             owner,
@@ -239,7 +253,7 @@ mod tests {
         b.put(rule_hash("tier/t/requests"), vec![1, 2, 3]);
         b.put(rule_hash("tier/t/tokens"), vec![4]);
         b.put(rule_hash("tier/t/requests"), vec![5]);
-        let back = Bundle::decode(&b.encode());
+        let back = Bundle::decode(b.encode());
         assert_eq!(back, b);
         assert_eq!(back.get(rule_hash("tier/t/requests")), Some(&[5u8][..]));
         assert_eq!(back.get(rule_hash("tier/t/daily")), None);
@@ -259,15 +273,36 @@ mod tests {
 
     #[test]
     fn an_older_layout_reads_as_empty() {
-        assert_eq!(Bundle::decode(&[0u8; 24]), Bundle::default());
+        assert_eq!(Bundle::decode([0u8; 24]), Bundle::default());
         assert_eq!(Bundle::decode(b""), Bundle::default());
     }
 
     proptest! {
         #[test]
         fn any_bytes_decode_without_panic(bytes in prop::collection::vec(any::<u8>(), 0..300)) {
-            let b = Bundle::decode(&bytes);
-            prop_assert_eq!(Bundle::decode(&b.encode()), b);
+            let b = Bundle::decode(bytes.as_slice());
+            prop_assert_eq!(Bundle::decode(b.encode()), b);
+        }
+
+        /// A record kept in the value it was read from (its entries where
+        /// they lie, headers between them) writes, rewrites and drops
+        /// entries as one built entry by entry does, byte for byte.
+        #[test]
+        fn a_record_kept_in_its_value_writes_as_a_built_one(
+            entries in prop::collection::vec((0u64..6, prop::collection::vec(any::<u8>(), 0..40)), 0..8),
+            writes in prop::collection::vec((0u64..8, prop::collection::vec(any::<u8>(), 0..40)), 0..8),
+        ) {
+            let mut built = Bundle::new(7, 9);
+            for (id, bytes) in &entries {
+                built.put(*id, bytes.clone());
+            }
+            let mut kept = Bundle::decode(built.encode());
+            prop_assert_eq!(&kept, &built);
+            for (id, bytes) in writes {
+                built.put(id, bytes.clone());
+                kept.put(id, bytes);
+                prop_assert_eq!(kept.encode(), built.encode());
+            }
         }
 
         #[test]

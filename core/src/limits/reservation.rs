@@ -397,7 +397,7 @@ pub fn shared_used(store: &dyn SharedStore, rule_id: &str) -> u64 {
     let (bytes, _) = store
         .get(&global_key(scope_of(rule_id)))
         .unwrap_or_default();
-    let bundle = Bundle::decode(&bytes);
+    let bundle = Bundle::decode(bytes);
     bundle
         .get(rule_hash(rule_id))
         .map_or(0, |b| Pool::decode(b).state.used)
@@ -904,7 +904,7 @@ impl Reserver<'_> {
             let (bytes, cas) = self.store.get(&key).unwrap_or_default();
             return Ok(Located {
                 key,
-                bundle: Bundle::decode(&bytes),
+                bundle: Bundle::decode(bytes),
                 cas,
                 owner: GLOBAL_OWNER,
                 placement: Placement::Global,
@@ -924,7 +924,7 @@ impl Reserver<'_> {
             if let Some((bytes, cas)) = read(&key) {
                 return Ok(Located {
                     key: key.into(),
-                    bundle: Bundle::decode(&bytes),
+                    bundle: Bundle::decode(bytes),
                     cas,
                     owner,
                     placement: Placement::Dedicated,
@@ -941,7 +941,7 @@ impl Reserver<'_> {
         let table = slot_table(scope, &self.layout);
         let probed = table.probe(owner).map(|key| {
             let (bytes, cas) = self.store.get(&key).unwrap_or_default();
-            (key, cas, Bundle::decode(&bytes))
+            (key, cas, Bundle::decode(bytes))
         });
         let found = slot_table::claim(probed, |(_, _, bundle)| {
             if bundle.owner == owner {
@@ -995,7 +995,7 @@ impl Reserver<'_> {
         let key = overflow_key(scope);
         let (bytes, cas) = self.store.get(&key)?;
         Some(Located {
-            bundle: Bundle::decode(&bytes),
+            bundle: Bundle::decode(bytes),
             key: key.into(),
             cas,
             owner,
@@ -1890,7 +1890,7 @@ mod tests {
             let mut pending = Vec::new();
             let used = || {
                 let key = (0..2).map(|s| format!("sluice:v1:rec:tier/t:{s}"))
-                    .find_map(|k| store.get(&k).map(|(b, _)| Bundle::decode(&b)).filter(|b| b.owner != 0));
+                    .find_map(|k| store.get(&k).map(|(b, _)| Bundle::decode(b)).filter(|b| b.owner != 0));
                 key.and_then(|b| b.get(rule_hash("tier/t/tokens")).map(|e| Kept::decode(e).used)).unwrap_or(0)
             };
             for (reserve, actual) in ops {

@@ -252,7 +252,7 @@ mod tests {
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..1100)) {
             let _ = BucketState::decode(&bytes);
             let _ = Kept::decode(&bytes);
-            let _ = Bundle::decode(&bytes);
+            let _ = Bundle::decode(bytes.as_slice());
             let _ = SketchCell::decode(&bytes);
             let _ = RouteHealth::decode(&bytes);
             let _ = CredentialPause::decode(&bytes);
@@ -449,7 +449,7 @@ mod tests {
             updated_ms: 5,
         }
         .encode();
-        assert_eq!(Bundle::decode(&older), Bundle::default());
+        assert_eq!(Bundle::decode(older.as_slice()), Bundle::default());
         assert_eq!(SketchCell::decode(&[0; 24]), SketchCell::default());
         assert_eq!(
             PollLease::decode(&9u64.to_le_bytes()),

@@ -223,25 +223,46 @@ pub const JSON_FIELDS: &[&str] = &["tools", "functions", "response_format", "for
 /// Estimated input tokens of a request body, before correction: chat
 /// messages (string or multi-part content), system prompts, tools and
 /// their schemas, `response_format` schemas, prompts and Ollama fields.
-pub fn input_tokens<'a>(body: impl View<'a>) -> f64 {
+pub fn input_tokens<'a, V: View<'a>>(body: V) -> f64 {
     if !body.is_object() {
         return 0.0;
     }
+    // The fields found in one pass over the members (not one lookup per
+    // field), then summed in the lists' order, as ever: the same sum bit
+    // for bit. The first of a repeated key counts (as `get` finds it).
+    const TEXTS: usize = TEXT_FIELDS.len();
+    let mut messages = None;
+    let mut found: [Option<V>; TEXTS + JSON_FIELDS.len()] = [None; TEXTS + JSON_FIELDS.len()];
+    for (key, v) in body.members() {
+        let slot = match key.as_ref() {
+            "messages" => &mut messages,
+            key => match TEXT_FIELDS
+                .iter()
+                .chain(JSON_FIELDS)
+                .position(|k| *k == key)
+            {
+                Some(i) => &mut found[i],
+                None => continue,
+            },
+        };
+        if slot.is_none() {
+            *slot = Some(v);
+        }
+    }
     let mut tokens = 0.0;
-    if let Some(messages) = body.get("messages").filter(|m| m.is_array()) {
+    if let Some(messages) = messages.filter(|m| m.is_array()) {
         for m in messages.items() {
             tokens += PER_MESSAGE + message_tokens(m);
         }
         tokens += REPLY_PRIMING;
     }
-    for key in TEXT_FIELDS {
-        if let Some(v) = body.get(key) {
-            tokens += content_tokens(v);
-        }
-    }
-    for key in JSON_FIELDS {
-        if let Some(v) = body.get(key) {
-            tokens += json_tokens(v);
+    for (i, v) in found.into_iter().enumerate() {
+        if let Some(v) = v {
+            tokens += if i < TEXTS {
+                content_tokens(v)
+            } else {
+                json_tokens(v)
+            };
         }
     }
     tokens
