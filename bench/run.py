@@ -723,13 +723,17 @@ def measure_all(args, workdir, servers):
         order = plan if rep % 2 == 0 else list(reversed(plan))
         for (key, wl), (label, conns) in order:
             server = servers[(key, wl)]
-            c0 = cpu_seconds(server.proc.pid)
+            c0, s0, t0 = cpu_seconds(server.proc.pid), stolen_seconds(), time.monotonic()
             r = load(args, workdir, server.port, WORKLOADS[wl], args.duration, conns)
             r["cpu_s"] = cpu_seconds(server.proc.pid) - c0
+            r["stolen"] = (stolen_seconds() - s0) / (
+                max(1e-9, time.monotonic() - t0) * (os.cpu_count() or 1))
             r["rps"] = r["requests"] / r["duration_s"]
             runs[((key, wl), (label, conns))].append(r)
         print(f"bench: repetition {rep + 1}/{args.reps}: " + ", ".join(
-            f"({k}) {wl} {runs[((k, wl), modes[0])][-1]['rps']:,.0f}/s" for k, wl in servers),
+            f"({k}) {wl} {runs[((k, wl), modes[0])][-1]['rps']:,.0f}/s" for k, wl in servers)
+            + "; CPU stolen at most " + format(max(
+                runs[item][-1]["stolen"] for item in plan), ".1%") + " (one timed run)",
             flush=True)
     results = {}
     for ((key, wl), (label, _)), rs in runs.items():
@@ -741,6 +745,7 @@ def measure_all(args, workdir, servers):
             f"{label}cpu_us_per_req": statistics.median(
                 x["cpu_s"] / max(1, x["requests"]) * 1e6 for x in rs),
             f"{label}reps": [round(x["rps"]) for x in rs],
+            f"{label}stolen": [x["stolen"] for x in rs],
         })
         out["errors"] += sum(x["errors"] for x in rs)
         out["non2xx"] += sum(x["non2xx"] for x in rs)
@@ -949,6 +954,14 @@ def busy_seconds():
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def stolen_seconds():
+    """CPU seconds the hypervisor ran other guests on our CPUs (all CPUs,
+    /proc/stat's `steal`, proc(5)): time our processes were ready to run
+    and did not. A repetition that lost much of it measured the neighbours."""
+    fields = Path("/proc/stat").read_text().split("\n")[0].split()[1:]
+    return (int(fields[7]) if len(fields) > 7 else 0) / os.sysconf("SC_CLK_TCK")
+
+
 def own_seconds():
     """CPU seconds of this script and every child it has reaped or still runs."""
     t = os.times()
@@ -1015,10 +1028,15 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
     w(f"- **Code**: {ctx['git']}")
     w(f"- **Machine**: {machine()}")
     others = ctx.get("others_cpu")
+    stolen_runs = [s for r in results.values() for s in r.get("stolen", []) + r.get("lat_stolen", [])]
     w(f"- **Load**: load average {load_before} before, {os.getloadavg()[0]:.2f} "
       "after" + (f"; other processes (not this benchmark) kept {others:.2f} of the "
                  f"{os.cpu_count()} CPUs busy on average during the run" if others is not None
                  else "")
+      + (f"; the hypervisor ran other guests for {ctx['stolen']:.1%} of the CPUs' time "
+         "(/proc/stat `steal`)"
+         + (f", at most {max(stolen_runs):.1%} in one timed run" if stolen_runs else "")
+         if ctx.get("stolen") is not None else "")
       + f"{'; ' + args.load_note if args.load_note else ''}. Load generator, mock-llm "
       "and the proxy share these CPUs.")
     w(f"- **Software**: {ctx['envoy_version']}; {ctx['loadgen_version']}; "
@@ -1378,7 +1396,7 @@ def main(argv):
     criterion, profile = None, {}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_start = time.monotonic()
-    busy0, own0 = busy_seconds(), own_seconds()
+    busy0, own0, stolen0 = busy_seconds(), own_seconds(), stolen_seconds()
     try:
         shipped = load_shipped()
         mock = MockLlm(procs, workdir)
@@ -1469,7 +1487,10 @@ def main(argv):
         procs.stop_all()
     # Everything is reaped now: os.times() holds all our children's CPU.
     elapsed = time.monotonic() - t_start
-    ctx["others_cpu"] = max(0.0, (busy_seconds() - busy0) - (own_seconds() - own0)) / elapsed
+    stolen = stolen_seconds() - stolen0
+    ctx["others_cpu"] = max(
+        0.0, (busy_seconds() - busy0) - stolen - (own_seconds() - own0)) / elapsed
+    ctx["stolen"] = stolen / (elapsed * (os.cpu_count() or 1))
     if not args.no_criterion:
         print("bench: criterion (make bench-core) ...", flush=True)
         criterion = run_criterion()
