@@ -246,7 +246,7 @@ fn quoted(out: &mut String, text: &str) {
     let mut plain = 0;
     let mut i = 0;
     while i < bytes.len() {
-        i = plain_until(bytes, i);
+        i = crate::usage::tape::first_flagged(bytes, i, needs_escape);
         let Some(&b) = bytes.get(i) else {
             break;
         };
@@ -284,22 +284,12 @@ fn quoted(out: &mut String, text: &str) {
     out.push('"');
 }
 
-/// From `i`, eight bytes at a time, the first byte that may need an
-/// escape in [`quoted`] (a quote, a backslash, a control character, DEL,
-/// or the first byte of a line separator); the rest byte by byte.
-fn plain_until(bytes: &[u8], mut i: usize) -> usize {
+/// Which of eight bytes may need an escape in [`quoted`]: a quote, a
+/// backslash, a control character, DEL, or the first byte of a line
+/// separator (flags as `tape::stops` sets them).
+fn needs_escape(word: u64) -> u64 {
     use crate::usage::tape::{equal_to, stops};
-    while let Some(word) = bytes.get(i..i + 8) {
-        let mut eight = [0u8; 8];
-        eight.copy_from_slice(word);
-        let w = u64::from_le_bytes(eight);
-        let stop = stops(w) | equal_to(w, 0x7f) | equal_to(w, 0xe2);
-        if stop != 0 {
-            return i + (stop.trailing_zeros() / 8) as usize;
-        }
-        i += 8;
-    }
-    i
+    stops(word) | equal_to(word, 0x7f) | equal_to(word, 0xe2)
 }
 
 #[cfg(test)]

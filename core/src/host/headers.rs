@@ -92,27 +92,37 @@ impl Headers {
     /// The first value of `name`: names compared as bytes, by length
     /// first (no text sliced but the value found).
     pub fn get(&self, name: &str) -> Option<&str> {
-        let bytes = self.text.as_bytes();
         let mut start = 0usize;
         for &(name_end, value_end) in &self.ends {
-            let (name_end, value_end) = (name_end as usize, value_end as usize);
-            if name_end - start == name.len()
-                && bytes
-                    .get(start..name_end)
-                    .is_some_and(|n| n.eq_ignore_ascii_case(name.as_bytes()))
-            {
-                return self.text.get(name_end..value_end);
+            if self.named(start, name_end, name) {
+                return self.text.get(name_end as usize..value_end as usize);
             }
-            start = value_end;
+            start = value_end as usize;
         }
         None
     }
 
     /// How many times `name` appears.
     pub fn count(&self, name: &str) -> usize {
-        self.iter()
-            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-            .count()
+        let mut start = 0usize;
+        let mut n = 0;
+        for &(name_end, value_end) in &self.ends {
+            n += usize::from(self.named(start, name_end, name));
+            start = value_end as usize;
+        }
+        n
+    }
+
+    /// Is the name from `start` to `name_end` this `name`, in any case?
+    #[inline(always)]
+    fn named(&self, start: usize, name_end: u32, name: &str) -> bool {
+        let name_end = name_end as usize;
+        name_end.checked_sub(start) == Some(name.len())
+            && self
+                .text
+                .as_bytes()
+                .get(start..name_end)
+                .is_some_and(|n| n.eq_ignore_ascii_case(name.as_bytes()))
     }
 
     /// Every `name` removed (a new snapshot: rare, so simple).

@@ -228,16 +228,7 @@ impl Reader<'_> {
             // Eight bytes at a time while none of them is a quote, a
             // backslash or a control character (the common case: text),
             // then straight to the first one that is.
-            while let Some(word) = b.get(j..j + 8) {
-                let mut eight = [0u8; 8];
-                eight.copy_from_slice(word);
-                let stop = stops(u64::from_le_bytes(eight));
-                if stop != 0 {
-                    j += (stop.trailing_zeros() / 8) as usize;
-                    break;
-                }
-                j += 8;
-            }
+            j = first_flagged(b, j, stops);
             match *b.get(j)? {
                 b'"' => break,
                 b'\\' => {
@@ -372,6 +363,24 @@ impl Reader<'_> {
 /// tricks of "Bit Twiddling Hacks", "Determine if a word has a byte less
 /// than n"). Only the lowest flag is exact (a borrow can flag a byte above
 /// a true one), and only it is read: the first byte that stops.
+/// From `i`, eight bytes at a time, the first byte `flags` flags (the
+/// lowest flag of a word, the only one its tests keep exact); the last
+/// seven bytes or fewer are left to the caller's byte loop, which reads
+/// them one by one (so `i` may come back short of a flagged byte there).
+#[inline(always)]
+pub(crate) fn first_flagged(bytes: &[u8], mut i: usize, flags: impl Fn(u64) -> u64) -> usize {
+    while let Some(word) = bytes.get(i..i + 8) {
+        let mut eight = [0u8; 8];
+        eight.copy_from_slice(word);
+        let flagged = flags(u64::from_le_bytes(eight));
+        if flagged != 0 {
+            return i + (flagged.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    i
+}
+
 pub(crate) fn stops(word: u64) -> u64 {
     let below_space = word.wrapping_sub(ONES * 0x20) & !word & HIGH;
     equal_to(word, b'"') | equal_to(word, b'\\') | below_space
