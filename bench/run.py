@@ -170,20 +170,21 @@ VARIANTS = {
     "e": f"LiteLLM proxy {LITELLM_VERSION}",
     "f": "floor: empty filter",
     "g": "floor: body-reading filter",
+    "j": "floor: (c)'s host calls, no policy",
     "h": "as (c), baseline build (--base-wasm)",
     "i": "as (d), baseline build (--base-wasm)",
     "n": "as (c), the native module (dynamic module, issue 32)",
 }
 # Table order: each floor just above the sluice variant it bounds, an A/B
 # baseline just above the build it is compared with.
-ROW_ORDER = "abfhcngide"
+ROW_ORDER = "abfjhcngide"
 # Which workloads each variant runs (LiteLLM answers /v1/models itself; the
 # body-reading floor is the bound for (d), which only runs the POST).
 VARIANT_WORKLOADS = {"a": ["get", "chat"], "b": ["get", "chat"], "c": ["get", "chat"],
-                     "d": ["chat"], "e": ["chat"], "f": ["get", "chat"], "g": ["chat"],
+                     "d": ["chat"], "e": ["chat"], "f": ["get", "chat"], "g": ["chat"], "j": ["get", "chat"],
                      "h": ["get", "chat"], "i": ["chat"], "n": ["get", "chat"]}
 # Floor variant → the plugin configuration bench/floor-filter reads.
-FLOOR_MODES = {"f": "empty", "g": "body-reading"}
+FLOOR_MODES = {"f": "empty", "g": "body-reading", "j": "host-calls"}
 
 # ---------------------------------------------------------------------------
 # Processes
@@ -881,8 +882,8 @@ def _middle(triple):
     return " ".join(toks[2:4]) if len(toks) >= 6 else triple
 
 
-PROFILED = [("a", "get"), ("f", "get"), ("h", "get"), ("c", "get"), ("n", "get"), ("a", "chat"),
-            ("g", "chat"), ("i", "chat"), ("d", "chat"), ("n", "chat")]
+PROFILED = [("a", "get"), ("f", "get"), ("j", "get"), ("h", "get"), ("c", "get"), ("n", "get"), ("a", "chat"),
+            ("j", "chat"), ("g", "chat"), ("i", "chat"), ("d", "chat"), ("n", "chat")]
 
 
 def perf_profile(args, workdir, port, wl, pid):
@@ -1108,6 +1109,14 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
       "the body is complete, reads the whole request body (`get_http_request_body`) "
       "and each response chunk (`get_http_response_body`), does nothing with them. "
       "The least a filter that must read the body and the usage costs.")
+    if "j" in args.variants:
+        w("- (j) floor: as (f), configured `host-calls`: no policy, only the host calls "
+          "(c) makes per request (core/tests/hostcalls.rs), with values of sluice's sizes: "
+          "the request-header snapshot, the clock, two records read and written back with "
+          "their CAS, the route record read, the decision counter; on the POST the body "
+          "read, the clock, two counters, two histograms; on the answer `:status`, three "
+          "`x-ratelimit-*` headers, the 700-byte audit fragment in filter state. (j) − (f) "
+          "is Envoy's side of (c)'s host calls; (c) − (j) is sluice's own code in the VM.")
     if "n" in args.variants:
         w("- (n) the (c) policy in Envoy's dynamic-modules HTTP filter: the same policy core "
           "(sluice-core) compiled natively into target/release-native/libsluice_native.so "
@@ -1279,6 +1288,17 @@ def floor_rows(results, w):
             f"of (a)'s req/s, "
             f"{results[(k, wl)]['cpu_us_per_req'] - results[('a', wl)]['cpu_us_per_req']:+,.0f} "
             f"CPU µs/request" for k, wl in floors) + ".")
+    split = [wl for wl in WORKLOADS if all((k, wl) in results for k in "cfj")]
+    if split:
+        w("")
+        w("(c) split by the host-call floor (j): " + "; ".join(
+            f"{req[wl]}: (c) − (f) "
+            f"{results[('c', wl)]['cpu_us_per_req'] - results[('f', wl)]['cpu_us_per_req']:+,.0f}"
+            f" = host calls (j) − (f) "
+            f"{results[('j', wl)]['cpu_us_per_req'] - results[('f', wl)]['cpu_us_per_req']:+,.0f}"
+            f" + sluice's code (c) − (j) "
+            f"{results[('c', wl)]['cpu_us_per_req'] - results[('j', wl)]['cpu_us_per_req']:+,.0f}"
+            " CPU µs/request" for wl in split) + ".")
 
 
 def write_report(path, text):
@@ -1302,11 +1322,11 @@ def parse_args(argv):
                    help="seconds: 1 short repetition, small exactness burst, no criterion, "
                         "LiteLLM only if installed; writes target/bench/smoke.md")
     p.add_argument("--out", type=Path, help="report file (default BENCHMARKS.md)")
-    p.add_argument("--variants", default="abcdefg",
+    p.add_argument("--variants", default="abcdefgj",
                    help="letters: a bare Envoy, b local_ratelimit, c sluice header-only, "
                         "d sluice full, e LiteLLM, f floor: empty filter, g floor: "
-                        "body-reading filter, h/i: c/d with --base-wasm, n: c as the "
-                        "native dynamic module")
+                        "body-reading filter, j floor: (c)'s host calls, h/i: c/d with "
+                        "--base-wasm, n: c as the native dynamic module")
     p.add_argument("--duration", type=float, default=6)
     p.add_argument("--warmup", type=float, default=2)
     p.add_argument("--reps", type=int, default=5)

@@ -28,7 +28,7 @@ fn bench_smoke_mode_writes_the_table() {
     let log_file = std::fs::File::create(&log).expect("log file");
     let mut cmd = Command::new(&python);
     cmd.arg(repo_root().join("bench/run.py"))
-        .args(["--smoke", "--variants", "abcdfg", "--out"])
+        .args(["--smoke", "--variants", "abcdfgj", "--out"])
         .arg(&out)
         .current_dir(repo_root())
         .env("ENVOY_BIN", envoy_bin())
@@ -62,6 +62,10 @@ fn bench_smoke_mode_writes_the_table() {
         "| (f) floor: empty filter | GET",
         "| (f) floor: empty filter | POST",
         "| (g) floor: body-reading filter | POST",
+        "| (j) floor: (c)'s host calls, no policy | GET",
+        "| (j) floor: (c)'s host calls, no policy | POST",
+        // (c) split into Envoy's side of its host calls and its own code.
+        "(c) split by the host-call floor (j): GET: (c) − (f) ",
         // The ratios against the floors, each with its goal and verdict.
         "| (c) header-only vs (f) empty floor | GET | ",
         "| (c) header-only vs (f) empty floor | POST 2 KB | ",

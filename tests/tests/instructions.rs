@@ -69,16 +69,16 @@ fn instructions_per_request_stay_within_their_budget() {
         return;
     }
     println!("\n| shape | instructions per request | budget |\n|---|---:|---:|");
-    // Measured 46,900 / 102,600 / 153,700 (BENCHMARKS.md, "Hot path,
-    // second design (issue 31): the tape, no formatter, one header
-    // snapshot"; 52,900 / 109,600 / 162,400 before the identity, the path,
+    // Measured 39,500 / 93,800 / 136,900 (BENCHMARKS.md, "Hot path,
+    // second design (issue 31): the VM's code": the release profile at
+    // opt-level 3; 46,900 / 102,600 / 153,700 at "s"; 52,900 / 109,600 / 162,400 before the identity, the path,
     // a fair-shares record and a record's value stopped being copied;
     // 68,500 / 129,700 / 206,500 at the issue's first levers,
     // 65,300 / 188,900 / 271,900 in issue 21), with ~4-5 % room (hash
     // seeds move a count by up to ~2 %): a change that adds work on every
     // request is a decision, not an accident.
     let mut over = Vec::new();
-    for (shape, budget) in [("get", 49_000), ("post", 107_000), ("full", 160_000)] {
+    for (shape, budget) in [("get", 41_500), ("post", 98_000), ("full", 143_000)] {
         let per_request = (collected(shape, 600) - collected(shape, 100)) / 500;
         println!("| {shape} | {per_request} | {budget} |");
         if per_request > budget {
