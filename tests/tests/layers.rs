@@ -175,6 +175,17 @@ fn figures() {
 /// Each package's dependencies, from `cargo metadata` (the real resolution
 /// of every Cargo.toml, not a reading of the files): name → dependency names.
 fn dependencies() -> std::collections::BTreeMap<String, Vec<String>> {
+    dependencies_where(|_| true)
+}
+
+/// [`dependencies`], only those its build links (no dev-dependencies).
+fn linked_dependencies() -> std::collections::BTreeMap<String, Vec<String>> {
+    dependencies_where(|d| d["kind"].as_str() != Some("dev"))
+}
+
+fn dependencies_where(
+    keep: impl Fn(&serde_json::Value) -> bool,
+) -> std::collections::BTreeMap<String, Vec<String>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = std::process::Command::new(cargo)
         .args([
@@ -201,6 +212,7 @@ fn dependencies() -> std::collections::BTreeMap<String, Vec<String>> {
             let deps = p["dependencies"].as_array().expect("dependencies");
             let names = deps
                 .iter()
+                .filter(|d| keep(d))
                 .filter_map(|d| d["name"].as_str().map(String::from))
                 .collect();
             (p["name"].as_str().expect("name").to_string(), names)
@@ -233,16 +245,18 @@ fn the_core_has_no_proxy_dependency() {
     );
 }
 
-/// The wasm filter is a thin host: the core and proxy-wasm, and its
-/// source is the crate root, the shim and the reader of proxy-wasm's
-/// header map (plain Rust, so its tests run natively), nothing that
-/// decides.
+/// The wasm filter is a thin host: the core and proxy-wasm (proptest only
+/// for its tests), and its source is the crate root, the shim, the reader
+/// of proxy-wasm's header map and the VM's allocator (plain Rust, so
+/// their tests run natively), nothing that decides.
 #[test]
 fn the_filter_is_the_core_plus_the_shim() {
-    let deps = dependencies();
-    let mut filter = deps["sluice-filter"].clone();
+    let mut filter = linked_dependencies()["sluice-filter"].clone();
     filter.sort();
     assert_eq!(filter, ["proxy-wasm", "sluice-core"]);
+    let mut all = dependencies()["sluice-filter"].clone();
+    all.sort();
+    assert_eq!(all, ["proptest", "proxy-wasm", "sluice-core"]);
     let mut files: Vec<String> = std::fs::read_dir(src("filter"))
         .expect("filter/src")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
@@ -250,8 +264,8 @@ fn the_filter_is_the_core_plus_the_shim() {
     files.sort();
     assert_eq!(
         files,
-        ["lib.rs", "map.rs", "shim.rs"],
-        "filter/src holds the root, the shim and the header map's reader only"
+        ["lib.rs", "map.rs", "pool.rs", "shim.rs"],
+        "filter/src holds the root, the shim, the header map's reader and the allocator only"
     );
 }
 
