@@ -171,20 +171,22 @@ VARIANTS = {
     "f": "floor: empty filter",
     "g": "floor: body-reading filter",
     "j": "floor: (c)'s host calls, no policy",
+    "k": "floor: (j) without the route record's read",
+    "l": "floor: (j) with the answer's headers as one map",
     "h": "as (c), baseline build (--base-wasm)",
     "i": "as (d), baseline build (--base-wasm)",
     "n": "as (c), the native module (dynamic module, issue 32)",
 }
 # Table order: each floor just above the sluice variant it bounds, an A/B
 # baseline just above the build it is compared with.
-ROW_ORDER = "abfjhcngide"
+ROW_ORDER = "abfjklhcngide"
 # Which workloads each variant runs (LiteLLM answers /v1/models itself; the
 # body-reading floor is the bound for (d), which only runs the POST).
 VARIANT_WORKLOADS = {"a": ["get", "chat"], "b": ["get", "chat"], "c": ["get", "chat"],
-                     "d": ["chat"], "e": ["chat"], "f": ["get", "chat"], "g": ["chat"], "j": ["get", "chat"],
+                     "d": ["chat"], "e": ["chat"], "f": ["get", "chat"], "g": ["chat"], "j": ["get", "chat"], "k": ["get", "chat"], "l": ["get", "chat"],
                      "h": ["get", "chat"], "i": ["chat"], "n": ["get", "chat"]}
 # Floor variant → the plugin configuration bench/floor-filter reads.
-FLOOR_MODES = {"f": "empty", "g": "body-reading", "j": "host-calls"}
+FLOOR_MODES = {"f": "empty", "g": "body-reading", "j": "host-calls", "k": "host-calls-no-route", "l": "host-calls-one-map"}
 
 # ---------------------------------------------------------------------------
 # Processes
@@ -1117,6 +1119,13 @@ def report(args, ctx, results, exact, criterion, profile, skipped, started, load
           "read, the clock, two counters, two histograms; on the answer `:status`, three "
           "`x-ratelimit-*` headers, the 700-byte audit fragment in filter state. (j) − (f) "
           "is Envoy's side of (c)'s host calls; (c) − (j) is sluice's own code in the VM.")
+    if "k" in args.variants:
+        w("- (k) floor: (j) without the route record's read (what a per-worker cache of "
+          "that record would save on every request).")
+    if "l" in args.variants:
+        w("- (l) floor: (j) with the answer's headers written as one map: one "
+          "`proxy_get_header_map_pairs` and one `proxy_set_header_map_pairs` (which "
+          "replaces the whole map) instead of the `:status` read and three header writes.")
     if "n" in args.variants:
         w("- (n) the (c) policy in Envoy's dynamic-modules HTTP filter: the same policy core "
           "(sluice-core) compiled natively into target/release-native/libsluice_native.so "
@@ -1325,7 +1334,8 @@ def parse_args(argv):
     p.add_argument("--variants", default="abcdefgj",
                    help="letters: a bare Envoy, b local_ratelimit, c sluice header-only, "
                         "d sluice full, e LiteLLM, f floor: empty filter, g floor: "
-                        "body-reading filter, j floor: (c)'s host calls, h/i: c/d with "
+                        "body-reading filter, j floor: (c)'s host calls, k/l: (j) less "
+                        "the route read / with the answer's headers as one map, h/i: c/d with "
                         "--base-wasm, n: c as the native dynamic module")
     p.add_argument("--duration", type=float, default=6)
     p.add_argument("--warmup", type=float, default=2)

@@ -38,6 +38,10 @@ enum Mode {
     Empty,
     BodyReading,
     HostCalls,
+    /// (k): (j) without the route record's read.
+    HostCallsNoRoute,
+    /// (l): (j) with the answer's headers in one map read and one map write.
+    HostCallsOneMap,
 }
 
 struct Root {
@@ -55,6 +59,8 @@ impl RootContext for Root {
             "" | "empty" => Mode::Empty,
             "body-reading" => Mode::BodyReading,
             "host-calls" => Mode::HostCalls,
+            "host-calls-no-route" => Mode::HostCallsNoRoute,
+            "host-calls-one-map" => Mode::HostCallsOneMap,
             other => {
                 proxy_wasm::hostcalls::log(
                     LogLevel::Error,
@@ -64,12 +70,24 @@ impl RootContext for Root {
                 return false;
             }
         };
-        if let Mode::HostCalls = self.mode {
+        if let Mode::HostCalls | Mode::HostCallsNoRoute | Mode::HostCallsOneMap = self.mode {
             let kinds = [
-                (MetricType::Counter, "floor_requests_total_decision=admit;.tier=pro;"),
-                (MetricType::Counter, "floor_tokens_total_direction=input;.tier=pro;"),
-                (MetricType::Counter, "floor_tokens_total_direction=output;.tier=pro;"),
-                (MetricType::Histogram, "floor_ttft_milliseconds_model=other;"),
+                (
+                    MetricType::Counter,
+                    "floor_requests_total_decision=admit;.tier=pro;",
+                ),
+                (
+                    MetricType::Counter,
+                    "floor_tokens_total_direction=input;.tier=pro;",
+                ),
+                (
+                    MetricType::Counter,
+                    "floor_tokens_total_direction=output;.tier=pro;",
+                ),
+                (
+                    MetricType::Histogram,
+                    "floor_ttft_milliseconds_model=other;",
+                ),
                 (MetricType::Histogram, "floor_e2e_milliseconds_model=other;"),
             ];
             for (slot, (kind, name)) in self.metrics.iter_mut().zip(kinds) {
@@ -88,6 +106,16 @@ impl RootContext for Root {
             Mode::BodyReading => Box::new(BodyReading::default()),
             Mode::HostCalls => Box::new(HostCalls {
                 metrics: self.metrics,
+                ..HostCalls::default()
+            }),
+            Mode::HostCallsNoRoute => Box::new(HostCalls {
+                metrics: self.metrics,
+                skip_route: true,
+                ..HostCalls::default()
+            }),
+            Mode::HostCallsOneMap => Box::new(HostCalls {
+                metrics: self.metrics,
+                one_map: true,
                 ..HostCalls::default()
             }),
         })
@@ -158,6 +186,10 @@ struct HostCalls {
     body_size: usize,
     /// Bytes read; the reads are host calls, this only gives them a use.
     read: usize,
+    /// (k): without the route record's read.
+    skip_route: bool,
+    /// (l): the answer's headers in one map read and one map write.
+    one_map: bool,
 }
 
 /// A record's key and the size of the value sluice writes to it.
@@ -179,7 +211,7 @@ impl HostCalls {
             let (value, cas) = hostcalls::get_shared_data(key).unwrap_or((None, None));
             self.read += value.as_ref().map_or(0, Vec::len);
             let _ = hostcalls::set_shared_data(key, Some(&vec![b'r'; size]), cas);
-            if key == RECORDS[0].0 {
+            if key == RECORDS[0].0 && !self.skip_route {
                 let (route, _) = hostcalls::get_shared_data(ROUTE_RECORD).unwrap_or((None, None));
                 self.read += route.map_or(0, |v| v.len());
             }
@@ -188,10 +220,11 @@ impl HostCalls {
     }
 
     fn decide_body(&mut self, body_size: usize) {
-        self.read += hostcalls::get_buffer(proxy_wasm::types::BufferType::HttpRequestBody, 0, body_size)
-            .ok()
-            .flatten()
-            .map_or(0, |b| b.len());
+        self.read +=
+            hostcalls::get_buffer(proxy_wasm::types::BufferType::HttpRequestBody, 0, body_size)
+                .ok()
+                .flatten()
+                .map_or(0, |b| b.len());
         self.decide();
         let _ = hostcalls::get_current_time();
         let _ = hostcalls::increment_metric(self.metrics[1], 440);
@@ -249,6 +282,23 @@ impl HttpContext for HostCalls {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if self.one_map {
+            let mut pairs = hostcalls::get_map(MapType::HttpResponseHeaders).unwrap_or_default();
+            self.read += pairs.len();
+            for (name, value) in [
+                ("x-ratelimit-limit", "1000000000"),
+                ("x-ratelimit-remaining", "999999999"),
+                ("x-ratelimit-reset", "1"),
+            ] {
+                pairs.push((name.to_string(), value.to_string()));
+            }
+            let refs: Vec<(&str, &str)> = pairs
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let _ = hostcalls::set_map(MapType::HttpResponseHeaders, refs);
+            return Action::Continue;
+        }
         self.read += hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status")
             .ok()
             .flatten()
