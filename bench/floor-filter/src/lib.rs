@@ -37,11 +37,11 @@ proxy_wasm::main! {{
 enum Mode {
     Empty,
     BodyReading,
-    HostCalls,
-    /// (k): (j) without the route record's read.
-    HostCallsNoRoute,
-    /// (l): (j) with the answer's headers in one map read and one map write.
-    HostCallsOneMap,
+    /// (j), and its variants (k) and (l): see [`HostCalls`]'s fields.
+    HostCalls {
+        skip_route: bool,
+        one_map: bool,
+    },
 }
 
 struct Root {
@@ -58,19 +58,28 @@ impl RootContext for Root {
         self.mode = match String::from_utf8_lossy(&config).trim() {
             "" | "empty" => Mode::Empty,
             "body-reading" => Mode::BodyReading,
-            "host-calls" => Mode::HostCalls,
-            "host-calls-no-route" => Mode::HostCallsNoRoute,
-            "host-calls-one-map" => Mode::HostCallsOneMap,
+            "host-calls" => Mode::HostCalls {
+                skip_route: false,
+                one_map: false,
+            },
+            "host-calls-no-route" => Mode::HostCalls {
+                skip_route: true,
+                one_map: false,
+            },
+            "host-calls-one-map" => Mode::HostCalls {
+                skip_route: false,
+                one_map: true,
+            },
             other => {
                 proxy_wasm::hostcalls::log(
                     LogLevel::Error,
-                    &format!("floor filter: configuration {other:?} is not \"empty\", \"body-reading\" or \"host-calls\""),
+                    &format!("floor filter: configuration {other:?} is not \"empty\", \"body-reading\", \"host-calls\", \"host-calls-no-route\" or \"host-calls-one-map\""),
                 )
                 .ok();
                 return false;
             }
         };
-        if let Mode::HostCalls | Mode::HostCallsNoRoute | Mode::HostCallsOneMap = self.mode {
+        if let Mode::HostCalls { .. } = self.mode {
             let kinds = [
                 (
                     MetricType::Counter,
@@ -104,18 +113,13 @@ impl RootContext for Root {
         Some(match self.mode {
             Mode::Empty => Box::new(Empty),
             Mode::BodyReading => Box::new(BodyReading::default()),
-            Mode::HostCalls => Box::new(HostCalls {
+            Mode::HostCalls {
+                skip_route,
+                one_map,
+            } => Box::new(HostCalls {
                 metrics: self.metrics,
-                ..HostCalls::default()
-            }),
-            Mode::HostCallsNoRoute => Box::new(HostCalls {
-                metrics: self.metrics,
-                skip_route: true,
-                ..HostCalls::default()
-            }),
-            Mode::HostCallsOneMap => Box::new(HostCalls {
-                metrics: self.metrics,
-                one_map: true,
+                skip_route,
+                one_map,
                 ..HostCalls::default()
             }),
         })
@@ -199,6 +203,12 @@ const RECORDS: [(&str, usize); 2] = [
 ];
 /// The route's pushback record, never written on a healthy route.
 const ROUTE_RECORD: &str = "sluice:v1:upstream/none";
+/// The answer's `x-ratelimit-*` headers, as sluice writes them.
+const RATELIMIT_HEADERS: [(&str, &str); 3] = [
+    ("x-ratelimit-limit", "1000000000"),
+    ("x-ratelimit-remaining", "999999999"),
+    ("x-ratelimit-reset", "1"),
+];
 /// The size of sluice's audit fragment on an admitted request.
 const AUDIT_BYTES: usize = 700;
 
@@ -285,11 +295,7 @@ impl HttpContext for HostCalls {
         if self.one_map {
             let mut pairs = hostcalls::get_map(MapType::HttpResponseHeaders).unwrap_or_default();
             self.read += pairs.len();
-            for (name, value) in [
-                ("x-ratelimit-limit", "1000000000"),
-                ("x-ratelimit-remaining", "999999999"),
-                ("x-ratelimit-reset", "1"),
-            ] {
+            for (name, value) in RATELIMIT_HEADERS {
                 pairs.push((name.to_string(), value.to_string()));
             }
             let refs: Vec<(&str, &str)> = pairs
@@ -303,12 +309,7 @@ impl HttpContext for HostCalls {
             .ok()
             .flatten()
             .map_or(0, |v| v.len());
-        let headers = [
-            ("x-ratelimit-limit", "1000000000"),
-            ("x-ratelimit-remaining", "999999999"),
-            ("x-ratelimit-reset", "1"),
-        ];
-        for (name, value) in headers {
+        for (name, value) in RATELIMIT_HEADERS {
             let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
         }
         Action::Continue
