@@ -137,7 +137,11 @@ fn a_fleet_daily_budget_never_overshoots_and_settles_what_was_served() {
         "{burst:?}"
     );
     // Fair-share rounding leaves a little in each lease: most of the
-    // budget's 20 reservations, not all, fit at once.
+    // budget's 20 reservations, not all, fit at once (more when early
+    // answers settle before the late requests arrive). On a slow machine
+    // all 300 wait for their takes at once; the first grants' top-ups fill
+    // the leases while Redis refuses the rest, and those are covered from
+    // the leases (before, 8 were admitted).
     assert!(admitted >= 10, "too few admitted at once: {admitted}");
     // Then one at a time, round-robin, until the fleet is spent: every
     // Envoy refuses in turn.

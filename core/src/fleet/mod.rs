@@ -15,7 +15,10 @@
 //! `lease.max` beyond the need, and never more than a fair share of what
 //! is left globally (`left ÷ expected_replicas`). Near the end of a bucket
 //! the fair share falls under the need and the grant is exactly the need:
-//! the strict path. A caller who finds no lease slot free (a bounded table
+//! the strict path. A take Redis refuses looks in the caller's lease once
+//! more before the request is refused: in a burst the other paused
+//! requests' top-ups may have filled it meanwhile (what Redis lacks, this
+//! Envoy holds). A caller who finds no lease slot free (a bounded table
 //! per bucket, like the local per-caller slots) always takes the strict
 //! path. Soft caps are taken past their limit (they never refuse).
 //!
@@ -1050,6 +1053,17 @@ impl Fleet {
         now: u64,
     ) -> Gate {
         self.mark(host, true, now);
+        // What this request took from its leases goes back first. While it
+        // waited, the surplus of this Envoy's other takes (a burst pauses
+        // many requests at once, each asking for a top-up) may have filled
+        // its lease: Redis has nothing left because this Envoy holds it, so
+        // the request is covered from there rather than refused.
+        self.restore(engine, host, short, now);
+        if let Some(covered) = self.covered_by_leases(engine, host, short, now) {
+            let mut all = done.to_vec();
+            all.extend(covered);
+            return Gate::Pass(all);
+        }
         metrics::FLEET_REFUSED.add(host, 1);
         let index = answer.refused.unwrap_or(0);
         let Some(refused) = short.get(index).or(short.last()) else {
@@ -1072,11 +1086,51 @@ impl Fleet {
             reset_ms,
         };
         self.give_back(engine, host, done, now);
-        self.restore(engine, host, short, now);
         Gate::Refuse {
             rule: refused.rule.to_string(),
             quota,
         }
+    }
+
+    /// Every short claim covered whole by its caller's lease slot, or none
+    /// of them (what was debited goes back). A claim without a slot (the
+    /// strict path) has no lease to look in.
+    fn covered_by_leases(
+        &self,
+        engine: &Engine,
+        host: &dyn Host,
+        short: &[Short],
+        now: u64,
+    ) -> Option<Vec<Claimed>> {
+        let mut cas = Cas::new(host, engine.tries().take());
+        let mut covered = Vec::with_capacity(short.len());
+        for s in short {
+            let whole = |key: &&str| {
+                let written = cas.update(key, |bytes| {
+                    let mut l = FleetLease::decode(bytes.unwrap_or_default());
+                    if !l.live(s.owner, s.window_end, now) || l.balance < units_i64(s.amount) {
+                        return None;
+                    }
+                    l.balance -= units_i64(s.amount);
+                    l.last_ms = now;
+                    Some(l.encode())
+                });
+                written == Updated::Written
+            };
+            let Some(key) = s.slot.as_deref().filter(whole) else {
+                self.give_back(engine, host, &covered, now);
+                return None;
+            };
+            covered.push(Claimed {
+                rule: s.rule.clone(),
+                owner: s.owner,
+                amount: s.amount,
+                window_end: s.window_end,
+                meter: s.meter,
+                via: Via::Lease(key.into()),
+            });
+        }
+        Some(covered)
     }
 
     /// Keeps a grant's `surplus` in the caller's lease slot `key` (a free

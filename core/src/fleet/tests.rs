@@ -187,6 +187,73 @@ fn a_fleet_refusal_is_the_buckets_429_and_gives_back_what_was_taken() {
     assert_eq!(host.resumed.borrow().len(), 0, "never goes upstream");
 }
 
+/// Two of one caller's requests wait for the fleet at once; the first's
+/// grant leaves a surplus in the caller's lease before the second's take
+/// comes back refused (Redis has nothing left: this Envoy holds it).
+fn a_burst_of_two(tiers: Value, second: Value) -> (MockHost, MockHost) {
+    let host = MockHost::new(T0);
+    let poller = load(&host, policy(tiers, json!({"expected_replicas": 2})));
+    let (mut first, action) = post(&poller, &host, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Pause);
+    let (first_token, asked) = last_post(&host);
+    // The requests bucket granted 5 (1 + a top-up of 4); any other bucket
+    // exactly its need.
+    let grants: Vec<Value> = asked["claims"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, c)| if i == 0 { json!(5) } else { c["need"].clone() })
+        .collect();
+    let worker = MockHost::sharing(host.store.clone(), T0 + 5);
+    let (mut other, action) = post(&poller, &worker, "10.0.0.1:1", 4);
+    assert_eq!(action, Action::Pause, "no lease yet: it asks too");
+    let (other_token, _) = last_post(&worker);
+    sidecar_says(
+        &host,
+        &mut first,
+        first_token,
+        "200",
+        json!({"ok": true, "grants": grants, "left": [0]}),
+    );
+    assert_eq!(host.resumed.borrow().len(), 1);
+    assert_eq!(lease_of_requests(&host).balance, 4, "the first's surplus");
+    sidecar_says(&worker, &mut other, other_token, "200", second);
+    (host, worker)
+}
+
+#[test]
+fn a_take_refused_while_this_envoys_lease_filled_is_covered_from_the_lease() {
+    let (host, worker) = a_burst_of_two(
+        json!({"requests": "5/day"}),
+        json!({"ok": false, "refused": 0, "left": [0]}),
+    );
+    assert!(worker.replies.borrow().is_empty(), "not refused");
+    assert_eq!(worker.resumed.borrow().len(), 1, "goes upstream");
+    assert_eq!(lease_of_requests(&host).balance, 3);
+    assert_eq!(worker.metric("sluice_fleet_refused_total"), None);
+}
+
+#[test]
+fn a_refused_take_the_lease_covers_only_in_part_is_refused_and_gives_it_back() {
+    // Two buckets: the requests lease has a surplus, the token budget's
+    // has none (its grant was exact), so the request is refused whole and
+    // the requests lease keeps every unit.
+    let (host, worker) = a_burst_of_two(
+        json!({"requests": "5/day", "daily_tokens": 1000}),
+        json!({"ok": false, "refused": 1, "left": [0]}),
+    );
+    let replies = worker.replies.borrow();
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 429);
+    assert_eq!(
+        replies[0].header("x-sluice-reason"),
+        Some("daily_budget_exceeded")
+    );
+    assert!(worker.resumed.borrow().is_empty());
+    assert_eq!(lease_of_requests(&host).balance, 4, "nothing lost");
+}
+
 #[test]
 fn settlement_goes_to_the_lease_then_unused_leases_go_back_in_batches_applied_once() {
     let host = MockHost::new(T0);
