@@ -433,6 +433,20 @@ struct Short {
     have: u64,
 }
 
+impl Short {
+    /// This claim, covered `via` there.
+    fn claimed(&self, via: Via) -> Claimed {
+        Claimed {
+            rule: self.rule.clone(),
+            owner: self.owner,
+            amount: self.amount,
+            window_end: self.window_end,
+            meter: self.meter,
+            via,
+        }
+    }
+}
+
 /// What a settled request really used.
 #[derive(Debug, Clone, Copy)]
 pub struct Used {
@@ -1029,14 +1043,7 @@ impl Fleet {
                     vec![give_item(&s.rule, s.owner, s.window_end, surplus)],
                 );
             }
-            done.push(Claimed {
-                rule: s.rule.clone(),
-                owner: s.owner,
-                amount: s.amount,
-                window_end: s.window_end,
-                meter: s.meter,
-                via,
-            });
+            done.push(s.claimed(via));
         }
         Gate::Pass(done)
     }
@@ -1121,14 +1128,7 @@ impl Fleet {
                 self.give_back(engine, host, &covered, now);
                 return None;
             };
-            covered.push(Claimed {
-                rule: s.rule.clone(),
-                owner: s.owner,
-                amount: s.amount,
-                window_end: s.window_end,
-                meter: s.meter,
-                via: Via::Lease(key.into()),
-            });
+            covered.push(s.claimed(Via::Lease(key.into())));
         }
         Some(covered)
     }
@@ -1212,14 +1212,7 @@ impl Fleet {
                 s.window_end,
                 -units_i64(s.amount),
             ));
-            done.push(Claimed {
-                rule: s.rule,
-                owner: s.owner,
-                amount: s.amount,
-                window_end: s.window_end,
-                meter: s.meter,
-                via,
-            });
+            done.push(s.claimed(via));
         }
         self.outbox(host, engine, charges);
         Gate::Pass(done)
@@ -1299,13 +1292,10 @@ impl Fleet {
             .iter()
             .filter(|s| s.have > 0)
             .filter_map(|s| {
+                let via = Via::Lease(s.slot.as_deref()?.into());
                 Some(Claimed {
-                    rule: s.rule.clone(),
-                    owner: s.owner,
                     amount: s.have,
-                    window_end: s.window_end,
-                    meter: s.meter,
-                    via: Via::Lease(s.slot.as_deref()?.into()),
+                    ..s.claimed(via)
                 })
             })
             .collect();

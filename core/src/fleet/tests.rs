@@ -90,6 +90,15 @@ fn outbox(host: &MockHost) -> Vec<GiveItem> {
     serde_json::from_slice(&host.get(OUTBOX_KEY).unwrap().0).unwrap_or_default()
 }
 
+/// `host` answered one 429 for `reason`, and nothing went upstream.
+fn refused_by(host: &MockHost, reason: &str) {
+    let replies = host.replies.borrow();
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 429);
+    assert_eq!(replies[0].header("x-sluice-reason"), Some(reason));
+    assert!(host.resumed.borrow().is_empty(), "never goes upstream");
+}
+
 #[test]
 fn a_lease_is_taken_once_then_debited_locally_across_workers() {
     let host = MockHost::new(T0);
@@ -177,14 +186,7 @@ fn a_fleet_refusal_is_the_buckets_429_and_gives_back_what_was_taken() {
         "200",
         json!({"ok": false, "refused": 1, "left": [3]}),
     );
-    let replies = host.replies.borrow();
-    assert_eq!(replies.len(), 1);
-    assert_eq!(replies[0].status, 429);
-    assert_eq!(
-        replies[0].header("x-sluice-reason"),
-        Some("daily_budget_exceeded")
-    );
-    assert_eq!(host.resumed.borrow().len(), 0, "never goes upstream");
+    refused_by(&host, "daily_budget_exceeded");
 }
 
 /// Two of one caller's requests wait for the fleet at once; the first's
@@ -243,14 +245,7 @@ fn a_refused_take_the_lease_covers_only_in_part_is_refused_and_gives_it_back() {
         json!({"requests": "5/day", "daily_tokens": 1000}),
         json!({"ok": false, "refused": 1, "left": [0]}),
     );
-    let replies = worker.replies.borrow();
-    assert_eq!(replies.len(), 1);
-    assert_eq!(replies[0].status, 429);
-    assert_eq!(
-        replies[0].header("x-sluice-reason"),
-        Some("daily_budget_exceeded")
-    );
-    assert!(worker.resumed.borrow().is_empty());
+    refused_by(&worker, "daily_budget_exceeded");
     assert_eq!(lease_of_requests(&host).balance, 4, "nothing lost");
 }
 
@@ -506,12 +501,7 @@ fn a_request_without_a_body_is_counted_fleet_wide_too() {
         "200",
         json!({"ok": false, "refused": 0, "left": [0]}),
     );
-    let replies = host.replies.borrow();
-    assert_eq!(replies[0].status, 429);
-    assert_eq!(
-        replies[0].header("x-sluice-reason"),
-        Some("user_rate_limit")
-    );
+    refused_by(&host, "user_rate_limit");
 }
 
 #[test]
