@@ -23,8 +23,14 @@ pub(super) fn caller(identity: &Identity) -> Caller<'_> {
 /// way admission and the queue's peek both use.
 struct Sized {
     requested_model: Option<String>,
-    /// Estimated input tokens, corrected per model.
+    /// Estimated input tokens, corrected per model: what soft budgets and
+    /// the audit's estimate use.
     input: u64,
+    /// The most input the server can charge (`usage/bound.rs`): what a
+    /// hard token or spend budget reserves.
+    input_bound: u64,
+    /// Output billed beyond the limit (a prediction's text, bounded).
+    extra_output: u64,
     /// The API the body speaks (an `/invocations` body's, resolved).
     api: Api,
     produces_output: bool,
@@ -45,22 +51,58 @@ struct Reserved {
 impl Sized {
     /// The maximum output of every completion together.
     fn output(&self) -> u64 {
-        self.per_choice.saturating_mul(self.choices)
+        self.per_choice
+            .saturating_mul(self.choices)
+            .saturating_add(self.extra_output)
+    }
+
+    /// The input a bucket reserves: the bound where the budget is hard,
+    /// the estimate where a soft cap or the request count tolerates it.
+    fn input_for(&self, bucket: &Bucket) -> u64 {
+        match bounded(bucket) {
+            true => self.input_bound,
+            false => self.input,
+        }
     }
 }
 
+/// Does this bucket reserve the input's bound, not its estimate? A hard
+/// budget (a calendar window: daily, monthly) of tokens, input tokens or
+/// spend: what must never be overshot. A rate (`tokens: 10000/min`)
+/// refills within the minute and a soft cap only downshifts: they keep the
+/// estimate, corrected, and so admit as many requests as before.
+pub(super) fn bounded(bucket: &Bucket) -> bool {
+    !bucket.soft
+        && bucket.rule.limit.window.is_some()
+        && matches!(
+            bucket.meter,
+            Meter::Tokens | Meter::InputTokens | Meter::Spend
+        )
+}
+
 impl Engine {
-    fn size(&self, store: &dyn SharedStore, api: Api, asked: Option<&Asked>) -> Sized {
+    fn size(&self, store: &dyn SharedStore, api: Api, asked: Option<&Asked>, tier: &str) -> Sized {
         // A passthrough rule's model: its request limits apply (no body is
         // read, so nothing else is known of the request).
         let requested_model = asked
             .and_then(|a| a.demand.model.clone())
             .or_else(|| self.passthrough_model(api).map(str::to_string));
         let input = match (asked, &requested_model) {
-            (Some(a), Some(m)) => self.correction(store, m).apply(a.input_raw),
+            (Some(a), Some(m)) => self.correction(store, m, tier).apply(a.input_raw),
             (Some(a), None) => Correction::default().apply(a.input_raw),
             (None, _) => 0,
         };
+        // The bound at the requested model's figures (its buckets are the
+        // ones reserved, whoever serves it). Never below the estimate.
+        let model = requested_model
+            .as_deref()
+            .and_then(|m| self.policy.models.get(m));
+        let (input_bound, extra_output) = asked.map_or((0, 0), |a| {
+            let figures = model.map(|m| m.input_bound).unwrap_or_default();
+            let context = model.and_then(|m| m.context_length);
+            let bound = a.rendered.tokens(&figures, context).max(input);
+            (bound, a.rendered.extra_output)
+        });
         let api = asked.map_or(api, |a| a.demand.api);
         let produces_output = asked.is_some() && api.produces_output();
         // Each completion may produce the maximum: the output reserved is
@@ -75,6 +117,8 @@ impl Engine {
         Sized {
             requested_model,
             input,
+            input_bound,
+            extra_output,
             api,
             produces_output,
             choices,
@@ -127,7 +171,7 @@ impl Engine {
             return verdict;
         }
         let reserver = self.reserver(store);
-        let mut sized = self.size(store, api, asked);
+        let mut sized = self.size(store, api, asked, &identity.tier);
         let input_raw = asked.map_or(0.0, |a| a.input_raw);
         let downshift = asked.filter(|_| served.is_none()).and_then(|_| {
             let model = sized.requested_model.as_deref();
@@ -161,6 +205,7 @@ impl Engine {
         };
 
         let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
+        let bounded: Vec<bool> = taken.iter().map(|&i| bounded(&self.buckets[i])).collect();
         let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
         if let Some(kind) = degraded {
             headers.push("x-sluice-degraded", kind.code());
@@ -186,6 +231,9 @@ impl Engine {
                     rung: served.map(|s| (s.provider.clone(), s.model.clone())),
                     input_raw,
                     input_estimate: sized.input,
+                    input_bound: sized.input_bound,
+                    bounded,
+                    tier: identity.tier.clone(),
                     max_output: sized.output(),
                     stream: a.demand.stream,
                     strip_usage,
@@ -227,11 +275,12 @@ impl Engine {
         let identity = ctx.identity;
         let mut lowered = false;
         loop {
-            let (input, output) = (sized.input, sized.output());
+            let output = sized.output();
+            let amount = |b: &Bucket| b.meter.amount(sized.input_for(b), output, price);
             let taken: Vec<usize> = applying
                 .iter()
                 .copied()
-                .filter(|&i| self.buckets[i].meter.amount(input, output, price) > 0)
+                .filter(|&i| amount(&self.buckets[i]) > 0)
                 .collect();
             let claims: Vec<Claim> = taken
                 .iter()
@@ -239,7 +288,7 @@ impl Engine {
                     let b = &self.buckets[i];
                     Claim {
                         rule: &b.rule,
-                        amount: b.meter.amount(input, output, price),
+                        amount: amount(b),
                         soft: b.soft,
                         share: b.shares.as_ref().map(|table| Share {
                             table,
@@ -259,12 +308,14 @@ impl Engine {
                 }
                 Err(Refusal::Full { index, shortfall }) if sized.produces_output => {
                     let room = shortfall.quota.remaining;
-                    let allowed = match self.buckets[taken[index]].meter {
-                        Meter::Tokens => room.saturating_sub(input),
+                    let bucket = &self.buckets[taken[index]];
+                    let allowed = match bucket.meter {
+                        Meter::Tokens => room.saturating_sub(sized.input_for(bucket)),
                         Meter::OutputTokens => room,
                         _ => 0,
                     };
-                    let allowed_per_choice = allowed / sized.choices;
+                    let allowed_per_choice =
+                        allowed.saturating_sub(sized.extra_output) / sized.choices;
                     if allowed_per_choice >= MIN_LOWERED_OUTPUT
                         && allowed_per_choice < sized.per_choice
                     {
@@ -494,13 +545,20 @@ impl Engine {
         Some(self.refuse(&refused, &identity.tier, model))
     }
 
-    /// The learned estimate correction of a configured model (others: 1.0).
-    pub(super) fn correction(&self, store: &dyn SharedStore, model: &str) -> Correction {
+    /// The learned estimate correction of a configured model for callers
+    /// of `tier` (others: 1.0). Learnt per tier, so one tier's callers
+    /// cannot move another's estimates; a hard budget never reads it.
+    pub(super) fn correction(
+        &self,
+        store: &dyn SharedStore,
+        model: &str,
+        tier: &str,
+    ) -> Correction {
         if !self.policy.models.contains_key(model) {
             return Correction::default();
         }
         store
-            .get(&[CORRECTION_KEY, model].concat())
+            .get(&correction_key(model, tier))
             .map_or(Correction::default(), |(bytes, _)| {
                 Correction::decode(&bytes)
             })
@@ -542,28 +600,27 @@ impl Engine {
             return Some(verdict);
         }
         let reserver = self.reserver(store);
-        let Sized {
-            requested_model,
-            input,
-            api,
-            choices,
-            per_choice,
-            ..
-        } = self.size(store, api, asked);
-        let output = per_choice.saturating_mul(choices);
+        let sized = self.size(store, api, asked, &identity.tier);
+        let (input, choices, per_choice) = (sized.input, sized.choices, sized.per_choice);
+        let output = sized.output();
+        let requested_model = sized.requested_model.clone();
+        let api = sized.api;
         let downshift = asked.and_then(|_| {
             self.downshift(&reserver, ctx, requested_model.as_deref(), input, output)
         });
         let model = downshift.or(requested_model);
         let price = self.price_of(model.as_deref());
         // The least output admission would lower this request to.
-        let least = per_choice.min(MIN_LOWERED_OUTPUT).saturating_mul(choices);
+        let least = per_choice
+            .min(MIN_LOWERED_OUTPUT)
+            .saturating_mul(choices)
+            .saturating_add(sized.extra_output);
         let taken = self.drawn_on(identity, api, model.as_deref(), path);
         let need = |b: &Bucket| {
             if b.soft || b.meter.amount(input, output, price) == 0 {
                 return None;
             }
-            let amount = b.meter.amount(input, least, price);
+            let amount = b.meter.amount(sized.input_for(b), least, price);
             if b.meter != Meter::Requests {
                 return Some(amount);
             }

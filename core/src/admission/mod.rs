@@ -30,6 +30,7 @@ use crate::policy::{Budget, Limit, Mode, Policy, Window};
 use crate::state::codec::Record;
 use crate::state::store::{self, Contention, SharedStore, StoreError, Updated};
 use crate::usage::anomaly::UsageRing;
+use crate::usage::bound;
 use crate::usage::demand::{self, Api, BadBody, Demand};
 use crate::usage::estimate::{self, Correction};
 use crate::usage::output_limit::SentLimits;
@@ -158,6 +159,15 @@ pub struct Plan {
     pub rung: Option<(String, Option<String>)>,
     pub input_raw: f64,
     pub input_estimate: u64,
+    /// The most input the server can charge: what the hard budgets
+    /// reserved (`usage/bound.rs`), and what they are charged when the
+    /// upstream does not report the input.
+    pub input_bound: u64,
+    /// Which of `held` reserved the bound (hard token and spend budgets);
+    /// the others reserved the estimate.
+    pub bounded: Vec<bool>,
+    /// The tier whose estimate correction this request's usage teaches.
+    pub tier: String,
     /// Output reserved: the most the upstream may produce, every choice
     /// (`n`, `best_of`) together.
     pub max_output: u64,
@@ -192,6 +202,9 @@ pub struct Settled {
     /// The upstream's usage left the input out (or said 0 for a prompt):
     /// the input is the estimate, the output the upstream's.
     pub input_estimated: bool,
+    /// Where the input charged came from: the upstream's usage, the bound
+    /// a hard budget reserved, or the estimate.
+    pub input_source: InputSource,
     /// The upstream sent usage sluice could not believe.
     pub invalid_usage: bool,
     /// What is charged: the totals above with the parts the usage
@@ -208,6 +221,29 @@ pub struct Settled {
     pub charges_unwritten: u32,
 }
 
+/// Where a settled request's input figure came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputSource {
+    /// The upstream's usage said it.
+    Reported,
+    /// The upstream did not say; the hard budgets were charged the bound
+    /// they reserved (`usage/bound.rs`).
+    Bounded,
+    /// The upstream did not say and no hard budget held the request: the
+    /// estimate.
+    Estimated,
+}
+
+impl InputSource {
+    pub fn code(self) -> &'static str {
+        match self {
+            InputSource::Reported => "reported",
+            InputSource::Bounded => "bounded",
+            InputSource::Estimated => "estimated",
+        }
+    }
+}
+
 /// A parsed request body and its raw input estimate.
 #[derive(Debug, Clone)]
 pub struct Asked {
@@ -216,6 +252,9 @@ pub struct Asked {
     /// bytes (`usage/splice.rs`), not serialised from a tree.
     pub raw: Vec<u8>,
     pub input_raw: f64,
+    /// What the body feeds the server, for the bound a hard budget
+    /// reserves (`usage/bound.rs`).
+    pub rendered: bound::Rendered,
     /// The limit fields the body set, read with the rest of it.
     pub sent: SentLimits,
     /// `stream_options.include_usage` is `true`.
@@ -260,6 +299,13 @@ pub struct Engine {
 }
 
 const CORRECTION_KEY: &str = "sluice:v1:estimate/";
+
+/// The shared-data key of a model's estimate correction for one tier:
+/// the model's length first, so no model and tier pair reads as another.
+/// Bounded: the policy's models times its tiers.
+fn correction_key(model: &str, tier: &str) -> String {
+    format!("{CORRECTION_KEY}{}:{model}{tier}", model.len())
+}
 /// The global per-minute usage ring (one key).
 const USAGE_KEY: &str = "sluice:v1:usage";
 
@@ -377,6 +423,7 @@ impl Engine {
             }
             return Ok(Some(Asked {
                 input_raw: declared.input_tokens(&body),
+                rendered: bound::declared_bound(raw),
                 sent: SentLimits::of(&body),
                 include_usage: false,
                 tree: body.into(),
@@ -394,6 +441,7 @@ impl Engine {
         let include_usage = demand::include_usage(body);
         Ok(Some(Asked {
             input_raw: estimate::input_tokens_of(demand.api, body),
+            rendered: bound::rendered(demand.api, body),
             sent: SentLimits::of(body),
             include_usage,
             tree: Default::default(),
@@ -722,12 +770,14 @@ pub(crate) mod tests {
                 plans.push(plan);
             }
         }
-        let each = plans[0].input_estimate + 490;
+        // A hard budget reserves the input's bound, not its estimate.
+        assert!(plans[0].input_bound > plans[0].input_estimate);
+        let each = plans[0].input_bound + 490;
         let full = plans.iter().filter(|p| p.max_output == 490).count() as u64;
         assert_eq!(full, 10_000 / each, "reserved {each} each");
         // What was left is given to one more request, with its output
         // lowered to fit: never a token over the budget.
-        let reserved: u64 = plans.iter().map(|p| p.input_estimate + p.max_output).sum();
+        let reserved: u64 = plans.iter().map(|p| p.input_bound + p.max_output).sum();
         assert!(
             reserved <= 10_000 && 10_000 - reserved < MIN_LOWERED_OUTPUT + each,
             "{reserved}"
@@ -773,10 +823,7 @@ pub(crate) mod tests {
         let lowered = body["max_tokens"].as_u64().unwrap();
         let plan = second.plan.unwrap();
         assert_eq!(lowered, plan.max_output);
-        assert_eq!(
-            first.plan.unwrap().input_estimate * 2 + 800 + lowered,
-            1_000
-        );
+        assert_eq!(first.plan.unwrap().input_bound * 2 + 800 + lowered, 1_000);
         let third = e.admit(
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),

@@ -118,8 +118,14 @@ fn an_org_spend_cap_is_shared_by_its_teams_to_the_micro_unit() {
     );
 }
 
+/// What a hard spend cap reserves for the input: its bound.
 fn asked_input(e: &Engine, store: &MemStore, asked: &Asked) -> u64 {
-    e.correction(store, "paid").apply(asked.input_raw)
+    let estimate = e.correction(store, "paid", "pro").apply(asked.input_raw);
+    let model = &e.policy.models["paid"];
+    asked
+        .rendered
+        .tokens(&model.input_bound, model.context_length)
+        .max(estimate)
 }
 
 #[test]
@@ -167,7 +173,8 @@ fn utc(y: i16, mo: i8, d: i8, h: i8, mi: i8) -> u64 {
 fn resets_at_rome_midnight(midnight_utc: u64) {
     let (e, store) = engine_with(json!({
         "default_tier": "t",
-        "tiers": {"t": {"daily_tokens": 100}},
+        // Each request reserves its input's bound (57) and its output (9).
+        "tiers": {"t": {"daily_tokens": 200}},
         "budgets": {"reset_timezone": "Europe/Rome"},
     }));
     let id = e.identify(&Key("x")).unwrap();

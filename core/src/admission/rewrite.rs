@@ -277,9 +277,10 @@ mod tests {
 
     #[test]
     fn a_lowered_limit_is_written_into_every_field() {
-        // 300 tokens a day: the second request's 200 no longer fit and are
-        // lowered; both chat fields carry the lowered value.
-        let b = Bench::new(300);
+        // 400 tokens a day (a request's input bound is 57): the second
+        // request's 200 no longer fit and are lowered; both chat fields
+        // carry the lowered value.
+        let b = Bench::new(400);
         let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 5, "max_completion_tokens": 200});
         let (first, per) = b.admit(Api::OpenAiChat, "/v1/chat/completions", body.clone());

@@ -47,6 +47,7 @@ impl Engine {
         now_ms: u64,
     ) -> (Settled, Contention) {
         let reported_input = |u: Usage| u.input > 0 || plan.input_estimate == 0;
+        let reported = matches!(found, Found::Usage(u) if reported_input(u));
         let (input, output, from_usage) = match found {
             Found::Usage(u) if reported_input(u) => (u.input, u.output, true),
             // No prompt reads as 0 tokens: a 0 is a count the upstream
@@ -76,20 +77,44 @@ impl Engine {
         let mut effort = Contention::default();
         // One update per record the plan holds (its buckets' settlements
         // together); a request bucket costs what it reserved.
+        // Input the upstream did not report is charged to a hard budget
+        // at the bound it reserved, never at the guess: it cannot be over.
+        let charged_bound = !reported && upstream_ok && plan.bounded.contains(&true);
+        let billed_bound = Billed {
+            input: plan.input_bound.max(input),
+            ..billed
+        };
         let items: Vec<(&Held, u64)> = plan
             .held
             .iter()
             .zip(&plan.meters)
-            .filter(|(_, meter)| **meter != Meter::Requests)
-            .map(|(held, meter)| (held, meter.settled(billed, plan.price)))
+            .zip(plan.bounded.iter().chain(std::iter::repeat(&false)))
+            .filter(|((_, meter), _)| **meter != Meter::Requests)
+            .map(|((held, meter), &bounded)| {
+                let billed = match bounded && charged_bound {
+                    true => billed_bound,
+                    false => billed,
+                };
+                (held, meter.settled(billed, plan.price))
+            })
             .collect();
         let charges_unwritten = self.settle_leased(&reserver, &items, now_ms, &mut effort);
         // Another provider's tokenizer says nothing about the primary's.
         if from_usage && !input_estimated && input > 0 && plan.rung.is_none() {
             if let Some(model) = &plan.model {
-                self.learn(store, model, plan.input_raw, input, &mut effort);
+                self.learn(store, model, &plan.tier, plan.input_raw, input, &mut effort);
             }
         }
+        // What the hard budgets were charged is what the audit reports.
+        let (billed, input) = match charged_bound {
+            true => (billed_bound, billed_bound.input),
+            false => (billed, input),
+        };
+        let input_source = match (reported, charged_bound) {
+            (true, _) => InputSource::Reported,
+            (false, true) => InputSource::Bounded,
+            (false, false) => InputSource::Estimated,
+        };
         let cost = plan.price.cost_micros(billed);
         let (surge, global_open) = self.record_usage(
             store,
@@ -103,6 +128,7 @@ impl Engine {
             output,
             from_usage,
             input_estimated,
+            input_source,
             invalid_usage: found == Found::Invalid,
             billed,
             cost,
@@ -161,12 +187,14 @@ impl Engine {
         }
     }
 
-    /// Moves the model's estimate correction towards this sample. A sample
+    /// Moves the model's estimate correction for `tier` towards this
+    /// sample (an outlier is dropped, see [`Correction::learn`]). A sample
     /// that loses every race (counted) is dropped: the next one will do.
     pub(super) fn learn(
         &self,
         store: &dyn SharedStore,
         model: &str,
+        tier: &str,
         raw: f64,
         actual: u64,
         contention: &mut Contention,
@@ -174,7 +202,7 @@ impl Engine {
         if !self.policy.models.contains_key(model) {
             return;
         }
-        let key = [CORRECTION_KEY, model].concat();
+        let key = correction_key(model, tier);
         let tries = self.tries().take();
         store::update(store, &key, tries, contention, |bytes| {
             let current = bytes.map_or(Correction::default(), Correction::decode);

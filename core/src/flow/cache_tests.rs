@@ -12,7 +12,8 @@ const T0: u64 = 1_700_000_000_000;
 fn policy() -> Value {
     json!({
         "default_tier": "t",
-        "tiers": {"t": {"requests": "3/min", "daily_tokens": "100"}},
+        // Room for a few requests at their input's bound (about 70 each).
+        "tiers": {"t": {"requests": "3/min", "daily_tokens": "300"}},
         "identity": {"sources": ["client_address"]},
         "sidecar": {"cluster": "sluice_sidecar"},
         // The tier in Envoy off: these tests drive the sidecar's callouts
@@ -341,7 +342,7 @@ fn an_answer_under_a_lowered_output_limit_is_not_stored() {
     let host = MockHost::new(T0);
     let mut poller = Poller::new();
     assert!(poller.configure(&host, policy().to_string().as_bytes()));
-    // 500 output tokens asked, a 100-token budget: admitted with a lower
+    // 500 output tokens asked, a 300-token budget: admitted with a lower
     // max_tokens.
     let mut b = body();
     b["max_tokens"] = json!(500);

@@ -15,7 +15,9 @@ const PATH: &str = "/api/v1/ai/chat";
 fn policy(declared: bool) -> Value {
     let mut p = json!({
         "default_tier": "t",
-        "tiers": {"t": {"daily_tokens": 200}},
+        // A declared request reserves its whole body's bytes and the
+        // template's figures as its input's bound (93 here).
+        "tiers": {"t": {"daily_tokens": 280}},
         "defaults": {"max_output_tokens": 64},
         "sidecar": {"cluster": "sluice_sidecar", "poll_wait": "20s", "stale_after": "10s"},
         "static_fallback": {"message": "resting", "answers": {"what is sluice?": "a gate"}},
@@ -142,7 +144,7 @@ fn a_bad_body_is_a_400_naming_the_declared_pointer() {
     );
 }
 
-/// The daily budget of 200 tokens holds across declared requests: the
+/// The daily budget of 280 tokens holds across declared requests: the
 /// second is lowered to what is left (written at the pointer), the third
 /// refused, and nothing is generated past the budget.
 #[test]
@@ -163,14 +165,14 @@ fn the_budget_lowers_then_refuses_a_declared_request() {
     assert_eq!(action, Action::Continue);
     let lowered = sent(&host)["max_tokens"].as_u64().unwrap();
     assert!((16..100).contains(&lowered), "lowered to fit: {lowered}");
-    let usage = json!({"prompt": 95 - lowered, "completion": lowered});
+    let usage = json!({"prompt": 5, "completion": lowered});
     answer(&host, &mut req, &json!({"reply": "x", "usage": usage}));
 
     host.replies.borrow_mut().clear();
     post(&poller, &host, &ask);
     let reply = host.last_reply().expect("refused");
     assert_eq!(reply.status, 429);
-    assert_eq!(tokens(&host, "input", "actual"), Some(100 - lowered as i64));
+    assert_eq!(tokens(&host, "input", "actual"), Some(10));
     assert_eq!(
         tokens(&host, "output", "actual"),
         Some(100 + lowered as i64)

@@ -11,6 +11,7 @@
 pub mod abuse;
 pub mod anomaly_audit;
 pub mod apis;
+pub mod bound;
 pub mod cache;
 pub mod fallback;
 pub mod fleet;

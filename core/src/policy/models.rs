@@ -45,6 +45,14 @@ pub struct ModelConfig {
     /// Fair shares of this model's buckets (`{free: 20%, anonymous: 10%}`,
     /// see `shares`); default: `defaults.shares`.
     pub shares: Option<crate::policy::shares::SharesConfig>,
+    /// The model's context length in tokens: no request is charged more
+    /// input than this, so it caps what a hard budget reserves.
+    pub context_length: Option<u64>,
+    /// What the model's server adds to a request's text (its template's
+    /// tokens, an image's): see `policy/bound.rs`. Default: the figures
+    /// there.
+    #[serde(default)]
+    pub input_bound: crate::policy::bound::InputBound,
 }
 
 pub fn default_backend() -> String {
@@ -130,6 +138,12 @@ impl ModelConfig {
             return Err(ConfigError::at(
                 format!("models.{name}.default_max_output"),
                 format!("must not be above the model's output cap ({cap})"),
+            ));
+        }
+        if self.context_length == Some(0) {
+            return Err(ConfigError::at(
+                format!("models.{name}.context_length"),
+                "must be at least 1",
             ));
         }
         if self.default_max_output == Some(0) {

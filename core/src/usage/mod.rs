@@ -2,6 +2,7 @@
 //! tokens, the reconciliation with the real usage, and usage anomalies.
 
 pub mod anomaly;
+pub mod bound;
 pub mod declared;
 pub mod demand;
 pub mod estimate;
