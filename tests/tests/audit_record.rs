@@ -54,6 +54,7 @@ const SLUICE_FIELDS: &[(&str, Kind)] = &[
     ("tokens_input_cache_write", Kind::Count),
     ("tokens_output_reasoning", Kind::Count),
     ("usage_source", Kind::Text),
+    ("input_source", Kind::Text),
     ("cost_micros", Kind::Count),
     ("ttft_ms", Kind::Count),
     ("request_sha256", Kind::Text),

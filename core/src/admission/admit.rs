@@ -234,6 +234,7 @@ impl Engine {
                     input_bound: sized.input_bound,
                     bounded,
                     tier: identity.tier.clone(),
+                    background: a.background,
                     max_output: sized.output(),
                     stream: a.demand.stream,
                     strip_usage,

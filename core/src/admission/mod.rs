@@ -168,6 +168,9 @@ pub struct Plan {
     pub bounded: Vec<bool>,
     /// The tier whose estimate correction this request's usage teaches.
     pub tier: String,
+    /// A background response: charged everything it reserved, whatever
+    /// its first answer says.
+    pub background: bool,
     /// Output reserved: the most the upstream may produce, every choice
     /// (`n`, `best_of`) together.
     pub max_output: u64,
@@ -255,6 +258,9 @@ pub struct Asked {
     /// What the body feeds the server, for the bound a hard budget
     /// reserves (`usage/bound.rs`).
     pub rendered: bound::Rendered,
+    /// The body asks the server to work on after it answers (allowed by
+    /// the policy): charged its whole reservation.
+    pub background: bool,
     /// The limit fields the body set, read with the rest of it.
     pub sent: SentLimits,
     /// `stream_options.include_usage` is `true`.
@@ -422,6 +428,7 @@ impl Engine {
                 return Err(stored(field));
             }
             return Ok(Some(Asked {
+                background: false,
                 input_raw: declared.input_tokens(&body),
                 rendered: bound::declared_bound(raw),
                 sent: SentLimits::of(&body),
@@ -438,8 +445,17 @@ impl Engine {
         if let Some(field) = self.refuses_stored_context(&demand, body) {
             return Err(stored(field));
         }
+        let background = bound::in_background(demand.api, body);
+        if background && !self.policy.request.allow_background {
+            return Err(refuse(Refused::rejected(
+                Reason::InvalidRequest,
+                "`background: true` has the server answer before it generates, so the answer carries no usage to charge and the work goes on after this gateway lets go; send the request without it (the policy's `request.allow_background` allows such requests, charged their whole reservation).".to_string(),
+                Some("background"),
+            )));
+        }
         let include_usage = demand::include_usage(body);
         Ok(Some(Asked {
+            background,
             input_raw: estimate::input_tokens_of(demand.api, body),
             rendered: bound::rendered(demand.api, body),
             sent: SentLimits::of(body),
@@ -1130,6 +1146,181 @@ pub(crate) mod tests {
             admit(&declared).reply.is_none(),
             "declared keys are outside it"
         );
+    }
+
+    fn a_hard_budget_is_charged_the_bound_for_input_nobody_reported() {
+        let (e, store) = engine_with(json!({"default_tier": "t",
+            "tiers": {"t": {"daily_tokens": 100_000, "tokens": "100000/min"}}}));
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let a = asked(&e, chat("m", 50));
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        let plan = v.plan.unwrap();
+        // The daily budget holds the bound, the rate the estimate.
+        assert_eq!(plan.bounded, vec![true, false]);
+        assert!(plan.input_bound > plan.input_estimate);
+        let (s, _) = e.settle(&store, &plan, Found::Nothing, 7, true, 0);
+        assert_eq!(s.input_source, InputSource::Bounded);
+        assert_eq!((s.input, s.output), (plan.input_bound, 7));
+        let (s, _) = e.settle(
+            &store,
+            &plan,
+            Found::Usage(Usage {
+                input: 3,
+                output: 7,
+            }),
+            7,
+            true,
+            0,
+        );
+        assert_eq!((s.input_source, s.input), (InputSource::Reported, 3));
+        // Without a hard budget, the estimate.
+        let (e, store) =
+            engine_with(json!({"default_tier": "t", "tiers": {"t": {"tokens": "100000/min"}}}));
+        let v = e.admit(
+            &store,
+            &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+        );
+        let plan = v.plan.unwrap();
+        let (s, _) = e.settle(&store, &plan, Found::Nothing, 7, true, 0);
+        assert_eq!(
+            (s.input_source, s.input),
+            (InputSource::Estimated, plan.input_estimate)
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        /// A server that counts more input than the estimate (its own
+        /// tokenizer, up to a token per byte of the text) and generates up
+        /// to the limit never takes a hard budget past its limit: every
+        /// reservation covers what settlement charges.
+        #[test]
+        fn a_hard_budget_is_never_overshot_whatever_the_server_counts(
+            requests in proptest::collection::vec(
+                ("[a-zà-ù ,.]{20,400}", 0.0f64..=1.0, 1u64..300, 0.0f64..=1.0), 1..40),
+        ) {
+            let (e, store) = engine_with(json!({"default_tier": "t",
+                "tiers": {"t": {"daily_tokens": 5_000}}}));
+            let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+            let mut charged = 0u64;
+            for (text, input_share, max_tokens, output_share) in requests {
+                let body = json!({"model": "m", "max_tokens": max_tokens,
+                    "messages": [{"role": "user", "content": text}]});
+                let a = asked(&e, body);
+                let v = e.admit(&store, &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0));
+                let Some(plan) = v.plan.filter(|_| v.reply.is_none()) else { continue };
+                // The most a byte-level tokenizer makes of the text, and a
+                // template of a few tokens.
+                let most = text.len() as u64 + 30;
+                let input = (most as f64 * input_share) as u64 + 1;
+                let output = (plan.max_output as f64 * output_share) as u64;
+                let (s, _) = e.settle(&store, &plan, Found::Usage(Usage { input, output }), output, true, 0);
+                proptest::prop_assert_eq!(s.charges_unwritten, 0);
+                charged += s.input + s.output;
+            }
+            proptest::prop_assert!(charged <= 5_000, "{charged} charged on 5,000");
+        }
+    }
+
+    #[test]
+    fn a_background_response_is_refused_unless_allowed_then_charged_whole() {
+        let body =
+            json!({"model": "m", "input": "hi", "max_output_tokens": 100, "background": true});
+        let responses = |e: &Engine| {
+            let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+            e.demand(&id, Api::OpenAiResponses, body.to_string().as_bytes())
+        };
+        let (e, _) =
+            engine_with(json!({"default_tier": "t", "tiers": {"t": {"daily_tokens": 5_000}}}));
+        let refused = responses(&e).unwrap_err().reply.unwrap();
+        assert_eq!(refused.status, 400);
+        let got: Value = serde_json::from_slice(&refused.body).unwrap();
+        assert_eq!(got["error"]["param"], "background", "{got}");
+        // `background: false` is an ordinary request.
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let plain = json!({"model": "m", "input": "hi", "background": false});
+        assert!(e
+            .demand(&id, Api::OpenAiResponses, plain.to_string().as_bytes())
+            .is_ok());
+
+        let (e, store) = engine_with(json!({"default_tier": "t",
+            "tiers": {"t": {"daily_tokens": 5_000}}, "request": {"allow_background": true}}));
+        let a = responses(&e).unwrap().unwrap();
+        let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        let plan = e
+            .admit(
+                &store,
+                &ctx(&id, Api::OpenAiResponses, "/v1/responses", Some(&a), 0),
+            )
+            .plan
+            .unwrap();
+        // `{"status": "queued", "usage": null}`: nothing reported, yet the
+        // model goes on; charged all it reserved.
+        let (s, _) = e.settle(&store, &plan, Found::Nothing, 0, true, 0);
+        assert_eq!((s.input, s.output), (plan.input_bound, 100));
+        let (s, _) = e.settle(
+            &store,
+            &plan,
+            Found::Usage(Usage {
+                input: 3,
+                output: 1,
+            }),
+            1,
+            true,
+            0,
+        );
+        assert_eq!((s.input, s.output), (plan.input_bound, 100));
+    }
+
+    #[test]
+    fn one_tier_cannot_move_another_tiers_estimate_or_a_hard_reservation() {
+        let (e, store) = engine_with(json!({"default_tier": "a",
+            "identity": {"sources": ["api_key", "client_address"], "api_key": {"keys": {"kb": "b"}}},
+            "tiers": {"a": {"daily_tokens": 1_000_000}, "b": {"daily_tokens": 1_000_000}},
+            "models": {"m": {}}}));
+        let a_id = e.identify(&Caller("1.2.3.4:5")).unwrap();
+        assert_eq!(a_id.tier, "a");
+        let long = "word ".repeat(200);
+        let body =
+            json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": long}]});
+        let a = asked(&e, body);
+        let admit = |id: &Identity| {
+            e.admit(
+                &store,
+                &ctx(id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
+            )
+            .plan
+            .unwrap()
+        };
+        let before = admit(&a_id);
+        // Tier a's usage says its requests cost 0.6 of the estimate.
+        for _ in 0..50 {
+            let truth = (before.input_raw * 0.6) as u64;
+            e.settle(
+                &store,
+                &before,
+                Found::Usage(Usage {
+                    input: truth,
+                    output: 1,
+                }),
+                0,
+                true,
+                0,
+            );
+        }
+        let after = admit(&a_id);
+        assert!(after.input_estimate < before.input_estimate);
+        assert_eq!(
+            after.input_bound, before.input_bound,
+            "the bound never learns"
+        );
+        // Tier b's estimate is its own.
+        let b_id = e.identify(&Keyed("kb", "5.6.7.8:9")).unwrap();
+        assert_eq!(b_id.tier, "b");
+        assert_eq!(admit(&b_id).input_estimate, before.input_estimate);
     }
 
     #[test]

@@ -47,8 +47,11 @@ impl Engine {
         now_ms: u64,
     ) -> (Settled, Contention) {
         let reported_input = |u: Usage| u.input > 0 || plan.input_estimate == 0;
-        let reported = matches!(found, Found::Usage(u) if reported_input(u));
+        let reported = matches!(found, Found::Usage(u) if reported_input(u)) && !plan.background;
         let (input, output, from_usage) = match found {
+            // A background response answers `queued` and generates on:
+            // whatever it first says, it may cost all it reserved.
+            _ if plan.background && upstream_ok => (plan.input_estimate, plan.max_output, false),
             Found::Usage(u) if reported_input(u) => (u.input, u.output, true),
             // No prompt reads as 0 tokens: a 0 is a count the upstream
             // left out (Ollama drops `prompt_eval_count` when it is 0,

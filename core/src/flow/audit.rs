@@ -52,6 +52,9 @@ pub enum Field {
     TokensInputCacheWrite,
     TokensOutputReasoning,
     UsageSource,
+    /// Where the input charged came from: `reported`, `bounded`,
+    /// `estimated`.
+    InputSource,
     CostMicros,
     TtftMs,
     RequestSha256,
@@ -60,7 +63,7 @@ pub enum Field {
 }
 
 /// Every field's name in the access log, in [`Field`] order.
-pub const NAMES: [&str; 26] = [
+pub const NAMES: [&str; 27] = [
     "request_id",
     "method",
     "route",
@@ -82,6 +85,7 @@ pub const NAMES: [&str; 26] = [
     "tokens_input_cache_write",
     "tokens_output_reasoning",
     "usage_source",
+    "input_source",
     "cost_micros",
     "ttft_ms",
     "request_sha256",
@@ -91,7 +95,7 @@ pub const NAMES: [&str; 26] = [
 
 /// `,"<name>":` of every field, in [`Field`] order (built at compile
 /// time; a test checks them against [`NAMES`]).
-const PREFIXES: [&str; 26] = [
+const PREFIXES: [&str; 27] = [
     ",\"request_id\":",
     ",\"method\":",
     ",\"route\":",
@@ -113,6 +117,7 @@ const PREFIXES: [&str; 26] = [
     ",\"tokens_input_cache_write\":",
     ",\"tokens_output_reasoning\":",
     ",\"usage_source\":",
+    ",\"input_source\":",
     ",\"cost_micros\":",
     ",\"ttft_ms\":",
     ",\"request_sha256\":",

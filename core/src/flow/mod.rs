@@ -1828,6 +1828,9 @@ impl Stream {
             (false, _) => "estimate",
         };
         self.audit.code(audit::Field::UsageSource, source);
+        let input_source = settled.input_source.code();
+        self.audit.code(audit::Field::InputSource, input_source);
+        metrics::INPUT_SOURCE.add_at(host, &[input_source], 1);
         add(host, metrics::SPEND_MICROS, settled.cost as i64);
         add(
             host,

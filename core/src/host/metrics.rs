@@ -218,6 +218,10 @@ pub const SPEND_MICROS: Metric = counter("sluice_spend_micros_total", &[]);
 pub const USAGE_INVALID: Metric = counter("sluice_usage_invalid_total", &[]);
 /// Successful responses without usage (settled from the estimate).
 pub const USAGE_MISSING: Metric = counter("sluice_usage_missing_total", &[]);
+/// Settled requests by where their input figure came from: the
+/// upstream's usage (`reported`), the bound a hard budget reserved
+/// (`bounded`), or the estimate (`estimated`).
+pub const INPUT_SOURCE: Metric = counter("sluice_input_source_total", &["kind"]);
 /// Streams ended by sluice because they ran past their budget.
 pub const STREAM_CUT: Metric = counter("sluice_stream_cut_total", &[]);
 /// Requests that crossed a budget's alert threshold.
@@ -314,6 +318,7 @@ pub const ALL: &[Metric] = &[
     SPEND_MICROS,
     USAGE_INVALID,
     USAGE_MISSING,
+    INPUT_SOURCE,
     STREAM_CUT,
     BUDGET_ALERTS,
     USAGE_SURGES,

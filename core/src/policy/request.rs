@@ -31,6 +31,12 @@ pub struct RequestConfig {
     /// reserved, so a hard budget can be overshot by it.
     #[serde(default)]
     pub allow_stored_context: bool,
+    /// Admit Responses API requests with `background: true`. The server
+    /// answers `queued` at once and generates afterwards, so the answer
+    /// carries no usage to settle. Off: a 400 naming `background`. On:
+    /// such a request is charged its whole reservation.
+    #[serde(default)]
+    pub allow_background: bool,
     /// The most body bytes one worker holds for requests that wait (in a
     /// model's queue, or asleep until a bucket refills). A waiting request
     /// keeps its parsed body, which can weigh 15 times the bytes sent, in
@@ -49,6 +55,7 @@ impl Default for RequestConfig {
             max_output: default_output_cap(),
             rate_limit_headers: RateLimitHeaders::default(),
             allow_stored_context: false,
+            allow_background: false,
             max_waiting_body_bytes: default_max_waiting_body(),
         }
     }

@@ -211,6 +211,15 @@ pub fn rendered<'a>(api: Api, body: impl View<'a>) -> Rendered {
     r
 }
 
+/// Does `body` ask the server to go on working after it answers (a field
+/// of its API's table that feeds `Background`, set to `true`)?
+pub fn in_background<'a>(api: Api, body: impl View<'a>) -> bool {
+    fields(api)
+        .iter()
+        .filter(|f| f.feeds == Feeds::Background)
+        .any(|f| body.get(f.name).and_then(View::bool) == Some(true))
+}
+
 /// A declared API's bound: its whole body's bytes (every text it carries
 /// is in them, escaped no shorter), one message.
 pub fn declared_bound(raw: &[u8]) -> Rendered {

@@ -373,13 +373,18 @@ impl Correction {
         (raw * self.0 as f64 / 1000.0).ceil().max(1.0) as u64
     }
 
-    /// Learns from one settled request; `None` when the sample is unusable.
+    /// Learns from one settled request; `None` when the sample is unusable:
+    /// too small to say anything, or an outlier (a ratio outside [0.5,
+    /// 2.0]: a body built to fool the estimate, like `"a a a …"`, teaches
+    /// nothing rather than pulling everyone's estimate to the bound).
     pub fn learn(self, raw_estimate: f64, actual: u64) -> Option<Correction> {
         if raw_estimate < 8.0 || actual == 0 {
-            return None; // too small to say anything
+            return None;
         }
-        let sample =
-            (actual as f64 / raw_estimate * 1000.0).clamp(Self::MIN as f64, Self::MAX as f64);
+        let sample = actual as f64 / raw_estimate * 1000.0;
+        if !(Self::MIN as f64..=Self::MAX as f64).contains(&sample) {
+            return None;
+        }
         let gap = sample.round() as i64 - self.0 as i64;
         // An eighth of the gap, at least one step, so it converges exactly.
         let step = if gap == 0 {
@@ -584,9 +589,13 @@ mod tests {
         }
         assert_eq!(c.0, 1300);
         for _ in 0..100 {
-            c = c.learn(100.0, 10_000).unwrap();
+            c = c.learn(100.0, 200).unwrap();
         }
         assert_eq!(c.0, Correction::MAX);
+        // Outliers teach nothing: a body over-estimated fourfold, or a
+        // usage a hundred times the estimate.
+        assert_eq!(c.learn(100.0, 25), None);
+        assert_eq!(c.learn(100.0, 10_000), None);
         assert_eq!(c.learn(2.0, 100), None);
         assert_eq!(
             Correction::decode(&Correction(1200).encode()),
