@@ -6,8 +6,14 @@
 //!   `messages[].content` (a string, or an array of parts whose `text` is read),
 //!   `prompt` (a string or an array of strings), `input` (a string, an array of
 //!   strings, or an array of Responses-API items whose `content` is a string or
-//!   parts with `text`), `system` (Ollama) and `instructions` (Responses API).
-//!   Token-id arrays and every other field (tools, schemas, options) are ignored.
+//!   parts with `text`), `system` (Ollama) and `instructions` (Responses API),
+//!   and Ollama's `template`, which its generate renders the prompt through,
+//!   so its text is input too (ollama/ollama `server/routes.go`,
+//!   `GenerateHandler`: a request's `template` replaces the model's).
+//!   Ollama's `context` (token ids of an earlier exchange, detokenized and
+//!   prepended to the prompt by the same handler) adds one token per id.
+//!   Other token-id arrays and every other field (tools, schemas, options)
+//!   are ignored.
 //! * **Output tokens** = the `x-mock-output-tokens` knob when given (not
 //!   capped by the request); else the request's limit (`max_tokens`, `max_completion_tokens`,
 //!   `max_output_tokens`, `options.num_predict`; negative means unlimited)
@@ -28,6 +34,7 @@ pub fn input_tokens(body: &Value) -> u64 {
         "input",
         "system",
         "instructions",
+        "template",
         // Scoring: every text once (the query once per document is added
         // by `paired_chars`).
         "text_1",
@@ -40,7 +47,11 @@ pub fn input_tokens(body: &Value) -> u64 {
         }
     }
     chars += paired_chars(body);
-    chars.div_ceil(4).max(1)
+    let context = body
+        .get("context")
+        .and_then(Value::as_array)
+        .map_or(0, |ids| ids.len() as u64);
+    chars.div_ceil(4).max(1).saturating_add(context)
 }
 
 /// A cross-encoder reads the query again with every document after the
@@ -152,6 +163,14 @@ mod tests {
             {"role": "user", "content": "fgh"}
         ]});
         assert_eq!(input_tokens(&body), 2);
+    }
+
+    #[test]
+    fn ollama_renders_its_template_and_prepends_its_context() {
+        let template = format!("{}{{{{ .Prompt }}}}", "x".repeat(400));
+        let body = json!({"prompt": "hi", "template": template, "context": [1, 2, 3]});
+        // (2 + 400 + 14) chars / 4 = 104, and three ids.
+        assert_eq!(input_tokens(&body), 104 + 3);
     }
 
     #[test]

@@ -76,6 +76,16 @@ fn estimate(body: &Json) -> u64 {
     input_tokens(body).ceil() as u64
 }
 
+/// The input a hard budget (`daily_tokens`) reserves for `body`: its
+/// bound at the default figures (exact for [`UNLISTED`]), never below the
+/// estimate. Rates and soft caps reserve [`estimate`].
+fn bound(body: &Json) -> u64 {
+    let figures = sluice_core::policy::bound::InputBound::default();
+    let rendered =
+        sluice_core::usage::bound::rendered(sluice_core::usage::demand::Api::OpenAiChat, body);
+    rendered.tokens(&figures, None).max(estimate(body))
+}
+
 /// The input tokens mock-llm reports for one message: ceil(chars / 4).
 fn mock_input(content: &str) -> u64 {
     (content.chars().count() as u64).div_ceil(4).max(1)
@@ -235,14 +245,11 @@ fn concurrent_requests_fill_a_daily_budget_exactly_and_never_overshoot() {
             ),
         )
     });
-    let est = estimate(&chat(PROMPT, None, false));
-    assert!(
-        est >= mock_input(PROMPT),
-        "estimate {est} under mock's count"
-    );
-    // Each request reserves exactly EACH: its input estimate + max_tokens.
+    let est = bound(&chat(PROMPT, None, false));
+    assert!(est >= mock_input(PROMPT), "bound {est} under mock's count");
+    // Each request reserves exactly EACH: its input's bound + max_tokens.
     let body = chat(PROMPT, Some(EACH - est), false);
-    assert_eq!(estimate(&body), est);
+    assert_eq!(bound(&body), est);
 
     let url = stack.envoy.url("/v1/chat/completions");
     let answers = runtime().block_on(async {
@@ -337,7 +344,7 @@ fn stream_cut_at_the_budget(p: Personality) {
     // Asks for more than the budget: sluice lowers max_tokens to what it
     // covers, and the upstream ignores it and keeps generating.
     let body = chat(PROMPT, Some(5_000), true);
-    let est = estimate(&body);
+    let est = bound(&body);
     let allowance = BUDGET - est;
     let started = Instant::now();
     let resp = post_json(
@@ -373,7 +380,8 @@ fn stream_cut_at_the_budget(p: Personality) {
          of {BUDGET} (overshoot {}), {elapsed:?}",
         spent as i64 - BUDGET as i64
     );
-    // Input estimate + every event the client got: the budget, to the token.
+    // The input's bound (the cut stream never reported its input) + every
+    // event the client got: the budget, to the token.
     assert_eq!(spent, BUDGET);
 
     let next = post_json(
@@ -539,7 +547,7 @@ fn five_hundred_streams_with_random_disconnects_leave_no_reservation() {
 // ---------------------------------------------------------------------------
 
 #[test]
-fn missing_or_unbelievable_usage_settles_from_the_estimate() {
+fn missing_or_unbelievable_usage_settles_at_the_bound_on_a_hard_budget() {
     against(&speaking(Api::ChatCompletions), settles_unbelievable_usage);
 }
 
@@ -558,7 +566,8 @@ fn settles_unbelievable_usage(p: Personality) {
         )
     });
     let url = stack.envoy.url("/v1/chat/completions");
-    let est = estimate(&chat(PROMPT, None, false));
+    // Input nobody reported is charged to the hard budget at its bound.
+    let est = bound(&chat(PROMPT, None, false));
     // (x-mock-usage, stream); every request reserves est + MAX, so the
     // remaining-tokens header moves by exactly what each one was charged.
     let cases = [
@@ -599,8 +608,8 @@ fn settles_unbelievable_usage(p: Personality) {
         } else if believable {
             total_tokens(&resp)
         } else {
-            // No usage to believe: the input estimate, and the answer's
-            // text estimated the same way.
+            // No usage to believe: the input's bound, and the answer's
+            // text estimated.
             let body = resp.json();
             let text = body["choices"][0]["message"]["content"]
                 .as_str()
