@@ -123,7 +123,9 @@ impl AnswerAt {
 
     /// What an answer (`None`: not JSON) says it cost, and the output to
     /// charge when it says nothing believable: its text's estimate, or
-    /// `reserved` when there is no text to count.
+    /// `reserved` when there is no text to count. A count of 0 output
+    /// beside a text that is not empty is not believed (a service that
+    /// does not count, or counts wrong): the text's estimate is charged.
     pub fn read(&self, answer: Option<&Value>, reserved: u64) -> (Found, u64) {
         let Some(answer) = answer else {
             return (Found::Invalid, reserved);
@@ -146,6 +148,7 @@ impl AnswerAt {
         };
         match (count(&self.output_tokens), count(&self.input_tokens)) {
             (Some(Err(())), _) | (Some(Ok(_)), Some(Err(()))) => (Found::Invalid, reserved),
+            (Some(Ok(0)), _) if text() > 0 => (Found::Invalid, text()),
             (Some(Ok(output)), input) => {
                 // An input left out is estimated (settle reads 0 so).
                 let input = input.and_then(Result::ok).unwrap_or(0);
@@ -589,6 +592,28 @@ mod tests {
         assert_eq!(found, Found::Nothing);
         assert!((80..200).contains(&counted), "{counted}");
         assert_eq!(full.answer.read(None, 500), (Found::Invalid, 500));
+        // 0 output beside a text is not believed: the text is estimated.
+        let zero = json!({"reply": "word ".repeat(100), "usage": {"in": 12, "out": 0}});
+        let (found, counted) = full.answer.read(Some(&zero), 500);
+        assert_eq!(found, Found::Invalid);
+        assert!((80..200).contains(&counted), "{counted}");
+        // An empty or absent text leaves nothing to doubt.
+        for empty in [
+            json!({"reply": "", "usage": {"in": 3, "out": 0}}),
+            json!({"usage": {"in": 3, "out": 0}}),
+        ] {
+            assert_eq!(
+                full.answer.read(Some(&empty), 500),
+                (
+                    Found::Usage(Usage {
+                        input: 3,
+                        output: 0
+                    }),
+                    0
+                ),
+                "{empty}"
+            );
+        }
         let bare = declared(json!({}));
         assert_eq!(bare.answer.read(Some(&answer), 500), (Found::Nothing, 500));
     }
