@@ -10,14 +10,18 @@
 //! which plays the LLM servers sluice knows): it answers in its own shape
 //! and generates as many tokens as the body's `max_tokens` allows (64 when
 //! absent), which is what a service that obeys its limit does at worst.
+//! It reads its body as a Go service does (`encoding/json` into a struct:
+//! keys matched without case, the last match winning; mock-llm's
+//! `go_json`), so `"MAX_TOKENS": 4000` after `"max_tokens": 16` is 4,000.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
+use mock_llm::go_json::{self, GoStruct};
 use serde_json::{json, Value as Json};
 use sluice_tests::{bin_path, post_json, request, EnvoyConfig, Response, Stack};
 
@@ -31,11 +35,19 @@ fn prompt_tokens(body: &Json) -> u64 {
         .map_or(0, |m| m.split_whitespace().count() as u64)
 }
 
-/// The application's service: records each body it is sent.
+/// The service's request struct, by its `json:` tags.
+static REQUEST: GoStruct = GoStruct {
+    fields: &["model", "message", "user_id", "max_tokens"],
+    nested: &[],
+};
+
+/// The application's service: records each body it is sent (as sent) and
+/// the tokens it reported (input and output, as it read the body).
 struct App {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     bodies: Arc<Mutex<Vec<Json>>>,
+    reported: Arc<AtomicU64>,
 }
 
 impl App {
@@ -44,22 +56,32 @@ impl App {
         let addr = listener.local_addr().expect("address");
         let stop = Arc::new(AtomicBool::new(false));
         let bodies = Arc::new(Mutex::new(Vec::new()));
-        let (s, b) = (stop.clone(), bodies.clone());
+        let reported = Arc::new(AtomicU64::new(0));
+        let (s, b, r) = (stop.clone(), bodies.clone(), reported.clone());
         thread::spawn(move || {
             for conn in listener.incoming() {
                 if s.load(Ordering::SeqCst) {
                     return;
                 }
                 let Ok(conn) = conn else { continue };
-                let b = b.clone();
-                thread::spawn(move || serve(conn, &b));
+                let (b, r) = (b.clone(), r.clone());
+                thread::spawn(move || serve(conn, &b, &r));
             }
         });
-        App { addr, stop, bodies }
+        App {
+            addr,
+            stop,
+            bodies,
+            reported,
+        }
     }
 
     fn bodies(&self) -> Vec<Json> {
         self.bodies.lock().unwrap().clone()
+    }
+
+    fn reported(&self) -> u64 {
+        self.reported.load(Ordering::SeqCst)
     }
 }
 
@@ -71,7 +93,7 @@ impl Drop for App {
 }
 
 /// Serves requests on one connection (keep-alive) until it closes.
-fn serve(mut conn: TcpStream, bodies: &Mutex<Vec<Json>>) {
+fn serve(mut conn: TcpStream, bodies: &Mutex<Vec<Json>>, reported: &AtomicU64) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
     let mut buf = Vec::new();
     let mut chunk = [0u8; 8192];
@@ -97,12 +119,14 @@ fn serve(mut conn: TcpStream, bodies: &Mutex<Vec<Json>>) {
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
-        let body: Json =
-            serde_json::from_slice(&buf[head_end..head_end + length]).unwrap_or(Json::Null);
+        let bytes = &buf[head_end..head_end + length];
+        let body: Json = serde_json::from_slice(bytes).unwrap_or(Json::Null);
+        let read = go_json::read(bytes, &REQUEST).unwrap_or(Json::Null);
         buf.drain(..head_end + length);
         let answer = if head.starts_with(&format!("post {PATH} ")) {
-            let max = body["max_tokens"].as_u64().unwrap_or(64);
-            let prompt = prompt_tokens(&body);
+            let max = read["max_tokens"].as_u64().unwrap_or(64);
+            let prompt = prompt_tokens(&read);
+            reported.fetch_add(prompt + max, Ordering::SeqCst);
             bodies.lock().unwrap().push(body);
             json!({"reply": "tok ".repeat(max as usize).trim_end(),
                    "usage": {"prompt_tokens": prompt, "completion_tokens": max}})
@@ -340,4 +364,61 @@ fn check_config_names_a_bad_pointer() {
         !ok && out.contains("apis[0].path") && out.contains("built-in"),
         "{out}"
     );
+}
+
+/// Issue 48: a Go or ASP.NET Core service reads `MAX_TOKENS` as its
+/// `max_tokens`. Ten such requests at once on the free tier's 5,000-token
+/// budget, each reserving 16 tokens and asking the service for 4,000, cost
+/// 40,010 tokens; now each is a 400 naming the key, and nothing reaches
+/// the service. `Model` beside `model` (a bigger model than sluice
+/// decided on) is refused the same way, at any level and in Go's other
+/// spellings (KELVIN SIGN).
+#[test]
+fn keys_the_service_reads_without_case_are_refused_and_the_budget_holds() {
+    let app = App::start();
+    let stack = stack(&app, 5_000, true);
+    let url = stack.envoy.url(PATH);
+    let send = |body: &str| {
+        let headers = [("content-type", "application/json")];
+        request("POST", &url, &headers, Some(body.as_bytes().to_vec())).expect("transport")
+    };
+    // Written by hand: Go reads the last of the two, so it comes last.
+    let overshoot =
+        r#"{"model":"llama3.1:8b","message":"hello there","max_tokens":16,"MAX_TOKENS":4000}"#;
+    let responses: Vec<Response> = thread::scope(|s| {
+        let handles: Vec<_> = (0..10).map(|_| s.spawn(|| send(overshoot))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The body of an admitted one is 4,000 tokens: show its start only.
+    let short = |resp: &Response| resp.body.chars().take(300).collect::<String>();
+    for resp in &responses {
+        assert_eq!(resp.status, 400, "{}", short(resp));
+        let err = resp.json();
+        assert_eq!(err["error"]["param"], "/MAX_TOKENS", "{err}");
+    }
+    for (body, param) in [
+        (
+            r#"{"model":"llama3.1:8b","message":"hi","Model":"llama3.1:70b"}"#,
+            "/Model",
+        ),
+        (r#"{"Model":"llama3.1:70b","message":"hi"}"#, "/Model"),
+        (
+            "{\"model\":\"llama3.1:8b\",\"message\":\"hi\",\"max_to\u{212A}ens\":4000}",
+            "/max_to\u{212A}ens",
+        ),
+    ] {
+        let resp = send(body);
+        assert_eq!(resp.status, 400, "{body}: {}", short(&resp));
+        assert_eq!(resp.json()["error"]["param"], param, "{body}");
+    }
+    assert!(app.bodies().is_empty(), "{:?}", app.bodies());
+    assert_eq!(app.reported(), 0, "the service generated nothing");
+    let charged = tokens(&stack, "input", "actual") + tokens(&stack, "output", "actual");
+    assert_eq!(charged, 0);
+    // The exact spelling still goes through, and its cost is what the
+    // service reported.
+    let resp = send(r#"{"model":"llama3.1:8b","message":"hello there","max_tokens":16}"#);
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert_eq!(app.reported(), 2 + 16);
+    assert!(app.reported() <= 5_000);
 }

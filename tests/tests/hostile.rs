@@ -295,3 +295,80 @@ fn a_body_at_the_cap_survives_the_rewrite() {
     let sent = upstream_body(&stack);
     assert_eq!(sent["stream_options"]["include_usage"], true, "rewritten");
 }
+
+/// Finding (issue 48): fields a server reads that sluice read otherwise. A
+/// declared service in Go or ASP.NET Core reads `MAX_TOKENS` as its
+/// `max_tokens` and `Model` as its `model` (ten `"MAX_TOKENS": 4000`
+/// requests beside `"max_tokens": 16` cost 40,010 tokens on a 5,000
+/// budget); OpenAI reads an input item `{"id": "msg_1"}` (no type, or a
+/// null one) as a stored item by id, input sluice never saw. One row per
+/// field: each is a 400 naming it, and none reaches the upstream.
+#[test]
+fn fields_a_server_reads_otherwise_are_refused_naming_them() {
+    let stack = Stack::start(|cfg| {
+        cfg.policy_mut()["apis"] = serde_yaml::to_value(json!([{
+            "path": "/api/v1/ai/chat", "model": "/model", "input": ["/message"],
+            "output_limit": "/options/max_tokens",
+        }]))
+        .expect("YAML");
+    });
+    let declared = |extra: Value| {
+        let mut body = json!({"model": MODEL, "message": "hi", "options": {"max_tokens": 16}});
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let responses = |input: Value| json!({"model": MODEL, "input": input, "max_output_tokens": 16});
+    let mut nested = declared(json!({}));
+    nested["options"]["MAX_TOKENS"] = json!(4000);
+    let rows = [
+        ("/api/v1/ai/chat", nested, "/options/MAX_TOKENS"),
+        (
+            "/api/v1/ai/chat",
+            declared(json!({"Options": {"max_tokens": 4000}})),
+            "/Options",
+        ),
+        (
+            "/api/v1/ai/chat",
+            declared(json!({"Model": "llama3.1:70b"})),
+            "/Model",
+        ),
+        (
+            "/api/v1/ai/chat",
+            declared(json!({"me\u{17F}\u{17F}age": "a prompt"})),
+            "/me\u{17F}\u{17F}age",
+        ),
+        (
+            "/v1/responses",
+            responses(json!([{"id": "msg_1"}])),
+            "input",
+        ),
+        (
+            "/v1/responses",
+            responses(json!([{"role": "user", "content": "hi"}, {"id": "msg_1", "type": null}])),
+            "input",
+        ),
+        (
+            "/v1/responses",
+            responses(json!([{"type": "item_reference", "id": "msg_1"}])),
+            "input",
+        ),
+    ];
+    for (path, body, param) in rows {
+        let resp = post_json(&stack.envoy.url(path), &[], &body);
+        assert_invalid(&resp, Some(param));
+        assert_eq!(stack.upstream_requests(), 0, "{path} {body}");
+    }
+    // An item with an id and content of its own (an assistant message sent
+    // back) is no reference.
+    let body = responses(json!([
+        {"role": "user", "content": "hi"},
+        {"id": "msg_0", "type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "hello"}]},
+        {"role": "user", "content": "and then?"},
+    ]));
+    let resp = post_json(&stack.envoy.url("/v1/responses"), &[], &body);
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert_eq!(stack.upstream_requests(), 1);
+}

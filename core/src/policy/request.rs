@@ -25,7 +25,8 @@ pub struct RequestConfig {
     pub rate_limit_headers: RateLimitHeaders,
     /// Admit Responses API requests that have the server add stored
     /// context (`previous_response_id`, `conversation`, a stored `prompt`,
-    /// an `item_reference` input). Off: they are 400s naming the field,
+    /// an input item by id: `item_reference`, or an `id` with no type and
+    /// no content). Off: they are 400s naming the field,
     /// since that context is billed as input sluice cannot see or reserve.
     /// On: it is charged when the answer's usage settles, but not
     /// reserved, so a hard budget can be overshot by it.

@@ -15,6 +15,7 @@ use serde_json::{Map, Value};
 use super::demand::{self, Api, BadBody, Demand};
 use super::estimate;
 use super::reconcile::{Found, Usage};
+use super::spelling;
 use crate::policy::apis::{segments, DeclaredAnswer, DeclaredApi};
 
 /// A JSON pointer, as written (what errors name) and as its segments.
@@ -35,14 +36,19 @@ impl Pointer {
     /// The value it points at; `null` reads as absent. A numeric segment
     /// indexes an array.
     pub fn get<'a>(&self, v: &'a Value) -> Option<&'a Value> {
+        self.at(v, self.segments.len()).filter(|v| !v.is_null())
+    }
+
+    /// The value at its first `n` segments, spelled exactly.
+    fn at<'a>(&self, v: &'a Value, n: usize) -> Option<&'a Value> {
         self.segments
+            .get(..n)?
             .iter()
             .try_fold(v, |v, key| match v {
                 Value::Object(fields) => fields.get(key),
                 Value::Array(items) => items.get(key.parse::<usize>().ok()?),
                 _ => None,
             })
-            .filter(|v| !v.is_null())
     }
 
     /// A body whose value here sluice can write: every part of the path
@@ -65,11 +71,7 @@ impl Pointer {
 
     /// The first `n` segments, written as a pointer.
     fn prefix(&self, n: usize) -> String {
-        let parts: Vec<String> = self.segments[..n]
-            .iter()
-            .map(|s| s.replace('~', "~0").replace('/', "~1"))
-            .collect();
-        format!("/{}", parts.join("/"))
+        self.segments.iter().take(n).map(|s| child("", s)).collect()
     }
 
     /// Writes `new` here, creating the objects on the way (checked
@@ -91,6 +93,11 @@ impl Pointer {
             fields.insert(last.clone(), new);
         }
     }
+}
+
+/// The pointer to the member `key` of the value at `parent` (a pointer).
+fn child(parent: &str, key: &str) -> String {
+    format!("{parent}/{}", key.replace('~', "~0").replace('/', "~1"))
 }
 
 /// Where a declared API's answer holds its text and usage.
@@ -116,7 +123,9 @@ impl AnswerAt {
 
     /// What an answer (`None`: not JSON) says it cost, and the output to
     /// charge when it says nothing believable: its text's estimate, or
-    /// `reserved` when there is no text to count.
+    /// `reserved` when there is no text to count. A count of 0 output
+    /// beside a text that is not empty is not believed (a service that
+    /// does not count, or counts wrong): the text's estimate is charged.
     pub fn read(&self, answer: Option<&Value>, reserved: u64) -> (Found, u64) {
         let Some(answer) = answer else {
             return (Found::Invalid, reserved);
@@ -129,20 +138,24 @@ impl AnswerAt {
                     .ok_or(()),
             )
         };
+        let text = || {
+            let tokens = self
+                .text
+                .as_ref()
+                .and_then(|text| text.get(answer))
+                .map_or(0.0, estimate::content_tokens);
+            tokens.ceil() as u64
+        };
         match (count(&self.output_tokens), count(&self.input_tokens)) {
             (Some(Err(())), _) | (Some(Ok(_)), Some(Err(()))) => (Found::Invalid, reserved),
+            (Some(Ok(0)), _) if text() > 0 => (Found::Invalid, text()),
             (Some(Ok(output)), input) => {
                 // An input left out is estimated (settle reads 0 so).
                 let input = input.and_then(Result::ok).unwrap_or(0);
                 (Found::Usage(Usage { input, output }), output)
             }
-            (None, _) => match self.text.as_ref() {
-                Some(text) => {
-                    let tokens = text.get(answer).map_or(0.0, estimate::content_tokens);
-                    (Found::Nothing, tokens.ceil() as u64)
-                }
-                None => (Found::Nothing, reserved),
-            },
+            (None, _) if self.text.is_some() => (Found::Nothing, text()),
+            (None, _) => (Found::Nothing, reserved),
         }
     }
 
@@ -212,6 +225,7 @@ impl Declared {
                 param: None,
             });
         }
+        self.refuse_case_variants(&value)?;
         self.model.writable(&value)?;
         let model = demand::model_at(self.model.get(&value), &self.model.written)?;
         self.limit.writable(&value)?;
@@ -241,6 +255,40 @@ impl Declared {
             prompts: 1,
         };
         Ok((demand, value))
+    }
+
+    /// Every pointer a body is read or written at.
+    fn pointers(&self) -> impl Iterator<Item = &Pointer> + Clone {
+        [&self.model, &self.limit].into_iter().chain(&self.input)
+    }
+
+    /// Refuses a key that a service matching keys without case (Go's
+    /// `encoding/json`, ASP.NET Core's System.Text.Json: `usage/spelling.rs`)
+    /// would read as a segment of a pointer, spelled otherwise: sluice
+    /// would read one value and the service another (`MAX_TOKENS` beside
+    /// `max_tokens`, a `Model` sluice never sees). At every level, from the
+    /// top down, below the segments spelled exactly; the 400 names the
+    /// key's pointer.
+    fn refuse_case_variants(&self, body: &Value) -> Result<(), BadBody> {
+        let depth = self.pointers().map(|p| p.segments.len()).max();
+        for level in 0..depth.unwrap_or(0) {
+            for p in self.pointers().filter(|p| p.segments.len() > level) {
+                let Some(object) = p.at(body, level) else {
+                    continue;
+                };
+                let within = &p.segments[..level];
+                let names = || {
+                    self.pointers()
+                        .filter(move |q| q.segments.len() > level && q.segments[..level] == *within)
+                        .map(move |q| q.segments[level].as_str())
+                };
+                if let Some((key, name)) = spelling::misspelled(object, names) {
+                    let parent = p.prefix(level);
+                    return Err(spelling::refusal(&key, name, |k| child(&parent, k)));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Estimated input tokens: the text at each `input` pointer.
@@ -379,6 +427,115 @@ mod tests {
         assert!(d.parse(0, b"[1]", &|_| 1000).is_err());
     }
 
+    fn declared_at(model: &str, input: &[&str], limit: &str) -> Declared {
+        let api: DeclaredApi = serde_json::from_value(json!({
+            "path": "/app", "model": model, "input": input, "output_limit": limit,
+        }))
+        .unwrap();
+        Declared::compile(&api).unwrap()
+    }
+
+    fn refused_at(d: &Declared, body: Value) -> String {
+        let err = parse(d, body.clone()).expect_err("must be refused");
+        assert!(err.message.contains("another spelling"), "{body}: {err:?}");
+        err.param.unwrap_or_default()
+    }
+
+    /// A Go or ASP.NET Core service reads `MAX_TOKENS` as its `max_tokens`
+    /// and `Model` as its `model`: sluice refuses them, alone or beside
+    /// the exact spelling, whatever the key order.
+    #[test]
+    fn a_key_that_folds_onto_a_pointer_is_refused_naming_it() {
+        let d = declared_at("/model", &["/message"], "/max_tokens");
+        let base = json!({"model": "llama3.1:8b", "message": "hi", "max_tokens": 16});
+        for (key, value) in [
+            ("MAX_TOKENS", json!(4000)),
+            ("Max_Tokens", json!(4000)),
+            ("max_to\u{212A}ens", json!(4000)),
+            ("Model", json!("llama3.1:70b")),
+            ("MODEL", json!("llama3.1:70b")),
+            (
+                "Me\u{17F}\u{17F}age",
+                json!("a prompt sluice never counted"),
+            ),
+        ] {
+            let mut beside = base.clone();
+            beside[key] = value.clone();
+            assert_eq!(refused_at(&d, beside), format!("/{key}"));
+            let mut alone = base.clone();
+            let exact = key
+                .to_lowercase()
+                .replace('\u{212A}', "k")
+                .replace('\u{17F}', "s");
+            alone.as_object_mut().unwrap().remove(&exact);
+            alone[key] = value;
+            assert_eq!(refused_at(&d, alone), format!("/{key}"), "{key} alone");
+        }
+        let err = parse(&d, json!({"model": "m", "MAX_TOKENS": 4000})).unwrap_err();
+        assert!(
+            err.message
+                .contains("`/MAX_TOKENS` is another spelling of `/max_tokens`"),
+            "{err:?}"
+        );
+        // Keys the service does not read, in any case, and runes Go does
+        // not fold onto ASCII.
+        parse(
+            &d,
+            json!({"model": "m", "User_Id": "u", "TEMPERATURE": 1, "\u{131}nput": "x", "modell": 1}),
+        )
+        .unwrap();
+    }
+
+    /// Every level of a pointer, arrays included, and pointers whose
+    /// segments are not lower case (a C# service's `Request.MaxTokens`).
+    #[test]
+    fn every_level_of_a_pointer_is_checked() {
+        let d = declared_at(
+            "/Request/Model",
+            &["/Request/Turns/0/Text", "/Request/System"],
+            "/Request/Options/MaxTokens",
+        );
+        let ok = json!({"Request": {"Model": "m", "Turns": [{"Text": "hi"}],
+                                    "Options": {"MaxTokens": 16}}});
+        let (demand, _) = parse(&d, ok.clone()).unwrap();
+        assert_eq!(demand.max_output, Some(16));
+        let cases = [
+            (json!({"request": ok["Request"].clone()}), "/request"),
+            (
+                json!({"Request": {"Model": "m", "model": "big"}}),
+                "/Request/model",
+            ),
+            (
+                json!({"Request": {"Model": "m", "options": {"MaxTokens": 4000}}}),
+                "/Request/options",
+            ),
+            (
+                json!({"Request": {"Model": "m", "Options": {"MaxTokens": 16, "maxTokens": 4000}}}),
+                "/Request/Options/maxTokens",
+            ),
+            (
+                json!({"Request": {"Model": "m", "Turns": [{"Text": "hi", "TEXT": "long"}]}}),
+                "/Request/Turns/0/TEXT",
+            ),
+            (
+                json!({"Request": {"Model": "m", "\u{17F}ystem": "long"}}),
+                "/Request/\u{17F}ystem",
+            ),
+        ];
+        for (body, param) in cases {
+            assert_eq!(refused_at(&d, body.clone()), param, "{body}");
+        }
+        // Only the first item is declared: the others are not read.
+        parse(
+            &d,
+            json!({"Request": {"Model": "m", "Turns": [{"Text": "a"}, {"TEXT": "b"}]}}),
+        )
+        .unwrap();
+        // A segment with `/` or `~` is named escaped.
+        let d = declared_at("/a~1b", &["/m"], "/max");
+        assert_eq!(refused_at(&d, json!({"a/b": "m", "A/B": "x"})), "/A~1B");
+    }
+
     #[test]
     fn the_rewrite_touches_the_pointers_only() {
         let d = declared(json!({}));
@@ -435,6 +592,28 @@ mod tests {
         assert_eq!(found, Found::Nothing);
         assert!((80..200).contains(&counted), "{counted}");
         assert_eq!(full.answer.read(None, 500), (Found::Invalid, 500));
+        // 0 output beside a text is not believed: the text is estimated.
+        let zero = json!({"reply": "word ".repeat(100), "usage": {"in": 12, "out": 0}});
+        let (found, counted) = full.answer.read(Some(&zero), 500);
+        assert_eq!(found, Found::Invalid);
+        assert!((80..200).contains(&counted), "{counted}");
+        // An empty or absent text leaves nothing to doubt.
+        for empty in [
+            json!({"reply": "", "usage": {"in": 3, "out": 0}}),
+            json!({"usage": {"in": 3, "out": 0}}),
+        ] {
+            assert_eq!(
+                full.answer.read(Some(&empty), 500),
+                (
+                    Found::Usage(Usage {
+                        input: 3,
+                        output: 0
+                    }),
+                    0
+                ),
+                "{empty}"
+            );
+        }
         let bare = declared(json!({}));
         assert_eq!(bare.answer.read(Some(&answer), 500), (Found::Nothing, 500));
     }

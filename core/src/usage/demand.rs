@@ -897,7 +897,13 @@ impl<'de> serde::de::Visitor<'de> for Strict<'_> {
 ///   protocol.py `ResponsesRequest`);
 /// - `conversation`: a stored conversation's items are prepended (OpenAI);
 /// - `prompt`: a stored prompt template by id (OpenAI; vLLM refuses it);
-/// - an `input` item of type `item_reference`: a stored item by id.
+/// - an `input` item that is a stored item by id: one of type
+///   `item_reference`, or one with an `id` and no content of its own (no
+///   `type`, or a `null` one, and no `content`). OpenAI's `ItemReference`
+///   is `{id, type?}` with `type` optional and nullable (openai-python
+///   `src/openai/types/responses/response_input_item_param.py`), so
+///   `{"id": "msg_1"}` is one; an item with an `id` and its own content
+///   (an assistant message sent back, a function call) is not.
 ///
 /// Other APIs carry their whole context in the body.
 pub fn stored_context<'a>(api: Api, body: impl View<'a>) -> Option<&'static str> {
@@ -908,12 +914,18 @@ pub fn stored_context<'a>(api: Api, body: impl View<'a>) -> Option<&'static str>
     if let Some(field) = BY_ID.into_iter().find(|f| body.present(f).is_some()) {
         return Some(field);
     }
-    let references = body.get("input").is_some_and(|input| {
-        input
-            .items()
-            .any(|i| i.get("type").and_then(View::str).as_deref() == Some("item_reference"))
-    });
+    let references = body
+        .get("input")
+        .is_some_and(|input| input.items().any(is_reference));
     references.then_some("input")
+}
+
+/// Is this Responses API input item a stored item by id?
+fn is_reference<'a>(item: impl View<'a>) -> bool {
+    match item.present("type") {
+        Some(kind) => kind.str().as_deref() == Some("item_reference"),
+        None => item.present("id").is_some() && item.present("content").is_none(),
+    }
 }
 
 #[cfg(test)]
@@ -1545,6 +1557,30 @@ mod tests {
             ),
             Some("input")
         );
+        // A stored item by id with no type, or a null one.
+        for item in [
+            json!({"id": "msg_1"}),
+            json!({"id": "msg_1", "type": null}),
+            json!({"id": "msg_1", "type": null, "content": null}),
+            json!({"id": "msg_1", "role": "user"}),
+            json!({"id": "msg_1", "type": "item_reference", "content": "x"}),
+        ] {
+            let body = json!({"model": "m", "input": [{"role": "user", "content": "hi"}, item]});
+            assert_eq!(on(r, body.clone()), Some("input"), "{body}");
+        }
+        // Items with an id and content of their own are no references.
+        for item in [
+            json!({"id": "msg_1", "type": "message", "role": "assistant",
+                   "content": [{"type": "output_text", "text": "hello"}]}),
+            json!({"id": "msg_1", "role": "assistant", "content": "hello"}),
+            json!({"id": "fc_1", "type": "function_call", "call_id": "c", "name": "f",
+                   "arguments": "{}"}),
+            json!({"type": "message", "role": "user", "content": "no id"}),
+            json!({"id": null, "role": "user", "content": "x"}),
+        ] {
+            let body = json!({"model": "m", "input": [item]});
+            assert_eq!(on(r, body.clone()), None, "{body}");
+        }
         // Explicit nulls carry nothing.
         assert_eq!(
             on(

@@ -21,6 +21,17 @@
 //! route may have Ollama behind it, a key that folds onto a key sluice
 //! reads, spelled otherwise, is a 400 naming it, whatever the API.
 //!
+//! A declared API (`usage/declared.rs`) is an application's own service,
+//! as likely written in Go as in ASP.NET Core, where System.Text.Json
+//! matches keys without case under `PropertyNameCaseInsensitive` (the web
+//! default) by `StringComparer.OrdinalIgnoreCase` (dotnet/runtime
+//! `System.Text.Json`, `JsonPropertyDictionary`), which upper-cases each
+//! UTF-16 unit by its simple mapping and keeps `ı` and `ſ` as they are
+//! (`System.Globalization.Native/pal_casing.c`,
+//! `InitOrdinalCasingPage`): for ASCII names a subset of what Go folds.
+//! Its pointers' segments are checked at every level with the same
+//! folding ([`misspelled`], [`refusal`]).
+//!
 //! Not checked, because Go reads them exactly too: the keys inside
 //! Ollama's `options` (a `map[string]any`, matched key by key against the
 //! option names by `Options.FromMap`, ollama `api/types.go`: a
@@ -54,19 +65,46 @@ const READ: &[&str] = &[
 /// Keys sluice reads inside an object-valued key, as `(outer, inner)`.
 const NESTED: &[(&str, &[&str])] = &[("stream_options", &["include_usage"])];
 
-/// Does Go fold `key` onto `name` (all ASCII) while it is spelled
-/// otherwise? ASCII letters match in either case, and the two non-ASCII
-/// runes whose fold orbit holds an ASCII letter (KELVIN SIGN with `k`,
-/// LONG S with `s`) match that letter; every other non-ASCII rune folds to
-/// a non-ASCII one, so never onto a name. Allocates nothing: it runs on
-/// every key of every body.
+/// The representative of `c`'s fold set: two runes match without case
+/// exactly when their folds are equal. Go folds ASCII letters by case and
+/// every other rune to the smallest of its `unicode.SimpleFold` orbit
+/// (`encoding/json/fold.go`, `foldRune`): Unicode's simple case folding,
+/// which puts KELVIN SIGN with `k`, LONG S with `s`, `ς` with `σ`, and
+/// leaves the Turkish `ı` and `İ` alone. std has no simple folding, so the
+/// lower case of the upper case stands for it; it agrees for every rune
+/// whose case mappings are single runes. A rune whose upper case is
+/// several (`ß`, ligatures, some accented Greek) is compared as itself,
+/// which misses the few orbits among those (`ß` with `ẞ` is still found).
+/// Allocates nothing: it runs on keys of every body.
+fn fold(c: char) -> char {
+    if c.is_ascii() {
+        return c.to_ascii_lowercase();
+    }
+    if matches!(c, '\u{130}' | '\u{131}') {
+        return c;
+    }
+    let upper = single(c.to_uppercase()).unwrap_or(c);
+    single(upper.to_lowercase()).unwrap_or(upper)
+}
+
+/// The one rune a case mapping gives, if it gives one.
+fn single(mut mapped: impl Iterator<Item = char>) -> Option<char> {
+    match (mapped.next(), mapped.next()) {
+        (Some(c), None) => Some(c),
+        _ => None,
+    }
+}
+
+/// Does a server matching keys without case read `key` as `name`, while
+/// it is spelled otherwise?
 fn folds_to(key: &str, name: &str) -> bool {
-    let fold = |c: char| match c {
-        '\u{212A}' => 'k',
-        '\u{017F}' => 's',
-        c => c.to_ascii_lowercase(),
-    };
-    key != name && key.chars().map(fold).eq(name.chars())
+    key != name && key.chars().map(fold).eq(name.chars().map(fold))
+}
+
+/// A name no other spelling folds onto but itself, once the key is plain
+/// too: lower-case ASCII (the built-in keys all are).
+fn plain(s: &str) -> bool {
+    !s.bytes().any(|b| b.is_ascii_uppercase() || !b.is_ascii())
 }
 
 /// Every top-level key sluice reads.
@@ -105,22 +143,37 @@ fn multiplier_fields() -> impl Iterator<Item = &'static str> {
     })
 }
 
-/// The key of an object that a Go server would read as one of `names` but
-/// that is spelled otherwise, and the name it stands for; of several, the
-/// first in byte order (so the answer does not depend on the key order).
-fn misspelled<'a, I>(
+/// The key of an object that a server matching keys without case would
+/// read as one of `names` but that is spelled otherwise, and the name it
+/// stands for; of several, the first in byte order (so the answer does not
+/// depend on the key order). A key spelled exactly as one of the names is
+/// that name, whatever else it folds onto.
+pub(crate) fn misspelled<'a, 'n, I>(
     object: impl View<'a>,
     names: impl Fn() -> I,
-) -> Option<(Cow<'a, str>, &'static str)>
+) -> Option<(Cow<'a, str>, &'n str)>
 where
-    I: Iterator<Item = &'static str>,
+    I: Iterator<Item = &'n str>,
 {
-    // A key of lower-case ASCII folds onto nothing but itself: the common
-    // case costs one pass over its bytes.
-    let may_fold = |key: &str| key.bytes().any(|b| b.is_ascii_uppercase() || !b.is_ascii());
+    let names_plain = names().all(plain);
+    find(object, names, names_plain)
+}
+
+/// [`misspelled`], told whether every name is plain: then a plain key
+/// folds onto none of them but itself, and the common key costs one pass
+/// over its bytes.
+fn find<'a, 'n, I>(
+    object: impl View<'a>,
+    names: impl Fn() -> I,
+    names_plain: bool,
+) -> Option<(Cow<'a, str>, &'n str)>
+where
+    I: Iterator<Item = &'n str>,
+{
     object
         .members()
-        .filter(|(k, _)| may_fold(k))
+        .filter(|(key, _)| !(names_plain && plain(key)))
+        .filter(|(key, _)| !names().any(|name| name == key))
         .filter_map(|(key, _)| {
             let name = names().find(|name| folds_to(&key, name))?;
             Some((key, name))
@@ -131,27 +184,27 @@ where
 /// Refuses a body with a key that a server matching keys without case
 /// would read as a key sluice reads, spelled otherwise: a 400 naming it.
 pub fn refuse_case_variants<'a>(body: impl View<'a>) -> Result<(), BadBody> {
-    if let Some((key, name)) = misspelled(body, read_keys) {
-        return Err(refusal(&key, name, None));
+    // Every built-in name is plain (a test holds it).
+    if let Some((key, name)) = find(body, read_keys, true) {
+        return Err(refusal(&key, name, |k| k.to_string()));
     }
     for (outer, inner) in NESTED {
         let Some(nested) = body.get(outer) else {
             continue;
         };
-        if let Some((key, name)) = misspelled(nested, || inner.iter().copied()) {
-            return Err(refusal(&key, name, Some(outer)));
+        if let Some((key, name)) = find(nested, || inner.iter().copied(), true) {
+            return Err(refusal(&key, name, |k| format!("{outer}.{k}")));
         }
     }
     Ok(())
 }
 
-fn refusal(key: &str, name: &str, outer: Option<&str>) -> BadBody {
+/// The 400 for `key`, another spelling of `name`; `path` writes a key of
+/// the object that holds them as the API's errors write a field.
+pub(crate) fn refusal(key: &str, name: &str, path: impl Fn(&str) -> String) -> BadBody {
     // The key is the client's text: keep the answer short.
     let key: String = key.chars().take(64).collect();
-    let (shown, name) = match outer {
-        Some(outer) => (format!("{outer}.{key}"), format!("{outer}.{name}")),
-        None => (key, name.to_string()),
-    };
+    let (shown, name) = (path(&key), path(name));
     BadBody::at(
         &shown,
         format!("`{shown}` is another spelling of `{name}`, which a server that matches keys without case would read: spell it `{name}`"),
@@ -230,6 +283,71 @@ mod tests {
         );
         // Dotless i folds to no ASCII letter in Go's orbit: not `input`.
         check(json!({"\u{131}nput": "x"})).unwrap();
+    }
+
+    /// The built-in check skips plain keys, which is right only while
+    /// every built-in name is plain.
+    #[test]
+    fn every_built_in_name_is_plain() {
+        for name in read_keys().chain(
+            NESTED
+                .iter()
+                .flat_map(|(o, i)| std::iter::once(*o).chain(i.iter().copied())),
+        ) {
+            assert!(plain(name), "{name}");
+        }
+    }
+
+    /// Go's orbits (`unicode.SimpleFold`, golang/go
+    /// `src/unicode/letter_test.go`, `simpleFoldTests`), and the runes it
+    /// leaves alone.
+    #[test]
+    fn runes_fold_as_go_folds_them() {
+        for orbit in [
+            "Aa",
+            "δΔ",
+            "KkK",
+            "Ssſ",
+            "ρϱΡ",
+            "ͅΙιι",
+            "Σσς",
+            "ẞß",
+            "Ǆǅǆ",
+            "\u{13b0}\u{ab80}",
+        ] {
+            let folds: Vec<char> = orbit.chars().map(fold).collect();
+            assert!(folds.windows(2).all(|w| w[0] == w[1]), "{orbit}: {folds:?}");
+        }
+        // Cased, but no simple case folding: none of them is `i`.
+        for alone in ['\u{130}', '\u{131}'] {
+            assert_ne!(fold(alone), 'i');
+            assert_ne!(fold(alone), fold('I'));
+        }
+        assert!(folds_to("\u{212A}elvin", "kelvin"));
+        assert!(folds_to("Model", "model") && folds_to("model", "Model"));
+        assert!(!folds_to("model", "model"));
+        assert!(!folds_to("models", "model"));
+    }
+
+    /// Names of any case (a declared pointer's segments): a plain key may
+    /// fold onto one, and a key spelled as one of them is that one.
+    #[test]
+    fn names_of_any_case_are_matched_both_ways() {
+        let body = json!({"model": "m", "Input": "x"});
+        let names = || ["Model", "Input"].into_iter();
+        assert_eq!(
+            misspelled(&body, names),
+            Some((Cow::Borrowed("model"), "Model"))
+        );
+        let both = json!({"Model": "a", "model": "b"});
+        let names = || ["Model", "model"].into_iter();
+        assert_eq!(misspelled(&both, names), None, "each spelled exactly");
+        let names = || ["Ärger"].into_iter();
+        assert_eq!(
+            misspelled(&json!({"äRGER": 1}), names),
+            Some((Cow::Borrowed("äRGER"), "Ärger"))
+        );
+        assert_eq!(misspelled(&json!({"Ärger": 1, "arger": 2}), names), None);
     }
 
     #[test]
