@@ -45,6 +45,9 @@ use sluice_tests::{
 /// in the issue's repro); llama.cpp serves whatever the body names.
 const MODEL: &str = "llama3.1:8b";
 
+/// Another model the shipped policy lists.
+const OTHER_MODEL: &str = "mistral:7b";
+
 /// The free tier's key in the shipped policy (hard 5,000 tokens a day).
 const FREE_KEY: &str = "demo-free-key";
 
@@ -419,15 +422,18 @@ fn prosa(i: usize) -> String {
 /// sends Italian prose of 800–1,100 characters, half of it streamed, two
 /// at a time, until the budget refuses. Against the server's own counts
 /// (its `usage`, each answer's), what it charged never passes 5,000, and
-/// sluice's own counters charged exactly that.
+/// sluice's own counters charged exactly that. After the first refusal
+/// the caller tries the same prose on another listed model, as an attacker
+/// would: a reservation must cover what the server can charge there too.
 ///
-/// On main before issue 48 item 1 this passes by the numbers, not by
-/// construction: every reservation it prints is 8–38 % below what the
-/// server charged (the estimate undercounts SmolLM2's Italian, see
-/// bench/ESTIMATOR.md), and the 13 requests happen to leave 215 tokens,
-/// less than the next reservation; a remainder between a request's
-/// reservation and its cost would have overshot.
+/// Before issue 48 item 1 every reservation it prints is 8–38 % below
+/// what the server charged (the estimate undercounts SmolLM2's Italian,
+/// see bench/ESTIMATOR.md): the pairs alone happened to stop 215 tokens
+/// short (13 admitted, 4,785), a remainder the next reservation did not
+/// fit; the other model's uncorrected estimate fits it (reserved 201 for
+/// 336): 5,121 charged on 5,000.
 #[test]
+#[ignore = "needs bounded reservation (issue 48 item 1)"]
 fn the_free_keys_hard_budget_holds_against_llamacpps_own_counts() {
     let Some(server) = require("the_free_keys_hard_budget_holds_against_llamacpps_own_counts")
     else {
@@ -504,6 +510,26 @@ fn the_free_keys_hard_budget_holds_against_llamacpps_own_counts() {
             break 'rounds;
         }
     }
+    // Then the caller's last try, as an attacker would make it: the same
+    // prose on another model the policy lists (one budget for the key),
+    // whose correction has learnt nothing yet, so its reservation is the
+    // raw estimate, a third under this server's count of Italian.
+    let mut tail = 0;
+    for i in 0..3 {
+        let mut body = chat(&prosa(100 + i), json!({"max_tokens": 8}));
+        body["model"] = OTHER_MODEL.into();
+        let resp = real.post("/v1/chat/completions", &key, &body);
+        match resp.status {
+            200 => {
+                let (input, output) = usage_of(&resp);
+                used += input + output;
+                admitted += 1;
+                tail += 1;
+            }
+            429 => break,
+            other => panic!("unexpected {other}: {resp:?}"),
+        }
+    }
     real.assert_no_reservation_left();
     // What each admitted request reserved against what it cost, for the
     // record (the reservation is what bounds an overshoot).
@@ -519,8 +545,9 @@ fn the_free_keys_hard_budget_holds_against_llamacpps_own_counts() {
     }
     let charged = real.settled("input") + real.settled("output");
     println!(
-        "free key, hard {BUDGET}: {admitted} admitted ({streamed} streamed), \
-         llama.cpp counted {used}, sluice charged {charged}, in {:?}",
+        "free key, hard {BUDGET}: {admitted} admitted ({streamed} streamed, {tail} on \
+         {OTHER_MODEL} after the first refusal), llama.cpp counted {used}, sluice charged \
+         {charged}, in {:?}",
         started.elapsed()
     );
     assert_eq!(charged, used, "sluice charged what the server reported");
