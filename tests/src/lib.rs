@@ -25,6 +25,7 @@ use serde_yaml::Value;
 
 pub mod fleet;
 pub mod layers;
+pub mod llamacpp;
 pub mod org;
 pub mod third_party;
 

@@ -337,14 +337,20 @@ pub fn stats(points: &[Point], class: Option<&str>, vocab: usize) -> Stats {
 
 /// The Markdown report: one row per class and one overall, for each tokenizer.
 pub fn table(points: &[Point]) -> String {
+    table_for(points, &VOCABS)
+}
+
+/// [`table`] for points measured against the tokenizers `vocabs` names, in
+/// that order.
+pub fn table_for(points: &[Point], vocabs: &[&str]) -> String {
     let pct = |x: f64| format!("{:.1} %", x * 100.0);
     let signed = |x: f64| format!("{:+.1} %", x * 100.0);
     let mut out = String::from("| class | n |");
-    for v in VOCABS {
+    for v in vocabs {
         out.push_str(&format!(" {v} median | {v} p95 | {v} bias |"));
     }
     out.push_str("\n|---|--:|");
-    out.push_str(&"--:|--:|--:|".repeat(VOCABS.len()));
+    out.push_str(&"--:|--:|--:|".repeat(vocabs.len()));
     out.push('\n');
     let rows = CLASSES
         .iter()
@@ -353,7 +359,7 @@ pub fn table(points: &[Point]) -> String {
     for (label, class) in rows {
         let first = stats(points, class, 0);
         out.push_str(&format!("| {label} | {} |", first.n));
-        for v in 0..VOCABS.len() {
+        for v in 0..vocabs.len() {
             let s = stats(points, class, v);
             out.push_str(&format!(
                 " {} | {} | {} |",
@@ -366,6 +372,8 @@ pub fn table(points: &[Point]) -> String {
     }
     out
 }
+
+pub mod llamacpp;
 
 #[cfg(test)]
 mod tests {

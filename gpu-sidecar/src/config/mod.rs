@@ -114,13 +114,14 @@ impl Config {
         Ok(config)
     }
 
-    /// Every backend, vLLM ones first, then Ollama, then DCGM, with its kind.
+    /// Every backend, vLLM ones first, then Ollama, llama.cpp, DCGM, with its kind.
     pub fn backends(&self) -> Vec<(BackendKind, &BackendConfig)> {
         let vllm = self.sources.vllm.iter().map(|b| (BackendKind::Vllm, b));
         let ollama = self.sources.ollama.iter().map(|b| (BackendKind::Ollama, b));
+        let llamacpp = (self.sources.llamacpp.iter()).map(|b| (BackendKind::LlamaCpp, b));
         let dcgm =
             (self.sources.dcgm.iter().enumerate()).map(|(i, d)| (BackendKind::Dcgm(i), &d.backend));
-        vllm.chain(ollama).chain(dcgm).collect()
+        vllm.chain(ollama).chain(llamacpp).chain(dcgm).collect()
     }
 
     pub fn policy(&self) -> Policy {
@@ -250,6 +251,38 @@ mod tests {
                 ("backend:o".into(), vec![1]),
             ]
         );
+    }
+
+    #[test]
+    fn a_llamacpp_backend_is_a_scope_and_shares_the_name_space() {
+        let c = Config::from_yaml(
+            "sources:\n  vllm:\n    - {name: a, url: 'http://127.0.0.1:8000'}\n  llamacpp:\n    - {name: l, url: 'http://127.0.0.1:8080', models: [smollm2]}\n",
+        )
+        .unwrap();
+        let kinds: Vec<_> = c
+            .backends()
+            .into_iter()
+            .map(|(k, b)| (k, b.name.as_str()))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![(BackendKind::Vllm, "a"), (BackendKind::LlamaCpp, "l")]
+        );
+        let scopes: Vec<_> = (c.scope_plans().unwrap().into_iter())
+            .map(|p| (p.scope, p.backends))
+            .collect();
+        assert_eq!(
+            scopes,
+            vec![
+                ("backend:a".into(), vec![0]),
+                ("backend:l".into(), vec![1]),
+                ("model:smollm2".into(), vec![1]),
+            ]
+        );
+        let e = err("sources:\n  vllm:\n    - {name: a, url: 'http://x:1'}\n  llamacpp:\n    - {name: a, url: 'http://x:2'}\n");
+        assert!(e.starts_with("sources.llamacpp[0].name"), "{e}");
+        let e = err("sources:\n  llamacpp:\n    - {name: l, url: 'https://x'}\n");
+        assert!(e.starts_with("sources.llamacpp[0].url"), "{e}");
     }
 
     #[test]

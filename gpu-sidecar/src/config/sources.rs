@@ -35,6 +35,8 @@ pub struct Sources {
     pub simulated_file: Option<PathBuf>,
     pub vllm: Vec<BackendConfig>,
     pub ollama: Vec<BackendConfig>,
+    /// llama.cpp servers started with `--metrics` (`crate::sources::llamacpp`).
+    pub llamacpp: Vec<BackendConfig>,
     /// NVIDIA DCGM exporters (GPUs that are not local; see
     /// `crate::sources::dcgm`): each is a backend of its own.
     pub dcgm: Vec<DcgmConfig>,
@@ -53,7 +55,7 @@ pub struct BackendConfig {
     /// Unique among all backends; the scope is `backend:NAME`.
     pub name: String,
     /// Base URL, plain HTTP (`http://127.0.0.1:8000`); `/metrics` (vLLM) or
-    /// `/api/ps` (Ollama) is appended.
+    /// `/api/ps` (Ollama) is appended; `/metrics` for llama.cpp too.
     pub url: String,
     /// Models it serves; each gets a `model:M` scope by default.
     #[serde(default)]
@@ -65,6 +67,7 @@ pub struct BackendConfig {
 pub enum BackendKind {
     Vllm,
     Ollama,
+    LlamaCpp,
     /// `sources.dcgm[i]`.
     Dcgm(usize),
 }
@@ -73,7 +76,11 @@ impl Sources {
     /// Names unique and not empty, URLs plain HTTP.
     pub fn check(&self) -> Result<(), ConfigError> {
         let mut names = BTreeSet::new();
-        for (list, backends) in [("vllm", &self.vllm), ("ollama", &self.ollama)] {
+        for (list, backends) in [
+            ("vllm", &self.vllm),
+            ("ollama", &self.ollama),
+            ("llamacpp", &self.llamacpp),
+        ] {
             for (i, b) in backends.iter().enumerate() {
                 let at = format!("sources.{list}[{i}]");
                 if b.name.is_empty() {
@@ -198,6 +205,7 @@ impl Sources {
     pub fn check_dcgm(&self, stale_after: Duration) -> Result<(), (String, String)> {
         let mut names: BTreeSet<&str> = (self.vllm.iter())
             .chain(&self.ollama)
+            .chain(&self.llamacpp)
             .map(|b| b.name.as_str())
             .collect();
         for (i, d) in self.dcgm.iter().enumerate() {

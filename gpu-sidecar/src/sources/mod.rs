@@ -1,9 +1,10 @@
 //! Where the signals come from. GPUs through [`GpuSource`] (NVML, or the
 //! simulated one for tests and the demo); inference servers through
-//! [`BackendSource`] (vLLM `/metrics`, Ollama `/api/ps`).
+//! [`BackendSource`] (vLLM and llama.cpp `/metrics`, Ollama `/api/ps`).
 
 pub mod dcgm;
 pub mod gpu;
+pub mod llamacpp;
 pub mod ollama;
 pub mod prom;
 pub mod vllm;
@@ -91,7 +92,7 @@ pub struct BackendReading {
 /// windows), hence `&mut self`.
 pub trait BackendSource: Send {
     fn name(&self) -> &str;
-    /// `vllm` or `ollama`.
+    /// `vllm`, `llamacpp`, `ollama` or `dcgm`.
     fn kind(&self) -> &'static str;
     /// One poll; `at` is when it started.
     fn poll(&mut self, at: Instant) -> BoxFuture<'_, Result<BackendReading, SourceError>>;
