@@ -34,6 +34,12 @@
 //!   only (ollama `api/types.go`, `Options`); a negative value is "no
 //!   limit" (ollama `llm/llama_server.go`, `boundedNumPredict`), which
 //!   sluice reads as "not set": the model's default is reserved and written.
+//! - llama.cpp's server on the OpenAI chat and completions paths reads its
+//!   own `n_predict` first, then `max_completion_tokens`, then `max_tokens`
+//!   (ggml-org/llama.cpp `tools/server/server-task.cpp`,
+//!   `params_from_json_cmpl`); `-1` is "no limit". Read on those two APIs
+//!   like the others (a negative value as "not set"), so the largest is
+//!   reserved and written into it too.
 //! - Embeddings, scoring, pooling: no output, so no limit field at all.
 //!
 //! The servers these APIs talk to accept unknown fields silently (vLLM's
@@ -66,15 +72,18 @@ pub enum LimitField {
     MaxOutputTokens,
     /// Ollama's `options.num_predict`.
     NumPredict,
+    /// llama.cpp's top-level `n_predict`.
+    NPredict,
 }
 
 impl LimitField {
     /// Every limit field any API knows, in the order bodies are checked.
-    pub const ALL: [LimitField; 4] = [
+    pub const ALL: [LimitField; 5] = [
         LimitField::MaxTokens,
         LimitField::MaxCompletionTokens,
         LimitField::MaxOutputTokens,
         LimitField::NumPredict,
+        LimitField::NPredict,
     ];
 
     /// The field's path, as errors name it.
@@ -84,6 +93,7 @@ impl LimitField {
             LimitField::MaxCompletionTokens => "max_completion_tokens",
             LimitField::MaxOutputTokens => "max_output_tokens",
             LimitField::NumPredict => "options.num_predict",
+            LimitField::NPredict => "n_predict",
         }
     }
 
@@ -124,16 +134,16 @@ pub struct OutputLimit {
     pub required: bool,
 }
 
-use LimitField::{MaxCompletionTokens, MaxOutputTokens, MaxTokens, NumPredict};
+use LimitField::{MaxCompletionTokens, MaxOutputTokens, MaxTokens, NPredict, NumPredict};
 
 /// One row per API; the next API is a row.
 const CHAT: OutputLimit = OutputLimit {
-    reads: &[MaxCompletionTokens, MaxTokens],
+    reads: &[MaxCompletionTokens, MaxTokens, NPredict],
     always_written: &[MaxTokens],
     required: false,
 };
 const COMPLETIONS: OutputLimit = OutputLimit {
-    reads: &[MaxTokens],
+    reads: &[MaxTokens, NPredict],
     always_written: &[MaxTokens],
     required: false,
 };
@@ -186,7 +196,7 @@ impl Api {
 /// [`LimitField::ALL`], absent, or set to this non-negative integer (or to
 /// something else: `Some(None)`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SentLimits([Option<Option<u64>>; 4]);
+pub struct SentLimits([Option<Option<u64>>; 5]);
 
 impl SentLimits {
     pub fn of<'a>(body: impl View<'a>) -> SentLimits {
@@ -246,7 +256,11 @@ pub fn max_output_of<'a>(
         let v = match value.u64() {
             Some(v) => v,
             // Ollama's "no limit" values: the model's default applies.
-            None if field == NumPredict && value.i64().is_some_and(|v| v < 0) => continue,
+            None if matches!(field, NumPredict | NPredict)
+                && value.i64().is_some_and(|v| v < 0) =>
+            {
+                continue
+            }
             None => {
                 return Err(BadBody::at(
                     param,
@@ -295,6 +309,26 @@ mod tests {
 
     const CAP: u64 = 1_000;
 
+    #[test]
+    fn llamacpps_n_predict_is_read_on_chat_and_completions_and_its_largest_reserved() {
+        let chat = Api::OpenAiChat;
+        assert_eq!(
+            read(chat, json!({"max_tokens": 4, "n_predict": 64})).unwrap(),
+            Some(64)
+        );
+        assert_eq!(
+            read(Api::OpenAiCompletions, json!({"n_predict": 9})).unwrap(),
+            Some(9)
+        );
+        // llama.cpp's -1 is "no limit": the model's default is reserved
+        // and written over it.
+        assert_eq!(read(chat, json!({"n_predict": -1})).unwrap(), None);
+        let e = read(Api::OpenAiResponses, json!({"n_predict": 9})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n_predict"));
+        let e = read(Api::OllamaGenerate, json!({"n_predict": 9})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n_predict"));
+    }
+
     fn read(api: Api, body: Value) -> Result<Option<u64>, BadBody> {
         assert!(body.is_object(), "not an object");
         max_output_of(api, &body, &|| CAP)
@@ -339,9 +373,9 @@ mod tests {
             |api: Api| -> Vec<&str> { api.output_limit().reads.iter().map(|f| f.name()).collect() };
         assert_eq!(
             reads(Api::OpenAiChat),
-            ["max_completion_tokens", "max_tokens"]
+            ["max_completion_tokens", "max_tokens", "n_predict"]
         );
-        assert_eq!(reads(Api::OpenAiCompletions), ["max_tokens"]);
+        assert_eq!(reads(Api::OpenAiCompletions), ["max_tokens", "n_predict"]);
         assert_eq!(reads(Api::OpenAiResponses), ["max_output_tokens"]);
         assert_eq!(reads(Api::AnthropicMessages), ["max_tokens"]);
         assert_eq!(reads(Api::OllamaChat), ["options.num_predict"]);
