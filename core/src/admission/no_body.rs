@@ -69,6 +69,8 @@ mod tests {
         let policy = Policy::from_value(json!({
             "default_tier": "t", "tiers": {"t": tier},
             "models": {"m": {"requests": "1/min"}},
+            // `x`, unlisted, flows past `m`'s limit.
+            "unlisted_models": {"price": {"input": 0, "output": 0}},
         }))
         .unwrap();
         let store = MemStore::default();
