@@ -28,16 +28,6 @@ use crate::usage::demand::Demand;
 /// The most model names a refusal lists.
 const NAMES_SHOWN: usize = 12;
 
-impl Named {
-    /// The name the policy's per-model settings are looked up by.
-    pub fn key(&self) -> &str {
-        match self {
-            Named::Listed(key) => key,
-            Named::Unlisted { identity, .. } => identity,
-        }
-    }
-}
-
 impl Engine {
     /// The demand with its model as the policy names it, and whether the
     /// body spelt a listed model otherwise; or the refusal of a model the

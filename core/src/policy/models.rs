@@ -115,6 +115,16 @@ pub enum Named {
     },
 }
 
+impl Named {
+    /// The name the policy's per-model settings are looked up by.
+    pub fn key(&self) -> &str {
+        match self {
+            Named::Listed(key) => key,
+            Named::Unlisted { identity, .. } => identity,
+        }
+    }
+}
+
 /// The listed models by the name Ollama resolves each key to (a key Ollama
 /// would refuse has none), built at load.
 #[derive(Debug, Clone, Default)]
