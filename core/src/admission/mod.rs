@@ -361,7 +361,8 @@ impl Engine {
         }
         // The cap of the model as the policy names it (`named.rs`).
         let naming = api.naming();
-        let cap = |model: &str| self.output_cap(self.policy.model_named(naming, model).key());
+        let cap =
+            |model: &str| self.output_cap(self.policy.listed_model(naming, model).unwrap_or(model));
         let refuse = |refused: Refused| Box::new(self.refuse(&refused, &identity.tier, None));
         let invalid = |bad: BadBody| {
             refuse(Refused::rejected(

@@ -33,37 +33,44 @@ impl Engine {
     /// body spelt a listed model otherwise; or the refusal of a model the
     /// policy does not serve.
     pub(super) fn name_model(&self, mut demand: Demand) -> Result<(Demand, bool), Box<Refused>> {
-        let Some(sent) = demand.model.take() else {
+        let Some(sent) = demand.model.as_deref() else {
             return Ok((demand, false));
         };
-        match self.policy.model_named(demand.api.naming(), &sent) {
-            Named::Listed(key) => {
-                let respelled = key != sent;
-                demand.model = Some(key);
-                Ok((demand, respelled))
-            }
+        let renamed = match self.policy.model_named(demand.api.naming(), sent) {
+            Named::Listed(key) => (key != sent).then(|| key.to_string()),
             Named::Unlisted {
                 near: Some(listed), ..
-            } => Err(Box::new(Refused::rejected(
-                Reason::InvalidRequest,
-                format!("The model `{sent}` is not served here under that name: this API compares model names exactly. Send `{listed}`."),
-                Some("model"),
-            ))),
-            Named::Unlisted { identity, .. } => {
-                if self.refuses_unlisted() {
-                    return Err(Box::new(Refused::rejected(
-                        Reason::InvalidRequest,
-                        format!(
-                            "The model `{sent}` is not served here. Models: {}.",
-                            self.listed_names()
-                        ),
-                        Some("model"),
-                    )));
-                }
-                demand.model = Some(identity);
-                Ok((demand, false))
+            } => {
+                return Err(Box::new(Refused::rejected(
+                    Reason::InvalidRequest,
+                    format!("The model `{sent}` is not served here under that name: this API compares model names exactly. Send `{listed}`."),
+                    Some("model"),
+                )))
             }
+            Named::Unlisted { .. } if self.refuses_unlisted() => {
+                return Err(Box::new(Refused::rejected(
+                    Reason::InvalidRequest,
+                    format!(
+                        "The model `{sent}` is not served here. Models: {}.",
+                        self.listed_names()
+                    ),
+                    Some("model"),
+                )))
+            }
+            // Not respelled upstream: an unlisted name has no policy
+            // spelling, and the server reads the client's as its own.
+            Named::Unlisted { identity, .. } => {
+                if let Some(identity) = identity {
+                    demand.model = Some(identity);
+                }
+                return Ok((demand, false));
+            }
+        };
+        let respelled = renamed.is_some();
+        if let Some(key) = renamed {
+            demand.model = Some(key);
         }
+        Ok((demand, respelled))
     }
 
     /// A policy that lists models serves only those, unless it opts in.

@@ -97,32 +97,22 @@ pub enum Naming {
 
 /// The model a request names, as the policy knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Named {
+pub enum Named<'a> {
     /// A model listed under `models`: its key there, however the request
     /// spelled it.
-    Listed(String),
+    Listed(&'a str),
     /// A model the policy does not list. `identity`: the name every
-    /// spelling of it shares (Ollama's shortest spelling, lower case; else
-    /// the name as written), for its breaker slot, labels and audit.
-    /// `near`: a listed model this name is a spelling of by Ollama's
-    /// rules, on an API that compares names exactly — a server that
-    /// resolves names as Ollama does (Ollama's own `/v1` endpoints) would
-    /// run that model, so the name is refused even when unlisted models
-    /// are let through.
+    /// spelling of it shares (Ollama's shortest spelling, lower case),
+    /// for its breaker slot, labels and audit, where that is not the name
+    /// as written. `near`: a listed model this name is a spelling of by
+    /// Ollama's rules, on an API that compares names exactly — a server
+    /// that resolves names as Ollama does (Ollama's own `/v1` endpoints)
+    /// would run that model, so the name is refused even when unlisted
+    /// models are let through.
     Unlisted {
-        identity: String,
-        near: Option<String>,
+        identity: Option<String>,
+        near: Option<&'a str>,
     },
-}
-
-impl Named {
-    /// The name the policy's per-model settings are looked up by.
-    pub fn key(&self) -> &str {
-        match self {
-            Named::Listed(key) => key,
-            Named::Unlisted { identity, .. } => identity,
-        }
-    }
 }
 
 /// The listed models by the name Ollama resolves each key to (a key Ollama
@@ -135,26 +125,42 @@ pub struct ModelNames {
 impl crate::policy::Policy {
     /// The model `sent` names on an API whose servers read names by
     /// `naming`: the policy's key of a listed model (compared as written
-    /// first, then as Ollama resolves it), or an unlisted one.
-    pub fn model_named(&self, naming: Naming, sent: &str) -> Named {
-        if self.models.contains_key(sent) {
-            return Named::Listed(sent.to_string());
+    /// first, then as Ollama resolves it), or an unlisted one. Nothing is
+    /// allocated for a name written as the policy writes it.
+    pub fn model_named<'a>(&'a self, naming: Naming, sent: &str) -> Named<'a> {
+        if let Some((key, _)) = self.models.get_key_value(sent) {
+            return Named::Listed(key);
+        }
+        if naming == Naming::Exact && self.model_names.by_ollama.is_empty() {
+            return Named::Unlisted {
+                identity: None,
+                near: None,
+            };
         }
         let ollama = OllamaName::parse(sent);
         let listed = ollama
             .as_ref()
             .and_then(|n| self.model_names.by_ollama.get(n))
-            .cloned();
+            .map(String::as_str);
         match (naming, listed) {
             (Naming::Ollama, Some(key)) => Named::Listed(key),
             (Naming::Ollama, None) => Named::Unlisted {
-                identity: ollama.map_or_else(|| sent.to_string(), |n| n.shortest()),
+                identity: ollama.map(|n| n.shortest()).filter(|s| s != sent),
                 near: None,
             },
             (Naming::Exact, near) => Named::Unlisted {
-                identity: sent.to_string(),
+                identity: None,
                 near,
             },
+        }
+    }
+
+    /// The key of the listed model `sent` names, if any: whose per-model
+    /// settings (its output cap) apply.
+    pub fn listed_model<'a>(&'a self, naming: Naming, sent: &str) -> Option<&'a str> {
+        match self.model_named(naming, sent) {
+            Named::Listed(key) => Some(key),
+            Named::Unlisted { .. } => None,
         }
     }
 
@@ -348,13 +354,10 @@ mod tests {
                 };
                 prop_assert_eq!(
                     p.model_named(Naming::Ollama, &spelt),
-                    Named::Listed(key.clone()),
+                    Named::Listed(key),
                     "{}", spelt
                 );
-                prop_assert_eq!(
-                    p.model_named(Naming::Exact, key),
-                    Named::Listed(key.clone())
-                );
+                prop_assert_eq!(p.model_named(Naming::Exact, key), Named::Listed(key));
             }
         }
     }
