@@ -224,7 +224,7 @@ fn a_daily_budget_resets_at_midnight_of_the_configured_timezone() {
         "Envoy took too long to start for this test ({zone})"
     );
     let url = stack.envoy.url("/v1/chat/completions");
-    let body = json!({"model": "m", "max_tokens": 80,
+    let body = json!({"model": "llama3.1:8b", "max_tokens": 80,
                       "messages": [{"role": "user", "content": "hi"}]});
     let chat = || post_json(&url, &[("x-mock-output-tokens", "80")], &body);
     assert_eq!(chat().status, 200);

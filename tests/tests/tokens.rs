@@ -692,6 +692,8 @@ fn what_the_upstream_gets(p: Personality) {
             json!({SMALL: {"default_max_output": 77}}),
         );
         shape["defaults"]["max_output_tokens"] = 300.into();
+        // UNLISTED, beside the listed SMALL, gets the defaults.
+        shape["unlisted_models"] = json!({"price": {"input": 0, "output": 0}});
         install(cfg, &shape);
     });
     let url = stack.envoy.url("/v1/chat/completions");

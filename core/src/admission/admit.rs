@@ -696,7 +696,12 @@ fn upstream_body(
     served: Option<&Served>,
     declared: Option<&Declared>,
 ) -> (Option<Vec<u8>>, bool) {
-    let model = served.and_then(|s| s.model.as_deref()).or(downshift);
+    // A listed model spelt otherwise goes up under the policy's name.
+    let respelled = asked.demand.model.as_deref().filter(|_| asked.respelled);
+    let model = served
+        .and_then(|s| s.model.as_deref())
+        .or(downshift)
+        .or(respelled);
     if let Some(declared) = declared {
         let max = sized.per_choice;
         let new_output = (!declared.carries(asked.body(), max)).then_some(max);

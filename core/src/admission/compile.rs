@@ -329,11 +329,14 @@ impl Engine {
             .unwrap_or(self.policy.defaults.max_output_tokens)
     }
 
+    /// A listed model's price; a model the policy does not list (let
+    /// through by `unlisted_models`) at the price stated there.
     pub(super) fn price_of(&self, model: Option<&str>) -> ModelPrice {
-        model
-            .and_then(|m| self.policy.models.get(m))
-            .and_then(|m| m.priced)
-            .unwrap_or_default()
+        match model.map(|m| self.policy.models.get(m)) {
+            Some(Some(listed)) => listed.priced.unwrap_or_default(),
+            Some(None) => self.policy.unlisted_price(),
+            None => ModelPrice::default(),
+        }
     }
 }
 

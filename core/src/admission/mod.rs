@@ -49,6 +49,7 @@ pub mod hash_key;
 pub mod identity;
 pub mod ladder;
 mod leased;
+mod named;
 pub mod no_body;
 pub mod passthrough;
 pub mod penalty;
@@ -265,6 +266,11 @@ pub struct Asked {
     pub sent: SentLimits,
     /// `stream_options.include_usage` is `true`.
     pub include_usage: bool,
+    /// The body names a listed model by another spelling (`LLAMA3.1:70B`
+    /// for `llama3.1:70b`): the upstream gets the policy's name, so the
+    /// server runs the very model the request was limited and priced as
+    /// (see `named.rs`).
+    pub respelled: bool,
     /// The body as a tree: built only for what still reads one (a cache
     /// key, a rewrite, a declared API's pointers, the static answer).
     tree: std::sync::OnceLock<Value>,
@@ -405,7 +411,10 @@ impl Engine {
         if !api.reads_body() {
             return Ok(None);
         }
-        let cap = |model: &str| self.output_cap(model);
+        // The cap of the model as the policy names it (`named.rs`).
+        let naming = api.naming();
+        let cap =
+            |model: &str| self.output_cap(self.policy.listed_model(naming, model).unwrap_or(model));
         let refuse = |refused: Refused| Box::new(self.refuse(&refused, &identity.tier, None));
         let invalid = |bad: BadBody| {
             refuse(Refused::rejected(
@@ -424,6 +433,7 @@ impl Engine {
         if let (Api::Declared(i), Some(declared)) = (api, self.declared(api)) {
             // A declared API's body is read at its pointers, from a tree.
             let (demand, body) = declared.parse(i, raw, &cap).map_err(invalid)?;
+            let (demand, respelled) = self.name_model(demand).map_err(|r| refuse(*r))?;
             if let Some(field) = self.refuses_stored_context(&demand, &body) {
                 return Err(stored(field));
             }
@@ -433,6 +443,7 @@ impl Engine {
                 rendered: bound::declared_bound(raw),
                 sent: SentLimits::of(&body),
                 include_usage: false,
+                respelled,
                 tree: body.into(),
                 demand,
                 raw: raw.to_vec(),
@@ -442,6 +453,7 @@ impl Engine {
         let tape = demand::read_tape(raw).map_err(invalid)?;
         let body = tape.root();
         let demand = demand::demand_of(api, body, &cap).map_err(invalid)?;
+        let (demand, respelled) = self.name_model(demand).map_err(|r| refuse(*r))?;
         if let Some(field) = self.refuses_stored_context(&demand, body) {
             return Err(stored(field));
         }
@@ -460,6 +472,7 @@ impl Engine {
             rendered: bound::rendered(demand.api, body),
             sent: SentLimits::of(body),
             include_usage,
+            respelled,
             tree: Default::default(),
             demand,
             raw: raw.to_vec(),
@@ -753,6 +766,12 @@ pub(crate) mod tests {
         );
         assert_eq!(v.labels.decision.reason_code(), "model_rate_limit");
         assert_eq!(v.labels.model, "big");
+        let (e, store) = engine_with(json!({
+            "default_tier": "free",
+            "tiers": {"free": {"requests": "10/min"}},
+            "models": {"big": {"requests": "3/min"}},
+            "unlisted_models": {"price": {"input": 0, "output": 0}},
+        }));
         let other = asked(&e, chat("gpt-made-up", 10));
         let v = e.admit(
             &store,
@@ -1417,6 +1436,7 @@ pub(crate) mod tests {
             "tiers": {"t": {"requests": "10/min"}},
             "models": {"small": {"max_output": 4096}},
             "request": {"max_output": 100_000},
+            "unlisted_models": {"price": {"input": 0, "output": 0}},
         }));
         let id = e.identify(&Caller("1.2.3.4:5")).unwrap();
         let refused = |body: Value| {

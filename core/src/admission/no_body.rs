@@ -68,7 +68,8 @@ mod tests {
     fn engine(tier: Value) -> (Engine, MemStore) {
         let policy = Policy::from_value(json!({
             "default_tier": "t", "tiers": {"t": tier},
-            // `x` has no chat template: its bound is its text's bytes.
+            // `x` is listed without a chat template: its bound is its
+            // text's bytes.
             "models": {"m": {"requests": "1/min"},
                        "x": {"input_bound": {"fixed": 0, "per_message": 0}}},
         }))

@@ -418,7 +418,8 @@ mod tests {
 
     #[test]
     fn unlisted_models_do_not_share_a_breaker_unless_configured() {
-        let (e, store) = engine_with(json!({}));
+        let free = json!({"input": 0, "output": 0});
+        let (e, store) = engine_with(json!({"unlisted_models": {"price": free}}));
         assert_eq!(e.upstream_key(Some("big")), "sluice:v1:upstream/big");
         assert_eq!(e.upstream_key(None), "sluice:v1:upstream/none");
         let (a, b) = (e.upstream_key(Some("gpt-a")), e.upstream_key(Some("gpt-b")));

@@ -278,6 +278,7 @@ fn metric_labels_never_carry_a_model_the_policy_does_not_know() {
     p["routes"] = json!([{"name": "chat", "path_prefix": "/v1/chat/", "requests": "100/s"}]);
     p["cache"]["routes"] = json!({"chat": {"exact": true}});
     p["models"] = json!({"m": {}});
+    p["unlisted_models"] = json!({"price": {"input": 0, "output": 0}});
     let mut poller = Poller::new();
     assert!(poller.configure(&host, p.to_string().as_bytes()));
     for (i, model) in ["m", "made-up-1", "made-up-2"].iter().enumerate() {

@@ -18,6 +18,7 @@ pub mod fleet;
 pub mod identity;
 pub mod keys;
 pub mod limit;
+pub mod model_name;
 pub mod models;
 pub mod passthrough;
 pub mod prices;
@@ -85,6 +86,12 @@ pub struct Policy {
     pub tiers: BTreeMap<String, TierConfig>,
     #[serde(default)]
     pub models: BTreeMap<String, ModelConfig>,
+    /// Lets models `models` does not list through, at a stated price;
+    /// absent: a request for one is a 400 (when `models` lists any).
+    pub unlisted_models: Option<crate::policy::models::UnlistedModels>,
+    /// `models`' keys by the name Ollama resolves each to, built at load.
+    #[serde(skip)]
+    pub model_names: crate::policy::models::ModelNames,
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
@@ -228,6 +235,7 @@ impl Policy {
         })?;
         let mut policy = policy;
         models::read_prices(&mut policy)?;
+        models::index_names(&mut policy)?;
         providers::read_prices(&mut policy)?;
         policy.check()?;
         if let Some(c) = &policy.cache {

@@ -10,6 +10,7 @@ use serde_json::Value;
 use super::output_limit::max_output_of;
 use super::tape::Tape;
 use super::view::{Kind, View};
+use crate::policy::models::Naming;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -150,6 +151,16 @@ impl Api {
 
     pub fn reads_body(self) -> bool {
         !matches!(self, Api::Other | Api::Passthrough(_))
+    }
+
+    /// How this API's servers match the model a request names: Ollama's
+    /// own endpoints by Ollama's rules; every other API (vLLM, OpenAI,
+    /// Anthropic, an application's own) as written.
+    pub fn naming(self) -> Naming {
+        match self {
+            Api::OllamaGenerate | Api::OllamaChat | Api::OllamaEmbed => Naming::Ollama,
+            _ => Naming::Exact,
+        }
     }
 
     /// Does the upstream generate output for this API (else output is 0)?
