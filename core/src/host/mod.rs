@@ -74,8 +74,10 @@ pub trait Host: SharedStore {
     /// `closeStream` runs it right after the VM call; the native module's
     /// reset is immediate). Neither ABI can end a response cleanly (with
     /// end of stream) while its upstream still sends: an HTTP/1.1 client
-    /// sees its connection closed after the bytes already written, an
-    /// HTTP/2 client a `RST_STREAM`. `false`: the host cannot.
+    /// sees its connection closed after the bytes already written (Envoy
+    /// flushes them first), an HTTP/2 client a `RST_STREAM`, which cancels
+    /// the frames Envoy still holds for it (a client reading slower than
+    /// the upstream sends loses that tail). `false`: the host cannot.
     fn reset_stream(&self) -> bool;
     /// A stream property (`["source", "address"]`, dynamic metadata …).
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
