@@ -406,32 +406,88 @@ struct Read {
     error: Option<String>,
 }
 
+/// What a client has read of a stream so far.
+#[derive(Default)]
+struct Reading {
+    body: Vec<u8>,
+    done_at: Option<Instant>,
+}
+
+impl Reading {
+    fn push(&mut self, chunk: &[u8]) {
+        self.body.extend_from_slice(chunk);
+        if self.done_at.is_none() && self.body.ends_with(b"data: [DONE]\n\n") {
+            self.done_at = Some(Instant::now());
+        }
+    }
+
+    fn end(self, error: Option<String>) -> Read {
+        Read {
+            body: String::from_utf8_lossy(&self.body).into_owned(),
+            done_at: self.done_at,
+            ended_at: Instant::now(),
+            error,
+        }
+    }
+}
+
 /// Reads a streamed answer the way a client that keeps its connection
 /// does: to the end, never closing it first; `None` when no byte came for
 /// `patience` (the stream never ended).
 async fn read_to_end(resp: reqwest::Response, patience: Duration) -> Option<Read> {
     let mut resp = resp;
-    let mut body = Vec::new();
-    let mut done_at = None;
+    let mut reading = Reading::default();
     let error = loop {
         match tokio::time::timeout(patience, resp.chunk()).await {
             Err(_) => return None,
-            Ok(Ok(Some(chunk))) => {
-                body.extend_from_slice(&chunk);
-                if done_at.is_none() && body.ends_with(b"data: [DONE]\n\n") {
-                    done_at = Some(Instant::now());
-                }
-            }
+            Ok(Ok(Some(chunk))) => reading.push(&chunk),
             Ok(Ok(None)) => break None,
             Ok(Err(e)) => break Some(format!("{e:?}")),
         }
     };
-    Some(Read {
-        body: String::from_utf8_lossy(&body).into_owned(),
-        done_at,
-        ended_at: Instant::now(),
-        error,
-    })
+    Some(reading.end(error))
+}
+
+/// [`read_to_end`] of a chat POST over HTTP/2 (h2c, prior knowledge).
+async fn read_h2_to_end(
+    addr: std::net::SocketAddr,
+    headers: &[(&str, &str)],
+    body: &Json,
+    patience: Duration,
+) -> Option<Read> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (mut client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut req = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{addr}/v1/chat/completions"))
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = req.body(()).expect("request");
+    let (response, mut stream) = client.send_request(req, false).expect("send headers");
+    stream
+        .send_data(bytes::Bytes::from(body.to_string()), true)
+        .expect("send body");
+    let response = response.await.expect("response");
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let mut reading = Reading::default();
+    let error = loop {
+        match tokio::time::timeout(patience, body.data()).await {
+            Err(_) => return None,
+            Ok(Some(Ok(chunk))) => {
+                let _ = body.flow_control().release_capacity(chunk.len());
+                reading.push(&chunk);
+            }
+            Ok(None) => break None,
+            Ok(Some(Err(e))) => break Some(format!("{e:?}")),
+        }
+    };
+    Some(reading.end(error))
 }
 
 /// POSTs a stream that sluice cuts and reads it to its end. An upstream
@@ -473,6 +529,13 @@ fn post_cut(url: &str, headers: &[(&str, &str)], body: &Json) -> Response {
 /// and the request is charged what the client got.
 #[test]
 fn a_cut_stream_ends_and_its_upstream_stops_generating() {
+    for h2 in [false, true] {
+        cut_ends_the_work(h2);
+    }
+}
+
+/// The test above over HTTP/1.1, or HTTP/2 (`h2`).
+fn cut_ends_the_work(h2: bool) {
     const MAX_OUTPUT: u64 = 24;
     const CHUNK_MS: u64 = 25;
     /// 75 s of generating, were the server left to it.
@@ -506,18 +569,26 @@ fn a_cut_stream_ends_and_its_upstream_stops_generating() {
             });
             closed
         });
+        let (output, delay) = (OUTPUT.to_string(), CHUNK_MS.to_string());
+        let knobs = [
+            ("x-mock-output-tokens", output.as_str()),
+            ("x-mock-chunk-delay-ms", delay.as_str()),
+        ];
+        let patience = Duration::from_secs(5);
         let read = runtime().block_on(async {
-            let resp = async_client()
+            if h2 {
+                return read_h2_to_end(stack.envoy.addr(), &knobs, &body, patience).await;
+            }
+            let mut req = async_client()
                 .post(&url)
                 .header("content-type", "application/json")
-                .header("x-mock-output-tokens", OUTPUT.to_string())
-                .header("x-mock-chunk-delay-ms", CHUNK_MS.to_string())
-                .body(body.to_string())
-                .send()
-                .await
-                .expect("send");
+                .body(body.to_string());
+            for (name, value) in knobs {
+                req = req.header(name, value);
+            }
+            let resp = req.send().await.expect("send");
             assert_eq!(resp.status(), 200);
-            read_to_end(resp, Duration::from_secs(5)).await
+            read_to_end(resp, patience).await
         });
         (read, watcher.join().ok().flatten())
     });
@@ -563,8 +634,9 @@ fn a_cut_stream_ends_and_its_upstream_stops_generating() {
     assert_eq!(metric(&stack, "sluice_stream_reset_total"), 1);
     assert_no_reservation_left(&stack);
     assert_eq!(charged(&stack), estimate(&body) + MAX_OUTPUT);
+    let protocol = if h2 { "HTTP/2" } else { "HTTP/1.1" };
     println!(
-        "cut at {MAX_OUTPUT} output events, one every {CHUNK_MS} ms: the upstream stopped \
+        "{protocol}: cut at {MAX_OUTPUT} output events, one every {CHUNK_MS} ms: the upstream stopped \
          {upstream_end:?} after the client's [DONE] (polled every 20 ms), having generated \
          {after_cut} frame(s) past the cut ({sent} of {}); the client's stream ended \
          {client_end:?} after its [DONE] ({})",
