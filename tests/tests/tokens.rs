@@ -1163,7 +1163,7 @@ fn streams_framed_with_crlf_or_cr_settle_from_their_usage_and_are_cut_at_their_a
         // Past its allowance: cut with the error event, the budget charged
         // to the token.
         let body = chat(PROMPT, Some(5_000), true);
-        let allowance = BUDGET - charged(&stack) - estimate(&body);
+        let allowance = BUDGET - charged(&stack) - bound(&body);
         let resp = post_cut(&url, &[framing, ("x-mock-output-tokens", "3000")], &body);
         assert_eq!(resp.status, 200, "{newline}: {resp:?}");
         let text = lf_framed(&resp.body);
