@@ -166,6 +166,20 @@ impl Host for WasmHost {
         let _ = hostcalls::send_http_response(status, headers.to_vec(), Some(body));
     }
 
+    fn reset_stream(&self) -> bool {
+        // `proxy_close_stream(HttpResponse)`: Envoy's `Context::closeStream`
+        // (source/extensions/common/wasm/context.cc) queues
+        // `encoder_callbacks_->resetStream()` as an after-VM-call action,
+        // the reset of the whole stream (the router resets its upstream
+        // request). proxy-wasm-cpp-host runs those actions as
+        // `ContextBase::onResponseBody` returns (src/context.cc,
+        // `DeferAfterCallActions`): before Envoy passes this callback's
+        // chunk on. Raw: the SDK's `reset_http_response` panics on any
+        // status but OK.
+        // SAFETY: plain value call.
+        unsafe { raw::proxy_close_stream(raw::HTTP_RESPONSE) == raw::OK }
+    }
+
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         hostcalls::get_property(path.to_vec()).ok().flatten()
     }
@@ -284,6 +298,7 @@ impl Host for WasmHost {
 mod raw {
     pub const OK: u32 = 0;
     pub const HTTP_REQUEST: u32 = 0;
+    pub const HTTP_RESPONSE: u32 = 1;
     /// `MapType::HttpRequestHeaders`.
     pub const HTTP_REQUEST_HEADERS: u32 = 0;
     #[link(wasm_import_module = "env")]
@@ -300,6 +315,7 @@ mod raw {
         ) -> u32;
         pub fn proxy_set_effective_context(context_id: u32) -> u32;
         pub fn proxy_continue_stream(stream_type: u32) -> u32;
+        pub fn proxy_close_stream(stream_type: u32) -> u32;
         pub fn proxy_get_header_map_pairs(
             map_type: u32,
             return_map_data: *mut *mut u8,

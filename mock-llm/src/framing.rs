@@ -3,7 +3,8 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use futures_util::stream;
@@ -11,6 +12,7 @@ use serde_json::Value;
 
 use crate::knobs::Newline;
 use crate::metrics::RequestTimer;
+use crate::stats::{StreamEnd, Streams};
 
 /// The OpenAI stream terminator.
 pub const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
@@ -84,17 +86,63 @@ struct State {
     pacing: Pacing,
     timer: RequestTimer,
     done: bool,
+    log: Option<Logged>,
+}
+
+/// Where a body reports its progress (`/admin/stats` `streams`).
+pub struct Logged {
+    pub streams: Arc<Streams>,
+    pub index: usize,
+    started: Instant,
+}
+
+impl Logged {
+    /// Records a new body of `frames` frames in `streams`.
+    pub fn start(streams: &Arc<Streams>, frames: usize) -> Option<Logged> {
+        Some(Logged {
+            index: streams.start(frames)?,
+            streams: streams.clone(),
+            started: Instant::now(),
+        })
+    }
+}
+
+impl Drop for State {
+    /// The body ends: sent whole, reset by the knob, or dropped by hyper
+    /// because the peer went away (the unfold's state is dropped with it).
+    fn drop(&mut self) {
+        let Some(log) = &self.log else { return };
+        let ended = if self.pacing.reset_after.is_some() && self.done {
+            StreamEnd::Reset
+        } else if self.frames.is_empty() {
+            StreamEnd::Complete
+        } else {
+            StreamEnd::Dropped
+        };
+        let lasted = u64::try_from(log.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        log.streams.update(log.index, |seen| {
+            seen.ended = ended;
+            seen.lasted_ms = Some(lasted);
+        });
+    }
 }
 
 /// A body that sends `frames` one by one. The first frame marks time to first
 /// token; the last one, sent without a reset, marks the request complete.
-pub fn paced_body(frames: Vec<Bytes>, pacing: Pacing, timer: RequestTimer) -> Body {
+/// `log`: where it reports each frame sent and how it ended.
+pub fn paced_body(
+    frames: Vec<Bytes>,
+    pacing: Pacing,
+    timer: RequestTimer,
+    log: Option<Logged>,
+) -> Body {
     let state = State {
         frames: frames.into(),
         sent: 0,
         pacing,
         timer,
         done: false,
+        log,
     };
     Body::from_stream(stream::unfold(state, |mut s| async move {
         if s.done {
@@ -123,6 +171,9 @@ pub fn paced_body(frames: Vec<Bytes>, pacing: Pacing, timer: RequestTimer) -> Bo
             tokio::time::sleep(s.pacing.chunk_delay).await;
         }
         s.sent += 1;
+        if let Some(log) = &s.log {
+            log.streams.update(log.index, |seen| seen.frames_sent += 1);
+        }
         s.timer.first_token();
         if s.frames.is_empty() && s.pacing.reset_after.is_none() {
             s.timer.finish();
@@ -192,8 +243,8 @@ mod tests {
             reset_after,
             ..Pacing::default()
         };
-        let mut body =
-            paced_body(frames, pacing, metrics.start_request(Instant::now())).into_data_stream();
+        let mut body = paced_body(frames, pacing, metrics.start_request(Instant::now()), None)
+            .into_data_stream();
         let (mut ok, mut failed) = (0, false);
         while let Some(item) = body.next().await {
             match item {
@@ -202,6 +253,36 @@ mod tests {
             }
         }
         (ok, failed)
+    }
+
+    #[tokio::test]
+    async fn the_log_tells_a_dropped_body_from_a_complete_one() {
+        let metrics = Arc::new(Metrics::new("m".into()));
+        let streams = Arc::new(Streams::default());
+        let body = |log| {
+            let frames = (0..5).map(|i| Bytes::from(i.to_string())).collect();
+            let timer = metrics.start_request(Instant::now());
+            paced_body(frames, Pacing::default(), timer, log).into_data_stream()
+        };
+        let mut whole = body(Logged::start(&streams, 5));
+        while whole.next().await.is_some() {}
+        drop(whole);
+        let mut cut = body(Logged::start(&streams, 5));
+        cut.next().await;
+        cut.next().await;
+        assert_eq!(streams.snapshot()[1].ended, StreamEnd::Open);
+        // What hyper does when the peer closes the connection.
+        drop(cut);
+        let seen = streams.snapshot();
+        assert_eq!(
+            (seen[0].frames_sent, seen[0].ended),
+            (5, StreamEnd::Complete)
+        );
+        assert_eq!(
+            (seen[1].frames_sent, seen[1].ended),
+            (2, StreamEnd::Dropped)
+        );
+        assert!(seen.iter().all(|s| s.frames == 5 && s.lasted_ms.is_some()));
     }
 
     #[tokio::test]

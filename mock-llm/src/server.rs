@@ -17,12 +17,12 @@ use axum::{middleware, Json, Router};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use crate::framing::{paced_body, sse_newlines, Pacing};
+use crate::framing::{paced_body, sse_newlines, Logged, Pacing};
 use crate::generate::{Api, Generation, Reply, SSE};
 use crate::knobs::Knobs;
 use crate::metrics::{GaugeUpdate, Metrics};
 use crate::personality::{Personality, Refusal, Surface};
-use crate::stats::Stats;
+use crate::stats::{Stats, Streams};
 use crate::{lock, ollama, openai, tokens};
 
 /// The model answered for when a request names none.
@@ -82,6 +82,7 @@ struct AppState {
     name: HeaderValue,
     model: String,
     stats: Mutex<Stats>,
+    streams: Arc<Streams>,
     metrics: Arc<Metrics>,
     next_id: AtomicU64,
     limiter: Option<crate::load::Limiter>,
@@ -115,6 +116,7 @@ pub fn app(config: Config) -> anyhow::Result<Router> {
         metrics: Arc::new(Metrics::new(config.model.clone())),
         model: config.model,
         stats: Mutex::default(),
+        streams: Arc::default(),
         next_id: AtomicU64::new(1),
         limiter: config.ratelimit.map(crate::load::Limiter::new),
         personality: config.personality,
@@ -496,7 +498,7 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
         // A JSON answer with the reset knob is one chunk that may be cut.
         Reply::Json(v) if pacing.reset_after.is_some() => (
             [(CONTENT_TYPE, "application/json")],
-            paced_body(vec![Bytes::from(v.to_string())], pacing, timer),
+            paced_body(vec![Bytes::from(v.to_string())], pacing, timer, None),
         )
             .into_response(),
         Reply::Json(v) => {
@@ -506,19 +508,23 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
         Reply::Stream {
             content_type,
             frames,
-        } => (
-            [(CONTENT_TYPE, content_type), (CACHE_CONTROL, "no-cache")],
-            paced_body(
-                if content_type == SSE {
-                    sse_newlines(frames, knobs.sse_newline)
-                } else {
-                    frames
-                },
-                pacing,
-                timer,
-            ),
-        )
-            .into_response(),
+        } => {
+            let log = Logged::start(&s.streams, frames.len());
+            (
+                [(CONTENT_TYPE, content_type), (CACHE_CONTROL, "no-cache")],
+                paced_body(
+                    if content_type == SSE {
+                        sse_newlines(frames, knobs.sse_newline)
+                    } else {
+                        frames
+                    },
+                    pacing,
+                    timer,
+                    log,
+                ),
+            )
+                .into_response()
+        }
     };
     let res = arrival.decorate(res, Some(&model));
     match &limited_by {
@@ -774,6 +780,12 @@ async fn stats(State(s): State<Shared>) -> Response {
             {
                 map.extend(load);
             }
+            if let (Some(map), Ok(streams)) = (
+                v.as_object_mut(),
+                serde_json::to_value(s.streams.snapshot()),
+            ) {
+                map.insert("streams".into(), streams);
+            }
             Json(v).into_response()
         }
         Err(e) => error(
@@ -789,6 +801,7 @@ async fn stats(State(s): State<Shared>) -> Response {
 /// all back to a fresh start.
 async fn reset(State(s): State<Shared>) -> Response {
     *lock(&s.stats) = Stats::default();
+    s.streams.clear();
     s.metrics.reset();
     s.responses.clear();
     Json(json!({"ok": true})).into_response()

@@ -3,10 +3,13 @@
 //! proxy forwarded.
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 use axum::http::{HeaderMap, Method};
 use serde::Serialize;
 use serde_json::Value;
+
+use crate::lock;
 
 #[derive(Debug, Default, Serialize)]
 pub struct Stats {
@@ -20,6 +23,71 @@ pub struct Stats {
 }
 
 const MAX_TAGS: usize = 10_000;
+
+/// How each streamed body went, as the server sent it (the first
+/// `MAX_TAGS`, in the order they started): shown as `streams` in
+/// `/admin/stats`, so a test can see whether a proxy closed the connection
+/// of an answer still being generated, and how much was generated.
+#[derive(Debug, Default)]
+pub struct Streams(Mutex<Vec<StreamSeen>>);
+
+/// One streamed body.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct StreamSeen {
+    /// Frames handed to the connection (an SSE event, an NDJSON line).
+    pub frames_sent: usize,
+    /// Frames the answer has in all.
+    pub frames: usize,
+    pub ended: StreamEnd,
+    /// Milliseconds from the first frame to the end (`None` while open).
+    pub lasted_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamEnd {
+    /// Still sending.
+    Open,
+    /// Every frame sent.
+    Complete,
+    /// Ended by the `x-mock-reset-after-chunks` knob.
+    Reset,
+    /// The body was dropped before its end: the peer closed or reset the
+    /// connection (seen at the next write at the latest).
+    Dropped,
+}
+
+impl Streams {
+    /// A new stream of `frames` frames; its index (`None` past the bound).
+    pub fn start(&self, frames: usize) -> Option<usize> {
+        let mut all = lock(&self.0);
+        if all.len() >= MAX_TAGS {
+            return None;
+        }
+        all.push(StreamSeen {
+            frames_sent: 0,
+            frames,
+            ended: StreamEnd::Open,
+            lasted_ms: None,
+        });
+        Some(all.len() - 1)
+    }
+
+    /// Applies `f` to stream `index` (none past the bound).
+    pub fn update(&self, index: usize, f: impl FnOnce(&mut StreamSeen)) {
+        if let Some(seen) = lock(&self.0).get_mut(index) {
+            f(seen);
+        }
+    }
+
+    pub fn snapshot(&self) -> Vec<StreamSeen> {
+        lock(&self.0).clone()
+    }
+
+    pub fn clear(&self) {
+        lock(&self.0).clear();
+    }
+}
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LastRequest {

@@ -143,6 +143,8 @@ pub enum StatOp {
 }
 
 const METRICS_SUCCESS: u32 = 0;
+/// `envoy_dynamic_module_type_http_filter_stream_reset_reason_LocalReset`.
+const RESET_LOCAL: u32 = 0;
 /// Labels per stat: `sluice_requests_total` has the most (4).
 const MAX_LABELS: usize = 8;
 
@@ -276,6 +278,15 @@ extern "C" {
         value: ModuleBuffer,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_clear_route_cache(filter: *mut c_void);
+    /// Checked against the pinned 1.40 binary's code, not only the header:
+    /// the filter, the reason (`..._stream_reset_reason`, 0 `LocalReset`),
+    /// the details; it calls `decoder_callbacks_->resetStream(reason,
+    /// details)` at once.
+    fn envoy_dynamic_module_callback_http_filter_reset_stream(
+        filter: *mut c_void,
+        reason: u32,
+        details: ModuleBuffer,
+    );
     fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
         filter: *mut c_void,
         attribute_id: u32,
@@ -467,6 +478,20 @@ impl<'a> Filter<'a> {
                 vector.as_mut_ptr(),
                 vector.len(),
                 module_buffer(body),
+                module_buffer(details.as_bytes()),
+            )
+        }
+    }
+
+    /// Resets the stream both ways (`LocalReset`; `details` becomes the
+    /// response code details the access log reads).
+    pub fn reset_stream(&self, details: &str) {
+        // SAFETY: `raw` is this hook's filter; `details` outlives the call
+        // (Envoy copies it into the stream info).
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_reset_stream(
+                self.raw,
+                RESET_LOCAL,
                 module_buffer(details.as_bytes()),
             )
         }

@@ -413,6 +413,11 @@ impl Host for NativeHost<'_> {
         self.envoy.send_response(status, headers, body, "sluice");
     }
 
+    fn reset_stream(&self) -> bool {
+        self.envoy.reset_stream("sluice_stream_reset");
+        true
+    }
+
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         let id = match path {
             ["source", "address"] => Attribute::SourceAddress,

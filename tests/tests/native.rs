@@ -5,14 +5,21 @@
 //! `-z now`, so a callback this Envoy lacks fails the load), and runs the
 //! same policy core as the wasm filter: a caller's bucket admits up to its
 //! limit and the next request gets sluice's 429, which never reaches the
-//! upstream. A module missing the init symbol is refused by Envoy.
+//! upstream. A module missing the init symbol is refused by Envoy. A
+//! stream cut at its allowance whose upstream sends on is reset through
+//! the module's `reset_stream` callback (issue 48).
 //!
 //! Upstream: mock-llm's own personality (`Personality::Mock`): admission
 //! is decided before the upstream.
 
 use std::path::PathBuf;
 
-use sluice_tests::{get, prometheus_value, repo_root, Envoy, EnvoyConfig, MockLlm, Stack};
+use std::time::Duration;
+
+use sluice_tests::{
+    async_client, get, prometheus_value, repo_root, runtime, wait_for, Envoy, EnvoyConfig, MockLlm,
+    Stack,
+};
 
 const KEY: &str = "native-key";
 const LIMIT: u32 = 3;
@@ -29,13 +36,18 @@ fn module_dir() -> PathBuf {
 
 /// One per-caller request bucket of [`LIMIT`] a minute.
 fn policy() -> String {
+    policy_of(serde_json::json!({"requests": format!("{LIMIT}/min")}))
+}
+
+/// The key [`KEY`] in tier `free`, limited by `tier`.
+fn policy_of(tier: serde_json::Value) -> String {
     serde_json::json!({
         "default_tier": "free",
         "identity": {
             "sources": ["api_key"],
             "api_key": {"header": "x-api-key", "keys": {KEY: "free"}},
         },
-        "tiers": {"free": {"requests": format!("{LIMIT}/min")}},
+        "tiers": {"free": tier},
     })
     .to_string()
 }
@@ -43,6 +55,11 @@ fn policy() -> String {
 /// The shipped listener with its `sluice` filter swapped for the native
 /// module named `module` (lib<module>.so under `dir`), same place in the chain.
 fn use_native(cfg: &mut EnvoyConfig, module: &str, dir: &std::path::Path) {
+    use_native_with(cfg, module, dir, &policy());
+}
+
+/// [`use_native`] with the policy `policy`.
+fn use_native_with(cfg: &mut EnvoyConfig, module: &str, dir: &std::path::Path, policy: &str) {
     let entry = serde_yaml::to_value(serde_json::json!({
         "name": "sluice",
         "typed_config": {
@@ -51,7 +68,7 @@ fn use_native(cfg: &mut EnvoyConfig, module: &str, dir: &std::path::Path) {
             "filter_name": "sluice",
             "filter_config": {
                 "@type": "type.googleapis.com/google.protobuf.StringValue",
-                "value": policy(),
+                "value": policy,
             },
         },
     }))
@@ -135,4 +152,59 @@ fn envoy_refuses_a_module_without_the_init_symbol() {
         err.contains("envoy_dynamic_module_on_program_init"),
         "Envoy's refusal does not name the missing symbol:\n{err}"
     );
+}
+
+/// Issue 48 on the native host: a stream cut at its allowance whose
+/// upstream sends on is reset (the dynamic modules' `reset_stream`), as
+/// the wasm filter's is: the client gets the cut's end and then the end of
+/// its stream, and the upstream's connection is closed.
+#[test]
+fn a_cut_stream_whose_upstream_sends_on_is_reset() {
+    let dir = module_dir();
+    let policy = policy_of(serde_json::json!({"requests": "100/min", "daily_tokens": 100_000}));
+    let stack = Stack::start_with(1, |cfg| {
+        use_native_with(cfg, "sluice_native", &dir, &policy)
+    });
+    let body = serde_json::json!({
+        "model": "sluice-test-model",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "stream": true,
+    });
+    let url = stack.envoy.url("/v1/chat/completions");
+    let text = runtime().block_on(async {
+        let mut resp = async_client()
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("x-api-key", KEY)
+            .header("x-mock-output-tokens", "3000")
+            .header("x-mock-chunk-delay-ms", "25")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200);
+        let mut text = Vec::new();
+        // To the end, or a transport error (the reset) after the cut's end;
+        // no byte for 5 s: the stream was left open.
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), resp.chunk()).await {
+                Err(_) => panic!("the stream never ended: {}", String::from_utf8_lossy(&text)),
+                Ok(Ok(Some(chunk))) => text.extend_from_slice(&chunk),
+                Ok(Ok(None)) | Ok(Err(_)) => break,
+            }
+        }
+        String::from_utf8_lossy(&text).into_owned()
+    });
+    assert!(text.contains("budget_exhausted_midstream"), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let stream = || stack.upstream.stats()["streams"][0].clone();
+    assert!(
+        wait_for(Duration::from_secs(2), || stream()["ended"] == "dropped"),
+        "the upstream still streams: {}",
+        stream()
+    );
+    // The role chunk, 8 events, the one cut at, and at most a few more.
+    let sent = stream()["frames_sent"].as_u64().unwrap_or(u64::MAX);
+    assert!(sent <= 10 + 3, "{}", stream());
 }

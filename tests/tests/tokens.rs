@@ -347,7 +347,7 @@ fn stream_cut_at_the_budget(p: Personality) {
     let est = bound(&body);
     let allowance = BUDGET - est;
     let started = Instant::now();
-    let resp = post_json(
+    let resp = post_cut(
         &stack.envoy.url("/v1/chat/completions"),
         &[("x-mock-output-tokens", "3000")],
         &body,
@@ -392,6 +392,258 @@ fn stream_cut_at_the_budget(p: Personality) {
     let sluice = assert_daily_budget_refusal(&next);
     assert_eq!(sluice["remaining"], 0, "{sluice}");
     assert_eq!(stack.upstream_requests(), 1);
+}
+
+/// How a client's read of a streamed answer ended.
+#[derive(Debug)]
+struct Read {
+    body: String,
+    /// When the body first ended with `data: [DONE]`.
+    done_at: Option<Instant>,
+    /// When the read ended, and how: `None` at a clean end of stream, the
+    /// transport's error otherwise.
+    ended_at: Instant,
+    error: Option<String>,
+}
+
+/// What a client has read of a stream so far.
+#[derive(Default)]
+struct Reading {
+    body: Vec<u8>,
+    done_at: Option<Instant>,
+}
+
+impl Reading {
+    fn push(&mut self, chunk: &[u8]) {
+        self.body.extend_from_slice(chunk);
+        if self.done_at.is_none() && self.body.ends_with(b"data: [DONE]\n\n") {
+            self.done_at = Some(Instant::now());
+        }
+    }
+
+    fn end(self, error: Option<String>) -> Read {
+        Read {
+            body: String::from_utf8_lossy(&self.body).into_owned(),
+            done_at: self.done_at,
+            ended_at: Instant::now(),
+            error,
+        }
+    }
+}
+
+/// Reads a streamed answer the way a client that keeps its connection
+/// does: to the end, never closing it first; `None` when no byte came for
+/// `patience` (the stream never ended).
+async fn read_to_end(resp: reqwest::Response, patience: Duration) -> Option<Read> {
+    let mut resp = resp;
+    let mut reading = Reading::default();
+    let error = loop {
+        match tokio::time::timeout(patience, resp.chunk()).await {
+            Err(_) => return None,
+            Ok(Ok(Some(chunk))) => reading.push(&chunk),
+            Ok(Ok(None)) => break None,
+            Ok(Err(e)) => break Some(format!("{e:?}")),
+        }
+    };
+    Some(reading.end(error))
+}
+
+/// [`read_to_end`] of a chat POST over HTTP/2 (h2c, prior knowledge).
+async fn read_h2_to_end(
+    addr: std::net::SocketAddr,
+    headers: &[(&str, &str)],
+    body: &Json,
+    patience: Duration,
+) -> Option<Read> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (mut client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut req = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{addr}/v1/chat/completions"))
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = req.body(()).expect("request");
+    let (response, mut stream) = client.send_request(req, false).expect("send headers");
+    stream
+        .send_data(bytes::Bytes::from(body.to_string()), true)
+        .expect("send body");
+    let response = response.await.expect("response");
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let mut reading = Reading::default();
+    let error = loop {
+        match tokio::time::timeout(patience, body.data()).await {
+            Err(_) => return None,
+            Ok(Some(Ok(chunk))) => {
+                let _ = body.flow_control().release_capacity(chunk.len());
+                reading.push(&chunk);
+            }
+            Ok(None) => break None,
+            Ok(Some(Err(e))) => break Some(format!("{e:?}")),
+        }
+    };
+    Some(reading.end(error))
+}
+
+/// POSTs a stream that sluice cuts and reads it to its end. An upstream
+/// that sends on past the cut gets the stream reset (issue 48), so the
+/// read may end in a transport error: only after the cut's `[DONE]`.
+fn post_cut(url: &str, headers: &[(&str, &str)], body: &Json) -> Response {
+    runtime().block_on(async {
+        let mut req = async_client()
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let resp = req.send().await.expect("send");
+        let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
+        let read = read_to_end(resp, Duration::from_secs(10))
+            .await
+            .expect("the cut stream never ended");
+        if let Some(error) = &read.error {
+            assert!(
+                read.body.trim_end().ends_with("data: [DONE]"),
+                "{error} before the cut's end: {}",
+                read.body
+            );
+        }
+        Response {
+            status,
+            headers,
+            body: read.body,
+        }
+    })
+}
+
+/// Issue 48, "the cut ends the work": an upstream that ignores its limit
+/// and streams on slowly is reset at its next chunk after the cut. The
+/// client's stream ends without the client closing it, the upstream sees
+/// its connection closed within a bound, what it generated stops growing,
+/// and the request is charged what the client got.
+#[test]
+fn a_cut_stream_ends_and_its_upstream_stops_generating() {
+    for h2 in [false, true] {
+        cut_ends_the_work(h2);
+    }
+}
+
+/// The test above over HTTP/1.1, or HTTP/2 (`h2`).
+fn cut_ends_the_work(h2: bool) {
+    const MAX_OUTPUT: u64 = 24;
+    const CHUNK_MS: u64 = 25;
+    /// 75 s of generating, were the server left to it.
+    const OUTPUT: u64 = 3_000;
+    const BOUND: Duration = Duration::from_secs(2);
+    let stack = Stack::start(|cfg| {
+        install(
+            cfg,
+            &policy(
+                json!({"requests": "1000/min", "daily_tokens": 1_000_000}),
+                json!({}),
+            ),
+        )
+    });
+    let body = chat(PROMPT, Some(MAX_OUTPUT), true);
+    let url = stack.envoy.url("/v1/chat/completions");
+    let stats = stack.upstream.url("/admin/stats");
+    let stream = || get(&stats, &[]).ok().json()["streams"][0].clone();
+    // The upstream's end is watched while the client reads: when its body
+    // stopped being sent (the mock sees the connection go at its next
+    // write, one chunk's delay at most).
+    let (read, upstream_closed) = std::thread::scope(|scope| {
+        let watcher = scope.spawn(|| {
+            let mut closed = None;
+            wait_for(Duration::from_secs(15), || {
+                let ended = stream()["ended"].as_str().is_some_and(|e| e != "open");
+                if ended {
+                    closed = Some(Instant::now());
+                }
+                ended
+            });
+            closed
+        });
+        let (output, delay) = (OUTPUT.to_string(), CHUNK_MS.to_string());
+        let knobs = [
+            ("x-mock-output-tokens", output.as_str()),
+            ("x-mock-chunk-delay-ms", delay.as_str()),
+        ];
+        let patience = Duration::from_secs(5);
+        let read = runtime().block_on(async {
+            if h2 {
+                return read_h2_to_end(stack.envoy.addr(), &knobs, &body, patience).await;
+            }
+            let mut req = async_client()
+                .post(&url)
+                .header("content-type", "application/json")
+                .body(body.to_string());
+            for (name, value) in knobs {
+                req = req.header(name, value);
+            }
+            let resp = req.send().await.expect("send");
+            assert_eq!(resp.status(), 200);
+            read_to_end(resp, patience).await
+        });
+        (read, watcher.join().ok().flatten())
+    });
+    let read = read.expect("the stream never ended: sluice cut it and left it open");
+    let done_at = read.done_at.expect("the cut's [DONE] reached the client");
+
+    // The client got the cut's end, then the end of its stream.
+    let events = sse_json(&read.body);
+    assert_eq!(content_events(&events) as u64, MAX_OUTPUT, "{}", read.body);
+    assert_eq!(
+        events.last().expect("events")["error"]["code"],
+        "budget_exhausted_midstream"
+    );
+    assert_eq!(sse_payloads(&read.body).last(), Some(&"[DONE]"));
+    let client_end = read.ended_at.duration_since(done_at);
+    assert!(
+        client_end < BOUND,
+        "the stream ended {client_end:?} after [DONE]"
+    );
+
+    // The upstream's connection was closed: its body was dropped unsent.
+    let upstream_closed = upstream_closed.expect("the upstream streamed on for 15 s");
+    let upstream_end = upstream_closed.saturating_duration_since(done_at);
+    assert!(
+        upstream_end < BOUND,
+        "the upstream streamed on {upstream_end:?} past [DONE]"
+    );
+    let seen = stream();
+    assert_eq!(seen["ended"], "dropped", "{seen}");
+    // Frames up to the one sluice cut at: the role chunk, the allowance,
+    // the first content chunk past it.
+    let at_cut = MAX_OUTPUT + 2;
+    let sent = seen["frames_sent"].as_u64().unwrap_or(u64::MAX);
+    let after_cut = sent.saturating_sub(at_cut);
+    assert!(
+        after_cut <= 3,
+        "generated {after_cut} frames after the cut: {seen}"
+    );
+    assert!(sent < seen["frames"].as_u64().unwrap_or(0), "{seen}");
+
+    // Charged the input's bound (the cut stream never reported its input)
+    // and what the client got; nothing held.
+    assert_eq!(metric(&stack, "sluice_stream_cut_total"), 1);
+    assert_eq!(metric(&stack, "sluice_stream_reset_total"), 1);
+    assert_no_reservation_left(&stack);
+    assert_eq!(charged(&stack), bound(&body) + MAX_OUTPUT);
+    let protocol = if h2 { "HTTP/2" } else { "HTTP/1.1" };
+    println!(
+        "{protocol}: cut at {MAX_OUTPUT} output events, one every {CHUNK_MS} ms: the upstream stopped \
+         {upstream_end:?} after the client's [DONE] (polled every 20 ms), having generated \
+         {after_cut} frame(s) past the cut ({sent} of {}); the client's stream ended \
+         {client_end:?} after its [DONE] ({})",
+        seen["frames"],
+        read.error.as_deref().unwrap_or("a clean end of stream"),
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -913,8 +1165,8 @@ fn streams_framed_with_crlf_or_cr_settle_from_their_usage_and_are_cut_at_their_a
         // Past its allowance: cut with the error event, the budget charged
         // to the token.
         let body = chat(PROMPT, Some(5_000), true);
-        let allowance = BUDGET - charged(&stack) - estimate(&body);
-        let resp = post_json(&url, &[framing, ("x-mock-output-tokens", "3000")], &body);
+        let allowance = BUDGET - charged(&stack) - bound(&body);
+        let resp = post_cut(&url, &[framing, ("x-mock-output-tokens", "3000")], &body);
         assert_eq!(resp.status, 200, "{newline}: {resp:?}");
         let text = lf_framed(&resp.body);
         let events = sse_json(&text);

@@ -1074,6 +1074,17 @@ impl Stream {
             self.end_event();
             return Action::Continue;
         }
+        // A stream cut in an earlier callback whose upstream sends on: the
+        // server ignores the limit it was sent and generates on. The cut's
+        // own chunk (its error event and `[DONE]`) went to the client in
+        // that callback; now the stream is reset, once, so the server stops
+        // (never in the cut's own callback: the host resets before that
+        // callback's chunk is passed on, and the client would lose its
+        // end). An upstream that ends in this chunk is not reset.
+        let reset = !end
+            && self
+                .upstream()
+                .is_some_and(|up| !up.reset && up.meter.as_ref().is_some_and(|m| m.cut));
         let chunk = host.response_body(body_size);
         if let Some(hash) = self.response_hash.as_mut() {
             sha2::Digest::update(hash, &chunk);
@@ -1099,6 +1110,14 @@ impl Stream {
         }
         if let Some(out) = out.filter(|out| *out != chunk) {
             host.replace_response_body(body_size, &out);
+        }
+        if reset {
+            if let Some(up) = self.upstream() {
+                up.reset = true;
+            }
+            // Settled in `on_log`, which the reset brings, from what the
+            // meter counted up to the cut.
+            add(host, metrics::STREAM_RESET, i64::from(host.reset_stream()));
         }
         if end {
             self.settle(host);
@@ -1224,6 +1243,7 @@ impl Stream {
                     first_byte: false,
                     event_ms: None,
                     ended_ms: None,
+                    reset: false,
                 });
                 Action::Continue
             }

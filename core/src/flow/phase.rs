@@ -72,6 +72,8 @@ pub(super) struct Upstream {
     /// ended (the log's end-to-end latency reads it, not the clock again).
     pub(super) event_ms: Option<u64>,
     pub(super) ended_ms: Option<u64>,
+    /// The stream was reset after its cut (see `Request::on_response_body`).
+    pub(super) reset: bool,
 }
 
 impl Upstream {

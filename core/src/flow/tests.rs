@@ -856,6 +856,59 @@ fn a_stream_past_its_allowance_is_cut_and_charged_what_it_sent() {
     assert!(output >= 3, "charged what was sent: {output}");
 }
 
+/// The cut's own callback passes its end (the error event, `[DONE]`) on;
+/// the upstream's next chunk resets the stream, once; settled at the log.
+#[test]
+fn a_cut_stream_whose_upstream_sends_on_is_reset_once_after_its_end_went_out() {
+    let host = MockHost::new(T0);
+    let poller = load(
+        &host,
+        json!({"default_tier": "t", "tiers": {"t": {"tokens": "10000/min"}}}),
+    );
+    let mut body = chat("m", 3);
+    body["stream"] = json!(true);
+    let (mut req, action) = post(&poller, &host, "10.0.0.1:1", &[], &body);
+    assert_eq!(action, Action::Continue);
+    host.respond(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    req.on_response_headers(&host);
+    let event = "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n";
+    let feed = |req: &mut crate::flow::Request, end: bool| {
+        let chunk = event.repeat(4);
+        *host.response_body.borrow_mut() = chunk.clone().into_bytes();
+        req.on_response_body(&host, chunk.len(), end);
+        String::from_utf8_lossy(&host.response_body.borrow()).into_owned()
+    };
+    let sent = feed(&mut req, false);
+    assert!(sent.ends_with("data: [DONE]\n\n"), "{sent}");
+    assert_eq!(host.stream_resets.get(), 0, "the cut's own chunk goes out");
+    assert_eq!(feed(&mut req, false), "");
+    assert_eq!(host.stream_resets.get(), 1, "the upstream sent on");
+    assert_eq!(feed(&mut req, false), "");
+    assert_eq!(host.stream_resets.get(), 1, "once");
+    req.on_log(&host);
+    assert_eq!(
+        host.metric(crate::host::metrics::STREAM_RESET.name),
+        Some(1)
+    );
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name),
+        Some(0)
+    );
+    let output = host
+        .metric("sluice_tokens_total_direction=output;.kind=actual;.tier=t;.model=other;")
+        .unwrap();
+    assert_eq!(output, 3, "charged what the client got");
+
+    // An upstream that ends in the chunk after the cut is not reset.
+    let (mut req, _) = post(&poller, &host, "10.0.0.1:1", &[], &body);
+    host.respond(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    req.on_response_headers(&host);
+    feed(&mut req, false);
+    feed(&mut req, true);
+    req.on_log(&host);
+    assert_eq!(host.stream_resets.get(), 1);
+}
+
 #[test]
 fn non_model_calls_keep_no_latency_histograms() {
     let host = MockHost::new(T0);

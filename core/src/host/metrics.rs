@@ -224,6 +224,8 @@ pub const USAGE_MISSING: Metric = counter("sluice_usage_missing_total", &[]);
 pub const INPUT_SOURCE: Metric = counter("sluice_input_source_total", &["kind"]);
 /// Streams ended by sluice because they ran past their budget.
 pub const STREAM_CUT: Metric = counter("sluice_stream_cut_total", &[]);
+/// Cut streams whose upstream sent on past the cut, reset both ways.
+pub const STREAM_RESET: Metric = counter("sluice_stream_reset_total", &[]);
 /// Requests that crossed a budget's alert threshold.
 pub const BUDGET_ALERTS: Metric = counter("sluice_budget_alerts_total", &[]);
 /// Minutes in which tokens/min across all callers surged past the baseline.
@@ -320,6 +322,7 @@ pub const ALL: &[Metric] = &[
     USAGE_MISSING,
     INPUT_SOURCE,
     STREAM_CUT,
+    STREAM_RESET,
     BUDGET_ALERTS,
     USAGE_SURGES,
     CONFIG_REJECTED,

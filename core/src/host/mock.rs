@@ -57,6 +57,8 @@ pub struct MockHost {
     pub histograms: RefCell<HashMap<String, Vec<u64>>>,
     pub replies: RefCell<Vec<SentReply>>,
     pub route_cache_clears: Cell<u32>,
+    /// How often the stream was reset (`reset_stream`).
+    pub stream_resets: Cell<u32>,
     /// `Some`: clearing the route cache fails with this.
     pub route_cache_error: RefCell<Option<String>>,
     pub logs: RefCell<Vec<(LogLevel, String)>>,
@@ -314,6 +316,12 @@ impl Host for MockHost {
         self.filter_state
             .borrow_mut()
             .insert(name.to_string(), value.to_vec());
+    }
+
+    fn reset_stream(&self) -> bool {
+        self.count("reset_stream");
+        self.stream_resets.set(self.stream_resets.get() + 1);
+        true
     }
 
     fn clear_route_cache(&self) -> Result<(), String> {

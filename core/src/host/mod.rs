@@ -65,6 +65,20 @@ pub trait Host: SharedStore {
     fn replace_response_body(&self, size: usize, body: &[u8]);
     /// Answers the client locally; the upstream never sees the request.
     fn send_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]);
+    /// Resets the stream both ways, once its response has started: the
+    /// upstream request is reset (an HTTP/1.1 upstream connection is
+    /// closed), so the server stops generating, and the client's response
+    /// ends where it is. What earlier callbacks passed on has gone to the
+    /// client; the chunk of the callback that calls this has not: the host
+    /// resets before that chunk is passed on (Envoy's proxy-wasm
+    /// `closeStream` runs it right after the VM call; the native module's
+    /// reset is immediate). Neither ABI can end a response cleanly (with
+    /// end of stream) while its upstream still sends: an HTTP/1.1 client
+    /// sees its connection closed after the bytes already written (Envoy
+    /// flushes them first), an HTTP/2 client a `RST_STREAM`, which cancels
+    /// the frames Envoy still holds for it (a client reading slower than
+    /// the upstream sends loses that tail). `false`: the host cannot.
+    fn reset_stream(&self) -> bool;
     /// A stream property (`["source", "address"]`, dynamic metadata …).
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
     /// Writes filter state (the access log reads audit fields there).
