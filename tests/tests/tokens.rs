@@ -787,7 +787,8 @@ fn five_hundred_streams_with_random_disconnects_leave_no_reservation() {
     let settled = charged(&stack);
     let resp = post_json(&url, &[], &probe);
     assert_eq!(resp.status, 200, "{resp:?}");
-    let reserved_now = estimate(&probe) + 1;
+    // A hard daily budget: the probe holds its input's bound.
+    let reserved_now = bound(&probe) + 1;
     assert_eq!(
         int_header(&resp, "x-ratelimit-remaining-tokens"),
         100_000_000 - settled - reserved_now
@@ -1082,7 +1083,8 @@ fn crossing_alert_at_adds_the_alert_header_and_counts_it() {
         )
     });
     let url = stack.envoy.url("/v1/chat/completions");
-    let est = estimate(&chat(PROMPT, None, false));
+    // A hard budget: each request reserves its input's bound.
+    let est = bound(&chat(PROMPT, None, false));
 
     // Half the budget reserved: no alert.
     let resp = post_json(&url, &[], &chat(PROMPT, Some(500 - est), false));

@@ -40,6 +40,19 @@ struct Sized {
     per_choice: u64,
 }
 
+/// How a request was admitted, for its plan: the model it asked for (after
+/// any downshift), the rung that serves it, the price it is reserved at,
+/// whether its output was lowered, whether sluice asked for the usage
+/// chunk, and the tier whose estimate it teaches.
+struct Admitted<'a> {
+    model: Option<String>,
+    served: Option<&'a Served>,
+    price: ModelPrice,
+    lowered: bool,
+    strip_usage: bool,
+    tier: &'a str,
+}
+
 /// What the reservation loop took: the reservation, the buckets taken, and
 /// whether the output was lowered to fit a hard token budget.
 struct Reserved {
@@ -172,7 +185,6 @@ impl Engine {
         }
         let reserver = self.reserver(store);
         let mut sized = self.size(store, api, asked, &identity.tier);
-        let input_raw = asked.map_or(0.0, |a| a.input_raw);
         let downshift = asked.filter(|_| served.is_none()).and_then(|_| {
             let model = sized.requested_model.as_deref();
             self.downshift(&reserver, ctx, model, sized.input, sized.output())
@@ -204,8 +216,6 @@ impl Engine {
             }
         };
 
-        let meters: Vec<Meter> = taken.iter().map(|&i| self.buckets[i].meter).collect();
-        let bounded: Vec<bool> = taken.iter().map(|&i| bounded(&self.buckets[i])).collect();
         let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
         if let Some(kind) = degraded {
             headers.push("x-sluice-degraded", kind.code());
@@ -220,29 +230,24 @@ impl Engine {
         // A request without a body settles from `held`, one with a body
         // from its plan: the holds go to one of them, moved.
         let (held, plan) = match asked {
-            None => (Some((reservation.held, meters)), None),
-            Some(a) => (
-                None,
-                Some(Plan {
-                    held: reservation.held,
-                    meters,
-                    api: sized.api,
+            None => {
+                let meters = taken.iter().map(|&i| self.buckets[i].meter).collect();
+                (Some((reservation.held, meters)), None)
+            }
+            Some(a) => {
+                let how = Admitted {
                     model: model.clone(),
-                    rung: served.map(|s| (s.provider.clone(), s.model.clone())),
-                    input_raw,
-                    input_estimate: sized.input,
-                    input_bound: sized.input_bound,
-                    bounded,
-                    tier: identity.tier.clone(),
-                    background: a.background,
-                    max_output: sized.output(),
-                    stream: a.demand.stream,
-                    strip_usage,
+                    served,
                     price,
-                    output_lowered: lowered,
-                    answer_at: self.declared(sized.api).map(|d| d.answer.clone()),
-                }),
-            ),
+                    lowered,
+                    strip_usage,
+                    tier: &identity.tier,
+                };
+                (
+                    None,
+                    Some(self.plan(a, &sized, reservation.held, &taken, how)),
+                )
+            }
         };
         Verdict {
             reply: None,
@@ -257,6 +262,36 @@ impl Engine {
             bucket: None,
             retry_after_ms: None,
             held,
+        }
+    }
+
+    /// What an admitted request with a body keeps until it is settled.
+    fn plan(
+        &self,
+        a: &Asked,
+        sized: &Sized,
+        held: Vec<Held>,
+        taken: &[usize],
+        how: Admitted<'_>,
+    ) -> Plan {
+        Plan {
+            held,
+            meters: taken.iter().map(|&i| self.buckets[i].meter).collect(),
+            bounded: taken.iter().map(|&i| bounded(&self.buckets[i])).collect(),
+            api: sized.api,
+            model: how.model,
+            rung: how.served.map(|s| (s.provider.clone(), s.model.clone())),
+            input_raw: a.input_raw,
+            input_estimate: sized.input,
+            input_bound: sized.input_bound,
+            tier: how.tier.to_string(),
+            background: a.background,
+            max_output: sized.output(),
+            stream: a.demand.stream,
+            strip_usage: how.strip_usage,
+            price: how.price,
+            output_lowered: how.lowered,
+            answer_at: self.declared(sized.api).map(|d| d.answer.clone()),
         }
     }
 

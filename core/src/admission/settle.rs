@@ -5,6 +5,23 @@
 use super::*;
 use crate::usage::reconcile::{Details, Usage};
 
+/// What each record the plan holds is charged (one update per record, its
+/// buckets' settlements together; a request bucket costs what it
+/// reserved): `billed`, or `bound` where the record reserved the input's
+/// bound and the upstream did not report the input.
+fn charges(plan: &Plan, billed: Billed, bound: Option<Billed>) -> Vec<(&Held, u64)> {
+    plan.held
+        .iter()
+        .zip(&plan.meters)
+        .zip(plan.bounded.iter().chain(std::iter::repeat(&false)))
+        .filter(|((_, meter), _)| **meter != Meter::Requests)
+        .map(|((held, meter), &bounded)| {
+            let billed = bound.filter(|_| bounded).unwrap_or(billed);
+            (held, meter.settled(billed, plan.price))
+        })
+        .collect()
+}
+
 impl Engine {
     /// Step 5: replace the reservation with what the response really cost.
     /// Usage from the upstream wins; without (believable) usage, the input
@@ -78,8 +95,6 @@ impl Engine {
         };
         let reserver = self.reserver(store);
         let mut effort = Contention::default();
-        // One update per record the plan holds (its buckets' settlements
-        // together); a request bucket costs what it reserved.
         // Input the upstream did not report is charged to a hard budget
         // at the bound it reserved, never at the guess: it cannot be over.
         let charged_bound = !reported && upstream_ok && plan.bounded.contains(&true);
@@ -87,20 +102,7 @@ impl Engine {
             input: plan.input_bound.max(input),
             ..billed
         };
-        let items: Vec<(&Held, u64)> = plan
-            .held
-            .iter()
-            .zip(&plan.meters)
-            .zip(plan.bounded.iter().chain(std::iter::repeat(&false)))
-            .filter(|((_, meter), _)| **meter != Meter::Requests)
-            .map(|((held, meter), &bounded)| {
-                let billed = match bounded && charged_bound {
-                    true => billed_bound,
-                    false => billed,
-                };
-                (held, meter.settled(billed, plan.price))
-            })
-            .collect();
+        let items = charges(plan, billed, charged_bound.then_some(billed_bound));
         let charges_unwritten = self.settle_leased(&reserver, &items, now_ms, &mut effort);
         // Another provider's tokenizer says nothing about the primary's.
         if from_usage && !input_estimated && input > 0 && plan.rung.is_none() {
