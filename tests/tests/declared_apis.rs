@@ -324,9 +324,11 @@ fn a_parallel_burst_on_a_declared_api_never_overshoots_the_budget() {
         generated <= 1_000,
         "{admitted} admitted cost {generated} of 1000"
     );
+    // Each holds its input's bound (its body's bytes and the template's
+    // figures, about 100) and its 50 of output: about 1000 / 150 at once.
     assert!(
-        admitted >= 10,
-        "the budget holds about 1000 / 53: {statuses:?}"
+        admitted >= 5,
+        "the budget holds about 1000 / 150: {statuses:?}"
     );
     let charged = tokens(&stack, "input", "actual") + tokens(&stack, "output", "actual");
     assert_eq!(charged, generated);
