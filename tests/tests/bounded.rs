@@ -5,7 +5,8 @@
 //! spend past it; a Responses API `background` request is refused; input
 //! the upstream does not report is charged at the bound and says so.
 //!
-//! Upstream: mock-llm as Ollama, which renders a request's own `template`
+//! Upstream: mock-llm's Ollama personality (and its own, for the chat and
+//! Responses rows), which renders a request's own `template`
 //! with the prompt and prepends `context`'s token ids (mock-llm's
 //! `tokens.rs` counts both, as Ollama's `GenerateHandler` feeds them).
 
