@@ -277,3 +277,51 @@ fn every_field_a_server_feeds_the_model_is_reserved_or_refused() {
     assert_eq!(stack.upstream_requests(), 0, "nothing reached the upstream");
     assert!(drained(&stack));
 }
+
+/// One caller cannot steer another's reservations: the estimate's
+/// correction is learnt per model and tier, and a hard budget's
+/// reservation never reads it. 40 requests of `"a a a …"` (the estimate
+/// counts twice what the server does) from an enterprise key leave a pro
+/// key's reservation where it was.
+#[test]
+fn one_tiers_odd_requests_do_not_move_another_tiers_reservation() {
+    let stack = Stack::start(|_| {});
+    let url = stack.envoy.url("/v1/chat/completions");
+    let prose = "The committee met on Tuesday to review the budget for the new library wing.";
+    let ask = |key: &str, content: &str| {
+        let body = json!({"model": "llama3.1:8b", "max_tokens": 4,
+            "messages": [{"role": "user", "content": content}]});
+        let resp = post_json(&url, &[("x-api-key", key)], &body);
+        assert_eq!(resp.status, 200, "{resp:?}");
+    };
+    let reserved_for = |key_tier: &str| -> Vec<u64> {
+        stack
+            .envoy
+            .audit_log()
+            .iter()
+            .filter(|l| l["tier"] == key_tier && l["tokens_estimated"].is_u64())
+            .map(|l| l["tokens_estimated"].as_u64().unwrap_or(0))
+            .collect()
+    };
+    ask("demo-pro-key", prose);
+    assert!(wait_for(Duration::from_secs(10), || reserved_for("pro")
+        .len()
+        == 1));
+    let before = reserved_for("pro")[0];
+    let odd = "a ".repeat(200);
+    for _ in 0..40 {
+        ask("demo-enterprise-key", &odd);
+    }
+    ask("demo-pro-key", prose);
+    assert!(wait_for(Duration::from_secs(10), || reserved_for("pro")
+        .len()
+        == 2));
+    let after = reserved_for("pro")[1];
+    assert_eq!(before, after, "the pro key's reservation moved");
+    let enterprise = reserved_for("enterprise");
+    println!(
+        "enterprise reservations {} -> {}; pro {before} -> {after}",
+        enterprise[0],
+        enterprise[enterprise.len() - 1]
+    );
+}
