@@ -148,7 +148,9 @@ fn a_scripted_mix_is_counted_exactly_and_audited_without_secrets() {
         cfg.set_jwks_inline(jwks(&key));
         // Small limits so every refusal takes a request or two.
         set(cfg, &["tiers", "free", "requests"], "3/min");
-        set(cfg, &["tiers", "free", "daily_tokens"], "100");
+        // Room for a request at its input's bound (about 110), not for
+        // the long prompt below.
+        set(cfg, &["tiers", "free", "daily_tokens"], "300");
         set(
             cfg,
             &["tiers", "pro", "daily_tokens"],
@@ -180,7 +182,7 @@ fn a_scripted_mix_is_counted_exactly_and_audited_without_secrets() {
         }
         statuses.push(("anonymous", r.status));
     }
-    // demo-free-key: a prompt far beyond its 100-token daily budget.
+    // demo-free-key: a prompt far beyond its 300-token daily budget.
     let long = format!("{} {}", next(), "lorem ipsum ".repeat(200));
     let r = send(&stack, &free_key, &chat_body(SMALL, &long, 4, false));
     assert_eq!(r.header("x-sluice-reason"), Some("daily_budget_exceeded"));

@@ -152,7 +152,12 @@ fn a_429_on_one_key_pauses_that_key_only_and_for_at_most_max_pause() {
 
 #[test]
 fn unlisted_models_do_not_share_a_breaker() {
-    let stack = Stack::start(policy);
+    // The demo policy serves only its models: this one opts in to others.
+    let stack = Stack::start(|cfg| {
+        policy(cfg);
+        cfg.policy_mut()["unlisted_models"] =
+            serde_yaml::from_str("{price: {input: 0, output: 0}}").expect("YAML");
+    });
     let first = "made-up-model-a";
     let second = (0..)
         .map(|i| format!("made-up-model-{i}"))

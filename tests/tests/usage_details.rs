@@ -228,7 +228,11 @@ fn policy(allow_stored_context: bool) -> Json {
     json!({
         "default_tier": "t",
         "identity": {"sources": ["client_address"]},
-        "tiers": {"t": {"requests": "1000/min", "daily_tokens": BUDGET}},
+        // Soft: it reserves the estimate the audit's `tokens_estimated`
+        // shows, so the header's moves are each request's charge (a hard
+        // budget would hold the input's bound, `bounded.rs`).
+        "tiers": {"t": {"requests": "1000/min",
+                        "daily_tokens": {"limit": BUDGET, "mode": "soft"}}},
         "models": {},
         "defaults": {"max_output_tokens": 512},
         "request": {"allow_stored_context": allow_stored_context},
