@@ -256,15 +256,8 @@ const MEDIA_TYPES: &[&str] = &[
     "video",
 ];
 
-fn is_media<'a>(part: impl View<'a>) -> bool {
-    if let Some(t) = part.get("type").and_then(View::str) {
-        return MEDIA_TYPES.contains(&t.as_ref());
-    }
-    // A part without a type, by its payload's key.
-    ["image_url", "input_audio", "file", "video_url", "audio_url"]
-        .iter()
-        .any(|k| part.get(k).is_some())
-}
+/// Keys whose presence makes a part without a `type` a media part.
+const MEDIA_KEYS: &[&str] = &["image_url", "input_audio", "file", "video_url", "audio_url"];
 
 /// Adds what `v` feeds the server to `r`: see [`Rendered`].
 fn walk<'a>(v: impl View<'a>, r: &mut Rendered) {
@@ -275,16 +268,33 @@ fn walk<'a>(v: impl View<'a>, r: &mut Rendered) {
             r.bytes = r.bytes.saturating_add(len + 1);
         }
         Kind::Array => v.items().for_each(|item| walk(item, r)),
-        Kind::Object if is_media(v) => r.media = r.media.saturating_add(1),
         Kind::Object => {
+            // One pass over the members: their bytes, unless a `type` (or,
+            // without one, a payload key) says the part is media.
+            let mut inner = Rendered::default();
+            let (mut typed, mut media) = (false, false);
             for (key, x) in v.members() {
-                // Ollama's chat messages carry their images as base64.
-                if key == "images" {
-                    r.media = r.media.saturating_add(items(x));
-                    continue;
+                match key.as_ref() {
+                    "type" => {
+                        typed = true;
+                        media = x.str().is_some_and(|t| MEDIA_TYPES.contains(&t.as_ref()));
+                    }
+                    // Ollama's chat messages carry their images as base64.
+                    "images" => {
+                        inner.media = inner.media.saturating_add(items(x));
+                        continue;
+                    }
+                    k if !typed && MEDIA_KEYS.contains(&k) => media = true,
+                    _ => {}
                 }
-                r.bytes = r.bytes.saturating_add(key.len() as u64);
-                walk(x, r);
+                inner.bytes = inner.bytes.saturating_add(key.len() as u64);
+                walk(x, &mut inner);
+            }
+            if media {
+                r.media = r.media.saturating_add(1);
+            } else {
+                r.bytes = r.bytes.saturating_add(inner.bytes);
+                r.media = r.media.saturating_add(inner.media);
             }
         }
         // A number or a boolean as its text: a token id is one token, and
