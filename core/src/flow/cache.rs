@@ -513,6 +513,7 @@ impl Stream {
         let mut asked = wait.asked.clone();
         if let Some(a) = asked.as_mut().filter(|_| !cost.tokens) {
             a.input_raw = 0.0;
+            a.rendered.free = true;
             a.demand.max_output = Some(0);
         }
         let (input, output) = if cost.tokens {

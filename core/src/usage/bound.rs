@@ -147,12 +147,18 @@ pub struct Rendered {
     pub media: u64,
     /// The most output billed beyond the output limit (a prediction).
     pub extra_output: u64,
+    /// Nothing goes to a server (a cache hit that costs no tokens): the
+    /// bound is 0, the template's figures included.
+    pub free: bool,
 }
 
 impl Rendered {
     /// The input bound at a model's figures: the text, the template's
     /// tokens, the media, capped at the context length.
     pub fn tokens(&self, figures: &InputBound, context_length: Option<u64>) -> u64 {
+        if self.free {
+            return 0;
+        }
         let bound = figures
             .fixed
             .saturating_add(figures.per_message.saturating_mul(self.messages))
