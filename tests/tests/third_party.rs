@@ -459,7 +459,14 @@ fn guidellm_obeys_the_limit_sluice_lowers_to_at_the_end_of_a_budget() {
         json!({"max_tokens": 500}),
         Some(json!({"include_usage": true})),
     );
-    let est = input_tokens(&body).ceil() as u64;
+    // A hard budget holds the input's bound (default figures: the model
+    // states none), not its estimate.
+    let figures = sluice_core::policy::bound::InputBound::default();
+    let rendered =
+        sluice_core::usage::bound::rendered(sluice_core::usage::demand::Api::OpenAiChat, &body);
+    let est = rendered
+        .tokens(&figures, None)
+        .max(input_tokens(&body).ceil() as u64);
     let resp = tp.post("/v1/chat/completions", &[], &body);
     assert_eq!(resp.status, 200, "{resp:?}");
     let (events, done) = sse(&resp.body);
