@@ -21,7 +21,7 @@
 //! table is not read by its servers as input.
 
 use crate::policy::bound::InputBound;
-use crate::usage::demand::{Api, Multiplies};
+use crate::usage::demand::Api;
 use crate::usage::view::{Kind, View};
 
 /// What one field of a body feeds the server.
@@ -199,17 +199,7 @@ pub fn rendered<'a>(api: Api, body: impl View<'a>) -> Rendered {
         }
     }
     // A text processed once per item of another field is bounded as often.
-    for m in api.multipliers() {
-        let Multiplies::PairedWith(other) = m.multiplies else {
-            continue;
-        };
-        let (Some(text), Some(others)) = (body.get(m.field), body.get(other)) else {
-            continue;
-        };
-        if !others.is_array() || text.is_array() {
-            continue;
-        }
-        let again = others.items().count().saturating_sub(1) as u64;
+    for (text, again) in crate::usage::estimate::paired(api, body) {
         let mut once = Rendered::default();
         walk(text, &mut once);
         r.bytes = r.bytes.saturating_add(once.bytes.saturating_mul(again));

@@ -303,20 +303,26 @@ fn message_tokens<'a>(message: impl View<'a>) -> f64 {
 /// field (`text_1` with each `text_2`, the query with each document).
 pub fn input_tokens_of<'a>(api: Api, body: impl View<'a>) -> f64 {
     let mut tokens = input_tokens(body);
-    for m in api.multipliers() {
-        let Multiplies::PairedWith(other) = m.multiplies else {
-            continue;
-        };
-        let (Some(text), Some(items)) = (body.get(m.field), body.get(other)) else {
-            continue;
-        };
-        if !items.is_array() || text.is_array() {
-            continue; // pairs item by item: each text is counted once
-        }
-        let again = items.items().count().saturating_sub(1) as f64;
-        tokens += again * content_tokens(text);
+    for (text, again) in paired(api, body) {
+        tokens += again as f64 * content_tokens(text);
     }
     tokens
+}
+
+/// Each text its API's multiplier table says is processed once per item
+/// of another field, with how many times more than once (a text paired
+/// item by item with an array is counted once, so it is not listed).
+pub(crate) fn paired<'a, V: View<'a>>(api: Api, body: V) -> impl Iterator<Item = (V, u64)> {
+    api.multipliers().iter().filter_map(move |m| {
+        let Multiplies::PairedWith(other) = m.multiplies else {
+            return None;
+        };
+        let (text, items) = (body.get(m.field)?, body.get(other)?);
+        if !items.is_array() || text.is_array() {
+            return None;
+        }
+        Some((text, items.items().count().saturating_sub(1) as u64))
+    })
 }
 
 /// A content value: a string, a list of parts (`{"type":"text","text":…}`,
