@@ -111,27 +111,7 @@ impl Host for WasmHost {
     }
 
     fn request_headers(&self) -> Option<Headers> {
-        // Raw, not the SDK's `get_map_bytes`: that allocates a `String`
-        // and a `Vec` per header (and panics on a status it did not
-        // expect); bytes, for the reason in `header_text`.
-        let mut data: *mut u8 = std::ptr::null_mut();
-        let mut size = 0usize;
-        // SAFETY: both pointers are valid for the call; on OK the host
-        // hands over a buffer of `size` bytes it allocated through this
-        // module's `proxy_on_memory_allocate` (the SDK's, a `Vec<u8>` of
-        // that capacity), so it is taken back as that `Vec`.
-        let bytes = unsafe {
-            if raw::proxy_get_header_map_pairs(raw::HTTP_REQUEST_HEADERS, &mut data, &mut size)
-                != raw::OK
-            {
-                return None;
-            }
-            if data.is_null() {
-                return Some(Headers::default());
-            }
-            Vec::from_raw_parts(data, size, size)
-        };
-        crate::map::headers(&bytes)
+        header_map(raw::HTTP_REQUEST_HEADERS)
     }
 
     fn set_request_header(&self, name: &str, value: Option<&str>) {
@@ -259,6 +239,10 @@ impl Host for WasmHost {
         buffer(BufferType::HttpCallResponseBody, size)
     }
 
+    fn call_response_headers(&self) -> Option<Headers> {
+        header_map(raw::HTTP_CALL_RESPONSE_HEADERS)
+    }
+
     fn register_wake_queue(&self, name: &str) -> Option<u32> {
         let mut id = 0u32;
         // SAFETY: the pointers are valid for the call; the host writes one u32.
@@ -289,6 +273,35 @@ impl Host for WasmHost {
         // SAFETY: plain value call.
         unsafe { raw::proxy_continue_stream(raw::HTTP_REQUEST) == raw::OK }
     }
+
+    fn resume_response(&self) -> bool {
+        // SAFETY: plain value call.
+        unsafe { raw::proxy_continue_stream(raw::HTTP_RESPONSE) == raw::OK }
+    }
+}
+
+/// A whole header map of the host (`raw::HTTP_*_HEADERS`), in one call.
+/// Raw, not the SDK's `get_map_bytes`: that allocates a `String` and a
+/// `Vec` per header (and panics on a status it did not expect); bytes, for
+/// the reason in `header_text`.
+#[allow(unsafe_code)]
+fn header_map(map_type: u32) -> Option<Headers> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size = 0usize;
+    // SAFETY: both pointers are valid for the call; on OK the host hands
+    // over a buffer of `size` bytes it allocated through this module's
+    // `proxy_on_memory_allocate` (the SDK's, a `Vec<u8>` of that
+    // capacity), so it is taken back as that `Vec`.
+    let bytes = unsafe {
+        if raw::proxy_get_header_map_pairs(map_type, &mut data, &mut size) != raw::OK {
+            return None;
+        }
+        if data.is_null() {
+            return Some(Headers::default());
+        }
+        Vec::from_raw_parts(data, size, size)
+    };
+    crate::map::headers(&bytes)
 }
 
 /// Hostcalls whose SDK wrappers panic on a status they did not expect (a
@@ -301,6 +314,8 @@ mod raw {
     pub const HTTP_RESPONSE: u32 = 1;
     /// `MapType::HttpRequestHeaders`.
     pub const HTTP_REQUEST_HEADERS: u32 = 0;
+    /// `MapType::HttpCallResponseHeaders`.
+    pub const HTTP_CALL_RESPONSE_HEADERS: u32 = 6;
     #[link(wasm_import_module = "env")]
     extern "C" {
         pub fn proxy_register_shared_queue(

@@ -690,6 +690,17 @@ impl EnvoyConfig {
             &mut listeners[0],
             &["address", "socket_address", "port_value"],
         ) = Value::from(listener_port);
+        // The cluster that leads back into the listener (failover's
+        // attempts) follows the listener's port.
+        let listener_ip = self.listener_ip();
+        if let Some(Value::Sequence(clusters)) = statics.get_mut("clusters") {
+            for cluster in clusters.iter_mut().filter(|c| c["name"] == "sluice_self") {
+                let endpoint = &mut cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+                    ["endpoint"]["address"]["socket_address"];
+                endpoint["address"] = Value::from(listener_ip.to_string());
+                endpoint["port_value"] = Value::from(listener_port);
+            }
+        }
         let resources: Vec<Value> = listeners
             .into_iter()
             .map(|l| {

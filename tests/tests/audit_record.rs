@@ -47,6 +47,7 @@ const SLUICE_FIELDS: &[(&str, Kind)] = &[
     ("model_requested", Kind::Text),
     ("model_served", Kind::Text),
     ("provider", Kind::Text),
+    ("failed", Kind::Text),
     ("tokens_estimated", Kind::Count),
     ("tokens_input", Kind::Count),
     ("tokens_output", Kind::Count),

@@ -323,7 +323,7 @@ impl Engine {
 
     /// The first rung after `after` (from the top: `None`) that serves a
     /// request of `api` for `model`.
-    fn rung_after(&self, api: Api, model: Option<&str>, after: Option<&str>) -> Option<Served> {
+    pub(crate) fn rung_after(&self, api: Api, model: Option<&str>, after: Option<&str>) -> Option<Served> {
         let header = self.route_header()?.to_string();
         if self.policy.providers.is_empty() {
             if after.is_some() {

@@ -421,10 +421,17 @@ pub fn record(
         (other, _) => other,
     };
     out.paused = pause.map(|(scope, _)| scope);
-    let failed = answer.status == 0 || answer.status >= 500;
+    // A 429 speaks for the route when one credential serves everyone
+    // (`injected`): then it is a failure of the route, with or without
+    // `Retry-After`. On a pass-through route it is about the caller's own
+    // credential, which its pause covers: it says nothing of the route.
+    let route_429 =
+        answer.status == 429 && answer.from_upstream && pb.credentials == Credentials::Injected;
+    let status = if route_429 { 0 } else { answer.status };
+    let failed = status == 0 || status >= 500;
     let updated = update_record(cas, &pb.route_key, |u| {
         let mut next = if failed || answer.from_upstream {
-            u.observe(p, answer.status, pb.caller, answer.lease, now_ms)
+            u.observe(p, status, pb.caller, answer.lease, now_ms)
         } else if answer.lease.is_some_and(|l| l == u.probe_until_ms) {
             // Answered locally after its claim: the probe learned nothing,
             // the next request may probe.

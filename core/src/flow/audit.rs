@@ -45,6 +45,9 @@ pub enum Field {
     ModelServed,
     /// The provider of the ladder that served it (absent: the primary).
     Provider,
+    /// The rungs that failed before one answered, with their status
+    /// (`primary=503,openai=429`; absent: the first attempt answered).
+    Failed,
     TokensEstimated,
     TokensInput,
     TokensOutput,
@@ -63,7 +66,7 @@ pub enum Field {
 }
 
 /// Every field's name in the access log, in [`Field`] order.
-pub const NAMES: [&str; 27] = [
+pub const NAMES: [&str; 28] = [
     "request_id",
     "method",
     "route",
@@ -78,6 +81,7 @@ pub const NAMES: [&str; 27] = [
     "model_requested",
     "model_served",
     "provider",
+    "failed",
     "tokens_estimated",
     "tokens_input",
     "tokens_output",
@@ -95,7 +99,7 @@ pub const NAMES: [&str; 27] = [
 
 /// `,"<name>":` of every field, in [`Field`] order (built at compile
 /// time; a test checks them against [`NAMES`]).
-const PREFIXES: [&str; 27] = [
+const PREFIXES: [&str; 28] = [
     ",\"request_id\":",
     ",\"method\":",
     ",\"route\":",
@@ -110,6 +114,7 @@ const PREFIXES: [&str; 27] = [
     ",\"model_requested\":",
     ",\"model_served\":",
     ",\"provider\":",
+    ",\"failed\":",
     ",\"tokens_estimated\":",
     ",\"tokens_input\":",
     ",\"tokens_output\":",

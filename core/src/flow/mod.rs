@@ -373,6 +373,9 @@ impl Poller {
         filter.waiters = self.vm.waiters.clone();
         filter.define_metrics(host);
         let engine = &filter.engine;
+        if engine.policy.failover.is_some() {
+            failover::ensure_secret(host);
+        }
         match engine.prepare(host) {
             Ok(created) => host.log(
                 LogLevel::Info,
@@ -773,6 +776,9 @@ pub struct Stream {
     follow_until: Option<u64>,
     /// The audit fields so far, written once at the end (`audit`).
     audit: audit::AuditRecord,
+    /// What a request sent upstream keeps to be sent down the ladder
+    /// should its rung fail (`failover`).
+    resend: Option<Box<failover::Resend>>,
 }
 
 impl Stream {
@@ -796,6 +802,7 @@ impl Stream {
             flight: None,
             follow_until: None,
             audit: audit::AuditRecord::default(),
+            resend: None,
         }
     }
 
@@ -826,7 +833,11 @@ impl Stream {
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         self.started_ms = host.now_ms();
-        self.strip_fallback_header(host);
+        if self.strip_fallback_header(host) {
+            // An attempt of this Envoy's own failover: admitted already.
+            self.phase = Phase::Answered;
+            return Action::Continue;
+        }
         // The path, method and length are read where the snapshot holds
         // them (not copied out): only the path the stream keeps is.
         let view = HostRequest(host, self.request_headers.as_ref());
@@ -879,12 +890,20 @@ impl Stream {
     /// Only sluice may choose the fallback route, also when the policy has
     /// no `fallback` section but the Envoy routes still match it: the
     /// routing header is removed, and the request headers kept without it.
-    fn strip_fallback_header(&mut self, host: &dyn Host) {
+    ///
+    /// `true`: the request is an attempt of this Envoy's own failover
+    /// (`failover`), its marker checked and removed; its routing header
+    /// stays, it was set by sluice.
+    fn strip_fallback_header(&mut self, host: &dyn Host) -> bool {
         let header = self
             .engine()
             .route_header()
             .unwrap_or(crate::admission::ladder::DEFAULT_ROUTE_HEADER);
         let mut headers = host.request_headers();
+        if failover::strip_attempt(host, &mut headers) {
+            self.request_headers = headers;
+            return true;
+        }
         // Removed only when sent (a host call saved on every other
         // request); a host that cannot list the headers removes it anyway.
         let sent = headers.as_ref().is_none_or(|all| all.count(header) > 0);
@@ -895,6 +914,7 @@ impl Stream {
             }
         }
         self.request_headers = headers;
+        false
     }
 
     /// Who is calling, unless the penalty box holds them: the identity, or
@@ -1023,7 +1043,14 @@ impl Stream {
         }
         self.cache_response_headers(host);
         if let Some(watch) = self.upstream().and_then(|up| up.watch.take()) {
-            self.observe_upstream(host, self.status, watch);
+            self.observe_upstream(host, self.status, &watch);
+            let good = self.status < 400;
+            if let Some(up) = self.upstream().filter(|_| good) {
+                up.late = Some(watch.pushback);
+            }
+        }
+        if let Some(action) = self.fail_over(host) {
+            return action;
         }
         let Some(up) = self.upstream() else {
             return Action::Continue;
@@ -1052,6 +1079,11 @@ impl Stream {
     }
 
     pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        if self.resend.as_ref().is_some_and(|r| r.holding) {
+            // A failed answer held while the next rung is tried: buffered,
+            // never sent (unless every rung fails).
+            return Action::Pause;
+        }
         // Latency histograms describe model calls (the LLM APIs), not
         // `/v1/models` and the like.
         let model_call = body_size > 0 && self.api.reads_body();
@@ -1143,6 +1175,8 @@ impl Stream {
                 self.abandon_fleet_wait(host, *wait);
             }
         }
+        // An answer its upstream broke after a good status is a failure.
+        self.observe_late_failure(host);
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle(host);
         // A claim on its question goes back (no answer will be stored).
@@ -1244,6 +1278,7 @@ impl Stream {
                     event_ms: None,
                     ended_ms: None,
                     reset: false,
+                    late: None,
                 });
                 Action::Continue
             }
@@ -1520,6 +1555,7 @@ impl Stream {
             pushback,
             probe_lease,
         };
+        self.keep_for_failover(&verdict, rung.as_deref(), &mut parked.asked);
         self.send_on(host, verdict, rung.as_deref(), parked.body_len, watch)
     }
 
@@ -1611,6 +1647,10 @@ impl Stream {
 
     /// The sidecar's answer to a request paused for the fleet.
     pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
+        if self.owns_attempt(token) {
+            self.attempt_answered(host, body_size);
+            return;
+        }
         if self.cache_owns(token) {
             self.cache_answer(host, body_size);
             return;
@@ -1718,7 +1758,7 @@ impl Stream {
     /// (header + route cache refresh), without the client's credentials
     /// (Envoy's route injects the provider's).
     fn reroute(&self, host: &dyn Host, verdict: &mut Verdict, served: &Served) {
-        for credential in CLIENT_CREDENTIALS {
+        for credential in CLIENT_CREDENTIALS.iter().chain(&failover::ACCOUNT_HEADERS) {
             host.set_request_header(credential, None);
         }
         host.set_request_header(&served.header, Some(&served.value));
@@ -1737,7 +1777,7 @@ impl Stream {
     }
 
     /// Feeds the upstream's answer to the route's pause and error breaker.
-    fn observe_upstream(&mut self, host: &dyn Host, status: u32, watch: Watch) {
+    fn observe_upstream(&mut self, host: &dyn Host, status: u32, watch: &Watch) {
         let (pushback, lease) = (&watch.pushback, watch.probe_lease);
         if !pushback.must_record(status, lease) {
             return;
@@ -1776,6 +1816,34 @@ impl Stream {
             }
             None => {}
         }
+    }
+
+    /// A stream the upstream reset, or left silent until Envoy's idle
+    /// timeout, after a good status: the route's breaker counts it as the
+    /// failure it is (its status said success).
+    fn observe_late_failure(&mut self, host: &dyn Host) {
+        let Some(up) = self.upstream() else { return };
+        if up.ended_ms.is_some() || up.reset {
+            return;
+        }
+        let Some(pushback) = up.late.take() else {
+            return;
+        };
+        let broken = host
+            .property(&["response", "code_details"])
+            .is_some_and(|d| {
+                d.starts_with(b"upstream_reset_after_response_started")
+                    || d == b"upstream_per_try_idle_timeout"
+                    || d == b"stream_idle_timeout"
+            });
+        if !broken {
+            return;
+        }
+        let watch = Watch {
+            pushback,
+            probe_lease: None,
+        };
+        self.observe_upstream(host, 0, &watch);
     }
 
     /// Replaces the reservation with the real cost; runs once per request.
@@ -1868,6 +1936,9 @@ impl Stream {
 
 mod audit;
 mod cache;
+mod failover;
+#[cfg(test)]
+mod failover_tests;
 #[cfg(test)]
 mod cache_tests;
 #[cfg(test)]

@@ -243,6 +243,12 @@ pub const REROUTED: Metric = counter("sluice_rerouted_total", &[]);
 /// `skipped_down` (the sidecar reports the rung down).
 pub const PROVIDER_REQUESTS: Metric =
     counter("sluice_provider_requests_total", &["provider", "outcome"]);
+/// Failover after dispatch, by `outcome`: `sent` (an attempt went to the
+/// next rung), `rescued` (an attempt answered), `static` (the ladder ended
+/// in the static answer), `exhausted` (no rung, attempt or time was left:
+/// the failure reached the caller), `over_budget` (the attempt budget of
+/// the second was spent).
+pub const FAILOVER: Metric = counter("sluice_failover_total", &["outcome"]);
 /// A provider's spend budget crossed its `alert_at`: once per window (per
 /// Envoy); the sidecar sends it to its webhooks.
 pub const PROVIDER_BUDGET_ALERTS: Metric =
@@ -328,6 +334,7 @@ pub const ALL: &[Metric] = &[
     CONFIG_REJECTED,
     REROUTED,
     PROVIDER_REQUESTS,
+    FAILOVER,
     PROVIDER_SPEND,
     PROVIDER_BUDGET_ALERTS,
     ERROR_BREAKER_OPENED,

@@ -82,6 +82,8 @@ pub struct MockHost {
     pub effective_context: Cell<Option<u32>>,
     /// Contexts resumed, in order.
     pub resumed: RefCell<Vec<u32>>,
+    /// Responses resumed after a pause at their headers.
+    pub responses_resumed: Cell<u32>,
     /// Replies sent while a context was effective: (context, reply).
     pub context_replies: RefCell<Vec<(u32, SentReply)>>,
     /// How often each [`Host`] method was called: each is one hostcall
@@ -417,6 +419,11 @@ impl Host for MockHost {
         find(&self.call_response_headers.borrow(), name)
     }
 
+    fn call_response_headers(&self) -> Option<crate::host::Headers> {
+        self.count("call_response_headers");
+        Some(crate::host::Headers::of(&self.call_response_headers.borrow()))
+    }
+
     fn call_response_body(&self, size: usize) -> Vec<u8> {
         self.count("call_response_body");
         let body = self.call_response_body.borrow();
@@ -464,6 +471,12 @@ impl Host for MockHost {
 
     /// The effective context set by the root, else (0) the HTTP stream
     /// whose own callout answered.
+    fn resume_response(&self) -> bool {
+        self.count("resume_response");
+        self.responses_resumed.set(self.responses_resumed.get() + 1);
+        true
+    }
+
     fn resume_request(&self) -> bool {
         self.count("resume_request");
         let id = self.effective_context.get().unwrap_or(0);

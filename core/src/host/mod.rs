@@ -125,6 +125,11 @@ pub trait Host: SharedStore {
     /// A header of the callout answer being delivered.
     fn call_response_header(&self, name: &str) -> Option<String>;
     fn call_response_body(&self, size: usize) -> Vec<u8>;
+    /// Every header of the callout answer being delivered (`None`: the
+    /// host cannot list them).
+    fn call_response_headers(&self) -> Option<Headers> {
+        None
+    }
 
     // Waking paused requests (see `queue`): one wake-up queue per worker.
     /// Registers this worker's wake-up queue; its process-wide token.
@@ -139,4 +144,10 @@ pub trait Host: SharedStore {
     /// answered), or from the root the effective context's. `false`: the
     /// stream is gone.
     fn resume_request(&self) -> bool;
+    /// Resumes the response this HTTP context paused at its headers (its
+    /// body, buffered meanwhile, follows). `false`: the stream is gone or
+    /// the host cannot.
+    fn resume_response(&self) -> bool {
+        false
+    }
 }

@@ -22,6 +22,7 @@ pub mod model_name;
 pub mod models;
 pub mod passthrough;
 pub mod prices;
+pub mod failover;
 pub mod protection;
 pub(crate) mod proto_struct;
 pub mod providers;
@@ -121,6 +122,9 @@ pub struct Policy {
     pub ladder_when_out: bool,
     #[serde(default)]
     pub protection: ProtectionConfig,
+    /// A request whose rung fails before its answer starts is sent down
+    /// the ladder (see `policy/failover.rs`); absent: it is not.
+    pub failover: Option<crate::policy::failover::FailoverConfig>,
     pub static_fallback: Option<StaticFallback>,
     /// Absent: no audit record is written (one host call per request).
     pub audit: Option<AuditConfig>,
@@ -277,6 +281,7 @@ impl Policy {
         fallback::check(self)?;
         providers::check(self)?;
         protection::check(self)?;
+        failover::check(self)?;
         abuse::check(self)?;
         anomaly_audit::check(self)?;
         request::check(self)?;

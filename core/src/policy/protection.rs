@@ -55,6 +55,14 @@ pub struct ProtectionConfig {
         rename = "max_pause"
     )]
     pub max_pause_ms: u64,
+    /// The pause a 429 without `Retry-After` causes (capped and jittered
+    /// as any pause); `0s`: it pauses nothing.
+    #[serde(
+        default = "default_pause_without_retry_after",
+        deserialize_with = "de_duration",
+        rename = "pause_without_retry_after"
+    )]
+    pub pause_without_retry_after_ms: u64,
     /// Whose credential the upstream sees, for every model that does not
     /// say: `pass_through` (the client's own `Authorization`/`x-api-key`:
     /// a 429 pauses that credential only) or `injected` (Envoy's, one for
@@ -86,6 +94,7 @@ impl Default for ProtectionConfig {
             max_cooldown_ms: default_max_cooldown(),
             pause_jitter_ms: default_jitter(),
             max_pause_ms: default_max_pause(),
+            pause_without_retry_after_ms: default_pause_without_retry_after(),
             credentials: Credentials::default(),
             credential_headers: default_credential_headers(),
             credential_slots: default_credential_slots(),
@@ -117,6 +126,9 @@ fn default_jitter() -> u64 {
 }
 fn default_max_pause() -> u64 {
     300_000
+}
+fn default_pause_without_retry_after() -> u64 {
+    1_000
 }
 fn default_credential_headers() -> Vec<String> {
     vec!["authorization".into(), "x-api-key".into()]
