@@ -78,6 +78,9 @@ pub struct Pacing {
     /// connection (HTTP/1.1: no terminating chunk; HTTP/2: RST_STREAM). When
     /// there are fewer frames, all are sent and the end is still an abort.
     pub reset_after: Option<usize>,
+    /// Send this many frames, then send nothing more and never end (the
+    /// `stream_stall` fault); with fewer frames, all are sent first.
+    pub stall_after: Option<usize>,
 }
 
 struct State {
@@ -86,6 +89,8 @@ struct State {
     pacing: Pacing,
     timer: RequestTimer,
     done: bool,
+    /// Stopped for good by `stall_after`.
+    stalled: bool,
     log: Option<Logged>,
 }
 
@@ -114,7 +119,7 @@ impl Drop for State {
         let Some(log) = &self.log else { return };
         let ended = if self.pacing.reset_after.is_some() && self.done {
             StreamEnd::Reset
-        } else if self.frames.is_empty() {
+        } else if self.frames.is_empty() && !self.stalled {
             StreamEnd::Complete
         } else {
             StreamEnd::Dropped
@@ -142,11 +147,20 @@ pub fn paced_body(
         pacing,
         timer,
         done: false,
+        stalled: false,
         log,
     };
     Body::from_stream(stream::unfold(state, |mut s| async move {
         if s.done {
             return None;
+        }
+        if let Some(n) = s.pacing.stall_after {
+            if s.sent >= n || s.frames.is_empty() {
+                // Pending for good: the server flushes what was sent and
+                // holds the connection until the peer goes away.
+                s.stalled = true;
+                std::future::pending::<()>().await;
+            }
         }
         if let Some(n) = s.pacing.reset_after {
             if s.sent >= n || s.frames.is_empty() {
@@ -175,7 +189,7 @@ pub fn paced_body(
             log.streams.update(log.index, |seen| seen.frames_sent += 1);
         }
         s.timer.first_token();
-        if s.frames.is_empty() && s.pacing.reset_after.is_none() {
+        if s.frames.is_empty() && s.pacing.reset_after.is_none() && s.pacing.stall_after.is_none() {
             s.timer.finish();
         }
         Some((Ok(frame), s))

@@ -12,9 +12,12 @@
 //!
 //! Answers are deterministic (see [`tokens`] for the token rule) and bent
 //! per request by the knobs in [`knobs`]. `/admin/stats` shows what reached
-//! the server; `/metrics` speaks vLLM's Prometheus names.
+//! the server; `/metrics` speaks vLLM's Prometheus names. A server-wide
+//! scripted fault ([`fault`], `--fault` or `PUT /admin/fault`) makes the
+//! whole process fail in one chosen way, whatever the request says.
 
 pub mod embed;
+pub mod fault;
 pub mod framing;
 pub mod generate;
 pub mod go_json;

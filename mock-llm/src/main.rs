@@ -6,7 +6,7 @@
 use std::io::Write as _;
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::{CommandFactory as _, Parser};
 use tokio::net::TcpListener;
 
 #[derive(Debug, Parser)]
@@ -52,11 +52,25 @@ struct Cli {
     /// request gets that server's 401. Ollama takes none.
     #[arg(long)]
     api_key: Option<String>,
+    /// A server-wide scripted fault, `<kind>[:<opt>=<value>,...]`, e.g.
+    /// `429:retry_after=2,times=3`, `reset`, `stream_cut:after=2` (see the
+    /// README, "Scripted faults"); `PUT /admin/fault` replaces it.
+    #[arg(long, value_name = "SPEC")]
+    fault: Option<String>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let fault = match cli.fault.as_deref().map(mock_llm::fault::parse).transpose() {
+        Ok(fault) => fault.flatten(),
+        Err(e) => Cli::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid value for '--fault <SPEC>': {e}"),
+            )
+            .exit(),
+    };
     let app = mock_llm::app(mock_llm::Config {
         name: cli.name,
         model: cli.model,
@@ -73,6 +87,7 @@ async fn main() -> anyhow::Result<()> {
         max_model_len: cli.max_model_len,
         generate_allowed: cli.generate_allowed,
         api_key: cli.api_key,
+        fault,
     })?;
     let listener = TcpListener::bind(&cli.listen)
         .await

@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use axum::body::Bytes;
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -17,6 +17,7 @@ use axum::{middleware, Json, Router};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
+use crate::fault::{Conn, ErrorContext, FaultListener, Faults, Kind as FaultKind};
 use crate::framing::{paced_body, sse_newlines, Logged, Pacing};
 use crate::generate::{Api, Generation, Reply, SSE};
 use crate::knobs::Knobs;
@@ -58,6 +59,9 @@ pub struct Config {
     /// The one credential the server takes (`--api-key`), in the header
     /// and shape the played server reads it; `None`: no credential needed.
     pub api_key: Option<String>,
+    /// The server-wide scripted fault at start (`--fault`); `PUT
+    /// /admin/fault` replaces it.
+    pub fault: Option<crate::fault::Fault>,
 }
 
 impl Default for Config {
@@ -71,6 +75,7 @@ impl Default for Config {
             max_model_len: DEFAULT_MAX_MODEL_LEN,
             generate_allowed: false,
             api_key: None,
+            fault: None,
         }
     }
 }
@@ -92,6 +97,7 @@ struct AppState {
     generate_allowed: bool,
     api_key: Option<String>,
     responses: crate::store::Store,
+    faults: Faults,
 }
 
 impl AppState {
@@ -125,6 +131,7 @@ pub fn app(config: Config) -> anyhow::Result<Router> {
         generate_allowed: config.generate_allowed,
         api_key: config.api_key,
         responses: crate::store::Store::default(),
+        faults: Faults::new(config.fault),
     });
     let infer_route =
         |api: Api| post(move |State(s): State<Shared>, req: Request| infer(s, Some(api), req));
@@ -172,6 +179,7 @@ pub fn app(config: Config) -> anyhow::Result<Router> {
         .route("/admin/metrics", post(set_metrics))
         .route("/admin/stats", get(stats))
         .route("/admin/reset", post(reset))
+        .route("/admin/fault", get(get_fault).put(put_fault))
         .fallback(not_found)
         .layer(middleware::map_response_with_state(
             state.clone(),
@@ -190,11 +198,28 @@ pub async fn serve(
     // `/v1/chat/%63ompletions` is served as chat: tests show sluice does not
     // let such spellings through unread.
     let app = tower::util::MapRequest::new(app, decode_path);
-    axum::serve(listener, axum::ServiceExt::into_make_service(app))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .context("serving HTTP")
+    // Connections come through the fault listener, so a `reset` fault can
+    // drop the one its request arrived on.
+    let make = axum::ServiceExt::into_make_service_with_connect_info::<Conn>(app);
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopping = stop.clone();
+    let server = axum::serve(FaultListener(listener), make).with_graceful_shutdown(async move {
+        shutdown.await;
+        stopping.notify_one();
+    });
+    // A `hang` or `stream_stall` fault holds its connection for good: once
+    // asked to stop, connections get `DRAIN` to finish, then are dropped.
+    tokio::select! {
+        served = std::future::IntoFuture::into_future(server) => served.context("serving HTTP"),
+        () = async {
+            stop.notified().await;
+            tokio::time::sleep(DRAIN).await;
+        } => Ok(()),
+    }
 }
+
+/// How long connections may run on after the shutdown signal.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The request with its path percent-decoded (once); left as it is when the
 /// decoded path would not be a valid URI path.
@@ -391,6 +416,10 @@ fn injected_message(p: Personality, status: StatusCode) -> String {
 /// `/invocations`, whose body's shape says which.
 async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
     let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
+    let conn = req
+        .extensions()
+        .get::<ConnectInfo<Conn>>()
+        .map(|c| c.0.clone());
     if let Some(refused) = s.api_key.as_deref().and_then(|key| {
         s.personality
             .unauthorized(Surface::of(api), req.headers(), key)
@@ -409,6 +438,15 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
     let model = arrival.model().unwrap_or(&s.model).to_owned();
     // Counts as running from here, through the latency, until the body ends.
     let mut timer = s.metrics.start_request(arrival.started);
+    // The server-wide fault comes before anything the request asks for.
+    if let Some(kind) = crate::fault::applies_to(api)
+        .then(|| s.faults.hit(|k| !k.on_stream()))
+        .flatten()
+    {
+        if let Some(res) = early_fault(&s, kind, api, &arrival, conn.as_ref()).await {
+            return with_model(res, &model);
+        }
+    }
     let knobs = match arrival.gate(p, Surface::of(api)).await {
         Ok(k) => k,
         Err(res) => return arrival.decorate(res, Some(&model)),
@@ -490,9 +528,10 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
         | Api::Detokenize => crate::pooling::answer(api, &g),
     };
 
-    let pacing = Pacing {
+    let mut pacing = Pacing {
         chunk_delay: knobs.chunk_delay,
         reset_after: knobs.reset_after_chunks,
+        stall_after: None,
     };
     let res = match reply {
         // A JSON answer with the reset knob is one chunk that may be cut.
@@ -507,8 +546,15 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
         }
         Reply::Stream {
             content_type,
-            frames,
+            mut frames,
         } => {
+            match s.faults.hit(FaultKind::on_stream) {
+                // The reset knob's own path, server-wide.
+                Some(FaultKind::StreamCut(n)) => pacing.reset_after = Some(n),
+                Some(FaultKind::StreamStall(n)) => pacing.stall_after = Some(n),
+                Some(kind) => crate::fault::bend_frames(kind, &mut frames, content_type == SSE),
+                None => {}
+            }
             let log = Logged::start(&s.streams, frames.len());
             (
                 [(CONTENT_TYPE, content_type), (CACHE_CONTROL, "no-cache")],
@@ -531,6 +577,54 @@ async fn infer(s: Shared, api: Option<Api>, req: Request) -> Response {
         Some(v) => ratelimit_headers(res, v, p),
         None => res,
     }
+}
+
+/// Applies a fault decided before the answer: `Some` is the whole
+/// response (an error, or a reset), `None` goes on to answer normally
+/// (after `slow_first_token`'s wait). `hang` never returns.
+async fn early_fault(
+    s: &AppState,
+    kind: FaultKind,
+    api: Option<Api>,
+    arrival: &Arrival,
+    conn: Option<&Conn>,
+) -> Option<Response> {
+    match kind {
+        FaultKind::Reset => {
+            // Kill the connection so nothing at all is written; in-process
+            // (no connection) the body fails before its first byte instead.
+            if let Some(conn) = conn {
+                conn.kill();
+            }
+            Some(crate::fault::reset_response(conn.is_some()))
+        }
+        FaultKind::Hang => {
+            // Dropped by the server when the client goes away.
+            std::future::pending::<()>().await;
+            None
+        }
+        FaultKind::SlowFirstToken(wait) => {
+            tokio::time::sleep(wait).await;
+            None
+        }
+        kind => {
+            let cx = ErrorContext {
+                personality: s.personality,
+                surface: Surface::of(api),
+                max_model_len: s.max_model_len,
+                input_tokens: arrival.body.as_ref().map(tokens::input_tokens).unwrap_or(0),
+            };
+            crate::fault::error_response(kind, &cx)
+        }
+    }
+}
+
+/// Adds `x-mock-model` (the model seen) to a fault's response.
+fn with_model(mut res: Response, model: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(model) {
+        res.headers_mut().insert(X_MOCK_MODEL, v);
+    }
+    res
 }
 
 /// A refusal as the personality sends it on this API's surface. mock-llm's
@@ -794,6 +888,26 @@ async fn stats(State(s): State<Shared>) -> Response {
             "internal",
             e.to_string(),
         ),
+    }
+}
+
+/// `GET /admin/fault`: the fault in force and its hits so far.
+async fn get_fault(State(s): State<Shared>) -> Response {
+    Json(s.faults.snapshot()).into_response()
+}
+
+/// `PUT /admin/fault`: the body, a spec in plain text, replaces the fault
+/// (empty or `none` clears it); a bad spec is a 400 naming the bad part.
+async fn put_fault(State(s): State<Shared>, body: Bytes) -> Response {
+    let Ok(text) = std::str::from_utf8(&body) else {
+        return invalid_request("/admin/fault: the spec is not UTF-8 text");
+    };
+    match crate::fault::parse(text) {
+        Ok(fault) => {
+            s.faults.set(fault);
+            Json(s.faults.snapshot()).into_response()
+        }
+        Err(e) => invalid_request(format!("/admin/fault: {e}")),
     }
 }
 
