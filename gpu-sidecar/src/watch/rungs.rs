@@ -29,6 +29,13 @@
 //! cluster Envoy does not list is not reported down (the sidecar does not
 //! know, and the filter's own error breaker still guards the route); while
 //! Envoy does not answer, the last verdicts stand.
+//!
+//! Envoy marks a host failing until its first check has passed, so right
+//! after Envoy starts every host of a checked cluster reads failing. A
+//! host not checked yet (see [`crate::watch::first_check`] for how it is
+//! told from a host that failed) is not a failed one: a rung with no
+//! healthy host but some host not checked yet is not down, and the page
+//! shows it `unknown` until Envoy's first checks are done.
 
 use std::collections::BTreeMap;
 use std::time::SystemTime;
@@ -36,6 +43,7 @@ use std::time::SystemTime;
 use serde_json::Value;
 
 use crate::state::{Breaker, BreakerState};
+use crate::watch::first_check::{FirstChecks, Reading};
 
 /// What a rung's cluster looked like at the last reading.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,13 +53,40 @@ pub struct ClusterHealth {
     /// `ip:port` of the hosts a probe is timed to: the healthy ones, or
     /// every host when none is (at most [`MAX_TIMED`]).
     pub addresses: Vec<String>,
+    /// Hosts Envoy says it has not checked yet (`pending_active_hc`).
+    pub pending: usize,
+    /// Hosts whose only flag is `failed_active_health_check`: failed, or
+    /// not checked yet (by address).
+    pub unsure: Vec<String>,
+    /// Every host, by address.
+    pub keys: Vec<String>,
+    /// Health checks the cluster has finished since Envoy started
+    /// (`None`: Envoy's counters were not read, or it has none).
+    pub checks_done: Option<u64>,
+}
+
+/// One host as Envoy's health flags show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HostState {
+    Healthy,
+    /// Envoy says its first check has not finished.
+    Pending,
+    /// Only `failed_active_health_check`: it failed, or was not checked yet.
+    Unsure,
+    Failed,
 }
 
 /// The most hosts of one rung whose connect is timed per scrape.
 pub const MAX_TIMED: usize = 8;
 
-/// Every cluster's health in Envoy's `/clusters?format=json` answer.
-pub fn cluster_health(clusters: &Value) -> BTreeMap<String, ClusterHealth> {
+/// Every cluster's health in Envoy's `/clusters?format=json` answer, with
+/// the health checks each has finished (`done`, from
+/// [`crate::watch::first_check::checks_done`]; keyed by the name in
+/// Envoy's stats, the cluster's `observability_name`).
+pub fn cluster_health(
+    clusters: &Value,
+    done: Option<&BTreeMap<String, u64>>,
+) -> BTreeMap<String, ClusterHealth> {
     let mut out = BTreeMap::new();
     let Some(list) = clusters["cluster_statuses"].as_array() else {
         return out;
@@ -61,10 +96,17 @@ pub fn cluster_health(clusters: &Value) -> BTreeMap<String, ClusterHealth> {
             continue;
         };
         let hosts = cluster["host_statuses"].as_array().map_or(&[][..], |h| h);
+        let states: Vec<HostState> = hosts
+            .iter()
+            .map(|h| host_state(&h["health_status"]))
+            .collect();
         let healthy: Vec<&Value> = hosts
             .iter()
-            .filter(|h| host_healthy(&h["health_status"]))
+            .zip(&states)
+            .filter(|(_, s)| **s == HostState::Healthy)
+            .map(|(h, _)| h)
             .collect();
+        let stat_name = cluster["observability_name"].as_str().unwrap_or(name);
         let timed = if healthy.is_empty() {
             hosts.iter().collect()
         } else {
@@ -80,10 +122,25 @@ pub fn cluster_health(clusters: &Value) -> BTreeMap<String, ClusterHealth> {
                     .filter_map(address)
                     .take(MAX_TIMED)
                     .collect(),
+                pending: states.iter().filter(|s| **s == HostState::Pending).count(),
+                unsure: hosts
+                    .iter()
+                    .zip(&states)
+                    .filter(|(_, s)| **s == HostState::Unsure)
+                    .map(|(h, _)| host_key(h))
+                    .collect(),
+                keys: hosts.iter().map(host_key).collect(),
+                checks_done: done.and_then(|d| d.get(stat_name).or_else(|| d.get(name)).copied()),
             },
         );
     }
     out
+}
+
+/// A host's name for [`FirstChecks`]: its `ip:port`, or its whole
+/// address for a pipe.
+fn host_key(host: &Value) -> String {
+    address(host).unwrap_or_else(|| host["address"].to_string())
 }
 
 /// A host's `ip:port` (`address.socket_address`); none for a pipe.
@@ -139,22 +196,32 @@ pub async fn connect_times(
     out
 }
 
-fn host_healthy(status: &Value) -> bool {
-    let flagged = [
-        "failed_active_health_check",
+/// A host's state from its `health_status`: any flag other than the two
+/// an unchecked host carries (`failed_active_health_check`,
+/// `pending_active_hc`), or a bad EDS status, is a failure.
+fn host_state(status: &Value) -> HostState {
+    let flag = |name: &str| status[name].as_bool() == Some(true);
+    let failed = [
         "failed_outlier_check",
         "failed_active_degraded_check",
-        "pending_active_hc",
         "excluded_via_immediate_hc_fail",
         "active_hc_timeout",
     ]
     .iter()
-    .any(|flag| status[*flag].as_bool() == Some(true));
+    .any(|f| flag(f));
     let eds_ok = matches!(
         status["eds_health_status"].as_str(),
         None | Some("HEALTHY" | "DEGRADED" | "UNKNOWN")
     );
-    !flagged && eds_ok
+    if failed || !eds_ok {
+        HostState::Failed
+    } else if flag("pending_active_hc") {
+        HostState::Pending
+    } else if flag("failed_active_health_check") {
+        HostState::Unsure
+    } else {
+        HostState::Healthy
+    }
 }
 
 /// The rungs down, as breakers, each kept with the time it went down (so
@@ -164,6 +231,10 @@ fn host_healthy(status: &Value) -> bool {
 pub struct Rungs {
     down_since: BTreeMap<String, SystemTime>,
     up_since: BTreeMap<String, SystemTime>,
+    /// Per provider with no healthy host, its hosts Envoy has not checked
+    /// yet (a rung listed here is not down).
+    waiting: BTreeMap<String, usize>,
+    first: FirstChecks,
 }
 
 /// One rung as the operator page shows it.
@@ -174,6 +245,9 @@ pub struct RungView {
     /// `None`: Envoy lists no such cluster (or has not answered yet).
     pub health: Option<(usize, usize)>,
     pub down: bool,
+    /// No host healthy, and this many not checked yet by Envoy (so not
+    /// down); 0 otherwise.
+    pub waiting: usize,
     pub since: Option<SystemTime>,
     pub connect_ms: Option<u64>,
 }
@@ -192,6 +266,14 @@ impl RungView {
                 format!(
                     "Envoy health checks: no host of cluster {} healthy (0 of {hosts}); {connect}",
                     self.cluster
+                ),
+            ),
+            Some((_, hosts)) if self.waiting > 0 => (
+                "unknown",
+                format!(
+                    "Envoy health checks: {} of {hosts} hosts of cluster {} not checked yet, \
+                     none healthy so far; {connect}",
+                    self.waiting, self.cluster
                 ),
             ),
             Some((healthy, hosts)) => (
@@ -224,8 +306,15 @@ impl Rungs {
         now: SystemTime,
     ) -> Vec<Breaker> {
         if let Some(health) = health {
+            let unchecked = self.unchecked(rungs, health);
+            self.waiting.clear();
             for (provider, cluster) in rungs {
-                let down = health.get(cluster).is_some_and(|h| h.healthy == 0);
+                let waiting = unchecked.get(cluster).copied().unwrap_or(0);
+                let none_healthy = health.get(cluster).is_some_and(|h| h.healthy == 0);
+                if none_healthy && waiting > 0 {
+                    self.waiting.insert(provider.clone(), waiting);
+                }
+                let down = none_healthy && waiting == 0;
                 if down {
                     self.down_since.entry(provider.clone()).or_insert(now);
                     self.up_since.remove(provider);
@@ -257,6 +346,32 @@ impl Rungs {
 }
 
 impl Rungs {
+    /// Per rung cluster Envoy lists, its hosts not checked yet: those Envoy
+    /// says are pending, and those [`FirstChecks`] judges so.
+    fn unchecked(
+        &mut self,
+        rungs: &BTreeMap<String, String>,
+        health: &BTreeMap<String, ClusterHealth>,
+    ) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        for cluster in rungs.values() {
+            let Some(h) = health.get(cluster) else {
+                continue;
+            };
+            if out.contains_key(cluster) {
+                continue;
+            }
+            let reading = Reading {
+                done: h.checks_done,
+                hosts: &h.keys,
+                unsure: &h.unsure,
+            };
+            let unsure = self.first.unchecked(cluster, &reading);
+            out.insert(cluster.clone(), h.pending + unsure);
+        }
+        out
+    }
+
     /// Every rung of `rungs` as the page shows it, after [`Rungs::observe`].
     pub fn views(
         &self,
@@ -274,6 +389,7 @@ impl Rungs {
                     cluster: cluster.clone(),
                     health: h.map(|h| (h.healthy, h.hosts)),
                     down: down.is_some(),
+                    waiting: self.waiting.get(provider).copied().unwrap_or(0),
                     since: down.or_else(|| self.up_since.get(provider)).copied(),
                     connect_ms: connect.get(provider).copied().flatten(),
                 }
@@ -288,6 +404,11 @@ mod tests {
     use serde_json::json;
     use std::time::{Duration, UNIX_EPOCH};
 
+    /// Envoy's clusters, read without its check counters.
+    fn read(clusters: &Value) -> BTreeMap<String, ClusterHealth> {
+        cluster_health(clusters, None)
+    }
+
     fn clusters(fallback: Value) -> Value {
         json!({"cluster_statuses": [
             {"name": "llm_upstream", "host_statuses": [{"health_status": {"eds_health_status": "HEALTHY"}}]},
@@ -301,7 +422,7 @@ mod tests {
         let ok = json!({"eds_health_status": "HEALTHY"});
         let at =
             |port: u64| json!({"socket_address": {"address": "127.0.0.1", "port_value": port}});
-        let h = cluster_health(&clusters(
+        let h = read(&clusters(
             json!([{"health_status": failed, "address": at(1)}]),
         ));
         let fallback = &h["llm_fallback"];
@@ -313,7 +434,7 @@ mod tests {
         );
         assert_eq!((h["llm_upstream"].healthy, h["llm_upstream"].hosts), (1, 1));
         assert!(h["llm_upstream"].addresses.is_empty(), "no address listed");
-        let h = cluster_health(&clusters(
+        let h = read(&clusters(
             json!([{"health_status": failed, "address": at(1)},
                                                   {"health_status": ok, "address": at(2)},
                                                   {"health_status": ok, "address": {"pipe": {"path": "/x"}}}]),
@@ -331,10 +452,10 @@ mod tests {
             json!({"active_hc_timeout": true}),
             json!({"failed_outlier_check": true}),
         ] {
-            let h = cluster_health(&clusters(json!([{"health_status": status}])));
+            let h = read(&clusters(json!([{"health_status": status}])));
             assert_eq!(h["llm_fallback"].healthy, 0, "{status}");
         }
-        assert!(cluster_health(&json!({"nonsense": 1})).is_empty());
+        assert!(cluster_health(&json!({"nonsense": 1}), None).is_empty());
     }
 
     #[test]
@@ -343,10 +464,10 @@ mod tests {
             [("openai".to_string(), "llm_fallback".to_string())].into();
         let t = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
         let mut watch = Rungs::default();
-        let down = cluster_health(&clusters(
+        let down = read(&clusters(
             json!([{"health_status": {"failed_active_health_check": true}}]),
         ));
-        let up = cluster_health(&clusters(json!([{"health_status": {}}])));
+        let up = read(&clusters(json!([{"health_status": {}}])));
         assert!(watch.observe(&rungs, Some(&up), t(1)).is_empty());
         let first = watch.observe(&rungs, Some(&down), t(2));
         assert_eq!(first.len(), 1);
@@ -371,7 +492,7 @@ mod tests {
         .into();
         let t = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
         let mut watch = Rungs::default();
-        let up = cluster_health(&clusters(json!([{"health_status": {}}])));
+        let up = read(&clusters(json!([{"health_status": {}}])));
         watch.observe(&rungs, Some(&up), t(5));
         let connect: BTreeMap<String, Option<u64>> = [("openai".to_string(), Some(3))].into();
         let views = watch.views(&rungs, Some(&up), &connect);
@@ -387,7 +508,7 @@ mod tests {
             "{reason}"
         );
         assert_eq!(views[1].row()["state"], "unknown");
-        let down = cluster_health(&clusters(
+        let down = read(&clusters(
             json!([{"health_status": {"active_hc_timeout": true}}]),
         ));
         watch.observe(&rungs, Some(&down), t(9));
@@ -405,6 +526,177 @@ mod tests {
                 .contains("TCP connect failed"),
             "{row}"
         );
+    }
+
+    /// Envoy's `/clusters?format=json` for the rung's cluster with one host
+    /// per `health_status`, as Envoy writes it (address, stats, flags).
+    fn envoy_clusters(statuses: &[Value]) -> Value {
+        let hosts: Vec<Value> = statuses
+            .iter()
+            .enumerate()
+            .map(|(i, status)| {
+                json!({
+                    "address": {"socket_address": {"address": "127.0.0.1",
+                                                   "port_value": 8081 + i}},
+                    "stats": [{"name": "cx_connect_fail"}, {"value": "0", "name": "cx_total"}],
+                    "health_status": status,
+                    "weight": 1,
+                    "locality": {}
+                })
+            })
+            .collect();
+        json!({"cluster_statuses": [{
+            "name": "llm_fallback",
+            "observability_name": "llm_fallback",
+            "host_statuses": hosts
+        }]})
+    }
+
+    /// Envoy's `/stats` text for the cluster's finished checks.
+    fn envoy_stats(success: u64, failure: u64) -> BTreeMap<String, u64> {
+        crate::watch::first_check::checks_done(&format!(
+            "cluster.llm_fallback.health_check.attempt: {}\n\
+             cluster.llm_fallback.health_check.failure: {failure}\n\
+             cluster.llm_fallback.health_check.success: {success}\n",
+            success + failure + 1
+        ))
+    }
+
+    fn openai() -> BTreeMap<String, String> {
+        [("openai".to_string(), "llm_fallback".to_string())].into()
+    }
+
+    #[test]
+    fn a_rung_whose_first_checks_have_not_run_is_not_down() {
+        let t = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        let unchecked = json!({"failed_active_health_check": true, "eds_health_status": "HEALTHY"});
+        let pending = json!({"failed_active_health_check": true, "pending_active_hc": true,
+                             "eds_health_status": "HEALTHY"});
+        // Right after Envoy starts: every host failing, no check finished.
+        let mut watch = Rungs::default();
+        let start = envoy_clusters(&[unchecked.clone(), unchecked.clone()]);
+        let h = cluster_health(&start, Some(&envoy_stats(0, 0)));
+        assert_eq!(h["llm_fallback"].healthy, 0);
+        assert!(watch.observe(&openai(), Some(&h), t(1)).is_empty());
+        let row = watch.views(&openai(), Some(&h), &BTreeMap::new())[0].row();
+        assert_eq!(row["state"], "unknown", "{row}");
+        let reason = row["reason"].as_str().unwrap();
+        assert!(reason.contains("2 of 2 hosts"), "{reason}");
+        // One check finished (it failed): the other host is still waiting.
+        let h = cluster_health(&start, Some(&envoy_stats(0, 1)));
+        assert!(watch.observe(&openai(), Some(&h), t(2)).is_empty());
+        // Both finished and failed: down, as before.
+        let h = cluster_health(&start, Some(&envoy_stats(0, 2)));
+        assert_eq!(watch.observe(&openai(), Some(&h), t(3)).len(), 1);
+        let row = watch.views(&openai(), Some(&h), &BTreeMap::new())[0].row();
+        assert_eq!(row["state"], "open", "{row}");
+        // Envoy's own pending flag (`ignore_new_hosts_until_first_hc`): not
+        // checked yet, whatever the counters say.
+        let mut watch = Rungs::default();
+        let h = cluster_health(
+            &envoy_clusters(std::slice::from_ref(&pending)),
+            Some(&envoy_stats(7, 9)),
+        );
+        assert_eq!(h["llm_fallback"].pending, 1);
+        assert!(watch.observe(&openai(), Some(&h), t(1)).is_empty());
+        let h = cluster_health(&envoy_clusters(&[pending]), None);
+        assert!(watch.observe(&openai(), Some(&h), t(2)).is_empty());
+    }
+
+    #[test]
+    fn a_rung_whose_checks_failed_is_down() {
+        let t = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        let failed = json!({"failed_active_health_check": true, "eds_health_status": "HEALTHY"});
+        let timed_out = json!({"failed_active_health_check": true, "active_hc_timeout": true,
+                               "eds_health_status": "HEALTHY"});
+        let clusters = envoy_clusters(std::slice::from_ref(&failed));
+        // Checked since Envoy started (its counters say so): down.
+        let mut watch = Rungs::default();
+        let h = cluster_health(&clusters, Some(&envoy_stats(3, 12)));
+        assert_eq!(watch.observe(&openai(), Some(&h), t(1)).len(), 1);
+        // No counters read: a failing flag is a failed check, as before.
+        let mut watch = Rungs::default();
+        let h = cluster_health(&clusters, None);
+        assert_eq!(watch.observe(&openai(), Some(&h), t(1)).len(), 1);
+        // A timeout is a finished check, even with no counter yet.
+        let mut watch = Rungs::default();
+        let h = cluster_health(&envoy_clusters(&[timed_out]), Some(&envoy_stats(0, 0)));
+        assert_eq!(watch.observe(&openai(), Some(&h), t(1)).len(), 1);
+        // An EDS or outlier verdict is not a pending check either.
+        for status in [
+            json!({"failed_active_health_check": true, "eds_health_status": "UNHEALTHY"}),
+            json!({"failed_active_health_check": true, "pending_active_hc": true,
+                   "failed_outlier_check": true}),
+        ] {
+            let mut watch = Rungs::default();
+            let h = cluster_health(
+                &envoy_clusters(std::slice::from_ref(&status)),
+                Some(&envoy_stats(0, 0)),
+            );
+            assert_eq!(
+                watch.observe(&openai(), Some(&h), t(1)).len(),
+                1,
+                "{status}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_mix_of_failed_and_unchecked_hosts_is_not_down_and_a_healthy_one_is_up() {
+        let t = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        let failed = json!({"failed_active_health_check": true, "active_hc_timeout": true});
+        let pending = json!({"failed_active_health_check": true, "pending_active_hc": true});
+        let ok = json!({"eds_health_status": "HEALTHY"});
+        let mut watch = Rungs::default();
+        let h = cluster_health(
+            &envoy_clusters(&[failed.clone(), pending.clone()]),
+            Some(&envoy_stats(0, 5)),
+        );
+        assert!(watch.observe(&openai(), Some(&h), t(1)).is_empty());
+        let view = &watch.views(&openai(), Some(&h), &BTreeMap::new())[0];
+        assert_eq!(
+            (view.down, view.waiting, view.health),
+            (false, 1, Some((0, 2)))
+        );
+        // A healthy host: up, nothing waiting on the page.
+        let h = cluster_health(&envoy_clusters(&[ok, pending]), Some(&envoy_stats(1, 5)));
+        assert!(watch.observe(&openai(), Some(&h), t(2)).is_empty());
+        let row = watch.views(&openai(), Some(&h), &BTreeMap::new())[0].row();
+        assert_eq!(row["state"], "closed", "{row}");
+        // The pending host's first check fails: every host failed, down.
+        let h = cluster_health(
+            &envoy_clusters(&[failed.clone(), failed]),
+            Some(&envoy_stats(1, 7)),
+        );
+        assert_eq!(watch.observe(&openai(), Some(&h), t(3)).len(), 1);
+    }
+
+    /// Envoy's real answers (`testdata/envoy-first-check`): right after
+    /// start, the host whose first check is still running and the host whose
+    /// first check failed look the same in `/clusters`; only the counters
+    /// tell them apart.
+    #[test]
+    fn envoy_right_after_start_a_running_first_check_is_not_down_a_failed_one_is() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/envoy-first-check/");
+        let read = |name: &str| std::fs::read_to_string(format!("{dir}{name}")).expect(name);
+        let rungs: BTreeMap<String, String> = [
+            ("waiting".to_string(), "pending_rung".to_string()),
+            ("refused".to_string(), "refused_rung".to_string()),
+        ]
+        .into();
+        let t = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        let mut watch = Rungs::default();
+        let mut observe = |clusters: &str, stats: &str, at| {
+            let clusters: Value = serde_json::from_str(&read(clusters)).unwrap();
+            let done = crate::watch::first_check::checks_done(&read(stats));
+            let h = cluster_health(&clusters, Some(&done));
+            let down = watch.observe(&rungs, Some(&h), at);
+            down.iter().map(|b| b.scope.clone()).collect::<Vec<_>>()
+        };
+        let start = observe("clusters-start.json", "stats-start.txt", t(1));
+        assert_eq!(start, ["provider:refused"]);
+        let later = observe("clusters-later.json", "stats-later.txt", t(30));
+        assert_eq!(later, ["provider:refused", "provider:waiting"]);
     }
 
     #[tokio::test]

@@ -267,6 +267,7 @@ pub async fn run(
     let target =
         base.join("/stats/prometheus?filter=sluice_(requests|provider_budget_alerts)_total");
     let clusters = base.join("/clusters?format=json");
+    let checks = base.join(crate::watch::first_check::STATS_PATH);
     let mut rungs = crate::watch::rungs::Rungs::default();
     let mut provider_alerts = ProviderAlerts::default();
     let mut ticker = tokio::time::interval(cfg.scrape_every);
@@ -292,10 +293,15 @@ pub async fn run(
             Err(e) => traffic.failed(format!("reading Envoy's stats: {e}")),
         }
         if !cfg.rungs.is_empty() {
+            // The health checks each cluster has finished, to tell a host
+            // not checked yet from one that failed (none: as failed).
+            let done = crate::http::get(&checks, timeout).await.ok().map(|body| {
+                crate::watch::first_check::checks_done(&String::from_utf8_lossy(&body))
+            });
             let health = match crate::http::get(&clusters, timeout).await {
                 Ok(body) => serde_json::from_slice::<Value>(&body)
                     .ok()
-                    .map(|v| crate::watch::rungs::cluster_health(&v)),
+                    .map(|v| crate::watch::rungs::cluster_health(&v, done.as_ref())),
                 Err(_) => None,
             };
             let connect = match &health {
