@@ -1043,10 +1043,12 @@ impl Stream {
         }
         self.cache_response_headers(host);
         if let Some(watch) = self.upstream().and_then(|up| up.watch.take()) {
-            self.observe_upstream(host, self.status, &watch);
+            // A good status is recorded once the answer ends (`on_log`):
+            // a stream its upstream breaks after it is a failure.
             let good = self.status < 400;
-            if let Some(up) = self.upstream().filter(|_| good) {
-                up.late = Some(watch.pushback);
+            match self.upstream().filter(|_| good) {
+                Some(up) => up.late = Some(watch),
+                None => self.observe_upstream(host, self.status, &watch),
             }
         }
         if let Some(action) = self.fail_over(host) {
@@ -1175,8 +1177,8 @@ impl Stream {
                 self.abandon_fleet_wait(host, *wait);
             }
         }
-        // An answer its upstream broke after a good status is a failure.
-        self.observe_late_failure(host);
+        // The answer's outcome, for the route's breaker.
+        self.observe_late(host);
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle(host);
         // A claim on its question goes back (no answer will be stored).
@@ -1818,32 +1820,25 @@ impl Stream {
         }
     }
 
-    /// A stream the upstream reset, or left silent until Envoy's idle
-    /// timeout, after a good status: the route's breaker counts it as the
-    /// failure it is (its status said success).
-    fn observe_late_failure(&mut self, host: &dyn Host) {
+    /// The answer of a good status is over: recorded as the success it
+    /// was, or — the upstream reset it, or left it silent until Envoy's
+    /// idle timeout — as the failure it turned out to be.
+    fn observe_late(&mut self, host: &dyn Host) {
         let Some(up) = self.upstream() else { return };
-        if up.ended_ms.is_some() || up.reset {
-            return;
-        }
-        let Some(pushback) = up.late.take() else {
+        let Some(watch) = up.late.take() else {
             return;
         };
-        let broken = host
-            .property(&["response", "code_details"])
-            .is_some_and(|d| {
-                d.starts_with(b"upstream_reset_after_response_started")
-                    || d == b"upstream_per_try_idle_timeout"
-                    || d == b"stream_idle_timeout"
-            });
-        if !broken {
-            return;
-        }
-        let watch = Watch {
-            pushback,
-            probe_lease: None,
-        };
-        self.observe_upstream(host, 0, &watch);
+        let broken = up.ended_ms.is_none()
+            && !up.reset
+            && host
+                .property(&["response", "code_details"])
+                .is_some_and(|d| {
+                    d.starts_with(b"upstream_reset_after_response_started")
+                        || d == b"upstream_per_try_idle_timeout"
+                        || d == b"stream_idle_timeout"
+                });
+        let status = if broken { 0 } else { self.status };
+        self.observe_upstream(host, status, &watch);
     }
 
     /// Replaces the reservation with the real cost; runs once per request.

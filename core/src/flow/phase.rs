@@ -74,9 +74,9 @@ pub(super) struct Upstream {
     pub(super) ended_ms: Option<u64>,
     /// The stream was reset after its cut (see `Request::on_response_body`).
     pub(super) reset: bool,
-    /// The primary's route, kept after a good status: a stream its
-    /// upstream breaks after that still counts as a failure there.
-    pub(super) late: Option<Pushback>,
+    /// The primary's watch after a good status, recorded when the answer
+    /// ends: a stream its upstream breaks after that is a failure.
+    pub(super) late: Option<Watch>,
 }
 
 impl Upstream {
