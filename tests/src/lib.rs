@@ -1455,6 +1455,28 @@ pub fn chat_body(model: &str) -> serde_json::Value {
     })
 }
 
+/// Takes Envoy's own retries (the shipped routes' `retry_policy`) out of
+/// a config: a test that reads how sluice takes each single answer of the
+/// upstream sees every one.
+pub fn without_retries(cfg: &mut EnvoyConfig) {
+    let routes = &mut cfg.hcm_mut()["route_config"]["virtual_hosts"][0]["routes"];
+    if let Some(routes) = routes.as_sequence_mut() {
+        for route in routes {
+            if let Some(r) = route.get_mut("route").and_then(|r| r.as_mapping_mut()) {
+                r.remove("retry_policy");
+            }
+        }
+    }
+}
+
+/// Turns failover after dispatch off in a policy: a test that reads what
+/// the upstream itself answers (its 500s, 429s) gets it as it came.
+pub fn without_failover(policy: &mut serde_yaml::Value) {
+    if let Some(map) = policy.as_mapping_mut() {
+        map.remove("failover");
+    }
+}
+
 /// Takes every rung below the primary out of a policy (`providers`,
 /// `ladder`, `ladder_when_out`, the older `fallback`): what is left is the
 /// primary and the static answer. Says whether the policy had a ladder.

@@ -320,7 +320,15 @@ fn a_tier_scope_shares_between_its_keys() {
 
 #[test]
 fn errors_and_no_store_are_never_stored() {
-    let s = start(default_cache(), "", |_| {});
+    // The upstream's own errors, as it sends them: not sent down the
+    // ladder (which would answer them from the static table), and its 429
+    // without Retry-After pausing nobody (the next requests are the
+    // caller's own).
+    let s = start(default_cache(), "", |cfg| {
+        let p = cfg.policy_mut();
+        sluice_tests::without_failover(p);
+        p["protection"]["pause_without_retry_after"] = serde_yaml::Value::from("0s");
+    });
     let body = chat("llama3.1:8b", "Never stored?");
     for status in ["500", "429"] {
         let r = s.chat(A, &body, &[("x-mock-status", status)]);

@@ -221,7 +221,10 @@ fn the_tier_in_envoy_answers_without_the_sidecar_and_a_purge_still_empties_it() 
 
 #[test]
 fn errors_and_no_store_stay_out_of_the_tier_in_envoy() {
-    let s = start(Setup::default(), |_| {});
+    // The upstream's own 500, as it sends it (not sent down the ladder).
+    let s = start(Setup::default(), |cfg| {
+        sluice_tests::without_failover(cfg.policy_mut());
+    });
     let body = chat("llama3.1:8b", "Fails first?");
     let failed = post_json(
         &s.envoy.url("/v1/chat/completions"),

@@ -256,6 +256,9 @@ fn stack_for(sidecar: &DcgmSidecar) -> Stack {
         for model in [MODEL, OTHER_MODEL] {
             p["models"][model]["requests"] = Value::from("100000/min");
         }
+        // The breaker's own refusal is what these tests read, not the
+        // rung that would take the request meanwhile.
+        p["ladder_when_out"] = Value::from(false);
     })
 }
 

@@ -588,3 +588,43 @@ fn a_killed_envoys_slots_come_back_to_the_fleet() {
     );
     let _ = hold.join();
 }
+
+#[test]
+fn a_providers_budget_refused_by_the_fleet_goes_down_the_ladder_not_to_a_429() {
+    let redis = Redis::start();
+    let upstream = MockLlm::start("primary");
+    let fallback = MockLlm::start("fallback");
+    // The kill switch sends every request to the rung `openai`, whose
+    // daily spend (0.0005: a few dozen requests) is counted fleet-wide.
+    let p = fleet_policy(
+        "tiers: { free: { requests: 1000000/day } }\n\
+         providers: { openai: { route: fallback, models: { m: gpt-4o-mini },\n\
+           prices: { gpt-4o-mini: { input: \"0.15\", output: \"0.60\" } },\n\
+           daily_spend: { limit: 0.0005 } } }\n\
+         ladder: [openai]\n\
+         static_fallback: { message: resting }\n\
+         failover: {}",
+        "fleet: { expected_replicas: 3 }",
+    );
+    let nodes: Vec<Node> = (0..3)
+        .map(|_| Node::start(&redis.url(), &upstream, Some(&fallback), &p, 2))
+        .collect();
+    nodes[0].kill_switch(true);
+    let url = nodes[2].envoy.url("/v1/chat/completions");
+    let on = wait_for(Duration::from_secs(5), || {
+        let r = sluice_tests::post_json(&url, &[], &chat_body("m"));
+        r.header("x-sluice-kill-switch") == Some("1")
+            || r.header("x-sluice-degraded") == Some("static")
+    });
+    assert!(on, "the kill switch reached every Envoy");
+    let statuses = blast(&urls(&nodes), 150, 30, 4);
+    // The rung's budget ran out (fleet-wide or in a lease): every caller
+    // got the rung's answer or the static one, never its budget's 429.
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "{:?}",
+        statuses.iter().filter(|s| **s != 200).collect::<Vec<_>>()
+    );
+    let served = fallback.stats()["requests_total"].as_u64().unwrap_or(0);
+    assert!(served > 0 && served < 150, "the rung served {served}");
+}

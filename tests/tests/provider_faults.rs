@@ -160,7 +160,11 @@ fn a_persistent_429_without_retry_after_is_pushback_and_rescued() {
     let f = faulty("429");
     assert_rescued(&chat(&f), "primary=429");
     assert_eq!(
-        metric(&f, "sluice_upstream_pauses_total", &[("kind", "credential")]),
+        metric(
+            &f,
+            "sluice_upstream_pauses_total",
+            &[("kind", "credential")]
+        ),
         1.0,
         "a 429 without Retry-After pauses the caller's credential"
     );
@@ -312,7 +316,11 @@ fn a_rescue_is_billed_once_at_the_rungs_prices_and_the_failure_never() {
     assert_rescued(&r, "primary=502");
     let usage = &r.json()["usage"];
     assert!(usage["prompt_tokens"].as_u64().unwrap() > 0, "{usage}");
-    let spent = metric(&f, "sluice_provider_spend_micros_total", &[("provider", "openai")]);
+    let spent = metric(
+        &f,
+        "sluice_provider_spend_micros_total",
+        &[("provider", "openai")],
+    );
     assert!(spent > 0.0, "billed at the rung's prices");
     assert_eq!(
         metric(&f, "sluice_spend_micros_total", &[]),
@@ -371,4 +379,118 @@ fn a_marker_a_client_sends_is_removed_and_its_request_admitted() {
         1.0,
         "admitted and counted like any request"
     );
+}
+
+#[test]
+fn a_rung_that_fails_too_ends_at_the_static_answer_not_a_raw_503() {
+    let primary = MockLlm::start_with_args("primary", &["--fault", "503"]);
+    let fallback = MockLlm::start_with_args("fallback", &["--fault", "reset"]);
+    let envoy = Envoy::start(&shipped(&primary, &fallback), 2);
+    let f = Faulty {
+        primary,
+        fallback,
+        envoy,
+    };
+    let r = chat(&f);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-sluice-degraded"), Some("static"), "{r:?}");
+    assert_eq!(
+        r.header("x-sluice-failed"),
+        Some("primary=503,openai=503"),
+        "{r:?}"
+    );
+    assert!(r.body.contains("temporarily unavailable"), "{}", r.body);
+    assert_eq!(
+        metric(&f, "sluice_failover_total", &[("outcome", "static")]),
+        1.0
+    );
+}
+
+#[test]
+fn a_servers_context_length_refusal_goes_to_the_overflow_model() {
+    let f = faulty_with("context_length:times=1", |cfg| {
+        let models = &mut cfg.policy_mut()["models"];
+        models["llama3.1:8b"]["context_length"] = Yaml::from(100_000);
+        models["llama3.1:8b"]["overflow"] = Yaml::from("llama3.1:70b");
+        models["llama3.1:70b"]["context_length"] = Yaml::from(200_000);
+    });
+    let r = chat(&f);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(served_by(&r), Some("primary"), "{r:?}");
+    assert_eq!(r.header("x-mock-model"), Some("llama3.1:70b"), "{r:?}");
+    assert_eq!(r.header("x-sluice-failed"), Some("primary=400"), "{r:?}");
+    assert_eq!(requests(&f.fallback), 0);
+}
+
+/// Latencies of `n` chat requests, each one after the other, in ms,
+/// sorted; every one must be answered 200.
+fn latencies(f: &Faulty, n: usize) -> Vec<f64> {
+    let mut out: Vec<f64> = (0..n)
+        .map(|_| {
+            let t0 = Instant::now();
+            let r = chat(f);
+            assert_eq!(r.status, 200, "{r:?}");
+            t0.elapsed().as_secs_f64() * 1000.0
+        })
+        .collect();
+    out.sort_by(f64::total_cmp);
+    out
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// `bench/failover.sh`: the time to rescue a request from a dead primary
+/// (nothing listens: a connect failure), against the floor of a healthy
+/// primary measured in the same run, with the shipped config: per request
+/// while the breaker is held closed (every request pays Envoy's retry and
+/// the failover), and as shipped (after three failures the breaker opens
+/// and the rung is chosen before dispatch).
+#[test]
+#[ignore]
+fn bench_time_to_rescue_a_dead_primary() {
+    const N: usize = 40;
+    let floor = faulty("none");
+    let healthy = latencies(&floor, N);
+    drop(floor);
+    let dead = |failures_to_open: u64| {
+        let primary = MockLlm::start("primary");
+        let fallback = MockLlm::start("fallback");
+        let mut cfg = shipped(&primary, &fallback);
+        cfg.set_cluster_addr("llm_upstream", sluice_tests::closed_addr());
+        cfg.policy_mut()["protection"]["failures_to_open"] = Yaml::from(failures_to_open);
+        let envoy = Envoy::start(&cfg, 2);
+        let f = Faulty {
+            primary,
+            fallback,
+            envoy,
+        };
+        latencies(&f, N)
+    };
+    let held_closed = dead(1_000);
+    let shipped_breaker = dead(3);
+    let mut report = String::from(
+        "failover bench: dead primary (connect refused), shipped envoy/sluice.yaml, 40 sequential requests each\n",
+    );
+    report.push_str(
+        "case                                   p50 ms   p90 ms   max ms   p50 / floor\n",
+    );
+    let base = pct(&healthy, 0.5);
+    for (name, v) in [
+        ("healthy primary (floor)", &healthy),
+        ("dead primary, breaker held closed", &held_closed),
+        ("dead primary, shipped breaker", &shipped_breaker),
+    ] {
+        report.push_str(&format!(
+            "{name:<38} {:>6.1}   {:>6.1}   {:>6.1}   {:>6.2}x\n",
+            pct(v, 0.5),
+            pct(v, 0.9),
+            pct(v, 1.0),
+            pct(v, 0.5) / base
+        ));
+    }
+    let path = sluice_tests::repo_root().join("target/failover-bench.txt");
+    std::fs::write(&path, &report).expect("write the figures");
+    println!("{report}");
 }

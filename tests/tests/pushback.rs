@@ -20,9 +20,18 @@ const PRO: &str = "demo-pro-key";
 const ENTERPRISE: &str = "demo-enterprise-key";
 
 /// The shipped policy with limits no test reaches (the free tier excepted
-/// where a test says), a 1 s breaker cooldown and no pause jitter.
+/// where a test says), a 1 s breaker cooldown and no pause jitter. Each
+/// answer of the upstream reaches sluice and the caller as it came: no
+/// Envoy retry, no failover, no rung while the route is out, and the
+/// breaker's default of two callers (these tests read each mechanism
+/// alone; tests/tests/provider_faults.rs runs them together as shipped).
 fn policy(cfg: &mut EnvoyConfig) {
+    sluice_tests::without_retries(cfg);
     let p = cfg.policy_mut();
+    sluice_tests::without_failover(p);
+    p["ladder_when_out"] = Value::from(false);
+    p["protection"]["min_callers"] = Value::from(2);
+    p["protection"]["pause_without_retry_after"] = Value::from("0s");
     let unlimited = || serde_yaml::from_str::<Value>("{requests: 100000/min}").expect("yaml");
     for tier in ["free", "pro", "enterprise"] {
         p["tiers"][tier] = unlimited();

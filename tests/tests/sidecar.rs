@@ -187,8 +187,13 @@ impl TestSidecar {
 
 /// The shipped policy with limits no test here reaches, short error-breaker
 /// cooldown and pause jitter, and the sidecar and fallback clusters pointed
-/// at the test's processes (else at the harness's closed address).
+/// at the test's processes (else at the harness's closed address). The
+/// breakers' and pauses' own answers are what these tests read: no Envoy
+/// retry, no failover, the rung only under the kill switch, and the
+/// breaker's default of two callers (tests/tests/provider_faults.rs runs
+/// them all together, as shipped).
 fn test_policy(cfg: &mut EnvoyConfig, sidecar: Option<SocketAddr>, fallback: Option<SocketAddr>) {
+    sluice_tests::without_retries(cfg);
     if let Some(addr) = sidecar {
         cfg.set_cluster_addr("sluice_sidecar", addr);
     }
@@ -205,6 +210,9 @@ fn test_policy(cfg: &mut EnvoyConfig, sidecar: Option<SocketAddr>, fallback: Opt
     }
     p["protection"]["cooldown"] = Value::from("1s");
     p["protection"]["pause_jitter"] = Value::from("200ms");
+    p["protection"]["min_callers"] = Value::from(2);
+    p["ladder_when_out"] = Value::from(false);
+    sluice_tests::without_failover(p);
 }
 
 fn chat_with(stack: &Stack, prompt: &str, stream: bool) -> Response {

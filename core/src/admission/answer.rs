@@ -93,6 +93,9 @@ pub enum Reason {
     /// A request with a body (or a POST) to a path sluice does not
     /// classify and no `passthrough` rule opens: deny by default.
     UnknownEndpoint,
+    /// The request's input does not fit the model's `context_length` and
+    /// the policy names no model to overflow to (OpenAI's code for it).
+    ContextLengthExceeded,
 }
 
 impl Reason {
@@ -123,6 +126,7 @@ impl Reason {
             Reason::QueueFull => "queue_full",
             Reason::QueueDeadline => "queue_deadline",
             Reason::UnknownEndpoint => "unknown_endpoint",
+            Reason::ContextLengthExceeded => "context_length_exceeded",
         }
     }
 
@@ -159,7 +163,7 @@ impl Reason {
             | Reason::UpstreamPaused
             | Reason::GlobalBreakerOpen => 503,
             Reason::RequestTooLarge => 413,
-            Reason::InvalidRequest => 400,
+            Reason::InvalidRequest | Reason::ContextLengthExceeded => 400,
             Reason::Unauthenticated => 401,
             Reason::UnknownEndpoint => 404,
         }
@@ -190,7 +194,8 @@ impl Reason {
             Reason::RequestTooLarge
             | Reason::InvalidRequest
             | Reason::Unauthenticated
-            | Reason::UnknownEndpoint => "invalid_request_error",
+            | Reason::UnknownEndpoint
+            | Reason::ContextLengthExceeded => "invalid_request_error",
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
             | Reason::UpstreamPaused

@@ -147,6 +147,12 @@ impl Engine {
             .copied()
     }
 
+    /// Is the bucket of rule `rule_id` one of `provider`'s own budgets?
+    pub fn is_rung_budget(&self, provider: &str, rule_id: &str) -> bool {
+        self.provider_buckets(provider)
+            .any(|i| *self.buckets[i].rule.id == *rule_id)
+    }
+
     /// Is bucket `i` a provider's own budget (the operator's, never shown
     /// to a caller)?
     pub(crate) fn is_provider_bucket(&self, i: usize) -> bool {
@@ -323,7 +329,12 @@ impl Engine {
 
     /// The first rung after `after` (from the top: `None`) that serves a
     /// request of `api` for `model`.
-    pub(crate) fn rung_after(&self, api: Api, model: Option<&str>, after: Option<&str>) -> Option<Served> {
+    pub(crate) fn rung_after(
+        &self,
+        api: Api,
+        model: Option<&str>,
+        after: Option<&str>,
+    ) -> Option<Served> {
         let header = self.route_header()?.to_string();
         if self.policy.providers.is_empty() {
             if after.is_some() {

@@ -408,6 +408,56 @@ impl Engine {
         api: Api,
         raw: &[u8],
     ) -> Result<Option<Asked>, Box<Verdict>> {
+        let asked = self.read_demand(identity, api, raw)?;
+        match asked {
+            Some(asked) => self.fit_context(identity, asked).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// A request whose input, as estimated, does not fit its model's
+    /// `context_length` goes to the model's `overflow` (the body rewritten
+    /// to name it; its limits and prices apply), or is refused 400
+    /// `context_length_exceeded` naming the limit: the server would refuse
+    /// it anyway, after it was sent.
+    fn fit_context(&self, identity: &Identity, mut asked: Asked) -> Result<Asked, Box<Verdict>> {
+        let Some((name, model)) = asked
+            .demand
+            .model
+            .as_deref()
+            .and_then(|m| self.policy.models.get_key_value(m))
+        else {
+            return Ok(asked);
+        };
+        let Some(context) = model.context_length else {
+            return Ok(asked);
+        };
+        let input = asked.input_raw.ceil() as u64;
+        if input <= context {
+            return Ok(asked);
+        }
+        if let Some(to) = &model.overflow {
+            asked.demand.model = Some(to.clone());
+            asked.respelled = true;
+            return Ok(asked);
+        }
+        let message = format!(
+            "This model's maximum context length is {context} tokens; this request's input is about {input} tokens. Shorten the input, or ask for a model with a longer context."
+        );
+        let refused = Refused::rejected(Reason::ContextLengthExceeded, message, Some("messages"));
+        Err(Box::new(self.refuse(
+            &refused,
+            &identity.tier,
+            Some(name.as_str()),
+        )))
+    }
+
+    fn read_demand(
+        &self,
+        identity: &Identity,
+        api: Api,
+        raw: &[u8],
+    ) -> Result<Option<Asked>, Box<Verdict>> {
         if !api.reads_body() {
             return Ok(None);
         }

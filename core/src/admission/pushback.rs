@@ -196,8 +196,9 @@ impl Engine {
         // `pause_without_retry_after`: pushback all the same.
         let asked = retry_after.and_then(|v| route::parse_retry_after(v, now_ms));
         let asked = match (asked, status) {
-            (None, 429) => Some(self.policy.protection.pause_without_retry_after_ms)
-                .filter(|ms| *ms > 0),
+            (None, 429) => {
+                Some(self.policy.protection.pause_without_retry_after_ms).filter(|ms| *ms > 0)
+            }
             (asked, _) => asked,
         };
         let pause_ms = asked.and_then(|ms| route::pause_ms(ms, &p, dice));

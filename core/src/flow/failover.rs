@@ -78,6 +78,11 @@ pub(super) struct Resend {
     token: Option<u32>,
     /// The failed answer is held at its headers (its body buffered).
     pub(super) holding: bool,
+    /// A 400 held to its end, to read whether the server refused the
+    /// input's length (then the model's `overflow` gets it).
+    pub(super) peeking: bool,
+    /// The next attempt goes to the same rung, its model the overflow.
+    overflowing: bool,
 }
 
 /// What sending a failed request on did.
@@ -140,7 +145,10 @@ impl Stream {
         let after = rung.map(|s| s.provider.as_str());
         let next = engine.rung_after(self.api, model, after).is_some();
         let ends_static = engine.policy.static_fallback.is_some() && self.api != Api::Other;
-        if !(next || ends_static) {
+        let overflows = model
+            .and_then(|m| engine.policy.models.get(m))
+            .is_some_and(|m| m.overflow.is_some());
+        if !(next || ends_static || overflows) {
             return;
         }
         let Some(asked) = asked.take() else { return };
@@ -151,6 +159,8 @@ impl Stream {
             attempts: 1,
             token: None,
             holding: false,
+            peeking: false,
+            overflowing: false,
         }));
     }
 
@@ -159,9 +169,17 @@ impl Stream {
     pub(super) fn fail_over(&mut self, host: &dyn Host) -> Option<Action> {
         let cfg = self.engine().policy.failover.as_ref()?;
         self.resend.as_ref()?;
-        // Only an answer of the upstream (not one of sluice's own), and
-        // only a status that may fail over, costs a host call.
-        if !matches!(self.phase, Phase::Upstream(_)) || !cfg.fails_over(self.status, true) {
+        if !matches!(self.phase, Phase::Upstream(_)) {
+            return None;
+        }
+        if self.status == 400 && self.overflow_model().is_some() {
+            // Read to its end: a refusal of the input's length goes to
+            // the model's overflow (`peeked`).
+            self.resend.as_mut()?.peeking = true;
+            return Some(Action::Pause);
+        }
+        // Only a status that may fail over costs a host call.
+        if !cfg.fails_over(self.status, true) {
             return None;
         }
         let local = host
@@ -181,6 +199,54 @@ impl Stream {
             }
             Next::Answered => Some(Action::Pause),
             Next::Exhausted => None,
+        }
+    }
+
+    /// The model the request's model overflows to, if it names one.
+    fn overflow_model(&self) -> Option<String> {
+        let r = self.resend.as_ref()?;
+        let model = r.asked.demand.model.as_deref()?;
+        self.engine().policy.models.get(model)?.overflow.clone()
+    }
+
+    /// The end of a 400 held by [`Stream::fail_over`]: a server's refusal
+    /// of the input's length (OpenAI's `context_length_exceeded`, vLLM's
+    /// and llama.cpp's wording) sends the request to the model's overflow
+    /// as a failover attempt; any other 400 goes on as it came.
+    pub(super) fn peeked(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        if !end {
+            return Action::Pause;
+        }
+        if let Some(r) = self.resend.as_mut() {
+            r.peeking = false;
+        }
+        let body = host.response_body(body_size);
+        let text = String::from_utf8_lossy(&body).to_ascii_lowercase();
+        let too_long = [
+            "context_length_exceeded",
+            "maximum context length",
+            "exceed_context_size",
+        ]
+        .iter()
+        .any(|needle| text.contains(needle));
+        let (Some(to), true) = (self.overflow_model(), too_long) else {
+            return Action::Continue;
+        };
+        self.note_failure(host, 400);
+        if let Some(r) = self.resend.as_mut() {
+            r.asked.demand.model = Some(to);
+            r.asked.respelled = true;
+            r.overflowing = true;
+        }
+        match self.next_attempt(host) {
+            Next::Sent => {
+                if let Some(r) = self.resend.as_mut() {
+                    r.holding = true;
+                }
+                Action::Pause
+            }
+            Next::Answered => Action::Pause,
+            Next::Exhausted => Action::Continue,
         }
     }
 
@@ -227,6 +293,9 @@ impl Stream {
             metrics::FAILOVER.add_at(host, &["exhausted"], 1);
             return Next::Exhausted;
         }
+        if std::mem::take(&mut r.overflowing) {
+            return self.overflow_attempt(host, r, now, deadline);
+        }
         let model = r.asked.demand.model.as_deref();
         let after = r.on.as_ref().map(|s| s.provider.as_str());
         let next = engine.rung_after(self.api, model, after);
@@ -262,7 +331,11 @@ impl Stream {
         let Some(served) = rung.filter(|_| verdict.reply.is_none()) else {
             // The static answer, or a refusal the rung's admission gave
             // (the caller's own budget cannot pay it there).
-            let outcome = if verdict.degraded.is_some() { "static" } else { "exhausted" };
+            let outcome = if verdict.degraded.is_some() {
+                "static"
+            } else {
+                "exhausted"
+            };
             metrics::FAILOVER.add_at(host, &[outcome], 1);
             r.holding = false;
             self.answer_here(host, verdict);
@@ -270,10 +343,56 @@ impl Stream {
         };
         let body = verdict.body.take().unwrap_or_else(|| r.asked.raw.clone());
         let timeout = deadline.saturating_sub(now);
-        let Some(token) = self.send_attempt(host, verdict, body, &served, timeout) else {
+        let Some(token) = self.send_attempt(host, verdict, body, Some(&served), timeout) else {
             return Next::Exhausted;
         };
         r.on = Some(*served);
+        r.attempts += 1;
+        r.token = Some(token);
+        Next::Sent
+    }
+
+    /// The request, its model now the overflow, to the rung that refused
+    /// its length (the primary, or the same provider), admitted there at
+    /// the overflow's limits and prices.
+    fn overflow_attempt(
+        &mut self,
+        host: &dyn Host,
+        r: &mut Resend,
+        now: u64,
+        deadline: u64,
+    ) -> Next {
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let Some(identity) = self.identity.clone() else {
+            return Next::Exhausted;
+        };
+        self.release_attempt(host, now);
+        let path = self.path.clone();
+        let ctx = RequestContext {
+            identity: &identity,
+            api: self.api,
+            path: &path,
+            asked: Some(&r.asked),
+            now_ms: now,
+        };
+        let mut verdict = engine.admit_on(host, &ctx, r.on.as_ref());
+        count_contention(host, verdict.contention);
+        let failed = r.failed.join(",");
+        mark_failed(&mut verdict, &failed);
+        self.audit.text(super::audit::Field::Failed, &failed);
+        if verdict.reply.is_some() {
+            metrics::FAILOVER.add_at(host, &["exhausted"], 1);
+            r.holding = false;
+            self.answer_here(host, verdict);
+            return Next::Answered;
+        }
+        let body = verdict.body.take().unwrap_or_else(|| r.asked.raw.clone());
+        let timeout = deadline.saturating_sub(now);
+        let on = r.on.clone();
+        let Some(token) = self.send_attempt(host, verdict, body, on.as_ref(), timeout) else {
+            return Next::Exhausted;
+        };
         r.attempts += 1;
         r.token = Some(token);
         Next::Sent
@@ -351,7 +470,7 @@ impl Stream {
         host: &dyn Host,
         mut verdict: Verdict,
         body: Vec<u8>,
-        served: &Served,
+        served: Option<&Served>,
         timeout_ms: u64,
     ) -> Option<u32> {
         let filter = self.filter.clone();
@@ -361,9 +480,12 @@ impl Stream {
             .get(SECRET_KEY)
             .map(|(s, _)| String::from_utf8_lossy(&s).into_owned())
             .unwrap_or_default();
-        let mut headers = attempt_headers(self.request_headers.as_ref());
-        headers.push((served.header.clone(), served.value.clone()));
+        let mut headers = attempt_headers(self.request_headers.as_ref(), served.is_some());
+        if let Some(served) = served {
+            headers.push((served.header.clone(), served.value.clone()));
+        }
         headers.push((ATTEMPT_HEADER.to_string(), secret));
+        let provider = served.map_or("primary", |s| s.provider.as_str());
         let pairs: Vec<(&str, &str)> = headers
             .iter()
             .map(|(n, v)| (n.as_str(), v.as_str()))
@@ -373,7 +495,7 @@ impl Stream {
             Err(why) => {
                 host.log(
                     LogLevel::Warn,
-                    &format!("failover to {} could not start: {why}", served.provider),
+                    &format!("failover to {provider} could not start: {why}"),
                 );
                 if let Some(plan) = &verdict.plan {
                     count_contention(host, engine.release(host, plan, host.now_ms()));
@@ -383,13 +505,15 @@ impl Stream {
             }
         };
         metrics::FAILOVER.add_at(host, &["sent"], 1);
-        metrics::PROVIDER_REQUESTS.add_at(host, &[&served.provider, "served"], 1);
-        add(host, metrics::REROUTED, 1);
-        verdict
-            .response_headers
-            .push("x-sluice-provider", &served.provider);
-        self.audit
-            .text(super::audit::Field::Provider, &served.provider);
+        if let Some(served) = served {
+            metrics::PROVIDER_REQUESTS.add_at(host, &[&served.provider, "served"], 1);
+            add(host, metrics::REROUTED, 1);
+            verdict
+                .response_headers
+                .push("x-sluice-provider", &served.provider);
+            self.audit
+                .text(super::audit::Field::Provider, &served.provider);
+        }
         let plan = verdict.plan.filter(|p| engine.settles(p));
         if plan.is_some() {
             add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
@@ -497,6 +621,61 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// A rung's own budget refused by the fleet (its spend across every
+    /// Envoy): like a local refusal by it, the request goes on down the
+    /// ladder (rerouted, rewritten and admitted for the next rung, then
+    /// through the fleet's gate again), or to the static answer. `None`:
+    /// the refusal was not the rung's (the caller's own budget), or the
+    /// request kept nothing to be sent again.
+    pub(super) fn fleet_refused_rung(&mut self, host: &dyn Host, rule: &str) -> Option<Action> {
+        let filter = self.filter.clone();
+        let engine = &filter.engine;
+        let identity = self.identity.clone()?;
+        let mut r = self.resend.take()?;
+        let refused_by_rung =
+            r.on.as_ref()
+                .is_some_and(|s| engine.is_rung_budget(&s.provider, rule));
+        if !refused_by_rung {
+            self.resend = Some(r);
+            return None;
+        }
+        let now = host.now_ms();
+        let provider =
+            r.on.as_ref()
+                .map(|s| s.provider.clone())
+                .unwrap_or_default();
+        metrics::PROVIDER_REQUESTS.add_at(host, &[&provider, "skipped_budget"], 1);
+        let path = self.path.clone();
+        let ctx = RequestContext {
+            identity: &identity,
+            api: self.api,
+            path: &path,
+            asked: Some(&r.asked),
+            now_ms: now,
+        };
+        let model = r.asked.demand.model.as_deref();
+        let (mut verdict, rung) = match engine.rung_after(self.api, model, Some(&provider)) {
+            Some(next) => {
+                let seen = filter.seen(host);
+                super::admit_down_the_ladder(host, engine, &ctx, Some(Box::new(next)), &seen)
+            }
+            None => (engine.static_verdict(&ctx), None),
+        };
+        let skipped = format!("{provider}=budget");
+        match verdict.reply.as_mut() {
+            Some(reply) => reply
+                .headers
+                .push(("x-sluice-skipped".to_string(), skipped)),
+            None => verdict.response_headers.push("x-sluice-skipped", &skipped),
+        }
+        r.on = rung.as_deref().cloned();
+        self.resend = Some(r);
+        let body_len = self.sent_len;
+        Some(self.send_on(host, verdict, rung.as_deref(), body_len, None))
+    }
+}
+
 /// Adds the rungs that failed to the verdict's `x-sluice-failed`.
 fn mark_failed(verdict: &mut Verdict, failed: &str) {
     match verdict.reply.as_mut() {
@@ -507,14 +686,16 @@ fn mark_failed(verdict: &mut Verdict, failed: &str) {
     }
 }
 
-/// The client's request headers an attempt carries: all but its
-/// credentials and account choice (the rung's route injects its own),
+/// The client's request headers an attempt carries: all but, to a
+/// provider, its credentials and account choice (the rung's route injects
+/// its own),
 /// the headers of one hop, sluice's and Envoy's own, and the length
 /// (the body is rewritten for the rung).
-fn attempt_headers(request: Option<&Headers>) -> Vec<(String, String)> {
+fn attempt_headers(request: Option<&Headers>, to_provider: bool) -> Vec<(String, String)> {
     let Some(request) = request else {
         return Vec::new();
     };
+    let own = |n: &str| CLIENT_CREDENTIALS.contains(&n) || ACCOUNT_HEADERS.contains(&n);
     request
         .iter()
         .filter(|(name, _)| {
@@ -524,8 +705,7 @@ fn attempt_headers(request: Option<&Headers>) -> Vec<(String, String)> {
                 && n != "content-length"
                 && !n.starts_with("x-sluice-")
                 && !n.starts_with("x-envoy-")
-                && !CLIENT_CREDENTIALS.contains(&n.as_str())
-                && !ACCOUNT_HEADERS.contains(&n.as_str())
+                && !(to_provider && own(n.as_str()))
                 && !HOP_HEADERS.contains(&n.as_str())
         })
         .map(|(n, v)| (n.to_string(), v.to_string()))

@@ -116,7 +116,11 @@ fn a_failed_primary_is_sent_to_the_next_rung_and_its_answer_reaches_the_caller()
     assert_eq!(header(":path").as_deref(), Some("/v1/chat/completions"));
     assert_eq!(header(":authority").as_deref(), Some("llm.example"));
     assert_eq!(header("x-sluice-upstream").as_deref(), Some("openai"));
-    assert_eq!(header("authorization"), None, "the client's key stays behind");
+    assert_eq!(
+        header("authorization"),
+        None,
+        "the client's key stays behind"
+    );
     assert_eq!(header("openai-organization"), None, "so does its account");
     assert_eq!(header("content-length"), None);
     let marker = header(failover::ATTEMPT_HEADER).unwrap();
@@ -139,7 +143,10 @@ fn a_failed_primary_is_sent_to_the_next_rung_and_its_answer_reaches_the_caller()
     req.on_log(&host);
     assert_eq!(spent(&host), 270, "billed once, at the rung's prices");
     assert_eq!(outstanding(&host), 0);
-    assert_eq!(host.metric("sluice_failover_total_outcome=rescued;"), Some(1));
+    assert_eq!(
+        host.metric("sluice_failover_total_outcome=rescued;"),
+        Some(1)
+    );
 }
 
 #[test]
@@ -217,4 +224,111 @@ fn only_this_envoys_marker_skips_admission_and_a_forged_one_is_removed() {
         Some("openai")
     );
     assert_eq!(outstanding(&host), 1);
+}
+
+fn overflow_policy() -> Value {
+    let mut p = policy(false);
+    p["models"] = json!({
+        "small": {"context_length": 8, "overflow": "big"},
+        "big": {"context_length": 100000},
+        "tight": {"context_length": 8},
+    });
+    p
+}
+
+fn post_model(poller: &Poller, host: &MockHost, model: &str) -> (Request, Action) {
+    let body = json!({"model": model, "max_tokens": 5,
+                      "messages": [{"role": "user", "content": "a b c d e f g h i j k l m n o p"}]})
+    .to_string();
+    let len = body.len().to_string();
+    host.begin(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+            ("authorization", "Bearer sk-the-clients-own"),
+        ],
+        body.as_bytes(),
+    );
+    host.set_prop(&["source", "address"], b"10.0.0.1:1");
+    let mut req = poller.request().unwrap();
+    assert_eq!(req.on_request_headers(host, false), Action::Pause);
+    let action = req.on_request_body(host, body.len(), true);
+    (req, action)
+}
+
+#[test]
+fn an_input_over_the_context_length_goes_to_the_overflow_model_or_is_refused_naming_it() {
+    let host = MockHost::new(T0);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, overflow_policy().to_string().as_bytes()));
+    let (_req, action) = post_model(&poller, &host, "small");
+    assert_eq!(action, Action::Continue);
+    let sent: Value = serde_json::from_slice(&host.request_body.borrow()).unwrap();
+    assert_eq!(sent["model"], "big", "the overflow model is sent");
+
+    let (_req, action) = post_model(&poller, &host, "tight");
+    assert_eq!(action, Action::Pause);
+    let reply = host.replies.borrow().last().cloned().unwrap();
+    assert_eq!(reply.status, 400);
+    let error: Value = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(error["error"]["code"], "context_length_exceeded");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("8 tokens"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_servers_context_length_refusal_is_sent_again_as_the_overflow_model() {
+    let host = MockHost::new(T0);
+    let mut p = overflow_policy();
+    p["models"]["small"]["context_length"] = json!(100);
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let (mut req, action) = post_model(&poller, &host, "small");
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        fail(&host, &mut req, "400"),
+        Action::Pause,
+        "read to its end"
+    );
+    let refusal = json!({"error": {"code": "context_length_exceeded", "message": "too long"}});
+    *host.response_body.borrow_mut() = refusal.to_string().into_bytes();
+    let size = host.response_body.borrow().len();
+    assert_eq!(req.on_response_body(&host, size, true), Action::Pause);
+    let call = host.callouts.borrow().last().cloned().unwrap();
+    let header = |name: &str| {
+        call.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(header("x-sluice-upstream"), None, "the primary's route");
+    assert!(
+        header("authorization").is_some(),
+        "the primary keeps the client's key"
+    );
+    let posted: Value = serde_json::from_slice(&host.posted.borrow().last().unwrap().1).unwrap();
+    assert_eq!(posted["model"], "big");
+    answer_attempt(
+        &host,
+        &mut req,
+        "200",
+        &json!({"choices": [], "model": "big"}),
+    );
+    let reply = host.replies.borrow().last().cloned().unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("x-sluice-failed"), Some("primary=400"));
+
+    // Another 400 goes on as it came.
+    let (mut req, _) = post_model(&poller, &host, "small");
+    assert_eq!(fail(&host, &mut req, "400"), Action::Pause);
+    *host.response_body.borrow_mut() = br#"{"error":{"code":"content_filter"}}"#.to_vec();
+    let size = host.response_body.borrow().len();
+    assert_eq!(req.on_response_body(&host, size, true), Action::Continue);
 }

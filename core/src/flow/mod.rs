@@ -779,6 +779,8 @@ pub struct Stream {
     /// What a request sent upstream keeps to be sent down the ladder
     /// should its rung fail (`failover`).
     resend: Option<Box<failover::Resend>>,
+    /// The length of the body as it is to be sent (after a rewrite).
+    sent_len: usize,
 }
 
 impl Stream {
@@ -803,6 +805,7 @@ impl Stream {
             follow_until: None,
             audit: audit::AuditRecord::default(),
             resend: None,
+            sent_len: 0,
         }
     }
 
@@ -1081,6 +1084,9 @@ impl Stream {
     }
 
     pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize, end: bool) -> Action {
+        if self.resend.as_ref().is_some_and(|r| r.peeking) {
+            return self.peeked(host, body_size, end);
+        }
         if self.resend.as_ref().is_some_and(|r| r.holding) {
             // A failed answer held while the next rung is tried: buffered,
             // never sent (unless every rung fails).
@@ -1557,8 +1563,21 @@ impl Stream {
             pushback,
             probe_lease,
         };
-        self.keep_for_failover(&verdict, rung.as_deref(), &mut parked.asked);
-        self.send_on(host, verdict, rung.as_deref(), parked.body_len, watch)
+        self.send_decided(host, verdict, rung.as_deref(), parked, watch)
+    }
+
+    /// The decided request goes on (`send_on`), keeping what it asked
+    /// should its rung fail it (`failover`).
+    fn send_decided(
+        &mut self,
+        host: &dyn Host,
+        verdict: Verdict,
+        rung: Option<&Served>,
+        mut parked: waiting::Parked,
+        watch: Watch,
+    ) -> Action {
+        self.keep_for_failover(&verdict, rung, &mut parked.asked);
+        self.send_on(host, verdict, rung, parked.body_len, Some(watch))
     }
 
     /// The request's audit fields known once its body is read.
@@ -1585,7 +1604,7 @@ impl Stream {
         mut verdict: Verdict,
         rung: Option<&Served>,
         body_len: usize,
-        watch: Watch,
+        watch: Option<Watch>,
     ) -> Action {
         let mut watched = None;
         if verdict.reply.is_none() {
@@ -1594,14 +1613,16 @@ impl Stream {
                 // Another provider's answer is not the primary's to cache.
                 self.cache_store = None;
             } else {
-                watched = Some(watch);
+                watched = watch;
             }
         }
+        self.sent_len = body_len;
         if let Some(new_body) = verdict.body.take() {
             // The upstream gets the rewritten request (model, max output,
             // usage in streams); its length changes with it.
             host.replace_request_body(body_len, &new_body);
             host.set_request_header("content-length", Some(&new_body.len().to_string()));
+            self.sent_len = new_body.len();
         }
         self.fleet_gate(host, verdict, watched)
     }
@@ -1693,7 +1714,10 @@ impl Stream {
         }
         let claims = match gate {
             crate::fleet::Gate::Refuse { rule, quota } => {
-                self.fleet_refuse(host, verdict, watch, &rule, quota);
+                // Sent on down the ladder, it may go upstream now.
+                if self.fleet_refuse(host, verdict, watch, &rule, quota) == Action::Continue {
+                    host.resume_request();
+                }
                 return;
             }
             crate::fleet::Gate::Pass(claims) => claims,
@@ -1744,6 +1768,11 @@ impl Stream {
         let now = host.now_ms();
         let model = verdict.plan.as_ref().and_then(|p| p.model.clone());
         release_local(host, engine, &verdict, now);
+        if let Some(action) = self.fleet_refused_rung(host, rule) {
+            self.give_back_probe(host, watch);
+            return action;
+        }
+        let engine = &self.filter.engine;
         let refusal = self.identity.as_ref().and_then(|identity| {
             engine.fleet_refusal(rule, quota, identity, model.as_deref(), now)
         });
@@ -1931,15 +1960,15 @@ impl Stream {
 
 mod audit;
 mod cache;
-mod failover;
-#[cfg(test)]
-mod failover_tests;
 #[cfg(test)]
 mod cache_tests;
 #[cfg(test)]
 mod declared_tests;
 #[cfg(test)]
 mod endpoint_tests;
+mod failover;
+#[cfg(test)]
+mod failover_tests;
 pub(crate) mod fleet_slots;
 mod flight;
 #[cfg(test)]

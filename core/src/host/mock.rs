@@ -421,7 +421,9 @@ impl Host for MockHost {
 
     fn call_response_headers(&self) -> Option<crate::host::Headers> {
         self.count("call_response_headers");
-        Some(crate::host::Headers::of(&self.call_response_headers.borrow()))
+        Some(crate::host::Headers::of(
+            &self.call_response_headers.borrow(),
+        ))
     }
 
     fn call_response_body(&self, size: usize) -> Vec<u8> {

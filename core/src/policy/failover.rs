@@ -96,7 +96,10 @@ pub(crate) fn check(p: &Policy) -> Result<(), ConfigError> {
         ));
     }
     if f.deadline_ms == 0 {
-        return Err(ConfigError::at("failover.deadline", "must be longer than 0s"));
+        return Err(ConfigError::at(
+            "failover.deadline",
+            "must be longer than 0s",
+        ));
     }
     if let Some(i) = f.on.iter().position(|s| !(400..=599).contains(s)) {
         return Err(ConfigError::at(

@@ -54,6 +54,10 @@ pub struct ModelConfig {
     /// The model's context length in tokens: no request is charged more
     /// input than this, so it caps what a hard budget reserves.
     pub context_length: Option<u64>,
+    /// The model a request goes to when its input does not fit
+    /// `context_length` (a listed model with a longer context); absent:
+    /// such a request is refused 400 `context_length_exceeded`.
+    pub overflow: Option<String>,
     /// What the model's server adds to a request's text (its template's
     /// tokens, an image's): see `policy/bound.rs`. Default: the figures
     /// there.
@@ -286,6 +290,20 @@ impl ModelConfig {
                 format!("models.{name}.context_length"),
                 "must be at least 1",
             ));
+        }
+        if let Some(to) = &self.overflow {
+            let longer = p.models.get(to).filter(|m| {
+                to != name
+                    && m.context_length
+                        .is_none_or(|c| Some(c) > self.context_length)
+            });
+            if self.context_length.is_none() || longer.is_none() {
+                return Err(ConfigError::at(
+                    format!("models.{name}.overflow"),
+                    "must name another listed model with a longer `context_length`, \
+                     and the model its own `context_length`",
+                ));
+            }
         }
         if self.default_max_output == Some(0) {
             return Err(ConfigError::at(

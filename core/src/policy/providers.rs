@@ -143,6 +143,19 @@ pub(crate) fn read_prices(p: &mut Policy) -> Result<(), ConfigError> {
                 prices::litellm(entry, &format!("{at}.prices_litellm.{key}")).map_err(err)?;
             priced.insert(target, price);
         }
+        // A spend budget over a model priced 0 in and out bounds nothing:
+        // every request there would be free to it.
+        let budgeted = provider.daily_spend.is_some() || provider.monthly_spend.is_some();
+        if let Some((model, _)) = priced
+            .iter()
+            .find(|(_, price)| budgeted && price.base.input.0 == 0 && price.base.output.0 == 0)
+        {
+            return Err(ConfigError::at(
+                format!("{at}.prices.{model}"),
+                "priced 0 for input and output under a spend budget, which then bounds nothing: \
+                 give its real price",
+            ));
+        }
         provider.priced = priced;
     }
     Ok(())
@@ -298,6 +311,13 @@ mod tests {
                 json!(["openai"]),
                 "providers.openai.prices",
                 "no price for `gpt-4o-mini`",
+            ),
+            (
+                json!({"openai": {"models": {"a": "free"}, "daily_spend": 5,
+                                  "prices": {"free": {"input": 0, "output": 0}}}}),
+                json!(["openai"]),
+                "providers.openai.prices.free",
+                "bounds nothing",
             ),
             (
                 openai(json!({})),
