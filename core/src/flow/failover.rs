@@ -701,12 +701,13 @@ fn attempt_headers(request: Option<&Headers>, to_provider: bool) -> Vec<(String,
         .filter(|(name, _)| {
             let n = name.to_ascii_lowercase();
             let pseudo_kept = matches!(n.as_str(), ":method" | ":path" | ":authority");
-            (pseudo_kept || !n.starts_with(':'))
-                && n != "content-length"
-                && !n.starts_with("x-sluice-")
-                && !n.starts_with("x-envoy-")
-                && !(to_provider && own(n.as_str()))
-                && !HOP_HEADERS.contains(&n.as_str())
+            let dropped = (n.starts_with(':') && !pseudo_kept)
+                || n == "content-length"
+                || n.starts_with("x-sluice-")
+                || n.starts_with("x-envoy-")
+                || HOP_HEADERS.contains(&n.as_str())
+                || (to_provider && own(n.as_str()));
+            !dropped
         })
         .map(|(n, v)| (n.to_string(), v.to_string()))
         .collect()

@@ -1853,11 +1853,15 @@ impl Stream {
     /// was, or — the upstream reset it, or left it silent until Envoy's
     /// idle timeout — as the failure it turned out to be.
     fn observe_late(&mut self, host: &dyn Host) {
+        // Only a model call's answer can be a stream (a GET's never ends
+        // as one: no host call for it).
+        let model_call = self.api.reads_body();
         let Some(up) = self.upstream() else { return };
         let Some(watch) = up.late.take() else {
             return;
         };
-        let broken = up.ended_ms.is_none()
+        let broken = model_call
+            && up.ended_ms.is_none()
             && !up.reset
             && host
                 .property(&["response", "code_details"])
