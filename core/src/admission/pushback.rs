@@ -473,6 +473,41 @@ mod tests {
     }
 
     #[test]
+    fn a_429_without_retry_after_pauses_and_on_an_injected_route_counts_as_a_failure() {
+        let quiet = |credentials: &str| {
+            let (e, store) = engine_with(json!({"protection": {
+                "pause_jitter": "0s", "credentials": credentials, "min_callers": 1,
+            }}));
+            let pb = pushback(&e, &store, "big", &ALICE, 1_000);
+            let r = e.observe_upstream(
+                &store,
+                &pb,
+                &UpstreamReply {
+                    status: 429,
+                    from_upstream: true,
+                    retry_after: None,
+                    lease: None,
+                },
+                0,
+                1_000,
+            );
+            let after = pushback(&e, &store, "big", &ALICE, 1_500);
+            (r.paused, after)
+        };
+        // Pass-through: the caller's own credential, for the default 1 s;
+        // the route's record is untouched.
+        let (paused, after) = quiet("pass_through");
+        assert_eq!(paused, Some(route::PauseScope::Credential));
+        assert_eq!(after.credential_paused_until_ms, 2_000);
+        assert_eq!(after.record.failures, 0);
+        // Injected: the route pauses, and the 429 is a failure of it.
+        let (paused, after) = quiet("injected");
+        assert_eq!(paused, Some(route::PauseScope::Route));
+        assert_eq!(after.record.paused_until_ms, 2_000);
+        assert_eq!(after.record.failures, 1);
+    }
+
+    #[test]
     fn one_callers_429_pauses_only_its_own_credential() {
         let (e, store) = engine_with(json!({}));
         let pb = pushback(&e, &store, "big", &ALICE, 1_000);
