@@ -444,8 +444,9 @@ fn pct(v: &[f64], p: f64) -> f64 {
 /// `bench/failover.sh`: the time to rescue a request from a dead primary
 /// (nothing listens: a connect failure), against the floor of a healthy
 /// primary measured in the same run, with the shipped config: per request
-/// while the breaker is held closed (every request pays Envoy's retry and
-/// the failover), and as shipped (after three failures the breaker opens
+/// while the breaker is held closed, without Envoy's retry (the failover
+/// alone) and with it (every request pays Envoy's retry back-off and the
+/// failover), and as shipped (after three failures the breaker opens
 /// and the rung is chosen before dispatch).
 #[test]
 #[ignore]
@@ -454,10 +455,13 @@ fn bench_time_to_rescue_a_dead_primary() {
     let floor = faulty("none");
     let healthy = latencies(&floor, N);
     drop(floor);
-    let dead = |failures_to_open: u64| {
+    let dead = |failures_to_open: u64, retries: bool| {
         let primary = MockLlm::start("primary");
         let fallback = MockLlm::start("fallback");
         let mut cfg = shipped(&primary, &fallback);
+        if !retries {
+            sluice_tests::without_retries(&mut cfg);
+        }
         cfg.set_cluster_addr("llm_upstream", sluice_tests::closed_addr());
         cfg.policy_mut()["protection"]["failures_to_open"] = Yaml::from(failures_to_open);
         let envoy = Envoy::start(&cfg, 2);
@@ -468,8 +472,9 @@ fn bench_time_to_rescue_a_dead_primary() {
         };
         latencies(&f, N)
     };
-    let held_closed = dead(1_000);
-    let shipped_breaker = dead(3);
+    let no_retry = dead(1_000, false);
+    let held_closed = dead(1_000, true);
+    let shipped_breaker = dead(3, true);
     let mut report = String::from(
         "failover bench: dead primary (connect refused), shipped envoy/sluice.yaml, 40 sequential requests each\n",
     );
@@ -479,6 +484,7 @@ fn bench_time_to_rescue_a_dead_primary() {
     let base = pct(&healthy, 0.5);
     for (name, v) in [
         ("healthy primary (floor)", &healthy),
+        ("dead primary, no Envoy retry, held", &no_retry),
         ("dead primary, breaker held closed", &held_closed),
         ("dead primary, shipped breaker", &shipped_breaker),
     ] {
