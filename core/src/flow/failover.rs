@@ -95,6 +95,14 @@ enum Next {
     Exhausted,
 }
 
+/// Where a request is admitted again.
+enum Again {
+    /// Down the ladder from this rung (`None`: the static answer).
+    Down(Option<Box<Served>>),
+    /// The rung it was on (`None`: the primary), as it now asks.
+    Same,
+}
+
 /// The secret made once per Envoy process (every VM reads the same key):
 /// 128 random bits, from the randomly keyed std hasher.
 pub fn ensure_secret(host: &dyn Host) {
@@ -309,21 +317,8 @@ impl Stream {
         }
         // The failed attempt is given back unbilled.
         self.release_attempt(host, now);
-        let path = self.path.clone();
-        let ctx = RequestContext {
-            identity: &identity,
-            api: self.api,
-            path: &path,
-            asked: Some(&r.asked),
-            now_ms: now,
-        };
-        let (mut verdict, rung) = match next {
-            Some(next) => {
-                let seen = filter.seen(host);
-                super::admit_down_the_ladder(host, engine, &ctx, Some(Box::new(next)), &seen)
-            }
-            None => (engine.static_verdict(&ctx), None),
-        };
+        let (mut verdict, rung) =
+            self.admit_again(host, (&identity, r), now, Again::Down(next.map(Box::new)));
         count_contention(host, verdict.contention);
         let failed = r.failed.join(",");
         mark_failed(&mut verdict, &failed);
@@ -362,21 +357,11 @@ impl Stream {
         now: u64,
         deadline: u64,
     ) -> Next {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
         let Some(identity) = self.identity.clone() else {
             return Next::Exhausted;
         };
         self.release_attempt(host, now);
-        let path = self.path.clone();
-        let ctx = RequestContext {
-            identity: &identity,
-            api: self.api,
-            path: &path,
-            asked: Some(&r.asked),
-            now_ms: now,
-        };
-        let mut verdict = engine.admit_on(host, &ctx, r.on.as_ref());
+        let (mut verdict, _) = self.admit_again(host, (&identity, r), now, Again::Same);
         count_contention(host, verdict.contention);
         let failed = r.failed.join(",");
         mark_failed(&mut verdict, &failed);
@@ -396,6 +381,33 @@ impl Stream {
         r.attempts += 1;
         r.token = Some(token);
         Next::Sent
+    }
+
+    /// Admission of the request kept in `r`, as of `now`, where `again`
+    /// says: the verdict, and the rung it goes to.
+    fn admit_again(
+        &self,
+        host: &dyn Host,
+        (identity, r): (&crate::admission::identity::Identity, &Resend),
+        now: u64,
+        again: Again,
+    ) -> (Verdict, Option<Box<Served>>) {
+        let engine = &self.filter.engine;
+        let ctx = RequestContext {
+            identity,
+            api: self.api,
+            path: &self.path,
+            asked: Some(&r.asked),
+            now_ms: now,
+        };
+        match again {
+            Again::Down(Some(next)) => {
+                let seen = self.filter.seen(host);
+                super::admit_down_the_ladder(host, engine, &ctx, Some(next), &seen)
+            }
+            Again::Down(None) => (engine.static_verdict(&ctx), None),
+            Again::Same => (engine.admit_on(host, &ctx, r.on.as_ref()), None),
+        }
     }
 
     /// Counts an attempt in the second's budget (every worker's); `false`
@@ -450,13 +462,8 @@ impl Stream {
         if let Some(r) = self.resend.as_mut() {
             r.holding = false;
         }
-        if let Some(reply) = verdict.reply {
-            let headers: Vec<(&str, &str)> = reply
-                .headers
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_str()))
-                .collect();
-            host.send_reply(reply.status, &headers, &reply.body);
+        if let Some(reply) = &verdict.reply {
+            super::send_reply(host, reply);
         }
         self.phase = Phase::Answered;
         self.release_slot(host);
@@ -646,22 +653,10 @@ impl Stream {
                 .map(|s| s.provider.clone())
                 .unwrap_or_default();
         metrics::PROVIDER_REQUESTS.add_at(host, &[&provider, "skipped_budget"], 1);
-        let path = self.path.clone();
-        let ctx = RequestContext {
-            identity: &identity,
-            api: self.api,
-            path: &path,
-            asked: Some(&r.asked),
-            now_ms: now,
-        };
         let model = r.asked.demand.model.as_deref();
-        let (mut verdict, rung) = match engine.rung_after(self.api, model, Some(&provider)) {
-            Some(next) => {
-                let seen = filter.seen(host);
-                super::admit_down_the_ladder(host, engine, &ctx, Some(Box::new(next)), &seen)
-            }
-            None => (engine.static_verdict(&ctx), None),
-        };
+        let next = engine.rung_after(self.api, model, Some(&provider));
+        let (mut verdict, rung) =
+            self.admit_again(host, (&identity, &r), now, Again::Down(next.map(Box::new)));
         let skipped = format!("{provider}=budget");
         match verdict.reply.as_mut() {
             Some(reply) => reply

@@ -112,6 +112,16 @@ fn admit_down_the_ladder(
     (laddered.verdict, laddered.rung)
 }
 
+/// Answers the client with `reply` (sluice's own answer).
+fn send_reply(host: &dyn Host, reply: &crate::admission::answer::Reply) {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    host.send_reply(reply.status, &headers, &reply.body);
+}
+
 /// Gives back what an admitted verdict holds locally (a body request's
 /// plan, or what a GET took): it will not go upstream after all.
 fn release_local(host: &dyn Host, engine: &Engine, verdict: &Verdict, now: u64) {
@@ -1255,12 +1265,7 @@ impl Stream {
         }
         match verdict.reply {
             Some(reply) => {
-                let headers: Vec<(&str, &str)> = reply
-                    .headers
-                    .iter()
-                    .map(|(n, v)| (n.as_str(), v.as_str()))
-                    .collect();
-                host.send_reply(reply.status, &headers, &reply.body);
+                send_reply(host, &reply);
                 Action::Pause
             }
             None => {
