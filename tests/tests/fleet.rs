@@ -628,3 +628,49 @@ fn a_providers_budget_refused_by_the_fleet_goes_down_the_ladder_not_to_a_429() {
     let served = fallback.stats()["requests_total"].as_u64().unwrap_or(0);
     assert!(served > 0 && served < 150, "the rung served {served}");
 }
+
+#[test]
+fn a_failover_attempt_passes_the_fleets_gate_and_never_overspends_the_rung() {
+    let redis = Redis::start();
+    let upstream = MockLlm::start_with_args("primary", &["--fault", "503"]);
+    let fallback = MockLlm::start("fallback");
+    // Every request fails on the primary and is rescued by the rung, whose
+    // daily spend (0.0005) is counted fleet-wide; then the static answer.
+    let p = fleet_policy(
+        "tiers: { free: { requests: 1000000/day } }\n\
+         providers: { openai: { route: fallback, models: { m: gpt-4o-mini },\n\
+           prices: { gpt-4o-mini: { input: \"0.15\", output: \"0.60\" } },\n\
+           daily_spend: { limit: 0.0005 } } }\n\
+         ladder: [openai]\n\
+         ladder_when_out: false\n\
+         protection: { failures_to_open: 1000 }\n\
+         static_fallback: { message: resting }\n\
+         failover: { per_second: 100000 }",
+        "fleet: { expected_replicas: 3 }",
+    );
+    let nodes: Vec<Node> = (0..3)
+        .map(|_| Node::start(&redis.url(), &upstream, Some(&fallback), &p, 2))
+        .collect();
+    let statuses = blast(&urls(&nodes), 300, 12, 4);
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "{:?}",
+        statuses.iter().filter(|s| **s != 200).collect::<Vec<_>>()
+    );
+    // The rung served some, then its budget ended the rescues (static),
+    // and what the three Envoys settled to it stays within its budget.
+    let served = fallback.stats()["requests_total"].as_u64().unwrap_or(0);
+    assert!(served > 0 && served < 300, "the rung served {served}");
+    let spent: f64 = nodes
+        .iter()
+        .map(|n| {
+            n.envoy
+                .metric(
+                    "sluice_provider_spend_micros_total",
+                    &[("provider", "openai")],
+                )
+                .unwrap_or(0.0)
+        })
+        .sum();
+    assert!(spent > 0.0 && spent <= 500.0, "spent {spent} µ of 500");
+}

@@ -83,6 +83,16 @@ pub(super) struct Resend {
     pub(super) peeking: bool,
     /// The next attempt goes to the same rung, its model the overflow.
     overflowing: bool,
+    /// An admitted attempt waiting for the fleet's answer.
+    fleet: Option<Box<FleetAttempt>>,
+}
+
+/// An attempt admitted here and paused for the fleet (as at dispatch).
+struct FleetAttempt {
+    pending: crate::fleet::Pending,
+    verdict: Verdict,
+    served: Option<Box<Served>>,
+    deadline: u64,
 }
 
 /// What sending a failed request on did.
@@ -169,6 +179,7 @@ impl Stream {
             holding: false,
             peeking: false,
             overflowing: false,
+            fleet: None,
         }));
     }
 
@@ -336,15 +347,7 @@ impl Stream {
             self.answer_here(host, verdict);
             return Next::Answered;
         };
-        let body = verdict.body.take().unwrap_or_else(|| r.asked.raw.clone());
-        let timeout = deadline.saturating_sub(now);
-        let Some(token) = self.send_attempt(host, verdict, body, Some(&served), timeout) else {
-            return Next::Exhausted;
-        };
-        r.on = Some(*served);
-        r.attempts += 1;
-        r.token = Some(token);
-        Next::Sent
+        self.through_fleet(host, r, verdict, Some(served), deadline, now)
     }
 
     /// The request, its model now the overflow, to the rung that refused
@@ -372,15 +375,158 @@ impl Stream {
             self.answer_here(host, verdict);
             return Next::Answered;
         }
+        let same = r.on.clone().map(Box::new);
+        self.through_fleet(host, r, verdict, same, deadline, now)
+    }
+
+    /// An admitted attempt through the fleet's gate, as at dispatch (no
+    /// bypass of a fleet-wide budget): covered, it is sent now; waiting,
+    /// when the sidecar answers; refused (the rung's budget across the
+    /// fleet), the request goes on down the ladder.
+    fn through_fleet(
+        &mut self,
+        host: &dyn Host,
+        r: &mut Resend,
+        verdict: Verdict,
+        served: Option<Box<Served>>,
+        deadline: u64,
+        now: u64,
+    ) -> Next {
+        let filter = self.filter.clone();
+        let held = verdict.plan.as_ref().map(|p| (&p.held, &p.meters));
+        let gate = match (filter.fleet.as_ref(), held, self.identity.as_deref()) {
+            (Some(fleet), Some((held, meters)), Some(identity)) => {
+                fleet.admit(&filter.engine, host, held, meters, identity, now)
+            }
+            _ => crate::fleet::Gate::Pass(Vec::new()),
+        };
+        match gate {
+            crate::fleet::Gate::Pass(claims) => {
+                self.send_now(host, r, verdict, served, deadline, claims)
+            }
+            crate::fleet::Gate::Wait(pending) => {
+                r.fleet = Some(Box::new(FleetAttempt {
+                    pending,
+                    verdict,
+                    served,
+                    deadline,
+                }));
+                Next::Sent
+            }
+            crate::fleet::Gate::Refuse { .. } => {
+                self.fleet_refused_attempt(host, r, &verdict, served, now)
+            }
+        }
+    }
+
+    /// Sends an admitted (and covered) attempt, holding its fleet claims.
+    fn send_now(
+        &mut self,
+        host: &dyn Host,
+        r: &mut Resend,
+        mut verdict: Verdict,
+        served: Option<Box<Served>>,
+        deadline: u64,
+        claims: Vec<crate::fleet::Claimed>,
+    ) -> Next {
         let body = verdict.body.take().unwrap_or_else(|| r.asked.raw.clone());
-        let timeout = deadline.saturating_sub(now);
-        let on = r.on.clone();
-        let Some(token) = self.send_attempt(host, verdict, body, on.as_ref(), timeout) else {
+        let timeout = deadline.saturating_sub(host.now_ms());
+        let Some(token) = self.send_attempt(host, verdict, body, served.as_deref(), timeout) else {
             return Next::Exhausted;
         };
+        if let Some(up) = self.upstream() {
+            up.fleet_claims = claims;
+        }
+        if let Some(served) = served {
+            r.on = Some(*served);
+        }
         r.attempts += 1;
         r.token = Some(token);
         Next::Sent
+    }
+
+    /// The fleet refused an attempt's rung: what it holds here goes back
+    /// and the request goes on down the ladder, after that rung.
+    fn fleet_refused_attempt(
+        &mut self,
+        host: &dyn Host,
+        r: &mut Resend,
+        verdict: &Verdict,
+        served: Option<Box<Served>>,
+        now: u64,
+    ) -> Next {
+        super::release_local(host, &self.filter.engine, verdict, now);
+        let Some(served) = served else {
+            metrics::FAILOVER.add_at(host, &["exhausted"], 1);
+            return Next::Exhausted;
+        };
+        metrics::PROVIDER_REQUESTS.add_at(host, &[&served.provider, "skipped_budget"], 1);
+        r.failed.push(format!("{}=budget", served.provider));
+        r.on = Some(*served);
+        self.next_from(host, r, now)
+    }
+
+    /// Is `token` the fleet's answer for this request's attempt?
+    pub(super) fn owns_fleet_attempt(&self, token: u32) -> bool {
+        self.resend
+            .as_ref()
+            .and_then(|r| r.fleet.as_ref())
+            .is_some_and(|f| f.pending.token == token)
+    }
+
+    /// The fleet's answer for an attempt: sent, or on down the ladder;
+    /// with nothing left, the held failure goes on.
+    pub(super) fn fleet_attempt_answered(&mut self, host: &dyn Host, body_size: usize) {
+        let filter = self.filter.clone();
+        let (Some(mut r), Some(fleet), Some(identity)) = (
+            self.resend.take(),
+            filter.fleet.as_ref(),
+            self.identity.clone(),
+        ) else {
+            return;
+        };
+        let Some(wait) = r.fleet.take() else {
+            self.resend = Some(r);
+            return;
+        };
+        let FleetAttempt {
+            pending,
+            verdict,
+            served,
+            deadline,
+        } = *wait;
+        let now = host.now_ms();
+        let gate = fleet.answer(&filter.engine, host, pending, body_size, &identity, now);
+        let next = match gate {
+            crate::fleet::Gate::Pass(claims) => {
+                self.send_now(host, &mut r, verdict, served, deadline, claims)
+            }
+            // `answer` never waits again; should it, covered locally.
+            crate::fleet::Gate::Wait(_) => {
+                self.send_now(host, &mut r, verdict, served, deadline, Vec::new())
+            }
+            crate::fleet::Gate::Refuse { .. } => {
+                self.fleet_refused_attempt(host, &mut r, &verdict, served, now)
+            }
+        };
+        self.resend = Some(r);
+        if matches!(next, Next::Exhausted) {
+            self.let_failure_through(host);
+        }
+    }
+
+    /// The client left while an attempt waited for the fleet: the take
+    /// and what the attempt holds here go back.
+    pub(super) fn abandon_fleet_attempt(&mut self, host: &dyn Host) {
+        let Some(wait) = self.resend.as_mut().and_then(|r| r.fleet.take()) else {
+            return;
+        };
+        let filter = self.filter.clone();
+        let now = host.now_ms();
+        if let Some(fleet) = &filter.fleet {
+            fleet.abandon(&filter.engine, host, wait.pending, now);
+        }
+        super::release_local(host, &filter.engine, &wait.verdict, now);
     }
 
     /// Admission of the request kept in `r`, as of `now`, where `again`

@@ -1195,6 +1195,8 @@ impl Stream {
         }
         // The answer's outcome, for the route's breaker.
         self.observe_late(host);
+        // A failover attempt still waiting for the fleet gives back its take.
+        self.abandon_fleet_attempt(host);
         // Client gone, upstream reset or timeout: settle from what was seen.
         self.settle(host);
         // A claim on its question goes back (no answer will be stored).
@@ -1677,6 +1679,10 @@ impl Stream {
     pub fn on_call_response(&mut self, host: &dyn Host, token: u32, body_size: usize) {
         if self.owns_attempt(token) {
             self.attempt_answered(host, body_size);
+            return;
+        }
+        if self.owns_fleet_attempt(token) {
+            self.fleet_attempt_answered(host, body_size);
             return;
         }
         if self.cache_owns(token) {
