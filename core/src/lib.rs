@@ -23,6 +23,7 @@
 //! The host is the seam: the wasm filter (crate `sluice-filter`) implements
 //! `Host` with proxy-wasm hostcalls; the tests drive the whole path through
 //! [`host::mock::MockHost`], a deterministic host with a settable clock.
+#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod admission;

@@ -4,6 +4,7 @@
 //! string compared with a literal; a header name or an error code is a
 //! constant here, spelled once. Serde only: this crate builds for
 //! wasm32-wasip1 and natively, and holds no logic beyond (de)serialising.
+#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod cache;
