@@ -98,8 +98,8 @@ fn allocations_per_request_stay_within_their_budget() {
     for shape in Shape::ALL {
         let (allocations, bytes) = per_request(shape);
         println!("| {} | {allocations} | {bytes} |", shape.label());
-        // Measured (BENCHMARKS.md, "Hot path, second design (issue
-        // 31): the tape, no formatter, one header snapshot"), with a
+        // Measured (docs/src/benchmark-history.md, "Second design: the
+        // goal's own baseline, and what was still copied"), with a
         // little room, so a new allocation on the path is a decision:
         // 55 / 72 / 128 with this harness (the mock's own copies
         // included: the header snapshot is two, where Envoy's is three

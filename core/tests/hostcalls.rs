@@ -90,7 +90,8 @@ fn host_calls_per_request_stay_within_their_budget() {
     );
     for (shape, calls) in &rows {
         let total: u64 = calls.values().sum();
-        // Measured 13 / 19 / 38 (BENCHMARKS.md, "Hot path (issue 21)":
+        // Measured 13 / 19 / 38 (docs/src/benchmark-history.md, "Host
+        // calls and instructions per request, the merged build":
         // one shared-data record per scope, one audit write, one clock per
         // event, no response-header read an answer does not need): a
         // little room, so a new host call on the path is a decision.
@@ -123,8 +124,9 @@ fn worker_leases_take_the_buckets_off_the_host_call_path() {
     for (shape, calls) in &rows {
         let total: u64 = calls.values().sum();
         let plain: u64 = calls_per_request(*shape).values().sum();
-        // Measured 9 / 15 / 28 with the audit in one write (BENCHMARKS.md,
-        // "Hot path (issue 21)").
+        // Measured 9 / 15 / 28 with the audit in one write
+        // (docs/src/benchmark-history.md, "Host calls and instructions per
+        // request, the merged build").
         let bound = match shape {
             Shape::HeaderGet => 10,
             Shape::HeaderPost => 16,

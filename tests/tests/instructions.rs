@@ -77,9 +77,9 @@ fn instructions_per_request_stay_within_their_budget() {
     // source in the audit and a metric; the same build without the pass
     // 39,500 / 95,300 / 142,000, so it is the decision that costs the
     // full POST about 6,100), one identity per model and the cut's reset
-    // (BENCHMARKS.md, "Bounded, not guessed"). Before: 39,500 / 93,800 /
-    // 136,900 (BENCHMARKS.md, "Hot path,
-    // second design (issue 31): the VM's code": the release profile at
+    // (docs/src/benchmark-history.md, "Bounded, not guessed: what the
+    // hard budget's bound costs"). Before: 39,500 / 93,800 / 136,900
+    // (docs/src/benchmark-history.md, "Second design: the VM's code": the release profile at
     // opt-level 3; 46,900 / 102,600 / 153,700 at "s"; 52,900 / 109,600 / 162,400 before the identity, the path,
     // a fair-shares record and a record's value stopped being copied;
     // 68,500 / 129,700 / 206,500 at the issue's first levers,

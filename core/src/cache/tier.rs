@@ -1,7 +1,8 @@
 //! The exact cache's tier inside Envoy: in single-Envoy mode an exact
 //! lookup and an exact store are shared-data reads and writes, not
 //! callouts to the sidecar (a miss's lookup and store callouts cost about
-//! 140 µs of Envoy CPU together; BENCHMARKS.md, "Cache").
+//! 140 µs of Envoy CPU together; docs/src/benchmark-history.md, "Where a
+//! miss's CPU went, and the exact tier in Envoy").
 //!
 //! - **Bounded key set.** Envoy never frees a shared-data key, so the tier
 //!   is `sets` × [`WAYS`] fixed slots: one index record per set

@@ -17,8 +17,9 @@
 //! a hit. The sign bits only choose which vectors are scored: a hit's
 //! similarity is always the exact one, so the prefilter can cost a miss,
 //! never a wrong hit. Figures (time, recall against exact search, memory)
-//! in BENCHMARKS.md, "Cache". The whole index is bounded by `max_vectors`,
-//! oldest first out; removed and expired entries leave it.
+//! in docs/src/benchmark-history.md, "The semantic index". The whole
+//! index is bounded by `max_vectors`, oldest first out; removed and
+//! expired entries leave it.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -30,7 +31,8 @@ pub use crate::config::cache::EmbeddingsConfig;
 use crate::http::{self, Target};
 
 /// Contexts up to this many vectors are searched exactly (no prefilter):
-/// at 384 dimensions about 0.8 ms on the machine of BENCHMARKS.md.
+/// at 384 dimensions about 0.8 ms on the machine of
+/// docs/src/benchmark-history.md, "The semantic index".
 pub const EXACT_UP_TO: usize = 4096;
 
 /// How many candidates the sign-bit prefilter passes to the exact scoring
