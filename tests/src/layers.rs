@@ -1,6 +1,6 @@
 //! Reads a crate's own imports and checks that they point down a declared
 //! order of layers, with no import cycle between its top-level modules
-//! (issue #19). Used by `tests/tests/layers.rs`, which declares each
+//! (issue #19) nor between the files of any one folder, at any depth. Used by `tests/tests/layers.rs`, which declares each
 //! crate's order once.
 //!
 //! What counts as an import of module `m` from a file of module `f` (the
@@ -69,8 +69,12 @@ pub struct Scan {
     pub modules: BTreeSet<String>,
     /// Imports of another top-level module.
     pub imports: Vec<Import>,
-    /// Imports between the files of one folder: `from`/`to` are second-level
-    /// modules (`watch::history`; `watch` for `watch/mod.rs`).
+    /// Imports inside one top-level module, each between two members of
+    /// the folder both lie in (the deepest one holding both): its files and
+    /// subfolders by module path (`watch::history` for `watch/history.rs`
+    /// and anything under `watch/history/`; `watch` for `watch/mod.rs`).
+    /// The folder of an import is the longer common prefix of `from` and
+    /// `to` ([`folder_of`]).
     pub inner: Vec<Import>,
     pub functions: Vec<Function>,
 }
@@ -95,7 +99,8 @@ pub struct Figures {
     pub back_imports: usize,
     /// Each cycle's members (strongly connected modules), sorted.
     pub cycles: Vec<Vec<String>>,
-    /// Cycles between the files of one folder (`fleet, fleet::concurrency`).
+    /// Cycles between the members of one folder, any folder at any depth
+    /// (`fleet, fleet::concurrency`), each within one folder.
     pub inner_cycles: Vec<Vec<String>>,
     /// The longest production functions, longest first (at most 5).
     pub longest: Vec<Function>,
@@ -161,7 +166,7 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
     walk(src, src, &mut files)?;
     files.sort();
     let mut modules = BTreeSet::new();
-    let mut units = BTreeSet::new();
+    let mut paths = BTreeSet::new();
     let mut parsed = Vec::new();
     let mut skip = BTreeSet::new();
     for path in &files {
@@ -173,7 +178,7 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
         let ast = syn::parse_file(&text)
             .map_err(|e| format!("{}:{}: {e}", path.display(), e.span().start().line))?;
         modules.insert(top_of(&module));
-        units.insert(unit_of(&module));
+        paths.insert(module.join("::"));
         parsed.push((path.clone(), module, ast));
     }
     // The files of `#[cfg(test)] mod x;` are test code.
@@ -207,7 +212,7 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
             module: module.clone(),
             inline: Vec::new(),
             known: &out.modules,
-            units: &units,
+            paths: &paths,
             imports: Vec::new(),
             inner: Vec::new(),
             functions: Vec::new(),
@@ -222,15 +227,25 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
 }
 
 /// Checks `src` against `layers` (top first). `Err` lists every import
-/// that points up, every cycle (with the imports that close it), and every
-/// module in no layer or named by a layer but absent.
+/// that points up, every cycle (with the imports that close it) between
+/// top-level modules or between the members of any one folder (its files
+/// and subfolders, its `mod.rs` included), and every module in no layer or
+/// named by a layer but absent.
 pub fn check(src: &Path, layers: &[Layer]) -> Result<Figures, String> {
-    check_with(src, layers, true)
+    check_allowing(src, layers, &[])
 }
 
-/// [`check`], and with `inside_folders` also a cycle between the files of
-/// one folder (a `mod.rs` and its children).
-pub fn check_with(src: &Path, layers: &[Layer], inside_folders: bool) -> Result<Figures, String> {
+/// [`check`], except that in each folder of `parent_cycles` (`"flow"`) a
+/// cycle through the folder's `mod.rs` is let through: a type declared
+/// there whose methods live in the files of their topic, each file reading
+/// the type and the type's other methods calling into the file. A cycle
+/// between the folder's other files is still an error, as is a folder
+/// named here with no cycle through its `mod.rs` left (a stale exemption).
+pub fn check_allowing(
+    src: &Path,
+    layers: &[Layer],
+    parent_cycles: &[&str],
+) -> Result<Figures, String> {
     let scan = scan(src)?;
     let mut errors = Vec::new();
     let mut layer_of: BTreeMap<&str, usize> = BTreeMap::new();
@@ -267,38 +282,66 @@ pub fn check_with(src: &Path, layers: &[Layer], inside_folders: bool) -> Result<
     }
     let figures = figures_of(&scan, Some(&layer_of));
     for cycle in &figures.cycles {
-        let members: BTreeSet<&str> = cycle.iter().map(String::as_str).collect();
-        let closing: Vec<String> = first_per_edge(&scan.imports, |i| {
-            members.contains(i.from.as_str()) && members.contains(i.to.as_str())
-        })
-        .iter()
-        .map(ToString::to_string)
-        .collect();
         errors.push(format!(
-            "import cycle between {}: {}",
-            cycle.join(", "),
-            closing.join("; ")
+            "import cycle between {}",
+            closed_by(cycle, &scan.imports)
         ));
     }
-    for cycle in figures.inner_cycles.iter().filter(|_| inside_folders) {
-        let members: BTreeSet<&str> = cycle.iter().map(String::as_str).collect();
-        let closing: Vec<String> = first_per_edge(&scan.inner, |i| {
-            members.contains(i.from.as_str()) && members.contains(i.to.as_str())
-        })
-        .iter()
-        .map(ToString::to_string)
-        .collect();
-        errors.push(format!(
-            "import cycle inside a folder between {}: {}",
-            cycle.join(", "),
-            closing.join("; ")
-        ));
+    let graphs = folder_graphs(&scan.inner);
+    let mut allowed = BTreeSet::new();
+    for cycle in &figures.inner_cycles {
+        let folder = common_prefix(cycle.iter().map(String::as_str));
+        if !(parent_cycles.contains(&folder.as_str()) && cycle.contains(&folder)) {
+            errors.push(format!(
+                "import cycle inside a folder between {}",
+                closed_by(cycle, &scan.inner)
+            ));
+            continue;
+        }
+        // Its other members: strict, as everywhere.
+        let members: BTreeSet<&str> = cycle
+            .iter()
+            .map(String::as_str)
+            .filter(|m| *m != folder)
+            .collect();
+        let others: BTreeMap<&str, BTreeSet<&str>> = graphs[&folder]
+            .iter()
+            .filter(|(m, _)| members.contains(*m))
+            .map(|(m, tos)| (*m, tos.intersection(&members).copied().collect()))
+            .collect();
+        for cycle in cycles_in(&others) {
+            errors.push(format!(
+                "import cycle inside a folder between {}",
+                closed_by(&cycle, &scan.inner)
+            ));
+        }
+        allowed.insert(folder);
+    }
+    for folder in parent_cycles {
+        if !allowed.contains(*folder) {
+            errors.push(format!(
+                "folder `{folder}` is let through for a cycle through its `mod.rs`, \
+                 and has none: drop it from the exemptions"
+            ));
+        }
     }
     if errors.is_empty() {
         Ok(figures)
     } else {
         Err(errors.join("\n"))
     }
+}
+
+/// `a, b: <the first import of each pair of members>`.
+fn closed_by(cycle: &[String], imports: &[Import]) -> String {
+    let members: BTreeSet<&str> = cycle.iter().map(String::as_str).collect();
+    let closing: Vec<String> = first_per_edge(imports, |i| {
+        members.contains(i.from.as_str()) && members.contains(i.to.as_str())
+    })
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    format!("{}: {}", cycle.join(", "), closing.join("; "))
 }
 
 /// The figures of `src` with no layer order (before a restructuring).
@@ -315,21 +358,12 @@ fn figures_of(scan: &Scan, layer_of: Option<&BTreeMap<&str, usize>>) -> Figures 
         graph.entry(&i.from).or_default().insert(&i.to);
     }
     let edges = graph.values().map(BTreeSet::len).sum();
-    let cycles: Vec<Vec<String>> = strongly_connected(&graph)
-        .into_iter()
-        .filter(|c| c.len() > 1)
-        .map(|c| c.into_iter().map(str::to_string).collect())
+    let cycles = cycles_in(&graph);
+    let mut inner_cycles: Vec<Vec<String>> = folder_graphs(&scan.inner)
+        .values()
+        .flat_map(cycles_in)
         .collect();
-    let mut inner: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-    for i in &scan.inner {
-        inner.entry(&i.from).or_default().insert(&i.to);
-        inner.entry(&i.to).or_default();
-    }
-    let inner_cycles: Vec<Vec<String>> = strongly_connected(&inner)
-        .into_iter()
-        .filter(|c| c.len() > 1)
-        .map(|c| c.into_iter().map(str::to_string).collect())
-        .collect();
+    inner_cycles.sort();
     let mut back: BTreeSet<(&str, &str)> = BTreeSet::new();
     if let Some(layer_of) = layer_of {
         for (from, tos) in &graph {
@@ -438,6 +472,50 @@ fn longest_from<'a>(
     best.insert(0, m);
     memo.insert(m, best.clone());
     best
+}
+
+/// The strongly connected sets of more than one module, sorted.
+fn cycles_in(graph: &BTreeMap<&str, BTreeSet<&str>>) -> Vec<Vec<String>> {
+    strongly_connected(graph)
+        .into_iter()
+        .filter(|c| c.len() > 1)
+        .map(|c| c.into_iter().map(str::to_string).collect())
+        .collect()
+}
+
+/// The graph of each folder's imports, by folder ([`folder_of`]).
+fn folder_graphs(inner: &[Import]) -> BTreeMap<String, BTreeMap<&str, BTreeSet<&str>>> {
+    let mut graphs: BTreeMap<String, BTreeMap<&str, BTreeSet<&str>>> = BTreeMap::new();
+    for i in inner {
+        let graph = graphs.entry(folder_of(&i.from, &i.to)).or_default();
+        graph.entry(&i.from).or_default().insert(&i.to);
+        graph.entry(&i.to).or_default();
+    }
+    graphs
+}
+
+/// The folder an import inside a top-level module belongs to: the common
+/// prefix of its two members (`a` for `a::b → a::c` and for `a::b → a`;
+/// `a::b` for `a::b → a::b::c`).
+pub fn folder_of(from: &str, to: &str) -> String {
+    common_prefix([from, to].into_iter())
+}
+
+/// The longest common prefix of module paths, by segment.
+fn common_prefix<'a>(mut paths: impl Iterator<Item = &'a str>) -> String {
+    let Some(first) = paths.next() else {
+        return String::new();
+    };
+    let mut prefix: Vec<&str> = first.split("::").collect();
+    for p in paths {
+        let n = prefix
+            .iter()
+            .zip(p.split("::"))
+            .take_while(|(a, b)| *a == b)
+            .count();
+        prefix.truncate(n);
+    }
+    prefix.join("::")
 }
 
 /// Tarjan's strongly connected components.
@@ -555,21 +633,6 @@ fn module_dir(src: &Path, file: &Path, module: &[String]) -> PathBuf {
     }
 }
 
-/// `watch::history` for `src/watch/history.rs` and below; `watch` for
-/// `src/watch/mod.rs`; `lib` for `src/lib.rs`.
-fn unit_of(module: &[String]) -> String {
-    if module.is_empty() {
-        "lib".to_string()
-    } else {
-        module
-            .iter()
-            .take(2)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("::")
-    }
-}
-
 fn top_of(module: &[String]) -> String {
     module.first().cloned().unwrap_or_else(|| "lib".to_string())
 }
@@ -591,8 +654,8 @@ struct Reader<'a> {
     /// Inline `mod x { … }` blocks around the current item.
     inline: Vec<String>,
     known: &'a BTreeSet<String>,
-    /// Second-level modules (`watch::history`).
-    units: &'a BTreeSet<String>,
+    /// The module path of every file (`watch::history`).
+    paths: &'a BTreeSet<String>,
     imports: Vec<Import>,
     inner: Vec<Import>,
     functions: Vec<Function>,
@@ -626,10 +689,10 @@ impl Reader<'_> {
                 segments.to_vec()
             }
             // So is a child module in its parent (`history::HistoryConfig`
-            // in `config/mod.rs`).
-            name if here.len() == 1
+            // in `config/mod.rs`), at any depth.
+            name if !here.is_empty()
                 && segments.len() > 1
-                && self.units.contains(&format!("{}::{name}", here[0])) =>
+                && self.paths.contains(&format!("{}::{name}", here.join("::"))) =>
             {
                 here.iter().chain(segments).cloned().collect()
             }
@@ -651,23 +714,30 @@ impl Reader<'_> {
             });
             return;
         }
-        let two = resolved
+        // The file the path lands in (its longest prefix that is one), and
+        // the members of the deepest folder holding both files.
+        let to_file: &[String] = (1..=resolved.len())
+            .rev()
+            .map(|n| &resolved[..n])
+            .find(|p| self.paths.contains(&p.join("::")))
+            .unwrap_or(&[]);
+        let from_file = &self.module;
+        let k = from_file
             .iter()
-            .take(2)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("::");
-        let to_unit = if self.units.contains(&two) { two } else { to };
-        let from_unit = unit_of(&self.module);
-        if to_unit != from_unit {
-            self.inner.push(Import {
-                file: self.file.clone(),
-                line,
-                from: from_unit,
-                to: to_unit,
-                path: segments.join("::"),
-            });
+            .zip(to_file)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if k == from_file.len() && k == to_file.len() {
+            return;
         }
+        let member = |m: &[String]| m[..m.len().min(k + 1)].join("::");
+        self.inner.push(Import {
+            file: self.file.clone(),
+            line,
+            from: member(from_file),
+            to: member(to_file),
+            path: segments.join("::"),
+        });
     }
 
     fn use_tree(&mut self, prefix: &mut Vec<String>, tree: &syn::UseTree) {
@@ -989,6 +1059,79 @@ mod tests {
             err,
             "import cycle inside a folder between low::a, low::b: \
              src/low/a.rs:1: `super::b::B`; src/low/b.rs:2: `crate::low::a::A`"
+        );
+    }
+
+    #[test]
+    fn a_cycle_in_a_nested_folder_is_reported_in_that_folder() {
+        let d = tree(&[
+            ("lib.rs", "pub mod top;\npub mod low;\npub mod base;\n"),
+            ("top.rs", ""),
+            ("low/mod.rs", "pub mod x;\npub mod y;\n"),
+            ("low/x/mod.rs", "pub mod a;\npub mod b;\n"),
+            ("low/x/a.rs", "use super::b::B;\npub struct A;\n"),
+            (
+                "low/x/b.rs",
+                "pub struct B;\npub fn f(_: crate::low::x::a::A) {}\n",
+            ),
+            // Into the subfolder from beside it: `low::y → low::x`, no cycle.
+            ("low/y.rs", "use super::x::a::A;\n"),
+            ("base.rs", ""),
+        ]);
+        let err = check(&d.path().join("src"), &[TOP, LOW]).unwrap_err();
+        assert_eq!(
+            err,
+            "import cycle inside a folder between low::x::a, low::x::b: \
+             src/low/x/a.rs:1: `super::b::B`; src/low/x/b.rs:2: `crate::low::x::a::A`"
+        );
+        let scan = scan(&d.path().join("src")).unwrap();
+        let y = scan
+            .inner
+            .iter()
+            .find(|i| i.file == "src/low/y.rs")
+            .unwrap();
+        assert_eq!((y.from.as_str(), y.to.as_str()), ("low::y", "low::x"));
+        assert_eq!(folder_of(&y.from, &y.to), "low");
+    }
+
+    #[test]
+    fn a_cycle_through_a_mod_rs_is_let_through_only_where_named() {
+        let d = tree(&[
+            ("lib.rs", "pub mod top;\npub mod low;\npub mod base;\n"),
+            ("top.rs", ""),
+            (
+                "low/mod.rs",
+                "pub mod a;\npub mod b;\npub mod c;\npub struct S;\nfn f() { a::g(); c::h(S); }\n",
+            ),
+            ("low/a.rs", "use super::S;\npub fn g() {}\n"),
+            // `b ↔ c`, and through `c` in the cycle through `mod.rs` too.
+            ("low/b.rs", "use super::c::C;\npub struct B;\n"),
+            (
+                "low/c.rs",
+                "use super::b::B;\npub struct C;\npub fn h(_: super::S) {}\n",
+            ),
+            ("base.rs", ""),
+        ]);
+        let src = d.path().join("src");
+        let err = check(&src, &[TOP, LOW]).unwrap_err();
+        assert!(
+            err.contains("import cycle inside a folder between low, low::a, low::b, low::c: "),
+            "{err}"
+        );
+        // Let through in `low`: its other files are still strict.
+        let err = check_allowing(&src, &[TOP, LOW], &["low"]).unwrap_err();
+        assert_eq!(
+            err,
+            "import cycle inside a folder between low::b, low::c: \
+             src/low/b.rs:1: `super::c::C`; src/low/c.rs:1: `super::b::B`"
+        );
+        // A folder named with no such cycle is a stale exemption.
+        let err = check_allowing(&src, &[TOP, LOW], &["low", "base"]).unwrap_err();
+        assert!(
+            err.contains(
+                "folder `base` is let through for a cycle through its `mod.rs`, and has none"
+            ),
+            "{err}"
         );
     }
 

@@ -112,14 +112,24 @@ const CORE: &[Layer] = &[
     },
 ];
 
+/// The core's folders whose `mod.rs` and children still import each other:
+/// a type declared in `mod.rs` whose methods live in the files of their
+/// topic, each file reading the type and the type calling into the file —
+/// flow's `Stream` (one file per event), admission's `Engine` and
+/// `Verdict` (the ladder's `Served`, `impl Engine` in `ladder.rs`), the
+/// `Policy` and its sections (a section's check reads the policy). Only
+/// the cycle through `mod.rs` is let through: these folders' other files,
+/// like every other folder at any depth, may not import each other in a
+/// cycle, and a folder whose cycle is gone must leave this list
+/// (`layers::check_allowing`).
+const CORE_PARENT_CYCLES: &[&str] = &["admission", "flow", "policy"];
+
 #[test]
 fn core_layers() {
-    // Between folders: strict. Inside a folder the core still has
-    // `mod.rs` ↔ child cycles: flow's stream and its event files (one
-    // `Stream` whose methods live in the file of their event), and the
-    // policy and its sections (a section's check reads the policy it is
-    // a section of).
-    let figures = match layers::check_with(&src("core"), CORE, false) {
+    // Strict between folders and inside every folder (no cycle between
+    // two files of one folder: what they share is in a leaf, as
+    // `usage/shared.rs`), but for the cycles through `mod.rs` above.
+    let figures = match layers::check_allowing(&src("core"), CORE, CORE_PARENT_CYCLES) {
         Ok(f) => f,
         Err(e) => panic!("core/src:\n{e}"),
     };

@@ -21,7 +21,7 @@
 //! table is not read by its servers as input.
 
 use crate::policy::bound::InputBound;
-use crate::usage::demand::Api;
+use crate::usage::shared::Api;
 use crate::usage::view::{Kind, View};
 
 /// What one field of a body feeds the server.

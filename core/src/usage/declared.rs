@@ -12,9 +12,9 @@
 
 use serde_json::{Map, Value};
 
-use super::demand::{self, Api, BadBody, Demand};
+use super::demand::{self, Demand};
 use super::estimate;
-use super::reconcile::{Found, Usage};
+use super::shared::{Api, BadBody, Found, Usage, MAX_BELIEVABLE};
 use super::spelling;
 use crate::policy::apis::{segments, DeclaredAnswer, DeclaredApi};
 
@@ -132,11 +132,7 @@ impl AnswerAt {
         };
         let count = |p: &Option<Pointer>| -> Option<Result<u64, ()>> {
             let v = p.as_ref()?.get(answer)?;
-            Some(
-                v.as_u64()
-                    .filter(|n| *n <= super::reconcile::MAX_BELIEVABLE)
-                    .ok_or(()),
-            )
+            Some(v.as_u64().filter(|n| *n <= MAX_BELIEVABLE).ok_or(()))
         };
         let text = || {
             let tokens = self

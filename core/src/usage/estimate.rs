@@ -13,7 +13,7 @@
 use crate::state::codec::{Reader, Record, Writer};
 use std::borrow::Cow;
 
-use crate::usage::demand::{Api, Multiplies};
+use crate::usage::shared::{Api, Multiplies};
 use crate::usage::view::{Kind, View};
 
 /// Tokens of chat framing per message, and to prime the reply (OpenAI's

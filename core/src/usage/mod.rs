@@ -8,6 +8,7 @@ pub mod demand;
 pub mod estimate;
 pub mod output_limit;
 pub mod reconcile;
+pub mod shared;
 pub mod spelling;
 pub mod splice;
 pub mod tape;

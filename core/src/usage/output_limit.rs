@@ -61,7 +61,7 @@
 
 use serde_json::{Map, Value};
 
-use super::demand::{Api, BadBody};
+use super::shared::{Api, BadBody};
 use super::view::{Kind, View};
 
 /// A field of a request body that limits the output of one completion.

@@ -9,6 +9,8 @@
 use serde_json::Value;
 
 use super::declared::AnswerAt;
+use super::shared::MAX_BELIEVABLE;
+pub use super::shared::{Found, Usage};
 use super::tape::{Json, Tape};
 use super::view::View;
 
@@ -86,16 +88,6 @@ const REASONING_PATHS: &[&[&str]] = &[
         "reasoning_tokens",
     ],
 ];
-
-/// Counts above this are not believed (a misbehaving upstream, not a model).
-pub(crate) const MAX_BELIEVABLE: u64 = 100_000_000;
-
-/// Usage reported by the upstream.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub input: u64,
-    pub output: u64,
-}
 
 /// The parts of a usage that are priced apart. Each is a share of the
 /// input or output count it belongs to (cached and cache-written input of
@@ -300,16 +292,6 @@ impl StreamEvent {
                 .is_some_and(|c| c.is_array() && c.items().next().is_none()),
         }
     }
-}
-
-/// What a JSON object says about usage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Found {
-    /// No usage fields at all.
-    Nothing,
-    /// Usage fields that are not sane counts (strings, negative, enormous).
-    Invalid,
-    Usage(Usage),
 }
 
 fn at<'a, V: View<'a>>(v: V, path: &[&str]) -> Option<V> {

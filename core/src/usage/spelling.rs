@@ -44,8 +44,8 @@ use std::borrow::Cow;
 
 use super::view::View;
 
-use super::demand::{BadBody, Multiplies};
 use super::output_limit::LimitField;
+use super::shared::{BadBody, Multiplies};
 
 /// Top-level keys sluice reads from some request body, besides the limit
 /// fields and the multipliers (checked from their own tables): the model,
@@ -125,7 +125,7 @@ fn read_keys() -> impl Iterator<Item = &'static str> {
 
 /// The fields of every API's multiplier table (and the ones they pair with).
 fn multiplier_fields() -> impl Iterator<Item = &'static str> {
-    use super::demand::Api;
+    use super::shared::Api;
     [
         Api::OpenAiChat,
         Api::OpenAiCompletions,

@@ -27,7 +27,7 @@
 
 use std::borrow::Cow;
 
-use super::demand::MAX_JSON_VALUES;
+use super::shared::MAX_JSON_VALUES;
 use super::view::{Kind, View};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
