@@ -7,11 +7,14 @@
 //! is declared once, in `tests/tests/layers.rs`, which fails on an import
 //! that points up or on a cycle):
 //!
-//! - [`flow`] — one method per Envoy event (root, stream, waiting, slots,
-//!   telemetry), driving the layers below against the [`host::Host`] trait;
+//! - [`flow`] — one method per Envoy event (root, stream, the pre-check
+//!   before the body, waiting, fleet slots, failover, the cache's lookup and
+//!   store, the audit record, the stats a policy load defines), driving the
+//!   layers below against the [`host::Host`] trait;
 //! - [`fleet`] — the fleet's leases from Redis through the sidecar;
 //! - [`admission`] — every decision that produces a verdict: identity,
-//!   compile, admit, rewrite, settle, penalty box, route health, answers;
+//!   compile, admit, the refusal before the body, rewrite, settle, penalty
+//!   box, route health and the ladder, answers;
 //! - [`cache`] — the response cache: keys, storable and rendered answers,
 //!   the exact tier in shared data;
 //! - [`queue`], [`limits`], [`usage`], [`host`] — the queue's places; bucket

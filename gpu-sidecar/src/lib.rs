@@ -15,7 +15,7 @@
 //! lib, check_config   wiring (`serve`) and the offline checks
 //! serve/              the HTTP API: routes, admin token, /metrics, page
 //! fleet/, cache/      the fleet agent (take/give/slots, syncs); the response cache
-//! watch/              monitor rounds, alerts, history, traffic, kill switch, telemetry
+//! watch/              monitor rounds, alerts, history, traffic, kill switch, snapshot
 //! sources/, redis/    GPU and backend readings; the one Redis connection
 //! config/             the config file, one file per section with its check
 //! breaker             the pure rules engine (samples + clock → states)

@@ -7,9 +7,9 @@
 //!
 //! One concern per file: this one holds the types the steps share and
 //! steps 1–3 (identity through [`identity`], demand, route through
-//! [`health`] and `pushback`); [`compile`] builds the buckets and prices
-//! of a policy once, [`admit`] reserves (step 4) and peeks (also for
-//! [`early`], the refusal before the body), [`settle`] reconciles (step 5),
+//! [`route`], [`ladder`] and `pushback`); [`compile`] builds the buckets and
+//! prices of a policy once, [`admit`] reserves (step 4) and peeks (also for
+//! [`no_body`], the refusal before the body), [`settle`] reconciles (step 5),
 //! [`rewrite`] makes the upstream's body, [`answer`] renders every
 //! refusal, [`penalty`] is the penalty box, [`passthrough`] the paths sluice
 //! does not read, [`for_fleet`] what the fleet asks of the buckets.

@@ -8,7 +8,7 @@
 //! - [`Request`] is one HTTP stream (a [`Stream`], its phase a `Phase`):
 //!   request headers (kill-switch header stripped, API, identity and the
 //!   penalty box, canonical path, declared size, the refusal before the
-//!   body: `early`) → body (size, then the whole body at its end or at the
+//!   body: `precheck`) → body (size, then the whole body at its end or at the
 //!   trailers) → decision (`Stream::decide`: demand → cache lookup →
 //!   `Stream::conclude`, the tail a queued request's dispatch runs too:
 //!   route → the model's gate, `waiting` → admit → probe claim →
@@ -16,8 +16,10 @@
 //!   route's record, meter set up) → response body (first byte, meter,
 //!   settlement) → log (settle what is left, give back an unanswered
 //!   probe, leave the queue).
-//! - `slots` keeps the fleet's concurrency slots, [`telemetry`] the metric
-//!   names and audit fields.
+//! - `fleet_slots` keeps the fleet's concurrency slots, `failover` sends a
+//!   request again down its ladder, `cache` and `flight` are the response
+//!   cache's side, `audit` the audit record's fields, [`predefined`] the
+//!   stats a policy load defines.
 
 use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
@@ -330,7 +332,7 @@ pub struct Poller {
     fleet: crate::fleet::FleetAgent,
     /// With queues the tick is fast; the lease still moves at `TICK_MS`.
     next_lease_ms: u64,
-    /// Fleet-wide concurrency slots (see `slots`).
+    /// Fleet-wide concurrency slots (see `fleet_slots`).
     slots: fleet_slots::Agent,
     /// What this VM's root contexts share.
     vm: Rc<Vm>,

@@ -36,11 +36,12 @@
 //! once they would be full again. All three answer 503 `fleet_unavailable`
 //! while Redis does not answer: the filter then follows `on_unavailable`.
 //!
-//! The kill switch and the breakers are fleet-wide too: [`sync_kill_switch`]
-//! keeps this sidecar's switch and the one in Redis equal (a change here is
-//! written there; a newer one there is applied here and so pushed to the
-//! Envoy through the long poll); [`sync_breakers`] publishes this sidecar's
-//! open breakers and serves every other live sidecar's.
+//! The kill switch and the breakers are fleet-wide too:
+//! [`sync::sync_kill_switch`] keeps this sidecar's switch and the one in
+//! Redis equal (a change here is written there; a newer one there is
+//! applied here and so pushed to the Envoy through the long poll);
+//! [`sync::sync_breakers`] publishes this sidecar's open breakers and
+//! serves every other live sidecar's.
 
 pub mod concurrency;
 pub mod routes;

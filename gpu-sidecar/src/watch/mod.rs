@@ -3,7 +3,7 @@
 //! (webhooks), [`history`] and [`traffic`] (the operator page's series),
 //! [`rungs`] (the ladder's providers, from Envoy's health checks, with
 //! [`first_check`] for hosts Envoy has not probed yet),
-//! the [`kill_switch`], [`telemetry`] (what the last round saw, counters)
+//! the [`kill_switch`], [`snapshot`] (what the last round saw, counters)
 //! and [`memory`] (handing memory back after bursts). Imports `sources`,
 //! `config`, `breaker` and the bottom layer only.
 
