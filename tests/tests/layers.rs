@@ -172,12 +172,82 @@ fn sidecar_layers() {
     );
 }
 
+/// The figures quoted before and after a restructuring, printed, and held
+/// to what they claim of each crate's `src/`: files and modules as scanned
+/// (both counted, a module per file at most); the module imports, the
+/// distinct pairs of the scan's imports; the longest chain, modules each
+/// importing the next, none twice, as long as `levels` says; no cycle
+/// between modules, so no back-import to cut; no cycle inside a folder but
+/// those let through ([`CORE_PARENT_CYCLES`]); the longest functions, the
+/// scan's longest first, none over [`MAX_FUNCTION_LINES`].
 #[test]
 fn figures() {
+    use std::collections::BTreeSet;
     for krate in ["gpu-sidecar", "core", "filter"] {
-        match layers::figures(&src(krate)) {
-            Ok(f) => println!("{krate}/src:\n{f}\n"),
+        let f = match layers::figures(&src(krate)) {
+            Ok(f) => f,
             Err(e) => panic!("{krate}/src: {e}"),
+        };
+        println!("{krate}/src:\n{f}\n");
+        let scan = layers::scan(&src(krate)).expect("scanned once already");
+        assert!(f.files > 0 && f.files == scan.files.len(), "{krate}: {f}");
+        assert!(
+            f.modules > 0 && f.modules <= f.files && f.modules == scan.modules.len(),
+            "{krate}: {f}"
+        );
+        let pairs: BTreeSet<(&str, &str)> = scan
+            .imports
+            .iter()
+            .map(|i| (i.from.as_str(), i.to.as_str()))
+            .collect();
+        assert_eq!(f.edges, pairs.len(), "{krate}: {f}");
+        assert!(
+            f.levels >= 1 && f.levels == f.chain.len() && f.levels <= f.modules,
+            "{krate}: {f}"
+        );
+        for link in f.chain.windows(2) {
+            assert!(
+                pairs.contains(&(link[0].as_str(), link[1].as_str())),
+                "{krate}: `{}` does not import `{}`: {f}",
+                link[0],
+                link[1]
+            );
+        }
+        let distinct: BTreeSet<&String> = f.chain.iter().collect();
+        assert_eq!(distinct.len(), f.chain.len(), "{krate}: {f}");
+        assert!(f.cycles.is_empty(), "{krate}: {f}");
+        assert!(
+            f.back_edges.is_empty() && f.back_imports == 0,
+            "{krate}: {f}"
+        );
+        for cycle in &f.inner_cycles {
+            let folder = cycle
+                .iter()
+                .fold(cycle[0].clone(), |p, m| layers::folder_of(&p, m));
+            assert!(
+                krate == "core"
+                    && CORE_PARENT_CYCLES.contains(&folder.as_str())
+                    && cycle.contains(&folder),
+                "{krate}: a cycle inside `{folder}`: {}",
+                cycle.join(", ")
+            );
+        }
+        assert_eq!(f.longest.len(), scan.functions.len().min(5), "{krate}: {f}");
+        assert!(
+            f.longest.windows(2).all(|w| w[0].lines >= w[1].lines),
+            "{krate}: {f}"
+        );
+        assert_eq!(
+            f.longest.first().map(|g| g.lines),
+            scan.functions.iter().map(|g| g.lines).max(),
+            "{krate}: {f}"
+        );
+        assert!(
+            f.longest.iter().all(|g| g.lines <= MAX_FUNCTION_LINES),
+            "{krate}: over {MAX_FUNCTION_LINES} lines: {f}"
+        );
+        if krate == "gpu-sidecar" {
+            assert!(f.levels <= SIDECAR_MAX_LEVELS, "{krate}: {f}");
         }
     }
 }

@@ -1822,7 +1822,11 @@ mod tests {
         /// Random takes, settlements (under or over the reservation) and
         /// clock steps on a one-slot table with a narrow sketch, so callers
         /// keep evicting each other: no take ever lets a caller's real use
-        /// of the day pass its budget.
+        /// of the day pass its budget. Nor is a take that fits refused while
+        /// one caller has the table to itself (no eviction, no sketch
+        /// between it and its bucket): there, admitted if and only if its
+        /// use plus the take is within the budget, so a reserver refusing
+        /// everything fails here.
         #[test]
         fn eviction_never_lets_a_budget_be_exceeded(
             ops in prop::collection::vec((0u64..6, 1u64..40, 0u8..3, 0u64..90_000), 1..200)
@@ -1839,13 +1843,21 @@ mod tests {
             // Per caller: real use (settled actuals + pending reservations).
             let mut used = [0u64; 6];
             let mut pending: Vec<(u64, Held, u64)> = Vec::new();
+            // The one caller that has taken so far, until another tries.
+            let mut alone: Option<Option<u64>> = Some(None);
             for (p, amount, action, step) in ops {
                 now += step;
                 prop_assume!(now < 86_400_000);
                 match action {
                     0 | 1 => {
-                        if let Ok(res) = r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), now, &mut Contention::default()) {
-                            prop_assert!(used[p as usize] + amount <= 100, "caller {} had {} and got {}", p, used[p as usize], amount);
+                        alone = alone.filter(|first| first.is_none_or(|q| q == p)).map(|_| Some(p));
+                        let fits = used[p as usize] + amount <= 100;
+                        let taken = r.reserve(&[Claim::hard(&budget, amount)], by(p + 10), now, &mut Contention::default());
+                        if alone.is_some() {
+                            prop_assert_eq!(taken.is_ok(), fits, "caller {} alone had {} and asked {}", p, used[p as usize], amount);
+                        }
+                        if let Ok(res) = taken {
+                            prop_assert!(fits, "caller {} had {} and got {}", p, used[p as usize], amount);
                             used[p as usize] += amount;
                             let held = res.held.into_iter().next().unwrap();
                             pending.push((p, held, amount));
@@ -1875,51 +1887,75 @@ mod tests {
             prop_assert_eq!(admissions_under_flood(&flood), (10, 9));
         }
 
-        /// Reserve/settle sequences: admission never takes a bucket over its
-        /// capacity nor below empty, and once everything is settled the
-        /// bucket holds exactly the sum of actual usage.
+        /// Reserve/settle sequences on one caller's bucket (10,000, the
+        /// clock still: nothing refills), exact both ways: a reservation is
+        /// admitted if and only if what is in use (reservations pending
+        /// plus actuals settled) leaves room for it, a refusal is `Full`
+        /// and changes nothing, the bucket holds exactly what is in use
+        /// after every step, and once everything is settled exactly the
+        /// sum of actual usage. (A reserver that refused everything fails
+        /// the first reservation: every one asks for at most 399.)
         #[test]
         fn settled_charges_equal_actual_usage(
             ops in prop::collection::vec((1u64..400, 0u64..400), 1..60)
         ) {
+            const CAPACITY: u64 = 10_000;
+            let scale = crate::policy::units::SCALE;
             let store = MemStore::default();
-            let tokens = rule("tier/t/tokens", 10_000, Scope::PerPrincipal);
+            let tokens = rule("tier/t/tokens", CAPACITY, Scope::PerPrincipal);
             prepare(&store, &plain(std::slice::from_ref(&tokens)), &layout(2)).unwrap();
             let r = Reserver { store: &store, layout: layout(2), tries: Tries::new(8) };
-            let mut actual_total = 0u64;
-            let mut pending = Vec::new();
             let used = || {
                 let key = (0..2).map(|s| format!("sluice:v1:rec:tier/t:{s}"))
                     .find_map(|k| store.get(&k).map(|(b, _)| Bundle::decode(b)).filter(|b| b.owner != 0));
                 key.and_then(|b| b.get(rule_hash("tier/t/tokens")).map(|e| Kept::decode(e).used)).unwrap_or(0)
             };
+            // The model: units in use, and the totals.
+            let mut in_use = 0u64;
+            let (mut admitted, mut fitting, mut actual_total) = (0u64, 0u64, 0u64);
+            let mut pending: Vec<(Vec<Held>, u64, u64)> = Vec::new();
             for (reserve, actual) in ops {
                 let c = [Claim::hard(&tokens, reserve)];
-                let before = used();
+                let fits = in_use + reserve <= CAPACITY;
+                fitting += u64::from(fits);
                 match r.reserve(&c, by(5), 0, &mut Contention::default()) {
                     Ok(res) => {
-                        prop_assert!(used() <= 10_000 * crate::policy::units::SCALE || before > 10_000 * crate::policy::units::SCALE);
-                        pending.push((res.held, actual.min(reserve)));
+                        prop_assert!(fits, "admitted {} with {} of {} in use", reserve, in_use, CAPACITY);
+                        admitted += 1;
+                        in_use += reserve;
+                        pending.push((res.held, reserve, actual.min(reserve)));
                     }
-                    Err(_) => prop_assert_eq!(used(), before),
+                    Err(refusal) => {
+                        prop_assert!(!fits, "refused {} with only {} of {} in use: {:?}", reserve, in_use, CAPACITY, refusal);
+                        prop_assert!(matches!(refusal, Refusal::Full { index: 0, .. }), "{:?}", refusal);
+                    }
                 }
-                // Settle the oldest half the time, to interleave.
+                prop_assert_eq!(used(), in_use * scale);
+                // Settle the oldest now and then, to interleave.
                 if pending.len() > 2 {
-                    let (held, actual) = pending.remove(0);
-                    r.settle(&held[0], actual, 0, &mut Contention::default());
+                    let (held, reserved, actual) = pending.remove(0);
+                    prop_assert!(r.settle(&held[0], actual, 0, &mut Contention::default()));
+                    in_use = in_use - reserved + actual;
                     actual_total += actual;
+                    prop_assert_eq!(used(), in_use * scale);
                 }
             }
-            for (held, actual) in pending {
-                r.settle(&held[0], actual, 0, &mut Contention::default());
+            prop_assert_eq!(admitted, fitting);
+            for (held, _, actual) in pending {
+                prop_assert!(r.settle(&held[0], actual, 0, &mut Contention::default()));
                 actual_total += actual;
             }
-            prop_assert_eq!(used(), actual_total * crate::policy::units::SCALE);
+            prop_assert_eq!(used(), actual_total * scale);
         }
 
-        /// Random reserve/release sequences across principals: no bucket
-        /// ever exceeds its capacity, and a principal never gets more than
-        /// its capacity at one instant.
+        /// Random reserve/release sequences across principals, exact both
+        /// ways: a request is admitted if and only if its principal holds
+        /// fewer than 3 and all of them fewer than 10 (so no bucket ever
+        /// exceeds its capacity, and none refuses what fits), a refusal is
+        /// `Full`, and the shared bucket holds exactly what is held. Each
+        /// principal has a slot of its own (hashes 10 to 15 on 8 slots: 6
+        /// distinct homes), so what it gets is its own bucket's, never a
+        /// neighbour's nor the overflow's.
         #[test]
         fn reserve_release_sequences_stay_in_bounds(
             ops in prop::collection::vec((0u64..6, any::<bool>()), 1..300)
@@ -1927,26 +1963,42 @@ mod tests {
             let store = MemStore::default();
             let user = rule("tier/t", 3, Scope::PerPrincipal);
             let model = rule("model/m", 10, Scope::Global);
-            prepare(&store, &plain(&[user.clone(), model.clone()]), &layout(4)).unwrap();
-            let r = Reserver { store: &store, layout: layout(4), tries: Tries::new(8) };
+            prepare(&store, &plain(&[user.clone(), model.clone()]), &layout(8)).unwrap();
+            let r = Reserver { store: &store, layout: layout(8), tries: Tries::new(8) };
             let claims = [Claim::hard(&user, 1), Claim::hard(&model, 1)];
             let mut held: Vec<(u64, Vec<Held>)> = Vec::new();
+            let (mut admitted, mut fitting) = (0u32, 0u32);
             for (p, release) in ops {
                 if release {
                     if let Some(pos) = held.iter().position(|(q, _)| *q == p) {
                         let (_, h) = held.remove(pos);
                         r.release(&h, 0, &mut Contention::default());
                     }
-                } else if let Ok(res) = r.reserve(&claims, by(p), 0, &mut Contention::default()) {
-                    held.push((p, res.held));
+                } else {
+                    let mine = held.iter().filter(|(q, _)| *q == p).count();
+                    let fits = mine < 3 && held.len() < 10;
+                    fitting += u32::from(fits);
+                    match r.reserve(&claims, by(p + 10), 0, &mut Contention::default()) {
+                        Ok(res) => {
+                            prop_assert!(fits, "caller {} holding {} of {} admitted", p, mine, held.len());
+                            admitted += 1;
+                            held.push((p, res.held));
+                        }
+                        Err(refusal) => {
+                            prop_assert!(!fits, "caller {} holding {} of {} refused: {:?}", p, mine, held.len(), refusal);
+                            // The principal's bucket answers first, then the model's.
+                            let index = if mine < 3 { 1 } else { 0 };
+                            prop_assert!(matches!(refusal, Refusal::Full { index: i, .. } if i == index), "{:?}", refusal);
+                        }
+                    }
                 }
-                let per_model = held.len();
-                prop_assert!(per_model <= 10);
+                prop_assert!(held.len() <= 10);
                 for q in 0..6 {
                     prop_assert!(held.iter().filter(|(x, _)| *x == q).count() <= 3);
                 }
-                prop_assert_eq!(shared_used(&store, &model.id), per_model as u64 * crate::policy::units::SCALE);
+                prop_assert_eq!(shared_used(&store, &model.id), held.len() as u64 * crate::policy::units::SCALE);
             }
+            prop_assert_eq!(admitted, fitting);
         }
     }
 }
