@@ -16,23 +16,25 @@
 //!   compare-and-swap tokens, missing keys written unconditionally), which
 //!   every worker sees.
 //!
-//! Prototype limits (issue 32): no callouts (sidecar poll, fleet), no
-//! tick, no wake-up queues (the queue), no request resume; the calls that
-//! need them answer "cannot" and the core's documented fallbacks apply.
+//! Prototype limits (issue 32): no callouts (sidecar poll, fleet, cache,
+//! failover), no tick, no wake-up queues (the queue), no request or
+//! response resume, and of Envoy's attributes only the source address and
+//! the response code details (no dynamic metadata: no JWT claims). The
+//! calls that need them answer "cannot"; a policy that uses a feature
+//! built on them is refused at load ([`crate::load`]).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::{Arc, LazyLock, Weak};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use sluice_core::flow::{Poller, Request, Vm};
 use sluice_core::host::metrics::{self, Metric};
 use sluice_core::host::{self, Headers, Host, MetricKind};
-use sluice_core::policy::Policy;
 use sluice_core::state::store::{MemStore, SharedStore, StoreError};
 
 use crate::abi::{self, Attribute, Body, HeaderMap, LogLevel, StatKind, StatOp};
+use crate::load;
 
 /// Envoy's shared data, for the whole process (every worker, every config).
 static STORE: LazyLock<MemStore> = LazyLock::new(MemStore::default);
@@ -110,10 +112,11 @@ fn stat_kind(kind: MetricKind) -> StatKind {
 }
 
 impl Config {
-    /// Checks the policy (a refused policy refuses the filter config, so
-    /// Envoy refuses the listener) and defines every stat.
+    /// Loads the policy as the module will run it ([`load::check`]: a
+    /// policy it cannot run, or one the core refuses, refuses the filter
+    /// config, so Envoy refuses the listener) and defines every stat.
     pub fn new(envoy: &abi::Config<'_>, policy: &[u8]) -> Option<Config> {
-        if let Err(err) = Policy::from_plugin_config(policy) {
+        if let Err(err) = load::check(policy, &*STORE, &|name| std::env::var(name).ok()) {
             abi::log(LogLevel::Error, &format!("sluice: {err}"));
             return None;
         }
@@ -449,9 +452,7 @@ impl Host for NativeHost<'_> {
     }
 
     fn now_ns(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
+        load::now_ns()
     }
 
     fn log(&self, level: host::LogLevel, message: &str) {
