@@ -337,10 +337,10 @@ fn every_relative_link_and_anchor_resolves() {
 }
 
 /// The mdBook that builds the book: the pinned one `make docs` installs
-/// (target/tools/bin/mdbook), else one on `PATH`; `None` when neither
+/// (.venv/bin/mdbook), else one on `PATH`; `None` when neither
 /// answers `--version`.
 fn mdbook() -> Option<PathBuf> {
-    let pinned = root().join("target/tools/bin/mdbook");
+    let pinned = root().join(".venv/bin/mdbook");
     let candidates = [pinned, PathBuf::from("mdbook")];
     candidates.into_iter().find(|bin| {
         std::process::Command::new(bin)
@@ -378,7 +378,7 @@ fn built_book() -> Result<(PathBuf, bool), String> {
     if book.join("index.html").exists() {
         return Ok((book, false));
     }
-    Err("no mdbook (`make docs` installs it into target/tools/bin) and no target/book".into())
+    Err("no mdbook (`make docs` installs it into .venv/bin) and no target/book".into())
 }
 
 /// The ids of a page's headings as mdBook wrote them (`<h2 id="…">`; the
