@@ -106,10 +106,14 @@ check-build: build
 	  echo "$$out"; echo "make build recompiled with nothing changed"; exit 1; \
 	fi; echo "make build with nothing changed: nothing compiled"
 
-## test: every test — native unit/property tests and real-Envoy integration tests
+## test: every test — native unit/property tests and real-Envoy integration tests.
+## The integration tests are one binary (tests/tests/main.rs); its tests run
+## TEST_THREADS at a time, each with its own Envoy and upstreams on
+## ephemeral ports, mostly waiting on them.
+TEST_THREADS ?= 4
 test: build check-build clients browser third-party llamacpp
 	$(CARGO) test --workspace --exclude sluice-tests
-	SLUICE_REQUIRE_BOOK=1 SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_LLAMACPP=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=2
+	SLUICE_REQUIRE_BOOK=1 SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_LLAMACPP=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=$(TEST_THREADS)
 
 ## docs: the book (docs/, chapters in docs/src) built into target/book with
 ## mdBook 0.5.4, installed into .venv on first use: on x86_64 from PyPI's

@@ -15,7 +15,7 @@ cargo build --release -p mock-llm
 run() {
   for rate in ${BODY_ATTACK_RATES:-39 0}; do
     SLUICE_BENCH_LABEL="$1" SLUICE_BENCH_WASM="${2:-}" SLUICE_BENCH_SECS="${BODY_ATTACK_SECS:-10}" \
-      SLUICE_BENCH_RATE="$rate" SLUICE_BENCH_ATTACKER="${BODY_ATTACKER:-spent}" cargo test -p sluice-tests --test penalty bench_body_attack \
+      SLUICE_BENCH_RATE="$rate" SLUICE_BENCH_ATTACKER="${BODY_ATTACKER:-spent}" cargo test -p sluice-tests --test integration penalty::bench_body_attack \
       -- --ignored --nocapture 2>&1 | grep -E '^body attack|panicked'
   done
 }

@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --target wasm32-wasip1 -p sluice-filter
 cargo build --release -p mock-llm
-cargo test -p sluice-tests --test provider_faults bench_time_to_rescue_a_dead_primary \
+cargo test -p sluice-tests --test integration provider_faults::bench_time_to_rescue_a_dead_primary \
   -- --ignored --nocapture 2>&1 | grep -vE '^(running|test |$)'

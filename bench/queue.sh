@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --target wasm32-wasip1 -p sluice-filter
 cargo build --release -p mock-llm
-cargo test --release -p sluice-tests --test queue bench_wakeup_and_utilisation \
+cargo test --release -p sluice-tests --test integration queue::bench_wakeup_and_utilisation \
   -- --ignored --nocapture 2>&1 | grep -E '^queue bench|test result'

@@ -248,3 +248,23 @@ fn every_test_file_with_an_upstream_names_its_personality() {
         "these start an upstream without saying which personality it plays: {silent:?}"
     );
 }
+
+/// Every file in tests/tests is a module of the one integration binary
+/// (tests/Cargo.toml turns off Cargo's one binary per file): a file left
+/// out of main.rs would never compile or run.
+#[test]
+fn every_test_file_is_a_module_of_the_binary() {
+    let dir = sluice_tests::repo_root().join("tests/tests");
+    let main = std::fs::read_to_string(dir.join("main.rs")).expect("main.rs");
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("tests/tests") {
+        let name = entry.expect("entry").file_name().to_string_lossy().into_owned();
+        let Some(module) = name.strip_suffix(".rs") else {
+            continue;
+        };
+        if module != "main" && !main.lines().any(|l| l == format!("mod {module};")) {
+            missing.push(name);
+        }
+    }
+    assert!(missing.is_empty(), "not named in tests/tests/main.rs: {missing:?}");
+}

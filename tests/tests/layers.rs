@@ -4,7 +4,7 @@
 //! file and the import.
 //!
 //! Figures for a before/after comparison:
-//! `cargo test -p sluice-tests --test layers -- --nocapture figures`.
+//! `cargo test -p sluice-tests --test integration -- --nocapture layers::figures`.
 
 use std::path::PathBuf;
 

@@ -1,0 +1,55 @@
+//! Every integration test of sluice, one module per file, in one test
+//! binary: they share one build and one pool of test threads (`make test`
+//! sets how many). Run one file's tests with its module name as the filter,
+//! e.g. `cargo test -p sluice-tests --test integration -- pushback::`.
+//!
+//! A file added to this folder is compiled only once it is named here;
+//! `harness_smoke::every_test_file_is_a_module_of_the_binary` fails until
+//! it is.
+
+mod admission;
+mod audit_record;
+mod bench_smoke;
+mod bounded;
+mod cache;
+mod cache_ops;
+mod cache_tier;
+mod clients;
+mod config_reload;
+mod dcgm;
+mod declared_apis;
+mod deploy;
+mod docs;
+mod endpoints;
+mod failover;
+mod fairness;
+mod fleet;
+mod fleet_trust;
+mod flood;
+mod harness_smoke;
+mod hostile;
+mod identity;
+mod instructions;
+mod layers;
+mod llamacpp;
+mod model_names;
+mod native;
+mod observability;
+mod operator_page;
+mod org;
+mod output_limits;
+mod parsing;
+mod penalty;
+mod provider_faults;
+mod provider_pushback;
+mod pushback;
+mod queue;
+mod queue_fairness;
+mod ratelimit_headers;
+mod sidecar;
+mod sidecar_door;
+mod sidecar_faults;
+mod third_party;
+mod tokens;
+mod usage_details;
+mod worker_leases;
