@@ -258,7 +258,11 @@ fn every_test_file_is_a_module_of_the_binary() {
     let main = std::fs::read_to_string(dir.join("main.rs")).expect("main.rs");
     let mut missing = Vec::new();
     for entry in std::fs::read_dir(&dir).expect("tests/tests") {
-        let name = entry.expect("entry").file_name().to_string_lossy().into_owned();
+        let name = entry
+            .expect("entry")
+            .file_name()
+            .to_string_lossy()
+            .into_owned();
         let Some(module) = name.strip_suffix(".rs") else {
             continue;
         };
@@ -266,5 +270,8 @@ fn every_test_file_is_a_module_of_the_binary() {
             missing.push(name);
         }
     }
-    assert!(missing.is_empty(), "not named in tests/tests/main.rs: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "not named in tests/tests/main.rs: {missing:?}"
+    );
 }
