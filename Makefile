@@ -109,9 +109,10 @@ check-build: build
 ## test: every test — native unit/property tests and real-Envoy integration tests.
 ## The integration tests are one binary (tests/tests/main.rs); its tests run
 ## TEST_THREADS at a time, each with its own Envoy and upstreams on
-## ephemeral ports. 2 on a 2-core machine: 4 ran the suite no faster
-## (873 s), the tests being CPU-bound, and a CPU-bound real server (the
-## llama.cpp tests) is better not crowded.
+## ephemeral ports. 2 here: on a 2-core machine the suite took 1,120 s at 2
+## and 873 s at 4, but that 4-thread run lacked the llama.cpp, guidellm and
+## client tests (not installed), and whether a CPU-bound real server stays
+## within its tests' deadlines when crowded is not yet measured.
 TEST_THREADS ?= 2
 test: build check-build clients browser third-party llamacpp
 	$(CARGO) test --workspace --exclude sluice-tests
