@@ -276,6 +276,10 @@ struct Scope {
     entered: Instant,
     last_fresh: Instant,
     stale: bool,
+    /// Some source can feed it. A scope nothing feeds (no GPU source and
+    /// no backend) is never stale: no data is what is expected of it, and
+    /// a stale report would raise the stale alert for as long as it runs.
+    watched: bool,
 }
 
 /// All breakers.
@@ -307,6 +311,7 @@ impl Engine {
                     entered: start.mono,
                     last_fresh: start.mono,
                     stale: false,
+                    watched: true,
                 };
                 (name, scope)
             })
@@ -316,6 +321,14 @@ impl Engine {
 
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// Marks `scope` as fed by no source: it stays as it is (closed) and
+    /// is never stale.
+    pub fn unwatched(&mut self, scope: &str) {
+        if let Some(s) = self.scopes.get_mut(scope) {
+            s.watched = false;
+        }
     }
 
     /// A source of `scope` answered at `at` with these samples (possibly
@@ -344,7 +357,8 @@ impl Engine {
             for t in &mut s.tracks {
                 t.expire(now.mono, policy.stale_after);
             }
-            let stale = now.mono.saturating_duration_since(s.last_fresh) >= policy.stale_after;
+            let stale =
+                s.watched && now.mono.saturating_duration_since(s.last_fresh) >= policy.stale_after;
             s.stale = stale;
             let next = if stale {
                 let why = format!(

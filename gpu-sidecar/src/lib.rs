@@ -30,6 +30,7 @@ pub mod config;
 pub mod door;
 pub mod fleet;
 pub mod http;
+pub mod listen;
 pub mod redis;
 pub mod reply;
 pub mod serve;
@@ -38,7 +39,6 @@ pub mod state;
 pub mod watch;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -73,7 +73,8 @@ pub struct Options {
 
 /// Picks the GPU source. Missing NVML is said once, here, at error level:
 /// the sidecar then runs on its other sources, and GPU rules see no data
-/// (their scopes go stale and follow `on_stale`). Made-up readings come
+/// (a scope only GPUs would feed is watched by nothing: closed, never
+/// stale; `sluice_sidecar_gpu_source_missing` says why). Made-up readings come
 /// only when asked for (`--simulate`, `sources.gpu: simulated`): a sidecar
 /// that quietly fell back to them would keep every GPU scope fresh and
 /// healthy on a host whose driver is gone. Why it is missing goes into
@@ -108,7 +109,7 @@ fn gpu_source(
                 let why = NvmlSource::why_missing(&e);
                 eprintln!(
                     "sluice-sidecar: error: {why}: no GPU readings; running on the other \
-                     sources (GPU rules see no data and their scopes go stale). Give \
+                     sources (GPU rules see no data; a scope only GPUs feed stays closed). Give \
                      --simulate (or sources.gpu: simulated) for the simulated GPU, or \
                      sources.gpu: none to run without GPUs on purpose"
                 );
@@ -378,6 +379,7 @@ pub async fn serve(
         None => None,
     };
     let door_telemetry = telemetry.clone();
+    let door_connections = telemetry.connections.clone();
     let mut app = serve::api::router(serve::api::Api {
         store: store.clone(),
         closing: closing_rx,
@@ -399,15 +401,18 @@ pub async fn serve(
     let hosts = door::AllowedHosts::with(&config.allowed_hosts)
         .map_err(|(i, m)| anyhow::anyhow!("allowed_hosts[{i}]: {m}"))?;
     let app = serve::api::with_door(app, hosts, door_telemetry);
-    let served = axum::serve(
+    let served = listen::serve(
         listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
+        app,
+        config.connections,
+        door_connections,
+        async move {
+            shutdown.await;
+            // Nobody left to receive is fine: there are no held polls then.
+            let _ = closing_tx.send(true);
+        },
+        Duration::from_secs(5),
     )
-    .with_graceful_shutdown(async move {
-        shutdown.await;
-        // Nobody left to receive is fine: there are no held polls then.
-        let _ = closing_tx.send(true);
-    })
     .await
     .context("serving HTTP");
     // The monitor stops on the same signal; a round in flight is bounded by

@@ -49,6 +49,7 @@ mod ratelimit_headers;
 mod sidecar;
 mod sidecar_door;
 mod sidecar_faults;
+mod sidecar_heads;
 mod third_party;
 mod tokens;
 mod usage_details;

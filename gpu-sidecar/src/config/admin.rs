@@ -1,10 +1,12 @@
-//! `admin:`, `long_poll:` and `allowed_hosts:`: who may call the API.
+//! `admin:`, `long_poll:`, `connections:` and `allowed_hosts:`: who may
+//! call the API, and how much of the sidecar a caller may hold.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::field::{invalid, ConfigError};
+use super::field::{duration, invalid, ConfigError};
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -53,6 +55,77 @@ impl LongPollConfig {
                     "{} leaves no slot for other pollers: it must be below max_held {}",
                     self.reserved, self.max_held
                 ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The listener's bounds (see [`crate::listen`]): open connections, and
+/// how long and how large a request's head may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConnectionsConfig {
+    /// Open connections, all clients together.
+    pub max: usize,
+    /// Of `max`, the connections only loopback clients (the co-located
+    /// Envoy) may hold: remote clients get at most `max - reserved`.
+    pub reserved: usize,
+    /// A request's head must arrive whole within this; else the
+    /// connection is closed.
+    #[serde(deserialize_with = "duration")]
+    pub header_timeout: Duration,
+    /// A longer head (first line and headers) is answered 431 and the
+    /// connection closed.
+    pub max_header_bytes: usize,
+}
+
+impl Default for ConnectionsConfig {
+    fn default() -> Self {
+        // The co-located Envoy holds one long poll per worker and one
+        // connection per callout in flight (fleet, cache): hundreds at
+        // most. Its heads are under 2 KiB.
+        ConnectionsConfig {
+            max: 1024,
+            reserved: 256,
+            header_timeout: Duration::from_secs(10),
+            max_header_bytes: 16 * 1024,
+        }
+    }
+}
+
+impl ConnectionsConfig {
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.max == 0 || self.max > 1_000_000 {
+            return Err(invalid(
+                "connections.max",
+                format!("{} is not between 1 and 1000000", self.max),
+            ));
+        }
+        if self.reserved >= self.max {
+            return Err(invalid(
+                "connections.reserved",
+                format!(
+                    "{} leaves no connection for remote clients: it must be below max {}",
+                    self.reserved, self.max
+                ),
+            ));
+        }
+        if self.header_timeout < Duration::from_millis(100)
+            || self.header_timeout > Duration::from_secs(300)
+        {
+            return Err(invalid(
+                "connections.header_timeout",
+                format!(
+                    "{} is not between 100ms and 5m",
+                    humantime::format_duration(self.header_timeout)
+                ),
+            ));
+        }
+        if !(1024..=1024 * 1024).contains(&self.max_header_bytes) {
+            return Err(invalid(
+                "connections.max_header_bytes",
+                format!("{} is not between 1024 and 1048576", self.max_header_bytes),
             ));
         }
         Ok(())

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub use self::admin::{AdminConfig, LongPollConfig};
+pub use self::admin::{AdminConfig, ConnectionsConfig, LongPollConfig};
 pub use self::alerts::{AlertsConfig, WebhookConfig, WebhookFormat};
 pub use self::breaker::{BreakerConfig, RuleConfig, ScopeConfig, ScopePlan};
 pub use self::field::ConfigError;
@@ -54,6 +54,9 @@ pub struct Config {
     pub admin: AdminConfig,
     /// How many `/v1/state` long polls may be held at once.
     pub long_poll: LongPollConfig,
+    /// How many connections the API holds, and how long and how large a
+    /// request's head may be (see [`crate::listen`]).
+    pub connections: ConnectionsConfig,
     /// Where the kill switch is kept across restarts; none: not kept.
     pub state_file: Option<PathBuf>,
     pub alerts: AlertsConfig,
@@ -83,6 +86,7 @@ impl Default for Config {
             scopes: Vec::new(),
             admin: AdminConfig::default(),
             long_poll: LongPollConfig::default(),
+            connections: ConnectionsConfig::default(),
             state_file: None,
             alerts: AlertsConfig::default(),
             history: Default::default(),
@@ -163,6 +167,7 @@ impl Config {
         }
         self.breaker.check()?;
         self.long_poll.check()?;
+        self.connections.check()?;
         self.sources.check()?;
         self.sources
             .check_dcgm(self.breaker.stale_after)
@@ -335,6 +340,14 @@ mod tests {
         assert!(e.starts_with("long_poll.max_held"), "{e}");
         let e = err("long_poll: {max_held: 8, reserved: 8}\n");
         assert!(e.starts_with("long_poll.reserved"), "{e}");
+        let e = err("connections: {max: 8, reserved: 8}\n");
+        assert!(e.starts_with("connections.reserved"), "{e}");
+        let e = err("connections: {header_timeout: 10m}\n");
+        assert!(e.starts_with("connections.header_timeout"), "{e}");
+        let e = err("connections: {max_header_bytes: 100}\n");
+        assert!(e.starts_with("connections.max_header_bytes"), "{e}");
+        let e = err("connections: {max: 0}\n");
+        assert!(e.starts_with("connections.max"), "{e}");
         let e = err("long_poll: {max_held: 8, spare: 1}\n");
         assert!(e.starts_with("long_poll"), "{e}");
     }

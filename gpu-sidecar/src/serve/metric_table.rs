@@ -210,6 +210,29 @@ pub const HOST_REFUSED: Family = family(
      to (localhost, an IP address, sluice_sidecar, allowed_hosts).",
 );
 
+// The listener (`crate::listen`): open connections, what it refused or closed.
+pub const CONNECTIONS: Family = family(
+    "sluice_sidecar_connections",
+    Gauge,
+    &[],
+    "Connections to the API open now (at most connections.max).",
+);
+pub const CONNECTIONS_REFUSED: Family = family(
+    "sluice_sidecar_connections_refused_total",
+    Counter,
+    &["caller"],
+    "Connections closed as accepted because the cap was reached, by caller: \
+     local (loopback, may use connections.reserved) or remote.",
+);
+pub const CONNECTIONS_CLOSED: Family = family(
+    "sluice_sidecar_connections_closed_total",
+    Counter,
+    &["reason"],
+    "Connections closed for their request's head: header_timeout (not whole \
+     within connections.header_timeout) or header_too_large (answered 431, \
+     over connections.max_header_bytes).",
+);
+
 // Failed reads and alert deliveries.
 pub const SCRAPE_ERRORS: Family = family(
     "sluice_sidecar_scrape_errors_total",
@@ -359,6 +382,9 @@ pub const ALL: &[Family] = &[
     LONG_POLL_REFUSED,
     ADMIN_AUTH_FAILURES,
     HOST_REFUSED,
+    CONNECTIONS,
+    CONNECTIONS_REFUSED,
+    CONNECTIONS_CLOSED,
     SCRAPE_ERRORS,
     ALERTS_SENT,
     ALERTS_FAILED,

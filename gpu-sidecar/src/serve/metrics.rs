@@ -215,6 +215,24 @@ fn door(out: &mut Exposition, tel: &Telemetry) {
         &m::HOST_REFUSED,
         Telemetry::get(&tel.door.host_refused) as f64,
     );
+    connections(out, &tel.connections);
+}
+
+/// The listener's connections, and what it refused or closed.
+fn connections(out: &mut Exposition, c: &crate::listen::ConnectionCounters) {
+    use std::sync::atomic::Ordering::Relaxed;
+    out.single(&m::CONNECTIONS, c.open.load(Relaxed) as f64);
+    out.family(&m::CONNECTIONS_REFUSED);
+    for (caller, n) in [("local", &c.refused_local), ("remote", &c.refused_remote)] {
+        out.sample(&m::CONNECTIONS_REFUSED, &[caller], Telemetry::get(n) as f64);
+    }
+    out.family(&m::CONNECTIONS_CLOSED);
+    for (reason, n) in [
+        ("header_timeout", &c.header_timeouts),
+        ("header_too_large", &c.header_too_large),
+    ] {
+        out.sample(&m::CONNECTIONS_CLOSED, &[reason], Telemetry::get(n) as f64);
+    }
 }
 
 /// Failed reads and alert deliveries.

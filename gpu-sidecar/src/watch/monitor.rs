@@ -44,6 +44,13 @@ pub struct Monitor {
     snapshot: Snapshot,
 }
 
+/// Whether any source can feed `plan`'s scope: a backend, or the GPUs
+/// when there is a GPU source and the scope takes some (see `observe`).
+fn fed(plan: &ScopePlan, has_gpu_source: bool) -> bool {
+    let takes_gpus = plan.gpus.as_ref().is_none_or(|sel| !sel.is_empty());
+    !plan.backends.is_empty() || (has_gpu_source && takes_gpus)
+}
+
 impl Monitor {
     pub fn new(
         gpu: Option<Box<dyn GpuSource>>,
@@ -59,7 +66,7 @@ impl Monitor {
             alerts,
             history,
         } = out;
-        let engine = Engine::new(
+        let mut engine = Engine::new(
             policy,
             plans
                 .iter()
@@ -67,6 +74,14 @@ impl Monitor {
                 .collect(),
             start,
         );
+        for plan in plans.iter().filter(|p| !fed(p, gpu.is_some())) {
+            eprintln!(
+                "sluice-sidecar: scope {}: no source feeds it (no GPU source, no backend): \
+                 its breaker stays closed and it is not reported stale",
+                plan.scope
+            );
+            engine.unwatched(&plan.scope);
+        }
         let mut snapshot = telemetry.snapshot();
         snapshot.gpu_source = gpu.as_ref().map(|g| g.kind());
         snapshot.nvml_available = gpu.as_ref().is_some_and(|g| g.kind() == "nvml");
@@ -450,6 +465,60 @@ mod tests {
         m.tick(start.plus(Duration::from_secs(3))).await;
         m.tick(start.plus(Duration::from_secs(4))).await;
         assert!(store.current().breakers.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_scope_no_source_feeds_is_never_stale_but_a_silent_backend_still_is() {
+        let next = Arc::new(Mutex::new(Err::<Vec<(Metric, f64)>, _>("down".into())));
+        let store = StateStore::new(SystemTime::UNIX_EPOCH);
+        let plan = |scope: &str, backends: Vec<usize>| ScopePlan {
+            scope: scope.into(),
+            backends,
+            gpus: None,
+            rules: Rule::defaults(),
+        };
+        let start = At {
+            mono: Instant::now(),
+            wall: SystemTime::UNIX_EPOCH,
+        };
+        let outputs = || Outputs {
+            store: store.clone(),
+            telemetry: Arc::new(Telemetry::default()),
+            alerts: None,
+            history: None,
+        };
+        // No GPU source, no backend: the shipped default scope on a node
+        // without GPUs (`sources.gpu: none`).
+        let mut alone = Monitor::new(
+            None,
+            vec![],
+            vec![plan("backend:local", vec![])],
+            Policy::default(),
+            outputs(),
+            start,
+        );
+        for s in 0..=90 {
+            alone.tick(start.plus(Duration::from_secs(s))).await;
+        }
+        assert!(!store.current().stale, "{:?}", store.current());
+        assert!(
+            store.current().breakers.is_empty(),
+            "closed: {:?}",
+            store.current()
+        );
+        // A scope a backend feeds, silent past stale_after, is stale.
+        let mut fed = Monitor::new(
+            None,
+            vec![Box::new(Scripted { next: next.clone() })],
+            vec![plan("backend:fake", vec![0]), plan("backend:local", vec![])],
+            Policy::default(),
+            outputs(),
+            start,
+        );
+        for s in 0..=90 {
+            fed.tick(start.plus(Duration::from_secs(s))).await;
+        }
+        assert!(store.current().stale, "{:?}", store.current());
     }
 
     #[tokio::test]

@@ -68,6 +68,9 @@ pub struct Telemetry {
     pub alerts_dropped: AtomicU64,
     /// Refused admin tokens and `Host` names ([`crate::door`]).
     pub door: crate::door::DoorCounters,
+    /// The listener's open connections and what it refused or closed
+    /// ([`crate::listen`]).
+    pub connections: std::sync::Arc<crate::listen::ConnectionCounters>,
 }
 
 impl Telemetry {
