@@ -393,11 +393,11 @@ fn semantic_paraphrase_hits_and_the_near_miss_does_not() {
 }
 
 /// The semantic guard: mock-llm's embeddings ignore word order (like real
-/// ones weigh a swapped name or an added "not" little), so without it
-/// these pairs were hits. Each stored question, then its twin: a miss that
+/// ones weigh a swapped name, an added "not" or two swapped nouns little),
+/// so without it these pairs were hits. Each stored question, then its twin: a miss that
 /// reaches the upstream; the same question reworded is still a hit.
 #[test]
-fn semantic_near_misses_in_numbers_negations_and_names_miss() {
+fn semantic_near_misses_in_numbers_negations_names_and_word_order_miss() {
     let s = start(default_cache(), "", |_| {});
     let pairs = [
         (
@@ -409,6 +409,12 @@ fn semantic_near_misses_in_numbers_negations_and_names_miss() {
             "Should I not buy this stock now",
         ),
         ("What is 2 plus 2", "What is 2 plus 3"),
+        // Word order around a direction word: the same bag of words.
+        (
+            "Is the dog bigger than the cat",
+            "Is the cat bigger than the dog",
+        ),
+        ("Convert 5 miles to km", "Convert 5 km to miles"),
     ];
     for (n, (stored, twin)) in pairs.iter().enumerate() {
         assert_eq!(s.chat(A, &chat("mistral:7b", stored), &[]).status, 200);
