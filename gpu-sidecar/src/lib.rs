@@ -399,6 +399,19 @@ pub async fn serve(
     let hosts = door::AllowedHosts::with(&config.allowed_hosts)
         .map_err(|(i, m)| anyhow::anyhow!("allowed_hosts[{i}]: {m}"))?;
     let app = serve::api::with_door(app, hosts, door_telemetry);
+    serve_until(listener, app, shutdown, closing_tx, monitor_task).await
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves, then tells the
+/// held long polls and the monitor (`closing`) and waits a little for the
+/// monitor's round in flight.
+async fn serve_until(
+    listener: TcpListener,
+    app: axum::Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    closing: tokio::sync::watch::Sender<bool>,
+    monitor_task: tokio::task::JoinHandle<()>,
+) -> anyhow::Result<()> {
     let served = axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),
@@ -406,7 +419,7 @@ pub async fn serve(
     .with_graceful_shutdown(async move {
         shutdown.await;
         // Nobody left to receive is fine: there are no held polls then.
-        let _ = closing_tx.send(true);
+        let _ = closing.send(true);
     })
     .await
     .context("serving HTTP");
