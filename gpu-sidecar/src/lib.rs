@@ -401,15 +401,30 @@ pub async fn serve(
     let hosts = door::AllowedHosts::with(&config.allowed_hosts)
         .map_err(|(i, m)| anyhow::anyhow!("allowed_hosts[{i}]: {m}"))?;
     let app = serve::api::with_door(app, hosts, door_telemetry);
+    let limits = (config.connections, door_connections);
+    serve_until(listener, app, limits, shutdown, closing_tx, monitor_task).await
+}
+
+/// Serves `app` on `listener` within the connection `limits` until
+/// `shutdown` resolves, then tells the held long polls and the monitor
+/// (`closing`) and waits a little for the monitor's round in flight.
+async fn serve_until(
+    listener: TcpListener,
+    app: axum::Router,
+    limits: (config::ConnectionsConfig, Arc<listen::ConnectionCounters>),
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    closing: tokio::sync::watch::Sender<bool>,
+    monitor_task: tokio::task::JoinHandle<()>,
+) -> anyhow::Result<()> {
     let served = listen::serve(
         listener,
         app,
-        config.connections,
-        door_connections,
+        limits.0,
+        limits.1,
         async move {
             shutdown.await;
             // Nobody left to receive is fine: there are no held polls then.
-            let _ = closing_tx.send(true);
+            let _ = closing.send(true);
         },
         Duration::from_secs(5),
     )

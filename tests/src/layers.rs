@@ -18,6 +18,11 @@
 //! Parsing is `syn`'s (the real Rust grammar), so comments, strings and
 //! nested groups are not guessed at. Line numbers need proc-macro2's
 //! `span-locations`.
+//!
+//! The same scan measures each production function ([`function_cap`]): a
+//! function longer than the cap needs its reason written where it stands,
+//! a comment line `// Over 80 lines: <reason>` (the cap's number) right
+//! above it, among or above its doc comment and attributes.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -59,6 +64,31 @@ pub struct Function {
     /// `Type::name` for a method.
     pub name: String,
     pub lines: usize,
+    /// The `// Over N lines: <reason>` comment right above it, if any.
+    pub exception: Option<Exception>,
+}
+
+/// A written exception to the function cap: `// Over {cap} lines: {reason}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exception {
+    pub line: usize,
+    /// The cap the comment names.
+    pub cap: usize,
+    pub reason: String,
+}
+
+impl Exception {
+    /// Reads `// Over 80 lines: <reason>` (the reason may be empty: the
+    /// check says so rather than missing the marker).
+    fn parse(line: usize, text: &str) -> Option<Exception> {
+        let rest = text.trim_start().strip_prefix("// Over ")?;
+        let (cap, reason) = rest.split_once(" lines:")?;
+        Some(Exception {
+            line,
+            cap: cap.parse().ok()?,
+            reason: reason.trim().to_string(),
+        })
+    }
 }
 
 /// What a scan of `src/` found.
@@ -77,6 +107,9 @@ pub struct Scan {
     /// `to` ([`folder_of`]).
     pub inner: Vec<Import>,
     pub functions: Vec<Function>,
+    /// `file:line` of each `// Over N lines:` comment that stands above no
+    /// production function (left behind by a move, or above test code).
+    pub stray_exceptions: Vec<String>,
 }
 
 /// The figures quoted before and after a restructuring.
@@ -104,6 +137,8 @@ pub struct Figures {
     pub inner_cycles: Vec<Vec<String>>,
     /// The longest production functions, longest first (at most 5).
     pub longest: Vec<Function>,
+    /// Every function with a written exception to the cap, longest first.
+    pub exceptions: Vec<Function>,
 }
 
 impl fmt::Display for Figures {
@@ -142,11 +177,9 @@ impl fmt::Display for Figures {
             if cycles.is_empty() { "" } else { ": " },
             cycles.join("; ")
         )?;
-        let longest: Vec<String> = self
-            .longest
-            .iter()
-            .map(|g| format!("{} {} ({}:{})", g.name, g.lines, g.file, g.line))
-            .collect();
+        let show = |g: &Function| format!("{} {} ({}:{})", g.name, g.lines, g.file, g.line);
+        let longest: Vec<String> = self.longest.iter().map(show).collect();
+        let exceptions: Vec<String> = self.exceptions.iter().map(show).collect();
         let inner: Vec<String> = self.inner_cycles.iter().map(|c| c.join(" ↔ ")).collect();
         writeln!(
             f,
@@ -155,7 +188,14 @@ impl fmt::Display for Figures {
             if inner.is_empty() { "" } else { ": " },
             inner.join("; ")
         )?;
-        write!(f, "longest functions: {}", longest.join(", "))
+        writeln!(f, "longest functions: {}", longest.join(", "))?;
+        write!(
+            f,
+            "functions with a written exception to the cap {}{}{}",
+            exceptions.len(),
+            if exceptions.is_empty() { "" } else { ": " },
+            exceptions.join(", ")
+        )
     }
 }
 
@@ -179,10 +219,10 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
             .map_err(|e| format!("{}:{}: {e}", path.display(), e.span().start().line))?;
         modules.insert(top_of(&module));
         paths.insert(module.join("::"));
-        parsed.push((path.clone(), module, ast));
+        parsed.push((path.clone(), module, ast, text));
     }
     // The files of `#[cfg(test)] mod x;` are test code.
-    for (path, module, ast) in &parsed {
+    for (path, module, ast, _) in &parsed {
         for item in &ast.items {
             if let syn::Item::Mod(m) = item {
                 if m.content.is_none() && is_test(&m.attrs) {
@@ -197,7 +237,7 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
         modules,
         ..Scan::default()
     };
-    for (path, module, ast) in &parsed {
+    for (path, module, ast, text) in &parsed {
         if skip.contains(path) {
             continue;
         }
@@ -217,13 +257,69 @@ pub fn scan(src: &Path) -> Result<Scan, String> {
             inner: Vec::new(),
             functions: Vec::new(),
             self_ty: Vec::new(),
+            lines: text.lines().collect(),
         };
         reader.visit_file(ast);
+        let taken: BTreeSet<usize> = reader
+            .functions
+            .iter()
+            .filter_map(|g| g.exception.as_ref().map(|e| e.line))
+            .collect();
+        out.stray_exceptions
+            .extend(reader.lines.iter().enumerate().filter_map(|(i, l)| {
+                let line = i + 1;
+                (Exception::parse(line, l).is_some() && !taken.contains(&line))
+                    .then(|| format!("{}:{line}", reader.file))
+            }));
         out.imports.extend(reader.imports);
         out.inner.extend(reader.inner);
         out.functions.extend(reader.functions);
     }
     Ok(out)
+}
+
+/// Holds every production function of `scan` to `max` lines, but those
+/// with a written exception: `Err` names each function over `max` without
+/// one, each exception whose function is in fact no longer than `max` (a
+/// stale one), names another cap or gives no reason, and each exception
+/// comment above no function. `Ok`: the exceptions honoured, longest first.
+pub fn function_cap(scan: &Scan, max: usize) -> Result<Vec<&Function>, String> {
+    let mut errors = Vec::new();
+    let mut honoured = Vec::new();
+    for g in &scan.functions {
+        let at = format!("{} ({}:{})", g.name, g.file, g.line);
+        match &g.exception {
+            None if g.lines > max => errors.push(format!(
+                "{at} has {} lines: split it, or write `// Over {max} lines: <reason>` above it",
+                g.lines
+            )),
+            None => {}
+            Some(e) if g.lines <= max => errors.push(format!(
+                "{at} has {} lines, within the cap: drop its stale exception (line {})",
+                g.lines, e.line
+            )),
+            Some(e) if e.cap != max => errors.push(format!(
+                "{at}: its exception (line {}) names a cap of {}, the cap is {max}",
+                e.line, e.cap
+            )),
+            Some(e) if e.reason.is_empty() => errors.push(format!(
+                "{at}: its exception (line {}) gives no reason",
+                e.line
+            )),
+            Some(_) => honoured.push(g),
+        }
+    }
+    for at in &scan.stray_exceptions {
+        errors.push(format!(
+            "{at}: an exception to the function cap above no production function"
+        ));
+    }
+    if errors.is_empty() {
+        honoured.sort_by(|a, b| b.lines.cmp(&a.lines).then(a.name.cmp(&b.name)));
+        Ok(honoured)
+    } else {
+        Err(errors.join("\n"))
+    }
 }
 
 /// Checks `src` against `layers` (top first). `Err` lists every import
@@ -411,6 +507,11 @@ fn figures_of(scan: &Scan, layer_of: Option<&BTreeMap<&str, usize>>) -> Figures 
         .count();
     let mut longest = scan.functions.clone();
     longest.sort_by(|a, b| b.lines.cmp(&a.lines).then(a.name.cmp(&b.name)));
+    let exceptions = longest
+        .iter()
+        .filter(|g| g.exception.is_some())
+        .cloned()
+        .collect();
     longest.truncate(5);
     Figures {
         files: scan.files.len(),
@@ -426,6 +527,7 @@ fn figures_of(scan: &Scan, layer_of: Option<&BTreeMap<&str, usize>>) -> Figures 
         cycles,
         inner_cycles,
         longest,
+        exceptions,
     }
 }
 
@@ -660,6 +762,8 @@ struct Reader<'a> {
     inner: Vec<Import>,
     functions: Vec<Function>,
     self_ty: Vec<String>,
+    /// The file's text, for the comments syn drops.
+    lines: Vec<&'a str>,
 }
 
 impl Reader<'_> {
@@ -826,19 +930,46 @@ impl Reader<'_> {
         }
     }
 
-    fn function(&mut self, name: &syn::Ident, fn_token: &syn::token::Fn, block: &syn::Block) {
+    fn function(
+        &mut self,
+        attrs: &[syn::Attribute],
+        name: &syn::Ident,
+        fn_token: &syn::token::Fn,
+        block: &syn::Block,
+    ) {
         let start = fn_token.span.start().line;
         let end = block.brace_token.span.close().end().line;
         let name = match self.self_ty.last() {
             Some(t) => format!("{t}::{name}"),
             None => name.to_string(),
         };
+        let exception = self.exception_above(attrs, start);
         self.functions.push(Function {
             file: self.file.clone(),
             line: start,
             name,
             lines: end.saturating_sub(start) + 1,
+            exception,
         });
+    }
+
+    /// The `// Over N lines:` comment among the function's doc comment and
+    /// attributes (from the first of them to its `fn` line), or in the
+    /// comment lines right above them.
+    fn exception_above(&self, attrs: &[syn::Attribute], fn_line: usize) -> Option<Exception> {
+        use syn::spanned::Spanned;
+        let first = attrs
+            .iter()
+            .map(|a| a.span().start().line)
+            .min()
+            .unwrap_or(fn_line)
+            .min(fn_line);
+        // Lines are 1-based; `self.lines[n - 1]` is line n.
+        let mut top = first;
+        while top > 1 && self.lines[top - 2].trim_start().starts_with("//") {
+            top -= 1;
+        }
+        (top..fn_line).find_map(|n| Exception::parse(n, self.lines[n - 1]))
     }
 }
 
@@ -950,13 +1081,13 @@ impl<'ast> Visit<'ast> for Reader<'_> {
     fn visit_item_fn(&mut self, f: &'ast syn::ItemFn) {
         // A free function inside an impl's method is not the impl's.
         let outer = std::mem::take(&mut self.self_ty);
-        self.function(&f.sig.ident, &f.sig.fn_token, &f.block);
+        self.function(&f.attrs, &f.sig.ident, &f.sig.fn_token, &f.block);
         syn::visit::visit_item_fn(self, f);
         self.self_ty = outer;
     }
 
     fn visit_impl_item_fn(&mut self, f: &'ast syn::ImplItemFn) {
-        self.function(&f.sig.ident, &f.sig.fn_token, &f.block);
+        self.function(&f.attrs, &f.sig.ident, &f.sig.fn_token, &f.block);
         syn::visit::visit_impl_item_fn(self, f);
     }
 
@@ -965,7 +1096,7 @@ impl<'ast> Visit<'ast> for Reader<'_> {
             return;
         }
         if let Some(block) = &f.default {
-            self.function(&f.sig.ident, &f.sig.fn_token, block);
+            self.function(&f.attrs, &f.sig.ident, &f.sig.fn_token, block);
         }
         syn::visit::visit_trait_item_fn(self, f);
     }
@@ -1201,5 +1332,68 @@ mod tests {
         assert_eq!(f.longest[0].name, "S::long");
         assert_eq!(f.longest[0].lines, 4);
         assert_eq!(f.longest[1].name, "short");
+    }
+
+    /// `fn name() {` and `lines - 2` body lines: a function of `lines` lines.
+    fn of_lines(name: &str, lines: usize) -> String {
+        format!(
+            "fn {name}() {{\n{}}}\n",
+            "    let _ = 0;\n".repeat(lines - 2)
+        )
+    }
+
+    #[test]
+    fn a_function_over_the_cap_needs_a_reason_written_above_it() {
+        let text = [
+            // Justified above its doc comment and attribute: honoured.
+            "// Over 4 lines: one table, read top to bottom.\n/// Doc.\n#[inline]\n".to_string(),
+            of_lines("justified", 6),
+            // Between its doc comment and its `fn`: honoured.
+            "/// Doc.\n// Over 4 lines: one match over every variant.\n".to_string(),
+            of_lines("inside", 5),
+            of_lines("unjustified", 5),
+            of_lines("short", 4),
+            "// Over 4 lines: stale.\n".to_string(),
+            of_lines("stale", 4),
+            "// Over 4 lines:\n".to_string(),
+            of_lines("no_reason", 7),
+            "// Over 9 lines: another cap.\n".to_string(),
+            of_lines("other_cap", 7),
+            "// Over 4 lines: left behind by a move.\n\nconst X: u8 = 1;\n".to_string(),
+            "#[cfg(test)]\nmod tests {\n    // Over 4 lines: test code.\n    fn t() {}\n}\n"
+                .to_string(),
+        ]
+        .concat();
+        let d = tree(&[("lib.rs", &text)]);
+        let scan = scan(&d.path().join("src")).unwrap();
+        let err = function_cap(&scan, 4).unwrap_err();
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 6, "{err}");
+        assert!(lines[0].starts_with("unjustified (src/lib.rs:"), "{err}");
+        assert!(lines[0].contains("has 5 lines: split it"), "{err}");
+        assert!(lines[1].starts_with("stale (src/lib.rs:"), "{err}");
+        assert!(lines[1].contains("stale exception"), "{err}");
+        assert!(lines[2].contains("no_reason") && lines[2].contains("gives no reason"));
+        assert!(lines[3].contains("other_cap") && lines[3].contains("names a cap of 9"));
+        assert!(lines[4].contains("above no production function"), "{err}");
+        assert!(lines[5].contains("above no production function"), "{err}");
+        // What is left once the faults are gone: the two justified.
+        let ok: Scan = Scan {
+            functions: scan
+                .functions
+                .iter()
+                .filter(|g| ["justified", "inside", "short"].contains(&g.name.as_str()))
+                .cloned()
+                .collect(),
+            ..Scan::default()
+        };
+        let honoured = function_cap(&ok, 4).unwrap();
+        let names: Vec<&str> = honoured.iter().map(|g| g.name.as_str()).collect();
+        assert_eq!(names, ["justified", "inside"]);
+        assert_eq!(
+            honoured[0].exception.as_ref().unwrap().reason,
+            "one table, read top to bottom."
+        );
+        assert_eq!(function_cap(&ok, 6).unwrap_err().lines().count(), 2);
     }
 }

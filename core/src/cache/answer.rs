@@ -206,30 +206,7 @@ fn openai_sse(api: Api, v: &Value, include_usage: bool) -> Option<Vec<u8>> {
         let index = c.get("index").cloned().unwrap_or(json!(0));
         let finish = c.get("finish_reason").cloned().unwrap_or(Value::Null);
         if chat {
-            let msg = c.get("message")?;
-            let mut first = Map::new();
-            first.insert("role".into(), json!("assistant"));
-            first.insert(
-                "content".into(),
-                msg.get("content").cloned().unwrap_or(Value::Null),
-            );
-            if let Some(r) = msg.get("refusal").filter(|r| !r.is_null()) {
-                first.insert("refusal".into(), r.clone());
-            }
-            if let Some(calls) = msg.get("tool_calls").and_then(Value::as_array) {
-                let calls: Vec<Value> = calls
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| {
-                        let mut t = t.clone();
-                        if let Some(o) = t.as_object_mut() {
-                            o.insert("index".into(), json!(i));
-                        }
-                        t
-                    })
-                    .collect();
-                first.insert("tool_calls".into(), Value::Array(calls));
-            }
+            let first = chat_delta(c.get("message")?);
             event(
                 &mut out,
                 &chunk(json!([{"index": index, "delta": first, "logprobs": null,
@@ -265,6 +242,36 @@ fn openai_sse(api: Api, v: &Value, include_usage: bool) -> Option<Vec<u8>> {
     }
     out.extend_from_slice(b"data: [DONE]\n\n");
     Some(out)
+}
+
+/// A stored chat message as the one delta that streams it whole: its
+/// role, content, refusal and tool calls (each numbered, as a stream
+/// numbers them).
+fn chat_delta(msg: &Value) -> Map<String, Value> {
+    let mut first = Map::new();
+    first.insert("role".into(), json!("assistant"));
+    first.insert(
+        "content".into(),
+        msg.get("content").cloned().unwrap_or(Value::Null),
+    );
+    if let Some(r) = msg.get("refusal").filter(|r| !r.is_null()) {
+        first.insert("refusal".into(), r.clone());
+    }
+    if let Some(calls) = msg.get("tool_calls").and_then(Value::as_array) {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let mut t = t.clone();
+                if let Some(o) = t.as_object_mut() {
+                    o.insert("index".into(), json!(i));
+                }
+                t
+            })
+            .collect();
+        first.insert("tool_calls".into(), Value::Array(calls));
+    }
+    first
 }
 
 fn ollama_ndjson(api: Api, v: &Value) -> Option<Vec<u8>> {

@@ -167,6 +167,15 @@ pub struct Pool {
     pub accounts: Vec<Account>,
 }
 
+/// The bucket as group `mine` is told it (`X-RateLimit-Limit`): a capped
+/// group's share, anyone else's the whole bucket.
+fn group_limit(table: &ShareTable, mine: Option<usize>, capacity: u64, limit: &Limit) -> u64 {
+    match mine {
+        Some(i) if table.groups[i].capped => floor(capacity, table.groups[i].permille) / SCALE,
+        _ => limit.capacity(),
+    }
+}
+
 /// Guaranteed floors (millionths), per group of `table`: a tier's share.
 /// `anonymous` has none: its share is only a ceiling, so its callers never
 /// hold room back from declared keys. Written into `into` (on the stack:
@@ -422,21 +431,10 @@ impl Pool {
         // What the client is told: for `anonymous` its share is its whole
         // bucket (`X-RateLimit-Limit`), for a tier the bucket; remaining is
         // what its group may still take.
-        let group_limit = match mine {
-            Some(i) if table.groups[i].capped => floor(capacity, table.groups[i].permille) / SCALE,
-            _ => limit.capacity(),
-        };
+        let group_limit = group_limit(table, mine, capacity, limit);
         if want <= room {
-            pool.state = BucketState {
-                used: used.saturating_add(want),
-                ..pool.state
-            };
+            pool.record_take(mine, want, floors);
             let quota_now = pool.state.quota(limit, now_ms);
-            if let Some(i) = mine {
-                let a = &mut pool.accounts[i];
-                a.used = a.used.saturating_add(want);
-                a.lent = a.lent.min(floors[i].saturating_sub(a.used));
-            }
             let (left, _) = pool.room(table, floors, mine, free - want, limit, now_ms);
             return Ok((
                 pool,
@@ -473,6 +471,20 @@ impl Pool {
         let floored = mine.is_some_and(|i| floors[i] > 0);
         let mark = (floored && last_seen.saturating_add(MARK_EVERY_MS) <= now_ms).then_some(pool);
         Err(NoShare { shortfall, mark })
+    }
+
+    /// Counts `want` (scaled) taken, by group `mine` if it has an account:
+    /// its lent part shrinks to what its floor still leaves unused.
+    fn record_take(&mut self, mine: Option<usize>, want: u64, floors: &[u64]) {
+        self.state = BucketState {
+            used: self.state.used.saturating_add(want),
+            ..self.state
+        };
+        if let Some(i) = mine {
+            let a = &mut self.accounts[i];
+            a.used = a.used.saturating_add(want);
+            a.lent = a.lent.min(floors[i].saturating_sub(a.used));
+        }
     }
 
     /// Gives back `amount` units taken at `taken_ms` by `group` (nothing

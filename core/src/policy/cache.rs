@@ -318,53 +318,19 @@ impl CacheConfig {
                 "an environment variable's name (letters, digits, `_`)",
             ));
         }
-        let compile = |what: &str,
-                       name: &str,
-                       r: &RuleConfig|
-         -> Result<CacheRule, CacheConfigError> {
-            let at = format!("cache.{what}.{name}");
-            let threshold = r.threshold.unwrap_or(self.threshold);
-            if !(threshold > 0.0 && threshold <= 1.0) {
-                return Err(err(
-                    format!("{at}.threshold"),
-                    format!("a cosine similarity in (0, 1], not {threshold}"),
-                ));
-            }
-            let top_k = r.top_k.unwrap_or(self.top_k);
-            if top_k == 0 || top_k > MAX_TOP_K {
-                return Err(err(
-                    format!("{at}.top_k"),
-                    format!("between 1 and {MAX_TOP_K}"),
-                ));
-            }
-            if !r.exact && !r.semantic {
-                return Err(err(
-                    &at,
-                    "neither `exact` nor `semantic` is on: remove the entry or turn one on",
-                ));
-            }
-            Ok(CacheRule {
-                exact: r.exact,
-                semantic: r.semantic,
-                scope: r.scope.unwrap_or(self.scope),
-                ttl_s: match &r.ttl {
-                    Some(t) => ttl_s(t, &format!("{at}.ttl"))?,
-                    None => ttl,
-                },
-                max_temperature: temperature(r.max_temperature, &format!("{at}.max_temperature"))?
-                    .or(max_t),
-                // In (0, 1]: exact enough as f32 for a cosine.
-                threshold: threshold as f32,
-                top_k,
-            })
-        };
         let mut models = BTreeMap::new();
         for (name, r) in &self.models {
-            models.insert(name.clone(), compile("models", name, r)?);
+            models.insert(
+                name.clone(),
+                self.rule(&format!("cache.models.{name}"), r, ttl, max_t)?,
+            );
         }
         let mut routes = BTreeMap::new();
         for (name, r) in &self.routes {
-            routes.insert(name.clone(), compile("routes", name, r)?);
+            routes.insert(
+                name.clone(),
+                self.rule(&format!("cache.routes.{name}"), r, ttl, max_t)?,
+            );
         }
         Ok(CachePolicy {
             models,
@@ -375,6 +341,51 @@ impl CacheConfig {
             salt: self.salt.clone(),
             in_envoy,
             secret_env: self.secret_env.clone(),
+        })
+    }
+
+    /// One entry of `models` or `routes` at path `at`, its unset fields
+    /// taken from the section's (`ttl`, `max_t` already checked).
+    fn rule(
+        &self,
+        at: &str,
+        r: &RuleConfig,
+        ttl: u64,
+        max_t: Option<f64>,
+    ) -> Result<CacheRule, CacheConfigError> {
+        let threshold = r.threshold.unwrap_or(self.threshold);
+        if !(threshold > 0.0 && threshold <= 1.0) {
+            return Err(err(
+                format!("{at}.threshold"),
+                format!("a cosine similarity in (0, 1], not {threshold}"),
+            ));
+        }
+        let top_k = r.top_k.unwrap_or(self.top_k);
+        if top_k == 0 || top_k > MAX_TOP_K {
+            return Err(err(
+                format!("{at}.top_k"),
+                format!("between 1 and {MAX_TOP_K}"),
+            ));
+        }
+        if !r.exact && !r.semantic {
+            return Err(err(
+                at,
+                "neither `exact` nor `semantic` is on: remove the entry or turn one on",
+            ));
+        }
+        Ok(CacheRule {
+            exact: r.exact,
+            semantic: r.semantic,
+            scope: r.scope.unwrap_or(self.scope),
+            ttl_s: match &r.ttl {
+                Some(t) => ttl_s(t, &format!("{at}.ttl"))?,
+                None => ttl,
+            },
+            max_temperature: temperature(r.max_temperature, &format!("{at}.max_temperature"))?
+                .or(max_t),
+            // In (0, 1]: exact enough as f32 for a cosine.
+            threshold: threshold as f32,
+            top_k,
         })
     }
 

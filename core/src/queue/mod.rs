@@ -809,90 +809,107 @@ pub fn enter_checked(
         store,
         g,
         tries,
-        |s, _| {
-            let model = s.model(a.model);
-            let arriving = |name: &str| a.saturated && name == a.model;
-            let blocked = g.dispatchable(s, model, &arriving, a.now_ms);
-            let ahead = s.entries.iter().any(|e| {
-                !e.evicted && (usize::from(e.model) == model || g.backend_limit.is_some())
-            });
-            if blocked == Blocked::Free && !ahead {
-                s.models[model].inflight = s.models[model].inflight.saturating_add(1);
-                return Some(Entered::Go);
-            }
-            let blocked = if blocked == Blocked::Free {
-                Blocked::Slot
-            } else {
-                blocked
-            };
-            let Some((max_wait, max_depth)) = a.wait else {
-                return Some(Entered::Refused(blocked));
-            };
-            let deadline_ms = a.now_ms.saturating_add(max_wait);
-            if let Blocked::Paused(until) = blocked {
-                if until > deadline_ms {
-                    return Some(Entered::Refused(blocked));
-                }
-            }
-            let class = s.class(a.class);
-            let mine = s.held_by(model, class, a.principal);
-            declined = !may_wait(mine);
-            if declined {
-                return None; // nothing to write
-            }
-            let cap = if a.max_per_principal == 0 {
-                max_depth
-            } else {
-                a.max_per_principal
-            };
-            if mine >= cap {
-                return Some(Entered::Full);
-            }
-            if s.depth(a.model, a.class) >= max_depth as usize {
-                let places = Places {
-                    table: g.shares.get(a.model),
-                    depth: max_depth,
-                };
-                if !s.make_room(model, class, a.group, mine, &places) {
-                    return Some(Entered::Full);
-                }
-            }
-            let waiting = s
-                .entries
-                .iter()
-                .any(|e| !e.evicted && usize::from(e.class) == class);
-            let vtime = s.vtime;
-            let c = &mut s.classes[class];
-            if !waiting {
-                // No credit for idle time.
-                c.pass = c.pass.max(vtime);
-            }
-            let round = s.next_round(class, a.principal);
-            s.next_ticket = s.next_ticket.wrapping_add(1).max(1);
-            let ticket = s.next_ticket;
-            s.entries.push(Entry {
-                ticket,
-                wake: a.wake,
-                model: model as u16,
-                class: class as u16,
-                principal: a.principal,
-                round,
-                enqueued_ms: a.now_ms,
-                deadline_ms,
-                evicted: false,
-                group: a.group,
-            });
-            Some(Entered::Queued {
-                ticket,
-                deadline_ms,
-            })
-        },
+        |s, _| arrive(s, g, a, &mut *may_wait, &mut declined),
         Entered::Contended,
     );
     if declined && changed.written == Updated::Unchanged {
         changed.value = Entered::Declined;
     }
     changed
+}
+
+/// One try of [`enter_checked`] on the queue's state: go at once, be
+/// refused, decline (`*declined`: nothing to write) or take a place,
+/// making room by eviction where the queue is full.
+fn arrive(
+    s: &mut State,
+    g: &Group,
+    a: &Arrival,
+    may_wait: &mut dyn FnMut(u32) -> bool,
+    declined: &mut bool,
+) -> Option<Entered> {
+    let model = s.model(a.model);
+    let arriving = |name: &str| a.saturated && name == a.model;
+    let blocked = g.dispatchable(s, model, &arriving, a.now_ms);
+    let ahead = s
+        .entries
+        .iter()
+        .any(|e| !e.evicted && (usize::from(e.model) == model || g.backend_limit.is_some()));
+    if blocked == Blocked::Free && !ahead {
+        s.models[model].inflight = s.models[model].inflight.saturating_add(1);
+        return Some(Entered::Go);
+    }
+    let blocked = if blocked == Blocked::Free {
+        Blocked::Slot
+    } else {
+        blocked
+    };
+    let Some((max_wait, max_depth)) = a.wait else {
+        return Some(Entered::Refused(blocked));
+    };
+    let deadline_ms = a.now_ms.saturating_add(max_wait);
+    if let Blocked::Paused(until) = blocked {
+        if until > deadline_ms {
+            return Some(Entered::Refused(blocked));
+        }
+    }
+    let class = s.class(a.class);
+    let mine = s.held_by(model, class, a.principal);
+    *declined = !may_wait(mine);
+    if *declined {
+        return None; // nothing to write
+    }
+    let cap = if a.max_per_principal == 0 {
+        max_depth
+    } else {
+        a.max_per_principal
+    };
+    if mine >= cap {
+        return Some(Entered::Full);
+    }
+    if s.depth(a.model, a.class) >= max_depth as usize {
+        let places = Places {
+            table: g.shares.get(a.model),
+            depth: max_depth,
+        };
+        if !s.make_room(model, class, a.group, mine, &places) {
+            return Some(Entered::Full);
+        }
+    }
+    Some(join_queue(s, a, model, class, deadline_ms))
+}
+
+/// Puts the arrival at the end of its class's queue (room already made).
+fn join_queue(s: &mut State, a: &Arrival, model: usize, class: usize, deadline_ms: u64) -> Entered {
+    let waiting = s
+        .entries
+        .iter()
+        .any(|e| !e.evicted && usize::from(e.class) == class);
+    let vtime = s.vtime;
+    let c = &mut s.classes[class];
+    if !waiting {
+        // No credit for idle time.
+        c.pass = c.pass.max(vtime);
+    }
+    let round = s.next_round(class, a.principal);
+    s.next_ticket = s.next_ticket.wrapping_add(1).max(1);
+    let ticket = s.next_ticket;
+    s.entries.push(Entry {
+        ticket,
+        wake: a.wake,
+        model: model as u16,
+        class: class as u16,
+        principal: a.principal,
+        round,
+        enqueued_ms: a.now_ms,
+        deadline_ms,
+        evicted: false,
+        group: a.group,
+    });
+    Entered::Queued {
+        ticket,
+        deadline_ms,
+    }
 }
 
 /// Gives a slot back and hands free slots to waiters.

@@ -449,33 +449,15 @@ pub(crate) fn scan_bounds(body: &[u8]) -> Result<(), BadBody> {
     // The last string closed directly inside the root object, and the key
     // the scan is under now.
     let (mut last, mut field) = ((0, 0), None::<(usize, usize)>);
-    let name = |field: Option<(usize, usize)>| -> String {
-        field.and_then(|(a, b)| body.get(a..b)).map_or_else(
-            || "body".into(),
-            |k| String::from_utf8_lossy(k).chars().take(64).collect(),
-        )
-    };
+    let name = |field| key_name(body, field);
     let mut i = 0;
     while let Some(&byte) = body.get(i) {
         if byte == b'"' {
-            // A string: skipped to its closing quote at once (memchr's
-            // word-at-a-time search), its escapes stepped over.
+            // A string: skipped to its closing quote at once.
             let start = i + 1;
-            let mut at = start;
-            loop {
-                let Some(off) = body
-                    .get(at..)
-                    .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
-                else {
-                    return Ok(()); // unterminated: the parser says how
-                };
-                at += off;
-                if body.get(at) == Some(&b'\\') {
-                    at += 2;
-                    continue;
-                }
-                break;
-            }
+            let Some(at) = string_end(body, start) else {
+                return Ok(()); // unterminated: the parser says how
+            };
             if depth == 1 {
                 last = (start, at);
             }
@@ -532,6 +514,33 @@ pub(crate) fn scan_bounds(body: &[u8]) -> Result<(), BadBody> {
         }
     }
     Ok(())
+}
+
+/// The index of the quote that closes the string whose text starts at
+/// `start` (memchr's word-at-a-time search, escapes stepped over); `None`
+/// when it is unterminated.
+#[inline]
+fn string_end(body: &[u8], start: usize) -> Option<usize> {
+    let mut at = start;
+    loop {
+        at += body
+            .get(at..)
+            .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))?;
+        if body.get(at) == Some(&b'\\') {
+            at += 2;
+            continue;
+        }
+        return Some(at);
+    }
+}
+
+/// The top-level key at `field` (its first 64 characters), for an error;
+/// `body` outside any.
+fn key_name(body: &[u8], field: Option<(usize, usize)>) -> String {
+    field.and_then(|(a, b)| body.get(a..b)).map_or_else(
+        || "body".into(),
+        |k| String::from_utf8_lossy(k).chars().take(64).collect(),
+    )
 }
 
 /// How many values one parse has read, and the bound it hit.

@@ -297,15 +297,7 @@ impl Cache {
         scope: Option<&str>,
         now_ms: u64,
     ) -> Result<StoreAnswer, CacheError> {
-        check_request(&req.key, &req.model, req.semantic.as_ref())?;
-        if scope.is_some_and(|s| !valid_hash(s)) {
-            return Err(CacheError::Invalid(
-                "scope: 64 hex digits expected (SHA-256 of the scope value)".into(),
-            ));
-        }
-        if req.ttl_s == 0 {
-            return Err(CacheError::Invalid("ttl_s: at least 1".into()));
-        }
+        check_store(&req, scope)?;
         if req.entry.body.len() as u64 > self.config.max_entry_bytes {
             self.stats.count(&req.model, Kind::Exact, "skip");
             return Ok(StoreAnswer {
@@ -338,28 +330,11 @@ impl Cache {
             scope: scope.map(str::to_ascii_lowercase),
         };
         self.sweep_now_and_then(now_ms);
-        let kept = match &self.store {
-            Store::Memory(m) => {
-                let mut removed = Removed::default();
-                let kept = lock(m).put(req.key.clone(), Arc::new(stored.clone()), &mut removed);
-                self.forget(removed);
-                kept
-            }
-            Store::Redis(r) => match r.put(&req.key, &stored, now_ms).await {
-                Ok((kept, evicted)) => {
-                    for model in evicted {
-                        self.stats.count(&model, Kind::Exact, "evict");
-                    }
-                    kept
-                }
-                Err(_) => {
-                    self.stats.unavailable();
-                    return Ok(StoreAnswer {
-                        stored: false,
-                        reason: Some(NotStored::Unavailable),
-                    });
-                }
-            },
+        let Some(kept) = self.put(&req.key, &stored, now_ms).await else {
+            return Ok(StoreAnswer {
+                stored: false,
+                reason: Some(NotStored::Unavailable),
+            });
         };
         if !kept {
             self.stats.count(&req.model, Kind::Exact, "skip");
@@ -386,6 +361,31 @@ impl Cache {
             stored: true,
             reason: None,
         })
+    }
+
+    /// Puts `stored` under `key`, in memory or in Redis: whether the
+    /// bounds kept it; `None` when Redis is unavailable (counted).
+    async fn put(&self, key: &str, stored: &Stored, now_ms: u64) -> Option<bool> {
+        match &self.store {
+            Store::Memory(m) => {
+                let mut removed = Removed::default();
+                let kept = lock(m).put(key.to_string(), Arc::new(stored.clone()), &mut removed);
+                self.forget(removed);
+                Some(kept)
+            }
+            Store::Redis(r) => match r.put(key, stored, now_ms).await {
+                Ok((kept, evicted)) => {
+                    for model in evicted {
+                        self.stats.count(&model, Kind::Exact, "evict");
+                    }
+                    Some(kept)
+                }
+                Err(_) => {
+                    self.stats.unavailable();
+                    None
+                }
+            },
+        }
     }
 
     /// Every [`SWEEP_EVERY`] stores: expired entries leave the memory store
@@ -589,6 +589,21 @@ fn check_request(
                 "semantic.context: 64 hex digits expected".into(),
             ));
         }
+    }
+    Ok(())
+}
+
+/// A store's request as the lookup's, plus its scope id (when one is
+/// given) and a TTL of at least a second.
+fn check_store(req: &StoreRequest, scope: Option<&str>) -> Result<(), CacheError> {
+    check_request(&req.key, &req.model, req.semantic.as_ref())?;
+    if scope.is_some_and(|s| !valid_hash(s)) {
+        return Err(CacheError::Invalid(
+            "scope: 64 hex digits expected (SHA-256 of the scope value)".into(),
+        ));
+    }
+    if req.ttl_s == 0 {
+        return Err(CacheError::Invalid("ttl_s: at least 1".into()));
     }
     Ok(())
 }

@@ -681,49 +681,13 @@ impl Fleet {
     }
 
     pub async fn take(&self, req: &TakeRequest) -> Result<TakeAnswer, FleetError> {
-        if req.claims.is_empty() || req.claims.len() > MAX_ITEMS {
-            return Err(FleetError::Invalid(format!(
-                "claims: 1 to {MAX_ITEMS} expected"
-            )));
-        }
-        id_ok(&req.id, "id")?;
-        let now = now_ms();
         let view = self.view();
-        let mut checked = Vec::with_capacity(req.claims.len());
-        for (i, c) in req.claims.iter().enumerate() {
-            let path = format!("claims[{i}]");
-            if c.need > MAX_UNITS || c.want > MAX_UNITS {
-                return Err(FleetError::Invalid(format!(
-                    "{path}: need and want at most 2^52"
-                )));
-            }
-            checked.push(Self::check_claim(
-                &view,
-                &c.rule,
-                c.owner,
-                c.window_end_ms,
-                true,
-                &path,
-                now,
-            )?);
-        }
+        let checked = Self::check_take(&view, req, now_ms())?;
         self.refuse_mismatch()?;
         let mut epoch = self.epoch(None).await?;
         let mut renewed = false;
         loop {
-            if epoch.lost_at_ms > 0 {
-                for (c, k) in req.claims.iter().zip(&checked) {
-                    let hard_budget = k.rule.limit.window.is_some() && !k.rule.soft;
-                    if hard_budget && window_end(&k.rule.limit, epoch.lost_at_ms) == k.window_end_ms
-                    {
-                        return Err(FleetError::DataLost(format!(
-                            "Redis lost its data at {} (ms since the epoch), in the window of `{}`: \
-                             its fleet count is unknown until the window ends",
-                            epoch.lost_at_ms, c.rule
-                        )));
-                    }
-                }
-            }
+            Self::refuse_lost(req, &checked, epoch.lost_at_ms)?;
             let mut inv = self.take.prepare_invoke();
             inv.key(EPOCH_KEY)
                 .key(format!("{PREFIX}take:{}", req.id))
@@ -768,6 +732,64 @@ impl Fleet {
                 _ => return Ok(self.take_answer(&raw, req.claims.len())),
             }
         }
+    }
+
+    /// A take's claims, each checked against the policy's view at `now`
+    /// (a current window only): their Redis keys and rules.
+    fn check_take(
+        view: &PolicyView,
+        req: &TakeRequest,
+        now: u64,
+    ) -> Result<Vec<Checked>, FleetError> {
+        if req.claims.is_empty() || req.claims.len() > MAX_ITEMS {
+            return Err(FleetError::Invalid(format!(
+                "claims: 1 to {MAX_ITEMS} expected"
+            )));
+        }
+        id_ok(&req.id, "id")?;
+        let mut checked = Vec::with_capacity(req.claims.len());
+        for (i, c) in req.claims.iter().enumerate() {
+            let path = format!("claims[{i}]");
+            if c.need > MAX_UNITS || c.want > MAX_UNITS {
+                return Err(FleetError::Invalid(format!(
+                    "{path}: need and want at most 2^52"
+                )));
+            }
+            checked.push(Self::check_claim(
+                view,
+                &c.rule,
+                c.owner,
+                c.window_end_ms,
+                true,
+                &path,
+                now,
+            )?);
+        }
+        Ok(checked)
+    }
+
+    /// Refuses a take when Redis lost its data (at `lost_at_ms`, 0 if
+    /// never) in the current window of a hard budget it claims: that
+    /// budget's fleet count is unknown until the window ends.
+    fn refuse_lost(
+        req: &TakeRequest,
+        checked: &[Checked],
+        lost_at_ms: u64,
+    ) -> Result<(), FleetError> {
+        if lost_at_ms == 0 {
+            return Ok(());
+        }
+        for (c, k) in req.claims.iter().zip(checked) {
+            let hard_budget = k.rule.limit.window.is_some() && !k.rule.soft;
+            if hard_budget && window_end(&k.rule.limit, lost_at_ms) == k.window_end_ms {
+                return Err(FleetError::DataLost(format!(
+                    "Redis lost its data at {lost_at_ms} (ms since the epoch), in the window of `{}`: \
+                     its fleet count is unknown until the window ends",
+                    c.rule
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn take_answer(&self, raw: &[i64], n: usize) -> TakeAnswer {

@@ -47,75 +47,93 @@ pub async fn sync_breakers(
             _ = closing.changed() => return,
         }
         let now = now_ms();
-        let mine: Vec<Published> = store
-            .current()
-            .breakers
-            .iter()
-            .filter(|b| !b.from_fleet)
-            .map(|b| Published {
-                scope: b.scope.clone(),
-                state: b.state,
-                half_open_fraction: b.half_open_fraction,
-                retry_after_seconds: b.retry_after_seconds,
-                reason: b.reason.clone(),
-                since_ms: b
-                    .since
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64),
-            })
-            .collect();
-        let body = serde_json::to_string(&Board {
-            at_ms: now,
-            breakers: mine,
-        })
-        .unwrap_or_default();
+        let body = my_board(&store, now);
         let Ok(all) = fleet.swap_breakers(&id, &body).await else {
             // Redis away: keep the last merged view until the entries would
             // have gone stale, then serve only this sidecar's own.
             continue;
         };
-        let mut merged: Vec<crate::state::Breaker> = Vec::new();
-        let mut gone = Vec::new();
-        for (other, raw) in all {
-            if other == id {
-                continue;
-            }
-            let Some(board) = read_board(&raw) else {
-                gone.push(other);
-                continue;
-            };
-            if board.at_ms + BOARD_FORGET_MS < now {
-                gone.push(other);
-            }
-            if board.at_ms + BOARD_LIVE_MS < now {
-                continue;
-            }
-            for b in board.breakers {
-                let view = crate::state::Breaker {
-                    scope: b.scope.clone(),
-                    state: b.state,
-                    half_open_fraction: b.half_open_fraction,
-                    retry_after_seconds: b.retry_after_seconds,
-                    reason: Some(format!(
-                        "fleet: {}",
-                        b.reason.as_deref().unwrap_or("opened by another sidecar")
-                    )),
-                    since: SystemTime::UNIX_EPOCH + Duration::from_millis(b.since_ms),
-                    from_fleet: true,
-                };
-                match merged.iter_mut().find(|m| m.scope == view.scope) {
-                    Some(m) if crate::state::gauge(m.state) < crate::state::gauge(view.state) => {
-                        *m = view
-                    }
-                    Some(_) => {}
-                    None => merged.push(view),
-                }
-            }
-        }
-        merged.sort_by(|a, b| a.scope.cmp(&b.scope));
+        let (merged, gone) = merge_boards(all, &id, now);
         store.set_fleet_breakers(SystemTime::now(), merged);
         fleet.forget_breakers(&gone).await;
     }
+}
+
+/// This sidecar's board at `now`, as JSON: its own breakers (not those
+/// merged from the fleet).
+fn my_board(store: &StateStore, now: u64) -> String {
+    let mine: Vec<Published> = store
+        .current()
+        .breakers
+        .iter()
+        .filter(|b| !b.from_fleet)
+        .map(|b| Published {
+            scope: b.scope.clone(),
+            state: b.state,
+            half_open_fraction: b.half_open_fraction,
+            retry_after_seconds: b.retry_after_seconds,
+            reason: b.reason.clone(),
+            since_ms: b
+                .since
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        })
+        .collect();
+    serde_json::to_string(&Board {
+        at_ms: now,
+        breakers: mine,
+    })
+    .unwrap_or_default()
+}
+
+/// The other live sidecars' boards (`all` but `id`, this one) merged, the
+/// most open state winning per scope, sorted by scope; and the sidecars
+/// whose boards are unreadable or long stale, to forget.
+fn merge_boards(
+    all: Vec<(String, String)>,
+    id: &str,
+    now: u64,
+) -> (Vec<crate::state::Breaker>, Vec<String>) {
+    let mut merged: Vec<crate::state::Breaker> = Vec::new();
+    let mut gone = Vec::new();
+    for (other, raw) in all {
+        if other == id {
+            continue;
+        }
+        let Some(board) = read_board(&raw) else {
+            gone.push(other);
+            continue;
+        };
+        if board.at_ms + BOARD_FORGET_MS < now {
+            gone.push(other);
+        }
+        if board.at_ms + BOARD_LIVE_MS < now {
+            continue;
+        }
+        for b in board.breakers {
+            let view = crate::state::Breaker {
+                scope: b.scope.clone(),
+                state: b.state,
+                half_open_fraction: b.half_open_fraction,
+                retry_after_seconds: b.retry_after_seconds,
+                reason: Some(format!(
+                    "fleet: {}",
+                    b.reason.as_deref().unwrap_or("opened by another sidecar")
+                )),
+                since: SystemTime::UNIX_EPOCH + Duration::from_millis(b.since_ms),
+                from_fleet: true,
+            };
+            match merged.iter_mut().find(|m| m.scope == view.scope) {
+                Some(m) if crate::state::gauge(m.state) < crate::state::gauge(view.state) => {
+                    *m = view
+                }
+                Some(_) => {}
+                None => merged.push(view),
+            }
+        }
+    }
+    merged.sort_by(|a, b| a.scope.cmp(&b.scope));
+    (merged, gone)
 }
 
 /// Another sidecar's board, if this sidecar can serve all of it. A state

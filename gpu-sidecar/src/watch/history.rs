@@ -239,34 +239,7 @@ impl History {
             .iter()
             .map(|v| {
                 let rules = inner.rules.get(&v.scope).map_or(&[][..], Vec::as_slice);
-                let rules: Vec<Value> = rules
-                    .iter()
-                    .map(|r| {
-                        let value = v
-                            .values
-                            .iter()
-                            .find(|(m, _)| *m == r.metric)
-                            .map(|(_, x)| *x);
-                        json!({
-                            "metric": r.metric,
-                            "open_at": r.open_at,
-                            "close_below": r.close_below,
-                            "open_for_seconds": r.open_for.as_secs_f64(),
-                            "close_after_seconds": r.close_after.as_secs_f64(),
-                            "text": rule_text(r),
-                            "value": value.filter(|x| x.is_finite()),
-                            "hot": value.is_some_and(|x| x >= r.open_at),
-                        })
-                    })
-                    .collect();
-                json!({
-                    "scope": v.scope,
-                    "state": v.state.as_str(),
-                    "since": humantime::format_rfc3339_seconds(v.since).to_string(),
-                    "reason": v.reason,
-                    "stale": v.stale,
-                    "rules": rules,
-                })
+                breaker_row(v, rules)
             })
             .collect();
         // The ladder's rungs, up or down (Envoy's health checks and the
@@ -305,6 +278,40 @@ impl History {
             "traffic": self.traffic.to_json(now),
         })
     }
+}
+
+/// One breaker's row of `GET /v1/history`: its state and each of its
+/// `rules` with the latest value of the rule's metric (and whether it is
+/// at or over the opening threshold).
+fn breaker_row(v: &View, rules: &[Rule]) -> Value {
+    let rules: Vec<Value> = rules
+        .iter()
+        .map(|r| {
+            let value = v
+                .values
+                .iter()
+                .find(|(m, _)| *m == r.metric)
+                .map(|(_, x)| *x);
+            json!({
+                "metric": r.metric,
+                "open_at": r.open_at,
+                "close_below": r.close_below,
+                "open_for_seconds": r.open_for.as_secs_f64(),
+                "close_after_seconds": r.close_after.as_secs_f64(),
+                "text": rule_text(r),
+                "value": value.filter(|x| x.is_finite()),
+                "hot": value.is_some_and(|x| x >= r.open_at),
+            })
+        })
+        .collect();
+    json!({
+        "scope": v.scope,
+        "state": v.state.as_str(),
+        "since": humantime::format_rfc3339_seconds(v.since).to_string(),
+        "reason": v.reason,
+        "stale": v.stale,
+        "rules": rules,
+    })
 }
 
 /// Puts every kill switch change published in `store` on the timeline,
