@@ -32,6 +32,7 @@
 pub mod admission;
 pub mod cache;
 pub mod fleet;
+pub mod fleet_contract;
 pub mod flow;
 pub mod host;
 pub mod limits;

@@ -95,8 +95,8 @@ const CORE: &[Layer] = &[
         modules: &["admission"],
     },
     Layer {
-        name: "cache",
-        modules: &["cache"],
+        name: "cache, fleet contract",
+        modules: &["cache", "fleet_contract"],
     },
     Layer {
         name: "mechanisms",

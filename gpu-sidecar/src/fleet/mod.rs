@@ -23,7 +23,7 @@
 //!
 //! Three ways a fleet's counts stop meaning one thing are detected rather
 //! than served: Envoys with different salts or rules (each sidecar
-//! publishes a [`fingerprint`](sluice_core::fleet::fingerprint) in Redis
+//! publishes a [`fingerprint`](sluice_core::fleet_contract::fingerprint) in Redis
 //! and refuses to count while a live one differs: `fleet_mismatch`); a
 //! Redis that lost its data (an epoch key written once, checked by every
 //! script; hard budgets of the window it happened in answer
@@ -54,7 +54,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
-use sluice_core::fleet::window_end;
+use sluice_core::fleet_contract::{self, window_end};
 use sluice_core::limits::reservation::Scope as RuleScope;
 use sluice_core::policy::Limit;
 use tokio::sync::Mutex;
@@ -283,7 +283,7 @@ pub struct PolicyView {
     replicas: u64,
     rules: HashMap<String, ViewRule>,
     slots: HashMap<String, u32>,
-    /// [`sluice_core::fleet::fingerprint`] of the policy.
+    /// [`sluice_core::fleet_contract::fingerprint`] of the policy.
     pub fingerprint: String,
 }
 
@@ -296,15 +296,10 @@ impl PolicyView {
     }
 
     pub fn of(policy: sluice_core::policy::Policy) -> PolicyView {
-        let engine = sluice_core::admission::Engine::new(policy);
-        let (salt, replicas) = engine
-            .policy
-            .fleet
-            .as_ref()
-            .map_or((String::new(), 1), |f| {
-                (f.salt.clone(), f.expected_replicas.max(1))
-            });
-        let rules = sluice_core::fleet::fleet_rules(&engine)
+        let (salt, replicas) = policy.fleet.as_ref().map_or((String::new(), 1), |f| {
+            (f.salt.clone(), f.expected_replicas.max(1))
+        });
+        let rules = fleet_contract::fleet_rules(&policy)
             .into_iter()
             .map(|d| {
                 (
@@ -318,10 +313,8 @@ impl PolicyView {
             })
             .collect();
         PolicyView {
-            slots: sluice_core::fleet::fleet_slots(&engine.policy)
-                .into_iter()
-                .collect(),
-            fingerprint: sluice_core::fleet::fingerprint(&engine),
+            slots: fleet_contract::fleet_slots(&policy).into_iter().collect(),
+            fingerprint: fleet_contract::fingerprint(&policy),
             salt,
             replicas,
             rules,
