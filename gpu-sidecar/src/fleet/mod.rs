@@ -55,8 +55,7 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use sluice_core::fleet_contract::{self, window_end};
-use sluice_core::limits::reservation::Scope as RuleScope;
-use sluice_core::policy::Limit;
+use sluice_core::{Limit, Scope as RuleScope};
 use tokio::sync::Mutex;
 
 pub use crate::config::fleet::FleetConfig;
@@ -263,8 +262,10 @@ pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     h.update(rule.as_bytes());
     h.update(b"\0");
     h.update(owner.to_le_bytes());
-    let digest = h.finalize();
-    sluice_core::policy::keys::hex(&digest[..16])
+    // The first 16 bytes, in lower-case hex.
+    let mut hex = format!("{:x}", h.finalize());
+    hex.truncate(32);
+    hex
 }
 
 /// A fleet bucket as this sidecar's policy defines it.
@@ -295,7 +296,7 @@ impl PolicyView {
         Ok(PolicyView::of(policy))
     }
 
-    pub fn of(policy: sluice_core::policy::Policy) -> PolicyView {
+    pub fn of(policy: sluice_core::Policy) -> PolicyView {
         let (salt, replicas) = policy.fleet.as_ref().map_or((String::new(), 1), |f| {
             (f.salt.clone(), f.expected_replicas.max(1))
         });
@@ -1074,7 +1075,7 @@ pub(crate) mod tests {
             "sidecar": {"cluster": "sc"},
             "fleet": {"salt": salt, "expected_replicas": 2},
         });
-        PolicyView::of(sluice_core::policy::Policy::from_value(policy).unwrap())
+        PolicyView::of(sluice_core::Policy::from_value(policy).unwrap())
     }
 
     #[test]
