@@ -8,12 +8,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use serde_json::json;
-use sluice_core::admission::identity::RequestView;
-use sluice_core::admission::{Engine, RequestContext};
-use sluice_core::policy::Policy;
-use sluice_core::state::store::MemStore;
-use sluice_core::usage::demand::Api;
-use sluice_core::usage::reconcile::{Format, ResponseMeter};
+use sluice_core::bench::{Api, Engine, Format, RequestContext, RequestView, ResponseMeter};
+use sluice_core::{MemStore, Policy};
 
 struct Caller(String);
 impl RequestView for Caller {
@@ -101,12 +97,10 @@ fn admission(c: &mut Criterion) {
                 },
             );
             if let Some(plan) = v.plan {
-                let usage = sluice_core::usage::reconcile::Found::Usage(
-                    sluice_core::usage::reconcile::Usage {
-                        input: 500,
-                        output: 100,
-                    },
-                );
+                let usage = sluice_core::bench::Found::Usage(sluice_core::bench::Usage {
+                    input: 500,
+                    output: 100,
+                });
                 e.settle(&store, &plan, usage, 0, true, 1_000);
             }
         })
@@ -134,7 +128,7 @@ fn admission(c: &mut Criterion) {
                 e.settle(
                     &store,
                     &plan,
-                    sluice_core::usage::reconcile::Found::Nothing,
+                    sluice_core::bench::Found::Nothing,
                     10,
                     true,
                     1_000,
@@ -169,7 +163,7 @@ fn admission(c: &mut Criterion) {
                 e.settle(
                     &store,
                     &plan,
-                    sluice_core::usage::reconcile::Found::Nothing,
+                    sluice_core::bench::Found::Nothing,
                     10,
                     true,
                     1_000,
@@ -189,7 +183,7 @@ fn estimate(c: &mut Criterion) {
         group.bench_with_input(
             BenchmarkId::new("input_tokens", format!("{kb}KB")),
             &value,
-            |b, v| b.iter(|| sluice_core::usage::estimate::input_tokens(black_box(v))),
+            |b, v| b.iter(|| sluice_core::bench::input_tokens(black_box(v))),
         );
     }
     group.finish();
@@ -240,11 +234,7 @@ fn rewrite(c: &mut Criterion) {
         group.bench_with_input(
             BenchmarkId::new("splice", format!("{kb}KB")),
             &after,
-            |b, v| {
-                b.iter(|| {
-                    sluice_core::usage::splice::splice(black_box(&body), &before, black_box(v))
-                })
-            },
+            |b, v| b.iter(|| sluice_core::bench::splice(black_box(&body), &before, black_box(v))),
         );
     }
     group.finish();

@@ -6,7 +6,7 @@
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use sluice_core::host::mock::MockHost;
+use sluice_core::bench::MockHost;
 
 mod shapes;
 use shapes::{chat_body, one_request, Shape, T0};

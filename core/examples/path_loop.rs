@@ -4,7 +4,7 @@
 //! blur as it does wall or CPU time. Usage: `path_loop get|post|full N`.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
-use sluice_core::host::mock::MockHost;
+use sluice_core::bench::MockHost;
 
 #[path = "../benches/shapes/mod.rs"]
 mod shapes;

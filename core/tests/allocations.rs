@@ -17,7 +17,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use sluice_core::host::mock::MockHost;
+use sluice_core::bench::MockHost;
 
 #[path = "../benches/shapes/mod.rs"]
 mod shapes;

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use sluice_core::host::mock::MockHost;
+use sluice_core::bench::MockHost;
 
 #[path = "../benches/shapes/mod.rs"]
 mod shapes;

@@ -10,7 +10,7 @@
 //! SDK turns it into a `String` and a `Vec` per header; read here, the
 //! whole map costs the host's buffer and the snapshot's two.
 
-use sluice_core::host::Headers;
+use sluice_core::Headers;
 
 fn word(bytes: &[u8], at: usize) -> Option<usize> {
     let raw = bytes.get(at..at.checked_add(4)?)?;

@@ -1,5 +1,5 @@
 //! The proxy-wasm adapter: implements [`Host`] with hostcalls and forwards
-//! each Envoy callback to [`sluice_core::flow`]. Nothing is decided here.
+//! each Envoy callback to the core ([`Poller`], [`Request`]). Nothing is decided here.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -10,9 +10,8 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
-use sluice_core::flow::{Poller, Request, Vm};
-use sluice_core::host::{self, Headers, Host, MetricKind};
-use sluice_core::state::store::{SharedStore, StoreError};
+use sluice_core::{Headers, Host, MetricKind};
+use sluice_core::{Poller, Request, SharedStore, StoreError, Vm};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -195,11 +194,11 @@ impl Host for WasmHost {
             .map_or(0, |d| d.as_nanos() as u64)
     }
 
-    fn log(&self, level: host::LogLevel, message: &str) {
+    fn log(&self, level: sluice_core::LogLevel, message: &str) {
         let level = match level {
-            host::LogLevel::Info => LogLevel::Info,
-            host::LogLevel::Warn => LogLevel::Warn,
-            host::LogLevel::Error => LogLevel::Error,
+            sluice_core::LogLevel::Info => LogLevel::Info,
+            sluice_core::LogLevel::Warn => LogLevel::Warn,
+            sluice_core::LogLevel::Error => LogLevel::Error,
         };
         let _ = hostcalls::log(level, message);
     }
@@ -339,10 +338,10 @@ mod raw {
     }
 }
 
-fn action(a: host::Action) -> Action {
+fn action(a: sluice_core::Action) -> Action {
     match a {
-        host::Action::Continue => Action::Continue,
-        host::Action::Pause => Action::Pause,
+        sluice_core::Action::Continue => Action::Continue,
+        sluice_core::Action::Pause => Action::Pause,
     }
 }
 

@@ -2,7 +2,7 @@
 //! offline, so a bad policy is caught before Envoy refuses it.
 
 use serde_json::Value;
-use sluice_core::policy::Policy;
+use sluice_core::Policy;
 
 use crate::config::policy::{find_policies, load, policy_value};
 

@@ -1,6 +1,6 @@
 //! The native adapter: implements [`Host`] with the dynamic-module
 //! callbacks of [`crate::abi`] and forwards each Envoy event to
-//! [`sluice_core::flow`], as filter/src/shim.rs does for proxy-wasm.
+//! the core ([`Poller`], [`Request`]), as filter/src/shim.rs does for proxy-wasm.
 //! Nothing is decided here. Safe code only.
 //!
 //! Envoy's shapes, mapped onto the wasm filter's:
@@ -28,10 +28,9 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::{Arc, LazyLock, Weak};
 
-use sluice_core::flow::{Poller, Request, Vm};
-use sluice_core::host::metrics::{self, Metric};
-use sluice_core::host::{self, Headers, Host, MetricKind};
-use sluice_core::state::store::{MemStore, SharedStore, StoreError};
+use sluice_core::metrics::{self, Metric};
+use sluice_core::{Headers, Host, MetricKind};
+use sluice_core::{MemStore, Poller, Request, SharedStore, StoreError, Vm};
 
 use crate::abi::{self, Attribute, Body, HeaderMap, LogLevel, StatKind, StatOp};
 use crate::load;
@@ -54,11 +53,11 @@ pub enum Status {
     Stop = 1,
 }
 
-impl From<host::Action> for Status {
-    fn from(a: host::Action) -> Status {
+impl From<sluice_core::Action> for Status {
+    fn from(a: sluice_core::Action) -> Status {
         match a {
-            host::Action::Continue => Status::Continue,
-            host::Action::Pause => Status::Stop,
+            sluice_core::Action::Continue => Status::Continue,
+            sluice_core::Action::Pause => Status::Stop,
         }
     }
 }
@@ -455,11 +454,11 @@ impl Host for NativeHost<'_> {
         load::now_ns()
     }
 
-    fn log(&self, level: host::LogLevel, message: &str) {
+    fn log(&self, level: sluice_core::LogLevel, message: &str) {
         let level = match level {
-            host::LogLevel::Info => LogLevel::Info,
-            host::LogLevel::Warn => LogLevel::Warn,
-            host::LogLevel::Error => LogLevel::Error,
+            sluice_core::LogLevel::Info => LogLevel::Info,
+            sluice_core::LogLevel::Warn => LogLevel::Warn,
+            sluice_core::LogLevel::Error => LogLevel::Error,
         };
         abi::log(level, message);
     }

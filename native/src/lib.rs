@@ -6,7 +6,7 @@
 //! declarations of the Envoy callbacks it uses and the exported event
 //! hooks, each behind `catch_unwind`. `filter` implements the core's
 //! `Host` trait on top of it in safe code and forwards each hook to
-//! `sluice_core::flow`, as the wasm filter's shim does. `load` decides
+//! the core (`Poller`, `Request`), as the wasm filter's shim does. `load` decides
 //! what policy the module accepts: one it can run, loaded by the core as
 //! the wasm host loads it.
 

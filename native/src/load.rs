@@ -24,10 +24,8 @@ use std::cell::RefCell;
 use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use sluice_core::flow::Poller;
-use sluice_core::host::{self, Headers, Host, MetricKind};
-use sluice_core::policy::{IdentitySource, Policy};
-use sluice_core::state::store::{SharedStore, StoreError};
+use sluice_core::{Headers, Host, MetricKind};
+use sluice_core::{IdentitySource, Policy, Poller, SharedStore, StoreError};
 
 /// Wall clock, nanoseconds since the Unix epoch.
 pub fn now_ns() -> u64 {
@@ -216,8 +214,8 @@ impl Host for LoadHost<'_> {
         now_ns()
     }
 
-    fn log(&self, level: host::LogLevel, message: &str) {
-        if level == host::LogLevel::Error {
+    fn log(&self, level: sluice_core::LogLevel, message: &str) {
+        if level == sluice_core::LogLevel::Error {
             if let Ok(mut errors) = self.errors.try_borrow_mut() {
                 errors.push(message.to_string());
             }
@@ -273,8 +271,7 @@ mod tests {
 
     use super::*;
     use serde_json::{json, Value};
-    use sluice_core::policy::fleet::MIN_SECRET;
-    use sluice_core::state::store::MemStore;
+    use sluice_core::{MemStore, MIN_SECRET};
 
     /// The policy of the shipped demo config (envoy/sluice.yaml), as JSON.
     fn demo_policy() -> Value {

@@ -13,7 +13,7 @@ use std::fs;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use sluice_core::policy::keys::sha256_hex;
+use sluice_core::bench::sha256_hex;
 use sluice_tests::browser::Browser;
 use sluice_tests::{get, post_json, MockLlm, Response, Sidecar};
 

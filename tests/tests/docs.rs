@@ -1352,7 +1352,7 @@ fn policy_with(path: &[Seg], value: Value) -> Value {
 /// `None` when what sits at `path` is not a section with fields.
 fn fields_at(path: &[Seg]) -> Option<BTreeSet<String>> {
     let policy = policy_with(path, json!({ BOGUS: 1 }));
-    let message = match sluice_core::policy::Policy::from_value(policy) {
+    let message = match sluice_core::Policy::from_value(policy) {
         Ok(_) => return None,
         Err(e) => e.message,
     };
@@ -1533,7 +1533,7 @@ fn metric_rows(title: &str) -> BTreeMap<String, (String, Vec<String>)> {
 
 #[test]
 fn the_metrics_chapter_lists_every_metric_of_the_filters_table() {
-    use sluice_core::host::metrics::ALL;
+    use sluice_core::metrics::ALL;
     let rows = metric_rows("The filter's metrics");
     let mut wrong = Vec::new();
     for m in ALL {

@@ -109,8 +109,8 @@ const CORE: &[Layer] = &[
         modules: &["admission"],
     },
     Layer {
-        name: "cache",
-        modules: &["cache"],
+        name: "cache, fleet contract",
+        modules: &["cache", "fleet_contract"],
     },
     Layer {
         name: "mechanisms",
@@ -368,4 +368,134 @@ fn the_sidecar_depends_on_the_core_and_wire_only() {
     ours.sort();
     ours.dedup();
     assert_eq!(ours, ["sluice-core", "sluice-shutdown", "sluice-wire"]);
+}
+
+/// The module of the core the sidecar may name besides the front door:
+/// the contract it shares with the filter's fleet gate.
+const SIDECAR_CONTRACT: &str = "fleet_contract";
+
+/// The names `core/src/lib.rs` exports at the crate root: its `pub use`
+/// items (as renamed) and its `pub mod`s.
+fn core_front_door() -> std::collections::BTreeSet<String> {
+    fn leaves(tree: &syn::UseTree, out: &mut std::collections::BTreeSet<String>) {
+        match tree {
+            syn::UseTree::Path(p) => leaves(&p.tree, out),
+            syn::UseTree::Name(n) => {
+                out.insert(n.ident.to_string());
+            }
+            syn::UseTree::Rename(r) => {
+                out.insert(r.rename.to_string());
+            }
+            syn::UseTree::Group(g) => g.items.iter().for_each(|t| leaves(t, out)),
+            syn::UseTree::Glob(_) => {
+                panic!("core/src/lib.rs: a glob re-export hides what it exports")
+            }
+        }
+    }
+    let text = std::fs::read_to_string(src("core").join("lib.rs")).expect("core/src/lib.rs");
+    let file = syn::parse_file(&text).expect("core/src/lib.rs parses");
+    let mut out = std::collections::BTreeSet::new();
+    for item in &file.items {
+        match item {
+            syn::Item::Use(u) if matches!(u.vis, syn::Visibility::Public(_)) => {
+                leaves(&u.tree, &mut out)
+            }
+            syn::Item::Mod(m) if matches!(m.vis, syn::Visibility::Public(_)) => {
+                out.insert(m.ident.to_string());
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Each name of the core a text names right after `sluice_core::` (a
+/// group's top-level names one by one), with its line: what
+/// `grep -rhoE "sluice_core::[a-z_]+"` sees, groups included.
+fn core_names(text: &str) -> Vec<(usize, String)> {
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = Vec::new();
+    for (at, _) in text.match_indices("sluice_core::") {
+        let line = text[..at].lines().count().max(1);
+        let rest = &text[at + "sluice_core::".len()..];
+        let Some(group) = rest.strip_prefix('{') else {
+            out.push((line, ident(rest)));
+            continue;
+        };
+        let (mut depth, mut start) = (0usize, 0usize);
+        for (i, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    out.push((line, ident(group[start..i].trim_start())));
+                    break;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.push((line, ident(group[start..i].trim_start())));
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    out.retain(|(_, name)| !name.is_empty());
+    out
+}
+
+#[test]
+fn core_names_reads_paths_and_groups() {
+    let text = "use sluice_core::{Limit, fleet_contract::{self, window_end}};\n\
+                // see sluice_core::policy::keys\nfn f(p: sluice_core::Policy) {}";
+    let names: Vec<String> = core_names(text).into_iter().map(|(_, n)| n).collect();
+    assert_eq!(names, ["Limit", "fleet_contract", "policy", "Policy"]);
+}
+
+/// The sidecar names nothing of the core but the front door's capitalised
+/// re-exports and the fleet contract: it shares a contract with the
+/// filter, not the filter's engine.
+#[test]
+fn the_sidecar_names_only_the_cores_front_door_and_the_fleet_contract() {
+    let door = core_front_door();
+    assert!(door.contains(SIDECAR_CONTRACT), "core/src/lib.rs: {door:?}");
+    let mut stray = Vec::new();
+    let mut seen = 0;
+    let mut dirs = vec![src("gpu-sidecar")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("gpu-sidecar/src") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("a source file");
+            for (line, name) in core_names(&text) {
+                seen += 1;
+                let capitalised = name.starts_with(|c: char| c.is_ascii_uppercase());
+                if !door.contains(&name) || !(capitalised || name == SIDECAR_CONTRACT) {
+                    let shown = path
+                        .strip_prefix(sluice_tests::repo_root())
+                        .unwrap_or(&path);
+                    stray.push(format!("{}:{line}: sluice_core::{name}", shown.display()));
+                }
+            }
+        }
+    }
+    assert!(
+        seen > 0,
+        "the sidecar names nothing of the core: is the scan reading it?"
+    );
+    assert!(
+        stray.is_empty(),
+        "the sidecar reaches past the core's front door (core/src/lib.rs) and its \
+         fleet contract: {}",
+        stray.join("; ")
+    );
 }

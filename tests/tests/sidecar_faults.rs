@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use sluice_core::policy::keys::sha256_hex;
+use sluice_core::bench::sha256_hex;
 use sluice_tests::fleet::{policy, salted, Redis};
 use sluice_tests::{
     get, post_json, prometheus_value, shipped_config_for, wait_for, Envoy, MockLlm, Sidecar,

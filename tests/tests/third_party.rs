@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{json, Value as Json};
-use sluice_core::usage::estimate::input_tokens;
+use sluice_core::bench::input_tokens;
 use sluice_tests::third_party::{guidellm_bin, shipped_config_for_addr, GuidellmServer};
 use sluice_tests::{post_json, request, wait_for, Envoy, EnvoyConfig, Response};
 
@@ -461,9 +461,8 @@ fn guidellm_obeys_the_limit_sluice_lowers_to_at_the_end_of_a_budget() {
     );
     // A hard budget holds the input's bound (default figures: the model
     // states none), not its estimate.
-    let figures = sluice_core::policy::bound::InputBound::default();
-    let rendered =
-        sluice_core::usage::bound::rendered(sluice_core::usage::demand::Api::OpenAiChat, &body);
+    let figures = sluice_core::bench::InputBound::default();
+    let rendered = sluice_core::bench::rendered(sluice_core::bench::Api::OpenAiChat, &body);
     let est = rendered
         .tokens(&figures, None)
         .max(input_tokens(&body).ceil() as u64);

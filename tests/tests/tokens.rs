@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use mock_llm::generate::Api;
 use serde_json::{json, Value as Json};
-use sluice_core::usage::estimate::{input_tokens, text_tokens};
+use sluice_core::bench::{input_tokens, text_tokens};
 use sluice_tests::{
     against, async_client, get, post_json, post_json_async, prometheus_value, runtime, speaking,
     wait_for, EnvoyConfig, Personality, Response, Stack,
@@ -33,7 +33,7 @@ const UNLISTED: &str = "sluice-test-model";
 const BIG: &str = "llama3.1:70b";
 const SMALL: &str = "llama3.1:8b";
 /// The shortest output sluice lowers a request to before refusing it.
-const MIN_LOWERED_OUTPUT: u64 = sluice_core::admission::MIN_LOWERED_OUTPUT;
+const MIN_LOWERED_OUTPUT: u64 = sluice_core::bench::MIN_LOWERED_OUTPUT;
 
 // ---------------------------------------------------------------------------
 // Helpers
@@ -80,9 +80,8 @@ fn estimate(body: &Json) -> u64 {
 /// bound at the default figures (exact for [`UNLISTED`]), never below the
 /// estimate. Rates and soft caps reserve [`estimate`].
 fn bound(body: &Json) -> u64 {
-    let figures = sluice_core::policy::bound::InputBound::default();
-    let rendered =
-        sluice_core::usage::bound::rendered(sluice_core::usage::demand::Api::OpenAiChat, body);
+    let figures = sluice_core::bench::InputBound::default();
+    let rendered = sluice_core::bench::rendered(sluice_core::bench::Api::OpenAiChat, body);
     rendered.tokens(&figures, None).max(estimate(body))
 }
 

@@ -1,4 +1,4 @@
-//! Accuracy of the filter's input-token estimate (`sluice_core::usage::estimate`)
+//! Accuracy of the filter's input-token estimate (`sluice_core::bench::input_tokens`)
 //! against real BPE tokenizers (tiktoken's cl100k_base and o200k_base, both
 //! bundled in `tiktoken-rs`, so this runs offline).
 //!
@@ -262,8 +262,8 @@ pub fn reference_tokens(bpe: &CoreBPE, input: &Input) -> usize {
 /// The filter's estimate of an input.
 pub fn estimate(input: &Input) -> f64 {
     match input {
-        Input::Text(t) => sluice_core::usage::estimate::text_tokens(t),
-        Input::Chat(body) => sluice_core::usage::estimate::input_tokens(body),
+        Input::Text(t) => sluice_core::bench::text_tokens(t),
+        Input::Chat(body) => sluice_core::bench::input_tokens(body),
     }
 }
 

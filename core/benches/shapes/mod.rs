@@ -5,9 +5,8 @@
 #![allow(dead_code)]
 
 use serde_json::{json, Value};
-use sluice_core::flow::Poller;
-use sluice_core::host::mock::MockHost;
-use sluice_core::host::Action;
+use sluice_core::bench::MockHost;
+use sluice_core::{Action, Poller};
 
 pub const T0: u64 = 1_700_000_000_000;
 const HIGH_RATE: &str = "1000000000/s";
@@ -161,7 +160,7 @@ pub fn request_part(
     host: &MockHost,
     get: bool,
     body_len: usize,
-) -> (sluice_core::flow::Request, Action, Action) {
+) -> (sluice_core::Request, Action, Action) {
     let mut req = poller.request().expect("a policy is loaded");
     if get {
         let done = req.on_request_headers(host, true);
@@ -177,7 +176,7 @@ pub fn request_part(
 #[inline(never)]
 pub fn response_part(
     host: &MockHost,
-    mut req: sluice_core::flow::Request,
+    mut req: sluice_core::Request,
     body_len: usize,
 ) -> (Action, Action) {
     let headers_done = req.on_response_headers(host);

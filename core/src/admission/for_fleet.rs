@@ -5,15 +5,6 @@
 use super::*;
 
 impl Engine {
-    /// Ids of the soft caps (they never refuse).
-    pub fn soft_rules(&self) -> Vec<String> {
-        self.buckets
-            .iter()
-            .filter(|b| b.soft)
-            .map(|b| b.rule.id.to_string())
-            .collect()
-    }
-
     /// The meter's units for what a request really used (requests: 1).
     pub fn units(meter: Meter, billed: Billed, price: ModelPrice) -> u64 {
         meter.settled(billed, price)

@@ -65,15 +65,15 @@ use sluice_wire::fleet::{FINGERPRINT_HEADER, FLEET_DATA_LOST, FLEET_MISMATCH, SE
 
 use crate::admission::identity::Identity;
 use crate::admission::{Billed, Engine, Meter, ModelPrice};
+use crate::fleet_contract::{fingerprint, fleet_rules, window_end, FleetRuleDef};
 use crate::host::metrics;
 use crate::host::{Host, LogLevel};
-use crate::limits::bucket::{next_window, Quota};
+use crate::limits::bucket::Quota;
 use crate::limits::lease::{self, Leases};
 use crate::limits::reservation::{Held, LeaseAsk, Placement, Rule, Scope};
 use crate::limits::slot_table::{self, SlotSeen, SlotTable};
 use crate::policy::fleet::{FleetConfig, Unavailable, MIN_SECRET};
-use crate::policy::keys::hex;
-use crate::policy::{Limit, Policy};
+use crate::policy::Limit;
 use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Updated};
 
@@ -96,105 +96,10 @@ const GLOBAL_OWNER: u64 = 1;
 /// `sidecar.authority` names one.
 pub const FLEET_AUTHORITY: &str = "localhost";
 
-/// The end of `limit`'s calendar window at `now_ms`; 0 for a token bucket.
 /// Units as a signed count for lease balances and give-backs (saturated:
 /// a count past `i64::MAX` never turns into its opposite).
 fn units_i64(units: u64) -> i64 {
     i64::try_from(units).unwrap_or(i64::MAX)
-}
-
-pub fn window_end(limit: &Limit, now_ms: u64) -> u64 {
-    limit.window.map_or(0, |w| next_window(w, now_ms))
-}
-
-/// One fleet bucket as the policy defines it: what the filter claims and
-/// what the sidecar checks each claim against (both compile it from the
-/// same policy with this function).
-#[derive(Debug, Clone)]
-pub struct FleetRuleDef {
-    pub rule: Rule,
-    /// A soft cap: taken even past its limit (it never refuses).
-    pub soft: bool,
-}
-
-/// The fleet buckets of a policy: every bucket but the `fleet.local` ones.
-pub fn fleet_rules(engine: &Engine) -> Vec<FleetRuleDef> {
-    let Some(config) = engine.policy.fleet.as_ref() else {
-        return Vec::new();
-    };
-    let soft = engine.soft_rules();
-    engine
-        .rules()
-        .into_iter()
-        .filter(|r| !config.local.iter().any(|l| **l == *r.id))
-        .map(|rule| FleetRuleDef {
-            soft: soft.iter().any(|s| **s == *rule.id),
-            rule,
-        })
-        .collect()
-}
-
-/// The fleet-wide concurrency scopes of a policy and their limits
-/// (`concurrency/<backend>`, `concurrency/<backend>/<model>`).
-pub fn fleet_slots(policy: &Policy) -> Vec<(String, u32)> {
-    let gates = crate::queue::Gates::new(policy);
-    let mut out = Vec::new();
-    for (backend, g) in gates.groups().filter(|(_, g)| g.fleet) {
-        if let Some(l) = g.backend_limit {
-            out.push((crate::queue::slots_scope(backend, None), l));
-        }
-        for (m, l) in &g.model_limits {
-            if let Some(l) = l {
-                out.push((crate::queue::slots_scope(backend, Some(m)), *l));
-            }
-        }
-    }
-    out
-}
-
-/// A hash of what must be equal on every Envoy of a fleet for its counts
-/// to mean one thing: the salt (it names the keys), the expected replicas
-/// (the fair share) and every fleet bucket and slot scope with its limit.
-/// Envoys whose fingerprints differ would count in parallel universes (a
-/// salt on one Envoy only doubles every limit): their sidecars refuse to
-/// count and the Envoys follow `on_unavailable`.
-pub fn fingerprint(engine: &Engine) -> String {
-    use sha2::Digest;
-    let Some(config) = engine.policy.fleet.as_ref() else {
-        return String::new();
-    };
-    let mut lines: Vec<String> = fleet_rules(engine)
-        .iter()
-        .map(|d| {
-            let l = &d.rule.limit;
-            format!(
-                "rule {} {} {} {} {:?} {:?} {}",
-                d.rule.id,
-                l.capacity(),
-                l.rate.amount,
-                l.rate.period_ms,
-                l.window,
-                d.rule.scope,
-                d.soft
-            )
-        })
-        .chain(
-            fleet_slots(&engine.policy)
-                .into_iter()
-                .map(|(id, l)| format!("slots {id} {l}")),
-        )
-        .collect();
-    lines.sort();
-    let mut h = sha2::Sha256::new();
-    h.update(b"sluice-fleet-fingerprint\0");
-    h.update(config.salt.as_bytes());
-    h.update(b"\0");
-    h.update(config.expected_replicas.to_le_bytes());
-    for line in lines {
-        h.update(line.as_bytes());
-        h.update(b"\n");
-    }
-    hex(&h.finalize()[..16])
 }
 
 /// A give line: a lease returned or a settlement delta (> 0 gives back,
@@ -520,7 +425,7 @@ impl Fleet {
         let replicas = config.expected_replicas.max(1);
         let mut rules = HashMap::new();
         let mut lease_keys = Vec::new();
-        for FleetRuleDef { rule, soft } in fleet_rules(engine) {
+        for FleetRuleDef { rule, soft } in fleet_rules(policy) {
             let kind = if rule.limit.window.is_some() {
                 Kind::Budgets
             } else {
@@ -558,7 +463,7 @@ impl Fleet {
             authority,
             rules,
             lease_keys,
-            fingerprint: fingerprint(engine),
+            fingerprint: fingerprint(policy),
             secret: Default::default(),
             take_ids: Default::default(),
             sub: Default::default(),

@@ -618,39 +618,6 @@ fn the_salt_and_the_secret_are_required() {
 }
 
 #[test]
-fn the_fingerprint_changes_with_the_salt_the_replicas_and_the_rules() {
-    let fp = |tiers: Value, fleet: Value| {
-        let p = crate::policy::Policy::from_value(policy(tiers, fleet)).unwrap();
-        fingerprint(&crate::admission::Engine::new(p))
-    };
-    let base = fp(json!({"requests": "10/min"}), json!({}));
-    assert_eq!(base, fp(json!({"requests": "10/min"}), json!({})));
-    assert_ne!(
-        base,
-        fp(
-            json!({"requests": "10/min"}),
-            json!({"salt": "another-salt-0123456789"})
-        )
-    );
-    assert_ne!(
-        base,
-        fp(
-            json!({"requests": "10/min"}),
-            json!({"expected_replicas": 2})
-        )
-    );
-    assert_ne!(base, fp(json!({"requests": "11/min"}), json!({})));
-    // A bucket kept per Envoy is no fleet rule.
-    assert_ne!(
-        base,
-        fp(
-            json!({"requests": "10/min"}),
-            json!({"local": ["tier/t/requests"]})
-        )
-    );
-}
-
-#[test]
 fn a_full_outbox_keeps_charges_before_cancels() {
     // A loaded policy made the outbox key; the fleet is driven directly.
     let (host, _poller) = outage("local_share");

@@ -80,6 +80,7 @@ impl BucketState {
 
     /// Nothing in use: the slot can be given to another principal without
     /// losing anything.
+    #[cfg(test)]
     pub fn is_idle(&self, limit: &Limit, now_ms: u64) -> bool {
         self.at(limit, now_ms).used == 0
     }

@@ -87,10 +87,12 @@ impl Leases {
         })
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.list.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.list.is_empty()
     }

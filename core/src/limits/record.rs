@@ -131,6 +131,7 @@ impl Bundle {
 
     /// Writes the entry of rule `id` (moved to the end: the most recently
     /// written), dropping the oldest beyond [`MAX_ENTRIES`].
+    #[cfg(test)]
     pub fn put(&mut self, id: u64, bytes: Vec<u8>) {
         self.put_with(id, |w| {
             w.bytes(&bytes);

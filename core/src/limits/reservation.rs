@@ -393,6 +393,7 @@ type Taken = Vec<(usize, Held, Quota, bool, Option<Held>)>;
 
 /// The usage a read of the committed count in shared data reports for a
 /// shared bucket (tests and tools): millionths in use, as last written.
+#[cfg(test)]
 pub fn shared_used(store: &dyn SharedStore, rule_id: &str) -> u64 {
     let (bytes, _) = store
         .get(&global_key(scope_of(rule_id)))

@@ -213,6 +213,7 @@ impl Pool {
         self.accounts.iter_mut().find(|a| a.id == group)
     }
 
+    #[cfg(test)]
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_capacity(BucketState::LEN + ACCOUNT_LEN * self.accounts.len());
         self.write(&mut w);
@@ -522,6 +523,7 @@ impl Pool {
     }
 
     /// What `group` holds now, in millionths (tests, the operator's view).
+    #[cfg(test)]
     pub fn held_by(&self, group: u64) -> u64 {
         self.accounts
             .iter()

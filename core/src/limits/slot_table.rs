@@ -49,10 +49,6 @@ impl<'a> SlotTable<'a> {
         }
     }
 
-    pub fn slots(&self) -> u32 {
-        self.slots
-    }
-
     /// The key of `slot` (on every request that claims one: written into
     /// a buffer of its size, the formatter only for the number).
     pub fn key(&self, slot: u32) -> String {

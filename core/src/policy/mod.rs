@@ -45,15 +45,11 @@ use serde::Deserialize;
 pub use crate::policy::anomaly_audit::{AnomalyConfig, AuditConfig};
 pub use crate::policy::fallback::{FallbackConfig, StaticFallback};
 pub(crate) use crate::policy::identity::redact_key;
-pub use crate::policy::identity::{
-    ApiKeyConfig, IdentityConfig, IdentitySource, JwtConfig, KeyEntry, TrustedHeaderConfig,
-    UnknownKeys,
-};
-pub use crate::policy::limit::{Budget, Limit, Mode, Window, MAX_PERIOD_MS};
-pub use crate::policy::models::{default_backend, GpuCost, ModelConfig};
-pub use crate::policy::protection::Credentials;
+pub use crate::policy::identity::{IdentityConfig, IdentitySource, KeyEntry, UnknownKeys};
+pub use crate::policy::limit::{Budget, Limit, Mode, Window};
+pub use crate::policy::models::ModelConfig;
 pub use crate::policy::protection::ProtectionConfig;
-pub use crate::policy::request::{Defaults, RequestConfig, MAX_OUTPUT_CAP};
+pub use crate::policy::request::{Defaults, RequestConfig};
 pub use crate::policy::routes::RouteConfig;
 pub use crate::policy::sidecar::SidecarConfig;
 pub use crate::policy::state::StateConfig;
@@ -324,6 +320,7 @@ fn looks_like_json(bytes: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::protection::Credentials;
     use crate::policy::units::MAX_UNITS;
     use serde_json::json;
 

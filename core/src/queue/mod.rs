@@ -788,6 +788,7 @@ fn change<T: Clone>(
 /// A request arrives for a gated model: take a slot, queue, or refuse.
 /// It goes at once only when nothing waits ahead of it (else arrivals
 /// would overtake the queue).
+#[cfg(test)]
 pub fn enter(store: &dyn SharedStore, g: &Group, tries: u32, a: &Arrival) -> Changed<Entered> {
     enter_checked(store, g, tries, a, &mut |_| true)
 }

@@ -223,6 +223,7 @@ pub const MAX_MODEL_BYTES: usize = 256;
 ///
 /// `output_cap` is the most output one choice may ask for, by model: a
 /// larger maximum is refused, never wrapped or silently trusted.
+#[cfg(test)]
 pub fn parse_body(
     api: Api,
     body: &[u8],

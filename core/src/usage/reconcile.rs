@@ -129,6 +129,7 @@ impl Details {
 /// The detail counts of one response object or stream event. A detail
 /// that is no sane count reads as 0: the totals it belongs to are read
 /// (and checked) on their own, and a part is never charged twice.
+#[cfg(test)]
 pub fn details_in<'a>(v: impl View<'a>) -> Details {
     details(&Heads::of(v))
 }
@@ -346,6 +347,7 @@ fn reported_input<'a, V: View<'a>>(v: &Heads<V>) -> Found {
 }
 
 /// Reads the usage of one response object (a JSON body or one stream event).
+#[cfg(test)]
 pub fn usage_in<'a>(v: impl View<'a>) -> Found {
     usage(&Heads::of(v))
 }

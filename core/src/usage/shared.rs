@@ -29,7 +29,7 @@ pub enum Api {
     /// `/classify`, `/tokenize`, …): input-only work.
     Scoring,
     /// vLLM's (SageMaker's) `/invocations`: chat, completion or embedding
-    /// by the body's shape, resolved by [`parse_body`](super::demand::parse_body).
+    /// by the body's shape, resolved by `demand::parse_body`.
     Invocations,
     /// Not an LLM API sluice reads, let through by the policy's
     /// `passthrough` rule of this index: only request limits apply.

@@ -65,7 +65,8 @@ fn valid_hash(s: &str) -> bool {
 /// `global`). Only the bounds per scope and purges by scope use it;
 /// matching never does (the scope is in every key).
 pub fn scope_id(value: &str) -> String {
-    sluice_core::policy::keys::sha256_hex(value.as_bytes())
+    use sha2::Digest;
+    format!("{:x}", sha2::Sha256::digest(value.as_bytes()))
 }
 
 /// The longest model name taken (a metric label).

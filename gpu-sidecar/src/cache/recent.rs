@@ -39,7 +39,8 @@ impl Recent {
     }
 
     fn key(text: &str) -> String {
-        sluice_core::policy::keys::sha256_hex(text.as_bytes())
+        use sha2::Digest;
+        format!("{:x}", sha2::Sha256::digest(text.as_bytes()))
     }
 
     pub fn get(&self, text: &str) -> Option<Vec<f32>> {

@@ -1,16 +1,15 @@
 //! The sluice policies in a file: a bare policy (YAML or JSON), or every
 //! sluice wasm filter's `configuration` in an Envoy config. Parsed by the
-//! filter's own parser (`sluice_core::policy::Policy`), so a policy is
+//! filter's own parser and load ([`Policy::load`]), so a policy is
 //! refused here exactly when Envoy would refuse it.
 
 use serde_json::Value;
-use sluice_core::admission::Engine;
-use sluice_core::policy::{ConfigError, Policy};
+use sluice_core::{ConfigError, Policy};
 
 /// A policy as the filter loads it: parsed, checked, and compiled (the
 /// checks that need the compiled buckets, such as `fleet.local`, run there).
 pub fn load(value: Value) -> Result<Policy, ConfigError> {
-    Engine::compile(Policy::from_value(value)?).map(|engine| engine.policy)
+    Policy::load(value)
 }
 
 /// The policy with a `fleet` section in `text` (a policy, or an Envoy

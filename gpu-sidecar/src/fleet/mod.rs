@@ -23,7 +23,7 @@
 //!
 //! Three ways a fleet's counts stop meaning one thing are detected rather
 //! than served: Envoys with different salts or rules (each sidecar
-//! publishes a [`fingerprint`](sluice_core::fleet::fingerprint) in Redis
+//! publishes a [`fingerprint`](sluice_core::fleet_contract::fingerprint) in Redis
 //! and refuses to count while a live one differs: `fleet_mismatch`); a
 //! Redis that lost its data (an epoch key written once, checked by every
 //! script; hard budgets of the window it happened in answer
@@ -54,9 +54,8 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
-use sluice_core::fleet::window_end;
-use sluice_core::limits::reservation::Scope as RuleScope;
-use sluice_core::policy::Limit;
+use sluice_core::fleet_contract::{self, window_end};
+use sluice_core::{Limit, Scope as RuleScope};
 use tokio::sync::Mutex;
 
 pub use crate::config::fleet::FleetConfig;
@@ -263,8 +262,10 @@ pub fn redis_key(salt: &str, rule: &str, owner: u64) -> String {
     h.update(rule.as_bytes());
     h.update(b"\0");
     h.update(owner.to_le_bytes());
-    let digest = h.finalize();
-    sluice_core::policy::keys::hex(&digest[..16])
+    // The first 16 bytes, in lower-case hex.
+    let mut hex = format!("{:x}", h.finalize());
+    hex.truncate(32);
+    hex
 }
 
 /// A fleet bucket as this sidecar's policy defines it.
@@ -283,7 +284,7 @@ pub struct PolicyView {
     replicas: u64,
     rules: HashMap<String, ViewRule>,
     slots: HashMap<String, u32>,
-    /// [`sluice_core::fleet::fingerprint`] of the policy.
+    /// [`sluice_core::fleet_contract::fingerprint`] of the policy.
     pub fingerprint: String,
 }
 
@@ -295,16 +296,11 @@ impl PolicyView {
         Ok(PolicyView::of(policy))
     }
 
-    pub fn of(policy: sluice_core::policy::Policy) -> PolicyView {
-        let engine = sluice_core::admission::Engine::new(policy);
-        let (salt, replicas) = engine
-            .policy
-            .fleet
-            .as_ref()
-            .map_or((String::new(), 1), |f| {
-                (f.salt.clone(), f.expected_replicas.max(1))
-            });
-        let rules = sluice_core::fleet::fleet_rules(&engine)
+    pub fn of(policy: sluice_core::Policy) -> PolicyView {
+        let (salt, replicas) = policy.fleet.as_ref().map_or((String::new(), 1), |f| {
+            (f.salt.clone(), f.expected_replicas.max(1))
+        });
+        let rules = fleet_contract::fleet_rules(&policy)
             .into_iter()
             .map(|d| {
                 (
@@ -318,10 +314,8 @@ impl PolicyView {
             })
             .collect();
         PolicyView {
-            slots: sluice_core::fleet::fleet_slots(&engine.policy)
-                .into_iter()
-                .collect(),
-            fingerprint: sluice_core::fleet::fingerprint(&engine),
+            slots: fleet_contract::fleet_slots(&policy).into_iter().collect(),
+            fingerprint: fleet_contract::fingerprint(&policy),
             salt,
             replicas,
             rules,
@@ -1103,7 +1097,7 @@ pub(crate) mod tests {
             "sidecar": {"cluster": "sc"},
             "fleet": {"salt": salt, "expected_replicas": 2},
         });
-        PolicyView::of(sluice_core::policy::Policy::from_value(policy).unwrap())
+        PolicyView::of(sluice_core::Policy::from_value(policy).unwrap())
     }
 
     #[test]

@@ -15,10 +15,7 @@
 
 use serde_json::{json, Value};
 use sluice_bench_estimator::{corpus, reference_tokens, tokenizers, Input, CLASSES};
-use sluice_core::policy::bound::InputBound;
-use sluice_core::usage::bound::rendered;
-use sluice_core::usage::demand::Api;
-use sluice_core::usage::estimate::input_tokens;
+use sluice_core::bench::{input_tokens, rendered, Api, InputBound};
 
 const BUDGET: f64 = 5_000.0;
 const MAX_TOKENS: f64 = 256.0;
