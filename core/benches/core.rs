@@ -100,14 +100,14 @@ fn admission(c: &mut Criterion) {
                     now_ms: 1_000,
                 },
             );
-            if let Some(plan) = v.plan {
+            if let Some(plan) = v.plan() {
                 let usage = sluice_core::usage::reconcile::Found::Usage(
                     sluice_core::usage::reconcile::Usage {
                         input: 500,
                         output: 100,
                     },
                 );
-                e.settle(&store, &plan, usage, 0, true, 1_000);
+                e.settle(&store, plan, usage, 0, true, 1_000);
             }
         })
     });
@@ -130,10 +130,10 @@ fn admission(c: &mut Criterion) {
                     now_ms: 1_000,
                 },
             );
-            if let Some(plan) = v.plan {
+            if let Some(plan) = v.plan() {
                 e.settle(
                     &store,
-                    &plan,
+                    plan,
                     sluice_core::usage::reconcile::Found::Nothing,
                     10,
                     true,
@@ -165,10 +165,10 @@ fn admission(c: &mut Criterion) {
                     now_ms: 1_000,
                 },
             );
-            if let Some(plan) = v.plan {
+            if let Some(plan) = v.plan() {
                 e.settle(
                     &store,
-                    &plan,
+                    plan,
                     sluice_core::usage::reconcile::Found::Nothing,
                     10,
                     true,

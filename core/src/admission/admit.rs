@@ -44,7 +44,7 @@ struct Sized {
 /// any downshift), the rung that serves it, the price it is reserved at,
 /// whether its output was lowered, whether sluice asked for the usage
 /// chunk, and the tier whose estimate it teaches.
-struct Admitted<'a> {
+struct How<'a> {
     model: Option<String>,
     served: Option<&'a Served>,
     price: ModelPrice,
@@ -235,7 +235,7 @@ impl Engine {
                 (Some((reservation.held, meters)), None)
             }
             Some(a) => {
-                let how = Admitted {
+                let how = How {
                     model: model.clone(),
                     served,
                     price,
@@ -249,20 +249,16 @@ impl Engine {
                 )
             }
         };
-        Verdict {
-            reply: None,
+        Verdict::Admit(Admitted {
             response_headers: headers,
             body,
             labels: labels(Decision::Admit),
             contention: effort,
-            no_slot: false,
             plan,
             alerts,
             degraded,
-            bucket: None,
-            retry_after_ms: None,
             held,
-        }
+        })
     }
 
     /// What an admitted request with a body keeps until it is settled.
@@ -272,7 +268,7 @@ impl Engine {
         sized: &Sized,
         held: Vec<Held>,
         taken: &[usize],
-        how: Admitted<'_>,
+        how: How<'_>,
     ) -> Plan {
         Plan {
             held,
@@ -404,26 +400,26 @@ impl Engine {
         mut effort: Contention,
         now_ms: u64,
     ) -> Verdict {
-        let (index, refused) = match refusal {
+        let refused = match refusal {
             Refusal::NoSlot {
                 index,
                 retry_after_ms,
             } => {
                 let bucket = &self.buckets[taken[index]];
-                let refused = Refused::CapacityExhausted {
+
+                Refused::CapacityExhausted {
                     retry_after_ms,
                     tier: identity.tier.clone(),
                     bucket: bucket.name.clone(),
+                    rule: bucket.rule.id.to_string(),
                     now_ms,
-                };
-                (index, refused)
+                }
             }
             Refusal::Full { index, shortfall } => {
                 let bucket = &self.buckets[taken[index]];
                 let (quota, retry_after_ms) = (shortfall.quota, shortfall.retry_after_ms);
-                let refused =
-                    self.bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
-                (index, refused)
+
+                self.bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms)
             }
             // Lost every CAS race (counted where it was lost) or the host
             // refused the write (counted here): refuse by that bucket,
@@ -438,14 +434,12 @@ impl Engine {
                     remaining: 0,
                     reset_ms: 1_000,
                 };
-                let refused = self.bucket_refusal(bucket, quota, 1_000, &identity.tier, now_ms);
-                (index, refused)
+
+                self.bucket_refusal(bucket, quota, 1_000, &identity.tier, now_ms)
             }
         };
-        let mut verdict = self.refuse(&refused, &identity.tier, model);
-        verdict.contention = effort;
-        verdict.no_slot = matches!(refused, Refused::CapacityExhausted { .. });
-        verdict.bucket = Some(self.buckets[taken[index]].rule.id.to_string());
+        let mut verdict = self.refuse(refused, &identity.tier, model);
+        *verdict.contention_mut() = effort;
         verdict
     }
 
@@ -578,7 +572,7 @@ impl Engine {
         );
         let refused = Refused::unavailable(Reason::GlobalBreakerOpen, why, retry_after_s);
         let model = asked.and_then(|a| a.demand.model.as_deref());
-        Some(self.refuse(&refused, &identity.tier, model))
+        Some(self.refuse(refused, &identity.tier, model))
     }
 
     /// The learned estimate correction of a configured model for callers

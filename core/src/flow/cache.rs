@@ -541,13 +541,13 @@ impl Stream {
             model: wait.model.clone(),
             asked,
         };
-        if verdict.reply.is_some() {
+        if !verdict.is_admitted() {
             hit.refused(host);
             self.finish(host, verdict);
             return;
         }
         // The fleet's buckets count the hit as they count any request.
-        let held = verdict.plan.as_ref().map(|p| (&p.held, &p.meters));
+        let held = verdict.plan().map(|p| (&p.held, &p.meters));
         let (Some(fleet), Some((held, meters))) = (filter.fleet.as_ref(), held) else {
             return self.deliver_hit(host, hit, verdict, Vec::new());
         };
@@ -586,7 +586,7 @@ impl Stream {
             return;
         };
         let kind = hit.kind;
-        if let Some(plan) = verdict.plan.take() {
+        if let Some(plan) = verdict.take_plan() {
             let found = Found::Usage(Usage {
                 input: hit.input,
                 output: hit.output,
@@ -627,7 +627,9 @@ impl Stream {
             ("x-sluice-cache-kind", kind),
             ("age", age.as_str()),
         ];
-        headers.extend(verdict.response_headers.iter());
+        if let Some(admitted) = verdict.admitted() {
+            headers.extend(admitted.response_headers.iter());
+        }
         headers.retain(|(_, v)| !v.is_empty());
         // The reply passes the response callbacks: nothing to store.
         self.cache_store = None;

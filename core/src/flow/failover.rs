@@ -156,7 +156,7 @@ impl Stream {
         let Some(cfg) = engine.policy.failover.as_ref() else {
             return;
         };
-        if cfg.attempts < 2 || verdict.reply.is_some() || asked.is_none() {
+        if cfg.attempts < 2 || !verdict.is_admitted() || asked.is_none() {
             return;
         }
         let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
@@ -330,14 +330,14 @@ impl Stream {
         self.release_attempt(host, now);
         let (mut verdict, rung) =
             self.admit_again(host, (&identity, r), now, Again::Down(next.map(Box::new)));
-        count_contention(host, verdict.contention);
+        count_contention(host, verdict.contention());
         let failed = r.failed.join(",");
         mark_failed(&mut verdict, &failed);
         self.audit.text(super::audit::Field::Failed, &failed);
-        let Some(served) = rung.filter(|_| verdict.reply.is_none()) else {
+        let Some(served) = rung.filter(|_| verdict.is_admitted()) else {
             // The static answer, or a refusal the rung's admission gave
             // (the caller's own budget cannot pay it there).
-            let outcome = if verdict.degraded.is_some() {
+            let outcome = if verdict.degraded().is_some() {
                 "static"
             } else {
                 "exhausted"
@@ -365,11 +365,11 @@ impl Stream {
         };
         self.release_attempt(host, now);
         let (mut verdict, _) = self.admit_again(host, (&identity, r), now, Again::Same);
-        count_contention(host, verdict.contention);
+        count_contention(host, verdict.contention());
         let failed = r.failed.join(",");
         mark_failed(&mut verdict, &failed);
         self.audit.text(super::audit::Field::Failed, &failed);
-        if verdict.reply.is_some() {
+        if !verdict.is_admitted() {
             metrics::FAILOVER.add_at(host, &["exhausted"], 1);
             r.holding = false;
             self.answer_here(host, verdict);
@@ -393,7 +393,7 @@ impl Stream {
         now: u64,
     ) -> Next {
         let filter = self.filter.clone();
-        let held = verdict.plan.as_ref().map(|p| (&p.held, &p.meters));
+        let held = verdict.plan().map(|p| (&p.held, &p.meters));
         let gate = match (filter.fleet.as_ref(), held, self.identity.as_deref()) {
             (Some(fleet), Some((held, meters)), Some(identity)) => {
                 fleet.admit(&filter.engine, host, held, meters, identity, now)
@@ -429,7 +429,7 @@ impl Stream {
         deadline: u64,
         claims: Vec<crate::fleet::Claimed>,
     ) -> Next {
-        let body = verdict.body.take().unwrap_or_else(|| r.asked.raw.clone());
+        let body = verdict.take_body().unwrap_or_else(|| r.asked.raw.clone());
         let timeout = deadline.saturating_sub(host.now_ms());
         let Some(token) = self.send_attempt(host, verdict, body, served.as_deref(), timeout) else {
             return Next::Exhausted;
@@ -608,8 +608,8 @@ impl Stream {
         if let Some(r) = self.resend.as_mut() {
             r.holding = false;
         }
-        if let Some(reply) = &verdict.reply {
-            super::send_reply(host, reply);
+        if let Some(reply) = verdict.into_reply() {
+            super::send_reply(host, &reply);
         }
         self.phase = Phase::Answered;
         self.release_slot(host);
@@ -650,7 +650,7 @@ impl Stream {
                     LogLevel::Warn,
                     &format!("failover to {provider} could not start: {why}"),
                 );
-                if let Some(plan) = &verdict.plan {
+                if let Some(plan) = verdict.plan() {
                     count_contention(host, engine.release(host, plan, host.now_ms()));
                 }
                 metrics::FAILOVER.add_at(host, &["exhausted"], 1);
@@ -661,20 +661,18 @@ impl Stream {
         if let Some(served) = served {
             metrics::PROVIDER_REQUESTS.add_at(host, &[&served.provider, "served"], 1);
             add(host, metrics::REROUTED, 1);
-            verdict
-                .response_headers
-                .push("x-sluice-provider", &served.provider);
+            verdict.push_header("x-sluice-provider", &served.provider);
             self.audit
                 .text(super::audit::Field::Provider, &served.provider);
         }
-        let plan = verdict.plan.filter(|p| engine.settles(p));
+        let plan = verdict.take_plan().filter(|p| engine.settles(p));
         if plan.is_some() {
             add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
         }
         self.cache_store = None;
         if let Some(up) = self.upstream() {
             up.plan = plan;
-            up.response_headers = verdict.response_headers;
+            up.response_headers = verdict.into_response_headers();
             up.meter = None;
         }
         Some(token)
@@ -804,12 +802,7 @@ impl Stream {
         let (mut verdict, rung) =
             self.admit_again(host, (&identity, &r), now, Again::Down(next.map(Box::new)));
         let skipped = format!("{provider}=budget");
-        match verdict.reply.as_mut() {
-            Some(reply) => reply
-                .headers
-                .push(("x-sluice-skipped".to_string(), skipped)),
-            None => verdict.response_headers.push("x-sluice-skipped", &skipped),
-        }
+        verdict.push_header("x-sluice-skipped", &skipped);
         r.on = rung.as_deref().cloned();
         self.resend = Some(r);
         let body_len = self.sent_len;
@@ -819,12 +812,7 @@ impl Stream {
 
 /// Adds the rungs that failed to the verdict's `x-sluice-failed`.
 fn mark_failed(verdict: &mut Verdict, failed: &str) {
-    match verdict.reply.as_mut() {
-        Some(reply) => reply
-            .headers
-            .push(("x-sluice-failed".to_string(), failed.to_string())),
-        None => verdict.response_headers.push("x-sluice-failed", failed),
-    }
+    verdict.push_header("x-sluice-failed", failed);
 }
 
 /// The client's request headers an attempt carries: all but, to a

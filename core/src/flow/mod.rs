@@ -31,7 +31,7 @@ use crate::admission::identity::{Identity, RequestView};
 use crate::admission::ladder::{Served, Skip};
 use crate::admission::pushback::UpstreamReply;
 use crate::admission::route::{self, Pushback, SidecarSeen};
-use crate::admission::{Engine, RequestContext, Routed, Verdict};
+use crate::admission::{Admitted, Engine, RequestContext, Routed, Verdict};
 use crate::host::metrics::{self, Metric};
 use crate::host::{Action, Headers, Host, LogLevel};
 use crate::policy::Policy;
@@ -127,10 +127,13 @@ fn send_reply(host: &dyn Host, reply: &crate::admission::answer::Reply) {
 /// Gives back what an admitted verdict holds locally (a body request's
 /// plan, or what a GET took): it will not go upstream after all.
 fn release_local(host: &dyn Host, engine: &Engine, verdict: &Verdict, now: u64) {
-    if let Some(plan) = &verdict.plan {
+    let Verdict::Admit(admitted) = verdict else {
+        return;
+    };
+    if let Some(plan) = &admitted.plan {
         count_contention(host, engine.release(host, plan, now));
     }
-    if let Some((held, _)) = &verdict.held {
+    if let Some((held, _)) = &admitted.held {
         count_contention(host, engine.release_held(host, held, now));
     }
 }
@@ -1254,25 +1257,24 @@ impl Stream {
     fn finish(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
         self.phase = Phase::Answered;
         self.record(host, &verdict);
-        if verdict.reply.is_none() && self.engine().policy.anomaly.is_some() {
+        if verdict.is_admitted() && self.engine().policy.anomaly.is_some() {
             // Admission passed the global breaker: it is closed now (else
             // the gauge would stay at 1 after the hour's window let spend
             // fall under the ceiling, until a settlement).
             set_gauge(host, metrics::GLOBAL_BREAKER, 0);
         }
         self.audit_decision(&verdict);
-        if verdict.reply.is_some() {
-            // Refused after it took a slot (a budget at dispatch).
-            self.release_slot(host);
-            // A local answer (a refusal, the static answer) is never cached.
-            self.cache_store = None;
-        }
-        match verdict.reply {
-            Some(reply) => {
-                send_reply(host, &reply);
+        match verdict {
+            Verdict::Answer(answered) => {
+                // Refused after it took a slot (a budget at dispatch).
+                self.release_slot(host);
+                // A local answer (a refusal, the static answer) is never
+                // cached.
+                self.cache_store = None;
+                send_reply(host, &answered.into_reply());
                 Action::Pause
             }
-            None => {
+            Verdict::Admit(verdict) => {
                 let mut response_headers = verdict.response_headers;
                 if let Some(waited) = self.gate.as_ref().map(|g| g.waited_ms) {
                     response_headers.push_number("x-sluice-queued-ms", waited);
@@ -1339,7 +1341,7 @@ impl Stream {
 
     /// The decision's metrics.
     fn record(&self, host: &dyn Host, verdict: &Verdict) {
-        let l = &verdict.labels;
+        let l = verdict.labels();
         metrics::REQUESTS.add_at(
             host,
             &[
@@ -1350,18 +1352,18 @@ impl Stream {
             ],
             1,
         );
-        count_contention(host, verdict.contention);
+        count_contention(host, verdict.contention());
         add(
             host,
             metrics::CAPACITY_EXHAUSTED,
-            i64::from(verdict.no_slot),
+            i64::from(verdict.no_slot()),
         );
         add(
             host,
             metrics::BUDGET_ALERTS,
-            i64::from(!verdict.alerts.is_empty()),
+            i64::from(!verdict.alerts().is_empty()),
         );
-        if let Some(bucket) = &verdict.bucket {
+        if let Some(bucket) = verdict.bucket() {
             metrics::REFUSALS.add_at(host, &[bucket], 1);
         }
         if let Some(id) = self
@@ -1384,10 +1386,10 @@ impl Stream {
         if l.decision == Decision::Refuse(Reason::GlobalBreakerOpen) {
             set_gauge(host, metrics::GLOBAL_BREAKER, 1);
         }
-        if let Some(kind) = verdict.degraded {
+        if let Some(kind) = verdict.degraded() {
             metrics::DEGRADED.add_at(host, &[kind.code(), &l.tier, &l.model], 1);
         }
-        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+        if let Some(plan) = verdict.plan() {
             let tokens = |direction| [direction, "estimated", l.tier.as_str(), l.model.as_str()];
             metrics::TOKENS.add_at(host, &tokens("input"), plan.input_estimate as i64);
             metrics::TOKENS.add_at(host, &tokens("output"), plan.max_output as i64);
@@ -1400,7 +1402,7 @@ impl Stream {
         if self.engine().policy.audit.is_none() {
             return;
         }
-        let l = &verdict.labels;
+        let l = verdict.labels();
         let record = &mut self.audit;
         record.code(Field::Decision, l.decision.code());
         record.code(Field::Reason, l.decision.reason_code());
@@ -1415,13 +1417,13 @@ impl Stream {
                 record.text(Field::Org, org);
             }
         }
-        if let Some(bucket) = &verdict.bucket {
+        if let Some(bucket) = verdict.bucket() {
             record.text(Field::Bucket, bucket);
         }
-        if let Some(kind) = verdict.degraded {
+        if let Some(kind) = verdict.degraded() {
             record.code(Field::Degraded, kind.code());
         }
-        if let Some(plan) = verdict.plan.as_ref().filter(|_| verdict.reply.is_none()) {
+        if let Some(plan) = verdict.plan() {
             let served = plan.rung.as_ref().and_then(|(_, m)| m.as_deref());
             record.text(
                 Field::ModelServed,
@@ -1616,9 +1618,9 @@ impl Stream {
         watch: Option<Watch>,
     ) -> Action {
         let mut watched = None;
-        if verdict.reply.is_none() {
+        if let Verdict::Admit(admitted) = &mut verdict {
             if let Some(served) = rung {
-                self.reroute(host, &mut verdict, served);
+                self.reroute(host, admitted, served);
                 // Another provider's answer is not the primary's to cache.
                 self.cache_store = None;
             } else {
@@ -1626,7 +1628,7 @@ impl Stream {
             }
         }
         self.sent_len = body_len;
-        if let Some(new_body) = verdict.body.take() {
+        if let Some(new_body) = verdict.take_body() {
             // The upstream gets the rewritten request (model, max output,
             // usage in streams); its length changes with it.
             host.replace_request_body(body_len, &new_body);
@@ -1641,17 +1643,15 @@ impl Stream {
     fn fleet_gate(&mut self, host: &dyn Host, verdict: Verdict, watch: Option<Watch>) -> Action {
         let filter = self.filter.clone();
         // A body request's plan, or what a GET took.
-        let held = verdict
-            .plan
-            .as_ref()
-            .map(|p| (&p.held, &p.meters))
-            .or(verdict.held.as_ref().map(|(h, m)| (h, m)));
-        let (Some(fleet), Some((held, meters)), None, Some(identity)) = (
-            filter.fleet.as_ref(),
-            held,
-            verdict.reply.as_ref(),
-            self.identity.clone(),
-        ) else {
+        let held = verdict.admitted().and_then(|a| {
+            a.plan
+                .as_ref()
+                .map(|p| (&p.held, &p.meters))
+                .or(a.held.as_ref().map(|(h, m)| (h, m)))
+        });
+        let (Some(fleet), Some((held, meters)), Some(identity)) =
+            (filter.fleet.as_ref(), held, self.identity.clone())
+        else {
             return self.finish_onward(host, verdict, watch, Vec::new());
         };
         let now = self.started_ms;
@@ -1779,7 +1779,7 @@ impl Stream {
     ) -> Action {
         let engine = &self.filter.engine;
         let now = host.now_ms();
-        let model = verdict.plan.as_ref().and_then(|p| p.model.clone());
+        let model = verdict.plan().and_then(|p| p.model.clone());
         release_local(host, engine, &verdict, now);
         if let Some(action) = self.fleet_refused_rung(host, rule) {
             self.give_back_probe(host, watch);
@@ -1801,7 +1801,7 @@ impl Stream {
     /// A rung of the ladder: the request goes to that provider's route
     /// (header + route cache refresh), without the client's credentials
     /// (Envoy's route injects the provider's).
-    fn reroute(&self, host: &dyn Host, verdict: &mut Verdict, served: &Served) {
+    fn reroute(&self, host: &dyn Host, verdict: &mut Admitted, served: &Served) {
         for credential in CLIENT_CREDENTIALS.iter().chain(&failover::ACCOUNT_HEADERS) {
             host.set_request_header(credential, None);
         }

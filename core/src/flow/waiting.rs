@@ -376,7 +376,7 @@ impl Stream {
                 "x-sluice-max-wait-ms must be a whole number of milliseconds.",
                 Some(MAX_WAIT_HEADER),
             );
-            let verdict = engine.refuse(&refused, &identity.tier, Some(model));
+            let verdict = engine.refuse(refused, &identity.tier, Some(model));
             return (Gated::Answered(Box::new(verdict)), None);
         };
         let class = class_of(&filter, identity, &view);
@@ -440,7 +440,7 @@ impl Stream {
             refused => {
                 let refused = gate_refusal(engine, &refused, model, now);
                 count(host, "rejected", refused.reason().code(), &gate);
-                let verdict = engine.refuse(&refused, &identity.tier, Some(model));
+                let verdict = engine.refuse(refused, &identity.tier, Some(model));
                 (Gated::Answered(Box::new(verdict)), None)
             }
         }
@@ -504,7 +504,7 @@ impl Stream {
         now: u64,
     ) -> bool {
         let until = pushback.record.paused_until_ms;
-        let paused = verdict.labels.decision
+        let paused = verdict.labels().decision
             == crate::admission::answer::Decision::Refuse(Reason::UpstreamPaused);
         if !paused || until <= now || pushback.credential_paused_until_ms > now {
             return false;
@@ -541,7 +541,7 @@ impl Stream {
         let message = "Too many large requests are waiting here: this one's body cannot be held \
                        until its turn. Try again in 1 s.";
         let refused = Refused::retry_later(Reason::QueueFull, message, 1);
-        let verdict = self.filter.engine.refuse(&refused, &identity.tier, model);
+        let verdict = self.filter.engine.refuse(refused, &identity.tier, model);
         self.finish(host, verdict)
     }
 
@@ -637,7 +637,7 @@ impl Stream {
             // An upstream pause is the queue's to wait out; other answers
             // (open breaker, static) are what a new request gets.
             Routed::Answered(v) => {
-                v.labels.decision
+                v.labels().decision
                     != crate::admission::answer::Decision::Refuse(Reason::UpstreamPaused)
             }
             Routed::Primary | Routed::Probe => false,
@@ -746,7 +746,7 @@ impl Stream {
             .map(|i| i.tier.clone())
             .unwrap_or_default();
         let model = g.model.clone();
-        let verdict = self.filter.engine.refuse(&refused, &tier, Some(&model));
+        let verdict = self.filter.engine.refuse(refused, &tier, Some(&model));
         self.finish(host, verdict);
     }
 
@@ -865,9 +865,7 @@ impl Stream {
 /// The `Retry-After` (ms) of a bucket's 429: how long until it would let
 /// the request through.
 fn bucket_retry_ms(verdict: &Verdict) -> Option<u64> {
-    verdict.bucket.as_ref()?;
-    verdict.reply.as_ref().filter(|r| r.status == 429)?;
-    verdict.retry_after_ms
+    verdict.bucket_retry_ms()
 }
 
 /// Acts on the waiter of `ticket`, taken out of this VM's map, with its
@@ -1162,7 +1160,7 @@ fn declined_gate(
     count(
         host,
         "rejected",
-        verdict.labels.decision.reason_code(),
+        verdict.labels().decision.reason_code(),
         &gate,
     );
     (Gated::Answered(Box::new(verdict)), None)
