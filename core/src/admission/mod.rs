@@ -93,7 +93,7 @@ pub struct BudgetAlert {
 
 /// What to do with a request: send it on ([`Admitted`]), or answer it
 /// here ([`Answered`]). A refusal stays typed until the edge renders it
-/// ([`Answered::reply`]), so what the queue and the metrics read of it
+/// ([`Answered::into_reply`]), so what the queue and the metrics read of it
 /// (its bucket, its wait) comes from the decision, never from its text.
 #[derive(Debug, Clone)]
 // The admitted side is the common one: boxing it would add an allocation

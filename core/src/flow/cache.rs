@@ -20,7 +20,7 @@ use serde_json::Value;
 use sluice_wire::cache::{Entry, LookupAnswer, LookupRequest, Semantic, StoreRequest};
 
 use super::Stream;
-use crate::admission::{Asked, RequestContext};
+use crate::admission::Asked;
 use crate::cache::answer::{self as cache_answer, Rendered};
 use crate::cache::key as cache_key;
 use crate::cache::tier::{self as cache_tier, Lookup as InEnvoy, Tier};
@@ -28,34 +28,33 @@ use crate::host::metrics;
 use crate::host::{Action, Host, LogLevel};
 use crate::policy::cache::CacheCaller;
 use crate::usage::demand::Api;
-use crate::usage::reconcile::{Found, Usage};
 
 /// A lookup in flight.
 pub(super) struct Wait {
-    token: u32,
+    pub(super) token: u32,
     /// The exact key (hex), for the flight of a miss (`flight`).
-    key: String,
-    asked: Option<Asked>,
-    api: Api,
-    model: String,
-    stream: bool,
-    include_usage: bool,
+    pub(super) key: String,
+    pub(super) asked: Option<Asked>,
+    pub(super) api: Api,
+    pub(super) model: String,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
 }
 
 /// A hit admitted locally, kept while the fleet decides.
 pub(super) struct HeldHit {
-    rendered: Rendered,
-    prompt_tokens: u64,
-    completion_tokens: u64,
+    pub(super) rendered: Rendered,
+    pub(super) prompt_tokens: u64,
+    pub(super) completion_tokens: u64,
     /// What the hit is charged (its `hit_cost`).
-    input: u64,
-    output: u64,
-    age_s: u64,
-    kind: &'static str,
+    pub(super) input: u64,
+    pub(super) output: u64,
+    pub(super) age_s: u64,
+    pub(super) kind: &'static str,
     /// The model as metrics name it (`Engine::model_label`).
-    label: String,
-    model: String,
-    asked: Option<Asked>,
+    pub(super) label: String,
+    pub(super) model: String,
+    pub(super) asked: Option<Asked>,
 }
 
 impl HeldHit {
@@ -102,7 +101,7 @@ enum Framing {
     Ndjson,
 }
 
-fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
+pub(super) fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
     match k {
         sluice_wire::cache::Kind::Exact => "exact",
         sluice_wire::cache::Kind::Semantic => "semantic",
@@ -112,7 +111,7 @@ fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
 /// Sends a lookup or a store to the sidecar: through the fleet's channel
 /// (its secret and fingerprint) in fleet mode, else straight to the
 /// sidecar cluster.
-fn post_to_sidecar(
+pub(super) fn post_to_sidecar(
     filter: &super::Filter,
     sidecar: &crate::policy::SidecarConfig,
     host: &dyn Host,
@@ -178,14 +177,17 @@ pub(super) fn prepare(host: &dyn Host, engine: &crate::admission::Engine) -> Res
 
 /// The tier in Envoy for this request's rule: single-Envoy mode only
 /// (fleet mode keeps entries in Redis, shared by every Envoy).
-fn tier_for(filter: &super::Filter, rule: &crate::policy::cache::CacheRule) -> Option<Tier> {
+pub(super) fn tier_for(
+    filter: &super::Filter,
+    rule: &crate::policy::cache::CacheRule,
+) -> Option<Tier> {
     let c = filter.engine.policy.cache_compiled.as_ref()?.in_envoy?;
     (filter.fleet.is_none() && rule.exact).then(|| Tier::new(c))
 }
 
 /// The sidecar's cache generation, as its last state push said (0 before
 /// any): entries in Envoy answer only under the one they were stored in.
-fn generation(filter: &super::Filter, host: &dyn Host) -> u64 {
+pub(super) fn generation(filter: &super::Filter, host: &dyn Host) -> u64 {
     filter
         .seen(host)
         .state
@@ -195,12 +197,12 @@ fn generation(filter: &super::Filter, host: &dyn Host) -> u64 {
 
 /// The model as metrics name it: the client's name only for a model the
 /// policy knows, so a client cannot mint label values.
-fn policy_label(filter: &super::Filter, model: &str) -> String {
+pub(super) fn policy_label(filter: &super::Filter, model: &str) -> String {
     filter.engine.model_label(Some(model))
 }
 
 /// Whether a streaming request asked for the usage chunk.
-fn include_usage(body: &Value) -> bool {
+pub(super) fn include_usage(body: &Value) -> bool {
     crate::usage::demand::include_usage(body)
 }
 
@@ -341,7 +343,7 @@ impl Stream {
 
     /// The tier in Envoy, first: `Some` when it decided (a hit served, or
     /// a miss with nothing more to ask), `None`: ask the sidecar.
-    fn tier_first(
+    pub(super) fn tier_first(
         &mut self,
         host: &dyn Host,
         tier: Option<Tier>,
@@ -364,7 +366,7 @@ impl Stream {
     }
 
     /// The lookup callout; the request pauses until its answer.
-    fn ask_sidecar(
+    pub(super) fn ask_sidecar(
         &mut self,
         host: &dyn Host,
         sidecar: &crate::policy::SidecarConfig,
@@ -391,7 +393,13 @@ impl Stream {
 
     /// The exact tier in Envoy: a hit is served here at once (no callout);
     /// what it found otherwise. A hit that cannot be rendered is a miss.
-    fn tier_lookup(&mut self, host: &dyn Host, tier: &Tier, key: &str, wait: &Wait) -> InEnvoy {
+    pub(super) fn tier_lookup(
+        &mut self,
+        host: &dyn Host,
+        tier: &Tier,
+        key: &str,
+        wait: &Wait,
+    ) -> InEnvoy {
         let Some(raw) = cache_tier::key_of_hex(key) else {
             return InEnvoy::Miss;
         };
@@ -486,189 +494,6 @@ impl Stream {
         if self.decide(host, &body) == Action::Continue {
             host.resume_request();
         }
-    }
-
-    /// A hit: admission at the hit's cost (locally, then in fleet mode
-    /// fleet-wide, like a normal request), then the stored answer.
-    fn serve_hit(
-        &mut self,
-        host: &dyn Host,
-        wait: &Wait,
-        rendered: Rendered,
-        entry: &Entry,
-        age_s: u64,
-        kind: &'static str,
-    ) {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let Some(identity) = self.identity.clone() else {
-            return;
-        };
-        let cost = engine
-            .policy
-            .cache_compiled
-            .as_ref()
-            .map(|c| c.hit_cost)
-            .unwrap_or_default();
-        let mut asked = wait.asked.clone();
-        if let Some(a) = asked.as_mut().filter(|_| !cost.tokens) {
-            a.input_raw = 0.0;
-            a.rendered.free = true;
-            a.demand.max_output = Some(0);
-        }
-        let (input, output) = if cost.tokens {
-            (entry.prompt_tokens, entry.completion_tokens)
-        } else {
-            (0, 0)
-        };
-        let ctx = RequestContext {
-            identity: &identity,
-            api: self.api,
-            path: &self.path,
-            asked: asked.as_ref(),
-            now_ms: self.started_ms,
-        };
-        let verdict = engine.admit(host, &ctx);
-        let hit = HeldHit {
-            rendered,
-            prompt_tokens: entry.prompt_tokens,
-            completion_tokens: entry.completion_tokens,
-            input,
-            output,
-            age_s,
-            kind,
-            label: engine.model_label(Some(&wait.model)),
-            model: wait.model.clone(),
-            asked,
-        };
-        if !verdict.is_admitted() {
-            hit.refused(host);
-            self.finish(host, verdict);
-            return;
-        }
-        // The fleet's buckets count the hit as they count any request.
-        let held = verdict.plan().map(|p| (&p.held, &p.meters));
-        let (Some(fleet), Some((held, meters))) = (filter.fleet.as_ref(), held) else {
-            return self.deliver_hit(host, hit, verdict, Vec::new());
-        };
-        match fleet.admit(engine, host, held, meters, &identity, self.started_ms) {
-            crate::fleet::Gate::Pass(claims) => self.deliver_hit(host, hit, verdict, claims),
-            crate::fleet::Gate::Wait(pending) => {
-                if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
-                    calls.insert(pending.token, (self.me.clone(), self.context_id));
-                }
-                self.phase = super::Phase::Fleet(Box::new(super::FleetWait {
-                    pending,
-                    verdict,
-                    watch: None,
-                    hit: Some(hit),
-                }));
-            }
-            crate::fleet::Gate::Refuse { rule, quota } => {
-                hit.refused(host);
-                self.fleet_refuse(host, verdict, None, &rule, quota);
-            }
-        }
-    }
-
-    /// An admitted hit: its reservation (and fleet claims) settled at the
-    /// hit's cost, then the stored answer sent.
-    pub(super) fn deliver_hit(
-        &mut self,
-        host: &dyn Host,
-        hit: HeldHit,
-        mut verdict: super::Verdict,
-        claims: Vec<crate::fleet::Claimed>,
-    ) {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let Some(identity) = self.identity.clone() else {
-            return;
-        };
-        let kind = hit.kind;
-        if let Some(plan) = verdict.take_plan() {
-            let found = Found::Usage(Usage {
-                input: hit.input,
-                output: hit.output,
-            });
-            let now = host.now_ms();
-            let (settled, effort) = engine.settle(host, &plan, found, hit.output, true, now);
-            super::count_contention(host, effort);
-            if let Some(fleet) = &filter.fleet {
-                let used = crate::fleet::Used {
-                    billed: settled.billed,
-                    price: plan.price,
-                };
-                fleet.settle(engine, host, &claims, used, now);
-            }
-        }
-        self.phase = super::Phase::Answered;
-        self.record(host, &verdict);
-        self.audit_decision(&verdict);
-        self.audit.code(super::audit::Field::Cache, kind);
-        metrics::CACHE.add_at(host, &["hit", kind, &hit.label], 1);
-        let saved = hit.prompt_tokens.saturating_add(hit.completion_tokens);
-        metrics::CACHE_SAVED_TOKENS.add_at(
-            host,
-            &[&hit.label],
-            i64::try_from(saved).unwrap_or(i64::MAX),
-        );
-        let age = hit.age_s.to_string();
-        // When the primary is out (kill switch, breaker, every upstream
-        // down), the cached answer comes first, marked as degraded.
-        let out = self.primary_out(host, &identity, hit.asked.as_ref(), &hit.model);
-        if out {
-            metrics::DEGRADED.add_at(host, &["cache", &identity.tier, &hit.label], 1);
-        }
-        let mut headers: Vec<(&str, &str)> = vec![
-            ("x-sluice-degraded", if out { "cache" } else { "" }),
-            ("content-type", hit.rendered.content_type),
-            ("x-sluice-cache", "hit"),
-            ("x-sluice-cache-kind", kind),
-            ("age", age.as_str()),
-        ];
-        if let Some(admitted) = verdict.admitted() {
-            headers.extend(admitted.response_headers.iter());
-        }
-        headers.retain(|(_, v)| !v.is_empty());
-        // The reply passes the response callbacks: nothing to store.
-        self.cache_store = None;
-        host.send_reply(200, &headers, &hit.rendered.body);
-    }
-
-    /// Would this request not go to the primary (kill switch, an open
-    /// breaker, every upstream out)?
-    fn primary_out(
-        &self,
-        host: &dyn Host,
-        identity: &crate::admission::identity::Identity,
-        asked: Option<&Asked>,
-        model: &str,
-    ) -> bool {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let view = super::HostRequest(host, self.request_headers.as_ref());
-        let pushback = engine.pushback(host, Some(model), &view, identity, self.started_ms);
-        let seen = if engine.policy.sidecar.is_some() {
-            filter.seen(host)
-        } else {
-            std::rc::Rc::new(crate::admission::route::SidecarSeen::default())
-        };
-        let ctx = RequestContext {
-            identity,
-            api: self.api,
-            path: &self.path,
-            asked,
-            now_ms: self.started_ms,
-        };
-        let dice = filter.roll(self.started_ms);
-        // Out: the kill switch (to the fallback provider), an open breaker
-        // (a 503), every upstream down (the static answer). The hit is
-        // served in each case, marked as the degraded answer it is.
-        !matches!(
-            engine.route(&ctx, &seen, &pushback, dice),
-            crate::admission::Routed::Primary | crate::admission::Routed::Probe
-        )
     }
 
     /// The upstream's answer begins: only a 200 may be stored.
@@ -802,7 +627,7 @@ impl Stream {
 
     /// Keeps an answer in the tier in Envoy; `false` when only its marker
     /// is there (larger than the tier takes) or nothing could be written.
-    fn tier_store(
+    pub(super) fn tier_store(
         &self,
         host: &dyn Host,
         tier: &Tier,
