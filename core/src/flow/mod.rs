@@ -11,10 +11,12 @@
 //!   its phase a `Phase`): request headers (kill-switch header stripped,
 //!   API, identity and the penalty box, canonical path, declared size,
 //!   the refusal before the body: `precheck`) → body → decision
-//!   (`Stream::decide`: demand → cache lookup → `Stream::conclude`, the
-//!   tail a queued request's dispatch runs too: route → the model's gate,
-//!   `waiting` → admit → probe claim → reroute/rewrite → the fleet's
-//!   gate, `fleet_gate`).
+//!   (`Stream::decide`: demand → cache lookup → the decision's steps).
+//! - `steps`: the decision as a list of steps and the one driver that
+//!   runs them, also for a request resumed from the queue or a sleep:
+//!   route → the model's gate (`waiting`) → admit → a bucket wait → probe
+//!   claim → on to the upstream (reroute/rewrite → the fleet's gate,
+//!   `fleet_gate`).
 //! - `response`: the verdict applied (`finish`), response headers
 //!   (upstream answer fed to the route's record, meter set up), response
 //!   body (first byte, meter, settlement) and log (settle what is left,
@@ -37,8 +39,8 @@ use crate::admission::answer::{Decision, Reason};
 use crate::admission::identity::{Identity, RequestView};
 use crate::admission::ladder::{Served, Skip};
 use crate::admission::pushback::UpstreamReply;
-use crate::admission::route::{self, Pushback, SidecarSeen};
-use crate::admission::{Admitted, Engine, RequestContext, Routed, Verdict};
+use crate::admission::route::{self, SidecarSeen};
+use crate::admission::{Admitted, Engine, RequestContext, Verdict};
 use crate::host::metrics::{self, Metric};
 use crate::host::{Action, Headers, Host, LogLevel};
 use crate::policy::Policy;
@@ -64,7 +66,7 @@ const POLL_RETRY_MS: u64 = 1_000;
 
 #[cfg(test)]
 thread_local! {
-    /// Runs of the decision's tail (`Stream::conclude`) on this thread: the
+    /// Runs of the decision's steps (`Stream::run_steps`) on this thread: the
     /// tests see the direct and the queued request go through it.
     static CONCLUDED: Cell<u32> = const { Cell::new(0) };
 }
@@ -313,6 +315,7 @@ mod precheck;
 pub mod predefined;
 mod response;
 mod root;
+mod steps;
 mod stream;
 #[cfg(test)]
 mod tail_tests;

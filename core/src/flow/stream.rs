@@ -1,5 +1,6 @@
 //! One stream's request side: its events (headers, body, trailers) and
-//! the decision (`decide` → `conclude` → `send_on`).
+//! the decision (`decide`, then the steps: `steps`), and on to the
+//! upstream (`send_on`).
 
 use super::*;
 
@@ -309,7 +310,7 @@ impl Stream {
     }
 
     /// Admission once everything the policy needs is known: demand → the
-    /// cache → the decision's tail (`conclude`).
+    /// cache → the decision's steps (`steps`).
     pub(super) fn decide(&mut self, host: &dyn Host, body: &[u8]) -> Action {
         let Some(identity) = self.identity.clone() else {
             return Action::Continue;
@@ -339,127 +340,7 @@ impl Stream {
             body_len: body.len(),
             hold: None,
         };
-        self.conclude(host, identity, parked, now)
-    }
-
-    /// The decision's tail, the same for a request as it arrives and for
-    /// one whose turn in the queue came (`dispatch`): route (as of `now`)
-    /// → the model's gate unless it holds a slot already → admit → a
-    /// bucket wait → probe claim → on to the upstream (`send_on`: rerouted
-    /// or watched, rewritten, through the fleet's gate).
-    pub(super) fn conclude(
-        &mut self,
-        host: &dyn Host,
-        identity: Rc<Identity>,
-        mut parked: waiting::Parked,
-        now: u64,
-    ) -> Action {
-        #[cfg(test)]
-        CONCLUDED.with(|c| c.set(c.get() + 1));
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let path = self.path.clone();
-        let ctx = RequestContext {
-            identity: &identity,
-            api: self.api,
-            path: &path,
-            asked: parked.asked.as_ref(),
-            now_ms: now,
-        };
-        let model = ctx
-            .asked
-            .and_then(|a| a.demand.model.as_deref())
-            .or(engine.passthrough_model(self.api));
-        let (mut pushback, seen, dice) = self.world(host, &identity, model, now);
-        let route = |pushback: &Pushback| engine.route(&ctx, &seen, pushback, dice);
-        let holds_slot = self.gate.as_ref().is_some_and(|g| g.slot);
-        let (rung, probe, gate) = match route(&pushback) {
-            // A route paused by the upstream's Retry-After: a caller whose
-            // class may wait that long waits the pause out in the model's
-            // queue (a slot it held goes to the next waiter meanwhile).
-            Routed::Answered(verdict) if self.pause_gate(host, &verdict, &pushback, model, now) => {
-                self.release_slot(host);
-                (None, false, true)
-            }
-            // A 503 or the static answer (a slot it held is given back
-            // as the answer goes).
-            Routed::Answered(verdict) => return self.finish(host, *verdict),
-            Routed::Rung(served) => {
-                // A queued request's slot of the primary goes to the next
-                // waiter.
-                self.leave_for_fallback(host);
-                (Some(served), false, false)
-            }
-            // The model's concurrency gate, unless its turn in the queue
-            // already gave it a slot.
-            Routed::Primary => (None, false, !holds_slot),
-            // The half-open probe is one request: it takes no slot.
-            Routed::Probe => (None, true, false),
-        };
-        if gate {
-            // Its body must fit the VM's bound on waiting bodies, should it
-            // wait: else 429 `queue_full` before it takes a place.
-            if !self.hold_body(&mut parked.hold, parked.body_len) {
-                return self.refuse_waiting_body(host, &identity, model);
-            }
-            // A slot, a place in the queue (budgets are reserved when its
-            // turn comes), or a refusal; a request that waited already
-            // waits at most what is left of its class's wait.
-            let since = self.gate.as_ref().map_or(now, |g| g.arrived_ms);
-            let (gated, gate) = self.pass_gate(host, &identity, ctx.asked, since, now);
-            self.gate = gate;
-            match gated {
-                waiting::Gated::Go => {}
-                waiting::Gated::Answered(verdict) => return self.finish(host, *verdict),
-                waiting::Gated::Wait => {
-                    self.phase = Phase::Parked(parked);
-                    return Action::Pause;
-                }
-                waiting::Gated::Sleep(until) => {
-                    // Its buckets free up within its wait: it sleeps,
-                    // holding no place, then tries the gate again.
-                    self.phase = Phase::Parked(parked);
-                    return self.sleep(host, until);
-                }
-            }
-        }
-        let (mut verdict, rung) = admit_down_the_ladder(host, engine, &ctx, rung, &seen);
-        if let Some(retry_ms) = self.bucket_wait(&verdict, now) {
-            // A bucket frees up within the class's wait: the request
-            // gives its slot back and tries again then, instead of a 429
-            // (which it gets if the VM cannot hold its body meanwhile).
-            if self.hold_body(&mut parked.hold, parked.body_len) {
-                self.phase = Phase::Parked(parked);
-                return self.sleep(host, now + retry_ms);
-            }
-        }
-        let mut probe_lease = None;
-        if probe {
-            // Claimed only now, by an admitted request: a refused one never
-            // holds the probe.
-            let (decided, lease) =
-                engine.take_probe(host, &mut pushback, verdict, &identity, now, route);
-            (verdict, probe_lease) = (decided, lease);
-        }
-        let watch = Watch {
-            pushback,
-            probe_lease,
-        };
-        self.send_decided(host, verdict, rung.as_deref(), parked, watch)
-    }
-
-    /// The decided request goes on (`send_on`), keeping what it asked
-    /// should its rung fail it (`failover`).
-    pub(super) fn send_decided(
-        &mut self,
-        host: &dyn Host,
-        verdict: Verdict,
-        rung: Option<&Served>,
-        mut parked: waiting::Parked,
-        watch: Watch,
-    ) -> Action {
-        self.keep_for_failover(&verdict, rung, &mut parked.asked);
-        self.send_on(host, verdict, rung, parked.body_len, Some(watch))
+        self.run_steps(host, steps::Step::Route, identity, parked, now)
     }
 
     /// An admitted request goes on: rerouted to the fallback or watched on

@@ -5,6 +5,7 @@
 
 use std::rc::Rc;
 
+use super::steps::Step;
 use super::waiting::*;
 use super::{count_contention, Filter, Phase, Stream};
 use crate::admission::answer::{Reason, Refused};
@@ -434,9 +435,9 @@ impl Stream {
         if let Some(action) = self.cache_at_dispatch(host, parked.asked.as_ref()) {
             return action;
         }
-        // Decided as a new request would be now (`Stream::conclude`, the
-        // one decision's tail), holding the slot its turn gave it.
-        self.conclude(host, identity, parked, now)
+        // Decided as a new request would be now (the one decision's
+        // steps, from the route), holding the slot its turn gave it.
+        self.run_steps(host, Step::Route, identity, parked, now)
     }
 
     /// Gives the slot back and waits until `until_ms` (a bucket refills),
