@@ -173,35 +173,23 @@ impl Engine {
         ctx: &RequestContext,
         served: Option<&Served>,
     ) -> Verdict {
-        let RequestContext {
-            identity,
-            api,
-            path,
-            asked,
-            now_ms,
-        } = *ctx;
+        let (identity, asked, now_ms) = (ctx.identity, ctx.asked, ctx.now_ms);
         if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
             return verdict;
         }
         let reserver = self.reserver(store);
-        let mut sized = self.size(store, api, asked, &identity.tier);
+        let mut sized = self.size(store, ctx.api, asked, &identity.tier);
         let downshift = asked.filter(|_| served.is_none()).and_then(|_| {
             let model = sized.requested_model.as_deref();
             self.downshift(&reserver, ctx, model, sized.input, sized.output())
         });
         let model = downshift.clone().or(sized.requested_model.clone());
         let degraded = downshift.is_some().then_some(Degraded::Downshift);
-        let labels = |decision| Labels {
-            decision,
-            tier: identity.tier.clone(),
-            model: self.model_label(model.as_deref()),
-        };
-
         let mut effort = Contention::default();
         let price = served
             .and_then(|s| s.price)
             .unwrap_or_else(|| self.price_of(model.as_deref()));
-        let mut applying = self.drawn_on(identity, sized.api, model.as_deref(), path);
+        let mut applying = self.drawn_on(identity, sized.api, model.as_deref(), ctx.path);
         if let Some(served) = served {
             applying.extend(self.provider_buckets(&served.provider));
         }
@@ -215,25 +203,18 @@ impl Engine {
                 return self.refusal(refusal, &taken, identity, model.as_deref(), effort, now_ms)
             }
         };
-
         let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
         if let Some(kind) = degraded {
             headers.push("x-sluice-degraded", kind.code());
         }
-        let (body, strip_usage) = match asked {
-            Some(asked) => {
-                let declared = self.declared(sized.api);
-                upstream_body(&sized, asked, downshift.as_deref(), served, declared)
-            }
-            None => (None, false),
-        };
+        let (body, strip_usage) = asked.map_or((None, false), |asked| {
+            let declared = self.declared(sized.api);
+            upstream_body(&sized, asked, downshift.as_deref(), served, declared)
+        });
         // A request without a body settles from `held`, one with a body
         // from its plan: the holds go to one of them, moved.
         let (held, plan) = match asked {
-            None => {
-                let meters = taken.iter().map(|&i| self.buckets[i].meter).collect();
-                (Some((reservation.held, meters)), None)
-            }
+            None => (Some((reservation.held, self.meters_of(&taken))), None),
             Some(a) => {
                 let how = How {
                     model: model.clone(),
@@ -252,13 +233,22 @@ impl Engine {
         Verdict::Admit(Admitted {
             response_headers: headers,
             body,
-            labels: labels(Decision::Admit),
+            labels: Labels {
+                decision: Decision::Admit,
+                tier: identity.tier.clone(),
+                model: self.model_label(model.as_deref()),
+            },
             contention: effort,
             plan,
             alerts,
             degraded,
             held,
         })
+    }
+
+    /// The meters of the buckets taken, in their order.
+    fn meters_of(&self, taken: &[usize]) -> Vec<Meter> {
+        taken.iter().map(|&i| self.buckets[i].meter).collect()
     }
 
     /// What an admitted request with a body keeps until it is settled.

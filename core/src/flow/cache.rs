@@ -29,6 +29,29 @@ use crate::host::{Action, Host, LogLevel};
 use crate::policy::cache::CacheCaller;
 use crate::usage::demand::Api;
 
+/// The question's exact key and, for a semantic rule, its parts: both
+/// under the deployment's salt and the scope of who may share its answer.
+fn keys_of(
+    salt: &str,
+    rule: &crate::policy::cache::CacheRule,
+    scope: &str,
+    model: &str,
+    api: Api,
+    query: &str,
+    body: &Value,
+) -> Option<(String, Option<Semantic>)> {
+    let key = cache_key::exact_key(salt, scope, model, api, query, body).ok()?;
+    let semantic = rule
+        .semantic
+        .then(|| cache_key::semantic_parts(salt, scope, model, api, query, body))
+        .flatten()
+        .map(|p| Semantic {
+            context: p.context,
+            text: p.text,
+        });
+    Some((key, semantic))
+}
+
 /// A lookup in flight.
 pub(super) struct Wait {
     pub(super) token: u32,
@@ -39,6 +62,22 @@ pub(super) struct Wait {
     pub(super) model: String,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
+}
+
+impl Wait {
+    /// The lookup of `asked` under `key`, before its token is known.
+    fn new(key: String, asked: &Asked, api: Api, model: &str) -> Wait {
+        let body = asked.body();
+        Wait {
+            token: 0,
+            key,
+            stream: api.streams(body),
+            include_usage: include_usage(body),
+            asked: Some(asked.clone()),
+            api,
+            model: model.to_string(),
+        }
+    }
 }
 
 /// A hit admitted locally, kept while the fleet decides.
@@ -231,12 +270,8 @@ impl Stream {
         ) else {
             return None;
         };
-        let route = if cache.routes.is_empty() {
-            None
-        } else {
-            filter.engine.route_of(&self.path)
-        };
-        let rule = cache.rule(model, route)?;
+        let route = (!cache.routes.is_empty()).then(|| filter.engine.route_of(&self.path));
+        let rule = cache.rule(model, route.flatten())?;
         let allowed =
             cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
         let body = asked.body();
@@ -252,15 +287,7 @@ impl Stream {
         });
         let raw_path = self.header(host, ":path").unwrap_or_default();
         let query = cache_key::query_of(&raw_path);
-        let key = cache_key::exact_key(&cache.salt, &scope, model, api, query, body).ok()?;
-        let semantic = rule
-            .semantic
-            .then(|| cache_key::semantic_parts(&cache.salt, &scope, model, api, query, body))
-            .flatten()
-            .map(|p| Semantic {
-                context: p.context,
-                text: p.text,
-            });
+        let (key, semantic) = keys_of(&cache.salt, rule, &scope, model, api, query, body)?;
         let tier = tier_for(&filter, rule);
         if allowed.store {
             self.cache_store = Some(ToStore {
@@ -284,15 +311,7 @@ impl Stream {
         if !allowed.read {
             return None;
         }
-        let wait = Wait {
-            token: 0,
-            key: key.clone(),
-            asked: Some(asked.clone()),
-            api,
-            model: model.to_string(),
-            stream: api.streams(body),
-            include_usage: include_usage(body),
-        };
+        let wait = Wait::new(key.clone(), asked, api, model);
         match self.tier_first(host, tier, &key, &wait, semantic.is_some()) {
             // A miss, decided here: one upstream call per question in
             // flight (`flight`).
@@ -526,15 +545,26 @@ impl Stream {
     /// the client's stream (past its allowance, an oversized event), so
     /// the client never got this answer whole: nothing is stored.
     pub(super) fn cache_feed(&mut self, host: &dyn Host, chunk: &[u8], end: bool, cut: bool) {
+        if !self.buffer_for_cache(host, chunk, end, cut) {
+            return;
+        }
+        if let Some(s) = self.cache_store.take() {
+            self.store_answer(host, s);
+        }
+    }
+
+    /// Buffers a chunk of an answer to be stored (a stream the meter cut
+    /// is not); `true` at the answer's end with a store still pending.
+    fn buffer_for_cache(&mut self, host: &dyn Host, chunk: &[u8], end: bool, cut: bool) -> bool {
         if cut {
             if let Some(s) = self.cache_store.take() {
                 let label = self.filter.engine.model_label(Some(&s.model));
                 metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
             }
-            return;
+            return false;
         }
         let Some(s) = self.cache_store.as_mut() else {
-            return;
+            return false;
         };
         if let Some(buf) = s.buf.as_mut() {
             if (buf.len() + chunk.len()) as u64 > s.max_bytes.saturating_mul(2) {
@@ -543,12 +573,12 @@ impl Stream {
                 buf.extend_from_slice(chunk);
             }
         }
-        if !end {
-            return;
-        }
-        let Some(s) = self.cache_store.take() else {
-            return;
-        };
+        end
+    }
+
+    /// A complete answer stored, when it may be: in the tier in Envoy,
+    /// the sidecar's store, or both.
+    fn store_answer(&mut self, host: &dyn Host, s: ToStore) {
         let model = s.model.clone();
         // Metrics name the model as everywhere (unknown models: "other").
         let label = self.filter.engine.model_label(Some(&model));

@@ -153,4 +153,72 @@ impl Stream {
             self.response_hash = Some(sha2::Digest::new());
         }
     }
+
+    /// A settled request's telemetry: its metrics and its audit fields.
+    pub(super) fn observe_settled(
+        &mut self,
+        host: &dyn Host,
+        settled: &crate::admission::Settled,
+        details: Details,
+        (tier, model): (&str, &str),
+        upstream_ok: bool,
+        cut: bool,
+    ) {
+        if settled.charges_unwritten > 0 {
+            // Counted in `sluice_cas_exhausted_total` too; said here so
+            // an under-charge is never silent.
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{} bucket charge(s) of a settled request could not be written (shared-data contention); the caller is under-charged by them",
+                    settled.charges_unwritten
+                ),
+            );
+        }
+        metrics::TOKENS.add_at(
+            host,
+            &["input", "actual", tier, model],
+            settled.input as i64,
+        );
+        metrics::TOKENS.add_at(
+            host,
+            &["output", "actual", tier, model],
+            settled.output as i64,
+        );
+        let details = settled.from_usage.then_some(details);
+        audit::details(host, &mut self.audit, details, tier, model);
+        add(host, metrics::USAGE_SURGES, i64::from(settled.surge));
+        if self.engine().policy.anomaly.is_some() {
+            set_gauge(
+                host,
+                metrics::GLOBAL_BREAKER,
+                u64::from(settled.global_open),
+            );
+        }
+        self.audit.number(audit::Field::TokensInput, settled.input);
+        self.audit
+            .number(audit::Field::TokensOutput, settled.output);
+        self.audit.number(audit::Field::CostMicros, settled.cost);
+        let source = match (settled.from_usage, settled.input_estimated) {
+            (true, false) => "upstream",
+            (true, true) => "upstream_input_estimated",
+            (false, _) => "estimate",
+        };
+        self.audit.code(audit::Field::UsageSource, source);
+        let input_source = settled.input_source.code();
+        self.audit.code(audit::Field::InputSource, input_source);
+        metrics::INPUT_SOURCE.add_at(host, &[input_source], 1);
+        add(host, metrics::SPEND_MICROS, settled.cost as i64);
+        add(
+            host,
+            metrics::USAGE_INVALID,
+            i64::from(settled.invalid_usage),
+        );
+        add(
+            host,
+            metrics::USAGE_MISSING,
+            i64::from(!settled.from_usage && upstream_ok),
+        );
+        add(host, metrics::STREAM_CUT, i64::from(cut));
+    }
 }

@@ -71,20 +71,7 @@ impl Stream {
         // Latency histograms describe model calls (the LLM APIs), not
         // `/v1/models` and the like.
         let model_call = body_size > 0 && self.api.reads_body();
-        if let Phase::Upstream(up) = &mut self.phase {
-            up.event_ms = None;
-            if model_call && !up.first_byte {
-                up.first_byte = true;
-                let ttft = up.event_now(host).saturating_sub(self.started_ms);
-                metrics::TTFT_MS.record_at(host, &[&up.labels.1], ttft);
-                self.audit.number(audit::Field::TtftMs, ttft);
-            }
-            if end && self.api.reads_body() {
-                // The log's end-to-end latency ends here (no second clock
-                // read).
-                up.ended_ms = Some(up.event_now(host));
-            }
-        }
+        self.time_response(host, model_call, end);
         let metered = matches!(&self.phase, Phase::Upstream(up) if up.meter.is_some());
         if !metered && self.response_hash.is_none() && self.cache_store.is_none() {
             self.end_event();
@@ -102,14 +89,7 @@ impl Stream {
                 .upstream()
                 .is_some_and(|up| !up.reset && up.meter.as_ref().is_some_and(|m| m.cut));
         let chunk = host.response_body(body_size);
-        if let Some(hash) = self.response_hash.as_mut() {
-            sha2::Digest::update(hash, &chunk);
-            if end {
-                let digest = sha2::Digest::finalize(hash.clone());
-                let hex = crate::policy::keys::hex(&digest);
-                self.audit.text(audit::Field::ResponseSha256, &hex);
-            }
-        }
+        self.hash_response(&chunk, end);
         let out = self
             .upstream()
             .and_then(|up| up.meter.as_mut())
@@ -141,6 +121,39 @@ impl Stream {
         }
         self.end_event();
         Action::Continue
+    }
+
+    /// The first byte's latency (a model call's) and the end's time, read
+    /// once per callback.
+    fn time_response(&mut self, host: &dyn Host, model_call: bool, end: bool) {
+        let Phase::Upstream(up) = &mut self.phase else {
+            return;
+        };
+        up.event_ms = None;
+        if model_call && !up.first_byte {
+            up.first_byte = true;
+            let ttft = up.event_now(host).saturating_sub(self.started_ms);
+            metrics::TTFT_MS.record_at(host, &[&up.labels.1], ttft);
+            self.audit.number(audit::Field::TtftMs, ttft);
+        }
+        if end && self.api.reads_body() {
+            // The log's end-to-end latency ends here (no second clock
+            // read).
+            up.ended_ms = Some(up.event_now(host));
+        }
+    }
+
+    /// The response body's SHA-256 for the audit, when it asks for one.
+    fn hash_response(&mut self, chunk: &[u8], end: bool) {
+        let Some(hash) = self.response_hash.as_mut() else {
+            return;
+        };
+        sha2::Digest::update(hash, chunk);
+        if end {
+            let digest = sha2::Digest::finalize(hash.clone());
+            let hex = crate::policy::keys::hex(&digest);
+            self.audit.text(audit::Field::ResponseSha256, &hex);
+        }
     }
 
     /// The response callback is over: the next reads the clock again.
@@ -365,61 +378,7 @@ impl Stream {
             };
             fleet.settle(engine, host, &claims, used, now);
         }
-        if settled.charges_unwritten > 0 {
-            // Counted in `sluice_cas_exhausted_total` too; said here so
-            // an under-charge is never silent.
-            host.log(
-                LogLevel::Warn,
-                &format!(
-                    "{} bucket charge(s) of a settled request could not be written (shared-data contention); the caller is under-charged by them",
-                    settled.charges_unwritten
-                ),
-            );
-        }
-        metrics::TOKENS.add_at(
-            host,
-            &["input", "actual", &tier, &model],
-            settled.input as i64,
-        );
-        metrics::TOKENS.add_at(
-            host,
-            &["output", "actual", &tier, &model],
-            settled.output as i64,
-        );
-        let details = settled.from_usage.then_some(details);
-        audit::details(host, &mut self.audit, details, &tier, &model);
-        add(host, metrics::USAGE_SURGES, i64::from(settled.surge));
-        if self.engine().policy.anomaly.is_some() {
-            set_gauge(
-                host,
-                metrics::GLOBAL_BREAKER,
-                u64::from(settled.global_open),
-            );
-        }
-        self.audit.number(audit::Field::TokensInput, settled.input);
-        self.audit
-            .number(audit::Field::TokensOutput, settled.output);
-        self.audit.number(audit::Field::CostMicros, settled.cost);
-        let source = match (settled.from_usage, settled.input_estimated) {
-            (true, false) => "upstream",
-            (true, true) => "upstream_input_estimated",
-            (false, _) => "estimate",
-        };
-        self.audit.code(audit::Field::UsageSource, source);
-        let input_source = settled.input_source.code();
-        self.audit.code(audit::Field::InputSource, input_source);
-        metrics::INPUT_SOURCE.add_at(host, &[input_source], 1);
-        add(host, metrics::SPEND_MICROS, settled.cost as i64);
-        add(
-            host,
-            metrics::USAGE_INVALID,
-            i64::from(settled.invalid_usage),
-        );
-        add(
-            host,
-            metrics::USAGE_MISSING,
-            i64::from(!settled.from_usage && upstream_ok),
-        );
-        add(host, metrics::STREAM_CUT, i64::from(cut));
+        let labels = (tier.as_str(), model.as_str());
+        self.observe_settled(host, &settled, details, labels, upstream_ok, cut);
     }
 }

@@ -125,6 +125,52 @@ impl Filter {
     }
 }
 
+/// The shared-data keys a policy needs (its buckets', the fleet's
+/// leases', the cache's), made at load; `false` (logged): refused.
+fn prepare_shared(host: &dyn Host, filter: &Filter) -> bool {
+    let engine = &filter.engine;
+    match engine.prepare(host) {
+        Ok(created) => host.log(
+            LogLevel::Info,
+            &format!(
+                "policy loaded: {} tiers, {} models, {} routes, {} buckets ({} new shared-data keys)",
+                engine.policy.tiers.len(),
+                engine.policy.models.len(),
+                engine.policy.routes.len(),
+                engine.rules().len(),
+                created
+            ),
+        ),
+        Err(err) => {
+            host.log(
+                LogLevel::Error,
+                &format!("cannot create shared-data keys: {err}"),
+            );
+            return false;
+        }
+    }
+    if let Some(fleet) = &filter.fleet {
+        match fleet.prepare(engine, host) {
+            Ok(n) => host.log(
+                LogLevel::Info,
+                &format!("fleet: {n} new shared-data keys for leases"),
+            ),
+            Err(err) => {
+                host.log(
+                    LogLevel::Error,
+                    &format!("fleet: cannot create shared-data keys: {err}"),
+                );
+                return false;
+            }
+        }
+    }
+    if let Err(err) = cache::prepare(host, engine) {
+        host.log(LogLevel::Error, &err);
+        return false;
+    }
+    true
+}
+
 /// The policy compiled, its callers placed under the deployment's hash
 /// key (`crate::admission::hash_key`); `None` (logged): refused.
 fn compile_keyed(host: &dyn Host, policy: Policy) -> Option<Engine> {
@@ -175,43 +221,7 @@ impl Poller {
         if engine.policy.failover.is_some() {
             failover::ensure_secret(host);
         }
-        match engine.prepare(host) {
-            Ok(created) => host.log(
-                LogLevel::Info,
-                &format!(
-                    "policy loaded: {} tiers, {} models, {} routes, {} buckets ({} new shared-data keys)",
-                    engine.policy.tiers.len(),
-                    engine.policy.models.len(),
-                    engine.policy.routes.len(),
-                    engine.rules().len(),
-                    created
-                ),
-            ),
-            Err(err) => {
-                host.log(
-                    LogLevel::Error,
-                    &format!("cannot create shared-data keys: {err}"),
-                );
-                return false;
-            }
-        }
-        if let Some(fleet) = &filter.fleet {
-            match fleet.prepare(engine, host) {
-                Ok(n) => host.log(
-                    LogLevel::Info,
-                    &format!("fleet: {n} new shared-data keys for leases"),
-                ),
-                Err(err) => {
-                    host.log(
-                        LogLevel::Error,
-                        &format!("fleet: cannot create shared-data keys: {err}"),
-                    );
-                    return false;
-                }
-            }
-        }
-        if let Err(err) = cache::prepare(host, engine) {
-            host.log(LogLevel::Error, &err);
+        if !prepare_shared(host, &filter) {
             return false;
         }
         let leases = engine.policy.state.worker_leases.enabled;
@@ -406,10 +416,15 @@ impl Poller {
             }
             return;
         }
-        if self.poll != Some(token) {
-            return;
+        if self.poll == Some(token) {
+            self.poll = None;
+            self.on_poll_answer(host, body_size);
         }
-        self.poll = None;
+    }
+
+    /// The sidecar's answer to the long poll: its state stored in shared
+    /// data for every worker, and the next poll sent.
+    fn on_poll_answer(&mut self, host: &dyn Host, body_size: usize) {
         let now = host.now_ms();
         let status = host.call_response_header(":status");
         let body = host.call_response_body(body_size);

@@ -85,6 +85,45 @@ pub struct GateState {
     pub(super) sleeper: Option<u64>,
 }
 
+impl GateState {
+    /// A hold on `model`'s gate of `backend`, taken at `arrived_ms`:
+    /// neither a slot nor a place yet.
+    fn new(backend: &str, model: &str, class: String, arrived_ms: u64) -> GateState {
+        GateState {
+            backend: backend.to_string(),
+            model: model.to_string(),
+            class,
+            arrived_ms,
+            ticket: None,
+            slot: false,
+            waited_ms: 0,
+            wait_ms: 0,
+            sleeper: None,
+        }
+    }
+}
+
+/// The group of the model's shares the caller draws from.
+fn share_group(group: &queue::Group, model: &str, identity: &Identity) -> u64 {
+    group
+        .shares
+        .get(model)
+        .map_or(crate::limits::shares::REST, |t| {
+            t.group_of(&identity.tier, identity.declared)
+        })
+}
+
+/// A gate's refusal, as the gate's outcome.
+fn gate_refused(
+    engine: &crate::admission::Engine,
+    refused: Refused,
+    identity: &Identity,
+    model: &str,
+) -> (Gated, Option<GateState>) {
+    let verdict = engine.refuse(refused, &identity.tier, Some(model));
+    (Gated::Answered(Box::new(verdict)), None)
+}
+
 /// What a queued request needs to be admitted when its turn comes.
 pub struct Parked {
     pub asked: Option<Asked>,
@@ -220,12 +259,11 @@ impl Stream {
         since: u64,
         now: u64,
     ) -> (Gated, Option<GateState>) {
-        let model = asked.and_then(|a| a.demand.model.as_deref());
-        // The gates (limits, classes, queue) of the VM's latest policy.
-        let filter = self.filter.latest();
-        let Some(model) = model else {
+        let Some(model) = asked.and_then(|a| a.demand.model.as_deref()) else {
             return (Gated::Go, None);
         };
+        // The gates (limits, classes, queue) of the VM's latest policy.
+        let filter = self.filter.latest();
         let Some((backend, group)) = filter.gates.group_of(model) else {
             return (Gated::Go, None);
         };
@@ -237,8 +275,7 @@ impl Stream {
                 "x-sluice-max-wait-ms must be a whole number of milliseconds.",
                 Some(MAX_WAIT_HEADER),
             );
-            let verdict = engine.refuse(refused, &identity.tier, Some(model));
-            return (Gated::Answered(Box::new(verdict)), None);
+            return gate_refused(engine, refused, identity, model);
         };
         let class = class_of(&filter, identity, &view);
         let class_cfg = class.as_ref().and_then(|c| engine.policy.classes.get(c));
@@ -252,12 +289,7 @@ impl Stream {
             wait,
             max_per_principal: class_cfg.map_or(0, |c| c.principal_cap()),
             principal: identity.hash,
-            group: group
-                .shares
-                .get(model)
-                .map_or(crate::limits::shares::REST, |t| {
-                    t.group_of(&identity.tier, identity.declared)
-                }),
+            group: share_group(group, model, identity),
             wake: wake.unwrap_or(0),
             saturated: filter.saturated(host, model, backend, now),
             now_ms: now,
@@ -272,15 +304,9 @@ impl Stream {
         let (entered, declined) =
             self.enter_peeking(host, &filter, (backend, group), &arrival, &ctx);
         let mut gate = GateState {
-            backend: backend.to_string(),
-            model: model.to_string(),
-            class: class_label,
-            arrived_ms: since,
-            ticket: None,
-            slot: false,
             waited_ms: now.saturating_sub(since),
             wait_ms,
-            sleeper: None,
+            ..GateState::new(backend, model, class_label, since)
         };
         match entered {
             Entered::Go => {
@@ -301,8 +327,7 @@ impl Stream {
             refused => {
                 let refused = gate_refusal(engine, &refused, model, now);
                 count(host, "rejected", refused.reason().code(), &gate);
-                let verdict = engine.refuse(refused, &identity.tier, Some(model));
-                (Gated::Answered(Box::new(verdict)), None)
+                gate_refused(engine, refused, identity, model)
             }
         }
     }

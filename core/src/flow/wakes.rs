@@ -249,34 +249,43 @@ pub fn tick(filter: &Rc<Filter>, host: &dyn Host, now: u64) {
             continue;
         };
         publish(filter, host, backend, &state);
-        for (ticket, b, deadline) in &mine {
-            if b != backend {
-                continue;
+        tend_waiters(filter, host, (backend, group), &state, &mine, now);
+    }
+}
+
+/// Each of this VM's waiters of `backend`, as the queue's state after the
+/// tick's pump has it: dispatched, evicted, or past its deadline.
+fn tend_waiters(
+    filter: &Filter,
+    host: &dyn Host,
+    (backend, group): (&str, &queue::Group),
+    state: &State,
+    mine: &[(u64, String, u64)],
+    now: u64,
+) {
+    for (ticket, b, deadline) in mine {
+        if b != backend {
+            continue;
+        }
+        if !state.entries.iter().any(|e| e.ticket == *ticket) {
+            resume(filter, host, *ticket, "tick");
+        } else if state.evicted(*ticket) {
+            let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
+            let out = queue::withdraw(host, group, tries, *ticket);
+            filter.applied(host, backend, &out);
+            match out.written {
+                crate::state::store::Updated::Written => evict(filter, host, *ticket),
+                crate::state::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
+                _ => {}
             }
-            if !state.entries.iter().any(|e| e.ticket == *ticket) {
-                resume(filter, host, *ticket, "tick");
-            } else if state.evicted(*ticket) {
-                let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
-                let out = queue::withdraw(host, group, tries, *ticket);
-                filter.applied(host, backend, &out);
-                match out.written {
-                    crate::state::store::Updated::Written => evict(filter, host, *ticket),
-                    crate::state::store::Updated::Unchanged => {
-                        resume(filter, host, *ticket, "tick")
-                    }
-                    _ => {}
-                }
-            } else if *deadline <= now {
-                let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
-                let out = queue::withdraw(host, group, tries, *ticket);
-                filter.applied(host, backend, &out);
-                match out.written {
-                    crate::state::store::Updated::Written => expire(filter, host, *ticket),
-                    crate::state::store::Updated::Unchanged => {
-                        resume(filter, host, *ticket, "tick")
-                    }
-                    _ => {}
-                }
+        } else if *deadline <= now {
+            let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
+            let out = queue::withdraw(host, group, tries, *ticket);
+            filter.applied(host, backend, &out);
+            match out.written {
+                crate::state::store::Updated::Written => expire(filter, host, *ticket),
+                crate::state::store::Updated::Unchanged => resume(filter, host, *ticket, "tick"),
+                _ => {}
             }
         }
     }
