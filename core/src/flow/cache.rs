@@ -104,33 +104,33 @@ impl HeldHit {
 
 /// What to store once the answer is complete.
 pub(super) struct ToStore {
-    api: Api,
-    key: String,
-    model: String,
-    ttl_s: u64,
-    semantic: Option<Semantic>,
-    max_bytes: u64,
+    pub(super) api: Api,
+    pub(super) key: String,
+    pub(super) model: String,
+    pub(super) ttl_s: u64,
+    pub(super) semantic: Option<Semantic>,
+    pub(super) max_bytes: u64,
     /// The upstream's answer so far (`None` once it outgrew the bound).
-    buf: Option<Vec<u8>>,
+    pub(super) buf: Option<Vec<u8>>,
     framing: Framing,
-    upstream_cache_control: Option<String>,
+    pub(super) upstream_cache_control: Option<String>,
     /// The exact tier in Envoy keeps it (single-Envoy mode, `exact` on).
-    tier: Option<Tier>,
+    pub(super) tier: Option<Tier>,
     /// Hex SHA-256 of the scope value: the sidecar's bounds per scope and
     /// purges by scope go by it.
-    scope_id: String,
+    pub(super) scope_id: String,
     /// The sidecar's cache generation when the request was looked up: an
     /// answer that comes back after a purge is stored dead (the purge is a
     /// barrier for what was in flight).
-    generation: u64,
+    pub(super) generation: u64,
     /// The sidecar keeps it too: the semantic cache needs it (and fleet
     /// mode, or no tier, keeps every entry there).
-    sidecar: bool,
+    pub(super) sidecar: bool,
     /// The caller lets the cache answer it (not `no-cache`).
-    read: bool,
+    pub(super) read: bool,
     /// The caller is not declared in the policy: its answers hold at most
     /// part of each set of the tier in Envoy (`cache::tier`, "Eviction").
-    undeclared: bool,
+    pub(super) undeclared: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -328,36 +328,6 @@ impl Stream {
             semantic,
         };
         self.ask_sidecar(host, sidecar, cache.lookup_timeout_ms, &req, wait)
-    }
-
-    /// A queued request's turn came: its answer may have been stored while
-    /// it waited (an identical question answered meanwhile). The tier in
-    /// Envoy is read again (no callout); `Some`: served from it, its slot
-    /// given back.
-    pub(super) fn cache_at_dispatch(
-        &mut self,
-        host: &dyn Host,
-        asked: Option<&Asked>,
-    ) -> Option<Action> {
-        let s = self.cache_store.as_ref().filter(|s| s.read)?;
-        let (tier, key, api, model) = (s.tier?, s.key.clone(), s.api, s.model.clone());
-        let asked = asked?;
-        let wait = Wait {
-            token: 0,
-            key: key.clone(),
-            stream: api.streams(asked.body()),
-            include_usage: asked.include_usage,
-            asked: Some(asked.clone()),
-            api,
-            model,
-        };
-        match self.tier_lookup(host, &tier, &key, &wait) {
-            InEnvoy::Hit(_) => {
-                self.release_slot(host);
-                Some(Action::Pause)
-            }
-            _ => None,
-        }
     }
 
     /// The tier in Envoy, first: `Some` when it decided (a hit served, or

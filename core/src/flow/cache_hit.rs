@@ -1,13 +1,14 @@
 //! A cache hit answered here (see `cache`): admitted at the policy's
 //! `hit_cost`, through the fleet's gate, settled, then the stored answer
-//! sent.
+//! sent; and a queued request whose answer was stored while it waited.
 
 use super::cache::*;
 use super::Stream;
 use crate::admission::{Asked, RequestContext};
 use crate::cache::answer::Rendered;
+use crate::cache::tier::Lookup as InEnvoy;
 use crate::host::metrics;
-use crate::host::Host;
+use crate::host::{Action, Host};
 use crate::usage::reconcile::{Found, Usage};
 use sluice_wire::cache::Entry;
 
@@ -192,5 +193,35 @@ impl Stream {
             engine.route(&ctx, &seen, &pushback, dice),
             crate::admission::Routed::Primary | crate::admission::Routed::Probe
         )
+    }
+
+    /// A queued request's turn came: its answer may have been stored while
+    /// it waited (an identical question answered meanwhile). The tier in
+    /// Envoy is read again (no callout); `Some`: served from it, its slot
+    /// given back.
+    pub(super) fn cache_at_dispatch(
+        &mut self,
+        host: &dyn Host,
+        asked: Option<&Asked>,
+    ) -> Option<Action> {
+        let s = self.cache_store.as_ref().filter(|s| s.read)?;
+        let (tier, key, api, model) = (s.tier?, s.key.clone(), s.api, s.model.clone());
+        let asked = asked?;
+        let wait = Wait {
+            token: 0,
+            key: key.clone(),
+            stream: api.streams(asked.body()),
+            include_usage: asked.include_usage,
+            asked: Some(asked.clone()),
+            api,
+            model,
+        };
+        match self.tier_lookup(host, &tier, &key, &wait) {
+            InEnvoy::Hit(_) => {
+                self.release_slot(host);
+                Some(Action::Pause)
+            }
+            _ => None,
+        }
     }
 }
