@@ -96,12 +96,12 @@ fn admission(c: &mut Criterion) {
                     now_ms: 1_000,
                 },
             );
-            if let Some(plan) = v.plan {
+            if let Some(plan) = v.plan() {
                 let usage = sluice_core::bench::Found::Usage(sluice_core::bench::Usage {
                     input: 500,
                     output: 100,
                 });
-                e.settle(&store, &plan, usage, 0, true, 1_000);
+                e.settle(&store, plan, usage, 0, true, 1_000);
             }
         })
     });
@@ -124,10 +124,10 @@ fn admission(c: &mut Criterion) {
                     now_ms: 1_000,
                 },
             );
-            if let Some(plan) = v.plan {
+            if let Some(plan) = v.plan() {
                 e.settle(
                     &store,
-                    &plan,
+                    plan,
                     sluice_core::bench::Found::Nothing,
                     10,
                     true,
@@ -159,10 +159,10 @@ fn admission(c: &mut Criterion) {
                     now_ms: 1_000,
                 },
             );
-            if let Some(plan) = v.plan {
+            if let Some(plan) = v.plan() {
                 e.settle(
                     &store,
-                    &plan,
+                    plan,
                     sluice_core::bench::Found::Nothing,
                     10,
                     true,

@@ -44,7 +44,7 @@ struct Sized {
 /// any downshift), the rung that serves it, the price it is reserved at,
 /// whether its output was lowered, whether sluice asked for the usage
 /// chunk, and the tier whose estimate it teaches.
-struct Admitted<'a> {
+struct How<'a> {
     model: Option<String>,
     served: Option<&'a Served>,
     price: ModelPrice,
@@ -173,35 +173,23 @@ impl Engine {
         ctx: &RequestContext,
         served: Option<&Served>,
     ) -> Verdict {
-        let RequestContext {
-            identity,
-            api,
-            path,
-            asked,
-            now_ms,
-        } = *ctx;
+        let (identity, asked, now_ms) = (ctx.identity, ctx.asked, ctx.now_ms);
         if let Some(verdict) = self.global_breaker(store, identity, asked, now_ms) {
             return verdict;
         }
         let reserver = self.reserver(store);
-        let mut sized = self.size(store, api, asked, &identity.tier);
+        let mut sized = self.size(store, ctx.api, asked, &identity.tier);
         let downshift = asked.filter(|_| served.is_none()).and_then(|_| {
             let model = sized.requested_model.as_deref();
             self.downshift(&reserver, ctx, model, sized.input, sized.output())
         });
         let model = downshift.clone().or(sized.requested_model.clone());
         let degraded = downshift.is_some().then_some(Degraded::Downshift);
-        let labels = |decision| Labels {
-            decision,
-            tier: identity.tier.clone(),
-            model: self.model_label(model.as_deref()),
-        };
-
         let mut effort = Contention::default();
         let price = served
             .and_then(|s| s.price)
             .unwrap_or_else(|| self.price_of(model.as_deref()));
-        let mut applying = self.drawn_on(identity, sized.api, model.as_deref(), path);
+        let mut applying = self.drawn_on(identity, sized.api, model.as_deref(), ctx.path);
         if let Some(served) = served {
             applying.extend(self.provider_buckets(&served.provider));
         }
@@ -215,27 +203,20 @@ impl Engine {
                 return self.refusal(refusal, &taken, identity, model.as_deref(), effort, now_ms)
             }
         };
-
         let (mut headers, alerts) = self.admitted_headers(&reservation.quotas, &taken);
         if let Some(kind) = degraded {
             headers.push("x-sluice-degraded", kind.code());
         }
-        let (body, strip_usage) = match asked {
-            Some(asked) => {
-                let declared = self.declared(sized.api);
-                upstream_body(&sized, asked, downshift.as_deref(), served, declared)
-            }
-            None => (None, false),
-        };
+        let (body, strip_usage) = asked.map_or((None, false), |asked| {
+            let declared = self.declared(sized.api);
+            upstream_body(&sized, asked, downshift.as_deref(), served, declared)
+        });
         // A request without a body settles from `held`, one with a body
         // from its plan: the holds go to one of them, moved.
         let (held, plan) = match asked {
-            None => {
-                let meters = taken.iter().map(|&i| self.buckets[i].meter).collect();
-                (Some((reservation.held, meters)), None)
-            }
+            None => (Some((reservation.held, self.meters_of(&taken))), None),
             Some(a) => {
-                let how = Admitted {
+                let how = How {
                     model: model.clone(),
                     served,
                     price,
@@ -249,20 +230,25 @@ impl Engine {
                 )
             }
         };
-        Verdict {
-            reply: None,
+        Verdict::Admit(Admitted {
             response_headers: headers,
             body,
-            labels: labels(Decision::Admit),
+            labels: Labels {
+                decision: Decision::Admit,
+                tier: identity.tier.clone(),
+                model: self.model_label(model.as_deref()),
+            },
             contention: effort,
-            no_slot: false,
             plan,
             alerts,
             degraded,
-            bucket: None,
-            retry_after_ms: None,
             held,
-        }
+        })
+    }
+
+    /// The meters of the buckets taken, in their order.
+    fn meters_of(&self, taken: &[usize]) -> Vec<Meter> {
+        taken.iter().map(|&i| self.buckets[i].meter).collect()
     }
 
     /// What an admitted request with a body keeps until it is settled.
@@ -272,7 +258,7 @@ impl Engine {
         sized: &Sized,
         held: Vec<Held>,
         taken: &[usize],
-        how: Admitted<'_>,
+        how: How<'_>,
     ) -> Plan {
         Plan {
             held,
@@ -404,26 +390,26 @@ impl Engine {
         mut effort: Contention,
         now_ms: u64,
     ) -> Verdict {
-        let (index, refused) = match refusal {
+        let refused = match refusal {
             Refusal::NoSlot {
                 index,
                 retry_after_ms,
             } => {
                 let bucket = &self.buckets[taken[index]];
-                let refused = Refused::CapacityExhausted {
+
+                Refused::CapacityExhausted {
                     retry_after_ms,
                     tier: identity.tier.clone(),
                     bucket: bucket.name.clone(),
+                    rule: bucket.rule.id.to_string(),
                     now_ms,
-                };
-                (index, refused)
+                }
             }
             Refusal::Full { index, shortfall } => {
                 let bucket = &self.buckets[taken[index]];
                 let (quota, retry_after_ms) = (shortfall.quota, shortfall.retry_after_ms);
-                let refused =
-                    self.bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
-                (index, refused)
+
+                self.bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms)
             }
             // Lost every CAS race (counted where it was lost) or the host
             // refused the write (counted here): refuse by that bucket,
@@ -438,14 +424,12 @@ impl Engine {
                     remaining: 0,
                     reset_ms: 1_000,
                 };
-                let refused = self.bucket_refusal(bucket, quota, 1_000, &identity.tier, now_ms);
-                (index, refused)
+
+                self.bucket_refusal(bucket, quota, 1_000, &identity.tier, now_ms)
             }
         };
-        let mut verdict = self.refuse(&refused, &identity.tier, model);
-        verdict.contention = effort;
-        verdict.no_slot = matches!(refused, Refused::CapacityExhausted { .. });
-        verdict.bucket = Some(self.buckets[taken[index]].rule.id.to_string());
+        let mut verdict = self.refuse(refused, &identity.tier, model);
+        *verdict.contention_mut() = effort;
         verdict
     }
 
@@ -578,7 +562,7 @@ impl Engine {
         );
         let refused = Refused::unavailable(Reason::GlobalBreakerOpen, why, retry_after_s);
         let model = asked.and_then(|a| a.demand.model.as_deref());
-        Some(self.refuse(&refused, &identity.tier, model))
+        Some(self.refuse(refused, &identity.tier, model))
     }
 
     /// The learned estimate correction of a configured model for callers

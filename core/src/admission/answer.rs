@@ -235,6 +235,8 @@ pub enum Refused {
         retry_after_ms: u64,
         tier: String,
         bucket: String,
+        /// The bucket's rule id (`tier/free/requests`).
+        rule: String,
         now_ms: u64,
     },
     /// 429 `temporarily_blocked`: the caller is in the penalty box.
@@ -296,6 +298,20 @@ impl Refused {
         }
     }
 
+    /// The rule id of the bucket that refused, for a bucket's refusal.
+    pub fn rule(&self) -> Option<&str> {
+        match self {
+            Refused::Bucket(b) => Some(&b.rule),
+            Refused::CapacityExhausted { rule, .. } => Some(rule),
+            _ => None,
+        }
+    }
+
+    /// The HTTP status its answer has.
+    pub fn status(&self) -> u32 {
+        self.reason().status()
+    }
+
     /// The `Retry-After` its answer says, in milliseconds (whole seconds);
     /// none for a rejection, which no wait changes.
     pub fn retry_after_ms(&self) -> Option<u64> {
@@ -348,6 +364,7 @@ impl Refused {
                 tier,
                 bucket,
                 now_ms,
+                ..
             } => capacity_exhausted(*retry_after_ms, tier, bucket, *now_ms),
             Refused::TemporarilyBlocked {
                 retry_after_ms,
@@ -1003,6 +1020,7 @@ mod tests {
                 retry_after_ms: 1,
                 tier: "free".into(),
                 bucket: "b".into(),
+                rule: "tier/free/b".into(),
                 now_ms: 0,
             },
             Refused::TemporarilyBlocked {

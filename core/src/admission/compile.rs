@@ -65,6 +65,25 @@ pub(super) fn tier_limits(t: &crate::policy::TierConfig, zone: Zone) -> Vec<Tier
             Reason::TokenRateLimit,
         ),
     ];
+    let mut out: Vec<TierLimit> = rates
+        .into_iter()
+        .filter_map(|(what, limit, meter, reason)| {
+            limit.map(|limit| TierLimit {
+                what,
+                limit,
+                meter,
+                reason,
+                budget: None,
+            })
+        })
+        .collect();
+    out.extend(budget_limits(t, zone));
+    out
+}
+
+/// The budgets a `TierConfig` sets (windowed limits), in the order they
+/// are taken.
+fn budget_limits(t: &crate::policy::TierConfig, zone: Zone) -> Vec<TierLimit> {
     let budgets = [
         (
             "daily_tokens",
@@ -95,39 +114,25 @@ pub(super) fn tier_limits(t: &crate::policy::TierConfig, zone: Zone) -> Vec<Tier
             Reason::SpendCapExceeded,
         ),
     ];
-    let mut out: Vec<TierLimit> = rates
+    budgets
         .into_iter()
-        .filter_map(|(what, limit, meter, reason)| {
-            limit.map(|limit| TierLimit {
-                what,
-                limit,
-                meter,
-                reason,
-                budget: None,
+        .filter_map(|(what, budget, window, meter, reason)| {
+            budget.map(|b| {
+                let units = if meter == Meter::Spend {
+                    (b.limit * 1e6).round() as u64
+                } else {
+                    b.limit as u64
+                };
+                TierLimit {
+                    what,
+                    limit: Limit::windowed(units.max(1), window),
+                    meter,
+                    reason,
+                    budget: Some(b),
+                }
             })
         })
-        .collect();
-    out.extend(
-        budgets
-            .into_iter()
-            .filter_map(|(what, budget, window, meter, reason)| {
-                budget.map(|b| {
-                    let units = if meter == Meter::Spend {
-                        (b.limit * 1e6).round() as u64
-                    } else {
-                        b.limit as u64
-                    };
-                    TierLimit {
-                        what,
-                        limit: Limit::windowed(units.max(1), window),
-                        meter,
-                        reason,
-                        budget: Some(b),
-                    }
-                })
-            }),
-    );
-    out
+        .collect()
 }
 
 impl Engine {

@@ -109,8 +109,6 @@ impl Engine {
         let bucket = self.buckets.iter().find(|b| *b.rule.id == *rule_id)?;
         let retry_after_ms = quota.reset_ms.clamp(1_000, 86_400_000);
         let refused = self.bucket_refusal(bucket, quota, retry_after_ms, &identity.tier, now_ms);
-        let mut verdict = self.refuse(&refused, &identity.tier, model);
-        verdict.bucket = Some(bucket.rule.id.to_string());
-        Some(verdict)
+        Some(self.refuse(refused, &identity.tier, model))
     }
 }

@@ -46,8 +46,8 @@ fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a str> {
 fn the_binding_bucket_is_named_by_its_rule_id_on_admission_and_refusal() {
     let (e, store) = engine(true);
     let first = admit(&e, &store, 1_000);
-    assert!(first.reply.is_none());
-    let h = &first.response_headers;
+    assert!(first.reply().is_none());
+    let h = &first.response_headers();
     // The route's 2-burst bucket is tighter than the caller's 100/min.
     assert_eq!(header(h, "x-ratelimit-limit"), Some("2"));
     assert_eq!(header(h, "x-ratelimit-remaining"), Some("1"));
@@ -62,9 +62,9 @@ fn the_binding_bucket_is_named_by_its_rule_id_on_admission_and_refusal() {
         Some(format!(r#""route/models/requests";r=1;t={reset}"#).as_str())
     );
 
-    assert!(admit(&e, &store, 1_001).reply.is_none());
+    assert!(admit(&e, &store, 1_001).reply().is_none());
     let refused = admit(&e, &store, 1_002);
-    let reply = refused.reply.as_ref().unwrap();
+    let reply = refused.reply().unwrap();
     assert_eq!(reply.status, 429);
     assert_eq!(reply.header("x-sluice-reason"), Some("route_rate_limit"));
     let retry_after = reply.header("retry-after").unwrap();
@@ -82,12 +82,12 @@ fn the_binding_bucket_is_named_by_its_rule_id_on_admission_and_refusal() {
 fn off_by_default_neither_field_is_sent() {
     let (e, store) = engine(false);
     let admitted = admit(&e, &store, 1_000);
-    assert!(header(&admitted.response_headers, "x-ratelimit-limit").is_some());
-    assert!(header(&admitted.response_headers, "ratelimit").is_none());
-    assert!(header(&admitted.response_headers, "ratelimit-policy").is_none());
+    assert!(header(admitted.response_headers(), "x-ratelimit-limit").is_some());
+    assert!(header(admitted.response_headers(), "ratelimit").is_none());
+    assert!(header(admitted.response_headers(), "ratelimit-policy").is_none());
     admit(&e, &store, 1_001);
     let refused = admit(&e, &store, 1_002);
-    let reply = refused.reply.as_ref().unwrap();
+    let reply = refused.reply().unwrap();
     assert_eq!(reply.status, 429);
     assert!(reply.header("ratelimit").is_none());
     assert!(reply.header("ratelimit-policy").is_none());

@@ -58,11 +58,8 @@ impl Laddered {
                 .iter()
                 .map(|(p, why)| format!("{p}={}", why.as_str()))
                 .collect();
-            let header = ("x-sluice-skipped".to_string(), list.join(", "));
-            match self.verdict.reply.as_mut() {
-                Some(reply) => reply.headers.push(header),
-                None => self.verdict.response_headers.push(&header.0, &header.1),
-            }
+            self.verdict
+                .push_header("x-sluice-skipped", &list.join(", "));
         }
         self
     }
@@ -162,11 +159,10 @@ impl Engine {
     /// Was `verdict` refused by `served`'s own budget (then the next rung
     /// is tried), not by the caller's?
     pub fn refused_by_rung(&self, verdict: &Verdict, served: &Served) -> bool {
-        verdict.reply.is_some()
-            && verdict.bucket.as_deref().is_some_and(|refused| {
-                self.provider_buckets(&served.provider)
-                    .any(|i| *self.buckets[i].rule.id == *refused)
-            })
+        verdict.bucket().is_some_and(|refused| {
+            self.provider_buckets(&served.provider)
+                .any(|i| *self.buckets[i].rule.id == *refused)
+        })
     }
 
     /// The record of each provider budget with an `alert_at`: the start of
@@ -201,8 +197,8 @@ impl Engine {
         self.provider_buckets(provider)
             .filter(|&i| {
                 let b = &self.buckets[i];
-                let crossed = verdict.bucket.as_deref() == Some(&*b.rule.id)
-                    || verdict.alerts.iter().any(|a| a.bucket == i);
+                let crossed = verdict.bucket() == Some(&*b.rule.id)
+                    || verdict.alerts().iter().any(|a| a.bucket == i);
                 crossed && b.alert_permille.is_some() && self.mark_alerted(store, i, now_ms)
             })
             .map(|i| self.buckets[i].name.clone())

@@ -319,7 +319,7 @@ mod tests {
             now_ms: now,
         };
         let v = e.admit(store, &ctx);
-        v.reply.is_none()
+        v.reply().is_none()
     }
 
     #[test]
@@ -336,7 +336,7 @@ mod tests {
                 asked: None,
                 now_ms: now,
             };
-            engines[0].admit(&host, &ctx).reply.is_none()
+            engines[0].admit(&host, &ctx).reply().is_none()
         };
         assert!(get(0));
         let held = engines[0].leased_units("tier/pro/requests");
@@ -506,7 +506,7 @@ mod settlement_tests {
                 let asked = e.demand(&id, Api::OpenAiChat, body.as_bytes()).unwrap();
                 let ctx = ctx(&id, Api::OpenAiChat, "/v1/chat/completions", asked.as_ref(), 1);
                 let v = e.admit(&store, &ctx);
-                if let (None, Some(plan)) = (v.reply, v.plan) {
+                if let (None, Some(plan)) = (v.reply(), v.into_plan()) {
                     pending.push((w, plan));
                 }
             }

@@ -82,7 +82,6 @@ pub struct Labels {
     pub model: String,
 }
 
-/// What to do with a request.
 /// A budget's `alert_at` crossed by a request: which bucket, and the text
 /// the caller is shown (`tier/pro/daily_tokens: 82% used`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,33 +91,228 @@ pub struct BudgetAlert {
     pub text: String,
 }
 
+/// What to do with a request: send it on ([`Admitted`]), or answer it
+/// here ([`Answered`]). A refusal stays typed until the edge renders it
+/// ([`Answered::into_reply`]), so what the queue and the metrics read of it
+/// (its bucket, its wait) comes from the decision, never from its text.
 #[derive(Debug, Clone)]
-pub struct Verdict {
-    /// `Some`: answer the client with this and stop. `None`: go upstream.
-    pub reply: Option<Reply>,
-    /// Headers to add to the upstream's response when admitted.
-    pub response_headers: Headers,
-    /// The request body to send upstream instead of the client's.
-    pub body: Option<Vec<u8>>,
+// The admitted side is the common one: boxing it would add an allocation
+// to every admitted request to save a few hundred bytes of stack.
+#[allow(clippy::large_enum_variant)]
+pub enum Verdict {
+    Admit(Admitted),
+    Answer(Answered),
+}
+
+/// An admitted request: what it holds and what goes upstream with it.
+#[derive(Debug, Clone)]
+pub struct Admitted {
     pub labels: Labels,
     /// Compare-and-swap races lost while deciding.
     pub contention: Contention,
-    /// Refused because no per-caller slot was free (`capacity_exhausted`).
-    pub no_slot: bool,
+    /// Headers to add to the upstream's response.
+    pub response_headers: Headers,
+    /// The request body to send upstream instead of the client's.
+    pub body: Option<Vec<u8>>,
     /// What was reserved, to settle after the response.
     pub plan: Option<Plan>,
     /// Budget alert thresholds crossed by this request.
     pub alerts: Vec<BudgetAlert>,
-    /// A soft cap rewrote the model, or the static table answered.
+    /// A soft cap rewrote the model.
     pub degraded: Option<Degraded>,
-    /// The rule id of the bucket that refused (`tier/free/requests`).
-    pub bucket: Option<String>,
-    /// What a refusal's `Retry-After` says, in ms (see
-    /// [`Refused::retry_after_ms`]).
-    pub retry_after_ms: Option<u64>,
     /// What an admitted request without a body plan (a GET) took, and its
     /// meters: the fleet covers those buckets too.
     pub held: Option<(Vec<Held>, Vec<Meter>)>,
+}
+
+/// A request answered here: refused, or given the static answer.
+#[derive(Debug, Clone)]
+pub struct Answered {
+    pub labels: Labels,
+    /// Compare-and-swap races lost while deciding.
+    pub contention: Contention,
+    pub answer: Answer,
+    /// Headers added after the decision (the rungs skipped or failed).
+    pub headers: Vec<(String, String)>,
+}
+
+/// What a request answered here is told.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    /// A refusal, rendered only when it is sent.
+    Refused(Refused),
+    /// The static answer (a degradation, not a refusal).
+    Static(Reply),
+}
+
+impl Answered {
+    /// The answer the client gets: the one place a refusal is rendered.
+    pub fn into_reply(self) -> Reply {
+        let mut reply = match self.answer {
+            Answer::Refused(refused) => refused.render(),
+            Answer::Static(reply) => reply,
+        };
+        reply.headers.extend(self.headers);
+        reply
+    }
+
+    fn refused(&self) -> Option<&Refused> {
+        match &self.answer {
+            Answer::Refused(refused) => Some(refused),
+            Answer::Static(_) => None,
+        }
+    }
+}
+
+impl Verdict {
+    pub fn labels(&self) -> &Labels {
+        match self {
+            Verdict::Admit(a) => &a.labels,
+            Verdict::Answer(a) => &a.labels,
+        }
+    }
+
+    pub fn contention(&self) -> Contention {
+        match self {
+            Verdict::Admit(a) => a.contention,
+            Verdict::Answer(a) => a.contention,
+        }
+    }
+
+    pub fn contention_mut(&mut self) -> &mut Contention {
+        match self {
+            Verdict::Admit(a) => &mut a.contention,
+            Verdict::Answer(a) => &mut a.contention,
+        }
+    }
+
+    pub fn is_admitted(&self) -> bool {
+        matches!(self, Verdict::Admit(_))
+    }
+
+    pub fn admitted(&self) -> Option<&Admitted> {
+        match self {
+            Verdict::Admit(a) => Some(a),
+            Verdict::Answer(_) => None,
+        }
+    }
+
+    /// What an admitted request reserved, to settle after its response.
+    pub fn plan(&self) -> Option<&Plan> {
+        self.admitted()?.plan.as_ref()
+    }
+
+    /// Takes the body an admitted request sends upstream instead of the
+    /// client's.
+    pub fn take_body(&mut self) -> Option<Vec<u8>> {
+        match self {
+            Verdict::Admit(a) => a.body.take(),
+            Verdict::Answer(_) => None,
+        }
+    }
+
+    /// The headers added to an admitted request's response.
+    pub fn into_response_headers(self) -> Headers {
+        match self {
+            Verdict::Admit(a) => a.response_headers,
+            Verdict::Answer(_) => Headers::default(),
+        }
+    }
+
+    /// The answer of a request answered here, rendered: the edge.
+    pub fn into_reply(self) -> Option<Reply> {
+        match self {
+            Verdict::Admit(_) => None,
+            Verdict::Answer(a) => Some(a.into_reply()),
+        }
+    }
+
+    /// Takes what an admitted request reserved out of the verdict.
+    pub fn take_plan(&mut self) -> Option<Plan> {
+        match self {
+            Verdict::Admit(a) => a.plan.take(),
+            Verdict::Answer(_) => None,
+        }
+    }
+
+    /// The answer a request answered here gets, rendered (`None`: it goes
+    /// upstream).
+    pub fn reply(&self) -> Option<Reply> {
+        match self {
+            Verdict::Admit(_) => None,
+            Verdict::Answer(a) => Some(a.clone().into_reply()),
+        }
+    }
+
+    fn refused(&self) -> Option<&Refused> {
+        match self {
+            Verdict::Admit(_) => None,
+            Verdict::Answer(a) => a.refused(),
+        }
+    }
+
+    /// The rule id of the bucket that refused (`tier/free/requests`).
+    pub fn bucket(&self) -> Option<&str> {
+        self.refused()?.rule()
+    }
+
+    /// Refused because no per-caller slot was free (`capacity_exhausted`).
+    pub fn no_slot(&self) -> bool {
+        matches!(self.refused(), Some(Refused::CapacityExhausted { .. }))
+    }
+
+    /// A bucket's 429: how long (ms, as its `Retry-After` says) until the
+    /// bucket would let the request through.
+    pub fn bucket_retry_ms(&self) -> Option<u64> {
+        let refused = self.refused()?;
+        refused.rule()?;
+        (refused.status() == 429).then(|| refused.retry_after_ms())?
+    }
+
+    /// A soft cap rewrote the model, or the static table answered.
+    pub fn degraded(&self) -> Option<Degraded> {
+        match self {
+            Verdict::Admit(a) => a.degraded,
+            Verdict::Answer(Answered {
+                answer: Answer::Static(_),
+                ..
+            }) => Some(Degraded::Static),
+            Verdict::Answer(_) => None,
+        }
+    }
+
+    /// Budget alert thresholds crossed by this request.
+    pub fn alerts(&self) -> &[BudgetAlert] {
+        self.admitted().map_or(&[], |a| &a.alerts)
+    }
+
+    /// What an admitted request sends upstream instead of the client's
+    /// body (tests).
+    #[cfg(test)]
+    pub(crate) fn body(&self) -> Option<Vec<u8>> {
+        self.admitted()?.body.clone()
+    }
+
+    /// The headers an admitted request's response gets (tests).
+    #[cfg(test)]
+    pub(crate) fn response_headers(&self) -> &Headers {
+        &self.admitted().expect("admitted").response_headers
+    }
+
+    /// What an admitted request reserved, owned (tests).
+    #[cfg(test)]
+    pub(crate) fn into_plan(mut self) -> Option<Plan> {
+        self.take_plan()
+    }
+
+    /// Adds a header to what the client gets: the upstream's response
+    /// when admitted, the answer when answered here.
+    pub fn push_header(&mut self, name: &str, value: &str) {
+        match self {
+            Verdict::Admit(a) => a.response_headers.push(name, value),
+            Verdict::Answer(a) => a.headers.push((name.to_string(), value.to_string())),
+        }
+    }
 }
 
 /// One request as the steps after identity see it: passed whole instead
@@ -340,7 +534,7 @@ impl Engine {
     ) -> Result<Identity, (Box<Verdict>, crate::admission::identity::AuthRefusal)> {
         self.resolver.resolve(req).map_err(|refusal| {
             let refused = Refused::rejected(Reason::Unauthenticated, refusal.message(), None);
-            let verdict = Box::new(self.refuse(&refused, &self.policy.default_tier, None));
+            let verdict = Box::new(self.refuse(refused, &self.policy.default_tier, None));
             (verdict, refusal)
         })
     }
@@ -360,7 +554,7 @@ impl Engine {
             "The request path is ambiguous (an escape that decodes to another escape or to a control character).",
             None,
         );
-        self.refuse(&refused, &identity.tier, None)
+        self.refuse(refused, &identity.tier, None)
     }
 
     /// 404 `unknown_endpoint`: a body (or a POST) to a path sluice does
@@ -371,7 +565,7 @@ impl Engine {
             "sluice does not know this endpoint, and the policy opens it to no request with a body (see `passthrough`).",
             None,
         );
-        self.refuse(&refused, &identity.tier, None)
+        self.refuse(refused, &identity.tier, None)
     }
 
     /// The API of a request to a path sluice does not classify: the
@@ -398,7 +592,7 @@ impl Engine {
                 format!("The request body is larger than the {cap}-byte limit."),
                 None,
             );
-            self.refuse(&refused, &identity.tier, None)
+            self.refuse(refused, &identity.tier, None)
         })
     }
 
@@ -447,7 +641,7 @@ impl Engine {
         );
         let refused = Refused::rejected(Reason::ContextLengthExceeded, message, Some("messages"));
         Err(Box::new(self.refuse(
-            &refused,
+            refused,
             &identity.tier,
             Some(name.as_str()),
         )))
@@ -466,7 +660,7 @@ impl Engine {
         let naming = api.naming();
         let cap =
             |model: &str| self.output_cap(self.policy.listed_model(naming, model).unwrap_or(model));
-        let refuse = |refused: Refused| Box::new(self.refuse(&refused, &identity.tier, None));
+        let refuse = |refused: Refused| Box::new(self.refuse(refused, &identity.tier, None));
         let invalid = |bad: BadBody| {
             refuse(Refused::rejected(
                 Reason::InvalidRequest,
@@ -601,7 +795,7 @@ impl Engine {
                 why,
             } => {
                 let refused = Refused::unavailable(reason, why, retry_after_s);
-                Routed::Answered(Box::new(self.refuse(&refused, &identity.tier, model)))
+                Routed::Answered(Box::new(self.refuse(refused, &identity.tier, model)))
             }
         }
     }
@@ -625,10 +819,8 @@ impl Engine {
                 answer::static_answer(api, model.unwrap_or("sluice-static"), &text, stream, now_ms)
             }
         };
-        let mut verdict = self.refused(reply, Reason::UpstreamUnhealthy, &identity.tier, model);
-        verdict.labels.decision = Decision::Degrade(Degraded::Static);
-        verdict.degraded = Some(Degraded::Static);
-        verdict
+        let decision = Decision::Degrade(Degraded::Static);
+        self.answered(Answer::Static(reply), decision, &identity.tier, model)
     }
 
     /// `model` as a metric label: configured models by name, others as
@@ -641,41 +833,30 @@ impl Engine {
         }
     }
 
-    /// The verdict of a refusal: its answer rendered, its reason in the
-    /// labels, its `Retry-After` kept for the queue (see `bucket_wait`).
-    pub(crate) fn refuse(&self, refused: &Refused, tier: &str, model: Option<&str>) -> Verdict {
-        let mut verdict = self.refused(refused.render(), refused.reason(), tier, model);
-        verdict.retry_after_ms = refused.retry_after_ms();
-        verdict
+    /// The verdict of a refusal: kept typed, its reason in the labels.
+    pub(crate) fn refuse(&self, refused: Refused, tier: &str, model: Option<&str>) -> Verdict {
+        let decision = Decision::Refuse(refused.reason());
+        self.answered(Answer::Refused(refused), decision, tier, model)
     }
 
-    /// A local answer decided as `reason`: what [`Engine::refuse`] renders
-    /// into, and the static answer's (a degradation, relabelled).
-    pub(crate) fn refused(
+    /// A request answered here as `decision`.
+    fn answered(
         &self,
-        reply: Reply,
-        reason: Reason,
+        answer: Answer,
+        decision: Decision,
         tier: &str,
         model: Option<&str>,
     ) -> Verdict {
-        Verdict {
-            reply: Some(reply),
-            response_headers: Headers::default(),
-            body: None,
+        Verdict::Answer(Answered {
             labels: Labels {
-                decision: Decision::Refuse(reason),
+                decision,
                 tier: tier.into(),
                 model: self.model_label(model),
             },
             contention: Contention::default(),
-            no_slot: false,
-            plan: None,
-            alerts: Vec::new(),
-            degraded: None,
-            bucket: None,
-            retry_after_ms: None,
-            held: None,
-        }
+            answer,
+            headers: Vec::new(),
+        })
     }
 
     /// The principal as the audit log shows it: a salted SHA-256, never the
@@ -771,11 +952,11 @@ pub(crate) mod tests {
             .unwrap();
         let embed_ctx = ctx(&id, Api::OllamaEmbed, "/api/embed", Some(&embed), 0);
         assert!(e.would_admit(&store, &embed_ctx, 0).is_none());
-        assert!(e.admit(&store, &embed_ctx).reply.is_none());
+        assert!(e.admit(&store, &embed_ctx).reply().is_none());
         let chat = asked(&e, chat("m", 100));
         let chat_ctx = ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&chat), 0);
         let declined = e.would_admit(&store, &chat_ctx, 0).expect("declined");
-        assert_eq!(declined.reply.unwrap().status, 429);
+        assert_eq!(declined.reply().unwrap().status, 429);
     }
 
     #[test]
@@ -785,15 +966,18 @@ pub(crate) mod tests {
         let results: Vec<Verdict> = (0..12)
             .map(|_| e.admit(&store, &ctx(&id, Api::Other, "/v1/models", None, 1_000)))
             .collect();
-        assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 10);
+        assert_eq!(results.iter().filter(|v| v.reply().is_none()).count(), 10);
         assert_eq!(
-            results[0].response_headers.iter().nth(1),
+            results[0].response_headers().iter().nth(1),
             Some(("x-ratelimit-remaining", "9"))
         );
-        let refused = results[11].reply.as_ref().unwrap();
+        let refused = results[11].reply().unwrap();
         assert_eq!(refused.status, 429);
         assert_eq!(refused.header("x-sluice-reason"), Some("user_rate_limit"));
-        assert_eq!(results[11].labels.decision.reason_code(), "user_rate_limit");
+        assert_eq!(
+            results[11].labels().decision.reason_code(),
+            "user_rate_limit"
+        );
     }
 
     #[test]
@@ -807,7 +991,7 @@ pub(crate) mod tests {
                     &store,
                     &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&big), 0)
                 )
-                .reply
+                .reply()
                 .is_none());
         }
         let id = e.identify(&Caller("4.4.4.4:1")).unwrap();
@@ -815,8 +999,8 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&big), 0),
         );
-        assert_eq!(v.labels.decision.reason_code(), "model_rate_limit");
-        assert_eq!(v.labels.model, "big");
+        assert_eq!(v.labels().decision.reason_code(), "model_rate_limit");
+        assert_eq!(v.labels().model, "big");
         let (e, store) = engine_with(json!({
             "default_tier": "free",
             "tiers": {"free": {"requests": "10/min"}},
@@ -834,8 +1018,8 @@ pub(crate) mod tests {
                 0,
             ),
         );
-        assert!(v.reply.is_none());
-        assert_eq!(v.labels.model, "other");
+        assert!(v.reply().is_none());
+        assert_eq!(v.labels().model, "other");
     }
 
     #[test]
@@ -852,7 +1036,7 @@ pub(crate) mod tests {
                 &store,
                 &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             );
-            if let Some(plan) = v.plan.filter(|_| v.reply.is_none()) {
+            if let Some(plan) = v.into_plan() {
                 plans.push(plan);
             }
         }
@@ -881,7 +1065,7 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        assert!(v.reply.is_none());
+        assert!(v.reply().is_none());
     }
 
     #[test]
@@ -897,25 +1081,28 @@ pub(crate) mod tests {
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
         assert!(
-            first.reply.is_none() && first.body.is_none(),
+            first.reply().is_none() && first.body().is_none(),
             "fits as asked"
         );
         let second = e.admit(
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        assert!(second.reply.is_none());
-        let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        assert!(second.reply().is_none());
+        let body: Value = serde_json::from_slice(&second.body().unwrap()).unwrap();
         let lowered = body["max_tokens"].as_u64().unwrap();
-        let plan = second.plan.unwrap();
+        let plan = second.plan().unwrap();
         assert_eq!(lowered, plan.max_output);
-        assert_eq!(first.plan.unwrap().input_bound * 2 + 800 + lowered, 1_000);
+        assert_eq!(first.plan().unwrap().input_bound * 2 + 800 + lowered, 1_000);
         let third = e.admit(
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        assert_eq!(third.labels.decision.reason_code(), "daily_budget_exceeded");
-        let reply = third.reply.unwrap();
+        assert_eq!(
+            third.labels().decision.reason_code(),
+            "daily_budget_exceeded"
+        );
+        let reply = third.reply().unwrap();
         let json: Value = serde_json::from_slice(&reply.body).unwrap();
         assert_eq!(json["error"]["code"], "daily_budget_exceeded");
         assert!(json["error"]["sluice"]["reset_at"]
@@ -937,18 +1124,18 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        assert_eq!(first.degraded, None);
-        assert_eq!(first.alerts.len(), 1, "{:?}", first.alerts);
+        assert_eq!(first.degraded(), None);
+        assert_eq!(first.alerts().len(), 1, "{:?}", first.alerts());
         let second = e.admit(
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        assert!(second.reply.is_none(), "soft caps never refuse");
-        assert_eq!(second.degraded.map(Degraded::code), Some("downshift"));
-        let body: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        assert!(second.reply().is_none(), "soft caps never refuse");
+        assert_eq!(second.degraded().map(Degraded::code), Some("downshift"));
+        let body: Value = serde_json::from_slice(&second.body().unwrap()).unwrap();
         assert_eq!(body["model"], "small");
         assert_eq!(
-            second.response_headers.get("x-sluice-degraded"),
+            second.response_headers().get("x-sluice-degraded"),
             Some("downshift")
         );
     }
@@ -968,7 +1155,7 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        let plan = v.plan.unwrap();
+        let plan = v.plan().unwrap();
         let usage = Found::Usage(Usage {
             input: 1000,
             output: 100,
@@ -978,12 +1165,12 @@ pub(crate) mod tests {
             cache_write_input: 0,
             reasoning_output: 40,
         };
-        let (s, _) = e.settle_parts(&store, &plan, usage, details, 0, true, 0);
+        let (s, _) = e.settle_parts(&store, plan, usage, details, 0, true, 0);
         // 200 × 2 + 800 × 0.5 + 100 × 8 = 400 + 400 + 800 per 1M = 1,600 µ.
         assert_eq!(s.cost, 1600);
         assert_eq!(s.billed.cached_input, 800);
         // Without parts every input token is plain: 1000 × 2 + 100 × 8.
-        let (plain, _) = e.settle(&store, &plan, usage, 0, true, 0);
+        let (plain, _) = e.settle(&store, plan, usage, 0, true, 0);
         assert_eq!(plain.cost, 2800);
     }
 
@@ -1027,7 +1214,7 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        let plan = v.plan.unwrap();
+        let plan = v.plan().unwrap();
         let cost = plan.price.bound_micros(plan.input_estimate, 4);
         assert_eq!(cost, plan.input_estimate * 1000 + 8000);
         let a = asked(&e, chat("paid", 5000));
@@ -1035,7 +1222,7 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        assert_eq!(v.labels.decision.reason_code(), "spend_cap_exceeded");
+        assert_eq!(v.labels().decision.reason_code(), "spend_cap_exceeded");
     }
 
     #[test]
@@ -1050,16 +1237,16 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        let rewritten: Value = serde_json::from_slice(&v.body.unwrap()).unwrap();
+        let rewritten: Value = serde_json::from_slice(&v.body().unwrap()).unwrap();
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
-        let plan = v.plan.unwrap();
+        let plan = v.plan().unwrap();
         assert!(plan.strip_usage);
-        let (s, _) = e.settle(&store, &plan, Found::Invalid, 7, true, 0);
+        let (s, _) = e.settle(&store, plan, Found::Invalid, 7, true, 0);
         assert_eq!(
             (s.input, s.output, s.from_usage, s.invalid_usage),
             (plan.input_estimate, 7, false, true)
         );
-        let (s, _) = e.settle(&store, &plan, Found::Nothing, 0, false, 0);
+        let (s, _) = e.settle(&store, plan, Found::Nothing, 0, false, 0);
         assert_eq!(
             (s.input, s.output),
             (0, 0),
@@ -1079,13 +1266,13 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        let plan = v.plan.unwrap();
+        let plan = v.plan().unwrap();
         assert!(plan.input_estimate > 0);
         let usage = Found::Usage(Usage {
             input: 0,
             output: 9,
         });
-        let (s, _) = e.settle(&store, &plan, usage, 3, true, 0);
+        let (s, _) = e.settle(&store, plan, usage, 3, true, 0);
         assert_eq!(
             (s.input, s.output, s.from_usage, s.input_estimated),
             (plan.input_estimate, 9, true, true)
@@ -1094,7 +1281,7 @@ pub(crate) mod tests {
             input: 4,
             output: 9,
         });
-        let (s, _) = e.settle(&store, &plan, usage, 3, true, 0);
+        let (s, _) = e.settle(&store, plan, usage, 3, true, 0);
         assert_eq!((s.input, s.output, s.input_estimated), (4, 9, false));
     }
 
@@ -1114,8 +1301,8 @@ pub(crate) mod tests {
                 &store,
                 &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             );
-            if let Some(reply) = &v.reply {
-                assert_eq!(v.labels.decision.reason_code(), "global_breaker_open");
+            if let Some(reply) = &v.reply() {
+                assert_eq!(v.labels().decision.reason_code(), "global_breaker_open");
                 assert_eq!(reply.status, 503);
                 opened = true;
                 break;
@@ -1124,7 +1311,7 @@ pub(crate) mod tests {
                 input: 10_000,
                 output: 0,
             });
-            e.settle(&store, &v.plan.unwrap(), usage, 0, true, 0);
+            e.settle(&store, v.plan().unwrap(), usage, 0, true, 0);
         }
         assert!(opened, "0.05 spent after 5 requests of 0.01");
         // An hour later the window has slid past it.
@@ -1138,7 +1325,7 @@ pub(crate) mod tests {
                 3_600_000,
             ),
         );
-        assert!(v.reply.is_none());
+        assert!(v.reply().is_none());
     }
 
     struct Keyed(&'static str, &'static str);
@@ -1177,14 +1364,16 @@ pub(crate) mod tests {
         let late = e.identify(&Keyed("", "192.168.1.1:1")).unwrap();
         assert!(!late.declared);
         let v = admit(&late);
-        assert_eq!(v.labels.decision.reason_code(), "capacity_exhausted");
-        assert!(v.no_slot);
-        let reply = v.reply.unwrap();
+        assert_eq!(v.labels().decision.reason_code(), "capacity_exhausted");
+        assert!(v.no_slot());
+        let reply = v.reply().unwrap();
         assert_eq!(
             (reply.status, reply.header("retry-after")),
             (429, Some("6"))
         );
-        let admitted = (0..10).filter(|_| admit(&declared).reply.is_none()).count();
+        let admitted = (0..10)
+            .filter(|_| admit(&declared).reply().is_none())
+            .count();
         assert_eq!(admitted, 10, "the declared key keeps all of its capacity");
     }
 
@@ -1205,15 +1394,15 @@ pub(crate) mod tests {
                 )
             })
             .collect();
-        assert_eq!(results.iter().filter(|v| v.reply.is_none()).count(), 5);
-        assert_eq!(results[7].labels.decision.reason_code(), "anonymous_limit");
+        assert_eq!(results.iter().filter(|v| v.reply().is_none()).count(), 5);
         assert_eq!(
-            results[7].bucket.as_deref(),
-            Some("tier/free/anonymous/requests")
+            results[7].labels().decision.reason_code(),
+            "anonymous_limit"
         );
+        assert_eq!(results[7].bucket(), Some("tier/free/anonymous/requests"));
         let declared = e.identify(&Keyed("k-free", "10.0.0.1:1")).unwrap();
         assert!(
-            admit(&declared).reply.is_none(),
+            admit(&declared).reply().is_none(),
             "declared keys are outside it"
         );
     }
@@ -1228,18 +1417,18 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        let plan = v.plan.unwrap();
+        let plan = v.plan().unwrap();
         // The daily budget holds the bound, the rate the estimate.
         let mut bounded = plan.bounded.clone();
         bounded.sort();
         assert_eq!(bounded, vec![false, true]);
         assert!(plan.input_bound > plan.input_estimate);
-        let (s, _) = e.settle(&store, &plan, Found::Nothing, 7, true, 0);
+        let (s, _) = e.settle(&store, plan, Found::Nothing, 7, true, 0);
         assert_eq!(s.input_source, InputSource::Bounded);
         assert_eq!((s.input, s.output), (plan.input_bound, 7));
         let (s, _) = e.settle(
             &store,
-            &plan,
+            plan,
             Found::Usage(Usage {
                 input: 3,
                 output: 7,
@@ -1256,8 +1445,8 @@ pub(crate) mod tests {
             &store,
             &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
         );
-        let plan = v.plan.unwrap();
-        let (s, _) = e.settle(&store, &plan, Found::Nothing, 7, true, 0);
+        let plan = v.plan().unwrap();
+        let (s, _) = e.settle(&store, plan, Found::Nothing, 7, true, 0);
         assert_eq!(
             (s.input_source, s.input),
             (InputSource::Estimated, plan.input_estimate)
@@ -1284,13 +1473,13 @@ pub(crate) mod tests {
                     "messages": [{"role": "user", "content": text}]});
                 let a = asked(&e, body);
                 let v = e.admit(&store, &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0));
-                let Some(plan) = v.plan.filter(|_| v.reply.is_none()) else { continue };
+                let Some(plan) = v.plan() else { continue };
                 // The most a byte-level tokenizer makes of the text, and a
                 // template of a few tokens.
                 let most = text.len() as u64 + 30;
                 let input = (most as f64 * input_share) as u64 + 1;
                 let output = (plan.max_output as f64 * output_share) as u64;
-                let (s, _) = e.settle(&store, &plan, Found::Usage(Usage { input, output }), output, true, 0);
+                let (s, _) = e.settle(&store, plan, Found::Usage(Usage { input, output }), output, true, 0);
                 proptest::prop_assert_eq!(s.charges_unwritten, 0);
                 charged += s.input + s.output;
             }
@@ -1308,7 +1497,7 @@ pub(crate) mod tests {
         };
         let (e, _) =
             engine_with(json!({"default_tier": "t", "tiers": {"t": {"daily_tokens": 5_000}}}));
-        let refused = responses(&e).unwrap_err().reply.unwrap();
+        let refused = responses(&e).unwrap_err().reply().unwrap();
         assert_eq!(refused.status, 400);
         let got: Value = serde_json::from_slice(&refused.body).unwrap();
         assert_eq!(got["error"]["param"], "background", "{got}");
@@ -1328,7 +1517,7 @@ pub(crate) mod tests {
                 &store,
                 &ctx(&id, Api::OpenAiResponses, "/v1/responses", Some(&a), 0),
             )
-            .plan
+            .into_plan()
             .unwrap();
         // `{"status": "queued", "usage": null}`: nothing reported, yet the
         // model goes on; charged all it reserved.
@@ -1365,7 +1554,7 @@ pub(crate) mod tests {
                 &store,
                 &ctx(id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
-            .plan
+            .into_plan()
             .unwrap()
         };
         let before = admit(&a_id);
@@ -1411,7 +1600,7 @@ pub(crate) mod tests {
                 &store,
                 &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
-            .plan
+            .into_plan()
             .unwrap();
         for _ in 0..50 {
             let truth = (before.input_raw * 1.5) as u64;
@@ -1432,7 +1621,7 @@ pub(crate) mod tests {
                 &store,
                 &ctx(&id, Api::OpenAiChat, "/v1/chat/completions", Some(&a), 0),
             )
-            .plan
+            .into_plan()
             .unwrap();
         let ratio = after.input_estimate as f64 / before.input_estimate as f64;
         assert!((1.4..1.6).contains(&ratio), "{ratio}");
@@ -1455,17 +1644,17 @@ pub(crate) mod tests {
         let mut body = chat("m", 200);
         body["n"] = json!(4);
         let first = admit(body.clone());
-        let plan = first.plan.unwrap();
+        let plan = first.plan().unwrap();
         assert_eq!(plan.max_output, 800, "4 choices × 200");
         assert!(
-            first.body.is_none(),
+            first.body().is_none(),
             "fits as asked: the body goes up untouched"
         );
         // 1,000 − 800 − input left: 4 choices of 200 do not fit any more;
         // each choice is lowered so that all four fit.
         let second = admit(body.clone());
-        let plan2 = second.plan.unwrap();
-        let sent: Value = serde_json::from_slice(&second.body.unwrap()).unwrap();
+        let plan2 = second.plan().unwrap();
+        let sent: Value = serde_json::from_slice(&second.body().unwrap()).unwrap();
         let per_choice = sent["max_tokens"].as_u64().unwrap();
         assert!(
             (MIN_LOWERED_OUTPUT..200).contains(&per_choice),
@@ -1477,7 +1666,7 @@ pub(crate) mod tests {
         let mut greedy = chat("m", 100);
         greedy["best_of"] = json!(128);
         let refused = admit(greedy);
-        assert_eq!(refused.reply.unwrap().status, 429);
+        assert_eq!(refused.reply().unwrap().status, 429);
     }
 
     #[test]
@@ -1493,7 +1682,7 @@ pub(crate) mod tests {
         let refused = |body: Value| {
             e.demand(&id, Api::OpenAiChat, body.to_string().as_bytes())
                 .err()
-                .map(|v| serde_json::from_slice::<Value>(&v.reply.unwrap().body).unwrap())
+                .map(|v| serde_json::from_slice::<Value>(&v.reply().unwrap().body).unwrap())
         };
         let err = refused(chat("small", 4097)).unwrap();
         assert_eq!(err["error"]["param"], "max_tokens");

@@ -42,7 +42,7 @@ fn every_prompt_of_a_prompt_array_is_reserved() {
     for (prompt, prompts) in forms {
         let body = json!({"model": "m", "prompt": prompt, "max_tokens": 100, "n": 2});
         let v = admit(&e, &store, Api::OpenAiCompletions, "/v1/completions", body);
-        let plan = v.plan.expect("admitted");
+        let plan = v.plan().expect("admitted");
         assert_eq!(plan.max_output, prompts * 2 * 100, "{prompt}");
     }
 }
@@ -60,8 +60,8 @@ fn a_prompt_array_the_budget_cannot_cover_is_lowered_per_completion_or_refused()
         "/v1/completions",
         body.clone(),
     );
-    let plan = v.plan.expect("lowered, not refused");
-    let sent: Value = serde_json::from_slice(&v.body.expect("rewritten")).unwrap();
+    let plan = v.plan().expect("lowered, not refused");
+    let sent: Value = serde_json::from_slice(&v.body().expect("rewritten")).unwrap();
     let per = sent["max_tokens"].as_u64().unwrap();
     assert!((MIN_LOWERED_OUTPUT..100_000).contains(&per), "{per}");
     assert_eq!(plan.max_output, per * 40);
@@ -70,7 +70,7 @@ fn a_prompt_array_the_budget_cannot_cover_is_lowered_per_completion_or_refused()
     // little for 40 × 16 and is refused.
     e.settle(
         &store,
-        &plan,
+        plan,
         Found::Usage(Usage {
             input: plan.input_estimate,
             output: plan.max_output,
@@ -80,7 +80,7 @@ fn a_prompt_array_the_budget_cannot_cover_is_lowered_per_completion_or_refused()
         0,
     );
     let v = admit(&e, &store, Api::OpenAiCompletions, "/v1/completions", body);
-    assert_eq!(v.reply.expect("refused").status, 429);
+    assert_eq!(v.reply().expect("refused").status, 429);
 }
 
 #[test]
@@ -93,7 +93,7 @@ fn input_only_apis_reserve_no_output_and_count_pairs() {
         "/v1/score",
         json!({"model": "m", "text_1": "a long query about several things", "text_2": ["d"]}),
     )
-    .plan
+    .into_plan()
     .unwrap();
     let ten = admit(
         &e,
@@ -103,7 +103,7 @@ fn input_only_apis_reserve_no_output_and_count_pairs() {
         json!({"model": "m", "text_1": "a long query about several things",
                "text_2": ["d", "d", "d", "d", "d", "d", "d", "d", "d", "d"]}),
     )
-    .plan
+    .into_plan()
     .unwrap();
     assert_eq!((one.max_output, ten.max_output), (0, 0));
     // The query is scored with each document: it counts ten times.
@@ -120,7 +120,7 @@ fn input_only_apis_reserve_no_output_and_count_pairs() {
         "/api/embed",
         json!({"model": "m", "input": ["a", "b"]}),
     )
-    .plan
+    .into_plan()
     .unwrap();
     assert_eq!(embed.max_output, 0);
     assert!(!embed.stream);
@@ -136,7 +136,7 @@ fn invocations_are_the_api_their_shape_says() {
         "/invocations",
         json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "n": 3}),
     )
-    .plan
+    .into_plan()
     .unwrap();
     assert_eq!((chat.api, chat.max_output), (Api::OpenAiChat, 150));
     let completion = admit(
@@ -146,7 +146,7 @@ fn invocations_are_the_api_their_shape_says() {
         "/invocations",
         json!({"model": "m", "prompt": ["a", "b"], "max_tokens": 10}),
     )
-    .plan
+    .into_plan()
     .unwrap();
     assert_eq!(
         (completion.api, completion.max_output),
@@ -159,7 +159,7 @@ fn invocations_are_the_api_their_shape_says() {
         "/invocations",
         json!({"model": "m", "input": "x"}),
     )
-    .plan
+    .into_plan()
     .unwrap();
     assert_eq!(
         (embedding.api, embedding.max_output),
@@ -170,7 +170,7 @@ fn invocations_are_the_api_their_shape_says() {
         json!({"model": "m", "messages": [], "prompt": "x"}),
     ] {
         let v = admit(&e, &store, Api::Invocations, "/invocations", bad.clone());
-        assert_eq!(v.reply.expect("refused").status, 400, "{bad}");
+        assert_eq!(v.reply().expect("refused").status, 400, "{bad}");
     }
 }
 
@@ -180,7 +180,7 @@ fn anthropic_messages_reserve_max_tokens_and_require_it() {
     let body = json!({"model": "m", "max_tokens": 300, "system": "be brief",
                       "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]});
     let plan = admit(&e, &store, Api::AnthropicMessages, "/v1/messages", body)
-        .plan
+        .into_plan()
         .unwrap();
     assert_eq!(plan.max_output, 300);
     assert!(plan.input_estimate > 3);
@@ -191,7 +191,7 @@ fn anthropic_messages_reserve_max_tokens_and_require_it() {
         "/v1/messages",
         json!({"model": "m", "messages": []}),
     );
-    let reply = v.reply.expect("refused");
+    let reply = v.reply().expect("refused");
     assert_eq!(reply.status, 400);
     assert!(String::from_utf8_lossy(&reply.body).contains("\"param\":\"max_tokens\""));
     // Lowered where Anthropic reads it.
@@ -203,7 +203,7 @@ fn anthropic_messages_reserve_max_tokens_and_require_it() {
         "/v1/messages",
         json!({"model": "m", "max_tokens": 100_000, "messages": [{"role": "user", "content": "hi"}]}),
     );
-    let sent: Value = serde_json::from_slice(&v.body.expect("lowered")).unwrap();
+    let sent: Value = serde_json::from_slice(&v.body().expect("lowered")).unwrap();
     assert!(sent["max_tokens"].as_u64().unwrap() < 1_000);
 }
 
@@ -226,12 +226,12 @@ fn a_passthrough_rule_counts_its_own_limit_and_its_models() {
     let go = |api: Api, path: &str| e.admit(&store, &ctx(&id, api, path, None, 0));
     let t = "/v1/audio/transcriptions";
     // The model's 2/min binds before the rule's 3/min.
-    assert!(go(api, t).reply.is_none());
-    assert!(go(api, t).reply.is_none());
+    assert!(go(api, t).reply().is_none());
+    assert!(go(api, t).reply().is_none());
     let third = go(api, t);
-    assert_eq!(third.bucket.as_deref(), Some("model/whisper/requests"));
+    assert_eq!(third.bucket(), Some("model/whisper/requests"));
     let speech = e.passthrough("POST", "/v1/audio/speech");
-    assert!(go(speech, "/v1/audio/speech").reply.is_none());
+    assert!(go(speech, "/v1/audio/speech").reply().is_none());
     let second = go(speech, "/v1/audio/speech");
-    assert_eq!(second.bucket.as_deref(), Some("passthrough/1/requests"));
+    assert_eq!(second.bucket(), Some("passthrough/1/requests"));
 }

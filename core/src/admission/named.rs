@@ -158,13 +158,13 @@ mod tests {
     }
 
     fn error(v: &Verdict) -> Value {
-        let reply = v.reply.as_ref().expect("refused");
+        let reply = v.reply().expect("refused");
         assert_eq!(reply.status, 400);
         serde_json::from_slice(&reply.body).unwrap()
     }
 
     fn model_sent(v: &Verdict) -> Option<String> {
-        let body: Value = serde_json::from_slice(v.body.as_ref()?).unwrap();
+        let body: Value = serde_json::from_slice(v.body().as_ref()?).unwrap();
         body["model"].as_str().map(str::to_string)
     }
 
@@ -178,9 +178,9 @@ mod tests {
             .map(|m| admit(&e, &store, Api::OllamaChat, m))
             .collect();
         for (v, spelt) in verdicts.iter().zip(SPELLINGS).take(5) {
-            assert!(v.reply.is_none(), "{spelt}: {:?}", v.reply);
-            assert_eq!(v.labels.model, "llama3.1:70b");
-            let plan = v.plan.as_ref().unwrap();
+            assert!(v.reply().is_none(), "{spelt}: {:?}", v.reply());
+            assert_eq!(v.labels().model, "llama3.1:70b");
+            let plan = v.plan().unwrap();
             assert_eq!(plan.model.as_deref(), Some("llama3.1:70b"));
             assert_eq!(plan.price, price, "{spelt}");
             // Spelt otherwise, it goes up under the policy's name; spelt
@@ -189,8 +189,8 @@ mod tests {
             assert_eq!(model_sent(v), want, "{spelt}");
         }
         for v in &verdicts[5..] {
-            assert_eq!(v.labels.decision.reason_code(), "model_rate_limit");
-            assert_eq!(v.labels.model, "llama3.1:70b");
+            assert_eq!(v.labels().decision.reason_code(), "model_rate_limit");
+            assert_eq!(v.labels().model, "llama3.1:70b");
         }
     }
 
@@ -220,7 +220,7 @@ mod tests {
         );
         let store = MemStore::default();
         e.prepare(&store).unwrap();
-        assert!(admit(&e, &store, Api::OpenAiChat, "any").reply.is_none());
+        assert!(admit(&e, &store, Api::OpenAiChat, "any").reply().is_none());
     }
 
     #[test]
@@ -230,17 +230,17 @@ mod tests {
         let stated = e.policy.unlisted_price();
         assert_eq!(stated.base.input.0, 3_000_000_000);
         let v = admit(&e, &store, Api::OllamaChat, "Mistral:7B");
-        assert!(v.reply.is_none(), "{:?}", v.reply);
-        let plan = v.plan.as_ref().unwrap();
+        assert!(v.reply().is_none(), "{:?}", v.reply());
+        let plan = v.plan().unwrap();
         assert_eq!(plan.price, stated);
         // One identity for every spelling (its breaker slot, its audit),
         // the body as the client wrote it.
         assert_eq!(plan.model.as_deref(), Some("mistral:7b"));
-        assert_eq!(v.labels.model, "other");
+        assert_eq!(v.labels().model, "other");
         assert_eq!(model_sent(&v), None);
         // A listed model keeps its own price.
         let v = admit(&e, &store, Api::OllamaChat, "LLAMA3.1:8B");
-        assert_eq!(v.plan.unwrap().price, ModelPrice::default());
+        assert_eq!(v.plan().unwrap().price, ModelPrice::default());
     }
 
     #[test]
@@ -249,7 +249,7 @@ mod tests {
         for extra in [json!({}), unlisted] {
             let (e, store) = engine(extra);
             let v = admit(&e, &store, Api::OpenAiChat, "llama3.1:70b");
-            assert_eq!(v.plan.unwrap().model.as_deref(), Some("llama3.1:70b"));
+            assert_eq!(v.plan().unwrap().model.as_deref(), Some("llama3.1:70b"));
             // Ollama's own `/v1` would run llama3.1:70b for this name: it is
             // refused, even where unlisted models are let through.
             let v = admit(&e, &store, Api::OpenAiChat, "LLAMA3.1:70B");
@@ -260,7 +260,7 @@ mod tests {
         // Names Ollama would refuse still match as written.
         let (e, store) = engine(json!({"models": {"Qwen/Qwen2.5-7B@main": {"requests": "1/min"}}}));
         let v = admit(&e, &store, Api::OpenAiChat, "Qwen/Qwen2.5-7B@main");
-        assert_eq!(v.labels.model, "Qwen/Qwen2.5-7B@main");
+        assert_eq!(v.labels().model, "Qwen/Qwen2.5-7B@main");
         let v = admit(&e, &store, Api::OpenAiChat, "qwen/qwen2.5-7b@main");
         assert_eq!(error(&v)["error"]["param"], "model");
     }
@@ -274,7 +274,7 @@ mod tests {
             .demand(&id, Api::OllamaGenerate, body.to_string().as_bytes())
             .err()
             .unwrap();
-        let err: Value = serde_json::from_slice(&refused.reply.unwrap().body).unwrap();
+        let err: Value = serde_json::from_slice(&refused.reply().unwrap().body).unwrap();
         assert_eq!(err["error"]["param"], "options.num_predict", "{err}");
     }
 

@@ -119,11 +119,11 @@ mod tests {
         let path = "/v1/chat/completions";
         for t in 0..2 {
             assert!(e.refusal_before_body(&store, &id, path, t, 0).is_none());
-            assert!(chat(&e, &store, &id, t).reply.is_none());
+            assert!(chat(&e, &store, &id, t).reply().is_none());
         }
         let early = e.refusal_before_body(&store, &id, path, 10, 0).unwrap();
         let late = chat(&e, &store, &id, 10);
-        let (a, b) = (early.reply.unwrap(), late.reply.unwrap());
+        let (a, b) = (early.reply().unwrap(), late.reply().unwrap());
         assert_eq!(
             (a.status, a.header("x-sluice-reason")),
             (429, Some("user_rate_limit"))
@@ -131,7 +131,7 @@ mod tests {
         assert_eq!(a.status, b.status);
         assert_eq!(a.header("x-sluice-reason"), b.header("x-sluice-reason"));
         assert_eq!(a.header("retry-after"), b.header("retry-after"));
-        assert_eq!(early.bucket, late.bucket);
+        assert_eq!(early.bucket(), late.bucket());
         // A class that may wait out the refill is not refused early.
         assert!(e
             .refusal_before_body(&store, &id, path, 10, 60_000)
@@ -148,11 +148,11 @@ mod tests {
         let path = "/v1/embeddings";
         assert!(e.refusal_before_body(&store, &id, path, 0, 0).is_none());
         // Spend it all, one token at a time.
-        while embed(&e, &store, &id, 1).reply.is_none() {}
+        while embed(&e, &store, &id, 1).reply().is_none() {}
         let early = e.refusal_before_body(&store, &id, path, 2, 0).unwrap();
         let (a, b) = (
-            early.reply.unwrap(),
-            embed(&e, &store, &id, 2).reply.unwrap(),
+            early.reply().unwrap(),
+            embed(&e, &store, &id, 2).reply().unwrap(),
         );
         assert_eq!(
             (a.status, a.header("x-sluice-reason")),
@@ -162,7 +162,7 @@ mod tests {
         // Output-only budgets: a body may ask for no output at all.
         let (e, store) = engine(json!({"output_tokens": "5/min"}));
         let id = e.identify(&From("1.2.3.4:5")).unwrap();
-        while chat(&e, &store, &id, 1).reply.is_none() {}
+        while chat(&e, &store, &id, 1).reply().is_none() {}
         assert!(e.refusal_before_body(&store, &id, path, 2, 0).is_none());
     }
 }

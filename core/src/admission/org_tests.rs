@@ -54,24 +54,27 @@ fn the_team_limit_binds_across_its_members_and_names_its_level() {
     );
     let admit = |id: &Identity| e.admit(&store, &ctx(id, Api::Other, "/v1/models", None, 1_000));
     let verdicts: Vec<Verdict> = (0..10).flat_map(|_| [admit(&s1), admit(&s2)]).collect();
-    assert_eq!(verdicts.iter().filter(|v| v.reply.is_none()).count(), 15);
-    let refused = verdicts.iter().find(|v| v.reply.is_some()).unwrap();
-    assert_eq!(refused.labels.decision.reason_code(), "team_rate_limit");
-    assert_eq!(refused.bucket.as_deref(), Some("team/search/requests"));
-    let body: Value = serde_json::from_slice(&refused.reply.as_ref().unwrap().body).unwrap();
+    assert_eq!(verdicts.iter().filter(|v| v.reply().is_none()).count(), 15);
+    let refused = verdicts.iter().find(|v| v.reply().is_some()).unwrap();
+    assert_eq!(refused.labels().decision.reason_code(), "team_rate_limit");
+    assert_eq!(refused.bucket(), Some("team/search/requests"));
+    let body: Value = serde_json::from_slice(&refused.reply().as_ref().unwrap().body).unwrap();
     assert_eq!(body["error"]["code"], "team_rate_limit");
     assert_eq!(body["error"]["sluice"]["bucket"], "team/search/requests");
     assert_eq!(body["error"]["sluice"]["limit"], 15);
     // Another team, and a key in no team, are not affected.
     let a1 = e.identify(&Key("a1")).unwrap();
-    assert!(admit(&a1).reply.is_none());
+    assert!(admit(&a1).reply().is_none());
     let solo = e.identify(&Key("solo")).unwrap();
     assert_eq!(solo.team, None);
-    assert!(admit(&solo).reply.is_none());
+    assert!(admit(&solo).reply().is_none());
     // A refusal by the team gave back the tier units it had taken: s1 has
     // its 60/min less only what was admitted.
     let v = e.admit(&store, &ctx(&s1, Api::Other, "/v1/models", None, 61_000));
-    assert!(v.reply.is_none(), "a minute later the team has room again");
+    assert!(
+        v.reply().is_none(),
+        "a minute later the team has room again"
+    );
 }
 
 #[test]
@@ -93,21 +96,21 @@ fn an_org_spend_cap_is_shared_by_its_teams_to_the_micro_unit() {
             &store,
             &ctx(id, Api::OpenAiChat, "/v1/chat/completions", Some(&asked), 0),
         );
-        if v.reply.is_some() {
+        if v.reply().is_some() {
             refused = Some(v);
             break;
         }
-        let plan = v.plan.unwrap();
+        let plan = v.plan().unwrap();
         let usage = Found::Usage(Usage {
             input: plan.input_estimate,
             output: 1,
         });
-        let (s, _) = e.settle(&store, &plan, usage, 0, true, 0);
+        let (s, _) = e.settle(&store, plan, usage, 0, true, 0);
         spent += s.cost;
     }
     let v = refused.expect("the org cap binds");
-    assert_eq!(v.labels.decision.reason_code(), "org_budget_exceeded");
-    assert_eq!(v.bucket.as_deref(), Some("org/acme/daily_spend"));
+    assert_eq!(v.labels().decision.reason_code(), "org_budget_exceeded");
+    assert_eq!(v.bucket(), Some("org/acme/daily_spend"));
     assert!(spent <= 10_000, "{spent} micro-units over a 0.01 cap");
     let per = e
         .price_of(Some("paid"))
@@ -200,14 +203,14 @@ fn resets_at_rome_midnight(midnight_utc: u64) {
     let mut admitted = 0;
     let refusal = loop {
         let v = admit(before);
-        if v.reply.is_some() {
+        if v.reply().is_some() {
             break v;
         }
         admitted += 1;
         assert!(admitted < 100);
     };
     assert!(admitted >= 2, "{admitted}");
-    let body: Value = serde_json::from_slice(&refusal.reply.unwrap().body).unwrap();
+    let body: Value = serde_json::from_slice(&refusal.reply().unwrap().body).unwrap();
     let reset_at = body["error"]["sluice"]["reset_at"]
         .as_str()
         .unwrap()
@@ -217,8 +220,11 @@ fn resets_at_rome_midnight(midnight_utc: u64) {
         reset_at,
         expected.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
     );
-    assert!(admit(midnight_utc - 1).reply.is_some(), "still the old day");
-    assert!(admit(midnight_utc).reply.is_none(), "a new local day");
+    assert!(
+        admit(midnight_utc - 1).reply().is_some(),
+        "still the old day"
+    );
+    assert!(admit(midnight_utc).reply().is_none(), "a new local day");
 }
 
 #[test]

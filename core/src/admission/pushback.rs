@@ -128,20 +128,20 @@ impl Engine {
         now_ms: u64,
         reroute: impl Fn(&Pushback) -> Routed,
     ) -> (Verdict, Option<u64>) {
-        if verdict.reply.is_some() {
+        if !verdict.is_admitted() {
             return (verdict, None); // refused: it never holds the probe
         }
         // The claim's (and a give-back's) lost races are counted with the
         // admission's, on whichever verdict is applied.
         let mut cas = Cas::new(store, self.tries().take());
-        cas.contention = verdict.contention;
+        cas.contention = verdict.contention();
         let give_back = |verdict: &Verdict, cas: &mut Cas| {
-            if let Some(plan) = &verdict.plan {
+            if let Some(plan) = verdict.plan() {
                 cas.contention.add(self.release(store, plan, now_ms));
             }
         };
         let with = |mut applied: Verdict, cas: &Cas| {
-            applied.contention = cas.contention;
+            *applied.contention_mut() = cas.contention;
             applied
         };
         for _ in 0..PROBE_TRIES {
@@ -170,8 +170,8 @@ impl Engine {
             "another request is probing the upstream",
             1,
         );
-        let model = verdict.plan.as_ref().and_then(|p| p.model.as_deref());
-        let refused = self.refuse(&probing, &identity.tier, model);
+        let model = verdict.plan().and_then(|p| p.model.as_deref());
+        let refused = self.refuse(probing, &identity.tier, model);
         (with(refused, &cas), None)
     }
 
@@ -398,7 +398,7 @@ mod tests {
 
     fn code(r: &Routed) -> Option<&str> {
         match r {
-            Routed::Answered(v) => Some(v.labels.decision.reason_code()),
+            Routed::Answered(v) => Some(v.labels().decision.reason_code()),
             _ => None,
         }
     }
@@ -648,17 +648,17 @@ mod tests {
             )
         };
         let verdict = admit();
-        assert!(verdict.reply.is_none());
+        assert!(verdict.reply().is_none());
         let (verdict, lease) = e.take_probe(&store, &mut pb, verdict, &id, 20, reroute);
         assert_eq!(
-            (verdict.labels.decision.reason_code(), lease),
+            (verdict.labels().decision.reason_code(), lease),
             ("upstream_unhealthy", None)
         );
         // Its model request was given back: 3/min still admits three.
         for _ in 0..3 {
-            assert!(admit().reply.is_none());
+            assert!(admit().reply().is_none());
         }
-        assert!(admit().reply.is_some());
+        assert!(admit().reply().is_some());
     }
 
     #[test]
@@ -690,10 +690,10 @@ mod tests {
             )
         };
         for _ in 0..3 {
-            assert!(admit().reply.is_none());
+            assert!(admit().reply().is_none());
         }
         let refused = admit();
-        assert!(refused.reply.is_some(), "the model's 3/min is spent");
+        assert!(refused.reply().is_some(), "the model's 3/min is spent");
         let mut pb = e.pushback(&store, Some("big"), &ALICE, &id, 20);
         let reroute = |pb: &Pushback| {
             e.route(
@@ -705,7 +705,7 @@ mod tests {
         };
         let (verdict, lease) = e.take_probe(&store, &mut pb, refused, &id, 20, reroute);
         assert_eq!(
-            (verdict.labels.decision.reason_code(), lease),
+            (verdict.labels().decision.reason_code(), lease),
             ("model_rate_limit", None)
         );
         // The probe is still there for the next admitted request.

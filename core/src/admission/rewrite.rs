@@ -163,10 +163,12 @@ mod tests {
             let v = self
                 .engine
                 .admit(&self.store, &ctx(&id, api, path, Some(&asked), 0));
-            assert!(v.reply.is_none(), "{body} refused");
-            let plan = v.plan.unwrap();
+            assert!(v.reply().is_none(), "{body} refused");
+            let plan = v.plan().unwrap();
             let per_choice = plan.max_output / asked.demand.completions();
-            let sent = v.body.map_or(body, |b| serde_json::from_slice(&b).unwrap());
+            let sent = v
+                .body()
+                .map_or(body, |b| serde_json::from_slice(&b).unwrap());
             (sent, per_choice)
         }
     }

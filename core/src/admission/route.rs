@@ -376,6 +376,29 @@ pub struct Recorded {
     pub contention: crate::state::store::Contention,
 }
 
+/// Writes a credential's pause to its slot; `false` when the write was
+/// lost (contention, or the host refused it).
+fn pause_credential(cas: &mut Cas, slot: &str, fingerprint: u64, until: u64, now_ms: u64) -> bool {
+    // Latest wins: a pause displaced from its slot only lets that
+    // credential reach the upstream again, which answers 429 again.
+    let slot_pause = CredentialPause {
+        fingerprint,
+        until_ms: until,
+    };
+    let written = cas.update(slot, |bytes| {
+        let current = bytes.map(CredentialPause::decode).unwrap_or_default();
+        let until = until.max(current.until_for(fingerprint, now_ms));
+        Some(
+            CredentialPause {
+                until_ms: until,
+                ..slot_pause
+            }
+            .encode(),
+        )
+    });
+    !matches!(written, Updated::Exhausted | Updated::Failed)
+}
+
 /// Feeds one answer to the route's record and, for a pause about a
 /// credential, to that credential's slot.
 pub fn record(
@@ -397,24 +420,7 @@ pub fn record(
     // has nobody to apply to but everyone, which a 429 must not do.
     let pause = match (pause, &pb.credential) {
         (Some((PauseScope::Credential, until)), Some((slot, fingerprint))) => {
-            // Latest wins: a pause displaced from its slot only lets that
-            // credential reach the upstream again, which answers 429 again.
-            let slot_pause = CredentialPause {
-                fingerprint: *fingerprint,
-                until_ms: until,
-            };
-            let written = cas.update(slot, |bytes| {
-                let current = bytes.map(CredentialPause::decode).unwrap_or_default();
-                let until = until.max(current.until_for(*fingerprint, now_ms));
-                Some(
-                    CredentialPause {
-                        until_ms: until,
-                        ..slot_pause
-                    }
-                    .encode(),
-                )
-            });
-            out.dropped |= matches!(written, Updated::Exhausted | Updated::Failed);
+            out.dropped |= !pause_credential(cas, slot, *fingerprint, until, now_ms);
             Some((PauseScope::Credential, until))
         }
         (Some((PauseScope::Credential, _)), None) => None,
@@ -509,6 +515,44 @@ pub struct Situation<'a> {
     pub dice: u32,
 }
 
+/// A breaker of the sidecar's (trusted) state that covers the model or
+/// its backend and lets nothing through: where the request goes instead.
+fn breaker_route(s: &Situation) -> Option<Route> {
+    let st = s.seen.trusted(s.now_ms, s.stale_after_ms, s.on_stale)?;
+    let model_scope = s.model.map(|m| format!("model:{m}"));
+    let backend_scope = format!("backend:{}", s.backend);
+    for b in &st.breakers {
+        let applies = Some(&b.scope) == model_scope.as_ref() || b.scope == backend_scope;
+        // `saturated` is not a refusal: the concurrency gate decides
+        // (batch waits, interactive is refused), see `queue`.
+        if !applies || b.state == BreakerState::Saturated {
+            continue;
+        }
+        let let_through =
+            b.state == BreakerState::HalfOpen && (s.dice as f64) < b.half_open_fraction * 1000.0;
+        if !let_through {
+            if s.rung_when_out {
+                return Some(Route::Fallback);
+            }
+            if s.static_when_out {
+                return Some(Route::Static);
+            }
+            return Some(Route::Refuse {
+                reason: Reason::GpuOverloaded,
+                retry_after_s: b
+                    .retry_after_seconds
+                    .unwrap_or(s.default_retry_after_s)
+                    .max(1),
+                why: b
+                    .reason
+                    .clone()
+                    .unwrap_or_else(|| format!("breaker {} is {}", b.scope, b.state.as_str())),
+            });
+        }
+    }
+    None
+}
+
 /// Decides the route. Order: kill switch, then the sidecar's breakers, then
 /// the upstream's own pushback (pause, error breaker). A primary that is
 /// out sends the request down the ladder when the policy has one
@@ -522,38 +566,8 @@ pub fn route(s: &Situation) -> Route {
             Route::Static
         };
     }
-    if let Some(st) = s.seen.trusted(s.now_ms, s.stale_after_ms, s.on_stale) {
-        let model_scope = s.model.map(|m| format!("model:{m}"));
-        let backend_scope = format!("backend:{}", s.backend);
-        for b in &st.breakers {
-            let applies = Some(&b.scope) == model_scope.as_ref() || b.scope == backend_scope;
-            // `saturated` is not a refusal: the concurrency gate decides
-            // (batch waits, interactive is refused), see `queue`.
-            if !applies || b.state == BreakerState::Saturated {
-                continue;
-            }
-            let let_through = b.state == BreakerState::HalfOpen
-                && (s.dice as f64) < b.half_open_fraction * 1000.0;
-            if !let_through {
-                if s.rung_when_out {
-                    return Route::Fallback;
-                }
-                if s.static_when_out {
-                    return Route::Static;
-                }
-                return Route::Refuse {
-                    reason: Reason::GpuOverloaded,
-                    retry_after_s: b
-                        .retry_after_seconds
-                        .unwrap_or(s.default_retry_after_s)
-                        .max(1),
-                    why: b
-                        .reason
-                        .clone()
-                        .unwrap_or_else(|| format!("breaker {} is {}", b.scope, b.state.as_str())),
-                };
-            }
-        }
+    if let Some(route) = breaker_route(s) {
+        return route;
     }
     let up = s.upstream;
     let paused = [

@@ -56,8 +56,8 @@ impl Engine {
                 retry_after_ms: until.saturating_sub(now_ms),
                 now_ms,
             };
-            let mut verdict = self.refuse(&refused, tier, None);
-            verdict.contention = checked.contention;
+            let mut verdict = self.refuse(refused, tier, None);
+            *verdict.contention_mut() = checked.contention;
             verdict
         });
         (verdict, checked)

@@ -63,36 +63,14 @@ impl Engine {
         upstream_ok: bool,
         now_ms: u64,
     ) -> (Settled, Contention) {
-        let reported_input = |u: Usage| u.input > 0 || plan.input_estimate == 0;
-        let reported = matches!(found, Found::Usage(u) if reported_input(u)) && !plan.background;
-        let (input, output, from_usage) = match found {
-            // A background response answers `queued` and generates on:
-            // whatever it first says, it may cost all it reserved.
-            _ if plan.background && upstream_ok => (plan.input_estimate, plan.max_output, false),
-            Found::Usage(u) if reported_input(u) => (u.input, u.output, true),
-            // No prompt reads as 0 tokens: a 0 is a count the upstream
-            // left out (Ollama drops `prompt_eval_count` when it is 0,
-            // and its OpenAI and Anthropic APIs then say `prompt_tokens: 0`
-            // / `input_tokens: 0`: ollama/ollama#2068, #5370). The
-            // estimate stands in for the input; the output is the
-            // upstream's.
-            Found::Usage(u) => (plan.input_estimate, u.output, true),
-            _ if !upstream_ok => (0, 0, false),
-            _ => (plan.input_estimate, output_counted, false),
-        };
-        let input_estimated = matches!(found, Found::Usage(u) if !reported_input(u));
-        // Parts only of counts the upstream reported (bounded by them).
-        let parts = match from_usage && !input_estimated {
-            true => details.within(Usage { input, output }),
-            false => Details::default(),
-        };
-        let billed = Billed {
+        let Counted {
             input,
             output,
-            cached_input: parts.cached_input,
-            cache_write_input: parts.cache_write_input,
-            reasoning_output: parts.reasoning_output,
-        };
+            from_usage,
+            input_estimated,
+            reported,
+            billed,
+        } = counted(plan, found, details, output_counted, upstream_ok);
         let reserver = self.reserver(store);
         let mut effort = Contention::default();
         // Input the upstream did not report is charged to a hard budget
@@ -213,5 +191,68 @@ impl Engine {
             let current = bytes.map_or(Correction::default(), Correction::decode);
             current.learn(raw, actual).map(|next| next.encode())
         });
+    }
+}
+
+/// What a response is counted as, before anything is charged.
+struct Counted {
+    input: u64,
+    output: u64,
+    /// The counts are the upstream's usage (not the estimate).
+    from_usage: bool,
+    /// The usage left the input out: the input is the estimate.
+    input_estimated: bool,
+    /// The usage reported the input (a background response's never is).
+    reported: bool,
+    billed: Billed,
+}
+
+/// The counts of a response from what its meter found: the upstream's
+/// usage, else the estimate and the output counted (nothing for a failed
+/// answer); a background response is counted all it reserved.
+fn counted(
+    plan: &Plan,
+    found: Found,
+    details: Details,
+    output_counted: u64,
+    upstream_ok: bool,
+) -> Counted {
+    let reported_input = |u: Usage| u.input > 0 || plan.input_estimate == 0;
+    let reported = matches!(found, Found::Usage(u) if reported_input(u)) && !plan.background;
+    let (input, output, from_usage) = match found {
+        // A background response answers `queued` and generates on:
+        // whatever it first says, it may cost all it reserved.
+        _ if plan.background && upstream_ok => (plan.input_estimate, plan.max_output, false),
+        Found::Usage(u) if reported_input(u) => (u.input, u.output, true),
+        // No prompt reads as 0 tokens: a 0 is a count the upstream
+        // left out (Ollama drops `prompt_eval_count` when it is 0,
+        // and its OpenAI and Anthropic APIs then say `prompt_tokens: 0`
+        // / `input_tokens: 0`: ollama/ollama#2068, #5370). The
+        // estimate stands in for the input; the output is the
+        // upstream's.
+        Found::Usage(u) => (plan.input_estimate, u.output, true),
+        _ if !upstream_ok => (0, 0, false),
+        _ => (plan.input_estimate, output_counted, false),
+    };
+    let input_estimated = matches!(found, Found::Usage(u) if !reported_input(u));
+    // Parts only of counts the upstream reported (bounded by them).
+    let parts = match from_usage && !input_estimated {
+        true => details.within(Usage { input, output }),
+        false => Details::default(),
+    };
+    let billed = Billed {
+        input,
+        output,
+        cached_input: parts.cached_input,
+        cache_write_input: parts.cache_write_input,
+        reasoning_output: parts.reasoning_output,
+    };
+    Counted {
+        input,
+        output,
+        from_usage,
+        input_estimated,
+        reported,
+        billed,
     }
 }

@@ -49,7 +49,7 @@ fn a_routes_bucket_caps_anonymous_keeps_pros_floor_and_says_what_is_left() {
     let (e, store) = engine();
     // pro asks once: active, 2 of its floor of 3 still unmet.
     assert!(admit(&e, &store, &Who(Some("k-pro"), "10.0.0.1:1"), 1)
-        .reply
+        .reply()
         .is_none());
     // 50 anonymous addresses: 2 (20 % of 10), then the route's 429.
     let verdicts: Vec<Verdict> = (0..50)
@@ -62,8 +62,8 @@ fn a_routes_bucket_caps_anonymous_keeps_pros_floor_and_says_what_is_left() {
             )
         })
         .collect();
-    assert_eq!(verdicts.iter().filter(|v| v.reply.is_none()).count(), 2);
-    let refused = verdicts.iter().find_map(|v| v.reply.as_ref()).unwrap();
+    assert_eq!(verdicts.iter().filter(|v| v.reply().is_none()).count(), 2);
+    let refused = verdicts.iter().find_map(|v| v.reply()).unwrap();
     assert_eq!(refused.header("x-sluice-reason"), Some("route_rate_limit"));
     assert_eq!(refused.header("x-ratelimit-remaining"), Some("0"));
     assert_eq!(
@@ -75,12 +75,12 @@ fn a_routes_bucket_caps_anonymous_keeps_pros_floor_and_says_what_is_left() {
     let free: Vec<Verdict> = (0..10)
         .map(|_| admit(&e, &store, &Who(Some("k-free"), "10.0.0.2:1"), 3))
         .collect();
-    assert_eq!(free.iter().filter(|v| v.reply.is_none()).count(), 5);
+    assert_eq!(free.iter().filter(|v| v.reply().is_none()).count(), 5);
     // pro still finds its floor.
     let pro: Vec<Verdict> = (0..3)
         .map(|_| admit(&e, &store, &Who(Some("k-pro"), "10.0.0.1:1"), 4))
         .collect();
-    assert_eq!(pro.iter().filter(|v| v.reply.is_none()).count(), 2);
+    assert_eq!(pro.iter().filter(|v| v.reply().is_none()).count(), 2);
 }
 
 #[test]
@@ -88,14 +88,14 @@ fn a_share_refusal_gives_back_the_buckets_already_taken() {
     let (e, store) = engine();
     for i in 0..2 {
         assert!(admit(&e, &store, &Who(None, "10.1.0.1:1"), i)
-            .reply
+            .reply()
             .is_none());
     }
     // Refused by the route's share: the caller's own bucket (taken first)
     // is given back, so it still has 98 of 100.
     for _ in 0..20 {
         assert!(admit(&e, &store, &Who(None, "10.1.0.1:1"), 5)
-            .reply
+            .reply()
             .is_some());
     }
     let v = e.admit(
@@ -108,9 +108,9 @@ fn a_share_refusal_gives_back_the_buckets_already_taken() {
             6,
         ),
     );
-    assert!(v.reply.is_none());
+    assert!(v.reply().is_none());
     let remaining: Vec<&str> = v
-        .response_headers
+        .response_headers()
         .iter()
         .filter(|(n, _)| *n == "x-ratelimit-remaining")
         .map(|(_, v)| v)

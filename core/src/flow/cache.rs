@@ -20,7 +20,7 @@ use serde_json::Value;
 use sluice_wire::cache::{Entry, LookupAnswer, LookupRequest, Semantic, StoreRequest};
 
 use super::Stream;
-use crate::admission::{Asked, RequestContext};
+use crate::admission::Asked;
 use crate::cache::answer::{self as cache_answer, Rendered};
 use crate::cache::key as cache_key;
 use crate::cache::tier::{self as cache_tier, Lookup as InEnvoy, Tier};
@@ -28,34 +28,72 @@ use crate::host::metrics;
 use crate::host::{Action, Host, LogLevel};
 use crate::policy::cache::CacheCaller;
 use crate::usage::demand::Api;
-use crate::usage::reconcile::{Found, Usage};
+
+/// The question's exact key and, for a semantic rule, its parts: both
+/// under the deployment's salt and the scope of who may share its answer.
+fn keys_of(
+    salt: &str,
+    rule: &crate::policy::cache::CacheRule,
+    scope: &str,
+    model: &str,
+    api: Api,
+    query: &str,
+    body: &Value,
+) -> Option<(String, Option<Semantic>)> {
+    let key = cache_key::exact_key(salt, scope, model, api, query, body).ok()?;
+    let semantic = rule
+        .semantic
+        .then(|| cache_key::semantic_parts(salt, scope, model, api, query, body))
+        .flatten()
+        .map(|p| Semantic {
+            context: p.context,
+            text: p.text,
+        });
+    Some((key, semantic))
+}
 
 /// A lookup in flight.
 pub(super) struct Wait {
-    token: u32,
+    pub(super) token: u32,
     /// The exact key (hex), for the flight of a miss (`flight`).
-    key: String,
-    asked: Option<Asked>,
-    api: Api,
-    model: String,
-    stream: bool,
-    include_usage: bool,
+    pub(super) key: String,
+    pub(super) asked: Option<Asked>,
+    pub(super) api: Api,
+    pub(super) model: String,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+}
+
+impl Wait {
+    /// The lookup of `asked` under `key`, before its token is known.
+    fn new(key: String, asked: &Asked, api: Api, model: &str) -> Wait {
+        let body = asked.body();
+        Wait {
+            token: 0,
+            key,
+            stream: api.streams(body),
+            include_usage: include_usage(body),
+            asked: Some(asked.clone()),
+            api,
+            model: model.to_string(),
+        }
+    }
 }
 
 /// A hit admitted locally, kept while the fleet decides.
 pub(super) struct HeldHit {
-    rendered: Rendered,
-    prompt_tokens: u64,
-    completion_tokens: u64,
+    pub(super) rendered: Rendered,
+    pub(super) prompt_tokens: u64,
+    pub(super) completion_tokens: u64,
     /// What the hit is charged (its `hit_cost`).
-    input: u64,
-    output: u64,
-    age_s: u64,
-    kind: &'static str,
+    pub(super) input: u64,
+    pub(super) output: u64,
+    pub(super) age_s: u64,
+    pub(super) kind: &'static str,
     /// The model as metrics name it (`Engine::model_label`).
-    label: String,
-    model: String,
-    asked: Option<Asked>,
+    pub(super) label: String,
+    pub(super) model: String,
+    pub(super) asked: Option<Asked>,
 }
 
 impl HeldHit {
@@ -66,33 +104,33 @@ impl HeldHit {
 
 /// What to store once the answer is complete.
 pub(super) struct ToStore {
-    api: Api,
-    key: String,
-    model: String,
-    ttl_s: u64,
-    semantic: Option<Semantic>,
-    max_bytes: u64,
+    pub(super) api: Api,
+    pub(super) key: String,
+    pub(super) model: String,
+    pub(super) ttl_s: u64,
+    pub(super) semantic: Option<Semantic>,
+    pub(super) max_bytes: u64,
     /// The upstream's answer so far (`None` once it outgrew the bound).
-    buf: Option<Vec<u8>>,
+    pub(super) buf: Option<Vec<u8>>,
     framing: Framing,
-    upstream_cache_control: Option<String>,
+    pub(super) upstream_cache_control: Option<String>,
     /// The exact tier in Envoy keeps it (single-Envoy mode, `exact` on).
-    tier: Option<Tier>,
+    pub(super) tier: Option<Tier>,
     /// Hex SHA-256 of the scope value: the sidecar's bounds per scope and
     /// purges by scope go by it.
-    scope_id: String,
+    pub(super) scope_id: String,
     /// The sidecar's cache generation when the request was looked up: an
     /// answer that comes back after a purge is stored dead (the purge is a
     /// barrier for what was in flight).
-    generation: u64,
+    pub(super) generation: u64,
     /// The sidecar keeps it too: the semantic cache needs it (and fleet
     /// mode, or no tier, keeps every entry there).
-    sidecar: bool,
+    pub(super) sidecar: bool,
     /// The caller lets the cache answer it (not `no-cache`).
-    read: bool,
+    pub(super) read: bool,
     /// The caller is not declared in the policy: its answers hold at most
     /// part of each set of the tier in Envoy (`cache::tier`, "Eviction").
-    undeclared: bool,
+    pub(super) undeclared: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -102,7 +140,7 @@ enum Framing {
     Ndjson,
 }
 
-fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
+pub(super) fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
     match k {
         sluice_wire::cache::Kind::Exact => "exact",
         sluice_wire::cache::Kind::Semantic => "semantic",
@@ -112,7 +150,7 @@ fn kind_label(k: sluice_wire::cache::Kind) -> &'static str {
 /// Sends a lookup or a store to the sidecar: through the fleet's channel
 /// (its secret and fingerprint) in fleet mode, else straight to the
 /// sidecar cluster.
-fn post_to_sidecar(
+pub(super) fn post_to_sidecar(
     filter: &super::Filter,
     sidecar: &crate::policy::SidecarConfig,
     host: &dyn Host,
@@ -178,14 +216,17 @@ pub(super) fn prepare(host: &dyn Host, engine: &crate::admission::Engine) -> Res
 
 /// The tier in Envoy for this request's rule: single-Envoy mode only
 /// (fleet mode keeps entries in Redis, shared by every Envoy).
-fn tier_for(filter: &super::Filter, rule: &crate::policy::cache::CacheRule) -> Option<Tier> {
+pub(super) fn tier_for(
+    filter: &super::Filter,
+    rule: &crate::policy::cache::CacheRule,
+) -> Option<Tier> {
     let c = filter.engine.policy.cache_compiled.as_ref()?.in_envoy?;
     (filter.fleet.is_none() && rule.exact).then(|| Tier::new(c))
 }
 
 /// The sidecar's cache generation, as its last state push said (0 before
 /// any): entries in Envoy answer only under the one they were stored in.
-fn generation(filter: &super::Filter, host: &dyn Host) -> u64 {
+pub(super) fn generation(filter: &super::Filter, host: &dyn Host) -> u64 {
     filter
         .seen(host)
         .state
@@ -195,12 +236,12 @@ fn generation(filter: &super::Filter, host: &dyn Host) -> u64 {
 
 /// The model as metrics name it: the client's name only for a model the
 /// policy knows, so a client cannot mint label values.
-fn policy_label(filter: &super::Filter, model: &str) -> String {
+pub(super) fn policy_label(filter: &super::Filter, model: &str) -> String {
     filter.engine.model_label(Some(model))
 }
 
 /// Whether a streaming request asked for the usage chunk.
-fn include_usage(body: &Value) -> bool {
+pub(super) fn include_usage(body: &Value) -> bool {
     crate::usage::demand::include_usage(body)
 }
 
@@ -229,12 +270,8 @@ impl Stream {
         ) else {
             return None;
         };
-        let route = if cache.routes.is_empty() {
-            None
-        } else {
-            filter.engine.route_of(&self.path)
-        };
-        let rule = cache.rule(model, route)?;
+        let route = (!cache.routes.is_empty()).then(|| filter.engine.route_of(&self.path));
+        let rule = cache.rule(model, route.flatten())?;
         let allowed =
             cache_answer::request_cache_control(self.header(host, "cache-control").as_deref());
         let body = asked.body();
@@ -250,15 +287,7 @@ impl Stream {
         });
         let raw_path = self.header(host, ":path").unwrap_or_default();
         let query = cache_key::query_of(&raw_path);
-        let key = cache_key::exact_key(&cache.salt, &scope, model, api, query, body).ok()?;
-        let semantic = rule
-            .semantic
-            .then(|| cache_key::semantic_parts(&cache.salt, &scope, model, api, query, body))
-            .flatten()
-            .map(|p| Semantic {
-                context: p.context,
-                text: p.text,
-            });
+        let (key, semantic) = keys_of(&cache.salt, rule, &scope, model, api, query, body)?;
         let tier = tier_for(&filter, rule);
         if allowed.store {
             self.cache_store = Some(ToStore {
@@ -282,15 +311,7 @@ impl Stream {
         if !allowed.read {
             return None;
         }
-        let wait = Wait {
-            token: 0,
-            key: key.clone(),
-            asked: Some(asked.clone()),
-            api,
-            model: model.to_string(),
-            stream: api.streams(body),
-            include_usage: include_usage(body),
-        };
+        let wait = Wait::new(key.clone(), asked, api, model);
         match self.tier_first(host, tier, &key, &wait, semantic.is_some()) {
             // A miss, decided here: one upstream call per question in
             // flight (`flight`).
@@ -309,39 +330,9 @@ impl Stream {
         self.ask_sidecar(host, sidecar, cache.lookup_timeout_ms, &req, wait)
     }
 
-    /// A queued request's turn came: its answer may have been stored while
-    /// it waited (an identical question answered meanwhile). The tier in
-    /// Envoy is read again (no callout); `Some`: served from it, its slot
-    /// given back.
-    pub(super) fn cache_at_dispatch(
-        &mut self,
-        host: &dyn Host,
-        asked: Option<&Asked>,
-    ) -> Option<Action> {
-        let s = self.cache_store.as_ref().filter(|s| s.read)?;
-        let (tier, key, api, model) = (s.tier?, s.key.clone(), s.api, s.model.clone());
-        let asked = asked?;
-        let wait = Wait {
-            token: 0,
-            key: key.clone(),
-            stream: api.streams(asked.body()),
-            include_usage: asked.include_usage,
-            asked: Some(asked.clone()),
-            api,
-            model,
-        };
-        match self.tier_lookup(host, &tier, &key, &wait) {
-            InEnvoy::Hit(_) => {
-                self.release_slot(host);
-                Some(Action::Pause)
-            }
-            _ => None,
-        }
-    }
-
     /// The tier in Envoy, first: `Some` when it decided (a hit served, or
     /// a miss with nothing more to ask), `None`: ask the sidecar.
-    fn tier_first(
+    pub(super) fn tier_first(
         &mut self,
         host: &dyn Host,
         tier: Option<Tier>,
@@ -364,7 +355,7 @@ impl Stream {
     }
 
     /// The lookup callout; the request pauses until its answer.
-    fn ask_sidecar(
+    pub(super) fn ask_sidecar(
         &mut self,
         host: &dyn Host,
         sidecar: &crate::policy::SidecarConfig,
@@ -391,7 +382,13 @@ impl Stream {
 
     /// The exact tier in Envoy: a hit is served here at once (no callout);
     /// what it found otherwise. A hit that cannot be rendered is a miss.
-    fn tier_lookup(&mut self, host: &dyn Host, tier: &Tier, key: &str, wait: &Wait) -> InEnvoy {
+    pub(super) fn tier_lookup(
+        &mut self,
+        host: &dyn Host,
+        tier: &Tier,
+        key: &str,
+        wait: &Wait,
+    ) -> InEnvoy {
         let Some(raw) = cache_tier::key_of_hex(key) else {
             return InEnvoy::Miss;
         };
@@ -488,187 +485,6 @@ impl Stream {
         }
     }
 
-    /// A hit: admission at the hit's cost (locally, then in fleet mode
-    /// fleet-wide, like a normal request), then the stored answer.
-    fn serve_hit(
-        &mut self,
-        host: &dyn Host,
-        wait: &Wait,
-        rendered: Rendered,
-        entry: &Entry,
-        age_s: u64,
-        kind: &'static str,
-    ) {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let Some(identity) = self.identity.clone() else {
-            return;
-        };
-        let cost = engine
-            .policy
-            .cache_compiled
-            .as_ref()
-            .map(|c| c.hit_cost)
-            .unwrap_or_default();
-        let mut asked = wait.asked.clone();
-        if let Some(a) = asked.as_mut().filter(|_| !cost.tokens) {
-            a.input_raw = 0.0;
-            a.rendered.free = true;
-            a.demand.max_output = Some(0);
-        }
-        let (input, output) = if cost.tokens {
-            (entry.prompt_tokens, entry.completion_tokens)
-        } else {
-            (0, 0)
-        };
-        let ctx = RequestContext {
-            identity: &identity,
-            api: self.api,
-            path: &self.path,
-            asked: asked.as_ref(),
-            now_ms: self.started_ms,
-        };
-        let verdict = engine.admit(host, &ctx);
-        let hit = HeldHit {
-            rendered,
-            prompt_tokens: entry.prompt_tokens,
-            completion_tokens: entry.completion_tokens,
-            input,
-            output,
-            age_s,
-            kind,
-            label: engine.model_label(Some(&wait.model)),
-            model: wait.model.clone(),
-            asked,
-        };
-        if verdict.reply.is_some() {
-            hit.refused(host);
-            self.finish(host, verdict);
-            return;
-        }
-        // The fleet's buckets count the hit as they count any request.
-        let held = verdict.plan.as_ref().map(|p| (&p.held, &p.meters));
-        let (Some(fleet), Some((held, meters))) = (filter.fleet.as_ref(), held) else {
-            return self.deliver_hit(host, hit, verdict, Vec::new());
-        };
-        match fleet.admit(engine, host, held, meters, &identity, self.started_ms) {
-            crate::fleet::Gate::Pass(claims) => self.deliver_hit(host, hit, verdict, claims),
-            crate::fleet::Gate::Wait(pending) => {
-                if let Ok(mut calls) = filter.stream_calls.try_borrow_mut() {
-                    calls.insert(pending.token, (self.me.clone(), self.context_id));
-                }
-                self.phase = super::Phase::Fleet(Box::new(super::FleetWait {
-                    pending,
-                    verdict,
-                    watch: None,
-                    hit: Some(hit),
-                }));
-            }
-            crate::fleet::Gate::Refuse { rule, quota } => {
-                hit.refused(host);
-                self.fleet_refuse(host, verdict, None, &rule, quota);
-            }
-        }
-    }
-
-    /// An admitted hit: its reservation (and fleet claims) settled at the
-    /// hit's cost, then the stored answer sent.
-    pub(super) fn deliver_hit(
-        &mut self,
-        host: &dyn Host,
-        hit: HeldHit,
-        mut verdict: super::Verdict,
-        claims: Vec<crate::fleet::Claimed>,
-    ) {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let Some(identity) = self.identity.clone() else {
-            return;
-        };
-        let kind = hit.kind;
-        if let Some(plan) = verdict.plan.take() {
-            let found = Found::Usage(Usage {
-                input: hit.input,
-                output: hit.output,
-            });
-            let now = host.now_ms();
-            let (settled, effort) = engine.settle(host, &plan, found, hit.output, true, now);
-            super::count_contention(host, effort);
-            if let Some(fleet) = &filter.fleet {
-                let used = crate::fleet::Used {
-                    billed: settled.billed,
-                    price: plan.price,
-                };
-                fleet.settle(engine, host, &claims, used, now);
-            }
-        }
-        self.phase = super::Phase::Answered;
-        self.record(host, &verdict);
-        self.audit_decision(&verdict);
-        self.audit.code(super::audit::Field::Cache, kind);
-        metrics::CACHE.add_at(host, &["hit", kind, &hit.label], 1);
-        let saved = hit.prompt_tokens.saturating_add(hit.completion_tokens);
-        metrics::CACHE_SAVED_TOKENS.add_at(
-            host,
-            &[&hit.label],
-            i64::try_from(saved).unwrap_or(i64::MAX),
-        );
-        let age = hit.age_s.to_string();
-        // When the primary is out (kill switch, breaker, every upstream
-        // down), the cached answer comes first, marked as degraded.
-        let out = self.primary_out(host, &identity, hit.asked.as_ref(), &hit.model);
-        if out {
-            metrics::DEGRADED.add_at(host, &["cache", &identity.tier, &hit.label], 1);
-        }
-        let mut headers: Vec<(&str, &str)> = vec![
-            ("x-sluice-degraded", if out { "cache" } else { "" }),
-            ("content-type", hit.rendered.content_type),
-            ("x-sluice-cache", "hit"),
-            ("x-sluice-cache-kind", kind),
-            ("age", age.as_str()),
-        ];
-        headers.extend(verdict.response_headers.iter());
-        headers.retain(|(_, v)| !v.is_empty());
-        // The reply passes the response callbacks: nothing to store.
-        self.cache_store = None;
-        host.send_reply(200, &headers, &hit.rendered.body);
-    }
-
-    /// Would this request not go to the primary (kill switch, an open
-    /// breaker, every upstream out)?
-    fn primary_out(
-        &self,
-        host: &dyn Host,
-        identity: &crate::admission::identity::Identity,
-        asked: Option<&Asked>,
-        model: &str,
-    ) -> bool {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let view = super::HostRequest(host, self.request_headers.as_ref());
-        let pushback = engine.pushback(host, Some(model), &view, identity, self.started_ms);
-        let seen = if engine.policy.sidecar.is_some() {
-            filter.seen(host)
-        } else {
-            std::rc::Rc::new(crate::admission::route::SidecarSeen::default())
-        };
-        let ctx = RequestContext {
-            identity,
-            api: self.api,
-            path: &self.path,
-            asked,
-            now_ms: self.started_ms,
-        };
-        let dice = filter.roll(self.started_ms);
-        // Out: the kill switch (to the fallback provider), an open breaker
-        // (a 503), every upstream down (the static answer). The hit is
-        // served in each case, marked as the degraded answer it is.
-        !matches!(
-            engine.route(&ctx, &seen, &pushback, dice),
-            crate::admission::Routed::Primary | crate::admission::Routed::Probe
-        )
-    }
-
     /// The upstream's answer begins: only a 200 may be stored.
     pub(super) fn cache_response_headers(&mut self, host: &dyn Host) {
         if self.status != 200 {
@@ -699,15 +515,26 @@ impl Stream {
     /// the client's stream (past its allowance, an oversized event), so
     /// the client never got this answer whole: nothing is stored.
     pub(super) fn cache_feed(&mut self, host: &dyn Host, chunk: &[u8], end: bool, cut: bool) {
+        if !self.buffer_for_cache(host, chunk, end, cut) {
+            return;
+        }
+        if let Some(s) = self.cache_store.take() {
+            self.store_answer(host, s);
+        }
+    }
+
+    /// Buffers a chunk of an answer to be stored (a stream the meter cut
+    /// is not); `true` at the answer's end with a store still pending.
+    fn buffer_for_cache(&mut self, host: &dyn Host, chunk: &[u8], end: bool, cut: bool) -> bool {
         if cut {
             if let Some(s) = self.cache_store.take() {
                 let label = self.filter.engine.model_label(Some(&s.model));
                 metrics::CACHE.add_at(host, &["skip", "exact", &label], 1);
             }
-            return;
+            return false;
         }
         let Some(s) = self.cache_store.as_mut() else {
-            return;
+            return false;
         };
         if let Some(buf) = s.buf.as_mut() {
             if (buf.len() + chunk.len()) as u64 > s.max_bytes.saturating_mul(2) {
@@ -716,12 +543,12 @@ impl Stream {
                 buf.extend_from_slice(chunk);
             }
         }
-        if !end {
-            return;
-        }
-        let Some(s) = self.cache_store.take() else {
-            return;
-        };
+        end
+    }
+
+    /// A complete answer stored, when it may be: in the tier in Envoy,
+    /// the sidecar's store, or both.
+    fn store_answer(&mut self, host: &dyn Host, s: ToStore) {
         let model = s.model.clone();
         // Metrics name the model as everywhere (unknown models: "other").
         let label = self.filter.engine.model_label(Some(&model));
@@ -800,7 +627,7 @@ impl Stream {
 
     /// Keeps an answer in the tier in Envoy; `false` when only its marker
     /// is there (larger than the tier takes) or nothing could be written.
-    fn tier_store(
+    pub(super) fn tier_store(
         &self,
         host: &dyn Host,
         tier: &Tier,

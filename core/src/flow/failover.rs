@@ -27,7 +27,7 @@
 use crate::admission::ladder::Served;
 use crate::admission::{Asked, RequestContext, Verdict};
 use crate::host::metrics;
-use crate::host::{Action, Headers, Host, LogLevel};
+use crate::host::{Action, Headers, Host};
 use crate::state::store::{Cas, Updated};
 use crate::usage::demand::Api;
 use crate::usage::reconcile::{Format, ResponseMeter};
@@ -67,36 +67,36 @@ const HOP_HEADERS: [&str; 7] = [
 /// What a request sent upstream keeps for a failover.
 pub(super) struct Resend {
     /// What the request asked, for admission on the next rung.
-    asked: Asked,
+    pub(super) asked: Asked,
     /// The rung the attempt in flight went to (`None`: the primary).
-    on: Option<Served>,
+    pub(super) on: Option<Served>,
     /// The rungs that failed, each with its status (`primary=503`).
-    failed: Vec<String>,
+    pub(super) failed: Vec<String>,
     /// Attempts sent, the first included.
-    attempts: u32,
+    pub(super) attempts: u32,
     /// The callout of the attempt in flight.
-    token: Option<u32>,
+    pub(super) token: Option<u32>,
     /// The failed answer is held at its headers (its body buffered).
     pub(super) holding: bool,
     /// A 400 held to its end, to read whether the server refused the
     /// input's length (then the model's `overflow` gets it).
     pub(super) peeking: bool,
     /// The next attempt goes to the same rung, its model the overflow.
-    overflowing: bool,
+    pub(super) overflowing: bool,
     /// An admitted attempt waiting for the fleet's answer.
-    fleet: Option<Box<FleetAttempt>>,
+    pub(super) fleet: Option<Box<FleetAttempt>>,
 }
 
 /// An attempt admitted here and paused for the fleet (as at dispatch).
-struct FleetAttempt {
-    pending: crate::fleet::Pending,
-    verdict: Verdict,
-    served: Option<Box<Served>>,
-    deadline: u64,
+pub(super) struct FleetAttempt {
+    pub(super) pending: crate::fleet::Pending,
+    pub(super) verdict: Verdict,
+    pub(super) served: Option<Box<Served>>,
+    pub(super) deadline: u64,
 }
 
 /// What sending a failed request on did.
-enum Next {
+pub(super) enum Next {
     /// An attempt is in flight: its answer comes as a callout.
     Sent,
     /// The caller was answered here (the static answer).
@@ -106,7 +106,7 @@ enum Next {
 }
 
 /// Where a request is admitted again.
-enum Again {
+pub(super) enum Again {
     /// Down the ladder from this rung (`None`: the static answer).
     Down(Option<Box<Served>>),
     /// The rung it was on (`None`: the primary), as it now asks.
@@ -156,7 +156,7 @@ impl Stream {
         let Some(cfg) = engine.policy.failover.as_ref() else {
             return;
         };
-        if cfg.attempts < 2 || verdict.reply.is_some() || asked.is_none() {
+        if cfg.attempts < 2 || !verdict.is_admitted() || asked.is_none() {
             return;
         }
         let model = asked.as_ref().and_then(|a| a.demand.model.as_deref());
@@ -222,7 +222,7 @@ impl Stream {
     }
 
     /// The model the request's model overflows to, if it names one.
-    fn overflow_model(&self) -> Option<String> {
+    pub(super) fn overflow_model(&self) -> Option<String> {
         let r = self.resend.as_ref()?;
         let model = r.asked.demand.model.as_deref()?;
         self.engine().policy.models.get(model)?.overflow.clone()
@@ -270,7 +270,7 @@ impl Stream {
     }
 
     /// The attempt in flight failed with `status` (0: no answer).
-    fn note_failure(&mut self, host: &dyn Host, status: u32) {
+    pub(super) fn note_failure(&mut self, host: &dyn Host, status: u32) {
         let Some(r) = self.resend.as_mut() else {
             return;
         };
@@ -284,7 +284,7 @@ impl Stream {
     /// Sends the failed request to the next rung that admits it (or
     /// answers it with the static answer), within the attempts, the
     /// deadline and the second's attempt budget.
-    fn next_attempt(&mut self, host: &dyn Host) -> Next {
+    pub(super) fn next_attempt(&mut self, host: &dyn Host) -> Next {
         let filter = self.filter.clone();
         let engine = &filter.engine;
         if engine.policy.failover.is_none() || self.identity.is_none() {
@@ -300,7 +300,7 @@ impl Stream {
     }
 
     /// [`Stream::next_attempt`] with the request's [`Resend`] taken out.
-    fn next_from(&mut self, host: &dyn Host, r: &mut Resend, now: u64) -> Next {
+    pub(super) fn next_from(&mut self, host: &dyn Host, r: &mut Resend, now: u64) -> Next {
         let filter = self.filter.clone();
         let engine = &filter.engine;
         let (Some(cfg), Some(identity)) = (engine.policy.failover.as_ref(), self.identity.clone())
@@ -330,14 +330,14 @@ impl Stream {
         self.release_attempt(host, now);
         let (mut verdict, rung) =
             self.admit_again(host, (&identity, r), now, Again::Down(next.map(Box::new)));
-        count_contention(host, verdict.contention);
+        count_contention(host, verdict.contention());
         let failed = r.failed.join(",");
         mark_failed(&mut verdict, &failed);
         self.audit.text(super::audit::Field::Failed, &failed);
-        let Some(served) = rung.filter(|_| verdict.reply.is_none()) else {
+        let Some(served) = rung.filter(|_| verdict.is_admitted()) else {
             // The static answer, or a refusal the rung's admission gave
             // (the caller's own budget cannot pay it there).
-            let outcome = if verdict.degraded.is_some() {
+            let outcome = if verdict.degraded().is_some() {
                 "static"
             } else {
                 "exhausted"
@@ -353,7 +353,7 @@ impl Stream {
     /// The request, its model now the overflow, to the rung that refused
     /// its length (the primary, or the same provider), admitted there at
     /// the overflow's limits and prices.
-    fn overflow_attempt(
+    pub(super) fn overflow_attempt(
         &mut self,
         host: &dyn Host,
         r: &mut Resend,
@@ -365,11 +365,11 @@ impl Stream {
         };
         self.release_attempt(host, now);
         let (mut verdict, _) = self.admit_again(host, (&identity, r), now, Again::Same);
-        count_contention(host, verdict.contention);
+        count_contention(host, verdict.contention());
         let failed = r.failed.join(",");
         mark_failed(&mut verdict, &failed);
         self.audit.text(super::audit::Field::Failed, &failed);
-        if verdict.reply.is_some() {
+        if !verdict.is_admitted() {
             metrics::FAILOVER.add_at(host, &["exhausted"], 1);
             r.holding = false;
             self.answer_here(host, verdict);
@@ -379,159 +379,9 @@ impl Stream {
         self.through_fleet(host, r, verdict, same, deadline, now)
     }
 
-    /// An admitted attempt through the fleet's gate, as at dispatch (no
-    /// bypass of a fleet-wide budget): covered, it is sent now; waiting,
-    /// when the sidecar answers; refused (the rung's budget across the
-    /// fleet), the request goes on down the ladder.
-    fn through_fleet(
-        &mut self,
-        host: &dyn Host,
-        r: &mut Resend,
-        verdict: Verdict,
-        served: Option<Box<Served>>,
-        deadline: u64,
-        now: u64,
-    ) -> Next {
-        let filter = self.filter.clone();
-        let held = verdict.plan.as_ref().map(|p| (&p.held, &p.meters));
-        let gate = match (filter.fleet.as_ref(), held, self.identity.as_deref()) {
-            (Some(fleet), Some((held, meters)), Some(identity)) => {
-                fleet.admit(&filter.engine, host, held, meters, identity, now)
-            }
-            _ => crate::fleet::Gate::Pass(Vec::new()),
-        };
-        match gate {
-            crate::fleet::Gate::Pass(claims) => {
-                self.send_now(host, r, verdict, served, deadline, claims)
-            }
-            crate::fleet::Gate::Wait(pending) => {
-                r.fleet = Some(Box::new(FleetAttempt {
-                    pending,
-                    verdict,
-                    served,
-                    deadline,
-                }));
-                Next::Sent
-            }
-            crate::fleet::Gate::Refuse { .. } => {
-                self.fleet_refused_attempt(host, r, &verdict, served, now)
-            }
-        }
-    }
-
-    /// Sends an admitted (and covered) attempt, holding its fleet claims.
-    fn send_now(
-        &mut self,
-        host: &dyn Host,
-        r: &mut Resend,
-        mut verdict: Verdict,
-        served: Option<Box<Served>>,
-        deadline: u64,
-        claims: Vec<crate::fleet::Claimed>,
-    ) -> Next {
-        let body = verdict.body.take().unwrap_or_else(|| r.asked.raw.clone());
-        let timeout = deadline.saturating_sub(host.now_ms());
-        let Some(token) = self.send_attempt(host, verdict, body, served.as_deref(), timeout) else {
-            return Next::Exhausted;
-        };
-        if let Some(up) = self.upstream() {
-            up.fleet_claims = claims;
-        }
-        if let Some(served) = served {
-            r.on = Some(*served);
-        }
-        r.attempts += 1;
-        r.token = Some(token);
-        Next::Sent
-    }
-
-    /// The fleet refused an attempt's rung: what it holds here goes back
-    /// and the request goes on down the ladder, after that rung.
-    fn fleet_refused_attempt(
-        &mut self,
-        host: &dyn Host,
-        r: &mut Resend,
-        verdict: &Verdict,
-        served: Option<Box<Served>>,
-        now: u64,
-    ) -> Next {
-        super::release_local(host, &self.filter.engine, verdict, now);
-        let Some(served) = served else {
-            metrics::FAILOVER.add_at(host, &["exhausted"], 1);
-            return Next::Exhausted;
-        };
-        metrics::PROVIDER_REQUESTS.add_at(host, &[&served.provider, "skipped_budget"], 1);
-        r.failed.push(format!("{}=budget", served.provider));
-        r.on = Some(*served);
-        self.next_from(host, r, now)
-    }
-
-    /// Is `token` the fleet's answer for this request's attempt?
-    pub(super) fn owns_fleet_attempt(&self, token: u32) -> bool {
-        self.resend
-            .as_ref()
-            .and_then(|r| r.fleet.as_ref())
-            .is_some_and(|f| f.pending.token == token)
-    }
-
-    /// The fleet's answer for an attempt: sent, or on down the ladder;
-    /// with nothing left, the held failure goes on.
-    pub(super) fn fleet_attempt_answered(&mut self, host: &dyn Host, body_size: usize) {
-        let filter = self.filter.clone();
-        let (Some(mut r), Some(fleet), Some(identity)) = (
-            self.resend.take(),
-            filter.fleet.as_ref(),
-            self.identity.clone(),
-        ) else {
-            return;
-        };
-        let Some(wait) = r.fleet.take() else {
-            self.resend = Some(r);
-            return;
-        };
-        let FleetAttempt {
-            pending,
-            verdict,
-            served,
-            deadline,
-        } = *wait;
-        let now = host.now_ms();
-        let gate = fleet.answer(&filter.engine, host, pending, body_size, &identity, now);
-        let next = match gate {
-            crate::fleet::Gate::Pass(claims) => {
-                self.send_now(host, &mut r, verdict, served, deadline, claims)
-            }
-            // `answer` never waits again; should it, covered locally.
-            crate::fleet::Gate::Wait(_) => {
-                self.send_now(host, &mut r, verdict, served, deadline, Vec::new())
-            }
-            crate::fleet::Gate::Refuse { .. } => {
-                self.fleet_refused_attempt(host, &mut r, &verdict, served, now)
-            }
-        };
-        self.resend = Some(r);
-        if matches!(next, Next::Exhausted) {
-            self.let_failure_through(host);
-        }
-    }
-
-    /// The client left while an attempt waited for the fleet: the take
-    /// and what the attempt holds here go back.
-    pub(super) fn abandon_fleet_attempt(&mut self, host: &dyn Host) {
-        let Some(wait) = self.resend.as_mut().and_then(|r| r.fleet.take()) else {
-            return;
-        };
-        let filter = self.filter.clone();
-        let now = host.now_ms();
-        if let Some(fleet) = &filter.fleet {
-            fleet.abandon(&filter.engine, host, wait.pending, now);
-        }
-        super::release_local(host, &filter.engine, &wait.verdict, now);
-    }
-
     /// Admission of the request kept in `r`, as of `now`, where `again`
     /// says: the verdict, and the rung it goes to.
-    fn admit_again(
+    pub(super) fn admit_again(
         &self,
         host: &dyn Host,
         (identity, r): (&crate::admission::identity::Identity, &Resend),
@@ -558,7 +408,7 @@ impl Stream {
 
     /// Counts an attempt in the second's budget (every worker's); `false`
     /// when it is spent. A budget that cannot be written lets it go.
-    fn take_attempt(&self, host: &dyn Host, per_second: u32, now: u64) -> bool {
+    pub(super) fn take_attempt(&self, host: &dyn Host, per_second: u32, now: u64) -> bool {
         let second = now / 1_000;
         let mut allowed = true;
         let mut cas = Cas::new(host, self.engine().tries().take());
@@ -585,7 +435,7 @@ impl Stream {
 
     /// Gives back what the failed attempt holds: its reservation (never
     /// billed: the upstream failed it) and its fleet claims.
-    fn release_attempt(&mut self, host: &dyn Host, now: u64) {
+    pub(super) fn release_attempt(&mut self, host: &dyn Host, now: u64) {
         let filter = self.filter.clone();
         let Some(up) = self.upstream() else { return };
         let claims = std::mem::take(&mut up.fleet_claims);
@@ -603,81 +453,16 @@ impl Stream {
 
     /// Answers the caller here (the static answer, a refusal) in place of
     /// the held failure; the request's decision was counted already.
-    fn answer_here(&mut self, host: &dyn Host, verdict: Verdict) {
+    pub(super) fn answer_here(&mut self, host: &dyn Host, verdict: Verdict) {
         self.cache_store = None;
         if let Some(r) = self.resend.as_mut() {
             r.holding = false;
         }
-        if let Some(reply) = &verdict.reply {
-            super::send_reply(host, reply);
+        if let Some(reply) = verdict.into_reply() {
+            super::send_reply(host, &reply);
         }
         self.phase = Phase::Answered;
         self.release_slot(host);
-    }
-
-    /// Sends the request to `served` through Envoy's own listener, the
-    /// body rewritten for it and its reservation held in the upstream
-    /// phase until the answer settles it.
-    fn send_attempt(
-        &mut self,
-        host: &dyn Host,
-        mut verdict: Verdict,
-        body: Vec<u8>,
-        served: Option<&Served>,
-        timeout_ms: u64,
-    ) -> Option<u32> {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let cfg = engine.policy.failover.as_ref()?;
-        let secret = host
-            .get(SECRET_KEY)
-            .map(|(s, _)| String::from_utf8_lossy(&s).into_owned())
-            .unwrap_or_default();
-        let mut headers = attempt_headers(self.request_headers.as_ref(), served.is_some());
-        if let Some(served) = served {
-            headers.push((served.header.clone(), served.value.clone()));
-        }
-        headers.push((ATTEMPT_HEADER.to_string(), secret));
-        let provider = served.map_or("primary", |s| s.provider.as_str());
-        let pairs: Vec<(&str, &str)> = headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
-            .collect();
-        let token = match host.dispatch_post(&cfg.cluster, &pairs, &body, timeout_ms.max(1)) {
-            Ok(token) => token,
-            Err(why) => {
-                host.log(
-                    LogLevel::Warn,
-                    &format!("failover to {provider} could not start: {why}"),
-                );
-                if let Some(plan) = &verdict.plan {
-                    count_contention(host, engine.release(host, plan, host.now_ms()));
-                }
-                metrics::FAILOVER.add_at(host, &["exhausted"], 1);
-                return None;
-            }
-        };
-        metrics::FAILOVER.add_at(host, &["sent"], 1);
-        if let Some(served) = served {
-            metrics::PROVIDER_REQUESTS.add_at(host, &[&served.provider, "served"], 1);
-            add(host, metrics::REROUTED, 1);
-            verdict
-                .response_headers
-                .push("x-sluice-provider", &served.provider);
-            self.audit
-                .text(super::audit::Field::Provider, &served.provider);
-        }
-        let plan = verdict.plan.filter(|p| engine.settles(p));
-        if plan.is_some() {
-            add(host, metrics::RESERVATIONS_OUTSTANDING, 1);
-        }
-        self.cache_store = None;
-        if let Some(up) = self.upstream() {
-            up.plan = plan;
-            up.response_headers = verdict.response_headers;
-            up.meter = None;
-        }
-        Some(token)
     }
 
     /// Is `token` the callout of this request's attempt in flight?
@@ -717,7 +502,7 @@ impl Stream {
 
     /// Every rung failed: the held answer of the first failure goes on,
     /// saying which rungs were tried.
-    fn let_failure_through(&mut self, host: &dyn Host) {
+    pub(super) fn let_failure_through(&mut self, host: &dyn Host) {
         let now = host.now_ms();
         self.release_attempt(host, now);
         let Some(r) = self.resend.as_mut() else {
@@ -732,7 +517,13 @@ impl Stream {
 
     /// The rescued answer to the caller: metered and settled at the
     /// rung's prices, then sent as a local reply.
-    fn deliver(&mut self, host: &dyn Host, status: u32, headers: &Headers, body: Vec<u8>) {
+    pub(super) fn deliver(
+        &mut self,
+        host: &dyn Host,
+        status: u32,
+        headers: &Headers,
+        body: Vec<u8>,
+    ) {
         self.status = status;
         let content_type = headers.get("content-type").map(str::to_owned);
         let mut body = body;
@@ -774,57 +565,9 @@ impl Stream {
     }
 }
 
-impl Stream {
-    /// A rung's own budget refused by the fleet (its spend across every
-    /// Envoy): like a local refusal by it, the request goes on down the
-    /// ladder (rerouted, rewritten and admitted for the next rung, then
-    /// through the fleet's gate again), or to the static answer. `None`:
-    /// the refusal was not the rung's (the caller's own budget), or the
-    /// request kept nothing to be sent again.
-    pub(super) fn fleet_refused_rung(&mut self, host: &dyn Host, rule: &str) -> Option<Action> {
-        let filter = self.filter.clone();
-        let engine = &filter.engine;
-        let identity = self.identity.clone()?;
-        let mut r = self.resend.take()?;
-        let refused_by_rung =
-            r.on.as_ref()
-                .is_some_and(|s| engine.is_rung_budget(&s.provider, rule));
-        if !refused_by_rung {
-            self.resend = Some(r);
-            return None;
-        }
-        let now = host.now_ms();
-        let provider =
-            r.on.as_ref()
-                .map(|s| s.provider.clone())
-                .unwrap_or_default();
-        metrics::PROVIDER_REQUESTS.add_at(host, &[&provider, "skipped_budget"], 1);
-        let model = r.asked.demand.model.as_deref();
-        let next = engine.rung_after(self.api, model, Some(&provider));
-        let (mut verdict, rung) =
-            self.admit_again(host, (&identity, &r), now, Again::Down(next.map(Box::new)));
-        let skipped = format!("{provider}=budget");
-        match verdict.reply.as_mut() {
-            Some(reply) => reply
-                .headers
-                .push(("x-sluice-skipped".to_string(), skipped)),
-            None => verdict.response_headers.push("x-sluice-skipped", &skipped),
-        }
-        r.on = rung.as_deref().cloned();
-        self.resend = Some(r);
-        let body_len = self.sent_len;
-        Some(self.send_on(host, verdict, rung.as_deref(), body_len, None))
-    }
-}
-
 /// Adds the rungs that failed to the verdict's `x-sluice-failed`.
-fn mark_failed(verdict: &mut Verdict, failed: &str) {
-    match verdict.reply.as_mut() {
-        Some(reply) => reply
-            .headers
-            .push(("x-sluice-failed".to_string(), failed.to_string())),
-        None => verdict.response_headers.push("x-sluice-failed", failed),
-    }
+pub(super) fn mark_failed(verdict: &mut Verdict, failed: &str) {
+    verdict.push_header("x-sluice-failed", failed);
 }
 
 /// The client's request headers an attempt carries: all but, to a
@@ -832,7 +575,10 @@ fn mark_failed(verdict: &mut Verdict, failed: &str) {
 /// its own),
 /// the headers of one hop, sluice's and Envoy's own, and the length
 /// (the body is rewritten for the rung).
-fn attempt_headers(request: Option<&Headers>, to_provider: bool) -> Vec<(String, String)> {
+pub(super) fn attempt_headers(
+    request: Option<&Headers>,
+    to_provider: bool,
+) -> Vec<(String, String)> {
     let Some(request) = request else {
         return Vec::new();
     };
@@ -857,7 +603,7 @@ fn attempt_headers(request: Option<&Headers>, to_provider: bool) -> Vec<(String,
 /// Does an attempt's answer header go to the caller? Not the status (the
 /// reply carries it), the length (the body may be metered shorter) or one
 /// hop's.
-fn keeps_answer_header(name: &str) -> bool {
+pub(super) fn keeps_answer_header(name: &str) -> bool {
     let n = name.to_ascii_lowercase();
     !n.starts_with(':')
         && n != "content-length"
