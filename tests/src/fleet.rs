@@ -426,3 +426,16 @@ impl Node {
 pub fn policy(yaml: &str) -> Value {
     serde_yaml::from_str(yaml).expect("test policy YAML")
 }
+
+/// The sidecar as the fleet tests reach it: a fresh sidecar polled every
+/// 5 s, trusted for a minute, and failed open when it goes quiet.
+const SIDECAR: &str =
+    "sidecar: { cluster: sluice_sidecar, stale_after: 60s, on_stale: fail_open, poll_wait: 5s }\n";
+
+/// A fleet policy: every caller `free` by address, the `tiers` and `fleet`
+/// sections as YAML, and [`SIDECAR`].
+pub fn fleet_policy(tiers: &str, fleet: &str) -> Value {
+    policy(&format!(
+        "default_tier: free\nidentity: {{ sources: [client_address] }}\n{tiers}\n{SIDECAR}{fleet}\n"
+    ))
+}

@@ -23,11 +23,18 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use serde_yaml::Value;
 
+pub mod client;
 pub mod fleet;
+mod http1;
 pub mod layers;
 pub mod llamacpp;
 pub mod org;
+pub mod policy;
 pub mod third_party;
+
+pub use client::{chat_request, Client};
+pub use http1::post_chunked;
+pub use policy::PolicyBuilder;
 
 /// How long a process may take to come up, and a reload to be applied.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -638,6 +645,12 @@ impl EnvoyConfig {
         at(self.sluice_configuration_mut(), &["value"])
     }
 
+    /// Replaces the policy with `policy` (JSON as the tests build it, see
+    /// [`policy::PolicyBuilder`], or YAML).
+    pub fn set_policy(&mut self, policy: &impl serde::Serialize) {
+        *self.policy_mut() = serde_yaml::to_value(policy).expect("policy as YAML");
+    }
+
     /// Gives the policy as a JSON string (`google.protobuf.StringValue`)
     /// instead of a Struct.
     pub fn set_policy_json_string(&mut self, json: impl Into<String>) {
@@ -1053,6 +1066,11 @@ impl Envoy {
         format!("http://{}{path}", self.listener)
     }
 
+    /// A [`Client`] of this Envoy's listener.
+    pub fn client(&self) -> Client {
+        Client::new(self.url(""))
+    }
+
     /// The audit log the shipped access log writes (`audit.jsonl` in this
     /// Envoy's temp dir), one JSON value per line. Only whole lines: Envoy
     /// may be writing the last one as it is read (it flushes on its own
@@ -1067,6 +1085,42 @@ impl Envoy {
                     .unwrap_or_else(|e| panic!("audit line is not JSON ({e}): {l}"))
             })
             .collect()
+    }
+
+    /// The audit log once it holds `n` lines. Envoy flushes its file
+    /// access logs every 10 s, or at once on `POST /reopen_logs`, which
+    /// this asks for while it waits (up to 20 s).
+    pub fn flushed_audit_log(&self, n: usize) -> Vec<serde_json::Value> {
+        let flush = || {
+            let _ = request("POST", &self.admin_url("/reopen_logs"), &[], None);
+        };
+        assert!(
+            wait_for(Duration::from_secs(20), || {
+                flush();
+                self.audit_log().len() >= n
+            }),
+            "expected {n} audit lines: {:#?}",
+            self.audit_log()
+        );
+        self.audit_log()
+    }
+
+    /// Tokens sluice settled in one `direction` (`input`, `output`), all
+    /// tiers and models together.
+    pub fn settled_tokens(&self, direction: &str) -> u64 {
+        let labels = [("direction", direction), ("kind", "actual")];
+        self.metric("sluice_tokens_total", &labels).unwrap_or(0.0) as u64
+    }
+
+    /// Panics unless `sluice_reservations_outstanding` is back to 0 within
+    /// `within`: a reservation left over is a leak.
+    pub fn assert_no_reservation_left(&self, within: Duration) {
+        let gauge = || self.metric("sluice_reservations_outstanding", &[]);
+        assert!(
+            wait_for(within, || gauge() == Some(0.0)),
+            "sluice_reservations_outstanding is {:?}, not back to 0",
+            gauge()
+        );
     }
 
     /// `http://<admin><path>`.
@@ -1229,9 +1283,14 @@ pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Opti
 
 type Sample = (String, Vec<(String, String)>);
 
-/// Parses one sample line, `name{a="x",b="y"} value [timestamp]`. Hand-written
-/// because the format is this small and the crates that parse it drop names
-/// with colons (vLLM's `vllm:…`; `prometheus-parse` skips them silently).
+/// Parses one sample line, `name{a="x",b="y"} value [timestamp]`.
+/// Hand-written because no crate tried reads every sample as written: the
+/// tests sum lines by their exact name, `_bucket` lines and colon names
+/// (`vllm:…`, `llamacpp:…`) included. `prometheus-parse` 0.2 skips names
+/// with colons and folds `_bucket` lines into a histogram;
+/// `openmetrics-parser` 0.5 refuses a whole exposition whose family has
+/// samples with different label sets; `prom_text_format_parser` 0.1 leaves
+/// label values escaped.
 fn parse_sample(line: &str) -> Option<(Sample, f64)> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {
@@ -1567,137 +1626,6 @@ impl Stack {
     }
 }
 
-/// Sends `head` (request line and headers, without the blank line) and then
-/// `body` in HTTP/1.1 chunks of `chunk` bytes over a fresh connection to
-/// `addr`, and reads the answer. Envoy may answer (and close) before the
-/// whole body is sent: write errors are then ignored and the answer read.
-pub fn post_chunked(addr: SocketAddr, head: &str, body: &[u8], chunk: usize) -> Response {
-    use std::io::{Read as _, Write as _};
-    let mut stream = TcpStream::connect(addr).expect("connect to Envoy");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("set read timeout");
-    let mut writer = stream.try_clone().expect("clone the socket");
-    let head = format!("{head}\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n");
-    let body = body.to_vec();
-    let sender = thread::spawn(move || -> io::Result<()> {
-        writer.write_all(head.as_bytes())?;
-        for part in body.chunks(chunk.max(1)) {
-            writer.write_all(format!("{:x}\r\n", part.len()).as_bytes())?;
-            writer.write_all(part)?;
-            writer.write_all(b"\r\n")?;
-        }
-        writer.write_all(b"0\r\n\r\n")
-    });
-    // Read until the answer is complete rather than until the connection
-    // closes: after an early answer Envoy lingers before closing.
-    let mut raw = Vec::new();
-    let mut buf = [0u8; 16 * 1024];
-    let outcome = loop {
-        if http1_response_complete(&raw) {
-            break Ok(());
-        }
-        match stream.read(&mut buf) {
-            Ok(0) => break Ok(()),
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => break Err(e),
-        }
-    };
-    // Unblocks the sender if Envoy stopped reading the body.
-    let _ = stream.shutdown(std::net::Shutdown::Both);
-    let _ = sender.join();
-    if raw.is_empty() {
-        panic!("no answer to a chunked request: {outcome:?}");
-    }
-    parse_http1_response(&raw)
-}
-
-/// Whether `raw` holds a whole response with a content-length or chunked
-/// body (a close-delimited one is complete only at EOF).
-fn http1_response_complete(raw: &[u8]) -> bool {
-    let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
-        return false;
-    };
-    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-    let body = &raw[split + 4..];
-    let value = |name: &str| {
-        head.split("\r\n")
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':').map(str::trim))
-            .map(str::to_string)
-    };
-    if let Some(len) = value("content-length").and_then(|v| v.parse::<usize>().ok()) {
-        return body.len() >= len;
-    }
-    if value("transfer-encoding").is_some_and(|v| v == "chunked") {
-        return body.ends_with(b"0\r\n\r\n");
-    }
-    false
-}
-
-/// Parses a whole HTTP/1.1 response (content-length, chunked or
-/// close-delimited body).
-fn parse_http1_response(raw: &[u8]) -> Response {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no header end in {:?}", String::from_utf8_lossy(raw)));
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let mut lines = head.split("\r\n");
-    let status: u16 = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line in {head:?}"));
-    let mut headers = reqwest::header::HeaderMap::new();
-    for line in lines {
-        if let Some((k, v)) = line.split_once(':') {
-            if let (Ok(k), Ok(v)) = (
-                reqwest::header::HeaderName::from_bytes(k.trim().as_bytes()),
-                reqwest::header::HeaderValue::from_str(v.trim()),
-            ) {
-                headers.append(k, v);
-            }
-        }
-    }
-    let mut body = raw[split + 4..].to_vec();
-    let chunked = headers
-        .get("transfer-encoding")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
-    if chunked {
-        let mut out = Vec::new();
-        let mut rest = &body[..];
-        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
-            let size = usize::from_str_radix(
-                String::from_utf8_lossy(&rest[..eol])
-                    .split(';')
-                    .next()
-                    .unwrap_or("0")
-                    .trim(),
-                16,
-            )
-            .unwrap_or(0);
-            if size == 0 || rest.len() < eol + 2 + size {
-                break;
-            }
-            out.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
-            rest = &rest[(eol + 4 + size).min(rest.len())..];
-        }
-        body = out;
-    } else if let Some(len) = headers
-        .get("content-length")
-        .and_then(|v| v.to_str().ok()?.trim().parse::<usize>().ok())
-    {
-        body.truncate(len);
-    }
-    Response {
-        status,
-        headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1710,6 +1638,9 @@ mod tests {
             sluice_requests_total{decision=\"deny\",tier=\"free\"} 1\n\
             sluice_requests_total_other{decision=\"admit\"} 100\n\
             vllm:num_requests_waiting{model_name=\"a,b\\\"c\"} 4 1700000000\n\
+            escaped{path=\"C:\\\\x\",text=\"a\\nb\"} 8\n\
+            # TYPE h histogram\n\
+            h_bucket{le=\"+Inf\"} 9\n\
             plain 7\n";
         let v = |n, l| prometheus_value(text, n, l);
         assert_eq!(
@@ -1729,24 +1660,44 @@ mod tests {
             v("vllm:num_requests_waiting", &[("model_name", "a,b\"c")]),
             Some(4.0)
         );
+        assert_eq!(
+            v("escaped", &[("path", "C:\\x"), ("text", "a\nb")]),
+            Some(8.0)
+        );
+        assert_eq!(v("h_bucket", &[("le", "+Inf")]), Some(9.0));
         assert_eq!(v("plain", &[]), Some(7.0));
     }
 
     #[test]
-    fn raw_http1_responses_are_framed_and_parsed() {
-        let sized = b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 4\r\nx-a: b\r\n\r\nbody";
-        assert!(!http1_response_complete(&sized[..sized.len() - 1]));
-        assert!(http1_response_complete(sized));
-        let r = parse_http1_response(sized);
+    fn rfc3339_times_are_read_with_their_offsets() {
         assert_eq!(
-            (r.status, r.body.as_str(), r.header("x-a")),
-            (413, "body", Some("b"))
+            parse_rfc3339_utc("2024-03-01T00:00:00Z"),
+            Some(1_709_251_200)
         );
-
-        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
-        assert!(!http1_response_complete(&chunked[..chunked.len() - 2]));
-        assert!(http1_response_complete(chunked));
-        assert_eq!(parse_http1_response(chunked).body, "abcde");
+        assert_eq!(
+            parse_rfc3339("2024-03-01T05:30:00+05:30"),
+            Some(1_709_251_200)
+        );
+        assert_eq!(
+            parse_rfc3339("2024-02-29T19:00:00-05:00"),
+            Some(1_709_251_200)
+        );
+        assert_eq!(
+            parse_rfc3339("2024-03-01T00:00:00.250Z"),
+            Some(1_709_251_200)
+        );
+        assert_eq!(parse_rfc3339("1969-12-31T23:59:59Z"), Some(-1));
+        // UTC means written with `Z`: the same instant with an offset is not.
+        assert_eq!(parse_rfc3339_utc("2024-03-01T05:30:00+05:30"), None);
+        assert_eq!(parse_rfc3339_utc("1969-12-31T23:59:59Z"), None);
+        for bad in [
+            "2024-03-01",
+            "2024-03-01T00:00:00",
+            "2024-13-01T00:00:00Z",
+            "soon",
+        ] {
+            assert_eq!(parse_rfc3339(bad), None, "{bad}");
+        }
     }
 
     #[test]
@@ -1850,36 +1801,25 @@ mod tests {
     }
 }
 
-/// Seconds since the Unix epoch of `YYYY-MM-DDTHH:MM:SSZ`; `None` if the
-/// text is not exactly that shape.
+/// Seconds since the Unix epoch of an RFC 3339 time written in UTC (`Z`,
+/// as sluice writes `reset_at`); `None` for anything else, a time with
+/// another offset included (see [`parse_rfc3339`]).
 pub fn parse_rfc3339_utc(text: &str) -> Option<u64> {
-    let b = text.as_bytes();
-    let shape_ok = b.len() == 20
-        && b.iter().enumerate().all(|(i, c)| match i {
-            4 | 7 => *c == b'-',
-            10 => *c == b'T',
-            13 | 16 => *c == b':',
-            19 => *c == b'Z',
-            _ => c.is_ascii_digit(),
-        });
-    if !shape_ok {
+    if !text.ends_with('Z') {
         return None;
     }
-    let num = |r: std::ops::Range<usize>| text[r].parse::<i64>().ok();
-    let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hh, mm, ss) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&m) || !(1..=31).contains(&d) || hh > 23 || mm > 59 || ss > 60 {
-        return None;
-    }
-    // Days from civil (Howard Hinnant).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    u64::try_from(days * 86_400 + hh * 3600 + mm * 60 + ss).ok()
+    u64::try_from(parse_rfc3339(text)?).ok()
+}
+
+/// Seconds since the Unix epoch of any RFC 3339 time (`Z` or an offset
+/// such as `+05:30`); `None` if the text is not RFC 3339.
+pub fn parse_rfc3339(text: &str) -> Option<i64> {
+    use time::format_description::well_known::Rfc3339;
+    Some(
+        time::OffsetDateTime::parse(text, &Rfc3339)
+            .ok()?
+            .unix_timestamp(),
+    )
 }
 
 /// Headless Chromium over WebDriver, for the operator page (`browser.rs`).

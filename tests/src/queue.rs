@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::{async_client, runtime, shipped_config_for, Envoy, MockLlm, Stack};
+use crate::{async_client, runtime, shipped_config_for, Envoy, MockLlm, PolicyBuilder, Stack};
 
 /// The model the queue policy limits.
 pub const MODEL: &str = "m";
@@ -15,18 +15,17 @@ pub const MODEL: &str = "m";
 /// class): batch (the default, waits 10 s), inter (interactive), gold
 /// and lead (weights 3 and 1).
 pub fn policy(concurrency: u32) -> Value {
-    json!({
-        "default_tier": "batch",
-        "identity": {"sources": ["trusted_header"],
-                     "trusted_header": {"principal": "x-user", "tier": "x-tier"}},
-        "tiers": {"batch": {"class": "batch"}, "inter": {"class": "interactive"},
-                  "gold": {"class": "gold"}, "lead": {"class": "lead"}},
-        "classes": {"interactive": {"queue": false},
-                    "batch": {"max_wait": "10s", "max_depth": 1000},
-                    "gold": {"max_wait": "20s", "weight": 3},
-                    "lead": {"max_wait": "20s", "weight": 1}},
-        "models": {MODEL: {"concurrency": concurrency}},
-    })
+    PolicyBuilder::header_tiers("batch")
+        .tier("batch", json!({"class": "batch"}))
+        .tier("inter", json!({"class": "interactive"}))
+        .tier("gold", json!({"class": "gold"}))
+        .tier("lead", json!({"class": "lead"}))
+        .class("interactive", json!({"queue": false}))
+        .class("batch", json!({"max_wait": "10s", "max_depth": 1000}))
+        .class("gold", json!({"max_wait": "20s", "weight": 3}))
+        .class("lead", json!({"max_wait": "20s", "weight": 1}))
+        .model(MODEL, json!({"concurrency": concurrency}))
+        .build()
 }
 
 /// mock-llm (with `mock_args`) behind Envoy with `workers` threads and the
@@ -34,7 +33,7 @@ pub fn policy(concurrency: u32) -> Value {
 pub fn stack(workers: u32, concurrency: u32, mock_args: &[&str]) -> Stack {
     let upstream = MockLlm::start_with_args("primary", mock_args);
     let mut config = shipped_config_for(&upstream);
-    *config.policy_mut() = serde_yaml::to_value(policy(concurrency)).expect("policy as YAML");
+    config.set_policy(&policy(concurrency));
     let envoy = Envoy::start(&config, workers);
     Stack {
         envoy,
@@ -194,7 +193,7 @@ pub fn stack_with_policy(workers: u32, policy: Value, mock_args: &[&str]) -> Sta
     let upstream = MockLlm::start_with_args("primary", mock_args);
     let mut config = shipped_config_for(&upstream);
     config.set_drain_time_s(60);
-    *config.policy_mut() = serde_yaml::to_value(policy).expect("policy as YAML");
+    config.set_policy(&policy);
     let envoy = Envoy::start(&config, workers);
     Stack {
         envoy,

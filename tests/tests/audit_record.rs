@@ -17,7 +17,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use serde_json::{json, Value as Json};
-use sluice_tests::{get, post_json, request, wait_for, Response, Stack};
+use sluice_tests::{get, request, wait_for, Stack};
 
 const FREE: &str = "Bearer demo-free-key";
 const MODEL: &str = "llama3.1:8b";
@@ -127,10 +127,6 @@ fn chat(model: &str, stream: bool) -> Json {
     })
 }
 
-fn send(stack: &Stack, headers: &[(&str, &str)], body: &Json) -> Response {
-    post_json(&stack.envoy.url("/v1/chat/completions"), headers, body)
-}
-
 #[test]
 fn every_audit_line_is_json_with_its_fields_and_hostile_values_stay_in_theirs() {
     // Unlisted models let through, so the hostile name below is admitted
@@ -148,10 +144,23 @@ fn every_audit_line_is_json_with_its_fields_and_hostile_values_stay_in_theirs() 
     // 1. admitted, 2. streamed, 3. unauthenticated, 4. never classified
     // (a GET sluice lets through), 5. a body that is not JSON, 6. a hostile
     // model name (admitted as "other").
-    assert_eq!(send(&stack, &auth, &chat(MODEL, false)).status, 200);
-    assert_eq!(send(&stack, &auth, &chat(MODEL, true)).status, 200);
+    assert_eq!(
+        stack.envoy.client().chat(&auth, &chat(MODEL, false)).status,
+        200
+    );
+    assert_eq!(
+        stack.envoy.client().chat(&auth, &chat(MODEL, true)).status,
+        200
+    );
     let unknown = [("authorization", "Bearer not-a-key")];
-    assert_eq!(send(&stack, &unknown, &chat(MODEL, false)).status, 401);
+    assert_eq!(
+        stack
+            .envoy
+            .client()
+            .chat(&unknown, &chat(MODEL, false))
+            .status,
+        401
+    );
     let _ = get(&stack.envoy.url("/healthz?q=\"x\\y"), &[]);
     let bad = request(
         "POST",
@@ -164,7 +173,7 @@ fn every_audit_line_is_json_with_its_fields_and_hostile_values_stay_in_theirs() 
     )
     .expect("answered");
     assert_eq!(bad.status, 400);
-    let _ = send(&stack, &auth, &chat(hostile, false));
+    let _ = stack.envoy.client().chat(&auth, &chat(hostile, false));
     // 7. a path with a quote, a backslash and a byte that is not UTF-8, as
     // raw HTTP/1.1 (Envoy may refuse it before any filter, or pass it).
     let _ = raw_http(

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use mock_llm::go_json::{self, GoStruct};
 use serde_json::{json, Value as Json};
-use sluice_tests::{bin_path, post_json, request, EnvoyConfig, Response, Stack};
+use sluice_tests::{bin_path, post_json, request, EnvoyConfig, PolicyBuilder, Response, Stack};
 
 const PATH: &str = "/api/v1/ai/chat";
 /// The input tokens the service reports: one per word of the message
@@ -155,22 +155,19 @@ fn declaration() -> Json {
 }
 
 fn policy(budget: u64, declared: bool) -> Json {
-    let mut p = json!({
-        "default_tier": "t",
-        "identity": {"sources": ["client_address"]},
-        "tiers": {"t": {"requests": "10000/min", "daily_tokens": budget}},
-        "defaults": {"max_output_tokens": 64},
-    });
+    let p = PolicyBuilder::one_tier(json!({"requests": "10000/min", "daily_tokens": budget}))
+        .max_output_tokens(64);
     if declared {
-        p["apis"] = json!([declaration()]);
+        p.with("apis", json!([declaration()])).build()
+    } else {
+        p.build()
     }
-    p
 }
 
 fn stack(app: &App, budget: u64, declared: bool) -> Stack {
     let addr = app.addr;
     Stack::start(move |cfg: &mut EnvoyConfig| {
-        *cfg.policy_mut() = serde_yaml::to_value(policy(budget, declared)).expect("YAML");
+        cfg.set_policy(&policy(budget, declared));
         cfg.set_cluster_addr("llm_upstream", addr);
     })
 }

@@ -7,17 +7,8 @@
 
 use std::time::{Duration, Instant};
 
-use sluice_tests::fleet::{policy, Node, Redis};
+use sluice_tests::fleet::{fleet_policy, Node, Redis};
 use sluice_tests::{async_client, chat_body, post_json_async, runtime, wait_for, MockLlm};
-
-const SIDECAR: &str =
-    "sidecar: { cluster: sluice_sidecar, stale_after: 60s, on_stale: fail_open, poll_wait: 5s }\n";
-
-fn fleet_policy(tiers: &str, fleet: &str) -> serde_yaml::Value {
-    policy(&format!(
-        "default_tier: free\nidentity: {{ sources: [client_address] }}\n{tiers}\n{SIDECAR}{fleet}\n"
-    ))
-}
 
 /// Sends `n` chat requests spread round-robin over `urls`, `parallel` at a
 /// time; the statuses in order.

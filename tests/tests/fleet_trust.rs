@@ -10,17 +10,8 @@
 
 use std::time::Duration;
 
-use sluice_tests::fleet::{policy, Node, Redis, SECRET};
+use sluice_tests::fleet::{fleet_policy, Node, Redis, SECRET};
 use sluice_tests::{async_client, chat_body, post_json_async, runtime, wait_for, MockLlm};
-
-const SIDECAR: &str =
-    "sidecar: { cluster: sluice_sidecar, stale_after: 60s, on_stale: fail_open, poll_wait: 5s }\n";
-
-fn fleet_policy(tiers: &str, fleet: &str) -> serde_yaml::Value {
-    policy(&format!(
-        "default_tier: free\nidentity: {{ sources: [client_address] }}\n{tiers}\n{SIDECAR}{fleet}\n"
-    ))
-}
 
 /// One chat request to `url`: status and `usage.total_tokens`.
 fn one(url: &str, max_tokens: u64) -> (u16, u64) {

@@ -13,16 +13,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use serde_yaml::Value as Yaml;
-use sluice_tests::{post_chunked, post_json, request, runtime, wait_for, Response, Stack};
+use sluice_tests::{
+    chat_request, post_chunked, post_json, request, runtime, wait_for, Response, Stack,
+};
 
 const MODEL: &str = "llama3.1:8b";
 
 fn chat(max_tokens: Option<u64>) -> Value {
-    let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]});
-    if let Some(m) = max_tokens {
-        body["max_tokens"] = json!(m);
-    }
-    body
+    chat_request(MODEL, "hello", max_tokens, false)
 }
 
 /// One HTTP/2 (h2c, prior knowledge) POST whose body is followed by

@@ -37,9 +37,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value as Json};
 use sluice_tests::llamacpp::{post_json, require, LlamaCpp};
 use sluice_tests::third_party::shipped_config_for_addr;
-use sluice_tests::{
-    get, prometheus_value, request, wait_for, Envoy, EnvoyConfig, Response, Sidecar,
-};
+use sluice_tests::{get, prometheus_value, wait_for, Envoy, EnvoyConfig, Response, Sidecar};
 
 /// A model the shipped policy lists (its per-model learning applies, as
 /// in the issue's repro); llama.cpp serves whatever the body names.
@@ -66,39 +64,6 @@ impl Real {
 
     fn post(&self, path: &str, headers: &[(&str, &str)], body: &Json) -> Response {
         post_json(&self.envoy.url(path), headers, body)
-    }
-
-    /// Tokens sluice settled in one direction (every tier and model).
-    fn settled(&self, direction: &str) -> u64 {
-        let labels = [("direction", direction), ("kind", "actual")];
-        self.envoy
-            .metric("sluice_tokens_total", &labels)
-            .unwrap_or(0.0) as u64
-    }
-
-    fn assert_no_reservation_left(&self) {
-        let gauge = || self.envoy.metric("sluice_reservations_outstanding", &[]);
-        assert!(
-            wait_for(Duration::from_secs(20), || gauge() == Some(0.0)),
-            "sluice_reservations_outstanding is {:?}, not back to 0",
-            gauge()
-        );
-    }
-
-    /// The audit log once it holds `n` lines (flushed on `/reopen_logs`).
-    fn audit(&self, n: usize) -> Vec<Json> {
-        let flush = || {
-            let _ = request("POST", &self.envoy.admin_url("/reopen_logs"), &[], None);
-        };
-        assert!(
-            wait_for(Duration::from_secs(20), || {
-                flush();
-                self.envoy.audit_log().len() >= n
-            }),
-            "expected {n} audit lines: {:#?}",
-            self.envoy.audit_log()
-        );
-        self.envoy.audit_log()
     }
 }
 
@@ -247,7 +212,7 @@ fn llamacpp_usage_is_what_sluice_settles_on_chat_streams_and_completions() {
     assert_eq!(usage, (prompt_tokens, 8), "{}", resp.body);
     assert_eq!(resp.json()["choices"][0]["finish_reason"], "length");
     add(usage);
-    assert_audited(&real.audit(1)[0], usage);
+    assert_audited(&real.envoy.flushed_audit_log(1)[0], usage);
 
     // (b) Streamed with the client's include_usage: the server's usage
     // chunk reaches the client once, before [DONE].
@@ -261,7 +226,7 @@ fn llamacpp_usage_is_what_sluice_settles_on_chat_streams_and_completions() {
     assert_eq!(usage, (prompt_tokens, 8), "{}", resp.body);
     let streamed_text = text_of(&sse(&resp.body).0);
     add(usage);
-    assert_audited(&real.audit(2)[1], usage);
+    assert_audited(&real.envoy.flushed_audit_log(2)[1], usage);
 
     // (c) Streamed without include_usage: sluice asks the server for the
     // usage chunk, settles at it and keeps it from the client. The same
@@ -278,7 +243,7 @@ fn llamacpp_usage_is_what_sluice_settles_on_chat_streams_and_completions() {
     );
     assert_eq!(text_of(&events), streamed_text);
     add((prompt_tokens, 8));
-    assert_audited(&real.audit(3)[2], (prompt_tokens, 8));
+    assert_audited(&real.envoy.flushed_audit_log(3)[2], (prompt_tokens, 8));
 
     // (d) Legacy completions: no template, the prompt as tokenized.
     let prompt = "Once upon a time, in a lighthouse by the sea,";
@@ -291,7 +256,7 @@ fn llamacpp_usage_is_what_sluice_settles_on_chat_streams_and_completions() {
     assert_eq!(usage.0, server.tokenize(prompt).expect("tokenize") as u64);
     assert!(usage.1 >= 1 && usage.1 <= 6, "{usage:?}");
     add(usage);
-    assert_audited(&real.audit(4)[3], usage);
+    assert_audited(&real.envoy.flushed_audit_log(4)[3], usage);
 
     // (e) Streamed completions with include_usage.
     let mut body = body.clone();
@@ -301,11 +266,15 @@ fn llamacpp_usage_is_what_sluice_settles_on_chat_streams_and_completions() {
     assert_eq!(resp.status, 200, "{resp:?}");
     let usage = usage_of(&resp);
     add(usage);
-    assert_audited(&real.audit(5)[4], usage);
+    assert_audited(&real.envoy.flushed_audit_log(5)[4], usage);
 
-    real.assert_no_reservation_left();
+    real.envoy
+        .assert_no_reservation_left(Duration::from_secs(20));
     assert_eq!(
-        (real.settled("input"), real.settled("output")),
+        (
+            real.envoy.settled_tokens("input"),
+            real.envoy.settled_tokens("output")
+        ),
         settled,
         "sluice's counters vs the server's usage"
     );
@@ -339,7 +308,7 @@ fn llamacpp_obeys_the_output_limit_sluice_reserved_whichever_field_the_client_us
         // The story runs past every limit here: the server generates
         // exactly the limit it read, which is the one sluice wrote.
         assert_eq!(usage.1, *reserved, "{limit}: {}", resp.body);
-        let line = &real.audit(i + 1)[i];
+        let line = &real.envoy.flushed_audit_log(i + 1)[i];
         assert_audited(line, usage);
         let estimated = n(&line["tokens_estimated"]);
         assert!(
@@ -347,7 +316,8 @@ fn llamacpp_obeys_the_output_limit_sluice_reserved_whichever_field_the_client_us
             "{limit}: reserved {estimated} < the {reserved} the server generated"
         );
     }
-    real.assert_no_reservation_left();
+    real.envoy
+        .assert_no_reservation_left(Duration::from_secs(20));
 }
 
 /// llama.cpp's own `n_predict` comes before both OpenAI fields. A body
@@ -368,7 +338,7 @@ fn llamacpps_n_predict_cannot_raise_the_output_past_the_reservation() {
             // limit (64) is reserved and written into every field the
             // client sent, so what the server generates is covered.
             let usage = usage_of(&resp);
-            let line = &real.audit(1)[0];
+            let line = &real.envoy.flushed_audit_log(1)[0];
             let reserved = n(&line["tokens_estimated"]);
             assert!(
                 usage.1 <= 64,
@@ -532,11 +502,13 @@ fn the_free_keys_hard_budget_holds_against_llamacpps_own_counts() {
             other => panic!("unexpected {other}: {resp:?}"),
         }
     }
-    real.assert_no_reservation_left();
+    real.envoy
+        .assert_no_reservation_left(Duration::from_secs(20));
     // What each admitted request reserved against what it cost, for the
     // record (the reservation is what bounds an overshoot).
     for line in real
-        .audit(admitted + 1)
+        .envoy
+        .flushed_audit_log(admitted + 1)
         .iter()
         .filter(|l| l["decision"] == "admit")
     {
@@ -545,7 +517,7 @@ fn the_free_keys_hard_budget_holds_against_llamacpps_own_counts() {
             line["tokens_estimated"], line["tokens_input"], line["tokens_output"]
         );
     }
-    let charged = real.settled("input") + real.settled("output");
+    let charged = real.envoy.settled_tokens("input") + real.envoy.settled_tokens("output");
     println!(
         "free key, hard {BUDGET}: {admitted} admitted ({streamed} streamed, {tail} on \
          {OTHER_MODEL} after the first refusal), llama.cpp counted {used}, sluice charged \

@@ -19,8 +19,8 @@ use serde_yaml::Value;
 use sha2::{Digest, Sha256};
 use sluice_tests::jwt::{self, fresh_key, jwks};
 use sluice_tests::{
-    closed_addr, get, post_json, prometheus_value, repo_root, request, wait_for, EnvoyConfig,
-    MockLlm, Response, Sidecar, Stack,
+    chat_request, closed_addr, get, post_json, prometheus_value, repo_root, request, wait_for,
+    EnvoyConfig, MockLlm, Sidecar, Stack,
 };
 
 const BIG: &str = "llama3.1:70b";
@@ -49,22 +49,6 @@ fn sha256_hex(bytes: &[u8]) -> String {
 /// A compact HS256 JWT for `sub` in `tier`, issued by the demo issuer.
 fn mint(key: &[u8], sub: &str, tier: &str) -> String {
     jwt::mint(key, &jwt::claims(sub, tier))
-}
-
-fn chat_body(model: &str, content: &str, max_tokens: u64, stream: bool) -> Json {
-    let mut body = json!({
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-    });
-    if stream {
-        body["stream"] = true.into();
-    }
-    body
-}
-
-fn send(stack: &Stack, headers: &[(&str, &str)], body: &Json) -> Response {
-    post_json(&stack.envoy.url("/v1/chat/completions"), headers, body)
 }
 
 fn set(cfg: &mut EnvoyConfig, path: &[&str], yaml: &str) {
@@ -176,7 +160,10 @@ fn a_scripted_mix_is_counted_exactly_and_audited_without_secrets() {
     // Anonymous (free by address): 3 admitted, the 4th over tier free's 3/min.
     for _ in 0..4 {
         let p = next();
-        let r = send(&stack, &[], &chat_body(SMALL, &p, 4, false));
+        let r = stack
+            .envoy
+            .client()
+            .chat(&[], &chat_request(SMALL, &p, Some(4), false));
         if r.status == 200 {
             prompts_admitted.push(p);
         }
@@ -184,13 +171,19 @@ fn a_scripted_mix_is_counted_exactly_and_audited_without_secrets() {
     }
     // demo-free-key: a prompt far beyond its 300-token daily budget.
     let long = format!("{} {}", next(), "lorem ipsum ".repeat(200));
-    let r = send(&stack, &free_key, &chat_body(SMALL, &long, 4, false));
+    let r = stack
+        .envoy
+        .client()
+        .chat(&free_key, &chat_request(SMALL, &long, Some(4), false));
     assert_eq!(r.header("x-sluice-reason"), Some("daily_budget_exceeded"));
     statuses.push(("budget", r.status));
     // Enterprise key on llama3.1:70b (2/min for everyone): 2 admitted, 1 refused.
     for _ in 0..3 {
         let p = next();
-        let r = send(&stack, &ent_key, &chat_body(BIG, &p, 4, false));
+        let r = stack
+            .envoy
+            .client()
+            .chat(&ent_key, &chat_request(BIG, &p, Some(4), false));
         if r.status == 200 {
             prompts_admitted.push(p);
         }
@@ -198,23 +191,35 @@ fn a_scripted_mix_is_counted_exactly_and_audited_without_secrets() {
     }
     // Pro key over its soft budget: llama3.1:70b is downshifted to 8b.
     let p = next();
-    let r = send(&stack, &pro_key, &chat_body(BIG, &p, 4, false));
+    let r = stack
+        .envoy
+        .client()
+        .chat(&pro_key, &chat_request(BIG, &p, Some(4), false));
     assert_eq!(r.header("x-sluice-degraded"), Some("downshift"), "{r:?}");
     prompts_admitted.push(p);
     statuses.push(("downshift", r.status));
     // Pro key, streamed (SSE), a model without a cheaper one.
     let p = next();
-    let r = send(&stack, &pro_key, &chat_body(MISTRAL, &p, 4, true));
+    let r = stack
+        .envoy
+        .client()
+        .chat(&pro_key, &chat_request(MISTRAL, &p, Some(4), true));
     assert!(r.body.contains("data: [DONE]"), "{r:?}");
     prompts_admitted.push(p);
     statuses.push(("stream", r.status));
     // A verified JWT (enterprise).
     let p = next();
-    let r = send(&stack, &jwt_auth, &chat_body(SMALL, &p, 4, false));
+    let r = stack
+        .envoy
+        .client()
+        .chat(&jwt_auth, &chat_request(SMALL, &p, Some(4), false));
     prompts_admitted.push(p);
     statuses.push(("jwt", r.status));
     // An unknown API key.
-    let r = send(&stack, &bogus, &chat_body(SMALL, &next(), 4, false));
+    let r = stack
+        .envoy
+        .client()
+        .chat(&bogus, &chat_request(SMALL, &next(), Some(4), false));
     statuses.push(("bogus key", r.status));
 
     let codes: Vec<u16> = statuses.iter().map(|s| s.1).collect();
@@ -537,9 +542,9 @@ fn the_global_breaker_opens_at_the_spend_ceiling_with_503() {
             "the breaker never opened; spend {}",
             spend()
         );
-        let body = chat_body(BIG, &format!("surge {}", admitted.len()), 1000, false);
+        let body = chat_request(BIG, &format!("surge {}", admitted.len()), Some(1000), false);
         let before = spend();
-        let r = send(&stack, &ent_key, &body);
+        let r = stack.envoy.client().chat(&ent_key, &body);
         if r.status != 200 {
             break r;
         }
@@ -555,7 +560,10 @@ fn the_global_breaker_opens_at_the_spend_ceiling_with_503() {
     assert!(admitted.len() >= 2, "{}", admitted.len());
 
     // 503 with its code, for everyone: another tier and model too.
-    let anonymous = send(&stack, &[], &chat_body(SMALL, "hello", 4, false));
+    let anonymous = stack
+        .envoy
+        .client()
+        .chat(&[], &chat_request(SMALL, "hello", Some(4), false));
     for r in [&refusal, &anonymous] {
         assert_eq!(r.status, 503, "{r:?}");
         assert_eq!(r.header("x-sluice-reason"), Some("global_breaker_open"));
@@ -784,8 +792,8 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
     // A cached answer, first of all (nothing else is stored yet): asked
     // again once the sidecar holds it, a hit (saved tokens, lookups).
     let team = [("x-api-key", "demo-search-key-1")];
-    let cached = chat_body(MISTRAL, "what does the cache panel show?", 4, false);
-    send(&stack, &team, &cached).ok();
+    let cached = chat_request(MISTRAL, "what does the cache panel show?", Some(4), false);
+    stack.envoy.client().chat(&team, &cached).ok();
     let sidecar_stores = || {
         let t = get(&sidecar.url("/metrics"), &[]).body;
         prometheus_value(
@@ -800,15 +808,26 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
         "the sidecar never stored the answer:\n{}",
         sidecar.log()
     );
-    let r = send(&stack, &team, &cached).ok();
+    let r = stack.envoy.client().chat(&team, &cached).ok();
     assert_eq!(r.header("x-sluice-cache"), Some("hit"), "{r:?}");
 
     let pro = [("x-api-key", "demo-pro-key")];
-    let r = send(&stack, &pro, &chat_body(BIG, "hello", 4, false));
+    let r = stack
+        .envoy
+        .client()
+        .chat(&pro, &chat_request(BIG, "hello", Some(4), false));
     assert_eq!(r.header("x-sluice-degraded"), Some("downshift"), "{r:?}");
-    send(&stack, &pro, &chat_body(MISTRAL, "hello", 4, true)).ok();
+    stack
+        .envoy
+        .client()
+        .chat(&pro, &chat_request(MISTRAL, "hello", Some(4), true))
+        .ok();
     // A caller of a declared team (the team and org panels read its counter).
-    send(&stack, &team, &chat_body(MISTRAL, "hello", 4, false)).ok();
+    stack
+        .envoy
+        .client()
+        .chat(&team, &chat_request(MISTRAL, "hello", Some(4), false))
+        .ok();
 
     let envoy_metric = |name: &str| stack.envoy.metric(name, &[]).unwrap_or(0.0);
     assert!(
@@ -830,7 +849,11 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
         ) == 1.0),
         "the kill switch never reached Envoy"
     );
-    let r = send(&stack, &pro, &chat_body(SMALL, "hello", 4, false)).ok();
+    let r = stack
+        .envoy
+        .client()
+        .chat(&pro, &chat_request(SMALL, "hello", Some(4), false))
+        .ok();
     assert_eq!(r.header("x-sluice-kill-switch"), Some("1"), "{r:?}");
     assert_eq!(envoy_metric("sluice_rerouted_total"), 1.0);
 

@@ -349,7 +349,7 @@ fn saturation_holds_batch_and_refuses_interactive() {
     cfg.set_cluster_addr("sluice_sidecar", sidecar.addr());
     let mut policy = sluice_tests::queue::policy(1);
     policy["sidecar"] = serde_json::json!({"cluster": "sluice_sidecar", "stale_after": "10s"});
-    *cfg.policy_mut() = serde_yaml::to_value(policy).expect("policy");
+    cfg.set_policy(&policy);
     let envoy = Envoy::start(&cfg, WORKERS);
     let gauges = |waiting: f64| {
         post_json(

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use sluice_tests::queue::{depth, stack_with_policy, volley, Aim, Shot, MODEL};
-use sluice_tests::{get, post_json, shipped_config_for, wait_for, Envoy, MockLlm, Sidecar};
+use sluice_tests::{
+    get, post_json, shipped_config_for, wait_for, Envoy, MockLlm, PolicyBuilder, Sidecar,
+};
 
 const WORKERS: u32 = 2;
 
@@ -19,15 +21,12 @@ const WORKERS: u32 = 2;
 /// (unlimited) and `capped` (3 requests a minute), both in the `batch`
 /// class (waits 20 s, 10 places per model).
 fn policy(concurrency: u32) -> Value {
-    json!({
-        "default_tier": "batch",
-        "identity": {"sources": ["trusted_header"],
-                     "trusted_header": {"principal": "x-user", "tier": "x-tier"}},
-        "tiers": {"batch": {"class": "batch"},
-                  "capped": {"class": "batch", "requests": "3/min"}},
-        "classes": {"batch": {"max_wait": "20s", "max_depth": 10}},
-        "models": {MODEL: {"concurrency": concurrency}},
-    })
+    PolicyBuilder::header_tiers("batch")
+        .tier("batch", json!({"class": "batch"}))
+        .tier("capped", json!({"class": "batch", "requests": "3/min"}))
+        .class("batch", json!({"max_wait": "20s", "max_depth": 10}))
+        .model(MODEL, json!({"concurrency": concurrency}))
+        .build()
 }
 
 fn count(shots: &[Shot], status: u16, reason: Option<&str>) -> usize {
@@ -160,7 +159,7 @@ fn the_kill_switch_reaches_queued_requests() {
         "prices": {"gpt-4o-mini": {"input": "0.15", "output": "0.60"}},
     }});
     p["ladder"] = json!(["openai"]);
-    *cfg.policy_mut() = serde_yaml::to_value(p).expect("policy");
+    cfg.set_policy(&p);
     let envoy = Envoy::start(&cfg, WORKERS);
     assert!(
         wait_for(Duration::from_secs(10), || envoy
@@ -236,7 +235,7 @@ fn a_reload_that_lowers_concurrency_governs_requests_in_flight() {
         let envoy = &s.envoy;
         let old = scope.spawn(move || volley(envoy, old));
         assert!(wait_for(Duration::from_secs(10), || in_flight(&s.upstream) == 8));
-        *s.config.policy_mut() = serde_yaml::to_value(policy(2)).expect("policy");
+        s.config.set_policy(&policy(2));
         s.envoy.reload(&s.config).expect("reload accepted");
         let new: Vec<Aim> = (0..6)
             .map(|i| Aim::new(&format!("n{i}"), "batch").latency_ms(1_000))
@@ -284,7 +283,7 @@ fn a_reload_that_raises_concurrency_drains_the_backlog_at_the_new_limit() {
             "the backlog never queued"
         );
         assert!(wait_for(Duration::from_secs(10), || in_flight(&s.upstream) == 2));
-        *s.config.policy_mut() = serde_yaml::to_value(policy(8)).expect("policy");
+        s.config.set_policy(&policy(8));
         s.envoy.reload(&s.config).expect("reload accepted");
         assert!(
             wait_for(Duration::from_secs(10), || in_flight(&s.upstream) == 8),

@@ -22,7 +22,7 @@ use std::time::Duration;
 use serde_json::{json, Value as Json};
 use sluice_core::bench::input_tokens;
 use sluice_tests::third_party::{guidellm_bin, shipped_config_for_addr, GuidellmServer};
-use sluice_tests::{post_json, request, wait_for, Envoy, EnvoyConfig, Response};
+use sluice_tests::{request, wait_for, Envoy, EnvoyConfig, PolicyBuilder};
 
 /// A model the policy does not list: its estimate is never corrected.
 const MODEL: &str = "sluice-test-model";
@@ -64,46 +64,8 @@ impl ThirdParty {
         ThirdParty { envoy, server }
     }
 
-    fn post(&self, path: &str, headers: &[(&str, &str)], body: &Json) -> Response {
-        post_json(&self.envoy.url(path), headers, body)
-    }
-
-    /// Tokens sluice settled in one direction (all tiers and models).
-    fn settled(&self, direction: &str) -> u64 {
-        let labels = [("direction", direction), ("kind", "actual")];
-        self.envoy
-            .metric("sluice_tokens_total", &labels)
-            .unwrap_or(0.0) as u64
-    }
-
     fn charged(&self) -> u64 {
-        self.settled("input") + self.settled("output")
-    }
-
-    fn assert_no_reservation_left(&self) {
-        let gauge = || self.envoy.metric("sluice_reservations_outstanding", &[]);
-        assert!(
-            wait_for(Duration::from_secs(10), || gauge() == Some(0.0)),
-            "sluice_reservations_outstanding is {:?}, not back to 0",
-            gauge()
-        );
-    }
-
-    /// The audit log once it holds `n` lines (Envoy flushes its file
-    /// access logs every 10 s, or at once on `POST /reopen_logs`).
-    fn audit(&self, n: usize) -> Vec<Json> {
-        let flush = || {
-            let _ = request("POST", &self.envoy.admin_url("/reopen_logs"), &[], None);
-        };
-        assert!(
-            wait_for(Duration::from_secs(20), || {
-                flush();
-                self.envoy.audit_log().len() >= n
-            }),
-            "expected {n} audit lines: {:#?}",
-            self.envoy.audit_log()
-        );
-        self.envoy.audit_log()
+        self.envoy.settled_tokens("input") + self.envoy.settled_tokens("output")
     }
 
     /// Waits until the server's access log shows `n` answered `POST path`.
@@ -118,21 +80,12 @@ impl ThirdParty {
     }
 }
 
-/// A policy with one tier `t` (one principal per client address).
-fn policy(tier: Json) -> Json {
-    json!({
-        "default_tier": "t",
-        "identity": {"sources": ["client_address"]},
-        "tiers": {"t": tier},
-        "models": {},
-        "defaults": {"max_output_tokens": 512},
-        // The per-request audit record, which the tests read.
-        "audit": {"salt": "third-party"},
-    })
-}
-
-fn install(cfg: &mut EnvoyConfig, policy: &Json) {
-    *cfg.policy_mut() = serde_yaml::to_value(policy).expect("policy as YAML");
+/// The one-tier policy with the per-request audit record, which the tests
+/// read.
+fn audited(tier: Json) -> Json {
+    PolicyBuilder::one_tier(tier)
+        .with("audit", json!({"salt": "third-party"}))
+        .build()
 }
 
 /// guidellm's own count of `text`: `re.findall(r"\w+|[^\w\s]|\s+", text)`
@@ -248,10 +201,9 @@ fn guidellm_usage_is_what_sluice_settles_on_chat_streams_completions_and_respons
         return;
     };
     let tp = ThirdParty::start(&bin, 12, |cfg| {
-        install(
-            cfg,
-            &policy(json!({"requests": "1000/min", "daily_tokens": 100_000})),
-        )
+        cfg.set_policy(&audited(
+            json!({"requests": "1000/min", "daily_tokens": 100_000}),
+        ))
     });
     let want_in = guidellm_tokens(PROMPT);
     let body = chat(PROMPT, json!({"max_tokens": 30}), None);
@@ -263,20 +215,20 @@ fn guidellm_usage_is_what_sluice_settles_on_chat_streams_completions_and_respons
     let mut settled_out = 0;
 
     // (a) Chat, not streamed: the server's usage in the body.
-    let resp = tp.post("/v1/chat/completions", &[], &body);
+    let resp = tp.envoy.client().chat(&[], &body);
     assert_eq!(resp.status, 200, "{resp:?}");
     let usage = resp.json()["usage"].clone();
     assert_eq!(u(&usage["prompt_tokens"]), want_in, "{usage}");
     assert_eq!(u(&usage["completion_tokens"]), 12, "{usage}");
     settled_in += want_in;
     settled_out += 12;
-    assert_audited(&tp.audit(1)[0], want_in, 12);
+    assert_audited(&tp.envoy.flushed_audit_log(1)[0], want_in, 12);
 
     // (b) Chat streamed with the client's include_usage: guidellm's usage
     // chunk reaches the client as sent, once, before [DONE].
     let limit = json!({"max_tokens": 9});
     let body = chat(PROMPT, limit.clone(), Some(json!({"include_usage": true})));
-    let resp = tp.post("/v1/chat/completions", &[], &body);
+    let resp = tp.envoy.client().chat(&[], &body);
     assert_eq!(resp.status, 200, "{resp:?}");
     let (events, done) = sse(&resp.body);
     assert!(done, "no [DONE]: {}", resp.body);
@@ -287,12 +239,12 @@ fn guidellm_usage_is_what_sluice_settles_on_chat_streams_completions_and_respons
     assert_eq!(u(&usage[0]["completion_tokens"]), 9);
     settled_in += want_in;
     settled_out += 9;
-    assert_audited(&tp.audit(2)[1], want_in, 9);
+    assert_audited(&tp.envoy.flushed_audit_log(2)[1], want_in, 9);
 
     // (c) Chat streamed without include_usage: sluice asks guidellm for
     // the usage chunk, settles at it and keeps it from the client.
     let body = chat(PROMPT, limit, Some(Json::Null));
-    let resp = tp.post("/v1/chat/completions", &[], &body);
+    let resp = tp.envoy.client().chat(&[], &body);
     assert_eq!(resp.status, 200, "{resp:?}");
     let (events, done) = sse(&resp.body);
     assert!(done, "no [DONE]: {}", resp.body);
@@ -304,33 +256,36 @@ fn guidellm_usage_is_what_sluice_settles_on_chat_streams_completions_and_respons
     );
     settled_in += want_in;
     settled_out += 9;
-    assert_audited(&tp.audit(3)[2], want_in, 9);
+    assert_audited(&tp.envoy.flushed_audit_log(3)[2], want_in, 9);
 
     // (d) Legacy completions: guidellm generates exactly max_tokens.
     let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 7});
-    let resp = tp.post("/v1/completions", &[], &body);
+    let resp = tp.envoy.client().completions(&[], &body);
     assert_eq!(resp.status, 200, "{resp:?}");
     let usage = resp.json()["usage"].clone();
     assert_eq!(u(&usage["prompt_tokens"]), want_in, "{usage}");
     assert_eq!(u(&usage["completion_tokens"]), 7, "{usage}");
     settled_in += want_in;
     settled_out += 7;
-    assert_audited(&tp.audit(4)[3], want_in, 7);
+    assert_audited(&tp.envoy.flushed_audit_log(4)[3], want_in, 7);
 
     // (e) The Responses API: input_tokens / output_tokens.
     let body = json!({"model": MODEL, "input": PROMPT, "max_output_tokens": 6});
-    let resp = tp.post("/v1/responses", &[], &body);
+    let resp = tp.envoy.client().post("/v1/responses", &[], &body);
     assert_eq!(resp.status, 200, "{resp:?}");
     let usage = resp.json()["usage"].clone();
     assert_eq!(u(&usage["input_tokens"]), want_in, "{usage}");
     assert_eq!(u(&usage["output_tokens"]), 6, "{usage}");
     settled_in += want_in;
     settled_out += 6;
-    assert_audited(&tp.audit(5)[4], want_in, 6);
+    assert_audited(&tp.envoy.flushed_audit_log(5)[4], want_in, 6);
 
-    tp.assert_no_reservation_left();
+    tp.envoy.assert_no_reservation_left(Duration::from_secs(10));
     assert_eq!(
-        (tp.settled("input"), tp.settled("output")),
+        (
+            tp.envoy.settled_tokens("input"),
+            tp.envoy.settled_tokens("output")
+        ),
         (settled_in, settled_out),
         "sluice's counters vs guidellm's usage"
     );
@@ -354,10 +309,9 @@ fn a_hard_budget_holds_against_guidellms_own_count_and_refusals_never_reach_it()
     };
     const BUDGET: u64 = 400;
     let tp = ThirdParty::start(&bin, 1_000, |cfg| {
-        install(
-            cfg,
-            &policy(json!({"requests": "1000/min", "daily_tokens": BUDGET})),
-        )
+        cfg.set_policy(&audited(
+            json!({"requests": "1000/min", "daily_tokens": BUDGET}),
+        ))
     });
     // A prompt sluice estimates at no less than guidellm counts (no
     // spaces), so the last request, lowered to what is left, fits.
@@ -371,7 +325,7 @@ fn a_hard_budget_holds_against_guidellms_own_count_and_refusals_never_reach_it()
         let stream = (admitted % 2 == 1).then(|| json!({"include_usage": true}));
         let is_stream = stream.is_some();
         let body = chat(prompt, json!({"max_tokens": 60}), stream);
-        let resp = tp.post("/v1/chat/completions", &[], &body);
+        let resp = tp.envoy.client().chat(&[], &body);
         match resp.status {
             200 => {}
             429 => break resp,
@@ -410,12 +364,12 @@ fn a_hard_budget_holds_against_guidellms_own_count_and_refusals_never_reach_it()
     let err = refused.json();
     assert_eq!(err["error"]["type"], "insufficient_quota", "{err}");
     assert_eq!(err["error"]["sluice"]["remaining"], BUDGET - used, "{err}");
-    tp.assert_no_reservation_left();
+    tp.envoy.assert_no_reservation_left(Duration::from_secs(10));
     assert_eq!(tp.charged(), used, "sluice charged what guidellm reported");
 
     // Refused before the upstream: an exhausted budget, a body that is not
     // JSON, an output limit that is not a count. guidellm sees none.
-    let again = tp.post(
+    let again = tp.envoy.client().post(
         "/v1/chat/completions",
         &[],
         &chat(prompt, json!({"max_tokens": 1}), None),
@@ -429,7 +383,7 @@ fn a_hard_budget_holds_against_guidellms_own_count_and_refusals_never_reach_it()
     )
     .expect("answered");
     assert_eq!(bad.status, 400, "{bad:?}");
-    let negative = tp.post(
+    let negative = tp.envoy.client().post(
         "/v1/chat/completions",
         &[],
         &chat(prompt, json!({"max_tokens": -5}), None),
@@ -449,10 +403,9 @@ fn guidellm_obeys_the_limit_sluice_lowers_to_at_the_end_of_a_budget() {
     };
     const BUDGET: u64 = 120;
     let tp = ThirdParty::start(&bin, 1_000, |cfg| {
-        install(
-            cfg,
-            &policy(json!({"requests": "1000/min", "daily_tokens": BUDGET})),
-        )
+        cfg.set_policy(&audited(
+            json!({"requests": "1000/min", "daily_tokens": BUDGET}),
+        ))
     });
     let body = chat(
         "hello",
@@ -466,7 +419,7 @@ fn guidellm_obeys_the_limit_sluice_lowers_to_at_the_end_of_a_budget() {
     let est = rendered
         .tokens(&figures, None)
         .max(input_tokens(&body).ceil() as u64);
-    let resp = tp.post("/v1/chat/completions", &[], &body);
+    let resp = tp.envoy.client().chat(&[], &body);
     assert_eq!(resp.status, 200, "{resp:?}");
     let (events, done) = sse(&resp.body);
     assert!(done, "{}", resp.body);
@@ -479,7 +432,7 @@ fn guidellm_obeys_the_limit_sluice_lowers_to_at_the_end_of_a_budget() {
         usage[0]
     );
     assert_eq!(content_events(&events), BUDGET - est);
-    tp.assert_no_reservation_left();
+    tp.envoy.assert_no_reservation_left(Duration::from_secs(10));
     let used = u(&usage[0]["prompt_tokens"]) + u(&usage[0]["completion_tokens"]);
     assert_eq!(tp.charged(), used);
     assert!(used <= BUDGET, "{used} > {BUDGET}");
@@ -502,17 +455,16 @@ fn two_output_limits_cannot_overshoot_a_hard_budget_on_a_server_that_reads_the_o
     };
     const BUDGET: u64 = 100;
     let tp = ThirdParty::start(&bin, 300, |cfg| {
-        install(
-            cfg,
-            &policy(json!({"requests": "1000/min", "daily_tokens": BUDGET})),
-        )
+        cfg.set_policy(&audited(
+            json!({"requests": "1000/min", "daily_tokens": BUDGET}),
+        ))
     });
     let body = chat(
         "hello",
         json!({"max_tokens": 10, "max_completion_tokens": 20_000}),
         None,
     );
-    let resp = tp.post("/v1/chat/completions", &[], &body);
+    let resp = tp.envoy.client().chat(&[], &body);
     match resp.status {
         400 => tp.assert_server_answered("/v1/chat/completions", 0),
         200 => {

@@ -24,8 +24,8 @@ use mock_llm::generate::Api;
 use serde_json::{json, Value as Json};
 use sluice_core::bench::{input_tokens, text_tokens};
 use sluice_tests::{
-    against, async_client, get, post_json, post_json_async, prometheus_value, runtime, speaking,
-    wait_for, EnvoyConfig, Personality, Response, Stack,
+    against, async_client, chat_request, get, post_json, post_json_async, prometheus_value,
+    runtime, speaking, wait_for, Personality, PolicyBuilder, Response, Stack,
 };
 
 /// A model the policy does not list: its estimate is never corrected.
@@ -39,36 +39,9 @@ const MIN_LOWERED_OUTPUT: u64 = sluice_core::bench::MIN_LOWERED_OUTPUT;
 // Helpers
 // ---------------------------------------------------------------------------
 
-/// A policy with one tier `t` (everyone is in it, one principal per client
-/// address) and `models`.
-fn policy(tier: Json, models: Json) -> Json {
-    json!({
-        "default_tier": "t",
-        "identity": {"sources": ["client_address"]},
-        "tiers": {"t": tier},
-        "models": models,
-        "defaults": {"max_output_tokens": 512},
-    })
-}
-
-fn install(cfg: &mut EnvoyConfig, policy: &Json) {
-    *cfg.policy_mut() = serde_yaml::to_value(policy).expect("policy as YAML");
-}
-
-/// A chat body for `model`.
-fn chat_for(model: &str, content: &str, max_tokens: Option<u64>, stream: bool) -> Json {
-    let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
-    if let Some(max) = max_tokens {
-        body["max_tokens"] = max.into();
-    }
-    if stream {
-        body["stream"] = true.into();
-    }
-    body
-}
-
+/// A chat body for [`UNLISTED`].
 fn chat(content: &str, max_tokens: Option<u64>, stream: bool) -> Json {
-    chat_for(UNLISTED, content, max_tokens, stream)
+    chat_request(UNLISTED, content, max_tokens, stream)
 }
 
 /// sluice's input estimate of `body` (exact for [`UNLISTED`]).
@@ -236,12 +209,9 @@ fn concurrent_requests_fill_a_daily_budget_exactly_and_never_overshoot() {
     const EACH: u64 = 500;
     const CALLS: usize = 100;
     let stack = Stack::start_with(4, |cfg| {
-        install(
-            cfg,
-            &policy(
-                json!({"requests": "100000/min", "daily_tokens": BUDGET}),
-                json!({}),
-            ),
+        cfg.set_policy(
+            &PolicyBuilder::one_tier(json!({"requests": "100000/min", "daily_tokens": BUDGET}))
+                .build(),
         )
     });
     let est = bound(&chat(PROMPT, None, false));
@@ -332,12 +302,9 @@ fn a_stream_crossing_the_budget_ends_with_an_error_event_at_the_budget() {
 fn stream_cut_at_the_budget(p: Personality) {
     const BUDGET: u64 = 1_000;
     let stack = Stack::start_as(p, |cfg| {
-        install(
-            cfg,
-            &policy(
-                json!({"requests": "1000/min", "daily_tokens": BUDGET}),
-                json!({}),
-            ),
+        cfg.set_policy(
+            &PolicyBuilder::one_tier(json!({"requests": "1000/min", "daily_tokens": BUDGET}))
+                .build(),
         )
     });
     // Asks for more than the budget: sluice lowers max_tokens to what it
@@ -541,12 +508,9 @@ fn cut_ends_the_work(h2: bool) {
     const OUTPUT: u64 = 3_000;
     const BOUND: Duration = Duration::from_secs(2);
     let stack = Stack::start(|cfg| {
-        install(
-            cfg,
-            &policy(
-                json!({"requests": "1000/min", "daily_tokens": 1_000_000}),
-                json!({}),
-            ),
+        cfg.set_policy(
+            &PolicyBuilder::one_tier(json!({"requests": "1000/min", "daily_tokens": 1_000_000}))
+                .build(),
         )
     });
     let body = chat(PROMPT, Some(MAX_OUTPUT), true);
@@ -710,12 +674,11 @@ fn five_hundred_streams_with_random_disconnects_leave_no_reservation() {
     const STREAMS: u64 = 500;
     const AT_ONCE: usize = 50;
     let mut stack = Stack::start_with(4, |cfg| {
-        install(
-            cfg,
-            &policy(
+        cfg.set_policy(
+            &PolicyBuilder::one_tier(
                 json!({"requests": "1000000/min", "daily_tokens": 100_000_000}),
-                json!({}),
-            ),
+            )
+            .build(),
         )
     });
     let url = stack.envoy.url("/v1/chat/completions");
@@ -809,12 +772,9 @@ fn settles_unbelievable_usage(p: Personality) {
     const BUDGET: u64 = 1_000_000;
     const MAX: u64 = 20;
     let stack = Stack::start_as(p, |cfg| {
-        install(
-            cfg,
-            &policy(
-                json!({"requests": "1000/min", "daily_tokens": BUDGET}),
-                json!({}),
-            ),
+        cfg.set_policy(
+            &PolicyBuilder::one_tier(json!({"requests": "1000/min", "daily_tokens": BUDGET}))
+                .build(),
         )
     });
     let url = stack.envoy.url("/v1/chat/completions");
@@ -895,17 +855,17 @@ fn settles_unbelievable_usage(p: Personality) {
 #[test]
 fn over_a_soft_cap_the_upstream_sees_the_cheaper_model() {
     let stack = Stack::start(|cfg| {
-        install(
-            cfg,
-            &policy(
-                json!({"requests": "1000/min",
-                       "daily_tokens": {"limit": 200, "mode": "soft"}}),
-                json!({BIG: {"downshift_to": SMALL}, SMALL: {}}),
-            ),
+        cfg.set_policy(
+            &PolicyBuilder::one_tier(
+                json!({"requests": "1000/min", "daily_tokens": {"limit": 200, "mode": "soft"}}),
+            )
+            .model(BIG, json!({"downshift_to": SMALL}))
+            .model(SMALL, json!({}))
+            .build(),
         )
     });
     let url = stack.envoy.url("/v1/chat/completions");
-    let body = chat_for(BIG, PROMPT, Some(50), false);
+    let body = chat_request(BIG, PROMPT, Some(50), false);
 
     // Within the cap: served as asked. The answer runs long and uses the
     // whole cap (a soft cap charges usage past it).
@@ -939,14 +899,17 @@ fn the_upstream_gets_the_reserved_max_output_and_a_usage_chunk_the_client_does_n
 /// the usage chunk it sends are each server's own.
 fn what_the_upstream_gets(p: Personality) {
     let stack = Stack::start_as(p, |cfg| {
-        let mut shape = policy(
-            json!({"requests": "1000/min", "daily_tokens": 1_000_000}),
-            json!({SMALL: {"default_max_output": 77}}),
-        );
-        shape["defaults"]["max_output_tokens"] = 300.into();
-        // UNLISTED, beside the listed SMALL, gets the defaults.
-        shape["unlisted_models"] = json!({"price": {"input": 0, "output": 0}});
-        install(cfg, &shape);
+        let shape =
+            PolicyBuilder::one_tier(json!({"requests": "1000/min", "daily_tokens": 1_000_000}))
+                .model(SMALL, json!({"default_max_output": 77}))
+                .max_output_tokens(300)
+                // UNLISTED, beside the listed SMALL, gets the defaults.
+                .with(
+                    "unlisted_models",
+                    json!({"price": {"input": 0, "output": 0}}),
+                )
+                .build();
+        cfg.set_policy(&shape);
     });
     let url = stack.envoy.url("/v1/chat/completions");
 
@@ -954,7 +917,7 @@ fn what_the_upstream_gets(p: Personality) {
     let resp = post_json(&url, &[], &chat(PROMPT, None, false));
     assert_eq!(resp.status, 200, "{resp:?}");
     assert_eq!(upstream_body(&stack)["max_tokens"], 300);
-    let resp = post_json(&url, &[], &chat_for(SMALL, PROMPT, None, false));
+    let resp = post_json(&url, &[], &chat_request(SMALL, PROMPT, None, false));
     assert_eq!(resp.status, 200, "{resp:?}");
     assert_eq!(upstream_body(&stack)["max_tokens"], 77);
     // A client's own limit within budget goes through untouched.
@@ -1012,12 +975,8 @@ fn what_the_upstream_gets(p: Personality) {
 #[test]
 fn huge_prompts_at_a_low_request_rate_are_stopped_by_the_token_bucket() {
     let stack = Stack::start(|cfg| {
-        install(
-            cfg,
-            &policy(
-                json!({"requests": "60/hour", "tokens": "20000/min"}),
-                json!({}),
-            ),
+        cfg.set_policy(
+            &PolicyBuilder::one_tier(json!({"requests": "60/hour", "tokens": "20000/min"})).build(),
         )
     });
     let url = stack.envoy.url("/v1/chat/completions");
@@ -1072,14 +1031,7 @@ fn huge_prompts_at_a_low_request_rate_are_stopped_by_the_token_bucket() {
 fn crossing_alert_at_adds_the_alert_header_and_counts_it() {
     const BUDGET: u64 = 1_000;
     let stack = Stack::start(|cfg| {
-        install(
-            cfg,
-            &policy(
-                json!({"requests": "1000/min",
-                       "daily_tokens": {"limit": BUDGET, "mode": "hard", "alert_at": "80%"}}),
-                json!({}),
-            ),
-        )
+        cfg.set_policy(&PolicyBuilder::one_tier(json!({"requests": "1000/min", "daily_tokens": {"limit": BUDGET, "mode": "hard", "alert_at": "80%"}})).build())
     });
     let url = stack.envoy.url("/v1/chat/completions");
     // A hard budget: each request reserves its input's bound.
@@ -1123,12 +1075,9 @@ fn streams_framed_with_crlf_or_cr_settle_from_their_usage_and_are_cut_at_their_a
     // `crlf-split` sends every CRLF that ends an event across two chunks.
     for newline in ["crlf", "cr", "crlf-split"] {
         let stack = Stack::start(|cfg| {
-            install(
-                cfg,
-                &policy(
-                    json!({"requests": "1000/min", "daily_tokens": BUDGET}),
-                    json!({}),
-                ),
+            cfg.set_policy(
+                &PolicyBuilder::one_tier(json!({"requests": "1000/min", "daily_tokens": BUDGET}))
+                    .build(),
             )
         });
         let url = stack.envoy.url("/v1/chat/completions");

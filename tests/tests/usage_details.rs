@@ -21,7 +21,7 @@ use std::thread;
 use std::time::Duration;
 
 use serde_json::{json, Value as Json};
-use sluice_tests::{post_json, wait_for, EnvoyConfig, Response, Stack};
+use sluice_tests::{post_json, wait_for, EnvoyConfig, PolicyBuilder, Response, Stack};
 
 /// A model the policy does not list: its estimate is never corrected.
 const MODEL: &str = "sluice-test-model";
@@ -225,25 +225,23 @@ fn answers() -> HashMap<&'static str, Answer> {
 }
 
 fn policy(allow_stored_context: bool) -> Json {
-    json!({
-        "default_tier": "t",
-        "identity": {"sources": ["client_address"]},
-        // Soft: it reserves the estimate the audit's `tokens_estimated`
-        // shows, so the header's moves are each request's charge (a hard
-        // budget would hold the input's bound, `bounded.rs`).
-        "tiers": {"t": {"requests": "1000/min",
-                        "daily_tokens": {"limit": BUDGET, "mode": "soft"}}},
-        "models": {},
-        "defaults": {"max_output_tokens": 512},
-        "request": {"allow_stored_context": allow_stored_context},
-        "audit": {"salt": "test-salt", "hash_bodies": false},
-    })
+    // Soft: it reserves the estimate the audit's `tokens_estimated` shows,
+    // so the header's moves are each request's charge (a hard budget would
+    // hold the input's bound, `bounded.rs`).
+    PolicyBuilder::one_tier(json!({"requests": "1000/min",
+                                   "daily_tokens": {"limit": BUDGET, "mode": "soft"}}))
+    .with(
+        "request",
+        json!({"allow_stored_context": allow_stored_context}),
+    )
+    .with("audit", json!({"salt": "test-salt", "hash_bodies": false}))
+    .build()
 }
 
 fn stack(upstream: &Fixed, allow_stored_context: bool) -> Stack {
     let addr = upstream.addr;
     Stack::start(move |cfg: &mut EnvoyConfig| {
-        *cfg.policy_mut() = serde_yaml::to_value(policy(allow_stored_context)).expect("YAML");
+        cfg.set_policy(&policy(allow_stored_context));
         cfg.set_cluster_addr("llm_upstream", addr);
     })
 }
@@ -501,7 +499,7 @@ fn spend_is_charged_at_each_parts_own_price() {
         p["tiers"]["t"]["daily_spend"] = json!(1.0);
         p["models"] = json!({MODEL: {"price": {"input": "2", "output": "8",
             "cached_input": "0.5", "cache_write": "2.5", "reasoning": "10"}}});
-        *cfg.policy_mut() = serde_yaml::to_value(p).expect("YAML");
+        cfg.set_policy(&p);
         cfg.set_cluster_addr("llm_upstream", addr);
     });
     let spent = || {
