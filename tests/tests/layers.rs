@@ -48,7 +48,7 @@ const SIDECAR: &[Layer] = &[
     },
     Layer {
         name: "outside",
-        modules: &["sources", "redis"],
+        modules: &["sources", "redis", "listen"],
     },
     Layer {
         name: "config",
