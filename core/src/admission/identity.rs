@@ -23,9 +23,9 @@
 //! - A credential header that is present but empty is refused, not taken as
 //!   "no credential".
 
+use hashbrown::{HashMap, HashSet};
 use std::borrow::Cow;
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv6Addr};
 
 use crate::policy::keys::{key_principal, sha256_hex, HashKey};
@@ -149,7 +149,9 @@ pub struct Resolver {
     /// SHA-256 (hex) of keys seen lately: a client sends the same key on
     /// every request, and hashing it each time was a measurable part of the
     /// request path. Bounded (see [`KEY_HASH_CACHE`]).
-    key_hashes: RefCell<HashMap<String, String>>,
+    /// Keyed by what callers send: std's map, whose SipHash a caller cannot
+    /// aim collisions at (the others here are keyed by the policy).
+    key_hashes: RefCell<std::collections::HashMap<String, String>>,
     /// The prefix an IPv6 client address counts by.
     ipv6_prefix: u8,
     /// The deployment's hash key (see [`HashKey`]); set when the policy

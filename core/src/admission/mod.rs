@@ -14,7 +14,7 @@
 //! refusal, [`penalty`] is the penalty box, [`passthrough`] the paths sluice
 //! does not read, [`for_fleet`] what the fleet asks of the buckets.
 
-use std::collections::HashMap;
+use hashbrown::HashMap;
 
 use serde_json::Value;
 

@@ -57,7 +57,7 @@
 //! their exact limits); the exhaustion is counted in
 //! `sluice_cas_exhausted_total`.
 
-use std::collections::HashSet;
+use hashbrown::HashSet;
 
 use crate::admission::identity::{Identity, RequestView};
 use crate::limits::slot_table::{self, SlotSeen, SlotTable};

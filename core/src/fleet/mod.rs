@@ -53,7 +53,7 @@
 //! The switch is logged once per Envoy and counted
 //! (`sluice_fleet_unavailable_total`, gauge `sluice_fleet_degraded`).
 
-use std::collections::HashMap;
+use hashbrown::HashMap;
 use std::sync::Arc;
 
 pub use sluice_wire::fleet::GiveItem;

@@ -30,9 +30,9 @@
 //!   `cache_hit` and `flight` are the response cache's side,
 //!   [`predefined`] the stats a policy load defines.
 
+use hashbrown::HashMap;
 use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 
 use crate::admission::answer::{Decision, Reason};
@@ -179,7 +179,9 @@ pub struct Filter {
     dice: Cell<u64>,
     /// Principal → its salted audit hash: a SHA-256 per request saved for
     /// callers seen before. Bounded like the key-hash cache.
-    audit_principals: RefCell<HashMap<String, String>>,
+    /// Keyed by callers' principals: std's map, whose SipHash a caller
+    /// cannot aim collisions at.
+    audit_principals: RefCell<std::collections::HashMap<String, String>>,
     /// Limits shared with the other Envoys (the policy's `fleet`).
     pub fleet: Option<crate::fleet::Fleet>,
     /// Callouts a stream made while the root context was acting for it (a
