@@ -17,9 +17,11 @@ PYTHON        ?= python3
 
 .PHONY: all tools clients build check-build test demo lint fmt clean bench-core docs
 
-# Independent prerequisites (builds, installs) run side by side; each one's
-# lines are printed whole, as they come. `make -j1` runs them one by one.
-MAKEFLAGS += --jobs=4 --output-sync=line
+# Independent prerequisites (builds, installs) run side by side, their
+# output lines interleaved; `make -j1` runs them one by one. Cargo lines
+# start with `+`: cargo then takes its compile jobs from make's pool, so
+# the builds side by side share 4 jobs instead of each taking every core.
+MAKEFLAGS += --jobs=4
 
 all: build
 
@@ -105,19 +107,19 @@ build: build-wasm build-bins build-native
 
 .PHONY: build-wasm build-bins build-native
 build-wasm: tools
-	$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
+	+$(CARGO) build --release --target wasm32-wasip1 -p sluice-filter
 
 build-bins:
 	@# One native invocation: the sidecar, mock-llm and the path loop the
 	@# instruction-budget test counts under callgrind (an example of the
 	@# core crate, on the mock host).
-	$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-core --bins --example path_loop
+	+$(CARGO) build --release -p sluice-sidecar -p mock-llm -p sluice-core --bins --example path_loop
 
 build-native:
 	@# The native module (prototype): its own profile, release with
 	@# panic = "unwind" (Cargo.toml says why), so its own target directory
 	@# and nothing above is rebuilt for it.
-	$(CARGO) build --profile release-native -p sluice-native
+	+$(CARGO) build --profile release-native -p sluice-native
 
 ## check-build: a second `make build` with nothing changed compiles nothing
 check-build: build
@@ -138,13 +140,13 @@ check-build: build
 TEST_THREADS ?= 2
 .PHONY: test-build
 test: build check-build test-build clients browser third-party llamacpp
-	$(CARGO) test --workspace --exclude sluice-tests
-	SLUICE_REQUIRE_BOOK=1 SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_LLAMACPP=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=$(TEST_THREADS)
+	+$(CARGO) test --workspace --exclude sluice-tests
+	+SLUICE_REQUIRE_BOOK=1 SLUICE_REQUIRE_THIRD_PARTY=1 SLUICE_REQUIRE_LLAMACPP=1 SLUICE_REQUIRE_CLIENTS=1 SLUICE_REQUIRE_BROWSER=1 SLUICE_REQUIRE_OCI_TOOLS=1 SLUICE_REQUIRE_VALGRIND=1 $(CARGO) test -p sluice-tests -- --test-threads=$(TEST_THREADS)
 
 ## test-build: every test binary compiled (debug), beside the release builds
 ## (target/debug has its own lock)
 test-build:
-	$(CARGO) test --workspace --no-run --quiet
+	+$(CARGO) test --workspace --no-run --quiet
 
 ## docs: the book (docs/, chapters in docs/src) built into target/book with
 ## mdBook 0.5.4, installed into .venv on first use: on x86_64 from PyPI's
