@@ -320,7 +320,7 @@ impl Stream {
                 deadline_ms,
             } => {
                 gate.ticket = Some(ticket);
-                self.wait_in_queue(&filter, ticket, backend, deadline_ms);
+                self.add_waiter(&filter, ticket, backend, deadline_ms, false);
                 (Gated::Wait, Some(gate))
             }
             Entered::Declined => declined_gate(host, declined, gate, now),
@@ -360,13 +360,15 @@ impl Stream {
         (changed.value, declined)
     }
 
-    /// A queued request waits for its ticket's wake-up, or its deadline.
-    pub(super) fn wait_in_queue(
+    /// This stream waits under `ticket` until its wake-up or `deadline_ms`:
+    /// queued for the model's gate, or `sleeping` until its buckets refill.
+    pub(super) fn add_waiter(
         &self,
         filter: &Filter,
         ticket: u64,
         backend: &str,
         deadline_ms: u64,
+        sleeping: bool,
     ) {
         if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
             waiters.insert(
@@ -376,7 +378,7 @@ impl Stream {
                     context_id: self.context_id,
                     backend: backend.to_string(),
                     deadline_ms,
-                    sleeping: false,
+                    sleeping,
                 },
             );
         }

@@ -458,18 +458,8 @@ impl Stream {
         if let Some(g) = self.gate.as_mut() {
             g.sleeper = Some(ticket);
             count(host, "deferred", "bucket", g);
-            if let Ok(mut waiters) = filter.waiters.try_borrow_mut() {
-                waiters.insert(
-                    ticket,
-                    Waiter {
-                        stream: self.me.clone(),
-                        context_id: self.context_id,
-                        backend: g.backend.clone(),
-                        deadline_ms: until_ms,
-                        sleeping: true,
-                    },
-                );
-            }
+            let backend = g.backend.clone();
+            self.add_waiter(&filter, ticket, &backend, until_ms, true);
         }
         Action::Pause
     }
