@@ -63,7 +63,7 @@ pub use flow::{Poller, Request, Vm};
 /// the table).
 pub use host::metrics;
 /// The trait a host implements, and what crosses it.
-pub use host::{Action, Headers, Host, LogLevel, MetricKind};
+pub use host::{Action, Headers, Host, MetricKind};
 /// Whether a bucket counts per caller or for everyone.
 pub use limits::reservation::Scope;
 /// The policy, its errors, and the parts the sidecar reads.

@@ -14,6 +14,8 @@ use sluice_core::{Headers, Host, MetricKind};
 use sluice_core::{Poller, Request, SharedStore, StoreError, Vm};
 
 proxy_wasm::main! {{
+    // Also installs the SDK's logger for the `log` facade, through which
+    // the core writes its lines: each goes to Envoy's log (`proxy_log`).
     proxy_wasm::set_log_level(LogLevel::Info);
     // A panic aborts the VM and fails every request on this worker: say
     // why first (the SDK's own hook, if any, only prints to stderr).
@@ -192,15 +194,6 @@ impl Host for WasmHost {
             .ok()
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
             .map_or(0, |d| d.as_nanos() as u64)
-    }
-
-    fn log(&self, level: sluice_core::LogLevel, message: &str) {
-        let level = match level {
-            sluice_core::LogLevel::Info => LogLevel::Info,
-            sluice_core::LogLevel::Warn => LogLevel::Warn,
-            sluice_core::LogLevel::Error => LogLevel::Error,
-        };
-        let _ = hostcalls::log(level, message);
     }
 
     fn set_tick_period_ms(&self, ms: u64) {

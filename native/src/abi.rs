@@ -670,6 +670,7 @@ fn on_stream(
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
+    crate::log_lines::forward_to(filter::log_to_envoy);
     ABI_VERSION.as_ptr().cast()
 }
 

@@ -97,6 +97,16 @@ pub struct Shared {
     stats: HashMap<&'static str, Stat>,
 }
 
+/// A line the core logged (`crate::log_lines`), to Envoy's log.
+pub fn log_to_envoy(level: log::Level, message: &str) {
+    let level = match level {
+        log::Level::Error => LogLevel::Error,
+        log::Level::Warn => LogLevel::Warn,
+        _ => LogLevel::Info,
+    };
+    abi::log(level, message);
+}
+
 /// What Envoy holds for a filter configuration.
 pub struct Config {
     shared: Arc<Shared>,
@@ -452,15 +462,6 @@ impl Host for NativeHost<'_> {
 
     fn now_ns(&self) -> u64 {
         load::now_ns()
-    }
-
-    fn log(&self, level: sluice_core::LogLevel, message: &str) {
-        let level = match level {
-            sluice_core::LogLevel::Info => LogLevel::Info,
-            sluice_core::LogLevel::Warn => LogLevel::Warn,
-            sluice_core::LogLevel::Error => LogLevel::Error,
-        };
-        abi::log(level, message);
     }
 
     fn set_tick_period_ms(&self, _ms: u64) {

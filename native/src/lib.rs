@@ -8,10 +8,12 @@
 //! `Host` trait on top of it in safe code and forwards each hook to
 //! the core (`Poller`, `Request`), as the wasm filter's shim does. `load` decides
 //! what policy the module accepts: one it can run, loaded by the core as
-//! the wasm host loads it.
+//! the wasm host loads it. `log_lines` takes the core's `log` lines to
+//! Envoy's log.
 
 #![deny(unsafe_code)]
 
 mod abi;
 mod filter;
 mod load;
+mod log_lines;

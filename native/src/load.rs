@@ -20,7 +20,6 @@
 //! A refusal makes `config_new` return no configuration: Envoy then
 //! refuses the filter, and with it the listener.
 
-use std::cell::RefCell;
 use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -121,15 +120,12 @@ pub fn check(
     if !fields.is_empty() {
         return Err(refusal(&fields));
     }
-    let host = LoadHost {
-        store,
-        env,
-        errors: RefCell::default(),
-    };
-    if Poller::new().configure(&host, config) {
+    let host = LoadHost { store, env };
+    let (loaded, errors) =
+        crate::log_lines::collecting_errors(|| Poller::new().configure(&host, config));
+    if loaded {
         return Ok(());
     }
-    let errors = host.errors.take();
     Err(if errors.is_empty() {
         "sluice policy: the policy did not load".into()
     } else {
@@ -137,14 +133,13 @@ pub fn check(
     })
 }
 
-/// The host of a load on the main thread: shared data, the environment,
-/// and the errors logged; no stream (Envoy gives `config_new` none), no
+/// The host of a load on the main thread: shared data and the
+/// environment (the errors it logs are collected by `check`); no stream (Envoy gives `config_new` none), no
 /// metric (the workers define them), nothing else logged (each worker
 /// logs its own load).
 struct LoadHost<'a> {
     store: &'a dyn SharedStore,
     env: &'a dyn Fn(&str) -> Option<String>,
-    errors: RefCell<Vec<String>>,
 }
 
 impl SharedStore for LoadHost<'_> {
@@ -212,14 +207,6 @@ impl Host for LoadHost<'_> {
 
     fn now_ns(&self) -> u64 {
         now_ns()
-    }
-
-    fn log(&self, level: sluice_core::LogLevel, message: &str) {
-        if level == sluice_core::LogLevel::Error {
-            if let Ok(mut errors) = self.errors.try_borrow_mut() {
-                errors.push(message.to_string());
-            }
-        }
     }
 
     fn env_var(&self, name: &str) -> Option<String> {

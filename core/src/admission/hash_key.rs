@@ -21,7 +21,7 @@
 //!
 //! The key's bytes are never logged; the log says only which source won.
 
-use crate::host::{Host, LogLevel};
+use crate::host::Host;
 use crate::policy::fleet::MIN_SECRET;
 use crate::policy::keys::HashKey;
 use crate::policy::Policy;
@@ -120,7 +120,7 @@ pub fn generated(store: &dyn SharedStore) -> Result<HashKey, String> {
 /// [`resolve`], logged: which source won, never the key.
 pub fn load(host: &dyn Host, policy: &Policy) -> Result<HashKey, String> {
     let (key, source) = resolve(host, policy)?;
-    host.log(LogLevel::Info, &format!("hash key: {}", source.describe()));
+    log::info!("hash key: {}", source.describe());
     Ok(key)
 }
 

@@ -67,7 +67,7 @@ use crate::admission::identity::Identity;
 use crate::admission::{Billed, Engine, Meter, ModelPrice};
 use crate::fleet_contract::{fingerprint, fleet_rules, window_end, FleetRuleDef};
 use crate::host::metrics;
-use crate::host::{Host, LogLevel};
+use crate::host::Host;
 use crate::limits::bucket::Quota;
 use crate::limits::lease::{self, Leases};
 use crate::limits::reservation::{Held, LeaseAsk, Placement, Rule, Scope};
@@ -195,12 +195,9 @@ fn note_data_loss(host: &dyn Host, now: u64) {
     });
     metrics::FLEET_DATA_LOST.record(host, 1);
     if first {
-        host.log(
-            LogLevel::Warn,
-            "fleet: the sidecar reports that Redis lost its data in this window (fleet_data_lost); \
+        log::warn!("fleet: the sidecar reports that Redis lost its data in this window (fleet_data_lost); \
              the hard budgets of the window in progress follow on_unavailable.data_lost until \
-             it ends (their fleet count is unknown)",
-        );
+             it ends (their fleet count is unknown)");
     }
 }
 
@@ -1337,9 +1334,8 @@ impl Fleet {
         });
         if dropped > 0 {
             metrics::FLEET_OUTBOX_DROPPED.add(host, dropped);
-            host.log(
-                LogLevel::Warn,
-                &format!("fleet outbox full ({OUTBOX_MAX} buckets): {dropped} charge(s) not sent to Redis"),
+            log::warn!(
+                "fleet outbox full ({OUTBOX_MAX} buckets): {dropped} charge(s) not sent to Redis"
             );
         }
     }
@@ -1381,9 +1377,8 @@ impl Fleet {
         });
         metrics::FLEET_DATA_LOST.record(host, 0);
         if written == Updated::Written {
-            host.log(
-                LogLevel::Info,
-                "fleet: the window of the data loss is over; hard budgets count in Redis again",
+            log::info!(
+                "fleet: the window of the data loss is over; hard budgets count in Redis again"
             );
         }
     }
@@ -1411,19 +1406,11 @@ impl Fleet {
             return;
         }
         if up {
-            host.log(
-                LogLevel::Info,
-                "fleet: sidecar and Redis answer again; leases resume",
-            );
+            log::info!("fleet: sidecar and Redis answer again; leases resume");
         } else {
             metrics::FLEET_UNAVAILABLE.add(host, 1);
-            host.log(
-                LogLevel::Warn,
-                &format!(
-                    "fleet: {why}; leases serve until they expire, then on_unavailable (requests: {:?}, budgets: {:?})",
-                    self.config.on_unavailable.requests, self.config.on_unavailable.budgets
-                ),
-            );
+            log::warn!("fleet: {why}; leases serve until they expire, then on_unavailable (requests: {:?}, budgets: {:?})",
+                    self.config.on_unavailable.requests, self.config.on_unavailable.budgets);
         }
         metrics::FLEET_DEGRADED.record(host, u64::from(!up));
     }
@@ -1692,24 +1679,20 @@ impl FleetAgent {
             note_refusal(host, None);
             metrics::FLEET_BATCHES.add(host, 1);
             if std::mem::take(&mut self.failing) {
-                host.log(LogLevel::Info, "fleet: held settlements sent");
+                log::info!("fleet: held settlements sent");
             }
             return;
         }
         let _ = failed_call(host, status.as_deref(), &body);
         if status.as_deref() == Some("400") {
             // Never accepted: sending it again cannot help.
-            host.log(
-                LogLevel::Error,
-                "fleet: the sidecar refused a settlement batch (400); dropped",
-            );
+            log::error!("fleet: the sidecar refused a settlement batch (400); dropped");
             return;
         }
         if !self.failing {
             self.failing = true;
-            host.log(
-                LogLevel::Warn,
-                "fleet: settlements held until the sidecar and Redis answer (sent once, by id)",
+            log::warn!(
+                "fleet: settlements held until the sidecar and Redis answer (sent once, by id)"
             );
         }
         self.unsent = Some((id, items));

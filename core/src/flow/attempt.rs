@@ -6,7 +6,7 @@ use super::{add, count_contention, Stream};
 use crate::admission::ladder::Served;
 use crate::admission::Verdict;
 use crate::host::metrics;
-use crate::host::{Action, Host, LogLevel};
+use crate::host::{Action, Host};
 
 impl Stream {
     /// An admitted attempt through the fleet's gate, as at dispatch (no
@@ -190,10 +190,7 @@ impl Stream {
         let token = match host.dispatch_post(&cfg.cluster, &pairs, &body, timeout_ms.max(1)) {
             Ok(token) => token,
             Err(why) => {
-                host.log(
-                    LogLevel::Warn,
-                    &format!("failover to {provider} could not start: {why}"),
-                );
+                log::warn!("failover to {provider} could not start: {why}");
                 if let Some(plan) = verdict.plan() {
                     count_contention(host, engine.release(host, plan, host.now_ms()));
                 }

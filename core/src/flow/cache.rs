@@ -25,7 +25,7 @@ use crate::cache::answer::{self as cache_answer, Rendered};
 use crate::cache::key as cache_key;
 use crate::cache::tier::{self as cache_tier, Lookup as InEnvoy, Tier};
 use crate::host::metrics;
-use crate::host::{Action, Host, LogLevel};
+use crate::host::{Action, Host};
 use crate::policy::cache::CacheCaller;
 use crate::usage::demand::Api;
 
@@ -374,7 +374,7 @@ impl Stream {
             Err(why) => {
                 let label = policy_label(&filter, &req.model);
                 metrics::CACHE.add_at(host, &["timeout", "exact", &label], 1);
-                host.log(LogLevel::Warn, &format!("cache lookup not sent: {why}"));
+                log::warn!("cache lookup not sent: {why}");
                 None
             }
         }
@@ -661,10 +661,7 @@ impl Stream {
             // The set's ways are the declared callers': not an error.
             Err(cache_tier::NotKept::Reserved) => false,
             Err(why) => {
-                host.log(
-                    LogLevel::Warn,
-                    &format!("cache: not kept in Envoy: {why:?}"),
-                );
+                log::warn!("cache: not kept in Envoy: {why:?}");
                 false
             }
         }

@@ -30,7 +30,7 @@ use sluice_wire::fleet::{SlotScope, SlotsAnswer, SlotsRequest};
 
 use super::Filter;
 use crate::host::metrics;
-use crate::host::{Host, LogLevel};
+use crate::host::Host;
 use crate::policy::fleet::Unavailable;
 use crate::queue::{self, slots_scope, Group, State};
 
@@ -198,10 +198,7 @@ impl Agent {
         };
         crate::fleet::note_refusal(host, None);
         if std::mem::take(&mut self.down) {
-            host.log(
-                LogLevel::Info,
-                "fleet: concurrency slots granted by the fleet again",
-            );
+            log::info!("fleet: concurrency slots granted by the fleet again");
             metrics::FLEET_SLOTS_DEGRADED.record(host, 0);
         }
         self.next_beat_ms = now + BEAT_MS;
@@ -227,9 +224,8 @@ impl Agent {
         };
         if !self.down {
             self.down = true;
-            host.log(
-                LogLevel::Warn,
-                "fleet: concurrency slots cannot be reported; gates follow on_unavailable.requests",
+            log::warn!(
+                "fleet: concurrency slots cannot be reported; gates follow on_unavailable.requests"
             );
             metrics::FLEET_SLOTS_DEGRADED.record(host, 1);
         }

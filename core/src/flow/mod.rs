@@ -42,7 +42,7 @@ use crate::admission::pushback::UpstreamReply;
 use crate::admission::route::{self, SidecarSeen};
 use crate::admission::{Admitted, Engine, RequestContext, Verdict};
 use crate::host::metrics::{self, Metric};
-use crate::host::{Action, Headers, Host, LogLevel};
+use crate::host::{Action, Headers, Host};
 use crate::policy::Policy;
 use crate::state::codec::{Reader, Record, Writer};
 use crate::state::store::{Cas, Contention, Updated};
@@ -115,10 +115,7 @@ fn admit_down_the_ladder(
     }
     for (provider, budget) in &laddered.alerted {
         metrics::PROVIDER_BUDGET_ALERTS.add_at(host, &[provider], 1);
-        host.log(
-            LogLevel::Warn,
-            &format!("{budget}: past its alert_at (alerted once this window)"),
-        );
+        log::warn!("{budget}: past its alert_at (alerted once this window)");
     }
     (laddered.verdict, laddered.rung)
 }

@@ -167,13 +167,8 @@ impl Stream {
         if settled.charges_unwritten > 0 {
             // Counted in `sluice_cas_exhausted_total` too; said here so
             // an under-charge is never silent.
-            host.log(
-                LogLevel::Warn,
-                &format!(
-                    "{} bucket charge(s) of a settled request could not be written (shared-data contention); the caller is under-charged by them",
-                    settled.charges_unwritten
-                ),
-            );
+            log::warn!("{} bucket charge(s) of a settled request could not be written (shared-data contention); the caller is under-charged by them",
+                    settled.charges_unwritten);
         }
         metrics::TOKENS.add_at(
             host,

@@ -130,42 +130,30 @@ impl Filter {
 fn prepare_shared(host: &dyn Host, filter: &Filter) -> bool {
     let engine = &filter.engine;
     match engine.prepare(host) {
-        Ok(created) => host.log(
-            LogLevel::Info,
-            &format!(
-                "policy loaded: {} tiers, {} models, {} routes, {} buckets ({} new shared-data keys)",
-                engine.policy.tiers.len(),
-                engine.policy.models.len(),
-                engine.policy.routes.len(),
-                engine.rules().len(),
-                created
-            ),
+        Ok(created) => log::info!(
+            "policy loaded: {} tiers, {} models, {} routes, {} buckets ({} new shared-data keys)",
+            engine.policy.tiers.len(),
+            engine.policy.models.len(),
+            engine.policy.routes.len(),
+            engine.rules().len(),
+            created
         ),
         Err(err) => {
-            host.log(
-                LogLevel::Error,
-                &format!("cannot create shared-data keys: {err}"),
-            );
+            log::error!("cannot create shared-data keys: {err}");
             return false;
         }
     }
     if let Some(fleet) = &filter.fleet {
         match fleet.prepare(engine, host) {
-            Ok(n) => host.log(
-                LogLevel::Info,
-                &format!("fleet: {n} new shared-data keys for leases"),
-            ),
+            Ok(n) => log::info!("fleet: {n} new shared-data keys for leases"),
             Err(err) => {
-                host.log(
-                    LogLevel::Error,
-                    &format!("fleet: cannot create shared-data keys: {err}"),
-                );
+                log::error!("fleet: cannot create shared-data keys: {err}");
                 return false;
             }
         }
     }
     if let Err(err) = cache::prepare(host, engine) {
-        host.log(LogLevel::Error, &err);
+        log::error!("{err}");
         return false;
     }
     true
@@ -175,10 +163,10 @@ fn prepare_shared(host: &dyn Host, filter: &Filter) -> bool {
 /// key (`crate::admission::hash_key`); `None` (logged): refused.
 fn compile_keyed(host: &dyn Host, policy: Policy) -> Option<Engine> {
     let mut engine = Engine::compile(policy)
-        .map_err(|err| host.log(LogLevel::Error, &err.to_string()))
+        .map_err(|err| log::error!("{err}"))
         .ok()?;
     let key = crate::admission::hash_key::load(host, &engine.policy)
-        .map_err(|err| host.log(LogLevel::Error, &err))
+        .map_err(|err| log::error!("{err}"))
         .ok()?;
     engine.set_hash_key(key);
     Some(engine)
@@ -204,7 +192,7 @@ impl Poller {
         let policy = match Policy::from_plugin_config(config) {
             Ok(policy) => policy,
             Err(err) => {
-                host.log(LogLevel::Error, &err.to_string());
+                log::error!("{err}");
                 add(host, metrics::CONFIG_REJECTED, 1);
                 return false;
             }
@@ -370,12 +358,9 @@ impl Poller {
             Ok(token) => self.poll = Some(token),
             Err(why) => {
                 add(host, metrics::SIDECAR_POLL_ERRORS, 1);
-                host.log(
-                    LogLevel::Warn,
-                    &format!(
-                        "cannot poll the sidecar (cluster {}): {why}",
-                        sidecar.cluster
-                    ),
+                log::warn!(
+                    "cannot poll the sidecar (cluster {}): {why}",
+                    sidecar.cluster
                 );
                 self.retry_at_ms = now + POLL_RETRY_MS;
             }
@@ -444,16 +429,13 @@ impl Poller {
                         (Some(code), _) => format!("status {code}"),
                         (None, _) => "no answer".into(),
                     };
-                    host.log(
-                        LogLevel::Warn,
-                        &format!("sidecar unreachable ({why}); keeping its last state for stale_after, then the on_stale policy"),
-                    );
+                    log::warn!("sidecar unreachable ({why}); keeping its last state for stale_after, then the on_stale policy");
                 }
                 return;
             }
         };
         if std::mem::take(&mut self.sidecar_failing) {
-            host.log(LogLevel::Info, "sidecar reachable again");
+            log::info!("sidecar reachable again");
         }
         add(host, metrics::SIDECAR_POLLS, 1);
         set_gauge(

@@ -383,7 +383,7 @@ impl Stream {
         }
         host.set_request_header(&served.header, Some(&served.value));
         if let Err(why) = host.clear_route_cache() {
-            host.log(LogLevel::Warn, &format!("clear_route_cache failed: {why}"));
+            log::warn!("clear_route_cache failed: {why}");
         }
         verdict
             .response_headers

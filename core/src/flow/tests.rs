@@ -586,7 +586,7 @@ fn a_failing_sidecar_is_logged_once_per_outage_and_retried_after_a_pause() {
         host.logs
             .borrow()
             .iter()
-            .filter(|(l, m)| *l == LogLevel::Warn && m.contains("unreachable"))
+            .filter(|(l, m)| *l == log::Level::Warn && m.contains("unreachable"))
             .count()
     };
     for status in ["503", "200"] {
@@ -711,7 +711,7 @@ fn metrics_exist_at_zero_once_a_policy_loads_and_a_bad_policy_keeps_the_last() {
         .logs
         .borrow()
         .iter()
-        .any(|(l, _)| *l == LogLevel::Error));
+        .any(|(l, _)| *l == log::Level::Error));
     assert!(poller.request().is_some(), "the last good policy stays");
     assert!(Poller::new().request().is_none());
 }
@@ -970,7 +970,7 @@ fn a_failed_route_cache_refresh_is_logged_and_the_request_still_rerouted() {
         .logs
         .borrow()
         .iter()
-        .any(|(l, m)| *l == LogLevel::Warn && m.contains("clear_route_cache")));
+        .any(|(l, m)| *l == log::Level::Warn && m.contains("clear_route_cache")));
 }
 
 #[test]
@@ -1021,5 +1021,5 @@ fn a_settlement_outlasts_a_contention_storm_and_an_unwritable_charge_is_counted_
         .logs
         .borrow()
         .iter()
-        .any(|(level, m)| *level == LogLevel::Warn && m.contains("under-charged")));
+        .any(|(level, m)| *level == log::Level::Warn && m.contains("under-charged")));
 }

@@ -11,7 +11,7 @@ use super::{count_contention, Filter, Phase, Stream};
 use crate::admission::answer::{Reason, Refused};
 use crate::admission::route::BreakerState;
 use crate::host::metrics;
-use crate::host::{Action, Host, LogLevel};
+use crate::host::{Action, Host};
 use crate::limits::reservation::SETTLE_TRIES_FACTOR;
 use crate::queue::{self, Changed, Grant, State};
 
@@ -41,10 +41,7 @@ pub fn configure(
     if filter.wake_queue.get().is_none() {
         let queue = host.register_wake_queue(&format!("sluice:wake:{vm_id:x}"));
         if queue.is_none() {
-            host.log(
-                LogLevel::Warn,
-                "cannot register a wake-up queue: requests that would wait are refused",
-            );
+            log::warn!("cannot register a wake-up queue: requests that would wait are refused");
         }
         filter.wake_queue.set(queue);
     }
@@ -122,7 +119,7 @@ fn resume(filter: &Filter, host: &dyn Host, ticket: u64, via: &str) {
         }
         metrics::QUEUE_RESUMED.add_at(host, &[via], 1);
         if stream.dispatch(host, true) == Action::Continue && !host.resume_request() {
-            host.log(LogLevel::Warn, "a dispatched request could not be resumed");
+            log::warn!("a dispatched request could not be resumed");
         }
     });
 }
@@ -152,7 +149,7 @@ fn dispatch_off_primary(filter: &Filter, host: &dyn Host, ticket: u64) {
             && stream.dispatch(host, false) == Action::Continue
             && !host.resume_request()
         {
-            host.log(LogLevel::Warn, "a rerouted request could not be resumed");
+            log::warn!("a rerouted request could not be resumed");
         }
     });
 }
@@ -166,7 +163,7 @@ fn wake_sleeper(filter: &Filter, host: &dyn Host, ticket: u64) {
             && stream.retry(host) == Action::Continue
             && !host.resume_request()
         {
-            host.log(LogLevel::Warn, "a deferred request could not be resumed");
+            log::warn!("a deferred request could not be resumed");
         }
     });
 }
@@ -390,10 +387,7 @@ impl Filter {
         for grant in grants {
             if !host.wake(grant.wake, &grant.ticket.to_le_bytes()) {
                 // Its owner's tick finds the grant (the safety net).
-                host.log(
-                    LogLevel::Warn,
-                    "a queued request's wake-up could not be sent",
-                );
+                log::warn!("a queued request's wake-up could not be sent");
             }
         }
     }
@@ -551,9 +545,8 @@ impl Stream {
         let tries = filter.tries().saturating_mul(SETTLE_TRIES_FACTOR);
         let changed = queue::release(host, group, tries, &model, &saturated, now);
         if !changed.value {
-            host.log(
-                LogLevel::Error,
-                &format!("a concurrency slot of {model} could not be given back (shared-data contention)"),
+            log::error!(
+                "a concurrency slot of {model} could not be given back (shared-data contention)"
             );
         }
         filter.applied(host, &backend, &changed);
@@ -611,10 +604,7 @@ impl Stream {
                 count(host, "abandoned", "client_gone", &g);
                 self.release_slot(host);
             }
-            _ => host.log(
-                LogLevel::Error,
-                "a queued request could not be withdrawn (shared-data contention)",
-            ),
+            _ => log::error!("a queued request could not be withdrawn (shared-data contention)"),
         }
     }
 

@@ -5,9 +5,10 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
+use std::rc::{Rc, Weak};
 use std::sync::Arc;
 
-use super::{Headers, Host, LogLevel, MetricKind};
+use super::{Headers, Host, MetricKind};
 use crate::state::store::{MemStore, SharedStore, StoreError};
 
 /// A local reply as the host was asked to send it.
@@ -61,7 +62,9 @@ pub struct MockHost {
     pub stream_resets: Cell<u32>,
     /// `Some`: clearing the route cache fails with this.
     pub route_cache_error: RefCell<Option<String>>,
-    pub logs: RefCell<Vec<(LogLevel, String)>>,
+    /// What the core logged (through the `log` facade) while this host
+    /// was the newest on its thread; a worker shares its first host's.
+    pub logs: LogCapture,
     /// The VM's environment variables; the fleet secret defaults to
     /// [`MOCK_FLEET_SECRET`].
     pub env: RefCell<HashMap<String, String>>,
@@ -128,11 +131,12 @@ impl MockHost {
 
     /// Another worker: the same shared data and wake-up queues.
     pub fn worker_of(other: &MockHost) -> MockHost {
-        let host = MockHost {
+        let mut host = MockHost {
             store: other.store.clone(),
             wake_queues: other.wake_queues.clone(),
             ..MockHost::default()
         };
+        host.logs = other.logs.share();
         host.clock_ms.set(other.clock_ms.get());
         host
     }
@@ -362,11 +366,6 @@ impl Host for MockHost {
         self.clock_ms.get() * 1_000_000
     }
 
-    fn log(&self, level: LogLevel, message: &str) {
-        self.count("log");
-        self.logs.borrow_mut().push((level, message.to_string()));
-    }
-
     fn env_var(&self, name: &str) -> Option<String> {
         self.env.borrow().get(name).cloned().or_else(|| {
             (name == crate::policy::fleet::DEFAULT_SECRET_ENV)
@@ -484,5 +483,66 @@ impl Host for MockHost {
         let id = self.effective_context.get().unwrap_or(0);
         self.resumed.borrow_mut().push(id);
         true
+    }
+}
+
+/// The lines the core logs, caught for the tests: the core writes through
+/// the `log` facade; a process-wide logger, installed the first time a
+/// mock host is made, appends each line to the capture of the newest host
+/// on the logging thread (each test runs on a thread of its own).
+#[derive(Debug)]
+pub struct LogCapture(Rc<Lines>);
+
+/// Each logged line with its level.
+type Lines = RefCell<Vec<(log::Level, String)>>;
+
+thread_local! {
+    static CAPTURE: RefCell<Weak<Lines>> = const { RefCell::new(Weak::new()) };
+}
+
+struct CaptureLogger;
+
+impl log::Log for CaptureLogger {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record) {
+        let line = (record.level(), record.args().to_string());
+        CAPTURE.with(|c| {
+            if let Some(lines) = c.borrow().upgrade() {
+                lines.borrow_mut().push(line);
+            }
+        });
+    }
+
+    fn flush(&self) {}
+}
+
+static LOGGER: CaptureLogger = CaptureLogger;
+
+impl LogCapture {
+    /// This capture again, made the thread's current one.
+    fn share(&self) -> LogCapture {
+        CAPTURE.with(|c| *c.borrow_mut() = Rc::downgrade(&self.0));
+        LogCapture(self.0.clone())
+    }
+}
+
+impl Default for LogCapture {
+    fn default() -> LogCapture {
+        // Another logger (a test binary's own) may be set: then it wins.
+        if log::set_logger(&LOGGER).is_ok() {
+            log::set_max_level(log::LevelFilter::Info);
+        }
+        LogCapture(Rc::default()).share()
+    }
+}
+
+impl std::ops::Deref for LogCapture {
+    type Target = Lines;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
     }
 }

@@ -32,13 +32,6 @@ pub enum MetricKind {
     Histogram,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum LogLevel {
-    Info,
-    Warn,
-    Error,
-}
-
 /// Envoy as the filter sees it. Shared data (with compare-and-swap) is the
 /// [`SharedStore`] supertrait. Headers are read as text with non-UTF-8
 /// bytes replaced: a byte 0x80–0xFF from a client must never panic.
@@ -97,7 +90,6 @@ pub trait Host: SharedStore {
     fn now_ms(&self) -> u64 {
         self.now_ns() / 1_000_000
     }
-    fn log(&self, level: LogLevel, message: &str);
     /// An environment variable of the VM (Envoy passes them in
     /// `vm_config.environment_variables`; WASI environ in the wasm VM).
     fn env_var(&self, name: &str) -> Option<String> {
