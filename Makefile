@@ -132,11 +132,11 @@ check-build: build
 ## Everything it needs (the release builds, the test build, the installs)
 ## is a prerequisite, so make overlaps them. The integration tests are one
 ## binary (tests/tests/main.rs); its tests run TEST_THREADS at a time, each
-## with its own Envoy and upstreams on ephemeral ports. 2 here: on a 2-core
-## machine the suite took 1,120 s at 2 and 873 s at 4, but that 4-thread run
-## lacked the llama.cpp, guidellm and client tests (not installed), and
-## whether a CPU-bound real server stays within its tests' deadlines when
-## crowded is not yet measured.
+## with its own Envoy and upstreams on ephemeral ports. 2 here, one per core
+## of a 2-core machine (1,286 s for 297 tests on a fresh clone): most of a
+## test's CPU is Envoy compiling the filter's .wasm as it starts (about 7 CPU
+## seconds an Envoy, single-threaded), so more threads than cores only
+## crowd the CPU-bound llama.cpp server and the tests' deadlines.
 TEST_THREADS ?= 2
 .PHONY: test-build
 test: build check-build test-build clients browser third-party llamacpp
