@@ -31,6 +31,7 @@ mod hostile;
 mod identity;
 mod instructions;
 mod layers;
+mod limits_endpoint;
 mod llamacpp;
 mod model_names;
 mod native;

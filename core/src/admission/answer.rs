@@ -96,6 +96,8 @@ pub enum Reason {
     /// The request's input does not fit the model's `context_length` and
     /// the policy names no model to overflow to (OpenAI's code for it).
     ContextLengthExceeded,
+    /// Any method but `GET` at the caller's limits path.
+    MethodNotAllowed,
 }
 
 impl Reason {
@@ -127,6 +129,7 @@ impl Reason {
             Reason::QueueDeadline => "queue_deadline",
             Reason::UnknownEndpoint => "unknown_endpoint",
             Reason::ContextLengthExceeded => "context_length_exceeded",
+            Reason::MethodNotAllowed => "method_not_allowed",
         }
     }
 
@@ -166,6 +169,7 @@ impl Reason {
             Reason::InvalidRequest | Reason::ContextLengthExceeded => 400,
             Reason::Unauthenticated => 401,
             Reason::UnknownEndpoint => 404,
+            Reason::MethodNotAllowed => 405,
         }
     }
 
@@ -195,6 +199,7 @@ impl Reason {
             | Reason::InvalidRequest
             | Reason::Unauthenticated
             | Reason::UnknownEndpoint
+            | Reason::MethodNotAllowed
             | Reason::ContextLengthExceeded => "invalid_request_error",
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy

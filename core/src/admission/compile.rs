@@ -144,6 +144,7 @@ impl Engine {
         passthrough::check(&policy).map_err(|(path, why)| ConfigError::at(&path, why))?;
         super::declared::check(&policy).map_err(|(path, why)| ConfigError::at(&path, why))?;
         let engine = Engine::new(policy);
+        engine.check_limits_path()?;
         if let Some(fleet) = &engine.policy.fleet {
             let gates = crate::queue::Gates::new(&engine.policy);
             for (i, id) in fleet.local.iter().enumerate() {

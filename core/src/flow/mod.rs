@@ -312,6 +312,9 @@ mod flight;
 #[cfg(test)]
 mod ladder_tests;
 mod observe;
+mod own_limits;
+#[cfg(test)]
+mod own_limits_tests;
 mod phase;
 mod precheck;
 pub mod predefined;

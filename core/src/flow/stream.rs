@@ -142,6 +142,9 @@ impl Stream {
             Ok(identity) => identity,
             Err(refused) => return refused,
         };
+        if let Some(answered) = self.own_limits(host, &identity, &path) {
+            return answered;
+        }
         if let Some(verdict) = self.endpoint(host, &identity, path, work) {
             return self.finish(host, verdict);
         }
