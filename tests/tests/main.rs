@@ -47,6 +47,7 @@ mod pushback;
 mod queue;
 mod queue_fairness;
 mod ratelimit_headers;
+mod retry_signals;
 mod sidecar;
 mod sidecar_door;
 mod sidecar_faults;

@@ -379,6 +379,7 @@ impl Builder {
             meter: l.meter,
             soft: l.budget.is_some_and(|b| b.mode == Mode::Soft),
             alert_permille: l.budget.and_then(|b| b.alert_at_permille),
+            refuse_with: l.budget.map_or(429, |b| u32::from(b.refuse_with)),
             shares: None,
         });
         self.buckets.len() - 1

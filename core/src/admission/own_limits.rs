@@ -159,6 +159,7 @@ impl Engine {
             "reset_at": rfc3339(now_ms.saturating_add(reset_s.saturating_mul(1000))),
             "reset_seconds": reset_s,
             "hard": !b.soft,
+            "refuse_with": b.refuse_with,
         })
     }
 }

@@ -318,6 +318,8 @@ mod own_limits_tests;
 mod phase;
 mod precheck;
 pub mod predefined;
+#[cfg(test)]
+mod refuse_with_tests;
 mod response;
 mod root;
 mod steps;
