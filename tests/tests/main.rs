@@ -48,6 +48,7 @@ mod queue;
 mod queue_fairness;
 mod ratelimit_headers;
 mod retry_signals;
+mod server_timing;
 mod sidecar;
 mod sidecar_door;
 mod sidecar_faults;

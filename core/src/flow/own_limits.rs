@@ -42,7 +42,11 @@ impl Stream {
         // What it took stays taken (a read is a request); the figures are
         // read after it, so they include it.
         let body = engine.own_limits(host, identity, self.started_ms);
+        let timing = self.decision_timing(host, verdict.labels().decision);
         let mut headers: Vec<(&str, &str)> = admitted.response_headers.iter().collect();
+        if let Some(timing) = &timing {
+            headers.push((super::timing::SERVER_TIMING, timing));
+        }
         headers.push(("content-type", "application/json"));
         headers.push(("cache-control", "no-store"));
         host.send_reply(200, &headers, body.to_string().as_bytes());

@@ -52,6 +52,12 @@ pub struct RequestConfig {
     /// `admission/own_limits.rs`); `null` turns the endpoint off.
     #[serde(default = "default_limits_path")]
     pub limits_path: Option<String>,
+    /// Answers carry `Server-Timing: sluice;dur=<ms>` (the time from the
+    /// request's arrival to sluice's verdict), and the time is recorded in
+    /// `sluice_decision_microseconds`. Off by default: a clock read, a
+    /// histogram and a header per request.
+    #[serde(default)]
+    pub server_timing: bool,
 }
 
 impl Default for RequestConfig {
@@ -64,6 +70,7 @@ impl Default for RequestConfig {
             allow_background: false,
             max_waiting_body_bytes: default_max_waiting_body(),
             limits_path: default_limits_path(),
+            server_timing: false,
         }
     }
 }
