@@ -453,6 +453,7 @@ impl Engine {
             limit_text: bucket.rule.limit.describe(),
             now_ms,
             ietf: self.ietf_policy(bucket),
+            status: bucket.refuse_with,
         })
     }
 

@@ -96,6 +96,8 @@ pub enum Reason {
     /// The request's input does not fit the model's `context_length` and
     /// the policy names no model to overflow to (OpenAI's code for it).
     ContextLengthExceeded,
+    /// Any method but `GET` at the caller's limits path.
+    MethodNotAllowed,
 }
 
 impl Reason {
@@ -127,6 +129,7 @@ impl Reason {
             Reason::QueueDeadline => "queue_deadline",
             Reason::UnknownEndpoint => "unknown_endpoint",
             Reason::ContextLengthExceeded => "context_length_exceeded",
+            Reason::MethodNotAllowed => "method_not_allowed",
         }
     }
 
@@ -166,6 +169,7 @@ impl Reason {
             Reason::InvalidRequest | Reason::ContextLengthExceeded => 400,
             Reason::Unauthenticated => 401,
             Reason::UnknownEndpoint => 404,
+            Reason::MethodNotAllowed => 405,
         }
     }
 
@@ -195,6 +199,7 @@ impl Reason {
             | Reason::InvalidRequest
             | Reason::Unauthenticated
             | Reason::UnknownEndpoint
+            | Reason::MethodNotAllowed
             | Reason::ContextLengthExceeded => "invalid_request_error",
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
@@ -260,6 +265,9 @@ pub struct BucketRefusal {
     /// Its IETF `RateLimit-Policy` item when the policy turns them on
     /// (`request.rate_limit_headers.ietf`).
     pub ietf: Option<IetfPolicy>,
+    /// The status of its answer: 429, or the budget's `refuse_with`
+    /// (402, 403: see [`limited`]).
+    pub status: u32,
 }
 
 impl Refused {
@@ -309,7 +317,10 @@ impl Refused {
 
     /// The HTTP status its answer has.
     pub fn status(&self) -> u32 {
-        self.reason().status()
+        match self {
+            Refused::Bucket(b) => b.status,
+            _ => self.reason().status(),
+        }
     }
 
     /// The `Retry-After` its answer says, in milliseconds (whole seconds);
@@ -317,6 +328,8 @@ impl Refused {
     pub fn retry_after_ms(&self) -> Option<u64> {
         let secs = match self {
             Refused::Rejected { .. } => return None,
+            // A budget that refuses with 402/403 says no wait.
+            Refused::Bucket(b) if b.status != 429 => return None,
             Refused::RetryLater { retry_after_s, .. }
             | Refused::Unavailable { retry_after_s, .. } => *retry_after_s,
             Refused::Bucket(BucketRefusal { retry_after_ms, .. })
@@ -356,6 +369,7 @@ impl Refused {
                     rule: &b.rule,
                     limit_text: &b.limit_text,
                     ietf: b.ietf,
+                    status: b.status,
                 },
                 b.now_ms,
             ),
@@ -406,18 +420,41 @@ pub struct Limited<'a> {
     pub limit_text: &'a str,
     /// Its IETF `RateLimit-Policy` item, when the policy turns them on.
     pub ietf: Option<IetfPolicy>,
+    /// 429, or a budget's `refuse_with` (402, 403).
+    pub status: u32,
 }
 
-/// 429 for a bucket that does not fit.
 /// The longest `Retry-After` the OpenAI SDKs wait out before retrying.
 const SDK_MAX_RETRY_WAIT_S: u64 = 60;
 
+/// A bucket's refusal: 429 with `Retry-After` (the wait until the request
+/// fits: a rate bucket refilling is worth waiting for), or, for a budget
+/// that says `refuse_with: 402` or `403`, that status with
+/// `x-should-retry: false` and no `Retry-After` (the caller is told not
+/// to retry; when the budget comes back is in the body's `reset_at` and
+/// `X-RateLimit-Reset`).
+///
+/// What stops clients: the OpenAI and Anthropic SDKs (both generated,
+/// `_base_client.py` `_should_retry` in openai-python and
+/// anthropic-sdk-python) obey `x-should-retry: true|false` before any
+/// status, and otherwise retry 408, 409, 429 and 5xx (Anthropic's also
+/// 424), twice by default, waiting a `Retry-After` of up to 60 s (newer
+/// openai-python: up to 120 s, and no retry past it); LiteLLM's own
+/// `_should_retry` reads the status alone (408, 409, 429, 5xx), so the
+/// 402/403 is what stops it.
 pub fn limited(l: &Limited, now_ms: u64) -> Reply {
     let retry_after = ceil_secs(l.retry_after_ms).max(1);
-    let message = format!(
-        "Rate limit reached for {} ({}). Try again in {} s.",
-        l.bucket, l.limit_text, retry_after
-    );
+    let final_answer = l.status != 429;
+    let message = match final_answer {
+        false => format!(
+            "Rate limit reached for {} ({}). Try again in {} s.",
+            l.bucket, l.limit_text, retry_after
+        ),
+        true => format!(
+            "Budget spent: {} ({}). It comes back in {} s; retrying sooner will not help.",
+            l.bucket, l.limit_text, retry_after
+        ),
+    };
     let body = json!({"error": {
         "message": message,
         "type": l.reason.error_type(),
@@ -432,7 +469,10 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
             "bucket": l.rule,
         }
     }});
-    let mut headers = vec![("retry-after".to_string(), retry_after.to_string())];
+    let mut headers = Vec::with_capacity(6);
+    if !final_answer {
+        headers.push(("retry-after".to_string(), retry_after.to_string()));
+    }
     for (name, n) in rate_limit_headers(&l.quota, REQUEST_LIMIT_NAMES) {
         headers.push((name.to_string(), n.to_string()));
     }
@@ -441,12 +481,14 @@ pub fn limited(l: &Limited, now_ms: u64) -> Reply {
         // `Retry-After` no earlier than its end.
         headers.extend(ietf_headers(l.rule, item, &l.quota, retry_after));
     }
-    if retry_after > SDK_MAX_RETRY_WAIT_S {
-        // The OpenAI SDKs wait out a `Retry-After` of up to a minute; past
-        // that they would retry at once, into the same refusal.
+    if final_answer || retry_after > SDK_MAX_RETRY_WAIT_S {
+        // Past the SDKs' longest wait they would retry at once, into the
+        // same refusal.
         headers.push(("x-should-retry".into(), "false".into()));
     }
-    reply(l.reason, headers, &body)
+    let mut reply = reply(l.reason, headers, &body);
+    reply.status = l.status;
+    reply
 }
 
 /// 429 `capacity_exhausted`: every per-caller slot this caller could use
@@ -835,6 +877,7 @@ mod tests {
             rule: "tier/free/requests",
             limit_text: "10/min",
             ietf: None,
+            status: 429,
         };
         let r = limited(&l, 1_795_996_800_000);
         assert_eq!(r.header("RateLimit"), None, "off unless the policy says");
@@ -890,6 +933,7 @@ mod tests {
                 window_s: 60,
                 unit: None,
             }),
+            status: 429,
         };
         let r = limited(&l, 0);
         assert_eq!(r.header("retry-after"), Some("6"));
@@ -1010,6 +1054,7 @@ mod tests {
             limit_text: "10/min".into(),
             now_ms: 0,
             ietf: None,
+            status: 429,
         };
         for refused in [
             Refused::rejected(Reason::InvalidRequest, "no", Some("model")),
@@ -1037,6 +1082,44 @@ mod tests {
                 reply.header("x-sluice-reason"),
                 Some(refused.reason().code())
             );
+        }
+    }
+
+    /// A budget that refuses with 402/403: that status, `x-should-retry:
+    /// false`, no `Retry-After` (and no wait the queue could sleep on).
+    #[test]
+    fn a_budget_refusing_with_402_or_403_tells_clients_not_to_retry() {
+        for status in [402, 403] {
+            let bucket = BucketRefusal {
+                reason: Reason::DailyBudgetExceeded,
+                quota: Quota {
+                    limit: 100,
+                    remaining: 3,
+                    reset_ms: 3_600_000,
+                },
+                retry_after_ms: 3_600_000,
+                tier: "free".into(),
+                bucket: "tier free: daily tokens per caller".into(),
+                rule: "tier/free/daily_tokens".into(),
+                limit_text: "100 per day (UTC)".into(),
+                now_ms: 1_795_996_800_000,
+                ietf: None,
+                status,
+            };
+            let refused = Refused::Bucket(bucket);
+            assert_eq!(refused.status(), status);
+            assert_eq!(refused.retry_after_ms(), None);
+            let r = refused.render();
+            assert_eq!(r.status, status);
+            assert_eq!(r.header("retry-after"), None, "{r:?}");
+            assert_eq!(r.header("x-should-retry"), Some("false"));
+            assert_eq!(r.header("x-ratelimit-reset"), Some("3600"));
+            assert_eq!(r.header("x-sluice-reason"), Some("daily_budget_exceeded"));
+            let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(body["error"]["type"], "insufficient_quota");
+            assert_eq!(body["error"]["sluice"]["reset_at"], "2026-11-30T01:00:00Z");
+            let message = body["error"]["message"].as_str().unwrap();
+            assert!(message.contains("will not help"), "{message}");
         }
     }
 

@@ -62,6 +62,8 @@ pub(crate) struct Bucket {
     pub(crate) meter: Meter,
     pub(crate) soft: bool,
     pub(crate) alert_permille: Option<u32>,
+    /// The status a refusal by it answers (a budget's `refuse_with`).
+    pub(crate) refuse_with: u32,
     /// Fair shares of a shared bucket (models, routes; see `shares`).
     pub(crate) shares: Option<crate::limits::shares::ShareTable>,
 }

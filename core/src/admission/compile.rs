@@ -144,6 +144,7 @@ impl Engine {
         passthrough::check(&policy).map_err(|(path, why)| ConfigError::at(&path, why))?;
         super::declared::check(&policy).map_err(|(path, why)| ConfigError::at(&path, why))?;
         let engine = Engine::new(policy);
+        engine.check_limits_path()?;
         if let Some(fleet) = &engine.policy.fleet {
             let gates = crate::queue::Gates::new(&engine.policy);
             for (i, id) in fleet.local.iter().enumerate() {
@@ -378,6 +379,7 @@ impl Builder {
             meter: l.meter,
             soft: l.budget.is_some_and(|b| b.mode == Mode::Soft),
             alert_permille: l.budget.and_then(|b| b.alert_at_permille),
+            refuse_with: l.budget.map_or(429, |b| u32::from(b.refuse_with)),
             shares: None,
         });
         self.buckets.len() - 1

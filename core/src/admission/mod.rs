@@ -52,6 +52,7 @@ pub mod ladder;
 mod leased;
 mod named;
 pub mod no_body;
+mod own_limits;
 pub mod passthrough;
 pub mod penalty;
 pub(crate) mod pushback;

@@ -154,6 +154,10 @@ impl Stream {
         if let Some(admitted) = verdict.admitted() {
             headers.extend(admitted.response_headers.iter());
         }
+        let timing = self.decision_timing(host, verdict.labels().decision);
+        if let Some(timing) = &timing {
+            headers.push((super::timing::SERVER_TIMING, timing));
+        }
         headers.retain(|(_, v)| !v.is_empty());
         // The reply passes the response callbacks: nothing to store.
         self.cache_store = None;

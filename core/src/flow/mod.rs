@@ -265,6 +265,8 @@ pub struct Stream {
     status: u32,
     /// When the request arrived.
     started_ms: u64,
+    /// The same, in nanoseconds (the decision's time: `timing`).
+    arrived_ns: u64,
     /// SHA-256 of the response body, when the audit asks for it.
     response_hash: Option<sha2::Sha256>,
     /// Envoy's id of this stream, and the handle the root wakes it by.
@@ -309,15 +311,21 @@ mod flight;
 #[cfg(test)]
 mod ladder_tests;
 mod observe;
+mod own_limits;
+#[cfg(test)]
+mod own_limits_tests;
 mod phase;
 mod precheck;
 pub mod predefined;
+#[cfg(test)]
+mod refuse_with_tests;
 mod response;
 mod root;
 mod steps;
 mod stream;
 #[cfg(test)]
 mod tail_tests;
+mod timing;
 /// Which VM polls the sidecar (see `flow::POLLER_KEY`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PollLease {

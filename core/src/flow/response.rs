@@ -18,7 +18,10 @@ impl Stream {
             .upstream()
             .map(|up| std::mem::take(&mut up.response_headers));
         for (name, value) in headers.unwrap_or_default().iter() {
-            host.set_response_header(name, Some(value));
+            match name {
+                timing::SERVER_TIMING => self.add_server_timing(host, value),
+                _ => host.set_response_header(name, Some(value)),
+            }
         }
         self.cache_response_headers(host);
         if let Some(watch) = self.upstream().and_then(|up| up.watch.take()) {
@@ -198,7 +201,10 @@ impl Stream {
     }
 
     /// Applies a verdict: answer locally, or let the request go upstream.
-    pub(super) fn finish(&mut self, host: &dyn Host, verdict: Verdict) -> Action {
+    pub(super) fn finish(&mut self, host: &dyn Host, mut verdict: Verdict) -> Action {
+        if let Some(timing) = self.decision_timing(host, verdict.labels().decision) {
+            verdict.push_header(timing::SERVER_TIMING, &timing);
+        }
         self.phase = Phase::Answered;
         self.observe(host, &verdict);
         if verdict.is_admitted() && self.engine().policy.anomaly.is_some() {

@@ -74,6 +74,7 @@ impl Stream {
             phase: Phase::Undecided,
             status: 0,
             started_ms: 0,
+            arrived_ns: 0,
             response_hash: None,
             cache_looked: false,
             cache_store: None,
@@ -111,7 +112,10 @@ impl Stream {
     }
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
-        self.started_ms = host.now_ms();
+        // One clock read: the arrival, in ms for the decision, in ns for
+        // the decision's own time.
+        self.arrived_ns = host.now_ns();
+        self.started_ms = self.arrived_ns / 1_000_000;
         if self.strip_fallback_header(host) {
             // An attempt of this Envoy's own failover: admitted already.
             self.phase = Phase::Answered;
@@ -142,6 +146,9 @@ impl Stream {
             Ok(identity) => identity,
             Err(refused) => return refused,
         };
+        if let Some(answered) = self.own_limits(host, &identity, &path) {
+            return answered;
+        }
         if let Some(verdict) = self.endpoint(host, &identity, path, work) {
             return self.finish(host, verdict);
         }

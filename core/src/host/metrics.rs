@@ -189,6 +189,9 @@ pub const REFUSED_BEFORE_BODY: Metric = counter("sluice_refused_before_body_tota
 pub const TTFT_MS: Metric = histogram("sluice_ttft_milliseconds", &["model"]);
 /// Milliseconds to the end of the response, per model.
 pub const E2E_MS: Metric = histogram("sluice_e2e_milliseconds", &["model"]);
+/// Microseconds from a request's arrival to sluice's verdict, by decision
+/// (with `request.server_timing`: what `Server-Timing` says).
+pub const DECISION_US: Metric = histogram("sluice_decision_microseconds", &["decision"]);
 
 // ------------------------------------------------------------ the sidecar's state
 
@@ -345,6 +348,7 @@ pub const ALL: &[Metric] = &[
     QUEUE_DEPTH,
     INFLIGHT,
     QUEUE_WAIT_MS,
+    DECISION_US,
     QUEUE_OUTCOMES,
     QUEUE_RESUMED,
     FLEET_TAKES,

@@ -67,6 +67,7 @@ impl<'de> Deserialize<'de> for Budget {
             #[serde(default)]
             mode: Mode,
             alert_at: Option<serde_json::Value>,
+            refuse_with: Option<u16>,
         }
 
         impl<'de> Visitor<'de> for BudgetVisitor {
@@ -92,6 +93,7 @@ impl<'de> Deserialize<'de> for Budget {
                     limit,
                     mode: Mode::Hard,
                     alert_at_permille: None,
+                    refuse_with: REFUSE_WITH_DEFAULT,
                 })
             }
 
@@ -101,6 +103,7 @@ impl<'de> Deserialize<'de> for Budget {
                     limit,
                     mode: Mode::Hard,
                     alert_at_permille: None,
+                    refuse_with: REFUSE_WITH_DEFAULT,
                 })
             }
 
@@ -110,6 +113,7 @@ impl<'de> Deserialize<'de> for Budget {
                     limit: budget_amount(&full.limit)?,
                     mode: full.mode,
                     alert_at_permille: full.alert_at.as_ref().map(alert_permille).transpose()?,
+                    refuse_with: refuse_status(full.refuse_with, full.mode)?,
                 })
             }
         }
@@ -144,6 +148,24 @@ fn budget_amount<E: de::Error>(v: &serde_json::Value) -> Result<f64, E> {
             Err(E::custom("the limit must be greater than zero"))
         }
     })
+}
+
+/// A spent hard budget's status unless the policy says otherwise.
+pub const REFUSE_WITH_DEFAULT: u16 = 429;
+
+/// `refuse_with`: 429 (retry later), 402 or 403 (do not retry: the
+/// answer carries `x-should-retry: false`). Only a hard budget refuses.
+fn refuse_status<E: de::Error>(status: Option<u16>, mode: Mode) -> Result<u16, E> {
+    match (status, mode) {
+        (None, _) => Ok(REFUSE_WITH_DEFAULT),
+        (Some(402 | 403 | 429), Mode::Hard) => Ok(status.unwrap_or(REFUSE_WITH_DEFAULT)),
+        (Some(_), Mode::Soft) => Err(E::custom(
+            "refuse_with: a soft budget never refuses (it downshifts); remove refuse_with or make the budget hard",
+        )),
+        (Some(other), Mode::Hard) => Err(E::custom(format!(
+            "refuse_with: {other} is not one of 429 (retry later), 402 or 403 (do not retry)"
+        ))),
+    }
 }
 
 /// `alert_at`: `80%`, `0.8`, or a bare `80`.
@@ -258,4 +280,76 @@ pub struct Budget {
     pub mode: Mode,
     /// Alert when use crosses this fraction, in thousandths.
     pub alert_at_permille: Option<u32>,
+    /// The status a refusal by this budget answers (`refuse_with`: 429,
+    /// or 402/403 that tell clients not to retry).
+    pub refuse_with: u16,
+}
+
+/// `refuse_with` is a caller's budget's: a provider's budget skips its rung
+/// and the hourly ceiling answers 503, neither refuses with a budget's
+/// status, so writing it there is refused rather than ignored.
+pub(crate) fn check(p: &crate::policy::Policy) -> Result<(), crate::policy::ConfigError> {
+    let providers = p.providers.iter().flat_map(|(name, provider)| {
+        [
+            (
+                format!("providers.{name}.daily_spend"),
+                provider.daily_spend,
+            ),
+            (
+                format!("providers.{name}.monthly_spend"),
+                provider.monthly_spend,
+            ),
+        ]
+    });
+    let ceiling = p.anomaly.as_ref().map(|a| {
+        (
+            "anomaly.max_spend_per_hour".to_string(),
+            a.max_spend_per_hour,
+        )
+    });
+    for (path, budget) in providers.chain(ceiling) {
+        if budget.is_some_and(|b| b.refuse_with != REFUSE_WITH_DEFAULT) {
+            return Err(crate::policy::ConfigError::at(
+                format!("{path}.refuse_with"),
+                "only a tier's, team's or org's budget refuses callers with its own status",
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod refuse_with_tests {
+    use crate::policy::Policy;
+    use serde_json::{json, Value};
+
+    fn with_tier(budget: Value) -> Result<Policy, crate::policy::ConfigError> {
+        Policy::from_value(json!({
+            "default_tier": "t",
+            "tiers": {"t": {"requests": "10/min", "daily_tokens": budget}},
+        }))
+    }
+
+    #[test]
+    fn refuse_with_is_429_by_default_402_or_403_when_written_and_checked() {
+        let status = |p: Policy| p.tiers["t"].daily_tokens.map(|b| b.refuse_with);
+        assert_eq!(status(with_tier(json!(5000)).unwrap()), Some(429));
+        for s in [402, 403, 429] {
+            let p = with_tier(json!({"limit": 5000, "refuse_with": s})).unwrap();
+            assert_eq!(status(p), Some(s));
+        }
+        let err = with_tier(json!({"limit": 5000, "refuse_with": 418})).unwrap_err();
+        assert_eq!(err.path, "tiers.t.daily_tokens", "{err}");
+        assert!(err.message.contains("418"), "{err}");
+        let soft = json!({"limit": 5000, "mode": "soft", "refuse_with": 402});
+        let err = with_tier(soft).unwrap_err();
+        assert!(err.message.contains("soft budget never refuses"), "{err}");
+        let err = Policy::from_value(json!({
+            "default_tier": "t",
+            "tiers": {"t": {}},
+            "anomaly": {"max_spend_per_hour": {"limit": 5, "refuse_with": 402}},
+        }))
+        .unwrap_err();
+        assert_eq!(err.path, "anomaly.max_spend_per_hour.refuse_with", "{err}");
+    }
 }

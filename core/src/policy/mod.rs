@@ -269,6 +269,7 @@ impl Policy {
     fn check(&self) -> Result<(), ConfigError> {
         fleet::check(self)?;
         tiers::check(self)?;
+        limit::check(self)?;
         identity::check(self)?;
         routes::check(self)?;
         check_names(self)?;

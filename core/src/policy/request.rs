@@ -47,6 +47,17 @@ pub struct RequestConfig {
     /// past it is refused 429 `queue_full` instead.
     #[serde(default = "default_max_waiting_body", deserialize_with = "de_size")]
     pub max_waiting_body_bytes: u64,
+    /// The path where a caller reads its own limits and budgets (`GET`,
+    /// answered by sluice, never sent upstream; see
+    /// `admission/own_limits.rs`); `null` turns the endpoint off.
+    #[serde(default = "default_limits_path")]
+    pub limits_path: Option<String>,
+    /// Answers carry `Server-Timing: sluice;dur=<ms>` (the time from the
+    /// request's arrival to sluice's verdict), and the time is recorded in
+    /// `sluice_decision_microseconds`. Off by default: a clock read, a
+    /// histogram and a header per request.
+    #[serde(default)]
+    pub server_timing: bool,
 }
 
 impl Default for RequestConfig {
@@ -58,8 +69,17 @@ impl Default for RequestConfig {
             allow_stored_context: false,
             allow_background: false,
             max_waiting_body_bytes: default_max_waiting_body(),
+            limits_path: default_limits_path(),
+            server_timing: false,
         }
     }
+}
+
+/// Where a caller reads its own limits unless the policy says otherwise.
+pub const DEFAULT_LIMITS_PATH: &str = "/v1/sluice/limits";
+
+fn default_limits_path() -> Option<String> {
+    Some(DEFAULT_LIMITS_PATH.to_string())
 }
 
 /// 16 MiB: sixteen requests at the default body cap, a few hundred MB of
