@@ -46,6 +46,7 @@ mod pushback;
 mod queue;
 mod queue_fairness;
 mod ratelimit_headers;
+mod run_budgets;
 mod sidecar;
 mod sidecar_door;
 mod sidecar_faults;

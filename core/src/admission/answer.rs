@@ -96,6 +96,12 @@ pub enum Reason {
     /// The request's input does not fit the model's `context_length` and
     /// the policy names no model to overflow to (OpenAI's code for it).
     ContextLengthExceeded,
+    /// The run's own budget (`runs`) is spent.
+    RunBudgetExceeded,
+    /// Every run slot the caller may use holds a live run (`runs`).
+    RunLimit,
+    /// The same body from the same caller too often (`loop_guard`).
+    LoopDetected,
 }
 
 impl Reason {
@@ -127,6 +133,9 @@ impl Reason {
             Reason::QueueDeadline => "queue_deadline",
             Reason::UnknownEndpoint => "unknown_endpoint",
             Reason::ContextLengthExceeded => "context_length_exceeded",
+            Reason::RunBudgetExceeded => "run_budget_exceeded",
+            Reason::RunLimit => "run_limit",
+            Reason::LoopDetected => "loop_detected",
         }
     }
 
@@ -157,6 +166,9 @@ impl Reason {
             | Reason::TeamBudgetExceeded
             | Reason::OrgRateLimit
             | Reason::OrgBudgetExceeded
+            | Reason::RunBudgetExceeded
+            | Reason::RunLimit
+            | Reason::LoopDetected
             | Reason::TemporarilyBlocked => 429,
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
@@ -182,6 +194,8 @@ impl Reason {
             | Reason::QueueDeadline
             | Reason::TeamRateLimit
             | Reason::OrgRateLimit
+            | Reason::RunLimit
+            | Reason::LoopDetected
             | Reason::TemporarilyBlocked => "rate_limit_exceeded",
             // OpenAI's type for an exhausted plan (the SDKs retry any 429
             // whatever its type: `x-should-retry` is what stops them).
@@ -189,7 +203,8 @@ impl Reason {
             | Reason::MonthlyBudgetExceeded
             | Reason::SpendCapExceeded
             | Reason::TeamBudgetExceeded
-            | Reason::OrgBudgetExceeded => "insufficient_quota",
+            | Reason::OrgBudgetExceeded
+            | Reason::RunBudgetExceeded => "insufficient_quota",
             // OpenAI answers a bad key with this type, code invalid_api_key.
             Reason::RequestTooLarge
             | Reason::InvalidRequest

@@ -317,6 +317,7 @@ mod precheck;
 pub mod predefined;
 mod response;
 mod root;
+mod runs;
 mod steps;
 mod stream;
 #[cfg(test)]
