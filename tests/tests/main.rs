@@ -16,6 +16,7 @@ mod cache_ops;
 mod cache_tier;
 mod clients;
 mod config_reload;
+mod conformance;
 mod dcgm;
 mod declared_apis;
 mod deploy;
