@@ -4,7 +4,10 @@
 //! API (OpenAI chat, completions, embeddings, Responses; Anthropic
 //! messages; Ollama chat, generate, embed; a declared API), streamed and
 //! not where the API streams, the budget's remaining falls by exactly what
-//! the request settled.
+//! the request settled. A provider's spend budget applies only to a request
+//! its rung serves (the primary out); its row, for every API a provider
+//! speaks, is `core/src/admission/provider_tests.rs` (the declared API is
+//! the application's own: no provider serves it).
 //!
 //! How a budget's remaining is read: a probe whose input alone is larger
 //! than the budget is refused by it, and the refusal says what is left

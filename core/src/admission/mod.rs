@@ -68,6 +68,8 @@ mod multiplier_tests;
 #[cfg(test)]
 mod org_tests;
 #[cfg(test)]
+mod provider_tests;
+#[cfg(test)]
 mod runs_tests;
 #[cfg(test)]
 mod shares_tests;
