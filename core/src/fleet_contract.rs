@@ -30,13 +30,16 @@ pub struct FleetRuleDef {
 }
 
 /// The fleet buckets of a policy: every bucket it defines but the
-/// `fleet.local` ones; none without a `fleet` section.
+/// `fleet.local` ones and the run budgets (each Envoy counts its own
+/// runs: a run's record is placed by this Envoy's hash key); none without
+/// a `fleet` section.
 pub fn fleet_rules(policy: &Policy) -> Vec<FleetRuleDef> {
     let Some(config) = policy.fleet.as_ref() else {
         return Vec::new();
     };
     buckets(policy)
         .into_iter()
+        .filter(|d| d.rule.scope != Scope::PerRun)
         .filter(|d| !config.local.iter().any(|l| **l == *d.rule.id))
         .collect()
 }
@@ -177,6 +180,9 @@ fn buckets(policy: &Policy) -> Vec<FleetRuleDef> {
             );
         }
     }
+    for (what, limit, budget) in crate::limits::run_table::run_budgets(policy) {
+        add(format!("run/{what}"), limit, Scope::PerRun, Some(budget));
+    }
     out
 }
 
@@ -272,6 +278,7 @@ mod tests {
                 "daily_spend": 5, "monthly_spend": 50,
             }},
             "ladder": ["openai"],
+            "runs": {"id": {"header": "x-run"}, "ttl": "1h", "tokens": 900, "spend": 0.5},
         })
     }
 
@@ -287,7 +294,7 @@ mod tests {
         let contract = buckets(&policy);
         let spelled_here: Vec<String> = contract.iter().map(|d| spelled(&d.rule)).collect();
         let compiled: Vec<String> = engine.rules().iter().map(spelled).collect();
-        assert_eq!(spelled_here.len(), 21, "{spelled_here:#?}");
+        assert_eq!(spelled_here.len(), 23, "{spelled_here:#?}");
         assert_eq!(spelled_here, compiled);
         let soft: Vec<&str> = contract
             .iter()

@@ -16,6 +16,7 @@ pub(super) fn caller(identity: &Identity) -> Caller<'_> {
     Caller {
         hash: identity.hash,
         declared: identity.declared.then_some(identity.principal.as_str()),
+        run: identity.run.unwrap_or(0),
     }
 }
 
@@ -86,7 +87,7 @@ impl Sized {
 /// estimate, corrected, and so admit as many requests as before.
 pub(super) fn bounded(bucket: &Bucket) -> bool {
     !bucket.soft
-        && bucket.rule.limit.window.is_some()
+        && (bucket.rule.limit.window.is_some() || bucket.rule.scope == Scope::PerRun)
         && matches!(
             bucket.meter,
             Meter::Tokens | Meter::InputTokens | Meter::Spend
@@ -396,13 +397,16 @@ impl Engine {
                 retry_after_ms,
             } => {
                 let bucket = &self.buckets[taken[index]];
-
-                Refused::CapacityExhausted {
-                    retry_after_ms,
-                    tier: identity.tier.clone(),
-                    bucket: bucket.name.clone(),
-                    rule: bucket.rule.id.to_string(),
-                    now_ms,
+                if bucket.rule.scope == Scope::PerRun {
+                    self.run_limit(retry_after_ms)
+                } else {
+                    Refused::CapacityExhausted {
+                        retry_after_ms,
+                        tier: identity.tier.clone(),
+                        bucket: bucket.name.clone(),
+                        rule: bucket.rule.id.to_string(),
+                        now_ms,
+                    }
                 }
             }
             Refusal::Full { index, shortfall } => {

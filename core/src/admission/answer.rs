@@ -98,6 +98,12 @@ pub enum Reason {
     ContextLengthExceeded,
     /// Any method but `GET` at the caller's limits path.
     MethodNotAllowed,
+    /// The run's own budget (`runs`) is spent.
+    RunBudgetExceeded,
+    /// Every run slot the caller may use holds a live run (`runs`).
+    RunLimit,
+    /// The same body from the same caller too often (`loop_guard`).
+    LoopDetected,
 }
 
 impl Reason {
@@ -130,6 +136,9 @@ impl Reason {
             Reason::UnknownEndpoint => "unknown_endpoint",
             Reason::ContextLengthExceeded => "context_length_exceeded",
             Reason::MethodNotAllowed => "method_not_allowed",
+            Reason::RunBudgetExceeded => "run_budget_exceeded",
+            Reason::RunLimit => "run_limit",
+            Reason::LoopDetected => "loop_detected",
         }
     }
 
@@ -160,6 +169,9 @@ impl Reason {
             | Reason::TeamBudgetExceeded
             | Reason::OrgRateLimit
             | Reason::OrgBudgetExceeded
+            | Reason::RunBudgetExceeded
+            | Reason::RunLimit
+            | Reason::LoopDetected
             | Reason::TemporarilyBlocked => 429,
             Reason::GpuOverloaded
             | Reason::UpstreamUnhealthy
@@ -186,6 +198,8 @@ impl Reason {
             | Reason::QueueDeadline
             | Reason::TeamRateLimit
             | Reason::OrgRateLimit
+            | Reason::RunLimit
+            | Reason::LoopDetected
             | Reason::TemporarilyBlocked => "rate_limit_exceeded",
             // OpenAI's type for an exhausted plan (the SDKs retry any 429
             // whatever its type: `x-should-retry` is what stops them).
@@ -193,7 +207,8 @@ impl Reason {
             | Reason::MonthlyBudgetExceeded
             | Reason::SpendCapExceeded
             | Reason::TeamBudgetExceeded
-            | Reason::OrgBudgetExceeded => "insufficient_quota",
+            | Reason::OrgBudgetExceeded
+            | Reason::RunBudgetExceeded => "insufficient_quota",
             // OpenAI answers a bad key with this type, code invalid_api_key.
             Reason::RequestTooLarge
             | Reason::InvalidRequest

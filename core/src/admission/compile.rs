@@ -177,6 +177,7 @@ impl Engine {
         let passthrough = b.passthrough(&policy);
         let declared = super::declared::compile(&policy);
         let provider_buckets = b.providers(&policy);
+        let run_buckets = b.runs(&policy);
         let mut buckets = b.buckets;
         for (tier, list) in &tier_buckets {
             for &i in list {
@@ -202,6 +203,7 @@ impl Engine {
             model_buckets,
             route_buckets,
             provider_buckets,
+            run_buckets,
             passthrough,
             declared,
             penalty,
@@ -246,6 +248,7 @@ impl Engine {
             .collect();
         let mut created = prepare(store, &rules, &self.layout())?;
         created += self.prepare_provider_alerts(store)?;
+        created += self.prepare_loop_guard(store)?;
         match &self.penalty {
             Some(pb) => Ok(created + pb.prepare(store)?),
             None => Ok(created),
@@ -258,6 +261,7 @@ impl Engine {
             slots: s.principal_slots,
             sketch_width: s.sketch_width,
             hold_ms: s.slot_hold_ms,
+            runs: crate::limits::run_table::run_table(&self.policy),
         }
     }
 
@@ -305,6 +309,12 @@ impl Engine {
                     .iter()
                     .filter(|(prefix, _)| path.starts_with(prefix.as_str()))
                     .map(|(_, i)| *i),
+            )
+            .chain(
+                identity
+                    .run
+                    .iter()
+                    .flat_map(|_| self.run_buckets.iter().copied()),
             )
             .collect()
     }
@@ -551,6 +561,34 @@ impl Builder {
             out.insert(name.clone(), mine);
         }
         out
+    }
+
+    /// The budgets of each run (`runs`), taken after the caller's own and
+    /// before the provider's: one record per run of a caller.
+    fn runs(&mut self, policy: &Policy) -> Vec<usize> {
+        crate::limits::run_table::run_budgets(policy)
+            .into_iter()
+            .map(|(what, limit, budget)| {
+                let meter = match what {
+                    "spend" => Meter::Spend,
+                    _ => Meter::Tokens,
+                };
+                let l = TierLimit {
+                    what,
+                    limit,
+                    meter,
+                    reason: Reason::RunBudgetExceeded,
+                    budget: Some(budget),
+                };
+                self.add(
+                    format!("run/{what}"),
+                    format!("run: {what} per run"),
+                    Scope::PerRun,
+                    Reason::RunBudgetExceeded,
+                    &l,
+                )
+            })
+            .collect()
     }
 
     /// Each passthrough rule's own request limit, all callers together (a

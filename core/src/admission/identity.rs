@@ -65,6 +65,9 @@ pub struct Identity {
     /// claim or a trusted header names one the policy declares.
     pub team: Option<String>,
     pub org: Option<String>,
+    /// The request's run (`runs`): its id hashed with the principal under
+    /// the deployment's key; set once the body is read.
+    pub run: Option<u64>,
 }
 
 /// What a source says about the caller, before it is checked against the
@@ -382,6 +385,7 @@ impl Resolver {
             declared: false,
             team,
             org,
+            run: None,
         }
     }
 }

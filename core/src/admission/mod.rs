@@ -58,6 +58,7 @@ pub mod penalty;
 pub(crate) mod pushback;
 pub mod rewrite;
 pub mod route;
+pub mod runs;
 mod screen;
 pub mod settle;
 
@@ -67,6 +68,10 @@ mod ietf_tests;
 mod multiplier_tests;
 #[cfg(test)]
 mod org_tests;
+#[cfg(test)]
+mod provider_tests;
+#[cfg(test)]
+mod runs_tests;
 #[cfg(test)]
 mod shares_tests;
 
@@ -493,6 +498,8 @@ pub struct Engine {
     route_buckets: Vec<(String, usize)>,
     /// Each provider's spend budgets (see `ladder`).
     provider_buckets: HashMap<String, Vec<usize>>,
+    /// The budgets of each run (`runs`): taken when the request names one.
+    run_buckets: Vec<usize>,
     /// The policy's `passthrough` rules and the bucket of each.
     pub(crate) passthrough: Vec<(crate::admission::passthrough::Compiled, usize)>,
     /// The policy's `apis`, compiled (`Api::Declared` indexes them).

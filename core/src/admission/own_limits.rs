@@ -11,7 +11,9 @@
 //! sees; no bucket is per anyone else, so no other caller's name or count
 //! can be read here. A provider's budget is the operator's (a caller is
 //! never told it, as `admitted_headers` already keeps it from the budget
-//! alert), so it is left out.
+//! alert), so it is left out. A run's budgets (`runs`) show the run the
+//! request names in the run header, or, when it names none, what a new
+//! run starts with.
 //!
 //! Reading is a peek: nothing is reserved or written for the figures. The
 //! request itself is admitted like any bodyless request (its request
@@ -99,6 +101,9 @@ impl Engine {
         }
         indexes.extend(self.route_buckets.iter().map(|(_, i)| *i));
         indexes.extend(self.passthrough.iter().map(|(_, i)| *i));
+        // A run's budgets: the run the request names (its record), or what
+        // a new run starts with.
+        indexes.extend(self.run_buckets.iter().copied());
         let limits: Vec<Value> = indexes
             .into_iter()
             .filter(|&i| !self.is_provider_bucket(i))
@@ -111,6 +116,7 @@ impl Engine {
             "team": identity.team,
             "org": identity.org,
             "declared_key": identity.declared,
+            "run_named": identity.run.is_some(),
             "limits": limits,
             "models": self.policy.models.keys().collect::<Vec<_>>(),
             "unlisted_models": self.policy.unlisted_models.is_some(),
@@ -145,6 +151,7 @@ impl Engine {
         let scope = match b.rule.scope {
             Scope::PerPrincipal => "caller",
             Scope::Global => "shared",
+            Scope::PerRun => "run",
         };
         json!({
             "id": &*b.rule.id,

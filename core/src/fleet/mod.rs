@@ -438,7 +438,8 @@ impl Fleet {
             let share = Rule::new(format!("fleet-share/{}", rule.id), share_limit, rule.scope);
             let slots = match rule.scope {
                 Scope::Global => 1,
-                Scope::PerPrincipal => config.lease.slots,
+                // (Run budgets are never fleet rules: `fleet_rules`.)
+                Scope::PerPrincipal | Scope::PerRun => config.lease.slots,
             };
             for key in lease_table(&rule.id, slots).keys() {
                 lease_keys.push((rule.id.clone(), key));
@@ -522,6 +523,7 @@ impl Fleet {
             Scope::Global => GLOBAL_OWNER,
             // 0 and 1 mean "free" and "everyone".
             Scope::PerPrincipal => identity.hash.max(2),
+            Scope::PerRun => identity.run.unwrap_or(identity.hash).max(2),
         }
     }
 

@@ -667,6 +667,7 @@ fn answers_about_unknown_claims_degrade_instead_of_panicking() {
         declared: false,
         team: None,
         org: None,
+        run: None,
     };
     let refusal = |host: &MockHost| {
         let body = json!({"ok": false, "refused": 3, "left": [0]}).to_string();

@@ -321,6 +321,7 @@ pub mod predefined;
 mod refuse_with_tests;
 mod response;
 mod root;
+mod runs;
 mod steps;
 mod stream;
 #[cfg(test)]

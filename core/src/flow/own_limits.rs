@@ -41,7 +41,12 @@ impl Stream {
         };
         // What it took stays taken (a read is a request); the figures are
         // read after it, so they include it.
-        let body = engine.own_limits(host, identity, self.started_ms);
+        let run = engine.run_in_header(identity, &view);
+        let named = Identity {
+            run,
+            ..identity.clone()
+        };
+        let body = engine.own_limits(host, &named, self.started_ms);
         let timing = self.decision_timing(host, verdict.labels().decision);
         let mut headers: Vec<(&str, &str)> = admitted.response_headers.iter().collect();
         if let Some(timing) = &timing {

@@ -332,6 +332,10 @@ impl Stream {
             // An `/invocations` body's API, as its shape says.
             self.api = a.demand.api;
         }
+        let identity = match self.runs_and_loops(host, identity, asked.as_ref(), body) {
+            Ok(identity) => identity,
+            Err(action) => return action,
+        };
         // Admission time is arrival time (one clock read per request).
         let now = self.started_ms;
         let model = asked

@@ -212,6 +212,9 @@ pub const CAS_EXHAUSTED: Metric = counter("sluice_cas_exhausted_total", &[]);
 /// Requests refused 429 `capacity_exhausted`: every per-caller slot the
 /// caller could use was held by an active caller.
 pub const CAPACITY_EXHAUSTED: Metric = counter("sluice_capacity_exhausted_total", &[]);
+/// Requests the loop guard could not count: every record it probed held
+/// another body's live window (let through).
+pub const LOOP_GUARD_UNTRACKED: Metric = counter("sluice_loop_guard_untracked_total", &[]);
 /// Requests holding a token or spend reservation not yet settled.
 pub const RESERVATIONS_OUTSTANDING: Metric = gauge("sluice_reservations_outstanding", &[]);
 /// Settled cost, micro-currency.
@@ -325,6 +328,7 @@ pub const ALL: &[Metric] = &[
     CAS_RETRIES,
     CAS_EXHAUSTED,
     CAPACITY_EXHAUSTED,
+    LOOP_GUARD_UNTRACKED,
     RESERVATIONS_OUTSTANDING,
     SPEND_MICROS,
     USAGE_INVALID,

@@ -5,5 +5,7 @@ pub mod bucket;
 pub mod lease;
 pub mod record;
 pub mod reservation;
+pub mod run_table;
+pub mod runs;
 pub mod shares;
 pub mod slot_table;

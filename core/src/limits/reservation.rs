@@ -96,7 +96,7 @@ pub const PROBES: u32 = 8;
 pub const SKETCH_DEPTH: u32 = 4;
 const KEY_PREFIX: &str = "sluice:v1:";
 const RECORD_PREFIX: &str = "sluice:v1:rec:";
-const GLOBAL_OWNER: u64 = 1;
+pub(crate) const GLOBAL_OWNER: u64 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
@@ -104,6 +104,8 @@ pub enum Scope {
     PerPrincipal,
     /// One bucket for everyone (per model, per route).
     Global,
+    /// One bucket per run of a caller (`crate::limits::runs`).
+    PerRun,
 }
 
 /// One bucket definition of the policy. `id` is stable across reloads, so
@@ -155,6 +157,8 @@ pub struct Layout {
     pub sketch_width: u32,
     /// A budget slot untouched this long may go to another caller.
     pub hold_ms: u64,
+    /// The run table (`crate::limits::runs`); no slots without `runs`.
+    pub runs: crate::limits::run_table::RunTable,
 }
 
 /// Who takes: the principal's hash, and its name when the policy declares
@@ -163,6 +167,8 @@ pub struct Layout {
 pub struct Caller<'a> {
     pub hash: u64,
     pub declared: Option<&'a str>,
+    /// The caller's run, hashed with its identity (0: none).
+    pub run: u64,
 }
 
 impl Caller<'_> {
@@ -170,6 +176,7 @@ impl Caller<'_> {
         Caller {
             hash,
             declared: None,
+            run: 0,
         }
     }
 }
@@ -243,6 +250,9 @@ pub enum Placement {
     /// The scope's overflow record, for callers whose probed records are
     /// all in use: rates shared, budgets in the sketch only.
     Overflow,
+    /// A run's record (`crate::limits::runs`): never changes hands while
+    /// the run is live.
+    Run,
 }
 
 /// Units held in one bucket, enough to give them back later.
@@ -313,6 +323,11 @@ pub fn prepare(
         let scope = rule.record();
         match rule.scope {
             Scope::Global => keys.push((global_key(scope), &empty)),
+            Scope::PerRun => keys.extend(
+                crate::limits::run_table::table(&layout.runs)
+                    .keys()
+                    .map(|k| (k, &empty[..])),
+            ),
             Scope::PerPrincipal => {
                 keys.extend(slot_table(scope, layout).keys().map(|k| (k, &empty[..])));
                 keys.push((overflow_key(scope), &empty[..]));
@@ -379,12 +394,12 @@ fn column(principal: u64, row: u32, width: u32) -> u32 {
 }
 
 /// Where a scope's record lives right now, and what it holds.
-struct Located {
-    key: Arc<str>,
-    bundle: Bundle,
-    cas: u32,
-    owner: u64,
-    placement: Placement,
+pub(crate) struct Located {
+    pub(crate) key: Arc<str>,
+    pub(crate) bundle: Bundle,
+    pub(crate) cas: u32,
+    pub(crate) owner: u64,
+    pub(crate) placement: Placement,
 }
 
 /// What one record's take gave each of its claims: the claim's index, what
@@ -510,6 +525,7 @@ impl Reserver<'_> {
         };
         match first.placement {
             Placement::Hashed => {}
+            Placement::Run => return self.settle_run(group, now_ms, effort),
             // The overflow's budgets live in the sketch alone; its shared
             // rates are settled in place like any record's.
             Placement::Overflow => {
@@ -629,7 +645,7 @@ impl Reserver<'_> {
 
     /// [`store::update`] on a prepared key: a missing key (not prepared,
     /// so not ours to create on the hot path) is left alone.
-    fn update(
+    pub(crate) fn update(
         &self,
         key: &str,
         tries: u32,
@@ -654,7 +670,7 @@ impl Reserver<'_> {
                 caller.hash.max(GLOBAL_OWNER + 1),
                 Placement::Dedicated,
             )),
-            (Scope::PerPrincipal, None) => None,
+            (Scope::PerPrincipal, None) | (Scope::PerRun, _) => None,
         }
     }
 
@@ -699,7 +715,7 @@ impl Reserver<'_> {
             }
             (_, Some(bytes)) => Kept::decode(bytes).state(at.owner),
             (Placement::Hashed, None) => self.seed_rule(&rule.id, &rule.limit, at.owner, now_ms),
-            (Placement::Dedicated | Placement::Overflow, None) => BucketState {
+            (Placement::Dedicated | Placement::Overflow | Placement::Run, None) => BucketState {
                 owner: at.owner,
                 ..BucketState::default()
             },
@@ -849,7 +865,7 @@ impl Reserver<'_> {
             }
             let state = self.current(at, c.rule, now_ms);
             let shared_rate = at.placement == Placement::Overflow && limit.window.is_none();
-            let (next, over) = match state.take(c.amount, limit, now_ms) {
+            let (next, over) = match self.take_in(at.placement, state, c, now_ms) {
                 Ok(next) => (next, false),
                 Err(_) if c.soft => (state.charge(c.amount, limit, now_ms), true),
                 // The overflow's rate is everyone's there: not this
@@ -880,7 +896,7 @@ impl Reserver<'_> {
                 at.bundle
                     .put_with(id, |w| Kept::of(next, limit, now_ms).write(w));
             }
-            let mut quota = next.quota(limit, now_ms);
+            let mut quota = self.run_reset(at.placement, next.quota(limit, now_ms));
             // The leased units are still this caller's to use.
             quota.remaining = quota.remaining.saturating_add(extra);
             quotas.push((quota, over, extra));
@@ -889,7 +905,7 @@ impl Reserver<'_> {
             Placement::Overflow => GLOBAL_OWNER,
             _ => at.owner,
         };
-        if at.placement == Placement::Hashed {
+        if matches!(at.placement, Placement::Hashed | Placement::Run) {
             at.bundle.touched_ms = now_ms;
         }
         (Ok(quotas), None)
@@ -910,6 +926,9 @@ impl Reserver<'_> {
                 owner: GLOBAL_OWNER,
                 placement: Placement::Global,
             });
+        }
+        if rule.scope == Scope::PerRun {
+            return self.locate_run(caller, now_ms);
         }
         self.locate_caller(rule.record(), caller, now_ms)
     }
@@ -1140,7 +1159,7 @@ enum TakeError {
 
 /// The charges of `group` a failed write lost (give-backs lost only
 /// over-count, the safe side).
-fn lost_charges(group: &[(&Held, u64)], written: Updated) -> u32 {
+pub(crate) fn lost_charges(group: &[(&Held, u64)], written: Updated) -> u32 {
     let lost = matches!(written, Updated::Exhausted | Updated::Failed);
     group
         .iter()
@@ -1261,7 +1280,7 @@ fn lease_pool(pool: Pool, next: Pool, quota: Quota, c: &Claim, now_ms: u64) -> (
 /// Replaces what `h` reserved with `actual` in its record: gives back the
 /// difference or charges it. A per-caller bucket missing from the record
 /// starts from `seed` (a hashed record: the sketch), else empty.
-fn apply_settlement(
+pub(crate) fn apply_settlement(
     bundle: &mut Bundle,
     h: &Held,
     actual: u64,
@@ -1342,6 +1361,7 @@ mod tests {
             slots,
             sketch_width: 64,
             hold_ms: 60_000,
+            runs: Default::default(),
         }
     }
 
@@ -1439,6 +1459,7 @@ mod tests {
         let caller = Caller {
             hash: 5,
             declared: Some("key:a"),
+            run: 0,
         };
         let mut e = Contention::default();
         let res = r.reserve(&claims, caller, 0, &mut e).unwrap();
@@ -1714,6 +1735,7 @@ mod tests {
         let declared = Caller {
             hash: 99,
             declared: Some("key:d"),
+            run: 0,
         };
         let mut e = Contention::default();
         assert!(r.reserve(&c, by(7), 0, &mut e).is_ok());
@@ -1837,7 +1859,7 @@ mod tests {
             prepare(&store, &plain(std::slice::from_ref(&budget)), &layout(2)).unwrap();
             let r = Reserver {
                 store: &store,
-                layout: Layout { slots: 2, sketch_width: 64, hold_ms: 1_000 },
+                layout: Layout { slots: 2, sketch_width: 64, hold_ms: 1_000, runs: Default::default() },
                 tries: Tries::new(8),
             };
             let mut now = 0u64;

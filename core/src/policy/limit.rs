@@ -49,6 +49,8 @@ impl Limit {
     /// As written in a policy: `10/min`, `5000 per day (UTC)`.
     pub fn describe(&self) -> String {
         match self.window {
+            // A run's budget (`crate::limits::run_table::run_limit`): no refill.
+            None if self.rate.period_ms == u64::MAX => format!("{} per run", self.burst),
             None => self.rate.to_string(),
             Some(Window::Day(z)) => format!("{} per day ({})", self.burst, z.name()),
             Some(Window::Month(z)) => format!("{} per month ({})", self.burst, z.name()),

@@ -29,6 +29,7 @@ pub mod providers;
 pub mod queue;
 pub mod request;
 pub mod routes;
+pub mod runs;
 pub mod shares;
 pub mod sidecar;
 pub mod state;
@@ -162,6 +163,10 @@ pub struct Policy {
     /// built-in APIs (see `apis`).
     #[serde(default)]
     pub apis: Vec<crate::policy::apis::DeclaredApi>,
+    /// A budget per session or agent run (see `runs`).
+    pub runs: Option<crate::policy::runs::RunsConfig>,
+    /// The same body from the same caller too often (see `runs`).
+    pub loop_guard: Option<crate::policy::runs::LoopGuardConfig>,
 }
 
 pub(crate) fn default_true() -> bool {
@@ -285,6 +290,7 @@ impl Policy {
         state::check(self)?;
         shares::check(self)?;
         apis::check(self)?;
+        runs::check(self)?;
         queue::check(self)
     }
 }

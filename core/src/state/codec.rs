@@ -24,6 +24,7 @@
 //! | `Blocks` ([`penalty`](crate::admission::penalty)) | 8 × 32 | 8 × `Block` |
 //! | [`UsageRing`](crate::usage::anomaly::UsageRing) | 16 + 60 × 16 | newest, surge_flagged, tokens[60], spend[60] |
 //! | [`Correction`](crate::usage::estimate::Correction) | 4 | thousandths (clamped on read) |
+//! | `LoopRecord` ([`runs`](crate::admission::runs)) | 20 | fingerprint, window_start, count (u32) |
 //! | [`PollLease`](crate::flow::PollLease) | 16 | owner, expires_ms (by prefix) |
 //! | `FleetLease` ([`fleet`](crate::fleet)) | 48 | owner, window_end, balance (i64), expires_ms, last_ms, grant (by prefix) |
 //! | `Status` ([`fleet`](crate::fleet)) | 17 | down (u8), retry_at_ms, lost_at_ms (by prefix) |
@@ -302,6 +303,11 @@ mod tests {
                 budget: true,
             }),
             both(SketchCell { window: 1, used: 2 }),
+            both(crate::admission::runs::LoopRecord {
+                print: 1,
+                window_start: 2,
+                count: 3,
+            }),
             both(RouteHealth {
                 failures: 3,
                 ..RouteHealth::default()
