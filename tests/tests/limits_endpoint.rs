@@ -126,8 +126,26 @@ fn unknown_keys_other_methods_and_an_exhausted_bucket_are_refused_locally() {
     for i in 0..10 {
         let resp = limits(&stack, "demo-free-key");
         assert_eq!(resp.status, 200, "read {i}: {resp:?}");
-        assert_eq!(remaining(&resp.json(), "tier/free/requests"), 9 - i);
+        let body = resp.json();
+        assert_eq!(remaining(&body, "tier/free/requests"), 9 - i);
+        // A declared key is outside its tier's anonymous total.
+        assert!(!body.to_string().contains("anonymous"), "{body}");
     }
+    // A caller without a key (its address): its own count, and the total
+    // of all undeclared callers it is part of, shown as shared.
+    let anonymous = get(&stack.envoy.url("/v1/sluice/limits"), &[]).json();
+    assert_eq!(anonymous["declared_key"], false, "{anonymous}");
+    assert_eq!(entry(&anonymous, "tier/free/requests")["scope"], "caller");
+    assert_eq!(
+        remaining(&anonymous, "tier/free/requests"),
+        9,
+        "{anonymous}"
+    );
+    let total = entry(&anonymous, "tier/free/anonymous/requests");
+    assert_eq!(
+        (&total["scope"], &total["limit"]),
+        (&"shared".into(), &600.into())
+    );
     let refused = limits(&stack, "demo-free-key");
     assert_eq!(refused.status, 429, "{refused:?}");
     assert_eq!(refused.header("x-sluice-reason"), Some("user_rate_limit"));
