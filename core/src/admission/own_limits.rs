@@ -134,7 +134,13 @@ impl Engine {
         let b = &self.buckets[i];
         let claim = Claim::hard(&b.rule, 1);
         let q = reserver.peek(&claim, admit::caller(identity), now_ms);
-        let reset_s = q.reset_ms.div_ceil(1000);
+        // A run's budget comes back whole once the run goes unused for
+        // its `ttl` (`limits/run_table.rs`): at the latest, ttl from now.
+        let reset_ms = match b.rule.scope {
+            Scope::PerRun => self.policy.runs.as_ref().map_or(0, |r| r.ttl_ms),
+            _ => q.reset_ms,
+        };
+        let reset_s = reset_ms.div_ceil(1000);
         let (unit, amount): (&str, fn(u64) -> Value) = match b.meter {
             Meter::Requests => ("requests", |n| json!(n)),
             Meter::Tokens => ("tokens", |n| json!(n)),
@@ -144,6 +150,7 @@ impl Engine {
             Meter::Spend => ("currency", |n| json!(n as f64 / 1e6)),
         };
         let kind = match b.rule.limit.window {
+            None if b.rule.scope == Scope::PerRun => "run",
             None => "rate",
             Some(Window::Day(_)) => "daily",
             Some(Window::Month(_)) => "monthly",

@@ -283,6 +283,8 @@ fn the_limits_endpoint_shows_the_named_runs_budget_or_a_new_runs() {
     let (named, entry) = run_entry(&a);
     assert_eq!(named, json!(true));
     assert_eq!(entry["limit"], json!(1000));
+    assert_eq!(entry["kind"], json!("run"));
+    assert_eq!(entry["reset_seconds"], json!(60));
     let left = entry["remaining"].as_u64().unwrap();
     assert!(left <= 600, "{entry}");
     // No run named, or another caller's run of the same name: a new run's.
