@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value as Json};
-use sluice_tests::{post_json, wait_for, EnvoyConfig, Response, Stack};
+use sluice_tests::{get, post_json, wait_for, EnvoyConfig, Response, Stack};
 
 const FREE: &str = "demo-free-key";
 const PRO: &str = "demo-pro-key";
@@ -87,6 +87,22 @@ fn a_run_budget_binds_beside_the_daily_one_and_is_the_callers_own() {
     assert_eq!(error["sluice"]["bucket"], "run/tokens", "{error}");
     assert_eq!(error["type"], "insufficient_quota", "{error}");
     assert!(refused.header("retry-after").is_some());
+    // The limits endpoint shows the run the caller names, spent, and what
+    // a new run starts with when it names none.
+    let run_left = |run: Option<&str>| {
+        let mut headers = vec![("x-api-key", PRO)];
+        headers.extend(run.map(|r| ("x-session-id", r)));
+        let body = get(&stack.envoy.url("/v1/sluice/limits"), &headers).json();
+        let entry = body["limits"]
+            .as_array()
+            .and_then(|l| l.iter().find(|e| e["id"] == "run/tokens").cloned())
+            .unwrap_or_else(|| panic!("no run/tokens entry: {body}"));
+        assert_eq!(entry["kind"], "run", "{entry}");
+        assert_eq!(body["run_named"], run.is_some(), "{body}");
+        entry["remaining"].as_u64().expect("remaining")
+    };
+    assert!(run_left(Some("r1")) < 150);
+    assert_eq!(run_left(None), 150);
     // A new run of the same caller starts with the whole run budget.
     assert_eq!(call(&stack, PRO, Some("r2"), &chat("r2")).status, 200);
     // Another caller naming the same run id does not share it.
