@@ -174,8 +174,14 @@ pub const DEGRADED: Metric = counter("sluice_degraded_total", &["kind", "tier", 
 /// `cache.lookup_timeout`: a miss) or refused (a hit its caller's buckets
 /// refused); `kind` exact or semantic.
 pub const CACHE: Metric = counter("sluice_cache_total", &["result", "kind", "model"]);
-/// Tokens (prompt + completion) of the answers served from the cache.
-pub const CACHE_SAVED_TOKENS: Metric = counter("sluice_cache_saved_tokens_total", &["model"]);
+/// Tokens (prompt + completion) of the answers served from the cache, by
+/// the caller's tier and the model: what the upstream was not asked for.
+pub const CACHE_SAVED_TOKENS: Metric =
+    counter("sluice_cache_saved_tokens_total", &["tier", "model"]);
+/// What the answers served from the cache cost when they were first
+/// asked (at the model's price), micro-currency: the spend a hit saved.
+pub const CACHE_SAVED_SPEND: Metric =
+    counter("sluice_cache_saved_spend_micros_total", &["tier", "model"]);
 /// Requests refused 401 by identity, by why (`identity::AuthRefusal::code`).
 pub const AUTH_FAILURES: Metric = counter("sluice_auth_failures_total", &["reason"]);
 /// Body requests refused in the headers phase by their caller's own empty
@@ -358,6 +364,7 @@ pub const ALL: &[Metric] = &[
     FLEET_DATA_LOST,
     CACHE,
     CACHE_SAVED_TOKENS,
+    CACHE_SAVED_SPEND,
 ];
 
 /// Defines at 0 every stat of the table without labels (histograms are
