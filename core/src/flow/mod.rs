@@ -311,6 +311,7 @@ pub(crate) mod fleet_slots;
 mod flight;
 #[cfg(test)]
 mod ladder_tests;
+mod money;
 mod observe;
 mod phase;
 mod precheck;

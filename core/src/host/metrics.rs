@@ -219,6 +219,20 @@ pub const CAPACITY_EXHAUSTED: Metric = counter("sluice_capacity_exhausted_total"
 pub const RESERVATIONS_OUTSTANDING: Metric = gauge("sluice_reservations_outstanding", &[]);
 /// Settled cost, micro-currency.
 pub const SPEND_MICROS: Metric = counter("sluice_spend_micros_total", &[]);
+/// Settled cost by the caller's tier, micro-currency (the tier is one of
+/// the policy's: an unknown one is the default).
+pub const TIER_SPEND: Metric = counter("sluice_tier_spend_micros_total", &["tier"]);
+/// Settled cost of callers in a team or an org (`none` for the level they
+/// lack), micro-currency. Bounded: teams and orgs are declared.
+pub const TEAM_SPEND: Metric = counter("sluice_team_spend_micros_total", &["team", "org"]);
+/// The policy's spend budgets, micro-currency, set when it loads; `kind`
+/// is the window, `daily` or `monthly`. A tier's is per caller; a team's,
+/// an org's and a provider's count all of it together.
+pub const TIER_SPEND_BUDGET: Metric = gauge("sluice_tier_spend_budget_micros", &["tier", "kind"]);
+pub const TEAM_SPEND_BUDGET: Metric = gauge("sluice_team_spend_budget_micros", &["team", "kind"]);
+pub const ORG_SPEND_BUDGET: Metric = gauge("sluice_org_spend_budget_micros", &["org", "kind"]);
+pub const PROVIDER_SPEND_BUDGET: Metric =
+    gauge("sluice_provider_spend_budget_micros", &["provider", "kind"]);
 /// Responses whose usage fields could not be believed (settled from the
 /// estimate).
 pub const USAGE_INVALID: Metric = counter("sluice_usage_invalid_total", &[]);
@@ -330,6 +344,12 @@ pub const ALL: &[Metric] = &[
     CAPACITY_EXHAUSTED,
     RESERVATIONS_OUTSTANDING,
     SPEND_MICROS,
+    TIER_SPEND,
+    TEAM_SPEND,
+    TIER_SPEND_BUDGET,
+    TEAM_SPEND_BUDGET,
+    ORG_SPEND_BUDGET,
+    PROVIDER_SPEND_BUDGET,
     USAGE_INVALID,
     USAGE_MISSING,
     INPUT_SOURCE,
