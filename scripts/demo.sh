@@ -84,6 +84,7 @@ envoy_admin:
   url: http://127.0.0.1:9901
   scrape_every: 2s
   rungs: { openai: llm_fallback }
+  audit_log: target/demo/audit.jsonl   # the day's top spenders on the operator page
 cache:
   embeddings: { url: "http://127.0.0.1:8000/v1/embeddings", model: mock-embed, timeout: 2s }
   secret_env: SLUICE_CACHE_SECRET

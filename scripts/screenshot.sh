@@ -53,13 +53,14 @@ for step in $(seq 1 40); do
   chat demo-enterprise-key mistral:7b
   chat demo-free-key llama3.1:8b
   chat demo-pro-key llama3.1:70b
+  chat demo-search-key-1 llama3.1:70b
   sleep 2
 done
-# The page's charts and per-tier counts refresh every 5 s and 10 s.
+# The page's charts, per-tier counts and money refresh every 5 s and 10 s.
 sleep 12
 
 # --virtual-time-budget lets the page's script fetch /v1/history and draw.
 "$chromium" --headless --no-sandbox --disable-gpu --hide-scrollbars \
-  --window-size=1280,1500 --virtual-time-budget=8000 \
+  --window-size=1280,2400 --virtual-time-budget=8000 \
   --screenshot="$out" http://127.0.0.1:9911/ >"$logs/screenshot-chromium.log" 2>&1
 echo "screenshot: wrote $out"

@@ -283,6 +283,75 @@ function renderCache(h) {
   $("#cache tbody").replaceChildren(row);
 }
 
+// ---- money ------------------------------------------------------------------
+
+function money(micros) {
+  if (micros === null || micros === undefined || !isFinite(micros)) return "—";
+  return (Number(micros) / 1e6).toFixed(micros !== 0 && Math.abs(micros) < 10000 ? 6 : 2);
+}
+
+function runOut(r) {
+  switch (r && r.state) {
+    case "at": return fmtTime(r.at);
+    case "spent": return "spent";
+    case "never": return "not at this rate (nothing burning)";
+    case "after_reset": return "not before the reset";
+    case "unknown": return "not known yet (under a minute seen)";
+    default: return "—";
+  }
+}
+
+function burn(v) {
+  return v === null || v === undefined ? "—" : money(v) + " / h";
+}
+
+function used(row) {
+  const b = row.daily_budget_micros;
+  if (!b) return "—";
+  return num(100 * row.spent_today_micros / b, 1) + " %" + (row.per_caller ? " of one caller's" : "");
+}
+
+function emptyRow(cols, text) {
+  return el("tr", {}, el("td", { colspan: String(cols), class: "muted" }, text));
+}
+
+function renderMoney(h) {
+  const m = h.money;
+  const note = $("#money-note");
+  if (!m || !m.enabled) {
+    note.textContent = "Not configured: give the sidecar envoy_admin.url (or --envoy-admin) to read spend and budgets from Envoy's stats.";
+    for (const id of ["#budgets", "#rungs", "#spenders", "#saved"]) $(id + " tbody").replaceChildren();
+    return;
+  }
+  note.textContent = "Counted since " + fmtTime(m.since) + " · resets " + fmtTime(m.resets_at) + " · last read " + fmtTime(m.last_scrape);
+  note.className = "muted";
+  const levels = m.levels.map(r => el("tr", { class: "budget " + r.run_out.state, "data-level": r.level, "data-name": r.name },
+    el("td", {}, r.level), el("td", {}, r.name), el("td", { class: "spent" }, money(r.spent_today_micros)),
+    el("td", {}, r.daily_budget_micros === null ? "—" : money(r.daily_budget_micros) + (r.per_caller ? " per caller" : "")),
+    el("td", {}, used(r)), el("td", {}, burn(r.burn_per_hour_micros)), el("td", { class: "run-out" }, runOut(r.run_out))));
+  if (!levels.length) levels.push(emptyRow(7, "No spend or budget in Envoy's stats yet."));
+  $("#budgets tbody").replaceChildren(...levels);
+  const rungs = m.rungs.map(r => el("tr", { class: String(r.state), "data-provider": r.name },
+    el("td", {}, r.name), el("td", { class: "state", title: r.reason || "" }, String(r.state)),
+    el("td", { class: "spent" }, money(r.spent_today_micros)), el("td", {}, money(r.daily_budget_micros)),
+    el("td", {}, burn(r.burn_per_hour_micros)), el("td", { class: "run-out" }, runOut(r.run_out))));
+  if (!rungs.length) rungs.push(emptyRow(6, "No rung watched (envoy_admin.rungs)."));
+  $("#rungs tbody").replaceChildren(...rungs);
+  const top = m.top_spenders || { enabled: false, rows: [] };
+  const spenders = (top.rows || []).map(r => el("tr", { class: "spender", "data-principal": r.principal },
+    el("td", { class: "principal" }, r.principal), el("td", {}, r.tier || "—"),
+    el("td", { class: "spent" }, money(r.spent_today_micros)),
+    el("td", {}, r.daily_budget_micros === null ? "—" : money(r.daily_budget_micros)),
+    el("td", {}, burn(r.burn_per_hour_micros)), el("td", { class: "run-out" }, runOut(r.run_out))));
+  if (!spenders.length) spenders.push(emptyRow(6, top.enabled ? "No spend in the audit log today." : "Not configured: give the sidecar envoy_admin.audit_log (the audit access log's path)."));
+  $("#spenders tbody").replaceChildren(...spenders);
+  const saved = m.saved.map(r => el("tr", { class: "saved", "data-tier": r.tier, "data-model": r.model },
+    el("td", {}, r.tier), el("td", {}, r.model), el("td", { class: "tokens" }, num(r.tokens)),
+    el("td", { class: "spend" }, money(r.spend_micros))));
+  if (!saved.length) saved.push(emptyRow(4, "No cache hit counted by Envoy."));
+  $("#saved tbody").replaceChildren(...saved);
+}
+
 // ---- the loop ------------------------------------------------------------
 
 async function refresh() {
@@ -299,6 +368,7 @@ async function refresh() {
     renderTimeline(h);
     renderTraffic(h);
     renderCache(h);
+    renderMoney(h);
     const st = $("#status");
     st.textContent = "State version " + h.state.version + " · updated " + fmtTime(h.state.updated_at) +
       " · read " + fmtTime(h.now) + (h.state.stale ? " · some data is STALE" : "");

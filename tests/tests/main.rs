@@ -14,6 +14,7 @@ mod bounded;
 mod cache;
 mod cache_ops;
 mod cache_tier;
+mod cache_worth;
 mod clients;
 mod config_reload;
 mod conformance;

@@ -783,6 +783,8 @@ fn every_metric_of_the_rules_and_the_dashboard_is_exported() {
         &["cache"],
         "{salt: observability-cache-salt-0123456789, in_envoy: {slots: 0}, models: {\"mistral:7b\": {exact: true}}}",
     );
+    // A team's spend budget: the money panels set spend against it.
+    set(&mut cfg, &["teams", "search", "daily_spend"], "10.00");
     let envoy = sluice_tests::Envoy::start(&cfg, 2);
     let stack = Stack {
         envoy,

@@ -302,3 +302,186 @@ fn operator_page_in_headless_chromium() {
         text("#ks-result")
     );
 }
+
+/// Micro-currency as the page writes it (`money()` in page.js).
+fn shown(micros: f64) -> String {
+    let digits = if micros != 0.0 && micros.abs() < 10_000.0 {
+        6
+    } else {
+        2
+    };
+    format!("{:.*}", digits, micros / 1e6)
+}
+
+/// The page's Money section: spend today per tier, team, org and provider
+/// against their budgets, the rungs with state and spend, the top
+/// spenders (hashed principals from the audit log, never a key) and what
+/// the cache saved, each as `/v1/history` says and drawn in Chromium.
+#[test]
+fn money_on_the_operator_page_in_headless_chromium() {
+    let Some(browser) = Browser::start() else {
+        return;
+    };
+    let stack = Stack::start(|cfg| {
+        let policy = cfg.policy_mut();
+        policy["models"][MODEL] =
+            serde_yaml::from_str("{price: {input: \"10\", output: \"30\"}}").unwrap();
+        policy["tiers"]["pro"]["daily_spend"] = serde_yaml::from_str("\"0.05\"").unwrap();
+        policy["cache"] = serde_yaml::from_str(
+            "{salt: money-page-salt-0123456789, models: {\"llama3.1:8b\": {exact: true}}}",
+        )
+        .unwrap();
+    });
+    let dir = tempfile::tempdir().expect("temp dir");
+    let audit = stack.envoy.dir().join("audit.jsonl");
+    let config = format!(
+        "sources: {{ gpu: simulated }}\n\
+         envoy_admin: {{ url: \"{}\", scrape_every: 100ms, rungs: {{ openai: llm_fallback }}, \
+         audit_log: \"{}\" }}\n",
+        stack.envoy.admin_url(""),
+        audit.display()
+    );
+    fs::write(dir.path().join("sidecar.yaml"), config).expect("config");
+    let sc = Sidecar::start_with_args(&[
+        "--config",
+        &dir.path().join("sidecar.yaml").display().to_string(),
+    ]);
+    // The baseline read of Envoy's stats comes before any request.
+    assert!(
+        wait_for(Duration::from_secs(10), || !history(&sc)["money"]
+            ["last_scrape"]
+            .is_null()),
+        "{}",
+        history(&sc)
+    );
+    let ask = |key: &str, q: &str| {
+        let body = json!({"model": MODEL, "max_tokens": 8, "temperature": 0,
+                          "messages": [{"role": "user", "content": q}]});
+        let r = post_json(
+            &stack.envoy.url("/v1/chat/completions"),
+            &[("x-api-key", key)],
+            &body,
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r
+    };
+    for i in 0..3 {
+        ask("demo-search-key-1", &format!("search question {i}"));
+    }
+    ask("demo-pro-key", "a pro question");
+    // The same question again: a hit, saved by tier and model.
+    let hit = ask("demo-pro-key", "a pro question");
+    assert_eq!(
+        hit.header("x-sluice-cache"),
+        Some("hit"),
+        "{:?}",
+        hit.headers
+    );
+    let level = |h: &Value, l: &str, n: &str| -> Value {
+        h["money"]["levels"]
+            .as_array()
+            .and_then(|rows| rows.iter().find(|r| r["level"] == l && r["name"] == n))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let ready = wait_for(Duration::from_secs(15), || {
+        let h = history(&sc);
+        let m = &h["money"];
+        level(&h, "org", "demo")["spent_today_micros"].as_f64() > Some(0.0)
+            && level(&h, "tier", "pro")["spent_today_micros"].as_f64() > Some(0.0)
+            && m["top_spenders"]["rows"].as_array().map_or(0, Vec::len) >= 2
+            && m["saved"]
+                .as_array()
+                .is_some_and(|rows| rows.iter().any(|r| r["spend_micros"].as_f64() > Some(0.0)))
+    });
+    let h = history(&sc);
+    assert!(ready, "{}", h["money"]);
+    let m = &h["money"];
+    // The org's spend is its team's (both search keys are in team search).
+    let demo = level(&h, "org", "demo");
+    assert_eq!(
+        demo["spent_today_micros"],
+        level(&h, "team", "search")["spent_today_micros"]
+    );
+    assert_eq!(demo["daily_budget_micros"], 50_000_000);
+    let pro = level(&h, "tier", "pro");
+    assert_eq!(pro["daily_budget_micros"], 50_000);
+    assert_eq!(pro["per_caller"], true);
+    let rung = &m["rungs"][0];
+    assert_eq!(rung["name"], "openai");
+    assert_eq!(rung["daily_budget_micros"], 10_000);
+    assert!(rung["state"].is_string(), "{rung}");
+    for row in m["top_spenders"]["rows"].as_array().unwrap() {
+        let p = row["principal"].as_str().unwrap();
+        assert!(
+            p.len() == 32 && p.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{p}"
+        );
+    }
+    // Every tier's row of each cached model is there from the start.
+    let saved = m["saved"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["tier"] == "pro" && r["model"] == MODEL)
+        .unwrap_or_else(|| panic!("{}", m["saved"]));
+    assert!(saved["spend_micros"].as_f64() > Some(0.0), "{saved}");
+
+    browser.goto(&sc.url("/"));
+    assert!(
+        browser.wait_until(
+            Duration::from_secs(10),
+            "return document.body.dataset.loaded === 'true' && document.querySelectorAll('#spenders tr.spender').length >= 2"
+        ),
+        "the page did not draw the money"
+    );
+    let text = |sel: &str| -> String {
+        browser
+            .eval(
+                "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent).join('\\n')",
+                &[json!(sel)],
+            )
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let h = history(&sc);
+    let spent = level(&h, "org", "demo")["spent_today_micros"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(
+        text("#budgets tr[data-level='org'][data-name='demo'] td.spent"),
+        shown(spent)
+    );
+    let org_row = text("#budgets tr[data-level='org'][data-name='demo']");
+    assert!(
+        org_row.contains("50.00") && org_row.contains('%'),
+        "{org_row}"
+    );
+    let pro_row = text("#budgets tr[data-level='tier'][data-name='pro']");
+    assert!(pro_row.contains("per caller"), "{pro_row}");
+    let rungs = text("#rungs tr[data-provider='openai']");
+    assert!(
+        rungs.contains("openai") && rungs.contains(&shown(10_000.0)),
+        "{rungs}"
+    );
+    assert!(
+        text("#saved tr.saved").contains(MODEL),
+        "{}",
+        text("#saved tbody")
+    );
+    // Principals are hashes; no key of the policy is anywhere on the page.
+    let page = text("body");
+    for key in ["demo-search-key-1", "demo-pro-key"] {
+        assert!(!page.contains(key), "{key} on the page");
+    }
+    assert_eq!(
+        browser
+            .eval(
+                "return document.querySelectorAll('#spenders td.principal').length",
+                &[]
+            )
+            .as_u64(),
+        Some(m["top_spenders"]["rows"].as_array().unwrap().len() as u64)
+    );
+}

@@ -102,6 +102,10 @@ impl Engine {
             .and_then(|a| a.demand.model.clone())
             .or_else(|| self.passthrough_model(api).map(str::to_string));
         let input = match (asked, &requested_model) {
+            // A cache hit that costs no tokens: nothing to estimate (the
+            // estimate's floor of one token would be charged at settle,
+            // the hit reporting no input).
+            (Some(a), _) if a.rendered.free => 0,
             (Some(a), Some(m)) => self.correction(store, m, tier).apply(a.input_raw),
             (Some(a), None) => Correction::default().apply(a.input_raw),
             (None, _) => 0,

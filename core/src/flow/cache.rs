@@ -83,8 +83,10 @@ impl Wait {
 /// A hit admitted locally, kept while the fleet decides.
 pub(super) struct HeldHit {
     pub(super) rendered: Rendered,
-    pub(super) prompt_tokens: u64,
-    pub(super) completion_tokens: u64,
+    /// The stored answer's tokens (prompt + completion) and what it cost
+    /// when it was first asked: what the hit saved.
+    pub(super) saved_tokens: u64,
+    pub(super) saved_spend: u64,
     /// What the hit is charged (its `hit_cost`).
     pub(super) input: u64,
     pub(super) output: u64,

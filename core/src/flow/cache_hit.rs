@@ -56,8 +56,8 @@ impl Stream {
         let verdict = engine.admit(host, &ctx);
         let hit = HeldHit {
             rendered,
-            prompt_tokens: entry.prompt_tokens,
-            completion_tokens: entry.completion_tokens,
+            saved_tokens: entry.prompt_tokens.saturating_add(entry.completion_tokens),
+            saved_spend: entry.spend_micros,
             input,
             output,
             age_s,
@@ -131,12 +131,12 @@ impl Stream {
         self.observe(host, &verdict);
         self.audit.code(super::audit::Field::Cache, kind);
         metrics::CACHE.add_at(host, &["hit", kind, &hit.label], 1);
-        let saved = hit.prompt_tokens.saturating_add(hit.completion_tokens);
-        metrics::CACHE_SAVED_TOKENS.add_at(
-            host,
-            &[&hit.label],
-            i64::try_from(saved).unwrap_or(i64::MAX),
-        );
+        // What the upstream was not asked for, by the caller's tier (one
+        // of the policy's: an unknown tier is the default) and the model.
+        let labels = [identity.tier.as_str(), hit.label.as_str()];
+        let saved = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        metrics::CACHE_SAVED_TOKENS.add_at(host, &labels, saved(hit.saved_tokens));
+        metrics::CACHE_SAVED_SPEND.add_at(host, &labels, saved(hit.saved_spend));
         let age = hit.age_s.to_string();
         // When the primary is out (kill switch, breaker, every upstream
         // down), the cached answer comes first, marked as degraded.

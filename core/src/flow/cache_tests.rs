@@ -91,9 +91,19 @@ fn a_hit_is_answered_here_and_counts_a_request() {
     assert_eq!(path, "/v1/cache/lookup");
     assert_eq!(lookup["key"].as_str().unwrap().len(), 64);
     let hit = json!({"hit": {"kind": "exact", "age_s": 7, "entry": {"body": STORED,
-        "prompt_tokens": 5, "completion_tokens": 1, "spend_micros": 0}}});
+        "prompt_tokens": 5, "completion_tokens": 1, "spend_micros": 250}}});
     deliver(&host, &mut req, token, "200", &hit);
     let reply = host.last_reply().expect("answered by the filter");
+    // What it saved, by the caller's tier and the model.
+    let saved = |m: &crate::host::metrics::Metric| host.metric(&m.named(&["t", "other"]));
+    assert_eq!(saved(&crate::host::metrics::CACHE_SAVED_TOKENS), Some(6));
+    assert_eq!(saved(&crate::host::metrics::CACHE_SAVED_SPEND), Some(250));
+    assert_eq!(
+        host.metric(crate::host::metrics::SPEND_MICROS.name)
+            .unwrap_or(0),
+        0,
+        "the hit is charged nothing"
+    );
     assert_eq!(reply.status, 200);
     assert_eq!(reply.header("x-sluice-cache"), Some("hit"));
     assert_eq!(reply.header("age"), Some("7"));
@@ -112,6 +122,10 @@ fn a_hit_is_answered_here_and_counts_a_request() {
         let reply = host.last_reply().unwrap();
         if i < 2 {
             assert_eq!(reply.status, 200);
+            assert_eq!(
+                saved(&crate::host::metrics::CACHE_SAVED_SPEND),
+                Some(250 * (i + 2))
+            );
         } else {
             assert_eq!(
                 reply.status,
@@ -251,6 +265,41 @@ fn hits_charge_tokens_only_when_the_policy_says() {
     // 60 tokens a hit against 100 a day: the second no longer fits.
     assert_eq!(statuses[0], 200);
     assert!(statuses[1..].contains(&429), "{statuses:?}");
+}
+
+#[test]
+fn a_free_hit_never_drains_a_token_or_spend_budget() {
+    // The estimate's floor (one input token) was once reserved and, the
+    // hit reporting no input, charged at settle: a token and its spend a
+    // hit. Two tokens a day would then hold two hits.
+    let host = MockHost::new(T0);
+    let mut p = policy();
+    p["tiers"]["t"] =
+        json!({"requests": "100/min", "daily_tokens": "2", "daily_spend": "0.000002"});
+    p["models"] = json!({"m": {"price": {"input": "1", "output": "1"}}});
+    let mut poller = Poller::new();
+    assert!(poller.configure(&host, p.to_string().as_bytes()));
+    let hit = json!({"hit": {"kind": "exact", "age_s": 1, "entry": {"body": STORED,
+        "prompt_tokens": 30, "completion_tokens": 30, "spend_micros": 60}}});
+    for i in 0..10 {
+        let (mut r, _) = start(&host, &poller, "10.0.0.6", &body());
+        let (token, _, _) = last_post(&host);
+        deliver(&host, &mut r, token, "200", &hit);
+        let reply = host.last_reply().unwrap();
+        assert_eq!(
+            reply.status,
+            200,
+            "hit {i}: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
+    }
+    assert_eq!(
+        host.metric(crate::host::metrics::RESERVATIONS_OUTSTANDING.name)
+            .unwrap_or(0),
+        0
+    );
+    let saved = host.metric(&crate::host::metrics::CACHE_SAVED_SPEND.named(&["t", "m"]));
+    assert_eq!(saved, Some(600));
 }
 
 #[test]

@@ -310,6 +310,7 @@ pub(crate) mod fleet_slots;
 mod flight;
 #[cfg(test)]
 mod ladder_tests;
+mod money;
 mod observe;
 mod own_limits;
 #[cfg(test)]

@@ -204,6 +204,7 @@ impl Stream {
         self.audit.code(audit::Field::InputSource, input_source);
         metrics::INPUT_SOURCE.add_at(host, &[input_source], 1);
         add(host, metrics::SPEND_MICROS, settled.cost as i64);
+        super::money::count_spend(host, tier, self.identity.as_deref(), settled.cost);
         add(
             host,
             metrics::USAGE_INVALID,

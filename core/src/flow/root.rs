@@ -105,6 +105,7 @@ impl Filter {
     /// gauge that is absent reads as "no data" rather than 0.
     pub(super) fn define_metrics(&self, host: &dyn Host) {
         predefined::define(host);
+        super::money::define_budgets(host, &self.engine.policy);
         for rule in self.engine.rules() {
             metrics::REFUSALS.define_at(host, &[&rule.id]);
         }

@@ -174,8 +174,14 @@ pub const DEGRADED: Metric = counter("sluice_degraded_total", &["kind", "tier", 
 /// `cache.lookup_timeout`: a miss) or refused (a hit its caller's buckets
 /// refused); `kind` exact or semantic.
 pub const CACHE: Metric = counter("sluice_cache_total", &["result", "kind", "model"]);
-/// Tokens (prompt + completion) of the answers served from the cache.
-pub const CACHE_SAVED_TOKENS: Metric = counter("sluice_cache_saved_tokens_total", &["model"]);
+/// Tokens (prompt + completion) of the answers served from the cache, by
+/// the caller's tier and the model: what the upstream was not asked for.
+pub const CACHE_SAVED_TOKENS: Metric =
+    counter("sluice_cache_saved_tokens_total", &["tier", "model"]);
+/// What the answers served from the cache cost when they were first
+/// asked (at the model's price), micro-currency: the spend a hit saved.
+pub const CACHE_SAVED_SPEND: Metric =
+    counter("sluice_cache_saved_spend_micros_total", &["tier", "model"]);
 /// Requests refused 401 by identity, by why (`identity::AuthRefusal::code`).
 pub const AUTH_FAILURES: Metric = counter("sluice_auth_failures_total", &["reason"]);
 /// Body requests refused in the headers phase by their caller's own empty
@@ -219,6 +225,20 @@ pub const LOOP_GUARD_UNTRACKED: Metric = counter("sluice_loop_guard_untracked_to
 pub const RESERVATIONS_OUTSTANDING: Metric = gauge("sluice_reservations_outstanding", &[]);
 /// Settled cost, micro-currency.
 pub const SPEND_MICROS: Metric = counter("sluice_spend_micros_total", &[]);
+/// Settled cost by the caller's tier, micro-currency (the tier is one of
+/// the policy's: an unknown one is the default).
+pub const TIER_SPEND: Metric = counter("sluice_tier_spend_micros_total", &["tier"]);
+/// Settled cost of callers in a team or an org (`none` for the level they
+/// lack), micro-currency. Bounded: teams and orgs are declared.
+pub const TEAM_SPEND: Metric = counter("sluice_team_spend_micros_total", &["team", "org"]);
+/// The policy's spend budgets, micro-currency, set when it loads; `kind`
+/// is the window, `daily` or `monthly`. A tier's is per caller; a team's,
+/// an org's and a provider's count all of it together.
+pub const TIER_SPEND_BUDGET: Metric = gauge("sluice_tier_spend_budget_micros", &["tier", "kind"]);
+pub const TEAM_SPEND_BUDGET: Metric = gauge("sluice_team_spend_budget_micros", &["team", "kind"]);
+pub const ORG_SPEND_BUDGET: Metric = gauge("sluice_org_spend_budget_micros", &["org", "kind"]);
+pub const PROVIDER_SPEND_BUDGET: Metric =
+    gauge("sluice_provider_spend_budget_micros", &["provider", "kind"]);
 /// Responses whose usage fields could not be believed (settled from the
 /// estimate).
 pub const USAGE_INVALID: Metric = counter("sluice_usage_invalid_total", &[]);
@@ -331,6 +351,12 @@ pub const ALL: &[Metric] = &[
     LOOP_GUARD_UNTRACKED,
     RESERVATIONS_OUTSTANDING,
     SPEND_MICROS,
+    TIER_SPEND,
+    TEAM_SPEND,
+    TIER_SPEND_BUDGET,
+    TEAM_SPEND_BUDGET,
+    ORG_SPEND_BUDGET,
+    PROVIDER_SPEND_BUDGET,
     USAGE_INVALID,
     USAGE_MISSING,
     INPUT_SOURCE,
@@ -366,6 +392,7 @@ pub const ALL: &[Metric] = &[
     FLEET_DATA_LOST,
     CACHE,
     CACHE_SAVED_TOKENS,
+    CACHE_SAVED_SPEND,
 ];
 
 /// Defines at 0 every stat of the table without labels (histograms are

@@ -29,6 +29,10 @@ pub struct EnvoyAdminConfig {
     /// has no host passing Envoy's health checks is reported down.
     #[serde(default)]
     pub rungs: BTreeMap<String, String>,
+    /// The audit access log Envoy writes (JSON lines), read for the day's
+    /// top spenders (see [`crate::watch::spenders`]); absent: not shown.
+    #[serde(default)]
+    pub audit_log: Option<std::path::PathBuf>,
 }
 
 /// The most rungs watched.
@@ -49,6 +53,7 @@ impl EnvoyAdminConfig {
             scrape_every: default_scrape_every(),
             minutes: default_minutes(),
             rungs: BTreeMap::new(),
+            audit_log: None,
         }
     }
 

@@ -276,6 +276,7 @@ impl History {
             "breakers": breakers,
             "events": events,
             "traffic": self.traffic.to_json(now),
+            "money": self.traffic.money_json(now),
         })
     }
 }

@@ -55,6 +55,10 @@ struct Inner {
 pub struct Traffic {
     cfg: Option<EnvoyAdminConfig>,
     inner: Mutex<Inner>,
+    /// Spend and budgets, read in the same scrape.
+    pub money: crate::watch::money::Money,
+    /// The day's top spenders, from the audit log (`audit_log`).
+    pub spenders: crate::watch::spenders::Spenders,
 }
 
 impl Traffic {
@@ -62,13 +66,18 @@ impl Traffic {
         Traffic {
             cfg: None,
             inner: Mutex::default(),
+            money: Default::default(),
+            spenders: Default::default(),
         }
     }
 
     pub fn new(cfg: Option<EnvoyAdminConfig>) -> Traffic {
+        let log = cfg.as_ref().and_then(|c| c.audit_log.clone());
         Traffic {
             cfg,
             inner: Mutex::default(),
+            money: Default::default(),
+            spenders: crate::watch::spenders::Spenders::new(log),
         }
     }
 
@@ -78,6 +87,7 @@ impl Traffic {
 
     /// A scrape's body at `now`.
     pub fn observe_text(&self, now: SystemTime, text: &str) {
+        self.money.observe_text(now, text);
         let mut totals: BTreeMap<(String, usize), f64> = BTreeMap::new();
         let mut seen = false;
         for s in prom::parse(text) {
@@ -151,6 +161,17 @@ impl Traffic {
     /// The rungs' rows of the page's breakers table.
     pub fn rung_rows(&self) -> Vec<Value> {
         self.lock().rungs.iter().map(|r| r.row()).collect()
+    }
+
+    /// `money` of `GET /v1/history`: spend by level against budgets, the
+    /// rungs with their state, the cache's savings.
+    pub fn money_json(&self, now: SystemTime) -> Value {
+        if self.cfg.is_none() {
+            return json!({"enabled": false});
+        }
+        let mut money = self.money.to_json(now, &self.rung_rows());
+        money["top_spenders"] = self.spenders.to_json(now, &self.money.tier_budgets());
+        money
     }
 
     /// A failed scrape: shown on the page; the baseline stays.
@@ -250,7 +271,8 @@ impl ProviderAlerts {
 /// `rungs`, its clusters' health for the ladder's rungs (published in
 /// `store`, see [`crate::watch::rungs`]). Each scrape is bounded by
 /// `timeout` and the HTTP client's body cap; the `filter` query keeps
-/// Envoy's answer to sluice's two counters.
+/// Envoy's answer to sluice's counters read here and in
+/// [`crate::watch::money`].
 pub async fn run(
     (traffic, timeout): (Arc<Traffic>, Duration),
     alerts: Option<crate::watch::alerts::Alerts>,
@@ -264,8 +286,10 @@ pub async fn run(
         return; // refused when the config was read
     };
     // Envoy's `filter` is a regular expression over stat names.
-    let target =
-        base.join("/stats/prometheus?filter=sluice_(requests|provider_budget_alerts)_total");
+    let target = base.join(&format!(
+        "/stats/prometheus?filter=sluice_(requests|provider_budget_alerts)_total|{}",
+        crate::watch::money::STATS_FILTER
+    ));
     let clusters = base.join("/clusters?format=json");
     let checks = base.join(crate::watch::first_check::STATS_PATH);
     let mut rungs = crate::watch::rungs::Rungs::default();
@@ -292,6 +316,7 @@ pub async fn run(
             }
             Err(e) => traffic.failed(format!("reading Envoy's stats: {e}")),
         }
+        traffic.spenders.poll(SystemTime::now());
         if !cfg.rungs.is_empty() {
             // The health checks each cluster has finished, to tell a host
             // not checked yet from one that failed (none: as failed).
