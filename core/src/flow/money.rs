@@ -141,6 +141,7 @@ mod tests {
             declared: true,
             team: Some("search".into()),
             org: None,
+            run: None,
         };
         count_spend(&host, "pro", Some(&id), 300);
         id.team = None;
