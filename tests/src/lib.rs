@@ -44,6 +44,37 @@ pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 // ---------------------------------------------------------------------------
 
 /// The repository root (the parent of this crate's directory).
+/// The Python with the pinned SDK clients (`make clients`: `.venv`, or
+/// `SLUICE_CLIENTS_PYTHON`) if it imports `modules` (e.g. "openai,
+/// ollama"). Without one, `test` is skipped (`None`, said on stderr),
+/// unless `SLUICE_REQUIRE_CLIENTS` is set (as `make test` does): then it
+/// fails.
+pub fn clients_python(test: &str, modules: &str) -> Option<PathBuf> {
+    let python = std::env::var_os("SLUICE_CLIENTS_PYTHON")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".venv/bin/python"));
+    let usable = Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if usable {
+        return Some(python);
+    }
+    let why = format!(
+        "{} cannot import {modules}; run `make clients` (make test does)",
+        python.display()
+    );
+    assert!(
+        std::env::var_os("SLUICE_REQUIRE_CLIENTS").is_none(),
+        "{why}"
+    );
+    eprintln!("SKIPPED {test}: {why}");
+    None
+}
+
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()

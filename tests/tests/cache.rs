@@ -522,25 +522,10 @@ fn embeddings_down_and_sidecar_down_are_misses() {
 #[test]
 fn real_clients_parse_hits() {
     use std::process::{Command, Stdio};
-    let python = std::env::var_os("SLUICE_CLIENTS_PYTHON")
-        .filter(|v| !v.is_empty())
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| sluice_tests::repo_root().join(".venv/bin/python"));
-    let usable = Command::new(&python)
-        .args(["-c", "import openai, ollama"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !usable {
-        assert!(
-            std::env::var_os("SLUICE_REQUIRE_CLIENTS").is_none(),
-            "{} cannot import openai and ollama",
-            python.display()
-        );
-        eprintln!("SKIPPED real_clients_parse_hits: no Python with openai and ollama");
+    let Some(python) = sluice_tests::clients_python("real_clients_parse_hits", "openai, ollama")
+    else {
         return;
-    }
+    };
     let s = start(default_cache(), "", |_| {});
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("cache_clients.log");

@@ -13,42 +13,19 @@
 //! both the OpenAI and the Ollama APIs the clients speak.
 
 use std::fs;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_yaml::Value;
-use sluice_tests::{repo_root, wait_for, ChildGuard, Stack};
-
-/// A Python that imports both clients, or why there is none.
-fn clients_python() -> Result<PathBuf, String> {
-    let python = std::env::var_os("SLUICE_CLIENTS_PYTHON")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join(".venv/bin/python"));
-    let probe = Command::new(&python)
-        .args(["-c", "import openai, ollama"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    match probe {
-        Ok(status) if status.success() => Ok(python),
-        _ => Err(format!(
-            "{} cannot import openai and ollama; run `make clients` (make test does)",
-            python.display()
-        )),
-    }
-}
+use sluice_tests::{clients_python, repo_root, wait_for, ChildGuard, Stack};
 
 #[test]
 fn openai_and_ollama_clients_work_through_sluice() {
-    let python = match clients_python() {
-        Ok(python) => python,
-        Err(why) if std::env::var_os("SLUICE_REQUIRE_CLIENTS").is_none() => {
-            eprintln!("SKIPPED openai_and_ollama_clients_work_through_sluice: {why}");
-            return;
-        }
-        Err(why) => panic!("{why}"),
+    let Some(python) = clients_python(
+        "openai_and_ollama_clients_work_through_sluice",
+        "openai, ollama",
+    ) else {
+        return;
     };
     let stack = Stack::start(|cfg| {
         // A tier that admits one request per 5 s: the second and third

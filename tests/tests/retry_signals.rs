@@ -11,12 +11,11 @@
 //! Upstream: mock-llm's own personality (`Personality::Mock`).
 
 use std::fs;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_yaml::Value;
-use sluice_tests::{repo_root, wait_for, ChildGuard, EnvoyConfig, Stack};
+use sluice_tests::{clients_python, repo_root, wait_for, ChildGuard, EnvoyConfig, Stack};
 
 const MODEL: &str = "llama3.1:8b";
 
@@ -85,35 +84,13 @@ fn a_budget_refusing_with_402_or_403_says_do_not_retry_and_a_429_says_when() {
     );
 }
 
-/// A Python that imports the `openai` SDK, or why there is none.
-fn clients_python() -> Result<PathBuf, String> {
-    let python = std::env::var_os("SLUICE_CLIENTS_PYTHON")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join(".venv/bin/python"));
-    let probe = Command::new(&python)
-        .args(["-c", "import openai"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    match probe {
-        Ok(status) if status.success() => Ok(python),
-        _ => Err(format!(
-            "{} cannot import openai; run `make clients` (make test does)",
-            python.display()
-        )),
-    }
-}
-
 #[test]
 fn the_openai_sdk_tries_a_402_once_and_retries_a_429() {
-    let python = match clients_python() {
-        Ok(python) => python,
-        Err(why) if std::env::var_os("SLUICE_REQUIRE_CLIENTS").is_none() => {
-            eprintln!("SKIPPED the_openai_sdk_tries_a_402_once_and_retries_a_429: {why}");
-            return;
-        }
-        Err(why) => panic!("{why}"),
+    let Some(python) = clients_python(
+        "the_openai_sdk_tries_a_402_once_and_retries_a_429",
+        "openai",
+    ) else {
+        return;
     };
     let stack = Stack::start(tiers);
     let dir = tempfile::tempdir().unwrap();

@@ -76,26 +76,10 @@ fn entry<'a>(body: &'a Value, id: &str) -> &'a Value {
 
 /// A chat request as `key` that the upstream answers with usage.
 fn chat(poller: &Poller, host: &MockHost, key: &str, input: u64, output: u64) {
-    let body = json!({"model": "m", "max_tokens": 100,
-                      "messages": [{"role": "user", "content": "hello"}]})
-    .to_string();
-    let len = body.len().to_string();
-    host.begin(
-        &[
-            (":method", "POST"),
-            (":path", "/v1/chat/completions"),
-            ("content-type", "application/json"),
-            ("content-length", &len),
-            ("x-api-key", key),
-        ],
-        body.as_bytes(),
-    );
+    let len = host.begin_chat(100, &[("x-api-key", key)]);
     let mut req = poller.request().unwrap();
     assert_eq!(req.on_request_headers(host, false), Action::Pause);
-    assert_eq!(
-        req.on_request_body(host, body.len(), true),
-        Action::Continue
-    );
+    assert_eq!(req.on_request_body(host, len, true), Action::Continue);
     host.respond(&[(":status", "200"), ("content-type", "application/json")]);
     assert_eq!(req.on_response_headers(host), Action::Continue);
     let answer = json!({"choices": [], "usage": {"prompt_tokens": input,

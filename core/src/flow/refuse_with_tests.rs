@@ -10,23 +10,11 @@ use crate::host::mock::MockHost;
 const T0: u64 = 1_700_000_000_000;
 
 fn chat_reply(poller: &Poller, host: &MockHost, max_tokens: u64) -> Option<u32> {
-    let body = json!({"model": "m", "max_tokens": max_tokens,
-                      "messages": [{"role": "user", "content": "hello"}]})
-    .to_string();
-    let len = body.len().to_string();
-    host.replies.borrow_mut().clear();
-    host.begin(
-        &[
-            (":method", "POST"),
-            (":path", "/v1/chat/completions"),
-            ("content-length", &len),
-        ],
-        body.as_bytes(),
-    );
+    let len = host.begin_chat(max_tokens, &[]);
     host.set_prop(&["source", "address"], b"10.0.0.1:1");
     let mut req = poller.request().unwrap();
     req.on_request_headers(host, false);
-    req.on_request_body(host, body.len(), true);
+    req.on_request_body(host, len, true);
     host.last_reply().map(|r| r.status)
 }
 

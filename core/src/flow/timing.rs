@@ -56,24 +56,12 @@ mod tests {
     /// A chat request whose body comes `wait_ms` after its headers; the
     /// action of the body.
     fn chat(poller: &Poller, host: &MockHost, wait_ms: u64) -> (crate::flow::Request, Action) {
-        let body = json!({"model": "m", "max_tokens": 5,
-                          "messages": [{"role": "user", "content": "hi"}]})
-        .to_string();
-        let len = body.len().to_string();
-        host.replies.borrow_mut().clear();
-        host.begin(
-            &[
-                (":method", "POST"),
-                (":path", "/v1/chat/completions"),
-                ("content-length", &len),
-            ],
-            body.as_bytes(),
-        );
+        let len = host.begin_chat(5, &[]);
         host.set_prop(&["source", "address"], b"10.0.0.1:1");
         let mut req = poller.request().unwrap();
         assert_eq!(req.on_request_headers(host, false), Action::Pause);
         host.advance(wait_ms);
-        let action = req.on_request_body(host, body.len(), true);
+        let action = req.on_request_body(host, len, true);
         (req, action)
     }
 

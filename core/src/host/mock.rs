@@ -160,6 +160,25 @@ impl MockHost {
         self.properties.borrow_mut().remove("response.code_details");
     }
 
+    /// Starts a chat request to `/v1/chat/completions` (model `m`, one
+    /// user turn "hello", `max_tokens`), with `headers` beside the method,
+    /// path, content type and length; the body's length.
+    pub fn begin_chat(&self, max_tokens: u64, headers: &[(&str, &str)]) -> usize {
+        let body = serde_json::json!({"model": "m", "max_tokens": max_tokens,
+                          "messages": [{"role": "user", "content": "hello"}]})
+        .to_string();
+        let len = body.len().to_string();
+        let mut all = vec![
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+        ];
+        all.extend_from_slice(headers);
+        self.begin(&all, body.as_bytes());
+        body.len()
+    }
+
     pub fn respond(&self, headers: &[(&str, &str)]) {
         *self.response_headers.borrow_mut() = headers
             .iter()
