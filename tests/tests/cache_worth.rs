@@ -7,6 +7,9 @@
 //! `sluice_cache_saved_tokens_total{tier,model}` and
 //! `sluice_cache_saved_spend_micros_total{tier,model}` by what the first
 //! answer cost.
+//!
+//! Upstream: mock-llm's own personality (`Personality::Mock`): every
+//! answer reports its usage, which the miss settles and the hit saves.
 
 use std::fs;
 use std::time::Duration;
