@@ -75,6 +75,33 @@ pub fn clients_python(test: &str, modules: &str) -> Option<PathBuf> {
     None
 }
 
+/// Runs `tests/clients/<script>` with `python` against `base_url`, for at
+/// most `within`: whether it finished, its exit status, what it printed.
+pub fn run_client_script(
+    python: &Path,
+    script: &str,
+    base_url: &str,
+    within: Duration,
+) -> (bool, ExitStatus, String) {
+    let dir = temp_dir("sluice-client-");
+    let log = dir.path().join("client.log");
+    let out = fs::File::create(&log).expect("the client's log");
+    let mut child = ChildGuard::spawn(
+        script,
+        Command::new(python)
+            .arg(repo_root().join("tests/clients").join(script))
+            .arg(base_url)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("the client's log"))
+            .stderr(out),
+    )
+    .expect("starting the client script");
+    let finished = wait_for(within, || child.try_wait().is_some());
+    let status = child.kill();
+    (finished, status, read_log(&log))
+}
+
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()

@@ -521,29 +521,17 @@ fn embeddings_down_and_sidecar_down_are_misses() {
 /// `SLUICE_REQUIRE_CLIENTS` is set (as `make test` does).
 #[test]
 fn real_clients_parse_hits() {
-    use std::process::{Command, Stdio};
     let Some(python) = sluice_tests::clients_python("real_clients_parse_hits", "openai, ollama")
     else {
         return;
     };
     let s = start(default_cache(), "", |_| {});
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("cache_clients.log");
-    let out = fs::File::create(&log).unwrap();
-    let mut child = sluice_tests::ChildGuard::spawn(
+    let (finished, status, output) = sluice_tests::run_client_script(
+        &python,
         "cache_clients.py",
-        Command::new(&python)
-            .arg(sluice_tests::repo_root().join("tests/clients/cache_clients.py"))
-            .arg(s.envoy.url(""))
-            .env("PYTHONUNBUFFERED", "1")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out),
-    )
-    .unwrap();
-    let finished = wait_for(Duration::from_secs(90), || child.try_wait().is_some());
-    let status = child.kill();
-    let output = fs::read_to_string(&log).unwrap_or_default();
+        &s.envoy.url(""),
+        Duration::from_secs(90),
+    );
     eprintln!("{output}");
     assert!(
         finished,

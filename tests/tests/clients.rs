@@ -12,12 +12,10 @@
 //! Upstream: mock-llm's own personality (`Personality::Mock`), which serves
 //! both the OpenAI and the Ollama APIs the clients speak.
 
-use std::fs;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_yaml::Value;
-use sluice_tests::{clients_python, repo_root, wait_for, ChildGuard, Stack};
+use sluice_tests::{clients_python, run_client_script, Stack};
 
 #[test]
 fn openai_and_ollama_clients_work_through_sluice() {
@@ -37,23 +35,12 @@ fn openai_and_ollama_clients_work_through_sluice() {
         policy["identity"]["api_key"]["keys"]["clients-trickle-key"] = Value::from("trickle");
     });
 
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("clients.log");
-    let out = fs::File::create(&log).unwrap();
-    let mut child = ChildGuard::spawn(
+    let (finished, status, output) = run_client_script(
+        &python,
         "clients.py",
-        Command::new(&python)
-            .arg(repo_root().join("tests/clients/clients.py"))
-            .arg(stack.envoy.url(""))
-            .env("PYTHONUNBUFFERED", "1")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out),
-    )
-    .unwrap();
-    let finished = wait_for(Duration::from_secs(60), || child.try_wait().is_some());
-    let status = child.kill();
-    let output = fs::read_to_string(&log).unwrap_or_default();
+        &stack.envoy.url(""),
+        Duration::from_secs(60),
+    );
     eprintln!("{output}");
     assert!(finished, "clients.py still running after 60 s:\n{output}");
     assert!(

@@ -10,12 +10,10 @@
 //!
 //! Upstream: mock-llm's own personality (`Personality::Mock`).
 
-use std::fs;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_yaml::Value;
-use sluice_tests::{clients_python, repo_root, wait_for, ChildGuard, EnvoyConfig, Stack};
+use sluice_tests::{clients_python, run_client_script, EnvoyConfig, Stack};
 
 const MODEL: &str = "llama3.1:8b";
 
@@ -93,23 +91,12 @@ fn the_openai_sdk_tries_a_402_once_and_retries_a_429() {
         return;
     };
     let stack = Stack::start(tiers);
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("retry_signals.log");
-    let out = fs::File::create(&log).unwrap();
-    let mut child = ChildGuard::spawn(
+    let (finished, status, output) = run_client_script(
+        &python,
         "retry_signals.py",
-        Command::new(&python)
-            .arg(repo_root().join("tests/clients/retry_signals.py"))
-            .arg(stack.envoy.url(""))
-            .env("PYTHONUNBUFFERED", "1")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out),
-    )
-    .unwrap();
-    let finished = wait_for(Duration::from_secs(60), || child.try_wait().is_some());
-    let status = child.kill();
-    let output = fs::read_to_string(&log).unwrap_or_default();
+        &stack.envoy.url(""),
+        Duration::from_secs(60),
+    );
     assert!(
         finished,
         "retry_signals.py still running after 60 s:\n{output}"
