@@ -106,11 +106,8 @@ impl Engine {
             }
             return Ok(None);
         };
-        if id.is_empty() || id.len() > MAX_RUN_ID {
-            return Err(bad(&format!("it must be 1 to {MAX_RUN_ID} bytes long")));
-        }
-        if id.chars().any(char::is_control) {
-            return Err(bad("it must not hold control characters"));
+        if let Some(why) = run_id_problem(&id) {
+            return Err(bad(&why));
         }
         Ok(Some(self.run_hash(identity, &id)))
     }
@@ -133,9 +130,9 @@ impl Engine {
             return None;
         }
         let id = view.header(&name)?;
-        let well_formed =
-            !id.is_empty() && id.len() <= MAX_RUN_ID && !id.chars().any(char::is_control);
-        well_formed.then(|| self.run_hash(identity, &id))
+        run_id_problem(&id)
+            .is_none()
+            .then(|| self.run_hash(identity, &id))
     }
 
     /// 429 `run_limit`: every run slot the caller may use holds a live run.
@@ -241,4 +238,14 @@ impl Engine {
 
 fn loop_table(slots: u32) -> SlotTable<'static> {
     SlotTable::flat(LOOP_PREFIX, slots, LOOP_PROBES)
+}
+
+/// What is wrong with a run id, if anything (the 400's words).
+fn run_id_problem(id: &str) -> Option<String> {
+    if id.is_empty() || id.len() > MAX_RUN_ID {
+        return Some(format!("it must be 1 to {MAX_RUN_ID} bytes long"));
+    }
+    id.chars()
+        .any(char::is_control)
+        .then(|| "it must not hold control characters".to_string())
 }
